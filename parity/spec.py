@@ -1,0 +1,135 @@
+"""SamplingSpec: the filter settings one request is sampled with, validated up front.
+
+The spec is the single description of "what the sampler did" that both sides share: the rollout
+engine turns it into vLLM ``SamplingParams``; the reference filters and the trainer estimators read
+it directly. It imports no engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+# vLLM treats temperatures below this as greedy (``_SAMPLING_EPS`` in vllm/sampling_params.py and
+# vllm/v1/sample/sampler.py).
+SAMPLING_EPS = 1e-5
+
+
+def _fail(field: str, value: object, allowed: str) -> ValueError:
+    return ValueError(f"SamplingSpec.{field}={value!r} is invalid: allowed {allowed}")
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Filter settings of one request.
+
+    temperature: >= 0; below 1e-5 means greedy (vLLM then ignores top_k/top_p/min_p).
+    top_k: 0 or -1 = off, otherwise >= 1 (ties with the k-th value are kept, so |S| may exceed k).
+    top_p: in (0, 1]; 1 = off.
+    min_p: in [0, 1]; 0 = off.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def __post_init__(self) -> None:
+        t, k, p, m = self.temperature, self.top_k, self.top_p, self.min_p
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise _fail("temperature", t, "a finite number >= 0 (values below 1e-5 mean greedy)")
+        if isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k not in (0, -1)):
+            raise _fail("top_k", k, "an integer: 0 or -1 (off) or >= 1")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
+            raise _fail("top_p", p, "a number in (0, 1]")
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not (0.0 <= m <= 1.0):
+            raise _fail("min_p", m, "a number in [0, 1]")
+        # Normalise ints to floats so equal specs compare and hash equal.
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "min_p", float(m))
+
+    # -- what the sampler will actually apply -------------------------------------------------
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def uses_top_k(self) -> bool:
+        return not self.greedy and self.top_k >= 1
+
+    @property
+    def uses_top_p(self) -> bool:
+        return not self.greedy and self.top_p < 1.0
+
+    @property
+    def uses_min_p(self) -> bool:
+        return not self.greedy and self.min_p > 0.0
+
+    @property
+    def filtered(self) -> bool:
+        """True when the processed distribution can differ from ``softmax(z / T)``."""
+        return self.uses_top_k or self.uses_top_p or self.uses_min_p
+
+    def effective(self) -> SamplingSpec:
+        """The spec as vLLM applies it: greedy requests drop every filter.
+
+        Mirrors ``SamplingParams.__post_init__`` (vllm/sampling_params.py), which resets top_p, top_k
+        and min_p when temperature < _SAMPLING_EPS.
+        """
+        if self.greedy:
+            return SamplingSpec(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
+        if self.top_k == -1:
+            return SamplingSpec(self.temperature, 0, self.top_p, self.min_p)
+        return self
+
+    def top_k_for_vocab(self, vocab_size: int) -> int:
+        """k as a row filter: the vocabulary size when top_k is off or k >= V."""
+        if not self.uses_top_k or self.top_k >= vocab_size:
+            return vocab_size
+        return self.top_k
+
+    # -- conversions --------------------------------------------------------------------------
+
+    def label(self) -> str:
+        parts = [f"T={self.temperature:g}"]
+        if self.uses_top_k:
+            parts.append(f"top_k={self.top_k}")
+        if self.uses_top_p:
+            parts.append(f"top_p={self.top_p:g}")
+        if self.uses_min_p:
+            parts.append(f"min_p={self.min_p:g}")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingSpec:
+        unknown = set(data) - {"temperature", "top_k", "top_p", "min_p"}
+        if unknown:
+            raise ValueError(
+                f"SamplingSpec got unknown field(s) {sorted(unknown)}: allowed temperature, top_k, top_p, min_p"
+            )
+        return cls(**data)
+
+    def sampling_params_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``vllm.SamplingParams`` (no vLLM import needed)."""
+        return {
+            "temperature": self.temperature,
+            "top_k": self.top_k if self.top_k >= 1 else 0,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+        }
+
+    def to_sampling_params(self, **extra: Any) -> Any:
+        """A ``vllm.SamplingParams`` with this spec's filters; ``extra`` adds e.g. max_tokens, seed."""
+        try:
+            from vllm import SamplingParams
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise RuntimeError(
+                "SamplingSpec.to_sampling_params needs vLLM: install parity[cpu] (or parity[gpu] on CUDA)"
+            ) from exc
+        return SamplingParams(**self.sampling_params_kwargs(), **extra)

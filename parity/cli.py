@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name != module:  # a real missing dependency inside the module
                 raise
             continue
+        if not hasattr(mod, "add_arguments"):  # a package still being written
+            continue
         p = sub.add_parser(name, help=help_text, description=help_text)
         mod.add_arguments(p)
         p.set_defaults(_main=mod.main)

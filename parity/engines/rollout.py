@@ -1,0 +1,195 @@
+"""Rollout side: the real vLLM offline engine (``vllm.LLM``) with processed log-probs and S_q capture."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from parity.capture import FULL_VOCAB, plan_capture, support_from_heads
+from parity.records import SequenceRecord
+from parity.spec import SamplingSpec
+
+T = TypeVar("T")
+
+
+def configure_cpu_env(kv_cache_gib: int = 1) -> None:
+    """Engine settings measured on CPU machines; must be set before vLLM is imported.
+
+    The default KV cache grabs ~11 GiB and makes the first generate 10x slower on fixture models; the
+    in-process engine avoids the ``__main__`` guard that multiprocessing needs.
+    """
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def call_with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:
+    """Run ``fn`` in a worker thread; raise ``TimeoutError`` naming ``what`` if it does not finish.
+
+    The offline engine has no timeout of its own; a stuck engine must end the run with an error, not
+    hang it.
+    """
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = exc
+
+    worker = threading.Thread(target=target, name=f"parity-{what}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise TimeoutError(f"{what} did not finish within {timeout_s:.0f} s (raise --timeout if the model is large)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class VllmRollout:
+    """The sampler under test. One engine per model; share it across scenarios."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        seed: int = 0,
+        max_model_len: int = 512,
+        full_vocab_limit: int = 4096,
+        tie_margin: int = 16,
+        head: int | None = None,
+        timeout_s: float = 900.0,
+        engine_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model path {str(model)!r} has no config.json: allowed a Hugging Face checkpoint directory")
+        if device == "cpu":
+            configure_cpu_env()
+        try:
+            from vllm import LLM
+        except ImportError as exc:
+            raise RuntimeError("the rollout engine needs vLLM: install parity[cpu] (or parity[gpu] on CUDA)") from exc
+        self.model = str(path)
+        self.dtype = dtype
+        self.device = device
+        self.full_vocab_limit = full_vocab_limit
+        self.tie_margin = tie_margin
+        self.head = head
+        self.timeout_s = timeout_s
+        kwargs: dict[str, Any] = dict(
+            model=self.model,
+            dtype=dtype,
+            seed=seed,
+            logprobs_mode="processed_logprobs",
+            max_logprobs=-1,  # allow full-vocabulary capture for small vocabularies
+            max_model_len=max_model_len,
+            enforce_eager=True,
+        )
+        kwargs.update(engine_kwargs or {})
+        start = time.perf_counter()
+        self.llm = call_with_timeout(lambda: LLM(**kwargs), timeout_s, "vLLM engine start-up")
+        self.init_s = time.perf_counter() - start
+        self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+        self.capture_s = 0.0
+
+    def tokenizer(self) -> Any:
+        return self.llm.get_tokenizer()
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        spec: SamplingSpec,
+        *,
+        max_tokens: int,
+        seed: int,
+    ) -> list[SequenceRecord]:
+        """Sample one completion per prompt (seed ``seed + i``); record log-probs and S_q."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        plan = plan_capture(
+            spec, self.vocab_size, head=self.head, tie_margin=self.tie_margin, full_vocab_limit=self.full_vocab_limit
+        )
+        logprobs = plan.logprobs if plan.logprobs is not None else 0
+        params = [
+            spec.to_sampling_params(
+                max_tokens=max_tokens,
+                seed=seed + i,
+                logprobs=logprobs,
+                # Candidate detokenization dominates capture cost (full-vocab capture did not finish
+                # in minutes with it on); ids are all the harness needs.
+                detokenize=False,
+                flat_logprobs=True,
+                ignore_eos=True,  # fixed-length completions: every scenario compares the same count
+            )
+            for i in range(len(prompts))
+        ]
+        inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        start = time.perf_counter()
+        outputs = call_with_timeout(
+            lambda: self.llm.generate(inputs, params, use_tqdm=False), self.timeout_s, f"vLLM generate ({spec.label()})"
+        )
+        self.capture_s += time.perf_counter() - start
+        records = []
+        for i, out in enumerate(outputs):
+            comp = out.outputs[0]
+            ids = list(comp.token_ids)
+            flat = comp.logprobs
+            if flat is None or len(flat.start_indices) != len(ids):
+                raise RuntimeError(
+                    f"vLLM returned log-probs for {0 if flat is None else len(flat.start_indices)} of {len(ids)} "
+                    f"tokens of prompt {i} ({spec.label()})"
+                )
+            sampled_lp, heads, head_lps = [], [], []
+            for t, (a, b) in enumerate(zip(flat.start_indices, flat.end_indices, strict=True)):
+                # Entry a is the sampled token (Sampler.gather_logprobs puts it first), then the top-K.
+                if flat.token_ids[a] != ids[t]:
+                    raise RuntimeError(f"vLLM log-prob entry for prompt {i} position {t} is token {flat.token_ids[a]}, sampled {ids[t]}")
+                sampled_lp.append(flat.logprobs[a])
+                heads.append(flat.token_ids[a + 1 : b])
+                head_lps.append(flat.logprobs[a + 1 : b])
+            kept = kept_lp = incomplete = None
+            extras: dict[str, torch.Tensor] = {}
+            if plan.captures_support:
+                cap = support_from_heads(
+                    ids, heads, head_lps, requested=plan.logprobs or FULL_VOCAB, vocab_size=self.vocab_size
+                )
+                kept, kept_lp, incomplete = cap.kept_ids, cap.kept_logprobs, cap.incomplete
+                extras["sampled_missing"] = cap.sampled_missing
+            records.append(
+                SequenceRecord(
+                    source=self.name,
+                    prompt_index=i,
+                    prompt_ids=list(prompts[i]),
+                    completion_ids=ids,
+                    spec=spec,
+                    seed=seed + i,
+                    logprobs=torch.tensor(sampled_lp, dtype=torch.float32),
+                    kept_ids=kept,
+                    kept_logprobs=kept_lp,
+                    incomplete=incomplete,
+                    extras=extras,
+                )
+            )
+        return records
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            del self.llm
+            import gc
+
+            gc.collect()

@@ -1,0 +1,266 @@
+"""``parity run``: the main job. vLLM rollout vs transformers trainer over a scenario matrix."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from parity.compare import TrainerFaults, build_table, summarize
+from parity.gates import Thresholds, evaluate
+from parity.matrix import Matrix, Scenario, default_matrix, load_matrix
+
+# Fixed prompt texts, tokenized by the trainer's tokenizer and sent to vLLM as token ids so that
+# tokenization cannot drift between the sides.
+PROMPT_TEXTS = (
+    "The sampler and the trainer must agree on every token",
+    "Once upon a time in a small village by the sea",
+    "def log_softmax(logits):",
+    "Importance sampling corrects for the gap between two distributions",
+    "The quick brown fox jumps over the lazy dog",
+    "In reinforcement learning the policy is updated from rollouts",
+    "Numbers: 1, 2, 3, 5, 8, 13, 21",
+    "A kept set is the support of the filtered distribution",
+)
+SAMPLE_TEXT = "Parity checks that both sides tokenize this sentence identically, 12345!"
+
+
+@dataclass
+class RunConfig:
+    model: str
+    trainer_model: str | None = None
+    matrix: str = "default"
+    out: Path = Path("reports/parity")
+    device: str = "cpu"
+    dtype: str = "float32"
+    trainer_dtype: str | None = None
+    prompts: int | None = None
+    max_tokens: int | None = None
+    seed: int = 0
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    faults: TrainerFaults = field(default_factory=TrainerFaults)
+    capture_head: int | None = None
+    full_vocab_limit: int = 4096
+    timeout_s: float = 900.0
+    plots: bool = True
+
+
+def check_same_vocabulary(rollout: Any, trainer: Any) -> None:
+    """The two sides must agree on ids before any comparison means anything."""
+    problems = []
+    if rollout.vocab_size != trainer.vocab_size:
+        problems.append(f"vocab size: vllm={rollout.vocab_size} trainer={trainer.vocab_size}")
+    tv, tt = rollout.tokenizer(), trainer.tokenizer()
+    if len(tv) != len(tt):
+        problems.append(f"tokenizer length: vllm={len(tv)} trainer={len(tt)}")
+    ev, et = tv.encode(SAMPLE_TEXT, add_special_tokens=False), tt.encode(SAMPLE_TEXT, add_special_tokens=False)
+    if list(ev) != list(et):
+        problems.append(f"tokenization of {SAMPLE_TEXT!r}: vllm={list(ev)[:12]}... trainer={list(et)[:12]}...")
+    if problems:
+        raise ValueError(
+            f"tokenizer/vocabulary mismatch between rollout model {rollout.model!r} and trainer model "
+            f"{trainer.model_path!r}: " + "; ".join(problems)
+        )
+
+
+def make_prompts(tokenizer: Any, n: int) -> list[list[int]]:
+    prompts = []
+    for i in range(n):
+        text = PROMPT_TEXTS[i % len(PROMPT_TEXTS)]
+        if i >= len(PROMPT_TEXTS):
+            text = f"{text} ({i // len(PROMPT_TEXTS)})"
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        if not ids:
+            raise ValueError(f"prompt {i} ({text!r}) tokenizes to no ids")
+        prompts.append(ids)
+    return prompts
+
+
+def resolve_matrix(cfg: RunConfig) -> Matrix:
+    if cfg.matrix == "default":
+        m = default_matrix()
+    else:
+        m = load_matrix(cfg.matrix)
+    if cfg.prompts or cfg.max_tokens:
+        from dataclasses import replace
+
+        m = Matrix(
+            m.name,
+            tuple(
+                replace(s, prompts=cfg.prompts or s.prompts, max_tokens=cfg.max_tokens or s.max_tokens) for s in m.scenarios
+            ),
+        )
+    return m
+
+
+def _resolve(name: str) -> Path:
+    if (Path(name) / "config.json").is_file():
+        return Path(name)
+    from parity.fixtures import resolve_model
+
+    return resolve_model(name)
+
+
+def run(cfg: RunConfig, progress: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict[str, Any]:
+    """Run the matrix; return the report dict (also written under ``cfg.out``)."""
+    from parity.engines.rollout import VllmRollout
+    from parity.engines.trainer import TransformersTrainer
+    from parity.report import environment, write_report
+
+    matrix = resolve_matrix(cfg)
+    trainer_dtype = cfg.trainer_dtype or cfg.dtype
+    # Group scenarios by model so each engine starts once.
+    groups: dict[str, list[tuple[int, Scenario]]] = {}
+    for i, s in enumerate(matrix.scenarios):
+        groups.setdefault(s.model or cfg.model, []).append((i, s))
+    results: list[dict[str, Any] | None] = [None] * len(matrix.scenarios)
+    timings: dict[str, float] = {}
+    t_start = time.perf_counter()
+    done = 0
+    for model_name, items in groups.items():
+        model_path = _resolve(model_name)
+        trainer_path = _resolve(cfg.trainer_model) if cfg.trainer_model and model_name == cfg.model else model_path
+        progress(f"parity: starting vLLM ({cfg.device}, {cfg.dtype}) and transformers ({trainer_dtype}) on {model_name}")
+        trainer = TransformersTrainer(trainer_path, dtype=trainer_dtype, device=cfg.device)
+        rollout = VllmRollout(
+            model_path,
+            dtype=cfg.dtype,
+            device=cfg.device,
+            seed=cfg.seed,
+            full_vocab_limit=cfg.full_vocab_limit,
+            head=cfg.capture_head,
+            timeout_s=cfg.timeout_s,
+        )
+        try:
+            check_same_vocabulary(rollout, trainer)
+            timings[f"engine_init_s[{model_name}]"] = rollout.init_s
+            for idx, sc in items:
+                t0 = time.perf_counter()
+                prompts = make_prompts(trainer.tokenizer(), sc.prompts)
+                rollout.head = sc.capture_head if sc.capture_head is not None else cfg.capture_head
+                records = rollout.generate(prompts, sc.spec, max_tokens=sc.max_tokens, seed=cfg.seed + sc.seed)
+                logits = trainer.logits(records)
+                table = build_table(records, logits, sc.spec, faults=cfg.faults)
+                summary = summarize(table)
+                violations = evaluate(sc.name, table, summary, cfg.thresholds)
+                results[idx] = {
+                    "name": sc.name,
+                    "model": model_name,
+                    "spec": sc.spec.to_dict(),
+                    **summary,
+                    "verdict": "fail" if violations else "pass",
+                    "violations": violations,
+                    "_table": table,
+                }
+                done += 1
+                dt = time.perf_counter() - t0
+                timings[f"scenario_s[{sc.name}]"] = dt
+                progress(
+                    f"[{done}/{len(matrix.scenarios)}] {sc.name:<28} {'PASS' if not violations else 'FAIL'}  "
+                    f"log S mean {summary['log_s']['mean']:+.4f}  replay max|d| {summary['replay']['max_abs_diff']:.1e}  "
+                    f"({summary['tokens']} tokens, {dt:.1f} s)"
+                )
+        finally:
+            rollout.close()
+    timings["total_s"] = time.perf_counter() - t_start
+    scenarios = [r for r in results if r is not None]
+    report = {
+        "schema_version": 1,
+        "environment": environment(cfg.device, cfg.dtype, trainer_dtype),
+        "config": {
+            "model": cfg.model,
+            "trainer_model": cfg.trainer_model or cfg.model,
+            "matrix": matrix.name,
+            "seed": cfg.seed,
+            "thresholds": cfg.thresholds.to_dict(),
+            "planted_faults": {k: v for k, v in cfg.faults.__dict__.items() if v},
+        },
+        "matrix_pair_coverage": None,
+        "scenarios": scenarios,
+        "passed": all(s["verdict"] == "pass" for s in scenarios),
+        "timings": timings,
+    }
+    from parity.matrix import pair_coverage
+
+    report["matrix_pair_coverage"] = pair_coverage(matrix)
+    write_report(report, cfg.out, plots=cfg.plots)
+    for s in scenarios:
+        s.pop("_table", None)
+    return report
+
+
+FAULTS = {
+    "perturb-logits": TrainerFaults(perturb_logits=0.05),
+    "forget-temperature": TrainerFaults(forget_temperature=True),
+    "swap-token": TrainerFaults(swap_token=True),
+    "drop-kept": TrainerFaults(drop_kept=True),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="qwen2-tiny", help="fixture name or Hugging Face checkpoint directory (default: qwen2-tiny)")
+    p.add_argument("--trainer-model", default=None, help="a different checkpoint for the trainer side (must share the vocabulary)")
+    p.add_argument("--matrix", default="default", help="'default' or a TOML matrix file")
+    p.add_argument("--out", type=Path, default=Path("reports/parity"), help="report folder (default: reports/parity)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="both sides' dtype")
+    p.add_argument("--trainer-dtype", choices=["float32", "bfloat16", "float16"], default=None, help="override the trainer's dtype")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per scenario (overrides the matrix)")
+    p.add_argument("--max-tokens", type=int, default=None, help="completion length (overrides the matrix)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--thresholds", type=Path, default=None, help="TOML file with a [thresholds] table")
+    p.add_argument("--gate", action="append", default=[], metavar="NAME=VALUE", help="override one threshold")
+    p.add_argument("--capture-head", type=int, default=None, help="force the top-K capture head (-1: full vocabulary)")
+    p.add_argument("--full-vocab-limit", type=int, default=4096, help="largest vocabulary captured in full for top_p/min_p-only specs")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds any one engine call may take")
+    p.add_argument("--plant", choices=sorted(FAULTS), default=None, help="plant a trainer-side fault (self-test of the gates)")
+    p.add_argument("--no-plots", action="store_true")
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    trainer_dtype = args.trainer_dtype or args.dtype
+    th = Thresholds.from_toml(args.thresholds, trainer_dtype) if args.thresholds else Thresholds.for_dtype(trainer_dtype)
+    changes: dict[str, float] = {}
+    for item in args.gate:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--gate {item!r} is invalid: allowed NAME=VALUE")
+        try:
+            changes[name.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"--gate {item!r}: value {value!r} is not a number") from None
+    if changes:
+        th = th.override(**changes)
+    return RunConfig(
+        model=args.model,
+        trainer_model=args.trainer_model,
+        matrix=args.matrix,
+        out=args.out,
+        device=args.device,
+        dtype=args.dtype,
+        trainer_dtype=args.trainer_dtype,
+        prompts=args.prompts,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        thresholds=th,
+        faults=FAULTS[args.plant] if args.plant else TrainerFaults(),
+        capture_head=args.capture_head,
+        full_vocab_limit=args.full_vocab_limit,
+        timeout_s=args.timeout,
+        plots=not args.no_plots,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    report = run(cfg)
+    n_fail = sum(s["verdict"] == "fail" for s in report["scenarios"])
+    print(f"parity: {len(report['scenarios']) - n_fail}/{len(report['scenarios'])} scenarios pass; report in {cfg.out}/report.md")
+    for s in report["scenarios"]:
+        for v in s["violations"]:
+            print(f"FAIL {v}")
+    return 0 if report["passed"] else 1

@@ -105,69 +105,119 @@ def _resolve(name: str) -> Path:
     return resolve_model(name)
 
 
-def run(cfg: RunConfig, progress: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict[str, Any]:
-    """Run the matrix; return the report dict (also written under ``cfg.out``)."""
-    from parity.engines.rollout import VllmRollout
-    from parity.engines.trainer import TransformersTrainer
+@dataclass
+class ScenarioResult:
+    scenario: Scenario
+    records: list[Any]
+    table: Any
+    summary: dict[str, Any]
+    violations: list[str]
+    seconds: float
+
+
+def score_scenario(rollout: Any, trainer: Any, sc: Scenario, cfg: RunConfig) -> ScenarioResult:
+    """Sample with vLLM, score with the trainer, compare, gate: one scenario."""
+    t0 = time.perf_counter()
+    prompts = make_prompts(trainer.tokenizer(), sc.prompts)
+    rollout.head = sc.capture_head if sc.capture_head is not None else cfg.capture_head
+    records = rollout.generate(prompts, sc.spec, max_tokens=sc.max_tokens, seed=cfg.seed + sc.seed)
+    logits = trainer.logits(records)
+    table = build_table(records, logits, sc.spec, faults=cfg.faults)
+    summary = summarize(table)
+    violations = evaluate(sc.name, table, summary, cfg.thresholds)
+    return ScenarioResult(sc, records, table, summary, violations, time.perf_counter() - t0)
+
+
+class EnginePool:
+    """One rollout engine and one trainer per model, started on first use and shared across runs."""
+
+    def __init__(self) -> None:
+        self._engines: dict[tuple[str, str], tuple[Any, Any]] = {}
+
+    def get(self, model_name: str, cfg: RunConfig, progress: Callable[[str], None]) -> tuple[Any, Any]:
+        from parity.engines.rollout import VllmRollout
+        from parity.engines.trainer import TransformersTrainer
+
+        trainer_dtype = cfg.trainer_dtype or cfg.dtype
+        trainer_name = cfg.trainer_model if cfg.trainer_model and model_name == cfg.model else model_name
+        key = (model_name, f"{trainer_name}|{cfg.dtype}|{trainer_dtype}|{cfg.device}")
+        if key not in self._engines:
+            model_path = _resolve(model_name)
+            trainer_path = _resolve(trainer_name)
+            progress(f"parity: starting vLLM ({cfg.device}, {cfg.dtype}) and transformers ({trainer_dtype}) on {model_name}")
+            trainer = TransformersTrainer(trainer_path, dtype=trainer_dtype, device=cfg.device)
+            rollout = VllmRollout(
+                model_path,
+                dtype=cfg.dtype,
+                device=cfg.device,
+                seed=cfg.seed,
+                full_vocab_limit=cfg.full_vocab_limit,
+                head=cfg.capture_head,
+                timeout_s=cfg.timeout_s,
+            )
+            try:
+                check_same_vocabulary(rollout, trainer)
+            except Exception:
+                rollout.close()
+                raise
+            self._engines[key] = (rollout, trainer)
+        return self._engines[key]
+
+    def close(self) -> None:
+        for rollout, _ in self._engines.values():
+            rollout.close()
+        self._engines.clear()
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run(cfg: RunConfig, progress: Callable[[str], None] = _progress, pool: EnginePool | None = None) -> dict[str, Any]:
+    """Run the matrix; return the report dict (also written under ``cfg.out``).
+
+    With ``pool`` the engines outlive the run (tests share them); without, they are closed at the end.
+    """
+    from parity.matrix import pair_coverage
     from parity.report import environment, write_report
 
     matrix = resolve_matrix(cfg)
-    trainer_dtype = cfg.trainer_dtype or cfg.dtype
-    # Group scenarios by model so each engine starts once.
-    groups: dict[str, list[tuple[int, Scenario]]] = {}
-    for i, s in enumerate(matrix.scenarios):
-        groups.setdefault(s.model or cfg.model, []).append((i, s))
-    results: list[dict[str, Any] | None] = [None] * len(matrix.scenarios)
+    own_pool = pool is None
+    pool = pool or EnginePool()
+    results: list[dict[str, Any]] = []
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
-    done = 0
-    for model_name, items in groups.items():
-        model_path = _resolve(model_name)
-        trainer_path = _resolve(cfg.trainer_model) if cfg.trainer_model and model_name == cfg.model else model_path
-        progress(f"parity: starting vLLM ({cfg.device}, {cfg.dtype}) and transformers ({trainer_dtype}) on {model_name}")
-        trainer = TransformersTrainer(trainer_path, dtype=trainer_dtype, device=cfg.device)
-        rollout = VllmRollout(
-            model_path,
-            dtype=cfg.dtype,
-            device=cfg.device,
-            seed=cfg.seed,
-            full_vocab_limit=cfg.full_vocab_limit,
-            head=cfg.capture_head,
-            timeout_s=cfg.timeout_s,
-        )
-        try:
-            check_same_vocabulary(rollout, trainer)
-            timings[f"engine_init_s[{model_name}]"] = rollout.init_s
-            for idx, sc in items:
-                t0 = time.perf_counter()
-                prompts = make_prompts(trainer.tokenizer(), sc.prompts)
-                rollout.head = sc.capture_head if sc.capture_head is not None else cfg.capture_head
-                records = rollout.generate(prompts, sc.spec, max_tokens=sc.max_tokens, seed=cfg.seed + sc.seed)
-                logits = trainer.logits(records)
-                table = build_table(records, logits, sc.spec, faults=cfg.faults)
-                summary = summarize(table)
-                violations = evaluate(sc.name, table, summary, cfg.thresholds)
-                results[idx] = {
-                    "name": sc.name,
-                    "model": model_name,
-                    "spec": sc.spec.to_dict(),
-                    **summary,
-                    "verdict": "fail" if violations else "pass",
-                    "violations": violations,
-                    "_table": table,
-                }
-                done += 1
-                dt = time.perf_counter() - t0
-                timings[f"scenario_s[{sc.name}]"] = dt
-                progress(
-                    f"[{done}/{len(matrix.scenarios)}] {sc.name:<28} {'PASS' if not violations else 'FAIL'}  "
-                    f"log S mean {summary['log_s']['mean']:+.4f}  replay max|d| {summary['replay']['max_abs_diff']:.1e}  "
-                    f"({summary['tokens']} tokens, {dt:.1f} s)"
-                )
-        finally:
-            rollout.close()
+    # Scenarios run grouped by model so that each engine starts once, then are reported in matrix order.
+    order = sorted(range(len(matrix.scenarios)), key=lambda i: (matrix.scenarios[i].model or cfg.model) != cfg.model)
+    by_index: dict[int, dict[str, Any]] = {}
+    try:
+        for done, idx in enumerate(order, start=1):
+            sc = matrix.scenarios[idx]
+            model_name = sc.model or cfg.model
+            rollout, trainer = pool.get(model_name, cfg, progress)
+            res = score_scenario(rollout, trainer, sc, cfg)
+            by_index[idx] = {
+                "name": sc.name,
+                "model": model_name,
+                "spec": sc.spec.to_dict(),
+                **res.summary,
+                "verdict": "fail" if res.violations else "pass",
+                "violations": res.violations,
+                "_table": res.table,
+            }
+            timings[f"scenario_s[{sc.name}]"] = res.seconds
+            s = res.summary
+            progress(
+                f"[{done}/{len(matrix.scenarios)}] {sc.name:<28} {'FAIL' if res.violations else 'PASS'}  "
+                f"log S mean {s['log_s']['mean']:+.4f}  replay max|d| {s['replay']['max_abs_diff']:.1e}  "
+                f"({s['tokens']} tokens, {res.seconds:.1f} s)"
+            )
+    finally:
+        if own_pool:
+            pool.close()
+    results = [by_index[i] for i in range(len(matrix.scenarios))]
     timings["total_s"] = time.perf_counter() - t_start
-    scenarios = [r for r in results if r is not None]
+    trainer_dtype = cfg.trainer_dtype or cfg.dtype
     report = {
         "schema_version": 1,
         "environment": environment(cfg.device, cfg.dtype, trainer_dtype),
@@ -179,17 +229,14 @@ def run(cfg: RunConfig, progress: Callable[[str], None] = lambda s: print(s, fil
             "thresholds": cfg.thresholds.to_dict(),
             "planted_faults": {k: v for k, v in cfg.faults.__dict__.items() if v},
         },
-        "matrix_pair_coverage": None,
-        "scenarios": scenarios,
-        "passed": all(s["verdict"] == "pass" for s in scenarios),
+        "matrix_pair_coverage": pair_coverage(matrix),
+        "scenarios": results,
+        "passed": all(r["verdict"] == "pass" for r in results),
         "timings": timings,
     }
-    from parity.matrix import pair_coverage
-
-    report["matrix_pair_coverage"] = pair_coverage(matrix)
     write_report(report, cfg.out, plots=cfg.plots)
-    for s in scenarios:
-        s.pop("_table", None)
+    for r in results:
+        r.pop("_table", None)
     return report
 
 

@@ -138,7 +138,8 @@ def build_table(
         incomplete = r.incomplete if r.incomplete is not None else torch.zeros(n, dtype=torch.bool)
         cols["captured"].append(torch.ones(n, dtype=torch.bool))
         cols["incomplete"].append(incomplete)
-        cols["sampled_outside"].append(rep.outside)
+        # Outside a complete capture only: beyond a full head the sampled token may simply be unlisted.
+        cols["sampled_outside"].append(rep.outside & ~incomplete)
         # Sampler mass over the captured ids; a dropped token leaves it short of 1.
         sampler_lp = _sampler_lp_of(r, kept)
         mass_ok = (support_mass(sampler_lp) - 1.0).abs() <= SUPPORT_MASS_TOL

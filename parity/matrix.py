@@ -63,7 +63,6 @@ def default_matrix(*, prompts: int = 8, max_tokens: int = 16, seed: int = 0, tie
     rows = [
         _s("baseline T=1", **kw),
         _s("greedy T=0", t=0.0, **kw),
-        _s("greedy T=1e-6 top_k=20", t=1e-6, k=20, **kw),
         _s("T=0.7", t=0.7, **kw),
         _s("T=1.3", t=1.3, **kw),
         _s("top_p=0.95", p=0.95, **kw),

@@ -46,6 +46,7 @@ class RunConfig:
     capture_head: int | None = None
     full_vocab_limit: int = 4096
     timeout_s: float = 900.0
+    prefix_caching: bool = False
     plots: bool = True
 
 
@@ -154,6 +155,7 @@ class EnginePool:
                 full_vocab_limit=cfg.full_vocab_limit,
                 head=cfg.capture_head,
                 timeout_s=cfg.timeout_s,
+                prefix_caching=cfg.prefix_caching,
             )
             try:
                 check_same_vocabulary(rollout, trainer)
@@ -226,6 +228,7 @@ def run(cfg: RunConfig, progress: Callable[[str], None] = _progress, pool: Engin
             "trainer_model": cfg.trainer_model or cfg.model,
             "matrix": matrix.name,
             "seed": cfg.seed,
+            "prefix_caching": cfg.prefix_caching,
             "thresholds": cfg.thresholds.to_dict(),
             "planted_faults": {k: v for k, v in cfg.faults.__dict__.items() if v},
         },
@@ -265,6 +268,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--full-vocab-limit", type=int, default=4096, help="largest vocabulary captured in full for top_p/min_p-only specs")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds any one engine call may take")
     p.add_argument("--plant", choices=sorted(FAULTS), default=None, help="plant a trainer-side fault (self-test of the gates)")
+    p.add_argument("--prefix-caching", action="store_true", help="let vLLM reuse cached KV blocks across scenarios (off: order-independent results)")
     p.add_argument("--no-plots", action="store_true")
 
 
@@ -298,6 +302,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         capture_head=args.capture_head,
         full_vocab_limit=args.full_vocab_limit,
         timeout_s=args.timeout,
+        prefix_caching=args.prefix_caching,
         plots=not args.no_plots,
     )
 

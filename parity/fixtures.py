@@ -1,0 +1,835 @@
+"""Fixture models: small, real Hugging Face checkpoints built offline from declarative recipes.
+
+Nothing can be downloaded where parity runs, so every model it needs is made here from code: a
+byte-level BPE tokenizer trained on ``fixtures/corpus.txt`` and seeded random weights for an
+architecture that both vLLM 0.32 and transformers load (Qwen2, Llama, Qwen3). Recipes live in
+``fixtures/recipes.toml``; each names an architecture, sizes, a seed, a logit scale (the entropy
+knob) and an optional tie plan (duplicated lm_head rows, so some tokens have bitwise-equal logits at
+every position: the way top_k/top_p boundary ties are produced end to end).
+
+Public contract (other modules code against these names):
+
+- ``resolve_model(name_or_path)``: fixture name -> built checkpoint dir; a directory holding a
+  ``config.json`` -> returned as is (a user's own checkpoint).
+- ``build(name, force=False)``, ``list_recipes()``, ``load_recipe(name)``, ``recipe_from_dict(data)``.
+- ``fixture_metadata(path)``: the ``parity_fixture.json`` written into every built checkpoint, or ``{}``.
+- ``add_arguments(parser)`` / ``main(args)``: ``parity fixtures list | build NAME|all | path NAME``.
+
+Builds are cached under ``$PARITY_FIXTURE_CACHE`` (default ``~/.cache/parity/fixtures``) in a folder
+keyed by the recipe hash, and are byte-identical for the same recipe: every random draw comes from a
+per-tensor seeded generator, the tokenizer trainer is deterministic, and every JSON file is written
+with sorted keys. Only ``parity_fixture.json`` (which holds the build time) differs between builds.
+
+This module imports no engine at import time: torch, transformers and tokenizers are imported inside
+the functions that need them, so ``parity --help`` stays fast and vLLM is never touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+import tomllib
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+# Bump when the builder's output for an unchanged recipe changes: it is part of the recipe hash, so
+# old cache entries are simply not found any more (never silently reused).
+BUILDER_VERSION = 1
+
+METADATA_FILE = "parity_fixture.json"
+RECIPES_FILE = "recipes.toml"
+CACHE_ENV = "PARITY_FIXTURE_CACHE"
+DEFAULT_FIXTURE = "qwen2-tiny"
+
+# vLLM's CPU attention accepts only these head sizes: CPUAttentionBackend.get_supported_head_sizes in
+# vllm/v1/attention/backends/cpu_attn.py (vLLM 0.32). Anything else fails at engine start with
+# "Unsupported CPU attention configuration" (measured: 16 fails, 64 works). Kept as a constant, not
+# read from vLLM, so recipes validate without importing it.
+CPU_ATTENTION_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+# Byte-level BPE always holds the 256 byte symbols, whatever the corpus.
+BYTE_ALPHABET = 256
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+# The fixed set of positions on which entropy is measured (and tie sources are ranked): windows of
+# the corpus plus seeded random token sequences, PROBE_SEQUENCES x PROBE_LENGTH tokens in all.
+PROBE_SEQUENCES = 8
+PROBE_LENGTH = 32
+# A tie source is "frequent" when it is often among this many largest logits at the probe positions.
+TIE_RANK_TOP = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchSpec:
+    """What differs between the supported architectures, as far as a fixture is concerned."""
+
+    model_type: str
+    architecture: str
+    special_tokens: tuple[str, ...]
+    bos: str | None
+    eos: str
+    pad: str
+    add_bos: bool
+    # vLLM's Qwen2 derives head_dim from hidden_size // num_heads and ignores config.head_dim
+    # (vllm/model_executor/models/qwen2.py Qwen2Attention), so for it the two must agree.
+    head_dim_from_hidden: bool
+    extra_config: tuple[tuple[str, Any], ...] = ()
+
+
+_QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_LLAMA_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|finetune_right_pad_id|>")
+
+ARCHS: dict[str, ArchSpec] = {
+    "qwen2": ArchSpec(
+        model_type="qwen2",
+        architecture="Qwen2ForCausalLM",
+        special_tokens=_QWEN_SPECIALS,
+        bos=None,
+        eos="<|endoftext|>",
+        pad="<|endoftext|>",
+        add_bos=False,
+        head_dim_from_hidden=True,
+        extra_config=(("use_sliding_window", False), ("sliding_window", None)),
+    ),
+    "llama": ArchSpec(
+        model_type="llama",
+        architecture="LlamaForCausalLM",
+        special_tokens=_LLAMA_SPECIALS,
+        bos="<|begin_of_text|>",
+        eos="<|end_of_text|>",
+        pad="<|finetune_right_pad_id|>",
+        add_bos=True,
+        head_dim_from_hidden=False,
+        extra_config=(("attention_bias", False), ("mlp_bias", False)),
+    ),
+    "qwen3": ArchSpec(
+        model_type="qwen3",
+        architecture="Qwen3ForCausalLM",
+        special_tokens=_QWEN_SPECIALS,
+        bos=None,
+        eos="<|endoftext|>",
+        pad="<|endoftext|>",
+        add_bos=False,
+        head_dim_from_hidden=False,
+        extra_config=(("attention_bias", False), ("use_sliding_window", False), ("sliding_window", None)),
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TieGroup:
+    """``size`` tokens whose lm_head rows are made identical.
+
+    ``source`` picks the row they all copy: ``"frequent"`` takes the next token most often among the
+    TIE_RANK_TOP largest logits at the probe positions (so the group sits where top_k/top_p
+    boundaries fall), ``"random"`` a seeded random regular token, an int that token id.
+    """
+
+    size: int
+    source: str | int = "frequent"
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    name: str
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    seed: int
+    logit_scale: float = 1.0
+    dtype: str = "float32"
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    init_std: float = 0.02
+    tie_groups: tuple[TieGroup, ...] = ()
+    description: str = ""
+
+    @property
+    def spec(self) -> ArchSpec:
+        return ARCHS[self.arch]
+
+
+_REQUIRED = tuple(f.name for f in dataclasses.fields(Recipe) if f.default is dataclasses.MISSING and f.name != "name")
+_ALL_FIELDS = tuple(f.name for f in dataclasses.fields(Recipe))
+
+
+# --------------------------------------------------------------------------------------------------
+# recipes
+
+
+def _data_dir() -> Path:
+    """The folder holding recipes.toml and the corpus, from a checkout or from an installed wheel."""
+    # A checkout (tests, PYTHONPATH, editable install): the repository's top-level fixtures/.
+    here = Path(__file__).resolve().parent.parent / "fixtures"
+    if (here / RECIPES_FILE).is_file():
+        return here
+    # An installed wheel: pyproject maps fixtures/ to the package parity.fixture_data.
+    from importlib import resources
+
+    try:
+        pkg = resources.files("parity.fixture_data")
+    except ModuleNotFoundError as exc:  # pragma: no cover - a broken install
+        raise FileNotFoundError(
+            "parity's fixture recipes are missing: neither fixtures/ next to the package nor "
+            "the installed package parity.fixture_data was found"
+        ) from exc
+    return Path(str(pkg))
+
+
+def _positive_int(name: str, value: Any, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"recipe {name!r}: {field}={value!r} is invalid; allowed: a positive integer")
+    return value
+
+
+def _positive_float(name: str, value: Any, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"recipe {name!r}: {field}={value!r} is invalid; allowed: a finite number > 0")
+    return float(value)
+
+
+def _tie_groups(name: str, raw: Any) -> tuple[TieGroup, ...]:
+    if not isinstance(raw, list | tuple):
+        raise ValueError(f"recipe {name!r}: tie_groups={raw!r} is invalid; allowed: a list of {{size, source}} tables")
+    groups = []
+    for i, item in enumerate(raw):
+        field = f"tie_groups[{i}]"
+        if isinstance(item, TieGroup):
+            item = dataclasses.asdict(item)
+        if isinstance(item, int) and not isinstance(item, bool):
+            item = {"size": item}
+        if not isinstance(item, Mapping):
+            raise ValueError(f"recipe {name!r}: {field}={item!r} is invalid; allowed: a table {{size, source}} or a size")
+        unknown = set(item) - {"size", "source"}
+        if unknown:
+            raise ValueError(f"recipe {name!r}: {field} has unknown keys {sorted(unknown)}; allowed: size, source")
+        if "size" not in item:
+            raise ValueError(f"recipe {name!r}: {field}.size is missing; allowed: an integer >= 2")
+        size = item["size"]
+        if isinstance(size, bool) or not isinstance(size, int) or size < 2:
+            raise ValueError(f"recipe {name!r}: {field}.size={size!r} is invalid; allowed: an integer >= 2")
+        source = item.get("source", "frequent")
+        ok_int = isinstance(source, int) and not isinstance(source, bool) and source >= 0
+        if not (ok_int or source in ("frequent", "random")):
+            raise ValueError(
+                f"recipe {name!r}: {field}.source={source!r} is invalid; "
+                "allowed: 'frequent', 'random' or a token id >= 0"
+            )
+        groups.append(TieGroup(size=size, source=source))
+    return tuple(groups)
+
+
+def recipe_from_dict(data: Mapping[str, Any], *, name: str | None = None) -> Recipe:
+    """Validate a recipe given as a mapping (as read from TOML) and return it.
+
+    Every error is a ValueError naming the recipe, the field, the value and what is allowed.
+    """
+    data = dict(data)
+    name = str(name if name is not None else data.get("name", "<unnamed>"))
+    data.pop("name", None)
+    data.pop("extends", None)
+    unknown = sorted(set(data) - set(_ALL_FIELDS))
+    if unknown:
+        raise ValueError(f"recipe {name!r}: unknown field(s) {unknown}; allowed: {', '.join(_ALL_FIELDS[1:])}")
+    missing = [f for f in _REQUIRED if f not in data]
+    if missing:
+        raise ValueError(f"recipe {name!r}: missing field(s) {missing}; required: {', '.join(_REQUIRED)}")
+
+    arch = data["arch"]
+    if arch not in ARCHS:
+        raise ValueError(f"recipe {name!r}: arch={arch!r} is an unknown architecture; allowed: {', '.join(sorted(ARCHS))}")
+    spec = ARCHS[arch]
+    for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                  "intermediate_size", "max_position_embeddings"):
+        if field in data:
+            _positive_int(name, data[field], field)
+    seed = data["seed"]
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"recipe {name!r}: seed={seed!r} is invalid; allowed: an integer >= 0")
+    for field in ("logit_scale", "rope_theta", "rms_norm_eps", "init_std"):
+        if field in data:
+            data[field] = _positive_float(name, data[field], field)
+    dtype = data.get("dtype", "float32")
+    if dtype not in DTYPES:
+        raise ValueError(f"recipe {name!r}: dtype={dtype!r} is invalid; allowed: {', '.join(DTYPES)}")
+
+    head_dim = data["head_dim"]
+    if head_dim not in CPU_ATTENTION_HEAD_DIMS:
+        raise ValueError(
+            f"recipe {name!r}: head_dim={head_dim} is rejected by vLLM's CPU attention "
+            f"('Unsupported CPU attention configuration'); allowed: {', '.join(map(str, CPU_ATTENTION_HEAD_DIMS))}"
+        )
+    if spec.head_dim_from_hidden and head_dim * data["num_heads"] != data["hidden_size"]:
+        raise ValueError(
+            f"recipe {name!r}: head_dim={head_dim} is invalid for arch {arch!r}: vLLM's {spec.architecture} "
+            f"uses hidden_size // num_heads = {data['hidden_size'] // data['num_heads']}; allowed: "
+            "head_dim * num_heads == hidden_size"
+        )
+    if data["num_heads"] % data["num_kv_heads"]:
+        raise ValueError(
+            f"recipe {name!r}: num_kv_heads={data['num_kv_heads']} is invalid; allowed: a divisor of "
+            f"num_heads={data['num_heads']}"
+        )
+    # The vocabulary holds the 256 byte symbols, the special tokens and at least one more token.
+    smallest = BYTE_ALPHABET + len(spec.special_tokens) + 1
+    if data["vocab_size"] < smallest:
+        raise ValueError(
+            f"recipe {name!r}: vocab_size={data['vocab_size']} is smaller than the tokenizer's fixed symbols "
+            f"({BYTE_ALPHABET} byte-level symbols + {len(spec.special_tokens)} special tokens "
+            f"{list(spec.special_tokens)}); allowed: >= {smallest}"
+        )
+    groups = _tie_groups(name, data.get("tie_groups", ()))
+    regular = data["vocab_size"] - len(spec.special_tokens)
+    if sum(g.size for g in groups) > regular:
+        raise ValueError(
+            f"recipe {name!r}: tie_groups use {sum(g.size for g in groups)} tokens; allowed: at most the "
+            f"{regular} regular (non-special) tokens"
+        )
+    for i, g in enumerate(groups):
+        if isinstance(g.source, int) and g.source >= regular:
+            raise ValueError(
+                f"recipe {name!r}: tie_groups[{i}].source={g.source} is invalid; allowed: a regular token id < {regular}"
+            )
+    data["tie_groups"] = groups
+    description = data.get("description", "")
+    if not isinstance(description, str):
+        raise ValueError(f"recipe {name!r}: description={description!r} is invalid; allowed: a string")
+    return Recipe(name=name, **data)
+
+
+def _read_recipe_table() -> dict[str, dict[str, Any]]:
+    path = _data_dir() / RECIPES_FILE
+    with path.open("rb") as fh:
+        doc = tomllib.load(fh)
+    table = doc.get("recipes")
+    if not isinstance(table, dict) or not table:
+        raise ValueError(f"{path}: expected a [recipes.NAME] table per fixture")
+    return table
+
+
+def _flatten(name: str, table: Mapping[str, Mapping[str, Any]], seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Resolve ``extends`` chains: a variant is its parent's fields overridden by its own."""
+    if name in seen:
+        raise ValueError(f"recipe {name!r}: extends forms a cycle: {' -> '.join((*seen, name))}")
+    raw = dict(table[name])
+    parent = raw.pop("extends", None)
+    if parent is None:
+        return raw
+    if parent not in table:
+        raise ValueError(f"recipe {name!r}: extends={parent!r} is not a known recipe; allowed: {', '.join(table)}")
+    base = _flatten(parent, table, (*seen, name))
+    base.pop("description", None)  # a variant describes itself
+    return {**base, **raw}
+
+
+def list_recipes() -> list[Recipe]:
+    """All recipes in recipes.toml, in file order, validated."""
+    table = _read_recipe_table()
+    return [recipe_from_dict(_flatten(n, table), name=n) for n in table]
+
+
+def recipe_names() -> list[str]:
+    return list(_read_recipe_table())
+
+
+def load_recipe(name: str) -> Recipe:
+    table = _read_recipe_table()
+    if name not in table:
+        raise ValueError(f"unknown fixture {name!r}; known fixtures: {', '.join(table)}")
+    return recipe_from_dict(_flatten(name, table), name=name)
+
+
+def _canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def recipe_hash(recipe: Recipe) -> str:
+    """sha256 of everything a build depends on: the recipe (description aside), corpus, builder version."""
+    fields = dataclasses.asdict(recipe)
+    fields.pop("description")
+    payload = {
+        "recipe": fields,
+        "corpus_sha256": _sha256_file(_data_dir() / "corpus.txt"),
+        "builder_version": BUILDER_VERSION,
+    }
+    return hashlib.sha256(_canonical_json(payload).encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# cache
+
+
+def cache_root() -> Path:
+    root = os.environ.get(CACHE_ENV)
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "parity" / "fixtures"
+
+
+def fixture_dir(recipe: Recipe) -> Path:
+    return cache_root() / f"{recipe.name}-{recipe_hash(recipe)[:16]}"
+
+
+def is_built(recipe: Recipe) -> bool:
+    return (fixture_dir(recipe) / METADATA_FILE).is_file()
+
+
+def fixture_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The fixture's parity_fixture.json; ``{}`` for a checkpoint parity did not build."""
+    meta = Path(path) / METADATA_FILE
+    if not meta.is_file():
+        return {}
+    return json.loads(meta.read_text())
+
+
+def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
+    """A fixture name -> its checkpoint (built if needed); a checkpoint directory -> itself."""
+    value = str(name_or_path)
+    path = Path(value).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    names = recipe_names()
+    if value in names:
+        return build(value)
+    hint = " (a directory, but without config.json)" if path.is_dir() else ""
+    raise FileNotFoundError(
+        f"model {value!r} is neither a fixture name nor a Hugging Face checkpoint directory{hint}; "
+        f"known fixtures: {', '.join(names)}"
+    )
+
+
+def build(name: str, *, force: bool = False) -> Path:
+    """Build the fixture ``name`` into the cache (unless cached) and return its checkpoint directory."""
+    recipe = load_recipe(name)
+    dest = fixture_dir(recipe)
+    if not force and (dest / METADATA_FILE).is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".build-{name}-", dir=dest.parent))
+    try:
+        _build_into(recipe, tmp)
+        if dest.exists():
+            if not force and (dest / METADATA_FILE).is_file():
+                # Another process finished the same build first; its files are byte-identical.
+                shutil.rmtree(tmp)
+                return dest
+            old = Path(tempfile.mkdtemp(prefix=f".old-{name}-", dir=dest.parent))
+            os.replace(dest, old / "x")
+            shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            # Lost a race with a concurrent build of the same recipe: keep the one that landed.
+            if not (dest / METADATA_FILE).is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+# --------------------------------------------------------------------------------------------------
+# the builder
+
+
+def _rng(seed: int, label: str):
+    """An independent numpy generator per (seed, label): adding a tensor never shifts another's draws."""
+    import numpy as np
+
+    digest = hashlib.sha256(f"{seed}/{label}".encode()).digest()
+    return np.random.Generator(np.random.PCG64(int.from_bytes(digest[:16], "little")))
+
+
+def _normal(seed: int, label: str, shape: Sequence[int], std: float):
+    """Seeded normal draws, made in float64 by numpy and rounded once to float32.
+
+    torch.randn's float32 CPU path differs by instruction set (an AVX2 Box-Muller kernel); numpy's
+    PCG64 + ziggurat in float64 is platform-independent, so the same recipe gives the same bytes on
+    any machine.
+    """
+    import torch
+
+    values = _rng(seed, label).standard_normal(tuple(shape)) * std
+    return torch.from_numpy(values).to(torch.float32)
+
+
+def _train_tokenizer(recipe: Recipe, corpus: str):
+    """Byte-level BPE trained on the corpus, padded with reserved tokens to exactly vocab_size."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    spec = recipe.spec
+    n_special = len(spec.special_tokens)
+    target = recipe.vocab_size - n_special  # ids [0, target) are regular tokens, specials follow
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=target,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # Line by line, in file order: the trainer is deterministic for a fixed input sequence.
+    tok.train_from_iterator(corpus.splitlines(keepends=True), trainer=trainer)
+
+    model = json.loads(tok.to_str())["model"]
+    vocab: dict[str, int] = model["vocab"]
+    if len(vocab) > target:  # cannot happen with vocab_size >= alphabet + specials, kept as a guard
+        raise ValueError(f"recipe {recipe.name!r}: vocab_size={recipe.vocab_size} is below the trained alphabet")
+    # The corpus runs out of merges long before 32k; the rest of the regular ids are reserved tokens.
+    # They are plain vocabulary entries (no merge produces them, so text never encodes to them) and
+    # decode to their own name, like the reserved tokens of real vocabularies.
+    for i in range(target - len(vocab)):
+        vocab[f"<|reserved_{i}|>"] = len(vocab)
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in model["merges"]]
+    full = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    full.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    full.decoder = decoders.ByteLevel()
+    full.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in spec.special_tokens])
+    byte_level = processors.ByteLevel(trim_offsets=False)
+    if spec.add_bos:
+        bos_id = full.token_to_id(spec.bos)
+        template = processors.TemplateProcessing(
+            single=f"{spec.bos}:0 $A:0",
+            pair=f"{spec.bos}:0 $A:0 {spec.bos}:1 $B:1",
+            special_tokens=[(spec.bos, bos_id)],
+        )
+        full.post_processor = processors.Sequence([byte_level, template])
+    else:
+        full.post_processor = byte_level
+    if full.get_vocab_size(with_added_tokens=True) != recipe.vocab_size:
+        raise RuntimeError(
+            f"fixture {recipe.name!r}: tokenizer has {full.get_vocab_size(with_added_tokens=True)} tokens, "
+            f"the model {recipe.vocab_size}"
+        )
+    return full
+
+
+def _config_dict(recipe: Recipe, tok) -> dict[str, Any]:
+    spec = recipe.spec
+    cfg: dict[str, Any] = {
+        "architectures": [spec.architecture],
+        "model_type": spec.model_type,
+        "vocab_size": recipe.vocab_size,
+        "hidden_size": recipe.hidden_size,
+        "intermediate_size": recipe.intermediate_size,
+        "num_hidden_layers": recipe.num_layers,
+        "num_attention_heads": recipe.num_heads,
+        "num_key_value_heads": recipe.num_kv_heads,
+        "head_dim": recipe.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": recipe.max_position_embeddings,
+        "rms_norm_eps": recipe.rms_norm_eps,
+        "rope_theta": recipe.rope_theta,
+        "initializer_range": recipe.init_std,
+        # lm_head is edited on its own (logit scale, duplicated rows), so it must not be the embedding.
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "attention_dropout": 0.0,
+        "bos_token_id": tok.token_to_id(spec.bos) if spec.bos else None,
+        "eos_token_id": tok.token_to_id(spec.eos),
+        "pad_token_id": tok.token_to_id(spec.pad),
+        "dtype": recipe.dtype,
+    }
+    cfg.update(dict(spec.extra_config))
+    if recipe.arch in ("qwen2", "qwen3"):
+        cfg["max_window_layers"] = recipe.num_layers
+    return cfg
+
+
+def _hf_config(cfg: dict[str, Any]):
+    """The transformers config object for ``cfg`` (validates it against the installed transformers)."""
+    from transformers import AutoConfig
+
+    kwargs = dict(cfg)
+    model_type = kwargs.pop("model_type")
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def _config_json(cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json as the installed transformers writes it, minus fields that vary between versions."""
+    out = _hf_config(cfg).to_dict()
+    for volatile in ("transformers_version", "_name_or_path"):
+        out.pop(volatile, None)
+    return out
+
+
+def _init_weights(recipe: Recipe, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Seeded weights for every tensor of the architecture; lm_head calibrated and scaled.
+
+    Matrices and embeddings: N(0, init_std), like a freshly initialized model. Norm weights: 1.
+    Biases (Qwen2's q/k/v): N(0, init_std). lm_head: N(0, 1/hidden_size), so that with the final
+    RMSNorm output at unit RMS (norm sqrt(hidden)) the logits at any position are ~N(0, 1) across the
+    vocabulary; times logit_scale. On 32k tokens that gives entropy ~9.9 nats at scale 1 and ~0.7 at
+    12, the range of the reference sweep.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(_hf_config(cfg))
+    tensors: dict[str, Any] = {}
+    for name, param in sorted(skeleton.state_dict().items()):
+        shape = tuple(param.shape)
+        if name == "lm_head.weight":
+            w = _normal(recipe.seed, name, shape, 1.0 / math.sqrt(recipe.hidden_size))
+            tensors[name] = w * float(recipe.logit_scale)
+        elif name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shape, dtype=torch.float32)
+        else:
+            tensors[name] = _normal(recipe.seed, name, shape, recipe.init_std)
+    return tensors
+
+
+def _probe_ids(recipe: Recipe, tok, corpus: str):
+    """The fixed positions: corpus windows (real text) and seeded random regular tokens."""
+    import torch
+
+    spec = recipe.spec
+    regular = recipe.vocab_size - len(spec.special_tokens)
+    ids = tok.encode(corpus, add_special_tokens=False).ids
+    rows = []
+    n_text = PROBE_SEQUENCES // 2
+    stride = max(1, (len(ids) - PROBE_LENGTH) // n_text)
+    for i in range(n_text):
+        rows.append(ids[i * stride : i * stride + PROBE_LENGTH])
+    rand = _rng(recipe.seed, "probe").integers(0, regular, size=(PROBE_SEQUENCES - n_text, PROBE_LENGTH))
+    rows.extend(r.tolist() for r in rand)
+    if spec.add_bos:  # as the engines would see it
+        bos = tok.token_to_id(spec.bos)
+        rows = [[bos, *r[: PROBE_LENGTH - 1]] for r in rows]
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def _forward_logits(model, ids, dtype):
+    import torch
+
+    model = model.to(dtype)
+    with torch.no_grad():
+        return model(input_ids=ids).logits.reshape(-1, model.config.vocab_size)
+
+
+def _load_checkpoint(path: Path, dtype):
+    """The checkpoint in ``path`` as transformers loads it (eager attention: the plain reference path)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    # A progress bar per tiny load is noise in build logs; restore the setting afterwards.
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    return model.eval()
+
+
+def _apply_ties(recipe: Recipe, out: Path, tensors: dict[str, Any], probe) -> list[list[int]]:
+    """Copy lm_head rows so each tie group has bitwise-identical rows; return the groups (source first).
+
+    "frequent" sources are ranked by how often a token is among the TIE_RANK_TOP largest logits at
+    the probe positions, computed in float64 so the ranking (and so the build) does not depend on
+    the machine's float32 kernels. Copies are seeded random regular tokens not used elsewhere.
+    """
+    import numpy as np
+    import torch
+
+    if not recipe.tie_groups:
+        return []
+    regular = recipe.vocab_size - len(recipe.spec.special_tokens)
+    logits = _forward_logits(_load_checkpoint(out, torch.float64), probe, torch.float64)
+    top = torch.topk(logits[:, :regular], TIE_RANK_TOP, dim=-1).indices.flatten()
+    counts = torch.bincount(top, minlength=regular).numpy()
+    # Most frequent first, lower id first among equal counts.
+    by_frequency = [int(i) for i in np.lexsort((np.arange(regular), -counts))]
+    rng = _rng(recipe.seed, "ties")
+    used: set[int] = {g.source for g in recipe.tie_groups if isinstance(g.source, int)}
+    groups: list[list[int]] = []
+    lm_head = tensors["lm_head.weight"]
+    for g in recipe.tie_groups:
+        if g.source == "frequent":
+            source = next(i for i in by_frequency if i not in used)
+        elif g.source == "random":
+            source = int(rng.choice([i for i in range(regular) if i not in used]))
+        else:
+            source = int(g.source)
+        used.add(source)
+        pool = np.array([i for i in range(regular) if i not in used])
+        copies = sorted(int(i) for i in rng.choice(pool, size=g.size - 1, replace=False))
+        used.update(copies)
+        for c in copies:
+            lm_head[c] = lm_head[source]
+        groups.append([source, *copies])
+    return groups
+
+
+def _entropy(logits) -> float:
+    import torch
+
+    logp = torch.log_softmax(logits.to(torch.float64), dim=-1)
+    return float(-(logp.exp() * logp).sum(-1).mean())
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _build_into(recipe: Recipe, out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    t0 = time.perf_counter()
+    torch_threads = torch.get_num_threads()
+    corpus = (_data_dir() / "corpus.txt").read_text(encoding="utf-8")
+    spec = recipe.spec
+
+    tok = _train_tokenizer(recipe, corpus)
+    (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
+    tok_config = {
+        # Load tokenizer.json as written (its pre-tokenizer and BOS template), not a model-specific
+        # tokenizer class that would rebuild them from its own defaults.
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": spec.bos,
+        "eos_token": spec.eos,
+        "pad_token": spec.pad,
+        "model_max_length": recipe.max_position_embeddings,
+        "clean_up_tokenization_spaces": False,
+    }
+    _write_json(out / "tokenizer_config.json", tok_config)
+
+    cfg = _config_dict(recipe, tok)
+    _write_json(out / "config.json", _config_json(cfg))
+    # Token ids only: no sampling defaults, which vLLM would otherwise apply to every request.
+    gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg[k] is not None}
+    _write_json(out / "generation_config.json", gen)
+
+    torch_dtype = getattr(torch, recipe.dtype)
+
+    def save(tensors: dict[str, Any]) -> None:
+        stored = {k: v.to(torch_dtype).contiguous() for k, v in tensors.items()}
+        save_file(stored, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+    tensors = _init_weights(recipe, cfg)
+    probe = _probe_ids(recipe, tok, corpus)
+    save(tensors)
+    tie_plan = _apply_ties(recipe, out, tensors, probe)
+    if tie_plan:
+        save(tensors)
+
+    # Measure on the checkpoint as written, loaded as the trainer loads it.
+    logits = _forward_logits(_load_checkpoint(out, torch.float32), probe, torch.float32)
+    entropy = _entropy(logits)
+    for group in tie_plan:  # the promise this fixture exists for: check it before anyone relies on it
+        cols = logits[:, group]
+        if not bool((cols == cols[:, :1]).all()):
+            raise RuntimeError(f"fixture {recipe.name!r}: tie group {group} is not bitwise tied in float32")
+
+    files = sorted(p.name for p in out.iterdir() if p.is_file())
+    import tokenizers
+    import transformers
+
+    meta = {
+        "schema_version": 1,
+        "recipe_name": recipe.name,
+        "recipe_hash": recipe_hash(recipe),
+        "recipe": dataclasses.asdict(recipe),
+        "builder_version": BUILDER_VERSION,
+        "arch": recipe.arch,
+        "architecture": spec.architecture,
+        "vocab_size": recipe.vocab_size,
+        "logit_scale": recipe.logit_scale,
+        "dtype": recipe.dtype,
+        "mean_entropy_nats": round(entropy, 6),
+        "max_entropy_nats": round(math.log(recipe.vocab_size), 6),
+        "entropy_positions": int(logits.shape[0]),
+        "tie_plan": tie_plan,
+        "special_tokens": {t: tok.token_to_id(t) for t in spec.special_tokens},
+        "build_seconds": round(time.perf_counter() - t0, 3),
+        "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "tokenizers": tokenizers.__version__},
+        "torch_threads": torch_threads,
+        "files": {f: _sha256_file(out / f) for f in files},
+    }
+    # Written last: its presence marks a complete build.
+    _write_json(out / METADATA_FILE, meta)
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI: parity fixtures list | build NAME|all [--force] | path NAME
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="fixtures_command", metavar="ACTION")
+    sub.add_parser("list", help="the recipes, with measured entropy once built")
+    b = sub.add_parser("build", help="build a fixture (or all) into the cache")
+    b.add_argument("name", metavar="NAME|all")
+    b.add_argument("--force", action="store_true", help="rebuild even if cached")
+    p = sub.add_parser("path", help="print the checkpoint directory of a fixture (building it if needed)")
+    p.add_argument("name", metavar="NAME|DIR")
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def _list() -> int:
+    rows = [["NAME", "ARCH", "VOCAB", "LAYERSxHIDDEN", "LOGIT_SCALE", "TIES", "ENTROPY(nats)", "LOG(V)"]]
+    for r in list_recipes():
+        meta = fixture_metadata(fixture_dir(r)) if is_built(r) else {}
+        entropy = f"{meta['mean_entropy_nats']:.3f}" if meta else "(not built)"
+        ties = ",".join(str(g.size) for g in r.tie_groups) or "-"
+        rows.append([r.name, r.arch, str(r.vocab_size), f"{r.num_layers}x{r.hidden_size}", f"{r.logit_scale:g}",
+                     ties, entropy, f"{math.log(r.vocab_size):.3f}"])
+    print(_table(rows))
+    print(f"\ncache: {cache_root()}  (set {CACHE_ENV} to move it)")
+    return 0
+
+
+def _build(name: str, force: bool) -> int:
+    names = recipe_names() if name == "all" else [name]
+    for n in names:
+        cached = not force and is_built(load_recipe(n))
+        path = build(n, force=force)
+        meta = fixture_metadata(path)
+        how = "cached" if cached else f"built in {meta['build_seconds']:.2f}s"
+        print(f"{n}: entropy {meta['mean_entropy_nats']:.3f} nats (log V {meta['max_entropy_nats']:.3f}), "
+              f"{how} -> {path}")
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    action = getattr(args, "fixtures_command", None)
+    if action in (None, "list"):
+        return _list()
+    if action == "build":
+        return _build(args.name, args.force)
+    if action == "path":
+        print(resolve_model(args.name))
+        return 0
+    raise ValueError(f"unknown action {action!r}; allowed: list, build, path")

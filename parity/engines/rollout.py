@@ -99,9 +99,9 @@ class VllmRollout:
             max_logprobs=-1,  # allow full-vocabulary capture for small vocabularies
             max_model_len=max_model_len,
             enforce_eager=True,
-            # Off by default: with it on, a scenario that revisits an earlier scenario's tokens reads
-            # cached KV blocks and its logits drift (measured: up to 1e-4 in float32 on the CPU
-            # engine), so results would depend on scenario order.
+            # Off by default so no scenario's numbers can depend on what an earlier scenario left
+            # in the KV cache (on the CPU fixtures, a repeated run with it on was bitwise equal;
+            # --prefix-caching turns it on to test the production setting).
             enable_prefix_caching=prefix_caching,
         )
         kwargs.update(engine_kwargs or {})

@@ -39,6 +39,7 @@ class TokenTable:
     sampled_outside: torch.Tensor  # bool [T]: the sampled token is not in S_q (engine or capture fault)
     replay_support_ok: torch.Tensor  # bool [T]: S_q complete, holds y, sampler mass sums to 1
     recompute_support_equal: torch.Tensor  # bool [T]: recomputed S_p == S_q
+    support_size: torch.Tensor  # long [T]: |S_q| (V when not captured)
     kl: torch.Tensor  # float64 [T]: KL(sampler || trainer replay) over S_q (0 when not captured)
     tv: torch.Tensor  # float64 [T]: total variation over S_q
     seq_lengths: list[int]
@@ -129,6 +130,7 @@ def build_table(
             cols["sampled_outside"].append(torch.zeros(n, dtype=torch.bool))
             cols["replay_support_ok"].append(torch.ones(n, dtype=torch.bool))
             cols["recompute_support_equal"].append(rec.kept.all(dim=-1))
+            cols["support_size"].append(torch.full((n,), vocab, dtype=torch.long))
             cols["kl"].append(torch.zeros(n, dtype=torch.float64))
             cols["tv"].append(torch.zeros(n, dtype=torch.float64))
             continue
@@ -144,6 +146,7 @@ def build_table(
         sampler_lp = _sampler_lp_of(r, kept)
         mass_ok = (support_mass(sampler_lp) - 1.0).abs() <= SUPPORT_MASS_TOL
         cols["replay_support_ok"].append(~incomplete & ~rep.outside & mass_ok)
+        cols["support_size"].append((kept >= 0).sum(dim=-1))
         q_mask = estimators.ids_to_mask(kept, vocab)
         cols["recompute_support_equal"].append((rec.kept == q_mask).all(dim=-1))
         # KL / TV between the sampler's processed distribution and the trainer's replayed one, on S_q.
@@ -231,4 +234,6 @@ def summarize(table: TokenTable) -> dict:
         "incomplete_positions": int(table.incomplete.sum()),
         "sampled_outside_support": int(table.sampled_outside.sum()),
         "captured_positions": int(table.captured.sum()),
+        "max_support_size": int(table.support_size[table.captured].max()) if bool(table.captured.any()) else None,
+        "mean_support_size": float(table.support_size[table.captured].double().mean()) if bool(table.captured.any()) else None,
     }

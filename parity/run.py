@@ -33,7 +33,7 @@ SAMPLE_TEXT = "Parity checks that both sides tokenize this sentence identically,
 class RunConfig:
     model: str
     trainer_model: str | None = None
-    matrix: str = "default"
+    matrix: str | Matrix = "default"  # "default", a TOML path, or a Matrix
     out: Path = Path("reports/parity")
     device: str = "cpu"
     dtype: str = "float32"
@@ -82,7 +82,9 @@ def make_prompts(tokenizer: Any, n: int) -> list[list[int]]:
 
 
 def resolve_matrix(cfg: RunConfig) -> Matrix:
-    if cfg.matrix == "default":
+    if isinstance(cfg.matrix, Matrix):
+        m = cfg.matrix
+    elif cfg.matrix == "default":
         m = default_matrix()
     else:
         m = load_matrix(cfg.matrix)

@@ -1,0 +1,156 @@
+"""End-to-end: the real vLLM CPU engine against a transformers trainer on fixture models."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from parity.compare import TrainerFaults
+from parity.gates import Thresholds
+from parity.matrix import Matrix, Scenario, default_matrix
+from parity.run import EnginePool, RunConfig, check_same_vocabulary, run, score_scenario
+from parity.spec import SamplingSpec
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "qwen2-tiny"
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = EnginePool()
+    yield p
+    p.close()
+
+
+def small_default() -> Matrix:
+    """The default matrix, every scenario, at a size that fits the CI budget."""
+    return default_matrix(prompts=4, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def report(pool, tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    rep = run(RunConfig(model=MODEL, matrix=small_default(), out=out), progress=lambda s: None, pool=pool)
+    rep["_out"] = out
+    return rep
+
+
+def test_default_matrix_passes_every_gate(report) -> None:
+    failures = [v for s in report["scenarios"] for v in s["violations"]]
+    assert report["passed"], "\n".join(failures)
+    assert [s["name"] for s in report["scenarios"]] == [s.name for s in small_default().scenarios]
+
+
+def test_naive_trainer_is_biased_by_exactly_log_s(report) -> None:
+    """The negative control: with filters on, full-vocabulary log-probs are off by log S < 0."""
+    filtered = [s for s in report["scenarios"] if s["log_s"]["mean"] < -1e-3]
+    assert len(filtered) >= 10
+    for s in filtered:
+        assert s["naive"]["bias_mean"] < -1e-3, s["name"]
+        assert abs(s["naive"]["bias_mean"] - s["log_s"]["mean"]) <= 1e-5, s["name"]
+        assert s["naive"]["max_abs_gap_to_log_s"] <= 1e-5, s["name"]
+        assert s["is_ratio"]["naive"]["sequence"]["mean"] < 1.0, s["name"]
+    unfiltered = [s for s in report["scenarios"] if s["name"] in ("baseline T=1", "greedy T=0", "T=0.7", "T=1.3")]
+    for s in unfiltered:
+        assert s["log_s"]["mean"] == 0.0 and abs(s["naive"]["bias_mean"]) <= 1e-5
+
+
+def test_tie_fixture_reaches_the_top_k_boundary(report) -> None:
+    ties = [s for s in report["scenarios"] if s["name"].startswith("ties")]
+    assert ties and all(s["incomplete_positions"] == 0 for s in ties)
+    # A tie at the k-th value keeps more than k tokens somewhere; the capture margin caught it.
+    assert any(s.get("max_support_size", 0) > s["spec"]["top_k"] for s in ties), [s.get("max_support_size") for s in ties]
+
+
+def test_report_files_and_schema(report) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    from parity.report import report_schema
+
+    out = report["_out"]
+    data = json.loads((out / "report.json").read_text())
+    jsonschema.validate(data, report_schema())
+    assert data["schema_version"] == 1
+    md = (out / "report.md").read_text()
+    assert md.startswith("# parity report") and "PASS" in md
+    for png in ("drift_hist.png", "log_s_bias.png"):
+        assert (out / png).stat().st_size > 1000
+    broken = dict(data)
+    broken.pop("passed")
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, report_schema())
+
+
+def test_same_inputs_give_identical_report(pool, tmp_path) -> None:
+    m = Matrix("two", (Scenario("top_p", SamplingSpec(0.8, 0, 0.9, 0.0), prompts=3, max_tokens=6),
+                       Scenario("top_k", SamplingSpec(1.2, 7, 1.0, 0.05), prompts=3, max_tokens=6)))
+    texts = []
+    for i in range(2):
+        run(RunConfig(model=MODEL, matrix=m, out=tmp_path / str(i), plots=False), progress=lambda s: None, pool=pool)
+        data = json.loads((tmp_path / str(i) / "report.json").read_text())
+        data.pop("timings")
+        texts.append(json.dumps(data, sort_keys=True))
+    assert texts[0] == texts[1]
+
+
+@pytest.mark.parametrize(
+    ("fault", "gate"),
+    [
+        (TrainerFaults(perturb_logits=0.05), "replay max |diff|"),
+        (TrainerFaults(forget_temperature=True), "replay max |diff|"),
+        (TrainerFaults(swap_token=True), "recompute max |diff|"),
+        (TrainerFaults(drop_kept=True), "replay support equality"),
+    ],
+    ids=["perturb-logits", "forget-temperature", "swap-token", "drop-kept"],
+)
+def test_planted_faults_fail_the_gates(pool, fault, gate) -> None:
+    cfg = RunConfig(model=MODEL, faults=fault)
+    rollout, trainer = pool.get(MODEL, cfg, lambda s: None)
+    sc = Scenario("planted", SamplingSpec(temperature=0.7, top_k=20, top_p=0.9), prompts=4, max_tokens=8)
+    res = score_scenario(rollout, trainer, sc, cfg)
+    assert any(gate in v for v in res.violations), res.violations
+    clean = score_scenario(rollout, trainer, sc, RunConfig(model=MODEL))
+    assert clean.violations == []
+
+
+def test_mismatched_tokenizer_is_an_error_before_comparison(pool, tmp_path) -> None:
+    from parity.engines.trainer import TransformersTrainer
+    from parity.fixtures import resolve_model
+
+    src = resolve_model(MODEL)
+    dst = tmp_path / "swapped"
+    shutil.copytree(src, dst)
+    tok = json.loads((dst / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]  # two ordinary merged tokens
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (dst / "tokenizer.json").write_text(json.dumps(tok))
+    rollout, _ = pool.get(MODEL, RunConfig(model=MODEL), lambda s: None)
+    trainer = TransformersTrainer(dst)
+    with pytest.raises(ValueError, match="tokenizer/vocabulary mismatch"):
+        check_same_vocabulary(rollout, trainer)
+
+
+def test_cli_errors_are_one_readable_line(capsys, tmp_path) -> None:
+    from parity.cli import main
+
+    assert main(["run", "--model", str(tmp_path / "nope"), "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert "nope" in err and "error" in err
+    bad = tmp_path / "m.toml"
+    bad.write_text('[[scenario]]\nname = "x"\ntop_p = 1.5\n')
+    assert main(["run", "--model", MODEL, "--matrix", str(bad)]) == 2
+    assert "top_p=1.5" in capsys.readouterr().err
+    assert main(["run", "--gate", "replay_max_abs_diff"]) == 2
+    assert "NAME=VALUE" in capsys.readouterr().err
+
+
+def test_strict_thresholds_fail_and_name_the_token(pool) -> None:
+    """Float32 drift between the engines is real (~1e-6): a zero tolerance must catch it."""
+    cfg = RunConfig(model=MODEL, thresholds=Thresholds(replay_max_abs_diff=0.0, recompute_max_abs_diff=0.0))
+    rollout, trainer = pool.get(MODEL, cfg, lambda s: None)
+    res = score_scenario(rollout, trainer, Scenario("strict", SamplingSpec(1.0, 0, 0.9, 0.0), prompts=4, max_tokens=8), cfg)
+    line = next(v for v in res.violations if "replay max |diff|" in v)
+    assert "prompt " in line and "position " in line and "token " in line and "gap=" in line

@@ -47,6 +47,7 @@ class RunConfig:
     full_vocab_limit: int = 4096
     timeout_s: float = 900.0
     prefix_caching: bool = False
+    server: str | None = None  # None: offline engine; "spawn": a local vLLM server; or a URL to attach to
     plots: bool = True
 
 
@@ -149,8 +150,7 @@ class EnginePool:
             trainer_path = _resolve(trainer_name)
             progress(f"parity: starting vLLM ({cfg.device}, {cfg.dtype}) and transformers ({trainer_dtype}) on {model_name}")
             trainer = TransformersTrainer(trainer_path, dtype=trainer_dtype, device=cfg.device)
-            rollout = VllmRollout(
-                model_path,
+            common = dict(
                 dtype=cfg.dtype,
                 device=cfg.device,
                 seed=cfg.seed,
@@ -159,6 +159,12 @@ class EnginePool:
                 timeout_s=cfg.timeout_s,
                 prefix_caching=cfg.prefix_caching,
             )
+            if cfg.server:
+                from parity.engines.server import ServerRollout
+
+                rollout = ServerRollout(model_path, server=cfg.server, **common)
+            else:
+                rollout = VllmRollout(model_path, **common)
             try:
                 check_same_vocabulary(rollout, trainer)
             except Exception:
@@ -231,6 +237,7 @@ def run(cfg: RunConfig, progress: Callable[[str], None] = _progress, pool: Engin
             "matrix": matrix.name,
             "seed": cfg.seed,
             "prefix_caching": cfg.prefix_caching,
+            "rollout": "vllm-server" if cfg.server else "vllm-offline",
             "thresholds": cfg.thresholds.to_dict(),
             "planted_faults": {k: v for k, v in cfg.faults.__dict__.items() if v},
         },
@@ -271,6 +278,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds any one engine call may take")
     p.add_argument("--plant", choices=sorted(FAULTS), default=None, help="plant a trainer-side fault (self-test of the gates)")
     p.add_argument("--prefix-caching", action="store_true", help="let vLLM reuse cached KV blocks across scenarios (off: order-independent results)")
+    p.add_argument(
+        "--server",
+        default=None,
+        metavar="spawn|URL",
+        help="sample through vLLM's OpenAI-compatible server: 'spawn' starts one on 127.0.0.1, a URL attaches",
+    )
     p.add_argument("--no-plots", action="store_true")
 
 
@@ -305,6 +318,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         full_vocab_limit=args.full_vocab_limit,
         timeout_s=args.timeout,
         prefix_caching=args.prefix_caching,
+        server=args.server,
         plots=not args.no_plots,
     )
 

@@ -85,12 +85,10 @@ def recompute(
     y = _check_ids(sampled, res.scaled)
     kept = res.kept
     forced = ~kept.gather(1, y.unsqueeze(1)).squeeze(1)
-    support = kept.clone()
     if force_include:
-        support.scatter_(1, y.unsqueeze(1), True)
-    z = res.scaled.masked_fill(~support, NEG_INF)
-    lse = torch.logsumexp(z, dim=-1)
-    lp = z.gather(1, y.unsqueeze(1)).squeeze(1) - lse
+        lp = _log_renormalised(res.scaled, y, kept.scatter(1, y.unsqueeze(1), True))
+    else:  # y outside S_p scores -inf, as a naive trainer would get
+        lp = _log_renormalised(res.scaled, y, kept).masked_fill(forced, NEG_INF)
     return RecomputeResult(lp, kept, forced)
 
 
@@ -113,17 +111,42 @@ def ids_to_mask(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return mask[:, :vocab]
 
 
-def _support_lse(z: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """logsumexp of z over the kept set, given as a mask [N, V] or padded ids [N, K]."""
+def _support_values(z: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """z on the kept set: ``[N, V]`` with -inf off a mask, or ``[N, K]`` gathered from padded ids."""
     if kept.dtype == torch.bool:
         if kept.shape != z.shape:
             raise ValueError(f"kept mask has shape {tuple(kept.shape)}: allowed the logits' shape {tuple(z.shape)}")
-        return torch.logsumexp(z.masked_fill(~kept, NEG_INF), dim=-1)
+        return z.masked_fill(~kept, NEG_INF)
     if kept.dim() != 2 or kept.shape[0] != z.shape[0]:
         raise ValueError(f"kept ids have shape {tuple(kept.shape)}: allowed [{z.shape[0]}, K]")
     # Gather K values per row: never touches the other V - K logits.
-    vals = z.gather(1, kept.clamp(min=0).long()).masked_fill(kept < 0, NEG_INF)
-    return torch.logsumexp(vals, dim=-1)
+    return z.gather(1, kept.clamp(min=0).long()).masked_fill(kept < 0, NEG_INF)
+
+
+def _row_max(vals: torch.Tensor) -> torch.Tensor:
+    """Row max ``[N, 1]``; 0 where a row has no finite value, so an empty set gives +-inf, not NaN."""
+    m = vals.amax(dim=-1, keepdim=True)
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+def _log_sum_exp_shifted(vals: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``log(sum(exp(vals - m)))`` per row, in float64 after the float32 shift.
+
+    Why the shift comes first: at small temperatures z' = z / T reaches thousands, where one float32
+    ulp is ~1e-4. ``z'_y - logsumexp(z'_S)`` subtracts two such numbers, each rounded, and loses the
+    1e-6 agreement with the sampler; ``log_softmax`` (what vLLM runs) computes ``(x - max) - log(sum)``
+    instead. Shifting by the same max in float32 reproduces vLLM's ``x - max`` exactly; the sum and log
+    then run in float64 so they add no error of their own.
+    """
+    return torch.log(torch.exp((vals - m).double()).sum(dim=-1))
+
+
+def _log_renormalised(z: torch.Tensor, y: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """``z_y - logsumexp(z over kept)``, computed as ``log_softmax`` does (shift by the kept max first)."""
+    vals = _support_values(z, kept)
+    m = _row_max(vals)
+    zy = z.gather(1, y.unsqueeze(1)) - m
+    return (zy.squeeze(1).double() - _log_sum_exp_shifted(vals, m)).to(z.dtype)
 
 
 @dataclass
@@ -151,7 +174,7 @@ def replay(
     """Renormalise trainer logits over the sampler's kept set: ``z'_y - logsumexp(z'_{S_q})``."""
     z = scale(logits, specs)
     y = _check_ids(sampled, z)
-    lp = z.gather(1, y.unsqueeze(1)).squeeze(1) - _support_lse(z, kept)
+    lp = _log_renormalised(z, y, kept)
     return ReplayResult(lp, ~_contains(kept, y))
 
 
@@ -160,4 +183,8 @@ def predicted_log_s(
 ) -> torch.Tensor:
     """log S = ``logsumexp(z'_{S_q}) - logsumexp(z')``: the mass that survived the filters (<= 0)."""
     z = scale(logits, specs)
-    return _support_lse(z, kept) - torch.logsumexp(z, dim=-1)
+    # One shift (the row max) for both sums: the difference of two float32 logsumexps near z' ~ 1e3
+    # would carry ~1e-4 of rounding (see _log_sum_exp_shifted).
+    m = _row_max(z)
+    log_s = _log_sum_exp_shifted(_support_values(z, kept), m) - _log_sum_exp_shifted(z, m)
+    return log_s.to(z.dtype)

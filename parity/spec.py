@@ -7,13 +7,17 @@ it directly. It imports no engine.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
 # vLLM treats temperatures below this as greedy (``_SAMPLING_EPS`` in vllm/sampling_params.py and
 # vllm/v1/sample/sampler.py).
 SAMPLING_EPS = 1e-5
+# ``SamplingParams.__post_init__`` raises any temperature in (0, 0.01) to 0.01 before it decides
+# greedy vs random (``_MAX_TEMP`` in vllm/sampling_params.py), so only T == 0 is greedy: T = 5e-6 samples
+# at T = 0.01 with every filter active. ``_verify_args`` refuses T > 2.
+MIN_RANDOM_TEMPERATURE = 1e-2
+MAX_TEMPERATURE = 2.0
 
 
 def _fail(field: str, value: object, allowed: str) -> ValueError:
@@ -24,7 +28,8 @@ def _fail(field: str, value: object, allowed: str) -> ValueError:
 class SamplingSpec:
     """Filter settings of one request.
 
-    temperature: >= 0; below 1e-5 means greedy (vLLM then ignores top_k/top_p/min_p).
+    temperature: in [0, 2]; 0 means greedy (vLLM then ignores top_k/top_p/min_p); values in (0, 0.01)
+        are raised to 0.01, as vLLM's SamplingParams does, so they are *not* greedy.
     top_k: 0 or -1 = off, otherwise >= 1 (ties with the k-th value are kept, so |S| may exceed k).
     top_p: in (0, 1]; 1 = off.
     min_p: in [0, 1]; 0 = off.
@@ -37,8 +42,9 @@ class SamplingSpec:
 
     def __post_init__(self) -> None:
         t, k, p, m = self.temperature, self.top_k, self.top_p, self.min_p
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise _fail("temperature", t, "a finite number >= 0 (values below 1e-5 mean greedy)")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 <= t <= MAX_TEMPERATURE):
+            # vLLM's SamplingParams._verify_args refuses T > 2: a spec the engine cannot run is useless.
+            raise _fail("temperature", t, "a finite number in [0, 2] (0 means greedy)")
         if isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k not in (0, -1)):
             raise _fail("top_k", k, "an integer: 0 or -1 (off) or >= 1")
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
@@ -53,8 +59,16 @@ class SamplingSpec:
     # -- what the sampler will actually apply -------------------------------------------------
 
     @property
+    def effective_temperature(self) -> float:
+        """The temperature vLLM samples with: (0, 0.01) is raised to 0.01 (SamplingParams.__post_init__)."""
+        t = self.temperature
+        return MIN_RANDOM_TEMPERATURE if 0.0 < t < MIN_RANDOM_TEMPERATURE else t
+
+    @property
     def greedy(self) -> bool:
-        return self.temperature < SAMPLING_EPS
+        # SamplingParams.sampling_type: GREEDY when temperature < _SAMPLING_EPS, read *after* the
+        # (0, 0.01) -> 0.01 clamp, so in practice only T == 0.
+        return self.effective_temperature < SAMPLING_EPS
 
     @property
     def uses_top_k(self) -> bool:
@@ -76,13 +90,14 @@ class SamplingSpec:
     def effective(self) -> SamplingSpec:
         """The spec as vLLM applies it: greedy requests drop every filter.
 
-        Mirrors ``SamplingParams.__post_init__`` (vllm/sampling_params.py), which resets top_p, top_k
-        and min_p when temperature < _SAMPLING_EPS.
+        Mirrors ``SamplingParams.__post_init__`` (vllm/sampling_params.py), which raises temperatures in
+        (0, 0.01) to 0.01 and resets top_p, top_k and min_p when temperature < _SAMPLING_EPS.
         """
         if self.greedy:
             return SamplingSpec(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
-        if self.top_k == -1:
-            return SamplingSpec(self.temperature, 0, self.top_p, self.min_p)
+        t = self.effective_temperature
+        if self.top_k == -1 or t != self.temperature:
+            return SamplingSpec(t, 0 if self.top_k == -1 else self.top_k, self.top_p, self.min_p)
         return self
 
     def top_k_for_vocab(self, vocab_size: int) -> int:
@@ -116,9 +131,12 @@ class SamplingSpec:
         return cls(**data)
 
     def sampling_params_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``vllm.SamplingParams`` (no vLLM import needed)."""
+        """Keyword arguments for ``vllm.SamplingParams`` (no vLLM import needed).
+
+        The temperature is passed already clamped, so vLLM does not log its clamp warning per request.
+        """
         return {
-            "temperature": self.temperature,
+            "temperature": self.effective_temperature,
             "top_k": self.top_k if self.top_k >= 1 else 0,
             "top_p": self.top_p,
             "min_p": self.min_p,

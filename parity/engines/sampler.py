@@ -43,6 +43,7 @@ class VllmSampler:
     def __call__(
         self, logits: torch.Tensor, specs: SamplingSpec | Sequence[SamplingSpec], *, seed: int = 0
     ) -> SamplerOutput:
+        from vllm.sampling_params import SamplingType
         from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessors
         from vllm.v1.sample.metadata import SamplingMetadata
 
@@ -51,7 +52,9 @@ class VllmSampler:
             raise ValueError(f"batch of {n} rows exceeds max_num_seqs={self._max_num_seqs}")
         row_specs = [specs] * n if isinstance(specs, SamplingSpec) else list(specs)
         params = [s.to_sampling_params() for s in row_specs]  # SamplingParams resets greedy filters
-        greedy = [s.greedy for s in row_specs]
+        # Read greedy-ness and temperature off the SamplingParams, as InputBatch.add_request does
+        # (sampling_type), not off the spec: the ground truth must not inherit the spec's assumptions.
+        greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
 
         config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=self._max_num_seqs))
         min_p = self._min_p_cls(config, torch.device("cpu"), False)

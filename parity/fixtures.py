@@ -43,7 +43,7 @@ from typing import Any
 
 # Bump when the builder's output for an unchanged recipe changes: it is part of the recipe hash, so
 # old cache entries are simply not found any more (never silently reused).
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 
 METADATA_FILE = "parity_fixture.json"
 RECIPES_FILE = "recipes.toml"
@@ -83,10 +83,25 @@ class ArchSpec:
     # vLLM's Qwen2 derives head_dim from hidden_size // num_heads and ignores config.head_dim
     # (vllm/model_executor/models/qwen2.py Qwen2Attention), so for it the two must agree.
     head_dim_from_hidden: bool
+    # How text is split before BPE (a Split regex, then byte-level mapping) and whether it is NFC
+    # normalized first. For qwen2/qwen3, transformers 5 ignores tokenizer.json's pipeline and rebuilds
+    # Qwen2Tokenizer's own (NFC + this regex: models/qwen2/tokenization_qwen2.py), and vLLM loads the
+    # tokenizer through transformers; writing exactly that pipeline keeps tokenizer.json, transformers
+    # and vLLM in agreement. Llama has no such class in transformers 5: tokenizer.json is used as is.
+    pretokenize_regex: str
+    nfc: bool
     extra_config: tuple[tuple[str, Any], ...] = ()
 
 
 _QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Contractions, letter runs with one leading non-letter, single digits (Qwen) or runs of up to three
+# (Llama 3), punctuation runs, newlines, other whitespace.
+_QWEN_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+_LLAMA_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 _LLAMA_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|finetune_right_pad_id|>")
 
 ARCHS: dict[str, ArchSpec] = {
@@ -99,6 +114,8 @@ ARCHS: dict[str, ArchSpec] = {
         pad="<|endoftext|>",
         add_bos=False,
         head_dim_from_hidden=True,
+        pretokenize_regex=_QWEN_REGEX,
+        nfc=True,
         extra_config=(("use_sliding_window", False), ("sliding_window", None)),
     ),
     "llama": ArchSpec(
@@ -110,6 +127,8 @@ ARCHS: dict[str, ArchSpec] = {
         pad="<|finetune_right_pad_id|>",
         add_bos=True,
         head_dim_from_hidden=False,
+        pretokenize_regex=_LLAMA_REGEX,
+        nfc=False,
         extra_config=(("attention_bias", False), ("mlp_bias", False)),
     ),
     "qwen3": ArchSpec(
@@ -121,6 +140,8 @@ ARCHS: dict[str, ArchSpec] = {
         pad="<|endoftext|>",
         add_bos=False,
         head_dim_from_hidden=False,
+        pretokenize_regex=_QWEN_REGEX,
+        nfc=True,
         extra_config=(("attention_bias", False), ("use_sliding_window", False), ("sliding_window", None)),
     ),
 }
@@ -478,14 +499,34 @@ def _normal(seed: int, label: str, shape: Sequence[int], std: float):
 
 def _train_tokenizer(recipe: Recipe, corpus: str):
     """Byte-level BPE trained on the corpus, padded with reserved tokens to exactly vocab_size."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     spec = recipe.spec
     n_special = len(spec.special_tokens)
     target = recipe.vocab_size - n_special  # ids [0, target) are regular tokens, specials follow
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
+
+    def pipeline(tok: Tokenizer) -> Tokenizer:
+        # The same normalization and splitting for training and for use: merges match what they see.
+        if spec.nfc:
+            tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(spec.pretokenize_regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+        tok.decoder = decoders.ByteLevel()
+        return tok
+
+    tok = pipeline(Tokenizer(models.BPE()))
     trainer = trainers.BpeTrainer(
         vocab_size=target,
         min_frequency=2,
@@ -505,9 +546,7 @@ def _train_tokenizer(recipe: Recipe, corpus: str):
     for i in range(target - len(vocab)):
         vocab[f"<|reserved_{i}|>"] = len(vocab)
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in model["merges"]]
-    full = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    full.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    full.decoder = decoders.ByteLevel()
+    full = pipeline(Tokenizer(models.BPE(vocab=vocab, merges=merges)))
     full.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in spec.special_tokens])
     byte_level = processors.ByteLevel(trim_offsets=False)
     if spec.add_bos:

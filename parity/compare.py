@@ -43,6 +43,9 @@ class TokenTable:
     kl: torch.Tensor  # float64 [T]: KL(sampler || trainer replay) over S_q (0 when not captured)
     tv: torch.Tensor  # float64 [T]: total variation over S_q
     seq_lengths: list[int]
+    user: torch.Tensor | None = None  # float64 [T]: a trainer under test's log-probs (parity.trainers)
+    user_name: str | None = None
+    user_diagnosis: str | None = None
 
     @property
     def tokens(self) -> int:
@@ -53,7 +56,10 @@ class TokenTable:
 
     def select(self, mask: torch.Tensor) -> TokenTable:
         """Rows where ``mask`` holds (sequence lengths are recomputed per prompt)."""
-        kw = {f.name: getattr(self, f.name)[mask] for f in fields(self) if f.name != "seq_lengths"}
+        kw: dict = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            kw[f.name] = v[mask] if isinstance(v, torch.Tensor) else v
         counts = torch.bincount(kw["prompt_index"]) if mask.any() else torch.zeros(0, dtype=torch.long)
         kw["seq_lengths"] = [int(c) for c in counts if int(c) > 0]
         return TokenTable(**kw)
@@ -105,7 +111,9 @@ def build_table(
     faults = faults or TrainerFaults()
     vocab = int(logits[0].shape[-1]) if logits else 0
     trainer_spec = SamplingSpec(1.0, spec.top_k, spec.top_p, spec.min_p) if faults.forget_temperature and not spec.greedy else spec
-    cols: dict[str, list[torch.Tensor]] = {f.name: [] for f in fields(TokenTable) if f.name != "seq_lengths"}
+    cols: dict[str, list[torch.Tensor]] = {
+        f.name: [] for f in fields(TokenTable) if f.name not in ("seq_lengths", "user", "user_name", "user_diagnosis")
+    }
     lengths = []
     for r, (y, z, kept) in zip(records, _plant(records, list(logits), faults, vocab), strict=True):
         n = r.length
@@ -233,7 +241,22 @@ def summarize(table: TokenTable) -> dict:
         "tv_over_support": {"mean": float(tv.mean()) if tv.numel() else 0.0, "max": float(tv.max()) if tv.numel() else 0.0},
         "incomplete_positions": int(table.incomplete.sum()),
         "sampled_outside_support": int(table.sampled_outside.sum()),
+        **({"trainer_under_test": _user_summary(t)} if t.user is not None else {}),
         "captured_positions": int(table.captured.sum()),
         "max_support_size": int(table.support_size[table.captured].max()) if bool(table.captured.any()) else None,
         "mean_support_size": float(table.support_size[table.captured].double().mean()) if bool(table.captured.any()) else None,
+    }
+
+
+def _user_summary(t: TokenTable) -> dict:
+    from parity.metrics import diff_stats
+
+    assert t.user is not None
+    d = diff_stats(t.user, t.vllm)
+    gap = diff_stats(t.user - t.vllm, t.log_s)
+    return {
+        "name": t.user_name,
+        **d.to_dict(),
+        "max_abs_gap_to_log_s": gap.max_abs_diff,
+        "diagnosis": t.user_diagnosis,
     }

@@ -127,6 +127,16 @@ def evaluate(scenario: str, table: TokenTable, summary: dict[str, Any], th: Thre
     token_gate(
         "recompute max |diff|", "trainer_recompute", usable.recompute, summary["recompute"]["max_abs_diff"], th.recompute_max_abs_diff
     )
+    if usable.user is not None:
+        ut = summary["trainer_under_test"]
+        name = f"trainer {ut['name']!r}"
+        if over(ut["max_abs_diff"], th.replay_max_abs_diff) or over(abs(ut["mean_diff"]), th.fixed_mean_bias):
+            worst = _worst(usable, usable.user - usable.vllm, n)
+            lines = "; ".join(_token_line(usable, i, "trainer_under_test", usable.user, usable.log_s) for i in worst)
+            out.append(
+                f"{tag} {name}: {ut['diagnosis']} (max |diff| {ut['max_abs_diff']:.3g}, mean {ut['mean_diff']:.3g}, "
+                f"limits {th.replay_max_abs_diff:.3g} / {th.fixed_mean_bias:.3g}); worst: {lines}"
+            )
     for est in ("replay", "recompute"):
         bias = summary[est]["mean_diff"]
         if over(abs(bias), th.fixed_mean_bias):

@@ -47,6 +47,7 @@ class RunConfig:
     full_vocab_limit: int = 4096
     timeout_s: float = 900.0
     prefix_caching: bool = False
+    trainer: Any = None  # trainer under test: "full" | "recompute" | "replay" | "module:function"
     server: str | None = None  # None: offline engine; "spawn": a local vLLM server; or a URL to attach to
     plots: bool = True
 
@@ -127,9 +128,29 @@ def score_scenario(rollout: Any, trainer: Any, sc: Scenario, cfg: RunConfig) -> 
     records = rollout.generate(prompts, sc.spec, max_tokens=sc.max_tokens, seed=cfg.seed + sc.seed)
     logits = trainer.logits(records)
     table = build_table(records, logits, sc.spec, faults=cfg.faults)
+    if cfg.trainer:
+        score_trainer_under_test(table, records, logits, sc, cfg.trainer, trainer, cfg.thresholds.replay_max_abs_diff)
     summary = summarize(table)
     violations = evaluate(sc.name, table, summary, cfg.thresholds)
     return ScenarioResult(sc, records, table, summary, violations, time.perf_counter() - t0)
+
+
+def score_trainer_under_test(table: Any, records: list[Any], logits: list[Any], sc: Scenario, name: Any, trainer: Any, tol: float) -> None:
+    """Run the trainer under test on the sampled batch and attach its values and diagnosis to the table."""
+    import torch
+
+    from parity.trainers import call_trainer, diagnose, load_trainer, make_batch, reference_views
+
+    label, fn = load_trainer(name)
+    batch = make_batch(records, logits, sc.spec, getattr(trainer, "model", None), getattr(trainer, "model_path", ""))
+    table.user = call_trainer(fn, label, batch)
+    table.user_name = label
+    ys = [torch.tensor(r.completion_ids, dtype=torch.long) for r in records]
+    untempered, shifted = reference_views(logits, ys, sc.spec)
+    ok = ~table.incomplete
+    table.user_diagnosis = diagnose(
+        table.user[ok], table.vllm[ok], table.log_s[ok], untempered=untempered[ok], shifted=shifted[ok], tol=tol
+    )
 
 
 class EnginePool:
@@ -238,6 +259,7 @@ def run(cfg: RunConfig, progress: Callable[[str], None] = _progress, pool: Engin
             "seed": cfg.seed,
             "prefix_caching": cfg.prefix_caching,
             "rollout": "vllm-server" if cfg.server else "vllm-offline",
+            "trainer_under_test": cfg.trainer if cfg.trainer is None or isinstance(cfg.trainer, str) else getattr(cfg.trainer, "__qualname__", "callable"),
             "thresholds": cfg.thresholds.to_dict(),
             "planted_faults": {k: v for k, v in cfg.faults.__dict__.items() if v},
         },
@@ -279,6 +301,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plant", choices=sorted(FAULTS), default=None, help="plant a trainer-side fault (self-test of the gates)")
     p.add_argument("--prefix-caching", action="store_true", help="let vLLM reuse cached KV blocks across scenarios (off: order-independent results)")
     p.add_argument(
+        "--trainer",
+        default=None,
+        metavar="NAME|module:function",
+        help="score a trainer under test: full, recompute, replay, or your own module:function (see README)",
+    )
+    p.add_argument(
         "--server",
         default=None,
         metavar="spawn|URL",
@@ -319,6 +347,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         timeout_s=args.timeout,
         prefix_caching=args.prefix_caching,
         server=args.server,
+        trainer=args.trainer,
         plots=not args.no_plots,
     )
 

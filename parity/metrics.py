@@ -25,7 +25,22 @@ def _finite_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     b = b.double()
     both_inf = torch.isinf(a) & torch.isinf(b) & (torch.sign(a) == torch.sign(b))
     diff = torch.where(both_inf, torch.zeros_like(a), a - b)
-    return torch.nan_to_num(diff, nan=math.inf)
+    # Not nan_to_num(nan=inf) alone: it also clamps +-inf to +-1.8e308, so a support mismatch would
+    # read as a huge finite gap and the p99 below would be computed over it.
+    return torch.where(torch.isnan(diff), torch.full_like(diff, math.inf), diff)
+
+
+def _quantile(x: torch.Tensor, q: float) -> float:
+    """``torch.quantile(x, q)`` with its default linear interpolation, for any size.
+
+    torch.quantile refuses inputs of 2**24 elements or more ("input tensor is too large"), which a
+    full-vocabulary comparison reaches (512 positions x 33k vocabulary); a sort has no such limit.
+    """
+    s = x.flatten().sort().values
+    pos = q * (s.numel() - 1)
+    lo = int(pos)
+    hi = min(lo + 1, s.numel() - 1)
+    return float(s[lo] + (s[hi] - s[lo]) * (pos - lo))
 
 
 @dataclass
@@ -51,7 +66,7 @@ def diff_stats(a: torch.Tensor, b: torch.Tensor) -> DiffStats:
         return DiffStats(0.0, 0.0, 0.0, 0.0, -1)
     ad = d.abs()
     finite = ad[torch.isfinite(ad)]
-    p99 = float(torch.quantile(finite, 0.99)) if finite.numel() == ad.numel() else math.inf
+    p99 = _quantile(finite, 0.99) if finite.numel() == ad.numel() else math.inf
     return DiffStats(
         max_abs_diff=float(ad.max()),
         mean_diff=float(d.mean()),

@@ -136,3 +136,49 @@ def support_mass(kept_logprobs: torch.Tensor) -> torch.Tensor:
     renormalised).
     """
     return torch.exp(kept_logprobs.double()).sum(dim=-1)
+
+
+def validate_native_mask(spec: SamplingSpec) -> None:
+    """vLLM's native kept-set return (``return_sampling_mask=True``) refuses some specs: say so first.
+
+    Mirrors the checks in ``InputProcessor`` (vllm/v1/engine/input_processor.py): temperature > 0
+    (no greedy rows) and top_k > 0 (to bound the mask's size).
+    """
+    if spec.temperature <= 0:
+        raise ValueError(
+            f"native sampling-mask capture needs temperature > 0, got temperature={spec.temperature!r}: "
+            f"use top-K capture (--capture topk) for greedy scenarios"
+        )
+    if spec.top_k <= 0:
+        raise ValueError(
+            f"native sampling-mask capture needs top_k > 0 to bound the mask, got top_k={spec.top_k!r}: "
+            f"set top_k or use top-K capture (--capture topk)"
+        )
+
+
+def padded_ids(rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Ragged per-position id lists → ``[L, K]`` sorted ascending, ``-1`` padded."""
+    width = max([len(r) for r in rows] + [1])
+    out = torch.full((len(rows), width), -1, dtype=torch.long)
+    for t, r in enumerate(rows):
+        if len(r):
+            out[t, : len(r)] = torch.tensor(sorted(int(i) for i in r), dtype=torch.long)
+    return out
+
+
+def compare_supports(a: torch.Tensor, b: torch.Tensor, *, skip: torch.Tensor | None = None) -> list[int]:
+    """Positions where two captured supports (``[L, K]`` padded ids, any order) differ.
+
+    ``skip`` marks positions to leave out (for example top-K positions flagged incomplete).
+    """
+    if a.shape[0] != b.shape[0]:
+        raise ValueError(f"supports cover {a.shape[0]} and {b.shape[0]} positions")
+    bad = []
+    for t in range(a.shape[0]):
+        if skip is not None and bool(skip[t]):
+            continue
+        sa = {int(i) for i in a[t] if int(i) >= 0}
+        sb = {int(i) for i in b[t] if int(i) >= 0}
+        if sa != sb:
+            bad.append(t)
+    return bad

@@ -48,6 +48,7 @@ class RunConfig:
     timeout_s: float = 900.0
     prefix_caching: bool = False
     trainer: Any = None  # trainer under test: "full" | "recompute" | "replay" | "module:function"
+    capture: str = "topk"  # "topk" | "native" (vLLM return_sampling_mask, CUDA) | "both" (and compare them)
     server: str | None = None  # None: offline engine; "spawn": a local vLLM server; or a URL to attach to
     plots: bool = True
 
@@ -132,6 +133,12 @@ def score_scenario(rollout: Any, trainer: Any, sc: Scenario, cfg: RunConfig) -> 
         score_trainer_under_test(table, records, logits, sc, cfg.trainer, trainer, cfg.thresholds.replay_max_abs_diff)
     summary = summarize(table)
     violations = evaluate(sc.name, table, summary, cfg.thresholds)
+    if any("native_kept_ids" in r.extras for r in records):
+        mism = [(r.prompt_index, int(t)) for r in records for t in r.extras.get("native_vs_topk_mismatch", [])]
+        summary["native_capture"] = {"mode": cfg.capture, "mismatched_positions": len(mism)}
+        if mism:
+            where = "; ".join(f"prompt {p}, position {t}" for p, t in mism[: cfg.thresholds.max_violations_listed])
+            violations.append(f"[{sc.name}] native sampling mask and top-K capture disagree on S_q at {len(mism)} positions: {where}")
     return ScenarioResult(sc, records, table, summary, violations, time.perf_counter() - t0)
 
 
@@ -180,6 +187,8 @@ class EnginePool:
                 timeout_s=cfg.timeout_s,
                 prefix_caching=cfg.prefix_caching,
             )
+            if cfg.capture != "topk":
+                common["capture"] = cfg.capture
             if cfg.server:
                 from parity.engines.server import ServerRollout
 
@@ -301,6 +310,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plant", choices=sorted(FAULTS), default=None, help="plant a trainer-side fault (self-test of the gates)")
     p.add_argument("--prefix-caching", action="store_true", help="let vLLM reuse cached KV blocks across scenarios (off: order-independent results)")
     p.add_argument(
+        "--capture",
+        choices=["topk", "native", "both"],
+        default="topk",
+        help="how S_q is captured: top-K processed log-probs, vLLM's native sampling mask (CUDA, Model Runner V2), or both compared",
+    )
+    p.add_argument(
         "--trainer",
         default=None,
         metavar="NAME|module:function",
@@ -348,6 +363,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         prefix_caching=args.prefix_caching,
         server=args.server,
         trainer=args.trainer,
+        capture=args.capture,
         plots=not args.no_plots,
     )
 

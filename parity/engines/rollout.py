@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from parity.capture import FULL_VOCAB, plan_capture, support_from_heads
+from parity.capture import FULL_VOCAB, compare_supports, padded_ids, plan_capture, support_from_heads, validate_native_mask
 from parity.records import SequenceRecord
 from parity.spec import SamplingSpec
 
@@ -72,13 +72,26 @@ class VllmRollout:
         head: int | None = None,
         timeout_s: float = 900.0,
         prefix_caching: bool = False,
+        capture: str = "topk",
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         path = Path(model)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model path {str(model)!r} has no config.json: allowed a Hugging Face checkpoint directory")
+        if capture not in ("topk", "native", "both"):
+            raise ValueError(f"capture={capture!r} is invalid: allowed topk, native, both")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("--device cuda requested but CUDA is not available on this machine (torch.cuda.is_available() is False)")
+        if capture != "topk" and device != "cuda":
+            raise ValueError(
+                f"capture={capture!r} uses vLLM's return_sampling_mask, which needs Model Runner V2 on CUDA "
+                f"(refused on {device}): use capture='topk'"
+            )
         if device == "cpu":
             configure_cpu_env()
+        if capture != "topk":
+            # return_sampling_mask is only accepted by Model Runner V2 (VllmConfig._verify_sampling_replay_config).
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
         try:
             from vllm import LLM
         except ImportError as exc:
@@ -91,6 +104,7 @@ class VllmRollout:
         self.head = head
         self.timeout_s = timeout_s
         self.prefix_caching = prefix_caching
+        self.capture = capture
         kwargs: dict[str, Any] = dict(
             model=self.model,
             dtype=dtype,
@@ -104,6 +118,9 @@ class VllmRollout:
             # --prefix-caching turns it on to test the production setting).
             enable_prefix_caching=prefix_caching,
         )
+        if capture != "topk":
+            kwargs["return_sampling_mask"] = True
+            kwargs["max_logprobs"] = 4096  # the native path refuses unbounded (-1) log-prob requests
         kwargs.update(engine_kwargs or {})
         start = time.perf_counter()
         self.llm = call_with_timeout(lambda: LLM(**kwargs), timeout_s, "vLLM engine start-up")
@@ -126,6 +143,8 @@ class VllmRollout:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        if self.capture != "topk":
+            validate_native_mask(spec)
         plan = plan_capture(
             spec, self.vocab_size, head=self.head, tie_margin=self.tie_margin, full_vocab_limit=self.full_vocab_limit
         )
@@ -175,6 +194,18 @@ class VllmRollout:
                 )
                 kept, kept_lp, incomplete = cap.kept_ids, cap.kept_logprobs, cap.incomplete
                 extras["sampled_missing"] = cap.sampled_missing
+            native = getattr(comp, "sampling_mask", None)
+            if self.capture != "topk":
+                if native is None or len(native.token_ids) != len(ids):
+                    raise RuntimeError(f"vLLM returned no sampling mask for prompt {i} although return_sampling_mask is on")
+                native_ids = padded_ids(native.token_ids)
+                extras["native_kept_ids"] = native_ids
+                if self.capture == "native":
+                    kept, incomplete = native_ids, torch.zeros(len(ids), dtype=torch.bool)
+                    kept_lp = _logprobs_for(native_ids, heads, head_lps)
+                elif kept is not None:
+                    bad = compare_supports(native_ids, kept, skip=incomplete)
+                    extras["native_vs_topk_mismatch"] = torch.tensor(bad, dtype=torch.long)
             records.append(
                 SequenceRecord(
                     source=self.name,
@@ -199,3 +230,17 @@ class VllmRollout:
             import gc
 
             gc.collect()
+
+
+def _logprobs_for(ids: torch.Tensor, heads: list, head_lps: list) -> torch.Tensor:
+    """The sampler's processed log-probs of natively captured ids, looked up in the top-K heads.
+
+    An id the head did not list gets NaN: the support-mass check then reports it instead of guessing.
+    """
+    out = torch.full(ids.shape, float("-inf"), dtype=torch.float32)
+    for t in range(ids.shape[0]):
+        table = dict(zip(heads[t], head_lps[t], strict=True))
+        for j, i in enumerate(ids[t].tolist()):
+            if i >= 0:
+                out[t, j] = table.get(i, float("nan"))
+    return out

@@ -449,6 +449,7 @@ def build(name: str, *, force: bool = False) -> Path:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".build-{name}-", dir=dest.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a shared cache must stay readable
     try:
         _build_into(recipe, tmp)
         if dest.exists():

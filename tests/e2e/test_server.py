@@ -1,0 +1,220 @@
+"""Server mode on the real CPU engine: a vLLM OpenAI-compatible server spawned on 127.0.0.1.
+
+Two servers are spawned in this module, one at a time: a short-lived one in raw_logprobs mode (the
+fault detection and the kill-mid-run test), then the module's processed-mode server that runs the
+default matrix (tie fixture aside: it needs a server of its own), the offline cross-check and the
+attach test, and is shut down by the last test, which checks no process is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from parity.engines.server import (
+    LogprobsModeMismatch,
+    ServerDied,
+    ServerRollout,
+    ServerUnreachable,
+    compare_with_offline,
+    free_port,
+    process_group_alive,
+)
+from parity.fixtures import resolve_model
+from parity.matrix import Matrix, default_matrix
+from parity.run import EnginePool, RunConfig, make_prompts, run
+from parity.spec import SamplingSpec
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "qwen2-tiny"
+STARTUP_S = 300.0  # generous for a loaded 2-core machine; ~40-60 s measured
+CROSS_SPECS = (
+    SamplingSpec(1.0),
+    SamplingSpec(0.0),
+    SamplingSpec(0.7, top_k=20, top_p=0.9),
+    SamplingSpec(1.0, top_p=0.9),
+    SamplingSpec(1.3, min_p=0.1),
+    SamplingSpec(1.3, top_k=20, top_p=0.8, min_p=0.1),
+)
+
+
+def server_processes(port: int) -> list[int]:
+    """Pids of processes whose command line names this port (a leftover server would)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in cmd and str(port).encode() in cmd:
+            found.append(int(d.name))
+    return found
+
+
+def assert_gone(rollout: ServerRollout) -> None:
+    pid, port = rollout.pid, int(str(rollout.url).rsplit(":", 1)[1])
+    assert pid is not None
+    assert rollout.proc is not None and rollout.proc.returncode is not None
+    assert not process_group_alive(pid), f"process group {pid} still has members"
+    assert server_processes(port) == []
+
+
+def small_matrix() -> Matrix:
+    """The default matrix at CI size, without the scenarios on the tie fixture (another model)."""
+    m = default_matrix(prompts=4, max_tokens=8)
+    return Matrix("default-server", tuple(s for s in m.scenarios if s.model is None))
+
+
+# -- no server needed ---------------------------------------------------------------------------
+
+
+def test_closed_port_is_an_error_naming_the_url(capsys, tmp_path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.perf_counter()
+    with pytest.raises(ServerUnreachable, match=f"127.0.0.1:{port}.*connection refused"):
+        ServerRollout(resolve_model(MODEL), server=url + "/v1", request_timeout_s=10)
+    assert time.perf_counter() - t0 < 30
+    from parity.cli import main
+
+    assert main(["run", "--server", url, "--no-plots", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "error" in err and url in err
+
+
+# -- a raw_logprobs server: detection, then killed mid-run -----------------------------------------
+
+
+def test_raw_mode_is_detected_and_a_server_killed_mid_run_is_an_error() -> None:
+    model = resolve_model(MODEL)
+    # check_mode=False keeps it up past the start-up probe, so the per-record checks see real raw data.
+    raw = ServerRollout(
+        model, logprobs_mode="raw_logprobs", check_mode=False, startup_timeout_s=STARTUP_S, timeout_s=120
+    )
+    try:
+        with pytest.raises(LogprobsModeMismatch, match="raw_logprobs.*--logprobs-mode processed_logprobs"):
+            raw.probe_logprobs_mode()
+        prompts = make_prompts(raw.tokenizer(), 4)
+        for spec, rule in (
+            (SamplingSpec(0.7, top_k=20), "top_k=20 cannot keep"),
+            (SamplingSpec(1.0, top_p=0.9), "top_p=0.9 drops"),
+        ):
+            with pytest.raises(LogprobsModeMismatch, match=rule) as exc:
+                raw.generate(prompts, spec, max_tokens=4, seed=0)
+            assert raw.url in str(exc.value) and "raw_logprobs" in str(exc.value)
+
+        # Kill the server's process group while a long generate is in flight.
+        pid = raw.pid
+        killer = threading.Timer(1.0, lambda: os.killpg(pid, signal.SIGKILL))
+        killer.start()
+        t0 = time.perf_counter()
+        try:
+            with pytest.raises(ServerDied, match=r"127\.0\.0\.1"):
+                raw.generate(make_prompts(raw.tokenizer(), 8), SamplingSpec(1.0), max_tokens=400, seed=0)
+        finally:
+            killer.cancel()
+        assert time.perf_counter() - t0 < 60, "a dead server must end the run promptly, not at the timeout"
+    finally:
+        raw.close()
+    assert_gone(raw)
+
+
+# -- the module's processed-mode server ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = EnginePool()
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def report(pool, tmp_path_factory):
+    out = tmp_path_factory.mktemp("server-report")
+    cfg = RunConfig(
+        model=MODEL, server="spawn", matrix=small_matrix(), out=out, plots=False, timeout_s=STARTUP_S
+    )
+    t0 = time.perf_counter()
+    rep = run(cfg, progress=lambda s: None, pool=pool)
+    rep["_seconds"] = time.perf_counter() - t0
+    return rep
+
+
+def server_of(pool: EnginePool) -> ServerRollout:
+    rollout, _ = pool.get(MODEL, RunConfig(model=MODEL, server="spawn"), lambda s: None)
+    assert isinstance(rollout, ServerRollout)
+    return rollout
+
+
+def test_default_matrix_passes_through_the_server(report, pool) -> None:
+    failures = [v for s in report["scenarios"] for v in s["violations"]]
+    assert report["passed"], "\n".join(failures)
+    assert report["config"]["rollout"] == "vllm-server"
+    assert [s["name"] for s in report["scenarios"]] == [s.name for s in small_matrix().scenarios]
+    filtered = [s for s in report["scenarios"] if s["log_s"]["mean"] < -1e-3]
+    assert len(filtered) >= 10 and all(s["incomplete_positions"] == 0 for s in report["scenarios"])
+    rollout = server_of(pool)
+    print(
+        f"\nserver start-up {rollout.init_s:.1f} s; matrix of {len(report['scenarios'])} scenarios {report['_seconds']:.1f} s"
+    )
+
+
+def test_server_matches_the_offline_engine(report, pool) -> None:
+    """Same prompts, seeds and spec: the server's tokens, log-probs and kept sets equal the offline engine's."""
+    from parity.engines.rollout import VllmRollout
+
+    server = server_of(pool)
+    server.head = None
+    prompts = make_prompts(server.tokenizer(), 4)
+    got = {spec: server.generate(prompts, spec, max_tokens=8, seed=11) for spec in CROSS_SPECS}
+    offline = VllmRollout(resolve_model(MODEL))
+    try:
+        diffs = {}
+        for spec in CROSS_SPECS:
+            cmp = compare_with_offline(got[spec], offline.generate(prompts, spec, max_tokens=8, seed=11))
+            assert cmp["tokens_equal"], (spec.label(), cmp)
+            assert cmp["kept_equal"], (spec.label(), cmp)
+            assert cmp["compared_positions"] == cmp["tokens"] == 32
+            diffs[spec.label()] = max(cmp["max_abs_logprob_diff"], cmp["max_abs_kept_logprob_diff"])
+    finally:
+        offline.close()
+    worst = max(diffs.values())
+    print(f"\noffline vs server max |log-prob diff| = {worst:.3g} ({diffs})")
+    assert worst <= 1e-6, diffs
+
+
+def test_attach_to_a_running_server(report, pool) -> None:
+    spawned = server_of(pool)
+    attached = ServerRollout(resolve_model(MODEL), server=spawned.url + "/v1", timeout_s=120)
+    try:
+        assert attached.pid is None and attached.served_model == spawned.served_model
+        prompts = make_prompts(attached.tokenizer(), 3)
+        spec = SamplingSpec(0.7, top_k=20, top_p=0.9)
+        a = attached.generate(prompts, spec, max_tokens=6, seed=5)
+        b = spawned.generate(prompts, spec, max_tokens=6, seed=5)
+        cmp = compare_with_offline(a, b)
+        assert cmp["tokens_equal"] and cmp["max_abs_logprob_diff"] == 0.0
+        assert all(r.source == "vllm-server" for r in a)
+    finally:
+        attached.close()
+    assert spawned.proc is not None and spawned.proc.poll() is None, (
+        "closing an attached rollout must not stop the server"
+    )
+
+
+def test_shutdown_leaves_no_process(report, pool) -> None:
+    rollout = server_of(pool)
+    assert process_group_alive(rollout.pid) and server_processes(int(rollout.url.rsplit(":", 1)[1]))
+    pool.close()
+    assert_gone(rollout)
+    with pytest.raises(Exception, match="closed"):
+        rollout.generate([[1, 2]], SamplingSpec(), max_tokens=1, seed=0)

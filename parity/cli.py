@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sampler": ("parity.harness", "check the reference filters against vLLM's own Sampler on random logits"),
     "fixtures": ("parity.fixtures", "list, build or locate the offline fixture models"),
     "repro": ("parity.repro", "reproduce upstream bugs (list | NAME | all)"),
+    "ties": ("parity.ties", "characterize how the engine keeps ties at the k-th value, per batch size"),
 }
 
 

@@ -37,10 +37,13 @@ from parity.spec import SamplingSpec
 EXAMPLES = min(settings().max_examples, 40)
 FAULT_EXAMPLES = min(settings().max_examples, 12)
 PROP = settings(
-    max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 FAULT = settings(
-    max_examples=FAULT_EXAMPLES, deadline=None,
+    max_examples=FAULT_EXAMPLES,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
@@ -180,10 +183,18 @@ def rows(draw, vocab: int, sizes: list[int], kind: str | None, scale: float | No
 
 
 @st.composite
-def cases(draw, world: int, kind: str | None = None, scale: float | None = None, fault_rank: int | None = None,
-          min_vocab: int = 8):
+def cases(
+    draw,
+    world: int,
+    kind: str | None = None,
+    scale: float | None = None,
+    fault_rank: int | None = None,
+    min_vocab: int = 8,
+):
     vocab = draw(st.integers(max(3 * world, min_vocab), 40))
-    cuts = sorted(draw(st.lists(st.integers(1, vocab - 1), min_size=world - 1, max_size=world - 1, unique=True)))
+    cuts = sorted(
+        draw(st.lists(st.integers(1, vocab - 1), min_size=world - 1, max_size=world - 1, unique=True))
+    )
     sizes = [b - a for a, b in zip([0, *cuts], [*cuts, vocab], strict=True)]
     n = draw(st.integers(1, 4))
     out = [draw(rows(vocab, sizes, kind, scale, fault_rank)) for _ in range(n)]
@@ -307,9 +318,13 @@ def test_tie_order_is_not_index_order_so_the_index_policy_fails(pool2):
 def test_rounding_band_rows_take_the_exact_fallback(pool2):
     """min_p boundary up to float32 rounding, and an underflow-to-zero token in a p == 1 row of a top_p
     batch: both are decided by the gathered-row reference, and both match."""
-    z = torch.tensor([[0.0, -1.0, -2.0, math.log(0.1), -4.0, -5.0, -0.5, -3.0],
-                      [0.0, -100.0, -200.0, -1.0, -2.0, -3.0, -150.0, -0.5],
-                      [0.0, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0, -7.0]])
+    z = torch.tensor(
+        [
+            [0.0, -1.0, -2.0, math.log(0.1), -4.0, -5.0, -0.5, -3.0],
+            [0.0, -100.0, -200.0, -1.0, -2.0, -3.0, -150.0, -0.5],
+            [0.0, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0, -7.0],
+        ]
+    )
     specs = [SamplingSpec(1.0, min_p=0.1), SamplingSpec(1.0), SamplingSpec(1.0, top_p=0.8)]
     ref = reference_filter(z, specs).kept
     assert not ref[1, 2], "a float32 probability of exactly 0 is dropped by cumsum <= 0"
@@ -319,6 +334,25 @@ def test_rounding_band_rows_take_the_exact_fallback(pool2):
     rep = check_parity(res, z, y, specs, ids)
     assert rep.passed, rep.violations
     assert res["recompute_ambiguous"].tolist() == [True, True, False]
+
+
+def test_band_policy_flag_skips_the_gather_and_flags_the_rows(pool2):
+    """band_policy="flag": rounding-band rows keep the exact-arithmetic decision, move no row, and are
+    reported (and exempted by the check) instead of being silently trusted."""
+    z = torch.tensor(
+        [
+            [0.0, -1.0, -2.0, math.log(0.1), -4.0, -5.0, -0.5, -3.0],
+            [0.0, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0, -7.0],
+        ]
+    )
+    specs = [SamplingSpec(1.0, min_p=0.1), SamplingSpec(1.0, top_k=3)]
+    y = torch.tensor([3, 0])
+    ids = mask_to_ids(reference_filter(z, specs).kept)
+    res = pool2.run(z, y, specs, ids, split=[3, 5], band_policy="flag")
+    assert res["recompute_ambiguous"].tolist() == [True, False]
+    assert not bool(res["recompute_fallback"].any()) and "recompute/fallback" not in res["bytes_detail"]
+    rep = check_parity(res, z, y, specs, ids)
+    assert rep.passed and rep.exempt_rows == 1, rep.violations
 
 
 def test_top_p_alone_widens_the_candidate_search(pool2):
@@ -372,10 +406,19 @@ def test_planted_drift_beyond_the_bounds_fails():
 
     r = P.sharded_recompute(z, y, specs, shard, comm)
     rp = P.sharded_replay(z, y, ids, specs, shard, comm)
-    res = {"full": P.sharded_full(z, y, specs, shard, comm), "replay": rp.logprobs, "replay_outside": rp.outside,
-           "predicted_log_s": P.sharded_predicted_log_s(z, ids, specs, shard, comm), "recompute": r.logprobs,
-           "recompute_kept": r.kept, "recompute_forced": r.forced, "recompute_fallback": r.fallback,
-           "recompute_tie_split": r.tie_split, "tie_policy": "gather", "ranks_agree": True}
+    res = {
+        "full": P.sharded_full(z, y, specs, shard, comm),
+        "replay": rp.logprobs,
+        "replay_outside": rp.outside,
+        "predicted_log_s": P.sharded_predicted_log_s(z, ids, specs, shard, comm),
+        "recompute": r.logprobs,
+        "recompute_kept": r.kept,
+        "recompute_forced": r.forced,
+        "recompute_fallback": r.fallback,
+        "recompute_tie_split": r.tie_split,
+        "tie_policy": "gather",
+        "ranks_agree": True,
+    }
     rep = check_parity(res, z, y, specs, ids)
     assert rep.passed, rep.violations
     for name in ("full", "recompute", "predicted_log_s"):
@@ -396,8 +439,14 @@ def test_planted_drift_beyond_the_bounds_fails():
 def test_driver_spawns_runs_and_tears_down():
     g = torch.Generator().manual_seed(7)
     z = torch.randn(6, 50, generator=g) * 3
-    specs = [SamplingSpec(1.0, top_k=8), SamplingSpec(0.7, top_k=5, top_p=0.9), SamplingSpec(1.0, min_p=0.1),
-             SamplingSpec(0.0), SamplingSpec(1.2, top_p=0.8), SamplingSpec(1.0)]
+    specs = [
+        SamplingSpec(1.0, top_k=8),
+        SamplingSpec(0.7, top_k=5, top_p=0.9),
+        SamplingSpec(1.0, min_p=0.1),
+        SamplingSpec(0.0),
+        SamplingSpec(1.2, top_p=0.8),
+        SamplingSpec(1.0),
+    ]
     y = torch.tensor([0, 10, 20, 30, 40, 49])
     ids = mask_to_ids(reference_filter(z, specs).kept)
     res = run_vocab_parallel(z, y, specs, ids, shards=2, split=[17, 33])
@@ -407,8 +456,11 @@ def test_driver_spawns_runs_and_tears_down():
     assert not bool(res["recompute_fallback"].any()), "generic logits never need the O(V) fallback"
     assert set(res["bytes_per_token"]) == {"full", "replay", "recompute", "predicted_log_s"}
     # replay moves the K kept logits plus y, one all-reduce, independent of V
-    assert res["bytes_per_token"]["replay"] == {"payload": 4.0 * (ids.shape[1] + 1),
-                                                "wire": 4.0 * (ids.shape[1] + 1), "collectives": 1}
+    assert res["bytes_per_token"]["replay"] == {
+        "payload": 4.0 * (ids.shape[1] + 1),
+        "wire": 4.0 * (ids.shape[1] + 1),
+        "collectives": 1,
+    }
 
 
 def test_a_dying_rank_raises_instead_of_hanging():
@@ -443,8 +495,18 @@ def test_one_shard_in_process_matches_reference():
     """With no process group, Comm is a one-rank identity: the same code path, exact kept sets."""
     g = torch.Generator().manual_seed(11)
     z = (torch.randint(-6, 7, (8, 33), generator=g).float() / 2) * 3
-    specs = [SamplingSpec(t, top_k=k, top_p=p, min_p=m)
-             for t, k, p, m in [(1.0, 3, 1.0, 0.0), (0.5, 0, 0.7, 0.0), (1.0, 5, 0.9, 0.05), (0.0, 0, 1.0, 0.0),
-                                (1.5, 0, 1.0, 0.2), (0.7, 2, 0.5, 0.0), (1.0, 40, 1.0, 0.0), (1.0, 0, 1.0, 0.0)]]
+    specs = [
+        SamplingSpec(t, top_k=k, top_p=p, min_p=m)
+        for t, k, p, m in [
+            (1.0, 3, 1.0, 0.0),
+            (0.5, 0, 0.7, 0.0),
+            (1.0, 5, 0.9, 0.05),
+            (0.0, 0, 1.0, 0.0),
+            (1.5, 0, 1.0, 0.2),
+            (0.7, 2, 0.5, 0.0),
+            (1.0, 40, 1.0, 0.0),
+            (1.0, 0, 1.0, 0.0),
+        ]
+    ]
     kept, *_ = sharded_kept(z, specs, VocabShard(0, (33,)), Comm())
     assert torch.equal(kept, reference_filter(z, specs).kept)

@@ -48,6 +48,7 @@ class RunConfig:
     timeout_s: float = 900.0
     prefix_caching: bool = False
     trainer: Any = None  # trainer under test: "full" | "recompute" | "replay" | "module:function"
+    batch_invariant: bool = False  # turn on every batch-invariance knob available on the device
     capture: str = "topk"  # "topk" | "native" (vLLM return_sampling_mask, CUDA) | "both" (and compare them)
     server: str | None = None  # None: offline engine; "spawn": a local vLLM server; or a URL to attach to
     plots: bool = True
@@ -218,10 +219,24 @@ def run(cfg: RunConfig, progress: Callable[[str], None] = _progress, pool: Engin
 
     With ``pool`` the engines outlive the run (tests share them); without, they are closed at the end.
     """
+    matrix = resolve_matrix(cfg)
+    if cfg.batch_invariant:
+        import contextlib
+
+        from parity.determinism import batch_invariant_mode
+
+        with contextlib.ExitStack() as stack:
+            state = stack.enter_context(batch_invariant_mode(True, device=cfg.device))
+            return _run(cfg, matrix, progress, pool, determinism_mode=state.to_dict())
+    return _run(cfg, matrix, progress, pool, determinism_mode=None)
+
+
+def _run(
+    cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: EnginePool | None, determinism_mode: dict | None
+) -> dict[str, Any]:
     from parity.matrix import pair_coverage
     from parity.report import environment, write_report
 
-    matrix = resolve_matrix(cfg)
     own_pool = pool is None
     pool = pool or EnginePool()
     results: list[dict[str, Any]] = []
@@ -260,7 +275,7 @@ def run(cfg: RunConfig, progress: Callable[[str], None] = _progress, pool: Engin
     trainer_dtype = cfg.trainer_dtype or cfg.dtype
     report = {
         "schema_version": 1,
-        "environment": environment(cfg.device, cfg.dtype, trainer_dtype),
+        "environment": {**environment(cfg.device, cfg.dtype, trainer_dtype), "batch_invariant_mode": determinism_mode},
         "config": {
             "model": cfg.model,
             "trainer_model": cfg.trainer_model or cfg.model,
@@ -309,6 +324,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds any one engine call may take")
     p.add_argument("--plant", choices=sorted(FAULTS), default=None, help="plant a trainer-side fault (self-test of the gates)")
     p.add_argument("--prefix-caching", action="store_true", help="let vLLM reuse cached KV blocks across scenarios (off: order-independent results)")
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="turn on every batch-invariance knob the device offers (the report lists which were on or unavailable)",
+    )
     p.add_argument(
         "--capture",
         choices=["topk", "native", "both"],
@@ -364,6 +384,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         server=args.server,
         trainer=args.trainer,
         capture=args.capture,
+        batch_invariant=args.batch_invariant,
         plots=not args.no_plots,
     )
 

@@ -1,0 +1,68 @@
+"""The GPU gate's files and command lines, checked on CPU (the gate itself needs CUDA)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from parity.gates import Thresholds
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_gate():
+    spec = importlib.util.spec_from_file_location("gpu_gate", ROOT / "ci" / "gpu_gate.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_gate"] = mod  # dataclasses look their module up here
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_thresholds_file_validates_for_every_dtype() -> None:
+    data = tomllib.loads((ROOT / "ci" / "thresholds.toml").read_text())
+    assert data["schema_version"] == 1
+    for dtype in ("float32", "bfloat16", "float16"):
+        th = Thresholds.from_toml(ROOT / "ci" / "thresholds.toml", dtype)
+        assert th.replay_support_equal_frac == 1.0
+        assert th.to_dict() != Thresholds.for_dtype("float32").to_dict() or dtype == "float32"
+    assert Thresholds.from_toml(ROOT / "ci" / "thresholds.toml", "bfloat16").replay_max_abs_diff == 0.25
+
+
+def test_gpu_steps_cover_dtypes_invariance_native_mask_and_ties(tmp_path) -> None:
+    gate = load_gate()
+    steps = gate.steps("cuda", tmp_path)
+    names = [s.name for s in steps]
+    assert {"float32", "bfloat16", "float32 batch-invariant", "native mask vs top-K", "ties per batch size"} <= set(names)
+    native = next(s for s in steps if s.name == "native mask vs top-K")
+    assert native.cuda_only and "--capture" in native.argv and "both" in native.argv
+    assert all("cuda" in s.argv for s in steps)
+    # Every step's argv parses with the real CLI parser.
+    from parity.cli import build_parser
+
+    parser = build_parser()
+    for s in steps:
+        parser.parse_args(s.argv)
+
+
+def test_gpu_gate_refuses_cuda_without_a_gpu(capsys) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    assert load_gate().main(["--device", "cuda"]) == 2
+    assert "torch.cuda.is_available() is False" in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_gpu_gate_dry_run_on_cpu(tmp_path) -> None:
+    """The gate's own code path, with --device cpu and tiny sizes: float32 and the tie step."""
+    gate = load_gate()
+    rc = gate.main(["--device", "cpu", "--small", "--in-process", "--out", str(tmp_path), "--only", "float32", "--only", "ties per batch size"])
+    summary = (tmp_path / "summary.md").read_text()
+    assert rc == 0, summary
+    assert "| float32 | pass" in summary and "| ties per batch size | pass" in summary

@@ -560,6 +560,7 @@ def sharded_kept(
     ok = torch.isfinite(scaled)  # the reference keeps ``work > -inf``
     amb = none.clone()
     tie = none.clone()
+    near = torch.zeros_like(ok)
 
     # min_p (MinPLogitsProcessor): p_i < p_max * min_p  <=>  z'_i - M < log(min_p), decided in float64.
     if any(s.uses_min_p for s in row_specs):
@@ -572,7 +573,7 @@ def sharded_kept(
         d = scaled.double() - m.unsqueeze(1)
         band = (log_mp.abs() + 16.0) * 2.0**-20
         near = ok & use.unsqueeze(1) & ((d - log_mp).abs() <= band)
-        amb |= near.any(dim=-1) | (use & (mp < 1e-30))
+        amb |= use & (mp < 1e-30)
         ok &= (d >= log_mp) | ~use.unsqueeze(1)
 
     # top_k: global k-th value from per-rank top-k candidates; each rank keeps its own ties.
@@ -591,6 +592,10 @@ def sharded_kept(
             ok &= work > kth
         else:
             ok &= work >= kth
+        # A min_p decision in its band cannot matter below a finite k-th value: adding or removing a
+        # smaller element leaves the k-th largest unchanged, and top_p only sees top_k survivors.
+        near &= ~(torch.isfinite(kth) & (scaled < kth))
+    amb |= near.any(dim=-1)
 
     # top_p: the sort + cumsum path runs for every row once any row of the batch sets top_p.
     any_p = any(s.uses_top_p for s in row_specs)

@@ -337,22 +337,29 @@ def test_rounding_band_rows_take_the_exact_fallback(pool2):
 
 
 def test_band_policy_flag_skips_the_gather_and_flags_the_rows(pool2):
-    """band_policy="flag": rounding-band rows keep the exact-arithmetic decision, move no row, and are
-    reported (and exempted by the check) instead of being silently trusted."""
+    """A min_p token at float32 log(0.3): exact arithmetic drops it, the float32 reference keeps it, so
+    the rounding band is load-bearing. band_policy="flag" keeps the exact decision, moves no row and
+    flags it (the check exempts it; judged strictly it fails); "gather" matches the reference."""
+    edge = float(torch.tensor(math.log(0.3), dtype=torch.float32))
     z = torch.tensor(
-        [
-            [0.0, -1.0, -2.0, math.log(0.1), -4.0, -5.0, -0.5, -3.0],
-            [0.0, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0, -7.0],
-        ]
+        [[0.0, -1.0, -2.0, edge, -4.0, -5.0, -0.5, -3.0], [0.0, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0, -7.0]]
     )
-    specs = [SamplingSpec(1.0, min_p=0.1), SamplingSpec(1.0, top_k=3)]
+    specs = [SamplingSpec(1.0, min_p=0.3), SamplingSpec(1.0, top_k=3)]
+    ref = reference_filter(z, specs).kept
+    exact_keeps = edge >= math.log(float(torch.tensor(0.3, dtype=torch.float32)))
+    assert bool(ref[0, 3]) and not exact_keeps, "premise: float32 and exact arithmetic disagree here"
     y = torch.tensor([3, 0])
-    ids = mask_to_ids(reference_filter(z, specs).kept)
+    ids = mask_to_ids(ref)
     res = pool2.run(z, y, specs, ids, split=[3, 5], band_policy="flag")
     assert res["recompute_ambiguous"].tolist() == [True, False]
     assert not bool(res["recompute_fallback"].any()) and "recompute/fallback" not in res["bytes_detail"]
+    assert not bool(res["recompute_kept"][0, 3])
     rep = check_parity(res, z, y, specs, ids)
     assert rep.passed and rep.exempt_rows == 1, rep.violations
+    res["band_policy"] = "gather"
+    assert not check_parity(res, z, y, specs, ids).passed
+    res = pool2.run(z, y, specs, ids, split=[3, 5])
+    assert bool(res["recompute_fallback"][0]) and check_parity(res, z, y, specs, ids).passed
 
 
 def test_top_p_alone_widens_the_candidate_search(pool2):

@@ -66,3 +66,20 @@ def test_gpu_gate_dry_run_on_cpu(tmp_path) -> None:
     summary = (tmp_path / "summary.md").read_text()
     assert rc == 0, summary
     assert "| float32 | pass" in summary and "| ties per batch size | pass" in summary
+
+
+def test_workflows_validate_and_a_broken_one_does_not(tmp_path) -> None:
+    import shutil
+    import subprocess
+
+    exe = shutil.which("check-jsonschema") or str(Path(sys.executable).parent / "check-jsonschema")
+    if not Path(exe).exists():
+        pytest.skip("check-jsonschema is not installed (it is in the test extra)")
+    workflows = sorted(str(p) for p in (ROOT / "ci").glob("*.yml"))
+    assert len(workflows) == 2
+    ok = subprocess.run([exe, "--builtin-schema", "vendor.github-workflows", *workflows], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    broken = tmp_path / "broken.yml"
+    broken.write_text((ROOT / "ci" / "cpu.yml").read_text().replace("runs-on:", "runs_on:"))
+    bad = subprocess.run([exe, "--builtin-schema", "vendor.github-workflows", str(broken)], capture_output=True, text=True)
+    assert bad.returncode != 0

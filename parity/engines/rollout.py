@@ -11,7 +11,14 @@ from typing import Any, TypeVar
 
 import torch
 
-from parity.capture import FULL_VOCAB, compare_supports, padded_ids, plan_capture, support_from_heads, validate_native_mask
+from parity.capture import (
+    FULL_VOCAB,
+    compare_supports,
+    padded_ids,
+    plan_capture,
+    support_from_heads,
+    validate_native_mask,
+)
 from parity.records import SequenceRecord
 from parity.spec import SamplingSpec
 
@@ -140,7 +147,6 @@ class VllmRollout:
         seed: int,
     ) -> list[SequenceRecord]:
         """Sample one completion per prompt (seed ``seed + i``); record log-probs and S_q."""
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if self.capture != "topk":

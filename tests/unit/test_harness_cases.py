@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from strategies import case_plans
 
 from parity.engines.sampler import SamplerOutput
@@ -65,6 +65,7 @@ def test_single_finite_row() -> None:
     assert "row with a single finite value" in case_labels(case)
 
 
+@settings(max_examples=60)  # a sanity check of the builder; the sampler tests draw the full 300
 @given(plan=case_plans())
 def test_drawn_cases_are_valid_inputs(plan: CasePlan) -> None:
     case = build_case(plan)

@@ -97,9 +97,6 @@ class Case:
         specs = "; ".join(s.label() for s in self.specs)
         return f"Case(N={n}, V={v}, seed={self.seed}, specs=[{specs}])"
 
-    def describe_row(self, row: int) -> str:
-        return f"row {row} ({self.specs[row].label()})"
-
 
 def plant_top_k_tie(z: torch.Tensor, k: int, extra: int) -> None:
     """Give the ``extra`` tokens ranked just below the k-th the k-th value (in place, 1-D row).
@@ -590,10 +587,12 @@ def run_properties(
 # the command
 # ==================================================================================================
 
+# Planted faults the random cases expose (seed 0, 300 cases: 57, 8 and 76 failing cases). The min_p
+# log-space fault is not offered: random logits never land on its rounding boundary, so the verdict
+# could not promise FAIL; tests/sampler/test_planted_faults.py builds such a boundary case instead.
 FAULTS = {
     "drop_top_k_ties": ({"drop_top_k_ties": True}, True),
     "top_p_before_top_k": ({"top_p_before_top_k": True}, True),
-    "min_p_in_log_space": ({"min_p_in_log_space": True}, True),
     "no_force_include": ({}, False),
 }
 

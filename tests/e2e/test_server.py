@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,27 @@ def assert_gone(rollout: ServerRollout) -> None:
     assert server_processes(port) == []
 
 
+def kill_when_running(rollout: ServerRollout, killed: threading.Event, deadline_s: float = 120.0) -> None:
+    """SIGKILL the server's process group as soon as its /metrics shows a request running."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            text = opener.open(f"{rollout.url}/metrics", timeout=2).read().decode()
+        except OSError:
+            text = ""
+        running = [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:num_requests_running")
+        ]
+        if any(v > 0 for v in running):
+            os.killpg(rollout.pid, signal.SIGKILL)
+            killed.set()
+            return
+        time.sleep(0.02)
+
+
 def small_matrix() -> Matrix:
     """The default matrix at CI size, without the scenarios on the tie fixture (another model)."""
     m = default_matrix(prompts=4, max_tokens=8)
@@ -102,6 +124,10 @@ def test_raw_mode_is_detected_and_a_server_killed_mid_run_is_an_error() -> None:
     try:
         with pytest.raises(LogprobsModeMismatch, match="raw_logprobs.*--logprobs-mode processed_logprobs"):
             raw.probe_logprobs_mode()
+        # What a user hits: attaching to a server launched with vLLM's default mode fails at start-up.
+        with pytest.raises(LogprobsModeMismatch, match=f"probe request.*{raw.url}.*raw_logprobs"):
+            ServerRollout(model, server=raw.url, timeout_s=120)
+        assert raw.proc is not None and raw.proc.poll() is None, "a refused attach must not stop the server"
         prompts = make_prompts(raw.tokenizer(), 4)
         for spec, rule in (
             (SamplingSpec(0.7, top_k=20), "top_k=20 cannot keep"),
@@ -111,16 +137,14 @@ def test_raw_mode_is_detected_and_a_server_killed_mid_run_is_an_error() -> None:
                 raw.generate(prompts, spec, max_tokens=4, seed=0)
             assert raw.url in str(exc.value) and "raw_logprobs" in str(exc.value)
 
-        # Kill the server's process group while a long generate is in flight.
-        pid = raw.pid
-        killer = threading.Timer(1.0, lambda: os.killpg(pid, signal.SIGKILL))
+        # Kill the server's process group once its engine is running the requests of a long generate.
+        killed = threading.Event()
+        killer = threading.Thread(target=kill_when_running, args=(raw, killed), daemon=True)
         killer.start()
         t0 = time.perf_counter()
-        try:
-            with pytest.raises(ServerDied, match=r"127\.0\.0\.1"):
-                raw.generate(make_prompts(raw.tokenizer(), 8), SamplingSpec(1.0), max_tokens=400, seed=0)
-        finally:
-            killer.cancel()
+        with pytest.raises(ServerDied, match=r"127\.0\.0\.1") as exc:
+            raw.generate(make_prompts(raw.tokenizer(), 8), SamplingSpec(1.0), max_tokens=400, seed=0)
+        assert killed.is_set(), f"the run ended before the kill: {exc.value}"
         assert time.perf_counter() - t0 < 60, "a dead server must end the run promptly, not at the timeout"
     finally:
         raw.close()

@@ -108,3 +108,18 @@ def test_sampler_run_is_reproducible(sampler) -> None:
     assert torch.equal(a.sampled, b.sampled)
     assert torch.equal(a.logprobs, b.logprobs)
 
+
+
+@pytest.mark.parametrize("spec", [S(1.0), S(1.0, top_p=0.9), S(0.0), S(1.0, min_p=0.1)], ids=SamplingSpec.label)
+def test_all_neg_inf_row_vllm_reports_nan_and_the_reference_refuses(sampler, spec: SamplingSpec) -> None:
+    """vLLM has no answer for a row without a finite logit: NaN log-probs, token 0 drawn, no error.
+
+    The reference refuses such a row (ValueError) rather than agree with a NaN; the other rows of the
+    batch are unaffected in vLLM.
+    """
+    z = torch.tensor([[NEG_INF] * 4, [1.0, 0.0, -1.0, -2.0]])
+    out = sampler(z, [spec, spec])
+    assert bool(torch.isnan(out.logprobs[0]).all())
+    assert bool(torch.isfinite(out.logprobs[1]).any()) and not bool(torch.isnan(out.logprobs[1]).any())
+    with pytest.raises(ValueError, match="row 0 is all -inf"):
+        reference_filter(z, [spec, spec])

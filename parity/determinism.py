@@ -22,8 +22,12 @@ float32 fixture models; tests/e2e/test_determinism.py re-measures it):
   bitwise-equal processed log-probs, greedy and top_p sampling; repeats gave one unique output.
 - transformers with its default ``sdpa`` attention is *not* batch-invariant on CPU: left padding,
   packing, and right padding when the padded width moves a sequence across the CPU flash-attention
-  kernel's blocks all change logits by ~3e-6..5e-6. With ``eager`` attention all three layouts were
-  bitwise equal to the sequence alone, so the mode switches the trainer models it is given to eager.
+  kernel's blocks all change logits by ~3e-6..5e-6. With ``eager`` attention right and left padding
+  were bitwise equal to the sequence alone (widths up to 50), so the mode switches the trainer models
+  it is given to eager. Packing under eager was bitwise for rows up to ~370 tokens, but not for longer
+  rows (452..943 tokens: one sequence per row off by ~4e-6..6e-6, one that straddles an offset such as
+  256 in the row): the attention-times-values matmul reduces over the whole row, and the CPU GEMM's
+  blocking of that reduction depends on where the sequence sits. No process-wide CPU knob fixes that.
 - ``torch.set_num_threads`` changes nothing measurable for transformers (1 vs 2 threads bitwise),
   and vLLM's CPU worker replaces ``torch.set_num_threads`` in its process after binding its OpenMP
   threads, so a thread count cannot be used as a natural negative control here.
@@ -63,7 +67,7 @@ VLLM_OVERRIDES_CPU = (
 NO_CUDA = "no CUDA (device='cpu')"
 SDPA_NOTE = (
     "sdpa's CPU kernel is not batch-invariant (measured: padding and packing move logits by ~4e-6); "
-    "eager attention computes each row with plain matmul + softmax"
+    "eager attention (plain matmul + softmax) was bitwise for padding, and for packing up to ~370-token rows"
 )
 
 

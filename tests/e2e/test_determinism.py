@@ -6,6 +6,9 @@ the engine start-up, not the checks.
 Negative controls:
 - trainer: sdpa attention (transformers' default) is a configuration known to break invariance on
   CPU: left padding moves logits (measured ~4e-6 on qwen2-tiny), so the left-padded check must fail.
+  Under the mode (eager attention) a long packed row is one too: measured bitwise up to ~370 tokens
+  per row, not at 452..943 (one sequence off by ~4e-6..6e-6), so a ~940-token row must fail the
+  packed check.
 - rollout, and the trainer layouts that are invariant under the mode: vLLM's CPU engine was bitwise
   invariant in every configuration tried (batch 1..32, greedy and top_p), and the cheap natural
   sources are closed here (vLLM's worker disables torch.set_num_threads in-process; a second engine
@@ -30,6 +33,7 @@ from parity.determinism import (
     nudge_one_ulp,
     nudge_record,
 )
+from parity.records import SequenceRecord
 from parity.run import EnginePool, RunConfig, make_prompts
 from parity.spec import SamplingSpec
 
@@ -124,7 +128,7 @@ def test_rollout_negative_control_fails_the_check_and_the_gate(engines, prompts)
         return rec
 
     result = check_rollout_invariance(
-        rollout, prompts, SPEC, max_tokens=MAX_TOKENS, seed=3, batch_sizes=(2, 4), repeats=2, perturb=nudge
+        rollout, prompts, SPEC, max_tokens=MAX_TOKENS, seed=3, batch_sizes=(4,), repeats=2, perturb=nudge
     )
     assert perturbed == ["rollout greedy batch=4", "rollout sampled run-to-run #1"]
     by = {c["name"]: c for c in result["checks"]}
@@ -145,7 +149,7 @@ def test_rollout_negative_control_fails_the_check_and_the_gate(engines, prompts)
 
 
 def test_trainer_is_batch_invariant_under_the_mode(trainer_run, engines) -> None:
-    """Measured: with eager attention, alone = right-padded = left-padded = packed, bitwise."""
+    """Measured: with eager attention, alone = right-padded = left-padded = packed (a ~200-token row), bitwise."""
     state, result = trainer_run
     _, trainer = engines
     assert state.knobs["trainer_attention"].status == ON
@@ -177,6 +181,36 @@ def test_trainer_negative_control_sdpa_left_padding_is_detected(engines, records
         violations
     )
     assert invariance_gate(result, required=False) == []
+
+
+def test_trainer_negative_control_long_packed_row_under_the_mode(engines, prompts) -> None:
+    """Eager attention is not enough for packing once the row is long: the packed check must see it."""
+    _, trainer = engines
+    g = torch.Generator().manual_seed(0)
+    long_prompts = make_prompts(trainer.tokenizer(), 24)
+    recs = [
+        SequenceRecord(
+            "synthetic",
+            i,
+            p,
+            torch.randint(0, trainer.vocab_size, (8,), generator=g).tolist(),
+            SPEC,
+            0,
+            torch.zeros(8),
+        )
+        for i, p in enumerate(long_prompts)
+    ]
+    with batch_invariant_mode(device="cpu", models=[trainer.model]):
+        result = check_trainer_invariance(trainer, recs)
+    by = {c["layout"]: c for c in result["checks"]}
+    assert sum(result["lengths"]) > 900
+    assert by["right_padded"]["bitwise"] and by["left_padded"]["bitwise"]  # measured: padding stays invariant
+    packed = by["packed"]
+    assert not packed["bitwise"] and packed["max_abs_diff"] > 0.0 and packed["records_not_bitwise"] >= 1
+    assert invariance_gate(result, required=True) == [
+        f"determinism: trainer packed: not bitwise equal to the sequence alone in packed: max |diff| "
+        f"{packed['max_abs_diff']:.3e}, {packed['records_not_bitwise']} record(s), worst record {packed['worst_record']}"
+    ]
 
 
 def test_trainer_negative_control_for_the_invariant_layouts(engines, records) -> None:

@@ -122,12 +122,16 @@ def test_mismatched_tokenizer_is_an_error_before_comparison(pool, tmp_path) -> N
     src = resolve_model(MODEL)
     dst = tmp_path / "swapped"
     shutil.copytree(src, dst)
+    from parity.run import SAMPLE_TEXT
+
     tok = json.loads((dst / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
-    a, b = sorted(vocab, key=vocab.get)[300:302]  # two ordinary merged tokens
+    rollout, trainer0 = pool.get(MODEL, RunConfig(model=MODEL), lambda s: None)
+    used = list(dict.fromkeys(trainer0.tokenizer().encode(SAMPLE_TEXT, add_special_tokens=False)))
+    by_id = {v: k for k, v in vocab.items()}
+    a, b = by_id[used[0]], by_id[used[1]]  # two tokens the check's sample text really uses
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (dst / "tokenizer.json").write_text(json.dumps(tok))
-    rollout, _ = pool.get(MODEL, RunConfig(model=MODEL), lambda s: None)
     trainer = TransformersTrainer(dst)
     with pytest.raises(ValueError, match="tokenizer/vocabulary mismatch"):
         check_same_vocabulary(rollout, trainer)

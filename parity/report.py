@@ -161,6 +161,23 @@ def render_markdown(report: dict[str, Any]) -> str:
             )
             + " |"
         )
+    det = report.get("determinism")
+    if det:
+        lines += ["", "## Determinism", ""]
+        lines.append(
+            f"Invariance {'required (batch-invariant mode on)' if det['required'] else 'reported, not required'}; "
+            f"overall {'bitwise invariant' if det['invariant'] else 'NOT invariant'}. Largest batching difference "
+            f"{_fmt(det['cross_side']['kernel_noise_max_abs_diff'])} vs end-to-end replay max |diff| "
+            f"{_fmt(det['cross_side']['replay_max_abs_diff'])}."
+        )
+        lines += ["", "| side | check | bitwise | max abs diff |", "|---|---|---|---|"]
+        for side in ("rollout", "trainer"):
+            for c in (det.get(side) or {}).get("checks", []):
+                lines.append(f"| {side} | {c.get('name')} | {c.get('bitwise')} | {_fmt(c.get('max_abs_diff'))} |")
+        mode = det.get("mode") or {}
+        if mode.get("knobs"):
+            lines += ["", "Knobs: " + "; ".join(f"{k}: {v.get('status')}" for k, v in mode["knobs"].items())]
+        lines += [f"- {v}" for v in det["violations"]]
     cov = report.get("matrix_pair_coverage")
     if cov:
         lines += ["", "## Matrix pair coverage", ""]

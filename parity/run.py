@@ -13,6 +13,7 @@ from typing import Any
 from parity.compare import TrainerFaults, build_table, summarize
 from parity.gates import Thresholds, evaluate
 from parity.matrix import Matrix, Scenario, default_matrix, load_matrix
+from parity.spec import SamplingSpec
 
 # Fixed prompt texts, tokenized by the trainer's tokenizer and sent to vLLM as token ids so that
 # tokenization cannot drift between the sides.
@@ -48,6 +49,7 @@ class RunConfig:
     timeout_s: float = 900.0
     prefix_caching: bool = False
     trainer: Any = None  # trainer under test: "full" | "recompute" | "replay" | "module:function"
+    invariance: bool = False  # run the batch-invariance checks on both sides and report them
     batch_invariant: bool = False  # turn on every batch-invariance knob available on the device
     capture: str = "topk"  # "topk" | "native" (vLLM return_sampling_mask, CUDA) | "both" (and compare them)
     server: str | None = None  # None: offline engine; "spawn": a local vLLM server; or a URL to attach to
@@ -219,21 +221,17 @@ def run(cfg: RunConfig, progress: Callable[[str], None] = _progress, pool: Engin
 
     With ``pool`` the engines outlive the run (tests share them); without, they are closed at the end.
     """
+    from parity.determinism import batch_invariant_mode
+
     matrix = resolve_matrix(cfg)
-    if cfg.batch_invariant:
-        import contextlib
-
-        from parity.determinism import batch_invariant_mode
-
-        with contextlib.ExitStack() as stack:
-            state = stack.enter_context(batch_invariant_mode(True, device=cfg.device))
-            return _run(cfg, matrix, progress, pool, determinism_mode=state.to_dict())
-    return _run(cfg, matrix, progress, pool, determinism_mode=None)
+    # Entered before any engine starts: on CUDA, VLLM_BATCH_INVARIANT is read at engine start-up.
+    # With the mode off the context changes nothing and records the knobs as they are.
+    with batch_invariant_mode(cfg.batch_invariant, device=cfg.device) as state:
+        return _run(cfg, matrix, progress, pool, state)
 
 
-def _run(
-    cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: EnginePool | None, determinism_mode: dict | None
-) -> dict[str, Any]:
+def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: EnginePool | None, state: Any) -> dict[str, Any]:
+    from parity.determinism import batch_invariant_mode, check_rollout_invariance, check_trainer_invariance, determinism_section
     from parity.matrix import pair_coverage
     from parity.report import environment, write_report
 
@@ -250,7 +248,9 @@ def _run(
             sc = matrix.scenarios[idx]
             model_name = sc.model or cfg.model
             rollout, trainer = pool.get(model_name, cfg, progress)
-            res = score_scenario(rollout, trainer, sc, cfg)
+            # The trainer-side knobs (eager attention) need the model, so they nest around scoring.
+            with batch_invariant_mode(cfg.batch_invariant, device=cfg.device, models=[trainer.model]):
+                res = score_scenario(rollout, trainer, sc, cfg)
             by_index[idx] = {
                 "name": sc.name,
                 "model": model_name,
@@ -267,6 +267,26 @@ def _run(
                 f"log S mean {s['log_s']['mean']:+.4f}  replay max|d| {s['replay']['max_abs_diff']:.1e}  "
                 f"({s['tokens']} tokens, {res.seconds:.1f} s)"
             )
+        determinism = None
+        if cfg.invariance:
+            rollout, trainer = pool.get(cfg.model, cfg, progress)
+            progress("parity: invariance checks (rollout batch sizes 2..32, trainer padding and packing)")
+            t0 = time.perf_counter()
+            prompts = make_prompts(trainer.tokenizer(), 8)
+            spec = SamplingSpec(temperature=1.0, top_p=0.9)
+            with batch_invariant_mode(cfg.batch_invariant, device=cfg.device, models=[trainer.model]):
+                ro = check_rollout_invariance(rollout, prompts, spec, max_tokens=8, seed=cfg.seed)
+                tr = check_trainer_invariance(trainer, rollout.generate(prompts, spec, max_tokens=8, seed=cfg.seed))
+            replay_max = max((r["replay"]["max_abs_diff"] for r in by_index.values()), default=None)
+            determinism = determinism_section(
+                state, rollout=ro, trainer=tr, required=cfg.batch_invariant, replay_max_abs_diff=replay_max
+            )
+            timings["invariance_s"] = time.perf_counter() - t0
+            progress(
+                f"parity: invariance: rollout {'bitwise' if ro['invariant'] else 'NOT invariant'}, "
+                f"trainer {'bitwise' if tr['invariant'] else 'NOT invariant'}"
+                f"{' (required: batch-invariant mode is on)' if cfg.batch_invariant else ' (reported, not required)'}"
+            )
     finally:
         if own_pool:
             pool.close()
@@ -275,7 +295,7 @@ def _run(
     trainer_dtype = cfg.trainer_dtype or cfg.dtype
     report = {
         "schema_version": 1,
-        "environment": {**environment(cfg.device, cfg.dtype, trainer_dtype), "batch_invariant_mode": determinism_mode},
+        "environment": {**environment(cfg.device, cfg.dtype, trainer_dtype), "batch_invariant_mode": state.to_dict()},
         "config": {
             "model": cfg.model,
             "trainer_model": cfg.trainer_model or cfg.model,
@@ -289,7 +309,8 @@ def _run(
         },
         "matrix_pair_coverage": pair_coverage(matrix),
         "scenarios": results,
-        "passed": all(r["verdict"] == "pass" for r in results),
+        "determinism": determinism,
+        "passed": all(r["verdict"] == "pass" for r in results) and not (determinism and determinism["violations"]),
         "timings": timings,
     }
     write_report(report, cfg.out, plots=cfg.plots)
@@ -328,6 +349,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--batch-invariant",
         action="store_true",
         help="turn on every batch-invariance knob the device offers (the report lists which were on or unavailable)",
+    )
+    p.add_argument(
+        "--invariance",
+        action="store_true",
+        help="also check batch invariance on both sides (required, i.e. gated, under --batch-invariant)",
     )
     p.add_argument(
         "--capture",
@@ -385,6 +411,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         trainer=args.trainer,
         capture=args.capture,
         batch_invariant=args.batch_invariant,
+        invariance=args.invariance or args.batch_invariant,
         plots=not args.no_plots,
     )
 
@@ -397,4 +424,6 @@ def main(args: argparse.Namespace) -> int:
     for s in report["scenarios"]:
         for v in s["violations"]:
             print(f"FAIL {v}")
+    for v in (report.get("determinism") or {}).get("violations", []):
+        print(f"FAIL [determinism] {v}")
     return 0 if report["passed"] else 1

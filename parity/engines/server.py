@@ -43,6 +43,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import uuid
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,6 +68,10 @@ PROBE_SENTENCE = "The sampler and the trainer must agree"
 
 class ServerError(RuntimeError):
     """Any failure of the server path; the message names the URL and the cause."""
+
+
+class _PortTaken(Exception):
+    """The spawned server lost the race for its port (internal: retried on another port)."""
 
 
 class ServerUnreachable(ServerError):
@@ -418,6 +423,13 @@ def _kill_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
         pass
 
 
+def _shutdown(proc: subprocess.Popen[bytes], log_dir: Path, log_state: dict[str, bool]) -> None:
+    """Finalizer of a spawned server: kill its group; remove its log unless an error message cites it."""
+    _kill_group(proc)
+    if not log_state.get("keep"):
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
 # Child side of the launcher: die with the parent (PR_SET_PDEATHSIG survives exec), then exec the
 # server. Covers a parent killed by SIGKILL, where neither atexit nor finally blocks run.
 _LAUNCHER = (
@@ -497,13 +509,14 @@ class ServerRollout:
         self.url: str | None = None
         self.spawned = server == "spawn"
         self._closed = False
-        self._keep_log = False
+        self._log_state = {"keep": False}  # shared with the finalizer, which must not hold self
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path: Path | None = None
-        self._log_file: Any = None
         self._finalizer: weakref.finalize | None = None
+        self._spawn_name: str | None = None
         # No proxies, ever: the harness talks to loopback or to the URL it was given, directly.
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        attach_url = None if self.spawned else _normalise_url(server)
         self.vocab_size = self._config_vocab_size(path)
         from transformers import AutoTokenizer
 
@@ -513,7 +526,7 @@ class ServerRollout:
             if self.spawned:
                 self.url = self._spawn(path, logprobs_mode=logprobs_mode, server_args=server_args)
             else:
-                self.url = _normalise_url(server)
+                self.url = attach_url
             self.served_model, self.max_model_len = self._models()
             if check_mode:
                 self.probe_logprobs_mode()
@@ -537,9 +550,27 @@ class ServerRollout:
         return v
 
     def _spawn(self, path: Path, *, logprobs_mode: str, server_args: Sequence[str]) -> str:
+        # A free port can be taken between the probe and the server's bind (other test runs spawn
+        # servers too): the server then exits with "address already in use", and we try another port.
+        for attempt in range(3):
+            try:
+                return self._spawn_once(path, logprobs_mode=logprobs_mode, server_args=server_args)
+            except _PortTaken:
+                if attempt == 2:
+                    raise ServerError(
+                        f"could not bind a free port on 127.0.0.1 in 3 attempts{self._log_tail()}"
+                    ) from None
+                self._log_state["keep"] = False
+                self._stop_process()
+        raise AssertionError("unreachable")
+
+    def _spawn_once(self, path: Path, *, logprobs_mode: str, server_args: Sequence[str]) -> str:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         self.url = url  # for error messages while it starts
+        # A name only this server answers to: /v1/models then proves the port is ours, not another
+        # server's that grabbed it first.
+        self._spawn_name = f"parity-{uuid.uuid4().hex[:12]}"
         args = [
             "-m",
             "vllm.entrypoints.openai.api_server",
@@ -569,6 +600,8 @@ class ServerRollout:
             # (de)tokenize, and candidate detokenization dominates full-vocabulary capture cost.
             "--skip-tokenizer-init",
             "--disable-uvicorn-access-log",
+            "--served-model-name",
+            self._spawn_name,
             *server_args,
         ]
         env = dict(os.environ)
@@ -582,23 +615,24 @@ class ServerRollout:
                 env.setdefault(k, v)
         log_dir = Path(tempfile.mkdtemp(prefix="parity-server-"))
         self.log_path = log_dir / "server.log"
-        self._log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
         if threading.current_thread() is threading.main_thread():
             # PR_SET_PDEATHSIG fires when the spawning *thread* ends; only the main thread lives as long
             # as the process.
             cmd = [sys.executable, "-c", _LAUNCHER, str(os.getpid()), *args]
         else:
             cmd = [sys.executable, *args]
-        self.proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # own process group: killed as a whole, immune to the terminal's Ctrl-C
-        )
+        self._log_state = {"keep": False}
+        with open(self.log_path, "wb") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # own process group: killed as a whole, immune to the terminal's Ctrl-C
+            )
         # Runs on close(), on garbage collection and at interpreter exit (atexit), whichever is first.
-        self._finalizer = weakref.finalize(self, _kill_group, self.proc)
+        self._finalizer = weakref.finalize(self, _shutdown, self.proc, log_dir, self._log_state)
         self._wait_ready(url)
         return url
 
@@ -607,26 +641,31 @@ class ServerRollout:
             return ""
         text = self.log_path.read_bytes()[-8000:].decode(errors="replace").strip().splitlines()
         tail = "\n".join(text[-lines:])
-        self._keep_log = True  # an error message points at it
+        self._log_state["keep"] = True  # an error message points at it
         return f"\n--- last lines of {self.log_path} ---\n{tail}" if tail else ""
 
     def _exited(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
     def _wait_ready(self, url: str) -> None:
+        """Poll until the server answers /v1/models with our name; fail fast if the process exits."""
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             code = self._exited()
             if code is not None:
+                tail = self._log_tail()
+                if "address already in use" in tail.lower():
+                    raise _PortTaken(url)
                 raise ServerError(
-                    f"the vLLM server spawned for {self.model} at {url} exited with code {code} before it was "
-                    f"ready" + self._log_tail()
+                    f"the vLLM server spawned for {self.model} at {url} exited with code {code} before it was ready"
+                    + tail
                 )
             try:
-                with self._opener.open(url + "/health", timeout=2.0) as resp:
-                    if resp.status == 200:
+                with self._opener.open(url + "/v1/models", timeout=2.0) as resp:
+                    ids = [m.get("id") for m in json.loads(resp.read()).get("data", [])]
+                    if self._spawn_name in ids:
                         return
-            except (urllib.error.URLError, OSError, http.client.HTTPException):
+            except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError, AttributeError):
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(
@@ -647,7 +686,7 @@ class ServerRollout:
             or "id" not in models[0]
         ):
             raise MalformedResponse(f"{self.url}/v1/models lists no model: {str(data)[:200]}")
-        m = models[0]
+        m = next((x for x in models if isinstance(x, dict) and x.get("id") == self._spawn_name), models[0])
         return str(m["id"]), m.get("max_model_len")
 
     # -- HTTP ---------------------------------------------------------------------------------
@@ -680,7 +719,7 @@ class ServerRollout:
                 f"{what} to {url}: no answer within {timeout:.0f} s (server hung or overloaded)"
             ) from None
         except (urllib.error.URLError, ConnectionError, http.client.HTTPException, OSError) as exc:
-            self._raise_if_died(what)
+            self._raise_if_died(what, grace_s=2.0)
             reason = getattr(exc, "reason", exc)
             if isinstance(reason, (TimeoutError, socket.timeout)):
                 raise TimeoutError(
@@ -703,7 +742,12 @@ class ServerRollout:
         except ValueError:
             raise MalformedResponse(f"{what} to {url}: the body is not JSON: {raw[:200]!r}") from None
 
-    def _raise_if_died(self, what: str) -> None:
+    def _raise_if_died(self, what: str, grace_s: float = 0.0) -> None:
+        if grace_s and self.proc is not None:
+            try:  # a dropped connection usually means it is exiting: give it a moment to be reaped
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
         code = self._exited()
         if code is not None:
             raise ServerDied(
@@ -891,16 +935,14 @@ class ServerRollout:
                 )
         return results
 
+    def _stop_process(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # kills the group and drops the log once; later calls are no-ops
+
     def close(self) -> None:
         """Stop a spawned server (its whole process group) and release the log; attached servers stay up."""
         self._closed = True
-        if self._finalizer is not None:
-            self._finalizer()  # kills the group once; later calls are no-ops
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
-            if self.log_path is not None and not self._keep_log:
-                shutil.rmtree(self.log_path.parent, ignore_errors=True)
+        self._stop_process()
 
     @property
     def pid(self) -> int | None:

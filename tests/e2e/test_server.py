@@ -9,6 +9,7 @@ attach test, and is shut down by the last test, which checks no process is left.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import time
@@ -146,9 +147,12 @@ def test_raw_mode_is_detected_and_a_server_killed_mid_run_is_an_error() -> None:
             raw.generate(make_prompts(raw.tokenizer(), 8), SamplingSpec(1.0), max_tokens=400, seed=0)
         assert killed.is_set(), f"the run ended before the kill: {exc.value}"
         assert time.perf_counter() - t0 < 60, "a dead server must end the run promptly, not at the timeout"
+        print(f"\nkilled mid-run: {str(exc.value).splitlines()[0]}")
     finally:
         raw.close()
     assert_gone(raw)
+    if raw.log_path is not None:  # kept because the ServerDied message cites it
+        shutil.rmtree(raw.log_path.parent, ignore_errors=True)
 
 
 # -- the module's processed-mode server ----------------------------------------------------------

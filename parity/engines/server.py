@@ -485,7 +485,15 @@ class ServerRollout:
         logprobs_mode: str = EXPECTED_MODE,
         check_mode: bool = True,
         server_args: Sequence[str] = (),
+        capture: str = "topk",
     ) -> None:
+        if capture != "topk":
+            # vLLM 0.32's /v1/completions has no field for return_sampling_mask; over HTTP the kept set
+            # comes from the top-K processed log-probs only.
+            raise ValueError(
+                f"capture={capture!r} is not available in server mode: vLLM's OpenAI server does not expose "
+                f"return_sampling_mask; use capture='topk' (the default)"
+            )
         path = Path(model)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(

@@ -292,3 +292,10 @@ def test_raw_full_vocabulary_is_detected_by_min_p_and_top_p() -> None:
     check_processed(
         cap.kept_logprobs, cap.incomplete, url=URL, where="p", spec=SamplingSpec(1.0, top_p=0.9), vocab_size=V
     )
+
+
+def test_native_capture_is_refused_in_server_mode() -> None:
+    from parity.engines.server import ServerRollout
+
+    with pytest.raises(ValueError, match="return_sampling_mask"):
+        ServerRollout("/nonexistent", server="http://127.0.0.1:9", capture="native")

@@ -48,6 +48,7 @@ class RunConfig:
     full_vocab_limit: int = 4096
     timeout_s: float = 900.0
     prefix_caching: bool = False
+    trainer_shards: int = 1  # > 1: also score vocab-parallel across this many local processes
     trainer: Any = None  # trainer under test: "full" | "recompute" | "replay" | "module:function"
     invariance: bool = False  # run the batch-invariance checks on both sides and report them
     batch_invariant: bool = False  # turn on every batch-invariance knob available on the device
@@ -136,6 +137,9 @@ def score_scenario(rollout: Any, trainer: Any, sc: Scenario, cfg: RunConfig) -> 
         score_trainer_under_test(table, records, logits, sc, cfg.trainer, trainer, cfg.thresholds.replay_max_abs_diff)
     summary = summarize(table)
     violations = evaluate(sc.name, table, summary, cfg.thresholds)
+    if cfg.trainer_shards > 1:
+        summary["vocab_parallel"], shard_violations = score_vocab_parallel(records, logits, sc, cfg.trainer_shards)
+        violations += [f"[{sc.name}] vocab-parallel ({cfg.trainer_shards} shards): {v}" for v in shard_violations]
     if any("native_kept_ids" in r.extras for r in records):
         mism = [(r.prompt_index, int(t)) for r in records for t in r.extras.get("native_vs_topk_mismatch", [])]
         summary["native_capture"] = {"mode": cfg.capture, "mismatched_positions": len(mism)}
@@ -143,6 +147,31 @@ def score_scenario(rollout: Any, trainer: Any, sc: Scenario, cfg: RunConfig) -> 
             where = "; ".join(f"prompt {p}, position {t}" for p, t in mism[: cfg.thresholds.max_violations_listed])
             violations.append(f"[{sc.name}] native sampling mask and top-K capture disagree on S_q at {len(mism)} positions: {where}")
     return ScenarioResult(sc, records, table, summary, violations, time.perf_counter() - t0)
+
+
+def score_vocab_parallel(records: list[Any], logits: list[Any], sc: Scenario, shards: int) -> tuple[dict[str, Any], list[str]]:
+    """Score the scenario's tokens with the vocab-parallel estimators and compare with the unsharded ones."""
+    import torch
+
+    from parity.parallel import check_parity, run_vocab_parallel
+
+    z = torch.cat(list(logits))
+    y = torch.cat([torch.tensor(r.completion_ids, dtype=torch.long) for r in records])
+    kept = None
+    if all(r.kept_ids is not None for r in records):
+        width = max(int(r.kept_ids.shape[1]) for r in records)
+        kept = torch.cat([torch.nn.functional.pad(r.kept_ids, (0, width - r.kept_ids.shape[1]), value=-1) for r in records])
+    result = run_vocab_parallel(z, y, sc.spec, kept, shards)
+    rep = check_parity(result, z, y, sc.spec, kept)
+    summary = {
+        "shards": shards,
+        "max_abs_diff_vs_unsharded": rep.max_abs_diff,
+        "support_equal_frac": rep.support_equal_frac,
+        "fallback_rows": rep.fallback_rows,
+        "bytes_per_token": result.get("bytes_per_token"),
+        "passed": rep.passed,
+    }
+    return summary, list(rep.violations)
 
 
 def score_trainer_under_test(table: Any, records: list[Any], logits: list[Any], sc: Scenario, name: Any, trainer: Any, tol: float) -> None:
@@ -303,6 +332,7 @@ def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: 
             "seed": cfg.seed,
             "prefix_caching": cfg.prefix_caching,
             "rollout": "vllm-server" if cfg.server else "vllm-offline",
+            "trainer_shards": cfg.trainer_shards,
             "trainer_under_test": cfg.trainer if cfg.trainer is None or isinstance(cfg.trainer, str) else getattr(cfg.trainer, "__qualname__", "callable"),
             "thresholds": cfg.thresholds.to_dict(),
             "planted_faults": {k: v for k, v in cfg.faults.__dict__.items() if v},
@@ -362,6 +392,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="how S_q is captured: top-K processed log-probs, vLLM's native sampling mask (CUDA, Model Runner V2), or both compared",
     )
     p.add_argument(
+        "--trainer-shards",
+        type=int,
+        default=1,
+        help="also score the trainer side vocab-parallel over N local processes (gloo on CPU) and compare",
+    )
+    p.add_argument(
         "--trainer",
         default=None,
         metavar="NAME|module:function",
@@ -409,6 +445,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         prefix_caching=args.prefix_caching,
         server=args.server,
         trainer=args.trainer,
+        trainer_shards=args.trainer_shards,
         capture=args.capture,
         batch_invariant=args.batch_invariant,
         invariance=args.invariance or args.batch_invariant,

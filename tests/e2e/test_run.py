@@ -158,3 +158,15 @@ def test_strict_thresholds_fail_and_name_the_token(pool) -> None:
     res = score_scenario(rollout, trainer, Scenario("strict", SamplingSpec(1.0, 0, 0.9, 0.0), prompts=4, max_tokens=8), cfg)
     line = next(v for v in res.violations if "replay max |diff|" in v)
     assert "prompt " in line and "position " in line and "token " in line and "gap=" in line
+
+
+def test_trainer_shards_match_the_unsharded_trainer(pool) -> None:
+    cfg = RunConfig(model=MODEL, trainer_shards=2)
+    rollout, trainer = pool.get(MODEL, cfg, lambda s: None)
+    sc = Scenario("sharded", SamplingSpec(temperature=0.7, top_k=20, top_p=0.9), prompts=3, max_tokens=6)
+    res = score_scenario(rollout, trainer, sc, cfg)
+    vp = res.summary["vocab_parallel"]
+    assert res.violations == [] and vp["passed"] and vp["shards"] == 2
+    assert vp["support_equal_frac"] == 1.0
+    # Replay moves O(K) bytes per token, never a row of V logits.
+    assert vp["bytes_per_token"]["replay"]["payload"] < 4 * trainer.vocab_size / 4

@@ -60,7 +60,7 @@ def tests(session: nox.Session) -> None:
 def parity(session: nox.Session) -> None:
     """The main job on CPU: default fixture, default matrix, report under reports/parity/."""
     install(session, "cpu", "report")
-    args = session.posargs or ["--model", "qwen2-tiny", "--matrix", "default", "--out", "reports/parity"]
+    args = session.posargs or ["--model", "qwen2-tiny", "--matrix", "default", "--invariance", "--out", "reports/parity"]
     session.run("parity", "run", *args, env=CPU_ENV)
 
 

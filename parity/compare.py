@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -167,9 +168,10 @@ def build_table(
         cols["kl"].append(kl)
         cols["tv"].append(tv)
     if not lengths:
-        empty = {k: torch.zeros(0) for k in cols}
+        empty: dict[str, Any] = {k: torch.zeros(0) for k in cols}
         return TokenTable(**empty, seq_lengths=[])
-    return TokenTable(**{k: torch.cat(v) for k, v in cols.items()}, seq_lengths=lengths)
+    joined: dict[str, Any] = {k: torch.cat(v) for k, v in cols.items()}
+    return TokenTable(**joined, seq_lengths=lengths)
 
 
 def _sampler_lp_of(r: SequenceRecord, kept: torch.Tensor) -> torch.Tensor:

@@ -260,7 +260,12 @@ def run(cfg: RunConfig, progress: Callable[[str], None] = _progress, pool: Engin
 
 
 def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: EnginePool | None, state: Any) -> dict[str, Any]:
-    from parity.determinism import batch_invariant_mode, check_rollout_invariance, check_trainer_invariance, determinism_section
+    from parity.determinism import (
+        batch_invariant_mode,
+        check_rollout_invariance,
+        check_trainer_invariance,
+        determinism_section,
+    )
     from parity.matrix import pair_coverage
     from parity.report import environment, write_report
 

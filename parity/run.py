@@ -204,7 +204,7 @@ class EnginePool:
 
         trainer_dtype = cfg.trainer_dtype or cfg.dtype
         trainer_name = cfg.trainer_model if cfg.trainer_model and model_name == cfg.model else model_name
-        key = (model_name, f"{trainer_name}|{cfg.dtype}|{trainer_dtype}|{cfg.device}")
+        key = (model_name, f"{trainer_name}|{cfg.dtype}|{trainer_dtype}|{cfg.device}|{cfg.server or 'offline'}|{cfg.capture}")
         if key not in self._engines:
             model_path = _resolve(model_name)
             trainer_path = _resolve(trainer_name)

@@ -1,0 +1,371 @@
+"""What every reproduction shares: the result type, the engine cache, raw sampling, Markdown/JSON output.
+
+A reproduction computes two things from two independent sources and states whether they agree:
+*predicted* values come from the trainer's logits (transformers, float32 unless the repro says
+otherwise) run through parity's reference filters; *measured* values come from the vLLM run (the
+sampler's processed log-probs, its captured kept set). Nothing a repro checks is typed in.
+
+Engines: one vLLM engine at a time is what two CPU cores afford, so :class:`Context` keeps at most
+``max_engines`` rollouts alive (least recently used is closed first) and one trainer per
+(fixture, dtype). ``parity repro all`` orders the repros so that each fixture's engine starts once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parity.records import SequenceRecord
+from parity.spec import SamplingSpec
+
+# |measured - predicted| bound for per-token log-probabilities in float32 on both sides (issue 6).
+LOG_TOL = 1e-5
+
+
+@dataclass
+class Check:
+    """One stated relation and whether the measured table shows it."""
+
+    statement: str
+    passed: bool
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"statement": self.statement, "passed": self.passed, "detail": self.detail}
+
+
+@dataclass
+class Column:
+    key: str
+    title: str
+    fmt: str = ""  # a format spec for numbers ("" = str())
+
+
+@dataclass
+class ReproResult:
+    name: str
+    number: int
+    title: str
+    finding: str  # one sentence: what the table shows when the checks hold
+    columns: list[Column]
+    rows: list[dict[str, Any]]
+    checks: list[Check]
+    notes: list[str] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)  # everything else worth keeping (JSON only)
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(c.passed for c in self.checks)
+
+    @property
+    def verdict(self) -> str:
+        return "REPRODUCED" if self.passed else "NOT REPRODUCED"
+
+    def table_markdown(self) -> str:
+        return markdown_table(self.columns, self.rows)
+
+    def markdown(self) -> str:
+        lines = [f"## Repro {self.number}: {self.title} (`{self.name}`)", "", self.finding, "", self.table_markdown(), ""]
+        lines.append("Checks (measured from the vLLM run vs predicted from trainer logits):")
+        lines.append("")
+        for c in self.checks:
+            mark = "x" if c.passed else " "
+            lines.append(f"- [{mark}] {c.statement}" + (f" — {c.detail}" if c.detail else ""))
+        lines.append("")
+        failed = [c.statement for c in self.checks if not c.passed]
+        lines.append(f"**{self.verdict}**" + (f": {len(failed)} check(s) failed" if failed else "") + f" ({self.seconds:.1f} s)")
+        if self.notes:
+            lines.append("")
+            lines.extend(f"> {n}" for n in self.notes)
+        return "\n".join(lines) + "\n"
+
+    def to_json(self) -> dict[str, Any]:
+        return _clean(
+            {
+                "schema_version": 1,
+                "name": self.name,
+                "number": self.number,
+                "title": self.title,
+                "finding": self.finding,
+                "verdict": self.verdict,
+                "passed": self.passed,
+                "columns": [{"key": c.key, "title": c.title} for c in self.columns],
+                "rows": self.rows,
+                "checks": [c.to_dict() for c in self.checks],
+                "notes": self.notes,
+                "data": self.data,
+                "seconds": round(self.seconds, 3),
+            }
+        )
+
+    def write(self, out: Path) -> list[Path]:
+        """result.json and table.md under ``out`` (created)."""
+        out.mkdir(parents=True, exist_ok=True)
+        j = out / "result.json"
+        j.write_text(json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n", encoding="utf-8")
+        md = out / "table.md"
+        md.write_text(self.markdown(), encoding="utf-8")
+        return [j, md]
+
+
+def _clean(obj: Any) -> Any:
+    """JSON-safe: tensors to lists, non-finite floats to strings ("inf", "-inf", "nan")."""
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return _clean(obj.tolist())
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def fmt_cell(value: Any, spec: str) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return format(value, spec) if spec else f"{value:g}"
+    if isinstance(value, int) and spec and spec[-1] in "dn":
+        return format(value, spec)
+    return str(value)
+
+
+def markdown_table(columns: Sequence[Column], rows: Sequence[dict[str, Any]]) -> str:
+    head = "| " + " | ".join(c.title for c in columns) + " |"
+    sep = "|" + "|".join("---" for _ in columns) + "|"
+    body = ["| " + " | ".join(fmt_cell(r.get(c.key), c.fmt) for c in columns) + " |" for r in rows]
+    return "\n".join([head, sep, *body])
+
+
+# --------------------------------------------------------------------------------------------------
+# engines
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Context:
+    """Settings of one ``parity repro`` invocation and the engines it has started."""
+
+    def __init__(
+        self,
+        *,
+        small: bool = False,
+        seed: int = 0,
+        timeout_s: float = 900.0,
+        max_engines: int = 2,
+        progress: Callable[[str], None] = _stderr,
+    ) -> None:
+        self.small = small
+        self.seed = seed
+        self.timeout_s = timeout_s
+        self.max_engines = max_engines
+        self.progress = progress
+        self._rollouts: OrderedDict[str, Any] = OrderedDict()
+        self._trainers: dict[tuple[str, str], Any] = {}
+        self._paths: dict[str, Path] = {}
+
+    def model_path(self, fixture: str) -> Path:
+        if fixture not in self._paths:
+            from parity.fixtures import resolve_model
+
+            self._paths[fixture] = resolve_model(fixture)
+        return self._paths[fixture]
+
+    def trainer(self, fixture: str, dtype: str = "float32") -> Any:
+        key = (fixture, dtype)
+        if key not in self._trainers:
+            from parity.engines.trainer import TransformersTrainer
+
+            self._trainers[key] = TransformersTrainer(self.model_path(fixture), dtype=dtype)
+        return self._trainers[key]
+
+    def rollout(self, fixture: str) -> Any:
+        """The vLLM engine for ``fixture`` (float32, CPU), started on first use and shared."""
+        if fixture in self._rollouts:
+            self._rollouts.move_to_end(fixture)
+            return self._rollouts[fixture]
+        while len(self._rollouts) >= self.max_engines:
+            old, engine = self._rollouts.popitem(last=False)
+            self.progress(f"parity repro: closing the vLLM engine of {old}")
+            engine.close()
+        from parity.engines.rollout import VllmRollout
+        from parity.run import check_same_vocabulary
+
+        self.progress(f"parity repro: starting vLLM on {fixture}")
+        engine = VllmRollout(self.model_path(fixture), seed=self.seed, timeout_s=self.timeout_s)
+        check_same_vocabulary(engine, self.trainer(fixture))
+        self._rollouts[fixture] = engine
+        return engine
+
+    def alive(self) -> list[str]:
+        """Fixtures whose vLLM engine is running now (least recently used first)."""
+        return list(self._rollouts)
+
+    def prompts(self, fixture: str, n: int) -> list[list[int]]:
+        from parity.run import make_prompts
+
+        return make_prompts(self.trainer(fixture).tokenizer(), n)
+
+    def close(self) -> None:
+        for engine in self._rollouts.values():
+            engine.close()
+        self._rollouts.clear()
+        self._trainers.clear()
+
+
+# --------------------------------------------------------------------------------------------------
+# sampling
+
+
+def sample(
+    ctx: Context,
+    fixture: str,
+    spec: SamplingSpec,
+    *,
+    prompts: int,
+    max_tokens: int,
+    full_vocab_limit: int | None = None,
+) -> list[SequenceRecord]:
+    """Sample through the harness's own path (``VllmRollout.generate``: capture planned and checked).
+
+    ``full_vocab_limit`` raises the vocabulary size up to which top_p/min_p-only specs are captured in
+    full (the harness refuses above 4096 by default).
+    """
+    rollout = ctx.rollout(fixture)
+    old = rollout.full_vocab_limit
+    rollout.full_vocab_limit = full_vocab_limit if full_vocab_limit is not None else old
+    rollout.head = None
+    try:
+        return rollout.generate(ctx.prompts(fixture, prompts), spec, max_tokens=max_tokens, seed=ctx.seed)
+    finally:
+        rollout.full_vocab_limit = old
+
+
+def sample_raw(
+    ctx: Context,
+    fixture: str,
+    spec: SamplingSpec,
+    *,
+    prompts: int,
+    max_tokens: int,
+    logprobs: int = 0,
+) -> list[SequenceRecord]:
+    """Sample with exactly ``logprobs`` top-K processed log-probs, bypassing the harness's capture plan.
+
+    This is what a user's code does when it asks vLLM directly: vLLM accepts any K, including one
+    smaller than top_k. ``logprobs=0`` returns the sampled token's processed log-prob only (no S_q);
+    otherwise the head is parsed into ``kept_ids`` with the harness's completeness flags.
+    """
+    from parity.capture import support_from_heads
+    from parity.engines.rollout import call_with_timeout
+
+    rollout = ctx.rollout(fixture)
+    from vllm.inputs import TokensPrompt
+
+    ids_list = ctx.prompts(fixture, prompts)
+    params = [
+        spec.to_sampling_params(
+            max_tokens=max_tokens,
+            seed=ctx.seed + i,
+            logprobs=logprobs,
+            detokenize=False,
+            flat_logprobs=True,
+            ignore_eos=True,
+        )
+        for i in range(len(ids_list))
+    ]
+    inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in ids_list]
+    outputs = call_with_timeout(
+        lambda: rollout.llm.generate(inputs, params, use_tqdm=False), ctx.timeout_s, f"vLLM generate ({spec.label()})"
+    )
+    records = []
+    for i, out in enumerate(outputs):
+        comp = out.outputs[0]
+        ids = list(comp.token_ids)
+        flat = comp.logprobs
+        if flat is None or len(flat.start_indices) != len(ids):
+            raise RuntimeError(f"vLLM returned no log-probs for prompt {i} ({spec.label()})")
+        sampled_lp, heads, head_lps = [], [], []
+        for t, (a, b) in enumerate(zip(flat.start_indices, flat.end_indices, strict=True)):
+            if flat.token_ids[a] != ids[t]:
+                raise RuntimeError(f"vLLM log-prob entry for prompt {i} position {t} is not the sampled token")
+            sampled_lp.append(flat.logprobs[a])
+            heads.append(flat.token_ids[a + 1 : b])
+            head_lps.append(flat.logprobs[a + 1 : b])
+        kept = kept_lp = incomplete = None
+        extras: dict[str, torch.Tensor] = {}
+        if logprobs:
+            cap = support_from_heads(ids, heads, head_lps, requested=logprobs, vocab_size=rollout.vocab_size)
+            kept, kept_lp, incomplete = cap.kept_ids, cap.kept_logprobs, cap.incomplete
+            extras["sampled_missing"] = cap.sampled_missing
+        records.append(
+            SequenceRecord(
+                source="vllm",
+                prompt_index=i,
+                prompt_ids=list(ids_list[i]),
+                completion_ids=ids,
+                spec=spec,
+                seed=ctx.seed + i,
+                logprobs=torch.tensor(sampled_lp, dtype=torch.float32),
+                kept_ids=kept,
+                kept_logprobs=kept_lp,
+                incomplete=incomplete,
+                extras=extras,
+            )
+        )
+    return records
+
+
+# --------------------------------------------------------------------------------------------------
+# small numeric helpers
+
+
+def sampled_ids(records: Sequence[SequenceRecord]) -> list[torch.Tensor]:
+    return [torch.tensor(r.completion_ids, dtype=torch.long) for r in records]
+
+
+def seq_sums(values: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """Per-sequence sums of a flat per-token tensor (float64)."""
+    return torch.stack([v.sum() for v in torch.split(values.double(), list(lengths))])
+
+
+def fmax(t: torch.Tensor) -> float:
+    return float(t.max()) if t.numel() else 0.0
+
+
+def fmean(t: torch.Tensor) -> float:
+    return float(t.double().mean()) if t.numel() else 0.0
+
+
+def cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(list(parts)) if parts else torch.zeros(0)
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start

@@ -1,0 +1,68 @@
+"""The reproductions, in the issue's numbering, and the order ``all`` runs them in.
+
+Each module named here exposes ``NAME``, ``NUMBER``, ``TITLE``, ``run(ctx) -> ReproResult`` and
+``emit_script(small: bool) -> str`` (a standalone script; every repro has one). Modules are imported
+only when a repro runs, so ``parity repro list`` and ``parity --help`` need no engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+
+@dataclass(frozen=True)
+class Entry:
+    number: int
+    name: str
+    module: str
+    title: str
+    fixtures: tuple[str, ...]  # fixtures whose engines it uses (for the run order of ``all``)
+
+    def load(self) -> ModuleType:
+        return importlib.import_module(self.module)
+
+
+REPROS: tuple[Entry, ...] = (
+    Entry(1, "top_p_bias", "parity.repro.top_p_bias",
+          "top_p biases the importance-sampling correction by log S per token, S^L per sequence",
+          ("llama-32k-s1",)),
+    Entry(2, "top_k_entropy", "parity.repro.top_k_entropy",
+          "top_k severity depends on entropy; top_p keeps S near top_p (32k-vocab logit-scale sweep)",
+          ("llama-32k-s1", "llama-32k-s2", "llama-32k-s4", "llama-32k-s6", "llama-32k-s8", "llama-32k-s12")),
+    Entry(3, "temperature", "parity.repro.temperature",
+          "a trainer that forgets to divide by the temperature is biased; one that divides is not",
+          ("llama-32k-s1",)),
+    Entry(4, "recompute_boundary", "parity.repro.recompute_boundary",
+          "recompute at the boundary: a bf16 trainer loses the sampled token (-inf) without force-include",
+          ("llama-32k-s1",)),
+    Entry(5, "top_k_ties", "parity.repro.top_k_ties",
+          "ties at the top_k boundary: vLLM keeps every tied token, a strict torch.topk recompute does not",
+          ("qwen2-tiny-ties",)),
+    Entry(6, "capture_head", "parity.repro.capture_head",
+          "capture head too small: top_logprobs < top_k or top_p without a top_k cap mis-scores positions",
+          ("llama-32k-s4",)),
+    Entry(7, "batch_invariant_cpu", "parity.repro.batch_invariant_cpu",
+          "VLLM_BATCH_INVARIANT=1 crashes vLLM's CPU engine at the first forward",
+          ("qwen2-tiny-ties",)),
+)
+
+BY_NAME = {e.name: e for e in REPROS}
+
+# ``all``: the repros on the flat 32k fixture, then the one on scale 4, then the sweep (which visits the
+# scales whose engines are still alive first), then the tie fixture: with two live engines, each
+# fixture's engine starts once.
+RUN_ORDER = ("top_p_bias", "temperature", "recompute_boundary", "capture_head", "top_k_entropy",
+             "top_k_ties", "batch_invariant_cpu")
+
+
+def get(name: str) -> Entry:
+    key = name.replace("-", "_")
+    if key.isdigit():
+        for e in REPROS:
+            if e.number == int(key):
+                return e
+    if key not in BY_NAME:
+        raise ValueError(f"unknown reproduction {name!r}: allowed list, all, or one of {', '.join(BY_NAME)} (or 1-{len(REPROS)})")
+    return BY_NAME[key]

@@ -1,0 +1,56 @@
+"""Emit a reproduction as one standalone Python script (torch, transformers and vLLM only).
+
+The script text is cut from ``standalone_src.py``: its ``prelude`` section (environment, a tiny
+Llama built from code, vLLM sampling, vLLM's filter rules written out in torch, table printing) plus
+the section named after the repro, followed by the repro's settings as a ``CONFIG`` literal and a
+``__main__`` guard. ``standalone_src.py`` is ordinary Python that imports nothing from parity, so
+what is emitted runs anywhere vLLM does and can be pasted into an upstream issue.
+"""
+
+from __future__ import annotations
+
+import pprint
+import re
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("standalone_src.py")
+_MARK = re.compile(r"^# =+ section: (?P<name>[a-z0-9_]+) =+$", re.MULTILINE)
+
+
+def sections() -> dict[str, str]:
+    """Section name -> its source text, in file order."""
+    text = SOURCE.read_text(encoding="utf-8")
+    marks = list(_MARK.finditer(text))
+    out: dict[str, str] = {}
+    for i, m in enumerate(marks):
+        end = marks[i + 1].start() if i + 1 < len(marks) else len(text)
+        out[m.group("name")] = text[m.end() : end].strip("\n") + "\n"
+    return out
+
+
+def emit(name: str, title: str, *, config: dict) -> str:
+    parts = sections()
+    if name not in parts:
+        raise ValueError(f"no standalone script section {name!r} in {SOURCE.name}: allowed {', '.join(p for p in parts if p != 'prelude')}")
+    try:
+        from importlib.metadata import version
+
+        made_by = f"parity {version('parity')}"
+    except Exception:  # noqa: BLE001 - a source checkout without installed metadata
+        made_by = "parity (source checkout)"
+    header = (
+        "#!/usr/bin/env python3\n"
+        f'"""{title}.\n\n'
+        f"Standalone reproduction emitted by `parity repro {name} --emit-script` ({made_by}).\n"
+        "Needs only torch, transformers and vLLM; builds its tiny model from code and downloads nothing.\n"
+        "It samples with vLLM (processed log-probs), scores the same tokens with transformers, prints a\n"
+        "Markdown table and the checks, and exits 0 when the finding reproduces, 1 when it does not.\n\n"
+        f"    python {name}.py [--prompts N] [--tokens L] [--seed S]\n"
+        '"""\n\n'
+    )
+    cfg = "CONFIG = " + pprint.pformat(config, sort_dicts=False, width=100) + "\n"
+    main = (
+        '\n\nif __name__ == "__main__":\n'
+        f"    sys.exit(main_{name}(CONFIG, parse_args(CONFIG, {title!r})))\n"
+    )
+    return header + parts["prelude"] + "\n\n" + cfg + "\n\n" + parts[name] + main

@@ -1,0 +1,530 @@
+# ruff: noqa: E402, B905
+"""Source of the standalone reproduction scripts that ``parity repro NAME --emit-script`` writes.
+
+Nothing here imports parity: each emitted script is the ``prelude`` section plus one repro's section
+(see ``parity/repro/standalone.py``). The file is valid Python on its own so that it is linted and
+imported by the tests like any module; run the emitted scripts, not this file.
+"""
+
+# ==================== section: prelude ====================
+import argparse
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+# In-process vLLM engine with a small KV cache (CPU builds); ignored on GPU builds. Must precede the
+# vLLM import.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def parse_args(cfg, title):
+    p = argparse.ArgumentParser(description=title)
+    p.add_argument("--prompts", type=int, default=cfg.get("prompts", 8), help="prompts (one completion each)")
+    p.add_argument("--tokens", type=int, default=cfg.get("tokens", 16), help="completion length")
+    p.add_argument("--seed", type=int, default=0, help="model and sampling seed")
+    return p.parse_args()
+
+
+def build_model(vocab, *, hidden=64, layers=2, logit_scale=1.0, seed=0):
+    """A tiny random Llama (float32). lm_head rows are N(0, 1/hidden): the final RMSNorm output has norm
+    ~sqrt(hidden), so the logits at a position are ~N(0, logit_scale^2) across the vocabulary
+    (logit_scale 1: near-uniform; 12: peaked)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=1, num_key_value_heads=1, head_dim=hidden, max_position_embeddings=1024,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, logit_scale / math.sqrt(hidden))
+    return model
+
+
+def save(model):
+    """Save to a fresh temporary folder (no tokenizer: vLLM runs with skip_tokenizer_init)."""
+    path = tempfile.mkdtemp(prefix="repro-model-")
+    model.save_pretrained(path)
+    return path
+
+
+def start_vllm(path, seed=0):
+    from vllm import LLM
+
+    return LLM(
+        model=path, skip_tokenizer_init=True, dtype="float32", seed=seed, logprobs_mode="processed_logprobs",
+        max_logprobs=-1, max_model_len=1024, enforce_eager=True, enable_prefix_caching=False,
+    )
+
+
+def stop_vllm(llm):
+    import gc
+
+    del llm
+    gc.collect()
+
+
+def random_prompts(n, vocab, seed, length=8):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+class Sample:
+    def __init__(self, prompt, completion, logprobs, heads):
+        self.prompt = prompt
+        self.completion = completion  # sampled ids
+        self.logprobs = logprobs  # float64 [L]: vLLM's processed log-prob of each sampled token
+        self.heads = heads  # per position {token id: processed log-prob} of the requested top-K
+
+
+def sample(llm, prompts, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, tokens=16, logprobs=0, seed=0):
+    """One completion per prompt (seed + i), with the sampled token's processed log-prob and a top-K head
+    (logprobs=-1: the whole vocabulary)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    def params(i):
+        kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, max_tokens=tokens,
+                  seed=seed + i, logprobs=logprobs, detokenize=False, ignore_eos=True)
+        try:
+            return SamplingParams(flat_logprobs=True, **kw)
+        except TypeError:  # an older vLLM: per-position dicts
+            return SamplingParams(**kw)
+
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                        [params(i) for i in range(len(prompts))], use_tqdm=False)
+    samples = []
+    for prompt, out in zip(prompts, outs):
+        comp = out.outputs[0]
+        ids = list(comp.token_ids)
+        lp = comp.logprobs
+        lps, heads = [], []
+        if hasattr(lp, "start_indices"):  # flat: entry a is the sampled token, a+1..b the top-K
+            for a, b in zip(lp.start_indices, lp.end_indices):
+                lps.append(lp.logprobs[a])
+                heads.append({int(i): float(v) for i, v in zip(lp.token_ids[a + 1 : b], lp.logprobs[a + 1 : b])})
+        else:  # dicts: the top-K plus the sampled token when it is not among them
+            for t, d in enumerate(lp):
+                lps.append(d[ids[t]].logprob)
+                heads.append({int(i): float(v.logprob) for i, v in d.items()
+                              if logprobs < 0 or len(d) <= logprobs or i != ids[t]})
+        samples.append(Sample(prompt, ids, torch.tensor(lps, dtype=torch.float64), heads))
+    return samples
+
+
+@torch.no_grad()
+def trainer_logits(model, prompt, completion):
+    """float32 logits [L, V]: row t predicts completion token t (what an RL trainer scores)."""
+    ids = torch.tensor([list(prompt) + list(completion)])
+    z = model(input_ids=ids).logits[0].float()
+    return z[len(prompt) - 1 : len(prompt) - 1 + len(completion)]
+
+
+def vllm_filter(z, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """vLLM's sampling filters (v1 Sampler, PyTorch path) on logits [L, V] -> (z / T, kept mask).
+
+    Temperature; min_p on probabilities (softmax(z/T) < min_p * max prob dropped); top_k (values below
+    the k-th largest dropped: ties with it are KEPT); top_p over the ascending sort of what survived
+    (cumulative probability <= 1 - top_p dropped, the largest token always kept)."""
+    z = z.float() / temperature
+    work = z.clone()
+    if min_p > 0:
+        probs = work.softmax(-1)
+        work = work.masked_fill(probs < probs.amax(-1, keepdim=True) * min_p, NEG_INF)
+    if 0 < top_k < z.shape[-1]:
+        kth = work.topk(top_k, dim=-1).values[:, -1:]
+        work = work.masked_fill(work < kth, NEG_INF)
+    if top_p < 1.0:
+        vals, idx = work.sort(dim=-1)
+        drop = vals.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[:, -1] = False
+        work = torch.empty_like(work).scatter_(1, idx, vals.masked_fill(drop, NEG_INF))
+    return z, work > NEG_INF
+
+
+def strict_top_k(z, k):
+    """What a trainer gets from torch.topk: exactly k tokens, ties at the k-th value broken arbitrarily."""
+    kept = torch.zeros_like(z, dtype=torch.bool)
+    return kept.scatter_(1, z.topk(k, dim=-1).indices, True)
+
+
+def log_prob_over(z, y, kept):
+    """z_y - logsumexp(z over kept) per row, as log_softmax computes it (float32 shift by the kept max,
+    then the sum in float64); -inf where y is not kept."""
+    vals = z.masked_fill(~kept, NEG_INF)
+    m = vals.amax(-1, keepdim=True)
+    lse = (vals - m).double().exp().sum(-1).log()
+    out = (z.gather(1, y[:, None]) - m).double().squeeze(1) - lse
+    return out.masked_fill(~kept.gather(1, y[:, None]).squeeze(1), NEG_INF)
+
+
+def log_mass(z, kept):
+    """log S: log of the probability mass of softmax(z) on the kept tokens, per row."""
+    s = (z - z.amax(-1, keepdim=True)).double()
+    return s.masked_fill(~kept, NEG_INF).exp().sum(-1).log() - s.exp().sum(-1).log()
+
+
+def kept_from_heads(heads, vocab):
+    """S_q from captured heads: the tokens with a finite processed log-prob."""
+    kept = torch.zeros(len(heads), vocab, dtype=torch.bool)
+    for t, h in enumerate(heads):
+        ids = [i for i, v in h.items() if v > NEG_INF]
+        kept[t, ids] = True
+    return kept
+
+
+def with_token(kept, y):
+    return kept.clone().scatter_(1, y[:, None], True)
+
+
+def seq_ratio(per_token, lengths):
+    """Per-sequence importance ratios exp(sum over the sequence)."""
+    return torch.stack([s.sum() for s in torch.split(per_token, lengths)]).exp()
+
+
+def markdown(columns, rows):
+    def cell(v, f):
+        if isinstance(v, float):
+            return "inf" if v == math.inf else "-inf" if v == -math.inf else format(v, f or "g")
+        return str(v)
+
+    out = ["| " + " | ".join(t for _, t, _ in columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    out += ["| " + " | ".join(cell(r[k], f) for k, _, f in columns) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def verdict(checks):
+    """Print the checks; 0 when all hold (REPRODUCED), 1 otherwise."""
+    print()
+    for statement, ok in checks:
+        print(f"- [{'x' if ok else ' '}] {statement}")
+    ok = all(ok for _, ok in checks)
+    print("\nREPRODUCED" if ok else "\nNOT REPRODUCED")
+    return 0 if ok else 1
+
+
+# ==================== section: top_p_bias ====================
+def main_top_p_bias(cfg, args):
+    """top_p bias: trainer full-vocabulary log-prob minus vLLM's processed log-prob = log S per token."""
+    tol = cfg["tol"]
+    model = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"], seed=args.seed)
+    llm = start_vllm(save(model), seed=args.seed)
+    prompts = random_prompts(args.prompts, cfg["vocab"], args.seed)
+    rows = []
+    for top_p in cfg["top_ps"]:
+        filtered = top_p < 1.0
+        # The whole vocabulary per position when filtered, so that replay knows S_q exactly.
+        samples = sample(llm, prompts, top_p=top_p, tokens=args.tokens, logprobs=-1 if filtered else 0, seed=args.seed)
+        cols = {k: [] for k in ("full", "vllm", "log_s", "replay", "recompute")}
+        for s in samples:
+            z = trainer_logits(model, s.prompt, s.completion)
+            y = torch.tensor(s.completion)
+            zs, kept_p = vllm_filter(z, top_p=top_p)
+            everything = torch.ones_like(kept_p)
+            kept_q = kept_from_heads(s.heads, z.shape[-1]) if filtered else everything
+            cols["full"].append(log_prob_over(zs, y, everything))
+            cols["vllm"].append(s.logprobs)
+            cols["log_s"].append(log_mass(zs, kept_p))  # predicted from trainer logits alone
+            cols["replay"].append(log_prob_over(zs, y, kept_q))
+            cols["recompute"].append(log_prob_over(zs, y, with_token(kept_p, y)))
+        c = {k: torch.cat(v) for k, v in cols.items()}
+        lengths = [len(s.completion) for s in samples]
+        gap = c["full"] - c["vllm"]
+        pred_seq, meas_seq = seq_ratio(c["log_s"], lengths), seq_ratio(gap, lengths)
+        rows.append({
+            "top_p": top_p, "mean_s": float(c["log_s"].exp().mean()),
+            "pred": abs(float(c["log_s"].mean())), "meas": abs(float(gap.mean())),
+            "err": abs(abs(float(c["log_s"].mean())) - abs(float(gap.mean()))),
+            "gap": float((gap - c["log_s"]).abs().max()),
+            "pred_seq": float(pred_seq.mean()), "meas_seq": float(meas_seq.mean()),
+            "seq_err": float((pred_seq - meas_seq).abs().max()),
+            "replay": float((c["replay"] - c["vllm"]).abs().max()),
+            "recompute": float((c["recompute"] - c["vllm"]).abs().max()),
+        })
+    L = args.tokens
+    print(markdown([("top_p", "top_p", "g"), ("mean_s", "mean S", ".6f"), ("pred", "predicted abs(log S)", ".4f"),
+                    ("meas", "measured abs(mean(full - vLLM))", ".4f"), ("err", "abs err", ".1e"),
+                    ("pred_seq", f"predicted S^{L}", ".6f"), ("meas_seq", "measured seq IS ratio", ".6f"),
+                    ("replay", "replay max abs diff", ".1e"), ("recompute", "recompute max abs diff", ".1e")], rows))
+    return verdict([
+        (f"per token, full - vLLM = log S (trainer logits) within {tol:g}", all(r["gap"] <= tol for r in rows)),
+        (f"per sequence, IS ratio = prod S within {tol:g}", all(r["seq_err"] <= tol for r in rows)),
+        ("top_p < 1 shrinks the IS ratio (bias > 1e-3)", all(r["pred"] > 1e-3 and r["meas_seq"] < 1 for r in rows if r["top_p"] < 1)),
+        (f"replay and recompute agree with vLLM within {tol:g}", all(max(r["replay"], r["recompute"]) <= tol for r in rows)),
+    ])
+
+
+# ==================== section: top_k_entropy ====================
+def main_top_k_entropy(cfg, args):
+    """S per setting across logit scales (entropies): top_p keeps S near top_p, top_k does not."""
+    tol = cfg["tol"]
+    rows = []
+    for scale in cfg["scales"]:
+        model = build_model(cfg["vocab"], logit_scale=scale, seed=args.seed)
+        llm = start_vllm(save(model), seed=args.seed)
+        prompts = random_prompts(args.prompts, cfg["vocab"], args.seed)
+        row = {"scale": scale, "gap": 0.0}
+        entropies = []
+        for label, kw in cfg["settings"]:
+            samples = sample(llm, prompts, tokens=args.tokens, seed=args.seed, **kw)
+            pred, meas = [], []
+            for s in samples:
+                z = trainer_logits(model, s.prompt, s.completion)
+                y = torch.tensor(s.completion)
+                zs, kept = vllm_filter(z, **kw)
+                pred.append(log_mass(zs, kept))
+                meas.append(log_prob_over(zs, y, torch.ones_like(kept)) - s.logprobs)
+                logp = zs.double().log_softmax(-1)
+                entropies.append(-(logp.exp() * logp).sum(-1))
+            pred, meas = torch.cat(pred), torch.cat(meas)
+            row[label + " pred"] = float(pred.exp().mean())
+            row[label + " meas"] = float(meas.exp().mean())
+            row["gap"] = max(row["gap"], float((pred - meas).abs().max()))
+        row["entropy"] = float(torch.cat(entropies).mean())
+        rows.append(row)
+        stop_vllm(llm)
+    cols = [("scale", "logit scale", "g"), ("entropy", "entropy (nats)", ".3f")]
+    for label, _ in cfg["settings"]:
+        cols += [(label + " pred", f"S @ {label} (pred)", ".4f"), (label + " meas", f"S @ {label} (meas)", ".4f")]
+    print(markdown(cols + [("gap", "max abs(log S gap)", ".1e")], rows))
+    p_label, p = cfg["settings"][0][0], cfg["settings"][0][1]["top_p"]
+    k_labels = [label for label, kw in cfg["settings"] if "top_k" in kw]
+    flat, peaked = rows[0], rows[-1]
+    return verdict([
+        (f"per token, measured log S = predicted within {tol:g}", all(r["gap"] <= tol for r in rows)),
+        ("top_p: S >= top_p and within 0.1 of it at every entropy",
+         all(p - 1e-6 <= r[p_label + " meas"] <= p + 0.1 for r in rows)),
+        ("top_k: S rises with the logit scale", all(b[k + " meas"] >= a[k + " meas"] - 1e-3
+                                                     for k in k_labels for a, b in zip(rows, rows[1:]))),
+        ("top_k is severe on the flattest model (S below top_p's)", all(flat[k + " meas"] < flat[p_label + " meas"] for k in k_labels)),
+        ("top_k is harmless on the most peaked model (S above top_p's)", all(peaked[k + " meas"] > peaked[p_label + " meas"] for k in k_labels)),
+    ])
+
+
+# ==================== section: temperature ====================
+def main_temperature(cfg, args):
+    """A trainer that forgets to divide by T scores log_softmax(z) instead of log_softmax(z / T)."""
+    tol = cfg["tol"]
+    model = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"], seed=args.seed)
+    llm = start_vllm(save(model), seed=args.seed)
+    prompts = random_prompts(args.prompts, cfg["vocab"], args.seed)
+    rows = []
+    for temp in cfg["temperatures"]:
+        samples = sample(llm, prompts, temperature=temp, tokens=args.tokens, seed=args.seed)
+        right, forgot, pred, vllm = [], [], [], []
+        for s in samples:
+            z = trainer_logits(model, s.prompt, s.completion)
+            y = torch.tensor(s.completion)
+            everything = torch.ones_like(z, dtype=torch.bool)
+            right.append(log_prob_over(z / temp, y, everything))
+            forgot.append(log_prob_over(z, y, everything))
+            pred.append(z.double().log_softmax(-1).gather(1, y[:, None]).squeeze(1)
+                        - (z.double() / temp).log_softmax(-1).gather(1, y[:, None]).squeeze(1))
+            vllm.append(s.logprobs)
+        right, forgot, pred, vllm = (torch.cat(v) for v in (right, forgot, pred, vllm))
+        rows.append({"T": temp, "pred": float(pred.mean()), "forgot": float((forgot - vllm).mean()),
+                     "gap": float(((forgot - vllm) - pred).abs().max()), "right": float((right - vllm).abs().max())})
+    print(markdown([("T", "T", "g"), ("pred", "predicted bias (forgot T)", ".4f"), ("forgot", "measured mean(forgot - vLLM)", ".4f"),
+                    ("gap", "max abs(measured - predicted)", ".1e"), ("right", "divides by T: max abs(full - vLLM)", ".1e")], rows))
+    return verdict([
+        (f"dividing by T: no bias (max abs diff <= {tol:g})", all(r["right"] <= tol for r in rows)),
+        (f"forgetting T: biased exactly as predicted from trainer logits (within {tol:g})", all(r["gap"] <= tol for r in rows)),
+        ("the bias is non-zero for T != 1 and zero at T = 1",
+         all((abs(r["pred"]) > 1e-3) == (r["T"] != 1.0) for r in rows)),
+    ])
+
+
+# ==================== section: recompute_boundary ====================
+def main_recompute_boundary(cfg, args):
+    """bf16 trainer vs float32 rollout: the sampled token can fall outside the recomputed support."""
+    model = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"], seed=args.seed)
+    llm = start_vllm(save(model), seed=args.seed)
+    bf16 = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"], seed=args.seed).to(torch.bfloat16)
+    prompts = random_prompts(args.prompts, cfg["vocab"], args.seed)
+    rows = []
+    for kw in cfg["settings"]:
+        k = kw["top_k"]
+        samples = sample(llm, prompts, tokens=args.tokens, logprobs=k + 16, seed=args.seed, **kw)
+        for name, trainer in (("float32", model), ("bfloat16", bf16)):
+            n = differ = lost = lost_forced = replay_lost = 0
+            for s in samples:
+                z = trainer_logits(trainer, s.prompt, s.completion)
+                y = torch.tensor(s.completion)
+                zs, kept_p = vllm_filter(z, **kw)
+                kept_q = kept_from_heads(s.heads, z.shape[-1])
+                n += len(y)
+                differ += int((kept_p != kept_q).any(-1).sum())
+                lost += int(torch.isinf(log_prob_over(zs, y, kept_p)).sum())
+                lost_forced += int(torch.isinf(log_prob_over(zs, y, with_token(kept_p, y))).sum())
+                replay_lost += int(torch.isinf(log_prob_over(zs, y, kept_q)).sum())
+            rows.append({"setting": " ".join(f"{a}={b}" for a, b in kw.items()), "trainer": name, "tokens": n,
+                         "differ": differ, "lost": lost, "forced": lost_forced, "replay": replay_lost})
+    print(markdown([("setting", "setting", ""), ("trainer", "trainer", ""), ("tokens", "tokens", ""),
+                    ("differ", "S_p != S_q", ""), ("lost", "-inf without force-include", ""),
+                    ("forced", "-inf with force-include", ""), ("replay", "replay -inf", "")], rows))
+    return verdict([
+        ("float32 trainer: the sampled token is always inside the recomputed support",
+         all(r["lost"] == 0 for r in rows if r["trainer"] == "float32")),
+        ("bfloat16 trainer: some sampled tokens fall outside it (-inf)", sum(r["lost"] for r in rows if r["trainer"] == "bfloat16") > 0),
+        ("force-include removes every -inf", all(r["forced"] == 0 for r in rows)),
+        ("replay is immune (no -inf)", all(r["replay"] == 0 for r in rows)),
+    ])
+
+
+# ==================== section: top_k_ties ====================
+def plant_ties(model, prompts, sizes, rank_top=4):
+    """Make groups of lm_head rows identical, so those tokens' logits are bitwise equal everywhere. Each
+    group copies the token most often among the rank_top largest logits (so ties sit where top_k
+    boundaries fall) into size - 1 other tokens."""
+    with torch.no_grad():
+        z = torch.cat([model(input_ids=torch.tensor([p])).logits[0] for p in prompts])
+        counts = torch.bincount(z.topk(rank_top, dim=-1).indices.flatten(), minlength=z.shape[-1])
+        order = [int(i) for i in counts.argsort(descending=True, stable=True) if int(i) > 2]
+        g = torch.Generator().manual_seed(1)
+        used, groups = set(), []
+        for size in sizes:
+            source = next(i for i in order if i not in used)
+            free = [i for i in range(3, z.shape[-1]) if i not in used and i != source]
+            copies = [free[int(j)] for j in torch.randperm(len(free), generator=g)[: size - 1]]
+            for c in copies:
+                model.lm_head.weight[c] = model.lm_head.weight[source]
+            used.update([source, *copies])
+            groups.append([source, *copies])
+    return groups
+
+
+def main_top_k_ties(cfg, args):
+    """Ties at the k-th value: vLLM keeps every tied token (len(S_q) > k); torch.topk keeps exactly k."""
+    tol = cfg["tol"]
+    model = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"], seed=args.seed)
+    prompts = random_prompts(args.prompts, cfg["vocab"], args.seed)
+    groups = plant_ties(model, prompts, cfg["tie_sizes"])
+    print(f"tie groups (token ids with identical lm_head rows): {groups}")
+    llm = start_vllm(save(model), seed=args.seed)
+    rows = []
+    for k in cfg["top_ks"]:
+        head = k + cfg["margin"]
+        samples = sample(llm, prompts, top_k=k, tokens=args.tokens, logprobs=head, seed=args.seed)
+        r = {"k": k, "tokens": 0, "over": 0, "max": 0, "pred": 0, "agree": 0, "strict": 0, "lost": 0,
+             "strict_err": 0.0, "replay": 0.0, "incomplete": 0}
+        for s in samples:
+            z = trainer_logits(model, s.prompt, s.completion)
+            y = torch.tensor(s.completion)
+            zs, kept_p = vllm_filter(z, top_k=k)
+            kept_q = kept_from_heads(s.heads, z.shape[-1])
+            size_q = kept_q.sum(-1)
+            strict = strict_top_k(zs, k)
+            r["tokens"] += len(y)
+            r["incomplete"] += int((size_q >= head).sum())
+            r["over"] += int((size_q > k).sum())
+            r["max"] = max(r["max"], int(size_q.max()))
+            r["pred"] += int(((kept_p.sum(-1) > k) == (size_q > k)).logical_not().sum())
+            r["agree"] += int((kept_p == kept_q).all(-1).logical_not().sum())
+            r["strict"] += int((strict == kept_q).all(-1).logical_not().sum())
+            r["lost"] += int(torch.isinf(log_prob_over(zs, y, strict)).sum())
+            forced = log_prob_over(zs, y, with_token(strict, y))
+            r["strict_err"] = max(r["strict_err"], float((forced - s.logprobs).abs().max()))
+            r["replay"] = max(r["replay"], float((log_prob_over(zs, y, kept_q) - s.logprobs).abs().max()))
+        rows.append(r)
+    print(markdown([("k", "top_k", ""), ("tokens", "tokens", ""), ("over", "positions with len(S_q) > k", ""),
+                    ("max", "max len(S_q)", ""), ("strict", "torch.topk support != S_q", ""),
+                    ("lost", "torch.topk drops the sampled token (-inf)", ""),
+                    ("strict_err", "torch.topk (force-include) max abs diff", ".3f"),
+                    ("agree", "tie-aware recompute != S_q", ""), ("replay", "replay max abs diff", ".1e")], rows))
+    return verdict([
+        ("vLLM keeps every token tied at the k-th value: len(S_q) > k somewhere", sum(r["over"] for r in rows) > 0),
+        ("the capture head held S_q everywhere", all(r["incomplete"] == 0 for r in rows)),
+        ("trainer ties at the k-th value predict exactly where len(S_q) > k", all(r["pred"] == 0 for r in rows)),
+        ("a strict torch.topk recompute disagrees on the support exactly there",
+         all(r["strict"] == r["over"] for r in rows)),
+        ("a tie-aware recompute agrees everywhere", all(r["agree"] == 0 for r in rows)),
+        (f"replay agrees with vLLM within {tol:g}", all(r["replay"] <= tol for r in rows)),
+    ])
+
+
+# ==================== section: capture_head ====================
+def main_capture_head(cfg, args):
+    """A top-K head smaller than the support: replay over the head silently mis-scores those positions."""
+    tol = cfg["tol"]
+    model = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"], seed=args.seed)
+    llm = start_vllm(save(model), seed=args.seed)
+    prompts = random_prompts(args.prompts, cfg["vocab"], args.seed)
+    rows = []
+    for head, kw in cfg["cases"]:
+        samples = sample(llm, prompts, tokens=args.tokens, logprobs=head, seed=args.seed, **kw)
+        r = {"setting": " ".join(f"{a}={b}" for a, b in kw.items()), "head": head, "tokens": 0, "pred": 0,
+             "flag": 0, "wrong": 0, "unflagged": 0, "err": 0.0}
+        for s in samples:
+            z = trainer_logits(model, s.prompt, s.completion)
+            y = torch.tensor(s.completion)
+            zs, kept_p = vllm_filter(z, **kw)
+            kept_head = kept_from_heads(s.heads, z.shape[-1])
+            flagged = kept_head.sum(-1) >= head  # a head full of finite values may hide more kept tokens
+            err = (log_prob_over(zs, y, with_token(kept_head, y)) - s.logprobs).abs()
+            wrong = err > tol
+            r["tokens"] += len(y)
+            r["pred"] += int((kept_p.sum(-1) >= head).sum())
+            r["flag"] += int(flagged.sum())
+            r["wrong"] += int(wrong.sum())
+            r["unflagged"] += int((wrong & ~flagged).sum())
+            r["err"] = max(r["err"], float(err.max()))
+        rows.append(r)
+    print(markdown([("setting", "setting", ""), ("head", "top-K head", ""), ("tokens", "tokens", ""),
+                    ("pred", "len(S_p) >= K (trainer logits)", ""), ("flag", "head full (flag)", ""),
+                    ("wrong", "mis-scored by replay over the head", ""), ("unflagged", "mis-scored, not flagged", ""),
+                    ("err", "max abs error (nats)", ".3f")], rows))
+    return verdict([
+        ("a head smaller than the support mis-scores positions", all(r["wrong"] > 0 for r in rows)),
+        ("trainer logits predict which heads are full (len(S_p) >= K)", all(r["pred"] == r["flag"] for r in rows)),
+        ("a completeness check (head full of finite values) flags every one of them", all(r["unflagged"] == 0 for r in rows)),
+    ])
+
+
+# ==================== section: batch_invariant_cpu ====================
+CHILD = r'''
+import os, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True, seed=0)
+out = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(temperature=0, max_tokens=2, detokenize=False), use_tqdm=False)
+print("GENERATED", list(out[0].outputs[0].token_ids), flush=True)
+'''
+
+
+def main_batch_invariant_cpu(cfg, args):
+    """VLLM_BATCH_INVARIANT=1 on vLLM's CPU engine: greedy generation with and without it, each in a
+    fresh process (the knob is read at import)."""
+    path = save(build_model(cfg["vocab"], seed=args.seed))
+    rows, outputs = [], {}
+    for knob in ("0", "1"):
+        env = dict(os.environ, VLLM_BATCH_INVARIANT=knob)
+        try:
+            p = subprocess.run([sys.executable, "-c", CHILD, path], env=env, capture_output=True, text=True,
+                               timeout=cfg["timeout_s"])
+            text, rc = p.stdout + p.stderr, p.returncode
+        except subprocess.TimeoutExpired:
+            text, rc = "timeout", None
+        errors = [ln.split("]: ")[-1] for ln in text.splitlines() if "Error:" in ln and "Traceback" not in ln]
+        frames = [ln.strip() for ln in text.splitlines() if "batch_invariant.py" in ln]
+        outputs[knob] = text
+        rows.append({"knob": knob, "rc": rc, "generated": "GENERATED" in text,
+                     "error": errors[-1] if errors else "", "where": frames[-1] if frames else ""})
+    print(markdown([("knob", "VLLM_BATCH_INVARIANT", ""), ("rc", "exit code", ""), ("generated", "generated", ""),
+                    ("error", "last error", ""), ("where", "last batch_invariant.py frame", "")], rows))
+    off, on = rows
+    return verdict([
+        ("without the knob the CPU engine generates", off["generated"]),
+        ("with VLLM_BATCH_INVARIANT=1 it crashes with a TypeError", not on["generated"] and on["error"].startswith("TypeError")),
+        ("raised inside vLLM's batch_invariant.py", bool(on["where"])),
+    ])

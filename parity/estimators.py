@@ -19,7 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from parity.filters import FilterFaults, apply_temperature, check_logits, reference_filter
+from parity.filters import (
+    FilterFaults,
+    apply_temperature,
+    check_logits,
+    min_p_mask,
+    reference_filter,
+    top_k_top_p_sorted,
+)
 from parity.spec import SamplingSpec
 
 NEG_INF = float("-inf")
@@ -78,9 +85,48 @@ def recompute(
 ) -> RecomputeResult:
     """Reference filters on trainer logits → S_p; ``z'_y - logsumexp(z'_{S_p ∪ {y}})``.
 
+    S_p is exactly the kept set of :func:`parity.filters.reference_filter` (ties included), but rows
+    with top_k set are filtered over their ``topk(k)`` candidates instead of a full-row sort (see
+    :func:`_kept_bounded`); the renormalisation then reads the kept ids, not the whole row. Rows
+    without top_k (top_p alone) and planted ``faults`` run the reference itself.
+
     With ``force_include=False`` (only for negative controls) a sampled token outside S_p scores
     ``-inf``, which is what a trainer that recomputes filters naively gets.
     """
+    if faults is not None and faults != FilterFaults():
+        return _recompute_reference(logits, sampled, specs, force_include=force_include, faults=faults)
+    z = scale(logits, specs)
+    y = _check_ids(sampled, z)
+    row_specs = _specs(specs, z.shape[0])
+    if all(s.greedy for s in row_specs):  # reference_filter's all-greedy path: nothing to bound
+        return _recompute_reference(logits, sampled, specs, force_include=force_include)
+    kept, ids, listed = _kept_bounded(z, row_specs)
+    forced = ~kept.gather(1, y.unsqueeze(1)).squeeze(1)
+    lp = torch.empty(z.shape[0], dtype=z.dtype, device=z.device)
+    if bool(listed.any()):
+        extra = torch.where(forced, y, -1) if force_include else torch.full_like(y, -1)
+        lp_ids = _log_renormalised(z, y, torch.cat([ids, extra.unsqueeze(1)], dim=1))
+        lp = torch.where(listed, lp_ids, lp)
+    rest = (~listed).nonzero().squeeze(1)
+    if rest.numel():
+        sub_kept = kept[rest]
+        if force_include:
+            sub_kept = sub_kept.scatter(1, y[rest].unsqueeze(1), True)
+        lp[rest] = _log_renormalised(z[rest], y[rest], sub_kept)
+    if not force_include:  # y outside S_p scores -inf, as a naive trainer would get
+        lp = lp.masked_fill(forced, NEG_INF)
+    return RecomputeResult(lp, kept, forced)
+
+
+def _recompute_reference(
+    logits: torch.Tensor,
+    sampled: torch.Tensor,
+    specs: SamplingSpec | Sequence[SamplingSpec],
+    *,
+    force_include: bool = True,
+    faults: FilterFaults | None = None,
+) -> RecomputeResult:
+    """recompute straight from :func:`reference_filter` (full-row sort, dense renormalisation)."""
     res = reference_filter(logits, specs, faults=faults)
     y = _check_ids(sampled, res.scaled)
     kept = res.kept
@@ -90,6 +136,146 @@ def recompute(
     else:  # y outside S_p scores -inf, as a naive trainer would get
         lp = _log_renormalised(res.scaled, y, kept).masked_fill(forced, NEG_INF)
     return RecomputeResult(lp, kept, forced)
+
+
+# -- the kept set of reference_filter from topk(k) candidates ---------------------------------------
+#
+# Why this is exact. reference_filter (and vLLM's Sampler) choose the top-k/top-p algorithm per batch:
+# * top-k-only path (no row sets top_p; ``apply_top_k_only``): S = {finite z' >= k-th largest z'}.
+#   That set is exactly the top ``c`` values for c = |S|, so ``topk`` widened until it holds every
+#   token tied with the k-th value lists S: no sort of the row, no approximation.
+# * sort path (some row sets top_p; ``apply_top_k_top_p``): the row is sorted ascending, top_k masks
+#   values below the k-th largest, then float32 ``cumsum(softmax) <= 1 - p`` is dropped (the largest
+#   kept). Masked tokens add exactly 0 to that softmax and cumsum, so the decision at each surviving
+#   position depends only on the survivors' values, which the widened candidate list holds in the same
+#   ascending order. Two things the candidates cannot reproduce, and the row then runs the reference
+#   sort itself (``top_k_top_p_sorted`` on that row alone: per-row arithmetic, the batch-level path
+#   choice kept):
+#   - rounding: the reference's float32 softmax sums in its kernel's order (which depends on the
+#     survivors' positions in the full row). The exact cumulative mass is computed here in float64
+#     and the decision taken from it; a position whose mass lies within the reference's float32
+#     error of ``1 - p`` (``_top_p_band``; for rows with p = 1 the underflow band of exp) could go
+#     either way there, so the row falls back.
+#   - ties split by the cut: when the nucleus boundary falls inside a group of equal values, which of
+#     them the reference drops is decided by torch.sort's permutation of the *whole* row (not stable
+#     for long rows), which no candidate list knows. Such a row falls back.
+# min_p runs first on the full row with the reference's own function (min_p_mask), as vLLM does.
+
+_U32 = 2.0**-24  # float32 unit roundoff
+# p = 1 rows on the sort path drop survivors whose float32 probability is exactly 0 (cumsum <= 0):
+# exp(x - m) with x - m < -105 is 0 in float32 (below half the smallest subnormal, 2**-150); above -80
+# exp is a normal float >= 1.8e-35 and times 1/S >= 2**-24 stays nonzero. In between: fall back.
+_UNDERFLOW_DROP, _UNDERFLOW_KEEP = -105.0, -80.0
+
+
+def _top_p_band(mass: torch.Tensor, count: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
+    """Half-width around ``1 - p`` inside which vLLM's float32 cumsum may fall on either side.
+
+    Against the exact cumulative mass C of c survivors spanning D nats: the float32 argument
+    ``x - m`` carries u|x - m| relative error into each exp (at most u * min(D C, c / e) in total,
+    twice: numerator and denominator), exp itself ~2u, the float32 sum of the denominator in any
+    order (c - 1)u, reciprocal and product 2u, a float32 cumsum (c - 1)u worst case and its final
+    rounding u: (2c + 16)u relative is a safe envelope. The absolute terms cover the float64
+    evaluation of C here and underflowed float32 terms.
+    """
+    return mass * _U32 * (2.0 * count + 16.0) + 2 * _U32 * torch.minimum(mass * span, 0.37 * count) + count * 2.0**-50 + 2.0**-40
+
+
+def _candidates(work: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top_k survivors of each row, descending: values (-inf past the survivors) and ids.
+
+    Survivors are the finite values >= the k-th largest (ties with it kept, as ``apply_top_k_only``
+    and ``apply_top_k_top_p`` keep them). The list is ``topk(k + 1)``, widened to every token tied
+    with the k-th value when the extra entry shows a tie may continue past it.
+    """
+    vocab = work.shape[1]
+    width = min(int(k.max()) + 1, vocab)
+    vals, ids = work.topk(width, dim=1)
+    kth = vals.gather(1, (k - 1).unsqueeze(1))
+    more = (vals[:, -1:] >= kth).squeeze(1) & torch.isfinite(kth).squeeze(1)
+    if width < vocab and bool(more.any()):
+        rows = more.nonzero().squeeze(1)
+        wider = int((work[rows] >= kth[rows]).sum(dim=1).max())
+        vals, ids = work.topk(max(wider, width), dim=1)
+    surv = (vals >= kth) & (vals > NEG_INF)
+    return vals.masked_fill(~surv, NEG_INF), ids
+
+
+def _top_p_on_candidates(vals: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The nucleus cut of ``apply_top_k_top_p`` over descending survivor values ``[n, W]``.
+
+    Returns (keep ``[n, W]`` in the same descending order, fallback ``[n]``): fallback rows had a
+    decision inside the rounding band or a tie group split by the cut (see the note above).
+    """
+    thr = 1 - p  # float32, as the reference computes it
+    asc = vals.flip(1)
+    surv = asc > NEG_INF
+    m = vals[:, :1].double()
+    x = asc.double() - m
+    e = torch.exp(x)
+    mass = e.cumsum(dim=1) / e.sum(dim=1, keepdim=True)
+    count = surv.sum(dim=1, keepdim=True).double()
+    span = m - asc.masked_fill(~surv, float("inf")).amin(dim=1, keepdim=True).double()
+    thr64 = thr.double().unsqueeze(1)
+    drop = mass <= thr64
+    near = (mass - thr64).abs() <= _top_p_band(torch.maximum(mass, thr64), count, span)
+    one = (thr == 0).unsqueeze(1)  # p = 1 on the sort path: only float32 underflow drops
+    drop = torch.where(one, x < _UNDERFLOW_DROP, drop) & surv
+    near = torch.where(one, (x >= _UNDERFLOW_DROP) & (x <= _UNDERFLOW_KEEP), near) & surv
+    drop[:, -1] = False  # the largest token is always kept
+    near[:, -1] = False
+    first_kept = (~surv).sum(dim=1) + drop.sum(dim=1)  # survivors are a suffix, drops a prefix of it
+    last_dropped = (first_kept - 1).clamp(min=0)
+    split = drop.any(dim=1) & (asc.gather(1, last_dropped.unsqueeze(1)) == asc.gather(1, first_kept.unsqueeze(1))).squeeze(1)
+    keep = (surv & ~drop).flip(1)
+    return keep, near.any(dim=1) | split
+
+
+def _kept_bounded(z: torch.Tensor, specs: list[SamplingSpec]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reference_filter's kept mask for a not-all-greedy batch of scaled logits ``z``.
+
+    Returns (kept ``[N, V]``, padded kept ids ``[N, W]`` (-1 = padding), listed ``[N]``): the ids are
+    the whole kept set on listed rows (filtered from candidates); other rows ran the reference.
+    """
+    n, vocab = z.shape
+    dev = z.device
+    work = z
+    if any(s.uses_min_p for s in specs):
+        mp = torch.tensor([s.min_p if s.uses_min_p else 0.0 for s in specs], dtype=torch.float32, device=dev)
+        work = z.masked_fill(min_p_mask(z, mp), NEG_INF)
+    any_p = any(s.uses_top_p for s in specs)
+    k = torch.tensor([s.top_k_for_vocab(vocab) for s in specs], dtype=torch.long, device=dev)
+    p = torch.tensor([s.top_p if s.uses_top_p else 1.0 for s in specs], dtype=torch.float32, device=dev)
+    bounded = k < vocab
+    listed = bounded.clone()
+    kept = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
+    ids = torch.full((n, 1), -1, dtype=torch.long, device=dev)
+    rows = bounded.nonzero().squeeze(1)
+    if rows.numel():
+        every = rows.numel() == n
+        sub = work if every else work[rows]
+        vals, cand = _candidates(sub, k[rows])
+        keep = vals > NEG_INF
+        if any_p:
+            keep, fallback = _top_p_on_candidates(vals, p[rows])
+            listed[rows[fallback]] = False
+            keep &= ~fallback.unsqueeze(1)
+        # Every row keeps its largest candidate (column 0): padding scatters onto it, harmlessly.
+        filled = torch.where(keep, cand, cand[:, :1])
+        if every:
+            kept.scatter_(1, filled, True)
+        else:
+            kept[rows] = torch.zeros(rows.numel(), vocab, dtype=torch.bool, device=dev).scatter_(1, filled, True)
+        ids = torch.full((n, cand.shape[1]), -1, dtype=torch.long, device=dev)
+        ids[rows] = torch.where(keep, cand, torch.full_like(cand, -1))
+    rest = (~listed).nonzero().squeeze(1)
+    if rest.numel():  # top_p alone (or no top_k), and fallback rows: the reference itself
+        sub = work[rest]
+        if any_p:
+            sub = top_k_top_p_sorted(sub, k[rest], p[rest])
+        kept[rest] = sub > NEG_INF
+        ids[rest] = -1
+    return kept, ids, listed
 
 
 def mask_to_ids(kept: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,131 @@
+"""recompute filters top_k rows over ``topk(k)`` candidates: its kept set must be vLLM's, ties included.
+
+``parity.estimators.recompute`` no longer sorts whole rows when top_k is set (issue 7: recompute
+<= 2x the full-vocabulary log-softmax). These tests hold it to the exact kept set of vLLM's real
+``Sampler`` and of ``reference_filter`` on the same Hypothesis cases the sampler properties draw
+(ties at the k-th value, top_p cuts inside tie blocks, -inf entries, mixed batches, both vLLM paths),
+and show that each of its two fallbacks (rounding band, tie split by the cut) is needed: with either
+switched off, the kept set leaves the reference's on purpose-built rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import example, given
+from strategies import cases, example_case
+
+import parity.estimators as E
+from parity.filters import reference_filter
+from parity.harness import Case, RowPlan, plant_top_p_tie
+from parity.spec import SamplingSpec
+
+pytestmark = pytest.mark.sampler
+
+S = SamplingSpec
+NEG_INF = float("-inf")
+
+
+def _moved(case: Case) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(case.seed ^ 0x5EED)
+    return case.logits + 1e-3 * torch.randn(case.logits.shape, generator=gen)
+
+
+@given(case=cases())
+@example(case=example_case(4096, RowPlan(S(1.0, top_k=50, top_p=0.9, min_p=0.05), std=0.1, top_k_tie=3, top_p_tie=3)))
+@example(case=example_case(2048, RowPlan(S(0.7, top_k=40, top_p=0.8), std=2.0, top_p_tie=4), RowPlan(S(1.0, top_k=40), std=2.0)))
+@example(case=example_case(1000, RowPlan(S(0.05, top_k=30), std=20.0), RowPlan(S(1.0, top_p=0.9), std=20.0)))  # p = 1 row, underflow
+def test_recompute_kept_is_vllms_kept(sampler, case: Case) -> None:
+    out = sampler(case.logits, case.specs, seed=case.seed)
+    same = E.recompute(case.logits, out.sampled, case.specs)
+    mism = (same.kept != out.kept).any(dim=1).nonzero().squeeze(1).tolist()
+    assert not mism, f"recompute's kept set differs from vLLM's Sampler in rows {mism} of {case!r}"
+    moved = _moved(case)
+    fast = E.recompute(moved, out.sampled, case.specs)
+    ref = E._recompute_reference(moved, out.sampled, case.specs)
+    assert torch.equal(fast.kept, reference_filter(moved, case.specs).kept), f"moved logits: kept sets differ, {case!r}"
+    assert torch.equal(fast.forced, ref.forced)
+    finite = torch.isfinite(ref.logprobs)
+    assert torch.equal(torch.isfinite(fast.logprobs), finite)
+    # Same float32 shift, float64 sums over the same terms in another order: float32-rounding equal.
+    gap = (fast.logprobs[finite].double() - ref.logprobs[finite].double()).abs()
+    tol = 2 * E._U32 * ref.logprobs[finite].double().abs() + 1e-7
+    assert bool((gap <= tol).all()), f"log-probs differ by {float(gap.max()):.3g} on {case!r}"
+
+
+def _bounded_rows(z: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
+    _, _, listed = E._kept_bounded(E.scale(z, specs), [s.effective() for s in specs])
+    return listed
+
+
+def test_candidate_path_is_taken_on_generic_rows() -> None:
+    """Not vacuous: generic LM-like rows with top_k are filtered from candidates, not by the reference."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(32, 5000, generator=g) * 2
+    z[:, :20] += torch.rand(32, 20, generator=g) * 10
+    for spec in (S(0.8, top_k=50, top_p=0.9), S(0.8, top_k=50), S(1.0, top_k=50, top_p=0.9, min_p=0.05)):
+        listed = _bounded_rows(z, [spec] * 32)
+        assert int(listed.sum()) == 32, f"{spec.label()}: only {int(listed.sum())} of 32 rows took the candidate path"
+        assert torch.equal(E.recompute(z, torch.zeros(32, dtype=torch.long), spec).kept, reference_filter(z, spec).kept)
+    assert not bool(_bounded_rows(z, [S(0.8, top_p=0.9)] * 32).any()), "top_p alone has no candidate bound"
+
+
+def _boundary_rows(seed: int, n: int = 64) -> tuple[torch.Tensor, list[SamplingSpec]]:
+    """Rows whose 1 - p sits within ~1e-7 (relative) of the exact cumulative mass at a random position."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, k, t = 3000, 60, 0.9
+    z = torch.randn(n, vocab, generator=g) * 3
+    specs = []
+    for r in range(n):
+        top = (z[r] / t).topk(k).values.double().flip(0)
+        e = torch.exp(top - top.max())
+        mass = e.cumsum(0) / e.sum()
+        j = int(torch.randint(0, k - 1, (1,), generator=g))
+        thr = float(mass[j]) * (1 + 1e-7 * float(torch.randn(1, generator=g)))
+        specs.append(S(t, top_k=k, top_p=min(max(1 - thr, 1e-6), 1 - 1e-7)))
+    return z, specs
+
+
+def test_rounding_band_is_needed(monkeypatch) -> None:
+    """At the float32 rounding boundary the exact decision is not vLLM's; the band sends those rows
+    to the reference. Negative control: with no band the kept sets differ."""
+    z, specs = _boundary_rows(1)
+    y = torch.zeros(z.shape[0], dtype=torch.long)
+    want = reference_filter(z, specs).kept
+    assert torch.equal(E.recompute(z, y, specs).kept, want)
+    monkeypatch.setattr(E, "_top_p_band", lambda mass, count, span: torch.full_like(mass, -1.0))
+    differ = int((E.recompute(z, y, specs).kept != want).any(dim=1).sum())
+    assert differ > 0, "no band and still equal: these rows do not reach the rounding boundary"
+
+
+def test_tie_split_by_the_cut_falls_back() -> None:
+    """Which tied tokens the cut drops follows torch.sort's permutation of the whole row; the candidates
+    cannot know it. Every such row is flagged, and the unflagged candidate answer is wrong on some."""
+    g = torch.Generator().manual_seed(3)
+    flagged = wrong = 0
+    for _ in range(40):
+        z = torch.randn(2000, generator=g) * 2
+        spec = plant_top_p_tie(z, S(1.0, top_k=200, top_p=0.9), 6, g)
+        if spec.top_p == 0.9:
+            continue
+        zs = E.scale(z.unsqueeze(0), spec)
+        vals, cand = E._candidates(zs, torch.tensor([200]))
+        keep, fallback = E._top_p_on_candidates(vals, torch.tensor([spec.top_p], dtype=torch.float32))
+        flagged += int(fallback[0])
+        naive = torch.zeros(1, 2000, dtype=torch.bool).scatter_(1, torch.where(keep, cand, cand[:, :1]), True)
+        want = reference_filter(z.unsqueeze(0), spec).kept
+        wrong += int(not torch.equal(naive, want))
+        assert torch.equal(E.recompute(z.unsqueeze(0), torch.zeros(1, dtype=torch.long), spec).kept, want)
+    assert flagged >= 20, f"only {flagged} rows had their top_p cut inside the planted tie block"
+    assert wrong > 0, "the candidate order always matched torch.sort's: the fallback was never needed"
+
+
+def test_wide_tie_at_the_kth_value_widens_the_candidates() -> None:
+    """500 tokens tied with the 10th value: all of them survive top_k, in both paths."""
+    z = torch.randn(2, 4096, generator=torch.Generator().manual_seed(5))
+    z[:, :9] = 10.0 + torch.arange(9.0)
+    z[:, 9:509] = 5.0
+    for specs in ([S(1.0, top_k=10)] * 2, [S(1.0, top_k=10), S(1.0, top_k=10, top_p=0.999)]):
+        res = E.recompute(z, torch.zeros(2, dtype=torch.long), specs)
+        assert torch.equal(res.kept, reference_filter(z, specs).kept)
+        assert int(res.kept[0].sum()) == 509

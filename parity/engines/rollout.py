@@ -12,7 +12,6 @@ from typing import Any, TypeVar
 import torch
 
 from parity.capture import (
-    FULL_VOCAB,
     compare_supports,
     padded_ids,
     plan_capture,
@@ -145,16 +144,24 @@ class VllmRollout:
         *,
         max_tokens: int,
         seed: int,
+        logprobs: int | None = None,
     ) -> list[SequenceRecord]:
-        """Sample one completion per prompt (seed ``seed + i``); record log-probs and S_q."""
+        """Sample one completion per prompt (seed ``seed + i``); record log-probs and S_q.
+
+        ``logprobs`` forces the head size without :func:`plan_capture`'s checks (diagnostics only: the
+        capture-head reproduction asks for a head smaller than top_k on purpose); positions it cannot
+        capture completely are still flagged incomplete.
+        """
         from vllm.inputs import TokensPrompt
 
         if self.capture != "topk":
             validate_native_mask(spec)
-        plan = plan_capture(
-            spec, self.vocab_size, head=self.head, tie_margin=self.tie_margin, full_vocab_limit=self.full_vocab_limit
-        )
-        logprobs = plan.logprobs if plan.logprobs is not None else 0
+        if logprobs is None:
+            plan = plan_capture(
+                spec, self.vocab_size, head=self.head, tie_margin=self.tie_margin, full_vocab_limit=self.full_vocab_limit
+            )
+            logprobs = plan.logprobs if plan.logprobs is not None else 0
+        captures = logprobs != 0
         params = [
             spec.to_sampling_params(
                 max_tokens=max_tokens,
@@ -194,10 +201,8 @@ class VllmRollout:
                 head_lps.append(flat.logprobs[a + 1 : b])
             kept = kept_lp = incomplete = None
             extras: dict[str, torch.Tensor] = {}
-            if plan.captures_support:
-                cap = support_from_heads(
-                    ids, heads, head_lps, requested=plan.logprobs or FULL_VOCAB, vocab_size=self.vocab_size
-                )
+            if captures:
+                cap = support_from_heads(ids, heads, head_lps, requested=logprobs, vocab_size=self.vocab_size)
                 kept, kept_lp, incomplete = cap.kept_ids, cap.kept_logprobs, cap.incomplete
                 extras["sampled_missing"] = cap.sampled_missing
             native = getattr(comp, "sampling_mask", None)

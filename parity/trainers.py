@@ -95,13 +95,9 @@ def load_trainer(name: str | TrainerFn) -> tuple[str, TrainerFn]:
 
 
 def make_batch(records: Sequence[Any], logits: list[torch.Tensor] | None, spec: SamplingSpec, model: Any, model_path: str) -> TrainerBatch:
-    seqs = [list(r.prompt_ids) + list(r.completion_ids) for r in records]
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(s)] = 1
+    from parity.engines.trainer import right_pad
+
+    ids, mask = right_pad([list(r.prompt_ids) + list(r.completion_ids) for r in records])
     return TrainerBatch(
         model=model,
         model_path=model_path,

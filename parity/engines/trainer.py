@@ -20,6 +20,17 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def right_pad(seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists → right-padded ``input_ids`` (pad 0) and ``attention_mask``, both ``[B, S]``."""
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(list(s), dtype=torch.long)
+        mask[i, : len(s)] = 1
+    return ids, mask
+
+
 class TransformersTrainer:
     """Computes logits at the completion positions, as an RL trainer does before its loss."""
 
@@ -59,13 +70,7 @@ class TransformersTrainer:
         start = time.perf_counter()
         for b in range(0, len(records), self.batch_size):
             chunk = records[b : b + self.batch_size]
-            seqs = [r.prompt_ids + r.completion_ids for r in chunk]
-            width = max(len(s) for s in seqs)
-            ids = torch.zeros(len(seqs), width, dtype=torch.long)
-            mask = torch.zeros(len(seqs), width, dtype=torch.long)
-            for i, s in enumerate(seqs):
-                ids[i, : len(s)] = torch.tensor(s)
-                mask[i, : len(s)] = 1
+            ids, mask = right_pad([r.prompt_ids + r.completion_ids for r in chunk])
             logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
             for i, r in enumerate(chunk):
                 p, n = len(r.prompt_ids), r.length

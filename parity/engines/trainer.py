@@ -63,8 +63,10 @@ class TransformersTrainer:
     def logits(self, records: Sequence[SequenceRecord]) -> list[torch.Tensor]:
         """float32 logits ``[L, V]`` predicting each completion token, one tensor per record.
 
-        Sequences are right-padded into batches: measured on CPU in float32, a sequence alone and in
-        a right-padded batch give bitwise-equal logits (left padding does not).
+        Sequences are right-padded into batches (as most trainers do). Right padding is not bitwise
+        batch-invariant with the default ``sdpa`` attention on CPU (measured up to ~5e-6 in float32,
+        depending on where the padded width falls); ``parity run --invariance`` measures it, and
+        batch-invariant mode switches the model to ``eager`` attention, which was bitwise here.
         """
         out: list[torch.Tensor] = []
         start = time.perf_counter()

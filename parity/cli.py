@@ -15,6 +15,7 @@ from collections.abc import Sequence
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("parity.run", "run a scenario matrix: vLLM rollout vs transformers trainer, report and gates"),
+    "matrix": ("parity.matrix", "show the default scenario matrix, or validate a TOML matrix file"),
     "sampler": ("parity.harness", "check the reference filters against vLLM's own Sampler on random logits"),
     "fixtures": ("parity.fixtures", "list, build or locate the offline fixture models"),
     "repro": ("parity.repro", "reproduce upstream bugs (list | NAME | all)"),

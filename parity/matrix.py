@@ -136,3 +136,20 @@ def load_matrix(path: str | Path) -> Matrix:
         merged.setdefault("name", f"scenario {i + 1} {spec.label()}")
         scenarios.append(Scenario(spec=spec, **merged))
     return Matrix(p.stem, tuple(scenarios))
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("matrix", nargs="?", default="default", help="'default' or a TOML matrix file to validate and show")
+
+
+def main(args: Any) -> int:
+    """``parity matrix [FILE]``: list the scenarios and the factor-level pairs they cover."""
+    m = default_matrix() if args.matrix == "default" else load_matrix(args.matrix)
+    print(f"matrix {m.name}: {len(m.scenarios)} scenarios")
+    for s in m.scenarios:
+        model = f"  [{s.model}]" if s.model else ""
+        print(f"  {s.name:<30} {s.spec.label():<40} prompts={s.prompts} max_tokens={s.max_tokens}{model}")
+    print("pair coverage:")
+    for k, v in pair_coverage(m).items():
+        print(f"  {k}: {', '.join(v)}")
+    return 0

@@ -24,7 +24,18 @@ from parity import estimators
 from parity.capture import plan_capture
 from parity.filters import reference_filter
 from parity.repro import standalone
-from parity.repro.common import LOG_TOL, Check, Column, Context, ReproResult, cat, fmax, sample, sample_raw
+from parity.repro.common import (
+    LOG_TOL,
+    Check,
+    Column,
+    Context,
+    ReproResult,
+    cat,
+    fmax,
+    sample,
+    sample_raw,
+    scaled_tol,
+)
 from parity.spec import SamplingSpec
 
 NAME = "capture_head"
@@ -79,9 +90,10 @@ def _row(ctx: Context, case: str, spec: SamplingSpec, head: int | None, cfg: dic
         pred.append(size_p >= head if head is not None else torch.zeros_like(size_p, dtype=torch.bool))
         flagged.append(r.incomplete)
         outside.append(rep.outside)
-        wrong.append((e > LOG_TOL) | rep.outside)
+        wrong.append((e > scaled_tol(z)) | rep.outside)
         err.append(e)
     pred_t, flag_t, wrong_t, out_t, err_t = cat(pred), cat(flagged), cat(wrong), cat(outside), cat(err)
+    ok_err = err_t[~wrong_t]
     return {
         "case": case,
         "setting": spec.label(),
@@ -97,6 +109,7 @@ def _row(ctx: Context, case: str, spec: SamplingSpec, head: int | None, cfg: dic
         "missing_sampled": int(out_t.sum()),
         "silent": int((wrong_t & ~flag_t).sum()),
         "max_err": fmax(err_t),
+        "max_err_correct": fmax(ok_err),
     }
 
 
@@ -134,13 +147,13 @@ def run(ctx: Context) -> ReproResult:
               all(r["predicted_vs_flagged"] == 0 for r in small_heads)),
         Check("the harness's completeness check flags every mis-scored position (none silent)",
               all(r["silent"] == 0 for r in rows)),
-        Check(f"the fix (top_k cap, planned head) captures S_q everywhere and replay is exact (<= {LOG_TOL:g})",
-              not fix["refused"] and fix["flagged"] == 0 and fix["wrong"] == 0 and fix["max_err"] <= LOG_TOL),
+        Check("the fix (top_k cap, planned head) captures S_q everywhere and replay is exact",
+              not fix["refused"] and fix["flagged"] == 0 and fix["wrong"] == 0, f"max abs diff {fix['max_err']:.1e}"),
     ]
     notes = [
         f"Fixture {FIXTURE} (vocabulary {ctx.trainer(FIXTURE).vocab_size}), T = 1, {cfg['prompts']} prompts x "
-        f"{cfg['tokens']} tokens per case. Mis-scored: abs(replay over the head - vLLM) > {LOG_TOL:g}, or the sampled "
-        "token is not in the head at all.",
+        f"{cfg['tokens']} tokens per case. Mis-scored: abs(replay over the head - vLLM) > {LOG_TOL:g} x max(1, std of "
+        "the logits) (float32 rounding grows with the logits), or the sampled token is not in the head at all.",
         *[f"{r['case']}: {r['message']}" for r in rows],
     ]
     return ReproResult(

@@ -8,8 +8,10 @@ imported by the tests like any module; run the emitted scripts, not this file.
 
 # ==================== section: prelude ====================
 import argparse
+import gc
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -66,13 +68,6 @@ def start_vllm(path, seed=0):
         model=path, skip_tokenizer_init=True, dtype="float32", seed=seed, logprobs_mode="processed_logprobs",
         max_logprobs=-1, max_model_len=1024, enforce_eager=True, enable_prefix_caching=False,
     )
-
-
-def stop_vllm(llm):
-    import gc
-
-    del llm
-    gc.collect()
 
 
 def random_prompts(n, vocab, seed, length=8):
@@ -175,6 +170,12 @@ def log_mass(z, kept):
     return s.masked_fill(~kept, NEG_INF).exp().sum(-1).log() - s.exp().sum(-1).log()
 
 
+def scaled_tol(z, tol):
+    """Per-row tolerance tol * max(1, std(z)): both sides round float32 logits independently, and that
+    rounding grows with |z| (a peaked model's logits reach ~50)."""
+    return tol * z.double().std(-1).clamp(min=1.0)
+
+
 def kept_from_heads(heads, vocab):
     """S_q from captured heads: the tokens with a finite processed log-prob."""
     kept = torch.zeros(len(heads), vocab, dtype=torch.bool)
@@ -274,15 +275,16 @@ def main_top_k_entropy(cfg, args):
         model = build_model(cfg["vocab"], logit_scale=scale, seed=args.seed)
         llm = start_vllm(save(model), seed=args.seed)
         prompts = random_prompts(args.prompts, cfg["vocab"], args.seed)
-        row = {"scale": scale, "gap": 0.0}
+        row = {"scale": scale, "gap": 0.0, "ratio": 0.0}
         entropies = []
         for label, kw in cfg["settings"]:
             samples = sample(llm, prompts, tokens=args.tokens, seed=args.seed, **kw)
-            pred, meas = [], []
+            pred, meas, tols = [], [], []
             for s in samples:
                 z = trainer_logits(model, s.prompt, s.completion)
                 y = torch.tensor(s.completion)
                 zs, kept = vllm_filter(z, **kw)
+                tols.append(scaled_tol(z, tol))
                 pred.append(log_mass(zs, kept))
                 meas.append(log_prob_over(zs, y, torch.ones_like(kept)) - s.logprobs)
                 logp = zs.double().log_softmax(-1)
@@ -291,9 +293,12 @@ def main_top_k_entropy(cfg, args):
             row[label + " pred"] = float(pred.exp().mean())
             row[label + " meas"] = float(meas.exp().mean())
             row["gap"] = max(row["gap"], float((pred - meas).abs().max()))
+            row["ratio"] = max(row["ratio"], float(((pred - meas).abs() / torch.cat(tols)).max()))
         row["entropy"] = float(torch.cat(entropies).mean())
         rows.append(row)
-        stop_vllm(llm)
+        # Shut this engine down before the next starts: a late destructor would tear down the new one's state.
+        del llm
+        gc.collect()
     cols = [("scale", "logit scale", "g"), ("entropy", "entropy (nats)", ".3f")]
     for label, _ in cfg["settings"]:
         cols += [(label + " pred", f"S @ {label} (pred)", ".4f"), (label + " meas", f"S @ {label} (meas)", ".4f")]
@@ -302,7 +307,7 @@ def main_top_k_entropy(cfg, args):
     k_labels = [label for label, kw in cfg["settings"] if "top_k" in kw]
     flat, peaked = rows[0], rows[-1]
     return verdict([
-        (f"per token, measured log S = predicted within {tol:g}", all(r["gap"] <= tol for r in rows)),
+        (f"per token, measured log S = predicted within {tol:g} x max(1, std of the logits)", all(r["ratio"] <= 1 for r in rows)),
         ("top_p: S >= top_p and within 0.1 of it at every entropy",
          all(p - 1e-6 <= r[p_label + " meas"] <= p + 0.1 for r in rows)),
         ("top_k: S rises with the logit scale", all(b[k + " meas"] >= a[k + " meas"] - 1e-3
@@ -472,7 +477,7 @@ def main_capture_head(cfg, args):
             kept_head = kept_from_heads(s.heads, z.shape[-1])
             flagged = kept_head.sum(-1) >= head  # a head full of finite values may hide more kept tokens
             err = (log_prob_over(zs, y, with_token(kept_head, y)) - s.logprobs).abs()
-            wrong = err > tol
+            wrong = err > scaled_tol(z, tol)
             r["tokens"] += len(y)
             r["pred"] += int((kept_p.sum(-1) >= head).sum())
             r["flag"] += int(flagged.sum())
@@ -506,7 +511,7 @@ def main_batch_invariant_cpu(cfg, args):
     """VLLM_BATCH_INVARIANT=1 on vLLM's CPU engine: greedy generation with and without it, each in a
     fresh process (the knob is read at import)."""
     path = save(build_model(cfg["vocab"], seed=args.seed))
-    rows, outputs = [], {}
+    rows = []
     for knob in ("0", "1"):
         env = dict(os.environ, VLLM_BATCH_INVARIANT=knob)
         try:
@@ -515,9 +520,10 @@ def main_batch_invariant_cpu(cfg, args):
             text, rc = p.stdout + p.stderr, p.returncode
         except subprocess.TimeoutExpired:
             text, rc = "timeout", None
-        errors = [ln.split("]: ")[-1] for ln in text.splitlines() if "Error:" in ln and "Traceback" not in ln]
-        frames = [ln.strip() for ln in text.splitlines() if "batch_invariant.py" in ln]
-        outputs[knob] = text
+        lines = [re.sub(r"^\[rank\d+\]: ", "", ln) for ln in text.splitlines()]
+        errors = [ln.strip() for ln in lines if re.match(r"^[A-Za-z_.]*(Error|Exception): ", ln)]
+        frames = [m.group(1) + ":" + m.group(2) + " in " + m.group(3) for ln in lines
+                  if (m := re.search(r'File ".*?(batch_invariant\.py)", line (\d+), in (\S+)', ln))]
         rows.append({"knob": knob, "rc": rc, "generated": "GENERATED" in text,
                      "error": errors[-1] if errors else "", "where": frames[-1] if frames else ""})
     print(markdown([("knob", "VLLM_BATCH_INVARIANT", ""), ("rc", "exit code", ""), ("generated", "generated", ""),

@@ -46,7 +46,7 @@ COMPLETION = 16  # the report's max_completion_length
 
 def settings(small: bool) -> dict:
     return {"fixture": FIXTURE, "top_ps": TOP_PS, "temperature": 1.0, "tokens": COMPLETION,
-            "prompts": 6 if small else 16}
+            "prompts": 4 if small else 16}
 
 
 def _row(ctx: Context, top_p: float, cfg: dict) -> tuple[dict, dict]:

@@ -40,7 +40,7 @@ def test_every_repro_emits_a_standalone_script(entry, tmp_path) -> None:
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert "parity" not in imported, "an emitted script must not need parity"
-    assert imported <= {"argparse", "math", "os", "subprocess", "sys", "tempfile", "gc", "torch", "transformers", "vllm"}
+    assert imported <= {"argparse", "gc", "math", "os", "re", "subprocess", "sys", "tempfile", "torch", "transformers", "vllm"}
     assert f"def main_{entry.name}(" in text and "CONFIG = " in text and 'if __name__ == "__main__":' in text
     assert "from_pretrained" not in text  # the model is built from code, never downloaded
 

@@ -357,10 +357,33 @@ def replay(
     kept: torch.Tensor,
     specs: SamplingSpec | Sequence[SamplingSpec],
 ) -> ReplayResult:
-    """Renormalise trainer logits over the sampler's kept set: ``z'_y - logsumexp(z'_{S_q})``."""
-    z = scale(logits, specs)
-    y = _check_ids(sampled, z)
-    lp = _log_renormalised(z, y, kept)
+    """Renormalise trainer logits over the sampler's kept set: ``z'_y - logsumexp(z'_{S_q})``.
+
+    With padded ids ``[N, K]`` only the K kept logits and y's are read, validated and scaled: O(K) per
+    row, not O(V) (issue 7 measured 0.7x of the full log-softmax while the whole row was scaled and
+    checked first). Scaling the gathered values is the same float32 division as scaling the row, so
+    the result is bitwise the same. A dense mask reads the whole row by construction.
+    """
+    if kept.dtype == torch.bool:
+        z = scale(logits, specs)
+        y = _check_ids(sampled, z)
+        return ReplayResult(_log_renormalised(z, y, kept), ~_contains(kept, y))
+    if logits.dim() != 2:
+        raise ValueError(f"logits has shape {tuple(logits.shape)}: allowed a 2-D [N, V] tensor")
+    y = _check_ids(sampled, logits)
+    if kept.dim() != 2 or kept.shape[0] != logits.shape[0]:
+        raise ValueError(f"kept ids have shape {tuple(kept.shape)}: allowed [{logits.shape[0]}, K]")
+    width = kept.shape[1]
+    # Columns 0..K-1: the kept ids' logits (padding reads id 0 and is zeroed); column K: y's logit.
+    small = logits.gather(1, torch.cat([kept.clamp(min=0).long(), y.unsqueeze(1)], dim=1))
+    pad = torch.cat([kept < 0, torch.zeros_like(y, dtype=torch.bool).unsqueeze(1)], dim=1)
+    small = small.masked_fill(pad, 0.0)
+    if bool(torch.isnan(small).any()) or bool(torch.isposinf(small).any()):
+        row = int((torch.isnan(small) | torch.isposinf(small)).any(dim=1).nonzero()[0])
+        raise ValueError(f"logits at the kept ids or the sampled id of row {row} contain NaN or +inf: allowed finite values or -inf")
+    z = apply_temperature(small.to(torch.float32), _specs(specs, small.shape[0]))
+    pos = torch.arange(width, device=kept.device).expand_as(kept)
+    lp = _log_renormalised(z, torch.full_like(y, width), torch.where(kept < 0, -1, pos))
     return ReplayResult(lp, ~_contains(kept, y))
 
 

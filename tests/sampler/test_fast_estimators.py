@@ -1,4 +1,4 @@
-"""recompute filters top_k rows over ``topk(k)`` candidates: its kept set must be vLLM's, ties included.
+"""The fast estimators: recompute over ``topk(k)`` candidates keeps vLLM's exact kept set; replay reads K ids.
 
 ``parity.estimators.recompute`` no longer sorts whole rows when top_k is set (issue 7: recompute
 <= 2x the full-vocabulary log-softmax). These tests hold it to the exact kept set of vLLM's real
@@ -129,3 +129,23 @@ def test_wide_tie_at_the_kth_value_widens_the_candidates() -> None:
         res = E.recompute(z, torch.zeros(2, dtype=torch.long), specs)
         assert torch.equal(res.kept, reference_filter(z, specs).kept)
         assert int(res.kept[0].sum()) == 509
+
+
+def test_replay_with_ids_reads_only_the_kept_ids() -> None:
+    """replay on padded ids gathers K + 1 logits per row and never scales or checks the rest (issue 7:
+    the whole-row scale made replay cost 0.7x of the full log-softmax). A NaN off the kept set is
+    therefore not read; one on it is refused. Values are bitwise those of the dense-mask form."""
+    g = torch.Generator().manual_seed(7)
+    z = torch.randn(4, 1000, generator=g) * 3
+    spec = S(0.7, top_k=20, top_p=0.9)
+    kept = reference_filter(z, spec).kept
+    ids = E.mask_to_ids(kept)
+    y = torch.multinomial(kept.float(), 1, generator=g).squeeze(1)
+    want = E.replay(z, y, kept, spec).logprobs
+    assert torch.equal(E.replay(z, y, ids, spec).logprobs, want)
+    off = (~kept[0]).nonzero()[0, 0]
+    z[0, off] = float("nan")
+    assert torch.equal(E.replay(z, y, ids, spec).logprobs, want)
+    z[0, ids[0, 0]] = float("nan")
+    with pytest.raises(ValueError, match="row 0 contain NaN"):
+        E.replay(z, y, ids, spec)

@@ -288,64 +288,8 @@ def sample_raw(
     smaller than top_k. ``logprobs=0`` returns the sampled token's processed log-prob only (no S_q);
     otherwise the head is parsed into ``kept_ids`` with the harness's completeness flags.
     """
-    from parity.capture import support_from_heads
-    from parity.engines.rollout import call_with_timeout
-
     rollout = ctx.rollout(fixture)
-    from vllm.inputs import TokensPrompt
-
-    ids_list = ctx.prompts(fixture, prompts)
-    params = [
-        spec.to_sampling_params(
-            max_tokens=max_tokens,
-            seed=ctx.seed + i,
-            logprobs=logprobs,
-            detokenize=False,
-            flat_logprobs=True,
-            ignore_eos=True,
-        )
-        for i in range(len(ids_list))
-    ]
-    inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in ids_list]
-    outputs = call_with_timeout(
-        lambda: rollout.llm.generate(inputs, params, use_tqdm=False), ctx.timeout_s, f"vLLM generate ({spec.label()})"
-    )
-    records = []
-    for i, out in enumerate(outputs):
-        comp = out.outputs[0]
-        ids = list(comp.token_ids)
-        flat = comp.logprobs
-        if flat is None or len(flat.start_indices) != len(ids):
-            raise RuntimeError(f"vLLM returned no log-probs for prompt {i} ({spec.label()})")
-        sampled_lp, heads, head_lps = [], [], []
-        for t, (a, b) in enumerate(zip(flat.start_indices, flat.end_indices, strict=True)):
-            if flat.token_ids[a] != ids[t]:
-                raise RuntimeError(f"vLLM log-prob entry for prompt {i} position {t} is not the sampled token")
-            sampled_lp.append(flat.logprobs[a])
-            heads.append(flat.token_ids[a + 1 : b])
-            head_lps.append(flat.logprobs[a + 1 : b])
-        kept = kept_lp = incomplete = None
-        extras: dict[str, torch.Tensor] = {}
-        if logprobs:
-            cap = support_from_heads(ids, heads, head_lps, requested=logprobs, vocab_size=rollout.vocab_size)
-            kept, kept_lp, incomplete = cap.kept_ids, cap.kept_logprobs, cap.incomplete
-            extras["sampled_missing"] = cap.sampled_missing
-        records.append(
-            SequenceRecord(
-                source="vllm",
-                prompt_index=i,
-                prompt_ids=list(ids_list[i]),
-                completion_ids=ids,
-                spec=spec,
-                seed=ctx.seed + i,
-                logprobs=torch.tensor(sampled_lp, dtype=torch.float32),
-                kept_ids=kept,
-                kept_logprobs=kept_lp,
-                incomplete=incomplete,
-                extras=extras,
-            )
-        )
-    return records
+    return rollout.generate(ctx.prompts(fixture, prompts), spec, max_tokens=max_tokens, seed=ctx.seed, logprobs=logprobs)
 
 
 # --------------------------------------------------------------------------------------------------

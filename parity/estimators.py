@@ -27,18 +27,10 @@ from parity.filters import (
     reference_filter,
     top_k_top_p_sorted,
 )
-from parity.spec import SamplingSpec
+from parity.spec import SamplingSpec, per_row
 
 NEG_INF = float("-inf")
 
-
-def _specs(specs: SamplingSpec | Sequence[SamplingSpec], n: int) -> list[SamplingSpec]:
-    if isinstance(specs, SamplingSpec):
-        return [specs.effective()] * n
-    out = [s.effective() for s in specs]
-    if len(out) != n:
-        raise ValueError(f"specs has {len(out)} entries for {n} rows: allowed one spec or one per row")
-    return out
 
 
 def _check_ids(sampled: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -54,7 +46,7 @@ def _check_ids(sampled: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 def scale(logits: torch.Tensor, specs: SamplingSpec | Sequence[SamplingSpec]) -> torch.Tensor:
     """z / T as the sampler computes it (greedy rows use T = 1)."""
     logits = check_logits(logits).to(torch.float32)
-    return apply_temperature(logits, _specs(specs, logits.shape[0]))
+    return apply_temperature(logits, per_row(specs, logits.shape[0]))
 
 
 def full(logits: torch.Tensor, sampled: torch.Tensor, specs: SamplingSpec | Sequence[SamplingSpec]) -> torch.Tensor:
@@ -97,7 +89,7 @@ def recompute(
         return _recompute_reference(logits, sampled, specs, force_include=force_include, faults=faults)
     z = scale(logits, specs)
     y = _check_ids(sampled, z)
-    row_specs = _specs(specs, z.shape[0])
+    row_specs = per_row(specs, z.shape[0])
     if all(s.greedy for s in row_specs):  # reference_filter's all-greedy path: nothing to bound
         return _recompute_reference(logits, sampled, specs, force_include=force_include)
     kept, ids, listed = _kept_bounded(z, row_specs)
@@ -381,7 +373,7 @@ def replay(
     if bool(torch.isnan(small).any()) or bool(torch.isposinf(small).any()):
         row = int((torch.isnan(small) | torch.isposinf(small)).any(dim=1).nonzero()[0])
         raise ValueError(f"logits at the kept ids or the sampled id of row {row} contain NaN or +inf: allowed finite values or -inf")
-    z = apply_temperature(small.to(torch.float32), _specs(specs, small.shape[0]))
+    z = apply_temperature(small.to(torch.float32), per_row(specs, small.shape[0]))
     pos = torch.arange(width, device=kept.device).expand_as(kept)
     lp = _log_renormalised(z, torch.full_like(y, width), torch.where(kept < 0, -1, pos))
     return ReplayResult(lp, ~_contains(kept, y))

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from parity.spec import SAMPLING_EPS, SamplingSpec
+from parity.spec import SAMPLING_EPS, SamplingSpec, per_row
 
 NEG_INF = float("-inf")
 
@@ -52,14 +52,6 @@ class FilterResult:
     def support_size(self) -> torch.Tensor:
         return self.kept.sum(dim=-1)
 
-
-def _as_specs(specs: SamplingSpec | Sequence[SamplingSpec], n: int) -> list[SamplingSpec]:
-    if isinstance(specs, SamplingSpec):
-        return [specs.effective()] * n
-    specs = [s.effective() for s in specs]
-    if len(specs) != n:
-        raise ValueError(f"specs has {len(specs)} entries for {n} logit rows: allowed one spec or one per row")
-    return specs
 
 
 def check_logits(logits: torch.Tensor, name: str = "logits") -> torch.Tensor:
@@ -175,7 +167,7 @@ def reference_filter(
     faults = faults or FilterFaults()
     logits = check_logits(logits).to(torch.float32)
     n, vocab = logits.shape
-    row_specs = _as_specs(specs, n)
+    row_specs = per_row(specs, n)
     device = logits.device
 
     # Sampler.sample: an all-greedy batch reports log_softmax of the raw logits (compute_logprobs).

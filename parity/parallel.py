@@ -86,7 +86,7 @@ import torch.distributed as dist
 
 from parity import estimators as _est
 from parity.filters import apply_temperature, check_logits, reference_filter
-from parity.spec import SamplingSpec
+from parity.spec import SamplingSpec, per_row
 
 NEG_INF = float("-inf")
 U = 2.0**-24  # float32 unit roundoff
@@ -216,14 +216,6 @@ class Comm:
         return torch.stack(out)
 
 
-def _specs(specs: SamplingSpec | Sequence[SamplingSpec], n: int) -> list[SamplingSpec]:
-    if isinstance(specs, SamplingSpec):
-        return [specs.effective()] * n
-    out = [s.effective() for s in specs]
-    if len(out) != n:
-        raise ValueError(f"specs has {len(out)} entries for {n} rows: allowed one spec or one per row")
-    return out
-
 
 def _check_sampled(sampled: torch.Tensor, n: int, vocab: int) -> torch.Tensor:
     if sampled.dim() != 1 or sampled.shape[0] != n:
@@ -303,7 +295,7 @@ def sharded_full(
     """``log_softmax(z / T)[y]`` from shards: max all-reduce, then one ``[N, 2]`` float64 sum."""
     faults = faults or ParallelFaults()
     z = _check_shard(logits, shard)
-    scaled = apply_temperature(z, _specs(specs, z.shape[0]))
+    scaled = apply_temperature(z, per_row(specs, z.shape[0]))
     support = torch.ones_like(scaled, dtype=torch.bool)
     lp, _ = _renormalised(scaled, support, shard, sampled.long(), comm, faults)
     return lp
@@ -350,7 +342,7 @@ def sharded_replay(
     n = z.shape[0]
     ids = _check_kept_ids(kept_ids, n, shard.vocab)
     y = sampled.long()
-    scaled = apply_temperature(z, _specs(specs, n))
+    scaled = apply_temperature(z, per_row(specs, n))
     k = ids.shape[1]
     got = _gather_kept_values(scaled, torch.cat([ids, y.unsqueeze(1)], dim=1), shard, comm)
     kv = got[:, :k].masked_fill(ids < 0, NEG_INF)
@@ -377,7 +369,7 @@ def sharded_predicted_log_s(
     z = _check_shard(logits, shard)
     n = z.shape[0]
     ids = _check_kept_ids(kept_ids, n, shard.vocab)
-    scaled = apply_temperature(z, _specs(specs, n))
+    scaled = apply_temperature(z, per_row(specs, n))
     kv = _gather_kept_values(scaled, ids, shard, comm).masked_fill(ids < 0, NEG_INF)
     if faults.lse_without_max_shift:  # planted fault
         tot = comm.all_reduce(torch.exp(scaled).sum(dim=-1), "sum")
@@ -552,7 +544,7 @@ def sharded_kept(
     n, vr = raw.shape
     dev = raw.device
     vocab = shard.vocab
-    row_specs = _specs(specs, n)
+    row_specs = per_row(specs, n)
     none = torch.zeros(n, dtype=torch.bool, device=dev)
     if all(s.greedy for s in row_specs):  # Sampler.sample's all-greedy batch: log_softmax(z), no filters
         return torch.isfinite(raw), raw, none, none.clone(), none.clone()
@@ -1046,7 +1038,7 @@ class VocabParallelPool:
         logits = check_logits(logits).to(torch.float32)
         n, vocab = logits.shape
         sampled = _check_sampled(sampled, n, vocab)
-        row_specs = _specs(specs, n)
+        row_specs = per_row(specs, n)
         if kept_ids is not None:
             kept_ids = _check_kept_ids(kept_ids, n, vocab)
         unknown = set(estimators) - set(ESTIMATORS)

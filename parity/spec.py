@@ -7,6 +7,7 @@ it directly. It imports no engine.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -151,3 +152,13 @@ class SamplingSpec:
                 "SamplingSpec.to_sampling_params needs vLLM: install parity[cpu] (or parity[gpu] on CUDA)"
             ) from exc
         return SamplingParams(**self.sampling_params_kwargs(), **extra)
+
+
+def per_row(specs: SamplingSpec | Sequence[SamplingSpec], n: int) -> list[SamplingSpec]:
+    """One effective spec per row of an ``[n, V]`` batch (vLLM batches requests with different settings)."""
+    if isinstance(specs, SamplingSpec):
+        return [specs.effective()] * n
+    out = [s.effective() for s in specs]
+    if len(out) != n:
+        raise ValueError(f"specs has {len(out)} entries for {n} logit rows: allowed one spec or one per row")
+    return out

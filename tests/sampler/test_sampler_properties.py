@@ -61,6 +61,7 @@ def trainer_logits(case: Case, noise: float = 1e-3) -> torch.Tensor:
 @example(case=example_logits([[1.0, 0.5, -1.0, 2.0]], S(1.0, top_k=4), S(1.0, top_k=100)))  # k == V, k > V
 @example(case=example_logits([[1.0, 1.0, 0.5, -2.0]], S(1.0, min_p=1.0)))  # min_p = 1 keeps the tied max
 @example(case=example_case(64, RowPlan(S(0.05, top_p=0.95), std=20.0), RowPlan(S(1.0), std=20.0)))  # underflow, p=1 row on the sort path
+@example(case=example_logits([[3.0, 1.0, 0.0], [100.0, 0.0, -100.0]], S(1.0, top_p=0.9), S(1.0)))  # exp(-200) underflows: certain
 @example(case=example_case(4096, RowPlan(S(1.0, top_k=50, top_p=0.9, min_p=0.05), std=0.1, top_k_tie=3, top_p_tie=3)))
 def test_reference_matches_vllm(sampler, case: Case) -> None:
     out = sampler(case.logits, case.specs, seed=case.seed)

@@ -78,9 +78,26 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """pytest-benchmark suite; ratios are computed and printed in the same run."""
+    """Capture and replay overhead (pytest-benchmark): ratios in one run, bench.md, a ratio regression guard.
+
+    Writes into $PARITY_BENCH_DIR (default reports/bench): pytest-benchmark's JSON per machine,
+    bench.md (targets, ratio tables, what is skipped by design) and ratios.json. Guard against a saved
+    run: ``nox -s bench -- --ratio-baseline OLD/ratios.json --ratio-fail 25`` (fails when a ratio grew
+    by more than 25 %); pytest-benchmark's ``--benchmark-compare`` works too, on absolute times.
+    About 10 minutes on a 2-core CPU machine; ``nox -R -s bench -- -k trainer`` reruns a part.
+    """
     install(session, "cpu", "test")
-    run_pytest(session, "tests/bench", "--benchmark-only", "--benchmark-autosave", profile="dev")
+    out = os.environ.get("PARITY_BENCH_DIR") or "reports/bench"
+    run_pytest(
+        session,
+        "tests/bench",
+        "--benchmark-only",
+        "--benchmark-autosave",
+        f"--benchmark-storage=file://{out}",
+        "-p",
+        "no:cacheprovider",
+        profile="dev",
+    )
 
 
 @nox.session

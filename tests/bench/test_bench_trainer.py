@@ -1,0 +1,230 @@
+"""Trainer-side cost on synthetic logits ``[T, V]``: full log-softmax vs replay vs recompute.
+
+Every estimator is timed against ``full`` (the full-vocabulary ``log_softmax(z / T)[y]`` most trainers
+run), interleaved round by round (conftest.paired); the ``full`` row is full against itself, the noise
+floor of the ratios. Rows:
+
+* replay: gather the K captured ids + logsumexp (``estimators.replay`` on padded ids ``[T, K]``);
+* recompute: ``estimators.recompute``, whose top_k rows are filtered over ``topk(k)`` candidates
+  (issue 7), with top_k + top_p (vLLM's sort path), top_k alone (its top-k-only path), and min_p;
+* recompute through the reference sort: the same kept set from ``reference_filter`` (a full-row sort,
+  what recompute cost before), for scale;
+* recompute with top_p alone: no top_k bound, so the full-row sort is the algorithm (reported
+  separately; the capture side needs the full vocabulary for it too).
+
+Shapes: T in {512, 4096} x V in {32000, 152064}, except T=4096 x V=152064 on CPU (2.5 GB of float32
+logits alone, and the reference sort needs ~3x that on top), which runs at T=1024. Each run also
+checks what it timed: recompute's kept set equals ``reference_filter``'s on the same logits.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from parity import estimators as E
+from parity.filters import reference_filter
+from parity.spec import SamplingSpec
+
+S = SamplingSpec
+TOP_K = 50
+SPEC = S(0.8, top_k=TOP_K, top_p=0.9)  # the replay workload's kept set; full and replay run with it
+BIG_T_AT_152K = 1024
+SHAPES = [(512, 32000), (4096, 32000), (512, 152064), (BIG_T_AT_152K, 152064)]
+GPU_SHAPES = [(512, 32000), (4096, 32000), (512, 152064), (4096, 152064)]
+
+# id -> (row label, kind, spec)
+ESTIMATORS: dict[str, tuple[str, str, SamplingSpec]] = {
+    "full": ("full (noise floor)", "full", SPEC),
+    "replay": ("replay (K captured ids)", "replay", SPEC),
+    "recompute-k-p": (f"recompute top_k={TOP_K} top_p=0.9", "recompute", SPEC),
+    "recompute-k": (f"recompute top_k={TOP_K}", "recompute", S(0.8, top_k=TOP_K)),
+    "recompute-k-p-minp": (f"recompute top_k={TOP_K} top_p=0.9 min_p=0.05", "recompute", S(0.8, top_k=TOP_K, top_p=0.9, min_p=0.05)),
+    "reference-sort-k-p": (f"recompute top_k={TOP_K} top_p=0.9 via reference sort", "reference", SPEC),
+    "recompute-p": ("recompute top_p=0.9 alone (full-row sort)", "recompute", S(0.8, top_p=0.9)),
+}
+ROUNDS, WARMUP = 3, 1  # fast rows; the multi-second sort rows run one round, no warm-up
+SORT_MAX_T = 512  # on CPU the full-row sort rows run at this T only (their cost is linear in T)
+REPLAY_TARGET = ("replay <= 0.05x full at V=152k", 0.05)
+RECOMPUTE_TARGET = ("recompute <= 2x full when top_k is set", 2.0)
+TITLE = "Trainer side: ratio to the full-vocabulary log-softmax + gather (float32, CPU)"
+INTRO = (
+    f"Synthetic LM-like logits; replay reads the captured kept ids of top_k={TOP_K}, top_p=0.9 "
+    "(K = widest kept set of the batch). T=4096 at V=152064 is replaced by T=1024 on CPU (memory)."
+)
+
+
+def shape_label(t: int, v: int) -> str:
+    return f"T={t} V={v}"
+
+
+def shape_id(t: int, v: int) -> str:
+    return f"T{t}xV{v}"
+
+
+def sort_based(name: str) -> bool:
+    _, kind, spec = ESTIMATORS[name]
+    return kind == "reference" or (kind == "recompute" and not spec.uses_top_k)
+
+
+def make_workload(t: int, v: int, *, seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """LM-like logits (a heavy head over a wide tail), ids sampled inside SPEC's kept set, kept ids."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(t, v, generator=g, device=device) * 2.0
+    head = min(20, v)
+    logits[:, :head] += torch.rand(t, head, generator=g, device=device) * 10
+    logits = logits[:, torch.randperm(v, generator=g, device=device)].contiguous()
+    kept = E.recompute(logits, torch.zeros(t, dtype=torch.long, device=device), SPEC).kept
+    sampled = torch.multinomial(kept.float(), 1, generator=g).squeeze(1)
+    ids = E.mask_to_ids(kept)  # [T, K] padded with -1: what capture hands the trainer
+    return {"logits": logits, "sampled": sampled, "ids": ids}
+
+
+_CACHE: dict[tuple[int, int, str], dict[str, torch.Tensor]] = {}
+
+
+def workload(t: int, v: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """One shape in memory at a time (cases are ordered shape by shape)."""
+    key = (t, v, device)
+    if key not in _CACHE:
+        _CACHE.clear()
+        gc.collect()
+        _CACHE[key] = make_workload(t, v, device=device)
+    return _CACHE[key]
+
+
+def estimator_fn(kind: str, spec: SamplingSpec, w: dict[str, torch.Tensor]) -> Callable[[], Any]:
+    z, y, ids = w["logits"], w["sampled"], w["ids"]
+    if kind == "full":
+        return lambda: E.full(z, y, spec)
+    if kind == "replay":
+        return lambda: E.replay(z, y, ids, spec)
+    if kind == "recompute":
+        return lambda: E.recompute(z, y, spec)
+    if kind == "reference":
+        return lambda: E._recompute_reference(z, y, spec)
+    raise ValueError(f"unknown estimator kind {kind!r}")
+
+
+def check_result(name: str, result: Any, w: dict[str, torch.Tensor]) -> None:
+    """What was timed must be right (correctness, not timing)."""
+    label, kind, spec = ESTIMATORS[name]
+    if kind in ("recompute", "reference"):
+        want = reference_filter(w["logits"], spec).kept
+        assert torch.equal(result.kept, want), f"{label}: kept set differs from reference_filter"
+        assert bool(torch.isfinite(result.logprobs).all()), f"{label}: non-finite log-probs"
+    elif kind == "replay":
+        assert result.outside_count == 0, f"{label}: sampled ids outside the kept ids"
+
+
+def run_case(
+    report: Any,
+    timer: Callable[..., Any],
+    name: str,
+    t: int,
+    v: int,
+    *,
+    device: str = "cpu",
+    sync: Callable[[], None] | None = None,
+    table_key: str = "trainer",
+    title: str = TITLE,
+    targets: bool = True,
+) -> Any:
+    """Time estimator ``name`` (an ESTIMATORS id) at one shape against full; check it; report the ratio."""
+    label, kind, spec = ESTIMATORS[name]
+    slow = sort_based(name)
+    col = shape_label(t, v)
+    table = report.table(
+        table_key,
+        title,
+        "estimator",
+        INTRO,
+        rows=[label for label, _, _ in ESTIMATORS.values()],
+        cols=[shape_label(*s) for s in (SHAPES if device == "cpu" else GPU_SHAPES)],
+    )
+    if slow and device == "cpu" and t > SORT_MAX_T:
+        why = (
+            f"full-row sort rows run at T={SORT_MAX_T} only on CPU: seconds to tens of seconds per round, "
+            "linear in T (keeps nox -s bench under 15 minutes)"
+        )
+        table.skip(label, col, why)
+        pytest.skip(why)
+    w = workload(t, v, device)
+    pair = timer(
+        estimator_fn(kind, spec, w),
+        estimator_fn("full", SPEC, w),
+        rounds=1 if slow else ROUNDS,
+        warmup_rounds=0 if slow else WARMUP,
+        sync=sync,
+    )
+    check_result(name, pair.result, w)
+    pair.result = None  # recompute's kept mask is [T, V]: do not keep it alive
+    table.put_pair(label, col, pair, note="(1 round)" if slow else "")
+    if targets and kind == "replay" and v >= 100_000:
+        report.check(*REPLAY_TARGET, col, pair.ratio)
+    if targets and kind == "recompute" and spec.uses_top_k:
+        report.check(*RECOMPUTE_TARGET, f"{label.removeprefix('recompute ')} @ {col}", pair.ratio)
+    return pair
+
+
+def trainer_findings(report: Any) -> list[str]:
+    """Findings read off the trainer table: what the candidate bound saved, what top_p alone costs."""
+    table = report.tables.get("trainer")
+    if table is None:
+        return []
+
+    def ratio(key: str, col: str) -> float | None:
+        cell = table.cells.get((ESTIMATORS[key][0], col))
+        return None if cell is None or isinstance(cell, str) else cell.value
+
+    lines = []
+    for col in table.cols:
+        fast, ref, alone, rep = (ratio(k, col) for k in ("recompute-k-p", "reference-sort-k-p", "recompute-p", "replay"))
+        if fast is not None and ref is not None:
+            lines.append(
+                f"{col}: recompute with top_k={TOP_K} top_p=0.9 costs {fast:.2f}x full over topk candidates "
+                f"against {ref:.1f}x through the reference full-row sort ({ref / fast:.0f}x less)"
+            )
+        if alone is not None:
+            lines.append(f"{col}: recompute with top_p alone (no top_k bound: full-row sort) costs {alone:.1f}x full")
+        if rep is not None:
+            k = table.cells[(ESTIMATORS["replay"][0], col)]
+            lines.append(f"{col}: replay costs {rep:.3f}x full ({_secs(k.seconds)} against {_secs(k.baseline_seconds)})")
+    return lines
+
+
+def _secs(s: float | None) -> str:
+    return "?" if s is None else (f"{s * 1000:.1f} ms" if s < 1 else f"{s:.2f} s")
+
+
+CASES = [(shape, name) for shape in SHAPES for name in ESTIMATORS]
+
+
+@pytest.mark.parametrize(("shape", "name"), CASES, ids=[f"{shape_id(*s)}-{n}" for s, n in CASES])
+def test_bench_trainer(timer, bench_report, shape, name) -> None:
+    bench_report.derive(trainer_findings)
+    run_case(bench_report, timer, name, *shape)
+
+
+GPU_CASES = [(shape, name) for shape in GPU_SHAPES for name in ESTIMATORS]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("shape", "name"), GPU_CASES, ids=[f"{shape_id(*s)}-{n}" for s, n in GPU_CASES])
+def test_bench_trainer_cuda(timer, bench_report, shape, name) -> None:
+    """CUDA-synchronized: ``torch.cuda.synchronize`` closes every timed interval (kernels are async)."""
+    run_case(
+        bench_report,
+        timer,
+        name,
+        *shape,
+        device="cuda",
+        sync=torch.cuda.synchronize,
+        table_key="trainer-cuda",
+        title="Trainer side on CUDA: ratio to the full-vocabulary log-softmax + gather (float32, synchronized)",
+        targets=False,
+    )

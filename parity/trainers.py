@@ -148,7 +148,7 @@ def diagnose(
     """Name the problem class of a trainer's log-probs against the sampler's.
 
     ``untempered`` are the trainer's full log-probs at T = 1; ``shifted`` the full log-probs read one
-    position early (the classic off-by-one between logits and labels).
+    position late (labels not shifted against logits: the classic off-by-one).
     """
     if _close(user, sampler, tol):
         return "matches the sampler's processed log-probs"
@@ -162,7 +162,10 @@ def diagnose(
         return "equals the full log-softmax at temperature 1: it forgets to divide the logits by the sampling temperature"
     known = ~torch.isnan(shifted) if shifted is not None else None
     if shifted is not None and known is not None and bool(known.any()) and _close(user[known], shifted[known], tol):
-        return "equals the log-probs of the previous position: an off-by-one shift between logits and labels"
+        return (
+            "equals log-probs read one position late (each token scored by the logits at its own position): "
+            "an off-by-one shift between logits and labels"
+        )
     d = (user - sampler).abs()
     return f"unexplained drift: max |diff| {float(d.max()) if d.numel() else math.nan:.3g}, mean {float((user - sampler).mean()):.3g}"
 

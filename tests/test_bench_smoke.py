@@ -247,6 +247,11 @@ def test_bench_md_and_ratio_baseline(lib, tmp_path) -> None:
     assert "| replay <= 0.05x | T=8 V=64: 0.01x (worst 0.01x) | met |" in text
     assert "| replay | 0.010x (1.0 ms) |" in text and "50.0 cases/s" in text
     assert "Skipped by design" in text and "too big for the smoke test" in text
+    assert "time budget" not in text
+    over = _report(lib, 0.01)
+    over.over_budget, over.budget_s = ["test_bench_capture[llama-32k-top512-detok]"], 660.0
+    md, _ = lib.write_outputs(over, tmp_path / "over", env={})
+    assert "## Not run: time budget spent" in md.read_text() and "llama-32k-top512-detok" in md.read_text()
     assert regressed == []
     saved = json.loads((tmp_path / "base" / "ratios.json").read_text())
     assert saved["ratios"] == {"trainer | replay | T=8 V=64": 0.01, "trainer | full | T=8 V=64": 1.0}

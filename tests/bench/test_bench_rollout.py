@@ -220,11 +220,12 @@ def cheapest_knobs(report: Any) -> list[str]:
             continue
         best = min(complete, key=complete.__getitem__)
         default = KNOBS["fast"][0]
-        verdict = (
-            "which is the harness default"
-            if best == default
-            else f"NOT the harness default ({default}: {complete.get(default, float('nan')):.2f}x)"
-        )
+        if best == default:
+            verdict = "which is the harness default"
+        elif default in complete:
+            verdict = f"NOT the harness default ({default}: {complete[default]:.2f}x)"
+        else:
+            verdict = "the harness default's cells were disturbed or not run: no comparison"
         lines.append(
             f"{table.title.split(': ', 1)[1].split(',')[0]}: cheapest capture at K <= 64 is {best} "
             f"({complete[best]:.2f}x mean over top-{TOP_K} and top-64), {verdict}"

@@ -84,7 +84,9 @@ def bench(session: nox.Session) -> None:
     bench.md (targets, ratio tables, what is skipped by design) and ratios.json. Guard against a saved
     run: ``nox -s bench -- --ratio-baseline OLD/ratios.json --ratio-fail 25`` (fails when a ratio grew
     by more than 25 %); pytest-benchmark's ``--benchmark-compare`` works too, on absolute times.
-    About 10 minutes on a 2-core CPU machine; ``nox -R -s bench -- -k trainer`` reruns a part.
+    About 8.5 minutes of benchmarks on a quiet 2-core CPU machine; $PARITY_BENCH_BUDGET_S (default
+    660) bounds them on a loaded one (what is cut is listed in bench.md). ``nox -R -s bench -- -k
+    trainer`` reruns a part.
     """
     install(session, "cpu", "test")
     out = os.environ.get("PARITY_BENCH_DIR") or "reports/bench"

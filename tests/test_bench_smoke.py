@@ -269,3 +269,6 @@ def test_paired_timing_pairs_rounds_without_pytest_benchmark(lib) -> None:
     calls: list[str] = []
     pair = lib.paired_plain(lambda: calls.append("t") or 42, lambda: calls.append("b"), rounds=2, warmup_rounds=1)
     assert calls == ["b", "t"] * 3 and pair.result == 42
+    calls.clear()
+    lib.paired_plain(lambda: calls.append("t"), lambda: calls.append("b"), rounds=3, warmup_rounds=1, baseline_rounds=1)
+    assert calls == ["b", "t", "b", "t", "t", "t"], "the baseline runs in the warm-up and the first baseline_rounds only"

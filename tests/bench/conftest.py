@@ -108,15 +108,22 @@ def paired(
     rounds: int,
     warmup_rounds: int = 1,
     sync: Callable[[], None] | None = None,
+    baseline_rounds: int | None = None,
 ) -> Paired:
     """``benchmark.pedantic(target)`` with ``baseline`` timed in ``setup`` before every round.
 
     ``sync`` (e.g. ``torch.cuda.synchronize``) runs before each clock read of the baseline and at the
     end of the target, so asynchronous device work is inside the interval it belongs to.
+    ``baseline_rounds`` times the baseline before the first that many rounds only: a millisecond
+    target needs many rounds (on a loaded 2-core machine one descheduled OpenMP thread stalls a short
+    op by a whole time slice) where its second-long baseline needs few.
     """
     base: list[float] = []
+    limit = None if baseline_rounds is None else warmup_rounds + baseline_rounds
 
     def setup() -> None:
+        if limit is not None and len(base) >= limit:
+            return
         # A clean collector before each timed interval: a full-vocabulary capture leaves millions of
         # Python objects, and collecting them inside the *next* interval (the baseline's) skewed it.
         gc.collect()
@@ -150,6 +157,7 @@ def paired_plain(
     warmup_rounds: int = 0,
     sync: Callable[[], None] | None = None,
     collect: bool = True,
+    baseline_rounds: int | None = None,
 ) -> Paired:
     """The same pairing without pytest-benchmark (the smoke test runs the bench code with this).
 
@@ -160,21 +168,22 @@ def paired_plain(
     result = None
     sync = sync or (lambda: None)
     gc_collect = gc.collect if collect else (lambda: 0)
+    limit = warmup_rounds + (rounds if baseline_rounds is None else baseline_rounds)
     for i in range(warmup_rounds + rounds):
-        gc_collect()
-        sync()
-        t0 = time.perf_counter()
-        baseline()
-        sync()
-        b = time.perf_counter() - t0
+        if i < limit:
+            gc_collect()
+            sync()
+            t0 = time.perf_counter()
+            baseline()
+            sync()
+            if i >= warmup_rounds:
+                base.append(time.perf_counter() - t0)
         gc_collect()
         t0 = time.perf_counter()
         result = target()
         sync()
-        t = time.perf_counter() - t0
         if i >= warmup_rounds:
-            base.append(b)
-            times.append(t)
+            times.append(time.perf_counter() - t0)
     return Paired(min(times), min(base), result)
 
 

@@ -43,17 +43,24 @@ def install(session: nox.Session, *extras: str) -> None:
         session.run("pip", "uninstall", "-y", *MISMATCHED_TORCH_COMPANIONS, silent=True)
 
 
-def run_pytest(session: nox.Session, *args: str, profile: str = "ci") -> None:
+def run_pytest(session: nox.Session, *args: str, profile: str = "ci", env: dict[str, str] | None = None) -> None:
     """The one helper every test session calls."""
-    env = {**CPU_ENV, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", profile)}
+    env = {**CPU_ENV, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", profile), **(env or {})}
     session.run("pytest", *args, *session.posargs, env=env)
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Unit, sampler and end-to-end tests on the CPU engine (what CI runs)."""
+    """Unit, sampler and end-to-end tests on the CPU engine (what CI runs), then the kernel-dependent ones again.
+
+    The second pass runs the tests marked ``kernel_path`` (no vLLM engine; see tests/conftest.py) under
+    ``ATEN_CPU_CAPABILITY=default``, torch's non-vectorised CPU kernels: the bits of fp32 ``mm`` and
+    ``log_softmax`` change, so a test that holds only on one machine's kernels fails here too.
+    """
     install(session, "cpu", "test", "report")
-    run_pytest(session, "-m", "not slow and not gpu", "-p", "no:cacheprovider", "--benchmark-disable")
+    common = ("-p", "no:cacheprovider", "--benchmark-disable")
+    run_pytest(session, "-m", "not slow and not gpu", *common)
+    run_pytest(session, "-m", "kernel_path and not slow and not gpu", *common, env={"ATEN_CPU_CAPABILITY": "default"})
 
 
 @nox.session

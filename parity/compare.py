@@ -16,6 +16,7 @@ import torch
 
 from parity import estimators
 from parity.capture import support_mass
+from parity.error_model import logprob_bound
 from parity.records import SequenceRecord
 from parity.spec import SamplingSpec
 
@@ -43,6 +44,7 @@ class TokenTable:
     support_size: torch.Tensor  # long [T]: |S_q| (V when not captured)
     kl: torch.Tensor  # float64 [T]: KL(sampler || trainer replay) over S_q (0 when not captured)
     tv: torch.Tensor  # float64 [T]: total variation over S_q
+    bound: torch.Tensor  # float64 [T]: rounding bound on |trainer - sampler| (parity.error_model)
     seq_lengths: list[int]
     user: torch.Tensor | None = None  # float64 [T]: a trainer under test's log-probs (parity.trainers)
     user_name: str | None = None
@@ -105,8 +107,12 @@ def build_table(
     spec: SamplingSpec,
     *,
     faults: TrainerFaults | None = None,
+    dtype: str | Sequence[str] = "float32",
 ) -> TokenTable:
-    """Evaluate full / replay / recompute / log S for every sampled token."""
+    """Evaluate full / replay / recompute / log S for every sampled token.
+
+    ``dtype``: the two sides' dtypes; the per-token rounding bound uses the looser one.
+    """
     if len(records) != len(logits):
         raise ValueError(f"{len(records)} sampler records but {len(logits)} trainer logit tensors")
     faults = faults or TrainerFaults()
@@ -130,6 +136,9 @@ def build_table(
         rec = estimators.recompute(z, y, trainer_spec)
         cols["recompute"].append(rec.logprobs.double())
         cols["forced"].append(rec.forced)
+        zs = estimators.scale(z, trainer_spec)
+        support = None if kept is None else estimators.ids_to_mask(kept, vocab)
+        cols["bound"].append(logprob_bound(zs, y, support, dtype=dtype))
         if kept is None:
             # Unfiltered: S_q is the whole vocabulary, replay is the full log-softmax, log S = 0.
             cols["replay"].append(full)
@@ -159,7 +168,6 @@ def build_table(
         q_mask = estimators.ids_to_mask(kept, vocab)
         cols["recompute_support_equal"].append((rec.kept == q_mask).all(dim=-1))
         # KL / TV between the sampler's processed distribution and the trainer's replayed one, on S_q.
-        zs = estimators.scale(z, trainer_spec)
         vals = zs.gather(1, kept.clamp(min=0)).masked_fill(kept < 0, float("-inf")).double()
         t_lp = vals - torch.logsumexp(vals, dim=-1, keepdim=True)
         p = sampler_lp.exp()

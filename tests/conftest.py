@@ -22,13 +22,39 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
+# Folders whose numbers depend on torch's CPU kernels and that start no vLLM engine (the reference
+# filters against vLLM's own Sampler, the estimators, the gates on recorded tables). ``nox -s tests``
+# runs them a second time under ATEN_CPU_CAPABILITY=default, torch's non-vectorised kernels, so one
+# machine checks two kernel paths. vLLM's CPU engine does not start on that path (its compiled kernels
+# need torch's vector types), so end-to-end tests run on the native path only. A test elsewhere that
+# starts no engine joins with ``@pytest.mark.kernel_path``.
+KERNEL_PATH_DIRS = ("unit", "sampler")
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """What this machine's kernels are: reported with every run, never asserted."""
+    import platform
+
+    import torch
+
+    requested = os.environ.get("ATEN_CPU_CAPABILITY", "(native)")
+    return [
+        f"parity: torch {torch.__version__}, CPU kernel path {torch.backends.cpu.get_cpu_capability()} "
+        f"(ATEN_CPU_CAPABILITY={requested}), {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads"
+    ]
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
     no_cuda = pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False on this machine")
     no_vllm = pytest.mark.skip(reason="needs vLLM: install parity[cpu] (nox -s tests does)")
+    tests_dir = os.path.dirname(__file__)
     for item in items:
+        rel = os.path.relpath(str(item.path), tests_dir).split(os.sep)
+        if rel[0] in KERNEL_PATH_DIRS:
+            item.add_marker(pytest.mark.kernel_path)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_cuda)
         if ("sampler" in item.keywords or "e2e" in item.keywords) and not HAVE_VLLM:

@@ -24,22 +24,39 @@ from typing import Any
 
 import torch
 
+from parity import estimators
+from parity.error_model import logprob_bound
 from parity.records import SequenceRecord
 from parity.spec import SamplingSpec
 
-# |measured - predicted| bound for per-token log-probabilities in float32 on both sides (issue 6).
-LOG_TOL = 1e-5
 
+def token_bound(
+    logits: torch.Tensor,
+    sampled: torch.Tensor,
+    spec: SamplingSpec,
+    kept: torch.Tensor | None = None,
+    dtype: str = "float32",
+) -> torch.Tensor:
+    """Per-token rounding bound on ``|measured - predicted|`` log-probs for one record's logits ``[L, V]``.
 
-def scaled_tol(logits: torch.Tensor) -> torch.Tensor:
-    """Per-row tolerance ``LOG_TOL * max(1, std(z))`` for logits ``[L, V]``.
-
-    Each side rounds its float32 logits independently, and the rounding error of a logit grows with
-    its magnitude: on the peaked 32k fixtures (logit scale 12, |z| up to ~50) the two sides' log S
-    differ by ~1e-5 from rounding alone, 12 times the gap at scale 1. At unit logit scale this is the
-    plain 1e-5.
+    From :mod:`parity.error_model`: the scaled logits' magnitude (so temperature and peaked
+    checkpoints widen it), the support the log-probs are normalised over (``kept``: bool ``[L, V]``
+    or kept ids padded with -1; ``None`` = the vocabulary) and the looser dtype of the two sides.
     """
-    return LOG_TOL * logits.double().std(dim=-1).clamp(min=1.0)
+    support = None
+    if kept is not None:
+        support = kept if kept.dtype == torch.bool else estimators.ids_to_mask(kept, logits.shape[-1])
+    return logprob_bound(estimators.scale(logits, spec), sampled, support, dtype=dtype)
+
+
+def seq_bound(values: torch.Tensor, bound: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """Bound on ``|exp(sum a) - exp(sum b)|`` per sequence, given per-token ``|a - b| <= bound``.
+
+    ``|e^a - e^b| <= e^max(a, b) * |a - b|``; ``values`` are the per-sequence ratios ``e^sum`` of one
+    side, so ``e^max`` is at most ``values * e^sum(bound)``.
+    """
+    b = seq_sums(bound, lengths)
+    return values * b.exp() * b
 
 
 @dataclass

@@ -15,6 +15,28 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("standalone_src.py")
 _MARK = re.compile(r"^# =+ section: (?P<name>[a-z0-9_]+) =+$", re.MULTILINE)
+# ``from parity.X import ...  # @inline parity.X`` in the source is replaced by module X's own code, so an
+# emitted script carries the rule parity applies instead of a copy that could drift from it.
+_INLINE = re.compile(r"^from (?P<module>parity\.[a-z_.]+) import .*# @inline (?P=module)$", re.MULTILINE)
+
+
+def _module_body(module: str) -> str:
+    """A parity module's source without its docstring and ``from __future__`` line."""
+    import ast
+    import importlib
+
+    text = Path(importlib.import_module(module).__file__ or "").read_text(encoding="utf-8")
+    tree = ast.parse(text)
+    body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    body = [n for n in body if not (isinstance(n, ast.ImportFrom) and n.module == "__future__")]
+    lines = text.splitlines()
+    start = body[0].lineno - 1 if body else len(lines)
+    return f"# ---- inlined from {module} ----\n" + "\n".join(lines[start:]).strip("\n") + f"\n# ---- end of {module} ----"
+
+
+def inline(text: str) -> str:
+    """Replace every ``# @inline`` import with the module it names."""
+    return _INLINE.sub(lambda m: _module_body(m.group("module")), text)
 
 
 def sections() -> dict[str, str]:
@@ -53,4 +75,4 @@ def emit(name: str, title: str, *, config: dict) -> str:
         '\n\nif __name__ == "__main__":\n'
         f"    sys.exit(main_{name}(CONFIG, parse_args(CONFIG, {title!r})))\n"
     )
-    return header + parts["prelude"] + "\n\n" + cfg + "\n\n" + parts[name] + main
+    return header + inline(parts["prelude"]) + "\n\n" + cfg + "\n\n" + parts[name] + main

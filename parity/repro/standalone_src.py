@@ -27,6 +27,9 @@ import torch
 
 NEG_INF = float("-inf")
 
+# parity's rounding model for per-token log-probs; emitted scripts carry its source here.
+from parity.error_model import logprob_bound  # @inline parity.error_model
+
 
 def parse_args(cfg, title):
     p = argparse.ArgumentParser(description=title)
@@ -170,10 +173,16 @@ def log_mass(z, kept):
     return s.masked_fill(~kept, NEG_INF).exp().sum(-1).log() - s.exp().sum(-1).log()
 
 
-def scaled_tol(z, tol):
-    """Per-row tolerance tol * max(1, std(z)): both sides round float32 logits independently, and that
-    rounding grows with |z| (a peaked model's logits reach ~50)."""
-    return tol * z.double().std(-1).clamp(min=1.0)
+def over_bound(diff, zs, y, kept):
+    """max |diff| / bound: the rounding bound of each token's log-prob over ``kept`` (<= 1 holds)."""
+    b = logprob_bound(zs, y, kept, dtype="float32")
+    return float((diff.double().abs() / b).max())
+
+
+def seq_over_bound(pred_seq, meas_seq, zs_list, ys, kepts):
+    """The same for sequence ratios e^sum: |e^a - e^b| <= e^max(a, b) * |a - b|."""
+    b = torch.stack([logprob_bound(zs, y, k, dtype="float32").sum() for zs, y, k in zip(zs_list, ys, kepts)])
+    return float(((pred_seq - meas_seq).abs() / (torch.maximum(pred_seq, meas_seq) * b.exp() * b)).max())
 
 
 def kept_from_heads(heads, vocab):
@@ -218,7 +227,6 @@ def verdict(checks):
 # ==================== section: top_p_bias ====================
 def main_top_p_bias(cfg, args):
     """top_p bias: trainer full-vocabulary log-prob minus vLLM's processed log-prob = log S per token."""
-    tol = cfg["tol"]
     model = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"], seed=args.seed)
     llm = start_vllm(save(model), seed=args.seed)
     prompts = random_prompts(args.prompts, cfg["vocab"], args.seed)
@@ -228,6 +236,7 @@ def main_top_p_bias(cfg, args):
         # The whole vocabulary per position when filtered, so that replay knows S_q exactly.
         samples = sample(llm, prompts, top_p=top_p, tokens=args.tokens, logprobs=-1 if filtered else 0, seed=args.seed)
         cols = {k: [] for k in ("full", "vllm", "log_s", "replay", "recompute")}
+        zs_list, ys, kepts = [], [], []
         for s in samples:
             z = trainer_logits(model, s.prompt, s.completion)
             y = torch.tensor(s.completion)
@@ -239,7 +248,9 @@ def main_top_p_bias(cfg, args):
             cols["log_s"].append(log_mass(zs, kept_p))  # predicted from trainer logits alone
             cols["replay"].append(log_prob_over(zs, y, kept_q))
             cols["recompute"].append(log_prob_over(zs, y, with_token(kept_p, y)))
+            zs_list.append(zs), ys.append(y), kepts.append(kept_q)
         c = {k: torch.cat(v) for k, v in cols.items()}
+        zs_all, y_all, kept_all = torch.cat(zs_list), torch.cat(ys), torch.cat(kepts)
         lengths = [len(s.completion) for s in samples]
         gap = c["full"] - c["vllm"]
         pred_seq, meas_seq = seq_ratio(c["log_s"], lengths), seq_ratio(gap, lengths)
@@ -247,11 +258,13 @@ def main_top_p_bias(cfg, args):
             "top_p": top_p, "mean_s": float(c["log_s"].exp().mean()),
             "pred": abs(float(c["log_s"].mean())), "meas": abs(float(gap.mean())),
             "err": abs(abs(float(c["log_s"].mean())) - abs(float(gap.mean()))),
-            "gap": float((gap - c["log_s"]).abs().max()),
+            "gap": over_bound(gap - c["log_s"], zs_all, y_all, kept_all),
             "pred_seq": float(pred_seq.mean()), "meas_seq": float(meas_seq.mean()),
-            "seq_err": float((pred_seq - meas_seq).abs().max()),
+            "seq_err": seq_over_bound(pred_seq, meas_seq, zs_list, ys, kepts),
             "replay": float((c["replay"] - c["vllm"]).abs().max()),
             "recompute": float((c["recompute"] - c["vllm"]).abs().max()),
+            "replay_h": over_bound(c["replay"] - c["vllm"], zs_all, y_all, kept_all),
+            "recompute_h": over_bound(c["recompute"] - c["vllm"], zs_all, y_all, kept_all),
         })
     L = args.tokens
     print(markdown([("top_p", "top_p", "g"), ("mean_s", "mean S", ".6f"), ("pred", "predicted abs(log S)", ".4f"),
@@ -259,17 +272,17 @@ def main_top_p_bias(cfg, args):
                     ("pred_seq", f"predicted S^{L}", ".6f"), ("meas_seq", "measured seq IS ratio", ".6f"),
                     ("replay", "replay max abs diff", ".1e"), ("recompute", "recompute max abs diff", ".1e")], rows))
     return verdict([
-        (f"per token, full - vLLM = log S (trainer logits) within {tol:g}", all(r["gap"] <= tol for r in rows)),
-        (f"per sequence, IS ratio = prod S within {tol:g}", all(r["seq_err"] <= tol for r in rows)),
+        ("per token, full - vLLM = log S (trainer logits) within the rounding bound", all(r["gap"] <= 1 for r in rows)),
+        ("per sequence, IS ratio = prod S within the rounding bound", all(r["seq_err"] <= 1 for r in rows)),
         ("top_p < 1 shrinks the IS ratio (bias > 1e-3)", all(r["pred"] > 1e-3 and r["meas_seq"] < 1 for r in rows if r["top_p"] < 1)),
-        (f"replay and recompute agree with vLLM within {tol:g}", all(max(r["replay"], r["recompute"]) <= tol for r in rows)),
+        ("replay and recompute agree with vLLM within the rounding bound",
+         all(max(r["replay_h"], r["recompute_h"]) <= 1 for r in rows)),
     ])
 
 
 # ==================== section: top_k_entropy ====================
 def main_top_k_entropy(cfg, args):
     """S per setting across logit scales (entropies): top_p keeps S near top_p, top_k does not."""
-    tol = cfg["tol"]
     rows = []
     for scale in cfg["scales"]:
         model = build_model(cfg["vocab"], logit_scale=scale, seed=args.seed)
@@ -284,7 +297,7 @@ def main_top_k_entropy(cfg, args):
                 z = trainer_logits(model, s.prompt, s.completion)
                 y = torch.tensor(s.completion)
                 zs, kept = vllm_filter(z, **kw)
-                tols.append(scaled_tol(z, tol))
+                tols.append(logprob_bound(zs, y, kept, dtype="float32"))
                 pred.append(log_mass(zs, kept))
                 meas.append(log_prob_over(zs, y, torch.ones_like(kept)) - s.logprobs)
                 logp = zs.double().log_softmax(-1)
@@ -307,7 +320,7 @@ def main_top_k_entropy(cfg, args):
     k_labels = [label for label, kw in cfg["settings"] if "top_k" in kw]
     flat, peaked = rows[0], rows[-1]
     return verdict([
-        (f"per token, measured log S = predicted within {tol:g} x max(1, std of the logits)", all(r["ratio"] <= 1 for r in rows)),
+        ("per token, measured log S = predicted within the rounding bound", all(r["ratio"] <= 1 for r in rows)),
         ("top_p: S >= top_p and within 0.1 of it at every entropy",
          all(p - 1e-6 <= r[p_label + " meas"] <= p + 0.1 for r in rows)),
         ("top_k: S rises with the logit scale", all(b[k + " meas"] >= a[k + " meas"] - 1e-3
@@ -320,14 +333,13 @@ def main_top_k_entropy(cfg, args):
 # ==================== section: temperature ====================
 def main_temperature(cfg, args):
     """A trainer that forgets to divide by T scores log_softmax(z) instead of log_softmax(z / T)."""
-    tol = cfg["tol"]
     model = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"], seed=args.seed)
     llm = start_vllm(save(model), seed=args.seed)
     prompts = random_prompts(args.prompts, cfg["vocab"], args.seed)
     rows = []
     for temp in cfg["temperatures"]:
         samples = sample(llm, prompts, temperature=temp, tokens=args.tokens, seed=args.seed)
-        right, forgot, pred, vllm = [], [], [], []
+        right, forgot, pred, vllm, b_t, b_1 = [], [], [], [], [], []
         for s in samples:
             z = trainer_logits(model, s.prompt, s.completion)
             y = torch.tensor(s.completion)
@@ -337,14 +349,19 @@ def main_temperature(cfg, args):
             pred.append(z.double().log_softmax(-1).gather(1, y[:, None]).squeeze(1)
                         - (z.double() / temp).log_softmax(-1).gather(1, y[:, None]).squeeze(1))
             vllm.append(s.logprobs)
-        right, forgot, pred, vllm = (torch.cat(v) for v in (right, forgot, pred, vllm))
+            b_t.append(logprob_bound(z / temp, y, everything, dtype="float32"))
+            b_1.append(logprob_bound(z, y, everything, dtype="float32"))
+        right, forgot, pred, vllm, b_t, b_1 = (torch.cat(v) for v in (right, forgot, pred, vllm, b_t, b_1))
         rows.append({"T": temp, "pred": float(pred.mean()), "forgot": float((forgot - vllm).mean()),
-                     "gap": float(((forgot - vllm) - pred).abs().max()), "right": float((right - vllm).abs().max())})
+                     "gap": float(((forgot - vllm) - pred).abs().max()), "right": float((right - vllm).abs().max()),
+                     "gap_h": float((((forgot - vllm) - pred).abs() / (b_t + b_1)).max()),
+                     "right_h": float(((right - vllm).abs() / b_t).max())})
     print(markdown([("T", "T", "g"), ("pred", "predicted bias (forgot T)", ".4f"), ("forgot", "measured mean(forgot - vLLM)", ".4f"),
                     ("gap", "max abs(measured - predicted)", ".1e"), ("right", "divides by T: max abs(full - vLLM)", ".1e")], rows))
     return verdict([
-        (f"dividing by T: no bias (max abs diff <= {tol:g})", all(r["right"] <= tol for r in rows)),
-        (f"forgetting T: biased exactly as predicted from trainer logits (within {tol:g})", all(r["gap"] <= tol for r in rows)),
+        ("dividing by T: no bias (within the rounding bound)", all(r["right_h"] <= 1 for r in rows)),
+        ("forgetting T: biased exactly as predicted from trainer logits (within the rounding bound)",
+         all(r["gap_h"] <= 1 for r in rows)),
         ("the bias is non-zero for T != 1 and zero at T = 1",
          all((abs(r["pred"]) > 1e-3) == (r["T"] != 1.0) for r in rows)),
     ])
@@ -411,7 +428,6 @@ def plant_ties(model, prompts, sizes, rank_top=4):
 
 def main_top_k_ties(cfg, args):
     """Ties at the k-th value: vLLM keeps every tied token (len(S_q) > k); torch.topk keeps exactly k."""
-    tol = cfg["tol"]
     model = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"], seed=args.seed)
     prompts = random_prompts(args.prompts, cfg["vocab"], args.seed)
     groups = plant_ties(model, prompts, cfg["tie_sizes"])
@@ -422,7 +438,7 @@ def main_top_k_ties(cfg, args):
         head = k + cfg["margin"]
         samples = sample(llm, prompts, top_k=k, tokens=args.tokens, logprobs=head, seed=args.seed)
         r = {"k": k, "tokens": 0, "over": 0, "max": 0, "pred": 0, "agree": 0, "strict": 0, "lost": 0,
-             "strict_err": 0.0, "replay": 0.0, "incomplete": 0}
+             "strict_err": 0.0, "replay": 0.0, "replay_h": 0.0, "incomplete": 0}
         for s in samples:
             z = trainer_logits(model, s.prompt, s.completion)
             y = torch.tensor(s.completion)
@@ -440,7 +456,9 @@ def main_top_k_ties(cfg, args):
             r["lost"] += int(torch.isinf(log_prob_over(zs, y, strict)).sum())
             forced = log_prob_over(zs, y, with_token(strict, y))
             r["strict_err"] = max(r["strict_err"], float((forced - s.logprobs).abs().max()))
-            r["replay"] = max(r["replay"], float((log_prob_over(zs, y, kept_q) - s.logprobs).abs().max()))
+            d_replay = log_prob_over(zs, y, kept_q) - s.logprobs
+            r["replay"] = max(r["replay"], float(d_replay.abs().max()))
+            r["replay_h"] = max(r["replay_h"], over_bound(d_replay, zs, y, kept_q))
         rows.append(r)
     print(markdown([("k", "top_k", ""), ("tokens", "tokens", ""), ("over", "positions with len(S_q) > k", ""),
                     ("max", "max len(S_q)", ""), ("strict", "torch.topk support != S_q", ""),
@@ -454,14 +472,13 @@ def main_top_k_ties(cfg, args):
         ("a strict torch.topk recompute disagrees on the support exactly there",
          all(r["strict"] == r["over"] for r in rows)),
         ("a tie-aware recompute agrees everywhere", all(r["agree"] == 0 for r in rows)),
-        (f"replay agrees with vLLM within {tol:g}", all(r["replay"] <= tol for r in rows)),
+        ("replay agrees with vLLM within the rounding bound", all(r["replay_h"] <= 1 for r in rows)),
     ])
 
 
 # ==================== section: capture_head ====================
 def main_capture_head(cfg, args):
     """A top-K head smaller than the support: replay over the head silently mis-scores those positions."""
-    tol = cfg["tol"]
     model = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"], seed=args.seed)
     llm = start_vllm(save(model), seed=args.seed)
     prompts = random_prompts(args.prompts, cfg["vocab"], args.seed)
@@ -477,7 +494,7 @@ def main_capture_head(cfg, args):
             kept_head = kept_from_heads(s.heads, z.shape[-1])
             flagged = kept_head.sum(-1) >= head  # a head full of finite values may hide more kept tokens
             err = (log_prob_over(zs, y, with_token(kept_head, y)) - s.logprobs).abs()
-            wrong = err > scaled_tol(z, tol)
+            wrong = err > logprob_bound(zs, y, with_token(kept_head, y), dtype="float32")
             r["tokens"] += len(y)
             r["pred"] += int((kept_p.sum(-1) >= head).sum())
             r["flag"] += int(flagged.sum())

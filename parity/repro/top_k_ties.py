@@ -21,9 +21,10 @@ import torch
 
 from parity import estimators
 from parity.compare import build_table
+from parity.error_model import headroom
 from parity.filters import FilterFaults, reference_filter
 from parity.repro import standalone
-from parity.repro.common import LOG_TOL, Check, Column, Context, ReproResult, fmax, sample
+from parity.repro.common import Check, Column, Context, ReproResult, fmax, sample
 from parity.spec import SamplingSpec
 
 NAME = "top_k_ties"
@@ -72,11 +73,13 @@ def _row(ctx: Context, k: int, cfg: dict) -> tuple[dict, dict]:
         "strict_differs": int(strict_differs_t.sum()),
         "strict_differs_elsewhere": int((strict_differs_t != over).sum()),
         "strict_lost": int(torch.cat(strict_lost).sum()),
-        "strict_misscored": int((strict_err_t > LOG_TOL).sum()),
+        "strict_misscored": int((strict_err_t > table.bound).sum()),
         "strict_err": fmax(strict_err_t),
         "tie_aware_differs": int(torch.cat(tie_aware_differs).sum()),
         "recompute_max": fmax((table.recompute - table.vllm).abs()),
+        "recompute_headroom": headroom(table.recompute - table.vllm, table.bound),
         "replay_max": fmax((table.replay - table.vllm).abs()),
+        "replay_headroom": headroom(table.replay - table.vllm, table.bound),
         "incomplete": int(table.incomplete.sum()),
     }
     return row, {"support_size_histogram": torch.bincount(table.support_size).tolist()}
@@ -118,10 +121,10 @@ def run(ctx: Context) -> ReproResult:
               all(r["predicted_mismatch"] == 0 for r in rows)),
         Check("a strict torch.topk recompute disagrees with S_q exactly at those positions",
               all(r["strict_differs_elsewhere"] == 0 for r in rows)),
-        Check("a tie-aware recompute agrees with S_q everywhere, and scores within 1e-05",
-              all(r["tie_aware_differs"] == 0 and r["recompute_max"] <= LOG_TOL for r in rows)),
-        Check(f"replay agrees with vLLM within {LOG_TOL:g}", all(r["replay_max"] <= LOG_TOL for r in rows),
-              "max " + ", ".join(f"{r['replay_max']:.1e}" for r in rows)),
+        Check("a tie-aware recompute agrees with S_q everywhere, and scores within the rounding bound",
+              all(r["tie_aware_differs"] == 0 and r["recompute_headroom"] <= 1.0 for r in rows)),
+        Check("replay agrees with vLLM within the rounding bound", all(r["replay_headroom"] <= 1.0 for r in rows),
+              "max " + ", ".join(f"{r['replay_max']:.1e} ({r['replay_headroom']:.2f} of the bound)" for r in rows)),
     ]
     notes = [
         f"Fixture {FIXTURE} (tie groups {tie_plan}), T = {cfg['temperature']:g}, {cfg['prompts']} prompts x "
@@ -144,5 +147,5 @@ def emit_script(small: bool) -> str:
     return standalone.emit(
         NAME, TITLE,
         config={"vocab": 400, "logit_scale": 3.0, "tie_sizes": [2, 3, 2, 4], "top_ks": list(cfg["top_ks"]),
-                "margin": 16, "tokens": cfg["tokens"], "prompts": cfg["prompts"], "tol": LOG_TOL},
+                "margin": 16, "tokens": cfg["tokens"], "prompts": cfg["prompts"]},
     )

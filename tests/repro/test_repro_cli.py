@@ -40,9 +40,29 @@ def test_every_repro_emits_a_standalone_script(entry, tmp_path) -> None:
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert "parity" not in imported, "an emitted script must not need parity"
-    assert imported <= {"argparse", "gc", "math", "os", "re", "subprocess", "sys", "tempfile", "torch", "transformers", "vllm"}
+    assert imported <= {"argparse", "collections", "gc", "math", "os", "re", "subprocess", "sys", "tempfile", "torch",
+                        "transformers", "vllm"}
     assert f"def main_{entry.name}(" in text and "CONFIG = " in text and 'if __name__ == "__main__":' in text
     assert "from_pretrained" not in text  # the model is built from code, never downloaded
+
+
+def test_emitted_scripts_carry_the_cores_rounding_bound() -> None:
+    """The script's tolerance is parity.error_model's own code, not a copy: same numbers on the same input."""
+    import torch
+
+    from parity.error_model import logprob_bound
+
+    prelude = standalone.inline(standalone.sections()["prelude"])
+    assert "inlined from parity.error_model" in prelude and "import parity" not in prelude
+    ns: dict = {}
+    exec(compile(prelude, "prelude", "exec"), ns)  # noqa: S102 - the emitted prelude, run as the script would
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(6, 50, generator=g) * 7
+    y = torch.randint(0, 50, (6,), generator=g)
+    kept = torch.rand(6, 50, generator=g) < 0.5
+    kept[torch.arange(6), y] = True
+    for dtype in ("float32", "bfloat16"):
+        assert torch.equal(ns["logprob_bound"](z, y, kept, dtype=dtype), logprob_bound(z, y, kept, dtype=dtype))
 
 
 def test_emit_all_writes_one_script_per_repro(tmp_path) -> None:

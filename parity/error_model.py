@@ -1,0 +1,119 @@
+"""How far two engines' per-token log-probabilities may differ from rounding alone (engine-free).
+
+Both sides compute logits of the same model with different kernels (GEMM blocking, vector width,
+reduction order), then normalise over a support. The bound on ``|lp_a - lp_b|`` for one token is
+derived from that arithmetic, not fitted to one machine:
+
+* **Logits.** Each side's scaled logits ``z' = z / T`` agree with exact arithmetic to within
+  ``LOGIT_ULPS`` units of roundoff of the row's magnitude ``A = max_i |z'_i|``: the error of a logit
+  comes from reductions over hidden states whose size sets the scale of the whole row, so it is
+  relative to the row, not to the token. Two sides then differ by ``2 * LOGIT_ULPS * u * A`` per logit,
+  and ``lp_y = z'_y - logsumexp_S(z')`` moves by at most twice the largest logit change (once through
+  ``z'_y``, once through the probability-weighted mean in the logsumexp): ``4 * LOGIT_ULPS * u * A``.
+  Temperature enters here: ``A`` grows as ``1 / T``.
+* **Normalisation.** Each side rounds a logsumexp over ``n = |S|`` terms: the exponent sum carries a
+  relative error of about ``log2(n)`` roundoffs (blocked/pairwise summation), the log itself, the
+  subtraction and the result one each, at the magnitude of the values involved:
+  ``u * (|logsumexp_S| + |lp_y| + log2(n) + 2)`` per side.
+
+``u`` is the unit roundoff of the looser dtype of the two sides (a bfloat16 sampler against a float32
+trainer is bounded by bfloat16). ``LOGIT_ULPS`` is the model's one free constant: 8 roundoffs of the
+row magnitude per side. Gates report the headroom ``max |diff| / bound`` so a reader sees how much of
+the allowance kernel noise used on their machine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+# Unit roundoff (half an ulp at 1) per dtype name.
+UNIT_ROUNDOFF: dict[str, float] = {
+    "float64": 2.0**-53,
+    "float32": 2.0**-24,
+    "float16": 2.0**-11,
+    "bfloat16": 2.0**-8,
+}
+
+# Per-side logit error, in units of roundoff of the row's largest |z'|.
+LOGIT_ULPS = 8.0
+
+
+def _name(dtype: str | torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in UNIT_ROUNDOFF:
+        raise ValueError(f"dtype={dtype!r} has no unit roundoff: allowed {sorted(UNIT_ROUNDOFF)}")
+    return name
+
+
+def unit_roundoff(dtypes: str | torch.dtype | Iterable[str | torch.dtype]) -> float:
+    """The unit roundoff of the looser of the given dtypes (both sides of a comparison)."""
+    items = [dtypes] if isinstance(dtypes, (str, torch.dtype)) else list(dtypes)
+    if not items:
+        raise ValueError("dtypes is empty: name at least one dtype")
+    return max(UNIT_ROUNDOFF[_name(d)] for d in items)
+
+
+def looser_dtype(*dtypes: str | torch.dtype) -> str:
+    """The dtype name with the largest unit roundoff."""
+    return max((_name(d) for d in dtypes), key=UNIT_ROUNDOFF.__getitem__)
+
+
+def logprob_bound_terms(
+    row_absmax: torch.Tensor,
+    lse: torch.Tensor,
+    logprob: torch.Tensor,
+    support_size: torch.Tensor,
+    u: float,
+) -> torch.Tensor:
+    """The bound from its ingredients, each a float tensor of one value per token.
+
+    ``row_absmax``: ``max |z'|`` over the row's finite logits; ``lse``: ``logsumexp`` of ``z'`` over
+    the support; ``logprob``: the token's log-prob over that support; ``support_size``: ``|S|``.
+    Non-finite ingredients (a token outside the support, an empty row) give an infinite bound only
+    where the log-prob itself is non-finite; that comparison is the diff rule's, not the bound's.
+    """
+
+    def mag(x: torch.Tensor) -> torch.Tensor:
+        x = x.double().abs()
+        return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+    n = support_size.double().clamp(min=1.0)
+    logits_term = 4.0 * LOGIT_ULPS * u * mag(row_absmax)
+    norm_term = 2.0 * u * (mag(lse) + mag(logprob) + torch.log2(n) + 2.0)
+    return logits_term + norm_term
+
+
+def logprob_bound(
+    scaled_logits: torch.Tensor,
+    sampled: torch.Tensor,
+    support: torch.Tensor | None = None,
+    *,
+    dtype: str | torch.dtype | Iterable[str | torch.dtype] = "float32",
+) -> torch.Tensor:
+    """Per-token bound on ``|lp_sampler - lp_trainer|`` for float64 ``[N]``.
+
+    ``scaled_logits``: ``[N, V]`` logits already divided by the temperature (``-inf`` allowed);
+    ``sampled``: ``[N]`` token ids; ``support``: bool ``[N, V]`` (``None`` = the whole vocabulary);
+    ``dtype``: the two sides' dtypes (the looser one counts).
+    """
+    if scaled_logits.dim() != 2:
+        raise ValueError(f"scaled_logits has shape {tuple(scaled_logits.shape)}: allowed [N, V]")
+    z = scaled_logits.double()
+    finite = torch.isfinite(z)
+    sup = finite if support is None else (support & finite)
+    neg = torch.full_like(z, -math.inf)
+    row_absmax = torch.where(finite, z.abs(), torch.zeros_like(z)).amax(dim=-1)
+    lse = torch.logsumexp(torch.where(sup, z, neg), dim=-1)
+    zy = z.gather(1, sampled.long().view(-1, 1)).squeeze(1)
+    return logprob_bound_terms(row_absmax, lse, zy - lse, sup.sum(dim=-1), unit_roundoff(dtype))
+
+
+def headroom(diff: torch.Tensor, bound: torch.Tensor) -> float:
+    """``max |diff| / bound`` over the tokens (0 for none; NaN in ``diff`` counts as infinite)."""
+    if diff.numel() == 0:
+        return 0.0
+    d = diff.double().abs().nan_to_num(math.inf)
+    return float((d / bound.double().clamp(min=torch.finfo(torch.float64).tiny)).max())

@@ -1,0 +1,99 @@
+"""One type for every failed gate: data first, the message is rendered from it (engine-free).
+
+A :class:`Violation` names the gate, the scenario, the statistic that failed and its limit, and the
+worst positions with both sides' values. ``report.json`` carries it as an object
+(:meth:`Violation.to_dict`); code that consumes a verdict reads its fields, never parses the message.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _num(x: float | None) -> float | str | None:
+    """JSON-safe number: non-finite floats become strings ("inf", "-inf", "nan")."""
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else str(x)
+
+
+@dataclass(frozen=True)
+class Position:
+    """One offending token: where it is and what each side said."""
+
+    prompt: int | None = None
+    position: int | None = None
+    token: int | None = None
+    values: dict[str, float] = field(default_factory=dict)  # side name -> value, sampler first
+    gap: float | None = None
+    bound: float | None = None
+    note: str = ""
+
+    def where(self) -> str:
+        parts = [f"{k} {v}" for k, v in (("prompt", self.prompt), ("position", self.position), ("token", self.token))
+                 if v is not None]
+        return ", ".join(parts)
+
+    def render(self) -> str:
+        text = self.where()
+        if self.values:
+            text += (": " if text else "") + " ".join(f"{k}={v:.7g}" for k, v in self.values.items())
+        if self.gap is not None:
+            text += f" gap={self.gap:.3g}"
+        if self.bound is not None:
+            text += f" bound={self.bound:.3g}"
+        if self.note:
+            text += f" ({self.note})"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt": self.prompt,
+            "position": self.position,
+            "token": self.token,
+            "values": {k: _num(v) for k, v in self.values.items()},
+            "gap": _num(self.gap),
+            "bound": _num(self.bound),
+            "note": self.note,
+        }
+
+
+@dataclass(frozen=True)
+class Violation:
+    """A gate that failed. ``statistic`` failed ``comparison`` against ``limit``."""
+
+    gate: str
+    scenario: str
+    statistic: float
+    limit: float
+    label: str  # what the statistic is, for the message ("replay max |diff| / bound")
+    comparison: str = ">"  # how the statistic broke the limit: ">" (too large) or "<" (too small)
+    worst: tuple[Position, ...] = ()
+    detail: str = ""
+
+    def message(self) -> str:
+        text = f"[{self.scenario}] {self.label} {self.statistic:.4g} {self.comparison} {self.limit:.4g}"
+        if self.detail:
+            text += f": {self.detail}"
+        if self.worst:
+            text += "; worst: " + "; ".join(p.render() for p in self.worst)
+        return text
+
+    def __str__(self) -> str:
+        return self.message()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "gate": self.gate,
+            "scenario": self.scenario,
+            "statistic": _num(self.statistic),
+            "limit": _num(self.limit),
+            "label": self.label,
+            "comparison": self.comparison,
+            "worst": [p.to_dict() for p in self.worst],
+            "detail": self.detail,
+            "message": self.message(),
+        }

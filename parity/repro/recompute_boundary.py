@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from parity import estimators
+from parity.core import estimators
+from parity.core.spec import SamplingSpec
 from parity.repro import standalone
 from parity.repro.common import LOG_TOL, Check, Column, Context, ReproResult, cat, fmax, sample
-from parity.spec import SamplingSpec
 
 NAME = "recompute_boundary"
 NUMBER = 4

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from parity import estimators
+from parity.core import estimators
+from parity.core.spec import SamplingSpec
 from parity.repro import standalone
 from parity.repro.common import (
     LOG_TOL,
@@ -27,7 +28,6 @@ from parity.repro.common import (
     sample_raw,
     seq_sums,
 )
-from parity.spec import SamplingSpec
 
 NAME = "temperature"
 NUMBER = 3

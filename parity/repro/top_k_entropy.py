@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from parity import estimators
-from parity.filters import reference_filter
+from parity.core import estimators
+from parity.core.filters import reference_filter
+from parity.core.spec import SamplingSpec
 from parity.repro import standalone
 from parity.repro.common import (
     LOG_TOL,
@@ -30,7 +31,6 @@ from parity.repro.common import (
     sample_raw,
     scaled_tol,
 )
-from parity.spec import SamplingSpec
 
 NAME = "top_k_entropy"
 NUMBER = 2

@@ -20,7 +20,8 @@ import math
 
 import torch
 
-from parity import estimators
+from parity.core import estimators
+from parity.core.spec import SamplingSpec
 from parity.repro import standalone
 from parity.repro.common import (
     LOG_TOL,
@@ -34,7 +35,6 @@ from parity.repro.common import (
     sample,
     seq_sums,
 )
-from parity.spec import SamplingSpec
 
 NAME = "top_p_bias"
 NUMBER = 1

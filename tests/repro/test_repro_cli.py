@@ -6,7 +6,7 @@ import ast
 
 import pytest
 
-from parity.cli import main as cli_main
+from parity.cli.main import main as cli_main
 from parity.repro import standalone
 from parity.repro.registry import REPROS, RUN_ORDER, get
 

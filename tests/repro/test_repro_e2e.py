@@ -14,8 +14,7 @@ import sys
 
 import pytest
 
-from parity.repro import run_entries
-from parity.repro.common import LOG_TOL, Context
+from parity.repro.common import LOG_TOL, Context, run_entries
 from parity.repro.registry import RUN_ORDER, get
 
 pytestmark = pytest.mark.e2e

@@ -78,11 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         print(f"gpu_gate: {s.name}: parity {' '.join(s.argv)}", flush=True)
         if args.in_process:
-            from parity.cli import main as parity_main
+            from parity.cli.main import main as parity_main
 
             rc = parity_main(s.argv)
         else:
-            rc = subprocess.call([sys.executable, "-m", "parity.cli", *s.argv])
+            rc = subprocess.call([sys.executable, "-m", "parity", *s.argv])
         rows.append((s.name, "pass" if rc == 0 else f"FAIL (exit {rc})", time.perf_counter() - t0))
     args.out.mkdir(parents=True, exist_ok=True)
     lines = [f"# parity GPU gate ({args.device})", "", "| step | verdict | seconds |", "|---|---|---|"]

@@ -3,9 +3,9 @@
 The top-level package holds only the engine-free math core; engines are imported lazily.
 """
 
-from parity.estimators import full, predicted_log_s, recompute, replay
-from parity.filters import FilterResult, reference_filter
-from parity.spec import SamplingSpec
+from parity.core.estimators import full, predicted_log_s, recompute, replay
+from parity.core.filters import FilterResult, reference_filter
+from parity.core.spec import SamplingSpec
 
 __version__ = "0.1.0"
 

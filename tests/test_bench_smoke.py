@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from parity.filters import reference_filter
+from parity.core.filters import reference_filter
 
 BENCH = Path(__file__).parent / "bench"
 
@@ -82,7 +82,7 @@ def test_trainer_cases_run_and_check_themselves(lib, trainer) -> None:
 
 
 def E_recompute_with_a_dropped_token(w: dict, trainer: ModuleType) -> Any:
-    from parity.estimators import recompute
+    from parity.core.estimators import recompute
 
     res = recompute(w["logits"], w["sampled"], trainer.ESTIMATORS["recompute-k-p"][2])
     row = int(res.kept.sum(dim=1).argmax())
@@ -210,7 +210,7 @@ def test_sampling_kwargs_match_the_variant(rollout) -> None:
 
 def reference_sampler(logits: torch.Tensor, specs: Any, *, seed: int = 0) -> Any:
     """Stands in for vLLM's Sampler: the reference's kept set and log-probs, a draw from the kept set."""
-    from parity.engines.sampler import SamplerOutput
+    from parity.engines.vllm_sampler import SamplerOutput
 
     ref = reference_filter(logits, specs)
     g = torch.Generator().manual_seed(seed)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from parity.gates import Thresholds
+from parity.core.gates import Thresholds
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,7 +42,7 @@ def test_gpu_steps_cover_dtypes_invariance_native_mask_and_ties(tmp_path) -> Non
     assert native.cuda_only and "--capture" in native.argv and "both" in native.argv
     assert all("cuda" in s.argv for s in steps)
     # Every step's argv parses with the real CLI parser.
-    from parity.cli import build_parser
+    from parity.cli.main import build_parser
 
     parser = build_parser()
     for s in steps:

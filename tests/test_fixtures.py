@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from parity import fixtures as fx
+from parity.cli import fixtures as fixtures_cli
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_TEXT = "The orchard had forty-two trees; café, 1887 and émigrés!"
@@ -294,8 +295,8 @@ def test_cache_root_follows_env(monkeypatch, tmp_path):
 
 def _cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="parity fixtures")
-    fx.add_arguments(parser)
-    return fx.main(parser.parse_args(argv))
+    fixtures_cli.add_arguments(parser)
+    return fixtures_cli.main(parser.parse_args(argv))
 
 
 def test_cli_list_path_build(built, capsys):
@@ -316,11 +317,11 @@ def test_cli_list_path_build(built, capsys):
 
 
 def test_cli_through_the_parity_entry_point(built, capsys):
-    from parity import cli
+    from parity.cli.main import main
 
-    assert cli.main(["fixtures", "path", "qwen2-tiny"]) == 0
+    assert main(["fixtures", "path", "qwen2-tiny"]) == 0
     assert capsys.readouterr().out.strip() == str(built["qwen2-tiny"])
-    assert cli.main(["fixtures", "path", "no-such-model"]) == 2
+    assert main(["fixtures", "path", "no-such-model"]) == 2
     assert "known fixtures" in capsys.readouterr().err
 
 

@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
 
     import parity
     from parity import full, predicted_log_s, recompute, reference_filter, replay, SamplingSpec
-    import parity.metrics, parity.harness
+    import parity.core.metrics, parity.testing.properties
     import torch
 
     # The math core runs end to end.
@@ -29,9 +29,9 @@ SCRIPT = textwrap.dedent(
     res = reference_filter(z, spec)
     y = torch.tensor([0])
     replay(z, y, res.kept, spec); recompute(z, y, spec); full(z, y, spec); predicted_log_s(z, res.kept, spec)
-    parity.metrics.diff_stats(res.logprobs, res.logprobs)
+    parity.core.metrics.diff_stats(res.logprobs, res.logprobs)
 
-    from parity.cli import main
+    from parity.cli.main import main
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         try:

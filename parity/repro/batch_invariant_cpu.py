@@ -17,9 +17,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from parity.core.spec import SamplingSpec
 from parity.repro import standalone
 from parity.repro.common import Check, Column, Context, ReproResult
-from parity.spec import SamplingSpec
 
 NAME = "batch_invariant_cpu"
 NUMBER = 7
@@ -93,7 +93,7 @@ def run(ctx: Context) -> ReproResult:
         control_ok, control_msg = False, f"{KNOB} is set in this process; the control needs it unset"
     else:
         try:
-            from parity.engines.rollout import call_with_timeout
+            from parity.engines.vllm_offline import call_with_timeout
 
             rollout = ctx.rollout(FIXTURE)
             from vllm.inputs import TokensPrompt
@@ -133,7 +133,7 @@ def run(ctx: Context) -> ReproResult:
                  Column("generated", "generated"), Column("outcome", "outcome"), Column("where", "raised in")],
         rows=rows, checks=checks,
         notes=[f"Fixture {FIXTURE}; greedy, 2 tokens. On CPU the harness must therefore not set {KNOB} blindly "
-               "(parity.determinism records it as unavailable). The CUDA build runs Triton kernels and is not covered here."],
+               "(parity.determinism.knobs records it as unavailable). The CUDA build runs Triton kernels and is not covered here."],
         data={"settings": settings(ctx.small), "child": child},
     )
 

@@ -4,7 +4,7 @@ Replay needs the sampler's whole kept set S_q per position, read from the top-K 
 log-probs. vLLM accepts any K: with ``logprobs < top_k``, or top_p without a top_k cap, the head can
 hold only part of S_q, and a trainer replaying over the head renormalises over too few tokens (or
 misses the sampled token altogether) — silently. The harness refuses such plans up front
-(``parity.capture.plan_capture`` raises) and, when a head is forced, flags every position whose
+(``parity.core.capture.plan_capture`` raises) and, when a head is forced, flags every position whose
 head is full of finite values as incomplete instead of guessing.
 
 Here vLLM is asked directly for the too-small head (what a user's code would do), and each position
@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from parity import estimators
-from parity.capture import plan_capture
-from parity.filters import reference_filter
+from parity.core import estimators
+from parity.core.capture import plan_capture
+from parity.core.filters import reference_filter
+from parity.core.spec import SamplingSpec
 from parity.repro import standalone
 from parity.repro.common import (
     Check,
@@ -35,7 +36,6 @@ from parity.repro.common import (
     sample_raw,
     token_bound,
 )
-from parity.spec import SamplingSpec
 
 NAME = "capture_head"
 NUMBER = 6

@@ -20,14 +20,17 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from parity import estimators
-from parity.error_model import logprob_bound
-from parity.records import SequenceRecord
-from parity.spec import SamplingSpec
+from parity.core import estimators
+from parity.core.error_model import logprob_bound
+from parity.core.spec import SamplingSpec
+from parity.records.sequence import SequenceRecord
+
+if TYPE_CHECKING:  # pragma: no cover
+    from parity.repro.registry import Entry
 
 
 def token_bound(
@@ -39,7 +42,7 @@ def token_bound(
 ) -> torch.Tensor:
     """Per-token rounding bound on ``|measured - predicted|`` log-probs for one record's logits ``[L, V]``.
 
-    From :mod:`parity.error_model`: the scaled logits' magnitude (so temperature and peaked
+    From :mod:`parity.core.error_model`: the scaled logits' magnitude (so temperature and peaked
     checkpoints widen it), the support the log-probs are normalised over (``kept``: bool ``[L, V]``
     or kept ids padded with -1; ``None`` = the vocabulary) and the looser dtype of the two sides.
     """
@@ -223,7 +226,7 @@ class Context:
     def trainer(self, fixture: str, dtype: str = "float32") -> Any:
         key = (fixture, dtype)
         if key not in self._trainers:
-            from parity.engines.trainer import TransformersTrainer
+            from parity.engines.transformers_trainer import TransformersTrainer
 
             self._trainers[key] = TransformersTrainer(self.model_path(fixture), dtype=dtype)
         return self._trainers[key]
@@ -237,8 +240,8 @@ class Context:
             old, engine = self._rollouts.popitem(last=False)
             self.progress(f"parity repro: closing the vLLM engine of {old}")
             engine.close()
-        from parity.engines.rollout import VllmRollout
-        from parity.run import check_same_vocabulary
+        from parity.engines.session import check_same_vocabulary
+        from parity.engines.vllm_offline import VllmRollout
 
         self.progress(f"parity repro: starting vLLM on {fixture}")
         engine = VllmRollout(self.model_path(fixture), seed=self.seed, timeout_s=self.timeout_s)
@@ -251,7 +254,7 @@ class Context:
         return list(self._rollouts)
 
     def prompts(self, fixture: str, n: int) -> list[list[int]]:
-        from parity.run import make_prompts
+        from parity.engines.session import make_prompts
 
         return make_prompts(self.trainer(fixture).tokenizer(), n)
 
@@ -341,3 +344,24 @@ class Timer:
     @property
     def seconds(self) -> float:
         return time.perf_counter() - self.start
+
+
+def run_entries(entries: Sequence[Entry], ctx: Context, out_for: Callable[[Entry], Path]) -> list[ReproResult]:
+    """Run ``entries`` in order with a shared context; a repro that raises is reported as failed."""
+    results = []
+    for entry in entries:
+        ctx.progress(f"parity repro: [{entry.number}] {entry.name} ...")
+        timer = Timer()
+        try:
+            res = entry.load().run(ctx)
+        except Exception as exc:  # noqa: BLE001 - one broken repro must not hide the others
+            res = ReproResult(
+                name=entry.name, number=entry.number, title=entry.title,
+                finding="The reproduction did not run to completion.", columns=[], rows=[],
+                checks=[Check("the reproduction runs to completion", False, f"{type(exc).__name__}: {exc}")],
+            )
+        res.seconds = timer.seconds
+        res.write(out_for(entry))
+        print(res.markdown(), flush=True)
+        results.append(res)
+    return results

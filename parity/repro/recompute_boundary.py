@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from parity import estimators
-from parity.error_model import headroom
+from parity.core import estimators
+from parity.core.error_model import headroom
+from parity.core.spec import SamplingSpec
 from parity.repro import standalone
 from parity.repro.common import Check, Column, Context, ReproResult, cat, fmax, sample, token_bound
-from parity.spec import SamplingSpec
 
 NAME = "recompute_boundary"
 NUMBER = 4

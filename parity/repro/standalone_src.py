@@ -28,7 +28,7 @@ import torch
 NEG_INF = float("-inf")
 
 # parity's rounding model for per-token log-probs; emitted scripts carry its source here.
-from parity.error_model import logprob_bound  # @inline parity.error_model
+from parity.core.error_model import logprob_bound  # @inline parity.core.error_model
 
 
 def parse_args(cfg, title):

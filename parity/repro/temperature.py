@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from parity import estimators
-from parity.error_model import headroom
+from parity.core import estimators
+from parity.core.error_model import headroom
+from parity.core.spec import SamplingSpec
 from parity.repro import standalone
 from parity.repro.common import (
     Check,
@@ -28,7 +29,6 @@ from parity.repro.common import (
     seq_sums,
     token_bound,
 )
-from parity.spec import SamplingSpec
 
 NAME = "temperature"
 NUMBER = 3

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from parity import estimators
-from parity.filters import reference_filter
+from parity.core import estimators
+from parity.core.filters import reference_filter
+from parity.core.spec import SamplingSpec
 from parity.repro import standalone
 from parity.repro.common import (
     Check,
@@ -29,7 +30,6 @@ from parity.repro.common import (
     sample_raw,
     token_bound,
 )
-from parity.spec import SamplingSpec
 
 NAME = "top_k_entropy"
 NUMBER = 2
@@ -135,7 +135,7 @@ def run(ctx: Context) -> ReproResult:
         "sampled positions of the surviving mass; entropy = mean entropy of softmax(z) at every scored position.",
         "Predicted: reference filters on the trainer's float32 logits. Measured: exp(trainer full-vocabulary "
         "log-prob - vLLM processed log-prob) of each sampled token; vLLM was asked for logprobs=0 (no capture).",
-        "Tolerance: the per-token rounding bound of parity.error_model. Both sides round float32 logits "
+        "Tolerance: the per-token rounding bound of parity.core.error_model. Both sides round float32 logits "
         "independently and the rounding grows with |z| / T and the support size, so a peaked model's bound is wider.",
     ]
     return ReproResult(

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import torch
 
-from parity import estimators
-from parity.compare import build_table
-from parity.error_model import headroom
-from parity.filters import FilterFaults, reference_filter
+from parity.core import estimators
+from parity.core.error_model import headroom
+from parity.core.filters import FilterFaults, reference_filter
+from parity.core.spec import SamplingSpec
+from parity.core.table import build_table
 from parity.repro import standalone
 from parity.repro.common import Check, Column, Context, ReproResult, fmax, sample
-from parity.spec import SamplingSpec
 
 NAME = "top_k_ties"
 NUMBER = 5

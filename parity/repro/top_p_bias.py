@@ -20,8 +20,9 @@ import math
 
 import torch
 
-from parity import estimators
-from parity.error_model import headroom
+from parity.core import estimators
+from parity.core.error_model import headroom
+from parity.core.spec import SamplingSpec
 from parity.repro import standalone
 from parity.repro.common import (
     Check,
@@ -36,7 +37,6 @@ from parity.repro.common import (
     seq_sums,
     token_bound,
 )
-from parity.spec import SamplingSpec
 
 NAME = "top_p_bias"
 NUMBER = 1

@@ -492,10 +492,10 @@ def timer(benchmark, request) -> Callable[..., Paired]:
 def engine_pool(pytestconfig):
     """One vLLM engine + transformers trainer per fixture model, shared by the rollout and harness benches."""
     skip_if_disabled(pytestconfig)
-    from parity.engines.rollout import configure_cpu_env
+    from parity.engines.vllm_offline import configure_cpu_env
 
     configure_cpu_env()
-    from parity.run import EnginePool
+    from parity.engines.session import EnginePool
 
     pool = EnginePool()
     yield pool

@@ -1,7 +1,7 @@
 """Harness throughput: sampler-level property cases per second, end-to-end tokens compared per second.
 
 * Property cases (``parity sampler``'s loop): draw a random batch (``random_plan`` + ``build_case``),
-  run vLLM's real ``Sampler`` on it, check every property of ``parity.harness.run_properties``. The
+  run vLLM's real ``Sampler`` on it, check every property of ``parity.testing.properties.run_properties``. The
   baseline interleaved with it is vLLM's Sampler alone on the same cases, so the ratio is what the
   reference filters and properties add. One torch thread, as ``parity sampler`` defaults to.
 * End to end (``parity run``'s per-scenario work): ``score_scenario`` on qwen2-tiny (vLLM samples with
@@ -18,10 +18,12 @@ from typing import Any
 import pytest
 import torch
 
-from parity.harness import build_case, random_plan, run_properties
-from parity.matrix import Scenario
-from parity.run import RunConfig, make_prompts, score_scenario
-from parity.spec import SamplingSpec
+from parity.core.matrix import Scenario
+from parity.core.spec import SamplingSpec
+from parity.engines.session import make_prompts
+from parity.run import RunConfig, score_scenario
+from parity.testing.cases import build_case, random_plan
+from parity.testing.properties import run_properties
 
 CASES_PER_ROUND = 40
 ROUNDS, WARMUP = 3, 1
@@ -109,7 +111,7 @@ def run_e2e_case(report: Any, timer: Callable[..., Any], rollout: Any, trainer: 
 
 
 def test_bench_sampler_properties(timer, bench_report) -> None:
-    from parity.engines.sampler import VllmSampler
+    from parity.engines.vllm_sampler import VllmSampler
 
     run_property_case(bench_report, timer, VllmSampler())
 
@@ -123,7 +125,7 @@ def test_bench_end_to_end(timer, bench_report, engine_pool) -> None:
 @pytest.mark.gpu
 def test_bench_end_to_end_cuda(timer, bench_report) -> None:
     """The same scenario with both engines on CUDA (a pool of its own: its engines are CUDA ones)."""
-    from parity.run import EnginePool
+    from parity.engines.session import EnginePool
 
     cfg = RunConfig(model=E2E_MODEL, device="cuda")
     pool = EnginePool()

@@ -16,11 +16,12 @@ import time
 import pytest
 import torch
 
-from parity import estimators as E
-from parity.estimators import mask_to_ids
-from parity.filters import reference_filter
-from parity.parallel import ESTIMATORS, VocabParallelPool, check_parity
-from parity.spec import SamplingSpec
+from parity.core import estimators as E
+from parity.core.estimators import mask_to_ids
+from parity.core.filters import reference_filter
+from parity.core.spec import SamplingSpec
+from parity.distributed.pool import VocabParallelPool
+from parity.distributed.sharded import ESTIMATORS, check_parity
 
 N, V = 32, 32000
 SHARDS = (1, 2, 4)

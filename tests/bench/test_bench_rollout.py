@@ -22,8 +22,9 @@ from typing import Any
 
 import pytest
 
-from parity.run import RunConfig, make_prompts
-from parity.spec import SamplingSpec
+from parity.core.spec import SamplingSpec
+from parity.engines.session import make_prompts
+from parity.run import RunConfig
 
 S = SamplingSpec
 TOP_K = 50
@@ -281,7 +282,7 @@ _GPU: dict[str, Any] = {}
 
 def _gpu_rollout(model: str, capture: str = "topk") -> Any:
     """CUDA engines of one model at a time (each reserves 30 % of GPU memory; two may coexist)."""
-    from parity.engines.rollout import VllmRollout
+    from parity.engines.vllm_offline import VllmRollout
     from parity.fixtures import resolve_model
 
     for old in [k for k in _GPU if not k.startswith(f"{model}|")]:

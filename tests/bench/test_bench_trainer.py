@@ -26,9 +26,9 @@ from typing import Any
 import pytest
 import torch
 
-from parity import estimators as E
-from parity.filters import reference_filter
-from parity.spec import SamplingSpec
+from parity.core import estimators as E
+from parity.core.filters import reference_filter
+from parity.core.spec import SamplingSpec
 
 S = SamplingSpec
 TOP_K = 50

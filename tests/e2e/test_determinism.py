@@ -22,20 +22,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parity.determinism import (
-    ON,
-    UNAVAILABLE,
-    batch_invariant_mode,
+from parity.core.spec import SamplingSpec
+from parity.determinism.checks import (
     check_rollout_invariance,
     check_trainer_invariance,
-    determinism_section,
-    invariance_gate,
     nudge_one_ulp,
     nudge_record,
 )
-from parity.records import SequenceRecord
-from parity.run import EnginePool, RunConfig, make_prompts
-from parity.spec import SamplingSpec
+from parity.determinism.gate import determinism_section, invariance_gate
+from parity.determinism.knobs import ON, UNAVAILABLE, batch_invariant_mode
+from parity.engines.session import EnginePool, make_prompts
+from parity.records.sequence import SequenceRecord
+from parity.run import RunConfig
 
 pytestmark = pytest.mark.e2e
 

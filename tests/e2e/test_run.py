@@ -7,11 +7,12 @@ import shutil
 
 import pytest
 
-from parity.compare import TrainerFaults
-from parity.gates import Thresholds
-from parity.matrix import Matrix, Scenario, default_matrix
-from parity.run import EnginePool, RunConfig, check_same_vocabulary, run, score_scenario
-from parity.spec import SamplingSpec
+from parity.core.gates import Thresholds
+from parity.core.matrix import Matrix, Scenario, default_matrix
+from parity.core.spec import SamplingSpec
+from parity.core.table import TrainerFaults
+from parity.engines.session import EnginePool, check_same_vocabulary
+from parity.run import RunConfig, run, score_scenario
 
 pytestmark = pytest.mark.e2e
 
@@ -67,7 +68,7 @@ def test_tie_fixture_reaches_the_top_k_boundary(report) -> None:
 
 def test_report_files_and_schema(report) -> None:
     jsonschema = pytest.importorskip("jsonschema")
-    from parity.report import report_schema
+    from parity.report.schema import report_schema
 
     out = report["_out"]
     data = json.loads((out / "report.json").read_text())
@@ -116,13 +117,13 @@ def test_planted_faults_fail_the_gates(pool, fault, gate) -> None:
 
 
 def test_mismatched_tokenizer_is_an_error_before_comparison(pool, tmp_path) -> None:
-    from parity.engines.trainer import TransformersTrainer
+    from parity.engines.transformers_trainer import TransformersTrainer
     from parity.fixtures import resolve_model
 
     src = resolve_model(MODEL)
     dst = tmp_path / "swapped"
     shutil.copytree(src, dst)
-    from parity.run import SAMPLE_TEXT
+    from parity.engines.session import SAMPLE_TEXT
 
     tok = json.loads((dst / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
@@ -138,7 +139,7 @@ def test_mismatched_tokenizer_is_an_error_before_comparison(pool, tmp_path) -> N
 
 
 def test_cli_errors_are_one_readable_line(capsys, tmp_path) -> None:
-    from parity.cli import main
+    from parity.cli.main import main
 
     assert main(["run", "--model", str(tmp_path / "nope"), "--no-plots"]) == 2
     err = capsys.readouterr().err

@@ -18,19 +18,19 @@ from pathlib import Path
 
 import pytest
 
-from parity.engines.server import (
+from parity.core.matrix import Matrix, default_matrix
+from parity.core.spec import SamplingSpec
+from parity.engines.session import EnginePool, make_prompts
+from parity.engines.vllm_server.client import ServerRollout
+from parity.engines.vllm_server.process import free_port, process_group_alive
+from parity.engines.vllm_server.protocol import (
     LogprobsModeMismatch,
     ServerDied,
-    ServerRollout,
     ServerUnreachable,
     compare_with_offline,
-    free_port,
-    process_group_alive,
 )
 from parity.fixtures import resolve_model
-from parity.matrix import Matrix, default_matrix
-from parity.run import EnginePool, RunConfig, make_prompts, run
-from parity.spec import SamplingSpec
+from parity.run import RunConfig, run
 
 pytestmark = pytest.mark.e2e
 
@@ -106,7 +106,7 @@ def test_closed_port_is_an_error_naming_the_url(capsys, tmp_path) -> None:
     with pytest.raises(ServerUnreachable, match=f"127.0.0.1:{port}.*connection refused"):
         ServerRollout(resolve_model(MODEL), server=url + "/v1", request_timeout_s=10)
     assert time.perf_counter() - t0 < 30
-    from parity.cli import main
+    from parity.cli.main import main
 
     assert main(["run", "--server", url, "--no-plots", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -198,7 +198,7 @@ def test_default_matrix_passes_through_the_server(report, pool) -> None:
 
 def test_server_matches_the_offline_engine(report, pool) -> None:
     """Same prompts, seeds and spec: the server's tokens, log-probs and kept sets equal the offline engine's."""
-    from parity.engines.rollout import VllmRollout
+    from parity.engines.vllm_offline import VllmRollout
 
     server = server_of(pool)
     server.head = None

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from parity.cli.ties import parse_batch_sizes
+from parity.determinism.ties import characterize_ties, render
+from parity.engines.session import EnginePool, make_prompts
 from parity.fixtures import fixture_metadata, resolve_model
-from parity.run import EnginePool, RunConfig, make_prompts
-from parity.ties import characterize_ties, parse_batch_sizes, render
+from parity.run import RunConfig
 
 pytestmark = pytest.mark.e2e
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parity.spec import SamplingSpec
-from parity.testing import assert_trainer_parity, check_trainer
+from parity.core.spec import SamplingSpec
+from parity.testing.asserts import assert_trainer_parity, check_trainer
 
 pytestmark = pytest.mark.e2e
 

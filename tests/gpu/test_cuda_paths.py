@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from parity.matrix import Matrix, Scenario
-from parity.run import EnginePool, RunConfig, run, score_scenario
-from parity.spec import SamplingSpec
+from parity.core.matrix import Matrix, Scenario
+from parity.core.spec import SamplingSpec
+from parity.engines.session import EnginePool
+from parity.run import RunConfig, run, score_scenario
 
 pytestmark = pytest.mark.gpu
 
@@ -33,7 +34,7 @@ def test_native_sampling_mask_equals_top_k_capture(pool) -> None:
 def test_cuda_run_passes_the_thresholds_file(pool, dtype, tmp_path) -> None:
     from pathlib import Path
 
-    from parity.gates import Thresholds
+    from parity.core.gates import Thresholds
 
     th = Thresholds.from_toml(Path(__file__).resolve().parents[2] / "ci" / "thresholds.toml", dtype)
     m = Matrix("cuda", (Scenario("top_p", SamplingSpec(0.7, 0, 0.9, 0.0), prompts=8, max_tokens=16),

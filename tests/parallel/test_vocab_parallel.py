@@ -17,20 +17,18 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from parity.estimators import mask_to_ids
-from parity.filters import reference_filter
-from parity.parallel import (
+from parity.core.estimators import mask_to_ids
+from parity.core.filters import reference_filter
+from parity.core.spec import SamplingSpec
+from parity.distributed.pool import RankFailure, VocabParallelPool, run_vocab_parallel
+from parity.distributed.sharded import (
     Comm,
     ParallelFaults,
-    RankFailure,
-    VocabParallelPool,
     VocabShard,
     check_parity,
-    run_vocab_parallel,
     sharded_kept,
     split_vocab,
 )
-from parity.spec import SamplingSpec
 
 # Hypothesis examples per property: the active profile's count, capped so the module stays well under
 # a minute on two cores (each example is one multi-row job on a live process group).
@@ -409,7 +407,7 @@ def test_planted_drift_beyond_the_bounds_fails():
     y = torch.tensor([0, 5, 9, 29])
     ids = mask_to_ids(reference_filter(z, specs).kept)
     shard, comm = VocabShard(0, (30,)), Comm()
-    from parity import parallel as P
+    from parity.distributed import sharded as P
 
     r = P.sharded_recompute(z, y, specs, shard, comm)
     rp = P.sharded_replay(z, y, ids, specs, shard, comm)

@@ -23,8 +23,8 @@ def readme_example() -> str:
 
 
 def _plugin_args() -> list[str]:
-    installed = any(ep.value == "parity.pytest_plugin" for ep in metadata.entry_points(group="pytest11"))
-    return [] if installed else ["-p", "parity.pytest_plugin"]
+    installed = any(ep.value == "parity.testing.pytest_plugin" for ep in metadata.entry_points(group="pytest11"))
+    return [] if installed else ["-p", "parity.testing.pytest_plugin"]
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import ast
 
 import pytest
 
-from parity.cli import main as cli_main
+from parity.cli.main import main as cli_main
 from parity.repro import standalone
 from parity.repro.registry import REPROS, RUN_ORDER, get
 
@@ -47,13 +47,13 @@ def test_every_repro_emits_a_standalone_script(entry, tmp_path) -> None:
 
 
 def test_emitted_scripts_carry_the_cores_rounding_bound() -> None:
-    """The script's tolerance is parity.error_model's own code, not a copy: same numbers on the same input."""
+    """The script's tolerance is parity.core.error_model's own code, not a copy: same numbers on the same input."""
     import torch
 
-    from parity.error_model import logprob_bound
+    from parity.core.error_model import logprob_bound
 
     prelude = standalone.inline(standalone.sections()["prelude"])
-    assert "inlined from parity.error_model" in prelude and "import parity" not in prelude
+    assert "inlined from parity.core.error_model" in prelude and "import parity" not in prelude
     ns: dict = {}
     exec(compile(prelude, "prelude", "exec"), ns)  # noqa: S102 - the emitted prelude, run as the script would
     g = torch.Generator().manual_seed(0)

@@ -14,8 +14,7 @@ import sys
 
 import pytest
 
-from parity.repro import run_entries
-from parity.repro.common import Context
+from parity.repro.common import Context, run_entries
 from parity.repro.registry import RUN_ORDER, get
 
 pytestmark = pytest.mark.e2e
@@ -35,7 +34,7 @@ def _rows(res, **match):
 def relations_top_p_bias(res) -> None:
     assert [r["top_p"] for r in res.rows] == [1.0, 0.95, 0.9, 0.8]
     for r in res.rows:
-        # Within the per-token rounding bound (parity.error_model): measured and predicted agree.
+        # Within the per-token rounding bound (parity.core.error_model): measured and predicted agree.
         assert r["token_gap_headroom"] <= 1.0  # per token: full - vLLM = log S (trainer logits)
         assert r["abs_err_headroom"] <= 1.0
         assert r["seq_headroom"] <= 1.0  # per sequence: IS ratio = prod S

@@ -15,7 +15,7 @@ import torch
 
 @pytest.fixture(scope="session")
 def sampler():
-    from parity.engines.sampler import VllmSampler
+    from parity.engines.vllm_sampler import VllmSampler
 
     return VllmSampler()
 

@@ -1,6 +1,6 @@
 """The fast estimators: recompute over ``topk(k)`` candidates keeps vLLM's exact kept set; replay reads K ids.
 
-``parity.estimators.recompute`` no longer sorts whole rows when top_k is set (issue 7: recompute
+``parity.core.estimators.recompute`` no longer sorts whole rows when top_k is set (issue 7: recompute
 <= 2x the full-vocabulary log-softmax). These tests hold it to the exact kept set of vLLM's real
 ``Sampler`` and of ``reference_filter`` on the same Hypothesis cases the sampler properties draw
 (ties at the k-th value, top_p cuts inside tie blocks, -inf entries, mixed batches, both vLLM paths),
@@ -15,10 +15,10 @@ import torch
 from hypothesis import example, given
 from strategies import cases, example_case
 
-import parity.estimators as E
-from parity.filters import reference_filter
-from parity.harness import Case, RowPlan, plant_top_p_tie
-from parity.spec import SamplingSpec
+import parity.core.estimators as E
+from parity.core.filters import reference_filter
+from parity.core.spec import SamplingSpec
+from parity.testing.cases import Case, RowPlan, plant_top_p_tie
 
 pytestmark = pytest.mark.sampler
 

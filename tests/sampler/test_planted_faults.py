@@ -14,9 +14,10 @@ import torch
 from hypothesis import Phase, find, settings
 from strategies import cases
 
-from parity.estimators import recompute
-from parity.filters import FilterFaults, reference_filter
-from parity.harness import (
+from parity.core.estimators import recompute
+from parity.core.filters import FilterFaults, reference_filter
+from parity.core.spec import SamplingSpec
+from parity.testing.properties import (
     check_kept_equal,
     check_log_s_identity,
     check_processed_close,
@@ -24,7 +25,6 @@ from parity.harness import (
     check_replay,
     check_top_p_mass,
 )
-from parity.spec import SamplingSpec
 
 pytestmark = pytest.mark.sampler
 

@@ -1,8 +1,8 @@
 """The reference filters and estimators against vLLM's real ``Sampler`` (in-process, CPU).
 
 One property test draws batches of logits and specs (tests/strategies.py), runs them through vLLM's
-own ``Sampler`` (parity.engines.sampler.VllmSampler: real Sampler, real MinPLogitsProcessor, hand-built
-SamplingMetadata) and through the reference, and checks every property of parity.harness. Each
+own ``Sampler`` (parity.engines.vllm_sampler.VllmSampler: real Sampler, real MinPLogitsProcessor, hand-built
+SamplingMetadata) and through the reference, and checks every property of parity.testing.properties. Each
 branch a case reaches is a ``hypothesis.event``; ``test_every_branch_reached`` then proves that the
 drawn cases (not only the hand-picked ``@example``s) reached all of them under the ci profile.
 """
@@ -16,13 +16,11 @@ import torch
 from hypothesis import event, example, given, settings
 from strategies import cases, example_case, example_logits
 
-from parity.estimators import recompute
-from parity.filters import reference_filter
-from parity.harness import (
-    REQUIRED_LABELS,
-    Case,
-    RowPlan,
-    case_labels,
+from parity.core.estimators import recompute
+from parity.core.filters import reference_filter
+from parity.core.spec import SamplingSpec
+from parity.testing.cases import REQUIRED_LABELS, Case, RowPlan, case_labels
+from parity.testing.properties import (
     check_kept_equal,
     check_log_s_identity,
     check_processed_close,
@@ -31,7 +29,6 @@ from parity.harness import (
     check_sampled_in_kept,
     check_top_p_mass,
 )
-from parity.spec import SamplingSpec
 
 pytestmark = pytest.mark.sampler
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parity.capture import (
+from parity.core.capture import (
     FULL_VOCAB,
     compare_supports,
     padded_ids,
@@ -14,7 +14,7 @@ from parity.capture import (
     support_mass,
     validate_native_mask,
 )
-from parity.spec import SamplingSpec
+from parity.core.spec import SamplingSpec
 
 
 def test_plan_capture_rules() -> None:
@@ -65,7 +65,7 @@ def test_native_mask_constraints_and_comparison() -> None:
 def test_engine_refuses_cuda_paths_up_front_on_cpu(tmp_path) -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here: the refusal paths are for CPU machines")
-    from parity.engines.rollout import VllmRollout
+    from parity.engines.vllm_offline import VllmRollout
 
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(RuntimeError, match="CUDA is not available"):

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parity.capture import support_from_heads
-from parity.compare import TrainerFaults, build_table, summarize
-from parity.filters import reference_filter
-from parity.gates import Thresholds, evaluate
-from parity.records import SequenceRecord
-from parity.spec import SamplingSpec
+from parity.core.capture import support_from_heads
+from parity.core.filters import reference_filter
+from parity.core.gates import Thresholds, evaluate
+from parity.core.spec import SamplingSpec
+from parity.core.table import TrainerFaults, build_table, summarize
+from parity.records.sequence import SequenceRecord
 
 V = 64
 

@@ -10,21 +10,12 @@ import os
 import pytest
 import torch
 
-from parity import determinism as det
-from parity.determinism import (
-    CUDA_KNOBS,
-    OFF,
-    ON,
-    UNAVAILABLE,
-    batch_invariant_mode,
-    compare_records,
-    determinism_section,
-    invariance_gate,
-    nudge_one_ulp,
-    nudge_record,
-)
-from parity.records import SequenceRecord
-from parity.spec import SamplingSpec
+from parity.core.spec import SamplingSpec
+from parity.determinism import knobs as det
+from parity.determinism.checks import compare_records, nudge_one_ulp, nudge_record
+from parity.determinism.gate import determinism_section, invariance_gate
+from parity.determinism.knobs import CUDA_KNOBS, OFF, ON, UNAVAILABLE, batch_invariant_mode
+from parity.records.sequence import SequenceRecord
 
 
 def snapshot() -> dict:

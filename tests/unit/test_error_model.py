@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parity.error_model import (
+from parity.core.error_model import (
     LOGIT_ULPS,
     UNIT_ROUNDOFF,
     headroom,

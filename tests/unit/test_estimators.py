@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from parity.estimators import full, ids_to_mask, mask_to_ids, predicted_log_s, recompute, replay, scale
-from parity.spec import SamplingSpec
+from parity.core.estimators import full, ids_to_mask, mask_to_ids, predicted_log_s, recompute, replay, scale
+from parity.core.spec import SamplingSpec
 
 S = SamplingSpec
 P = (0.5, 0.3, 0.2)

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from parity.filters import FilterFaults, check_logits, reference_filter
-from parity.spec import SamplingSpec
+from parity.core.filters import FilterFaults, check_logits, reference_filter
+from parity.core.spec import SamplingSpec
 
 S = SamplingSpec
 NEG_INF = float("-inf")

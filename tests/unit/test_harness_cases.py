@@ -13,18 +13,11 @@ import torch
 from hypothesis import given, settings
 from strategies import case_plans
 
-from parity.engines.sampler import SamplerOutput
-from parity.filters import reference_filter
-from parity.harness import (
-    CasePlan,
-    RowPlan,
-    build_case,
-    case_labels,
-    check_kept_equal,
-    check_processed_close,
-    random_plan,
-)
-from parity.spec import SamplingSpec
+from parity.core.filters import reference_filter
+from parity.core.spec import SamplingSpec
+from parity.engines.vllm_sampler import SamplerOutput
+from parity.testing.cases import CasePlan, RowPlan, build_case, case_labels, random_plan
+from parity.testing.properties import check_kept_equal, check_processed_close
 
 S = SamplingSpec
 

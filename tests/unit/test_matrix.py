@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from parity.matrix import FACTORS, default_matrix, load_matrix, pair_coverage
+from parity.core.matrix import FACTORS, default_matrix, load_matrix, pair_coverage
 
 
 def test_default_matrix_has_every_level_of_every_filter() -> None:

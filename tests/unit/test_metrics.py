@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from parity.metrics import bias, diff_stats, is_ratios, kl_tv_over_support, support_equal
+from parity.core.metrics import bias, diff_stats, is_ratios, kl_tv_over_support, support_equal
 
 INF = math.inf
 

@@ -9,10 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parity.estimators import mask_to_ids, predicted_log_s
-from parity.filters import reference_filter
-from parity.sampler_log_s import distance_outside, log_s_from_raw_logits, top_p_bracket, top_p_bracket_applies
-from parity.spec import SamplingSpec as S
+from parity.core.estimators import mask_to_ids, predicted_log_s
+from parity.core.filters import reference_filter
+from parity.core.log_s import distance_outside, log_s_from_raw_logits, top_p_bracket, top_p_bracket_applies
+from parity.core.spec import SamplingSpec as S
 
 
 def _kept_lp(z: torch.Tensor, spec: S) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -12,18 +12,18 @@ import math
 import pytest
 import torch
 
-from parity.capture import support_from_heads
-from parity.engines.server import (
+from parity.core.capture import support_from_heads
+from parity.core.spec import SamplingSpec
+from parity.engines.vllm_server.client import _normalise_url
+from parity.engines.vllm_server.protocol import (
     LogprobsModeMismatch,
     MalformedResponse,
-    _normalise_url,
     check_probe,
     check_processed,
     compare_with_offline,
     parse_completion,
 )
-from parity.records import SequenceRecord
-from parity.spec import SamplingSpec
+from parity.records.sequence import SequenceRecord
 
 V = 8
 URL = "http://127.0.0.1:9"
@@ -295,7 +295,7 @@ def test_raw_full_vocabulary_is_detected_by_min_p_and_top_p() -> None:
 
 
 def test_native_capture_is_refused_in_server_mode() -> None:
-    from parity.engines.server import ServerRollout
+    from parity.engines.vllm_server.client import ServerRollout
 
     with pytest.raises(ValueError, match="return_sampling_mask"):
         ServerRollout("/nonexistent", server="http://127.0.0.1:9", capture="native")

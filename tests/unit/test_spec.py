@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from parity.spec import SamplingSpec
+from parity.core.spec import SamplingSpec
 
 BAD = [
     ("temperature", -0.1, "[0, 2]"),

@@ -1,0 +1,7 @@
+"""``python -m parity``: the ``parity`` console script."""
+
+import sys
+
+from parity.cli.main import main
+
+sys.exit(main())

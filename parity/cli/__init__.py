@@ -1,0 +1,1 @@
+"""The ``parity`` command line: :mod:`parity.cli.main` builds the parser; one module per command."""

@@ -1,0 +1,120 @@
+"""``parity repro``: minimal, convincing reproductions of upstream bugs, one module each.
+
+    parity repro list
+    parity repro NAME|NUMBER [--out DIR] [--small] [--emit-script PATH]
+    parity repro all [--out DIR] [--small] [--emit-script DIR]
+
+Each reproduction samples with the real vLLM engine, scores the same tokens with a transformers
+trainer, prints a Markdown table and writes ``result.json`` and ``table.md``: for one repro under
+``--out`` (default ``reports/repro/NAME``), for ``all`` under ``--out/NAME`` (default root
+``reports/repro``, plus ``summary.json``/``summary.md``). It states whether the measured table shows
+the expected relation and exits non-zero when any repro does not.
+
+``--emit-script`` writes a standalone Python script per repro (only torch, transformers and vLLM
+needed; the tiny model is built from code) instead of running the repro: a file for one repro, a
+folder of ``NAME.py`` files for ``all``. ``--small`` runs fewer prompts/tokens/settings (tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from parity.repro.common import run_entries
+from parity.repro.registry import REPROS, RUN_ORDER, Entry, get
+
+DEFAULT_ROOT = Path("reports/repro")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("target", metavar="list|NAME|all", help="'list', a reproduction's name or number, or 'all'")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output folder (default reports/repro/NAME; for 'all' the root, default reports/repro)")
+    p.add_argument("--emit-script", type=Path, default=None, metavar="PATH",
+                   help="write the standalone script instead of running (for 'all': a folder of NAME.py)")
+    p.add_argument("--small", action="store_true", help="fewer prompts, tokens and settings (what the tests run)")
+    p.add_argument("--seed", type=int, default=0, help="base sampling seed (prompt i uses seed + i)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds any one engine call or subprocess may take")
+
+
+def _list() -> int:
+    width = max(len(e.name) for e in REPROS)
+    for e in REPROS:
+        print(f"{e.number}  {e.name:<{width}}  {e.title}")
+    print("\nrun one: parity repro NAME [--small]; all: parity repro all; standalone: --emit-script PATH")
+    return 0
+
+
+def _emit(entries: list[Entry], path: Path, small: bool, single: bool) -> int:
+    if single:
+        targets = [(entries[0], path)]
+    else:
+        path.mkdir(parents=True, exist_ok=True)
+        targets = [(e, path / f"{e.name}.py") for e in entries]
+    for entry, dest in targets:
+        text = entry.load().emit_script(small)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(text, encoding="utf-8")
+        dest.chmod(0o755)
+        print(f"parity repro: wrote {dest} (standalone: python {dest})")
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    target = args.target
+    if target == "list":
+        return _list()
+    if target == "all":
+        entries = [get(n) for n in RUN_ORDER]
+    else:
+        entries = [get(target)]
+    single = target != "all"
+    if args.emit_script is not None:
+        return _emit(sorted(entries, key=lambda e: e.number), args.emit_script, args.small, single)
+
+    from parity.engines.vllm_offline import configure_cpu_env
+    from parity.repro.common import Context
+
+    configure_cpu_env()  # before vLLM is imported by any repro
+    if single:
+        out = args.out or DEFAULT_ROOT / entries[0].name
+
+        def out_for(_e: Entry) -> Path:
+            return out
+    else:
+        root = args.out or DEFAULT_ROOT
+
+        def out_for(e: Entry) -> Path:
+            return root / e.name
+
+    ctx = Context(small=args.small, seed=args.seed, timeout_s=args.timeout)
+    try:
+        results = run_entries(entries, ctx, out_for)
+    finally:
+        ctx.close()
+    results.sort(key=lambda r: r.number)
+    if not single:
+        _summary(results, args.out or DEFAULT_ROOT, args.small)
+    failed = [r.name for r in results if not r.passed]
+    for r in results:
+        print(f"parity repro: {r.number} {r.name}: {r.verdict} ({r.seconds:.1f} s)", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _summary(results: list, root: Path, small: bool) -> None:
+    from parity.repro.common import Column, markdown_table
+
+    rows = [{"number": r.number, "name": r.name, "verdict": r.verdict, "seconds": r.seconds, "finding": r.finding}
+            for r in results]
+    cols = [Column("number", "#"), Column("name", "repro"), Column("verdict", "verdict"),
+            Column("seconds", "seconds", ".1f"), Column("finding", "finding")]
+    root.mkdir(parents=True, exist_ok=True)
+    md = "# parity repro all\n\n" + markdown_table(cols, rows) + "\n"
+    (root / "summary.md").write_text(md, encoding="utf-8")
+    (root / "summary.json").write_text(
+        json.dumps({"small": small, "passed": all(r.passed for r in results), "repros": rows}, indent=2) + "\n",
+        encoding="utf-8",
+    )
+    print(md, flush=True)

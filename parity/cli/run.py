@@ -1,0 +1,126 @@
+"""``parity run``: the main job. vLLM rollout vs transformers trainer over a scenario matrix."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from parity.core.gates import Thresholds
+from parity.core.table import TrainerFaults
+from parity.run import RunConfig, run
+
+FAULTS = {
+    "perturb-logits": TrainerFaults(perturb_logits=0.05),
+    "forget-temperature": TrainerFaults(forget_temperature=True),
+    "swap-token": TrainerFaults(swap_token=True),
+    "drop-kept": TrainerFaults(drop_kept=True),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="qwen2-tiny", help="fixture name or Hugging Face checkpoint directory (default: qwen2-tiny)")
+    p.add_argument("--trainer-model", default=None, help="a different checkpoint for the trainer side (must share the vocabulary)")
+    p.add_argument("--matrix", default="default", help="'default' or a TOML matrix file")
+    p.add_argument("--out", type=Path, default=Path("reports/parity"), help="report folder (default: reports/parity)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="both sides' dtype")
+    p.add_argument("--trainer-dtype", choices=["float32", "bfloat16", "float16"], default=None, help="override the trainer's dtype")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per scenario (overrides the matrix)")
+    p.add_argument("--max-tokens", type=int, default=None, help="completion length (overrides the matrix)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--thresholds", type=Path, default=None, help="TOML file with a [thresholds] table")
+    p.add_argument("--gate", action="append", default=[], metavar="NAME=VALUE", help="override one threshold")
+    p.add_argument("--capture-head", type=int, default=None, help="force the top-K capture head (-1: full vocabulary)")
+    p.add_argument("--full-vocab-limit", type=int, default=4096, help="largest vocabulary captured in full for top_p/min_p-only specs")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds any one engine call may take")
+    p.add_argument("--plant", choices=sorted(FAULTS), default=None, help="plant a trainer-side fault (self-test of the gates)")
+    p.add_argument("--prefix-caching", action="store_true", help="let vLLM reuse cached KV blocks across scenarios (off: order-independent results)")
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="turn on every batch-invariance knob the device offers (the report lists which were on or unavailable)",
+    )
+    p.add_argument(
+        "--invariance",
+        action="store_true",
+        help="also check batch invariance on both sides (required, i.e. gated, under --batch-invariant)",
+    )
+    p.add_argument(
+        "--capture",
+        choices=["topk", "native", "both"],
+        default="topk",
+        help="how S_q is captured: top-K processed log-probs, vLLM's native sampling mask (CUDA, Model Runner V2), or both compared",
+    )
+    p.add_argument(
+        "--trainer-shards",
+        type=int,
+        default=1,
+        help="also score the trainer side vocab-parallel over N local processes (gloo on CPU) and compare",
+    )
+    p.add_argument(
+        "--trainer",
+        default=None,
+        metavar="NAME|module:function",
+        help="score a trainer under test: full, recompute, replay, or your own module:function (see README)",
+    )
+    p.add_argument(
+        "--server",
+        default=None,
+        metavar="spawn|URL",
+        help="sample through vLLM's OpenAI-compatible server: 'spawn' starts one on 127.0.0.1, a URL attaches",
+    )
+    p.add_argument("--no-plots", action="store_true")
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    trainer_dtype = args.trainer_dtype or args.dtype
+    th = Thresholds.from_toml(args.thresholds, trainer_dtype) if args.thresholds else Thresholds.for_dtype(trainer_dtype)
+    changes: dict[str, float] = {}
+    for item in args.gate:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--gate {item!r} is invalid: allowed NAME=VALUE")
+        try:
+            changes[name.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"--gate {item!r}: value {value!r} is not a number") from None
+    if changes:
+        th = th.override(**changes)
+    return RunConfig(
+        model=args.model,
+        trainer_model=args.trainer_model,
+        matrix=args.matrix,
+        out=args.out,
+        device=args.device,
+        dtype=args.dtype,
+        trainer_dtype=args.trainer_dtype,
+        prompts=args.prompts,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        thresholds=th,
+        faults=FAULTS[args.plant] if args.plant else TrainerFaults(),
+        capture_head=args.capture_head,
+        full_vocab_limit=args.full_vocab_limit,
+        timeout_s=args.timeout,
+        prefix_caching=args.prefix_caching,
+        server=args.server,
+        trainer=args.trainer,
+        trainer_shards=args.trainer_shards,
+        capture=args.capture,
+        batch_invariant=args.batch_invariant,
+        invariance=args.invariance or args.batch_invariant,
+        plots=not args.no_plots,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    report = run(cfg)
+    n_fail = sum(s["verdict"] == "fail" for s in report["scenarios"])
+    print(f"parity: {len(report['scenarios']) - n_fail}/{len(report['scenarios'])} scenarios pass; report in {cfg.out}/report.md")
+    for s in report["scenarios"]:
+        for v in s["violations"]:
+            print(f"FAIL {v}")
+    for v in (report.get("determinism") or {}).get("violations", []):
+        print(f"FAIL [determinism] {v}")
+    return 0 if report["passed"] else 1

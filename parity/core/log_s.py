@@ -1,0 +1,77 @@
+"""log S from the sampler's side, so the naive bias can be gated against something the trainer did not compute.
+
+The trainer-side log S (``logsumexp(z'_train over S_q) - logsumexp(z'_train)``) and the trainer's
+full-vocabulary log-prob come from the same logits, so ``full - log S`` is replay by algebra and
+``(full - vllm) - log S`` re-checks replay. Two sources that do not go through the trainer:
+
+* **The sampler's raw logits.** vLLM's ``logprobs_mode="raw_logits"`` returns the logits before
+  temperature and filters; sampling is unchanged, so a second pass with the same seeds draws the same
+  tokens (checked, never assumed). ``log S = logsumexp(z'_s over S_q) - logsumexp(z'_s)`` on the
+  sampler's own numbers (:func:`log_s_from_raw_logits`).
+* **The nucleus rule itself** (top_p alone, no logits at all). vLLM drops, in ascending order, the
+  tokens whose cumulative probability stays ``<= 1 - p``, so the dropped mass is at most ``1 - p``
+  and ``S >= p``; the smallest kept token (probability ``p_j``) pushed the sum over ``1 - p``, so
+  ``S - p_j < p``. The processed log-prob of that token is ``log(p_j / S) = log r``, hence
+  ``p <= S < p / (1 - r)`` from the sampler's output alone (:func:`top_p_bracket`). The float32
+  cumulative sum can misplace the cut by its rounding, at most ``n * u`` for ``n`` summed terms.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from parity.core.error_model import unit_roundoff
+from parity.core.estimators import scale
+from parity.core.spec import SamplingSpec
+
+NEG_INF = float("-inf")
+
+
+def log_s_from_raw_logits(raw_logits: torch.Tensor, kept_ids: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
+    """Sampler-side ``log S`` per position (float64 ``[N]``) from its raw logits ``[N, V]``.
+
+    ``kept_ids``: the captured S_q, ``[N, K]`` padded with -1. Temperature as the sampler applies it
+    (:func:`parity.estimators.scale`: float32 division, greedy rows unscaled).
+    """
+    if raw_logits.dim() != 2 or kept_ids.dim() != 2 or raw_logits.shape[0] != kept_ids.shape[0]:
+        raise ValueError(
+            f"raw_logits {tuple(raw_logits.shape)} and kept_ids {tuple(kept_ids.shape)}: allowed [N, V] and [N, K]"
+        )
+    z = scale(raw_logits, spec).double()  # z / T in float32, as the sampler divides
+    vals = z.gather(1, kept_ids.clamp(min=0)).masked_fill(kept_ids < 0, NEG_INF)
+    return torch.logsumexp(vals, dim=-1) - torch.logsumexp(z, dim=-1)
+
+
+def top_p_bracket_applies(spec: SamplingSpec, vocab: int) -> bool:
+    """The bracket holds when top_p is the only filter (top_k off or >= V, no min_p)."""
+    top_k_off = spec.top_k is None or spec.top_k <= 0 or spec.top_k >= vocab
+    return (not spec.greedy) and spec.top_p < 1.0 and top_k_off and not spec.min_p
+
+
+def top_p_bracket(
+    kept_logprobs: torch.Tensor, top_p: float, vocab: int, dtype: str = "float32"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lo, hi)`` float64 ``[N]``: ``log S`` lies in ``[lo, hi]`` by the nucleus rule, from processed log-probs.
+
+    ``kept_logprobs``: the sampler's processed log-probs of S_q, ``[N, K]`` (``-inf`` = padding).
+    ``lo = log p - slack``, ``hi = log p - log(1 - r) + slack`` with ``r`` the smallest kept token's
+    processed probability; ``slack`` covers the float32 cumulative sum over ``vocab`` terms. A row
+    holding a single token has ``r = 1`` and no upper end.
+    """
+    lp = kept_logprobs.double()
+    finite = torch.isfinite(lp)
+    if not bool(finite.any(dim=-1).all()):
+        raise ValueError("kept_logprobs has a row without any finite entry: allowed rows with at least one kept token")
+    r = torch.where(finite, lp, torch.full_like(lp, math.inf)).amin(dim=-1).exp().clamp(max=1.0)
+    slack = vocab * unit_roundoff(dtype) / top_p
+    lo = torch.full_like(r, math.log(top_p) - slack)
+    hi = math.log(top_p) - torch.log1p(-r) + slack  # r = 1 -> +inf
+    return lo, hi
+
+
+def distance_outside(values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """How far each value lies outside ``[lo, hi]`` (0 inside)."""
+    v = values.double()
+    return (lo - v).clamp(min=0.0) + (v - hi).clamp(min=0.0)

@@ -1,0 +1,140 @@
+"""Scenario matrices: the default one (every filter and their combinations) or a user's TOML file."""
+
+from __future__ import annotations
+
+import itertools
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from parity.core.spec import SamplingSpec
+
+DEFAULT_TIE_FIXTURE = "qwen2-tiny-ties"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    spec: SamplingSpec
+    model: str | None = None  # None: the run's --model
+    prompts: int = 8
+    max_tokens: int = 16
+    seed: int = 0
+    capture_head: int | None = None  # None: chosen by parity.core.capture.plan_capture
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError(f"Scenario.name={self.name!r} is invalid: allowed a non-empty string")
+        for f in ("prompts", "max_tokens"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"scenario {self.name!r}: {f}={v!r} is invalid: allowed an integer >= 1")
+
+
+@dataclass(frozen=True)
+class Matrix:
+    name: str
+    scenarios: tuple[Scenario, ...]
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.scenarios:
+            raise ValueError(f"matrix {self.name!r} has no scenarios: allowed at least one [[scenario]]")
+        seen: set[str] = set()
+        for s in self.scenarios:
+            if s.name in seen:
+                raise ValueError(f"matrix {self.name!r}: scenario name {s.name!r} is used twice: allowed unique names")
+            seen.add(s.name)
+
+
+def _s(name: str, t: float = 1.0, k: int = 0, p: float = 1.0, m: float = 0.0, **kw: Any) -> Scenario:
+    return Scenario(name=name, spec=SamplingSpec(temperature=t, top_k=k, top_p=p, min_p=m), **kw)
+
+
+def default_matrix(*, prompts: int = 8, max_tokens: int = 16, seed: int = 0, tie_fixture: str = DEFAULT_TIE_FIXTURE) -> Matrix:
+    """Every filter alone at each level, the filters in pairs across temperatures, all at once, ties.
+
+    Levels: temperature {0, 0.7, 1.0, 1.3}; top_p {1, 0.95, 0.9, 0.8, 0.05}; top_k {off, 1, 20, 50,
+    >= V}; min_p {0, 0.05, 0.1}. Every level of each filter appears; `pair_coverage` lists which
+    level pairs of which factors appear together (report.md prints it).
+    """
+    kw = dict(prompts=prompts, max_tokens=max_tokens, seed=seed)
+    rows = [
+        _s("baseline T=1", **kw),
+        _s("greedy T=0", t=0.0, **kw),
+        _s("T=0.7", t=0.7, **kw),
+        _s("T=1.3", t=1.3, **kw),
+        _s("top_p=0.95", p=0.95, **kw),
+        _s("top_p=0.9 T=0.7", t=0.7, p=0.9, **kw),
+        _s("top_p=0.8 T=1.3", t=1.3, p=0.8, **kw),
+        _s("top_p=0.05", p=0.05, **kw),
+        _s("top_k=1", k=1, **kw),
+        _s("top_k=20 T=1.3", t=1.3, k=20, **kw),
+        _s("top_k=50 T=0.7", t=0.7, k=50, **kw),
+        _s("top_k>=V", k=1_000_000, **kw),
+        _s("min_p=0.05", m=0.05, **kw),
+        _s("min_p=0.1 T=1.3", t=1.3, m=0.1, **kw),
+        _s("top_k=20 top_p=0.9", k=20, p=0.9, **kw),
+        _s("top_k=50 min_p=0.05 T=1.3", t=1.3, k=50, m=0.05, **kw),
+        _s("top_p=0.8 min_p=0.1 T=0.7", t=0.7, p=0.8, m=0.1, **kw),
+        _s("all filters T=0.7", t=0.7, k=50, p=0.95, m=0.05, **kw),
+        _s("all filters T=1.3", t=1.3, k=20, p=0.8, m=0.1, **kw),
+        _s("ties top_k=1", k=1, model=tie_fixture, **kw),
+        _s("ties top_k=2", k=2, model=tie_fixture, **kw),
+        _s("ties top_k=3 top_p=0.9", k=3, p=0.9, model=tie_fixture, **kw),
+    ]
+    return Matrix("default", tuple(rows))
+
+
+FACTORS = {
+    "temperature": lambda s: "0" if s.greedy else ("<1" if s.temperature < 1 else ("1" if s.temperature == 1 else ">1")),
+    "top_k": lambda s: "off" if not s.uses_top_k else str(s.top_k) if s.top_k < 1_000_000 else ">=V",
+    "top_p": lambda s: "1" if not s.uses_top_p else f"{s.top_p:g}",
+    "min_p": lambda s: "0" if not s.uses_min_p else f"{s.min_p:g}",
+}
+
+
+def pair_coverage(matrix: Matrix) -> dict[str, list[str]]:
+    """For each pair of factors, the level pairs that appear together in some scenario."""
+    out: dict[str, list[str]] = {}
+    for a, b in itertools.combinations(FACTORS, 2):
+        pairs = {(FACTORS[a](s.spec), FACTORS[b](s.spec)) for s in matrix.scenarios}
+        out[f"{a} x {b}"] = sorted(f"{x}/{y}" for x, y in pairs)
+    return out
+
+
+def load_matrix(path: str | Path) -> Matrix:
+    """A TOML matrix: optional ``[defaults]`` (prompts, max_tokens, seed, model) and ``[[scenario]]`` tables.
+
+    Each scenario takes ``name``, the spec fields (``temperature``, ``top_k``, ``top_p``, ``min_p``)
+    and optionally ``model``, ``prompts``, ``max_tokens``, ``seed``, ``capture_head``.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"matrix file {str(path)!r} does not exist: allowed 'default' or a TOML file")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"matrix file {str(path)!r} is not valid TOML: {exc}") from exc
+    defaults = data.get("defaults", {})
+    allowed_defaults = {"prompts", "max_tokens", "seed", "model"}
+    if set(defaults) - allowed_defaults:
+        raise ValueError(f"matrix [defaults] has unknown key(s) {sorted(set(defaults) - allowed_defaults)}: allowed {sorted(allowed_defaults)}")
+    rows = data.get("scenario")
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"matrix file {str(path)!r} has no [[scenario]] tables")
+    spec_keys = {"temperature", "top_k", "top_p", "min_p"}
+    other = {"name", "model", "prompts", "max_tokens", "seed", "capture_head"}
+    scenarios = []
+    for i, row in enumerate(rows):
+        unknown = set(row) - spec_keys - other
+        if unknown:
+            raise ValueError(f"matrix scenario #{i + 1} has unknown key(s) {sorted(unknown)}: allowed {sorted(spec_keys | other)}")
+        spec = SamplingSpec(**{k: row[k] for k in spec_keys if k in row})
+        merged = {**defaults, **{k: row[k] for k in other if k in row}}
+        merged.setdefault("name", f"scenario {i + 1} {spec.label()}")
+        scenarios.append(Scenario(spec=spec, **merged))
+    return Matrix(p.stem, tuple(scenarios))
+
+

@@ -1,0 +1,363 @@
+"""The invariance checks: measured, not assumed, on both sides.
+
+- ``check_rollout_invariance``: one target prompt alone (batch size 1) vs the same prompt inside
+  batches mixed with prompts of other lengths, greedy and seeded sampling, plus run-to-run repeats.
+- ``check_trainer_invariance``: one sequence alone vs inside a right-padded, a left-padded and a
+  packed batch, compared on the logits at the completion positions.
+
+Every comparison is bitwise (``torch.equal``); ``max_abs_diff`` says how far off a failure is. The
+knobs that should make them hold are :mod:`parity.determinism.knobs`; the gate and the report section
+are :mod:`parity.determinism.gate`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from parity.determinism.knobs import UNAVAILABLE
+
+# -- comparisons ---------------------------------------------------------------------------------
+
+
+def _abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| in float64, with equal entries (including equal infinities) counting 0."""
+    if a.numel() == 0:
+        return 0.0
+    a, b = a.double(), b.double()
+    d = torch.where(a == b, torch.zeros_like(a), (a - b).abs())
+    return float(d.max())
+
+
+def nudge_one_ulp(values: torch.Tensor, index: int = 0) -> torch.Tensor:
+    """A copy of ``values`` with one entry moved one float step toward -inf (``torch.nextafter``).
+
+    The smallest change a bitwise comparison must catch: the negative controls use it where the CPU
+    engine offers no cheap natural source of non-invariance.
+    """
+    out = values.clone()
+    flat = out.view(-1)
+    flat[index] = torch.nextafter(flat[index], torch.tensor(float("-inf"), dtype=out.dtype))
+    return out
+
+
+def nudge_record(record: Any, position: int = 0) -> Any:
+    """A copy of a ``SequenceRecord`` whose log-prob at ``position`` is one float step lower."""
+    return replace(record, logprobs=nudge_one_ulp(record.logprobs, position))
+
+
+def compare_records(ref: Any, got: Any) -> dict[str, Any]:
+    """Bitwise comparison of two records of the same prompt: tokens, log-probs, kept set.
+
+    Log-probs are compared up to the first token that differs (after it the contexts differ);
+    ``max_abs_diff`` is None when the very first token differs.
+    """
+    a, b = list(ref.completion_ids), list(got.completion_ids)
+    tokens_equal = a == b
+    n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    diffs = [_abs_diff(ref.logprobs[:n], got.logprobs[:n])] if n else []
+    support_equal = None
+    bitwise = tokens_equal and torch.equal(ref.logprobs, got.logprobs)
+    if ref.kept_ids is not None or got.kept_ids is not None:
+        same_shape = (
+            ref.kept_ids is not None and got.kept_ids is not None and ref.kept_ids.shape == got.kept_ids.shape
+        )
+        support_equal = bool(same_shape and torch.equal(ref.kept_ids, got.kept_ids))
+        bitwise = bitwise and support_equal and torch.equal(ref.kept_logprobs, got.kept_logprobs)
+        if same_shape and n:
+            rows = (ref.kept_ids[:n] == got.kept_ids[:n]).all(dim=-1)
+            diffs.append(_abs_diff(ref.kept_logprobs[:n][rows], got.kept_logprobs[:n][rows]))
+    return {
+        "bitwise": bool(bitwise),
+        "tokens_equal": tokens_equal,
+        "first_token_mismatch": None if tokens_equal else n,
+        "support_equal": support_equal,
+        "max_abs_diff": max(diffs) if diffs else None,
+    }
+
+
+def _fingerprint(rec: Any) -> tuple[Any, ...]:
+    parts: list[Any] = [tuple(rec.completion_ids), rec.logprobs.numpy().tobytes()]
+    if rec.kept_ids is not None:
+        parts += [rec.kept_ids.numpy().tobytes(), rec.kept_logprobs.numpy().tobytes()]
+    return tuple(parts)
+
+
+# -- rollout side --------------------------------------------------------------------------------
+
+
+def _modes(spec: Any) -> list[tuple[str, Any]]:
+    from parity.core.spec import SamplingSpec
+
+    greedy = SamplingSpec(temperature=0.0)
+    sampled = spec if not spec.greedy else SamplingSpec(temperature=1.0)
+    return [("greedy", greedy), ("sampled", sampled)]
+
+
+def _fillers(others: Sequence[Sequence[int]], count: int) -> list[list[int]]:
+    """``count`` prompts of other lengths: the given ones in turn, cut shorter on each further lap."""
+    out = []
+    for k in range(count):
+        p = list(others[k % len(others)])
+        cut = k // len(others)
+        out.append(p[: max(1, len(p) - cut)])
+    return out
+
+
+def check_rollout_invariance(
+    rollout: Any,
+    prompts: list[list[int]],
+    spec: Any,
+    *,
+    max_tokens: int,
+    seed: int,
+    batch_sizes: Sequence[int] = (2, 4, 8, 16, 32),
+    repeats: int = 4,
+    perturb: Callable[[str, Any], Any] | None = None,
+) -> dict[str, Any]:
+    """The rollout engine's answer for ``prompts[0]`` must not depend on what else is in the batch.
+
+    For greedy decoding and for seeded sampling with ``spec`` (T=1 if ``spec`` is greedy): the target
+    alone is the reference; then the target sits in the middle of a batch of each size, the rest
+    filled with ``prompts[1:]`` (other lengths). Tokens must be equal and log-probs (and the kept set,
+    when captured) bitwise equal. Run-to-run: ``repeats`` identical requests must give one unique
+    output. ``rollout.generate`` seeds prompt i with ``seed + i``, so each batch is sent with
+    ``seed - position`` and the target keeps its seed.
+
+    ``perturb(check_name, record) -> record`` is a test hook for negative controls: it is applied to
+    every record compared against a reference (never to the reference itself).
+    """
+    if len(prompts) < 2:
+        raise ValueError(
+            f"check_rollout_invariance needs a target and at least one filler prompt, got {len(prompts)}"
+        )
+    if any(isinstance(b, bool) or not isinstance(b, int) or b < 2 for b in batch_sizes):
+        raise ValueError(
+            f"batch_sizes={tuple(batch_sizes)!r} is invalid: allowed ints >= 2 (1 is the reference)"
+        )
+    if repeats < 2:
+        raise ValueError(f"repeats={repeats!r} is invalid: allowed >= 2")
+    target, others = list(prompts[0]), prompts[1:]
+
+    def gen(batch: list[list[int]], s: Any, base_seed: int) -> list[Any]:
+        return rollout.generate(batch, s, max_tokens=max_tokens, seed=base_seed)
+
+    checks: list[dict[str, Any]] = []
+    modes = {}
+    for mode, mspec in _modes(spec):
+        modes[mode] = mspec.to_dict()
+        ref = gen([target], mspec, seed)[0]
+        for b in batch_sizes:
+            pos = b // 2
+            batch = _fillers(others, b - 1)
+            batch.insert(pos, target)
+            got = gen(batch, mspec, seed - pos)[pos]
+            name = f"rollout {mode} batch={b}"
+            if perturb is not None:
+                got = perturb(name, got)
+            checks.append(
+                {
+                    "name": name,
+                    "side": "rollout",
+                    "mode": mode,
+                    "kind": "batch",
+                    "batch_size": b,
+                    "position": pos,
+                    "filler_lengths": sorted({len(p) for p in batch} - {len(target)}),
+                    **compare_records(ref, got),
+                }
+            )
+        runs = []
+        for r in range(repeats):
+            out = gen([target], mspec, seed)[0]
+            if perturb is not None and r:
+                out = perturb(f"rollout {mode} run-to-run #{r}", out)
+            runs.append(out)
+        per_run = [compare_records(runs[0], o) for o in runs[1:]]
+        unique = len({_fingerprint(o) for o in runs})
+        diffs = [c["max_abs_diff"] for c in per_run if c["max_abs_diff"] is not None]
+        checks.append(
+            {
+                "name": f"rollout {mode} run-to-run x{repeats}",
+                "side": "rollout",
+                "mode": mode,
+                "kind": "run_to_run",
+                "repeats": repeats,
+                "unique_outputs": unique,
+                "bitwise": unique == 1,
+                "tokens_equal": all(c["tokens_equal"] for c in per_run),
+                "max_abs_diff": max(diffs) if diffs else None,
+            }
+        )
+    return {
+        "side": "rollout",
+        "engine": getattr(rollout, "name", type(rollout).__name__),
+        "modes": modes,
+        "target_prompt_tokens": len(target),
+        "max_tokens": max_tokens,
+        "seed": seed,
+        "batch_sizes": list(batch_sizes),
+        "repeats": repeats,
+        "checks": checks,
+        "invariant": all(c["bitwise"] for c in checks),
+    }
+
+
+# -- trainer side --------------------------------------------------------------------------------
+
+
+def _packed_mask(
+    impl: str | None, seg: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor | None, str | None]:
+    """Block-diagonal causal mask for one packed row, in the form the attention implementation reads.
+
+    transformers passes a 4D mask through unchanged (masking_utils ``_preprocess_mask_arguments``):
+    sdpa reads a boolean mask (True = attend), eager adds the mask to the scores, so it needs 0 / min.
+    Relying on position ids alone does not isolate the sequences with sdpa or eager on CPU (measured:
+    logits off by >10), so the mask is always explicit.
+    """
+    t = seg.shape[0]
+    allowed = (seg[:, None] == seg[None, :]) & torch.ones(t, t, dtype=torch.bool, device=seg.device).tril()
+    if impl == "sdpa":
+        return allowed[None, None], None
+    if impl == "eager":
+        mask = torch.zeros(t, t, dtype=dtype, device=seg.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        return mask[None, None], None
+    return None, (
+        f"attention implementation {impl!r}: parity builds an explicit block-diagonal mask only for "
+        "'eager' (additive) and 'sdpa' (boolean)"
+    )
+
+
+@torch.no_grad()
+def check_trainer_invariance(
+    trainer: Any,
+    records: Sequence[Any],
+    *,
+    perturb: Callable[[str, list[torch.Tensor]], list[torch.Tensor]] | None = None,
+) -> dict[str, Any]:
+    """The trainer's logits for a sequence must not depend on how it is batched.
+
+    Reference: each record's prompt + completion alone. Compared: the same sequences in one
+    right-padded batch, one left-padded batch (position ids from the mask) and one packed row
+    (sequences concatenated, position ids restarting per sequence, block-diagonal causal mask).
+    Compared on the logits rows that predict the completion tokens, bitwise. ``tokens_equal`` says
+    whether the argmax token at every compared row is the same (what greedy decoding would pick).
+
+    ``perturb(check_name, rows) -> rows`` is a test hook for negative controls, applied to the batched
+    rows (one ``[L, V]`` tensor per record) before the comparison.
+    """
+    if not records:
+        raise ValueError("check_trainer_invariance needs at least one record")
+    model = trainer.model
+    device = getattr(trainer, "device", None) or next(model.parameters()).device
+    impl = getattr(model.config, "_attn_implementation", None)
+    seqs = [list(r.prompt_ids) + list(r.completion_ids) for r in records]
+    # Row p - 1 + t predicts completion token t (as TransformersTrainer.logits reads them).
+    spans = [(len(r.prompt_ids) - 1, r.length) for r in records]
+    dtype = next(model.parameters()).dtype
+
+    def forward(ids: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor) -> torch.Tensor:
+        out = model(
+            input_ids=ids.to(device),
+            attention_mask=None if mask is None else mask.to(device),
+            position_ids=pos.to(device),
+        )
+        return out.logits.float().cpu()
+
+    def rows(logits: torch.Tensor, offsets: list[int]) -> list[torch.Tensor]:
+        # Record i sits in batch row i (padded layouts) or at offset o of the single packed row.
+        row = (lambda i: 0) if logits.shape[0] == 1 else (lambda i: i)
+        return [
+            logits[row(i), o + s : o + s + n]
+            for i, ((s, n), o) in enumerate(zip(spans, offsets, strict=True))
+        ]
+
+    alone = []
+    for s, (start, n) in zip(seqs, spans, strict=True):
+        ids = torch.tensor([s])
+        out = forward(ids, torch.ones_like(ids), torch.arange(len(s))[None])
+        alone.append(out[0, start : start + n])
+
+    lens = [len(s) for s in seqs]
+    width, count = max(lens), len(seqs)
+    layouts: dict[str, Callable[[], tuple[list[torch.Tensor] | None, str | None]]] = {}
+
+    def padded(left: bool) -> tuple[list[torch.Tensor] | None, str | None]:
+        ids = torch.zeros(count, width, dtype=torch.long)
+        mask = torch.zeros(count, width, dtype=torch.long)
+        offsets = []
+        for i, s in enumerate(seqs):
+            o = width - len(s) if left else 0
+            ids[i, o : o + len(s)] = torch.tensor(s)
+            mask[i, o : o + len(s)] = 1
+            offsets.append(o)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        return rows(forward(ids, mask, pos), offsets), None
+
+    def packed() -> tuple[list[torch.Tensor] | None, str | None]:
+        seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
+        mask, why = _packed_mask(impl, seg, dtype)
+        if mask is None:
+            return None, why
+        ids = torch.tensor([t for s in seqs for t in s])[None]
+        pos = torch.cat([torch.arange(n) for n in lens])[None]
+        offsets = [sum(lens[:i]) for i in range(count)]
+        return rows(forward(ids, mask, pos), offsets), None
+
+    layouts["right_padded"] = lambda: padded(left=False)
+    layouts["left_padded"] = lambda: padded(left=True)
+    layouts["packed"] = packed
+
+    checks = []
+    for layout, build in layouts.items():
+        name = f"trainer {layout.replace('_', '-')}"
+        got, why = build()
+        if got is None:
+            checks.append(
+                {
+                    "name": name,
+                    "side": "trainer",
+                    "layout": layout,
+                    "status": UNAVAILABLE,
+                    "reason": why,
+                    "bitwise": None,
+                    "tokens_equal": None,
+                    "max_abs_diff": None,
+                }
+            )
+            continue
+        if perturb is not None:
+            got = perturb(name, got)
+        per = [_abs_diff(a, g) for a, g in zip(alone, got, strict=True)]
+        equal = [torch.equal(a, g) for a, g in zip(alone, got, strict=True)]
+        worst = max(range(count), key=lambda i: per[i])
+        checks.append(
+            {
+                "name": name,
+                "side": "trainer",
+                "layout": layout,
+                "status": "measured",
+                "bitwise": all(equal),
+                "tokens_equal": all(
+                    torch.equal(a.argmax(-1), g.argmax(-1)) for a, g in zip(alone, got, strict=True)
+                ),
+                "max_abs_diff": max(per),
+                "records_not_bitwise": sum(not e for e in equal),
+                "worst_record": worst if per[worst] else None,
+            }
+        )
+    measured = [c for c in checks if c["status"] == "measured"]
+    return {
+        "side": "trainer",
+        "attention": impl,
+        "dtype": str(dtype).removeprefix("torch."),
+        "records": count,
+        "lengths": lens,
+        "checks": checks,
+        "invariant": all(c["bitwise"] for c in measured),
+    }

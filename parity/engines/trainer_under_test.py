@@ -1,0 +1,187 @@
+"""Trainer under test: a pluggable function that scores sampled completions the way *your* trainer does.
+
+A trainer function receives a :class:`TrainerBatch` and returns, for each sequence, a float tensor
+``[L]`` of log-probs of its completion tokens. parity compares those values with the sampler's
+processed log-probs and explains any gap: equal to log S (the function scores the full vocabulary
+while the sampler truncates), a temperature mismatch, an off-by-one position shift, or unexplained.
+
+Built-ins (``parity run --trainer NAME``): ``full`` (TRL/verl-style ``log_softmax(logits / T)``),
+``recompute`` and ``replay``. A user function is named ``module:function`` (``module`` importable,
+e.g. from the current directory).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parity.core import estimators
+from parity.core.spec import SamplingSpec
+from parity.records.batch import right_pad
+
+
+@dataclass
+class TrainerBatch:
+    """Everything a trainer's log-prob function sees for one batch of sampled sequences."""
+
+    model: Any  # the transformers model the harness loaded (None if the function loads its own)
+    model_path: str
+    input_ids: torch.Tensor  # long [B, S]: prompt + completion, right-padded with 0
+    attention_mask: torch.Tensor  # long [B, S]
+    prompt_lengths: list[int]
+    completion_lengths: list[int]
+    spec: SamplingSpec  # what the sampler applied (temperature, top_k, top_p, min_p)
+    kept_ids: list[torch.Tensor | None]  # per sequence [L, K] (-1 padded) or None (= whole vocabulary)
+    logits: list[torch.Tensor] | None = None  # the harness's float32 logits [L, V] per sequence, if computed
+
+    @property
+    def completion_ids(self) -> list[torch.Tensor]:
+        return [self.input_ids[i, p : p + n] for i, (p, n) in enumerate(zip(self.prompt_lengths, self.completion_lengths, strict=True))]
+
+
+TrainerFn = Callable[[TrainerBatch], Sequence[torch.Tensor]]
+
+
+def _needs_logits(batch: TrainerBatch) -> list[torch.Tensor]:
+    if batch.logits is None:
+        raise ValueError("built-in trainers need the harness's logits (TrainerBatch.logits is None)")
+    return batch.logits
+
+
+def builtin_full(batch: TrainerBatch) -> list[torch.Tensor]:
+    """Full-vocabulary log-softmax of logits / T: what TRL and verl compute."""
+    return [estimators.full(z, y, batch.spec) for z, y in zip(_needs_logits(batch), batch.completion_ids, strict=True)]
+
+
+def builtin_recompute(batch: TrainerBatch) -> list[torch.Tensor]:
+    return [estimators.recompute(z, y, batch.spec).logprobs for z, y in zip(_needs_logits(batch), batch.completion_ids, strict=True)]
+
+
+def builtin_replay(batch: TrainerBatch) -> list[torch.Tensor]:
+    out = []
+    for z, y, kept in zip(_needs_logits(batch), batch.completion_ids, batch.kept_ids, strict=True):
+        out.append(estimators.full(z, y, batch.spec) if kept is None else estimators.replay(z, y, kept, batch.spec).logprobs)
+    return out
+
+
+BUILTINS: dict[str, TrainerFn] = {"full": builtin_full, "recompute": builtin_recompute, "replay": builtin_replay}
+
+
+def load_trainer(name: str | TrainerFn) -> tuple[str, TrainerFn]:
+    """A built-in name, ``module:function`` or a callable → (name, callable)."""
+    if callable(name):
+        return getattr(name, "__qualname__", repr(name)), name
+    if name in BUILTINS:
+        return name, BUILTINS[name]
+    module, sep, attr = name.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"--trainer {name!r} is invalid: allowed {', '.join(BUILTINS)} or module:function")
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        raise ValueError(f"--trainer {name!r}: cannot import module {module!r} ({exc})") from exc
+    fn = getattr(mod, attr, None)
+    if not callable(fn):
+        raise ValueError(f"--trainer {name!r}: {module!r} has no callable {attr!r}")
+    return name, fn
+
+
+def make_batch(records: Sequence[Any], logits: list[torch.Tensor] | None, spec: SamplingSpec, model: Any, model_path: str) -> TrainerBatch:
+    ids, mask = right_pad([list(r.prompt_ids) + list(r.completion_ids) for r in records])
+    return TrainerBatch(
+        model=model,
+        model_path=model_path,
+        input_ids=ids,
+        attention_mask=mask,
+        prompt_lengths=[len(r.prompt_ids) for r in records],
+        completion_lengths=[len(r.completion_ids) for r in records],
+        spec=spec,
+        kept_ids=[r.kept_ids for r in records],
+        logits=logits,
+    )
+
+
+def call_trainer(fn: TrainerFn, name: str, batch: TrainerBatch) -> torch.Tensor:
+    """Run the trainer function and validate its output; returns the flat ``[T]`` float64 values."""
+    out = fn(batch)
+    if isinstance(out, torch.Tensor) and out.dim() == 2:  # [B, Lmax] padded form
+        out = [out[i, :n] for i, n in enumerate(batch.completion_lengths)]
+    out = list(out)
+    if len(out) != len(batch.completion_lengths):
+        raise ValueError(f"trainer {name!r} returned {len(out)} sequences for a batch of {len(batch.completion_lengths)}")
+    flat = []
+    for i, (v, n) in enumerate(zip(out, batch.completion_lengths, strict=True)):
+        v = torch.as_tensor(v).detach().flatten()
+        if v.numel() != n:
+            raise ValueError(f"trainer {name!r} returned {v.numel()} log-probs for sequence {i}, which has {n} completion tokens")
+        if torch.isnan(v).any():
+            raise ValueError(f"trainer {name!r} returned NaN for sequence {i} at position {int(torch.isnan(v).nonzero()[0])}")
+        flat.append(v.double().cpu())
+    return torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    d = (a - b).abs()
+    d = torch.where(torch.isinf(a) & torch.isinf(b) & (a == b), torch.zeros_like(d), d)
+    return bool(d.numel() == 0 or float(d.max()) <= tol)
+
+
+def diagnose(
+    user: torch.Tensor,
+    sampler: torch.Tensor,
+    log_s: torch.Tensor,
+    *,
+    untempered: torch.Tensor,
+    shifted: torch.Tensor | None,
+    tol: float,
+) -> str:
+    """Name the problem class of a trainer's log-probs against the sampler's.
+
+    ``untempered`` are the trainer's full log-probs at T = 1; ``shifted`` the full log-probs read one
+    position late (labels not shifted against logits: the classic off-by-one).
+    """
+    if _close(user, sampler, tol):
+        return "matches the sampler's processed log-probs"
+    if bool((log_s < -tol).any()) and _close(user - sampler, log_s, tol):
+        gap = float((user - sampler - log_s).abs().max())
+        return (
+            f"bias equals log S to {gap:.1e}: it scores the full-vocabulary distribution while the sampler truncates "
+            f"(top_k/top_p/min_p); use replay over the captured kept set or recompute the filters"
+        )
+    if _close(user, untempered, tol):
+        return "equals the full log-softmax at temperature 1: it forgets to divide the logits by the sampling temperature"
+    known = ~torch.isnan(shifted) if shifted is not None else None
+    if shifted is not None and known is not None and bool(known.any()) and _close(user[known], shifted[known], tol):
+        return (
+            "equals log-probs read one position late (each token scored by the logits at its own position): "
+            "an off-by-one shift between logits and labels"
+        )
+    d = (user - sampler).abs()
+    return f"unexplained drift: max |diff| {float(d.max()) if d.numel() else math.nan:.3g}, mean {float((user - sampler).mean()):.3g}"
+
+
+def reference_views(logits: list[torch.Tensor], ys: list[torch.Tensor], spec: SamplingSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full log-probs at T = 1, and read one row late, for :func:`diagnose`.
+
+    The common off-by-one scores token t with the logits at token t's own position (labels not
+    shifted), i.e. row t + 1 of the completion rows. The last token's late row is not kept by the
+    harness, so that entry is NaN and left out of the comparison.
+    """
+    untempered, shifted = [], []
+    one = SamplingSpec(1.0, spec.top_k, spec.top_p, spec.min_p)
+    for z, y in zip(logits, ys, strict=True):
+        untempered.append(estimators.full(z, y, one))
+        late = torch.full((len(y),), math.nan, dtype=torch.float64)
+        if len(y) > 1:
+            late[:-1] = estimators.full(z[1:], y[:-1], spec).double()
+        shifted.append(late)
+    return torch.cat(untempered).double(), torch.cat(shifted)

@@ -1,0 +1,79 @@
+"""Trainer side: a transformers ``AutoModelForCausalLM`` scoring prompt + completion."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parity.records.batch import right_pad
+from parity.records.sequence import SequenceRecord
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r} is invalid: allowed {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+class TransformersTrainer:
+    """Computes logits at the completion positions, as an RL trainer does before its loss."""
+
+    name = "trainer"
+
+    def __init__(self, model: str | Path, *, dtype: str = "float32", device: str = "cpu", batch_size: int = 8) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model path {str(model)!r} has no config.json: allowed a Hugging Face checkpoint directory")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device='cuda' requested but torch.cuda.is_available() is False")
+        self.model_path = str(path)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.batch_size = batch_size
+        start = time.perf_counter()
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=parse_dtype(dtype))
+        self.model.to(self.device).eval()
+        self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.init_s = time.perf_counter() - start
+        self.forward_s = 0.0
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @torch.no_grad()
+    def logits(self, records: Sequence[SequenceRecord]) -> list[torch.Tensor]:
+        """float32 logits ``[L, V]`` predicting each completion token, one tensor per record.
+
+        Sequences are right-padded into batches (as most trainers do). Right padding is not bitwise
+        batch-invariant with the default ``sdpa`` attention on CPU (measured up to ~5e-6 in float32,
+        depending on where the padded width falls); ``parity run --invariance`` measures it, and
+        batch-invariant mode switches the model to ``eager`` attention, which was bitwise here.
+        """
+        out: list[torch.Tensor] = []
+        start = time.perf_counter()
+        for b in range(0, len(records), self.batch_size):
+            chunk = records[b : b + self.batch_size]
+            ids, mask = right_pad([r.prompt_ids + r.completion_ids for r in chunk])
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+            for i, r in enumerate(chunk):
+                p, n = len(r.prompt_ids), r.length
+                # Position p - 1 + t predicts completion token t.
+                rows = logits[i, p - 1 : p - 1 + n].float().cpu()
+                if torch.isnan(rows).any():
+                    t = int(torch.isnan(rows).any(dim=-1).nonzero()[0])
+                    raise ValueError(
+                        f"trainer logits are NaN at prompt {r.prompt_index}, completion position {t}: "
+                        f"allowed finite logits (check the model weights and dtype={self.dtype})"
+                    )
+                out.append(rows)
+        self.forward_s += time.perf_counter() - start
+        return out

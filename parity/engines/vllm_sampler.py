@@ -1,0 +1,94 @@
+"""vLLM's own v1 ``Sampler``, called in-process on a logits tensor (no model, no engine).
+
+This is the ground truth the reference filters are checked against: the same ``Sampler`` object the
+engine runs, fed a hand-built ``SamplingMetadata`` with one row per spec. min_p goes through vLLM's
+own ``MinPLogitsProcessor``, driven by the same ``BatchUpdate`` protocol the engine uses.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from parity.core.spec import SamplingSpec
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+@dataclass
+class SamplerOutput:
+    kept: torch.Tensor  # bool [N, V]: finite processed log-probs
+    logprobs: torch.Tensor  # float32 [N, V]: vLLM's processed log-probs (logprobs=-1)
+    sampled: torch.Tensor  # long [N]: the token the sampler drew
+
+
+class VllmSampler:
+    """Callable wrapper: ``VllmSampler()(logits, specs, seed=0)`` → :class:`SamplerOutput`."""
+
+    def __init__(self, logprobs_mode: str = "processed_logprobs", max_num_seqs: int = 1024) -> None:
+        try:
+            from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+            from vllm.v1.sample.sampler import Sampler
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise RuntimeError("VllmSampler needs vLLM: install parity[cpu] (or parity[gpu] on CUDA)") from exc
+        self._sampler = Sampler(logprobs_mode=logprobs_mode)
+        self._min_p_cls = MinPLogitsProcessor
+        self._max_num_seqs = max_num_seqs
+        self.logprobs_mode = logprobs_mode
+
+    def __call__(
+        self, logits: torch.Tensor, specs: SamplingSpec | Sequence[SamplingSpec], *, seed: int = 0
+    ) -> SamplerOutput:
+        from vllm.sampling_params import SamplingType
+        from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessors
+        from vllm.v1.sample.metadata import SamplingMetadata
+
+        n, vocab = logits.shape
+        if n > self._max_num_seqs:
+            raise ValueError(f"batch of {n} rows exceeds max_num_seqs={self._max_num_seqs}")
+        row_specs = [specs] * n if isinstance(specs, SamplingSpec) else list(specs)
+        params = [s.to_sampling_params() for s in row_specs]  # SamplingParams resets greedy filters
+        # Read greedy-ness and temperature off the SamplingParams, as InputBatch.add_request does
+        # (sampling_type), not off the spec: the ground truth must not inherit the spec's assumptions.
+        greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
+
+        config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=self._max_num_seqs))
+        min_p = self._min_p_cls(config, torch.device("cpu"), False)
+        min_p.update_state(BatchUpdate(batch_size=n, removed=[], added=[(i, p, [], []) for i, p in enumerate(params)], moved=[]))
+
+        # Mirrors InputBatch.add_request / _make_sampling_metadata (vllm/v1/worker/gpu_input_batch.py):
+        # greedy temperature 0.0; top_k disabled rows get V; None when no row uses the filter.
+        temperature = torch.tensor([0.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)])
+        top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        any_k = any(0 < p.top_k < vocab for p in params)
+        any_p = any(p.top_p < 1 for p in params)
+        generators = {}
+        for i in range(n):
+            g = torch.Generator()
+            g.manual_seed(seed + i)
+            generators[i] = g
+        meta = SamplingMetadata(
+            temperature=None if all(greedy) else temperature,
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32) if any_p else None,
+            top_k=torch.tensor(top_ks, dtype=torch.int32) if any_k else None,
+            generators=generators,
+            max_num_logprobs=-1,
+            no_penalties=True,
+            prompt_token_ids=None,
+            frequency_penalties=torch.zeros(n),
+            presence_penalties=torch.zeros(n),
+            repetition_penalties=torch.ones(n),
+            output_token_ids=[[] for _ in range(n)],
+            allowed_token_ids_mask=None,
+            bad_words_token_ids={},
+            logitsprocs=LogitsProcessors([min_p]),
+        )
+        out = self._sampler(logits.to(torch.float32).clone(), meta)
+        lp = out.logprobs_tensors.logprobs
+        return SamplerOutput(kept=lp > float("-inf"), logprobs=lp, sampled=out.sampled_token_ids.squeeze(1).long())

@@ -1,0 +1,580 @@
+"""Rollout side over HTTP: a vLLM OpenAI-compatible server, spawned on loopback or attached by URL.
+
+Many RL stacks (TRL's server mode, async trainers, verl) sample through ``vllm serve`` rather than an
+in-process engine, and launch that server with their own log-prob settings. ``ServerRollout`` has the
+interface and record type of :class:`parity.engines.vllm_offline.VllmRollout` (source ``"vllm-server"``),
+so the same capture, comparison and gates run on the server path.
+
+What the server is asked, per prompt (one ``/v1/completions`` request each, sent concurrently):
+prompt token ids (never text, so tokenization cannot drift), the per-request seed, the spec's
+temperature/top_k/top_p/min_p, neutral penalties (a server applies the checkpoint's
+``generation_config`` defaults to any field a request leaves out), ``ignore_eos`` with a fixed
+``max_tokens``, and ``logprobs=K`` with ``return_tokens_as_token_ids`` so every entry is keyed
+``token_id:N`` (the response is parsed by :mod:`parity.engines.vllm_server.protocol`).
+
+Faults end with an error that names the cause, never a hang: every HTTP call has a timeout, a
+spawned server that exits is noticed while waiting, and a server that does not return processed
+log-probs (vLLM's default ``--logprobs-mode`` is ``raw_logprobs``) is detected twice — by a probe at
+start-up (``top_k=1`` must give one kept token at log-prob 0) and on every captured position (the
+processed probabilities of a complete kept set sum to 1, see :func:`parity.core.capture.support_mass`).
+
+Only the standard library talks HTTP (an attached server must not need vLLM on the client), with
+proxies disabled: requests go to 127.0.0.1 or to the URL the user gave, nowhere else.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parity.core.capture import FULL_VOCAB, plan_capture, support_from_heads
+from parity.core.spec import SamplingSpec
+from parity.engines.vllm_server.process import LAUNCHER, free_port, shutdown
+from parity.engines.vllm_server.protocol import (
+    EXPECTED_MODE,
+    PROBE_SENTENCE,
+    SOURCE,
+    MalformedResponse,
+    ServerDied,
+    ServerError,
+    ServerUnreachable,
+    check_probe,
+    check_processed,
+    parse_completion,
+)
+from parity.records.sequence import SequenceRecord
+
+
+class _PortTaken(Exception):
+    """The spawned server lost the race for its port (internal: retried on another port)."""
+
+
+def _normalise_url(url: str) -> str:
+    parsed = urllib.parse.urlsplit(url.strip())
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ValueError(f"--server {url!r} is invalid: allowed 'spawn' or an http(s)://HOST:PORT URL")
+    path = parsed.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[: -len("/v1")]
+    return urllib.parse.urlunsplit((parsed.scheme, parsed.netloc, path, "", ""))
+
+
+class ServerRollout:
+    """The sampler under test, behind vLLM's OpenAI-compatible HTTP server.
+
+    ``server="spawn"`` starts ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 at a free
+    port (the ``vllm`` console script of the CPU wheel crashes) and owns it: it is stopped by
+    :meth:`close`, on any start-up error, on Ctrl-C and at interpreter exit (its process group is
+    killed). Any other value is the URL of a running server to attach to; it is never stopped.
+    """
+
+    name = SOURCE
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        server: str = "spawn",
+        dtype: str = "float32",
+        device: str = "cpu",
+        seed: int = 0,
+        max_model_len: int = 512,
+        full_vocab_limit: int = 4096,
+        tie_margin: int = 16,
+        head: int | None = None,
+        timeout_s: float = 900.0,
+        prefix_caching: bool = False,
+        startup_timeout_s: float | None = None,
+        request_timeout_s: float | None = None,
+        concurrency: int = 16,
+        logprobs_mode: str = EXPECTED_MODE,
+        check_mode: bool = True,
+        server_args: Sequence[str] = (),
+        capture: str = "topk",
+    ) -> None:
+        if capture != "topk":
+            # vLLM 0.32's /v1/completions has no field for return_sampling_mask; over HTTP the kept set
+            # comes from the top-K processed log-probs only.
+            raise ValueError(
+                f"capture={capture!r} is not available in server mode: vLLM's OpenAI server does not expose "
+                f"return_sampling_mask; use capture='topk' (the default)"
+            )
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model path {str(model)!r} has no config.json: allowed a Hugging Face checkpoint directory"
+            )
+        self.model = str(path)
+        self.dtype = dtype
+        self.device = device
+        self.seed = seed
+        self.full_vocab_limit = full_vocab_limit
+        self.tie_margin = tie_margin
+        self.head = head
+        self.timeout_s = timeout_s
+        self.request_timeout_s = request_timeout_s if request_timeout_s is not None else timeout_s
+        self.startup_timeout_s = startup_timeout_s if startup_timeout_s is not None else timeout_s
+        self.prefix_caching = prefix_caching
+        self.concurrency = max(1, concurrency)
+        self.capture_s = 0.0
+        self.init_s = 0.0
+        self.max_model_len_arg = max_model_len
+        self.url: str | None = None
+        self.spawned = server == "spawn"
+        self._closed = False
+        self._log_state = {"keep": False}  # shared with the finalizer, which must not hold self
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path: Path | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._spawn_name: str | None = None
+        # No proxies, ever: the harness talks to loopback or to the URL it was given, directly.
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        attach_url = None if self.spawned else _normalise_url(server)
+        self.vocab_size = self._config_vocab_size(path)
+        from transformers import AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(self.model)
+        start = time.perf_counter()
+        try:
+            if self.spawned:
+                self.url = self._spawn(path, logprobs_mode=logprobs_mode, server_args=server_args)
+            else:
+                self.url = attach_url
+            self.served_model, self.max_model_len = self._models()
+            if check_mode:
+                self.probe_logprobs_mode()
+        except BaseException:  # including KeyboardInterrupt: never leave a spawned server behind
+            self.close()
+            raise
+        self.init_s = time.perf_counter() - start
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _config_vocab_size(path: Path) -> int:
+        """The vocabulary the server's model config declares (what vLLM's ``get_vocab_size`` reads)."""
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(str(path))
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        v = getattr(text, "vocab_size", None)
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"model config at {path} declares no vocab_size")
+        return v
+
+    def _spawn(self, path: Path, *, logprobs_mode: str, server_args: Sequence[str]) -> str:
+        # A free port can be taken between the probe and the server's bind (other test runs spawn
+        # servers too): the server then exits with "address already in use", and we try another port.
+        for attempt in range(3):
+            try:
+                return self._spawn_once(path, logprobs_mode=logprobs_mode, server_args=server_args)
+            except _PortTaken:
+                if attempt == 2:
+                    raise ServerError(
+                        f"could not bind a free port on 127.0.0.1 in 3 attempts{self._log_tail()}"
+                    ) from None
+                self._log_state["keep"] = False
+                self._stop_process()
+        raise AssertionError("unreachable")
+
+    def _spawn_once(self, path: Path, *, logprobs_mode: str, server_args: Sequence[str]) -> str:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        self.url = url  # for error messages while it starts
+        # A name only this server answers to: /v1/models then proves the port is ours, not another
+        # server's that grabbed it first.
+        self._spawn_name = f"parity-{uuid.uuid4().hex[:12]}"
+        args = [
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(path),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--logprobs-mode",
+            logprobs_mode,
+            # -1: up to the whole vocabulary, the most any capture plan asks for (full-vocabulary
+            # capture of top_p/min_p specs); the offline engine is configured the same way.
+            "--max-logprobs",
+            "-1",
+            "--dtype",
+            self.dtype,
+            "--seed",
+            str(self.seed),
+            "--max-model-len",
+            str(self.max_model_len_arg),
+            "--enforce-eager",
+            # vLLM's server turns prefix caching on by default; the offline engine has it off unless
+            # asked, so the two sides run the same configuration.
+            "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
+            # Prompts go in as ids and log-prob keys come back as ids: the server never needs to
+            # (de)tokenize, and candidate detokenization dominates full-vocabulary capture cost.
+            "--skip-tokenizer-init",
+            "--disable-uvicorn-access-log",
+            "--served-model-name",
+            self._spawn_name,
+            *server_args,
+        ]
+        env = dict(os.environ)
+        if self.device == "cpu":
+            for k, v in (
+                ("VLLM_CPU_KVCACHE_SPACE", "1"),
+                ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+                ("VLLM_LOGGING_LEVEL", "WARNING"),
+                ("TOKENIZERS_PARALLELISM", "false"),
+            ):
+                env.setdefault(k, v)
+        log_dir = Path(tempfile.mkdtemp(prefix="parity-server-"))
+        self.log_path = log_dir / "server.log"
+        if threading.current_thread() is threading.main_thread():
+            # PR_SET_PDEATHSIG fires when the spawning *thread* ends; only the main thread lives as long
+            # as the process.
+            cmd = [sys.executable, "-c", LAUNCHER, str(os.getpid()), *args]
+        else:
+            cmd = [sys.executable, *args]
+        self._log_state = {"keep": False}
+        with open(self.log_path, "wb") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # own process group: killed as a whole, immune to the terminal's Ctrl-C
+            )
+        # Runs on close(), on garbage collection and at interpreter exit (atexit), whichever is first.
+        self._finalizer = weakref.finalize(self, shutdown, self.proc, log_dir, self._log_state)
+        self._wait_ready(url)
+        return url
+
+    def _log_tail(self, lines: int = 15) -> str:
+        if self.log_path is None or not self.log_path.is_file():
+            return ""
+        text = self.log_path.read_bytes()[-8000:].decode(errors="replace").strip().splitlines()
+        tail = "\n".join(text[-lines:])
+        self._log_state["keep"] = True  # an error message points at it
+        return f"\n--- last lines of {self.log_path} ---\n{tail}" if tail else ""
+
+    def _exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def _wait_ready(self, url: str) -> None:
+        """Poll until the server answers /v1/models with our name; fail fast if the process exits."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            code = self._exited()
+            if code is not None:
+                tail = self._log_tail()
+                if "address already in use" in tail.lower():
+                    raise _PortTaken(url)
+                raise ServerError(
+                    f"the vLLM server spawned for {self.model} at {url} exited with code {code} before it was ready"
+                    + tail
+                )
+            try:
+                with self._opener.open(url + "/v1/models", timeout=2.0) as resp:
+                    ids = [m.get("id") for m in json.loads(resp.read()).get("data", [])]
+                    if self._spawn_name in ids:
+                        return
+            except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError, AttributeError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the vLLM server spawned at {url} was not ready within {self.startup_timeout_s:.0f} s "
+                    f"(raise --timeout if the model is large)" + self._log_tail()
+                )
+            time.sleep(0.5)
+
+    def _models(self) -> tuple[str, int | None]:
+        data = self._request(
+            "GET", "/v1/models", None, timeout=min(30.0, self.request_timeout_s), what="GET /v1/models"
+        )
+        models = data.get("data") if isinstance(data, dict) else None
+        if (
+            not isinstance(models, list)
+            or not models
+            or not isinstance(models[0], dict)
+            or "id" not in models[0]
+        ):
+            raise MalformedResponse(f"{self.url}/v1/models lists no model: {str(data)[:200]}")
+        m = next((x for x in models if isinstance(x, dict) and x.get("id") == self._spawn_name), models[0])
+        return str(m["id"]), m.get("max_model_len")
+
+    # -- HTTP ---------------------------------------------------------------------------------
+
+    def _request(
+        self, method: str, route: str, body: dict[str, Any] | None, *, timeout: float, what: str
+    ) -> Any:
+        """One HTTP exchange; every failure becomes a :class:`ServerError` or ``TimeoutError`` naming the URL."""
+        url = self.url + route
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            url, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with self._opener.open(req, timeout=timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read()[:600].decode(errors="replace")
+            try:
+                msg = json.loads(detail).get("error", {}).get("message", detail)
+            except (ValueError, AttributeError):
+                msg = detail
+            hint = (
+                " (start the server with a larger --max-logprobs)" if "logprobs" in str(msg).lower() else ""
+            )
+            raise ServerError(f"{what} to {url} failed: HTTP {exc.code}: {msg}{hint}") from None
+        except TimeoutError:
+            self._raise_if_died(what)
+            raise TimeoutError(
+                f"{what} to {url}: no answer within {timeout:.0f} s (server hung or overloaded)"
+            ) from None
+        except (urllib.error.URLError, ConnectionError, http.client.HTTPException, OSError) as exc:
+            self._raise_if_died(what, grace_s=2.0)
+            reason = getattr(exc, "reason", exc)
+            if isinstance(reason, (TimeoutError, socket.timeout)):
+                raise TimeoutError(
+                    f"{what} to {url}: no answer within {timeout:.0f} s (server hung or overloaded)"
+                ) from None
+            if isinstance(reason, ConnectionRefusedError):
+                raise ServerUnreachable(
+                    f"{what}: nothing is listening at {url} (connection refused) — is the vLLM server running "
+                    f"and is the port right?"
+                ) from None
+            if isinstance(
+                reason, (ConnectionResetError, http.client.RemoteDisconnected, BrokenPipeError)
+            ) or isinstance(exc, (ConnectionResetError, http.client.RemoteDisconnected, BrokenPipeError)):
+                raise ServerDied(
+                    f"{what}: the server at {url} dropped the connection ({reason!r}); did it crash?"
+                ) from None
+            raise ServerUnreachable(f"{what}: cannot reach the server at {url}: {reason}") from None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise MalformedResponse(f"{what} to {url}: the body is not JSON: {raw[:200]!r}") from None
+
+    def _raise_if_died(self, what: str, grace_s: float = 0.0) -> None:
+        if grace_s and self.proc is not None:
+            try:  # a dropped connection usually means it is exiting: give it a moment to be reaped
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        code = self._exited()
+        if code is not None:
+            raise ServerDied(
+                f"{what}: the vLLM server at {self.url} (pid {self.proc.pid if self.proc else '?'}) exited with code "
+                f"{code} during the run" + self._log_tail()
+            )
+
+    # -- the rollout interface ----------------------------------------------------------------
+
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    def _body(
+        self, prompt: Sequence[int], spec: SamplingSpec, *, max_tokens: int, seed: int, logprobs: int
+    ) -> dict[str, Any]:
+        kw = spec.sampling_params_kwargs()
+        return {
+            "model": self.served_model,
+            "prompt": [int(t) for t in prompt],
+            "max_tokens": int(max_tokens),
+            "n": 1,
+            "stream": False,
+            "seed": int(seed),
+            "temperature": kw["temperature"],
+            "top_k": kw["top_k"],
+            "top_p": kw["top_p"],
+            "min_p": kw["min_p"],
+            # A server fills omitted fields from the checkpoint's generation_config; pin them neutral,
+            # as the offline SamplingParams are.
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "ignore_eos": True,
+            "logprobs": int(logprobs),
+            "return_tokens_as_token_ids": True,
+        }
+
+    def probe_logprobs_mode(self) -> None:
+        """Ask for top_k=1 with two log-probs; refuse a server whose kept mass is not 1 (raw mode)."""
+        ids = list(self._tokenizer.encode(PROBE_SENTENCE, add_special_tokens=False))[:8] or [0]
+        ids = [i for i in ids if i < self.vocab_size] or [0]
+        max_tokens = 4
+        body = self._body(
+            ids, SamplingSpec(temperature=1.0, top_k=1), max_tokens=max_tokens, seed=self.seed, logprobs=2
+        )
+        data = self._request(
+            "POST", "/v1/completions", body, timeout=self.request_timeout_s, what="probe request"
+        )
+        check_probe(data, url=self.url, vocab_size=self.vocab_size, max_tokens=max_tokens)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        spec: SamplingSpec,
+        *,
+        max_tokens: int,
+        seed: int,
+    ) -> list[SequenceRecord]:
+        """Sample one completion per prompt (seed ``seed + i``) through the server; record log-probs and S_q."""
+        if self._closed or self.url is None:
+            raise ServerError("the server rollout is closed")
+        plan = plan_capture(
+            spec,
+            self.vocab_size,
+            head=self.head,
+            tie_margin=self.tie_margin,
+            full_vocab_limit=self.full_vocab_limit,
+        )
+        requested = plan.logprobs if plan.logprobs is not None else 0
+        label = spec.label()
+        start = time.perf_counter()
+        payloads = self._send_all(
+            [
+                self._body(p, spec, max_tokens=max_tokens, seed=seed + i, logprobs=requested)
+                for i, p in enumerate(prompts)
+            ],
+            what=f"completion ({label})",
+        )
+        self.capture_s += time.perf_counter() - start
+        records = []
+        for i, payload in enumerate(payloads):
+            where = f"{self.url} completion for prompt {i} ({label})"
+            parsed = parse_completion(
+                payload, max_tokens=max_tokens, requested=requested, vocab_size=self.vocab_size, where=where
+            )
+            kept = kept_lp = incomplete = None
+            extras: dict[str, torch.Tensor] = {}
+            if plan.captures_support:
+                cap = support_from_heads(
+                    parsed.token_ids,
+                    parsed.head_ids,
+                    parsed.head_logprobs,
+                    requested=plan.logprobs or FULL_VOCAB,
+                    vocab_size=self.vocab_size,
+                )
+                check_processed(
+                    cap.kept_logprobs,
+                    cap.incomplete,
+                    url=self.url,
+                    where=where,
+                    spec=spec,
+                    vocab_size=self.vocab_size,
+                )
+                kept, kept_lp, incomplete = cap.kept_ids, cap.kept_logprobs, cap.incomplete
+                extras["sampled_missing"] = cap.sampled_missing
+            records.append(
+                SequenceRecord(
+                    source=self.name,
+                    prompt_index=i,
+                    prompt_ids=list(prompts[i]),
+                    completion_ids=parsed.token_ids,
+                    spec=spec,
+                    seed=seed + i,
+                    logprobs=torch.tensor(parsed.sampled_logprobs, dtype=torch.float32),
+                    kept_ids=kept,
+                    kept_logprobs=kept_lp,
+                    incomplete=incomplete,
+                    extras=extras,
+                )
+            )
+        return records
+
+    def _send_all(self, bodies: list[dict[str, Any]], *, what: str) -> list[Any]:
+        """POST every body concurrently (the server batches them); fail fast on the first error.
+
+        Daemon threads, not an executor: a worker blocked on a dead socket must not keep the
+        interpreter from exiting (executor threads are joined at exit, before atexit handlers run).
+        """
+        results: list[Any] = [None] * len(bodies)
+        errors: list[BaseException] = []
+        done = threading.Semaphore(0)
+        next_index = iter(range(len(bodies)))
+        lock = threading.Lock()
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    if errors:
+                        return
+                    i = next(next_index, None)
+                if i is None:
+                    return
+                try:
+                    results[i] = self._request(
+                        "POST",
+                        "/v1/completions",
+                        bodies[i],
+                        timeout=self.request_timeout_s,
+                        what=f"{what} prompt {i}",
+                    )
+                except ServerUnreachable as exc:
+                    # It answered the set-up requests, so it stopped answering mid-run.
+                    with lock:
+                        errors.append(
+                            ServerDied(f"the server at {self.url} stopped answering during the run: {exc}")
+                        )
+                    done.release()
+                    return
+                except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                    with lock:
+                        errors.append(exc)
+                    done.release()
+                    return
+                done.release()
+
+        n_workers = min(self.concurrency, len(bodies))
+        for _ in range(n_workers):
+            threading.Thread(target=worker, name="parity-server-request", daemon=True).start()
+        deadline = time.monotonic() + self.timeout_s
+        finished = 0
+        while finished < len(bodies):
+            if done.acquire(timeout=0.25):
+                with lock:
+                    if errors:
+                        raise errors[0]
+                finished += 1
+                continue
+            self._raise_if_died(what)
+            if time.monotonic() > deadline:
+                with lock:
+                    errors.append(TimeoutError("cancelled"))
+                raise TimeoutError(
+                    f"{what} at {self.url}: {finished} of {len(bodies)} requests done after {self.timeout_s:.0f} s "
+                    f"(raise --timeout if the model is large)"
+                )
+        return results
+
+    def _stop_process(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # kills the group and drops the log once; later calls are no-ops
+
+    def close(self) -> None:
+        """Stop a spawned server (its whole process group) and release the log; attached servers stay up."""
+        self._closed = True
+        self._stop_process()
+
+    @property
+    def pid(self) -> int | None:
+        """The spawned server's pid (also its process group id); None when attached."""
+        return None if self.proc is None else self.proc.pid

@@ -1,0 +1,122 @@
+"""report.json: its versioned schema, the environment block, and the writer of the report folder.
+
+:func:`write_report` writes report.json, report.md (:mod:`parity.report.markdown`) and the PNG plots
+(:mod:`parity.report.plots`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parity.report.markdown import render_markdown
+from parity.report.plots import write_plots
+
+SCHEMA_VERSION = 1
+DETERMINISM_ENV = (
+    "VLLM_BATCH_INVARIANT",
+    "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "CUBLAS_WORKSPACE_CONFIG",
+    "OMP_NUM_THREADS",
+    "PYTHONHASHSEED",
+)
+
+
+def _version(dist: str) -> str | None:
+    for name in (dist, f"{dist}-cpu"):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def environment(device: str, dtype: str, trainer_dtype: str) -> dict[str, Any]:
+    return {
+        "vllm": _version("vllm"),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "parity": _version("parity"),
+        "python": platform.python_version(),
+        "device": device,
+        "dtype": dtype,
+        "trainer_dtype": trainer_dtype,
+        "determinism": {
+            "env": {k: os.environ.get(k) for k in DETERMINISM_ENV},
+            "torch_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "torch_num_threads": torch.get_num_threads(),
+        },
+    }
+
+
+def _clean(obj: Any) -> Any:
+    """JSON-safe: non-finite floats become strings ('inf', '-inf', 'nan')."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items() if not k.startswith("_")}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def report_schema() -> dict[str, Any]:
+    """JSON Schema of report.json, schema_version 1 (the contract in DESIGN.md)."""
+    num = {"type": ["number", "string"]}
+    diff = {
+        "type": "object",
+        "required": ["max_abs_diff", "mean_diff", "p99_abs_diff", "support_equal_frac"],
+        "properties": {k: num for k in ("max_abs_diff", "mean_diff", "p99_abs_diff", "support_equal_frac")},
+    }
+    scenario = {
+        "type": "object",
+        "required": [
+            "name", "spec", "tokens", "log_s", "naive", "replay", "recompute", "is_ratio",
+            "incomplete_positions", "verdict", "violations",
+        ],
+        "properties": {
+            "name": {"type": "string"},
+            "spec": {
+                "type": "object",
+                "required": ["temperature", "top_k", "top_p", "min_p"],
+                "properties": {"temperature": num, "top_k": {"type": "integer"}, "top_p": num, "min_p": num},
+            },
+            "tokens": {"type": "integer", "minimum": 0},
+            "log_s": {"type": "object", "required": ["mean", "min"], "properties": {"mean": num, "min": num}},
+            "naive": {"type": "object", "required": ["bias_mean", "max_abs_gap_to_log_s"]},
+            "replay": diff,
+            "recompute": {**diff, "required": diff["required"] + ["forced_includes"]},
+            "is_ratio": {"type": "object"},
+            "incomplete_positions": {"type": "integer", "minimum": 0},
+            "verdict": {"enum": ["pass", "fail"]},
+            "violations": {"type": "array", "items": {"type": "string"}},
+        },
+    }
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "type": "object",
+        "required": ["schema_version", "environment", "scenarios", "passed"],
+        "properties": {
+            "schema_version": {"const": SCHEMA_VERSION},
+            "environment": {"type": "object", "required": ["vllm", "torch", "transformers", "device", "dtype", "determinism"]},
+            "scenarios": {"type": "array", "items": scenario},
+            "passed": {"type": "boolean"},
+        },
+    }
+
+
+def write_report(report: dict[str, Any], out: Path, *, plots: bool = True) -> None:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if plots:
+        report["plots"] = write_plots(report, out)
+    (out / "report.json").write_text(json.dumps(_clean(report), indent=2, sort_keys=False) + "\n")
+    (out / "report.md").write_text(render_markdown(report))

@@ -1,0 +1,63 @@
+"""Assert that a trainer's log-prob function scores what the vLLM sampler drew from.
+
+    from parity.testing.asserts import assert_trainer_parity
+    assert_trainer_parity(my_logprob_fn, spec=SamplingSpec(temperature=0.7, top_p=0.9))
+
+The check samples with the real vLLM engine on a fixture (or your checkpoint), hands the batch to the
+function (see :class:`parity.engines.trainer_under_test.TrainerBatch`), and fails with the same readable verdict as
+``parity run``: which gate, which prompt/position/token, both values, the gap, and the problem class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from parity.core.gates import Thresholds
+from parity.core.spec import SamplingSpec
+
+_SHARED_POOL: Any = None
+
+
+def _pool() -> Any:
+    global _SHARED_POOL
+    if _SHARED_POOL is None:
+        from parity.engines.session import EnginePool
+
+        _SHARED_POOL = EnginePool()
+    return _SHARED_POOL
+
+
+def check_trainer(
+    fn: Callable[..., Any] | str,
+    *,
+    spec: SamplingSpec,
+    model: str = "qwen2-tiny",
+    prompts: int = 4,
+    max_tokens: int = 8,
+    seed: int = 0,
+    thresholds: Thresholds | None = None,
+    dtype: str = "float32",
+    pool: Any = None,
+) -> dict[str, Any]:
+    """Score ``fn`` on one sampled batch; return the scenario summary with ``violations``."""
+    from parity.core.matrix import Scenario
+    from parity.run import RunConfig, score_scenario
+
+    cfg = RunConfig(model=model, dtype=dtype, seed=seed, thresholds=thresholds or Thresholds.for_dtype(dtype), trainer=fn)
+    pool = pool or _pool()
+    rollout, trainer = pool.get(model, cfg, lambda s: None)
+    sc = Scenario(f"trainer-under-test {spec.label()}", spec, prompts=prompts, max_tokens=max_tokens)
+    res = score_scenario(rollout, trainer, sc, cfg)
+    # Only the trainer-under-test gate speaks for the user's function; the harness's own estimators
+    # are reported but do not fail the user's test.
+    mine = [v for v in res.violations if "trainer '" in v]
+    return {**res.summary, "violations": mine, "harness_violations": [v for v in res.violations if v not in mine]}
+
+
+def assert_trainer_parity(fn: Callable[..., Any] | str, *, spec: SamplingSpec, **kwargs: Any) -> dict[str, Any]:
+    """Raise ``AssertionError`` with parity's verdict if ``fn`` does not score the sampler's distribution."""
+    result = check_trainer(fn, spec=spec, **kwargs)
+    if result["violations"]:
+        raise AssertionError("trainer parity failed:\n" + "\n".join(f"  {v}" for v in result["violations"]))
+    return result

@@ -1,0 +1,308 @@
+"""Random test cases for the reference filters: plans, logits and the branches a case reaches.
+
+:class:`CasePlan` describes a batch (vocabulary size, per-row spec, logit scale and the hard features:
+exact ties at the top_k and top_p boundaries, ``-inf`` entries, rows with a single finite value,
+quantised logits with many ties); :func:`build_case` turns a plan into float32 logits
+deterministically. The Hypothesis strategies (:mod:`parity.testing.strategies`) and
+:func:`random_plan` both draw plans, so ``parity sampler`` and the test-suite exercise the same inputs.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from parity.core.estimators import scale
+from parity.core.filters import reference_filter
+from parity.core.spec import SamplingSpec
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """One row of a batch: its spec and the features planted in its logits."""
+
+    spec: SamplingSpec
+    std: float = 1.0  # logits ~ N(0, std); 0.1 is flat, 20 is peaked
+    quantum: float = 0.0  # > 0: round logits to multiples of this (many natural ties)
+    neg_inf: float = 0.0  # fraction of tokens set to -inf (at least one stays finite)
+    single_finite: bool = False  # every token -inf but one
+    top_k_tie: int = 0  # this many tokens below the k-th get the k-th value (needs 1 <= top_k < V)
+    top_p_tie: int = 0  # >= 2: a block of this many tied tokens with the top_p cut placed inside it
+
+
+@dataclass(frozen=True)
+class CasePlan:
+    vocab: int
+    rows: tuple[RowPlan, ...]
+    seed: int = 0  # logit noise and the sampler's per-row generators
+
+
+@dataclass
+class Case:
+    logits: torch.Tensor  # float32 [N, V]
+    specs: list[SamplingSpec]  # one per row, as the user would write them (not yet effective)
+    seed: int
+    plan: CasePlan | None = None
+    source: str = "drawn"  # "drawn" by a generator, or "example" for hand-picked cases
+
+    def __repr__(self) -> str:
+        n, v = self.logits.shape
+        specs = "; ".join(s.label() for s in self.specs)
+        return f"Case(N={n}, V={v}, seed={self.seed}, specs=[{specs}])"
+
+
+def plant_top_k_tie(z: torch.Tensor, k: int, extra: int) -> None:
+    """Give the ``extra`` tokens ranked just below the k-th the k-th value (in place, 1-D row).
+
+    vLLM keeps every token tied with the k-th value (``apply_top_k_only`` / ``apply_top_k_top_p``
+    compare ``< kth``), so |S| becomes k + extra. Skipped when the row has fewer than k + 1 finite
+    values (the k-th value is then -inf or has no neighbour below).
+    """
+    finite = int(torch.isfinite(z).sum())
+    if extra < 1 or k >= finite:
+        return
+    vals, idx = z.sort(descending=True, stable=True)
+    last = min(k + extra, finite)
+    z[idx[k:last]] = vals[k - 1]
+
+
+def plant_top_p_tie(z: torch.Tensor, spec: SamplingSpec, size: int, gen: torch.Generator) -> SamplingSpec:
+    """Tie a block of ``size`` surviving tokens and move top_p so the cut falls inside the block.
+
+    The survivors of min_p and top_k are taken from the reference with top_p off; tokens in the block
+    get the value of the block's top token (raising survivors keeps them surviving: min_p and top_k
+    compare against the max and the k-th value, which the block does not lower). Then
+    ``1 - top_p = mass below the block + (h + 0.5) * block token mass`` with 1 <= h < size, so vLLM's
+    ascending cumulative sum drops exactly h of the tied tokens: which ones is decided by the sort
+    order alone. Returns the spec with the new top_p, or the spec unchanged when no block with enough
+    mass (>= 1e-3 per token, far above float32 cumsum rounding) exists.
+    """
+    eff = spec.effective()
+    if size < 2 or eff.greedy:
+        return spec
+    pre = reference_filter(z.unsqueeze(0), replace(eff, top_p=1.0)).kept[0]
+    surv = pre.nonzero().squeeze(1)
+    if surv.numel() < size:
+        return spec
+    order = surv[z[surv].sort(descending=True, stable=True).indices]
+    start = int(torch.randint(0, surv.numel() - size + 1, (1,), generator=gen))
+    block = order[start : start + size]
+    z[block] = float(z[block[0]])
+    scaled = (z / torch.tensor(eff.temperature, dtype=torch.float32)).double()
+    probs = torch.softmax(scaled.masked_fill(~pre, NEG_INF), dim=-1)
+    b = float(probs[block[0]])
+    below = float(probs[pre & (scaled < scaled[block[0]])].sum())
+    h = int(torch.randint(1, size, (1,), generator=gen))
+    top_p = 1.0 - (below + (h + 0.5) * b)
+    if b < 1e-3 or not (1e-3 < top_p < 1.0 - 1e-6):
+        return spec
+    return replace(spec, top_p=top_p)
+
+
+def build_case(plan: CasePlan) -> Case:
+    """Deterministic float32 logits ``[N, V]`` for a plan (features planted in the order listed)."""
+    gen = torch.Generator().manual_seed(plan.seed)
+    vocab = plan.vocab
+    rows: list[torch.Tensor] = []
+    specs: list[SamplingSpec] = []
+    for rp in plan.rows:
+        z = torch.randn(vocab, generator=gen, dtype=torch.float32) * rp.std
+        if rp.quantum > 0:
+            z = torch.round(z / rp.quantum) * rp.quantum
+        if rp.neg_inf > 0:
+            drop = torch.rand(vocab, generator=gen) < rp.neg_inf
+            drop[int(torch.randint(0, vocab, (1,), generator=gen))] = False  # one stays finite
+            z[drop] = NEG_INF
+        if rp.single_finite:
+            keep = int(torch.randint(0, vocab, (1,), generator=gen))
+            value = z[keep] if torch.isfinite(z[keep]) else torch.tensor(0.0)
+            z = torch.full_like(z, NEG_INF)
+            z[keep] = value
+        spec = rp.spec
+        eff = spec.effective()
+        if rp.top_k_tie and eff.uses_top_k and eff.top_k < vocab:
+            plant_top_k_tie(z, eff.top_k, rp.top_k_tie)
+        if rp.top_p_tie >= 2:
+            spec = plant_top_p_tie(z, spec, rp.top_p_tie, gen)
+        rows.append(z)
+        specs.append(spec)
+    return Case(torch.stack(rows), specs, plan.seed, plan)
+
+
+# -- random plans (the CLI's generator; tests/strategies.py draws the same shapes with Hypothesis) --
+
+VOCAB_CHOICES = (2, 3, 5, 8, 16, 50, 128, 257, 1000, 2048, 4096)
+
+
+def random_spec(rng: random.Random, vocab: int) -> SamplingSpec:
+    temperature = rng.choice(
+        [0.0, rng.uniform(1e-7, 9.9e-6), rng.uniform(1e-5, 0.0099), rng.uniform(0.01, 0.99), 1.0, rng.uniform(1.01, 2.0)]
+    )
+    top_k = rng.choice([0, -1, 1, rng.randint(2, max(2, vocab - 1)), vocab, vocab + rng.randint(1, 100)])
+    top_p = rng.choice([1.0, rng.uniform(0.01, 0.3), rng.uniform(0.6, 0.99)])
+    min_p = rng.choice([0.0, rng.uniform(0.01, 0.3), 1.0])
+    return SamplingSpec(temperature, top_k, top_p, min_p)
+
+
+def random_row(rng: random.Random, vocab: int, spec: SamplingSpec | None = None) -> RowPlan:
+    return RowPlan(
+        spec=spec or random_spec(rng, vocab),
+        std=rng.choice([0.1, rng.uniform(0.5, 5.0), 20.0]),
+        quantum=rng.choice([0.0, 0.0, 0.0, 0.25, 1.0]),
+        neg_inf=rng.choice([0.0, 0.0, 0.0, rng.uniform(0.1, 0.9)]),
+        single_finite=rng.random() < 0.05,
+        top_k_tie=rng.choice([0, 0, 1, rng.randint(2, 4)]),
+        top_p_tie=rng.choice([0, 0, rng.randint(2, 5)]),
+    )
+
+
+def random_plan(rng: random.Random, *, max_vocab: int = 4096, max_rows: int = 6) -> CasePlan:
+    vocab = rng.choice([v for v in VOCAB_CHOICES if v <= max_vocab] or [max_vocab])
+    n = rng.randint(1, max_rows)
+    if rng.random() < 0.6:  # mixed per-row specs, as vLLM batches requests with different settings
+        rows = tuple(random_row(rng, vocab) for _ in range(n))
+    else:
+        spec = random_spec(rng, vocab)
+        rows = tuple(random_row(rng, vocab, spec) for _ in range(n))
+    if rng.random() < 0.25:
+        rows = without_top_p(rows)
+    return CasePlan(vocab, rows, rng.randrange(2**31))
+
+
+def without_top_p(rows: Sequence[RowPlan]) -> tuple[RowPlan, ...]:
+    """The same rows with top_p off everywhere: the batch then takes vLLM's top_k-only path."""
+    return tuple(replace(r, spec=replace(r.spec, top_p=1.0), top_p_tie=0) for r in rows)
+
+
+# -- labels: which hard case a batch actually exercises, read from the data, not from the plan -----
+
+
+def case_labels(case: Case, kept: torch.Tensor | None = None) -> set[str]:
+    """Labels of the branches a case reaches; ``kept`` (vLLM's or the reference's) enables the tie labels."""
+    logits = case.logits
+    n, vocab = logits.shape
+    eff = [s.effective() for s in case.specs]
+    labels: set[str] = set()
+    labels.add("V<=16" if vocab <= 16 else "V<=512" if vocab <= 512 else "V>512")
+    if all(s.greedy for s in eff):
+        labels.add("batch: all greedy")
+    elif any(s.greedy for s in eff):
+        labels.add("batch: greedy rows among random rows")
+    if len(set(eff)) > 1:
+        labels.add("batch: mixed per-row specs")
+    if any(s.uses_top_p for s in eff):
+        labels.add("batch: sort path (some row uses top_p)")
+    elif any(s.uses_top_k and s.top_k < vocab for s in eff):
+        labels.add("batch: top_k-only path")
+    z_scaled = scale(logits, case.specs)
+    probs = torch.softmax(z_scaled, dim=-1)
+    any_p = any(s.uses_top_p for s in eff)
+    for r, (raw, s) in enumerate(zip(case.specs, eff, strict=True)):
+        t = raw.temperature
+        labels.add(
+            "T=0"
+            if t == 0
+            else "0<T<1e-5 (vLLM raises it to 0.01)"
+            if t < 1e-5
+            else "1e-5<=T<0.01 (raised to 0.01)"
+            if t < 0.01
+            else "T<1"
+            if t < 1
+            else "T=1"
+            if t == 1
+            else "T>1"
+        )
+        row = logits[r]
+        finite = torch.isfinite(row)
+        nf = int(finite.sum())
+        if nf == 1:
+            labels.add("row with a single finite value")
+        elif nf < vocab:
+            labels.add("-inf entries")
+        if nf > 1:
+            std = float(row[finite].std())
+            if std <= 0.5:
+                labels.add("flat logits (std<=0.5)")
+            elif std >= 10:
+                labels.add("peaked logits (std>=10)")
+            if int(torch.unique(row[finite]).numel()) < nf:
+                labels.add("ties among the logits")
+        if s.greedy:
+            continue
+        labels.add(
+            "top_k off"
+            if not s.uses_top_k
+            else "top_k=1"
+            if s.top_k == 1
+            else "top_k>=V"
+            if s.top_k >= vocab
+            else "1<top_k<V"
+        )
+        labels.add("top_p off" if not s.uses_top_p else "top_p small (<=0.3)" if s.top_p <= 0.3 else "top_p typical")
+        labels.add("min_p off" if not s.uses_min_p else "min_p=1" if s.min_p == 1 else "min_p typical")
+        underflow = bool(((probs[r] == 0) & finite).any())
+        if underflow:
+            labels.add("probabilities underflow to 0")
+            if any_p and not s.uses_top_p:
+                labels.add("top_p=1 row on the sort path with underflow")
+        if kept is None:
+            continue
+        k_row = kept[r]
+        if s.uses_top_k and s.top_k < vocab and int(k_row.sum()) > s.top_k:
+            labels.add("tie at the top_k boundary (|S|>k)")
+            if not any_p:
+                labels.add("tie at the top_k boundary on the top_k-only path")
+        if s.uses_top_p:
+            kept_vals = torch.unique(z_scaled[r][k_row])
+            dropped_vals = z_scaled[r][~k_row & finite]
+            if bool(torch.isin(dropped_vals, kept_vals).any()):
+                labels.add("split tie at the top_p boundary")
+    return labels
+
+
+# Every label the CI profile must reach (tests/sampler asserts it; `parity sampler` prints the counts).
+REQUIRED_LABELS = frozenset(
+    {
+        "V<=16",
+        "V<=512",
+        "V>512",
+        "batch: all greedy",
+        "batch: greedy rows among random rows",
+        "batch: mixed per-row specs",
+        "batch: sort path (some row uses top_p)",
+        "batch: top_k-only path",
+        "T=0",
+        "0<T<1e-5 (vLLM raises it to 0.01)",
+        "1e-5<=T<0.01 (raised to 0.01)",
+        "T<1",
+        "T=1",
+        "T>1",
+        "row with a single finite value",
+        "-inf entries",
+        "flat logits (std<=0.5)",
+        "peaked logits (std>=10)",
+        "ties among the logits",
+        "top_k off",
+        "top_k=1",
+        "top_k>=V",
+        "1<top_k<V",
+        "top_p off",
+        "top_p small (<=0.3)",
+        "top_p typical",
+        "min_p off",
+        "min_p=1",
+        "min_p typical",
+        "probabilities underflow to 0",
+        "top_p=1 row on the sort path with underflow",
+        "tie at the top_k boundary (|S|>k)",
+        "tie at the top_k boundary on the top_k-only path",
+        "split tie at the top_p boundary",
+    }
+)
+
+

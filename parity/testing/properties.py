@@ -1,0 +1,286 @@
+"""Properties of the reference filters against vLLM's own ``Sampler`` on one case.
+
+``check_*`` functions raise ``AssertionError`` naming the row, token, both values and the gap. They
+take tensors, so the planted-fault tests can hand them a faulty side; :func:`run_properties` runs
+them all on one case (:mod:`parity.testing.cases`). vLLM is never imported here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from parity.core.estimators import (
+    RecomputeResult,
+    full,
+    mask_to_ids,
+    predicted_log_s,
+    recompute,
+    replay,
+    scale,
+)
+from parity.core.filters import FilterFaults, FilterResult, reference_filter
+from parity.core.spec import SamplingSpec
+from parity.testing.cases import Case
+
+if TYPE_CHECKING:  # pragma: no cover
+    from parity.engines.vllm_sampler import SamplerOutput
+
+NEG_INF = float("-inf")
+EPS32 = torch.finfo(torch.float32).eps  # 2**-23: one float32 ulp at 1.0
+
+# -- tolerances -------------------------------------------------------------------------------------
+# The reference runs the same float32 torch ops as vLLM on the same values, so processed log-probs are
+# expected bitwise equal; the issue's bound is 1e-6.
+PROCESSED_ATOL = 1e-6
+# full - processed == log S. full and processed are float32 log_softmax outputs, (x - max) - log(sum):
+# each carries half an ulp of its own magnitude from the last subtraction, plus the float32 error of
+# its log(sum) term (log(sum) <= log V <= ~8.4, so half an ulp <= 4.8e-7, and the float32 sum of <= V
+# terms adds ~1e-7 relative). log S comes from predicted_log_s (float64 sums, accurate). Bound:
+# 4e-6 + eps32 * (|full| + |processed|), which is about 2x the worst case of those terms; the eps32
+# part matters only for kept tokens far down an unfiltered distribution (|log p| in the thousands at
+# T = 0.01), where an ulp of the value itself is large.
+LOG_S_ATOL = 4e-6
+# replay vs vLLM at the sampled token: the same (x - max) in float32 on both sides; replay's log(sum)
+# is float64, vLLM's float32 (<= 4.8e-7 + sum error), plus half an ulp of the result on each side.
+REPLAY_ATOL = 2e-6
+
+
+def _tol(base: float, *values: torch.Tensor) -> torch.Tensor:
+    mag = sum((v.double().abs() for v in values), torch.zeros(()))
+    return base + EPS32 * mag
+
+
+def _spec_label(specs: Sequence[SamplingSpec], row: int) -> str:
+    return f"row {row} ({specs[row].label()})"
+
+
+def _fail(title: str, lines: list[str], total: int) -> AssertionError:
+    more = f"\n  ... {total - len(lines)} more" if total > len(lines) else ""
+    return AssertionError(title + "\n  " + "\n  ".join(lines) + more)
+
+
+def check_kept_equal(ref: FilterResult, vllm: SamplerOutput, *, show: int = 5) -> None:
+    """The reference keeps exactly the tokens vLLM keeps (ties included)."""
+    if ref.kept.shape != vllm.kept.shape:
+        raise AssertionError(f"kept masks differ in shape: reference {tuple(ref.kept.shape)} vs vLLM {tuple(vllm.kept.shape)}")
+    diff = ref.kept ^ vllm.kept
+    if not bool(diff.any()):
+        return
+    lines = []
+    where = diff.nonzero().tolist()
+    for r, t in where[:show]:
+        side = "kept by vLLM, dropped by the reference" if vllm.kept[r, t] else "kept by the reference, dropped by vLLM"
+        z = ref.scaled[r]
+        kv = z[vllm.kept[r]]
+        lines.append(
+            f"{_spec_label(ref.specs, r)}: token {t} {side}; its scaled logit {float(z[t]):.9g}, "
+            f"smallest vLLM-kept {float(kv.min()) if kv.numel() else float('nan'):.9g}; "
+            f"|S| reference {int(ref.kept[r].sum())} vs vLLM {int(vllm.kept[r].sum())}"
+        )
+    raise _fail(f"kept sets differ (reference vs vLLM) at {len(where)} token(s):", lines, len(where))
+
+
+def check_processed_close(ref: FilterResult, vllm: SamplerOutput, *, atol: float = PROCESSED_ATOL, show: int = 5) -> None:
+    """Processed log-probs agree to ``atol`` on every token (-inf on both sides counts as equal)."""
+    a, b = ref.logprobs.double(), vllm.logprobs.double()
+    both_neg_inf = torch.isneginf(a) & torch.isneginf(b)
+    gap = torch.where(both_neg_inf, torch.zeros_like(a), (a - b).abs())
+    gap = torch.where(torch.isnan(gap), torch.full_like(gap, float("inf")), gap)
+    bad = gap > atol
+    if not bool(bad.any()):
+        return
+    where = bad.nonzero().tolist()
+    where.sort(key=lambda rt: -float(gap[rt[0], rt[1]]))
+    lines = [
+        f"{_spec_label(ref.specs, r)}: token {t}: reference {float(a[r, t]):.9g} vs vLLM {float(b[r, t]):.9g}, "
+        f"gap {float(gap[r, t]):.3g} > {atol:g}"
+        for r, t in where[:show]
+    ]
+    raise _fail(f"processed log-probs differ (reference vs vLLM) at {len(where)} token(s):", lines, len(where))
+
+
+def check_log_s_identity(
+    logits: torch.Tensor,
+    specs: Sequence[SamplingSpec],
+    kept: torch.Tensor,
+    processed: torch.Tensor,
+    sampled: torch.Tensor | None = None,
+    *,
+    show: int = 5,
+) -> None:
+    """``full - processed == log S`` on every kept token, log S = ``predicted_log_s`` over ``kept``.
+
+    ``kept`` and ``processed`` are the sampler's (vLLM's) support and processed log-probs. ``full`` is
+    ``log_softmax(z / T)``; when ``sampled`` is given, the ``full`` estimator itself is checked to
+    equal it at the sampled tokens. Tolerance: see ``LOG_S_ATOL``.
+    """
+    full_all = torch.log_softmax(scale(logits, specs), dim=-1)
+    if sampled is not None:
+        est = full(logits, sampled, specs)
+        ref = full_all.gather(1, sampled.long().unsqueeze(1)).squeeze(1)
+        if not torch.equal(est, ref):
+            r = int((est != ref).nonzero()[0])
+            raise AssertionError(
+                f"the full estimator disagrees with log_softmax(z / T) at {_spec_label(specs, r)}, "
+                f"token {int(sampled[r])}: {float(est[r]):.9g} vs {float(ref[r]):.9g}"
+            )
+    log_s = predicted_log_s(logits, kept, specs).double()
+    gap = full_all.double() - processed.double()
+    err = (gap - log_s.unsqueeze(1)).abs()
+    tol = _tol(LOG_S_ATOL, full_all, processed)
+    bad = kept & ~(err <= tol)  # NaN counts as bad
+    if not bool(bad.any()):
+        return
+    where = bad.nonzero().tolist()
+    where.sort(key=lambda rt: -float(err[rt[0], rt[1]]))
+    lines = [
+        f"{_spec_label(specs, r)}: token {t}: full {float(full_all[r, t]):.9g} - processed {float(processed[r, t]):.9g} "
+        f"= {float(gap[r, t]):.9g} but log S = {float(log_s[r]):.9g}; gap {float(err[r, t]):.3g} > tol {float(tol[r, t]):.3g}"
+        for r, t in where[:show]
+    ]
+    raise _fail(f"full - processed != log S at {len(where)} kept token(s):", lines, len(where))
+
+
+def check_replay(
+    logits: torch.Tensor,
+    specs: Sequence[SamplingSpec],
+    kept: torch.Tensor,
+    processed: torch.Tensor,
+    sampled: torch.Tensor,
+    *,
+    show: int = 5,
+) -> None:
+    """``replay`` over the sampler's kept set reproduces the sampler's processed log-prob of the sampled token.
+
+    Checked with the kept set both as a dense mask and as padded ids (the capture format).
+    """
+    y = sampled.long()
+    want = processed.gather(1, y.unsqueeze(1)).squeeze(1).double()
+    for form, k in (("mask", kept), ("ids", mask_to_ids(kept))):
+        res = replay(logits, y, k, specs)
+        got = res.logprobs.double()
+        err = (got - want).abs()
+        tol = _tol(REPLAY_ATOL, got, want)
+        bad = res.outside | ~(err <= tol)
+        if not bool(bad.any()):
+            continue
+        rows = bad.nonzero().squeeze(1).tolist()
+        lines = [
+            f"{_spec_label(specs, r)}: sampled token {int(y[r])}"
+            + (" lies outside the kept set" if bool(res.outside[r]) else "")
+            + f": replay ({form}) {float(got[r]):.9g} vs sampler {float(want[r]):.9g}, gap {float(err[r]):.3g} > tol {float(tol[r]):.3g}"
+            for r in rows[:show]
+        ]
+        raise _fail(f"replay over the sampler's kept set misses the processed log-prob in {len(rows)} row(s):", lines, len(rows))
+
+
+def check_recompute_finite(
+    result: RecomputeResult, sampled: torch.Tensor, specs: Sequence[SamplingSpec], *, show: int = 5
+) -> None:
+    """``recompute`` never scores the sampled token ``-inf`` (force-include must rescue it)."""
+    lp, forced = result.logprobs, result.forced
+    bad = ~torch.isfinite(lp)
+    if not bool(bad.any()):
+        return
+    rows = bad.nonzero().squeeze(1).tolist()
+    lines = [
+        f"{_spec_label(specs, r)}: sampled token {int(sampled[r])} scores {float(lp[r])}"
+        + (" (it lies outside the recomputed support S_p)" if bool(forced[r]) else "")
+        for r in rows[:show]
+    ]
+    raise _fail(f"recompute returned a non-finite log-prob for the sampled token in {len(rows)} row(s):", lines, len(rows))
+
+
+def check_top_p_mass(logits: torch.Tensor, specs: Sequence[SamplingSpec], kept: torch.Tensor, *, show: int = 5) -> None:
+    """S >= top_p on rows where top_p is the only filter.
+
+    vLLM drops an ascending prefix whose float32 cumulative sum is <= 1 - p, so the kept mass is >= p
+    up to that cumsum's rounding: a float32 running sum over V terms is off by at most about
+    V * 2**-24 (Higham's bound), which is the tolerance.
+    """
+    vocab = logits.shape[1]
+    log_s = predicted_log_s(logits, kept, specs).double()
+    lines: list[str] = []
+    count = 0
+    tol = vocab * 2.0**-24
+    for r, raw in enumerate(specs):
+        s = raw.effective()
+        if not s.uses_top_p or s.uses_min_p or (s.uses_top_k and s.top_k < vocab):
+            continue
+        mass = float(log_s[r].exp())
+        if not mass >= s.top_p - tol:
+            count += 1
+            if len(lines) < show:
+                lines.append(
+                    f"{_spec_label(specs, r)}: kept mass S = {mass:.9g} < top_p {s.top_p:.9g} "
+                    f"(gap {s.top_p - mass:.3g}, tol {tol:.3g}); |S| = {int(kept[r].sum())}"
+                )
+    if count:
+        raise _fail(f"top_p-only rows keep less mass than top_p in {count} row(s):", lines, count)
+
+
+def check_sampled_in_kept(vllm: SamplerOutput, specs: Sequence[SamplingSpec]) -> None:
+    """vLLM's own sanity: the token it drew lies in the support it reported."""
+    inside = vllm.kept.gather(1, vllm.sampled.long().unsqueeze(1)).squeeze(1)
+    if bool(inside.all()):
+        return
+    rows = (~inside).nonzero().squeeze(1).tolist()
+    lines = [f"{_spec_label(specs, r)}: vLLM sampled token {int(vllm.sampled[r])}, outside its kept set" for r in rows]
+    raise _fail("vLLM sampled outside its own kept set:", lines, len(rows))
+
+
+@dataclass
+class PropertyRun:
+    """The outcome of every property on one case."""
+
+    failures: dict[str, str] = field(default_factory=dict)  # property name -> message
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+PROPERTY_NAMES = ("sampled_in_kept", "kept_equal", "processed_close", "log_s_identity", "replay", "recompute_finite", "top_p_mass")
+
+
+def run_properties(
+    case: Case,
+    vllm: SamplerOutput,
+    *,
+    faults: FilterFaults | None = None,
+    force_include: bool = True,
+    trainer_noise: float = 1e-3,
+) -> PropertyRun:
+    """Every property on one case; ``faults`` / ``force_include=False`` plant a deliberate error.
+
+    recompute runs on *trainer* logits: the sampler's logits plus small noise (``trainer_noise`` x
+    N(0, 1), seeded by the case), so the recomputed boundary can move and force-include matters.
+    """
+    logits, specs = case.logits, case.specs
+    ref = reference_filter(logits, specs, faults=faults)
+    gen = torch.Generator().manual_seed(case.seed ^ 0x5EED)
+    trainer = logits + trainer_noise * torch.randn(logits.shape, generator=gen)
+    checks: dict[str, Callable[[], None]] = {
+        "sampled_in_kept": lambda: check_sampled_in_kept(vllm, specs),
+        "kept_equal": lambda: check_kept_equal(ref, vllm),
+        "processed_close": lambda: check_processed_close(ref, vllm),
+        "log_s_identity": lambda: check_log_s_identity(logits, specs, vllm.kept, vllm.logprobs, vllm.sampled),
+        "replay": lambda: check_replay(logits, specs, vllm.kept, vllm.logprobs, vllm.sampled),
+        "recompute_finite": lambda: check_recompute_finite(
+            recompute(trainer, vllm.sampled, specs, force_include=force_include, faults=faults), vllm.sampled, specs
+        ),
+        "top_p_mass": lambda: check_top_p_mass(logits, specs, vllm.kept),
+    }
+    run = PropertyRun()
+    for name, check in checks.items():
+        try:
+            check()
+        except AssertionError as exc:
+            run.failures[name] = str(exc)
+    return run
+
+

@@ -1,0 +1,116 @@
+"""Hypothesis strategies for logits batches and sampling specs, exported for users' property tests.
+
+Needs ``hypothesis`` (the ``test`` extra). Pair with :func:`parity.testing.properties.run_properties` and
+:class:`parity.engines.vllm_sampler.VllmSampler` to check your own filters against vLLM's real Sampler::
+
+    from hypothesis import given
+    from parity.engines.vllm_sampler import VllmSampler
+    from parity.testing.properties import run_properties
+    from parity.testing.strategies import cases
+
+    @given(cases())
+    def test_my_case(case):
+        run_properties(case, VllmSampler()(case.logits, case.specs))
+
+A strategy draws a :class:`parity.testing.properties.CasePlan` — the choices — and ``build_case`` turns it into
+float32 logits deterministically, so shrinking works on the choices (vocabulary, spec, which feature
+is planted) rather than on thousands of floats. ``parity sampler`` draws the same plan shapes with
+``random``; the branches a case reaches are read from the data by ``parity.testing.properties.case_labels``.
+
+Branches drawn here (each one a labelled ``hypothesis.event`` in the tests):
+* vocabulary: 2..16, 17..512, 1000/2048/4096;
+* logit scale: flat (std 0.1), middling (0.5..5), peaked (std 20); quantised logits (many ties);
+* temperature: 0, in (0, 1e-5) (vLLM raises it to 0.01: not greedy), [1e-5, 0.01), [0.01, 1), 1, (1, 2];
+* top_k: off (0 or -1), 1, 1 < k < V, k >= V;  top_p: 1, small (<= 0.3), typical;  min_p: 0, typical, 1;
+* planted: exact ties at the top_k boundary, a tied block with the top_p cut inside it, -inf entries,
+  rows with a single finite value;
+* batches: one spec for every row, or mixed per-row specs (greedy rows among random ones); a quarter
+  with top_p off in every row, so vLLM's top_k-only path (its own tie rule) is exercised too.
+"""
+
+from __future__ import annotations
+
+try:
+    from hypothesis import strategies as st
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError("parity.testing.strategies needs Hypothesis: pip install 'parity[test]'") from exc
+
+from parity.core.spec import SamplingSpec
+from parity.testing.cases import Case, CasePlan, RowPlan, build_case, without_top_p
+
+vocab_sizes = st.one_of(st.integers(2, 16), st.integers(17, 512), st.sampled_from([1000, 2048, 4096]))
+
+temperatures = st.one_of(
+    st.just(0.0),  # greedy
+    st.floats(1e-7, 9.9e-6),  # below vLLM's greedy epsilon, yet SamplingParams raises it to 0.01
+    st.floats(1e-5, 0.0099),  # also raised to 0.01
+    st.floats(0.01, 0.99),
+    st.just(1.0),
+    st.floats(1.01, 2.0),  # vLLM refuses T > 2
+)
+
+top_ps = st.one_of(st.just(1.0), st.floats(0.01, 0.3), st.floats(0.6, 0.99))
+min_ps = st.one_of(st.just(0.0), st.floats(0.01, 0.3), st.just(1.0))
+stds = st.one_of(st.just(0.1), st.floats(0.5, 5.0), st.just(20.0))
+
+
+def top_ks(vocab: int) -> st.SearchStrategy[int]:
+    return st.one_of(
+        st.sampled_from([0, -1]),  # off
+        st.just(1),
+        st.integers(2, max(2, vocab - 1)),  # k < V (k == V when V == 2)
+        st.integers(vocab, vocab + 100),  # k >= V: vLLM turns the filter off for the row
+    )
+
+
+@st.composite
+def specs(draw: st.DrawFn, vocab: int) -> SamplingSpec:
+    return SamplingSpec(draw(temperatures), draw(top_ks(vocab)), draw(top_ps), draw(min_ps))
+
+
+@st.composite
+def row_plans(draw: st.DrawFn, vocab: int, spec: SamplingSpec | None = None) -> RowPlan:
+    return RowPlan(
+        spec=spec if spec is not None else draw(specs(vocab)),
+        std=draw(stds),
+        quantum=draw(st.sampled_from([0.0, 0.0, 0.0, 0.25, 1.0])),
+        neg_inf=draw(st.one_of(st.just(0.0), st.just(0.0), st.floats(0.1, 0.9))),
+        single_finite=draw(st.integers(0, 9)) == 0,
+        top_k_tie=draw(st.sampled_from([0, 1, 2, 4])),
+        top_p_tie=draw(st.sampled_from([0, 0, 2, 3, 5])),
+    )
+
+
+@st.composite
+def case_plans(draw: st.DrawFn, max_rows: int = 6) -> CasePlan:
+    vocab = draw(vocab_sizes)
+    n = draw(st.integers(1, max_rows))
+    if draw(st.booleans()):  # mixed per-row specs, as vLLM batches requests with different settings
+        rows = tuple(draw(row_plans(vocab)) for _ in range(n))
+    else:  # one spec for the batch (planting a top_p tie may still give one row its own top_p)
+        spec = draw(specs(vocab))
+        rows = tuple(draw(row_plans(vocab, spec)) for _ in range(n))
+    if draw(st.integers(0, 3)) == 0:  # no row uses top_p: vLLM takes its top_k-only path
+        rows = without_top_p(rows)
+    return CasePlan(vocab, rows, draw(st.integers(0, 2**31 - 1)))
+
+
+def cases(max_rows: int = 6) -> st.SearchStrategy[Case]:
+    """Logits ``[N, V]`` float32 with one spec per row."""
+    return case_plans(max_rows).map(build_case)
+
+
+def example_case(vocab: int, *rows: RowPlan, seed: int = 0) -> Case:
+    """A hand-picked case for ``@example``: built like a drawn one, tagged ``source="example"``."""
+    case = build_case(CasePlan(vocab, tuple(rows), seed))
+    case.source = "example"
+    return case
+
+
+def example_logits(logits: list[list[float]], *specs_: SamplingSpec, seed: int = 0) -> Case:
+    """A hand-written logits batch for ``@example`` (one spec, or one per row)."""
+    import torch
+
+    z = torch.tensor(logits, dtype=torch.float32)
+    row_specs = list(specs_) if len(specs_) == z.shape[0] else [specs_[0]] * z.shape[0]
+    return Case(z, row_specs, seed, None, source="example")

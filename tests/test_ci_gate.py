@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from parity.core.gates import Thresholds
+from parity.core.gates import THRESHOLD_DTYPES, Thresholds, thresholds_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,6 +31,31 @@ def test_thresholds_file_validates_for_every_dtype() -> None:
         assert th.replay_support_equal_frac == 1.0
         assert th.to_dict() != Thresholds.for_dtype("float32").to_dict() or dtype == "float32"
     assert Thresholds.from_toml(ROOT / "ci" / "thresholds.toml", "bfloat16").replay_max_abs_diff == 0.25
+
+
+def test_thresholds_file_is_generated_from_the_code() -> None:
+    """The limits live in Thresholds.for_dtype only: ci/thresholds.toml is its rendering, and reading
+    it back gives every dtype's defaults exactly."""
+    text = (ROOT / "ci" / "thresholds.toml").read_text()
+    assert text == thresholds_toml(), (
+        "ci/thresholds.toml is out of date with parity.core.gates.Thresholds.for_dtype; regenerate it: "
+        "python -c \"from parity.core.gates import thresholds_toml; print(thresholds_toml(), end='')\" > ci/thresholds.toml"
+    )
+    for dtype in THRESHOLD_DTYPES:
+        assert Thresholds.from_toml(ROOT / "ci" / "thresholds.toml", dtype) == Thresholds.for_dtype(dtype)
+
+
+def test_thresholds_rendering_follows_a_changed_default(monkeypatch) -> None:
+    """Negative control: a limit changed in the code changes the rendered file (so a stale file fails above)."""
+    original = Thresholds.for_dtype
+
+    def looser(dtype: str) -> Thresholds:
+        th = original(dtype)
+        return th.override(replay_max_abs_diff=th.replay_max_abs_diff * 3) if dtype == "bfloat16" else th
+
+    monkeypatch.setattr(Thresholds, "for_dtype", staticmethod(looser))
+    assert "replay_max_abs_diff = 0.75" in thresholds_toml()
+    assert thresholds_toml() != (ROOT / "ci" / "thresholds.toml").read_text()
 
 
 def test_gpu_steps_cover_dtypes_invariance_native_mask_and_ties(tmp_path) -> None:

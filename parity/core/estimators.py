@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from parity.core import tolerances
 from parity.core.filters import (
     FilterFaults,
     apply_temperature,
@@ -146,32 +147,12 @@ def _recompute_reference(
 #   - rounding: the reference's float32 softmax sums in its kernel's order (which depends on the
 #     survivors' positions in the full row). The exact cumulative mass is computed here in float64
 #     and the decision taken from it; a position whose mass lies within the reference's float32
-#     error of ``1 - p`` (``_top_p_band``; for rows with p = 1 the underflow band of exp) could go
+#     error of ``1 - p`` (:func:`parity.core.tolerances.top_p_band`; for rows with p = 1 the underflow band) could go
 #     either way there, so the row falls back.
 #   - ties split by the cut: when the nucleus boundary falls inside a group of equal values, which of
 #     them the reference drops is decided by torch.sort's permutation of the *whole* row (not stable
 #     for long rows), which no candidate list knows. Such a row falls back.
 # min_p runs first on the full row with the reference's own function (min_p_mask), as vLLM does.
-
-_U32 = 2.0**-24  # float32 unit roundoff
-# p = 1 rows on the sort path drop survivors whose float32 probability is exactly 0 (cumsum <= 0):
-# exp(x - m) with x - m < -105 is 0 in float32 (below half the smallest subnormal, 2**-150); above -80
-# exp is a normal float >= 1.8e-35 and times 1/S >= 2**-24 stays nonzero. In between: fall back.
-_UNDERFLOW_DROP, _UNDERFLOW_KEEP = -105.0, -80.0
-
-
-def _top_p_band(mass: torch.Tensor, count: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
-    """Half-width around ``1 - p`` inside which vLLM's float32 cumsum may fall on either side.
-
-    Against the exact cumulative mass C of c survivors spanning D nats: the float32 argument
-    ``x - m`` carries u|x - m| relative error into each exp (at most u * min(D C, c / e) in total,
-    twice: numerator and denominator), exp itself ~2u, the float32 sum of the denominator in any
-    order (c - 1)u, reciprocal and product 2u, a float32 cumsum (c - 1)u worst case and its final
-    rounding u: (2c + 16)u relative is a safe envelope. The absolute terms cover the float64
-    evaluation of C here and underflowed float32 terms.
-    """
-    return mass * _U32 * (2.0 * count + 16.0) + 2 * _U32 * torch.minimum(mass * span, 0.37 * count) + count * 2.0**-50 + 2.0**-40
-
 
 def _candidates(work: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The top_k survivors of each row, descending: values (-inf past the survivors) and ids.
@@ -205,15 +186,17 @@ def _top_p_on_candidates(vals: torch.Tensor, p: torch.Tensor) -> tuple[torch.Ten
     m = vals[:, :1].double()
     x = asc.double() - m
     e = torch.exp(x)
-    mass = e.cumsum(dim=1) / e.sum(dim=1, keepdim=True)
+    total = e.sum(dim=1, keepdim=True)
+    mass = e.cumsum(dim=1) / total
     count = surv.sum(dim=1, keepdim=True).double()
     span = m - asc.masked_fill(~surv, float("inf")).amin(dim=1, keepdim=True).double()
     thr64 = thr.double().unsqueeze(1)
     drop = mass <= thr64
-    near = (mass - thr64).abs() <= _top_p_band(torch.maximum(mass, thr64), count, span)
+    near = (mass - thr64).abs() <= tolerances.top_p_band(torch.maximum(mass, thr64), count, span)
     one = (thr == 0).unsqueeze(1)  # p = 1 on the sort path: only float32 underflow drops
-    drop = torch.where(one, x < _UNDERFLOW_DROP, drop) & surv
-    near = torch.where(one, (x >= _UNDERFLOW_DROP) & (x <= _UNDERFLOW_KEEP), near) & surv
+    zero, underflow_near = tolerances.underflow_decision(x - torch.log(total))
+    drop = torch.where(one, zero, drop) & surv
+    near = torch.where(one, underflow_near, near) & surv
     drop[:, -1] = False  # the largest token is always kept
     near[:, -1] = False
     first_kept = (~surv).sum(dim=1) + drop.sum(dim=1)  # survivors are a suffix, drops a prefix of it

@@ -178,3 +178,57 @@ def evaluate(scenario: str, table: TokenTable, summary: dict[str, Any], th: Thre
         where = "; ".join(table.locate(i) for i in table.sampled_outside.nonzero().flatten()[:n].tolist())
         out.append(f"{tag} {outside} sampled token(s) are not in the captured S_q: {where}")
     return out
+
+
+# -- the thresholds file -------------------------------------------------------------------------
+# ci/thresholds.toml is generated from Thresholds.for_dtype (tests/test_ci_gate.py checks it is
+# current); the numbers live in the code only. Regenerate with:
+#   python -c "from parity.core.gates import thresholds_toml; print(thresholds_toml(), end='')" > ci/thresholds.toml
+THRESHOLD_DTYPES = ("float32", "bfloat16", "float16")
+THRESHOLDS_SCHEMA_VERSION = 1
+_NOT_A_LIMIT = ("max_violations_listed",)  # how many violations a report lists, not a gate
+_THRESHOLDS_TOML_NOTES = """\
+# parity GPU gate thresholds. Bump schema_version when a key is renamed or its meaning changes.
+# Keys are parity.core.gates.Thresholds fields; [thresholds] applies to every dtype, [thresholds.<dtype>]
+# to the trainer dtype in use. Where each number comes from:
+#   float32: measured on the CPU fixtures, vLLM vs transformers per-token log-prob drift is 2e-6 to
+#            6e-6 (nox -s parity); CUDA float32 with TF32 off is expected in the same decade, so the
+#            CPU default 1e-5 is kept. NOT yet measured on a GPU: tighten or loosen from the first
+#            gpu-session report (reports/gpu/*/report.md) and record the run here.
+#   bfloat16: an 8-bit mantissa rounds a logit of magnitude 8 by up to 0.03; the two sides round
+#            independently. Measured on the CPU fixtures, both sides bf16: replay max |diff| up to
+#            0.12 (bound 0.25) and recompute support equality 0.56-0.88 (bf16 logits tie often),
+#            hence the loose 0.5 recompute-support gate; replay support must still be exact.
+#            Mean bias after the fix must stay far below log S at top_p 0.9 (0.105 nats/token).
+#   float16: a 10-bit mantissa: four times tighter than bfloat16.
+"""
+
+
+def _toml_number(v: float) -> str:
+    if isinstance(v, int):
+        return str(v)
+    text = repr(float(v))
+    if "e" in text:
+        mantissa, exp = text.split("e")
+        return f"{mantissa}e{int(exp)}"
+    return text
+
+
+def thresholds_toml() -> str:
+    """ci/thresholds.toml, generated from :meth:`Thresholds.for_dtype`: the limits every dtype shares
+    under ``[thresholds]``, the rest under ``[thresholds.<dtype>]``."""
+    per = {d: Thresholds.for_dtype(d).to_dict() for d in THRESHOLD_DTYPES}
+    keys = [f.name for f in fields(Thresholds) if f.name not in _NOT_A_LIMIT]
+    shared = [k for k in keys if len({per[d][k] for d in THRESHOLD_DTYPES}) == 1]
+    lines = [
+        "# Generated from parity.core.gates.Thresholds.for_dtype; do not edit. Change the code, then run",
+        "#   python -c \"from parity.core.gates import thresholds_toml; print(thresholds_toml(), end='')\" > ci/thresholds.toml",
+        _THRESHOLDS_TOML_NOTES.rstrip("\n"),
+        f"schema_version = {THRESHOLDS_SCHEMA_VERSION}",
+        "",
+        "[thresholds]",
+        *(f"{k} = {_toml_number(per['float32'][k])}" for k in shared),
+    ]
+    for d in THRESHOLD_DTYPES:
+        lines += ["", f"[thresholds.{d}]", *(f"{k} = {_toml_number(per[d][k])}" for k in keys if k not in shared)]
+    return "\n".join(lines) + "\n"

@@ -19,15 +19,29 @@ def support_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a == b).all(dim=-1)
 
 
-def _finite_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Differences a - b in float64; equal infinities count as 0, one-sided infinities as inf."""
+def difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a - b`` in float64 under the one comparison rule of parity.
+
+    Equal entries count 0 (equal infinities included: -inf on both sides is agreement, off the
+    support on both). A one-sided infinity is a gap of +-inf, and a NaN on either side (NaN vs NaN
+    included) is +inf: a NaN never agrees with anything.
+    """
     a = a.double()
     b = b.double()
-    both_inf = torch.isinf(a) & torch.isinf(b) & (torch.sign(a) == torch.sign(b))
-    diff = torch.where(both_inf, torch.zeros_like(a), a - b)
+    diff = torch.where(a == b, torch.zeros_like(a), a - b)
     # Not nan_to_num(nan=inf) alone: it also clamps +-inf to +-1.8e308, so a support mismatch would
     # read as a huge finite gap and the p99 below would be computed over it.
     return torch.where(torch.isnan(diff), torch.full_like(diff, math.inf), diff)
+
+
+def abs_difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``|a - b|`` in float64 under the rule of :func:`difference`."""
+    return difference(a, b).abs()
+
+
+def max_abs_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest :func:`abs_difference` (0.0 when empty)."""
+    return float(abs_difference(a, b).max()) if a.numel() else 0.0
 
 
 def _quantile(x: torch.Tensor, q: float) -> float:
@@ -64,7 +78,7 @@ def diff_stats(a: torch.Tensor, b: torch.Tensor) -> DiffStats:
     """max/mean/p99 of ``a - b`` over matching elements (float64)."""
     if a.shape != b.shape:
         raise ValueError(f"cannot compare shapes {tuple(a.shape)} and {tuple(b.shape)}")
-    d = _finite_pair(a.flatten(), b.flatten())
+    d = difference(a.flatten(), b.flatten())
     if d.numel() == 0:
         return DiffStats(0.0, 0.0, 0.0, 0.0, -1)
     ad = d.abs()

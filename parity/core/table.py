@@ -17,6 +17,7 @@ import torch
 from parity.core import estimators
 from parity.core.capture import support_mass
 from parity.core.error_model import logprob_bound
+from parity.core.metrics import diff_stats, is_ratios, kl_tv_over_support, support_equal
 from parity.core.spec import SamplingSpec
 from parity.records.sequence import SequenceRecord
 
@@ -166,13 +167,11 @@ def build_table(
         cols["replay_support_ok"].append(~incomplete & ~rep.outside & mass_ok)
         cols["support_size"].append((kept >= 0).sum(dim=-1))
         q_mask = estimators.ids_to_mask(kept, vocab)
-        cols["recompute_support_equal"].append((rec.kept == q_mask).all(dim=-1))
+        cols["recompute_support_equal"].append(support_equal(rec.kept, q_mask))
         # KL / TV between the sampler's processed distribution and the trainer's replayed one, on S_q.
         vals = zs.gather(1, kept.clamp(min=0)).masked_fill(kept < 0, float("-inf")).double()
         t_lp = vals - torch.logsumexp(vals, dim=-1, keepdim=True)
-        p = sampler_lp.exp()
-        kl = torch.where(p > 0, p * (sampler_lp - t_lp), torch.zeros_like(p)).sum(dim=-1)
-        tv = 0.5 * (p - t_lp.exp()).abs().sum(dim=-1)
+        kl, tv = kl_tv_over_support(sampler_lp, t_lp)
         cols["kl"].append(kl)
         cols["tv"].append(tv)
     if not lengths:
@@ -193,8 +192,6 @@ def _sampler_lp_of(r: SequenceRecord, kept: torch.Tensor) -> torch.Tensor:
 
 def summarize(table: TokenTable) -> dict:
     """The per-scenario numbers of the report contract (schema_version 1), computed from the table."""
-    from parity.core.metrics import diff_stats, is_ratios
-
     usable = ~table.incomplete  # incomplete positions are counted, never guessed
     t = table.select(usable)
     naive = diff_stats(t.full, t.vllm)
@@ -259,8 +256,6 @@ def summarize(table: TokenTable) -> dict:
 
 
 def _user_summary(t: TokenTable) -> dict:
-    from parity.core.metrics import diff_stats
-
     assert t.user is not None
     d = diff_stats(t.user, t.vllm)
     gap = diff_stats(t.user - t.vllm, t.log_s)

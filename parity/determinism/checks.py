@@ -18,18 +18,10 @@ from typing import Any
 
 import torch
 
+from parity.core.metrics import max_abs_difference
 from parity.determinism.knobs import UNAVAILABLE
 
 # -- comparisons ---------------------------------------------------------------------------------
-
-
-def _abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| in float64, with equal entries (including equal infinities) counting 0."""
-    if a.numel() == 0:
-        return 0.0
-    a, b = a.double(), b.double()
-    d = torch.where(a == b, torch.zeros_like(a), (a - b).abs())
-    return float(d.max())
 
 
 def nudge_one_ulp(values: torch.Tensor, index: int = 0) -> torch.Tensor:
@@ -58,7 +50,7 @@ def compare_records(ref: Any, got: Any) -> dict[str, Any]:
     a, b = list(ref.completion_ids), list(got.completion_ids)
     tokens_equal = a == b
     n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-    diffs = [_abs_diff(ref.logprobs[:n], got.logprobs[:n])] if n else []
+    diffs = [max_abs_difference(ref.logprobs[:n], got.logprobs[:n])] if n else []
     support_equal = None
     bitwise = tokens_equal and torch.equal(ref.logprobs, got.logprobs)
     if ref.kept_ids is not None or got.kept_ids is not None:
@@ -69,7 +61,7 @@ def compare_records(ref: Any, got: Any) -> dict[str, Any]:
         bitwise = bitwise and support_equal and torch.equal(ref.kept_logprobs, got.kept_logprobs)
         if same_shape and n:
             rows = (ref.kept_ids[:n] == got.kept_ids[:n]).all(dim=-1)
-            diffs.append(_abs_diff(ref.kept_logprobs[:n][rows], got.kept_logprobs[:n][rows]))
+            diffs.append(max_abs_difference(ref.kept_logprobs[:n][rows], got.kept_logprobs[:n][rows]))
     return {
         "bitwise": bool(bitwise),
         "tokens_equal": tokens_equal,
@@ -333,7 +325,7 @@ def check_trainer_invariance(
             continue
         if perturb is not None:
             got = perturb(name, got)
-        per = [_abs_diff(a, g) for a, g in zip(alone, got, strict=True)]
+        per = [max_abs_difference(a, g) for a, g in zip(alone, got, strict=True)]
         equal = [torch.equal(a, g) for a, g in zip(alone, got, strict=True)]
         worst = max(range(count), key=lambda i: per[i])
         checks.append(

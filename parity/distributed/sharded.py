@@ -33,7 +33,8 @@ order, so every *rounding-sensitive* decision is made in exact-enough float64 wi
   unless ``|C_j - (1 - p)| <= max(C_j, 1-p) * u * (2c + 16) + 2u * min(max(C_j, 1-p) * D, 0.37c) +
   c * 2^-50 + 2^-40`` (u = 2^-24, c survivors, D their value span: float32 sum/exp/argument rounding of
   the reference softmax). Rows whose p is 1 in a batch where another row sets top_p still drop tokens
-  whose float32 probability underflows to 0: certain outside ``log q in [-120, -80]``.
+  whose float32 probability underflows to 0: certain outside ``log q in [-120, -80]``
+  (:data:`parity.core.tolerances.UNDERFLOW_BAND`, the same band the single-device recompute uses).
 * **Tie order at the top_p boundary is not reproducible from shards.** When the nucleus cut falls
   inside a group of equal values, *which* tied tokens the reference drops is decided by
   ``torch.sort`` (not stable on CPU for rows longer than 16, measured in the tests), and a comparison
@@ -68,7 +69,6 @@ Log-prob tolerance against the unsharded estimators (proved in ``logprob_bounds`
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -79,16 +79,15 @@ import torch.distributed as dist
 
 from parity.core import estimators as _est
 from parity.core.filters import apply_temperature, check_logits, reference_filter
+from parity.core.metrics import abs_difference
 from parity.core.spec import SamplingSpec, per_row
+from parity.core.tolerances import U32 as U
+from parity.core.tolerances import top_p_band, underflow_decision
 
 NEG_INF = float("-inf")
-U = 2.0**-24  # float32 unit roundoff
 ESTIMATORS = ("full", "replay", "recompute", "predicted_log_s")
 TIE_POLICIES = ("gather", "index")
 BAND_POLICIES = ("gather", "flag")
-# log of half the smallest float32 subnormal: a probability below it rounds to exactly 0.
-_LOG_ZERO_PROB = math.log(2.0**-150)
-_UNDERFLOW_BAND = (-120.0, -80.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,12 +396,6 @@ def _lex_max(v: torch.Tensor, i: torch.Tensor, dim: int) -> tuple[torch.Tensor, 
     return best_v.squeeze(dim), best_i.squeeze(dim)
 
 
-def _top_p_band(c_or_thr: torch.Tensor, c: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
-    """Half-width around ``1 - p`` inside which the reference's float32 cumsum could fall either way."""
-    rel = U * (2.0 * c + 16.0)
-    return c_or_thr * rel + 2 * U * torch.minimum(c_or_thr * span, 0.37 * c) + c * 2.0**-50 + 2.0**-40
-
-
 def _top_p_cut(
     vals: torch.Tensor,
     shard: VocabShard,
@@ -464,11 +457,11 @@ def _top_p_cut(
         drop[:, -1] = False  # the largest token is always kept
         keep = known & ~drop
         first = keep.to(torch.int8).argmax(dim=-1)
-        band = _top_p_band(torch.maximum(cum, a_thr.unsqueeze(1)), a_c.unsqueeze(1), a_span.unsqueeze(1))
+        band = top_p_band(torch.maximum(cum, a_thr.unsqueeze(1)), a_c.unsqueeze(1), a_span.unsqueeze(1))
         near = known & ((cum - a_thr.unsqueeze(1)).abs() <= band)
         near[:, -1] = False
         outside_mass = 1.0 - q.sum(dim=-1)
-        complete = ~unsent | (outside_mass <= a_thr - _top_p_band(a_thr, a_c, a_span))
+        complete = ~unsent | (outside_mass <= a_thr - top_p_band(a_thr, a_c, a_span))
         # Every rank decided from identical gathered data; the MAX makes the loop provably agree.
         complete = comm.all_reduce((~complete).to(torch.int32), "max") == 0
         pidx = (first - 1).clamp(min=0)
@@ -603,9 +596,9 @@ def sharded_kept(
         if bool(zero.any()):
             logq = v.double() - lse.unsqueeze(1)
             z_ok = zero.unsqueeze(1)
-            lo_b, hi_b = _UNDERFLOW_BAND
-            amb |= (z_ok & ok & (logq >= lo_b) & (logq <= hi_b)).any(dim=-1)
-            ok &= ~z_ok | (logq > _LOG_ZERO_PROB)
+            zero_prob, in_band = underflow_decision(logq)
+            amb |= (z_ok & ok & in_band).any(dim=-1)
+            ok &= ~z_ok | ~zero_prob
         rows = (~zero).nonzero().squeeze(1)
         if rows.numel():
             start = max(64, kmax)
@@ -703,15 +696,6 @@ def logprob_bounds(
     return out
 
 
-def _diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """|a - b| with equal infinities (and NaN vs NaN) as 0, NaN vs number as inf."""
-    a, b = a.double(), b.double()
-    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
-    d = (a - b).abs()
-    d = torch.where(torch.isnan(d), torch.full_like(d, float("inf")), d)
-    return torch.where(same, torch.zeros_like(d), d)
-
-
 @dataclass
 class ParityReport:
     violations: list[str]
@@ -784,7 +768,7 @@ def check_parity(
     for name in ("full", "recompute", "replay", "predicted_log_s"):
         if name not in result or name not in ref:
             continue
-        d = _diff(result[name], ref[name])
+        d = abs_difference(result[name], ref[name])
         if name == "recompute":  # a row deliberately judged on another support (exempt above)
             d = d.masked_fill(exempt, 0.0)
         b = bounds[name]

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from parity.core import estimators
+from parity.core.metrics import max_abs_difference
 from parity.core.spec import SamplingSpec
 from parity.records.batch import right_pad
 
@@ -130,9 +131,7 @@ def call_trainer(fn: TrainerFn, name: str, batch: TrainerBatch) -> torch.Tensor:
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
-    d = (a - b).abs()
-    d = torch.where(torch.isinf(a) & torch.isinf(b) & (a == b), torch.zeros_like(d), d)
-    return bool(d.numel() == 0 or float(d.max()) <= tol)
+    return max_abs_difference(a, b) <= tol
 
 
 def diagnose(

@@ -14,11 +14,11 @@ import torch
 from parity.core.capture import (
     compare_supports,
     padded_ids,
-    plan_capture,
     support_from_heads,
     validate_native_mask,
 )
 from parity.core.spec import SamplingSpec
+from parity.engines.rollout_base import RolloutBase
 from parity.records.sequence import SequenceRecord
 
 T = TypeVar("T")
@@ -60,30 +60,16 @@ def call_with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:
     return box["value"]
 
 
-class VllmRollout:
+class VllmRollout(RolloutBase):
     """The sampler under test. One engine per model; share it across scenarios."""
 
     name = "vllm"
 
-    def __init__(
-        self,
-        model: str | Path,
-        *,
-        dtype: str = "float32",
-        device: str = "cpu",
-        seed: int = 0,
-        max_model_len: int = 512,
-        full_vocab_limit: int = 4096,
-        tie_margin: int = 16,
-        head: int | None = None,
-        timeout_s: float = 900.0,
-        prefix_caching: bool = False,
-        capture: str = "topk",
-        engine_kwargs: dict[str, Any] | None = None,
-    ) -> None:
-        path = Path(model)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model path {str(model)!r} has no config.json: allowed a Hugging Face checkpoint directory")
+    def __init__(self, model: str | Path, *, engine_kwargs: dict[str, Any] | None = None, **settings: Any) -> None:
+        """``settings``: those of :class:`~parity.engines.rollout_base.RolloutBase`; ``engine_kwargs``
+        go to ``vllm.LLM`` last (they override)."""
+        super().__init__(model, **settings)
+        capture, device = self.capture, self.device
         if capture not in ("topk", "native", "both"):
             raise ValueError(f"capture={capture!r} is invalid: allowed topk, native, both")
         if device == "cuda" and not torch.cuda.is_available():
@@ -102,37 +88,27 @@ class VllmRollout:
             from vllm import LLM
         except ImportError as exc:
             raise RuntimeError("the rollout engine needs vLLM: install parity[cpu] (or parity[gpu] on CUDA)") from exc
-        self.model = str(path)
-        self.dtype = dtype
-        self.device = device
-        self.full_vocab_limit = full_vocab_limit
-        self.tie_margin = tie_margin
-        self.head = head
-        self.timeout_s = timeout_s
-        self.prefix_caching = prefix_caching
-        self.capture = capture
         kwargs: dict[str, Any] = dict(
             model=self.model,
-            dtype=dtype,
-            seed=seed,
+            dtype=self.dtype,
+            seed=self.seed,
             logprobs_mode="processed_logprobs",
             max_logprobs=-1,  # allow full-vocabulary capture for small vocabularies
-            max_model_len=max_model_len,
+            max_model_len=self.max_model_len_arg,
             enforce_eager=True,
             # Off by default so no scenario's numbers can depend on what an earlier scenario left
             # in the KV cache (on the CPU fixtures, a repeated run with it on was bitwise equal;
             # --prefix-caching turns it on to test the production setting).
-            enable_prefix_caching=prefix_caching,
+            enable_prefix_caching=self.prefix_caching,
         )
-        if capture != "topk":
+        if self.capture != "topk":
             kwargs["return_sampling_mask"] = True
             kwargs["max_logprobs"] = 4096  # the native path refuses unbounded (-1) log-prob requests
         kwargs.update(engine_kwargs or {})
         start = time.perf_counter()
-        self.llm = call_with_timeout(lambda: LLM(**kwargs), timeout_s, "vLLM engine start-up")
+        self.llm = call_with_timeout(lambda: LLM(**kwargs), self.timeout_s, "vLLM engine start-up")
         self.init_s = time.perf_counter() - start
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
-        self.capture_s = 0.0
 
     def tokenizer(self) -> Any:
         return self.llm.get_tokenizer()
@@ -157,9 +133,7 @@ class VllmRollout:
         if self.capture != "topk":
             validate_native_mask(spec)
         if logprobs is None:
-            plan = plan_capture(
-                spec, self.vocab_size, head=self.head, tie_margin=self.tie_margin, full_vocab_limit=self.full_vocab_limit
-            )
+            plan = self.plan(spec)
             logprobs = plan.logprobs if plan.logprobs is not None else 0
         captures = logprobs != 0
         params = [

@@ -23,6 +23,7 @@ from parity.core.estimators import (
     scale,
 )
 from parity.core.filters import FilterFaults, FilterResult, reference_filter
+from parity.core.metrics import abs_difference
 from parity.core.spec import SamplingSpec
 from parity.testing.cases import Case
 
@@ -87,9 +88,7 @@ def check_kept_equal(ref: FilterResult, vllm: SamplerOutput, *, show: int = 5) -
 def check_processed_close(ref: FilterResult, vllm: SamplerOutput, *, atol: float = PROCESSED_ATOL, show: int = 5) -> None:
     """Processed log-probs agree to ``atol`` on every token (-inf on both sides counts as equal)."""
     a, b = ref.logprobs.double(), vllm.logprobs.double()
-    both_neg_inf = torch.isneginf(a) & torch.isneginf(b)
-    gap = torch.where(both_neg_inf, torch.zeros_like(a), (a - b).abs())
-    gap = torch.where(torch.isnan(gap), torch.full_like(gap, float("inf")), gap)
+    gap = abs_difference(a, b)
     bad = gap > atol
     if not bool(bad.any()):
         return

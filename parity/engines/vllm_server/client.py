@@ -44,8 +44,9 @@ from typing import Any
 
 import torch
 
-from parity.core.capture import FULL_VOCAB, plan_capture, support_from_heads
+from parity.core.capture import FULL_VOCAB, support_from_heads
 from parity.core.spec import SamplingSpec
+from parity.engines.rollout_base import RolloutBase
 from parity.engines.vllm_server.process import LAUNCHER, free_port, shutdown
 from parity.engines.vllm_server.protocol import (
     EXPECTED_MODE,
@@ -76,7 +77,7 @@ def _normalise_url(url: str) -> str:
     return urllib.parse.urlunsplit((parsed.scheme, parsed.netloc, path, "", ""))
 
 
-class ServerRollout:
+class ServerRollout(RolloutBase):
     """The sampler under test, behind vLLM's OpenAI-compatible HTTP server.
 
     ``server="spawn"`` starts ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 at a free
@@ -92,23 +93,16 @@ class ServerRollout:
         model: str | Path,
         *,
         server: str = "spawn",
-        dtype: str = "float32",
-        device: str = "cpu",
-        seed: int = 0,
-        max_model_len: int = 512,
-        full_vocab_limit: int = 4096,
-        tie_margin: int = 16,
-        head: int | None = None,
-        timeout_s: float = 900.0,
-        prefix_caching: bool = False,
         startup_timeout_s: float | None = None,
         request_timeout_s: float | None = None,
         concurrency: int = 16,
         logprobs_mode: str = EXPECTED_MODE,
         check_mode: bool = True,
         server_args: Sequence[str] = (),
-        capture: str = "topk",
+        **settings: Any,
     ) -> None:
+        """``settings``: those of :class:`~parity.engines.rollout_base.RolloutBase`."""
+        capture = settings.get("capture", "topk")
         if capture != "topk":
             # vLLM 0.32's /v1/completions has no field for return_sampling_mask; over HTTP the kept set
             # comes from the top-K processed log-probs only.
@@ -116,26 +110,11 @@ class ServerRollout:
                 f"capture={capture!r} is not available in server mode: vLLM's OpenAI server does not expose "
                 f"return_sampling_mask; use capture='topk' (the default)"
             )
-        path = Path(model)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model path {str(model)!r} has no config.json: allowed a Hugging Face checkpoint directory"
-            )
-        self.model = str(path)
-        self.dtype = dtype
-        self.device = device
-        self.seed = seed
-        self.full_vocab_limit = full_vocab_limit
-        self.tie_margin = tie_margin
-        self.head = head
-        self.timeout_s = timeout_s
+        super().__init__(model, **settings)
+        path, timeout_s = self.path, self.timeout_s
         self.request_timeout_s = request_timeout_s if request_timeout_s is not None else timeout_s
         self.startup_timeout_s = startup_timeout_s if startup_timeout_s is not None else timeout_s
-        self.prefix_caching = prefix_caching
         self.concurrency = max(1, concurrency)
-        self.capture_s = 0.0
-        self.init_s = 0.0
-        self.max_model_len_arg = max_model_len
         self.url: str | None = None
         self.spawned = server == "spawn"
         self._closed = False
@@ -439,13 +418,7 @@ class ServerRollout:
         """Sample one completion per prompt (seed ``seed + i``) through the server; record log-probs and S_q."""
         if self._closed or self.url is None:
             raise ServerError("the server rollout is closed")
-        plan = plan_capture(
-            spec,
-            self.vocab_size,
-            head=self.head,
-            tie_margin=self.tie_margin,
-            full_vocab_limit=self.full_vocab_limit,
-        )
+        plan = self.plan(spec)
         requested = plan.logprobs if plan.logprobs is not None else 0
         label = spec.label()
         start = time.perf_counter()

@@ -1,0 +1,49 @@
+"""Float32 rounding bands of vLLM's filters: where an exact-arithmetic decision may differ from vLLM's.
+
+The fast single-device kept set (:func:`parity.core.estimators.recompute`) and the sharded one
+(:func:`parity.distributed.sharded.sharded_kept`) both decide top_p from an exact (float64) cumulative
+mass instead of vLLM's float32 ``cumsum(softmax)``. Outside these bands the exact decision is vLLM's;
+inside, the caller falls back to the reference filter itself (or flags the row). Both read the bands
+from here, so a change to a bound moves both.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+U32 = 2.0**-24  # float32 unit roundoff
+
+# log of half the smallest float32 subnormal (2**-149): a probability below it rounds to exactly 0.
+LOG_ZERO_PROB = math.log(2.0**-150)
+# p = 1 rows on the sort path drop the survivors whose float32 probability is exactly 0
+# (cumsum <= 1 - p = 0). Against log q = x - m - log S (exact): below -120 the float32 probability is
+# 0 whatever the rounding (exp(x - m) is 0, or a subnormal of at most 2**-149 divided by S > 2**23);
+# above -80 exp(x - m) is a normal float >= 1.8e-35 and times 1/S >= 2**-24 (V <= 2**24) stays
+# nonzero. In between the decision depends on float32 rounding.
+UNDERFLOW_BAND = (-120.0, -80.0)
+
+
+def top_p_band(mass: torch.Tensor, count: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
+    """Half-width around ``1 - p`` inside which vLLM's float32 cumsum may fall on either side.
+
+    Against the exact cumulative mass C of c survivors spanning D nats: the float32 argument
+    ``x - m`` carries u|x - m| relative error into each exp (at most u * min(D C, c / e) in total,
+    twice: numerator and denominator), exp itself ~2u, the float32 sum of the denominator in any
+    order (c - 1)u, reciprocal and product 2u, a float32 cumsum (c - 1)u worst case and its final
+    rounding u: (2c + 16)u relative is a safe envelope. The absolute terms cover the float64
+    evaluation of C and underflowed float32 terms. ``mass`` is ``max(C, 1 - p)`` where the band is
+    placed around a cumulative mass, ``1 - p`` where it bounds the mass left outside.
+    """
+    return mass * (U32 * (2.0 * count + 16.0)) + 2 * U32 * torch.minimum(mass * span, 0.37 * count) + count * 2.0**-50 + 2.0**-40
+
+
+def underflow_decision(log_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For p = 1 rows on the sort path: (dropped, ambiguous) from the exact log-probability ``log q``.
+
+    ``dropped``: the float32 probability rounds to 0 (the best exact-arithmetic answer);
+    ``ambiguous``: ``log q`` lies in :data:`UNDERFLOW_BAND`, where float32 rounding decides.
+    """
+    lo, hi = UNDERFLOW_BAND
+    return log_q <= LOG_ZERO_PROB, (log_q >= lo) & (log_q <= hi)

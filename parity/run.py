@@ -16,6 +16,7 @@ from parity.core.gates import Thresholds, evaluate
 from parity.core.matrix import Matrix, Scenario, default_matrix, load_matrix
 from parity.core.spec import SamplingSpec
 from parity.core.table import TrainerFaults, build_table, summarize
+from parity.core.violation import Violation
 from parity.engines.session import EnginePool, make_prompts
 
 
@@ -44,6 +45,7 @@ class RunConfig:
     capture: str = "topk"  # "topk" | "native" (vLLM return_sampling_mask, CUDA) | "both" (and compare them)
     server: str | None = None  # None: offline engine; "spawn": a local vLLM server; or a URL to attach to
     plots: bool = True
+    sampler_log_s: bool = True  # a raw-logits pass for a log S from the sampler's side (small vocabularies)
 
 
 def resolve_matrix(cfg: RunConfig) -> Matrix:
@@ -71,32 +73,101 @@ class ScenarioResult:
     records: list[Any]
     table: Any
     summary: dict[str, Any]
-    violations: list[str]
+    violations: list[Violation]
     seconds: float
 
 
-def score_scenario(rollout: Any, trainer: Any, sc: Scenario, cfg: RunConfig) -> ScenarioResult:
-    """Sample with vLLM, score with the trainer, compare, gate: one scenario."""
+def wants_sampler_log_s(rollout: Any, sc: Scenario, cfg: RunConfig) -> bool:
+    """A raw-logits pass is run when it can give the whole row: offline engine, vocabulary captured in full."""
+    return (
+        cfg.sampler_log_s
+        and not cfg.server
+        and sc.spec.effective().filtered
+        and rollout.vocab_size <= cfg.full_vocab_limit
+    )
+
+
+def attach_sampler_log_s(records: list[Any], raw: Any, prompts: list[list[int]], sc: Scenario, seed: int) -> dict[str, Any]:
+    """Sample again with the raw-logits engine (same seeds) and put the sampler-side log S on each record.
+
+    A record whose second draw differs from the first gets none (counted, never guessed).
+    """
+    import torch
+
+    from parity.core.log_s import log_s_from_raw_logits
+
+    again = raw.generate(prompts, sc.spec, max_tokens=sc.max_tokens, seed=seed, logprobs=-1)
+    mismatched = []
+    for r, a in zip(records, again, strict=True):
+        if list(a.completion_ids) != list(r.completion_ids) or r.kept_ids is None or a.kept_ids is None:
+            mismatched.append(r.prompt_index)
+            continue
+        rows = torch.full((a.length, raw.vocab_size), float("-inf"), dtype=torch.float64)
+        rows.scatter_(1, a.kept_ids.clamp(min=0), a.kept_logprobs.double().masked_fill(a.kept_ids < 0, float("-inf")))
+        r.extras["sampler_log_s"] = log_s_from_raw_logits(rows, r.kept_ids, sc.spec)
+    return {"raw_logits_pass": True, "sequences": len(records), "redrawn_differently": mismatched}
+
+
+def score_scenario(rollout: Any, trainer: Any, sc: Scenario, cfg: RunConfig, raw: Any = None) -> ScenarioResult:
+    """Sample with vLLM, score with the trainer, compare, gate: one scenario.
+
+    ``raw``: the raw-logits engine for the sampler-side log S (see :func:`wants_sampler_log_s`).
+    """
+    from parity.core.capture import plan_capture
+
     t0 = time.perf_counter()
     prompts = make_prompts(trainer.tokenizer(), sc.prompts)
     rollout.head = sc.capture_head if sc.capture_head is not None else cfg.capture_head
-    records = rollout.generate(prompts, sc.spec, max_tokens=sc.max_tokens, seed=cfg.seed + sc.seed)
+    seed = cfg.seed + sc.seed
+    records = rollout.generate(prompts, sc.spec, max_tokens=sc.max_tokens, seed=seed)
+    raw_pass = attach_sampler_log_s(records, raw, prompts, sc, seed) if raw is not None else None
     logits = trainer.logits(records)
-    table = build_table(records, logits, sc.spec, faults=cfg.faults)
+    dtypes = (cfg.dtype, cfg.trainer_dtype or cfg.dtype)
+    table = build_table(records, logits, sc.spec, faults=cfg.faults, dtype=dtypes)
     if cfg.trainer:
-        score_trainer_under_test(table, records, logits, sc, cfg.trainer, trainer, cfg.thresholds.replay_max_abs_diff)
+        score_trainer_under_test(table, records, logits, sc, cfg.trainer, trainer)
     summary = summarize(table)
+    plan = plan_capture(sc.spec, rollout.vocab_size, head=rollout.head, tie_margin=rollout.tie_margin,
+                        full_vocab_limit=rollout.full_vocab_limit)
+    summary["capture_plan"] = {"logprobs": plan.logprobs, "reason": plan.reason}
+    summary["dtypes"] = {"sampler": dtypes[0], "trainer": dtypes[1]}
+    if raw_pass is not None:
+        summary["sampler_log_s"]["raw_logits_pass"] = raw_pass
     violations = evaluate(sc.name, table, summary, cfg.thresholds)
     if cfg.trainer_shards > 1:
         summary["vocab_parallel"], shard_violations = score_vocab_parallel(records, logits, sc, cfg.trainer_shards)
-        violations += [f"[{sc.name}] vocab-parallel ({cfg.trainer_shards} shards): {v}" for v in shard_violations]
+        worst = max((d / b if b > 0 else (0.0 if d == 0 else float("inf")))
+                    for d, b in zip(summary["vocab_parallel"]["max_abs_diff_vs_unsharded"].values(),
+                                    summary["vocab_parallel"]["max_bound"].values(), strict=True)) \
+            if summary["vocab_parallel"]["max_abs_diff_vs_unsharded"] else 0.0
+        violations += [
+            Violation("vocab_parallel", sc.name, worst, 1.0, f"vocab-parallel ({cfg.trainer_shards} shards) vs unsharded "
+                      "max |diff| / bound", detail=v)
+            for v in shard_violations
+        ]
     if any("native_kept_ids" in r.extras for r in records):
-        mism = [(r.prompt_index, int(t)) for r in records for t in r.extras.get("native_vs_topk_mismatch", [])]
-        summary["native_capture"] = {"mode": cfg.capture, "mismatched_positions": len(mism)}
-        if mism:
-            where = "; ".join(f"prompt {p}, position {t}" for p, t in mism[: cfg.thresholds.max_violations_listed])
-            violations.append(f"[{sc.name}] native sampling mask and top-K capture disagree on S_q at {len(mism)} positions: {where}")
+        summary["native_capture"], native = native_capture_gate(records, sc.name, cfg.capture, cfg.thresholds)
+        violations += native
     return ScenarioResult(sc, records, table, summary, violations, time.perf_counter() - t0)
+
+
+def native_capture_gate(
+    records: list[Any], scenario: str, mode: str, th: Thresholds
+) -> tuple[dict[str, Any], list[Violation]]:
+    """vLLM's native sampling mask against the top-K capture, position by position (CUDA, ``--capture both``).
+
+    Both describe the same S_q, so any position where they differ fails (the engine adapter records
+    the positions in ``extras["native_vs_topk_mismatch"]``).
+    """
+    from parity.core.violation import Position
+
+    mism = [(r.prompt_index, int(t)) for r in records for t in r.extras.get("native_vs_topk_mismatch", [])]
+    summary = {"mode": mode, "mismatched_positions": len(mism)}
+    if not mism:
+        return summary, []
+    where = tuple(Position(prompt=p, position=t) for p, t in mism[: th.max_violations_listed])
+    return summary, [Violation("native_vs_topk", scenario, len(mism), 0, "positions where the native sampling mask "
+                               "and the top-K capture disagree on S_q", worst=where)]
 
 
 def score_vocab_parallel(records: list[Any], logits: list[Any], sc: Scenario, shards: int) -> tuple[dict[str, Any], list[str]]:
@@ -117,6 +188,7 @@ def score_vocab_parallel(records: list[Any], logits: list[Any], sc: Scenario, sh
     summary = {
         "shards": shards,
         "max_abs_diff_vs_unsharded": rep.max_abs_diff,
+        "max_bound": rep.max_bound,
         "support_equal_frac": rep.support_equal_frac,
         "fallback_rows": rep.fallback_rows,
         "bytes_per_token": result.get("bytes_per_token"),
@@ -125,7 +197,7 @@ def score_vocab_parallel(records: list[Any], logits: list[Any], sc: Scenario, sh
     return summary, list(rep.violations)
 
 
-def score_trainer_under_test(table: Any, records: list[Any], logits: list[Any], sc: Scenario, name: Any, trainer: Any, tol: float) -> None:
+def score_trainer_under_test(table: Any, records: list[Any], logits: list[Any], sc: Scenario, name: Any, trainer: Any) -> None:
     """Run the trainer under test on the sampled batch and attach its values and diagnosis to the table."""
     import torch
 
@@ -142,11 +214,9 @@ def score_trainer_under_test(table: Any, records: list[Any], logits: list[Any], 
     table.user = call_trainer(fn, label, batch)
     table.user_name = label
     ys = [torch.tensor(r.completion_ids, dtype=torch.long) for r in records]
-    untempered, shifted = reference_views(logits, ys, sc.spec)
+    views = reference_views(logits, ys, sc.spec, [r.kept_ids for r in records])
     ok = ~table.incomplete
-    table.user_diagnosis = diagnose(
-        table.user[ok], table.vllm[ok], table.log_s[ok], untempered=untempered[ok], shifted=shifted[ok], tol=tol
-    )
+    table.user_diagnosis = diagnose(table.user[ok], table.vllm[ok], {k: v[ok] for k, v in views.items()}, table.bound[ok])
 
 
 def _progress(msg: str) -> None:
@@ -172,7 +242,7 @@ def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: 
     from parity.determinism.checks import check_rollout_invariance, check_trainer_invariance
     from parity.determinism.gate import determinism_section
     from parity.determinism.knobs import batch_invariant_mode
-    from parity.report.schema import environment, write_report
+    from parity.report.schema import SCHEMA_VERSION, environment, write_report
 
     own_pool = pool is None
     pool = pool or EnginePool()
@@ -187,23 +257,25 @@ def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: 
             sc = matrix.scenarios[idx]
             model_name = sc.model or cfg.model
             rollout, trainer = pool.get(model_name, cfg, progress)
+            raw = pool.raw(model_name, cfg, progress) if wants_sampler_log_s(rollout, sc, cfg) else None
             # The trainer-side knobs (eager attention) need the model, so they nest around scoring.
             with batch_invariant_mode(cfg.batch_invariant, device=cfg.device, models=[trainer.model]):
-                res = score_scenario(rollout, trainer, sc, cfg)
+                res = score_scenario(rollout, trainer, sc, cfg, raw)
             by_index[idx] = {
                 "name": sc.name,
                 "model": model_name,
                 "spec": sc.spec.to_dict(),
                 **res.summary,
                 "verdict": "fail" if res.violations else "pass",
-                "violations": res.violations,
+                "violations": [v.to_dict() for v in res.violations],
                 "_table": res.table,
             }
             timings[f"scenario_s[{sc.name}]"] = res.seconds
             s = res.summary
             progress(
                 f"[{done}/{len(matrix.scenarios)}] {sc.name:<28} {'FAIL' if res.violations else 'PASS'}  "
-                f"log S mean {s['log_s']['mean']:+.4f}  replay max|d| {s['replay']['max_abs_diff']:.1e}  "
+                f"log S mean {s['log_s']['mean']:+.4f}  replay max|d| {s['replay']['max_abs_diff']:.1e} "
+                f"({s['headroom']['replay']:.2f} of its bound)  "
                 f"({s['tokens']} tokens, {res.seconds:.1f} s)"
             )
         determinism = None
@@ -233,7 +305,7 @@ def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: 
     timings["total_s"] = time.perf_counter() - t_start
     trainer_dtype = cfg.trainer_dtype or cfg.dtype
     report = {
-        "schema_version": 1,
+        "schema_version": SCHEMA_VERSION,
         "environment": {**environment(cfg.device, cfg.dtype, trainer_dtype), "batch_invariant_mode": state.to_dict()},
         "config": {
             "model": cfg.model,

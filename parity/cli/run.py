@@ -120,7 +120,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"parity: {len(report['scenarios']) - n_fail}/{len(report['scenarios'])} scenarios pass; report in {cfg.out}/report.md")
     for s in report["scenarios"]:
         for v in s["violations"]:
-            print(f"FAIL {v}")
+            print(f"FAIL {v['message']}")
     for v in (report.get("determinism") or {}).get("violations", []):
         print(f"FAIL [determinism] {v}")
     return 0 if report["passed"] else 1

@@ -117,3 +117,22 @@ def headroom(diff: torch.Tensor, bound: torch.Tensor) -> float:
         return 0.0
     d = diff.double().abs().nan_to_num(math.inf)
     return float((d / bound.double().clamp(min=torch.finfo(torch.float64).tiny)).max())
+
+
+def mean_bias_limit(diff: torch.Tensor, bound: torch.Tensor, values: torch.Tensor, u: float) -> float:
+    """How far ``mean(diff)`` may sit from 0 when the per-token differences are rounding noise.
+
+    Rounding noise within ``bound`` averages out: its mean lies within ``mean(bound) / sqrt(N)`` and
+    within four standard errors of the observed spread (``4 * sd(diff) / sqrt(N)``). What does not
+    average out is each side storing a log-prob of magnitude ``|v|`` in its dtype, one roundoff each:
+    ``2 u mean(|v|)``. A systematic offset beyond the sum is a bias, not noise (a fault shifting
+    every token by a fraction of the per-token bound is caught here and nowhere else).
+    """
+    d = diff.double()
+    n = int(d.numel())
+    if n == 0:
+        return math.inf
+    v = values.double().abs()
+    v = torch.where(torch.isfinite(v), v, torch.zeros_like(v))
+    sd = float(d.std()) if n > 1 else 0.0
+    return (4.0 * sd + float(bound.double().mean())) / math.sqrt(n) + 2.0 * u * float(v.mean())

@@ -1,7 +1,7 @@
-"""Thresholds per dtype and the verdict, with reasons a person can act on.
+"""Thresholds per dtype and the verdict, as :class:`parity.core.violation.Violation` objects.
 
-Every violation names the scenario and, where a token is to blame, the prompt, position, token, both
-sides' values and the gap.
+Every violation names the gate, the scenario, the statistic and its limit and, where tokens are to
+blame, the prompt, position, token, both sides' values, the gap and the bound.
 """
 
 from __future__ import annotations
@@ -14,22 +14,38 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from parity.core.table import naive_gap_to_sampler_log_s
+from parity.core.violation import Position, Violation
+
 if TYPE_CHECKING:
     from parity.core.table import TokenTable
 
 
+# Threshold names that no longer exist, and what replaced them (a clear error for an old file).
+RETIRED = {
+    "replay_max_abs_diff": "max_headroom (per-token |diff| <= max_headroom x the rounding bound)",
+    "recompute_max_abs_diff": "max_headroom (per-token |diff| <= max_headroom x the rounding bound)",
+    "fixed_mean_bias": "mean_bias_headroom (|mean diff| <= mean_bias_headroom x the error model's mean limit)",
+    "naive_gap_to_log_s": "max_headroom (the naive bias is gated against the sampler-side log S)",
+}
+
+
 @dataclass(frozen=True)
 class Thresholds:
-    """Gate limits. Defaults are float32 on CPU (the trainer and sampler share exact arithmetic)."""
+    """Gate limits. Drift is gated against the error model (:mod:`parity.core.error_model`), not a constant.
 
-    replay_max_abs_diff: float = 1e-5
-    recompute_max_abs_diff: float = 1e-5
-    fixed_mean_bias: float = 1e-6  # |mean(replay - vllm)| and |mean(recompute - vllm)|
+    ``max_headroom``: every per-token comparison passes when ``|diff| <= max_headroom * bound``, the
+    bound derived from both sides' dtype, the token's scaled logits and the support size.
+    ``mean_bias_headroom``: the same for ``|mean diff|`` against :func:`mean_bias_limit`.
+    """
+
+    max_headroom: float = 1.0
+    mean_bias_headroom: float = 1.0
     replay_support_equal_frac: float = 1.0
     recompute_support_equal_frac: float = 0.99  # the boundary may move under numerics; force-include covers it
-    naive_gap_to_log_s: float = 1e-5  # max |(full - vllm) - log S|: the bias is exactly log S
     max_incomplete_frac: float = 0.0
     max_sampled_outside: int = 0
+    max_token_mismatch: int = 0
     max_violations_listed: int = 5
 
     def __post_init__(self) -> None:
@@ -45,37 +61,22 @@ class Thresholds:
     def for_dtype(cls, dtype: str) -> Thresholds:
         """Defaults per trainer dtype.
 
-        float32: both sides compute the same float32 logits up to kernel reduction order; 1e-5 on
-        log-probs is a few times the drift measured on CPU fixtures (2-3e-6 between vLLM and transformers kernels). bfloat16/float16: provisional
-        bounds from the 8/11-bit mantissa (a logit of magnitude ~10 rounds by ~0.04 in bf16), to be
-        replaced by measured values from the GPU gate's thresholds file.
+        The drift limits scale with the dtype through the error model, so they are the same numbers
+        (headroom 1) for every dtype. Recompute's support is the one dtype-specific limit: with both
+        sides in bfloat16 on the CPU fixtures the recomputed support equalled S_q at 56-88 % of
+        positions (bf16 logits tie often and two kernels round them differently), so it is gated
+        loosely there; replay, which does not recompute the boundary, stays exact.
         """
         if dtype == "float32":
             return cls()
-        if dtype == "bfloat16":
-            # Measured on the CPU fixtures with both sides in bfloat16 (vLLM CPU and transformers):
-            # replay max |diff| up to 0.12, and the recomputed support equal to S_q at only 56-88 % of
-            # positions (bf16 logits tie often and the two kernels round differently). Recompute's
-            # support is fragile in bf16 by nature; that is what replay is for, so it is gated loosely.
-            return cls(
-                replay_max_abs_diff=0.25,
-                recompute_max_abs_diff=0.25,
-                fixed_mean_bias=0.02,
-                recompute_support_equal_frac=0.5,
-                naive_gap_to_log_s=0.25,
-            )
-        if dtype == "float16":
-            # Not measured yet: four times tighter than bfloat16 from the 10-bit mantissa.
-            return cls(
-                replay_max_abs_diff=0.06,
-                recompute_max_abs_diff=0.06,
-                fixed_mean_bias=5e-3,
-                recompute_support_equal_frac=0.5,
-                naive_gap_to_log_s=0.06,
-            )
+        if dtype in ("bfloat16", "float16"):
+            return cls(recompute_support_equal_frac=0.5)
         raise ValueError(f"dtype={dtype!r} has no default thresholds: allowed float32, bfloat16, float16")
 
     def override(self, **changes: Any) -> Thresholds:
+        retired = sorted(set(changes) & set(RETIRED))
+        if retired:
+            raise ValueError("; ".join(f"threshold {k!r} was replaced by {RETIRED[k]}" for k in retired))
         unknown = set(changes) - {f.name for f in fields(self)}
         if unknown:
             raise ValueError(f"unknown threshold(s) {sorted(unknown)}: allowed {[f.name for f in fields(self)]}")
@@ -89,6 +90,7 @@ class Thresholds:
             raise FileNotFoundError(f"thresholds file {str(path)!r} does not exist")
         data = tomllib.loads(p.read_text())
         table = dict(data.get("thresholds", data))
+        table.pop("schema_version", None)
         per_dtype = table.pop(dtype, {}) if isinstance(table.get(dtype), dict) else {}
         for key in [k for k, v in table.items() if isinstance(v, dict)]:
             table.pop(key)
@@ -98,85 +100,119 @@ class Thresholds:
         return asdict(self)
 
 
-def _worst(table: TokenTable, gap: torch.Tensor, n: int) -> list[int]:
-    order = torch.argsort(gap.abs().nan_to_num(math.inf), descending=True)
+def _worst(gap: torch.Tensor, n: int, scale: torch.Tensor | None = None) -> list[int]:
+    """The ``n`` rows with the largest ``|gap|`` (relative to ``scale`` when given); NaN first."""
+    key = gap.double().abs().nan_to_num(math.inf)
+    if scale is not None:
+        key = key / scale.double().clamp(min=torch.finfo(torch.float64).tiny)
+    order = torch.argsort(key, descending=True)
     return [int(i) for i in order[:n]]
 
 
-def _token_line(table: TokenTable, i: int, trainer_name: str, trainer: torch.Tensor, ref: torch.Tensor | None = None) -> str:
-    v, t = float(table.vllm[i]), float(trainer[i])
-    line = f"{table.locate(i)}: vllm={v:.7g} {trainer_name}={t:.7g} gap={t - v:.3g}"
-    if ref is not None:
-        line += f" (expected gap log S={float(ref[i]):.7g})"
-    return line
+def _position(
+    table: TokenTable, i: int, values: dict[str, torch.Tensor], gap: torch.Tensor | None = None,
+    bound: torch.Tensor | None = None, note: str = "",
+) -> Position:
+    return Position(
+        prompt=int(table.prompt_index[i]),
+        position=int(table.position[i]),
+        token=int(table.token[i]),
+        values={k: float(v[i]) for k, v in values.items()},
+        gap=None if gap is None else float(gap[i]),
+        bound=None if bound is None else float(bound[i]),
+        note=note,
+    )
 
 
-def evaluate(scenario: str, table: TokenTable, summary: dict[str, Any], th: Thresholds) -> list[str]:
+def _over(value: float, limit: float) -> bool:
+    return not (value <= limit)  # NaN fails
+
+
+def evaluate(scenario: str, table: TokenTable, summary: dict[str, Any], th: Thresholds) -> list[Violation]:
     """Return the violations of one scenario (empty list = pass)."""
-    out: list[str] = []
+    out: list[Violation] = []
     usable = table.select(~table.incomplete)
     n = th.max_violations_listed
-    tag = f"[{scenario}]"
+    head = summary["headroom"]
+    limits = summary["mean_bias_limit"]
 
-    def over(value: float, limit: float) -> bool:
-        return not (value <= limit)  # NaN fails
-
-    def token_gate(label: str, name: str, values: torch.Tensor, stat: float, limit: float) -> None:
-        if over(stat, limit):
+    def drift_gate(gate: str, label: str, side: str, values: torch.Tensor, stat: float) -> None:
+        if _over(stat, th.max_headroom):
             gap = values - usable.vllm
-            worst = _worst(usable, gap, n)
-            lines = "; ".join(_token_line(usable, i, name, values) for i in worst)
-            out.append(f"{tag} {label} {stat:.3g} > {limit:.3g}; worst: {lines}")
+            worst = tuple(
+                _position(usable, i, {"vllm": usable.vllm, side: values}, gap, usable.bound * th.max_headroom)
+                for i in _worst(gap, n, usable.bound)
+            )
+            out.append(Violation(gate, scenario, stat, th.max_headroom, f"{label} max |diff| / bound", worst=worst))
 
-    token_gate("replay max |diff|", "trainer_replay", usable.replay, summary["replay"]["max_abs_diff"], th.replay_max_abs_diff)
-    token_gate(
-        "recompute max |diff|", "trainer_recompute", usable.recompute, summary["recompute"]["max_abs_diff"], th.recompute_max_abs_diff
-    )
+    def mean_gate(gate: str, label: str, values: torch.Tensor, limit: float) -> None:
+        bias = float((values - usable.vllm).mean()) if usable.tokens else 0.0
+        allowed = th.mean_bias_headroom * limit
+        if _over(abs(bias), allowed):
+            out.append(Violation(gate, scenario, abs(bias), allowed, f"{label} |mean bias|",
+                                 detail=f"mean(trainer - vllm) = {bias:.3g} over {usable.tokens} tokens"))
+
+    drift_gate("replay_drift", "replay", "trainer_replay", usable.replay, head["replay"])
+    drift_gate("recompute_drift", "recompute", "trainer_recompute", usable.recompute, head["recompute"])
+    mean_gate("replay_mean_bias", "replay", usable.replay, limits["replay"])
+    mean_gate("recompute_mean_bias", "recompute", usable.recompute, limits["recompute"])
     if usable.user is not None:
         ut = summary["trainer_under_test"]
-        name = f"trainer {ut['name']!r}"
-        if over(ut["max_abs_diff"], th.replay_max_abs_diff) or over(abs(ut["mean_diff"]), th.fixed_mean_bias):
-            worst = _worst(usable, usable.user - usable.vllm, n)
-            lines = "; ".join(_token_line(usable, i, "trainer_under_test", usable.user, usable.log_s) for i in worst)
-            out.append(
-                f"{tag} {name}: {ut['diagnosis']} (max |diff| {ut['max_abs_diff']:.3g}, mean {ut['mean_diff']:.3g}, "
-                f"limits {th.replay_max_abs_diff:.3g} / {th.fixed_mean_bias:.3g}); worst: {lines}"
-            )
-    for est in ("replay", "recompute"):
-        bias = summary[est]["mean_diff"]
-        if over(abs(bias), th.fixed_mean_bias):
-            out.append(f"{tag} {est} mean bias {bias:.3g} (|bias| > {th.fixed_mean_bias:.3g}) over {usable.tokens} tokens")
-    gap_stat = summary["naive"]["max_abs_gap_to_log_s"]
-    if over(gap_stat, th.naive_gap_to_log_s):
-        gap = (usable.full - usable.vllm) - usable.log_s
-        worst = _worst(usable, gap, n)
-        lines = "; ".join(_token_line(usable, i, "trainer_full", usable.full, usable.log_s) for i in worst)
-        out.append(f"{tag} naive gap to log S {gap_stat:.3g} > {th.naive_gap_to_log_s:.3g}; worst: {lines}")
+        label = f"trainer {ut['name']!r} ({ut['diagnosis']})"
+        drift_gate("trainer_under_test_drift", label, "trainer_under_test", usable.user, head["trainer_under_test"])
+        mean_gate("trainer_under_test_mean_bias", label, usable.user, limits["trainer_under_test"])
+    naive_h = head.get("naive_vs_sampler_log_s")
+    if naive_h is not None and _over(naive_h, th.max_headroom):
+        rows, gap, bound = naive_gap_to_sampler_log_s(usable)
+        sub = usable.select(rows)
+        worst = tuple(
+            _position(sub, i, {"vllm": sub.vllm, "trainer_full": sub.full, "sampler_log_s_lo": sub.s_lo,
+                               "sampler_log_s_hi": sub.s_hi}, gap, bound * th.max_headroom)
+            for i in _worst(gap, n, bound)
+        )
+        out.append(Violation(
+            "naive_vs_sampler_log_s", scenario, naive_h, th.max_headroom,
+            "naive bias outside the sampler-side log S, max gap / bound",
+            detail=f"log S from the sampler's {usable.s_source.replace('_', ' ')}", worst=worst,
+        ))
     frac = summary["replay"]["support_equal_frac"]
-    if over(th.replay_support_equal_frac, frac):
+    if _over(th.replay_support_equal_frac, frac):
         bad = (~usable.replay_support_ok).nonzero().flatten()[:n].tolist()
-        out.append(
-            f"{tag} replay support equality {frac:.4f} < {th.replay_support_equal_frac:.4f}: captured S_q is not the "
-            f"sampler's whole support at " + "; ".join(usable.locate(i) for i in bad)
-        )
+        out.append(Violation(
+            "replay_support", scenario, frac, th.replay_support_equal_frac, "replay support equality", "<",
+            worst=tuple(_position(usable, i, {}) for i in bad),
+            detail="captured S_q is not the sampler's whole support (mass != 1 or the sampled token missing)",
+        ))
     frac = summary["recompute"]["support_equal_frac"]
-    if over(th.recompute_support_equal_frac, frac):
+    if _over(th.recompute_support_equal_frac, frac):
         bad = (~usable.recompute_support_equal).nonzero().flatten()[:n].tolist()
-        out.append(
-            f"{tag} recompute support equality {frac:.4f} < {th.recompute_support_equal_frac:.4f}: trainer-side filters "
-            f"keep a different set at " + "; ".join(usable.locate(i) for i in bad)
-        )
+        out.append(Violation(
+            "recompute_support", scenario, frac, th.recompute_support_equal_frac, "recompute support equality", "<",
+            worst=tuple(_position(usable, i, {}) for i in bad), detail="trainer-side filters keep a different set",
+        ))
     inc = summary["incomplete_positions"]
-    if table.tokens and over(inc / table.tokens, th.max_incomplete_frac):
-        where = "; ".join(table.locate(i) for i in table.incomplete.nonzero().flatten()[:n].tolist())
-        out.append(
-            f"{tag} {inc} of {table.tokens} positions have an incomplete capture (head full, support may extend past it; "
-            f"raise the capture head): {where}"
-        )
+    if table.tokens and _over(inc / table.tokens, th.max_incomplete_frac):
+        where = tuple(_position(table, i, {}) for i in table.incomplete.nonzero().flatten()[:n].tolist())
+        out.append(Violation(
+            "incomplete_capture", scenario, inc / table.tokens, th.max_incomplete_frac, "incomplete capture fraction",
+            worst=where, detail=f"{inc} of {table.tokens} positions: the head is full and the support may extend "
+            "past it; raise the capture head",
+        ))
     outside = summary["sampled_outside_support"]
-    if over(outside, th.max_sampled_outside):
-        where = "; ".join(table.locate(i) for i in table.sampled_outside.nonzero().flatten()[:n].tolist())
-        out.append(f"{tag} {outside} sampled token(s) are not in the captured S_q: {where}")
+    if _over(outside, th.max_sampled_outside):
+        where = tuple(_position(table, i, {}) for i in table.sampled_outside.nonzero().flatten()[:n].tolist())
+        out.append(Violation(
+            "sampled_outside", scenario, outside, th.max_sampled_outside, "sampled tokens outside the captured S_q",
+            worst=where, detail="the engine reports a sampled token that its own kept set does not hold",
+        ))
+    mismatch = summary["token_mismatch"]
+    if _over(mismatch, th.max_token_mismatch):
+        bad = (table.token != table.sampled).nonzero().flatten()[:n].tolist()
+        where = tuple(_position(table, i, {}, note=f"sampled {int(table.sampled[i])}") for i in bad)
+        out.append(Violation(
+            "token_mismatch", scenario, mismatch, th.max_token_mismatch, "trainer scored other tokens than sampled",
+            worst=where, detail="the trainer's token ids are not the sampler's (an off-by-one or a re-tokenisation)",
+        ))
     return out
 
 
@@ -185,22 +221,17 @@ def evaluate(scenario: str, table: TokenTable, summary: dict[str, Any], th: Thre
 # current); the numbers live in the code only. Regenerate with:
 #   python -c "from parity.core.gates import thresholds_toml; print(thresholds_toml(), end='')" > ci/thresholds.toml
 THRESHOLD_DTYPES = ("float32", "bfloat16", "float16")
-THRESHOLDS_SCHEMA_VERSION = 1
+THRESHOLDS_SCHEMA_VERSION = 2
 _NOT_A_LIMIT = ("max_violations_listed",)  # how many violations a report lists, not a gate
 _THRESHOLDS_TOML_NOTES = """\
-# parity GPU gate thresholds. Bump schema_version when a key is renamed or its meaning changes.
+# parity gate thresholds. Bump schema_version when a key is renamed or its meaning changes (2: the
+# absolute drift limits became headroom against the error model of parity.core.error_model).
 # Keys are parity.core.gates.Thresholds fields; [thresholds] applies to every dtype, [thresholds.<dtype>]
-# to the trainer dtype in use. Where each number comes from:
-#   float32: measured on the CPU fixtures, vLLM vs transformers per-token log-prob drift is 2e-6 to
-#            6e-6 (nox -s parity); CUDA float32 with TF32 off is expected in the same decade, so the
-#            CPU default 1e-5 is kept. NOT yet measured on a GPU: tighten or loosen from the first
-#            gpu-session report (reports/gpu/*/report.md) and record the run here.
-#   bfloat16: an 8-bit mantissa rounds a logit of magnitude 8 by up to 0.03; the two sides round
-#            independently. Measured on the CPU fixtures, both sides bf16: replay max |diff| up to
-#            0.12 (bound 0.25) and recompute support equality 0.56-0.88 (bf16 logits tie often),
-#            hence the loose 0.5 recompute-support gate; replay support must still be exact.
-#            Mean bias after the fix must stay far below log S at top_p 0.9 (0.105 nats/token).
-#   float16: a 10-bit mantissa: four times tighter than bfloat16.
+# to the trainer dtype in use. Drift is gated as |diff| <= max_headroom x a per-token rounding bound
+# derived from both sides' dtype, |z|/T and the support size, so one headroom serves every dtype and
+# device; the GPU gate's first reports (reports/gpu/*/report.md) say how much of it CUDA kernels use.
+# recompute_support_equal_frac is looser in bfloat16/float16: measured on the CPU fixtures, both sides
+# bf16, the recomputed support equalled S_q at 56-88 % of positions (bf16 logits tie often).
 """
 
 

@@ -8,6 +8,7 @@ it failed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -16,7 +17,8 @@ import torch
 
 from parity.core import estimators
 from parity.core.capture import support_mass
-from parity.core.error_model import logprob_bound
+from parity.core.error_model import headroom, logprob_bound, mean_bias_limit, unit_roundoff
+from parity.core.log_s import distance_outside, top_p_bracket, top_p_bracket_applies
 from parity.core.metrics import diff_stats, is_ratios, kl_tv_over_support, support_equal
 from parity.core.spec import SamplingSpec
 from parity.records.sequence import SequenceRecord
@@ -39,14 +41,21 @@ class TokenTable:
     forced: torch.Tensor  # bool [T]: recompute had to force-include the sampled token
     captured: torch.Tensor  # bool [T]: S_q was captured (False: unfiltered, support = vocabulary)
     incomplete: torch.Tensor  # bool [T]: the captured head may not hold the whole support
-    sampled_outside: torch.Tensor  # bool [T]: the sampled token is not in S_q (engine or capture fault)
+    sampled_outside: torch.Tensor  # bool [T]: the engine's sampled token is not in S_q (engine or capture fault)
     replay_support_ok: torch.Tensor  # bool [T]: S_q complete, holds y, sampler mass sums to 1
     recompute_support_equal: torch.Tensor  # bool [T]: recomputed S_p == S_q
     support_size: torch.Tensor  # long [T]: |S_q| (V when not captured)
     kl: torch.Tensor  # float64 [T]: KL(sampler || trainer replay) over S_q (0 when not captured)
     tv: torch.Tensor  # float64 [T]: total variation over S_q
-    bound: torch.Tensor  # float64 [T]: rounding bound on |trainer - sampler| (parity.core.error_model)
+    bound: torch.Tensor  # float64 [T]: rounding bound on |trainer - sampler| over S_q (parity.core.error_model)
+    bound_full: torch.Tensor  # float64 [T]: the same over the whole vocabulary (the naive estimator's)
+    sampled: torch.Tensor  # long [T]: the token the sampler drew (``token`` is what the trainer scored)
+    s_lo: torch.Tensor  # float64 [T]: sampler-side log S lies in [s_lo, s_hi]; NaN where no source has it
+    s_hi: torch.Tensor  # float64 [T]
+    logit_drift: torch.Tensor  # float64 [T]: spread over S_q of (sampler lp - trainer replay lp); NaN uncaptured
     seq_lengths: list[int]
+    roundoff: float = 2.0**-24  # unit roundoff of the looser side
+    s_source: str = "none"  # where s_lo/s_hi come from: unfiltered, raw_logits, top_p_bracket, none
     user: torch.Tensor | None = None  # float64 [T]: a trainer under test's log-probs (parity.engines.trainer_under_test)
     user_name: str | None = None
     user_diagnosis: str | None = None
@@ -77,21 +86,40 @@ class TrainerFaults:
     forget_temperature: bool = False  # score with T = 1 whatever the sampler used
     swap_token: bool = False  # the trainer scores a different token at one position per sequence
     drop_kept: bool = False  # drop one non-sampled token from S_q at one position per sequence
+    # Faults sized against the gates' own limits (tests plant them at a few times and a tenth of a limit):
+    shift_bounds: float = 0.0  # the trainer's log-probs off by this many rounding bounds at position L // 2
+    bias_logprob: float = 0.0  # every trainer log-prob shifted by this many nats (a systematic bias)
+    move_boundary_every: int = 0  # every N-th position: the best token outside S_q rises to the max logit
+    drop_kept_mass: float = 0.0  # drop the kept token whose sampler probability is nearest this, at L // 2
 
 
 def _plant(records: Sequence[SequenceRecord], logits: list[torch.Tensor], faults: TrainerFaults, vocab: int):
     """Apply planted faults at position L // 2 of each sequence; returns (tokens, logits, kept) per record."""
     out = []
+    seen = 0  # positions before this record (move_boundary_every counts across the batch)
     for r, z in zip(records, logits, strict=True):
         y = torch.tensor(r.completion_ids, dtype=torch.long)
         kept = r.kept_ids
         t = r.length // 2
+        if faults.move_boundary_every and kept is not None:
+            z = z.clone()
+            q = estimators.ids_to_mask(kept, vocab)
+            for pos in range(r.length):
+                if (seen + pos) % faults.move_boundary_every == 0 and not bool(q[pos].all()):
+                    outside = z[pos].masked_fill(q[pos], float("-inf"))
+                    z[pos, int(outside.argmax())] = z[pos].max()
+        seen += r.length
         if r.length and faults.perturb_logits:
             z = z.clone()
             z[t, y[t]] += faults.perturb_logits
         if r.length and faults.swap_token:
             y = y.clone()
             y[t] = (y[t] + 1) % vocab
+        if r.length and faults.drop_kept_mass and kept is not None and r.kept_logprobs is not None:
+            kept = kept.clone()
+            p = r.kept_logprobs[t].double().exp()
+            p[(kept[t] < 0) | (kept[t] == int(r.completion_ids[t]))] = math.inf
+            kept[t, int((p - faults.drop_kept_mass).abs().argmin())] = -1
         if r.length and faults.drop_kept and kept is not None:
             kept = kept.clone()
             row = kept[t]
@@ -119,9 +147,10 @@ def build_table(
     faults = faults or TrainerFaults()
     vocab = int(logits[0].shape[-1]) if logits else 0
     trainer_spec = SamplingSpec(1.0, spec.top_k, spec.top_p, spec.min_p) if faults.forget_temperature and not spec.greedy else spec
-    cols: dict[str, list[torch.Tensor]] = {
-        f.name: [] for f in fields(TokenTable) if f.name not in ("seq_lengths", "user", "user_name", "user_diagnosis")
-    }
+    scalar = ("seq_lengths", "user", "user_name", "user_diagnosis", "roundoff", "s_source")
+    cols: dict[str, list[torch.Tensor]] = {f.name: [] for f in fields(TokenTable) if f.name not in scalar}
+    sources: set[str] = set()
+    nan = float("nan")
     lengths = []
     for r, (y, z, kept) in zip(records, _plant(records, list(logits), faults, vocab), strict=True):
         n = r.length
@@ -130,23 +159,41 @@ def build_table(
         lengths.append(n)
         cols["prompt_index"].append(torch.full((n,), r.prompt_index, dtype=torch.long))
         cols["position"].append(torch.arange(n))
+        sampled = torch.tensor(r.completion_ids, dtype=torch.long)
         cols["token"].append(y)
+        cols["sampled"].append(sampled)
         cols["vllm"].append(r.logprobs.double())
-        full = estimators.full(z, y, trainer_spec).double()
-        cols["full"].append(full)
-        rec = estimators.recompute(z, y, trainer_spec)
-        cols["recompute"].append(rec.logprobs.double())
-        cols["forced"].append(rec.forced)
         zs = estimators.scale(z, trainer_spec)
         support = None if kept is None else estimators.ids_to_mask(kept, vocab)
-        cols["bound"].append(logprob_bound(zs, y, support, dtype=dtype))
+        bound = logprob_bound(zs, y, support, dtype=dtype)
+        bound_full = bound if kept is None else logprob_bound(zs, y, None, dtype=dtype)
+        cols["bound"].append(bound)
+        cols["bound_full"].append(bound_full)
+        # Planted trainer faults that shift what the trainer reports (not its logits), each estimator by
+        # a multiple of its own gate's bound (the naive one is gated with the full-vocabulary bound added).
+        shift = torch.full((n,), faults.bias_logprob, dtype=torch.float64)
+        shift_full = shift.clone()
+        if n and faults.shift_bounds:
+            shift[n // 2] += faults.shift_bounds * float(bound[n // 2])
+            naive_bound = bound if kept is None else bound + bound_full
+            shift_full[n // 2] += faults.shift_bounds * float(naive_bound[n // 2])
+        full = estimators.full(z, y, trainer_spec).double() + shift_full
+        cols["full"].append(full)
+        rec = estimators.recompute(z, y, trainer_spec)
+        cols["recompute"].append(rec.logprobs.double() + shift)
+        cols["forced"].append(rec.forced)
+        lo, hi, source = _sampler_log_s(r, kept, spec, vocab)
+        cols["s_lo"].append(lo)
+        cols["s_hi"].append(hi)
+        sources.add(source)
         if kept is None:
             # Unfiltered: S_q is the whole vocabulary, replay is the full log-softmax, log S = 0.
-            cols["replay"].append(full)
+            cols["replay"].append(full - shift_full + shift)
             cols["log_s"].append(torch.zeros(n, dtype=torch.float64))
             cols["captured"].append(torch.zeros(n, dtype=torch.bool))
             cols["incomplete"].append(torch.zeros(n, dtype=torch.bool))
-            cols["sampled_outside"].append(torch.zeros(n, dtype=torch.bool))
+            cols["sampled_outside"].append(_engine_missing(r, n))
+            cols["logit_drift"].append(torch.full((n,), nan, dtype=torch.float64))
             cols["replay_support_ok"].append(torch.ones(n, dtype=torch.bool))
             cols["recompute_support_equal"].append(rec.kept.all(dim=-1))
             cols["support_size"].append(torch.full((n,), vocab, dtype=torch.long))
@@ -154,17 +201,20 @@ def build_table(
             cols["tv"].append(torch.zeros(n, dtype=torch.float64))
             continue
         rep = estimators.replay(z, y, kept, trainer_spec)
-        cols["replay"].append(rep.logprobs.double())
+        cols["replay"].append(rep.logprobs.double() + shift)
         cols["log_s"].append(estimators.predicted_log_s(z, kept, trainer_spec).double())
         incomplete = r.incomplete if r.incomplete is not None else torch.zeros(n, dtype=torch.bool)
         cols["captured"].append(torch.ones(n, dtype=torch.bool))
         cols["incomplete"].append(incomplete)
-        # Outside a complete capture only: beyond a full head the sampled token may simply be unlisted.
-        cols["sampled_outside"].append(rep.outside & ~incomplete)
+        # The engine's own flag, about the token it sampled: a trainer scoring another token is the
+        # trainer's fault (token mismatch), not the capture's. Outside a complete capture only: beyond
+        # a full head the sampled token may simply be unlisted.
+        missing = _engine_missing(r, n, kept)
+        cols["sampled_outside"].append(missing & ~incomplete)
         # Sampler mass over the captured ids; a dropped token leaves it short of 1.
         sampler_lp = _sampler_lp_of(r, kept)
         mass_ok = (support_mass(sampler_lp) - 1.0).abs() <= SUPPORT_MASS_TOL
-        cols["replay_support_ok"].append(~incomplete & ~rep.outside & mass_ok)
+        cols["replay_support_ok"].append(~incomplete & ~missing & mass_ok)
         cols["support_size"].append((kept >= 0).sum(dim=-1))
         q_mask = estimators.ids_to_mask(kept, vocab)
         cols["recompute_support_equal"].append(support_equal(rec.kept, q_mask))
@@ -174,11 +224,59 @@ def build_table(
         kl, tv = kl_tv_over_support(sampler_lp, t_lp)
         cols["kl"].append(kl)
         cols["tv"].append(tv)
+        cols["logit_drift"].append(_logit_drift(sampler_lp, t_lp))
+    u = unit_roundoff(dtype)
+    source = sources.pop() if len(sources) == 1 else ("mixed" if sources else "none")
     if not lengths:
         empty: dict[str, Any] = {k: torch.zeros(0) for k in cols}
-        return TokenTable(**empty, seq_lengths=[])
+        return TokenTable(**empty, seq_lengths=[], roundoff=u, s_source=source)
     joined: dict[str, Any] = {k: torch.cat(v) for k, v in cols.items()}
-    return TokenTable(**joined, seq_lengths=lengths)
+    return TokenTable(**joined, seq_lengths=lengths, roundoff=u, s_source=source)
+
+
+def _engine_missing(r: SequenceRecord, n: int, kept: torch.Tensor | None = None) -> torch.Tensor:
+    """The sampler's "sampled token not in S_q" flag: the engine adapter's own, else from its token and kept ids."""
+    flag = r.extras.get("sampled_missing") if r.extras else None
+    if flag is not None:
+        return flag.to(torch.bool)
+    if kept is None:
+        return torch.zeros(n, dtype=torch.bool)
+    sampled = torch.tensor(r.completion_ids, dtype=torch.long)
+    return ~(kept == sampled.unsqueeze(1)).any(dim=-1)
+
+
+def _sampler_log_s(
+    r: SequenceRecord, kept: torch.Tensor | None, spec: SamplingSpec, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """[lo, hi] per position for log S from the sampler's side only (see :mod:`parity.core.log_s`)."""
+    n = r.length
+    if not spec.effective().filtered:
+        zero = torch.zeros(n, dtype=torch.float64)  # the sampler normalised over the whole vocabulary
+        return zero, zero, "unfiltered"
+    given = r.extras.get("sampler_log_s") if r.extras else None
+    if given is not None:  # from the engine's raw logits (a second pass with the same seeds)
+        v = given.double()
+        return v, v, "raw_logits"
+    if kept is not None and r.kept_logprobs is not None and top_p_bracket_applies(spec, vocab):
+        complete = r.incomplete is None or not bool(r.incomplete.any())
+        if complete and bool(torch.isfinite(r.kept_logprobs).any(dim=-1).all()):
+            lo, hi = top_p_bracket(r.kept_logprobs, spec.top_p, vocab)
+            return lo, hi, "top_p_bracket"
+    nan = torch.full((n,), float("nan"), dtype=torch.float64)
+    return nan, nan, "none"
+
+
+def _logit_drift(sampler_lp: torch.Tensor, trainer_lp: torch.Tensor) -> torch.Tensor:
+    """Per position, max - min over S_q of (sampler lp - trainer lp).
+
+    Over one support, ``lp_i - lp_j = z'_i - z'_j`` on each side, so the normalisation cancels and
+    what spreads these differences is the two engines' logits disagreeing (kernels), not the support.
+    """
+    e = sampler_lp.double() - trainer_lp.double()
+    finite = torch.isfinite(e)
+    hi = torch.where(finite, e, torch.full_like(e, -math.inf)).amax(dim=-1)
+    lo = torch.where(finite, e, torch.full_like(e, math.inf)).amin(dim=-1)
+    return torch.where(finite.any(dim=-1), hi - lo, torch.zeros_like(hi))
 
 
 def _sampler_lp_of(r: SequenceRecord, kept: torch.Tensor) -> torch.Tensor:
@@ -248,11 +346,67 @@ def summarize(table: TokenTable) -> dict:
         "tv_over_support": {"mean": float(tv.mean()) if tv.numel() else 0.0, "max": float(tv.max()) if tv.numel() else 0.0},
         "incomplete_positions": int(table.incomplete.sum()),
         "sampled_outside_support": int(table.sampled_outside.sum()),
+        "token_mismatch": int((table.token != table.sampled).sum()),
+        **error_model_summary(t),
         **({"trainer_under_test": _user_summary(t)} if t.user is not None else {}),
         "captured_positions": int(table.captured.sum()),
         "max_support_size": int(table.support_size[table.captured].max()) if bool(table.captured.any()) else None,
         "mean_support_size": float(table.support_size[table.captured].double().mean()) if bool(table.captured.any()) else None,
     }
+
+
+def naive_gap_to_sampler_log_s(t: TokenTable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(rows, gap, bound)``: where a sampler-side log S exists, how far ``full - vllm`` lies outside it.
+
+    The naive estimator's bias measured against a log S the trainer did not compute; ``bound`` is the
+    full-vocabulary drift bound plus the sampler's own rounding over S_q.
+    """
+    rows = torch.isfinite(t.s_lo)
+    gap = distance_outside((t.full - t.vllm)[rows], t.s_lo[rows], t.s_hi[rows])
+    return rows, gap, (t.bound_full + t.bound)[rows]
+
+
+def error_model_summary(t: TokenTable) -> dict[str, Any]:
+    """Headroom ``max |diff| / bound`` per gated estimator, the mean-bias limits, the drift split.
+
+    ``t`` is the table without incomplete positions.
+    """
+    naive_rows, naive_gap, naive_bound = naive_gap_to_sampler_log_s(t)
+    captured = t.captured & torch.isfinite(t.logit_drift)
+    out: dict[str, Any] = {
+        "headroom": {
+            "replay": headroom(t.replay - t.vllm, t.bound),
+            "recompute": headroom(t.recompute - t.vllm, t.bound),
+            "naive_vs_sampler_log_s": headroom(naive_gap, naive_bound) if bool(naive_rows.any()) else None,
+        },
+        "mean_bias_limit": {
+            "replay": mean_bias_limit(t.replay - t.vllm, t.bound, t.vllm, t.roundoff),
+            "recompute": mean_bias_limit(t.recompute - t.vllm, t.bound, t.vllm, t.roundoff),
+        },
+        "bound": {
+            "max": float(t.bound.max()) if t.tokens else 0.0,
+            "mean": float(t.bound.mean()) if t.tokens else 0.0,
+            "roundoff": t.roundoff,
+        },
+        "sampler_log_s": {
+            "source": t.s_source,
+            "positions": int(naive_rows.sum()),
+            "lo_mean": float(t.s_lo[naive_rows].mean()) if bool(naive_rows.any()) else None,
+            "hi_mean": float(t.s_hi[naive_rows].mean()) if bool(naive_rows.any()) else None,
+            "naive_max_gap": float(naive_gap.max()) if naive_gap.numel() else None,
+        },
+        # Over S_q, lp_i - lp_j = z'_i - z'_j: the spread of (sampler - trainer) there is logit drift
+        # (kernels); the rest of a replay gap is normalisation (which tokens the support holds).
+        "drift_split": {
+            "logit_drift_max": float(t.logit_drift[captured].max()) if bool(captured.any()) else None,
+            "logit_drift_mean": float(t.logit_drift[captured].mean()) if bool(captured.any()) else None,
+            "replay_max_abs_diff": float((t.replay - t.vllm)[captured].abs().max()) if bool(captured.any()) else None,
+        },
+    }
+    if t.user is not None:
+        out["headroom"]["trainer_under_test"] = headroom(t.user - t.vllm, t.bound)
+        out["mean_bias_limit"]["trainer_under_test"] = mean_bias_limit(t.user - t.vllm, t.bound, t.vllm, t.roundoff)
+    return out
 
 
 def _user_summary(t: TokenTable) -> dict:

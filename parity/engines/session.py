@@ -69,6 +69,26 @@ class EnginePool:
 
     def __init__(self) -> None:
         self._engines: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._raw: dict[tuple[str, str, str], Any] = {}
+
+    def raw(self, model_name: str, cfg: RunConfig, progress: Callable[[str], None]) -> Any:
+        """A second offline engine on the same model with ``logprobs_mode="raw_logits"``.
+
+        Sampling does not depend on the log-prob mode, so with the same seeds it draws the same tokens
+        (the caller checks) and hands back the sampler's own logits: the source of a log S that the
+        trainer did not compute (:mod:`parity.core.log_s`).
+        """
+        from parity.engines.vllm_offline import VllmRollout
+
+        key = (model_name, cfg.dtype, cfg.device)
+        if key not in self._raw:
+            progress(f"parity: starting a raw-logits vLLM engine on {model_name} (sampler-side log S)")
+            self._raw[key] = VllmRollout(
+                _resolve(model_name), dtype=cfg.dtype, device=cfg.device, seed=cfg.seed, timeout_s=cfg.timeout_s,
+                full_vocab_limit=cfg.full_vocab_limit, prefix_caching=cfg.prefix_caching,
+                engine_kwargs={"logprobs_mode": "raw_logits"},
+            )
+        return self._raw[key]
 
     def get(self, model_name: str, cfg: RunConfig, progress: Callable[[str], None]) -> tuple[Any, Any]:
         from parity.engines.transformers_trainer import TransformersTrainer
@@ -110,6 +130,9 @@ class EnginePool:
     def close(self) -> None:
         for rollout, _ in self._engines.values():
             rollout.close()
+        for raw in self._raw.values():
+            raw.close()
         self._engines.clear()
+        self._raw.clear()
 
 

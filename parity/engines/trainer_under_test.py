@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from parity.core import estimators
-from parity.core.metrics import max_abs_difference
 from parity.core.spec import SamplingSpec
 from parity.records.batch import right_pad
 
@@ -130,57 +129,76 @@ def call_trainer(fn: TrainerFn, name: str, batch: TrainerBatch) -> torch.Tensor:
     return torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
-    return max_abs_difference(a, b) <= tol
+def _close(a: torch.Tensor, b: torch.Tensor, bound: torch.Tensor) -> bool:
+    """``|a - b| <= bound`` at every position both define (NaN in ``b`` = not defined there)."""
+    known = ~torch.isnan(b)
+    if not bool(known.any()):
+        return False
+    d = (a.double() - b.double()).abs()
+    same_inf = torch.isinf(a) & torch.isinf(b) & (torch.sign(a) == torch.sign(b))
+    d = torch.where(same_inf, torch.zeros_like(d), d)
+    return bool((d[known] <= bound.double()[known]).all())
+
+
+# The bug classes a trainer's log-probs are checked for, and how each is described. A view is the
+# trainer-side log-prob with a set of these bugs applied; the diagnosis names the smallest set whose
+# view the trainer matches, so two bugs at once are named together.
+BUGS: dict[str, str] = {
+    "full_vocabulary": "it scores the full-vocabulary distribution while the sampler truncates (bias log S per "
+    "token; use replay over the captured kept set or recompute the filters)",
+    "forgets_temperature": "it forgets to divide the logits by the sampling temperature",
+    "off_by_one": "it reads each token's log-prob one position late (logits and labels not shifted against "
+    "each other)",
+}
+
+
+def reference_views(
+    logits: list[torch.Tensor], ys: list[torch.Tensor], spec: SamplingSpec, kept: Sequence[torch.Tensor | None]
+) -> dict[frozenset[str], torch.Tensor]:
+    """The trainer-side log-probs under every combination of :data:`BUGS` (the empty set is correct).
+
+    ``kept``: the sampler's S_q per sequence (``None`` = unfiltered: then ``full_vocabulary`` changes
+    nothing and is left out). ``off_by_one`` scores token t with row t + 1; the last token has no late
+    row among the completion rows, so that entry is NaN and left out of the comparison.
+    """
+    filtered = any(k is not None for k in kept)
+    names = [b for b in BUGS if b != "full_vocabulary" or filtered]
+    one = SamplingSpec(1.0, spec.top_k, spec.top_p, spec.min_p)
+    views: dict[frozenset[str], torch.Tensor] = {}
+    for mask in range(1 << len(names)):
+        bugs = frozenset(n for j, n in enumerate(names) if mask >> j & 1)
+        s = one if "forgets_temperature" in bugs and not spec.greedy else spec
+        parts = []
+        for z, y, k in zip(logits, ys, kept, strict=True):
+            rows, labels = (z[1:], y[:-1]) if "off_by_one" in bugs else (z, y)
+            if k is None or "full_vocabulary" in bugs:
+                v = estimators.full(rows, labels, s).double()
+            else:
+                v = estimators.replay(rows, labels, k[1:] if "off_by_one" in bugs else k, s).logprobs.double()
+            if "off_by_one" in bugs:
+                v = torch.cat([v, torch.full((1,), math.nan, dtype=torch.float64)]) if len(y) else v
+            parts.append(v)
+        views[bugs] = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+    return views
 
 
 def diagnose(
     user: torch.Tensor,
     sampler: torch.Tensor,
-    log_s: torch.Tensor,
-    *,
-    untempered: torch.Tensor,
-    shifted: torch.Tensor | None,
-    tol: float,
+    views: dict[frozenset[str], torch.Tensor],
+    bound: torch.Tensor,
 ) -> str:
     """Name the problem class of a trainer's log-probs against the sampler's.
 
-    ``untempered`` are the trainer's full log-probs at T = 1; ``shifted`` the full log-probs read one
-    position late (labels not shifted against logits: the classic off-by-one).
+    ``views``: :func:`reference_views`; ``bound``: the per-token rounding bound
+    (:func:`parity.core.error_model.logprob_bound`). Sets of fewer bugs are tried first.
     """
-    if _close(user, sampler, tol):
+    if _close(user, sampler, bound):
         return "matches the sampler's processed log-probs"
-    if bool((log_s < -tol).any()) and _close(user - sampler, log_s, tol):
-        gap = float((user - sampler - log_s).abs().max())
-        return (
-            f"bias equals log S to {gap:.1e}: it scores the full-vocabulary distribution while the sampler truncates "
-            f"(top_k/top_p/min_p); use replay over the captured kept set or recompute the filters"
-        )
-    if _close(user, untempered, tol):
-        return "equals the full log-softmax at temperature 1: it forgets to divide the logits by the sampling temperature"
-    known = ~torch.isnan(shifted) if shifted is not None else None
-    if shifted is not None and known is not None and bool(known.any()) and _close(user[known], shifted[known], tol):
-        return (
-            "equals log-probs read one position late (each token scored by the logits at its own position): "
-            "an off-by-one shift between logits and labels"
-        )
+    for bugs in sorted((b for b in views if b), key=lambda b: (len(b), sorted(b))):
+        if _close(user, views[bugs], bound):
+            ordered = [b for b in BUGS if b in bugs]
+            lead = "two bugs at once: " if len(ordered) == 2 else "three bugs at once: " if len(ordered) == 3 else ""
+            return lead + "; ".join(BUGS[b] for b in ordered)
     d = (user - sampler).abs()
     return f"unexplained drift: max |diff| {float(d.max()) if d.numel() else math.nan:.3g}, mean {float((user - sampler).mean()):.3g}"
-
-
-def reference_views(logits: list[torch.Tensor], ys: list[torch.Tensor], spec: SamplingSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full log-probs at T = 1, and read one row late, for :func:`diagnose`.
-
-    The common off-by-one scores token t with the logits at token t's own position (labels not
-    shifted), i.e. row t + 1 of the completion rows. The last token's late row is not kept by the
-    harness, so that entry is NaN and left out of the comparison.
-    """
-    untempered, shifted = [], []
-    one = SamplingSpec(1.0, spec.top_k, spec.top_p, spec.min_p)
-    for z, y in zip(logits, ys, strict=True):
-        untempered.append(estimators.full(z, y, one))
-        late = torch.full((len(y),), math.nan, dtype=torch.float64)
-        if len(y) > 1:
-            late[:-1] = estimators.full(z[1:], y[:-1], spec).double()
-        shifted.append(late)
-    return torch.cat(untempered).double(), torch.cat(shifted)

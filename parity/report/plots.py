@@ -40,7 +40,7 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     ax.set_xticks(list(x))
     ax.set_xticklabels([s["name"] for s in sc], rotation=70, ha="right", fontsize=7)
     ax.set_ylabel("nats per token")
-    ax.set_title("The naive trainer's bias equals log S")
+    ax.set_title("The naive trainer's bias against log S (trainer-side, reported)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "log_s_bias.png", dpi=110)

@@ -19,7 +19,7 @@ import torch
 from parity.report.markdown import render_markdown
 from parity.report.plots import write_plots
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DETERMINISM_ENV = (
     "VLLM_BATCH_INVARIANT",
     "VLLM_ENABLE_V1_MULTIPROCESSING",
@@ -68,8 +68,26 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
+# A violation object (parity.core.violation.Violation.to_dict), schema_version 2.
+VIOLATION_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["gate", "scenario", "statistic", "limit", "label", "comparison", "worst", "message"],
+    "properties": {
+        "gate": {"type": "string"},
+        "scenario": {"type": "string"},
+        "statistic": {"type": ["number", "string"]},
+        "limit": {"type": ["number", "string"]},
+        "label": {"type": "string"},
+        "comparison": {"enum": [">", "<"]},
+        "worst": {"type": "array", "items": {"type": "object", "required": ["prompt", "position", "token", "values"]}},
+        "detail": {"type": "string"},
+        "message": {"type": "string"},
+    },
+}
+
+
 def report_schema() -> dict[str, Any]:
-    """JSON Schema of report.json, schema_version 1 (the contract in DESIGN.md)."""
+    """JSON Schema of report.json, schema_version 2 (violations became objects; see VIOLATION_SCHEMA)."""
     num = {"type": ["number", "string"]}
     diff = {
         "type": "object",
@@ -97,7 +115,7 @@ def report_schema() -> dict[str, Any]:
             "is_ratio": {"type": "object"},
             "incomplete_positions": {"type": "integer", "minimum": 0},
             "verdict": {"enum": ["pass", "fail"]},
-            "violations": {"type": "array", "items": {"type": "string"}},
+            "violations": {"type": "array", "items": VIOLATION_SCHEMA},
         },
     }
     return {

@@ -51,7 +51,7 @@ def check_trainer(
     res = score_scenario(rollout, trainer, sc, cfg)
     # Only the trainer-under-test gate speaks for the user's function; the harness's own estimators
     # are reported but do not fail the user's test.
-    mine = [v for v in res.violations if "trainer '" in v]
+    mine = [v for v in res.violations if v.gate.startswith("trainer_under_test")]
     return {**res.summary, "violations": mine, "harness_violations": [v for v in res.violations if v not in mine]}
 
 

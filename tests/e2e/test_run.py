@@ -40,19 +40,21 @@ def report(pool, tmp_path_factory):
 
 
 def test_default_matrix_passes_every_gate(report) -> None:
-    failures = [v for s in report["scenarios"] for v in s["violations"]]
+    failures = [v["message"] for s in report["scenarios"] for v in s["violations"]]
     assert report["passed"], "\n".join(failures)
     assert [s["name"] for s in report["scenarios"]] == [s.name for s in small_default().scenarios]
 
 
-def test_naive_trainer_is_biased_by_exactly_log_s(report) -> None:
-    """The negative control: with filters on, full-vocabulary log-probs are off by log S < 0."""
+def test_naive_trainer_is_biased_by_the_samplers_log_s(report) -> None:
+    """The negative control: with filters on, full-vocabulary log-probs are off by log S < 0, and that
+    log S is the sampler's own (its raw logits, a second pass with the same seeds), not the trainer's."""
     filtered = [s for s in report["scenarios"] if s["log_s"]["mean"] < -1e-3]
     assert len(filtered) >= 10
     for s in filtered:
         assert s["naive"]["bias_mean"] < -1e-3, s["name"]
-        assert abs(s["naive"]["bias_mean"] - s["log_s"]["mean"]) <= 1e-5, s["name"]
-        assert s["naive"]["max_abs_gap_to_log_s"] <= 1e-5, s["name"]
+        assert s["sampler_log_s"]["source"] in ("raw_logits", "top_p_bracket"), s["name"]
+        assert s["sampler_log_s"]["raw_logits_pass"]["redrawn_differently"] == [], s["name"]
+        assert s["headroom"]["naive_vs_sampler_log_s"] <= 1.0, s["name"]
         assert s["is_ratio"]["naive"]["sequence"]["mean"] < 1.0, s["name"]
     unfiltered = [s for s in report["scenarios"] if s["name"] in ("baseline T=1", "greedy T=0", "T=0.7", "T=1.3")]
     for s in unfiltered:
@@ -99,21 +101,32 @@ def test_same_inputs_give_identical_report(pool, tmp_path) -> None:
 @pytest.mark.parametrize(
     ("fault", "gate"),
     [
-        (TrainerFaults(perturb_logits=0.05), "replay max |diff|"),
-        (TrainerFaults(forget_temperature=True), "replay max |diff|"),
-        (TrainerFaults(swap_token=True), "recompute max |diff|"),
-        (TrainerFaults(drop_kept=True), "replay support equality"),
+        (TrainerFaults(perturb_logits=0.05), "replay_drift"),
+        (TrainerFaults(forget_temperature=True), "replay_drift"),
+        (TrainerFaults(swap_token=True), "token_mismatch"),
+        (TrainerFaults(drop_kept=True), "replay_support"),
+        (TrainerFaults(shift_bounds=4.0), "replay_drift"),
+        (TrainerFaults(shift_bounds=4.0), "naive_vs_sampler_log_s"),
     ],
-    ids=["perturb-logits", "forget-temperature", "swap-token", "drop-kept"],
+    ids=["perturb-logits", "forget-temperature", "swap-token", "drop-kept", "4-bounds-replay", "4-bounds-naive"],
 )
 def test_planted_faults_fail_the_gates(pool, fault, gate) -> None:
     cfg = RunConfig(model=MODEL, faults=fault)
     rollout, trainer = pool.get(MODEL, cfg, lambda s: None)
+    raw = pool.raw(MODEL, cfg, lambda s: None)
     sc = Scenario("planted", SamplingSpec(temperature=0.7, top_k=20, top_p=0.9), prompts=4, max_tokens=8)
-    res = score_scenario(rollout, trainer, sc, cfg)
-    assert any(gate in v for v in res.violations), res.violations
-    clean = score_scenario(rollout, trainer, sc, RunConfig(model=MODEL))
+    res = score_scenario(rollout, trainer, sc, cfg, raw)
+    assert gate in {v.gate for v in res.violations}, [str(v) for v in res.violations]
+    clean = score_scenario(rollout, trainer, sc, RunConfig(model=MODEL), raw)
     assert clean.violations == []
+
+
+def test_a_fault_at_a_tenth_of_the_bound_passes_on_the_real_engine(pool) -> None:
+    cfg = RunConfig(model=MODEL, faults=TrainerFaults(shift_bounds=0.1))
+    rollout, trainer = pool.get(MODEL, cfg, lambda s: None)
+    sc = Scenario("tenth", SamplingSpec(temperature=0.7, top_k=20, top_p=0.9), prompts=4, max_tokens=8)
+    res = score_scenario(rollout, trainer, sc, cfg, pool.raw(MODEL, cfg, lambda s: None))
+    assert res.violations == [], [str(v) for v in res.violations]
 
 
 def test_mismatched_tokenizer_is_an_error_before_comparison(pool, tmp_path) -> None:
@@ -150,15 +163,19 @@ def test_cli_errors_are_one_readable_line(capsys, tmp_path) -> None:
     assert "top_p=1.5" in capsys.readouterr().err
     assert main(["run", "--gate", "replay_max_abs_diff"]) == 2
     assert "NAME=VALUE" in capsys.readouterr().err
+    assert main(["run", "--gate", "replay_max_abs_diff=1e-5"]) == 2
+    assert "'replay_max_abs_diff' was replaced by max_headroom" in capsys.readouterr().err
 
 
 def test_strict_thresholds_fail_and_name_the_token(pool) -> None:
-    """Float32 drift between the engines is real (~1e-6): a zero tolerance must catch it."""
-    cfg = RunConfig(model=MODEL, thresholds=Thresholds(replay_max_abs_diff=0.0, recompute_max_abs_diff=0.0))
+    """Float32 drift between the engines is real (~1e-6): a zero headroom must catch it."""
+    cfg = RunConfig(model=MODEL, thresholds=Thresholds(max_headroom=0.0))
     rollout, trainer = pool.get(MODEL, cfg, lambda s: None)
     res = score_scenario(rollout, trainer, Scenario("strict", SamplingSpec(1.0, 0, 0.9, 0.0), prompts=4, max_tokens=8), cfg)
-    line = next(v for v in res.violations if "replay max |diff|" in v)
-    assert "prompt " in line and "position " in line and "token " in line and "gap=" in line
+    v = next(v for v in res.violations if v.gate == "replay_drift")
+    assert v.worst and v.worst[0].values["vllm"] != v.worst[0].values["trainer_replay"]
+    line = v.message()
+    assert "prompt " in line and "position " in line and "token " in line and "gap=" in line and "bound=" in line
 
 
 def test_trainer_shards_match_the_unsharded_trainer(pool) -> None:

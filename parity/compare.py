@@ -244,10 +244,21 @@ def summarize(table: TokenTable) -> dict:
         "incomplete_positions": int(table.incomplete.sum()),
         "sampled_outside_support": int(table.sampled_outside.sum()),
         **({"trainer_under_test": _user_summary(t)} if t.user is not None else {}),
+        "rl_view": _rl_view(t),
         "captured_positions": int(table.captured.sum()),
         "max_support_size": int(table.support_size[table.captured].max()) if bool(table.captured.any()) else None,
         "mean_support_size": float(table.support_size[table.captured].double().mean()) if bool(table.captured.any()) else None,
     }
+
+
+def _rl_view(t: TokenTable) -> dict:
+    """Each framework's mismatch metric and each IS correction, for the naive and the fixed trainers."""
+    from parity.rl_view import summarize_trainers
+
+    trainers = {"naive": t.full, "replay": t.replay, "recompute": t.recompute}
+    if t.user is not None:
+        trainers["trainer_under_test"] = t.user
+    return summarize_trainers(t.vllm, trainers, t.seq_lengths)
 
 
 def _user_summary(t: TokenTable) -> dict:

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from parity import rl_report
+
 SCHEMA_VERSION = 1
 DETERMINISM_ENV = (
     "VLLM_BATCH_INVARIANT",
@@ -91,6 +93,8 @@ def report_schema() -> dict[str, Any]:
             "incomplete_positions": {"type": "integer", "minimum": 0},
             "verdict": {"enum": ["pass", "fail"]},
             "violations": {"type": "array", "items": {"type": "string"}},
+            # Optional (added within schema_version 1): per trainer, each framework's metric and each method.
+            "rl_view": {"type": "object", "additionalProperties": {"type": "object", "required": ["metrics", "methods"]}},
         },
     }
     return {
@@ -161,6 +165,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             )
             + " |"
         )
+    lines += rl_report.markdown(report)
     det = report.get("determinism")
     if det:
         lines += ["", "## Determinism", ""]
@@ -226,6 +231,7 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     fig.savefig(out / "log_s_bias.png", dpi=110)
     plt.close(fig)
     written.append("log_s_bias.png")
+    written += rl_report.write_plot(report, out, plt)
     return written
 
 

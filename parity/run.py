@@ -268,6 +268,7 @@ def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: 
     )
     from parity.matrix import pair_coverage
     from parity.report import environment, write_report
+    from parity.rl_view import catalogue as rl_catalogue
 
     own_pool = pool is None
     pool = pool or EnginePool()
@@ -343,6 +344,7 @@ def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: 
             "planted_faults": {k: v for k, v in cfg.faults.__dict__.items() if v},
         },
         "matrix_pair_coverage": pair_coverage(matrix),
+        "rl_view": rl_catalogue(),
         "scenarios": results,
         "determinism": determinism,
         "passed": all(r["verdict"] == "pass" for r in results) and not (determinism and determinism["violations"]),

@@ -86,7 +86,13 @@ def headline(scenario: dict[str, Any]) -> str | None:
     for t in FIXED:
         if t in rl:
             after.append(f"after {t}, " + " and ".join(_pct(_worst(rl[t], m)[0]) for m in methods))
-    return f"under {scenario['name']} with the naive trainer, " + " and ".join(parts) + "; " + "; ".join(after) + "."
+    return (
+        f"under {scenario['name']} with the naive trainer, "
+        + " and ".join(parts)
+        + "; "
+        + "; ".join(after)
+        + "."
+    )
 
 
 def _threshold_cell(metric_name: str) -> str:
@@ -110,7 +116,9 @@ def metrics_table(rl: dict[str, Any]) -> list[str]:
             v = rl[t]["metrics"].get(e.name)
             flag = " ⚠" if e.name in rl[t]["over_threshold"] else ""
             cells.append(_num(v) + flag)
-        lines.append(f"| {e.framework} | `{e.name}` | " + " | ".join(cells) + f" | {_threshold_cell(e.name)} |")
+        lines.append(
+            f"| {e.framework} | `{e.name}` | " + " | ".join(cells) + f" | {_threshold_cell(e.name)} |"
+        )
     return lines
 
 
@@ -157,7 +165,10 @@ def markdown(report: dict[str, Any]) -> list[str]:
         # Clips are left out: TOPR clips every product above 1, so kernel noise of 1e-7 "clips" half the
         # sequences of an exact trainer by a weight change of 1e-7 (visible in the tables below).
         moved = any(
-            (_worst(rl[t], m)[0] or 0) > 0 for t in rl for m in METHODS if m.action in ("mask", "drop", "veto")
+            (_worst(rl[t], m)[0] or 0) > 0
+            for t in rl
+            for m in METHODS
+            if m.action in ("mask", "drop", "veto")
         ) or any(rl[t]["over_threshold"] for t in rl)
         if not moved:
             quiet.append(s["name"])
@@ -166,7 +177,12 @@ def markdown(report: dict[str, Any]) -> list[str]:
         if h:
             lines.append(f"- {h[0].upper()}{h[1:]}")
     if quiet:
-        lines += ["", "No method masks, drops or vetoes anything, and no metric is over its threshold, for any trainer, in: " + ", ".join(quiet) + "."]
+        lines += [
+            "",
+            "No method masks, drops or vetoes anything, and no metric is over its threshold, for any trainer, in: "
+            + ", ".join(quiet)
+            + ".",
+        ]
     for s in scenarios:
         rl = s["rl_view"]
         lines += ["", f"### {s['name']}", ""]
@@ -187,7 +203,11 @@ def write_plot(report: dict[str, Any], out: Path, plt: Any) -> list[str]:
     labels = [m.name + ("" if s == "any" else f" ({_sign_label(s)})") for m, s in rows]
     trainers = [t for t in TRAINERS if all(t in sc["rl_view"] for sc in scenarios)]
     fig, axes = plt.subplots(
-        len(trainers), 1, figsize=(max(9, 0.42 * len(scenarios) + 5), 0.3 * len(rows) * len(trainers) + 2.5), squeeze=False
+        len(trainers),
+        1,
+        figsize=(max(9, 0.42 * len(scenarios) + 5), (0.3 * len(rows) + 2.2) * len(trainers)),
+        squeeze=False,
+        constrained_layout=True,
     )
     image = None
     for ax, t in zip(axes[:, 0], trainers, strict=True):
@@ -199,7 +219,15 @@ def write_plot(report: dict[str, Any], out: Path, plt: Any) -> list[str]:
         for i, row in enumerate(values):
             for j, v in enumerate(row):
                 if v == v and v > 0:
-                    ax.text(j, i, f"{100 * v:.0f}", ha="center", va="center", fontsize=5, color="black" if v < 0.6 else "white")
+                    ax.text(
+                        j,
+                        i,
+                        f"{100 * v:.0f}",
+                        ha="center",
+                        va="center",
+                        fontsize=5,
+                        color="black" if v < 0.6 else "white",
+                    )
         ax.set_yticks(range(len(labels)))
         ax.set_yticklabels(labels, fontsize=6)
         ax.set_xticks(range(len(scenarios)))
@@ -207,6 +235,7 @@ def write_plot(report: dict[str, Any], out: Path, plt: Any) -> list[str]:
         ax.set_title(f"{t} trainer: % of tokens or sequences masked / vetoed / dropped", fontsize=9)
     if image is not None:
         fig.colorbar(image, ax=axes[:, 0].tolist(), fraction=0.02, pad=0.01, label="fraction dropped")
+    fig.suptitle("Each correction method on the recorded tokens, naive against fixed trainers", fontsize=10)
     fig.savefig(Path(out) / "rl_methods.png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     return ["rl_methods.png"]

@@ -81,8 +81,16 @@ class Mismatch:
                     )
             object.__setattr__(self, "sampler", sampler)
         flat = torch.cat(deltas) if deltas else torch.zeros(0, dtype=torch.float64)
-        seq = torch.cat([torch.full((d.numel(),), i, dtype=torch.long) for i, d in enumerate(deltas)]) if deltas else torch.zeros(0, dtype=torch.long)
-        lq = torch.cat(sampler) if sampler else (torch.zeros(0, dtype=torch.float64) if sampler is not None else None)
+        seq = (
+            torch.cat([torch.full((d.numel(),), i, dtype=torch.long) for i, d in enumerate(deltas)])
+            if deltas
+            else torch.zeros(0, dtype=torch.long)
+        )
+        lq = (
+            torch.cat(sampler)
+            if sampler
+            else (torch.zeros(0, dtype=torch.float64) if sampler is not None else None)
+        )
         valid = ~torch.isnan(flat)
         if lq is not None:
             valid &= ~torch.isnan(lq)
@@ -98,11 +106,18 @@ class Mismatch:
     def from_logprobs(cls, trainer: Sequence[torch.Tensor], sampler: Sequence[torch.Tensor]) -> Mismatch:
         """One 1-D tensor of log-probs per sequence on each side."""
         if len(trainer) != len(sampler):
-            raise ValueError(f"trainer has {len(trainer)} sequences but sampler has {len(sampler)}: allowed the same count")
-        pairs = [(_as_1d(t, f"trainer[{i}]"), _as_1d(s, f"sampler[{i}]")) for i, (t, s) in enumerate(zip(trainer, sampler, strict=True))]
+            raise ValueError(
+                f"trainer has {len(trainer)} sequences but sampler has {len(sampler)}: allowed the same count"
+            )
+        pairs = [
+            (_as_1d(t, f"trainer[{i}]"), _as_1d(s, f"sampler[{i}]"))
+            for i, (t, s) in enumerate(zip(trainer, sampler, strict=True))
+        ]
         for i, (t, s) in enumerate(pairs):
             if t.shape != s.shape:
-                raise ValueError(f"trainer[{i}] has {t.numel()} tokens but sampler[{i}] has {s.numel()}: allowed the same length")
+                raise ValueError(
+                    f"trainer[{i}] has {t.numel()} tokens but sampler[{i}] has {s.numel()}: allowed the same length"
+                )
         return cls(tuple(_delta(t, s) for t, s in pairs), tuple(s for _, s in pairs))
 
     @classmethod
@@ -126,10 +141,14 @@ class Mismatch:
                 "allowed three [B, T] tensors of one shape"
             )
         m = mask.bool()
-        return cls.from_logprobs([trainer[b][m[b]] for b in range(len(m))], [sampler[b][m[b]] for b in range(len(m))])
+        return cls.from_logprobs(
+            [trainer[b][m[b]] for b in range(len(m))], [sampler[b][m[b]] for b in range(len(m))]
+        )
 
     @classmethod
-    def from_deltas(cls, deltas: Sequence[torch.Tensor], sampler: Sequence[torch.Tensor] | None = None) -> Mismatch:
+    def from_deltas(
+        cls, deltas: Sequence[torch.Tensor], sampler: Sequence[torch.Tensor] | None = None
+    ) -> Mismatch:
         """δ per sequence; without the sampler's log-probs the probability-space entries report None."""
         return cls(tuple(deltas), tuple(sampler) if sampler is not None else None)
 
@@ -234,7 +253,9 @@ class Metric:
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
-            raise ValueError(f"Metric {self.name!r}: level={self.level!r} is invalid: allowed {', '.join(LEVELS)}")
+            raise ValueError(
+                f"Metric {self.name!r}: level={self.level!r} is invalid: allowed {', '.join(LEVELS)}"
+            )
 
     def value(self, m: Mismatch) -> float | None:
         if self.needs_probs and not m.has_probs:
@@ -339,19 +360,102 @@ def _tok(transform: Callable[[Mismatch], torch.Tensor], how: str) -> Callable[[M
 
 METRICS: tuple[Metric, ...] = (
     # TRL: |δ| over the completion mask, NaN excluded (TRL logs 0.0 for an empty batch; here None).
-    Metric("TRL", "sampling/sampling_logp_difference/mean", "token", "mean |δ|", _tok(_abs_delta, "mean"), TRL_SRC),
-    Metric("TRL", "sampling/sampling_logp_difference/max", "token", "max |δ|", _tok(_abs_delta, "max"), TRL_SRC),
-    Metric("TRL", "sampling/importance_sampling_ratio/min", "sequence", "min over sequences of exp(Σδ), 0 above 3 (sequence_mask, default)", _tok(_trl_seq_mask_ratio, "min"), TRL_SRC),
-    Metric("TRL", "sampling/importance_sampling_ratio/mean", "sequence", "mean over sequences of exp(Σδ), 0 above 3 (sequence_mask, default)", _tok(_trl_seq_mask_ratio, "mean"), TRL_SRC),
-    Metric("TRL", "sampling/importance_sampling_ratio/max", "sequence", "max over sequences of exp(Σδ), 0 above 3 (sequence_mask, default)", _tok(_trl_seq_mask_ratio, "max"), TRL_SRC),
-    Metric("TRL", "sampling/importance_sampling_ratio/min [token_truncate]", "token", "min of min(e^δ, 3) over tokens", _tok(_trl_token_truncate_ratio, "min"), TRL_SRC),
-    Metric("TRL", "sampling/importance_sampling_ratio/mean [token_truncate]", "token", "mean of min(e^δ, 3) over tokens", _tok(_trl_token_truncate_ratio, "mean"), TRL_SRC),
-    Metric("TRL", "sampling/importance_sampling_ratio/max [token_truncate]", "token", "max of min(e^δ, 3) over tokens", _tok(_trl_token_truncate_ratio, "max"), TRL_SRC),
+    Metric(
+        "TRL",
+        "sampling/sampling_logp_difference/mean",
+        "token",
+        "mean |δ|",
+        _tok(_abs_delta, "mean"),
+        TRL_SRC,
+    ),
+    Metric(
+        "TRL", "sampling/sampling_logp_difference/max", "token", "max |δ|", _tok(_abs_delta, "max"), TRL_SRC
+    ),
+    Metric(
+        "TRL",
+        "sampling/importance_sampling_ratio/min",
+        "sequence",
+        "min over sequences of exp(Σδ), 0 above 3 (sequence_mask, default)",
+        _tok(_trl_seq_mask_ratio, "min"),
+        TRL_SRC,
+    ),
+    Metric(
+        "TRL",
+        "sampling/importance_sampling_ratio/mean",
+        "sequence",
+        "mean over sequences of exp(Σδ), 0 above 3 (sequence_mask, default)",
+        _tok(_trl_seq_mask_ratio, "mean"),
+        TRL_SRC,
+    ),
+    Metric(
+        "TRL",
+        "sampling/importance_sampling_ratio/max",
+        "sequence",
+        "max over sequences of exp(Σδ), 0 above 3 (sequence_mask, default)",
+        _tok(_trl_seq_mask_ratio, "max"),
+        TRL_SRC,
+    ),
+    Metric(
+        "TRL",
+        "sampling/importance_sampling_ratio/min [token_truncate]",
+        "token",
+        "min of min(e^δ, 3) over tokens",
+        _tok(_trl_token_truncate_ratio, "min"),
+        TRL_SRC,
+    ),
+    Metric(
+        "TRL",
+        "sampling/importance_sampling_ratio/mean [token_truncate]",
+        "token",
+        "mean of min(e^δ, 3) over tokens",
+        _tok(_trl_token_truncate_ratio, "mean"),
+        TRL_SRC,
+    ),
+    Metric(
+        "TRL",
+        "sampling/importance_sampling_ratio/max [token_truncate]",
+        "token",
+        "max of min(e^δ, 3) over tokens",
+        _tok(_trl_token_truncate_ratio, "max"),
+        TRL_SRC,
+    ),
     # verl: in probability space, |e^lp − e^lq| over the response mask; std is torch.std (unbiased).
-    Metric("verl", "training/rollout_probs_diff_max", "token", "max |p − q|", _tok(_probs_abs_diff, "max"), VERL_DEBUG_SRC, needs_probs=True),
-    Metric("verl", "training/rollout_probs_diff_mean", "token", "mean |p − q|", _tok(_probs_abs_diff, "mean"), VERL_DEBUG_SRC, needs_probs=True),
-    Metric("verl", "training/rollout_probs_diff_std", "token", "std |p − q| (unbiased)", _tok(_probs_abs_diff, "std"), VERL_DEBUG_SRC, needs_probs=True),
-    Metric("verl", "training/rollout_actor_probs_pearson_corr", "token", "Pearson correlation of p and q", _pearson_probs, VERL_DEBUG_SRC, needs_probs=True),
+    Metric(
+        "verl",
+        "training/rollout_probs_diff_max",
+        "token",
+        "max |p − q|",
+        _tok(_probs_abs_diff, "max"),
+        VERL_DEBUG_SRC,
+        needs_probs=True,
+    ),
+    Metric(
+        "verl",
+        "training/rollout_probs_diff_mean",
+        "token",
+        "mean |p − q|",
+        _tok(_probs_abs_diff, "mean"),
+        VERL_DEBUG_SRC,
+        needs_probs=True,
+    ),
+    Metric(
+        "verl",
+        "training/rollout_probs_diff_std",
+        "token",
+        "std |p − q| (unbiased)",
+        _tok(_probs_abs_diff, "std"),
+        VERL_DEBUG_SRC,
+        needs_probs=True,
+    ),
+    Metric(
+        "verl",
+        "training/rollout_actor_probs_pearson_corr",
+        "token",
+        "Pearson correlation of p and q",
+        _pearson_probs,
+        VERL_DEBUG_SRC,
+        needs_probs=True,
+    ),
     Metric(
         "slime",
         "train_rollout_logprob_abs_diff",
@@ -379,12 +483,47 @@ METRICS: tuple[Metric, ...] = (
         "prime_rl/trainer/rl/loss.py compute_loss",
         Threshold(0.015, "<", "prime-rl: new models < 0.015"),
     ),
-    Metric("prime-rl", "mismatch_kl/max", "sequence", "max over sequences of mean (r − log r − 1)", _prime_mismatch_kl("max"), "prime_rl/trainer/rl/loss.py compute_loss"),
+    Metric(
+        "prime-rl",
+        "mismatch_kl/max",
+        "sequence",
+        "max over sequences of mean (r − log r − 1)",
+        _prime_mismatch_kl("max"),
+        "prime_rl/trainer/rl/loss.py compute_loss",
+    ),
     # SkyRL: |rollout − trainer| over loss_mask > 0; std is torch.std (unbiased).
-    Metric("SkyRL", "policy/rollout_train_logprobs_abs_diff_mean", "token", "mean |δ|", _tok(_abs_delta, "mean"), SKYRL_SRC),
-    Metric("SkyRL", "policy/rollout_train_logprobs_abs_diff_std", "token", "std |δ| (unbiased)", _tok(_abs_delta, "std"), SKYRL_SRC),
-    Metric("SkyRL", "policy/rollout_train_logprobs_abs_diff_max", "token", "max |δ|", _tok(_abs_delta, "max"), SKYRL_SRC),
-    Metric("SkyRL", "policy/rollout_train_logprobs_abs_diff_min", "token", "min |δ|", _tok(_abs_delta, "min"), SKYRL_SRC),
+    Metric(
+        "SkyRL",
+        "policy/rollout_train_logprobs_abs_diff_mean",
+        "token",
+        "mean |δ|",
+        _tok(_abs_delta, "mean"),
+        SKYRL_SRC,
+    ),
+    Metric(
+        "SkyRL",
+        "policy/rollout_train_logprobs_abs_diff_std",
+        "token",
+        "std |δ| (unbiased)",
+        _tok(_abs_delta, "std"),
+        SKYRL_SRC,
+    ),
+    Metric(
+        "SkyRL",
+        "policy/rollout_train_logprobs_abs_diff_max",
+        "token",
+        "max |δ|",
+        _tok(_abs_delta, "max"),
+        SKYRL_SRC,
+    ),
+    Metric(
+        "SkyRL",
+        "policy/rollout_train_logprobs_abs_diff_min",
+        "token",
+        "min |δ|",
+        _tok(_abs_delta, "min"),
+        SKYRL_SRC,
+    ),
 )
 
 
@@ -449,11 +588,11 @@ class Method:
 
     name: str
     frameworks: tuple[str, ...]
+    level: str
     statistic: str
     interval: tuple[float, float]
     action: str
-    source: str
-    level: str
+    source: str  # the framework file and function it mirrors
     sign: str = "both"
     weight: str = "statistic"
     dual_clip: float | None = None  # PPO dual clip: with A < 0, a ratio above this is also dropped
@@ -466,7 +605,11 @@ class Method:
         if self.statistic not in STATISTICS:
             raise bad("statistic", self.statistic, ", ".join(STATISTICS))
         if self.level not in LEVELS or STATISTICS[self.statistic].level != self.level:
-            raise bad("level", self.level, f"{STATISTICS[self.statistic].level!r} (the level of statistic {self.statistic!r})")
+            raise bad(
+                "level",
+                self.level,
+                f"{STATISTICS[self.statistic].level!r} (the level of statistic {self.statistic!r})",
+            )
         if self.action not in ACTIONS:
             raise bad("action", self.action, ", ".join(ACTIONS))
         if self.sign not in SIGNS:
@@ -510,7 +653,9 @@ class Method:
     def apply(self, m: Mismatch, sign: str = "any") -> MethodResult:
         """What this method does to the units of ``m`` for advantages of ``sign`` ('any', '+', '-')."""
         if sign not in self.signs:
-            raise ValueError(f"Method {self.name!r}: sign={sign!r} is invalid: allowed {', '.join(self.signs)}")
+            raise ValueError(
+                f"Method {self.name!r}: sign={sign!r} is invalid: allowed {', '.join(self.signs)}"
+            )
         if self.needs_probs and not m.has_probs:
             return MethodResult(self.name, sign, self.level, self.action, 0, None, None, None, None)
         x = STATISTICS[self.statistic].compute(m)
@@ -531,7 +676,11 @@ class Method:
         elif self.action == "clip":
             w = x.clamp(min=lo, max=hi)
         else:
-            base = {"statistic": x, "ratio": m.delta().exp() if self.level == "token" else x, "one": torch.ones_like(x)}[self.weight]
+            base = {
+                "statistic": x,
+                "ratio": m.delta().exp() if self.level == "token" else x,
+                "one": torch.ones_like(x),
+            }[self.weight]
             w = base.masked_fill(affected, 0.0) if self.action in ("mask", "veto", "drop") else base
         w = torch.nan_to_num(w, nan=0.0, posinf=math.inf)
         n = int(x.numel())
@@ -594,95 +743,195 @@ _INF = math.inf
 VERL_RC = "verl/trainer/ppo/rollout_corr_helper.py"
 VERL_PRESETS = "verl/trainer/config/algorithm.py RolloutCorrectionConfig"
 SKYRL_OPC = "skyrl_train/utils/off_policy_correction.py"
+VERL_CORE = "verl/trainer/ppo/core_algos.py"
 
 METHODS: tuple[Method, ...] = (
     Method(
-        "Naive IS (token)", ("reference",), "ratio", (0.0, _INF), "none",
-        "per-token importance weight r, no truncation", "token",
+        name="Naive IS (token)",
+        frameworks=("reference",),
+        level="token",
+        statistic="ratio",
+        interval=(0.0, _INF),
+        action="none",
+        source="per-token importance weight r, no truncation",
     ),
     Method(
-        "Naive IS (sequence)", ("reference",), "seq_ratio", (0.0, _INF), "none",
-        "per-sequence importance weight Π r, no truncation", "sequence",
+        name="Naive IS (sequence)",
+        frameworks=("reference",),
+        level="sequence",
+        statistic="seq_ratio",
+        interval=(0.0, _INF),
+        action="none",
+        source="per-sequence importance weight Π r, no truncation",
     ),
     Method(
-        "Token TIS C=2", ("verl", "slime", "SkyRL"), "ratio", (0.0, 2.0), "clip",
-        f"{VERL_RC} compute_rollout_correction_weights (rollout_is='token', threshold 2.0); "
-        f"{SKYRL_OPC} compute_tis_ratio (token)", "token",
+        name="Token TIS C=2",
+        frameworks=("verl", "slime", "SkyRL"),
+        level="token",
+        statistic="ratio",
+        interval=(0.0, 2.0),
+        action="clip",
+        source=f"{VERL_RC} compute_rollout_correction_weights (rollout_is='token', threshold 2.0); "
+        f"{SKYRL_OPC} compute_tis_ratio (token)",
     ),
     Method(
-        "Token TIS C=3", ("TRL",), "ratio", (0.0, 3.0), "clip",
-        f"{TRL_SRC}, vllm_importance_sampling_mode='token_truncate', clip_max 3.0", "token",
+        name="Token TIS C=3",
+        frameworks=("TRL",),
+        level="token",
+        statistic="ratio",
+        interval=(0.0, TRL_IS_CAP),
+        action="clip",
+        source=f"{TRL_SRC}, vllm_importance_sampling_mode='token_truncate', clip_max 3.0",
     ),
     Method(
-        "Sequence TIS C=2", ("verl",), "seq_ratio", (0.0, 2.0), "clip",
-        f"{VERL_RC} compute_rollout_correction_weights (rollout_is='sequence', threshold 2.0)", "sequence",
+        name="Sequence TIS C=2",
+        frameworks=("verl",),
+        level="sequence",
+        statistic="seq_ratio",
+        interval=(0.0, 2.0),
+        action="clip",
+        source=f"{VERL_RC} compute_rollout_correction_weights (rollout_is='sequence', threshold 2.0)",
     ),
     Method(
-        "TRL sequence_mask (default)", ("TRL",), "seq_ratio", (0.0, TRL_IS_CAP), "mask",
-        f"{TRL_SRC}, vllm_importance_sampling_mode='sequence_mask' (default), clip_max 3.0, no lower bound",
-        "sequence",
+        name="TRL sequence_mask (default)",
+        frameworks=("TRL",),
+        level="sequence",
+        statistic="seq_ratio",
+        interval=(0.0, TRL_IS_CAP),
+        action="mask",
+        source=f"{TRL_SRC}, vllm_importance_sampling_mode='sequence_mask' (default), clip_max 3.0, no lower bound",
     ),
     Method(
-        "Token MIS/IcePop [0.5, 5]", ("verl", "OpenRLHF"), "ratio", (0.5, 5.0), "mask",
-        f"{VERL_RC} compute_rollout_rejection_mask (token, IcePop preset bounds 0.5 and 5)", "token",
+        name="Token MIS/IcePop [0.5, 5]",
+        frameworks=("verl", "OpenRLHF"),
+        level="token",
+        statistic="ratio",
+        interval=(0.5, 5.0),
+        action="mask",
+        source=f"{VERL_RC} compute_rollout_rejection_mask (token level, IcePop bounds 0.5 and 5)",
     ),
     Method(
-        "Token MIS [0.5, 2]", ("SkyRL",), "ratio", (0.5, 2.0), "mask",
-        f"{SKYRL_OPC} compute_token_mask (token_mask_is_threshold_low/high)", "token",
+        name="Token MIS [0.5, 2]",
+        frameworks=("SkyRL",),
+        level="token",
+        statistic="ratio",
+        interval=(0.5, 2.0),
+        action="mask",
+        source=f"{SKYRL_OPC} compute_token_mask (token_mask_is_threshold_low/high)",
     ),
     Method(
-        "Sequence MIS [0.5, 2]", ("verl",), "seq_ratio", (0.5, 2.0), "mask",
-        f"{VERL_PRESETS}.decoupled_seq_is_rs (sequence IS 2.0 + sequence RS, lower bound 1/2)", "sequence",
+        name="Sequence MIS [0.5, 2]",
+        frameworks=("verl",),
+        level="sequence",
+        statistic="seq_ratio",
+        interval=(0.5, 2.0),
+        action="mask",
+        source=f"{VERL_PRESETS}.decoupled_seq_is_rs (sequence IS 2.0 + sequence RS, lower bound 1/2)",
     ),
     Method(
-        "Geo-mean RS [0.999, 1.001]", ("verl",), "geo_ratio", (0.999, 1.001), "drop",
-        f"{VERL_PRESETS}.decoupled_geo_rs (geometric RS 0.999-1.001)", "sequence", weight="one",
-    ),
-    Method(
-        "Geo-mean RS [0.99, 1.01]", ("SkyRL",), "geo_ratio", (0.99, 1.01), "drop",
-        f"{SKYRL_OPC} compute_sequence_mask (sequence_mask_metric='geometric', geo_mask_low/high)", "sequence",
+        name="Geo-mean RS [0.999, 1.001]",
+        frameworks=("verl",),
+        level="sequence",
+        statistic="geo_ratio",
+        interval=(0.999, 1.001),
+        action="drop",
         weight="one",
+        source=f"{VERL_PRESETS}.decoupled_geo_rs (geometric RS 0.999-1.001)",
     ),
     Method(
-        "K3 RS 0.01", ("verl",), "seq_mean_k3", (-_INF, 0.01), "drop",
-        f"{VERL_PRESETS}.decoupled_k3_rs (seq_mean_k3 <= 0.01); {VERL_RC} compute_rollout_rejection_mask",
-        "sequence", weight="one",
-    ),
-    Method(
-        "Token veto 1e-4", ("verl", "SkyRL"), "min_ratio", (1e-4, _INF), "veto",
-        "verl rollout_token_veto_threshold 1e-4 (a sequence with any token ratio below it is rejected); "
-        f"{SKYRL_OPC} compute_outlier_token_mask (outlier_token_is_threshold_low 1e-4)", "sequence",
+        name="Geo-mean RS [0.99, 1.01]",
+        frameworks=("SkyRL",),
+        level="sequence",
+        statistic="geo_ratio",
+        interval=(0.99, 1.01),
+        action="drop",
         weight="one",
+        source=f"{SKYRL_OPC} compute_sequence_mask (sequence_mask_metric='geometric', geo_mask_low/high)",
     ),
     Method(
-        "PPO clip [0.8, 1.2]", ("verl", "TRL", "OpenRLHF"), "ratio", (0.8, 1.2), "drop",
-        "verl/trainer/ppo/core_algos.py compute_policy_loss_vanilla (clip_ratio 0.2, dual clip c=3)", "token",
-        sign="ppo", dual_clip=3.0,
+        name="K3 RS 0.01",
+        frameworks=("verl",),
+        level="sequence",
+        statistic="seq_mean_k3",
+        interval=(-_INF, 0.01),
+        action="drop",
+        weight="one",
+        source=f"{VERL_PRESETS}.decoupled_k3_rs (seq_mean_k3 <= 0.01); {VERL_RC} compute_rollout_rejection_mask",
     ),
     Method(
-        "DAPO clip [0.8, 1.28]", ("verl", "TRL"), "ratio", (0.8, 1.28), "drop",
-        "verl/trainer/ppo/core_algos.py compute_policy_loss_vanilla (clip_ratio_low 0.2, clip_ratio_high 0.28, "
-        "dual clip c=3)", "token", sign="ppo", dual_clip=3.0,
+        name="Token veto 1e-4",
+        frameworks=("verl", "SkyRL"),
+        level="sequence",
+        statistic="min_ratio",
+        interval=(1e-4, _INF),
+        action="veto",
+        weight="one",
+        source="verl rollout_token_veto_threshold 1e-4 (a sequence with any token ratio below it is rejected); "
+        f"{SKYRL_OPC} compute_outlier_token_mask (outlier_token_is_threshold_low 1e-4)",
     ),
     Method(
-        "GSPO [1-3e-4, 1+4e-4]", ("verl", "TRL"), "geo_ratio", (1 - 3e-4, 1 + 4e-4), "drop",
-        "verl/trainer/ppo/core_algos.py compute_policy_loss_gspo (sequence ratio exp(mean δ))", "sequence",
+        name="PPO clip [0.8, 1.2]",
+        frameworks=("verl", "TRL", "OpenRLHF"),
+        level="token",
+        statistic="ratio",
+        interval=(0.8, 1.2),
+        action="drop",
         sign="ppo",
+        dual_clip=3.0,
+        source=f"{VERL_CORE} compute_policy_loss_vanilla (clip_ratio 0.2, dual clip c=3)",
     ),
     Method(
-        "CISPO cap 5", ("TRL", "MiniMax-M1"), "ratio", (0.0, 5.0), "clip",
-        "trl/trainer/grpo_trainer.py GRPOTrainer._compute_loss, loss_type='cispo' (clamp(r, max=epsilon_high), "
-        "epsilon_high 5.0 as recommended by ScaleRL)", "token",
+        name="DAPO clip [0.8, 1.28]",
+        frameworks=("verl", "TRL"),
+        level="token",
+        statistic="ratio",
+        interval=(0.8, 1.28),
+        action="drop",
+        sign="ppo",
+        dual_clip=3.0,
+        source=f"{VERL_CORE} compute_policy_loss_vanilla (clip_ratio_low 0.2, clip_ratio_high 0.28, dual clip c=3)",
     ),
     Method(
-        "TOPR", ("TOPR",), "seq_ratio", (0.0, 1.0), "clip",
-        "Tapered Off-Policy REINFORCE: positive advantages weight 1, negative ones min(Π r, 1)", "sequence",
+        name="GSPO [1-3e-4, 1+4e-4]",
+        frameworks=("verl", "TRL"),
+        level="sequence",
+        statistic="geo_ratio",
+        interval=(1 - 3e-4, 1 + 4e-4),
+        action="drop",
+        sign="ppo",
+        source=f"{VERL_CORE} compute_policy_loss_gspo (sequence ratio exp(mean δ), clip 3e-4 / 4e-4)",
+    ),
+    Method(
+        name="CISPO cap 5",
+        frameworks=("TRL", "MiniMax-M1"),
+        level="token",
+        statistic="ratio",
+        interval=(0.0, 5.0),
+        action="clip",
+        source="trl/trainer/grpo_trainer.py GRPOTrainer._compute_loss, loss_type='cispo': "
+        "clamp(r, max=epsilon_high), epsilon_high 5.0 as ScaleRL recommends",
+    ),
+    Method(
+        name="TOPR",
+        frameworks=("TOPR",),
+        level="sequence",
+        statistic="seq_ratio",
+        interval=(0.0, 1.0),
+        action="clip",
         sign="neg",
+        source="Tapered Off-Policy REINFORCE: positive advantages weight 1, negative ones min(Π r, 1)",
     ),
     Method(
-        "DPPO binary-TV 0.2", ("verl",), "tv", (-0.2, 0.2), "drop",
-        "verl/trainer/ppo/core_algos.py compute_policy_loss_dppo_tv (A > 0 keeps p − q <= 0.2, A < 0 keeps "
-        "p − q >= -0.2; no ratio clipping)", "token", sign="ppo", weight="ratio",
+        name="DPPO binary-TV 0.2",
+        frameworks=("verl",),
+        level="token",
+        statistic="tv",
+        interval=(-0.2, 0.2),
+        action="drop",
+        sign="ppo",
+        weight="ratio",
+        source=f"{VERL_CORE} compute_policy_loss_dppo_tv (A > 0 keeps p − q <= 0.2, A < 0 keeps p − q >= -0.2; "
+        "the kept weight is r, no ratio clipping)",
     ),
 )
 
@@ -710,7 +959,9 @@ def method_results(m: Mismatch, methods: Sequence[Method] = METHODS) -> dict[str
     return {e.name: {s: e.apply(m, s).to_dict() for s in e.signs} for e in methods}
 
 
-def summarize(m: Mismatch, *, metrics: Sequence[Metric] = METRICS, methods: Sequence[Method] = METHODS) -> dict[str, Any]:
+def summarize(
+    m: Mismatch, *, metrics: Sequence[Metric] = METRICS, methods: Sequence[Method] = METHODS
+) -> dict[str, Any]:
     """Every metric and every method on one trainer's tokens, as plain numbers (None = undefined)."""
     values = metric_values(m, metrics)
     over = [e.name for e in metrics if e.threshold is not None and e.threshold.holds(values[e.name]) is False]

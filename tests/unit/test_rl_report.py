@@ -54,7 +54,14 @@ def scenario(name: str, spec: SamplingSpec) -> tuple[dict, object]:
     records, logits = records_for(spec)
     table = build_table(records, logits, spec)
     s = summarize(table)
-    return {"name": name, "model": "synthetic", "spec": spec.to_dict(), **s, "verdict": "pass", "violations": []}, table
+    return {
+        "name": name,
+        "model": "synthetic",
+        "spec": spec.to_dict(),
+        **s,
+        "verdict": "pass",
+        "violations": [],
+    }, table
 
 
 def test_scenario_summary_carries_the_three_trainers() -> None:
@@ -67,7 +74,9 @@ def test_scenario_summary_carries_the_three_trainers() -> None:
         assert view["tokens"] == table.tokens and view["sequences"] == len(table.seq_lengths)
     # The naive trainer's δ is log S per token: its mean |δ| is -mean log S, and GSPO (A < 0) drops
     # exactly the sequences whose mean log S is below log(1 - 3e-4).
-    assert rl["naive"]["metrics"]["sampling/sampling_logp_difference/mean"] == pytest.approx(-float(table.log_s.mean()), abs=1e-6)
+    assert rl["naive"]["metrics"]["sampling/sampling_logp_difference/mean"] == pytest.approx(
+        -float(table.log_s.mean()), abs=1e-6
+    )
     per_seq = torch.stack([x.mean() for x in torch.split(table.log_s, table.seq_lengths)])
     assert rl["naive"]["methods"][GSPO]["-"]["affected"] == int((per_seq < math.log(1 - 3e-4)).sum())
     assert rl["naive"]["methods"][GSPO]["-"]["affected"] > 0
@@ -84,7 +93,10 @@ def test_trainer_under_test_joins_the_view() -> None:
     table = build_table(records, logits, spec)
     table.user = table.full.clone()
     table.user_name = "mine"
-    assert summarize(table)["rl_view"]["trainer_under_test"]["metrics"] == summarize(table)["rl_view"]["naive"]["metrics"]
+    assert (
+        summarize(table)["rl_view"]["trainer_under_test"]["metrics"]
+        == summarize(table)["rl_view"]["naive"]["metrics"]
+    )
 
 
 def test_report_md_and_json_carry_both_tables(tmp_path) -> None:
@@ -104,7 +116,10 @@ def test_report_md_and_json_carry_both_tables(tmp_path) -> None:
     assert h is not None and h.startswith("under top_p=0.9 T=0.7 with the naive trainer, GSPO")
     assert "after replay, 0 % and 0 %" in h
     assert f"- U{h[1:]}" in md
-    assert "No method masks, drops or vetoes anything, and no metric is over its threshold, for any trainer, in: baseline T=1." in md
+    assert (
+        "No method masks, drops or vetoes anything, and no metric is over its threshold, for any trainer, in: baseline T=1."
+        in md
+    )
     assert "| framework | metric | naive | replay | recompute | documented threshold |" in md
     assert "| NeMo-RL | `token_mult_prob_error` |" in md and "< 1.05" in md
     for m in METHODS:

@@ -132,7 +132,9 @@ def test_std_metrics_are_unbiased_like_torch_std() -> None:
     assert value("policy/rollout_train_logprobs_abs_diff_std", m) == pytest.approx(math.sqrt(0.5))
     assert value("policy/rollout_train_logprobs_abs_diff_min", m) == 0.0
     # probabilities 0.5 and e^1 * 0.5: |p - q| = 0 and 0.5 (e - 1)
-    assert value("training/rollout_probs_diff_std", m) == pytest.approx(statistics.stdev([0.0, 0.5 * (math.e - 1)]))
+    assert value("training/rollout_probs_diff_std", m) == pytest.approx(
+        statistics.stdev([0.0, 0.5 * (math.e - 1)])
+    )
 
 
 def test_pearson_is_undefined_on_constant_or_single_tokens() -> None:
@@ -349,7 +351,10 @@ def _plant(method: Method, side: str, factor: float) -> Mismatch:
     if st == "tv":
         q = 0.1 if side == "high" else 0.7
         p = q + factor * bound
-        return Mismatch.from_logprobs([torch.tensor([math.log(p)], dtype=torch.float64)], [torch.tensor([math.log(q)], dtype=torch.float64)])
+        return Mismatch.from_logprobs(
+            [torch.tensor([math.log(p)], dtype=torch.float64)],
+            [torch.tensor([math.log(q)], dtype=torch.float64)],
+        )
     if st == "seq_mean_k3":
         return seqs([_k3_inverse(factor * bound)] * 16)
     d = factor * math.log(bound)
@@ -401,7 +406,13 @@ def test_no_tokens_gives_undefined_statistics_not_zeros() -> None:
         assert all(v is None for v in s["metrics"].values())
         for per_sign in s["methods"].values():
             for r in per_sign.values():
-                assert r == {"units": 0, "affected": None, "affected_frac": None, "mean_weight": None, "ess": None}
+                assert r == {
+                    "units": 0,
+                    "affected": None,
+                    "affected_frac": None,
+                    "mean_weight": None,
+                    "ess": None,
+                }
         assert s["over_threshold"] == []
 
 
@@ -468,7 +479,15 @@ def test_bad_input_names_the_field() -> None:
 
 
 def test_bad_method_definitions_name_the_field() -> None:
-    base = dict(name="x", frameworks=("f",), statistic="ratio", interval=(0.5, 2.0), action="mask", source="s", level="token")
+    base = dict(
+        name="x",
+        frameworks=("f",),
+        statistic="ratio",
+        interval=(0.5, 2.0),
+        action="mask",
+        source="s",
+        level="token",
+    )
     for change, field in [
         ({"statistic": "nope"}, "statistic"),
         ({"level": "sequence"}, "level"),

@@ -1,0 +1,8 @@
+"""``python -m parity``: the same entry point as the ``parity`` console script."""
+
+import sys
+
+from parity.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -279,7 +279,15 @@ def _reduce(x: torch.Tensor, how: str) -> float | None:
     """mean/max/min/std (unbiased, like torch.std) of a 1-D tensor; None where it is undefined."""
     if x.numel() == 0 or (how == "std" and x.numel() < 2):
         return None
-    return float({"mean": torch.mean, "max": torch.max, "min": torch.min, "std": torch.std}[how](x))
+    if how == "mean":
+        return float(x.mean())
+    if how == "max":
+        return float(x.max())
+    if how == "min":
+        return float(x.min())
+    if how == "std":
+        return float(x.std())  # Bessel-corrected, as torch.std in verl and SkyRL
+    raise ValueError(f"reduction how={how!r}: allowed mean, max, min, std")
 
 
 def _abs_delta(m: Mismatch) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""``python -m parity``: the ``parity`` console script."""
+"""``python -m parity``: the same entry point as the ``parity`` console script."""
 
 import sys
 
 from parity.cli.main import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

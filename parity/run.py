@@ -239,6 +239,7 @@ def run(cfg: RunConfig, progress: Callable[[str], None] = _progress, pool: Engin
 
 def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: EnginePool | None, state: Any) -> dict[str, Any]:
     from parity.core.matrix import pair_coverage
+    from parity.core.rl import catalogue as rl_catalogue
     from parity.determinism.checks import check_rollout_invariance, check_trainer_invariance
     from parity.determinism.gate import determinism_section
     from parity.determinism.knobs import batch_invariant_mode
@@ -320,6 +321,7 @@ def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: 
             "planted_faults": {k: v for k, v in cfg.faults.__dict__.items() if v},
         },
         "matrix_pair_coverage": pair_coverage(matrix),
+        "rl_view": rl_catalogue(),
         "scenarios": results,
         "determinism": determinism,
         "passed": all(r["verdict"] == "pass" for r in results) and not (determinism and determinism["violations"]),

@@ -349,10 +349,21 @@ def summarize(table: TokenTable) -> dict:
         "token_mismatch": int((table.token != table.sampled).sum()),
         **error_model_summary(t),
         **({"trainer_under_test": _user_summary(t)} if t.user is not None else {}),
+        "rl_view": _rl_view(t),
         "captured_positions": int(table.captured.sum()),
         "max_support_size": int(table.support_size[table.captured].max()) if bool(table.captured.any()) else None,
         "mean_support_size": float(table.support_size[table.captured].double().mean()) if bool(table.captured.any()) else None,
     }
+
+
+def _rl_view(t: TokenTable) -> dict:
+    """Each framework's mismatch metric and each IS correction, for the naive and the fixed trainers."""
+    from parity.core.rl import summarize_trainers
+
+    trainers = {"naive": t.full, "replay": t.replay, "recompute": t.recompute}
+    if t.user is not None:
+        trainers["trainer_under_test"] = t.user
+    return summarize_trainers(t.vllm, trainers, t.seq_lengths)
 
 
 def naive_gap_to_sampler_log_s(t: TokenTable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from parity.report import rl as rl_report
+
 
 def _fmt(x: Any) -> str:
     if x is None:
@@ -69,6 +71,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             )
             + " |"
         )
+    lines += rl_report.markdown(report)
     det = report.get("determinism")
     if det:
         lines += ["", "## Determinism", ""]

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from parity.report import rl as rl_report
+
 
 def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     try:
@@ -46,4 +48,5 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     fig.savefig(out / "log_s_bias.png", dpi=110)
     plt.close(fig)
     written.append("log_s_bias.png")
+    written += rl_report.write_plot(report, out, plt)
     return written

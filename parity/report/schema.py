@@ -116,6 +116,8 @@ def report_schema() -> dict[str, Any]:
             "incomplete_positions": {"type": "integer", "minimum": 0},
             "verdict": {"enum": ["pass", "fail"]},
             "violations": {"type": "array", "items": VIOLATION_SCHEMA},
+            # Per trainer, each framework's metric and each IS-correction method (parity.core.rl).
+            "rl_view": {"type": "object", "additionalProperties": {"type": "object", "required": ["metrics", "methods"]}},
         },
     }
     return {

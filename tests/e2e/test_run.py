@@ -86,6 +86,36 @@ def test_report_files_and_schema(report) -> None:
         jsonschema.validate(broken, report_schema())
 
 
+def test_report_carries_the_rl_view(report) -> None:
+    """Each framework's mismatch metric and each IS correction, per scenario and trainer, in both files."""
+    from parity.core.rl import METHODS, METRICS
+
+    out = report["_out"]
+    data = json.loads((out / "report.json").read_text())
+    md = (out / "report.md").read_text()
+    assert [m["name"] for m in data["rl_view"]["metrics"]] == [m.name for m in METRICS]
+    assert [m["name"] for m in data["rl_view"]["methods"]] == [m.name for m in METHODS]
+    assert "## RL view: framework mismatch metrics and IS corrections" in md and "Assumption: " in md
+    assert (out / "rl_methods.png").stat().st_size > 1000
+    assert report["passed"]  # the gates held: replay and recompute are within 1e-5 nats per token
+    gspo = "GSPO [1-3e-4, 1+4e-4]"
+    for s in data["scenarios"]:
+        rl = s["rl_view"]
+        assert {"naive", "replay", "recompute"} <= set(rl), s["name"]
+        assert f"### {s['name']}" in md
+        # 1e-5 per token is far inside every drop band (the narrowest, GSPO's, is 3e-4 on the
+        # geometric mean): after the fix no method masks, drops or vetoes anything.
+        for trainer in ("replay", "recompute"):
+            for m in METHODS:
+                if m.action in ("mask", "drop", "veto"):
+                    assert all(r["affected"] == 0 for r in rl[trainer]["methods"][m.name].values()), (s["name"], trainer, m.name)
+        if s["log_s"]["mean"] < -1e-3:
+            # Naive δ is log S: some sequence's mean is below -1e-3, so its geometric ratio is below
+            # 1 - 3e-4 and GSPO drops it for negative advantages; the headline says so.
+            assert rl["naive"]["methods"][gspo]["-"]["affected"] >= 1, s["name"]
+            assert f"- Under {s['name']} with the naive trainer, GSPO" in md
+
+
 def test_same_inputs_give_identical_report(pool, tmp_path) -> None:
     m = Matrix("two", (Scenario("top_p", SamplingSpec(0.8, 0, 0.9, 0.0), prompts=3, max_tokens=6),
                        Scenario("top_k", SamplingSpec(1.2, 7, 1.0, 0.05), prompts=3, max_tokens=6)))

@@ -69,6 +69,17 @@ def specs(draw: st.DrawFn, vocab: int) -> SamplingSpec:
 
 
 @st.composite
+def engine_specs(draw: st.DrawFn, vocab: int) -> SamplingSpec:
+    """Specs for end-to-end runs on a real engine: T in [0.05, 2], top_k off or 1..V, top_p in (0, 1],
+    min_p in [0, 1), alone and combined (each filter is off half the time)."""
+    t = draw(st.floats(0.05, 2.0))
+    k = draw(st.one_of(st.just(0), st.integers(1, vocab)))
+    p = draw(st.one_of(st.just(1.0), st.floats(0.01, 1.0)))
+    m = draw(st.one_of(st.just(0.0), st.floats(0.0, 0.99)))
+    return SamplingSpec(t, k, p, m)
+
+
+@st.composite
 def row_plans(draw: st.DrawFn, vocab: int, spec: SamplingSpec | None = None) -> RowPlan:
     return RowPlan(
         spec=spec if spec is not None else draw(specs(vocab)),

@@ -75,7 +75,7 @@ def test_report_files_and_schema(report) -> None:
     out = report["_out"]
     data = json.loads((out / "report.json").read_text())
     jsonschema.validate(data, report_schema())
-    assert data["schema_version"] == 1
+    assert data["schema_version"] == 2
     md = (out / "report.md").read_text()
     assert md.startswith("# parity report") and "PASS" in md
     for png in ("drift_hist.png", "log_s_bias.png"):

@@ -69,7 +69,7 @@ def _clean(obj: Any) -> Any:
 
 
 def report_schema() -> dict[str, Any]:
-    """JSON Schema of report.json, schema_version 1 (the contract in DESIGN.md)."""
+    """JSON Schema of report.json, schema_version 1 (fields may be added; renaming, dropping or changing one bumps the version)."""
     num = {"type": ["number", "string"]}
     diff = {
         "type": "object",

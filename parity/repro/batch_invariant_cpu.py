@@ -1,4 +1,4 @@
-"""Repro 7: ``VLLM_BATCH_INVARIANT=1`` crashes vLLM's CPU engine at the first forward (issue 5).
+"""Repro 7: ``VLLM_BATCH_INVARIANT=1`` crashes vLLM's CPU engine at the first forward.
 
 vLLM's batch-invariant mode replaces aten reductions with its own Triton kernels
 (vllm/model_executor/determinism/batch_invariant.py). The CPU build has no Triton backend, so the

@@ -30,7 +30,7 @@ from parity.records.sequence import SequenceRecord
 if TYPE_CHECKING:  # pragma: no cover
     from parity.repro.registry import Entry
 
-# |measured - predicted| bound for per-token log-probabilities in float32 on both sides (issue 6).
+# |measured - predicted| bound for per-token log-probabilities in float32 on both sides.
 LOG_TOL = 1e-5
 
 

@@ -58,7 +58,7 @@ class TokenTable:
 
     def select(self, mask: torch.Tensor) -> TokenTable:
         """Rows where ``mask`` holds (sequence lengths are recomputed per prompt)."""
-        kw: dict = {}
+        kw: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
             kw[f.name] = v[mask] if isinstance(v, torch.Tensor) else v
@@ -77,7 +77,9 @@ class TrainerFaults:
     drop_kept: bool = False  # drop one non-sampled token from S_q at one position per sequence
 
 
-def _plant(records: Sequence[SequenceRecord], logits: list[torch.Tensor], faults: TrainerFaults, vocab: int):
+def _plant(
+    records: Sequence[SequenceRecord], logits: list[torch.Tensor], faults: TrainerFaults, vocab: int
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """Apply planted faults at position L // 2 of each sequence; returns (tokens, logits, kept) per record."""
     out = []
     for r, z in zip(records, logits, strict=True):
@@ -182,7 +184,7 @@ def _sampler_lp_of(r: SequenceRecord, kept: torch.Tensor) -> torch.Tensor:
     return lp.masked_fill(kept < 0, float("-inf"))
 
 
-def summarize(table: TokenTable) -> dict:
+def summarize(table: TokenTable) -> dict[str, Any]:
     """The per-scenario numbers of the report contract (schema_version 1), computed from the table."""
     usable = ~table.incomplete  # incomplete positions are counted, never guessed
     t = table.select(usable)
@@ -247,7 +249,7 @@ def summarize(table: TokenTable) -> dict:
     }
 
 
-def _user_summary(t: TokenTable) -> dict:
+def _user_summary(t: TokenTable) -> dict[str, Any]:
     assert t.user is not None
     d = diff_stats(t.user, t.vllm)
     gap = diff_stats(t.user - t.vllm, t.log_s)

@@ -79,7 +79,7 @@ def lint(session: nox.Session) -> None:
     session.install("ruff", "mypy", "check-jsonschema", "torch==2.13.0", "numpy")
     session.run("ruff", "check", ".")
     session.run("mypy")
-    workflows = sorted(str(p) for p in Path("ci").glob("*.yml"))
+    workflows = sorted(str(p) for p in Path(".github/workflows").glob("*.yml"))
     session.run("check-jsonschema", "--builtin-schema", "vendor.github-workflows", *workflows)
 
 

@@ -100,11 +100,11 @@ def test_workflows_validate_and_a_broken_one_does_not(tmp_path) -> None:
     exe = shutil.which("check-jsonschema") or str(Path(sys.executable).parent / "check-jsonschema")
     if not Path(exe).exists():
         pytest.skip("check-jsonschema is not installed (it is in the test extra)")
-    workflows = sorted(str(p) for p in (ROOT / "ci").glob("*.yml"))
+    workflows = sorted(str(p) for p in (ROOT / ".github" / "workflows").glob("*.yml"))
     assert len(workflows) == 2
     ok = subprocess.run([exe, "--builtin-schema", "vendor.github-workflows", *workflows], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     broken = tmp_path / "broken.yml"
-    broken.write_text((ROOT / "ci" / "cpu.yml").read_text().replace("runs-on:", "runs_on:"))
+    broken.write_text((ROOT / ".github" / "workflows" / "cpu.yml").read_text().replace("runs-on:", "runs_on:"))
     bad = subprocess.run([exe, "--builtin-schema", "vendor.github-workflows", str(broken)], capture_output=True, text=True)
     assert bad.returncode != 0

@@ -1,8 +1,12 @@
 """The ``parity`` console script.
 
-Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``main(args) -> int``;
-modules are imported when the parser is built, and none of them imports vLLM at import time, so
-``parity --help`` works without vLLM installed.
+Each subcommand lives in its own module of :mod:`parity.cli` exposing ``add_arguments(parser)`` and
+``main(args) -> int``; a listed module without them is an error. Modules are imported when the parser
+is built, and none of them imports vLLM at import time, so ``parity --help`` works without vLLM.
+
+User mistakes (bad input, a missing file, an engine that cannot be reached) end with one readable
+line and exit 2; ``--debug`` shows the full traceback instead. Any other exception is a bug and is
+never reduced to one line.
 """
 
 from __future__ import annotations
@@ -10,7 +14,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
 from collections.abc import Sequence
+
+import parity
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -21,23 +28,23 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "repro": ("parity.cli.repro", "reproduce upstream bugs (list | NAME | all)"),
     "ties": ("parity.cli.ties", "characterize how the engine keeps ties at the k-th value, per batch size"),
 }
+# The errors a user can cause and fix: one line, exit 2 (without --debug).
+USER_ERRORS = (ValueError, FileNotFoundError, RuntimeError, TimeoutError)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: dict[str, tuple[str, str]] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="parity",
         description="Rollout-trainer parity: does the trainer score the distribution vLLM sampled from?",
     )
+    parser.add_argument("--version", action="version", version=f"parity {parity.__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of any error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, help_text) in COMMANDS.items():
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:  # a real missing dependency inside the module
-                raise
-            continue
-        if not hasattr(mod, "add_arguments"):  # a package still being written
-            continue
+    for name, (module, help_text) in (COMMANDS if commands is None else commands).items():
+        mod = importlib.import_module(module)
+        missing = [f for f in ("add_arguments", "main") if not callable(getattr(mod, f, None))]
+        if missing:
+            raise TypeError(f"parity command {name!r}: module {module} has no {' or '.join(f + '()' for f in missing)}")
         p = sub.add_parser(name, help=help_text, description=help_text)
         mod.add_arguments(p)
         p.set_defaults(_main=mod.main)
@@ -52,10 +59,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args._main(args) or 0)
-    except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as exc:
+    except USER_ERRORS as exc:
+        if args.debug:
+            raise
         # Bad input and unreachable engines end with one readable line, not a traceback.
-        print(f"parity {args.command}: error: {exc}", file=sys.stderr)
+        print(f"parity {args.command}: error: {exc} (--debug: full traceback)", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            traceback.print_exc()
+        print(f"parity {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -7,7 +7,7 @@ support*. If every one of the K entries is finite and K < V, tokens beyond the h
 (most often a tie with the k-th value, which top_k keeps): that position is flagged incomplete and
 counted, never guessed.
 
-Head-size rules (see the Sampler Replay note in shared/references):
+Head-size rules:
 * top_k set: K >= top_k is required; a margin above top_k lets ties at the k-th value be captured.
 * top_p or min_p without top_k: the support can be most of the vocabulary, so the head must be the
   full vocabulary (``logprobs=-1``). That is affordable for small vocabularies only; above

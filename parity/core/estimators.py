@@ -335,8 +335,7 @@ def replay(
     """Renormalise trainer logits over the sampler's kept set: ``z'_y - logsumexp(z'_{S_q})``.
 
     With padded ids ``[N, K]`` only the K kept logits and y's are read, validated and scaled: O(K) per
-    row, not O(V) (issue 7 measured 0.7x of the full log-softmax while the whole row was scaled and
-    checked first). Scaling the gathered values is the same float32 division as scaling the row, so
+    row, not O(V) (scaling and checking the whole row first cost 0.7x of the full log-softmax). Scaling the gathered values is the same float32 division as scaling the row, so
     the result is bitwise the same. A dense mask reads the whole row by construction.
     """
     if kept.dtype == torch.bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,7 +88,7 @@ def default_matrix(*, prompts: int = 8, max_tokens: int = 16, seed: int = 0, tie
     return Matrix("default", tuple(rows))
 
 
-FACTORS = {
+FACTORS: dict[str, Callable[[SamplingSpec], str]] = {
     "temperature": lambda s: "0" if s.greedy else ("<1" if s.temperature < 1 else ("1" if s.temperature == 1 else ">1")),
     "top_k": lambda s: "off" if not s.uses_top_k else str(s.top_k) if s.top_k < 1_000_000 else ">=V",
     "top_p": lambda s: "1" if not s.uses_top_p else f"{s.top_p:g}",

@@ -6,7 +6,7 @@ Pure torch; every function takes tensors and returns plain Python numbers or ten
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -149,7 +149,7 @@ def is_ratios(
         pred = torch.stack([s.sum() for s in torch.split(log_s.double(), list(seq_lengths))]).exp()
         rel = float(((seq - pred).abs() / pred).max())
 
-    def stat(t: torch.Tensor, f) -> float:  # noqa: ANN001
+    def stat(t: torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor]) -> float:
         return float(f(t)) if t.numel() else 1.0
 
     return ISRatios(

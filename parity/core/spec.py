@@ -143,16 +143,6 @@ class SamplingSpec:
             "min_p": self.min_p,
         }
 
-    def to_sampling_params(self, **extra: Any) -> Any:
-        """A ``vllm.SamplingParams`` with this spec's filters; ``extra`` adds e.g. max_tokens, seed."""
-        try:
-            from vllm import SamplingParams
-        except ImportError as exc:  # pragma: no cover - depends on the install
-            raise RuntimeError(
-                "SamplingSpec.to_sampling_params needs vLLM: install parity[cpu] (or parity[gpu] on CUDA)"
-            ) from exc
-        return SamplingParams(**self.sampling_params_kwargs(), **extra)
-
 
 def per_row(specs: SamplingSpec | Sequence[SamplingSpec], n: int) -> list[SamplingSpec]:
     """One effective spec per row of an ``[n, V]`` batch (vLLM batches requests with different settings)."""

@@ -69,7 +69,7 @@ class TokenTable:
 
     def select(self, mask: torch.Tensor) -> TokenTable:
         """Rows where ``mask`` holds (sequence lengths are recomputed per prompt)."""
-        kw: dict = {}
+        kw: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
             kw[f.name] = v[mask] if isinstance(v, torch.Tensor) else v
@@ -93,7 +93,9 @@ class TrainerFaults:
     drop_kept_mass: float = 0.0  # drop the kept token whose sampler probability is nearest this, at L // 2
 
 
-def _plant(records: Sequence[SequenceRecord], logits: list[torch.Tensor], faults: TrainerFaults, vocab: int):
+def _plant(
+    records: Sequence[SequenceRecord], logits: list[torch.Tensor], faults: TrainerFaults, vocab: int
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """Apply planted faults at position L // 2 of each sequence; returns (tokens, logits, kept) per record."""
     out = []
     seen = 0  # positions before this record (move_boundary_every counts across the batch)
@@ -288,7 +290,7 @@ def _sampler_lp_of(r: SequenceRecord, kept: torch.Tensor) -> torch.Tensor:
     return lp.masked_fill(kept < 0, float("-inf"))
 
 
-def summarize(table: TokenTable) -> dict:
+def summarize(table: TokenTable) -> dict[str, Any]:
     """The per-scenario numbers of the report contract (schema_version 1), computed from the table."""
     usable = ~table.incomplete  # incomplete positions are counted, never guessed
     t = table.select(usable)
@@ -420,7 +422,7 @@ def error_model_summary(t: TokenTable) -> dict[str, Any]:
     return out
 
 
-def _user_summary(t: TokenTable) -> dict:
+def _user_summary(t: TokenTable) -> dict[str, Any]:
     assert t.user is not None
     d = diff_stats(t.user, t.vllm)
     gap = diff_stats(t.user - t.vllm, t.log_s)

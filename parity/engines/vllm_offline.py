@@ -60,6 +60,15 @@ def call_with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:
     return box["value"]
 
 
+def sampling_params(spec: SamplingSpec, **extra: Any) -> Any:
+    """A ``vllm.SamplingParams`` with ``spec``'s filters; ``extra`` adds e.g. max_tokens, seed."""
+    try:
+        from vllm import SamplingParams
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise RuntimeError("vLLM sampling parameters need vLLM: install parity[cpu] (or parity[gpu] on CUDA)") from exc
+    return SamplingParams(**spec.sampling_params_kwargs(), **extra)
+
+
 class VllmRollout(RolloutBase):
     """The sampler under test. One engine per model; share it across scenarios."""
 
@@ -137,7 +146,8 @@ class VllmRollout(RolloutBase):
             logprobs = plan.logprobs if plan.logprobs is not None else 0
         captures = logprobs != 0
         params = [
-            spec.to_sampling_params(
+            sampling_params(
+                spec,
                 max_tokens=max_tokens,
                 seed=seed + i,
                 logprobs=logprobs,

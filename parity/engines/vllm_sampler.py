@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import torch
 
 from parity.core.spec import SamplingSpec
+from parity.engines.vllm_offline import sampling_params
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
@@ -51,7 +52,7 @@ class VllmSampler:
         if n > self._max_num_seqs:
             raise ValueError(f"batch of {n} rows exceeds max_num_seqs={self._max_num_seqs}")
         row_specs = [specs] * n if isinstance(specs, SamplingSpec) else list(specs)
-        params = [s.to_sampling_params() for s in row_specs]  # SamplingParams resets greedy filters
+        params = [sampling_params(s) for s in row_specs]  # SamplingParams resets greedy filters
         # Read greedy-ness and temperature off the SamplingParams, as InputBatch.add_request does
         # (sampling_type), not off the spec: the ground truth must not inherit the spec's assumptions.
         greedy = [p.sampling_type == SamplingType.GREEDY for p in params]

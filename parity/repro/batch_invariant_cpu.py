@@ -1,4 +1,4 @@
-"""Repro 7: ``VLLM_BATCH_INVARIANT=1`` crashes vLLM's CPU engine at the first forward (issue 5).
+"""Repro 7: ``VLLM_BATCH_INVARIANT=1`` crashes vLLM's CPU engine at the first forward.
 
 vLLM's batch-invariant mode replaces aten reductions with its own Triton kernels
 (vllm/model_executor/determinism/batch_invariant.py). The CPU build has no Triton backend, so the
@@ -93,12 +93,12 @@ def run(ctx: Context) -> ReproResult:
         control_ok, control_msg = False, f"{KNOB} is set in this process; the control needs it unset"
     else:
         try:
-            from parity.engines.vllm_offline import call_with_timeout
+            from parity.engines.vllm_offline import call_with_timeout, sampling_params
 
             rollout = ctx.rollout(FIXTURE)
             from vllm.inputs import TokensPrompt
 
-            params = SamplingSpec(temperature=0.0).to_sampling_params(max_tokens=2, detokenize=False)
+            params = sampling_params(SamplingSpec(temperature=0.0), max_tokens=2, detokenize=False)
             out = call_with_timeout(lambda: rollout.llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False),
                                     ctx.timeout_s, "vLLM generate (control)")
             control_msg = f"generated {list(out[0].outputs[0].token_ids)}"

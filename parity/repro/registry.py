@@ -1,4 +1,4 @@
-"""The reproductions, in the issue's numbering, and the order ``all`` runs them in.
+"""The reproductions, numbered as ``parity repro list`` shows them, and the order ``all`` runs them in.
 
 Each module named here exposes ``NAME``, ``NUMBER``, ``TITLE``, ``run(ctx) -> ReproResult`` and
 ``emit_script(small: bool) -> str`` (a standalone script; every repro has one). Modules are imported

@@ -133,21 +133,26 @@ def vllm_filter(z, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
     """vLLM's sampling filters (v1 Sampler, PyTorch path) on logits [L, V] -> (z / T, kept mask).
 
     Temperature; min_p on probabilities (softmax(z/T) < min_p * max prob dropped); top_k (values below
-    the k-th largest dropped: ties with it are KEPT); top_p over the ascending sort of what survived
-    (cumulative probability <= 1 - top_p dropped, the largest token always kept)."""
+    the k-th largest dropped: ties with it are KEPT); top_p over the ascending sort (cumulative
+    probability <= 1 - top_p dropped, the largest token always kept). With top_p set, the row is sorted
+    once and top_k cut in that order (apply_top_k_top_p): which of several tokens tied at the top_p
+    boundary are dropped follows that sort's permutation of the whole row."""
     z = z.float() / temperature
     work = z.clone()
+    vocab = z.shape[-1]
     if min_p > 0:
         probs = work.softmax(-1)
         work = work.masked_fill(probs < probs.amax(-1, keepdim=True) * min_p, NEG_INF)
-    if 0 < top_k < z.shape[-1]:
-        kth = work.topk(top_k, dim=-1).values[:, -1:]
-        work = work.masked_fill(work < kth, NEG_INF)
     if top_p < 1.0:
         vals, idx = work.sort(dim=-1)
+        if 0 < top_k < vocab:
+            vals = vals.masked_fill(vals < vals[:, vocab - top_k : vocab - top_k + 1], NEG_INF)
         drop = vals.softmax(-1).cumsum(-1) <= 1 - top_p
         drop[:, -1] = False
         work = torch.empty_like(work).scatter_(1, idx, vals.masked_fill(drop, NEG_INF))
+    elif 0 < top_k < vocab:
+        kth = work.topk(top_k, dim=-1).values[:, -1:]
+        work = work.masked_fill(work < kth, NEG_INF)
     return z, work > NEG_INF
 
 

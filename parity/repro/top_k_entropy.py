@@ -1,6 +1,6 @@
-"""Repro 2: top_k's severity depends on entropy; top_p keeps S near top_p (shared/references/000).
+"""Repro 2: top_k's severity depends on entropy; top_p keeps S near top_p (the GRPO importance-sampling report).
 
-The reference's logit-scale sweep (1, 2, 4, 6, 8, 12) x (top_p 0.9, top_k 50, top_k 20) on a
+The report's logit-scale sweep (1, 2, 4, 6, 8, 12) x (top_p 0.9, top_k 50, top_k 20) on a
 32768-token vocabulary: the fixtures ``llama-32k-s1`` ... ``llama-32k-s12`` are one model at those
 logit scales (entropy ~9.9 nats down to ~0.6).
 

@@ -1,8 +1,8 @@
-"""Repro 1: top_p biases the importance-sampling correction (shared/references/000, the GRPO report).
+"""Repro 1: top_p biases the importance-sampling correction (the GRPO importance-sampling report).
 
 vLLM's processed log-prob of a kept token is ``log(p / S)``; a trainer's full-vocabulary
 ``log_softmax(z / T)`` gives ``log p``. Their difference is exactly ``log S`` per token and the
-sequence importance ratio is ``prod S`` (``S^L`` when S is constant). The sweep is the reference's:
+sequence importance ratio is ``prod S`` (``S^L`` when S is constant). The sweep is the report's:
 top_p 1.0 / 0.95 / 0.9 / 0.8 at T = 1 with 16-token completions.
 
 Fixture: ``llama-32k-s1``, a 32768-token vocabulary with near-uniform logits (entropy ~9.9 nats of

@@ -134,7 +134,7 @@ def build_case(plan: CasePlan) -> Case:
     return Case(torch.stack(rows), specs, plan.seed, plan)
 
 
-# -- random plans (the CLI's generator; tests/strategies.py draws the same shapes with Hypothesis) --
+# -- random plans (the CLI's generator; parity.testing.strategies draws the same shapes with Hypothesis)
 
 VOCAB_CHOICES = (2, 3, 5, 8, 16, 50, 128, 257, 1000, 2048, 4096)
 

@@ -35,7 +35,7 @@ EPS32 = torch.finfo(torch.float32).eps  # 2**-23: one float32 ulp at 1.0
 
 # -- tolerances -------------------------------------------------------------------------------------
 # The reference runs the same float32 torch ops as vLLM on the same values, so processed log-probs are
-# expected bitwise equal; the bound is 1e-6.
+# expected bitwise equal; the bound is 1e-6.
 PROCESSED_ATOL = 1e-6
 # full - processed == log S. full and processed are float32 log_softmax outputs, (x - max) - log(sum):
 # each carries half an ulp of its own magnitude from the last subtraction, plus the float32 error of

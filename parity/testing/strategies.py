@@ -12,10 +12,10 @@ Needs ``hypothesis`` (the ``test`` extra). Pair with :func:`parity.testing.prope
     def test_my_case(case):
         run_properties(case, VllmSampler()(case.logits, case.specs))
 
-A strategy draws a :class:`parity.testing.properties.CasePlan` — the choices — and ``build_case`` turns it into
+A strategy draws a :class:`parity.testing.cases.CasePlan` — the choices — and ``build_case`` turns it into
 float32 logits deterministically, so shrinking works on the choices (vocabulary, spec, which feature
 is planted) rather than on thousands of floats. ``parity sampler`` draws the same plan shapes with
-``random``; the branches a case reaches are read from the data by ``parity.testing.properties.case_labels``.
+``random``; the branches a case reaches are read from the data by ``parity.testing.cases.case_labels``.
 
 Branches drawn here (each one a labelled ``hypothesis.event`` in the tests):
 * vocabulary: 2..16, 17..512, 1000/2048/4096;

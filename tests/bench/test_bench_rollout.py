@@ -7,7 +7,7 @@ log-probs; the sampled token's only, ``logprobs=0``; top-K for K in {top_k, 64, 
 vocabulary, ``logprobs=-1``); columns: candidate detokenization and ``flat_logprobs``. The ``none``
 row is no-capture against itself: the noise floor.
 
-The harness runs ``detokenize=False, flat_logprobs=True`` (parity/engines/rollout.py). Skipped by
+The harness runs ``detokenize=False, flat_logprobs=True`` (parity/engines/vllm_offline.py). Skipped by
 design: full-vocabulary capture with detokenization on the 32k fixture (measured by hand: did not
 finish in minutes), and K=512 on a 400-token vocabulary (that is the full vocabulary). The 32k
 full-vocabulary row runs a smaller workload (its own no-capture baseline on the same workload):

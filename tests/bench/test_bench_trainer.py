@@ -6,7 +6,7 @@ floor of the ratios. Rows:
 
 * replay: gather the K captured ids + logsumexp (``estimators.replay`` on padded ids ``[T, K]``);
 * recompute: ``estimators.recompute``, whose top_k rows are filtered over ``topk(k)`` candidates
-  (issue 7), with top_k + top_p (vLLM's sort path), top_k alone (its top-k-only path), and min_p;
+  with top_k + top_p (vLLM's sort path), top_k alone (its top-k-only path), and min_p;
 * recompute through the reference sort: the same kept set from ``reference_filter`` (a full-row sort,
   what recompute cost before), for scale;
 * recompute with top_p alone: no top_k bound, so the full-row sort is the algorithm (reported

@@ -1,6 +1,6 @@
 """The fast estimators: recompute over ``topk(k)`` candidates keeps vLLM's exact kept set; replay reads K ids.
 
-``parity.core.estimators.recompute`` no longer sorts whole rows when top_k is set (issue 7: recompute
+``parity.core.estimators.recompute`` no longer sorts whole rows when top_k is set (the target: recompute
 <= 2x the full-vocabulary log-softmax). These tests hold it to the exact kept set of vLLM's real
 ``Sampler`` and of ``reference_filter`` on the same Hypothesis cases the sampler properties draw
 (ties at the k-th value, top_p cuts inside tie blocks, -inf entries, mixed batches, both vLLM paths),
@@ -133,8 +133,8 @@ def test_wide_tie_at_the_kth_value_widens_the_candidates() -> None:
 
 
 def test_replay_with_ids_reads_only_the_kept_ids() -> None:
-    """replay on padded ids gathers K + 1 logits per row and never scales or checks the rest (issue 7:
-    the whole-row scale made replay cost 0.7x of the full log-softmax). A NaN off the kept set is
+    """replay on padded ids gathers K + 1 logits per row and never scales or checks the rest (the
+    whole-row scale made replay cost 0.7x of the full log-softmax). A NaN off the kept set is
     therefore not read; one on it is refused. Values are bitwise those of the dense-mask form."""
     g = torch.Generator().manual_seed(7)
     z = torch.randn(4, 1000, generator=g) * 3

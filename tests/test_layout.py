@@ -1,0 +1,86 @@
+"""The layout is the architecture: layer rules, the README's tree, and no pointer to a file that is not here."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PARITY = ROOT / "parity"
+ENGINE_MODULES = {"vllm", "transformers", "tokenizers", "trl"}  # never imported by core or records
+USER_EXAMPLE_PATHS = {"tests/test_my_trainer.py"}  # the reader's own test file in README's example
+# layer -> the parity layers it may import (itself always allowed)
+ALLOWED = {
+    "core": {"core", "records"},
+    "records": {"core", "records"},
+    "report": set(),
+    "determinism": {"core", "records"},
+    "distributed": {"core"},
+}
+
+
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+    return out
+
+
+def test_layers_import_only_what_they_may() -> None:
+    problems = []
+    for layer, allowed in ALLOWED.items():
+        for path in sorted((PARITY / layer).rglob("*.py")):
+            for mod in _imports(path):
+                top = mod.split(".")[0]
+                if top in ENGINE_MODULES and layer in ("core", "records"):
+                    problems.append(f"{path.relative_to(ROOT)} imports the engine module {mod}")
+                if top == "parity":
+                    used = mod.split(".")[1] if "." in mod else ""
+                    if used != layer and used not in allowed:
+                        problems.append(f"{path.relative_to(ROOT)} imports {mod} (allowed: {sorted(allowed | {layer})})")
+    assert not problems, "\n".join(problems)
+
+
+def test_readme_tree_matches_the_packages() -> None:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("## How the code is laid out", 1)[1]
+    tree = section.split("```", 2)[1]
+    listed = set(re.findall(r"^parity/([a-z_]+)/", tree, re.M))
+    packages = {p.parent.name for p in PARITY.glob("*/__init__.py")}
+    assert listed == packages, f"README lists {sorted(listed)}, the tree has {sorted(packages)}"
+    for name in re.findall(r"^parity/([a-z_]+\.py)", tree, re.M):
+        assert (PARITY / name).is_file(), f"README names parity/{name}, which does not exist"
+
+
+def _tracked_text_files() -> list[Path]:
+    out = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    keep = (".py", ".md", ".toml", ".yml", ".txt")
+    return [ROOT / f for f in out if f.endswith(keep) and (ROOT / f).is_file()]
+
+
+def test_no_pointer_to_what_is_not_in_the_repository() -> None:
+    """No design notes, reference folders or tracker numbers that a reader of the repository cannot open,
+    and every repository path a file names exists."""
+    banned = re.compile(r"DESIGN\.md|shared/references|\bissue \d+|\bissue's\b", re.I)
+    path_ref = re.compile(r"(?<![\w./-])((?:parity|tests|ci|fixtures|\.github)/[\w./-]*\w)")
+    problems = []
+    for path in _tracked_text_files():
+        if path == Path(__file__).resolve():
+            continue
+        for i, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            where = f"{path.relative_to(ROOT)}:{i}"
+            if banned.search(line):
+                problems.append(f"{where}: {line.strip()}")
+            for ref in path_ref.findall(line):
+                if "*" in ref or "{" in ref or ref.endswith(("/NAME", "/")) or ref in USER_EXAMPLE_PATHS:
+                    continue
+                if not (ROOT / ref).exists() and not (ROOT / ref.rstrip(".")).exists():
+                    problems.append(f"{where}: names {ref}, which is not in the repository")
+    assert not problems, "\n".join(problems)

@@ -55,3 +55,12 @@ def test_no_gate_fails_on_a_correct_trainer_at_any_spec(pool, model, spec) -> No
 def test_a_trainer_off_by_four_bounds_fails_at_any_spec(pool, model, spec) -> None:
     res = _score(pool, model, spec, TrainerFaults(shift_bounds=4.0))
     assert "replay_drift" in {v.gate for v in res.violations}, res.summary["headroom"]
+
+
+@pytest.mark.slow
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(model=st.sampled_from(MODELS), spec=engine_specs(VOCAB))
+def test_no_gate_fails_on_a_correct_trainer_at_any_spec_long(pool, model, spec) -> None:
+    """The same property with ten times the examples (``nox -s tests -- -m slow``)."""
+    res = _score(pool, model, spec)
+    assert res.violations == [], "\n".join(str(v) for v in res.violations)

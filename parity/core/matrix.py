@@ -12,6 +12,10 @@ from typing import Any
 from parity.core.spec import SamplingSpec
 
 DEFAULT_TIE_FIXTURE = "qwen2-tiny-ties"
+# A peaked checkpoint with a real-size vocabulary: 32768 tokens, logit scale 12 (|z| up to ~50). Cold
+# temperatures push |z|/T towards 100, where float32 log-softmax rounding reaches ~1e-5: the scenarios
+# that show the tolerances scale with |z|/T instead of firing on rounding.
+DEFAULT_PEAKED_FIXTURE = "llama-32k-s12"
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,14 @@ def _s(name: str, t: float = 1.0, k: int = 0, p: float = 1.0, m: float = 0.0, **
     return Scenario(name=name, spec=SamplingSpec(temperature=t, top_k=k, top_p=p, min_p=m), **kw)
 
 
-def default_matrix(*, prompts: int = 8, max_tokens: int = 16, seed: int = 0, tie_fixture: str = DEFAULT_TIE_FIXTURE) -> Matrix:
+def default_matrix(
+    *,
+    prompts: int = 8,
+    max_tokens: int = 16,
+    seed: int = 0,
+    tie_fixture: str = DEFAULT_TIE_FIXTURE,
+    peaked_fixture: str = DEFAULT_PEAKED_FIXTURE,
+) -> Matrix:
     """Every filter alone at each level, the filters in pairs across temperatures, all at once, ties.
 
     Levels: temperature {0, 0.7, 1.0, 1.3}; top_p {1, 0.95, 0.9, 0.8, 0.05}; top_k {off, 1, 20, 50,
@@ -73,6 +84,7 @@ def default_matrix(*, prompts: int = 8, max_tokens: int = 16, seed: int = 0, tie
         _s("top_k=1", k=1, **kw),
         _s("top_k=20 T=1.3", t=1.3, k=20, **kw),
         _s("top_k=50 T=0.7", t=0.7, k=50, **kw),
+        _s("top_k=40 T=0.3", t=0.3, k=40, **kw),
         _s("top_k>=V", k=1_000_000, **kw),
         _s("min_p=0.05", m=0.05, **kw),
         _s("min_p=0.1 T=1.3", t=1.3, m=0.1, **kw),
@@ -84,6 +96,8 @@ def default_matrix(*, prompts: int = 8, max_tokens: int = 16, seed: int = 0, tie
         _s("ties top_k=1", k=1, model=tie_fixture, **kw),
         _s("ties top_k=2", k=2, model=tie_fixture, **kw),
         _s("ties top_k=3 top_p=0.9", k=3, p=0.9, model=tie_fixture, **kw),
+        _s("peaked 32k top_k=40 T=0.3", t=0.3, k=40, model=peaked_fixture, **kw),
+        _s("peaked 32k top_k=100 top_p=0.9 T=0.5", t=0.5, k=100, p=0.9, model=peaked_fixture, **kw),
     ]
     return Matrix("default", tuple(rows))
 

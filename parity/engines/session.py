@@ -33,6 +33,14 @@ def check_same_vocabulary(rollout: Any, trainer: Any) -> None:
     tv, tt = rollout.tokenizer(), trainer.tokenizer()
     if len(tv) != len(tt):
         problems.append(f"tokenizer length: vllm={len(tv)} trainer={len(tt)}")
+    # Padding the embedding past the tokenizer is common and harmless; a tokenizer that can emit ids
+    # the model has no row for is not (the ids past the embedding would be scored as garbage or crash).
+    for side, tok, rows in (("vllm", tv, rollout.vocab_size), ("trainer", tt, trainer.vocab_size)):
+        if len(tok) > rows:
+            problems.append(
+                f"{side} tokenizer has {len(tok)} tokens but the model's vocabulary (embedding rows) is {rows}: "
+                f"allowed a tokenizer no larger than the model's vocabulary"
+            )
     ev, et = tv.encode(SAMPLE_TEXT, add_special_tokens=False), tt.encode(SAMPLE_TEXT, add_special_tokens=False)
     if list(ev) != list(et):
         problems.append(f"tokenization of {SAMPLE_TEXT!r}: vllm={list(ev)[:12]}... trainer={list(et)[:12]}...")

@@ -69,6 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="spawn|URL",
         help="sample through vLLM's OpenAI-compatible server: 'spawn' starts one on 127.0.0.1, a URL attaches",
     )
+    p.add_argument(
+        "--no-sampler-log-s",
+        action="store_true",
+        help="skip the raw-logits engine that gives a sampler-side log S (the naive bias is then reported, not gated)",
+    )
     p.add_argument("--no-plots", action="store_true")
 
 
@@ -110,6 +115,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         batch_invariant=args.batch_invariant,
         invariance=args.invariance or args.batch_invariant,
         plots=not args.no_plots,
+        sampler_log_s=not args.no_sampler_log_s,
     )
 
 

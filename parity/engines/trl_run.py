@@ -66,6 +66,7 @@ class GrpoRunConfig:
     head: int | None = None  # processed log-probs requested per position (None: parity.capture.plan_capture)
     keep_logits: bool = True
     vllm_dtype: str | None = None  # None: what TRL does (no dtype); "float32" forces the engine's dtype
+    keep_linear_weights: bool = True  # the CPU engine workaround; False reproduces the weight-sync crash
     extra: dict[str, Any] = field(default_factory=dict)  # more GRPOConfig fields, passed through
 
     def __post_init__(self) -> None:
@@ -190,6 +191,13 @@ def _force_dtype(dtype: str | None) -> Any:
     return ctx()
 
 
+def _engine_dtype(trainer: Any) -> str:
+    try:
+        return str(trainer.vllm_generation.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+    except AttributeError:
+        return "unknown"
+
+
 def _shutdown(trainer: Any) -> None:
     gen = getattr(trainer, "vllm_generation", None)
     llm = getattr(gen, "llm", None)
@@ -200,23 +208,26 @@ def _shutdown(trainer: Any) -> None:
 
 def run_phase(cfg: GrpoRunConfig, mode: str, model_path: str, out: Path) -> dict[str, Any]:
     """One fresh trainer, ``cfg.steps`` steps, under ``patch_grpo(mode)``; TRL's metrics and the capture."""
+    import contextlib
+
     from parity.engines.trl_grpo import patch_grpo, save_sequences
     from parity.engines.vllm_cpu_linear import keep_linear_weights
-
-    import contextlib
 
     t0 = time.perf_counter()
     # "off": TRL as shipped, no parity patch (only the engine workaround); nothing is captured.
     recorder = contextlib.nullcontext(None) if mode == "off" else patch_grpo(mode, head=cfg.head, keep_logits=cfg.keep_logits)
-    with tempfile.TemporaryDirectory(prefix="parity-trl-") as tmp, keep_linear_weights() as kept, \
+    workaround = keep_linear_weights() if cfg.keep_linear_weights else contextlib.nullcontext({"kept": 0})
+    with tempfile.TemporaryDirectory(prefix="parity-trl-") as tmp, workaround as kept, \
             recorder as cap, _force_dtype(cfg.vllm_dtype):
         trainer = _trainer(cfg, model_path, tmp)
         t_init = time.perf_counter() - t0
+        print(f"PARITY_TRAINER_READY vllm_dtype={_engine_dtype(trainer)}", flush=True)
         try:
             trainer.train()
         finally:
             _shutdown(trainer)
         history = trainer.state.log_history
+        engine_dtype = _engine_dtype(trainer)
         del trainer
         gc.collect()
     metrics = [{k: h[k] for k in TRL_METRICS if k in h} | {"step": h.get("step")} for h in history
@@ -228,6 +239,7 @@ def run_phase(cfg: GrpoRunConfig, mode: str, model_path: str, out: Path) -> dict
         "metrics": metrics,
         "counts": cap.counts if cap is not None else None,
         "linear_layers_kept": kept["kept"],
+        "vllm_dtype": engine_dtype,
         "sampler_dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
         "capture": path.name if path is not None else None,
         "init_s": round(t_init, 2),

@@ -62,8 +62,7 @@ BY_NAME = {e.name: e for e in REPROS}
 # ``all``: the repros on the flat 32k fixture, then the one on scale 4, then the sweep (which visits the
 # scales whose engines are still alive first), then the tie fixture: with two live engines, each
 # fixture's engine starts once.
-# The TRL and engine-start repros run their engines in subprocesses: they come last, after the
-# in-process engines are closed.
+# The TRL and engine-start repros start their own engines in subprocesses: they come last.
 RUN_ORDER = ("top_p_bias", "temperature", "recompute_boundary", "capture_head", "top_k_entropy",
              "top_k_ties", "batch_invariant_cpu", "trl_grpo_top_p", "trl_weight_sync", "cpu_capability_default")
 

@@ -71,6 +71,7 @@ SEQUENCE_FIELDS = {
     "logits": "float32 [L, V] or None: the trainer's logits (before temperature) at the completion positions",
     "spec": "dict: temperature, top_k, top_p, min_p the sampler ran with",
     "is_mode": "str: TRL's vllm_importance_sampling_mode",
+    "is_clip": "[clip_min, clip_max]: TRL's vllm_importance_sampling_clip_min/max (None = unbounded)",
     "fix": "str: observe | replay | recompute",
     "sampler_dtype": "str: the dtype vLLM ran the model in (colocate mode), or 'unknown'",
 }
@@ -396,6 +397,7 @@ def _record(cap: GrpoCapture, trainer: Any, step: int, pend: dict[str, Any], old
             "logits": row["logits"],
             "spec": spec.to_dict(),
             "is_mode": str(trainer.vllm_importance_sampling_mode),
+            "is_clip": [trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max],
             "fix": cap.mode,
             "sampler_dtype": pend["dtype"],
         }

@@ -92,8 +92,8 @@ def score_step(sequences: Sequence[dict[str, Any]], *, name: str, thresholds: Th
     ok = ~table.incomplete
     # The diagnosis must tell log S from noise: the per-token rounding bound of the sampler's dtype,
     # not the gate limit (bfloat16's 0.25 is larger than log S at top_p=0.8).
-    bound = torch.cat([logprob_rounding_bound(z, y, spec, dtype if dtype in DTYPES else "bfloat16")
-                       for z, y in zip(logits, ys, strict=True)]) if ys else torch.zeros(0, dtype=torch.float64)
+    bound = torch.cat([logprob_rounding_bound(z, y, spec, dtype if dtype in DTYPES else "bfloat16", kept=r.kept_ids)
+                       for z, y, r in zip(logits, ys, records, strict=True)]) if ys else torch.zeros(0, dtype=torch.float64)
     tol = float(bound.max()) if bound.numel() else th.replay_max_abs_diff
     table.user_diagnosis = diagnose(table.user[ok], table.vllm[ok], table.log_s[ok], untempered=untempered[ok],
                                     shifted=shifted[ok], tol=tol)

@@ -111,8 +111,8 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def repro(session: nox.Session) -> None:
-    """Upstream bug reproductions (`parity repro all`)."""
-    install(session, "cpu", "report")
+    """Upstream bug reproductions (`parity repro all`; `nox -s repro -- trl_grpo_top_p` for TRL's alone)."""
+    install(session, "cpu", "report", "trl")
     session.run("parity", "repro", *(session.posargs or ["all"]), env=CPU_ENV)
 
 

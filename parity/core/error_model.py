@@ -26,8 +26,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from parity.core.spec import SamplingSpec
 
 # Unit roundoff (half an ulp at 1) per dtype name.
 UNIT_ROUNDOFF: dict[str, float] = {
@@ -136,3 +140,56 @@ def mean_bias_limit(diff: torch.Tensor, bound: torch.Tensor, values: torch.Tenso
     v = torch.where(torch.isfinite(v), v, torch.zeros_like(v))
     sd = float(d.std()) if n > 1 else 0.0
     return (4.0 * sd + float(bound.double().mean())) / math.sqrt(n) + 2.0 * u * float(v.mean())
+
+
+# -- the final-logit rounding bound -------------------------------------------------------------
+# A narrower model for a narrower question: how far a log-prob moves when one side only rounds its
+# final logits to a low-precision dtype (TRL's bfloat16 sampler against a float32 trainer). It is
+# checked against means over many tokens, where upstream kernel noise averages out.
+#
+# A sampler that runs the model in bfloat16 rounds every logit: ``z~_i = z_i (1 + d_i)`` with
+# ``|d_i| <= u``, ``u`` the dtype's unit roundoff (``finfo(dtype).eps / 2``; 2^-8 for bfloat16). To
+# first order, the log-prob of the sampled token y under ``log_softmax(z / T)`` — over the whole
+# vocabulary or renormalised over any kept set — then moves by
+#
+#     eps_y = dz_y / T - log E_p[exp(dz / T)],  so  |eps_y| <= u (|z_y| + E_p|z|) / T + u^2 E_p[z^2] / T^2
+#
+# (Jensen below, ``e^x <= 1 + x + x^2`` above), p the distribution the log-prob is taken over.
+# :func:`logprob_rounding_bound` returns that per-token bound from the trainer's float32 logits, taking
+# the larger expectation of the full and the kept-set distribution, so it holds for the full
+# log-softmax and for the renormalised one. A relation between a low-precision sampler's log-probs and
+# float32 ones holds "to the dtype" when it holds within this bound. It bounds rounding the final
+# logits, not every kernel upstream of them: the relations parity checks against it are means over
+# many tokens, where the measured noise sits far inside it.
+
+
+def logprob_rounding_bound(
+    logits: torch.Tensor,
+    sampled: torch.Tensor,
+    spec: SamplingSpec,
+    dtype: str | torch.dtype,
+    kept: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token bound ``u (|z_y| + E|z|) / T + u^2 E[z^2] / T^2`` (float64 ``[N]``) for logits ``[N, V]``.
+
+    ``E`` is the larger of the expectations under ``softmax(z / T)`` and, when ``kept`` (padded ids
+    ``[N, K]``, ``-1`` = padding) is given, under the distribution renormalised over the kept set.
+    """
+    if logits.dim() != 2 or sampled.dim() != 1 or sampled.shape[0] != logits.shape[0]:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and sampled {tuple(sampled.shape)}: allowed [N, V] and [N]"
+        )
+    t = spec.effective_temperature if not spec.greedy else 1.0
+    z = logits.double()
+    p = torch.softmax(z / t, dim=-1)
+    e1, e2 = (p * z.abs()).sum(dim=-1), (p * z * z).sum(dim=-1)
+    if kept is not None:
+        if kept.dim() != 2 or kept.shape[0] != z.shape[0]:
+            raise ValueError(f"kept has shape {tuple(kept.shape)}: allowed [{z.shape[0]}, K] padded ids")
+        zk = z.gather(1, kept.clamp(min=0).long())
+        q = torch.softmax((zk / t).masked_fill(kept < 0, float("-inf")), dim=-1)
+        e1 = torch.maximum(e1, (q * zk.abs()).sum(dim=-1))
+        e2 = torch.maximum(e2, (q * zk * zk).sum(dim=-1))
+    zy = z.gather(1, sampled.long().unsqueeze(1)).squeeze(1).abs()
+    u = unit_roundoff(dtype)
+    return u * (zy + e1) / t + u * u * e2 / (t * t)

@@ -46,6 +46,15 @@ REPROS: tuple[Entry, ...] = (
     Entry(7, "batch_invariant_cpu", "parity.repro.batch_invariant_cpu",
           "VLLM_BATCH_INVARIANT=1 crashes vLLM's CPU engine at the first forward",
           ("qwen2-tiny-ties",)),
+    Entry(8, "trl_grpo_top_p", "parity.repro.trl_grpo_top_p",
+          "TRL GRPOTrainer's own metrics: IS ratio scaled by S (S^L per sequence) under top_p/top_k/min_p; "
+          "a replay patch removes it", ("qwen2-tiny",)),
+    Entry(9, "trl_weight_sync", "parity.repro.trl_weight_sync",
+          "TRL colocate weight sync on vLLM's CPU engine: 'Parameter' object has no attribute 'weight_loader'",
+          ("qwen2-tiny",)),
+    Entry(10, "cpu_capability_default", "parity.repro.cpu_capability_default",
+          "vLLM's CPU engine does not start under ATEN_CPU_CAPABILITY=default ('at::vec' has not been declared)",
+          ("qwen2-tiny",)),
 )
 
 BY_NAME = {e.name: e for e in REPROS}
@@ -53,8 +62,9 @@ BY_NAME = {e.name: e for e in REPROS}
 # ``all``: the repros on the flat 32k fixture, then the one on scale 4, then the sweep (which visits the
 # scales whose engines are still alive first), then the tie fixture: with two live engines, each
 # fixture's engine starts once.
+# The TRL and engine-start repros start their own engines in subprocesses: they come last.
 RUN_ORDER = ("top_p_bias", "temperature", "recompute_boundary", "capture_head", "top_k_entropy",
-             "top_k_ties", "batch_invariant_cpu")
+             "top_k_ties", "batch_invariant_cpu", "trl_grpo_top_p", "trl_weight_sync", "cpu_capability_default")
 
 
 def get(name: str) -> Entry:

@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("standalone_src.py")
+# The reproductions that run TRL's trainer: their own prelude (TRL, datasets and a tokenizer built from code).
+TRL_SOURCE = Path(__file__).with_name("standalone_trl_src.py")
 _MARK = re.compile(r"^# =+ section: (?P<name>[a-z0-9_]+) =+$", re.MULTILINE)
 # ``from parity.X import ...  # @inline parity.X`` in the source is replaced by module X's own code, so an
 # emitted script carries the rule parity applies instead of a copy that could drift from it.
@@ -39,9 +41,9 @@ def inline(text: str) -> str:
     return _INLINE.sub(lambda m: _module_body(m.group("module")), text)
 
 
-def sections() -> dict[str, str]:
+def sections(source: Path = SOURCE) -> dict[str, str]:
     """Section name -> its source text, in file order."""
-    text = SOURCE.read_text(encoding="utf-8")
+    text = source.read_text(encoding="utf-8")
     marks = list(_MARK.finditer(text))
     out: dict[str, str] = {}
     for i, m in enumerate(marks):
@@ -50,10 +52,10 @@ def sections() -> dict[str, str]:
     return out
 
 
-def emit(name: str, title: str, *, config: dict) -> str:
-    parts = sections()
+def emit(name: str, title: str, *, config: dict, source: Path = SOURCE) -> str:
+    parts = sections(source)
     if name not in parts:
-        raise ValueError(f"no standalone script section {name!r} in {SOURCE.name}: allowed {', '.join(p for p in parts if p != 'prelude')}")
+        raise ValueError(f"no standalone script section {name!r} in {source.name}: allowed {', '.join(p for p in parts if p != 'prelude')}")
     try:
         from importlib.metadata import version
 
@@ -64,7 +66,8 @@ def emit(name: str, title: str, *, config: dict) -> str:
         "#!/usr/bin/env python3\n"
         f'"""{title}.\n\n'
         f"Standalone reproduction emitted by `parity repro {name} --emit-script` ({made_by}).\n"
-        "Needs only torch, transformers and vLLM; builds its tiny model from code and downloads nothing.\n"
+        + ("Needs only torch, transformers and vLLM; " if source == SOURCE else "Needs torch, transformers, vLLM, TRL and datasets; ")
+        + "builds its tiny model from code and downloads nothing.\n"
         "It samples with vLLM (processed log-probs), scores the same tokens with transformers, prints a\n"
         "Markdown table and the checks, and exits 0 when the finding reproduces, 1 when it does not.\n\n"
         f"    python {name}.py [--prompts N] [--tokens L] [--seed S]\n"

@@ -556,3 +556,43 @@ def main_batch_invariant_cpu(cfg, args):
         ("with VLLM_BATCH_INVARIANT=1 it crashes with a TypeError", not on["generated"] and on["error"].startswith("TypeError")),
         ("raised inside vLLM's batch_invariant.py", bool(on["where"])),
     ])
+
+
+# ==================== section: cpu_capability_default ====================
+CAP_CHILD = r'''
+import sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256, seed=0)
+out = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(temperature=0, max_tokens=2, detokenize=False), use_tqdm=False)
+print("GENERATED", list(out[0].outputs[0].token_ids), flush=True)
+'''
+
+
+def main_cpu_capability_default(cfg, args):
+    """vLLM's CPU engine with and without ATEN_CPU_CAPABILITY=default, each in a fresh process with fresh
+    compile caches (the model is compiled, as TRL's colocated engine does)."""
+    path = save(build_model(cfg["vocab"], seed=args.seed))
+    rows = []
+    for knob in (None, "default"):
+        cache = tempfile.mkdtemp(prefix="repro-cache-")
+        env = dict(os.environ, VLLM_CACHE_ROOT=os.path.join(cache, "vllm"), TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "ind"))
+        env.pop("ATEN_CPU_CAPABILITY", None)
+        if knob:
+            env["ATEN_CPU_CAPABILITY"] = knob
+        try:
+            p = subprocess.run([sys.executable, "-c", CAP_CHILD, path], env=env, capture_output=True, text=True,
+                               timeout=cfg["timeout_s"])
+            text = p.stdout + p.stderr
+        except subprocess.TimeoutExpired:
+            text = "timeout"
+        rows.append({"knob": knob or "unset", "generated": "GENERATED" in text,
+                     "symptom": "'at::vec' has not been declared" in text})
+    print(markdown([("knob", "ATEN_CPU_CAPABILITY", ""), ("generated", "generated", ""),
+                    ("symptom", "'at::vec' has not been declared", "")], rows))
+    off, on = rows
+    return verdict([
+        ("without the knob the CPU engine generates", off["generated"]),
+        ("with ATEN_CPU_CAPABILITY=default it fails with 'at::vec' has not been declared",
+         not on["generated"] and on["symptom"]),
+    ])

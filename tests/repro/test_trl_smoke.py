@@ -1,0 +1,60 @@
+"""TRL's real GRPOTrainer on the CPU engine, one config (top_p=0.8, one step), as shipped and under the patch.
+
+The relations are checked against the bfloat16 rounding bound computed from this run's logits
+(:mod:`parity.rounding`; TRL's engine runs bfloat16), never against a stored number. The same
+capture is then scored by parity into a report, which must fail TRL as shipped (bias = log S) and
+pass it under the replay patch.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("trl")
+
+from parity.engines.trl_grpo import load_sequences  # noqa: E402
+from parity.repro.trl_grpo_top_p import CONFIG_TIMEOUT_S, logp_relation, run_config, step_stats  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trl")
+    res = run_config({"model": "qwen2-tiny", "top_p": 0.8, "steps": 1, "phases": ["observe", "replay"]}, out,
+                     CONFIG_TIMEOUT_S)
+    assert "error" not in res, res.get("error", "") + "\n" + res.get("tail", "")
+    phases = {p["mode"]: (p, load_sequences(out / p["capture"])) for p in res["phases"]}
+    return res, phases
+
+
+def test_trl_metric_equals_abs_log_s_as_shipped_and_noise_under_the_patch(run) -> None:
+    _, phases = run
+    for mode, expect_log_s in (("observe", True), ("replay", False)):
+        phase, seqs = phases[mode]
+        [metric] = phase["metrics"]
+        stats = step_stats(seqs)
+        assert seqs[0]["sampler_dtype"] == phase["sampler_dtype"]
+        rel = logp_relation(metric["sampling/sampling_logp_difference/mean"], stats, expect_log_s=expect_log_s)
+        assert rel["holds"], f"{mode}: {rel}"
+        # TRL's own per-sequence IS ratio: log of it is the sum of log S per token (as shipped) or 0 (patched)
+        assert stats["is_dev_over_bound"] <= 1, f"{mode}: {stats}"
+        assert stats["is_excluded"] == 0
+    shipped = step_stats(phases["observe"][1])
+    # the bias is distinguishable from bfloat16 noise at top_p=0.8: the check above could fail
+    assert shipped["abs_log_s"] > 2 * shipped["bound"] and shipped["mean_s"] < 1.0
+    counts = phases["replay"][0]["counts"]
+    assert counts["incomplete_positions"] == 0 and counts["replay_fallbacks"] == 0 and counts["nan_sampler_logprobs"] == 0
+
+
+def test_parity_report_of_the_trl_step(run) -> None:
+    from parity.engines.trl_score import score_capture
+
+    _, phases = run
+    shipped = score_capture(phases["observe"][1], label="trl-shipped")
+    patched = score_capture(phases["replay"][1], label="trl-replay")
+    [s], [p] = shipped["scenarios"], patched["scenarios"]
+    assert s["verdict"] == "fail" and "full-vocabulary distribution" in s["trainer_under_test"]["diagnosis"]
+    assert p["verdict"] == "pass", p["violations"]
+    assert p["trainer_under_test"]["diagnosis"] == "matches the sampler's processed log-probs"
+    assert s["tokens"] == p["tokens"] == sum(len(x["completion_ids"]) for x in phases["observe"][1])

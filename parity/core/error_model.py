@@ -26,12 +26,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from parity.core.spec import SamplingSpec
 
 # Unit roundoff (half an ulp at 1) per dtype name.
 UNIT_ROUNDOFF: dict[str, float] = {
@@ -166,7 +163,7 @@ def mean_bias_limit(diff: torch.Tensor, bound: torch.Tensor, values: torch.Tenso
 def logprob_rounding_bound(
     logits: torch.Tensor,
     sampled: torch.Tensor,
-    spec: SamplingSpec,
+    spec: Any,  # a parity.core.spec.SamplingSpec (not imported: emitted scripts inline this module)
     dtype: str | torch.dtype,
     kept: torch.Tensor | None = None,
 ) -> torch.Tensor:

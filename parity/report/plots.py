@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +23,21 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     sc = report["scenarios"]
     tables = [(s["name"], s.get("_table")) for s in sc if s.get("_table") is not None]
     if tables:
+        limit = float((report.get("config") or {}).get("thresholds", {}).get("max_headroom") or 1.0)
+        # Drawn at the edges: below floor (exact matches included), above ceiling (NaN and inf included).
+        floor, ceiling = 1e-4, 1e4
         fig, ax = plt.subplots(figsize=(8, 4.5))
         for est in ("replay", "recompute"):
-            d = torch.cat([(getattr(t, est) - t.vllm)[~t.incomplete] for _, t in tables]).abs()
-            d = d[torch.isfinite(d)]
-            ax.hist(torch.log10(d.clamp(min=1e-12)).numpy(), bins=60, alpha=0.6, label=f"{est} − vLLM")
-        ax.set_xlabel("log10 |trainer − vLLM| per token (exact matches drawn at −12)")
+            ok = [~t.incomplete for _, t in tables]
+            d = torch.cat([(getattr(t, est) - t.vllm)[m] for (_, t), m in zip(tables, ok, strict=True)]).abs()
+            b = torch.cat([t.bound[m] for (_, t), m in zip(tables, ok, strict=True)])
+            h = (d / b.clamp(min=torch.finfo(torch.float64).tiny)).nan_to_num(ceiling, posinf=ceiling)
+            ax.hist(torch.log10(h.clamp(min=floor, max=ceiling)).numpy(), bins=60, alpha=0.6, label=f"{est} − vLLM")
+        ax.axvline(math.log10(limit), color="black", linestyle="--", linewidth=1)
+        ax.text(math.log10(limit), ax.get_ylim()[1] * 0.95, f" gate: |diff| = {limit:g} × bound", va="top", fontsize=8)
+        ax.set_xlabel(f"log10 (|trainer − vLLM| / rounding bound) per token (exact and < {floor:g}: left edge; > {ceiling:g}: right)")
         ax.set_ylabel("tokens")
-        ax.set_title("Per-token drift after the fix (all scenarios)")
+        ax.set_title("Per-token drift after the fix against its rounding bound (all scenarios)")
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / "drift_hist.png", dpi=110)

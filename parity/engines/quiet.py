@@ -38,6 +38,16 @@ def _fileno(stream: Any) -> int | None:
         return None
 
 
+def _columns(stream: Any) -> int:
+    """The terminal's width; 80 where it reports none (a new pseudo-terminal says 0, and tqdm then draws nothing)."""
+    fd = _fileno(stream)
+    try:
+        cols = os.get_terminal_size(fd).columns if fd is not None else 0
+    except OSError:
+        cols = 0
+    return cols or 80
+
+
 def _flush_std() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, OSError, ValueError):
@@ -91,7 +101,8 @@ class EngineOutput:
                 # parity's lines go where stderr went; when sys.stderr is not descriptor 2 (a test's
                 # capture object), it stays the terminal.
                 if _fileno(sys.stderr) == 2:
-                    self.term = os.fdopen(os.dup(self._saved[2]), "w", buffering=1, encoding="utf-8", errors="replace")
+                    encoding = getattr(sys.stderr, "encoding", None) or "utf-8"
+                    self.term = os.fdopen(os.dup(self._saved[2]), "w", buffering=1, encoding=encoding, errors="replace")
                     self._own_term = True
                 os.dup2(self._log_fd, 1)
                 os.dup2(self._log_fd, 2)
@@ -159,7 +170,7 @@ class EngineOutput:
             from tqdm import tqdm
 
             bar = tqdm(total=None, desc=f"parity: {label}", bar_format="{desc} … {elapsed}", file=self.term,
-                       leave=False, dynamic_ncols=True)
+                       leave=False, ncols=_columns(self.term))
             stop = threading.Event()
 
             def tick() -> None:

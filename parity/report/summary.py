@@ -123,6 +123,11 @@ def _example(truncating: list[dict[str, Any]]) -> dict[str, Any]:
     return min(truncating, key=key)
 
 
+def _article(n: int) -> str:
+    """'a' or 'an' before a number read aloud (an 8-token, an 11-token, a 16-token completion)."""
+    return "an" if str(n).startswith("8") or n in (11, 18) or 11_000 <= n < 12_000 or 18_000 <= n < 19_000 else "a"
+
+
 def _names(items: list[dict[str, Any]], most: int = 3) -> str:
     names = [s["name"] for s in items]
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
@@ -150,7 +155,7 @@ def paragraph(report: dict[str, Any]) -> str:
         length = round((e.get("compared_tokens") or e["tokens"]) / max(1, e.get("sequences") or 1))
         parts.append(
             f"A trainer that takes the full-vocabulary log-softmax would under-weight every token by S = {tok:.2f} "
-            f"at {e['name']} (log S = {_signed(e['log_s']['mean'])} nats per token), a {length}-token completion "
+            f"at {e['name']} (log S = {_signed(e['log_s']['mean'])} nats per token), {_article(length)} {length}-token completion "
             f"by {seq:.2g}."
         )
         if len(truncating) > 1:
@@ -201,7 +206,10 @@ def paragraph(report: dict[str, Any]) -> str:
                 f"above {limit:g})."
             )
         else:
-            parts.append(f"Kernel drift reaches {_ratio(h)} times its rounding bound in {s['name']} (the gate allows {limit:g}).")
+            parts.append(
+                f"The trainer's gap to vLLM reaches {_ratio(h)} times its rounding bound in {s['name']} (the gate "
+                f"allows {limit:g})."
+            )
     forced = sum(int(s["recompute"].get("forced_includes") or 0) for s in sc)
     if forced:
         parts.append(

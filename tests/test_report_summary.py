@@ -182,3 +182,30 @@ def test_glance_cells_are_report_values_formatted(mixed: dict) -> None:
         v = float(row["log S"]) if row["log S"] != "0" else 0.0
         assert math.isclose(v, s["log_s"]["mean"], rel_tol=1e-3, abs_tol=5e-5)
         assert re.fullmatch(r"\d+\.\d\d|inf|—", row["replay"])
+
+
+def test_a_trainer_under_test_is_named_with_its_diagnosis(mixed: dict) -> None:
+    report = json.loads(json.dumps(_clean(mixed)))
+    s = report["scenarios"][0]
+    s["trainer_under_test"] = {"name": "mymodule:my_logprobs", "diagnosis": "it forgets the temperature"}
+    s["violations"].append({"gate": "trainer_under_test_drift", "message": "m"})
+    report["scenarios"][1]["trainer_under_test"] = {"name": "mymodule:my_logprobs", "diagnosis": "matches"}
+    text = summary.paragraph(report)
+    assert ("The trainer under test (mymodule:my_logprobs) fails in 1 of 2 scenario(s) (top_p=0.9 T=0.7); "
+            "diagnosis at top_p=0.9 T=0.7: it forgets the temperature.") in text
+    assert "Other failed gates" not in text
+
+
+def test_the_drift_histogram_draws_diff_over_bound_for_every_compared_token() -> None:
+    from parity.report.plots import DRIFT_RANGE, drift_headroom
+
+    spec = SamplingSpec(temperature=0.7, top_p=0.9)
+    records, logits = _records(spec)
+    clean = build_table(records, logits, spec)
+    planted = build_table(records, logits, spec, faults=TrainerFaults(shift_bounds=4.0))
+    for table in (clean, planted):
+        h = drift_headroom([table], "replay")
+        assert h.numel() == int((~table.incomplete).sum())
+        # Its maximum is the scenario's headroom, the statistic the drift gate compares with its limit.
+        assert float(h.max()) == pytest.approx(max(summarize(table)["headroom"]["replay"], DRIFT_RANGE[0]), rel=1e-9)
+    assert float(drift_headroom([planted], "replay").max()) > 1.0 > float(drift_headroom([clean], "replay").max())

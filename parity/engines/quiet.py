@@ -87,9 +87,15 @@ class EngineOutput:
 
     # -- the context -----------------------------------------------------------------------------
     def __enter__(self) -> EngineOutput:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        except OSError as exc:
+            raise RuntimeError(
+                f"cannot write the engine log {str(self.log_path)!r} ({exc.strerror or exc}): allowed a writable "
+                "report folder (--out)"
+            ) from exc
         _flush_std()
-        self._log_fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         if not self.verbose:
             try:
                 self._saved = {fd: os.dup(fd) for fd in (1, 2)}

@@ -10,6 +10,22 @@ import torch
 
 from parity.report import rl as rl_report
 
+# The histogram's range of |diff| / bound: below it (exact matches too) at the left edge, above it (NaN
+# and inf too) at the right edge, so every compared token is drawn.
+DRIFT_RANGE = (1e-4, 1e4)
+
+
+def drift_headroom(tables: list[Any], estimator: str) -> torch.Tensor:
+    """Per compared token, ``|estimator - vLLM| / bound`` (the quantity the drift gates compare with 1),
+    clamped to :data:`DRIFT_RANGE`; incomplete positions are left out, as the gates leave them out."""
+    floor, ceiling = DRIFT_RANGE
+    if not tables:
+        return torch.zeros(0, dtype=torch.float64)
+    d = torch.cat([(getattr(t, estimator) - t.vllm)[~t.incomplete] for t in tables]).double().abs()
+    b = torch.cat([t.bound[~t.incomplete] for t in tables]).double()
+    h = (d / b.clamp(min=torch.finfo(torch.float64).tiny)).nan_to_num(ceiling, posinf=ceiling)
+    return h.clamp(min=floor, max=ceiling)
+
 
 def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     try:
@@ -24,17 +40,14 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     tables = [(s["name"], s.get("_table")) for s in sc if s.get("_table") is not None]
     if tables:
         limit = float((report.get("config") or {}).get("thresholds", {}).get("max_headroom") or 1.0)
-        # Drawn at the edges: below floor (exact matches included), above ceiling (NaN and inf included).
-        floor, ceiling = 1e-4, 1e4
+        floor, ceiling = DRIFT_RANGE
         fig, ax = plt.subplots(figsize=(8, 4.5))
         for est in ("replay", "recompute"):
-            ok = [~t.incomplete for _, t in tables]
-            d = torch.cat([(getattr(t, est) - t.vllm)[m] for (_, t), m in zip(tables, ok, strict=True)]).abs()
-            b = torch.cat([t.bound[m] for (_, t), m in zip(tables, ok, strict=True)])
-            h = (d / b.clamp(min=torch.finfo(torch.float64).tiny)).nan_to_num(ceiling, posinf=ceiling)
-            ax.hist(torch.log10(h.clamp(min=floor, max=ceiling)).numpy(), bins=60, alpha=0.6, label=f"{est} − vLLM")
+            h = drift_headroom([t for _, t in tables], est)
+            ax.hist(torch.log10(h).numpy(), bins=60, alpha=0.6, label=f"{est} − vLLM")
         ax.axvline(math.log10(limit), color="black", linestyle="--", linewidth=1)
-        ax.text(math.log10(limit), ax.get_ylim()[1] * 0.95, f" gate: |diff| = {limit:g} × bound", va="top", fontsize=8)
+        ax.text(math.log10(limit), ax.get_ylim()[1] * 0.95, f"gate: |diff| = {limit:g} × bound ", va="top",
+                ha="right", fontsize=8)
         ax.set_xlabel(f"log10 (|trainer − vLLM| / rounding bound) per token (exact and < {floor:g}: left edge; > {ceiling:g}: right)")
         ax.set_ylabel("tokens")
         ax.set_title("Per-token drift after the fix against its rounding bound (all scenarios)")

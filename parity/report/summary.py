@@ -19,6 +19,7 @@ from parity.report import rl as rl_report
 REPLAY_GATES = ("replay_drift", "replay_mean_bias", "replay_support")
 RECOMPUTE_GATES = ("recompute_drift", "recompute_mean_bias", "recompute_support")
 NAIVE_GATES = ("naive_vs_sampler_log_s",)
+TRAINER_GATES = ("trainer_under_test_drift", "trainer_under_test_mean_bias")
 WIDTH = 100
 
 
@@ -155,8 +156,8 @@ def paragraph(report: dict[str, Any]) -> str:
         length = round((e.get("compared_tokens") or e["tokens"]) / max(1, e.get("sequences") or 1))
         parts.append(
             f"A trainer that takes the full-vocabulary log-softmax would under-weight every token by S = {tok:.2f} "
-            f"at {e['name']} (log S = {_signed(e['log_s']['mean'])} nats per token), {_article(length)} {length}-token completion "
-            f"by {seq:.2g}."
+            f"at {e['name']} (log S = {_signed(e['log_s']['mean'])} nats per token), "
+            f"{_article(length)} {length}-token completion by {seq:.2g}."
         )
         if len(truncating) > 1:
             lo = min(truncating, key=lambda s: _f(s["is_ratio"]["naive"]["token"]["mean"]) or 1.0)
@@ -216,7 +217,17 @@ def paragraph(report: dict[str, Any]) -> str:
             f"Recompute had to force-include the sampled token at {forced} position(s): the trainer's numerics moved "
             "the filter boundary there."
         )
-    other = sorted({g for s in sc for g in _gates(s)} - set(REPLAY_GATES + RECOMPUTE_GATES + NAIVE_GATES))
+    tested = [s for s in sc if s.get("trainer_under_test")]
+    if tested:
+        name = tested[0]["trainer_under_test"].get("name")
+        bad = _failing(tested, TRAINER_GATES)
+        worst = bad[0] if bad else tested[0]
+        verdict = f"fails in {len(bad)} of {len(tested)} scenario(s) ({_names(bad)})" if bad else "passes every scenario"
+        parts.append(
+            f"The trainer under test ({name}) {verdict}; diagnosis at {worst['name']}: "
+            f"{worst['trainer_under_test'].get('diagnosis') or 'none'}."
+        )
+    other = sorted({g for s in sc for g in _gates(s)} - set(REPLAY_GATES + RECOMPUTE_GATES + NAIVE_GATES + TRAINER_GATES))
     if other:
         parts.append("Other failed gates: " + ", ".join(other) + ".")
     det = report.get("determinism")

@@ -51,3 +51,19 @@ def test_every_listed_command_has_a_module_of_its_own() -> None:
     parser = cli.build_parser()
     for name in cli.COMMANDS:
         assert parser.parse_args([name, *(["list"] if name == "repro" else [])]).command == name
+
+
+def test_help_shows_three_examples_that_parse(capsys: pytest.CaptureFixture[str]) -> None:
+    import shlex
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    examples = [line.strip() for line in out.split("examples:", 1)[1].splitlines() if line.startswith("  parity ")]
+    assert len(examples) == 3
+    parser = cli.build_parser()
+    for line in examples:
+        args = parser.parse_args(shlex.split(line)[1:])  # a typo in an example exits 2 here
+        assert args.command in cli.COMMANDS
+    assert parser.parse_args(["run", "--verbose"]).verbose is True

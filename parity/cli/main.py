@@ -27,7 +27,20 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fixtures": ("parity.cli.fixtures", "list, build or locate the offline fixture models"),
     "repro": ("parity.cli.repro", "reproduce upstream bugs (list | NAME | all)"),
     "ties": ("parity.cli.ties", "characterize how the engine keeps ties at the k-th value, per batch size"),
+    "doctor": ("parity.cli.doctor", "check this machine for what would stop or slow `parity run`, each with its fix"),
 }
+# The three most common invocations, shown under `parity --help`.
+EXAMPLES = """\
+examples:
+  parity doctor
+      check the environment first: versions, KV cache, preloads, fixture cache (exit 1 if a run would fail)
+  parity run --model qwen2-tiny --matrix default --invariance --out reports/parity
+      the main job (what `nox -s parity` runs): vLLM vs transformers over the default matrix
+  parity run --model ./my-checkpoint --matrix my.toml --trainer mymodule:my_logprobs
+      score your own trainer's log-prob function on your checkpoint and your sampling settings
+
+Engine output goes to engine.log in the report folder (`parity run --verbose` shows it instead).
+"""
 # The errors a user can cause and fix: one line, exit 2 (without --debug).
 USER_ERRORS = (ValueError, FileNotFoundError, RuntimeError, TimeoutError)
 
@@ -36,6 +49,8 @@ def build_parser(commands: dict[str, tuple[str, str]] | None = None) -> argparse
     parser = argparse.ArgumentParser(
         prog="parity",
         description="Rollout-trainer parity: does the trainer score the distribution vLLM sampled from?",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"parity {parity.__version__}")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of any error")

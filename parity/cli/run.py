@@ -7,6 +7,8 @@ from pathlib import Path
 
 from parity.core.gates import Thresholds
 from parity.core.table import TrainerFaults
+from parity.engines.quiet import LOG_NAME, EngineOutput
+from parity.report.summary import render_terminal
 from parity.run import RunConfig, run
 
 FAULTS = {
@@ -75,6 +77,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="skip the raw-logits engine that gives a sampler-side log S (the naive bias is then reported, not gated)",
     )
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="let vLLM, torch and transformers print to the terminal (default: into engine.log in the report folder)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -121,12 +128,21 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 def main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    report = run(cfg)
+    # The engines' log lines and warnings go to engine.log (shown in part if the run fails); parity's
+    # own progress lines and the wait indicators go to the terminal.
+    with EngineOutput(Path(cfg.out) / LOG_NAME, verbose=args.verbose) as out:
+        report = run(cfg, progress=out.say)
     n_fail = sum(s["verdict"] == "fail" for s in report["scenarios"])
-    print(f"parity: {len(report['scenarios']) - n_fail}/{len(report['scenarios'])} scenarios pass; report in {cfg.out}/report.md")
+    print()
+    print(render_terminal(report))
+    print()
     for s in report["scenarios"]:
         for v in s["violations"]:
             print(f"FAIL {v['message']}")
     for v in (report.get("determinism") or {}).get("violations", []):
         print(f"FAIL [determinism] {v}")
+    print(
+        f"parity: {len(report['scenarios']) - n_fail}/{len(report['scenarios'])} scenarios pass; report in "
+        f"{cfg.out}/report.md" + ("" if args.verbose else f", engine output in {cfg.out}/{LOG_NAME}")
+    )
     return 0 if report["passed"] else 1

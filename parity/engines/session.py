@@ -7,6 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from parity.engines.quiet import waiting
+
 if TYPE_CHECKING:  # pragma: no cover
     from parity.run import RunConfig
 
@@ -91,11 +93,12 @@ class EnginePool:
         key = (model_name, cfg.dtype, cfg.device)
         if key not in self._raw:
             progress(f"parity: starting a raw-logits vLLM engine on {model_name} (sampler-side log S)")
-            self._raw[key] = VllmRollout(
-                _resolve(model_name), dtype=cfg.dtype, device=cfg.device, seed=cfg.seed, timeout_s=cfg.timeout_s,
-                full_vocab_limit=cfg.full_vocab_limit, prefix_caching=cfg.prefix_caching,
-                engine_kwargs={"logprobs_mode": "raw_logits"},
-            )
+            with waiting("raw-logits vLLM engine start-up"):
+                self._raw[key] = VllmRollout(
+                    _resolve(model_name), dtype=cfg.dtype, device=cfg.device, seed=cfg.seed, timeout_s=cfg.timeout_s,
+                    full_vocab_limit=cfg.full_vocab_limit, prefix_caching=cfg.prefix_caching,
+                    engine_kwargs={"logprobs_mode": "raw_logits"},
+                )
         return self._raw[key]
 
     def get(self, model_name: str, cfg: RunConfig, progress: Callable[[str], None]) -> tuple[Any, Any]:
@@ -109,7 +112,8 @@ class EnginePool:
             model_path = _resolve(model_name)
             trainer_path = _resolve(trainer_name)
             progress(f"parity: starting vLLM ({cfg.device}, {cfg.dtype}) and transformers ({trainer_dtype}) on {model_name}")
-            trainer = TransformersTrainer(trainer_path, dtype=trainer_dtype, device=cfg.device)
+            with waiting("transformers model load"):
+                trainer = TransformersTrainer(trainer_path, dtype=trainer_dtype, device=cfg.device)
             common = dict(
                 dtype=cfg.dtype,
                 device=cfg.device,
@@ -124,9 +128,11 @@ class EnginePool:
             if cfg.server:
                 from parity.engines.vllm_server.client import ServerRollout
 
-                rollout = ServerRollout(model_path, server=cfg.server, **common)
+                with waiting("vLLM server start-up and ready" if cfg.server == "spawn" else "vLLM server connection"):
+                    rollout = ServerRollout(model_path, server=cfg.server, **common)
             else:
-                rollout = VllmRollout(model_path, **common)
+                with waiting("vLLM engine start-up"):
+                    rollout = VllmRollout(model_path, **common)
             try:
                 check_same_vocabulary(rollout, trainer)
             except Exception:

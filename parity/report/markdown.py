@@ -1,10 +1,12 @@
-"""report.md: the verdicts first, then the summary table, determinism, matrix coverage and thresholds."""
+"""report.md: the verdict and what it means first, a narrow table, then the detail tables, RL view,
+determinism, matrix coverage and thresholds."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from parity.report import rl as rl_report
+from parity.report import summary
 
 
 def _fmt(x: Any) -> str:
@@ -15,23 +17,62 @@ def _fmt(x: Any) -> str:
     return str(x)
 
 
+GLANCE_COLUMNS = (
+    ("scenario", "scenario"),
+    ("verdict", "verdict"),
+    ("log S", "log S"),
+    ("naive bias", "naive bias"),
+    ("replay", "replay headroom"),
+    ("recompute", "recompute headroom"),
+    ("support", "support equal"),
+)
+
+
+def glance_table(report: dict[str, Any]) -> list[str]:
+    """The narrow table under the verdict: one row per scenario (cells from parity.report.summary)."""
+    lines = [
+        "| " + " | ".join(title for _, title in GLANCE_COLUMNS) + " |",
+        "|---|---|" + "---:|" * 4 + "---|",
+    ]
+    for r in summary.glance_rows(report):
+        verdict = r["verdict"] + (f" ({r['failed gates']})" if r["failed gates"] else "")
+        cells = [verdict if k == "verdict" else r[k] for k, _ in GLANCE_COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "log S: the mean log of the mass the filters kept (0: nothing filtered); naive bias: mean (full-vocabulary "
+        "trainer − vLLM), per token. Headroom: max |trainer − vLLM| / its per-token rounding bound (a gate fails "
+        f"above {summary.headroom_limit(report):g}). Support equal: the captured S_q is the sampler's whole support (replay) and the trainer-side "
+        "filters keep the same set (recompute); full V where nothing was filtered.",
+    ]
+    return lines
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     sc = report["scenarios"]
     n_fail = sum(s["verdict"] == "fail" for s in sc)
     env = report["environment"]
+    plots = set(report.get("plots") or [])
     lines = [
         "# parity report",
         "",
-        f"**{'PASS' if report['passed'] else 'FAIL'}** — {len(sc) - n_fail}/{len(sc)} scenarios pass. "
+        f"**{'PASS' if report['passed'] else 'FAIL'}** — {len(sc) - n_fail}/{len(sc)} scenarios pass.",
+        "",
+        summary.paragraph(report),
+        "",
         f"vLLM {env['vllm']}, torch {env['torch']}, transformers {env['transformers']}, device {env['device']}, "
         f"dtype {env['dtype']} (trainer {env['trainer_dtype']}).",
         "",
     ]
+    lines += glance_table(report)
+    if "log_s_bias.png" in plots:
+        lines += ["", "![log S against the naive trainer's bias, per scenario](log_s_bias.png)"]
+    lines.append("")
     failures = [v for s in sc for v in s["violations"]]
     if failures:
         lines += ["## Violations", ""] + [f"- {v['message']}" for v in failures] + [""]
     lines += [
-        "## Summary",
+        "## Detail per scenario",
         "",
         "Headroom is max |diff| / bound: the per-token rounding bound of parity.core.error_model (both sides' "
         "dtype, |z|/T, support size); a gate fails above 1. The naive bias is gated against a log S from the "
@@ -71,6 +112,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             )
             + " |"
         )
+    if "drift_hist.png" in plots:
+        lines += ["", "![per-token drift of replay and recompute against its rounding bound](drift_hist.png)"]
     lines += rl_report.markdown(report)
     det = report.get("determinism")
     if det:

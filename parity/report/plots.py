@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from parity.report import rl as rl_report
+
+# The histogram's range of |diff| / bound: below it (exact matches too) at the left edge, above it (NaN
+# and inf too) at the right edge, so every compared token is drawn.
+DRIFT_RANGE = (1e-4, 1e4)
+
+
+def drift_headroom(tables: list[Any], estimator: str) -> torch.Tensor:
+    """Per compared token, ``|estimator - vLLM| / bound`` (the quantity the drift gates compare with 1),
+    clamped to :data:`DRIFT_RANGE`; incomplete positions are left out, as the gates leave them out."""
+    floor, ceiling = DRIFT_RANGE
+    if not tables:
+        return torch.zeros(0, dtype=torch.float64)
+    d = torch.cat([(getattr(t, estimator) - t.vllm)[~t.incomplete] for t in tables]).double().abs()
+    b = torch.cat([t.bound[~t.incomplete] for t in tables]).double()
+    h = (d / b.clamp(min=torch.finfo(torch.float64).tiny)).nan_to_num(ceiling, posinf=ceiling)
+    return h.clamp(min=floor, max=ceiling)
 
 
 def write_plots(report: dict[str, Any], out: Path) -> list[str]:
@@ -22,14 +39,18 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     sc = report["scenarios"]
     tables = [(s["name"], s.get("_table")) for s in sc if s.get("_table") is not None]
     if tables:
+        limit = float((report.get("config") or {}).get("thresholds", {}).get("max_headroom") or 1.0)
+        floor, ceiling = DRIFT_RANGE
         fig, ax = plt.subplots(figsize=(8, 4.5))
         for est in ("replay", "recompute"):
-            d = torch.cat([(getattr(t, est) - t.vllm)[~t.incomplete] for _, t in tables]).abs()
-            d = d[torch.isfinite(d)]
-            ax.hist(torch.log10(d.clamp(min=1e-12)).numpy(), bins=60, alpha=0.6, label=f"{est} − vLLM")
-        ax.set_xlabel("log10 |trainer − vLLM| per token (exact matches drawn at −12)")
+            h = drift_headroom([t for _, t in tables], est)
+            ax.hist(torch.log10(h).numpy(), bins=60, alpha=0.6, label=f"{est} − vLLM")
+        ax.axvline(math.log10(limit), color="black", linestyle="--", linewidth=1)
+        ax.text(math.log10(limit), ax.get_ylim()[1] * 0.95, f"gate: |diff| = {limit:g} × bound ", va="top",
+                ha="right", fontsize=8)
+        ax.set_xlabel(f"log10 (|trainer − vLLM| / rounding bound) per token (exact and < {floor:g}: left edge; > {ceiling:g}: right)")
         ax.set_ylabel("tokens")
-        ax.set_title("Per-token drift after the fix (all scenarios)")
+        ax.set_title("Per-token drift after the fix against its rounding bound (all scenarios)")
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / "drift_hist.png", dpi=110)

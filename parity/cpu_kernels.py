@@ -10,12 +10,15 @@ body (measured: 2-4 % of float32 elements differ), so where an element falls dep
 This module replaces each of those operations, while ``enable`` is in force, by one whose result for
 a row depends only on that row's own data. Every kernel rests on one of two principles:
 
-* **Exact elementwise arithmetic.** IEEE 754 ``+ - * /`` and ``sqrt`` are correctly rounded, so an
-  element's result does not depend on which vector lane, tail loop or thread computes it. Every own
-  reduction (sums, the exp/log/sin/cos below) is written from these operations in a fixed order: a
-  sum over ``n`` values is a halving tree over the values zero-padded to the next power of two, so
-  the pairing is fixed by ``n`` alone; exp, log, sin and cos are range reductions and polynomials in
-  float64, rounded once to the output dtype. These kernels give the same bits on every CPU.
+* **Exact elementwise arithmetic.** IEEE 754 ``+ - * /`` are correctly rounded, so an element's
+  result does not depend on which vector lane, tail loop or thread computes it. Every own reduction
+  and function is written from these operations (plus exact ones: comparisons, max, rounding to an
+  integer, casts, bit operations) in a fixed order: a sum over ``n`` values is a halving tree over
+  the values zero-padded to the next power of two, so the pairing is fixed by ``n`` alone; exp, log,
+  sin, cos and 1/sqrt are range reductions with polynomials or Newton steps in float64, rounded once
+  to the output dtype. torch's ``sqrt`` is not used: its results are not the correctly rounded ones
+  (measured: 16 % of float32 and 1 % of float64 inputs differ from IEEE sqrt). These kernels give
+  the same bits on every CPU and kernel path.
 * **The same library call on the same inputs.** Where a kernel still calls a torch reduction
   (``torch.mv``, and ``torch.matmul`` on attention chunks), every call that produces a row's result
   has the same shape, strides, 64-byte alignment and input values in every batch layout, under the
@@ -24,21 +27,22 @@ a row depends only on that row's own data. Every kernel rests on one of two prin
   (BLAS kernels have no value-dependent branches). These kernels are invariant within one kernel
   path; across CPUs or ``ATEN_CPU_CAPABILITY`` values their bits may differ.
 
-The replaced operations (``KERNELS``): ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``mv`` (each output
-row is one ``torch.mv`` on a 64-byte-aligned copy of that row), ``mean.dim`` and ``sum.dim_IntList``
-(halving tree), ``_softmax`` and ``_log_softmax`` (exact max, own exp/log, halving tree), ``silu``,
-``sigmoid``, ``exp``, ``cos``, ``sin``, ``rsqrt`` and ``pow`` with exponents 2, 3, 1, 0.5, -0.5, -1
-(own float64 arithmetic), and ``add``/``sub`` with ``alpha != 1`` (a fused multiply-add in the
-vector body but not in the tail: split into two operations). Attention goes through transformers'
-attention registry (``ATTENTION_NAME``): each sequence is cut out of its row by the mask, its keys
-are read from its own first token on in chunks of ``CHUNK`` (fixed-shape ``matmul`` calls), and the
-softmax and the value sum run over those chunks in order.
+The replaced operations are the keys of ``KERNELS``, each with a line saying how it computes: the
+matrix products ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``mv`` (each output row is one ``torch.mv``
+on a 64-byte-aligned copy of that row), the reductions ``mean.dim`` and ``sum.dim_IntList`` (halving
+tree), ``_softmax`` and ``_log_softmax`` (exact max, own exp/log, halving tree), the functions
+``silu``, ``sigmoid``, ``exp``, ``cos``, ``sin``, ``rsqrt``, ``sqrt`` and ``pow`` with exponents 1,
+2, 3, 0.5, -0.5, -1 (own float64 arithmetic), and ``add``/``sub`` with ``alpha != 1`` (a fused
+multiply-add in the vector body but not in the tail: split into two operations). Attention goes
+through transformers' attention registry (``ATTENTION_NAME``): each sequence is cut out of its row by
+the mask and reduced over its own keys from its first token, one fixed-shape query chunk of
+``CHUNK`` positions at a time (``_chunked``).
 
 The kernels are applied by a ``TorchDispatchMode`` entered around each given model's ``forward``
 only: a vLLM engine or any other code in the same process keeps torch's own kernels. The mode also
-counts what it saw: replaced calls by operation, operations that are exact data movement or IEEE
-arithmetic, and any other floating-point operation (``other_ops``), which no principle above covers
-and which the invariance checks must then measure.
+counts what it saw: replaced calls by operation, operations that are exact (``EXACT_OPS``: data
+movement, comparisons, IEEE arithmetic), and any other floating-point operation (``other_ops``),
+which no principle above covers and which the invariance checks must then measure.
 
 These kernels are built for scoring (``torch.no_grad``); under autograd the gradients are torch's
 own formulas for the replaced operations and the attention kernel's arithmetic.
@@ -76,9 +80,10 @@ _PIO2_1 = 1.57079632673412561417e00
 _PIO2_2 = 6.07710050630396597660e-11
 _PIO2_2T = 2.02226624879595063154e-21
 _SQRT_HALF = 0.7071067811865476
-# Taylor coefficients: e^r on |r| <= ln2/2 to r^13 (truncation < 1e-17); log via atanh series in
-# s = (m-1)/(m+1), |s| <= 0.172, to s^23; sin/cos on |r| <= pi/4 to r^19 / r^20.
-_EXP_C = [1.0 / math.factorial(k) for k in range(14)]
+# Taylor coefficients: e^r on |r| <= ln2/2 to r^11 (truncation < 1e-14, far below a float32 ulp);
+# log via the atanh series in s = (m-1)/(m+1), |s| <= 0.172, to s^23; sin/cos on |r| <= pi/4 to
+# r^19 / r^20.
+_EXP_C = [1.0 / math.factorial(k) for k in range(12)]
 _LOG_C = [1.0 / (2 * k + 1) for k in range(12)]
 _SIN_C = [(-1.0) ** k / math.factorial(2 * k + 1) for k in range(10)]
 _COS_C = [(-1.0) ** k / math.factorial(2 * k) for k in range(11)]
@@ -98,7 +103,7 @@ def _pow2(k: torch.Tensor) -> torch.Tensor:
 
 
 def exp64(x: torch.Tensor) -> torch.Tensor:
-    """e^x in float64 (relative error ~2e-16) from + - * only: x = n ln2 + r, e^x = 2^n e^r."""
+    """e^x in float64 (relative error < 1e-14) from + - * only: x = n ln2 + r, e^x = 2^n e^r."""
     x = x.clamp(-746.0, 710.0)
     n = torch.round(x * _INV_LN2)
     r = (x - n * _LN2_HI) - n * _LN2_LO
@@ -135,6 +140,36 @@ def sincos64(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sin = torch.where(q == 0, s, torch.where(q == 1, c, torch.where(q == 2, -s, -c)))
     cos = torch.where(q == 0, c, torch.where(q == 1, -s, torch.where(q == 2, -c, s)))
     return sin, cos
+
+
+# 1/sqrt by Newton's iteration from the exponent-halving guess (relative error <= 3.5 %): five
+# steps reach the float64 rounding level. torch.sqrt is not used: its float32 and float64 results
+# are not the correctly rounded ones (measured: 16 % and 1 % of random inputs differ from IEEE sqrt).
+_RSQRT_GUESS = 0x5FE6EB50C7B537A9
+_RSQRT_STEPS = 5
+
+
+def rsqrt64(x: torch.Tensor) -> torch.Tensor:
+    """1/sqrt(x) in float64 from + - * and bit operations only."""
+    tiny = x < 2.0**-1000  # scale subnormal and tiny inputs up by 2^128 (exact), the result by 2^64
+    xs = torch.where(tiny, x * 2.0**128, x)
+    y = (_RSQRT_GUESS - torch.bitwise_right_shift(xs.view(torch.int64), 1)).view(torch.float64)
+    half = xs * 0.5
+    for _ in range(_RSQRT_STEPS):
+        y = y * (1.5 - (half * y) * y)
+    y = torch.where(tiny, y * 2.0**64, y)
+    y = torch.where(x == 0, torch.full_like(y, math.inf), y)
+    y = torch.where(x == math.inf, torch.zeros_like(y), y)
+    return torch.where((x < 0) | torch.isnan(x), torch.full_like(y, math.nan), y)
+
+
+def sqrt64(x: torch.Tensor) -> torch.Tensor:
+    """sqrt(x) in float64: x * rsqrt(x) and one Newton correction, from + - * only."""
+    y = rsqrt64(x)
+    s = x * y
+    s = s + (x - s * s) * (y * 0.5)
+    s = torch.where(x == 0, x, s)
+    return torch.where(x == math.inf, x, s)
 
 
 def tree_sum(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
@@ -181,8 +216,12 @@ def _aligned_empty(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
 def _aligned_rows(x: torch.Tensor, width: int) -> torch.Tensor:
     """``x`` ([M, K]) as a ``[M, width]`` tensor (zero columns after K) with 64-byte-aligned rows."""
     m, k = x.shape
-    stride_ok = (width * x.element_size()) % ALIGN_BYTES == 0
-    if width == k and stride_ok and x.is_contiguous() and x.data_ptr() % ALIGN_BYTES == 0:
+    stride_ok = (
+        (width * x.element_size()) % ALIGN_BYTES == 0
+        and x.stride(1) == 1
+        and (m == 1 or x.stride(0) == width)
+    )
+    if width == k and stride_ok and x.data_ptr() % ALIGN_BYTES == 0:
         return x
     out = _aligned_empty(m, width, x.dtype)
     out[:, k:].zero_()
@@ -204,11 +243,13 @@ def rowwise_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     per = max(1, ALIGN_BYTES // x.element_size())
     kp = -(-k // per) * per
     xa = _aligned_rows(x, kp)
-    if kp != k:
+    if kp != k or w.stride() != (k, 1):
+        # Exactly row-major [N, kp]: is_contiguous() also accepts other strides on size-1 dims, and
+        # torch.mv picks a different kernel (another reduction order) for those.
         wa = torch.zeros(n, kp, dtype=w.dtype)
         wa[:, :k].copy_(w)
     else:
-        wa = w if w.is_contiguous() else w.contiguous()
+        wa = w
     out = _aligned_empty(m, n, torch.promote_types(x.dtype, w.dtype))
     for i in range(m):
         torch.mv(wa, xa[i], out=out[i, :n])
@@ -235,7 +276,9 @@ def _scaled_sum(
     return product + (bias if beta == 1 else bias * beta)
 
 
-def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1, alpha: Any = 1) -> torch.Tensor:
+def addmm(
+    bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
+) -> torch.Tensor:
     return _scaled_sum(mm(a, b), bias, beta, alpha)
 
 
@@ -300,7 +343,9 @@ def _exp_to(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return exp64(z.to(torch.float64)).to(dtype)
 
 
-def _softmax_parts(x: torch.Tensor, dim: int, half_to_float: bool) -> tuple[torch.Tensor, torch.Tensor, torch.dtype, int]:
+def _softmax_parts(
+    x: torch.Tensor, dim: int, half_to_float: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.dtype, int]:
     out_dtype = torch.float32 if half_to_float else x.dtype
     acc = _acc_dtype(x.dtype)
     d = dim % max(x.dim(), 1)
@@ -341,10 +386,6 @@ def _sigmoid(x: torch.Tensor) -> torch.Tensor:
     return 1.0 / (exp64(-x) + 1.0)
 
 
-def _rsqrt(x: torch.Tensor) -> torch.Tensor:
-    return 1.0 / torch.sqrt(x)
-
-
 def _sin(x: torch.Tensor) -> torch.Tensor:
     return sincos64(x)[0]
 
@@ -356,7 +397,8 @@ def _cos(x: torch.Tensor) -> torch.Tensor:
 silu = _float64_unary(_silu)
 sigmoid = _float64_unary(_sigmoid)
 exp = _float64_unary(exp64)
-rsqrt = _float64_unary(_rsqrt)
+rsqrt = _float64_unary(rsqrt64)
+sqrt = _float64_unary(sqrt64)
 sin = _float64_unary(_sin)
 cos = _float64_unary(_cos)
 
@@ -365,9 +407,9 @@ _POW = {
     1: lambda x: x.clone(),
     2: lambda x: x * x,
     3: lambda x: (x * x) * x,
-    0.5: torch.sqrt,
+    0.5: sqrt64,
     -1: lambda x: 1.0 / x,
-    -0.5: lambda x: 1.0 / torch.sqrt(x),
+    -0.5: rsqrt64,
 }
 
 
@@ -447,42 +489,39 @@ def _key_ranges(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _chunked(
     qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, lim: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Attention of the query rows of ``qb`` over key rows ``[0, lim[r])``, chunk by chunk from key 0.
+    """Attention of the query rows of ``qb`` ([R, H, D] chunk-major as [nQ, H, C, D]) over the key
+    rows ``[0, lim[r])`` of ``kb``/``vb`` ([nK, H, C, D]), one query chunk at a time.
 
-    Buffers are chunk-major: ``qb`` [nQ, H, C, D], ``kb``/``vb`` [nK, H, C, D], so every chunk is one
-    contiguous, 64-byte-aligned block of the same shape and strides whatever the sequence length.
-    For each query chunk: score blocks ``q_chunk @ k_chunk^T`` (``torch.matmul``, [H, C, D] x
-    [H, D, C]), the exact row max over all of them, e = exp(s - max) (own exp; keys outside the range
-    exactly 0), the denominator as halving-tree sums per key chunk added in chunk order, the numerator
-    as ``e_chunk @ v_chunk`` ([H, C, C] x [H, C, D]) added in chunk order, then one division. Keys
-    after a query's range contribute exact zeros. Returns [nQ, H, C, Dv] in the accumulation dtype.
+    For query chunk c the keys read are chunks ``0 .. k-1``, ``k`` = enough chunks for the chunk's
+    largest range: for a sequence's own queries that is a function of c alone. Scores are one
+    ``torch.matmul`` of the chunk's queries [H, C, D] with those keys [H, D, k*C] (copied contiguous),
+    then the exact row max, e = exp(s - max) with the own exp (keys outside the range exactly 0), the
+    denominator as a halving-tree sum over the k*C keys, the numerator as one ``torch.matmul`` of e
+    [H, C, k*C] with the values [H, k*C, D], and one division. Every call has a shape fixed by
+    (c, k) and inputs that are the sequence's own values, so it repeats bit for bit in any layout.
+    Returns [nQ, H, C, Dv] in the accumulation dtype.
     """
     acc = _acc_dtype(qb.dtype)
-    out = torch.zeros(qb.shape[0], qb.shape[1], CHUNK, vb.shape[-1], dtype=acc)
-    col = torch.arange(CHUNK)
+    n_k, h, _, d = kb.shape
+    dv = vb.shape[-1]
+    out = torch.zeros(qb.shape[0], h, CHUNK, dv, dtype=acc)
+    keys_all = kb.transpose(0, 1).reshape(h, n_k * CHUNK, d)
+    values_all = vb.transpose(0, 1).reshape(h, n_k * CHUNK, dv)
     for qc in range(qb.shape[0]):
         lim_c = lim[qc * CHUNK : (qc + 1) * CHUNK]
         top = int(lim_c.max())
         if top == 0:
             continue
-        scores, masks = [], []
-        for kc in range(-(-top // CHUNK)):
-            s = torch.matmul(qb[qc], kb[kc].transpose(-1, -2)).to(acc) * scale
-            keep = (kc * CHUNK + col)[None, :] < lim_c[:, None]
-            scores.append(s.masked_fill(~keep, -math.inf))
-            masks.append(keep)
-        top_score = scores[0].amax(-1, keepdim=True)
-        for s in scores[1:]:
-            top_score = torch.maximum(top_score, s.amax(-1, keepdim=True))
+        width = -(-top // CHUNK) * CHUNK
+        keys = keys_all[:, :width].contiguous()
+        values = values_all[:, :width].contiguous()
+        keep = torch.arange(width)[None, :] < lim_c[:, None]  # [C, width]
+        s = (torch.matmul(qb[qc], keys.transpose(-1, -2)).to(acc) * scale).masked_fill(~keep, -math.inf)
+        top_score = s.amax(-1, keepdim=True)  # exact in any order
         top_score = torch.where(torch.isinf(top_score), torch.zeros_like(top_score), top_score)
-        den = num = None
-        for kc, (s, keep) in enumerate(zip(scores, masks, strict=True)):
-            e = torch.where(keep, _exp_to(s - top_score, acc), torch.zeros((), dtype=acc))
-            part_den = tree_sum(e, keepdim=True)
-            part_num = torch.matmul(e.to(vb.dtype), vb[kc]).to(acc)
-            den = part_den if den is None else den + part_den
-            num = part_num if num is None else num + part_num
-        assert den is not None and num is not None
+        e = torch.where(keep, _exp_to(s - top_score, acc), torch.zeros((), dtype=acc))
+        den = tree_sum(e, keepdim=True)
+        num = torch.matmul(e.to(vb.dtype), values).to(acc)
         out[qc] = torch.where(den > 0, num / den, torch.zeros((), dtype=acc))
     return out
 
@@ -531,7 +570,9 @@ def attention_forward(
                 f"(allowed {name}=None)"
             )
     if dropout and module.training:
-        raise ValueError(f"dropout={dropout!r} in training mode: the batch-invariant attention allows dropout=0")
+        raise ValueError(
+            f"dropout={dropout!r} in training mode: the batch-invariant attention allows dropout=0"
+        )
     with _bypass():
         out = _attention(query, key, value, attention_mask, scaling)
     kernels = _current_kernels()
@@ -541,7 +582,11 @@ def attention_forward(
 
 
 def _attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float | None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
 ) -> torch.Tensor:
     b, h, q, d = query.shape
     hkv, kv, dv = key.shape[1], key.shape[2], value.shape[-1]
@@ -604,19 +649,23 @@ KERNELS: dict[Any, tuple[Callable[..., Any], str]] = {
     aten.exp.default: (exp, "own float64 exp"),
     aten.cos.default: (cos, "own float64 cos"),
     aten.sin.default: (sin, "own float64 sin"),
-    aten.rsqrt.default: (rsqrt, "1 / sqrt(x) in float64"),
-    aten.pow.Tensor_Scalar: (pow_scalar, "exponents 1, 2, 3 by products; 0.5, -0.5, -1 by sqrt and division"),
+    aten.rsqrt.default: (rsqrt, "own float64 1/sqrt (Newton iteration)"),
+    aten.sqrt.default: (sqrt, "own float64 sqrt (Newton iteration)"),
+    aten.pow.Tensor_Scalar: (
+        pow_scalar,
+        "exponents 1, 2, 3 by products; 0.5, -0.5 by own sqrt; -1 by division",
+    ),
     aten.add.Tensor: (_add_alpha(1), "alpha != 1 only: multiply, then add (no fused multiply-add)"),
     aten.sub.Tensor: (_add_alpha(-1), "alpha != 1 only: multiply, then subtract"),
 }
 ATTENTION_KERNEL = (
     f"transformers attention '{ATTENTION_NAME}': per sequence (from the mask), keys from the sequence's "
-    f"first token in chunks of {CHUNK}, exact max, own exp, chunk sums in order"
+    f"first token, one fixed-shape query chunk of {CHUNK} at a time, exact max, own exp, tree sums"
 )
 
-# Floating-point operations whose result is exact (data movement, comparisons, IEEE + - * / sqrt,
-# max/min, rounding casts) and so cannot depend on the layout. Any other floating-point operation
-# seen in a forward is counted in ``other_ops``.
+# Floating-point operations whose result is exact (data movement, comparisons, IEEE + - * /,
+# max/min, rounding casts) and so cannot depend on the layout; sqrt is not among them (see rsqrt64).
+# Any other floating-point operation seen in a forward is counted in ``other_ops``.
 EXACT_OPS = frozenset(
     """
     view _unsafe_view reshape t transpose permute expand unsqueeze squeeze slice select index index_select
@@ -624,7 +673,7 @@ EXACT_OPS = frozenset(
     new_full zeros ones full empty empty_strided empty_like zeros_like ones_like full_like arange
     scalar_tensor where masked_fill masked_fill_ bitwise_and bitwise_or bitwise_not bitwise_xor eq ne lt
     le gt ge logical_and logical_or logical_not logical_xor add sub mul div neg abs maximum minimum clamp
-    clamp_min clamp_max sqrt reciprocal amax amin max min argmax argmin any all isnan isinf isfinite
+    clamp_min clamp_max reciprocal amax amin max min argmax argmin any all isnan isinf isfinite
     constant_pad_nd fill fill_ zero_ split split_with_sizes chunk unbind sort topk _local_scalar_dense
     flip roll repeat repeat_interleave index_put index_put_ nonzero masked_select round floor ceil trunc
     sign nan_to_num frexp remainder bitwise_left_shift bitwise_right_shift diff unfold narrow
@@ -707,7 +756,9 @@ class CpuKernels:
         self.other: Counter[str] = Counter()
         self.exact = 0
         self.report: dict[str, Any] = {
-            "replaced": {f"{op.overloadpacket.__name__}.{op._overloadname}": how for op, (_, how) in KERNELS.items()}
+            "replaced": {
+                f"{op.overloadpacket.__name__}.{op._overloadname}": how for op, (_, how) in KERNELS.items()
+            }
             | {"attention": ATTENTION_KERNEL},
             "attention_implementation": ATTENTION_NAME,
             "attention_chunk": CHUNK,
@@ -834,16 +885,24 @@ class UnsupportedModel(ValueError):
 
 def check_model(model: Any) -> None:
     if not isinstance(model, torch.nn.Module):
-        raise UnsupportedModel(f"{type(model).__name__} is not a torch.nn.Module: allowed a transformers model")
+        raise UnsupportedModel(
+            f"{type(model).__name__} is not a torch.nn.Module: allowed a transformers model"
+        )
     config = getattr(model, "config", None)
-    if config is None or not hasattr(model, "set_attn_implementation") or not hasattr(config, "_attn_implementation"):
+    if (
+        config is None
+        or not hasattr(model, "set_attn_implementation")
+        or not hasattr(config, "_attn_implementation")
+    ):
         raise UnsupportedModel(
             f"{type(model).__name__} has no transformers config with an attention implementation "
             "(set_attn_implementation): allowed a transformers PreTrainedModel"
         )
     dev = {p.device.type for p in model.parameters()}
     if dev - {"cpu"}:
-        raise UnsupportedModel(f"{type(model).__name__} has parameters on {sorted(dev)}: the CPU kernels allow 'cpu'")
+        raise UnsupportedModel(
+            f"{type(model).__name__} has parameters on {sorted(dev)}: the CPU kernels allow 'cpu'"
+        )
 
 
 def enable(models: Sequence[Any]) -> CpuKernels:
@@ -856,4 +915,6 @@ def enable(models: Sequence[Any]) -> CpuKernels:
 def is_enabled(model: Any) -> bool:
     """Whether ``model`` currently runs under a kernel set (its attention is this module's)."""
     cfg = getattr(model, "config", None)
-    return getattr(cfg, "_attn_implementation", None) == ATTENTION_NAME and "forward" in getattr(model, "__dict__", {})
+    return getattr(cfg, "_attn_implementation", None) == ATTENTION_NAME and "forward" in getattr(
+        model, "__dict__", {}
+    )

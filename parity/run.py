@@ -308,12 +308,13 @@ def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: 
             t0 = time.perf_counter()
             prompts = make_prompts(trainer.tokenizer(), 8)
             spec = SamplingSpec(temperature=1.0, top_p=0.9)
-            with batch_invariant_mode(cfg.batch_invariant, device=cfg.device, models=[trainer.model]):
+            with batch_invariant_mode(cfg.batch_invariant, device=cfg.device, models=[trainer.model]) as inner:
                 ro = check_rollout_invariance(rollout, prompts, spec, max_tokens=8, seed=cfg.seed)
                 tr = check_trainer_invariance(trainer, rollout.generate(prompts, spec, max_tokens=8, seed=cfg.seed))
             replay_max = max((r["replay"]["max_abs_diff"] for r in by_index.values()), default=None)
+            # The inner state: it also holds the trainer-side knobs (the CPU kernels and their calls).
             determinism = determinism_section(
-                state, rollout=ro, trainer=tr, required=cfg.batch_invariant, replay_max_abs_diff=replay_max
+                inner, rollout=ro, trainer=tr, required=cfg.batch_invariant, replay_max_abs_diff=replay_max
             )
             timings["invariance_s"] = time.perf_counter() - t0
             progress(

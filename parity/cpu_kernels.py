@@ -251,8 +251,9 @@ def rowwise_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     else:
         wa = w
     out = _aligned_empty(m, n, torch.promote_types(x.dtype, w.dtype))
-    for i in range(m):
-        torch.mv(wa, xa[i], out=out[i, :n])
+    outs = out.unbind(0) if out.shape[1] == n else out[:, :n].unbind(0)
+    for row, dst in zip(xa.unbind(0), outs, strict=True):
+        torch.mv(wa, row, out=dst)
     return out if out.shape[1] == n else out[:, :n].contiguous()
 
 

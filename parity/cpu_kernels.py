@@ -329,13 +329,13 @@ def _reduce(x: torch.Tensor, dims: Any, keepdim: bool, dtype: torch.dtype | None
 
 
 def sum_dim(x: torch.Tensor, dim: Any, keepdim: bool = False, *, dtype: torch.dtype | None = None) -> Any:
-    if not (x.is_floating_point() or (dtype is not None and dtype.is_floating_point)):
-        return NotImplemented  # integer sums are exact in any order
+    if x.dim() == 0 or not (x.is_floating_point() or (dtype is not None and dtype.is_floating_point)):
+        return NotImplemented  # integer sums are exact in any order; a 0-d sum adds nothing
     return _reduce(x, dim, keepdim, dtype, mean=False)
 
 
 def mean_dim(x: torch.Tensor, dim: Any, keepdim: bool = False, *, dtype: torch.dtype | None = None) -> Any:
-    if not (x.is_floating_point() or (dtype is not None and dtype.is_floating_point)):
+    if x.dim() == 0 or not (x.is_floating_point() or (dtype is not None and dtype.is_floating_point)):
         return NotImplemented
     return _reduce(x, dim, keepdim, dtype, mean=True)
 
@@ -676,9 +676,8 @@ EXACT_OPS = frozenset(
     le gt ge logical_and logical_or logical_not logical_xor add sub mul div neg abs maximum minimum clamp
     clamp_min clamp_max reciprocal amax amin max min argmax argmin any all isnan isinf isfinite
     constant_pad_nd fill fill_ zero_ split split_with_sizes chunk unbind sort topk _local_scalar_dense
-    flip roll repeat repeat_interleave index_put index_put_ nonzero masked_select round floor ceil trunc
-    sign nan_to_num frexp remainder bitwise_left_shift bitwise_right_shift diff unfold narrow
-    as_strided contiguous dropout native_dropout _assert_tensor_metadata
+    flip roll repeat repeat_interleave nonzero masked_select round floor ceil trunc sign nan_to_num frexp
+    bitwise_left_shift bitwise_right_shift diff unfold narrow as_strided contiguous _assert_tensor_metadata
     """.split()
 )
 

@@ -23,8 +23,9 @@ float32 fixture models; tests/e2e/test_determinism.py re-measures it):
 - transformers with its default ``sdpa`` attention is *not* batch-invariant on CPU: left padding,
   packing, and right padding when the padded width moves a sequence across the CPU flash-attention
   kernel's blocks all change logits by ~3e-6..5e-6. ``eager`` attention was bitwise for padding and
-  for packed rows up to ~370 tokens on one Intel machine, while on an AMD EPYC (AVX2) a ~200-token
-  packed row already differed: which layouts torch's own kernels keep bitwise is a property of the
+  for packed rows up to ~370 tokens on the machine first measured, while on an AMD EPYC with AVX2 a
+  ~200-token packed row already differed, and on an AMD EPYC with AVX-512 most drawn layouts differed
+  under both sdpa and eager: which layouts torch's own kernels keep bitwise is a property of the
   CPU's GEMM blocking. No process-wide CPU knob fixes that, so on CPU the mode installs
   ``parity.cpu_kernels`` on the trainer models it is given: kernels whose result for a row depends
   only on that row (and an attention that reduces each sequence over its own keys), which makes every
@@ -69,8 +70,9 @@ VLLM_OVERRIDES_CPU = (
 )
 NO_CUDA = "no CUDA (device='cpu')"
 SDPA_NOTE = (
-    "sdpa's CPU kernel is not batch-invariant (measured: padding and packing move logits by ~4e-6); "
-    "eager attention (plain matmul + softmax) was bitwise for padding, and for packing up to ~370-token rows"
+    "sdpa is not batch-invariant on CPU (measured: padding and packing move logits by ~4e-6); eager attention "
+    "(plain matmul + softmax) is the reference path off CPU; on CPU its bits still depend on the layout "
+    "(measured), so there the mode installs parity.cpu_kernels instead"
 )
 
 
@@ -715,8 +717,10 @@ def _packed_mask(
     transformers passes a 4D mask through unchanged (masking_utils ``_preprocess_mask_arguments``):
     sdpa and the CPU kernels' attention read a boolean mask (True = attend), eager adds the mask to
     the scores, so it needs 0 / min.
-    Relying on position ids alone does not isolate the sequences with sdpa or eager on CPU (measured:
-    logits off by >10), so the mask is always explicit.
+    Position ids alone do not isolate the sequences here: transformers derives the block-diagonal mask
+    from restarting position ids only when the forward has no KV cache (masking_utils
+    ``_preprocess_mask_arguments``), and a forward creates one by default (measured: logits off by >10
+    without it), so the mask is always explicit.
     """
     t = seg.shape[0]
     allowed = (seg[:, None] == seg[None, :]) & torch.ones(t, t, dtype=torch.bool, device=seg.device).tril()

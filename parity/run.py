@@ -282,7 +282,8 @@ def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: 
             sc = matrix.scenarios[idx]
             model_name = sc.model or cfg.model
             rollout, trainer = pool.get(model_name, cfg, progress)
-            # The trainer-side knobs (eager attention) need the model, so they nest around scoring.
+            # The trainer-side knobs (the CPU kernels; eager attention elsewhere) need the model, so they nest
+            # around scoring.
             with batch_invariant_mode(cfg.batch_invariant, device=cfg.device, models=[trainer.model]):
                 res = score_scenario(rollout, trainer, sc, cfg)
             by_index[idx] = {

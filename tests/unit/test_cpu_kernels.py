@@ -261,7 +261,7 @@ def _per_head() -> torch.Tensor:
 @pytest.mark.parametrize(
     ("mask", "kwargs", "match"),
     [
-        (_gap(), {}, "query 5\) is not one contiguous range"),
+        (_gap(), {}, r"query 5\) is not one contiguous range"),
         (torch.full((1, 1, 8, 8), -1.5), {}, "additive value -1.5"),
         (_per_head(), {}, "differs between heads"),
         (torch.ones(1, 1, 8, 9, dtype=torch.bool), {}, "allowed \\[1 or 1, 1 or heads, 8, 8\\]"),

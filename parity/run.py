@@ -259,7 +259,8 @@ def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: 
             model_name = sc.model or cfg.model
             rollout, trainer = pool.get(model_name, cfg, progress)
             raw = pool.raw(model_name, cfg, progress) if wants_sampler_log_s(rollout, sc, cfg) else None
-            # The trainer-side knobs (eager attention) need the model, so they nest around scoring.
+            # The trainer-side knobs (the CPU kernels; eager attention elsewhere) need the model, so they nest
+            # around scoring.
             with batch_invariant_mode(cfg.batch_invariant, device=cfg.device, models=[trainer.model]):
                 res = score_scenario(rollout, trainer, sc, cfg, raw)
             by_index[idx] = {
@@ -286,12 +287,13 @@ def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: 
             t0 = time.perf_counter()
             prompts = make_prompts(trainer.tokenizer(), 8)
             spec = SamplingSpec(temperature=1.0, top_p=0.9)
-            with batch_invariant_mode(cfg.batch_invariant, device=cfg.device, models=[trainer.model]):
+            with batch_invariant_mode(cfg.batch_invariant, device=cfg.device, models=[trainer.model]) as inner:
                 ro = check_rollout_invariance(rollout, prompts, spec, max_tokens=8, seed=cfg.seed)
                 tr = check_trainer_invariance(trainer, rollout.generate(prompts, spec, max_tokens=8, seed=cfg.seed))
             replay_max = max((r["replay"]["max_abs_diff"] for r in by_index.values()), default=None)
+            # The inner state: it also holds the trainer-side knobs (the CPU kernels and their calls).
             determinism = determinism_section(
-                state, rollout=ro, trainer=tr, required=cfg.batch_invariant, replay_max_abs_diff=replay_max
+                inner, rollout=ro, trainer=tr, required=cfg.batch_invariant, replay_max_abs_diff=replay_max
             )
             timings["invariance_s"] = time.perf_counter() - t0
             progress(

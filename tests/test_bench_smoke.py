@@ -63,6 +63,11 @@ def harness() -> ModuleType:
     return _load("parity_bench_harness", "test_bench_harness.py")
 
 
+@pytest.fixture(scope="module")
+def kernels() -> ModuleType:
+    return _load("parity_bench_kernels", "test_bench_kernels.py")
+
+
 def test_trainer_cases_run_and_check_themselves(lib, trainer) -> None:
     report = lib.BenchReport()
     for name in trainer.ESTIMATORS:
@@ -272,3 +277,14 @@ def test_paired_timing_pairs_rounds_without_pytest_benchmark(lib) -> None:
     calls.clear()
     lib.paired_plain(lambda: calls.append("t"), lambda: calls.append("b"), rounds=3, warmup_rounds=1, baseline_rounds=1)
     assert calls == ["b", "t", "b", "t", "t", "t"], "the baseline runs in the warm-up and the first baseline_rounds only"
+
+
+def test_cpu_kernel_cases_run_and_check_themselves(lib, kernels) -> None:
+    report = lib.BenchReport()
+    model = kernels.load("qwen2-tiny")
+    for workload in kernels.WORKLOADS:
+        cell, dist = kernels.run_case(report, quick(lib), model, "qwen2-tiny", workload, [9, 5, 7], rounds=1, warmup_rounds=0)
+        assert cell.value > 0 and 0.0 <= dist < 1e-3
+    table = report.tables["cpu-kernels"]
+    assert {("qwen2-tiny", w) for w in kernels.WORKLOADS} <= set(table.cells)
+    assert report.targets["batch-invariant trainer forward vs default (reported)"].verdict() == "reported"

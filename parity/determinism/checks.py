@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from parity.core.metrics import max_abs_difference
-from parity.determinism.knobs import UNAVAILABLE
+from parity.determinism.knobs import CPU_ATTENTION, UNAVAILABLE
 
 # -- comparisons ---------------------------------------------------------------------------------
 
@@ -207,13 +207,16 @@ def _packed_mask(
     """Block-diagonal causal mask for one packed row, in the form the attention implementation reads.
 
     transformers passes a 4D mask through unchanged (masking_utils ``_preprocess_mask_arguments``):
-    sdpa reads a boolean mask (True = attend), eager adds the mask to the scores, so it needs 0 / min.
-    Relying on position ids alone does not isolate the sequences with sdpa or eager on CPU (measured:
-    logits off by >10), so the mask is always explicit.
+    sdpa and the CPU kernels' attention read a boolean mask (True = attend), eager adds the mask to
+    the scores, so it needs 0 / min.
+    Position ids alone do not isolate the sequences here: transformers derives the block-diagonal mask
+    from restarting position ids only when the forward has no KV cache (masking_utils
+    ``_preprocess_mask_arguments``), and a forward creates one by default (measured: logits off by >10
+    without it), so the mask is always explicit.
     """
     t = seg.shape[0]
     allowed = (seg[:, None] == seg[None, :]) & torch.ones(t, t, dtype=torch.bool, device=seg.device).tril()
-    if impl == "sdpa":
+    if impl in ("sdpa", CPU_ATTENTION):
         return allowed[None, None], None
     if impl == "eager":
         mask = torch.zeros(t, t, dtype=dtype, device=seg.device)
@@ -221,7 +224,7 @@ def _packed_mask(
         return mask[None, None], None
     return None, (
         f"attention implementation {impl!r}: parity builds an explicit block-diagonal mask only for "
-        "'eager' (additive) and 'sdpa' (boolean)"
+        f"'eager' (additive), 'sdpa' and {CPU_ATTENTION!r} (boolean)"
     )
 
 

@@ -14,12 +14,14 @@ float32 fixture models; tests/e2e/test_determinism.py re-measures it):
   bitwise-equal processed log-probs, greedy and top_p sampling; repeats gave one unique output.
 - transformers with its default ``sdpa`` attention is *not* batch-invariant on CPU: left padding,
   packing, and right padding when the padded width moves a sequence across the CPU flash-attention
-  kernel's blocks all change logits by ~3e-6..5e-6. With ``eager`` attention right and left padding
-  were bitwise equal to the sequence alone (widths up to 50), so the mode switches the trainer models
-  it is given to eager. Packing under eager was bitwise for rows up to ~370 tokens, but not for longer
-  rows (452..943 tokens: one sequence per row off by ~4e-6..6e-6, one that straddles an offset such as
-  256 in the row): the attention-times-values matmul reduces over the whole row, and the CPU GEMM's
-  blocking of that reduction depends on where the sequence sits. No process-wide CPU knob fixes that.
+  kernel's blocks all change logits by ~3e-6..5e-6. ``eager`` attention was bitwise for padding and
+  for packed rows up to ~370 tokens on the machine first measured, while on an AMD EPYC with AVX2 a
+  ~200-token packed row already differed, and on an AMD EPYC with AVX-512 most drawn layouts differed
+  under both sdpa and eager: which layouts torch's own kernels keep bitwise is a property of the
+  CPU's GEMM blocking. No process-wide CPU knob fixes that, so on CPU the mode installs
+  ``parity.determinism.kernels`` on the trainer models it is given: kernels whose result for a row depends
+  only on that row (and an attention that reduces each sequence over its own keys), which makes every
+  layout bitwise by construction (tests/unit/test_cpu_kernel_property.py checks it over drawn layouts).
 - ``torch.set_num_threads`` changes nothing measurable for transformers (1 vs 2 threads bitwise),
   and vLLM's CPU worker replaces ``torch.set_num_threads`` in its process after binding its OpenMP
   threads, so a thread count cannot be used as a natural negative control here.
@@ -36,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from parity.determinism.kernels import ATTENTION_NAME as CPU_ATTENTION
 
 ON, OFF, UNAVAILABLE = "on", "off", "unavailable"
 
@@ -58,8 +62,9 @@ VLLM_OVERRIDES_CPU = (
 )
 NO_CUDA = "no CUDA (device='cpu')"
 SDPA_NOTE = (
-    "sdpa's CPU kernel is not batch-invariant (measured: padding and packing move logits by ~4e-6); "
-    "eager attention (plain matmul + softmax) was bitwise for padding, and for packing up to ~370-token rows"
+    "sdpa is not batch-invariant on CPU (measured: padding and packing move logits by ~4e-6); eager attention "
+    "(plain matmul + softmax) is the reference path off CPU; on CPU its bits still depend on the layout "
+    "(measured), so there the mode installs parity.determinism.kernels instead"
 )
 
 
@@ -246,6 +251,34 @@ def _attention(state: DeterminismState, undo: _Undo, enabled: bool, models: Sequ
     state.add(name, ON, "eager", SDPA_NOTE)
 
 
+def _cpu_kernels(state: DeterminismState, undo: _Undo, enabled: bool, models: Sequence[Any]) -> None:
+    """CPU: the batch-invariant kernel set (parity.determinism.kernels) on the trainer models, attention included."""
+    from parity.determinism import kernels as cpu_kernels
+
+    att, ker = "trainer_attention", "cpu_kernels"
+    impls = [getattr(getattr(m, "config", None), "_attn_implementation", None) for m in models]
+    if not models:
+        why = "no trainer model given (pass models=[trainer.model] to install the batch-invariant CPU kernels)"
+        state.add(att, OFF, None, why)
+        state.add(ker, OFF, None, why)
+        return
+    if not enabled:
+        on = all(cpu_kernels.is_enabled(m) for m in models)
+        state.add(att, ON if on else OFF, impls)
+        state.add(ker, ON if on else OFF, None)
+        return
+    try:
+        kernels = cpu_kernels.enable(models)
+    except cpu_kernels.UnsupportedModel as exc:
+        state.add(att, UNAVAILABLE, impls, str(exc))
+        state.add(ker, UNAVAILABLE, None, str(exc))
+        return
+    undo.push(kernels.restore)
+    state.add(att, ON, CPU_ATTENTION, cpu_kernels.ATTENTION_KERNEL)
+    # A live dict: the calls each forward made under the kernels are counted into it.
+    state.add(ker, ON, kernels.report, "row-invariant CPU kernels on the trainer models' forward (parity.determinism.kernels)")
+
+
 # -- CUDA knobs (written from PyTorch's reproducibility notes and vLLM 0.32's batch_invariant.py;
 # -- not run on this project's CPU machines) ------------------------------------------------------
 
@@ -425,9 +458,11 @@ def batch_invariant_mode(
     Restores the previous state of each knob on exit, exception or not. ``enabled=False`` changes
     nothing and yields the state in force, so a run without the mode still reports its knobs.
 
-    Every device: ``torch.use_deterministic_algorithms``, oneDNN's deterministic flag, a fixed torch
-    thread count (``threads``, default: the current count), and eager attention for the transformers
-    ``models`` given (the trainer's; sdpa is not batch-invariant on CPU, measured).
+    Every device: ``torch.use_deterministic_algorithms``, oneDNN's deterministic flag and a fixed torch
+    thread count (``threads``, default: the current count). For the transformers ``models`` given (the
+    trainer's): on CPU the batch-invariant kernel set of ``parity.determinism.kernels`` (its attention
+    included; knobs ``trainer_attention`` and ``cpu_kernels``, whose value lists the replaced kernels
+    and counts their calls), on other devices eager attention.
     CUDA only, and only here in code (not run on this project's CPU machines): TF32 off, cuDNN
     deterministic and benchmark off, reduced-precision fp16/bf16 reductions off,
     ``CUBLAS_WORKSPACE_CONFIG``, ``VLLM_BATCH_INVARIANT=1`` and vLLM's batch-invariant aten overrides
@@ -445,7 +480,10 @@ def batch_invariant_mode(
         _deterministic_algorithms(state, undo, enabled, dev)
         _mkldnn_deterministic(state, undo, enabled)
         _threads(state, undo, enabled, threads)
-        _attention(state, undo, enabled, models)
+        if dev == "cpu":
+            _cpu_kernels(state, undo, enabled, models)
+        else:
+            _attention(state, undo, enabled, models)
         if dev == "cuda":
             _cuda_torch_flags(state, undo, enabled)
             _cublas_workspace(state, undo, enabled)

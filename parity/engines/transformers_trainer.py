@@ -56,7 +56,8 @@ class TransformersTrainer:
         Sequences are right-padded into batches (as most trainers do). Right padding is not bitwise
         batch-invariant with the default ``sdpa`` attention on CPU (measured up to ~5e-6 in float32,
         depending on where the padded width falls); ``parity run --invariance`` measures it, and
-        batch-invariant mode switches the model to ``eager`` attention, which was bitwise here.
+        batch-invariant mode installs ``parity.determinism.kernels`` on the model, under which every layout is
+        bitwise by construction.
         """
         out: list[torch.Tensor] = []
         start = time.perf_counter()

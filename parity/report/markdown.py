@@ -131,6 +131,20 @@ def render_markdown(report: dict[str, Any]) -> str:
         mode = det.get("mode") or {}
         if mode.get("knobs"):
             lines += ["", "Knobs: " + "; ".join(f"{k}: {v.get('status')}" for k, v in mode["knobs"].items())]
+            kernels = mode["knobs"].get("cpu_kernels", {})
+            if kernels.get("status") == "on" and isinstance(kernels.get("value"), dict):
+                calls = kernels["value"].get("calls", {})
+                lines += [
+                    "",
+                    "CPU kernels replaced on the trainer: "
+                    + ", ".join(f"{k} ({calls.get(k, 0)} calls)" for k in kernels["value"].get("replaced", {})),
+                ]
+                other = kernels["value"].get("other_ops") or {}
+                if other:
+                    lines.append(
+                        "Operations no kernel covers (measured by the checks): "
+                        + ", ".join(f"{k} x{n}" for k, n in other.items())
+                    )
         lines += [f"- {v}" for v in det["violations"]]
     cov = report.get("matrix_pair_coverage")
     if cov:

@@ -33,7 +33,7 @@ def snapshot() -> dict:
 
 
 class FakeModel:
-    """Stands in for a transformers model: only the attention-implementation switch."""
+    """Stands in for a transformers model: only the attention-implementation switch (no forward)."""
 
     def __init__(self, impl: str) -> None:
         self.config = type("Config", (), {"_attn_implementation": impl})()
@@ -42,31 +42,68 @@ class FakeModel:
         self.config._attn_implementation = impl
 
 
-def test_cpu_mode_turns_knobs_on_and_restores_them() -> None:
+@pytest.fixture(scope="module")
+def tiny_model():
+    """A real transformers causal LM built from a config (random weights, no checkpoint needed)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128,
+    )
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def test_cpu_mode_turns_knobs_on_and_restores_them(tiny_model) -> None:
+    from parity.determinism import kernels as cpu_kernels
+
     before = snapshot()
-    model = FakeModel("sdpa")
+    model = tiny_model
+    prev = model.config._attn_implementation
     with batch_invariant_mode(device="cpu", models=[model]) as state:
         assert torch.are_deterministic_algorithms_enabled()
         assert torch.backends.mkldnn.deterministic is True
-        assert model.config._attn_implementation == "eager"
+        assert model.config._attn_implementation == det.CPU_ATTENTION
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[1, 2, 3]]))
         knobs = state.to_dict()["knobs"]
         assert knobs["torch.use_deterministic_algorithms"]["status"] == ON
         assert knobs["torch.backends.mkldnn.deterministic"]["status"] == ON
-        assert knobs["trainer_attention"] == {"status": ON, "value": "eager", "reason": det.SDPA_NOTE}
+        assert knobs["trainer_attention"] == {
+            "status": ON, "value": det.CPU_ATTENTION, "reason": cpu_kernels.ATTENTION_KERNEL
+        }
         assert knobs["torch_num_threads"]["status"] == ON
+        kernels = knobs["cpu_kernels"]
+        assert kernels["status"] == ON and "mm.default" in kernels["value"]["replaced"]
+        assert kernels["value"]["calls"]["attention"] == 1 and kernels["value"]["other_ops"] == {}
     assert snapshot() == before
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == prev and "forward" not in model.__dict__
+    # The report keeps what the forward ran after the mode is gone.
+    assert state.to_dict()["knobs"]["cpu_kernels"]["value"]["calls"]["mm.default"] > 0
 
 
-def test_restores_on_exception() -> None:
+def test_restores_on_exception(tiny_model) -> None:
     before = snapshot()
-    model = FakeModel("sdpa")
+    prev = tiny_model.config._attn_implementation
     with pytest.raises(KeyError, match="boom"):
-        with batch_invariant_mode(device="cpu", models=[model]):
+        with batch_invariant_mode(device="cpu", models=[tiny_model]):
             assert torch.are_deterministic_algorithms_enabled()
+            assert tiny_model.config._attn_implementation == det.CPU_ATTENTION
             raise KeyError("boom")
     assert snapshot() == before
+    assert tiny_model.config._attn_implementation == prev and "forward" not in tiny_model.__dict__
+
+
+def test_a_model_the_kernels_cannot_run_on_is_reported_unavailable() -> None:
+    model = FakeModel("sdpa")
+    with batch_invariant_mode(device="cpu", models=[model]) as state:
+        knobs = state.to_dict()["knobs"]
+    for name in ("trainer_attention", "cpu_kernels"):
+        assert knobs[name]["status"] == UNAVAILABLE and "FakeModel is not a torch.nn.Module" in knobs[name]["reason"]
     assert model.config._attn_implementation == "sdpa"
+    with batch_invariant_mode(device="cpu") as state:
+        assert state.knobs["cpu_kernels"].status == OFF and "models=[trainer.model]" in state.knobs["cpu_kernels"].reason
 
 
 def test_nested_modes_restore_the_outer_state() -> None:
@@ -180,7 +217,7 @@ def test_a_failing_knob_undoes_the_ones_already_set(monkeypatch: pytest.MonkeyPa
     def broken(state, undo, enabled, models):
         raise RuntimeError("attention switch failed")
 
-    monkeypatch.setattr(det, "_attention", broken)
+    monkeypatch.setattr(det, "_cpu_kernels", broken)
     with pytest.raises(RuntimeError, match="attention switch failed"):
         with batch_invariant_mode(device="cpu"):
             pass

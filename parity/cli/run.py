@@ -140,7 +140,7 @@ def main(args: argparse.Namespace) -> int:
         for v in s["violations"]:
             print(f"FAIL {v['message']}")
     for v in (report.get("determinism") or {}).get("violations", []):
-        print(f"FAIL [determinism] {v}")
+        print(f"FAIL [determinism] {v['message']}")
     print(
         f"parity: {len(report['scenarios']) - n_fail}/{len(report['scenarios'])} scenarios pass; report in "
         f"{cfg.out}/report.md" + ("" if args.verbose else f", engine output in {cfg.out}/{LOG_NAME}")

@@ -7,8 +7,10 @@ the report.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+from parity.core.violation import Position, Violation
 from parity.determinism.knobs import UNAVAILABLE, DeterminismState
 
 # -- gate and report section ---------------------------------------------------------------------
@@ -48,10 +50,12 @@ def _describe(c: dict[str, Any]) -> str:
     return f"determinism: {c['name']}: not bitwise equal to {ref} in {where}: max |diff| {diff}{extra}"
 
 
-def invariance_gate(result: dict[str, Any], *, required: bool) -> list[str]:
-    """Readable violations when invariance is required and a measured check is not bitwise.
+def invariance_gate(result: dict[str, Any], *, required: bool) -> list[Violation]:
+    """Violations when invariance is required and a measured check is not bitwise.
 
-    A check reported unavailable (with its reason) is not a violation: it was not measured.
+    A check reported unavailable (with its reason) is not a violation: it was not measured. The
+    statistic is the check's largest difference (bitwise means a limit of 0); the worst record, where
+    the check names one, is the position.
     """
     if not required:
         return []
@@ -61,7 +65,12 @@ def invariance_gate(result: dict[str, Any], *, required: bool) -> list[str]:
             if c.get("status") == UNAVAILABLE:
                 continue
             if not c["bitwise"]:
-                out.append(_describe(c))
+                d = c.get("max_abs_diff")
+                worst = (Position(prompt=int(c["worst_record"]), note="worst record"),) if c.get("worst_record") is not None else ()
+                out.append(Violation(
+                    "invariance", c["name"], math.inf if d is None else float(d), 0.0,
+                    "max |diff| against the reference layout", worst=worst, detail=_describe(c),
+                ))
     if not out and not _results(result):
         raise ValueError(
             "invariance_gate: result has no 'checks' (pass a check_*_invariance result or a dict of them)"
@@ -99,5 +108,5 @@ def determinism_section(
             "kernel_noise_max_abs_diff": max(noise) if noise else None,
             "replay_max_abs_diff": replay_max_abs_diff,
         },
-        "violations": violations,
+        "violations": [v.to_dict() for v in violations],
     }

@@ -145,7 +145,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                         "Operations no kernel covers (measured by the checks): "
                         + ", ".join(f"{k} x{n}" for k, n in other.items())
                     )
-        lines += [f"- {v}" for v in det["violations"]]
+        lines += [f"- {v['message']}" for v in det["violations"]]
     cov = report.get("matrix_pair_coverage")
     if cov:
         lines += ["", "## Matrix pair coverage", ""]

@@ -143,7 +143,7 @@ def test_rollout_negative_control_fails_the_check_and_the_gate(engines, prompts)
         "rollout sampled run-to-run x2",
     ]
     assert not result["invariant"]
-    violations = invariance_gate(result, required=True)
+    violations = [v.detail for v in invariance_gate(result, required=True)]
     assert len(violations) == 2
     assert "rollout greedy batch=4" in violations[0] and "batch size 4" in violations[0]
     assert f"{bad['max_abs_diff']:.3e}" in violations[0]
@@ -183,7 +183,7 @@ def _measurement_agrees_with_the_gate(result: dict) -> None:
     for c in measured:
         assert c["bitwise"] == (c["max_abs_diff"] == 0.0) == (c["records_not_bitwise"] == 0), c
     assert result["invariant"] == all(c["bitwise"] for c in measured)
-    violations = invariance_gate(result, required=True)
+    violations = [v.detail for v in invariance_gate(result, required=True)]
     assert len(violations) == sum(not c["bitwise"] for c in measured)
     for c, v in zip([c for c in measured if not c["bitwise"]], violations, strict=True):
         assert v.startswith(f"determinism: {c['name']}:") and f"{c['max_abs_diff']:.3e}" in v
@@ -258,7 +258,7 @@ def test_trainer_negative_control_for_the_invariant_layouts(engines, records) ->
         c = next(c for c in result["checks"] if c["name"] == layout)
         assert 0.0 < c["max_abs_diff"] < 1e-5 and c["records_not_bitwise"] == 1 and c["worst_record"] == 0
         assert c["tokens_equal"]
-        assert invariance_gate(result, required=True)[0].startswith(f"determinism: {layout}:")
+        assert invariance_gate(result, required=True)[0].detail.startswith(f"determinism: {layout}:")
 
 
 def test_report_section_puts_both_sides_next_to_each_other(rollout_run, trainer_run) -> None:

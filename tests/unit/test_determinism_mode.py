@@ -330,7 +330,11 @@ def test_gate_names_the_check_the_batch_size_and_the_diff() -> None:
     assert invariance_gate(rollout_result(True, 1), required=True) == []
     broken = rollout_result(False, 2)
     assert invariance_gate(broken, required=False) == []
-    v = invariance_gate(broken, required=True)
+    objs = invariance_gate(broken, required=True)
+    assert [o.gate for o in objs] == ["invariance", "invariance"] and objs[0].scenario == "rollout greedy batch=8"
+    assert objs[0].statistic == broken["checks"][[c["name"] for c in broken["checks"]].index("rollout greedy batch=8")]["max_abs_diff"]
+    assert objs[0].limit == 0.0 and objs[0].to_dict()["message"].startswith("[rollout greedy batch=8]")
+    v = [o.detail for o in objs]
     assert len(v) == 2
     assert "rollout greedy batch=8" in v[0] and "batch size 8" in v[0] and "5.960e-08" in v[0]
     assert "2 unique outputs from 4 identical requests" in v[1]
@@ -364,7 +368,7 @@ def test_gate_skips_unavailable_checks_and_reads_both_sides() -> None:
             },
         ],
     }
-    v = invariance_gate({"rollout": rollout_result(True, 1), "trainer": trainer}, required=True)
+    v = [o.detail for o in invariance_gate({"rollout": rollout_result(True, 1), "trainer": trainer}, required=True)]
     assert v == [
         "determinism: trainer left-padded: not bitwise equal to the sequence alone in left_padded: "
         "max |diff| 3.000e-07, 3 record(s), worst record 1"

@@ -27,6 +27,11 @@ def drift_headroom(tables: list[Any], estimator: str) -> torch.Tensor:
     return h.clamp(min=floor, max=ceiling)
 
 
+def _number(x: Any) -> float:
+    """A plotted value; statistics a records file could not support ("n/a") plot as gaps."""
+    return float(x) if isinstance(x, (int, float)) else math.nan
+
+
 def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     try:
         import matplotlib
@@ -58,8 +63,8 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
         written.append("drift_hist.png")
     fig, ax = plt.subplots(figsize=(max(8, len(sc) * 0.45), 4.5))
     x = range(len(sc))
-    ax.bar([i - 0.2 for i in x], [s["log_s"]["mean"] for s in sc], width=0.4, label="predicted log S (mean)")
-    ax.bar([i + 0.2 for i in x], [s["naive"]["bias_mean"] for s in sc], width=0.4, label="naive bias full − vLLM (mean)")
+    ax.bar([i - 0.2 for i in x], [_number(s["log_s"]["mean"]) for s in sc], width=0.4, label="predicted log S (mean)")
+    ax.bar([i + 0.2 for i in x], [_number(s["naive"]["bias_mean"]) for s in sc], width=0.4, label="naive bias full − vLLM (mean)")
     ax.set_xticks(list(x))
     ax.set_xticklabels([s["name"] for s in sc], rotation=70, ha="right", fontsize=7)
     ax.set_ylabel("nats per token")

@@ -17,7 +17,15 @@ from typing import Any
 
 import numpy as np
 
+try:  # the records format needs pyarrow (the records extra); say so instead of a traceback
+    import pyarrow  # noqa: F401
+except ModuleNotFoundError as _exc:
+    if _exc.name != "pyarrow":
+        raise
+    raise RuntimeError("records (Parquet) need pyarrow: pip install 'parity[records]'") from None
+
 from parity.core.gates import Thresholds
+from parity.records import format as rf
 from parity.records.analyze import (
     LOGIT_BUDGET,
     Options,
@@ -30,13 +38,7 @@ from parity.records.summary import Summary
 
 
 def records_format() -> Any:
-    """:mod:`parity.records.format`, imported on use: ``parity --help`` must work without pyarrow."""
-    try:
-        from parity.records import format as rf
-    except ModuleNotFoundError as exc:
-        if exc.name != "pyarrow":
-            raise
-        raise RuntimeError("records (Parquet) need pyarrow: pip install 'parity[records]'") from None
+    """:mod:`parity.records.format` (importing this module already refused a missing pyarrow)."""
     return rf
 
 

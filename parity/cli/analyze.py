@@ -10,7 +10,7 @@ from parity.cli.run import thresholds_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", type=Path, help="a records file (Parquet) or a directory of *.parquet shards")
+    p.add_argument("path", type=Path, nargs="?", default=None, help="a records file (Parquet) or a directory of *.parquet shards")
     p.add_argument("--model", default=None, help="re-score with this trainer checkpoint (fixture name or Hugging Face directory)")
     p.add_argument("--jobs", type=int, default=1, help="analyse shards in N local processes and merge (default 1)")
     p.add_argument("--out", type=Path, default=Path("reports/analyze"), help="report folder (default: reports/analyze)")
@@ -36,6 +36,8 @@ def _records_dtype(path: Path) -> str | None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.path is None:
+        raise ValueError("parity analyze needs PATH: allowed a records file (Parquet) or a directory of *.parquet shards")
     from parity.analyze import analyze
     from parity.records.analyze import Options
 

@@ -846,9 +846,14 @@ def evaluate_summary(sc: dict[str, Any], a: ScenarioAcc, th: Thresholds) -> list
     scenario, n = sc["name"], th.max_violations_listed
     head, limits = sc["headroom"], sc["mean_bias_limit"]
 
+    def key(stream: str) -> str:
+        return "trainer_under_test" if stream == "user" else stream
+
     def drift_gate(gate: str, label: str, stream: str) -> None:
-        stat = head[stream]
-        if gate not in skip and _over(stat, th.max_headroom):
+        if gate in skip:
+            return
+        stat = head[key(stream)]
+        if _over(stat, th.max_headroom):
             worst = _scaled(a.bounds[stream].worst.positions(n), th.max_headroom)
             out.append(Violation(gate, scenario, stat, th.max_headroom, f"{label} max |diff| / bound", worst=worst))
 
@@ -857,7 +862,7 @@ def evaluate_summary(sc: dict[str, Any], a: ScenarioAcc, th: Thresholds) -> list
             return
         bs = a.bounds[stream]
         bias = bs.mean if bs.n else 0.0
-        allowed = th.mean_bias_headroom * limits[stream]
+        allowed = th.mean_bias_headroom * limits[key(stream)]
         if _over(abs(bias), allowed):
             out.append(Violation(gate, scenario, abs(bias), allowed, f"{label} |mean bias|",
                                  detail=f"mean(trainer - vllm) = {bias:.3g} over {bs.n} tokens"))

@@ -69,7 +69,7 @@ def make_file(folder: Path, tokens: int, *, k: int = K, vocab: int = 32_768, len
 
 def analyse(path: Path) -> Any:
     from parity.analyze import summarize_paths
-from parity.records.analyze import Options
+    from parity.records.analyze import Options
 
     return summarize_paths([path], Options())
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from parity.analyze import analyze
-from parity.records.analyze import Options
-from parity.core.table import TrainerFaults
 from parity.core.matrix import Matrix, Scenario
-from parity.records.format import validate_batch
-from parity.engines.session import EnginePool
-from parity.run import RunConfig, run
 from parity.core.spec import SamplingSpec
+from parity.core.table import TrainerFaults
+from parity.engines.session import EnginePool
+from parity.records.analyze import Options
+from parity.records.format import validate_batch
+from parity.run import RunConfig, run
 
 pytestmark = pytest.mark.e2e
 

@@ -175,7 +175,7 @@ def test_rescoring_fails_a_planted_fault_and_merges_shards(pool, tmp_path: Path)
     drift = next(v for v in bad["violations"] if v["gate"] == "replay_drift")
     planted = next(p for p in drift["worst"] if (p["prompt"], p["position"]) == (1, 5))
     token_bound = planted["bound"] / RunConfig(model=MODEL).thresholds.max_headroom
-    assert planted["gap"] >= 3 * token_bound - clean["headroom"]["replay"] * token_bound
+    assert abs(planted["gap"]) > token_bound  # the planted position is where the gate fails
     assert analysed(0.1 * token_bound, "small")["violations"] == []
 
     whole = write_records(tmp_path / "whole.parquet", records_table(rows))

@@ -279,4 +279,6 @@ def analyze(
     report["timings"] = {"total_s": time.perf_counter() - t0}
     if out is not None:
         write_report(report, Path(out), plots=plots)
+    for sc in report["scenarios"]:
+        sc.pop("_drift_headroom", None)
     return report

@@ -43,6 +43,9 @@ from parity.core.table import SUPPORT_MASS_TOL
 from parity.core.violation import Position, Violation
 from parity.records.format import RecordsBatch, validate_batch
 from parity.records.summary import (
+    HEAD_BINS,
+    HEAD_LO,
+    HEAD_STEP,
     INPUTS,
     NA,
     ScenarioAcc,
@@ -922,6 +925,12 @@ def evaluate_summary(sc: dict[str, Any], a: ScenarioAcc, th: Thresholds) -> list
     return out
 
 
+def drift_headroom_hist(a: ScenarioAcc) -> dict[str, Any]:
+    """Counts of ``|diff| / bound`` per replay and recompute, on log10 bin edges, for the report's drift plot."""
+    edges = [HEAD_LO + i * HEAD_STEP for i in range(HEAD_BINS + 1)]
+    return {"edges": edges, **{k: a.bounds[k].hist.copy() for k in ("replay", "recompute") if a.bounds[k].n}}
+
+
 def finalize(
     summary: Summary, th: Thresholds, *, trainer_name: str | None = None, diagnose: Diagnose | None = None
 ) -> list[dict[str, Any]]:
@@ -951,5 +960,6 @@ def finalize(
         sc["verdict"] = "fail" if violations else "pass"
         sc["violations"] = violations
         sc["_acc"] = a
+        sc["_drift_headroom"] = drift_headroom_hist(a)
         out.append(sc)
     return out

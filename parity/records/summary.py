@@ -31,6 +31,10 @@ HIST_LO, HIST_HI, HIST_STEP = -16.0, 4.0, 0.01
 HIST_LOG_BINS = int(round((HIST_HI - HIST_LO) / HIST_STEP))
 HIST_BINS = HIST_LOG_BINS + 3
 TINY = float(np.finfo(np.float64).tiny)
+# Histogram of |diff| / bound for the drift plot (parity.report.plots.DRIFT_RANGE): 0.01-decade bins
+# over [1e-4, 1e4], values below (exact matches too) in the first bin, above (inf, NaN) in the last.
+HEAD_LO, HEAD_HI, HEAD_STEP = -4.0, 4.0, 0.01
+HEAD_BINS = int(round((HEAD_HI - HEAD_LO) / HEAD_STEP))
 
 
 
@@ -263,6 +267,7 @@ class BoundStream:
     abs_values_sum: float = 0.0
     headroom: float = 0.0
     worst: Worst = field(default_factory=lambda: Worst(5))
+    hist: np.ndarray = field(default_factory=lambda: np.zeros(HEAD_BINS, dtype=np.int64))
 
     def add(self, d: np.ndarray, bound: np.ndarray, values: np.ndarray | None = None) -> np.ndarray:
         """Add one batch; returns the headroom keys (for the caller to offer the worst positions)."""
@@ -279,6 +284,10 @@ class BoundStream:
             v = np.abs(values.astype(np.float64, copy=False))
             self.abs_values_sum += float(np.sum(np.where(np.isfinite(v), v, 0.0)))
         self.headroom = max(self.headroom, float(np.max(key)))
+        with np.errstate(divide="ignore"):
+            lg = np.log10(np.clip(key, 10.0**HEAD_LO, 10.0**HEAD_HI))
+        self.hist += np.bincount(np.clip(((lg - HEAD_LO) / HEAD_STEP).astype(np.int64), 0, HEAD_BINS - 1),
+                                 minlength=HEAD_BINS)
         return key
 
     def _combine(self, nb: int, mb: float, m2b: float) -> None:
@@ -300,6 +309,7 @@ class BoundStream:
         self.abs_values_sum += o.abs_values_sum
         self.headroom = max(self.headroom, o.headroom)
         self.worst.merge(o.worst)
+        self.hist = self.hist + o.hist
 
     def mean_bias_limit(self, u: float) -> float:
         """:func:`parity.core.error_model.mean_bias_limit` from the pieces."""
@@ -486,7 +496,9 @@ def _encode(s: Summary) -> dict[str, Any]:
 
     def bounded(b: BoundStream) -> dict[str, Any]:
         plain = {k: getattr(b, k) for k in ("n", "mean", "m2", "bound_sum", "abs_values_sum", "headroom")}
-        return {**plain, "worst": {"n": b.worst.n, "items": [[k, list(o), _pos(p)] for k, o, p in b.worst.items]}}
+        nz = np.flatnonzero(b.hist)
+        return {**plain, "worst": {"n": b.worst.n, "items": [[k, list(o), _pos(p)] for k, o, p in b.worst.items]},
+                "hist": [[int(i), int(b.hist[i])] for i in nz]}
 
     nested = ("streams", "bounds", "ratios", "first", "lacking", "views")
     groups = {}
@@ -524,7 +536,10 @@ def _decode(data: dict[str, Any]) -> Summary:
     def bounded(d: dict[str, Any]) -> BoundStream:
         w = d["worst"]
         worst = Worst(w["n"], [(k, tuple(o), Position(**p)) for k, o, p in w["items"]])
-        return BoundStream(d["n"], d["mean"], d["m2"], d["bound_sum"], d["abs_values_sum"], d["headroom"], worst)
+        hist = np.zeros(HEAD_BINS, dtype=np.int64)
+        for i, v in d["hist"]:
+            hist[i] = v
+        return BoundStream(d["n"], d["mean"], d["m2"], d["bound_sum"], d["abs_values_sum"], d["headroom"], worst, hist)
 
     out = Summary(rows=data["rows"], tokens=data["tokens"], files=list(data["files"]), metadata=list(data["metadata"]),
                   columns=set(data["columns"]), ignored_columns=set(data["ignored_columns"]))

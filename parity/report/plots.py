@@ -43,13 +43,19 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     written = []
     sc = report["scenarios"]
     tables = [(s["name"], s.get("_table")) for s in sc if s.get("_table") is not None]
-    if tables:
+    hists = [s["_drift_headroom"] for s in sc if s.get("_drift_headroom")]  # streamed (parity analyze)
+    if tables or hists:
         limit = float((report.get("config") or {}).get("thresholds", {}).get("max_headroom") or 1.0)
         floor, ceiling = DRIFT_RANGE
         fig, ax = plt.subplots(figsize=(8, 4.5))
         for est in ("replay", "recompute"):
-            h = drift_headroom([t for _, t in tables], est)
-            ax.hist(torch.log10(h).numpy(), bins=60, alpha=0.6, label=f"{est} − vLLM")
+            if tables:
+                h = drift_headroom([t for _, t in tables], est)
+                ax.hist(torch.log10(h).numpy(), bins=60, alpha=0.6, label=f"{est} − vLLM")
+                continue
+            counts = [x[est] for x in hists if est in x]
+            if counts:
+                ax.stairs(sum(counts), hists[0]["edges"], fill=True, alpha=0.6, label=f"{est} − vLLM")
         ax.axvline(math.log10(limit), color="black", linestyle="--", linewidth=1)
         ax.text(math.log10(limit), ax.get_ylim()[1] * 0.95, f"gate: |diff| = {limit:g} × bound ", va="top",
                 ha="right", fontsize=8)

@@ -442,11 +442,21 @@ def test_summary_survives_json(tmp_path: Path) -> None:
     back = Summary.from_json(s.to_json())
 
     def plain(entries):
-        return [{k: (v if k != "violations" else [x.to_dict() for x in v]) for k, v in e.items() if k != "_acc"}
-                for e in entries]
+        return [{k: (v if k != "violations" else [x.to_dict() for x in v]) for k, v in e.items()
+                 if k not in ("_acc", "_drift_headroom")} for e in entries]
 
     a, b = plain(finalize(s, TOL)), plain(finalize(back, TOL))
     assert json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
+
+
+def test_drift_histogram_counts_every_compared_token(base, tmp_path: Path) -> None:
+    from parity.records.analyze import drift_headroom_hist
+
+    s = summarize_paths([write_records(tmp_path / "h.parquet", base[0])], Options())
+    (acc,) = s.groups.values()
+    h = drift_headroom_hist(acc)
+    assert int(h["replay"].sum()) == acc.bounds["replay"].n == N_SEQ * LENGTH
+    assert len(h["edges"]) == len(h["replay"]) + 1
 
 
 @settings(max_examples=40, deadline=None)
@@ -480,7 +490,8 @@ def test_cli_writes_the_report(tmp_path: Path) -> None:
     assert data["source"] == "records" and data["records"]["rows"] == 6
     md = (out / "report.md").read_text()
     assert "## Violations" in md and "## Gates not evaluated" in md
-    assert (out / "log_s_bias.png").stat().st_size > 1000
+    for png in ("drift_hist.png", "log_s_bias.png"):
+        assert (out / png).stat().st_size > 1000
     assert main(["analyze", str(path), "--out", str(out), "--gate", "max_headroom=1e9", "--gate",
                  "mean_bias_headroom=1e9", "--no-plots"]) == 0
     assert main(["analyze", str(path), "--out", str(out), "--gate", "replay_max_abs_diff=1"]) == 2  # retired name

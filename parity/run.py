@@ -46,6 +46,7 @@ class RunConfig:
     server: str | None = None  # None: offline engine; "spawn": a local vLLM server; or a URL to attach to
     plots: bool = True
     sampler_log_s: bool = True  # a raw-logits pass for a log S from the sampler's side (small vocabularies)
+    records: Path | None = None  # also write what was sampled and scored, per token (parity.records.format)
 
 
 def resolve_matrix(cfg: RunConfig) -> Matrix:
@@ -75,6 +76,7 @@ class ScenarioResult:
     summary: dict[str, Any]
     violations: list[Violation]
     seconds: float
+    export: Any = None  # the scenario's rows in the records format (with --records)
 
 
 def wants_sampler_log_s(rollout: Any, sc: Scenario, cfg: RunConfig) -> bool:
@@ -148,7 +150,12 @@ def score_scenario(rollout: Any, trainer: Any, sc: Scenario, cfg: RunConfig, raw
     if any("native_kept_ids" in r.extras for r in records):
         summary["native_capture"], native = native_capture_gate(records, sc.name, cfg.capture, cfg.thresholds)
         violations += native
-    return ScenarioResult(sc, records, table, summary, violations, time.perf_counter() - t0)
+    export = None
+    if cfg.records is not None:
+        from parity.records.convert import from_sequence_records
+
+        export = from_sequence_records(records, scenario=sc.name, table=table, logits=logits, faults=cfg.faults)
+    return ScenarioResult(sc, records, table, summary, violations, time.perf_counter() - t0, export)
 
 
 def native_capture_gate(
@@ -231,6 +238,10 @@ def run(cfg: RunConfig, progress: Callable[[str], None] = _progress, pool: Engin
     from parity.determinism.knobs import batch_invariant_mode
 
     matrix = resolve_matrix(cfg)
+    if cfg.records is not None:
+        from parity.analyze import records_format
+
+        records_format()  # refuse a missing pyarrow before any engine starts
     # Entered before any engine starts: on CUDA, VLLM_BATCH_INVARIANT is read at engine start-up.
     # With the mode off the context changes nothing and records the knobs as they are.
     with batch_invariant_mode(cfg.batch_invariant, device=cfg.device) as state:
@@ -271,6 +282,8 @@ def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: 
                 "verdict": "fail" if res.violations else "pass",
                 "violations": [v.to_dict() for v in res.violations],
                 "_table": res.table,
+                "_export": res.export,
+                "_vocab_size": rollout.vocab_size,
             }
             timings[f"scenario_s[{sc.name}]"] = res.seconds
             s = res.summary
@@ -329,9 +342,41 @@ def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: 
         "passed": all(r["verdict"] == "pass" for r in results) and not (determinism and determinism["violations"]),
         "timings": timings,
     }
+    if cfg.records is not None:
+        write_run_records(cfg, matrix, results, report["environment"])
     write_report(report, cfg.out, plots=cfg.plots)
     for r in results:
-        r.pop("_table", None)
+        for k in ("_table", "_export", "_vocab_size"):
+            r.pop(k, None)
     return report
+
+
+def write_run_records(cfg: RunConfig, matrix: Matrix, results: list[dict[str, Any]], env: dict[str, Any]) -> None:
+    """``--records``: every scenario's sampled and scored tokens, in matrix order, as one records file."""
+    from parity.records.format import RecordsWriter
+
+    users = {r["_table"].user_name for r in results if r.get("_table") is not None and r["_table"].user_name}
+    vocabs = {r["_vocab_size"] for r in results if r.get("_vocab_size")}
+    metadata = {
+        "producer": "parity run",
+        "model": cfg.model,
+        "trainer_model": cfg.trainer_model or cfg.model,
+        "scenario_models": {r["name"]: r["model"] for r in results},
+        "vllm": env.get("vllm"),
+        "torch": env.get("torch"),
+        "transformers": env.get("transformers"),
+        "device": cfg.device,
+        "dtype": cfg.dtype,
+        "trainer_dtype": cfg.trainer_dtype or cfg.dtype,
+        "vocab_size": vocabs.pop() if len(vocabs) == 1 else None,
+        "seed": cfg.seed,
+        "matrix": matrix.name,
+        "rollout": "vllm-server" if cfg.server else "vllm-offline",
+        "trainer_under_test": users.pop() if len(users) == 1 else None,
+        "planted_faults": {k: v for k, v in cfg.faults.__dict__.items() if v},
+    }
+    with RecordsWriter(cfg.records, metadata=metadata) as writer:
+        for r in results:
+            writer.write(r["_export"])
 
 

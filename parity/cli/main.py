@@ -22,6 +22,7 @@ import parity
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("parity.cli.run", "run a scenario matrix: vLLM rollout vs transformers trainer, report and gates"),
+    "analyze": ("parity.cli.analyze", "judge records recorded anywhere (Parquet): the gates and report of run, on your data"),
     "matrix": ("parity.cli.matrix", "show the default scenario matrix, or validate a TOML matrix file"),
     "sampler": ("parity.cli.sampler", "check the reference filters against vLLM's own Sampler on random logits"),
     "fixtures": ("parity.cli.fixtures", "list, build or locate the offline fixture models"),

@@ -78,17 +78,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-plots", action="store_true")
     p.add_argument(
+        "--records",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also write every sampled and scored token to a records file (Parquet; read it back with parity analyze)",
+    )
+    p.add_argument(
         "--verbose",
         action="store_true",
         help="let vLLM, torch and transformers print to the terminal (default: into engine.log in the report folder)",
     )
 
 
-def config_from_args(args: argparse.Namespace) -> RunConfig:
-    trainer_dtype = args.trainer_dtype or args.dtype
-    th = Thresholds.from_toml(args.thresholds, trainer_dtype) if args.thresholds else Thresholds.for_dtype(trainer_dtype)
+def thresholds_from_args(path: Path | None, gates: list[str], dtype: str) -> Thresholds:
+    """``--thresholds FILE`` (or the dtype's defaults) with ``--gate NAME=VALUE`` overrides."""
+    th = Thresholds.from_toml(path, dtype) if path else Thresholds.for_dtype(dtype)
     changes: dict[str, float] = {}
-    for item in args.gate:
+    for item in gates:
         name, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"--gate {item!r} is invalid: allowed NAME=VALUE")
@@ -98,6 +105,12 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             raise ValueError(f"--gate {item!r}: value {value!r} is not a number") from None
     if changes:
         th = th.override(**changes)
+    return th
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    trainer_dtype = args.trainer_dtype or args.dtype
+    th = thresholds_from_args(args.thresholds, args.gate, trainer_dtype)
     return RunConfig(
         model=args.model,
         trainer_model=args.trainer_model,
@@ -123,6 +136,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         invariance=args.invariance or args.batch_invariant,
         plots=not args.no_plots,
         sampler_log_s=not args.no_sampler_log_s,
+        records=args.records,
     )
 
 

@@ -105,7 +105,7 @@ def _worst(gap: torch.Tensor, n: int, scale: torch.Tensor | None = None) -> list
     key = gap.double().abs().nan_to_num(math.inf)
     if scale is not None:
         key = key / scale.double().clamp(min=torch.finfo(torch.float64).tiny)
-    order = torch.argsort(key, descending=True)
+    order = torch.argsort(key, descending=True, stable=True)  # ties in table order: the same list wherever computed
     return [int(i) for i in order[:n]]
 
 

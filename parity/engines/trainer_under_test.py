@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -193,12 +193,20 @@ def diagnose(
     ``views``: :func:`reference_views`; ``bound``: the per-token rounding bound
     (:func:`parity.core.error_model.logprob_bound`). Sets of fewer bugs are tried first.
     """
-    if _close(user, sampler, bound):
-        return "matches the sampler's processed log-probs"
-    for bugs in sorted((b for b in views if b), key=lambda b: (len(b), sorted(b))):
-        if _close(user, views[bugs], bound):
-            ordered = [b for b in BUGS if b in bugs]
-            lead = "two bugs at once: " if len(ordered) == 2 else "three bugs at once: " if len(ordered) == 3 else ""
-            return lead + "; ".join(BUGS[b] for b in ordered)
+    close = {frozenset(): _close(user, sampler, bound), **{b: _close(user, v, bound) for b, v in views.items() if b}}
     d = (user - sampler).abs()
-    return f"unexplained drift: max |diff| {float(d.max()) if d.numel() else math.nan:.3g}, mean {float((user - sampler).mean()):.3g}"
+    return diagnosis_text(close, float(d.max()) if d.numel() else math.nan,
+                          float((user - sampler).mean()) if d.numel() else math.nan)
+
+
+def diagnosis_text(close: Mapping[frozenset[str], bool], max_abs_diff: float, mean_diff: float) -> str:
+    """The diagnosis from which views the trainer matches within the bound (``close``; the empty set is
+    the sampler's values). Sets of fewer bugs are tried first. Records analysis calls this with counts
+    it streamed (:mod:`parity.records.analyze`)."""
+    if close.get(frozenset()):
+        return "matches the sampler's processed log-probs"
+    for bugs in sorted((b for b, ok in close.items() if b and ok), key=lambda b: (len(b), sorted(b))):
+        ordered = [b for b in BUGS if b in bugs]
+        lead = "two bugs at once: " if len(ordered) == 2 else "three bugs at once: " if len(ordered) == 3 else ""
+        return lead + "; ".join(BUGS[b] for b in ordered)
+    return f"unexplained drift: max |diff| {max_abs_diff:.3g}, mean {mean_diff:.3g}"

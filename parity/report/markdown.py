@@ -71,6 +71,18 @@ def render_markdown(report: dict[str, Any]) -> str:
     failures = [v for s in sc for v in s["violations"]]
     if failures:
         lines += ["## Violations", ""] + [f"- {v['message']}" for v in failures] + [""]
+    # Records analysis (parity analyze): what the inputs could not support, and what they got wrong.
+    skipped: dict[str, list[str]] = {}
+    for s in sc:
+        for g in s.get("not_evaluated", []):
+            skipped.setdefault(f"{g['gate']}: {g['reason']}", []).append(s["name"])
+    if skipped:
+        lines += ["## Gates not evaluated", ""]
+        lines += [f"- {k} ({len(v)} scenario(s): {', '.join(v[:6])}{' ...' if len(v) > 6 else ''})" for k, v in skipped.items()]
+        lines.append("")
+    notes = [f"[{s['name']}] {n}" for s in sc for n in s.get("input_notes", [])]
+    if notes:
+        lines += ["## Input problems", ""] + [f"- {n}" for n in notes] + [""]
     lines += [
         "## Detail per scenario",
         "",

@@ -27,6 +27,11 @@ def drift_headroom(tables: list[Any], estimator: str) -> torch.Tensor:
     return h.clamp(min=floor, max=ceiling)
 
 
+def _number(x: Any) -> float:
+    """A plotted value; statistics a records file could not support ("n/a") plot as gaps."""
+    return float(x) if isinstance(x, (int, float)) else math.nan
+
+
 def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     try:
         import matplotlib
@@ -38,13 +43,19 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     written = []
     sc = report["scenarios"]
     tables = [(s["name"], s.get("_table")) for s in sc if s.get("_table") is not None]
-    if tables:
+    hists = [s["_drift_headroom"] for s in sc if s.get("_drift_headroom")]  # streamed (parity analyze)
+    if tables or hists:
         limit = float((report.get("config") or {}).get("thresholds", {}).get("max_headroom") or 1.0)
         floor, ceiling = DRIFT_RANGE
         fig, ax = plt.subplots(figsize=(8, 4.5))
         for est in ("replay", "recompute"):
-            h = drift_headroom([t for _, t in tables], est)
-            ax.hist(torch.log10(h).numpy(), bins=60, alpha=0.6, label=f"{est} − vLLM")
+            if tables:
+                h = drift_headroom([t for _, t in tables], est)
+                ax.hist(torch.log10(h).numpy(), bins=60, alpha=0.6, label=f"{est} − vLLM")
+                continue
+            counts = [x[est] for x in hists if est in x]
+            if counts:
+                ax.stairs(sum(counts), hists[0]["edges"], fill=True, alpha=0.6, label=f"{est} − vLLM")
         ax.axvline(math.log10(limit), color="black", linestyle="--", linewidth=1)
         ax.text(math.log10(limit), ax.get_ylim()[1] * 0.95, f"gate: |diff| = {limit:g} × bound ", va="top",
                 ha="right", fontsize=8)
@@ -58,8 +69,8 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
         written.append("drift_hist.png")
     fig, ax = plt.subplots(figsize=(max(8, len(sc) * 0.45), 4.5))
     x = range(len(sc))
-    ax.bar([i - 0.2 for i in x], [s["log_s"]["mean"] for s in sc], width=0.4, label="predicted log S (mean)")
-    ax.bar([i + 0.2 for i in x], [s["naive"]["bias_mean"] for s in sc], width=0.4, label="naive bias full − vLLM (mean)")
+    ax.bar([i - 0.2 for i in x], [_number(s["log_s"]["mean"]) for s in sc], width=0.4, label="predicted log S (mean)")
+    ax.bar([i + 0.2 for i in x], [_number(s["naive"]["bias_mean"]) for s in sc], width=0.4, label="naive bias full − vLLM (mean)")
     ax.set_xticks(list(x))
     ax.set_xticklabels([s["name"] for s in sc], rotation=70, ha="right", fontsize=7)
     ax.set_ylabel("nats per token")

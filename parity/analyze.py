@@ -1,0 +1,284 @@
+"""``parity analyze``: the gates and report of ``parity run`` on records recorded anywhere (:mod:`parity.records`).
+
+The map step and the verdicts are engine-free (:mod:`parity.records.analyze`); this module composes
+them with what needs more: re-scoring with a transformers model (``--model``), files and shards over
+local processes (``--jobs``), and the report writer (:mod:`parity.report.schema`). The command line is
+:mod:`parity.cli.analyze`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+try:  # the records format needs pyarrow (the records extra); say so instead of a traceback
+    import pyarrow  # noqa: F401
+except ModuleNotFoundError as _exc:
+    if _exc.name != "pyarrow":
+        raise
+    raise RuntimeError("records (Parquet) need pyarrow: pip install 'parity[records]'") from None
+
+from parity.core.gates import Thresholds
+from parity.records import format as rf
+from parity.records.analyze import (
+    LOGIT_BUDGET,
+    Options,
+    TokenColumns,
+    finalize,
+    summarize_batch,
+    token_columns,
+)
+from parity.records.summary import Summary
+
+
+def records_format() -> Any:
+    """:mod:`parity.records.format` (importing this module already refused a missing pyarrow)."""
+    return rf
+
+
+# ==================================================================================================
+# re-scoring with a transformers model (--model)
+# ==================================================================================================
+
+_TRAINERS: dict[tuple[str, str, str], Any] = {}
+
+
+def _trainer(model: str, dtype: str, device: str) -> Any:
+    key = (model, dtype, device)
+    if key not in _TRAINERS:
+        from parity.engines.session import _resolve
+        from parity.engines.transformers_trainer import TransformersTrainer
+
+        _TRAINERS[key] = TransformersTrainer(_resolve(model), dtype=dtype, device=device)
+    return _TRAINERS[key]
+
+
+def rescored_columns(batch: Any, trainer: Any, dtypes: tuple[str, str]) -> TokenColumns:
+    """Token columns with every trainer-side estimate and bound computed from ``trainer``'s logits (parity run's table)."""
+    import torch
+
+    from parity.core.table import build_table
+    from parity.engines.trainer_under_test import reference_views
+    from parity.records.convert import to_sequence_records
+
+    vocab = int(trainer.vocab_size)
+    cols = token_columns(batch, vocab_size=vocab)  # sampler-side flags and the trainer under test, if any
+    rf = records_format()
+    for name, rag in (("prompt_ids", batch.prompt), ("completion_ids", batch.completion), ("kept_ids", batch.kept)):
+        if rag is not None and rag.values.size and int(rag.values.max()) >= vocab:
+            flat = int(np.flatnonzero(rag.values >= vocab)[0])
+            r = int(np.searchsorted(rag.offsets, flat, side="right") - 1)
+            raise rf.RecordsError(
+                f"{batch.source} row {batch.first_row + r} column {name}: token id {int(rag.values[flat])} is outside the "
+                f"vocabulary of --model ({vocab} tokens): allowed ids < {vocab} (is this the model that sampled?)"
+            )
+    empty = np.flatnonzero(batch.prompt.lengths == 0)
+    if empty.size:
+        raise rf.RecordsError(
+            f"{batch.source} row {batch.first_row + int(empty[0])} column prompt_ids: empty: re-scoring with --model needs "
+            f"the prompt (its last position predicts completion token 0)"
+        )
+    records = to_sequence_records(batch)
+    filtered_spec = np.array([s.effective().filtered for s in batch.specs], dtype=bool)
+    view_parts: dict[frozenset[str], np.ndarray] = {}
+    has_user = cols.have["user"]
+    for j, spec in enumerate(batch.specs):
+        rows = np.flatnonzero(batch.spec_index == j)
+        start = 0
+        while start < rows.size:
+            # As many sequences as fit the logit budget (at least one).
+            stop, held = start, 0
+            while stop < rows.size and (stop == start or held + int(batch.completion.lengths[rows[stop]]) * vocab <= LOGIT_BUDGET):
+                held += int(batch.completion.lengths[rows[stop]]) * vocab
+                stop += 1
+            part = rows[start:stop]
+            start = stop
+            recs = [records[i] for i in part]
+            logits = trainer.logits(recs)
+            table = build_table(recs, logits, spec, dtype=dtypes)
+            tok = np.concatenate([np.arange(batch.token_offsets[i], batch.token_offsets[i + 1]) for i in part])
+            # A filtering spec without a kept set: build_table would take S_q as the whole vocabulary.
+            known = np.repeat(batch.kept_rows()[part] | ~filtered_spec[j], batch.completion.lengths[part])
+            for name in ("full", "recompute"):
+                getattr(cols, name)[tok] = getattr(table, name).numpy()
+                cols.have[name][tok] = True
+            cols.forced[tok] = table.forced.numpy()
+            cols.have["forced"][tok] = True
+            cols.bound_full[tok] = table.bound_full.numpy()
+            cols.have["bound_full"][tok] = True
+            for name in ("replay", "log_s", "bound"):
+                getattr(cols, name)[tok] = np.where(known, getattr(table, name).numpy(), 0.0)
+                cols.have[name][tok] = known
+            cols.recompute_support_equal[tok] = table.recompute_support_equal.numpy()
+            cols.have["recompute_support"][tok] = known
+            cols.kl[tok] = np.where(known, table.kl.numpy(), 0.0)
+            cols.tv[tok] = np.where(known, table.tv.numpy(), 0.0)
+            cols.have["kl"][tok] = known
+            cols.logit_drift[tok] = np.where(known, table.logit_drift.numpy(), np.nan)
+            if bool(has_user[tok].any()):
+                ys = [torch.tensor(r.completion_ids, dtype=torch.long) for r in recs]
+                views = reference_views(logits, ys, spec, [r.kept_ids for r in recs])
+                for bugs, v in views.items():
+                    if bugs:
+                        view_parts.setdefault(bugs, np.full(batch.tokens, np.nan))[tok] = np.where(known, v.numpy(), np.nan)
+    cols.views = {frozenset(): cols.views[frozenset()], **view_parts}
+    return cols
+
+
+# ==================================================================================================
+# files, shards, processes
+# ==================================================================================================
+
+
+def _dtypes(meta: dict[str, Any], options: Options) -> tuple[str, str]:
+    sampler = meta.get("dtype") or "float32"
+    trainer = options.dtype if options.model else (meta.get("trainer_dtype") or sampler)
+    return str(sampler), str(trainer)
+
+
+def summarize_file(path: str, file_index: int, options: Options) -> Summary:
+    """Summary of one records file, streamed batch by batch (what a worker process runs)."""
+    rf = records_format().open_records(path)
+    out = Summary(files=[str(path)], metadata=[{"file": str(path), **rf.metadata}])
+    dtypes = _dtypes(rf.metadata, options)
+    vocab = rf.metadata.get("vocab_size")
+    columns: Callable[[Any], TokenColumns] | None = None
+    if options.model:
+        trainer = _trainer(options.model, options.dtype, options.device)
+
+        def columns(b: Any) -> TokenColumns:
+            return rescored_columns(b, trainer, dtypes)
+
+    for rb in rf.batches(batch_rows=options.batch_rows):
+        out.merge(summarize_batch(rb, file_index=file_index, options=options, dtypes=dtypes,
+                                  vocab_size=int(vocab) if vocab else None, columns=columns))
+    out.files = [str(path)]
+    return out
+
+
+def _worker_init(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def summarize_paths(
+    paths: Sequence[Path], options: Options, *, jobs: int = 1, timeout_s: float = 3600.0,
+    progress: Callable[[str], None] | None = None,
+) -> Summary:
+    """Summaries of every file, merged; with ``jobs > 1`` in that many local processes (spawned)."""
+    if jobs < 1:
+        raise ValueError(f"--jobs {jobs} is invalid: allowed an integer >= 1")
+    total = Summary()
+    if jobs == 1 or len(paths) == 1:
+        for i, p in enumerate(paths):
+            total.merge(summarize_file(str(p), i, options))
+            if progress:
+                progress(f"parity analyze: [{i + 1}/{len(paths)}] {p}")
+        return total
+    import multiprocessing as mp
+
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    ctx = mp.get_context("spawn")
+    pool = ctx.Pool(processes=min(jobs, len(paths)), initializer=_worker_init, initargs=(threads,))
+    try:
+        pending = [pool.apply_async(summarize_file, (str(p), i, options)) for i, p in enumerate(paths)]
+        deadline = time.monotonic() + timeout_s
+        for i, (p, res) in enumerate(zip(paths, pending, strict=True)):
+            left = deadline - time.monotonic()
+            try:
+                total.merge(res.get(timeout=max(left, 0.001)))
+            except mp.TimeoutError:
+                raise TimeoutError(f"parity analyze: shard {p} did not finish within {timeout_s:.0f} s (raise --timeout)") from None
+            if progress:
+                progress(f"parity analyze: [{i + 1}/{len(paths)}] {p}")
+        pool.close()
+        pool.join()
+    finally:
+        pool.terminate()
+    return total
+
+
+# ==================================================================================================
+# the report
+# ==================================================================================================
+
+
+def _metadata_value(summary: Summary, key: str) -> Any:
+    values = {json.dumps(m.get(key), sort_keys=True) for m in summary.metadata if key in m}
+    if len(values) == 1:
+        return json.loads(values.pop())
+    return None
+
+
+def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: Sequence[Path]) -> dict[str, Any]:
+    from parity.engines.trainer_under_test import diagnosis_text
+    from parity.report.schema import SCHEMA_VERSION, environment
+
+    trainer_name = _metadata_value(summary, "trainer_under_test") or _metadata_value(summary, "trainer_name")
+    scenarios = finalize(summary, th, trainer_name=trainer_name, diagnose=diagnosis_text)
+    models = _metadata_value(summary, "scenario_models") or {}
+    for sc in scenarios:
+        sc.pop("_acc")
+        sc["violations"] = [v.to_dict() for v in sc["violations"]]
+        if isinstance(models, dict) and sc["name"] in models:
+            sc["model"] = models[sc["name"]]
+    rollout_dtype = _metadata_value(summary, "dtype") or "unknown"
+    trainer_dtype = options.dtype if options.model else (_metadata_value(summary, "trainer_dtype") or "unknown")
+    env = environment(options.device, rollout_dtype, trainer_dtype)
+    recorded = {k: _metadata_value(summary, k) for k in ("vllm", "torch", "transformers")}
+    env["analysis_machine"] = {k: env.get(k) for k in ("vllm", "torch", "transformers", "parity", "python")}
+    for k, v in recorded.items():
+        env[k] = v  # the versions that produced the records (None when the files do not say)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "source": "records",
+        "environment": env,
+        "config": {
+            "records": [str(p) for p in paths],
+            "model": options.model or _metadata_value(summary, "model"),
+            "analysis": "re-scored with --model" if options.model else "records",
+            "thresholds": th.to_dict(),
+            "columns": sorted(summary.columns),
+            "ignored_columns": sorted(summary.ignored_columns),
+            "records_metadata": summary.metadata,
+        },
+        "records": {"files": len(paths), "rows": summary.rows, "tokens": summary.tokens},
+        "scenarios": scenarios,
+        "passed": all(s["verdict"] == "pass" for s in scenarios) and bool(scenarios),
+    }
+
+
+def analyze(
+    path: str | Path,
+    *,
+    thresholds: Thresholds | None = None,
+    options: Options | None = None,
+    jobs: int = 1,
+    out: str | Path | None = None,
+    plots: bool = True,
+    timeout_s: float = 3600.0,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Analyse a records file or a directory of shards; write report.json/report.md/plots under ``out``."""
+    from parity.report.schema import write_report
+
+    opts = options or Options()
+    th = thresholds or Thresholds.for_dtype(opts.dtype)
+    opts.n_listed = th.max_violations_listed
+    paths = records_format().records_paths(path)
+    t0 = time.perf_counter()
+    summary = summarize_paths(paths, opts, jobs=jobs, timeout_s=timeout_s, progress=progress)
+    report = build_report(summary, th, options=opts, paths=paths)
+    report["timings"] = {"total_s": time.perf_counter() - t0}
+    if out is not None:
+        write_report(report, Path(out), plots=plots)
+    for sc in report["scenarios"]:
+        sc.pop("_drift_headroom", None)
+    return report

@@ -1,0 +1,68 @@
+"""``parity analyze``: judge records recorded anywhere (Parquet) with the gates and report of ``parity run``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from parity.cli.run import thresholds_from_args
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", type=Path, nargs="?", default=None, help="a records file (Parquet) or a directory of *.parquet shards")
+    p.add_argument("--model", default=None, help="re-score with this trainer checkpoint (fixture name or Hugging Face directory)")
+    p.add_argument("--jobs", type=int, default=1, help="analyse shards in N local processes and merge (default 1)")
+    p.add_argument("--out", type=Path, default=Path("reports/analyze"), help="report folder (default: reports/analyze)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="trainer dtype: picks the default thresholds (and the --model dtype); default: the records' "
+                        "trainer_dtype metadata, else float32")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="device for --model")
+    p.add_argument("--thresholds", type=Path, default=None, help="TOML file with a [thresholds] table")
+    p.add_argument("--gate", action="append", default=[], metavar="NAME=VALUE", help="override one threshold")
+    p.add_argument("--batch-rows", type=int, default=1024, help="rows per streamed batch (at most one row group)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds the whole analysis may take")
+    p.add_argument("--no-plots", action="store_true")
+
+
+def _records_dtype(path: Path) -> str | None:
+    from parity.analyze import records_format
+
+    rf = records_format()
+    try:
+        return rf.open_records(rf.records_paths(path)[0]).metadata.get("trainer_dtype")
+    except (OSError, rf.RecordsError):
+        return None
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.path is None:
+        raise ValueError("parity analyze needs PATH: allowed a records file (Parquet) or a directory of *.parquet shards")
+    from parity.analyze import analyze
+    from parity.records.analyze import Options
+
+    dtype = args.dtype or _records_dtype(args.path) or "float32"
+    th = thresholds_from_args(args.thresholds, args.gate, dtype)
+    if args.batch_rows < 1:
+        raise ValueError(f"--batch-rows {args.batch_rows} is invalid: allowed an integer >= 1")
+    opts = Options(model=args.model, dtype=dtype, device=args.device, batch_rows=args.batch_rows)
+    report = analyze(
+        args.path, thresholds=th, options=opts, jobs=args.jobs, out=args.out, plots=not args.no_plots,
+        timeout_s=args.timeout, progress=lambda m: print(m, file=sys.stderr, flush=True),
+    )
+    sc = report["scenarios"]
+    n_fail = sum(s["verdict"] == "fail" for s in sc)
+    print(
+        f"parity analyze: {len(sc) - n_fail}/{len(sc)} scenarios pass over {report['records']['tokens']} tokens "
+        f"in {report['records']['files']} file(s); report in {args.out}/report.md"
+    )
+    skipped: dict[str, list[str]] = {}
+    for s in sc:
+        for g in s["not_evaluated"]:
+            skipped.setdefault(f"{g['gate']}: {g['reason']}", []).append(s["name"])
+    for what, names in skipped.items():
+        print(f"NOT EVALUATED ({len(names)} of {len(sc)} scenarios) {what}")
+    for s in sc:
+        for v in s["violations"]:
+            print(f"FAIL {v['message']}")
+    return 0 if report["passed"] else 1

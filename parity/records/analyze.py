@@ -1,0 +1,965 @@
+"""The records analysis: one validated batch of records in, its mergeable :class:`~parity.records.summary.Summary`
+out (the map step), and from a merged summary the report entries and verdicts of ``parity run``.
+
+The gates are those of :func:`parity.core.gates.evaluate`, evaluated on streamed statistics and
+reported as the same :class:`~parity.core.violation.Violation` objects with the same gate names:
+
+* drift (``replay_drift``, ``recompute_drift``, ``trainer_under_test_drift``): the largest
+  ``|trainer - sampler| / bound`` per token against ``max_headroom``, the bound being the records'
+  ``trainer_bound`` (what :func:`parity.core.error_model.logprob_bound` gave the exporting run) or,
+  re-scoring with a model, the bound of the trainer's own logits;
+* mean bias (``*_mean_bias``): ``|mean diff|`` against ``mean_bias_headroom`` times
+  :func:`parity.core.error_model.mean_bias_limit`, computed from counts, moments and sums;
+* the naive bias outside the sampler-side log S (``naive_vs_sampler_log_s``), the interval from the
+  records (``sampler_log_s_lo``/``_hi``), 0 when nothing is filtered, or the top_p bracket of
+  :mod:`parity.core.log_s` from the sampler's kept log-probs;
+* ``replay_support``, ``recompute_support``, ``incomplete_capture``, ``sampled_outside``,
+  ``token_mismatch``.
+
+What the records hold decides what can be judged; each gate whose inputs are missing is listed with
+the input it lacks (``not_evaluated``). Numbers: counts, minima, maxima and headroom are exact; means
+are float64 sums (equal to ``parity run``'s to rounding); p99 comes from a histogram with 0.01-decade
+bins (within about 1.2 %). The per-scenario RL view of ``parity run`` needs every token at once and
+is not part of an analysis.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from parity.core import estimators
+from parity.core.error_model import unit_roundoff
+from parity.core.gates import Thresholds
+from parity.core.log_s import top_p_bracket, top_p_bracket_applies
+from parity.core.spec import SAMPLING_EPS, SamplingSpec
+from parity.core.table import SUPPORT_MASS_TOL
+from parity.core.violation import Position, Violation
+from parity.records.format import RecordsBatch, validate_batch
+from parity.records.summary import (
+    HEAD_BINS,
+    HEAD_LO,
+    HEAD_STEP,
+    INPUTS,
+    NA,
+    ScenarioAcc,
+    Summary,
+    ViewMatch,
+    _finite_pair,
+    _na_ratios,
+)
+
+# Trainer logits held at once when computing from kept logits (floats): bounds memory on big heads.
+LOGIT_BUDGET = 1 << 26
+
+# What each gate reads (inputs named as in REASONS), in parity.core.gates' order.
+GATE_INPUTS: dict[str, tuple[str, ...]] = {
+    "replay_drift": ("replay", "bound"),
+    "recompute_drift": ("recompute", "bound"),
+    "replay_mean_bias": ("replay", "bound"),
+    "recompute_mean_bias": ("recompute", "bound"),
+    "trainer_under_test_drift": ("user", "bound"),
+    "trainer_under_test_mean_bias": ("user", "bound"),
+    "naive_vs_sampler_log_s": ("full", "bound", "bound_full", "sampler_log_s"),
+    "replay_support": ("kept",),
+    "recompute_support": ("recompute_support",),
+    "incomplete_capture": ("kept",),
+    "sampled_outside": ("kept",),
+    "token_mismatch": (),
+}
+GATES = tuple(GATE_INPUTS)
+# Gates that judge the sequences that have their inputs (parity run gates the naive bias wherever a
+# sampler-side log S exists); the others need every sequence to have them.
+PARTIAL_OK = ("naive_vs_sampler_log_s",)
+REASONS = {
+    "kept": "no kept set (kept_ids, kept_offsets, kept_logprobs) under a filtering spec: the sampler's support S_q is unknown",
+    "replay": "no trainer_replay_logprobs, and no trainer_kept_logits to renormalise over S_q",
+    "recompute": "no trainer_recompute_logprobs: recomputing the filters needs the trainer's full-vocabulary logits "
+    "(analyze with --model CKPT)",
+    "recompute_support": "no trainer_recompute_support_equal: needs the trainer's full-vocabulary logits (--model CKPT)",
+    "full": "no trainer_full_logprobs (the trainer's full-vocabulary log-probs)",
+    "log_s": "no trainer_log_s, and log S cannot be derived (needs trainer_kept_logits with trainer_full_logprobs, "
+    "or --model CKPT)",
+    "user": "no trainer_logprobs (the trainer under test's own log-probs)",
+    "forced": "no trainer_recompute_forced",
+    "kl": "no trainer_kept_logits: KL and TV over S_q need the trainer's distribution there",
+    "bound": "no trainer_bound: the per-token rounding bound needs the trainer's scaled logits over the whole row "
+    "(parity run --records writes it; or analyze with --model CKPT)",
+    "bound_full": "no trainer_bound_full (the full-vocabulary rounding bound; parity run --records writes it, or --model CKPT)",
+    "sampler_log_s": "no sampler-side log S: no sampler_log_s_lo/_hi, and the top_p bracket needs top_p as the only "
+    "filter, a complete kept set and the vocabulary size (records metadata vocab_size, or --model CKPT)",
+}
+assert set(REASONS) == set(INPUTS)
+
+
+@dataclass
+class Options:
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    n_listed: int = Thresholds().max_violations_listed
+    batch_rows: int = 1024
+
+
+# ==================================================================================================
+# per-token columns of one batch
+# ==================================================================================================
+
+
+@dataclass
+class TokenColumns:
+    """Flat per-token values of one batch; ``have[input]`` says where each input exists."""
+
+    n_rows: int
+    row: np.ndarray  # int64 [T]
+    position: np.ndarray
+    token: np.ndarray  # the sampled token
+    trainer_token: np.ndarray  # the token the trainer scored
+    vllm: np.ndarray  # float64
+    have: dict[str, np.ndarray]
+    full: np.ndarray
+    replay: np.ndarray
+    recompute: np.ndarray
+    log_s: np.ndarray
+    user: np.ndarray
+    forced: np.ndarray  # bool
+    recompute_support_equal: np.ndarray
+    captured: np.ndarray
+    incomplete: np.ndarray
+    sampled_outside: np.ndarray
+    replay_support_ok: np.ndarray
+    support_size: np.ndarray
+    mass: np.ndarray  # float64 (1 where not captured)
+    kl: np.ndarray
+    tv: np.ndarray
+    bound: np.ndarray
+    bound_full: np.ndarray
+    s_lo: np.ndarray  # NaN where no sampler-side log S
+    s_hi: np.ndarray
+    s_source: list[str | None]  # per row
+    logit_drift: np.ndarray  # NaN where unknown
+    # Reference views for the trainer-under-test diagnosis, by bug set ("" = correct); NaN = unknown there.
+    views: dict[frozenset[str], np.ndarray] = field(default_factory=dict)
+
+
+def _segments(kto: np.ndarray) -> np.ndarray:
+    """Token index of every kept entry, from token -> entry offsets."""
+    return np.repeat(np.arange(kto.size - 1, dtype=np.int64), np.diff(kto))
+
+
+def _temperature(spec: SamplingSpec) -> float:
+    # Greedy rows divide by 1 (parity.core.filters.apply_temperature, after vLLM's Sampler.apply_temperature).
+    t = spec.effective_temperature
+    return 1.0 if t < SAMPLING_EPS else t
+
+
+def _row_float(batch: RecordsBatch, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+    rag = batch.trainer.get(name)
+    if rag is None:
+        return None
+    have = np.repeat(rag.valid, batch.completion.lengths)
+    vals = np.zeros(batch.tokens, dtype=np.float64)
+    vals[have] = rag.values.astype(np.float64)
+    return vals, have
+
+
+def _row_bool(batch: RecordsBatch, name: str) -> tuple[np.ndarray, np.ndarray]:
+    T = batch.tokens
+    rag = batch.trainer.get(name)
+    if rag is None:
+        return np.zeros(T, dtype=bool), np.zeros(T, dtype=bool)
+    have = np.repeat(rag.valid, batch.completion.lengths)
+    vals = np.zeros(T, dtype=bool)
+    vals[have] = rag.values.astype(bool)
+    return vals, have
+
+
+def token_columns(batch: RecordsBatch, *, vocab_size: int | None = None) -> TokenColumns:
+    """Sampler-side flags and the trainer's values read (or derived) from the records themselves.
+
+    ``vocab_size`` (records metadata, or the re-scoring model) lets the top_p bracket be derived.
+    """
+    T = batch.tokens
+    row = batch.row_of_token()
+    lengths = batch.completion.lengths
+    position = np.arange(T, dtype=np.int64) - np.repeat(batch.token_offsets[:-1], lengths)
+    y = batch.completion.values.astype(np.int64)
+    filtered_spec = np.array([s.effective().filtered for s in batch.specs], dtype=bool)
+    filtered = filtered_spec[batch.spec_index][row] if T else np.zeros(0, dtype=bool)
+    zeros = np.zeros(T, dtype=np.float64)
+    false = np.zeros(T, dtype=bool)
+    captured = batch.kept_rows()[row] if T else false.copy()
+    incomplete = batch.kept_incomplete.copy() if batch.kept_incomplete is not None else false.copy()
+    incomplete &= captured
+    mass = np.ones(T, dtype=np.float64)
+    contains = false.copy()
+    support_size = np.zeros(T, dtype=np.int64)
+    kl, tv = zeros.copy(), zeros.copy()
+    have_kl = false.copy()
+    replay_derived = np.full(T, np.nan)
+    have_replay_derived = false.copy()
+    logit_drift = np.full(T, np.nan)
+    min_kept_lp = np.full(T, np.nan)
+    if batch.kept is not None and T:
+        kto = batch.kept_token_offsets
+        seg = _segments(kto)
+        ids = batch.kept.values.astype(np.int64)
+        match = ids == y[seg]
+        contains = np.bincount(seg[match], minlength=T) > 0
+        klp = batch.kept_logprobs.astype(np.float64)
+        p = np.exp(klp)
+        mass = np.where(captured, np.bincount(seg, weights=p, minlength=T), 1.0)
+        support_size = np.diff(kto)
+        nonempty = np.flatnonzero(support_size > 0)
+        if nonempty.size:
+            finite_lp = np.where(np.isfinite(klp), klp, np.inf)
+            min_kept_lp[nonempty] = np.minimum.reduceat(finite_lp, kto[nonempty])
+        if batch.trainer_kept_logits is not None:
+            kl, tv, replay_derived, with_logits, logit_drift = _from_kept_logits(batch, seg, match, p, klp, row)
+            have_kl = with_logits
+            have_replay_derived = with_logits
+    mass_ok = np.abs(mass - 1.0) <= SUPPORT_MASS_TOL
+    sampled_outside = captured & ~contains & ~incomplete
+    replay_support_ok = np.where(captured, ~incomplete & contains & mass_ok, True)
+    have: dict[str, np.ndarray] = {"kept": captured | ~filtered}
+
+    full = _row_float(batch, "trainer_full_logprobs")
+    full_v, have_full = full if full is not None else (zeros.copy(), false.copy())
+    have["full"] = have_full
+    rep = _row_float(batch, "trainer_replay_logprobs")
+    replay_v, have_rep = rep if rep is not None else (zeros.copy(), false.copy())
+    # Derived replay: over S_q from the trainer's kept logits; unfiltered without a kept set: the full value.
+    use_derived = ~have_rep & have_replay_derived
+    replay_v = np.where(use_derived, replay_derived, replay_v)
+    unfilt = ~captured & ~filtered
+    use_full = ~have_rep & ~use_derived & unfilt & have_full
+    replay_v = np.where(use_full, full_v, replay_v)
+    have["replay"] = have_rep | use_derived | use_full
+    rec = _row_float(batch, "trainer_recompute_logprobs")
+    recompute_v, have["recompute"] = rec if rec is not None else (zeros.copy(), false.copy())
+    ls = _row_float(batch, "trainer_log_s")
+    log_s_v, have_ls = ls if ls is not None else (zeros.copy(), false.copy())
+    # log S = 0 when nothing is filtered; from the kept logits, log S = full - replay (the trainer's mass on S_q).
+    zero_ls = ~have_ls & unfilt
+    derive_ls = ~have_ls & captured & have_full & use_derived
+    log_s_v = np.where(zero_ls, 0.0, np.where(derive_ls, full_v - replay_v, log_s_v))
+    have["log_s"] = have_ls | zero_ls | derive_ls
+    user = _row_float(batch, "trainer_logprobs")
+    user_v, have["user"] = user if user is not None else (zeros.copy(), false.copy())
+    forced, have["forced"] = _row_bool(batch, "trainer_recompute_forced")
+    rec_eq, have["recompute_support"] = _row_bool(batch, "trainer_recompute_support_equal")
+    have["kl"] = have_kl | (unfilt & ~captured)
+    bound = _row_float(batch, "trainer_bound")
+    bound_v, have["bound"] = bound if bound is not None else (zeros.copy(), false.copy())
+    bound_full = _row_float(batch, "trainer_bound_full")
+    bound_full_v, have["bound_full"] = bound_full if bound_full is not None else (zeros.copy(), false.copy())
+    s_lo, s_hi, have["sampler_log_s"], s_source = _sampler_log_s(batch, row, filtered, captured, incomplete, min_kept_lp,
+                                                                   vocab_size)
+    tt = batch.trainer.get("trainer_token_ids")
+    trainer_token = y.copy()
+    if tt is not None:
+        has_tt = np.repeat(tt.valid, lengths)
+        trainer_token[has_tt] = tt.values.astype(np.int64)
+    views = {frozenset(): batch.sampler_logprobs.astype(np.float64)}
+    if bool((captured & have_full).any()):
+        views[frozenset({"full_vocabulary"})] = np.where(captured & have_full, full_v, np.nan)
+    return TokenColumns(
+        n_rows=batch.n_rows,
+        row=row,
+        position=position,
+        token=y,
+        vllm=batch.sampler_logprobs.astype(np.float64),
+        have=have,
+        full=full_v,
+        replay=replay_v,
+        recompute=recompute_v,
+        log_s=log_s_v,
+        user=user_v,
+        forced=forced,
+        recompute_support_equal=rec_eq,
+        captured=captured,
+        incomplete=incomplete,
+        sampled_outside=sampled_outside,
+        replay_support_ok=replay_support_ok,
+        support_size=support_size,
+        mass=mass,
+        kl=kl,
+        tv=tv,
+        bound=bound_v,
+        bound_full=bound_full_v,
+        s_lo=s_lo,
+        s_hi=s_hi,
+        s_source=s_source,
+        logit_drift=logit_drift,
+        trainer_token=trainer_token,
+        views=views,
+    )
+
+
+def _sampler_log_s(
+    batch: RecordsBatch, row: np.ndarray, filtered: np.ndarray, captured: np.ndarray, incomplete: np.ndarray,
+    min_kept_lp: np.ndarray, vocab_size: int | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str | None]]:
+    """``(lo, hi, have, source per row)``: the sampler-side log S, as :func:`parity.core.table.build_table` takes it.
+
+    The records' interval where given; 0 where nothing is filtered; else the top_p bracket
+    (:func:`parity.core.log_s.top_p_bracket`) from the smallest kept processed log-prob, when top_p
+    is the only filter, the row's kept set is complete and the vocabulary size is known.
+    """
+    T = batch.tokens
+    lengths = batch.completion.lengths
+    lo, hi = np.full(T, np.nan), np.full(T, np.nan)
+    source: list[str | None] = [None] * batch.n_rows
+    given_src = batch.sampler_log_s_source or [None] * batch.n_rows
+    have_given = np.zeros(batch.n_rows, dtype=bool)
+    if "sampler_log_s_lo" in batch.trainer:
+        rlo, rhi = batch.trainer["sampler_log_s_lo"], batch.trainer["sampler_log_s_hi"]
+        tok = np.repeat(rlo.valid, lengths)
+        lo[tok], hi[tok] = rlo.values.astype(np.float64), rhi.values.astype(np.float64)
+        have_given = rlo.valid.copy()
+    cap_rows = batch.kept_rows()
+    inc_rows = np.bincount(row[incomplete], minlength=batch.n_rows) > 0 if T else np.zeros(batch.n_rows, dtype=bool)
+    starts = batch.token_offsets
+    for i in range(batch.n_rows):
+        a, b = int(starts[i]), int(starts[i + 1])
+        spec = batch.spec_of(i)
+        if have_given[i]:
+            source[i] = given_src[i] or "recorded"
+        elif not spec.effective().filtered:
+            lo[a:b], hi[a:b] = 0.0, 0.0
+            source[i] = "unfiltered"
+        elif (vocab_size and cap_rows[i] and not inc_rows[i] and top_p_bracket_applies(spec, vocab_size)
+              and bool(np.isfinite(min_kept_lp[a:b]).all())):
+            r_lo, r_hi = top_p_bracket(torch.from_numpy(min_kept_lp[a:b].reshape(-1, 1)), spec.top_p, vocab_size)
+            lo[a:b], hi[a:b] = r_lo.numpy(), r_hi.numpy()
+            source[i] = "top_p_bracket"
+    have_rows = np.array([s is not None for s in source], dtype=bool)
+    return lo, hi, np.repeat(have_rows, lengths), source
+
+
+def _from_kept_logits(
+    batch: RecordsBatch, seg: np.ndarray, match: np.ndarray, p: np.ndarray, klp: np.ndarray, row: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """KL/TV over S_q, replay and the logit drift, from the trainer's raw logits at the kept ids.
+
+    Mirrors :func:`parity.core.table.build_table`: the logits are scaled by the temperature in float32
+    (``estimators.scale``), the trainer's distribution over S_q is ``vals - logsumexp(vals)`` in float64,
+    KL(sampler || trainer) and TV are summed over S_q; replay is ``estimators.replay`` itself, on the
+    gathered logits. A sampled token outside S_q has no logit here: its replay is -inf.
+    """
+    T = batch.tokens
+    tk = batch.trainer_kept_logits
+    assert tk is not None and batch.kept_token_offsets is not None
+    with_logits = np.repeat(tk.valid, batch.completion.lengths) & batch.kept_rows()[row]
+    # Entries of rows that carry logits, in the same order as kept.values (rows without a kept set add none).
+    entry_has = np.repeat(tk.valid[batch.kept.valid], batch.kept.lengths[batch.kept.valid])
+    logits = np.zeros(seg.size, dtype=np.float32)
+    logits[entry_has] = tk.values.astype(np.float32)
+    temps = np.array([_temperature(s) for s in batch.specs], dtype=np.float32)[batch.spec_index][row]
+    vals = (logits / temps[seg]).astype(np.float64)
+    counts = np.diff(batch.kept_token_offsets)
+    big = np.full(T, -np.inf)
+    nonempty = np.flatnonzero(counts > 0)
+    if nonempty.size:
+        big[nonempty] = np.maximum.reduceat(vals, batch.kept_token_offsets[nonempty])
+    m = np.where(np.isfinite(big), big, 0.0)
+    s = np.bincount(seg, weights=np.exp(vals - m[seg]), minlength=T)
+    with np.errstate(divide="ignore"):
+        lse = m + np.log(s)
+    t_lp = vals - lse[seg]
+    kl = np.bincount(seg, weights=np.where(p > 0, p * (klp - t_lp), 0.0), minlength=T)
+    tv = 0.5 * np.bincount(seg, weights=np.abs(p - np.exp(t_lp)), minlength=T)
+    kl = np.where(with_logits, kl, 0.0)
+    tv = np.where(with_logits, tv, 0.0)
+    # Logit drift (parity.core.table._logit_drift): the spread over S_q of (sampler lp - trainer lp).
+    e = klp - t_lp
+    fin = np.isfinite(e)
+    drift = np.full(T, np.nan)
+    if nonempty.size:
+        hi = np.maximum.reduceat(np.where(fin, e, -np.inf), batch.kept_token_offsets[nonempty])
+        lo = np.minimum.reduceat(np.where(fin, e, np.inf), batch.kept_token_offsets[nonempty])
+        anyf = np.bincount(seg[fin], minlength=T)[nonempty] > 0
+        drift[nonempty] = np.where(anyf, hi - lo, 0.0)
+    drift = np.where(with_logits, drift, np.nan)
+    # Replay through the estimator itself, per spec, on [tokens, K] blocks of the kept logits.
+    replay = np.full(T, -np.inf)
+    y_col = np.full(T, -1, dtype=np.int64)
+    ent = np.flatnonzero(match)
+    y_col[seg[ent]] = ent - batch.kept_token_offsets[seg[ent]]
+    spec_of_tok = batch.spec_index[row]
+    toks = np.flatnonzero(with_logits & (y_col >= 0))
+    width = max(int(counts.max()) if counts.size else 1, 1)
+    step = max(1, LOGIT_BUDGET // (width + 1))
+    for j, spec in enumerate(batch.specs):
+        sel = toks[spec_of_tok[toks] == j]
+        for a in range(0, sel.size, step):
+            part = sel[a : a + step]
+            c = counts[part]
+            dense = np.zeros((part.size, width), dtype=np.float32)
+            col = np.full((part.size, width), -1, dtype=np.int64)
+            r_idx = np.repeat(np.arange(part.size), c)
+            starts = batch.kept_token_offsets[part]
+            e_idx = np.arange(int(c.sum())) - np.repeat(np.cumsum(c) - c, c) + np.repeat(starts, c)
+            k_idx = e_idx - np.repeat(starts, c)
+            dense[r_idx, k_idx] = logits[e_idx]
+            col[r_idx, k_idx] = k_idx
+            lp = estimators.replay(torch.from_numpy(dense), torch.from_numpy(y_col[part]), torch.from_numpy(col), spec).logprobs
+            replay[part] = lp.double().numpy()
+    return kl, tv, replay, with_logits, drift
+
+
+
+
+# ==================================================================================================
+# the map step
+# ==================================================================================================
+
+
+def _group_keys(batch: RecordsBatch) -> list[tuple[str, tuple[float, int, float, float]]]:
+    keys = []
+    for i in range(batch.n_rows):
+        spec = batch.spec_of(i)
+        label = batch.scenario[i] if batch.scenario[i] else spec.label()
+        keys.append((label, (spec.temperature, spec.top_k, spec.top_p, spec.min_p)))
+    return keys
+
+
+def _key_name(key: tuple[str, tuple[float, int, float, float]]) -> str:
+    return f"{key[0]}\x1f{json.dumps(key[1])}"
+
+
+def summarize_batch(
+    batch: Any,
+    *,
+    file_index: int = 0,
+    options: Options | None = None,
+    source: str = "batch",
+    first_row: int = 0,
+    dtypes: tuple[str, str] = ("float32", "float32"),
+    vocab_size: int | None = None,
+    columns: Callable[[RecordsBatch], TokenColumns] | None = None,
+) -> Summary:
+    """The map step: one batch of records (a ``pyarrow.RecordBatch``/``Table`` or a validated
+    :class:`~parity.records.format.RecordsBatch`) → its :class:`Summary`.
+
+    Raw pyarrow batches are validated here (``source``/``first_row`` name them in errors), so the step
+    runs as-is on Ray Data (``map_batches(..., batch_format="pyarrow")``) or Spark (``mapInArrow``).
+    ``dtypes``: the sampler's and the trainer's dtype (the mean-bias limit uses the looser roundoff);
+    ``columns``: how the per-token values are obtained (default :func:`token_columns`; re-scoring with
+    a model passes its own, see :mod:`parity.analyze`).
+    """
+    opts = options or Options()
+    rb = batch if isinstance(batch, RecordsBatch) else validate_batch(batch, source=source, first_row=first_row)
+    out = Summary()
+    out.rows = rb.n_rows
+    out.tokens = rb.tokens
+    out.columns = set(rb.columns)
+    out.ignored_columns = set(rb.ignored_columns)
+    if rb.n_rows == 0:
+        return out
+    cols = columns(rb) if columns is not None else token_columns(rb, vocab_size=vocab_size)
+    u = unit_roundoff(dtypes)
+    keys = _group_keys(rb)
+    row_group: dict[str, list[int]] = {}
+    for i, k in enumerate(keys):
+        row_group.setdefault(_key_name(k), []).append(i)
+    for gname, rows in row_group.items():
+        label, spec = keys[rows[0]]
+        acc = ScenarioAcc(
+            name=label,
+            spec=SamplingSpec(spec[0], int(spec[1]), spec[2], spec[3]).to_dict(),
+            first_order=(file_index, rb.first_row + rows[0], 0),
+            n_listed=opts.n_listed,
+            roundoff=u,
+        )
+        _accumulate(acc, rb, cols, np.asarray(rows, dtype=np.int64), file_index)
+        out.groups[gname] = acc
+    return out
+
+
+def _same_inf_zero(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore"):
+        d = np.abs(a - b)
+    return np.where(np.isinf(a) & np.isinf(b) & (np.sign(a) == np.sign(b)), 0.0, d)
+
+
+def _accumulate(acc: ScenarioAcc, rb: RecordsBatch, c: TokenColumns, rows: np.ndarray, file_index: int) -> None:
+    in_rows = np.zeros(rb.n_rows, dtype=bool)
+    in_rows[rows] = True
+    g = in_rows[c.row] if c.row.size else np.zeros(0, dtype=bool)
+    acc.sequences += int(rows.size)
+    acc.tokens += int(g.sum())
+    # Sequences lacking each input (a row lacks it when any of its tokens does).
+    for k in INPUTS:
+        acc.lacking[k] += int(np.unique(c.row[g & ~c.have[k]]).size)
+    usable = g & ~c.incomplete  # incomplete positions are counted, never compared
+    acc.compared += int(usable.sum())
+    row_in_file = rb.first_row + c.row
+    if rb.prompt_index is not None:
+        prompt = np.where(rb.prompt_index >= 0, rb.prompt_index, rb.first_row + np.arange(rb.n_rows))
+        note = ""
+    else:
+        prompt = rb.first_row + np.arange(rb.n_rows)
+        note = f"{rb.source}: prompt = row"
+
+    def order(idx: np.ndarray) -> Callable[[int], tuple[int, int, int]]:
+        return lambda i: (file_index, int(row_in_file[idx[i]]), int(c.position[idx[i]]))
+
+    def position(j: int, values: Mapping[str, np.ndarray] | None = None, gap: np.ndarray | None = None,
+                 bound: np.ndarray | None = None, extra: str = "") -> Position:
+        return Position(
+            prompt=int(prompt[c.row[j]]), position=int(c.position[j]), token=int(c.trainer_token[j]),
+            values={k: float(v[j]) for k, v in (values or {}).items()},
+            gap=None if gap is None else float(gap[j]), bound=None if bound is None else float(bound[j]),
+            note=extra or note,
+        )
+
+    def at(idx: np.ndarray, **kw: Any) -> Callable[[int], Position]:
+        return lambda i: position(int(idx[i]), **kw)
+
+    h = c.have
+    full_minus = c.full - c.vllm
+    for name, sel, a, b in (
+        ("naive", usable & h["full"], c.full, c.vllm),
+        ("gap", usable & h["full"] & h["log_s"], full_minus, c.log_s),
+        ("replay", usable & h["replay"], c.replay, c.vllm),
+        ("recompute", usable & h["recompute"], c.recompute, c.vllm),
+        ("user", usable & h["user"], c.user, c.vllm),
+        ("user_gap", usable & h["user"] & h["log_s"], c.user - c.vllm, c.log_s),
+    ):
+        idx = np.flatnonzero(sel)
+        acc.streams[name].add(_finite_pair(a[idx], b[idx]))
+
+    # The gated comparisons against the per-token bound (parity.core.gates.evaluate).
+    bsel = usable & h["bound"]
+    for name, est, side in (("replay", c.replay, "trainer_replay"), ("recompute", c.recompute, "trainer_recompute"),
+                            ("user", c.user, "trainer_under_test")):
+        idx = np.flatnonzero(bsel & h[name])
+        with np.errstate(invalid="ignore"):
+            d = est - c.vllm
+        s = acc.bounds[name]
+        key = s.add(d[idx], c.bound[idx], c.vllm[idx])
+        s.worst.offer(key, order(idx), at(idx, values={"vllm": c.vllm, side: est}, gap=d,
+                                          bound=c.bound * 1.0))
+    nsel = usable & h["full"] & h["bound"] & h["bound_full"] & h["sampler_log_s"]
+    idx = np.flatnonzero(nsel)
+    if idx.size:
+        v = full_minus[idx]
+        gap = np.clip(c.s_lo[idx] - v, 0.0, None) + np.clip(v - c.s_hi[idx], 0.0, None)  # log_s.distance_outside
+        nb = c.bound_full[idx] + c.bound[idx]
+        s = acc.bounds["naive"]
+        key = s.add(gap, nb)
+        gap_all = np.zeros(c.row.size)
+        gap_all[idx] = gap
+        nb_all = np.zeros(c.row.size)
+        nb_all[idx] = nb
+        s.worst.offer(key, order(idx), at(idx, values={"vllm": c.vllm, "trainer_full": c.full, "sampler_log_s_lo": c.s_lo,
+                                                       "sampler_log_s_hi": c.s_hi}, gap=gap_all, bound=nb_all))
+        acc.s_n += int(idx.size)
+        acc.s_lo_sum += float(c.s_lo[idx].sum())
+        acc.s_hi_sum += float(c.s_hi[idx].sum())
+        acc.naive_gap_max = max(acc.naive_gap_max, float(gap.max()))
+    acc.s_sources = sorted(set(acc.s_sources) | {c.s_source[i] or "none" for i in rows})
+    if bsel.any():
+        acc.bound_n += int(bsel.sum())
+        acc.bound_sum += float(c.bound[bsel].sum())
+        acc.bound_max = max(acc.bound_max, float(c.bound[bsel].max()))
+    # The diagnosis of a trainer under test: which reference view it matches within the bound.
+    usel = usable & h["user"] & h["bound"]
+    if usel.any():
+        for bugs, view in c.views.items():
+            known = usel & ~np.isnan(view)
+            d = _same_inf_zero(c.user[known], view[known])
+            m = acc.views.setdefault("+".join(sorted(bugs)), ViewMatch())
+            m.known += int(known.sum())
+            m.over += int((~(d <= c.bound[known])).sum())
+    dsel = usable & c.captured & ~np.isnan(c.logit_drift) & h["replay"]
+    if dsel.any():
+        acc.drift_n += int(dsel.sum())
+        acc.drift_sum += float(c.logit_drift[dsel].sum())
+        acc.drift_max = max(acc.drift_max, float(c.logit_drift[dsel].max()))
+        acc.drift_replay_max = max(acc.drift_replay_max, float(np.abs(c.replay[dsel] - c.vllm[dsel]).max()))
+
+    ls_sel = usable & h["log_s"]
+    if ls_sel.any():
+        v = c.log_s[ls_sel]
+        acc.log_s_n += int(v.size)
+        acc.log_s_sum += float(v.sum())
+        acc.log_s_min = min(acc.log_s_min, float(v.min()))
+        acc.log_s_sum_exp += float(np.exp(v).sum())
+    sup = usable & h["kept"]
+    acc.replay_ok += int(c.replay_support_ok[sup].sum())
+    acc.replay_n += int(sup.sum())
+    idx = np.flatnonzero(sup)
+    acc.first["replay_support"].offer(~c.replay_support_ok[idx], order(idx), at(idx))
+    req = usable & h["recompute_support"]
+    acc.recompute_eq += int(c.recompute_support_equal[req].sum())
+    acc.recompute_n += int(req.sum())
+    idx = np.flatnonzero(req)
+    acc.first["recompute_support"].offer(~c.recompute_support_equal[idx], order(idx), at(idx))
+    acc.forced += int(c.forced[usable & h["forced"]].sum())
+
+    # IS ratios: per token, and per sequence over its compared tokens.
+    def ratios(name: str, est: np.ndarray, inp: str, identity: bool = False) -> None:
+        sel = usable & h[inp]
+        d = est[sel] - c.vllm[sel]
+        r = c.row[sel]
+        n_r = np.bincount(r, minlength=rb.n_rows)
+        seq = np.bincount(r, weights=d, minlength=rb.n_rows)
+        keep = n_r > 0
+        seq_ls = None
+        if identity and bool((sel & ~h["log_s"]).sum() == 0):
+            seq_ls = np.bincount(r, weights=c.log_s[sel], minlength=rb.n_rows)[keep]
+        acc.ratios[name].add(d, seq[keep], seq_ls)
+
+    ratios("naive", c.full, "full", identity=True)
+    ratios("replay", c.replay, "replay")
+    ratios("recompute", c.recompute, "recompute")
+    ratios("user", c.user, "user")
+
+    kls = usable & c.captured & h["kl"]
+    if kls.any():
+        acc.kl_n += int(kls.sum())
+        acc.kl_sum += float(c.kl[kls].sum())
+        acc.kl_max = max(acc.kl_max, float(c.kl[kls].max()))
+        acc.tv_sum += float(c.tv[kls].sum())
+        acc.tv_max = max(acc.tv_max, float(c.tv[kls].max()))
+
+    gi = np.flatnonzero(g)
+    acc.incomplete += int(c.incomplete[g].sum())
+    acc.first["incomplete"].offer(c.incomplete[gi], order(gi), at(gi))
+    acc.sampled_outside += int(c.sampled_outside[g].sum())
+    acc.first["sampled_outside"].offer(c.sampled_outside[gi], order(gi), at(gi))
+    mism = c.trainer_token != c.token
+    acc.token_mismatch += int(mism[g].sum())
+    for j in gi[mism[gi]][: acc.n_listed]:
+        acc.first["token_mismatch"].items.append(((file_index, int(row_in_file[j]), int(c.position[j])),
+                                                  position(int(j), extra=f"sampled {int(c.token[j])}")))
+    acc.first["token_mismatch"].merge(type(acc.first["token_mismatch"])(acc.n_listed))
+    cap = g & c.captured
+    acc.captured += int(cap.sum())
+    if cap.any():
+        acc.support_sum += int(c.support_size[cap].sum())
+        acc.support_max = max(acc.support_max, int(c.support_size[cap].max()))
+    off = cap & ~c.incomplete & (np.abs(c.mass - 1.0) > SUPPORT_MASS_TOL)
+    if off.any():
+        acc.mass_off += int(off.sum())
+        worst = c.mass[off][int(np.argmax(np.abs(c.mass[off] - 1.0)))]
+        if abs(worst - 1.0) > abs(acc.mass_off_worst - 1.0):
+            acc.mass_off_worst = float(worst)
+
+
+# ==================================================================================================
+# the report entries and the verdicts
+# ==================================================================================================
+
+# diagnose(close, max_abs_diff, mean_diff) -> text: ``close`` maps each reference view (a bug set, the
+# empty set = the sampler's values) to whether the trainer under test matches it within the bound.
+Diagnose = Callable[[Mapping[frozenset[str], bool], float, float], str]
+
+
+def _plain_diagnosis(close: Mapping[frozenset[str], bool], max_abs: float, mean: float) -> str:
+    if close.get(frozenset()):
+        return "matches the sampler's processed log-probs"
+    hit = sorted((b for b, ok in close.items() if b and ok), key=lambda b: (len(b), sorted(b)))
+    if hit:
+        return "matches the reference view with " + " and ".join(sorted(hit[0]))
+    return f"unexplained drift: max |diff| {max_abs:.3g}, mean {mean:.3g}"
+
+
+def _diagnosis(a: ScenarioAcc, diagnose: Diagnose) -> str:
+    u = a.streams["user"]
+    if not a.views:
+        return "not diagnosed: " + REASONS["bound"]
+    close = {frozenset(k.split("+")) if k else frozenset(): v.close for k, v in a.views.items()}
+    return diagnose(close, u.max_abs if u.n else math.nan, u.total / u.n if u.n else math.nan)
+
+
+def _scenario_report(a: ScenarioAcc, name: str, diagnose: Diagnose) -> dict[str, Any]:
+    s = a.streams
+    lack = {k: v for k, v in a.lacking.items() if v}
+    avail = {k: a.lacking[k] < a.sequences or a.sequences == 0 for k in INPUTS}  # some sequence has it
+
+    def full_input(*inputs: str) -> bool:
+        return all(a.lacking[k] == 0 for k in inputs)
+
+    def diff(stream: str, inp: str) -> dict[str, Any]:
+        return s[stream].stats() if avail[inp] else dict.fromkeys(("max_abs_diff", "mean_diff", "mean_abs_diff", "p99_abs_diff"), NA)
+
+    def frac(ok: int, n: int, inp: str) -> Any:
+        if not avail[inp]:
+            return NA
+        return ok / n if n else 1.0
+
+    naive = s["naive"].stats() if avail["full"] else None
+    gap = s["gap"].stats() if avail["full"] and avail["log_s"] else None
+    ratios = {
+        "naive": a.ratios["naive"].to_report(identity=True) if avail["full"] else _na_ratios(identity=True),
+        "replay": a.ratios["replay"].to_report() if avail["replay"] else _na_ratios(),
+        "recompute": a.ratios["recompute"].to_report() if avail["recompute"] else _na_ratios(),
+    }
+    if avail["full"] and not avail["log_s"]:
+        ratios["naive"]["sequence_identity_max_rel_err"] = NA
+    if avail["user"]:
+        ratios["trainer_under_test"] = a.ratios["user"].to_report()
+    b = a.bounds
+    with_bound = avail["bound"]
+    headroom: dict[str, Any] = {
+        "replay": b["replay"].headroom if with_bound and avail["replay"] else None,
+        "recompute": b["recompute"].headroom if with_bound and avail["recompute"] else None,
+        "naive_vs_sampler_log_s": b["naive"].headroom if b["naive"].n else None,
+    }
+    limits: dict[str, Any] = {
+        "replay": b["replay"].mean_bias_limit(a.roundoff) if with_bound and avail["replay"] else None,
+        "recompute": b["recompute"].mean_bias_limit(a.roundoff) if with_bound and avail["recompute"] else None,
+    }
+    if avail["user"]:
+        headroom["trainer_under_test"] = b["user"].headroom if with_bound else None
+        limits["trainer_under_test"] = b["user"].mean_bias_limit(a.roundoff) if with_bound else None
+    sources = [x for x in a.s_sources if x != "none"]
+    out: dict[str, Any] = {
+        "name": name,
+        "spec": a.spec,
+        "tokens": a.tokens,
+        "compared_tokens": a.compared,
+        "sequences": a.sequences,
+        "log_s": (
+            {
+                "mean": a.log_s_sum / a.log_s_n if a.log_s_n else 0.0,
+                "min": a.log_s_min if a.log_s_n else 0.0,
+                "mean_s": a.log_s_sum_exp / a.log_s_n if a.log_s_n else 1.0,
+            }
+            if avail["log_s"]
+            else {"mean": NA, "min": NA, "mean_s": NA}
+        ),
+        "naive": {
+            "bias_mean": naive["mean_diff"] if naive else NA,
+            "max_abs_diff": naive["max_abs_diff"] if naive else NA,
+            "max_abs_gap_to_log_s": gap["max_abs_diff"] if gap else NA,
+            "mean_gap_to_log_s": gap["mean_diff"] if gap else NA,
+        },
+        "replay": {**diff("replay", "replay"), "support_equal_frac": frac(a.replay_ok, a.replay_n, "kept")},
+        "recompute": {
+            **diff("recompute", "recompute"),
+            "support_equal_frac": frac(a.recompute_eq, a.recompute_n, "recompute_support"),
+            "forced_includes": a.forced if avail["forced"] else NA,
+        },
+        "is_ratio": ratios,
+        "kl_over_support": (
+            {"mean": a.kl_sum / a.kl_n if a.kl_n else 0.0, "max": a.kl_max} if avail["kl"] else {"mean": NA, "max": NA}
+        ),
+        "tv_over_support": (
+            {"mean": a.tv_sum / a.kl_n if a.kl_n else 0.0, "max": a.tv_max} if avail["kl"] else {"mean": NA, "max": NA}
+        ),
+        "incomplete_positions": a.incomplete,
+        "sampled_outside_support": a.sampled_outside,
+        "token_mismatch": a.token_mismatch,
+        "headroom": headroom,
+        "mean_bias_limit": limits,
+        "bound": (
+            {"max": a.bound_max if a.bound_n else 0.0, "mean": a.bound_sum / a.bound_n if a.bound_n else 0.0,
+             "roundoff": a.roundoff} if with_bound else None
+        ),
+        "sampler_log_s": {
+            "source": sources[0] if len(sources) == 1 else ("mixed" if sources else "none"),
+            "positions": a.s_n,
+            "lo_mean": a.s_lo_sum / a.s_n if a.s_n else None,
+            "hi_mean": a.s_hi_sum / a.s_n if a.s_n else None,
+            "naive_max_gap": a.naive_gap_max if a.s_n else None,
+        },
+        "drift_split": {
+            "logit_drift_max": a.drift_max if a.drift_n else None,
+            "logit_drift_mean": a.drift_sum / a.drift_n if a.drift_n else None,
+            "replay_max_abs_diff": a.drift_replay_max if a.drift_n else None,
+        },
+    }
+    if avail["user"]:
+        u = s["user"].stats()
+        out["trainer_under_test"] = {
+            "name": None,  # filled by the caller from the file metadata
+            **u,
+            "max_abs_gap_to_log_s": s["user_gap"].max_abs if s["user_gap"].n else NA,
+            "diagnosis": _diagnosis(a, diagnose),
+        }
+    out["captured_positions"] = a.captured
+    out["max_support_size"] = a.support_max if a.captured else None
+    out["mean_support_size"] = a.support_sum / a.captured if a.captured else None
+    out["kept_mass_off_positions"] = a.mass_off
+    notes = []
+    if a.mass_off:
+        notes.append(
+            f"{a.mass_off} position(s) with a kept set that claims to be complete carry sampler probability "
+            f"{a.mass_off_worst:.6g} at worst, not 1 (|mass - 1| > {SUPPORT_MASS_TOL:g}): tokens are missing from "
+            f"kept_ids, or the log-probs are not processed log-probs (vLLM's default logprobs_mode is raw_logprobs; "
+            f"the sampler must run with logprobs_mode='processed_logprobs')"
+        )
+    if a.sampled_outside:
+        notes.append(
+            f"{a.sampled_outside} sampled token(s) are missing from a kept set that claims to be complete "
+            f"(kept_incomplete False): an engine or capture fault, or a head too small with kept_incomplete unset"
+        )
+    not_eval = []
+    for gate in GATES:
+        inputs = GATE_INPUTS[gate]
+        have = (all(avail[k] for k in inputs) and a.s_n > 0) if gate in PARTIAL_OK else full_input(*inputs)
+        if gate.startswith("trainer_under_test") and not avail["user"]:
+            have = False
+        if have:
+            if gate in PARTIAL_OK and not full_input(*inputs):
+                missing = [k for k in inputs if a.lacking[k]]
+                notes.append(f"{gate} judged {a.s_n} of {a.compared} compared positions; the others lack: "
+                             + "; ".join(REASONS[k] for k in missing))
+            continue
+        missing = [k for k in inputs if not full_input(k)] or ["sampler_log_s"]
+        why = "; ".join(
+            REASONS[k] + ("" if a.lacking[k] >= a.sequences else f" ({a.lacking[k]} of {a.sequences} sequences lack it; "
+                          f"the statistics cover the others)")
+            for k in missing
+        )
+        not_eval.append({"gate": gate, "reason": why})
+    out["not_evaluated"] = not_eval
+    out["input_notes"] = notes
+    out["lacking_inputs"] = lack
+    return out
+
+
+def _over(value: float, limit: float) -> bool:
+    return not (value <= limit)  # NaN fails
+
+
+def _scaled(ps: tuple[Position, ...], factor: float) -> tuple[Position, ...]:
+    from dataclasses import replace
+
+    return tuple(replace(p, bound=None if p.bound is None else p.bound * factor) for p in ps)
+
+
+def evaluate_summary(sc: dict[str, Any], a: ScenarioAcc, th: Thresholds) -> list[Violation]:
+    """The gates of :func:`parity.core.gates.evaluate` on a scenario's streamed statistics.
+
+    ``sc``: the entry of :func:`_scenario_report` (its ``not_evaluated`` gates are left out).
+    """
+    out: list[Violation] = []
+    skip = {g["gate"] for g in sc["not_evaluated"]}
+    scenario, n = sc["name"], th.max_violations_listed
+    head, limits = sc["headroom"], sc["mean_bias_limit"]
+
+    def key(stream: str) -> str:
+        return "trainer_under_test" if stream == "user" else stream
+
+    def drift_gate(gate: str, label: str, stream: str) -> None:
+        if gate in skip:
+            return
+        stat = head[key(stream)]
+        if _over(stat, th.max_headroom):
+            worst = _scaled(a.bounds[stream].worst.positions(n), th.max_headroom)
+            out.append(Violation(gate, scenario, stat, th.max_headroom, f"{label} max |diff| / bound", worst=worst))
+
+    def mean_gate(gate: str, label: str, stream: str) -> None:
+        if gate in skip:
+            return
+        bs = a.bounds[stream]
+        bias = bs.mean if bs.n else 0.0
+        allowed = th.mean_bias_headroom * limits[key(stream)]
+        if _over(abs(bias), allowed):
+            out.append(Violation(gate, scenario, abs(bias), allowed, f"{label} |mean bias|",
+                                 detail=f"mean(trainer - vllm) = {bias:.3g} over {bs.n} tokens"))
+
+    drift_gate("replay_drift", "replay", "replay")
+    drift_gate("recompute_drift", "recompute", "recompute")
+    mean_gate("replay_mean_bias", "replay", "replay")
+    mean_gate("recompute_mean_bias", "recompute", "recompute")
+    if "trainer_under_test" in sc:
+        ut = sc["trainer_under_test"]
+        label = f"trainer {ut['name']!r} ({ut['diagnosis']})"
+        drift_gate("trainer_under_test_drift", label, "user")
+        mean_gate("trainer_under_test_mean_bias", label, "user")
+    naive_h = head.get("naive_vs_sampler_log_s")
+    if "naive_vs_sampler_log_s" not in skip and naive_h is not None and _over(naive_h, th.max_headroom):
+        source = sc["sampler_log_s"]["source"]
+        out.append(Violation(
+            "naive_vs_sampler_log_s", scenario, naive_h, th.max_headroom,
+            "naive bias outside the sampler-side log S, max gap / bound",
+            detail=f"log S from the sampler's {source.replace('_', ' ')}",
+            worst=_scaled(a.bounds["naive"].worst.positions(n), th.max_headroom),
+        ))
+    frac = sc["replay"]["support_equal_frac"]
+    if "replay_support" not in skip and _over(th.replay_support_equal_frac, frac):
+        out.append(Violation(
+            "replay_support", scenario, frac, th.replay_support_equal_frac, "replay support equality", "<",
+            worst=a.first["replay_support"].positions(n),
+            detail="captured S_q is not the sampler's whole support (mass != 1 or the sampled token missing)",
+        ))
+    frac = sc["recompute"]["support_equal_frac"]
+    if "recompute_support" not in skip and _over(th.recompute_support_equal_frac, frac):
+        out.append(Violation(
+            "recompute_support", scenario, frac, th.recompute_support_equal_frac, "recompute support equality", "<",
+            worst=a.first["recompute_support"].positions(n), detail="trainer-side filters keep a different set",
+        ))
+    inc, tokens = sc["incomplete_positions"], sc["tokens"]
+    if "incomplete_capture" not in skip and tokens and _over(inc / tokens, th.max_incomplete_frac):
+        out.append(Violation(
+            "incomplete_capture", scenario, inc / tokens, th.max_incomplete_frac, "incomplete capture fraction",
+            worst=a.first["incomplete"].positions(n), detail=f"{inc} of {tokens} positions: the head is full and the "
+            "support may extend past it; raise the capture head",
+        ))
+    outside = sc["sampled_outside_support"]
+    if "sampled_outside" not in skip and _over(outside, th.max_sampled_outside):
+        out.append(Violation(
+            "sampled_outside", scenario, outside, th.max_sampled_outside, "sampled tokens outside the captured S_q",
+            worst=a.first["sampled_outside"].positions(n),
+            detail="the engine reports a sampled token that its own kept set does not hold",
+        ))
+    mismatch = sc["token_mismatch"]
+    if _over(mismatch, th.max_token_mismatch):
+        out.append(Violation(
+            "token_mismatch", scenario, mismatch, th.max_token_mismatch, "trainer scored other tokens than sampled",
+            worst=a.first["token_mismatch"].positions(n),
+            detail="the trainer's token ids are not the sampler's (an off-by-one or a re-tokenisation)",
+        ))
+    return out
+
+
+def drift_headroom_hist(a: ScenarioAcc) -> dict[str, Any]:
+    """Counts of ``|diff| / bound`` per replay and recompute, on log10 bin edges, for the report's drift plot."""
+    edges = [HEAD_LO + i * HEAD_STEP for i in range(HEAD_BINS + 1)]
+    return {"edges": edges, **{k: a.bounds[k].hist.copy() for k in ("replay", "recompute") if a.bounds[k].n}}
+
+
+def finalize(
+    summary: Summary, th: Thresholds, *, trainer_name: str | None = None, diagnose: Diagnose | None = None
+) -> list[dict[str, Any]]:
+    """Per-scenario report entries with verdicts (``violations``: :class:`Violation` objects)."""
+    accs = sorted(summary.groups.values(), key=lambda a: a.first_order)
+    names = [a.name for a in accs]
+    out = []
+    for a in accs:
+        name = a.name if names.count(a.name) == 1 else f"{a.name} [{SamplingSpec(**a.spec).label()}]"
+        sc = _scenario_report(a, name, diagnose or _plain_diagnosis)
+        if "trainer_under_test" in sc:
+            sc["trainer_under_test"]["name"] = trainer_name or "trainer"
+        violations = evaluate_summary(sc, a, th)
+        skipped = {g["gate"] for g in sc["not_evaluated"]}
+        evaluated = [g for g in GATES if g not in skipped]
+        # Support gates over no captured position hold by definition (S_q is the vocabulary), and the
+        # token check holds by the format's definition unless trainer_token_ids says otherwise: they judge nothing.
+        judged = [g for g in evaluated if GATE_INPUTS[g] not in (("kept",), ()) or (sc["captured_positions"] and g != "token_mismatch")]
+        if not judged:
+            violations.append(Violation(
+                "records_inputs", name, 0, 1, "gates the records could evaluate", "<",
+                detail="no gate could be evaluated on these records: " + "; ".join(
+                    f"{x['gate']}: {x['reason']}" for x in sc["not_evaluated"][:3]
+                ) + (" ..." if len(sc["not_evaluated"]) > 3 else ""),
+            ))
+        sc["gates_evaluated"] = evaluated
+        sc["verdict"] = "fail" if violations else "pass"
+        sc["violations"] = violations
+        sc["_acc"] = a
+        sc["_drift_headroom"] = drift_headroom_hist(a)
+        out.append(sc)
+    return out

@@ -1,0 +1,408 @@
+"""Converters into the records format (:mod:`parity.records.format`) from what engines and trainers hand out.
+
+* :func:`from_request_outputs`: the offline vLLM API's ``RequestOutput`` objects (``LLM.generate``);
+* ``/v1/completions`` answers of an OpenAI-compatible vLLM server:
+  :func:`parity.engines.vllm_server.records.from_server_responses` (it parses them with the server
+  rollout's own parser, so it lives with the engine; it builds its rows with :func:`kept_columns`);
+* :func:`from_trl`: the per-token tensors TRL's ``GRPOTrainer`` computes in
+  ``_generate_and_score_completions`` (completion ids and mask, ``old_per_token_logps``,
+  ``sampling_per_token_logps``, optionally a captured kept set);
+* :func:`from_sequence_records`: parity's own :class:`~parity.records.SequenceRecord` and, from
+  ``parity run --records``, every trainer-side estimate of the run's table.
+
+Every converter returns a ``pyarrow.Table`` in the records schema; write it with
+:func:`parity.records.format.write_records`. None of them imports vLLM: they read the attributes of the
+objects they are given.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from parity.core.capture import FULL_VOCAB, support_from_heads
+from parity.core.spec import SamplingSpec
+from parity.records.format import RecordsError, records_table
+from parity.records.sequence import SequenceRecord
+
+# A vocabulary no model reaches: with no vocab_size given, only logprobs=-1 counts as the full vocabulary.
+_UNKNOWN_VOCAB = 2**31 - 1
+
+
+def _csr(kept: torch.Tensor, *values: torch.Tensor) -> tuple[list[int], list[int], list[list[float]]]:
+    """Padded kept ids ``[L, K]`` (-1 = none) and aligned values → flat ids, L + 1 offsets, flat values."""
+    mask = kept >= 0
+    counts = mask.sum(dim=1)
+    offsets = [0] + torch.cumsum(counts, 0).tolist()
+    return kept[mask].tolist(), offsets, [v[mask].tolist() for v in values]
+
+
+def spec_row(spec: SamplingSpec) -> dict[str, Any]:
+    return {"temperature": spec.temperature, "top_k": spec.top_k, "top_p": spec.top_p, "min_p": spec.min_p}
+
+
+def kept_columns(
+    sampled: Sequence[int],
+    heads: Sequence[Sequence[int]],
+    head_lps: Sequence[Sequence[float]],
+    *,
+    spec: SamplingSpec,
+    requested: int,
+    vocab_size: int,
+) -> dict[str, Any]:
+    """The kept-set columns of one sequence from its per-position top-K heads (none for unfiltered specs)."""
+    if requested == 0 or not spec.effective().filtered:
+        # Unfiltered (or greedy): S_q is the whole vocabulary; a top-K head is not a kept set.
+        return {}
+    cap = support_from_heads(sampled, heads, head_lps, requested=requested, vocab_size=vocab_size)
+    ids, offsets, (lps,) = _csr(cap.kept_ids, cap.kept_logprobs)
+    return {"kept_ids": ids, "kept_offsets": offsets, "kept_logprobs": lps, "kept_incomplete": cap.incomplete.tolist()}
+
+
+# ==================================================================================================
+# vLLM offline API
+# ==================================================================================================
+
+
+def _spec_of_params(params: Any) -> SamplingSpec:
+    top_k = int(getattr(params, "top_k", 0) or 0)
+    return SamplingSpec(
+        temperature=float(params.temperature),
+        top_k=top_k if top_k >= 1 else 0,
+        top_p=float(getattr(params, "top_p", 1.0)),
+        min_p=float(getattr(params, "min_p", 0.0) or 0.0),
+    )
+
+
+def _positions(
+    logprobs: Any, token_ids: Sequence[int], requested: int, where: str
+) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """Sampled log-probs and top-K heads (sampled entry excluded) from either of vLLM's log-prob containers.
+
+    ``FlatLogprobs`` (``flat_logprobs=True``): per position the sampled token's entry first, then the
+    top-K (``Sampler.gather_logprobs`` order). ``list[dict[int, Logprob]]``: the same entries keyed by
+    id, inserted sampled first, so a sampled token that is also in the top-K appears once
+    (vllm/logprobs.py, ``append_logprobs_for_next_position``): K entries when it is in the top-K (the
+    head is every entry), K + 1 when it is not (every entry but the first).
+    """
+    sampled, heads, head_lps = [], [], []
+    if hasattr(logprobs, "start_indices"):
+        for t, (a, b) in enumerate(zip(logprobs.start_indices, logprobs.end_indices, strict=True)):
+            if b <= a or logprobs.token_ids[a] != token_ids[t]:
+                got = logprobs.token_ids[a] if b > a else None
+                raise RecordsError(f"{where} position {t}: the first log-prob entry is token {got}, sampled {token_ids[t]}")
+            sampled.append(float(logprobs.logprobs[a]))
+            heads.append(list(logprobs.token_ids[a + 1 : b]))
+            head_lps.append([float(v) for v in logprobs.logprobs[a + 1 : b]])
+        return sampled, heads, head_lps
+    for t, entry in enumerate(logprobs):
+        y = int(token_ids[t])
+        if not entry or y not in entry:
+            raise RecordsError(f"{where} position {t}: no log-prob for the sampled token {y}")
+        items = list(entry.items())
+        sampled.append(float(entry[y].logprob))
+        if requested == 0:
+            head = []
+        elif requested == FULL_VOCAB or len(items) == requested:
+            head = items
+        else:
+            head = [kv for kv in items if kv[0] != y]
+        heads.append([int(k) for k, _ in head])
+        head_lps.append([float(v.logprob) for _, v in head])
+    return sampled, heads, head_lps
+
+
+def from_request_outputs(
+    outputs: Sequence[Any],
+    params: Any,
+    *,
+    vocab_size: int | None = None,
+    scenario: str | None = None,
+) -> pa.Table:
+    """Records from ``LLM.generate`` outputs (one row per completion; ``n > 1`` gives several rows).
+
+    ``params`` is the ``SamplingParams`` the outputs were generated with (one, or one per output). The
+    engine must run with ``logprobs_mode="processed_logprobs"``; ask for ``logprobs=K`` with K >= top_k
+    (plus a margin for ties) to record the kept set, or ``logprobs=-1`` for the whole vocabulary
+    (``max_logprobs=-1`` on the engine). ``vocab_size`` tells when K covers the vocabulary.
+    """
+    outs = list(outputs)
+    plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(outs)
+    if len(plist) != len(outs):
+        raise ValueError(f"from_request_outputs: {len(plist)} SamplingParams for {len(outs)} outputs: allowed one or one per output")
+    vocab = int(vocab_size) if vocab_size else _UNKNOWN_VOCAB
+    rows = []
+    for i, (out, p) in enumerate(zip(outs, plist, strict=True)):
+        spec = _spec_of_params(p)
+        requested = int(p.logprobs) if getattr(p, "logprobs", None) is not None else 0
+        prompt = [int(t) for t in (out.prompt_token_ids or [])]
+        for j, comp in enumerate(out.outputs):
+            ids = [int(t) for t in comp.token_ids]
+            where = f"output {i} (request {getattr(out, 'request_id', i)}) completion {j}"
+            if comp.logprobs is None or len(comp.logprobs) != len(ids):
+                got = 0 if comp.logprobs is None else len(comp.logprobs)
+                raise RecordsError(
+                    f"{where}: log-probs for {got} of {len(ids)} tokens: allowed SamplingParams(logprobs=K >= 0), "
+                    f"and an engine with logprobs_mode='processed_logprobs'"
+                )
+            sampled, heads, head_lps = _positions(comp.logprobs, ids, requested, where)
+            row = {
+                "scenario": scenario,
+                "prompt_index": i,
+                "seed": getattr(p, "seed", None),
+                "prompt_ids": prompt,
+                "completion_ids": ids,
+                **spec_row(spec),
+                "sampler_logprobs": sampled,
+                **kept_columns(ids, heads, head_lps, spec=spec, requested=requested, vocab_size=vocab),
+            }
+            rows.append(row)
+    return records_table(rows)
+
+
+# ==================================================================================================
+# TRL
+# ==================================================================================================
+
+TRL_TRAINER_COLUMNS = ("trainer_logprobs", "trainer_full_logprobs", "trainer_replay_logprobs")
+
+
+def _prefix_length(mask_row: torch.Tensor, where: str) -> int:
+    """Length of a right-padded row's 1-prefix; a hole in the mask is refused (positions would shift)."""
+    m = mask_row.bool()
+    n = int(m.sum())
+    if bool(m[n:].any()) or not bool(m[:n].all()):
+        first_gap = int((~m).nonzero()[0]) if bool((~m).any()) else n
+        raise RecordsError(
+            f"{where}: the mask has a hole at position {first_gap} (1s after a 0): allowed a right-padded mask "
+            f"(1 for the completion's tokens, then 0s)"
+        )
+    return n
+
+
+def from_trl(
+    *,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    old_per_token_logps: torch.Tensor,
+    sampling_per_token_logps: torch.Tensor,
+    spec: SamplingSpec,
+    prompt_ids: torch.Tensor | None = None,
+    prompt_mask: torch.Tensor | None = None,
+    kept_ids: torch.Tensor | None = None,
+    kept_logprobs: torch.Tensor | None = None,
+    kept_incomplete: torch.Tensor | None = None,
+    kept_logits: torch.Tensor | None = None,
+    trainer_column: str = "trainer_logprobs",
+    scenario: str | None = None,
+    step: int | None = None,
+) -> pa.Table:
+    """Records from the tensors of one TRL ``GRPOTrainer`` batch (``_generate_and_score_completions``).
+
+    Shapes follow TRL: ``completion_ids``, ``completion_mask``, ``old_per_token_logps`` and
+    ``sampling_per_token_logps`` are ``[B, L]`` right-padded (mask 1 up to and including EOS);
+    ``prompt_ids``/``prompt_mask`` are ``[B, P]`` left-padded. ``old_per_token_logps`` is what the
+    trainer scores; TRL computes ``log_softmax(logits / temperature)`` over the whole vocabulary, so
+    it goes to ``trainer_column`` (``trainer_logprobs``: the trainer under test, which parity diagnoses;
+    ``trainer_full_logprobs`` when you know it is the full-vocabulary value; ``trainer_replay_logprobs``
+    for a trainer patched to renormalise over the kept set). ``sampling_per_token_logps`` is vLLM's
+    processed log-prob of each sampled token. A captured kept set comes as ``kept_ids`` ``[B, L, K]``
+    (-1 padded) with ``kept_logprobs`` (and optionally ``kept_incomplete`` ``[B, L]`` and the trainer's
+    ``kept_logits`` ``[B, L, K]`` at those ids).
+
+    TRL turns a log-prob vLLM did not return into NaN (``extract_logprobs``); NaN inside the mask is
+    refused here with the sequence and position, never dropped.
+    """
+    if trainer_column not in TRL_TRAINER_COLUMNS:
+        raise ValueError(f"trainer_column={trainer_column!r} is invalid: allowed {', '.join(TRL_TRAINER_COLUMNS)}")
+    b, width = completion_ids.shape
+    for name, t in (("completion_mask", completion_mask), ("old_per_token_logps", old_per_token_logps),
+                    ("sampling_per_token_logps", sampling_per_token_logps)):
+        if tuple(t.shape) != (b, width):
+            raise RecordsError(f"from_trl: {name} has shape {tuple(t.shape)}: allowed completion_ids' shape {(b, width)}")
+    if (kept_ids is None) != (kept_logprobs is None):
+        raise RecordsError("from_trl: kept_ids and kept_logprobs come together: allowed both or neither")
+    if kept_ids is not None:
+        for name, t in (("kept_ids", kept_ids), ("kept_logprobs", kept_logprobs), ("kept_logits", kept_logits)):
+            if t is not None and (t.dim() != 3 or tuple(t.shape[:2]) != (b, width) or t.shape[2] != kept_ids.shape[2]):
+                raise RecordsError(f"from_trl: {name} has shape {tuple(t.shape)}: allowed [B, L, K] = [{b}, {width}, K]")
+    elif kept_logits is not None or kept_incomplete is not None:
+        raise RecordsError("from_trl: kept_logits/kept_incomplete need kept_ids and kept_logprobs")
+    rows = []
+    for i in range(b):
+        n = _prefix_length(completion_mask[i], f"from_trl: completion_mask row {i}")
+        sampler = sampling_per_token_logps[i, :n].double()
+        trainer = old_per_token_logps[i, :n].double()
+        for name, v in (("sampling_per_token_logps", sampler), ("old_per_token_logps", trainer)):
+            if bool(torch.isnan(v).any()):
+                t = int(torch.isnan(v).nonzero()[0])
+                raise RecordsError(
+                    f"from_trl: {name} is NaN at sequence {i} position {t} (inside the completion mask): allowed "
+                    f"finite log-probs (TRL writes NaN where vLLM returned no log-prob)"
+                )
+        if prompt_ids is not None:
+            keep = prompt_mask[i].bool() if prompt_mask is not None else torch.ones(prompt_ids.shape[1], dtype=torch.bool)
+            prompt = prompt_ids[i][keep].tolist()
+        else:
+            prompt = []
+        row: dict[str, Any] = {
+            "scenario": scenario,
+            "prompt_index": i,
+            "step": step,
+            "prompt_ids": prompt,
+            "completion_ids": completion_ids[i, :n].tolist(),
+            **spec_row(spec),
+            "sampler_logprobs": sampler.float().tolist(),
+            trainer_column: trainer.float().tolist(),
+        }
+        if kept_ids is not None:
+            assert kept_logprobs is not None
+            extra = [kept_logits[i, :n].float()] if kept_logits is not None else []
+            ids, offsets, vals = _csr(kept_ids[i, :n].long(), kept_logprobs[i, :n].float(), *extra)
+            row.update(kept_ids=ids, kept_offsets=offsets, kept_logprobs=vals[0])
+            if kept_logits is not None:
+                row["trainer_kept_logits"] = vals[1]
+            if kept_incomplete is not None:
+                row["kept_incomplete"] = kept_incomplete[i, :n].bool().tolist()
+        rows.append(row)
+    return records_table(rows)
+
+
+# ==================================================================================================
+# parity's own records and run tables
+# ==================================================================================================
+
+
+def from_sequence_records(
+    records: Sequence[SequenceRecord],
+    *,
+    scenario: str | None = None,
+    table: Any = None,
+    logits: Sequence[torch.Tensor] | None = None,
+    faults: Any = None,
+) -> pa.Table:
+    """Records of sampler-side :class:`SequenceRecord` s, with the trainer's estimates when ``table`` is given.
+
+    ``table`` is the :class:`parity.core.table.TokenTable` of these records (``parity run``): its full,
+    replay, recompute, log S, forced and recomputed-support columns are written per token, with the
+    per-token rounding bounds (``bound``, ``bound_full``), the sampler-side log S interval
+    (``s_lo``, ``s_hi``), the tokens the trainer scored where they are not the sampled ones, the
+    trainer under test's values (if any) as ``trainer_logprobs``, and with ``logits`` the trainer's raw
+    logits at the kept ids. With planted ``faults`` (``--plant``), kept sets are written as the
+    trainer saw them (:func:`parity.core.table._plant`), so the file describes what the run scored.
+    """
+    rows = []
+    planted = None
+    if table is not None and logits is not None:
+        from parity.core.table import TrainerFaults, _plant
+
+        vocab = int(logits[0].shape[-1]) if len(logits) else 0
+        planted = _plant(records, list(logits), faults or TrainerFaults(), vocab)
+    split = None
+    if table is not None:
+        lengths = [r.length for r in records]
+        if list(table.seq_lengths) != lengths:
+            raise ValueError(f"table sequence lengths {list(table.seq_lengths)[:8]}... do not match the records' {lengths[:8]}...")
+        cols = {
+            "trainer_full_logprobs": table.full,
+            "trainer_replay_logprobs": table.replay,
+            "trainer_recompute_logprobs": table.recompute,
+            "trainer_log_s": table.log_s,
+            "trainer_recompute_forced": table.forced,
+            "trainer_recompute_support_equal": table.recompute_support_equal,
+            "trainer_bound": table.bound,
+            "trainer_bound_full": table.bound_full,
+        }
+        if table.user is not None:
+            cols["trainer_logprobs"] = table.user
+        split = {k: torch.split(v, lengths) for k, v in cols.items()}
+        tokens = torch.split(table.token, lengths)
+        s_lo, s_hi = torch.split(table.s_lo, lengths), torch.split(table.s_hi, lengths)
+    for i, r in enumerate(records):
+        row: dict[str, Any] = {
+            "scenario": scenario,
+            "prompt_index": r.prompt_index,
+            "seed": r.seed,
+            "prompt_ids": list(r.prompt_ids),
+            "completion_ids": list(r.completion_ids),
+            **spec_row(r.spec),
+            "sampler_logprobs": r.logprobs.float().tolist(),
+        }
+        kept = planted[i][2] if planted is not None else r.kept_ids
+        if kept is not None and r.kept_logprobs is not None:
+            lps = r.kept_logprobs.float()
+            extra = []
+            if planted is not None:
+                z = planted[i][1]
+                extra = [z.gather(1, kept.clamp(min=0)).float()]
+            flat, offsets, vals = _csr(kept, lps, *extra)
+            row.update(kept_ids=flat, kept_offsets=offsets, kept_logprobs=vals[0])
+            row["kept_incomplete"] = (r.incomplete if r.incomplete is not None else torch.zeros(r.length, dtype=torch.bool)).tolist()
+            if extra:
+                row["trainer_kept_logits"] = vals[1]
+        if split is not None:
+            for k, parts in split.items():
+                v = parts[i]
+                row[k] = v.bool().tolist() if v.dtype == torch.bool else v.double().tolist()
+            if tokens[i].tolist() != list(r.completion_ids):
+                row["trainer_token_ids"] = tokens[i].tolist()
+            lo, hi = s_lo[i], s_hi[i]
+            if r.length and bool(torch.isfinite(lo).all()):
+                row["sampler_log_s_lo"], row["sampler_log_s_hi"] = lo.tolist(), hi.tolist()
+                row["sampler_log_s_source"] = _log_s_source(r)
+        rows.append(row)
+    return records_table(rows)
+
+
+def _log_s_source(r: SequenceRecord) -> str:
+    """Which sampler-side source :func:`parity.core.table.build_table` used for this record."""
+    if not r.spec.effective().filtered:
+        return "unfiltered"
+    return "raw_logits" if r.extras and r.extras.get("sampler_log_s") is not None else "top_p_bracket"
+
+
+def to_sequence_records(batch: Any, rows: Sequence[int] | None = None, *, source: str = "records") -> list[SequenceRecord]:
+    """Rows of a validated :class:`parity.records.format.RecordsBatch` as sampler-side SequenceRecords.
+
+    Kept sets come back padded ``[L, K]`` (-1) as capture produces them; ``prompt_index`` is the
+    file's column when present, else the row number.
+    """
+    out = []
+    idx = range(batch.n_rows) if rows is None else rows
+    for i in idx:
+        a, b = int(batch.token_offsets[i]), int(batch.token_offsets[i + 1])
+        n = b - a
+        kept = kept_lp = incomplete = None
+        if batch.kept is not None and bool(batch.kept.valid[i]):
+            kto = batch.kept_token_offsets[a : b + 1]
+            counts = np.diff(kto)
+            width = max(int(counts.max()) if n else 1, 1)
+            kept = torch.full((n, width), -1, dtype=torch.long)
+            kept_lp = torch.full((n, width), -math.inf, dtype=torch.float32)
+            if n and int(kto[-1]) > int(kto[0]):
+                pos = np.repeat(np.arange(n), counts)
+                col = np.arange(int(kto[-1]) - int(kto[0])) - np.repeat(kto[:-1] - kto[0], counts)
+                kept[pos, col] = torch.from_numpy(batch.kept.values[kto[0] : kto[-1]].astype(np.int64))
+                kept_lp[pos, col] = torch.from_numpy(batch.kept_logprobs[kto[0] : kto[-1]].astype(np.float32))
+            incomplete = torch.from_numpy(batch.kept_incomplete[a:b].copy())
+        pidx = int(batch.prompt_index[i]) if batch.prompt_index is not None and batch.prompt_index[i] >= 0 else batch.first_row + i
+        out.append(
+            SequenceRecord(
+                source=source,
+                prompt_index=pidx,
+                prompt_ids=batch.prompt.row(i).astype(np.int64).tolist(),
+                completion_ids=batch.completion.row(i).astype(np.int64).tolist(),
+                spec=batch.spec_of(i),
+                seed=int(batch.seed[i]) if batch.seed is not None else -1,
+                logprobs=torch.from_numpy(batch.sampler_logprobs[a:b].copy()),
+                kept_ids=kept,
+                kept_logprobs=kept_lp,
+                incomplete=incomplete,
+            )
+        )
+    return out

@@ -1,0 +1,559 @@
+"""Mergeable summaries of records (:mod:`parity.records.analyze` fills them, one batch at a time).
+
+Everything a scenario's report and verdict need, as pieces that add up across batches, files and
+processes: counts, float64 sums, running mean and second moment (Chan's pairwise update), maxima,
+fixed-bin histograms of ``log10 |diff|`` for quantiles, and the few worst and first positions a
+violation names. :meth:`Summary.merge` is the reduce step; :meth:`Summary.to_json` /
+:meth:`Summary.from_json` carry a map step's output between machines.
+
+The gates' own statistics (:mod:`parity.core.gates`) are kept exactly: per estimator the largest
+``|diff| / bound`` (a maximum, so exact), and for the mean-bias limit of
+:func:`parity.core.error_model.mean_bias_limit` the count, the mean and second moment of the
+differences, the sum of the bounds and the sum of ``|sampler log-prob|``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from parity.core.violation import Position
+
+SUMMARY_VERSION = 2
+# Histogram of |diff|: bin 0 exact zeros, bin 1 below 1e-16, then 0.01-decade bins up to 1e4, then one
+# overflow bin; non-finite differences are counted apart.
+HIST_LO, HIST_HI, HIST_STEP = -16.0, 4.0, 0.01
+HIST_LOG_BINS = int(round((HIST_HI - HIST_LO) / HIST_STEP))
+HIST_BINS = HIST_LOG_BINS + 3
+TINY = float(np.finfo(np.float64).tiny)
+# Histogram of |diff| / bound for the drift plot (parity.report.plots.DRIFT_RANGE): 0.01-decade bins
+# over [1e-4, 1e4], values below (exact matches too) in the first bin, above (inf, NaN) in the last.
+HEAD_LO, HEAD_HI, HEAD_STEP = -4.0, 4.0, 0.01
+HEAD_BINS = int(round((HEAD_HI - HEAD_LO) / HEAD_STEP))
+
+
+
+
+def _finite_pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a - b in float64 as :func:`parity.core.metrics.difference`: equal infinities 0, NaN -> inf."""
+    a = a.astype(np.float64, copy=False)
+    b = b.astype(np.float64, copy=False)
+    with np.errstate(invalid="ignore"):
+        d = a - b
+    both = np.isinf(a) & np.isinf(b) & (np.sign(a) == np.sign(b))
+    d = np.where(both, 0.0, d)
+    return np.where(np.isnan(d), math.inf, d)
+
+
+def _hist_index(ad: np.ndarray) -> np.ndarray:
+    """Bins of finite |d| values."""
+    idx = np.full(ad.shape, 1, dtype=np.int64)
+    idx[ad == 0] = 0
+    pos = ad > 0
+    with np.errstate(divide="ignore"):
+        lg = np.log10(ad[pos])
+    b = np.floor((lg - HIST_LO) / HIST_STEP).astype(np.int64) + 2
+    idx[pos] = np.clip(b, 1, HIST_BINS - 1)
+    return idx
+
+
+def _bin_value(b: int, max_abs: float) -> float:
+    if b == 0:
+        return 0.0
+    if b == 1:
+        return min(10.0**HIST_LO, max_abs)
+    if b == HIST_BINS - 1:
+        return max_abs
+    return min(10.0 ** (HIST_LO + (b - 2 + 0.5) * HIST_STEP), max_abs)
+
+
+@dataclass
+class Worst:
+    """The n entries with the largest key (ties: the earliest order), mergeable. Each names a :class:`Position`."""
+
+    n: int
+    items: list[tuple[float, tuple[int, int, int], Position]] = field(default_factory=list)
+
+    def offer(self, key: np.ndarray, order: Callable[[int], tuple[int, int, int]], position: Callable[[int], Position]) -> None:
+        if not key.size or self.n <= 0:
+            return
+        k = np.where(np.isnan(key), math.inf, key)
+        take = np.argsort(-k, kind="stable")[: self.n]
+        for i in take:
+            self.items.append((float(k[i]), order(int(i)), position(int(i))))
+        self._trim()
+
+    def _trim(self) -> None:
+        self.items.sort(key=lambda x: (-x[0], x[1]))
+        del self.items[self.n :]
+
+    def merge(self, other: Worst) -> None:
+        self.items += other.items
+        self._trim()
+
+    def positions(self, n: int) -> tuple[Position, ...]:
+        return tuple(p for _, _, p in self.items[:n])
+
+
+@dataclass
+class First:
+    """The first n (by order) positions where a flag holds, mergeable."""
+
+    n: int
+    items: list[tuple[tuple[int, int, int], Position]] = field(default_factory=list)
+
+    def offer(self, mask: np.ndarray, order: Callable[[int], tuple[int, int, int]], position: Callable[[int], Position]) -> None:
+        if self.n <= 0:
+            return
+        for i in np.flatnonzero(mask)[: self.n]:
+            self.items.append((order(int(i)), position(int(i))))
+        self.items.sort(key=lambda x: x[0])
+        del self.items[self.n :]
+
+    def merge(self, other: First) -> None:
+        self.items = sorted(self.items + other.items, key=lambda x: x[0])[: self.n]
+
+    def positions(self, n: int) -> tuple[Position, ...]:
+        return tuple(p for _, p in self.items[:n])
+
+
+@dataclass
+class DiffStream:
+    """max / mean / mean |.| / p99 of one difference (``parity.metrics.diff_stats``), streamed."""
+
+    n: int = 0
+    total: float = 0.0
+    total_abs: float = 0.0
+    max_abs: float = 0.0
+    nonfinite: int = 0
+    hist: np.ndarray = field(default_factory=lambda: np.zeros(HIST_BINS, dtype=np.int64))
+
+    def add(self, d: np.ndarray) -> None:
+        """``d``: finite-pair differences (see :func:`_finite_pair`)."""
+        if not d.size:
+            return
+        ad = np.abs(d)
+        self.n += int(d.size)
+        with np.errstate(invalid="ignore"):
+            self.total += float(np.sum(d))
+            self.total_abs += float(np.sum(ad))
+        self.max_abs = max(self.max_abs, float(np.max(ad)))
+        fin = np.isfinite(ad)
+        self.nonfinite += int(d.size - fin.sum())
+        self.hist += np.bincount(_hist_index(ad[fin]), minlength=HIST_BINS)
+
+    def merge(self, other: DiffStream) -> None:
+        self.n += other.n
+        self.total += other.total
+        self.total_abs += other.total_abs
+        self.max_abs = max(self.max_abs, other.max_abs)
+        self.nonfinite += other.nonfinite
+        self.hist += other.hist
+
+    def quantile(self, q: float) -> float:
+        if self.nonfinite:
+            return math.inf
+        n = int(self.hist.sum())
+        if n == 0:
+            return 0.0
+        pos = q * (n - 1)
+        lo = int(pos)
+        hi = min(lo + 1, n - 1)
+        cum = np.cumsum(self.hist)
+        v_lo = _bin_value(int(np.searchsorted(cum, lo + 1)), self.max_abs)
+        v_hi = _bin_value(int(np.searchsorted(cum, hi + 1)), self.max_abs)
+        return v_lo + (v_hi - v_lo) * (pos - lo)
+
+    def stats(self) -> dict[str, float]:
+        if self.n == 0:
+            return {"max_abs_diff": 0.0, "mean_diff": 0.0, "mean_abs_diff": 0.0, "p99_abs_diff": 0.0}
+        return {
+            "max_abs_diff": self.max_abs,
+            "mean_diff": self.total / self.n,
+            "mean_abs_diff": self.total_abs / self.n,
+            "p99_abs_diff": self.quantile(0.99),
+        }
+
+
+@dataclass
+class Ratios:
+    """IS ratios exp(trainer - sampler) per token and per sequence (``parity.metrics.is_ratios``), streamed."""
+
+    tok_n: int = 0
+    tok_sum: float = 0.0
+    tok_min: float = math.inf
+    tok_max: float = -math.inf
+    seq_n: int = 0
+    seq_sum: float = 0.0
+    seq_min: float = math.inf
+    seq_max: float = -math.inf
+    rel_err: float = 0.0  # max |seq ratio - prod S| / prod S (naive estimator)
+
+    def add(self, d: np.ndarray, seq_d: np.ndarray, seq_log_s: np.ndarray | None = None) -> None:
+        with np.errstate(over="ignore", invalid="ignore"):
+            if d.size:
+                r = np.exp(d)
+                self.tok_n += int(r.size)
+                self.tok_sum += float(np.sum(r))
+                self.tok_min = float(np.minimum(self.tok_min, np.min(r)))
+                self.tok_max = float(np.maximum(self.tok_max, np.max(r)))
+            if seq_d.size:
+                s = np.exp(seq_d)
+                self.seq_n += int(s.size)
+                self.seq_sum += float(np.sum(s))
+                self.seq_min = float(np.minimum(self.seq_min, np.min(s)))
+                self.seq_max = float(np.maximum(self.seq_max, np.max(s)))
+                if seq_log_s is not None:
+                    pred = np.exp(seq_log_s)
+                    self.rel_err = float(np.maximum(self.rel_err, np.max(np.abs(s - pred) / pred)))
+
+    def merge(self, o: Ratios) -> None:
+        self.tok_n += o.tok_n
+        self.tok_sum += o.tok_sum
+        self.tok_min = float(np.minimum(self.tok_min, o.tok_min))
+        self.tok_max = float(np.maximum(self.tok_max, o.tok_max))
+        self.seq_n += o.seq_n
+        self.seq_sum += o.seq_sum
+        self.seq_min = float(np.minimum(self.seq_min, o.seq_min))
+        self.seq_max = float(np.maximum(self.seq_max, o.seq_max))
+        self.rel_err = float(np.maximum(self.rel_err, o.rel_err))
+
+    def to_report(self, identity: bool = False) -> dict[str, Any]:
+        def m(total: float, n: int) -> float:
+            return total / n if n else 1.0
+
+        out: dict[str, Any] = {
+            "token": {"mean": m(self.tok_sum, self.tok_n), "min": self.tok_min if self.tok_n else 1.0, "max": self.tok_max if self.tok_n else 1.0},
+            "sequence": {"mean": m(self.seq_sum, self.seq_n), "min": self.seq_min if self.seq_n else 1.0, "max": self.seq_max if self.seq_n else 1.0},
+        }
+        if identity:
+            out["sequence_identity_max_rel_err"] = self.rel_err
+        return out
+
+
+def _na_ratios(identity: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {"token": {"mean": NA, "min": NA, "max": NA}, "sequence": {"mean": NA, "min": NA, "max": NA}}
+    if identity:
+        out["sequence_identity_max_rel_err"] = NA
+    return out
+
+
+def headroom_key(d: np.ndarray, bound: np.ndarray) -> np.ndarray:
+    """``|d| / bound`` per token as :func:`parity.core.error_model.headroom` computes it (NaN counts as inf)."""
+    ad = np.abs(d.astype(np.float64, copy=False))
+    ad = np.where(np.isnan(ad), math.inf, ad)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return ad / np.maximum(bound.astype(np.float64, copy=False), TINY)
+
+
+@dataclass
+class BoundStream:
+    """One gated comparison against the per-token bound: headroom (max ``|d| / bound``) and the mean-bias pieces.
+
+    ``d`` is the plain difference ``trainer - sampler`` (as the gates take it); ``mean``/``m2`` are
+    its running mean and sum of squared deviations, merged pairwise, so ``sd`` is the sample standard
+    deviation ``torch.std`` gives.
+    """
+
+    n: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+    bound_sum: float = 0.0
+    abs_values_sum: float = 0.0
+    headroom: float = 0.0
+    worst: Worst = field(default_factory=lambda: Worst(5))
+    hist: np.ndarray = field(default_factory=lambda: np.zeros(HEAD_BINS, dtype=np.int64))
+
+    def add(self, d: np.ndarray, bound: np.ndarray, values: np.ndarray | None = None) -> np.ndarray:
+        """Add one batch; returns the headroom keys (for the caller to offer the worst positions)."""
+        key = headroom_key(d, bound)
+        if not d.size:
+            return key
+        d = d.astype(np.float64, copy=False)
+        with np.errstate(invalid="ignore", over="ignore"):
+            nb, mb = int(d.size), float(np.mean(d))
+            m2b = float(np.sum((d - mb) ** 2))
+            self._combine(nb, mb, m2b)
+        self.bound_sum += float(np.sum(bound, dtype=np.float64))
+        if values is not None:
+            v = np.abs(values.astype(np.float64, copy=False))
+            self.abs_values_sum += float(np.sum(np.where(np.isfinite(v), v, 0.0)))
+        self.headroom = max(self.headroom, float(np.max(key)))
+        with np.errstate(divide="ignore"):
+            lg = np.log10(np.clip(key, 10.0**HEAD_LO, 10.0**HEAD_HI))
+        self.hist += np.bincount(np.clip(((lg - HEAD_LO) / HEAD_STEP).astype(np.int64), 0, HEAD_BINS - 1),
+                                 minlength=HEAD_BINS)
+        return key
+
+    def _combine(self, nb: int, mb: float, m2b: float) -> None:
+        if nb == 0:
+            return
+        if self.n == 0:
+            self.n, self.mean, self.m2 = nb, mb, m2b
+            return
+        n = self.n + nb
+        with np.errstate(invalid="ignore", over="ignore"):
+            delta = mb - self.mean
+            self.mean = self.mean + delta * nb / n
+            self.m2 = self.m2 + m2b + delta * delta * self.n * nb / n
+        self.n = n
+
+    def merge(self, o: BoundStream) -> None:
+        self._combine(o.n, o.mean, o.m2)
+        self.bound_sum += o.bound_sum
+        self.abs_values_sum += o.abs_values_sum
+        self.headroom = max(self.headroom, o.headroom)
+        self.worst.merge(o.worst)
+        self.hist = self.hist + o.hist
+
+    def mean_bias_limit(self, u: float) -> float:
+        """:func:`parity.core.error_model.mean_bias_limit` from the pieces."""
+        if self.n == 0:
+            return math.inf
+        sd = math.sqrt(self.m2 / (self.n - 1)) if self.n > 1 and self.m2 >= 0 else (0.0 if self.n <= 1 else math.nan)
+        return (4.0 * sd + self.bound_sum / self.n) / math.sqrt(self.n) + 2.0 * u * self.abs_values_sum / self.n
+
+
+@dataclass
+class ViewMatch:
+    """For the trainer-under-test diagnosis: at how many positions a reference view is known, and how many
+    of them differ from the trainer's values by more than the bound
+    (:func:`parity.engines.trainer_under_test.diagnose` asks "all within the bound where known")."""
+
+    known: int = 0
+    over: int = 0
+
+    def merge(self, o: ViewMatch) -> None:
+        self.known += o.known
+        self.over += o.over
+
+    @property
+    def close(self) -> bool:
+        return self.known > 0 and self.over == 0
+
+
+NA = "n/a"  # a statistic whose inputs the records do not hold (the report says which and why)
+DIFFS = ("naive", "gap", "replay", "recompute", "user", "user_gap")
+BOUNDED = ("replay", "recompute", "user", "naive")
+FLAGS = ("replay_support", "recompute_support", "incomplete", "sampled_outside", "token_mismatch")
+# Inputs a sequence may lack (parity.records.analyze names each and what it is for).
+INPUTS = ("kept", "replay", "recompute", "recompute_support", "full", "log_s", "user", "forced", "kl", "bound",
+          "bound_full", "sampler_log_s")
+
+
+@dataclass
+class ScenarioAcc:
+    """Everything one scenario's report and verdict need, as mergeable sums."""
+
+    name: str
+    spec: dict[str, Any]
+    first_order: tuple[int, int, int]
+    n_listed: int
+    sequences: int = 0
+    tokens: int = 0
+    compared: int = 0
+    roundoff: float = 0.0
+    lacking: dict[str, int] = field(default_factory=lambda: dict.fromkeys(INPUTS, 0))
+    streams: dict[str, DiffStream] = field(default_factory=dict)
+    bounds: dict[str, BoundStream] = field(default_factory=dict)
+    log_s_n: int = 0
+    log_s_sum: float = 0.0
+    log_s_min: float = math.inf
+    log_s_sum_exp: float = 0.0
+    replay_ok: int = 0
+    replay_n: int = 0
+    recompute_eq: int = 0
+    recompute_n: int = 0
+    forced: int = 0
+    ratios: dict[str, Ratios] = field(default_factory=lambda: {k: Ratios() for k in ("naive", "replay", "recompute", "user")})
+    kl_n: int = 0
+    kl_sum: float = 0.0
+    kl_max: float = 0.0
+    tv_sum: float = 0.0
+    tv_max: float = 0.0
+    incomplete: int = 0
+    sampled_outside: int = 0
+    token_mismatch: int = 0
+    captured: int = 0
+    support_sum: int = 0
+    support_max: int = 0
+    mass_off: int = 0
+    mass_off_worst: float = 1.0  # the kept-set mass farthest from 1
+    bound_n: int = 0
+    bound_sum: float = 0.0
+    bound_max: float = 0.0
+    s_n: int = 0
+    s_lo_sum: float = 0.0
+    s_hi_sum: float = 0.0
+    s_sources: list[str] = field(default_factory=list)
+    naive_gap_max: float = -math.inf
+    drift_n: int = 0
+    drift_sum: float = 0.0
+    drift_max: float = -math.inf
+    drift_replay_max: float = -math.inf
+    views: dict[str, ViewMatch] = field(default_factory=dict)
+    first: dict[str, First] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for s in DIFFS:
+            self.streams.setdefault(s, DiffStream())
+        for s in BOUNDED:
+            self.bounds.setdefault(s, BoundStream(worst=Worst(self.n_listed)))
+        for f in FLAGS:
+            self.first.setdefault(f, First(self.n_listed))
+
+    SUMS = ("sequences", "tokens", "compared", "log_s_n", "replay_ok", "replay_n", "recompute_eq", "recompute_n", "forced",
+            "kl_n", "incomplete", "sampled_outside", "token_mismatch", "captured", "support_sum", "mass_off", "bound_n",
+            "s_n", "drift_n", "log_s_sum", "log_s_sum_exp", "kl_sum", "tv_sum", "bound_sum", "s_lo_sum", "s_hi_sum",
+            "drift_sum")
+    MAXES = ("kl_max", "tv_max", "support_max", "bound_max", "naive_gap_max", "drift_max", "drift_replay_max", "roundoff")
+
+    def merge(self, o: ScenarioAcc) -> None:
+        self.first_order = min(self.first_order, o.first_order)
+        for k in self.SUMS:
+            setattr(self, k, getattr(self, k) + getattr(o, k))
+        for k in self.MAXES:
+            setattr(self, k, max(getattr(self, k), getattr(o, k)))
+        self.log_s_min = min(self.log_s_min, o.log_s_min)
+        if abs(o.mass_off_worst - 1.0) > abs(self.mass_off_worst - 1.0):
+            self.mass_off_worst = o.mass_off_worst
+        self.s_sources = sorted(set(self.s_sources) | set(o.s_sources))
+        for k in INPUTS:
+            self.lacking[k] += o.lacking[k]
+        for k in DIFFS:
+            self.streams[k].merge(o.streams[k])
+        for k in BOUNDED:
+            self.bounds[k].merge(o.bounds[k])
+        for k in self.ratios:
+            self.ratios[k].merge(o.ratios[k])
+        for k in FLAGS:
+            self.first[k].merge(o.first[k])
+        for k, v in o.views.items():
+            self.views.setdefault(k, ViewMatch()).merge(v)
+
+
+@dataclass
+class Summary:
+    """Mergeable summary of any number of record batches: per-scenario accumulators plus provenance."""
+
+    groups: dict[str, ScenarioAcc] = field(default_factory=dict)
+    rows: int = 0
+    tokens: int = 0
+    files: list[str] = field(default_factory=list)
+    metadata: list[dict[str, Any]] = field(default_factory=list)
+    columns: set[str] = field(default_factory=set)
+    ignored_columns: set[str] = field(default_factory=set)
+
+    def merge(self, other: Summary) -> Summary:
+        for k, acc in other.groups.items():
+            if k in self.groups:
+                self.groups[k].merge(acc)
+            else:
+                self.groups[k] = acc
+        self.rows += other.rows
+        self.tokens += other.tokens
+        self.files += [f for f in other.files if f not in self.files]
+        self.metadata += other.metadata
+        self.columns |= other.columns
+        self.ignored_columns |= other.ignored_columns
+        return self
+
+    @classmethod
+    def merge_all(cls, parts: Iterable[Summary]) -> Summary:
+        out = cls()
+        for p in parts:
+            out.merge(p)
+        return out
+
+    # -- serialisation: the map step's output on a distributed engine --------------------------------
+
+    def to_json(self) -> str:
+        return json.dumps(_encode(self), allow_nan=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Summary:
+        data = json.loads(text)
+        if data.get("summary_version") != SUMMARY_VERSION:
+            raise ValueError(f"summary_version {data.get('summary_version')!r} is not supported: allowed {SUMMARY_VERSION}")
+        return _decode(data)
+
+
+def _pos(p: Position) -> dict[str, Any]:
+    return {"prompt": p.prompt, "position": p.position, "token": p.token, "values": dict(p.values), "gap": p.gap,
+            "bound": p.bound, "note": p.note}
+
+
+def _encode(s: Summary) -> dict[str, Any]:
+    def stream(d: DiffStream) -> dict[str, Any]:
+        nz = np.flatnonzero(d.hist)
+        return {"n": d.n, "total": d.total, "total_abs": d.total_abs, "max_abs": d.max_abs, "nonfinite": d.nonfinite,
+                "hist": [[int(i), int(d.hist[i])] for i in nz]}
+
+    def bounded(b: BoundStream) -> dict[str, Any]:
+        plain = {k: getattr(b, k) for k in ("n", "mean", "m2", "bound_sum", "abs_values_sum", "headroom")}
+        nz = np.flatnonzero(b.hist)
+        return {**plain, "worst": {"n": b.worst.n, "items": [[k, list(o), _pos(p)] for k, o, p in b.worst.items]},
+                "hist": [[int(i), int(b.hist[i])] for i in nz]}
+
+    nested = ("streams", "bounds", "ratios", "first", "lacking", "views")
+    groups = {}
+    for k, a in s.groups.items():
+        plain = {f: getattr(a, f) for f in a.__dataclass_fields__ if f not in nested}
+        plain["first_order"] = list(a.first_order)
+        groups[k] = {
+            **plain,
+            "lacking": dict(a.lacking),
+            "streams": {n: stream(d) for n, d in a.streams.items()},
+            "bounds": {n: bounded(b) for n, b in a.bounds.items()},
+            "ratios": {n: r.__dict__ for n, r in a.ratios.items()},
+            "first": {n: {"n": f.n, "items": [[list(o), _pos(p)] for o, p in f.items]} for n, f in a.first.items()},
+            "views": {n: [v.known, v.over] for n, v in a.views.items()},
+        }
+    return {
+        "summary_version": SUMMARY_VERSION,
+        "rows": s.rows,
+        "tokens": s.tokens,
+        "files": s.files,
+        "metadata": s.metadata,
+        "columns": sorted(s.columns),
+        "ignored_columns": sorted(s.ignored_columns),
+        "groups": groups,
+    }
+
+
+def _decode(data: dict[str, Any]) -> Summary:
+    def stream(d: dict[str, Any]) -> DiffStream:
+        hist = np.zeros(HIST_BINS, dtype=np.int64)
+        for i, v in d["hist"]:
+            hist[i] = v
+        return DiffStream(d["n"], d["total"], d["total_abs"], d["max_abs"], d["nonfinite"], hist)
+
+    def bounded(d: dict[str, Any]) -> BoundStream:
+        w = d["worst"]
+        worst = Worst(w["n"], [(k, tuple(o), Position(**p)) for k, o, p in w["items"]])
+        hist = np.zeros(HEAD_BINS, dtype=np.int64)
+        for i, v in d["hist"]:
+            hist[i] = v
+        return BoundStream(d["n"], d["mean"], d["m2"], d["bound_sum"], d["abs_values_sum"], d["headroom"], worst, hist)
+
+    out = Summary(rows=data["rows"], tokens=data["tokens"], files=list(data["files"]), metadata=list(data["metadata"]),
+                  columns=set(data["columns"]), ignored_columns=set(data["ignored_columns"]))
+    nested = ("streams", "bounds", "ratios", "first", "lacking", "views")
+    for k, g in data["groups"].items():
+        plain = {f: v for f, v in g.items() if f not in nested}
+        plain["first_order"] = tuple(plain["first_order"])
+        out.groups[k] = ScenarioAcc(
+            **plain,
+            lacking=dict(g["lacking"]),
+            streams={n: stream(d) for n, d in g["streams"].items()},
+            bounds={n: bounded(d) for n, d in g["bounds"].items()},
+            ratios={n: Ratios(**r) for n, r in g["ratios"].items()},
+            first={n: First(f["n"], [(tuple(o), Position(**p)) for o, p in f["items"]]) for n, f in g["first"].items()},
+            views={n: ViewMatch(*v) for n, v in g["views"].items()},
+        )
+    return out

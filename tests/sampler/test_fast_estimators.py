@@ -54,8 +54,7 @@ def test_recompute_kept_is_vllms_kept(sampler, case: Case) -> None:
 
 
 def _bounded_rows(z: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
-    _, _, listed = E._kept_bounded(E.scale(z, specs), [s.effective() for s in specs])
-    return listed
+    return E._kept_bounded(E.scale(z, specs), [s.effective() for s in specs]).listed
 
 
 def test_candidate_path_is_taken_on_generic_rows() -> None:

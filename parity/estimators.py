@@ -64,7 +64,7 @@ class RecomputeResult:
     kept: torch.Tensor  # bool [N, V]: the recomputed support S_p (before force-include)
     forced: torch.Tensor  # bool [N]: y was outside S_p and had to be force-included
     # bool [N]: a fast path (top_k candidates, or the nucleus select) left the row to the reference sort
-    # (rounding band, split tie, too wide a bracket); None where no fast path ran
+    # (rounding band, split tie, too wide a bracket); all False where no fast path ran
     fallback: torch.Tensor | None = None
 
     @property
@@ -144,7 +144,7 @@ def _recompute_reference(
         lp = _log_renormalised(res.scaled, y, kept.scatter(1, y.unsqueeze(1), True))
     else:  # y outside S_p scores -inf, as a naive trainer would get
         lp = _log_renormalised(res.scaled, y, kept).masked_fill(forced, NEG_INF)
-    return RecomputeResult(lp, kept, forced)
+    return RecomputeResult(lp, kept, forced, torch.zeros_like(forced))
 
 
 # -- the kept set of reference_filter from topk(k) candidates ---------------------------------------

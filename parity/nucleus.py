@@ -366,7 +366,8 @@ def _ranges(nb: torch.Tensor, mb: torch.Tensor, thr32: torch.Tensor, v: int, lan
     b_bot = torch.where(one, b_top - 1, b_bot)
     band = torch.where(one, nb[:, _KEEP_KEY : _DROP_KEY + 1].sum(dim=1) > 0, band)
     csum = torch.cat([zero, nb.cumsum(dim=1)], dim=1)
-    n_cand = (csum.gather(1, (b_bot + 1).unsqueeze(1)) - csum.gather(1, b_top.unsqueeze(1))).squeeze(1).long()
+    end = (b_bot.clamp(max=NB - 1) + 1).unsqueeze(1)  # b_bot = NB: no certain bottom run (a band row)
+    n_cand = (csum.gather(1, end) - csum.gather(1, b_top.unsqueeze(1))).squeeze(1).long()
     bracket = ~band & (n_cand > MAX_CANDIDATES)
     skip = band | bracket
     # Rows that fall back take no candidates and keep nothing here (the reference fills them).

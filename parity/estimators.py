@@ -89,9 +89,9 @@ def recompute(
     S_p is exactly the kept set of :func:`parity.filters.reference_filter` (ties included), but rows
     with top_k set are filtered over their ``topk(k)`` candidates instead of a full-row sort (see
     :func:`_kept_bounded`); the renormalisation then reads the kept ids, not the whole row. Rows
-    without top_k under top_p take the histogram select of :func:`parity.nucleus.nucleus_cut` (CPU)
-    and its kept mass. Rows either path cannot decide exactly run the reference sort (counted in
-    ``fallback``); so do planted ``faults``.
+    without top_k take the histogram select of :func:`parity.nucleus.nucleus_cut` (CPU) under top_p, and
+    the kept mass either way (:mod:`parity.nucleus`). Rows a fast path cannot decide exactly run the
+    reference sort (counted in ``fallback``); so do planted ``faults``.
 
     With ``force_include=False`` (only for negative controls) a sampled token outside S_p scores
     ``-inf``, which is what a trainer that recomputes filters naively gets.
@@ -253,8 +253,9 @@ def _kept_bounded(z: torch.Tensor, specs: list[SamplingSpec]) -> _Bounded:
     """reference_filter's kept mask for a not-all-greedy batch of scaled logits ``z``.
 
     Rows with top_k are filtered from their candidates (the ids are the whole kept set on those listed
-    rows); rows without top_k on the sort path go through :func:`parity.nucleus.nucleus_cut`; other
-    rows, and the rows either fast path cannot decide exactly (``fallback``), run the reference.
+    rows); rows without top_k go through :func:`parity.nucleus.nucleus_cut` on the sort path, else
+    :func:`parity.nucleus.survivor_mass` (CPU); other rows, and the rows a fast path cannot decide
+    exactly (``fallback``), run the reference.
     """
     n, vocab = z.shape
     dev = z.device
@@ -276,7 +277,7 @@ def _kept_bounded(z: torch.Tensor, specs: list[SamplingSpec]) -> _Bounded:
     log_mass = torch.full((n,), float("nan"), dtype=torch.float64, device=dev)
     row_max = torch.full((n,), float("nan"), dtype=torch.float32, device=dev)
     free = (~bounded).nonzero().squeeze(1)
-    cut = any_p and free.numel() > 0 and nucleus.supported(z)
+    cut = free.numel() > 0 and nucleus.supported(z)
     every_cut = cut and free.numel() == n
     kept = (torch.empty if every_cut else torch.zeros)(n, vocab, dtype=torch.bool, device=dev)
     ids = torch.full((n, 1), -1, dtype=torch.long, device=dev)
@@ -299,17 +300,19 @@ def _kept_bounded(z: torch.Tensor, specs: list[SamplingSpec]) -> _Bounded:
         ids = torch.full((n, cand.shape[1]), -1, dtype=torch.long, device=dev)
         ids[rows] = torch.where(keep, cand, torch.full_like(cand, -1))
     done = listed.clone()
-    if cut:  # top_p without top_k: the histogram select (parity.nucleus), exact or counted fallback
-        res = nucleus.nucleus_cut(
-            z, p[free], rows=None if every_cut else free, min_p=mp[free] if use_min_p else None, out=kept
-        )
-        ok = ~res.fallback
+    if cut:  # no top_k: the histogram select of the top_p cut, or no cut (parity.nucleus)
+        sel, mps = None if every_cut else free, mp[free] if use_min_p else None
+        if any_p:  # exact, or counted fallback
+            res = nucleus.nucleus_cut(z, p[free], rows=sel, min_p=mps, out=kept)
+        else:
+            res = nucleus.survivor_mass(z, rows=sel, min_p=mps, out=kept)
+        ok = ~res.unresolved  # the rest (split ties) need the reference's permutation
         fallback[free[res.fallback]] = True
         log_mass[free[ok]] = res.log_mass[ok]
         row_max[free[ok]] = res.row_max.squeeze(1)[ok]
         done[free[ok]] = True
     rest = (~done).nonzero().squeeze(1)
-    if rest.numel():  # no fast path (top_p alone off CPU, no top_k), and fallback rows: the reference
+    if rest.numel():  # no fast path (no top_k off CPU), and fallback rows: the reference
         sub = work(rest)
         if any_p:
             sub = top_k_top_p_sorted(sub, k[rest], p[rest])

@@ -22,7 +22,7 @@ Output (folder ``$PARITY_BENCH_DIR``, default ``reports/bench``):
 
 Bench modules never import this file (tests/conftest.py and this one are both module ``conftest``);
 they get the helpers as fixtures: ``bench_report``, ``timer`` (paired timing on the test's
-``benchmark``), ``engine_pool``. tests/test_bench_smoke.py loads this file and the bench modules by
+``benchmark``), ``plain_timer`` and ``bench_budget`` (reruns within the time budget), ``engine_pool``. tests/test_bench_smoke.py loads this file and the bench modules by
 path and drives the same code with :func:`paired_plain` on tiny sizes.
 
 Regression guard: ``--ratio-baseline FILE --ratio-fail PCT`` compares this run's ratios with a saved
@@ -578,6 +578,19 @@ def timer(benchmark, request) -> Callable[..., Paired]:
 def budget_left() -> float:
     """Seconds left of the session's time budget (``$PARITY_BENCH_BUDGET_S``)."""
     return budget_s() - (time.monotonic() - SESSION_START)
+
+
+@pytest.fixture
+def plain_timer() -> Callable[..., Paired]:
+    """:func:`paired_plain`: measures a cell again outside pytest-benchmark (reruns of an invalid table)."""
+    return paired_plain
+
+
+@pytest.fixture
+def bench_budget(pytestconfig) -> Callable[[], float]:
+    """:func:`budget_left`, for benchmark-session steps that are not themselves timed (skips like one)."""
+    skip_if_disabled(pytestconfig)
+    return budget_left
 
 
 @pytest.fixture(scope="session")

@@ -1,13 +1,15 @@
-"""The nucleus select: recompute's top_p rows without top_k keep vLLM's exact kept set, without a sort.
+"""The nucleus select: recompute's rows without top_k keep vLLM's exact kept set, without a full sort.
 
 ``parity.nucleus.nucleus_cut`` finds the float32 top_p cut of vLLM's sort path from a histogram of the
-float bits of ``m - z'`` and an exact float64 cut over the few candidates near it (issue: top_p alone
-cost 7-11x the full log-softmax through the full-row sort). These tests hold ``estimators.recompute``
-to the kept set of vLLM's real ``Sampler`` and of ``reference_filter`` on Hypothesis cases without
-top_k (top_p alone, with min_p, with every temperature branch, mixed with top_k and greedy rows), and
-show that each fallback is needed: with the rounding band, the tie check or the underflow band of
-p = 1 rows switched off, purpose-built rows leave the reference's kept set. The bracket cap is a cost
-guard (a wide candidate range is sorted by the reference instead): counted, and still exact.
+float bits of ``m - z'`` and an exact float64 cut over the few candidates near it (top_p alone cost
+7-11x the full log-softmax through the full-row sort); rows in the rounding band are cut from their
+sorted values with the reference's own float32 ops, and rows whose cut splits a tie are left to the
+reference sort. ``parity.nucleus.survivor_mass`` serves rows with no cut at all (min_p alone, or no
+filter). These tests hold ``estimators.recompute`` to the kept set of vLLM's real ``Sampler`` and of
+``reference_filter`` on Hypothesis cases without top_k (top_p alone, with min_p, min_p alone, every
+temperature branch, mixed with top_k and greedy rows), and show that each fallback is needed: with the
+rounding band, the tie check or the underflow band of p = 1 rows switched off, purpose-built rows leave
+the reference's kept set. The bracket cap is a cost guard: counted, and still exact.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ def _check_logprobs(fast: E.RecomputeResult, ref: E.RecomputeResult, nucleus_row
 @example(case=example_case(4096, RowPlan(S(1.0, top_p=0.5), std=0.1, quantum=0.25), RowPlan(S(0.0), std=1.0)))  # ties, greedy
 @example(case=example_logits([[0.0, 0.0, 0.0, 0.0]], S(1.0, top_p=0.6)))  # the cut inside a full tie
 @example(case=example_logits([[1.0, NEG_INF, NEG_INF]], S(0.7, top_p=0.5, min_p=0.3)))  # a single finite value
+@example(case=example_case(4096, RowPlan(S(0.8, min_p=0.05), std=2.0), RowPlan(S(1.3), std=2.0)))  # no cut: survivors
 def test_nucleus_kept_is_vllms_kept(sampler, case: Case) -> None:
     out = sampler(case.logits, case.specs, seed=case.seed)
     res = E.recompute(case.logits, out.sampled, case.specs)
@@ -159,6 +162,8 @@ def test_rounding_band_is_needed(monkeypatch) -> None:
     res = E.recompute(z, y, specs)
     assert torch.equal(res.kept, want)
     assert res.fallback_count > 0, "no row fell inside the band: these rows do not reach the rounding boundary"
+    cut = N.nucleus_cut(E.scale(z, specs), torch.tensor([s.top_p for s in specs], dtype=torch.float32))
+    assert bool(cut.band.any()) and not bool(cut.unresolved.any()), "band rows are cut from their sorted values"
     monkeypatch.setattr(N, "_margin", lambda a_j, cmax, k_ref, v, ours: torch.zeros_like(cmax))
     differ = int((E.recompute(z, y, specs).kept != want).any(dim=1).sum())
     assert differ > 0, "no margin and still equal: the band was never needed on these rows"
@@ -218,6 +223,42 @@ def test_bracket_cap_is_counted_and_exact(monkeypatch) -> None:
     assert bool(capped.bracket.all()) and bool(capped.fallback.all())
     res = E.recompute(z, torch.zeros(8, dtype=torch.long), specs)
     assert torch.equal(res.kept, want) and res.fallback_count == 8
+
+
+def test_values_cut_is_the_references_cut() -> None:
+    """The fallback for band rows: the reference's float32 softmax and cumulative sum run on the row's
+    sorted values (no permutation) give its cut value; kept = z' >= v* unless the cut splits a tie."""
+    from parity.filters import top_k_top_p_sorted
+
+    g = torch.Generator().manual_seed(13)
+    z = torch.randn(24, 3000, generator=g) * 2
+    z[8:16] = torch.round(z[8:16] * 2) / 2  # many ties
+    z[16:20, ::3] = NEG_INF  # min_p-style -inf entries
+    p = torch.rand(24, generator=g) * 0.98 + 0.01
+    p[20:] = 1.0  # p = 1 rows: only float32 underflow drops
+    z[20:, :50] = -150.0
+    want = top_k_top_p_sorted(z, torch.full((24,), 3000), p) > NEG_INF
+    v_star, split = N._values_cut(z, 1 - p)
+    mine = z >= v_star.unsqueeze(1)
+    assert torch.equal(mine[~split], want[~split])
+    assert bool(split.any()), "no quantised row split a tie: the check is not exercised"
+    # Split rows: the reference keeps every value above v*, drops every value below, and part of the tie.
+    assert bool((want[split] <= mine[split]).all()) and bool((want[split] >= (z[split] > v_star[split].unsqueeze(1))).all())
+    assert bool((want[split] != mine[split]).any(dim=1).any()), "a split row where z' >= v* is right is no split"
+
+
+def test_survivor_rows_take_the_kept_mass_path() -> None:
+    """min_p alone and no filter (vLLM skips its top-k/top-p step): kept = the finite z' left by min_p,
+    the kept mass from the same blocked sums as the nucleus select."""
+    z = _lm_rows(16, 4000, 17)
+    g = torch.Generator().manual_seed(1)
+    y = torch.randint(0, 4000, (16,), generator=g)
+    for specs in ([S(0.8, min_p=0.05)] * 16, [S(1.3)] * 16, [S(0.8, min_p=0.1), S(1.0)] * 8):
+        cut, fallback = _nucleus_rows(z, specs)
+        assert bool(cut.all()) and not bool(fallback.any())
+        fast, ref = E.recompute(z, y, specs), E._recompute_reference(z, y, specs)
+        assert torch.equal(fast.kept, ref.kept) and torch.equal(fast.forced, ref.forced)
+        _check_logprobs(fast, ref, cut, specs[0].label())
 
 
 def test_any_order_bound_without_a_known_lane_count() -> None:

@@ -188,8 +188,8 @@ def _check(work: torch.Tensor, rows: torch.Tensor | None, min_p: torch.Tensor | 
     n, v = work.shape
     idx = None if rows is None else rows.to(device=work.device, dtype=torch.long)
     r = n if idx is None else idx.numel()
-    if min_p is not None and min_p.shape != (r,):
-        raise ValueError(f"min_p has shape {tuple(min_p.shape)}: allowed [{r}] (one min_p per row)")
+    if min_p is not None and (min_p.shape != (r,) or min_p.dtype != torch.float32):
+        raise ValueError(f"min_p has {min_p.dtype} {tuple(min_p.shape)}: allowed float32 [{r}] (one min_p per row, as the reference)")
     if out is not None and (out.shape != (n, v) or out.dtype != torch.bool):
         raise ValueError(f"out has {out.dtype} {tuple(out.shape)}: allowed bool [{n}, {v}]")
     return n, v, idx, r
@@ -255,8 +255,12 @@ def survivor_mass(
     min_p: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> NucleusResult:
-    """Rows that are not cut (no top_k, no top_p on vLLM's path): the kept set is the finite z' left by
-    min_p (:func:`parity.filters.min_p_mask`, if given), and its log-mass as in :func:`nucleus_cut`.
+    """Rows that are not cut: the kept set is the finite z' left by min_p (:func:`parity.filters.min_p_mask`,
+    if given), and its log-mass as in :func:`nucleus_cut`.
+
+    These are the rows without top_k in a batch where no row sets top_p: vLLM then skips its top-p step
+    (``apply_top_k_top_p`` returns the logits when k and p are None; with top_k on other rows,
+    ``apply_top_k_only`` keeps every value >= the V-th largest of such a row: all of them).
 
     Arguments as for :func:`nucleus_cut`; no row falls back.
     """
@@ -306,8 +310,8 @@ def nucleus_cut(
     above the range, the masses around it and the candidates; then the exact cut over all candidates.
     """
     n, v, idx, r = _check(work, rows, min_p, out)
-    if p.shape != (r,):
-        raise ValueError(f"p has shape {tuple(p.shape)}: allowed [{r}] (one top_p per row cut)")
+    if p.shape != (r,) or p.dtype != torch.float32:
+        raise ValueError(f"p has {p.dtype} {tuple(p.shape)}: allowed float32 [{r}] (one top_p per row cut; 1 - p in float32)")
     dev = work.device
     if out is None:
         out, dest = torch.empty(r, v, dtype=torch.bool, device=dev), None  # cut row i -> out[i]

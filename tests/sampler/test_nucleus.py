@@ -294,8 +294,9 @@ def test_rows_and_out() -> None:
     ("kwargs", "match"),
     [
         ({"work": torch.zeros(2, 5, dtype=torch.float64)}, "float32"),
-        ({"p": torch.full((3,), 0.9)}, r"p has shape \(3,\): allowed \[2\]"),
-        ({"min_p": torch.zeros(1)}, r"min_p has shape \(1,\): allowed \[2\]"),
+        ({"p": torch.full((3,), 0.9)}, r"p has torch.float32 \(3,\): allowed float32 \[2\]"),
+        ({"p": torch.full((2,), 0.9, dtype=torch.float64)}, r"p has torch.float64 \(2,\): allowed float32 \[2\]"),
+        ({"min_p": torch.zeros(1)}, r"min_p has torch.float32 \(1,\): allowed float32 \[2\]"),
         ({"out": torch.zeros(2, 4, dtype=torch.bool)}, r"out has torch.bool \(2, 4\): allowed bool \[2, 5\]"),
     ],
 )

@@ -183,8 +183,9 @@ def run_case(
     """Time one capture variant against no capture, check what came back, report the ratio.
 
     ``params_cls`` / ``prompt_cls`` default to vLLM's ``SamplingParams`` / ``TokensPrompt`` (the smoke
-    test passes stand-ins and a fake engine, so no engine starts in CI). ``remeasure`` (default
-    conftest.paired_plain, passed in by the caller) is what a rerun of an invalid table uses.
+    test passes stand-ins and a fake engine, so no engine starts in CI). ``remeasure``: how a rerun of
+    an invalid table measures the cell again (the benchmarks pass conftest.paired_plain); None: the
+    cell is not rerun.
     """
     if params_cls is None or prompt_cls is None:
         from vllm import SamplingParams

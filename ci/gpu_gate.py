@@ -4,18 +4,21 @@
     python ci/gpu_gate.py --device cpu --small # the same steps through the same code on CPU (CI dry run)
 
 Steps: float32 and bfloat16 runs of the default matrix against ci/thresholds.toml, the same with
-batch-invariant mode on, native sampling-mask capture compared with top-K capture (CUDA only), and
-the tie characterization at batch sizes 1..16. Each step's verdict goes to reports/gpu/summary.md;
-the exit code is non-zero if any step fails.
+batch-invariant mode on, native sampling-mask capture compared with top-K capture (CUDA only), the
+tie characterization at batch sizes 1..16, and the rollout capture-overhead table on CUDA (CUDA only:
+the same table as the CPU benchmark, tests/bench/test_bench_rollout.py, wall-clock basis, its noise
+floor checked; written to reports/gpu/bench/bench.md). Each step's verdict goes to
+reports/gpu/summary.md; the exit code is non-zero if any step fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -24,8 +27,10 @@ HERE = Path(__file__).resolve().parent
 @dataclass
 class Step:
     name: str
-    argv: list[str]  # arguments to the `parity` CLI
+    argv: list[str]  # arguments to the `parity` CLI, or to pytest (runner "pytest")
     cuda_only: bool = False
+    runner: str = "parity"  # "parity" or "pytest"
+    env: dict[str, str] = field(default_factory=dict)  # extra environment of the step
 
 
 def steps(device: str, out: Path, *, small: bool = False) -> list[Step]:
@@ -45,6 +50,24 @@ def steps(device: str, out: Path, *, small: bool = False) -> list[Step]:
         Step(
             "ties per batch size",
             ["ties", "--device", device, "--top-k", "2", "--batch-sizes", "1,2" if small else "1-16", "--out", str(out / "ties")],
+        ),
+        Step(
+            "capture overhead table",
+            [
+                str(HERE.parent / "tests" / "bench" / "test_bench_rollout.py"),
+                "-m",
+                "gpu",
+                "-k",
+                "capture_cuda or capture_floor_cuda",
+                "--benchmark-only",
+                "--benchmark-autosave",
+                f"--benchmark-storage=file://{out / 'bench'}",
+                "-p",
+                "no:cacheprovider",
+            ],
+            cuda_only=True,
+            runner="pytest",
+            env={"PARITY_BENCH_DIR": str(out / "bench")},
         ),
     ]
 
@@ -68,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [s for s in steps(args.device, args.out, small=args.small) if not args.only or s.name in args.only]
     if args.list:
         for s in chosen:
-            print(f"{s.name}: parity {' '.join(s.argv)}")
+            print(f"{s.name}: {s.runner} {' '.join(s.argv)}")
         return 0
     rows = []
     for s in chosen:
@@ -76,13 +99,15 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((s.name, "skipped (needs CUDA)", 0.0))
             continue
         t0 = time.perf_counter()
-        print(f"gpu_gate: {s.name}: parity {' '.join(s.argv)}", flush=True)
-        if args.in_process:
+        print(f"gpu_gate: {s.name}: {s.runner} {' '.join(s.argv)}", flush=True)
+        if s.runner == "pytest":
+            rc = subprocess.call([sys.executable, "-m", "pytest", *s.argv], env={**os.environ, **s.env}, cwd=HERE.parent)
+        elif args.in_process:
             from parity.cli.main import main as parity_main
 
             rc = parity_main(s.argv)
         else:
-            rc = subprocess.call([sys.executable, "-m", "parity", *s.argv])
+            rc = subprocess.call([sys.executable, "-m", "parity", *s.argv], env={**os.environ, **s.env})
         rows.append((s.name, "pass" if rc == 0 else f"FAIL (exit {rc})", time.perf_counter() - t0))
     args.out.mkdir(parents=True, exist_ok=True)
     lines = [f"# parity GPU gate ({args.device})", "", "| step | verdict | seconds |", "|---|---|---|"]

@@ -166,16 +166,21 @@ def test_rollout_cases_on_a_fake_engine(lib, rollout, monkeypatch, model, vocab)
     report = lib.BenchReport()
     llm = FakeLLM(vocab)
     ran = skipped = 0
+    monkeypatch.setattr(rollout, "REMEASURE", {})
     for m, capture, knob in rollout.CASES:
         if m != model:
             continue
         try:
-            rollout.run_case(report, quick(lib), llm, model, capture, knob, params_cls=FakeParams, prompt_cls=dict)
+            rollout.run_case(
+                report, quick(lib), llm, model, capture, knob, params_cls=FakeParams, prompt_cls=dict, remeasure=quick(lib)
+            )
             ran += 1
         except pytest.skip.Exception:
             skipped += 1
     assert ran >= 15 and llm.calls >= 2 * ran
     table = report.tables[f"rollout-cpu-{model}"]
+    assert all(c.basis == "cpu" and c.other is not None for c in table.cells.values() if not isinstance(c, str))
+    assert len(rollout.REMEASURE) == ran, "every measured cell can be measured again"
     full_row = rollout.CAPTURES["full"][0]
     if vocab > rollout.LARGE_VOCAB:
         assert isinstance(table.cells[(full_row, rollout.KNOBS["detok"][0])], str), "32k full vocab + detok: skipped by design"
@@ -190,10 +195,39 @@ def test_rollout_cases_on_a_fake_engine(lib, rollout, monkeypatch, model, vocab)
         line.startswith(f"{model} (V={vocab}): cheapest capture") and "which is the harness default" in line
         for line in rollout.cheapest_knobs(report)
     )
-    # An impossible ratio (capture cheaper than none) is reported as disturbed, not as a finding.
+    # An impossible ratio (capture cheaper than none) is noted as disturbed under the table, not a finding.
     cell = table.cells[(rollout.CAPTURES["top64"][0], rollout.KNOBS["fast"][0])]
     cell.value = 0.3
     assert any("top-64" in line and "0.30x" in line for line in rollout.disturbed_cells(report))
+    assert any("0.30x" in n for n in table.notes)
+    cell.value = 1.05
+
+    floor = rollout.floor_cells(table)
+    assert {c for c, _ in floor} == {rollout.KNOBS["fast"][0], rollout.KNOBS["detok"][0]}
+    # Noise floor within 1 +- FLOOR_TOL: the table is valid and feeds the target.
+    for _, f in floor:
+        f.value = 1.0 + rollout.FLOOR_TOL / 2
+    assert rollout.finish_table(report, model, max_reruns=0) is table and table.invalid is None
+    assert report.targets[rollout.CAPTURE_TARGET].measured
+    assert any(k.startswith(f"rollout-cpu-{model} |") for k in report.ratios())
+    # A floor off by 2x the tolerance, no rerun allowed: invalid, out of ratios.json, findings, bench.md.
+    floor[0][1].value = 1.0 + 2 * rollout.FLOOR_TOL
+    report.targets.clear()
+    assert rollout.finish_table(report, model, max_reruns=0).invalid.startswith("noise floor outside 1 +- 0.05")
+    assert not any(k.startswith(f"rollout-cpu-{model} |") for k in report.ratios())
+    assert not rollout.cheapest_knobs(report) and not rollout.disturbed_cells(report)
+    assert rollout.CAPTURE_TARGET not in report.targets
+    text = report.render({})
+    assert "**INVALID, not a measurement: noise floor outside" in text and "## Invalid tables" in text
+    # A rerun measures every cell again (floors first) while the budget lasts.
+    before = llm.calls
+    rollout.finish_table(report, model, max_reruns=1)
+    assert llm.calls >= before + 2 * ran
+    assert table.invalid is None or "after 1 rerun(s)" in table.invalid
+    before = llm.calls
+    rollout.floor_cells(table)[0][1].value = 2.0  # the rerun put new cells in the table
+    rollout.finish_table(report, model, budget_left=lambda: 0.0)
+    assert llm.calls == before and "the time budget was spent" in table.invalid
 
 
 def test_rollout_output_check_catches_a_short_head(lib, rollout) -> None:
@@ -274,6 +308,7 @@ def test_paired_timing_pairs_rounds_without_pytest_benchmark(lib) -> None:
     calls: list[str] = []
     pair = lib.paired_plain(lambda: calls.append("t") or 42, lambda: calls.append("b"), rounds=2, warmup_rounds=1)
     assert calls == ["b", "t"] * 3 and pair.result == 42
+    assert pair.ratio == pair.wall_ratio and pair.cpu_seconds is not None and pair.cpu_baseline_seconds is not None
     calls.clear()
     lib.paired_plain(lambda: calls.append("t"), lambda: calls.append("b"), rounds=3, warmup_rounds=1, baseline_rounds=1)
     assert calls == ["b", "t", "b", "t", "t", "t"], "the baseline runs in the warm-up and the first baseline_rounds only"
@@ -288,3 +323,22 @@ def test_cpu_kernel_cases_run_and_check_themselves(lib, kernels) -> None:
     table = report.tables["cpu-kernels"]
     assert {("qwen2-tiny", w) for w in kernels.WORKLOADS} <= set(table.cells)
     assert report.targets["batch-invariant trainer forward vs default (reported)"].verdict() == "reported"
+
+
+def test_cpu_basis_reads_process_time(lib) -> None:
+    """A target that sleeps costs wall time and next to no CPU time: the two clocks are told apart."""
+    import time
+
+    def spin() -> None:
+        t0 = time.process_time()
+        while time.process_time() - t0 < 0.02:
+            pass
+
+    pair = lib.paired_plain(lambda: time.sleep(0.05), spin, rounds=2, collect=False, basis="cpu")
+    assert pair.basis == "cpu" and pair.ratio == pair.cpu_ratio
+    # The sleep holds the wall clock for 50 ms and uses almost no CPU; the spin uses 20 ms of CPU (its wall
+    # time depends on the machine's load, so no claim is made about the wall-clock ratio).
+    assert pair.seconds >= 0.05 and pair.cpu_baseline_seconds >= 0.02
+    assert pair.cpu_ratio < 0.5, pair
+    cell = lib.Table("t", "T", "r").put_pair("sleep", "c", pair)
+    assert cell.basis == "cpu" and "(wall " in cell.render()

@@ -58,20 +58,32 @@ def test_thresholds_rendering_follows_a_changed_default(monkeypatch) -> None:
     assert thresholds_toml() != (ROOT / "ci" / "thresholds.toml").read_text()
 
 
-def test_gpu_steps_cover_dtypes_invariance_native_mask_and_ties(tmp_path) -> None:
+def test_gpu_steps_cover_dtypes_invariance_native_mask_ties_and_capture_table(tmp_path) -> None:
     gate = load_gate()
     steps = gate.steps("cuda", tmp_path)
     names = [s.name for s in steps]
     assert {"float32", "bfloat16", "float32 batch-invariant", "native mask vs top-K", "ties per batch size"} <= set(names)
     native = next(s for s in steps if s.name == "native mask vs top-K")
     assert native.cuda_only and "--capture" in native.argv and "both" in native.argv
-    assert all("cuda" in s.argv for s in steps)
-    # Every step's argv parses with the real CLI parser.
+    cli = [s for s in steps if s.runner == "parity"]
+    assert all("cuda" in s.argv for s in cli)
+    # Every CLI step's argv parses with the real CLI parser.
     from parity.cli.main import build_parser
 
     parser = build_parser()
-    for s in steps:
+    for s in cli:
         parser.parse_args(s.argv)
+    # The capture-overhead table on CUDA: the rollout benchmark's gpu cases and their noise-floor check,
+    # benchmarks enabled, written next to the summary.
+    table = next(s for s in steps if s.name == "capture overhead table")
+    assert table.cuda_only and table.runner == "pytest"
+    bench = Path(table.argv[0])
+    assert bench.name == "test_bench_rollout.py" and bench.exists()
+    assert table.argv[table.argv.index("-m") + 1] == "gpu" and "--benchmark-only" in table.argv
+    selected = table.argv[table.argv.index("-k") + 1]
+    src = bench.read_text()
+    assert all(f"def test_bench_{name}(" in src for name in selected.split(" or "))
+    assert table.env["PARITY_BENCH_DIR"] == str(tmp_path / "bench")
 
 
 def test_gpu_gate_refuses_cuda_without_a_gpu(capsys) -> None:

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from parity.core import tolerances
+from parity.core import nucleus, tolerances
 from parity.core.filters import (
     FilterFaults,
     apply_temperature,
@@ -62,10 +63,17 @@ class RecomputeResult:
     logprobs: torch.Tensor  # [N] log-prob of the sampled token over S_p ∪ {y}
     kept: torch.Tensor  # bool [N, V]: the recomputed support S_p (before force-include)
     forced: torch.Tensor  # bool [N]: y was outside S_p and had to be force-included
+    # bool [N]: a fast path (top_k candidates, or the nucleus select) left the row to the reference sort
+    # (rounding band, split tie, too wide a bracket); all False where no fast path ran
+    fallback: torch.Tensor | None = None
 
     @property
     def forced_count(self) -> int:
         return int(self.forced.sum())
+
+    @property
+    def fallback_count(self) -> int:
+        return 0 if self.fallback is None else int(self.fallback.sum())
 
 
 def recompute(
@@ -81,7 +89,9 @@ def recompute(
     S_p is exactly the kept set of :func:`parity.core.filters.reference_filter` (ties included), but rows
     with top_k set are filtered over their ``topk(k)`` candidates instead of a full-row sort (see
     :func:`_kept_bounded`); the renormalisation then reads the kept ids, not the whole row. Rows
-    without top_k (top_p alone) and planted ``faults`` run the reference itself.
+    without top_k take the histogram select of :func:`parity.core.nucleus.nucleus_cut` (CPU) under top_p, and
+    the kept mass either way (:mod:`parity.core.nucleus`). Rows a fast path cannot decide exactly run the
+    reference sort (counted in ``fallback``); so do planted ``faults``.
 
     With ``force_include=False`` (only for negative controls) a sampled token outside S_p scores
     ``-inf``, which is what a trainer that recomputes filters naively gets.
@@ -93,13 +103,19 @@ def recompute(
     row_specs = per_row(specs, z.shape[0])
     if all(s.greedy for s in row_specs):  # reference_filter's all-greedy path: nothing to bound
         return _recompute_reference(logits, sampled, specs, force_include=force_include)
-    kept, ids, listed = _kept_bounded(z, row_specs)
+    kept, ids, listed, log_mass, row_max, fallback = _kept_bounded(z, row_specs)
     forced = ~kept.gather(1, y.unsqueeze(1)).squeeze(1)
     lp = torch.empty(z.shape[0], dtype=z.dtype, device=z.device)
     if bool(listed.any()):
         extra = torch.where(forced, y, -1) if force_include else torch.full_like(y, -1)
         lp_ids = _log_renormalised(z, y, torch.cat([ids, extra.unsqueeze(1)], dim=1))
         lp = torch.where(listed, lp_ids, lp)
+    massed = ~torch.isnan(log_mass)  # nucleus rows: their kept mass is known
+    if bool(massed.any()):
+        zy = z.gather(1, y.unsqueeze(1)).squeeze(1)
+        lp_mass = nucleus.log_renormalised(zy, row_max, log_mass, forced & force_include)
+        lp = torch.where(massed, lp_mass, lp)
+        listed = listed | massed
     rest = (~listed).nonzero().squeeze(1)
     if rest.numel():
         sub_kept = kept[rest]
@@ -108,7 +124,7 @@ def recompute(
         lp[rest] = _log_renormalised(z[rest], y[rest], sub_kept)
     if not force_include:  # y outside S_p scores -inf, as a naive trainer would get
         lp = lp.masked_fill(forced, NEG_INF)
-    return RecomputeResult(lp, kept, forced)
+    return RecomputeResult(lp, kept, forced, fallback)
 
 
 def _recompute_reference(
@@ -128,7 +144,7 @@ def _recompute_reference(
         lp = _log_renormalised(res.scaled, y, kept.scatter(1, y.unsqueeze(1), True))
     else:  # y outside S_p scores -inf, as a naive trainer would get
         lp = _log_renormalised(res.scaled, y, kept).masked_fill(forced, NEG_INF)
-    return RecomputeResult(lp, kept, forced)
+    return RecomputeResult(lp, kept, forced, torch.zeros_like(forced))
 
 
 # -- the kept set of reference_filter from topk(k) candidates ---------------------------------------
@@ -206,35 +222,57 @@ def _top_p_on_candidates(vals: torch.Tensor, p: torch.Tensor) -> tuple[torch.Ten
     return keep, near.any(dim=1) | split
 
 
-def _kept_bounded(z: torch.Tensor, specs: list[SamplingSpec]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+class _Bounded(NamedTuple):
+    kept: torch.Tensor  # bool [N, V]
+    ids: torch.Tensor  # long [N, W]: the whole kept set on listed rows (-1 = padding)
+    listed: torch.Tensor  # bool [N]: rows filtered from top_k candidates
+    log_mass: torch.Tensor  # float64 [N]: nucleus rows' log sum_{kept} exp(z' - m); NaN elsewhere
+    row_max: torch.Tensor  # float32 [N]: m on nucleus rows
+    fallback: torch.Tensor  # bool [N]: a fast path left the row to the reference sort
+
+
+def _kept_bounded(z: torch.Tensor, specs: list[SamplingSpec]) -> _Bounded:
     """reference_filter's kept mask for a not-all-greedy batch of scaled logits ``z``.
 
-    Returns (kept ``[N, V]``, padded kept ids ``[N, W]`` (-1 = padding), listed ``[N]``): the ids are
-    the whole kept set on listed rows (filtered from candidates); other rows ran the reference.
+    Rows with top_k are filtered from their candidates (the ids are the whole kept set on those listed
+    rows); rows without top_k go through :func:`parity.core.nucleus.nucleus_cut` on the sort path, else
+    :func:`parity.core.nucleus.survivor_mass` (CPU); other rows, and the rows a fast path cannot decide
+    exactly (``fallback``), run the reference.
     """
     n, vocab = z.shape
     dev = z.device
-    work = z
-    if any(s.uses_min_p for s in specs):
-        mp = torch.tensor([s.min_p if s.uses_min_p else 0.0 for s in specs], dtype=torch.float32, device=dev)
-        work = z.masked_fill(min_p_mask(z, mp), NEG_INF)
+    use_min_p = any(s.uses_min_p for s in specs)
+    mp = torch.tensor([s.min_p if s.uses_min_p else 0.0 for s in specs], dtype=torch.float32, device=dev)
+
+    def work(rows: torch.Tensor | None) -> torch.Tensor:  # z' after min_p (row-wise: exact per row)
+        sub = z if rows is None else z[rows]
+        if not use_min_p:
+            return sub
+        return sub.masked_fill(min_p_mask(sub, mp if rows is None else mp[rows]), NEG_INF)
+
     any_p = any(s.uses_top_p for s in specs)
     k = torch.tensor([s.top_k_for_vocab(vocab) for s in specs], dtype=torch.long, device=dev)
     p = torch.tensor([s.top_p if s.uses_top_p else 1.0 for s in specs], dtype=torch.float32, device=dev)
     bounded = k < vocab
     listed = bounded.clone()
-    kept = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
+    fallback = torch.zeros(n, dtype=torch.bool, device=dev)
+    log_mass = torch.full((n,), float("nan"), dtype=torch.float64, device=dev)
+    row_max = torch.full((n,), float("nan"), dtype=torch.float32, device=dev)
+    free = (~bounded).nonzero().squeeze(1)
+    cut = free.numel() > 0 and nucleus.supported(z)
+    every_cut = cut and free.numel() == n
+    kept = (torch.empty if every_cut else torch.zeros)(n, vocab, dtype=torch.bool, device=dev)
     ids = torch.full((n, 1), -1, dtype=torch.long, device=dev)
     rows = bounded.nonzero().squeeze(1)
     if rows.numel():
         every = rows.numel() == n
-        sub = work if every else work[rows]
-        vals, cand = _candidates(sub, k[rows])
+        vals, cand = _candidates(work(None if every else rows), k[rows])
         keep = vals > NEG_INF
         if any_p:
-            keep, fallback = _top_p_on_candidates(vals, p[rows])
-            listed[rows[fallback]] = False
-            keep &= ~fallback.unsqueeze(1)
+            keep, fb = _top_p_on_candidates(vals, p[rows])
+            listed[rows[fb]] = False
+            fallback[rows[fb]] = True
+            keep &= ~fb.unsqueeze(1)
         # Every row keeps its largest candidate (column 0): padding scatters onto it, harmlessly.
         filled = torch.where(keep, cand, cand[:, :1])
         if every:
@@ -243,14 +281,26 @@ def _kept_bounded(z: torch.Tensor, specs: list[SamplingSpec]) -> tuple[torch.Ten
             kept[rows] = torch.zeros(rows.numel(), vocab, dtype=torch.bool, device=dev).scatter_(1, filled, True)
         ids = torch.full((n, cand.shape[1]), -1, dtype=torch.long, device=dev)
         ids[rows] = torch.where(keep, cand, torch.full_like(cand, -1))
-    rest = (~listed).nonzero().squeeze(1)
-    if rest.numel():  # top_p alone (or no top_k), and fallback rows: the reference itself
-        sub = work[rest]
+    done = listed.clone()
+    if cut:  # no top_k: the histogram select of the top_p cut, or no cut (parity.core.nucleus)
+        sel, mps = None if every_cut else free, mp[free] if use_min_p else None
+        if any_p:  # exact, or counted fallback
+            res = nucleus.nucleus_cut(z, p[free], rows=sel, min_p=mps, out=kept)
+        else:
+            res = nucleus.survivor_mass(z, rows=sel, min_p=mps, out=kept)
+        ok = ~res.unresolved  # the rest (split ties) need the reference's permutation
+        fallback[free[res.fallback]] = True
+        log_mass[free[ok]] = res.log_mass[ok]
+        row_max[free[ok]] = res.row_max.squeeze(1)[ok]
+        done[free[ok]] = True
+    rest = (~done).nonzero().squeeze(1)
+    if rest.numel():  # no fast path (no top_k off CPU), and fallback rows: the reference
+        sub = work(rest)
         if any_p:
             sub = top_k_top_p_sorted(sub, k[rest], p[rest])
         kept[rest] = sub > NEG_INF
         ids[rest] = -1
-    return kept, ids, listed
+    return _Bounded(kept, ids, listed, log_mass, row_max, fallback)
 
 
 def mask_to_ids(kept: torch.Tensor) -> torch.Tensor:

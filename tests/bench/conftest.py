@@ -6,6 +6,13 @@ pedantic ``setup`` hook, right before each round of the target, so both see the 
 the reported ratio is min(target) / min(baseline) over those interleaved rounds. On a shared 2-core
 machine a load spike then moves both sides of a ratio, not one.
 
+Each round is timed twice: wall clock (``perf_counter``) and the process's CPU time (user + sys over
+all its threads, ``time.process_time``). Wall time counts the time other jobs hold the cores; CPU time
+counts only this process's work (plus OpenMP spin-waits), so a table can take either as its ratio basis
+(``Paired.basis``) and shows the other beside it. A table whose noise floor (baseline against itself)
+is off by more than a tolerance is marked invalid (``Table.invalid``): rendered as such, left out of
+ratios.json, the targets and the findings.
+
 Output (folder ``$PARITY_BENCH_DIR``, default ``reports/bench``):
 
 * pytest-benchmark's own JSON, per machine, when run with ``--benchmark-autosave`` and
@@ -15,7 +22,7 @@ Output (folder ``$PARITY_BENCH_DIR``, default ``reports/bench``):
 
 Bench modules never import this file (tests/conftest.py and this one are both module ``conftest``);
 they get the helpers as fixtures: ``bench_report``, ``timer`` (paired timing on the test's
-``benchmark``), ``engine_pool``. tests/test_bench_smoke.py loads this file and the bench modules by
+``benchmark``), ``plain_timer`` and ``bench_budget`` (reruns within the time budget), ``engine_pool``. tests/test_bench_smoke.py loads this file and the bench modules by
 path and drives the same code with :func:`paired_plain` on tiny sizes.
 
 Regression guard: ``--ratio-baseline FILE --ratio-fail PCT`` compares this run's ratios with a saved
@@ -91,13 +98,40 @@ def skip_if_disabled(benchmark_or_config: Any) -> None:
 
 @dataclass
 class Paired:
-    seconds: float  # min over the target's rounds
-    baseline_seconds: float  # min over the baseline runs interleaved with them
+    seconds: float  # min wall time over the target's rounds
+    baseline_seconds: float  # min wall time over the baseline runs interleaved with them
     result: Any
+    cpu_seconds: float | None = None  # min process CPU time (user + sys) over the target's rounds
+    cpu_baseline_seconds: float | None = None  # the same over the baseline runs
+    basis: str = "wall"  # "wall" or "cpu": which ratio ``ratio`` is
+
+    @property
+    def wall_ratio(self) -> float:
+        return self.seconds / self.baseline_seconds
+
+    @property
+    def cpu_ratio(self) -> float | None:
+        if self.cpu_seconds is None or not self.cpu_baseline_seconds:
+            return None
+        return self.cpu_seconds / self.cpu_baseline_seconds
 
     @property
     def ratio(self) -> float:
-        return self.seconds / self.baseline_seconds
+        if self.basis == "cpu":
+            cpu = self.cpu_ratio
+            if cpu is None:
+                raise ValueError("basis 'cpu' but no CPU time was measured")
+            return cpu
+        return self.wall_ratio
+
+    @property
+    def other_ratio(self) -> float | None:
+        """The ratio on the basis not chosen (shown beside it)."""
+        return self.wall_ratio if self.basis == "cpu" else self.cpu_ratio
+
+
+def _clocks() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
 
 
 def paired(
@@ -109,6 +143,7 @@ def paired(
     warmup_rounds: int = 1,
     sync: Callable[[], None] | None = None,
     baseline_rounds: int | None = None,
+    basis: str = "wall",
 ) -> Paired:
     """``benchmark.pedantic(target)`` with ``baseline`` timed in ``setup`` before every round.
 
@@ -116,9 +151,11 @@ def paired(
     end of the target, so asynchronous device work is inside the interval it belongs to.
     ``baseline_rounds`` times the baseline before the first that many rounds only: a millisecond
     target needs many rounds (on a loaded 2-core machine one descheduled OpenMP thread stalls a short
-    op by a whole time slice) where its second-long baseline needs few.
+    op by a whole time slice) where its second-long baseline needs few. Wall and CPU time are both
+    recorded for both sides; ``basis`` picks the reported ratio.
     """
-    base: list[float] = []
+    base: list[tuple[float, float]] = []
+    tgt: list[tuple[float, float]] = []
     limit = None if baseline_rounds is None else warmup_rounds + baseline_rounds
 
     def setup() -> None:
@@ -129,23 +166,38 @@ def paired(
         gc.collect()
         if sync:
             sync()
-        t0 = time.perf_counter()
+        w0, c0 = _clocks()
         baseline()
         if sync:
             sync()
-        base.append(time.perf_counter() - t0)
+        w1, c1 = _clocks()
+        base.append((w1 - w0, c1 - c0))
         gc.collect()
 
     def timed() -> Any:
+        w0, c0 = _clocks()
         out = target()
         if sync:
             sync()
+        w1, c1 = _clocks()
+        tgt.append((w1 - w0, c1 - c0))
         return out
 
     result = benchmark.pedantic(timed, setup=setup, rounds=rounds, warmup_rounds=warmup_rounds, iterations=1)
     seconds = float(benchmark.stats.stats.min)
-    out = Paired(seconds, min(base[warmup_rounds:]), result)
-    benchmark.extra_info.update(baseline_min_s=out.baseline_seconds, ratio=out.ratio)
+    base, tgt = base[warmup_rounds:], tgt[warmup_rounds:]
+    out = Paired(
+        seconds, min(b[0] for b in base), result, min(t[1] for t in tgt), min(b[1] for b in base), basis
+    )
+    benchmark.extra_info.update(
+        baseline_min_s=out.baseline_seconds,
+        ratio=out.ratio,
+        basis=basis,
+        wall_ratio=out.wall_ratio,
+        cpu_ratio=out.cpu_ratio,
+        cpu_min_s=out.cpu_seconds,
+        baseline_cpu_min_s=out.cpu_baseline_seconds,
+    )
     return out
 
 
@@ -158,13 +210,14 @@ def paired_plain(
     sync: Callable[[], None] | None = None,
     collect: bool = True,
     baseline_rounds: int | None = None,
+    basis: str = "wall",
 ) -> Paired:
-    """The same pairing without pytest-benchmark (the smoke test runs the bench code with this).
+    """The same pairing without pytest-benchmark (the smoke test and the table reruns use this).
 
     ``collect=False`` skips the ``gc.collect()`` before each interval (~70 ms each with torch loaded).
     """
-    base: list[float] = []
-    times: list[float] = []
+    base: list[tuple[float, float]] = []
+    times: list[tuple[float, float]] = []
     result = None
     sync = sync or (lambda: None)
     gc_collect = gc.collect if collect else (lambda: 0)
@@ -173,18 +226,22 @@ def paired_plain(
         if i < limit:
             gc_collect()
             sync()
-            t0 = time.perf_counter()
+            w0, c0 = _clocks()
             baseline()
             sync()
+            w1, c1 = _clocks()
             if i >= warmup_rounds:
-                base.append(time.perf_counter() - t0)
+                base.append((w1 - w0, c1 - c0))
         gc_collect()
-        t0 = time.perf_counter()
+        w0, c0 = _clocks()
         result = target()
         sync()
+        w1, c1 = _clocks()
         if i >= warmup_rounds:
-            times.append(time.perf_counter() - t0)
-    return Paired(min(times), min(base), result)
+            times.append((w1 - w0, c1 - c0))
+    return Paired(
+        min(t[0] for t in times), min(b[0] for b in base), result, min(t[1] for t in times), min(b[1] for b in base), basis
+    )
 
 
 # ==================================================================================================
@@ -199,10 +256,15 @@ class Cell:
     seconds: float | None = None  # the target's min time
     baseline_seconds: float | None = None
     note: str = ""
+    basis: str = "wall"  # the clock of ``value`` (ratios)
+    other: float | None = None  # the ratio on the other clock, shown beside
 
     def render(self) -> str:
         if self.unit == "x":
             text = f"{self.value:.3f}x" if self.value < 0.1 else f"{self.value:.2f}x"
+            if self.other is not None:
+                other = "wall" if self.basis == "cpu" else "cpu"
+                text += f" ({other} {self.other:.3f}x)" if self.other < 0.1 else f" ({other} {self.other:.2f}x)"
             if self.seconds is not None:
                 text += f" ({_secs(self.seconds)})"
         else:
@@ -226,6 +288,7 @@ class Table:
     cols: list[str] = field(default_factory=list)
     cells: dict[tuple[str, str], Cell | str] = field(default_factory=dict)  # str: skipped, with the reason
     notes: list[str] = field(default_factory=list)
+    invalid: str | None = None  # why the table is not a measurement (its noise floor was off)
 
     def _place(self, row: str, col: str) -> None:
         if row not in self.rows:
@@ -243,14 +306,25 @@ class Table:
         seconds: float | None = None,
         baseline_seconds: float | None = None,
         note: str = "",
+        basis: str = "wall",
+        other: float | None = None,
     ) -> Cell:
         self._place(row, col)
-        cell = Cell(value, unit, seconds, baseline_seconds, note)
+        cell = Cell(value, unit, seconds, baseline_seconds, note, basis, other)
         self.cells[(row, col)] = cell
         return cell
 
     def put_pair(self, row: str, col: str, pair: Paired, note: str = "") -> Cell:
-        return self.put(row, col, pair.ratio, seconds=pair.seconds, baseline_seconds=pair.baseline_seconds, note=note)
+        return self.put(
+            row,
+            col,
+            pair.ratio,
+            seconds=pair.cpu_seconds if pair.basis == "cpu" else pair.seconds,
+            baseline_seconds=pair.cpu_baseline_seconds if pair.basis == "cpu" else pair.baseline_seconds,
+            note=note,
+            basis=pair.basis,
+            other=pair.other_ratio,
+        )
 
     def skip(self, row: str, col: str, reason: str) -> None:
         self._place(row, col)
@@ -258,6 +332,8 @@ class Table:
 
     def render(self) -> list[str]:
         out = [f"## {self.title}", ""]
+        if self.invalid:
+            out += [f"**INVALID, not a measurement: {self.invalid}**", ""]
         if self.intro:
             out += [self.intro, ""]
         cols = [c for c in self.cols if any(k[1] == c for k in self.cells)]  # drop never-run columns/rows
@@ -335,12 +411,18 @@ class BenchReport:
         return not any(t.cells for t in self.tables.values())
 
     def ratios(self) -> dict[str, float]:
-        return {
-            f"{t.key} | {r} | {c}": cell.value
-            for t in self.tables.values()
-            for (r, c), cell in t.cells.items()
-            if isinstance(cell, Cell) and cell.unit == "x"
-        }
+        """Every ratio of the valid tables: ``table | row | col`` on the table's basis, and the other clock
+        under ``table | row | col | wall`` or ``| cpu``."""
+        out: dict[str, float] = {}
+        for t in self.tables.values():
+            if t.invalid:
+                continue
+            for (r, c), cell in t.cells.items():
+                if isinstance(cell, Cell) and cell.unit == "x":
+                    out[f"{t.key} | {r} | {c}"] = cell.value
+                    if cell.other is not None:
+                        out[f"{t.key} | {r} | {c} | {'wall' if cell.basis == 'cpu' else 'cpu'}"] = cell.other
+        return out
 
     def skipped(self) -> list[tuple[str, str, str, str]]:
         return [(t.title, r, c, why) for t in self.tables.values() for (r, c), why in t.cells.items() if isinstance(why, str)]
@@ -351,8 +433,9 @@ class BenchReport:
         out += [
             "",
             "Each ratio is min(target) / min(baseline) over rounds in which the baseline ran right before "
-            "each round of the target (same process, same load). Times in parentheses are the target's min. "
-            "Targets are reported verdicts, not test assertions.",
+            "each round of the target (same process, same load), on the table's clock: wall time, or the "
+            "process's CPU time (user + sys); the other clock's ratio is in parentheses, then the target's "
+            "min time. Targets are reported verdicts, not test assertions.",
             "",
             "## Targets",
             "",
@@ -369,6 +452,10 @@ class BenchReport:
         findings = self.findings + [line for fn in self.derived for line in fn(self)]
         if findings:
             out += ["## Findings", ""] + [f"- {f}" for f in findings] + [""]
+        invalid = [t for t in self.tables.values() if t.invalid]
+        if invalid:
+            out += ["## Invalid tables (not measurements)", ""]
+            out += [f"- {t.title}: {t.invalid}" for t in invalid] + [""]
         for table in self.tables.values():
             out += table.render()
         skipped: dict[tuple[str, str], list[str]] = {}
@@ -486,6 +573,24 @@ def timer(benchmark, request) -> Callable[..., Paired]:
         return paired(benchmark, target, baseline, **kw)
 
     return run
+
+
+def budget_left() -> float:
+    """Seconds left of the session's time budget (``$PARITY_BENCH_BUDGET_S``)."""
+    return budget_s() - (time.monotonic() - SESSION_START)
+
+
+@pytest.fixture
+def plain_timer() -> Callable[..., Paired]:
+    """:func:`paired_plain`: measures a cell again outside pytest-benchmark (reruns of an invalid table)."""
+    return paired_plain
+
+
+@pytest.fixture
+def bench_budget(pytestconfig) -> Callable[[], float]:
+    """:func:`budget_left`, for benchmark-session steps that are not themselves timed (skips like one)."""
+    skip_if_disabled(pytestconfig)
+    return budget_left
 
 
 @pytest.fixture(scope="session")

@@ -2,10 +2,20 @@
 
 Each cell times ``LLM.generate`` with one ``SamplingParams`` variant against the same generation with
 no log-probs and the same ``detokenize`` setting (detokenize also decodes the completion text, which
-no-capture then pays too), interleaved round by round (conftest.paired). Rows: what is captured (no
-log-probs; the sampled token's only, ``logprobs=0``; top-K for K in {top_k, 64, 512}; the full
-vocabulary, ``logprobs=-1``); columns: candidate detokenization and ``flat_logprobs``. The ``none``
-row is no-capture against itself: the noise floor.
+no-capture then pays too), interleaved round by round (conftest.paired), ROUNDS rounds after a warm-up.
+Rows: what is captured (no log-probs; the sampled token's only, ``logprobs=0``; top-K for K in {top_k,
+64, 512}; the full vocabulary, ``logprobs=-1``); columns: candidate detokenization and ``flat_logprobs``.
+
+The clock: on CPU the engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the ratio's
+basis is the process's CPU time (user + sys), which other jobs on a shared machine do not inflate the
+way they inflate wall time; the wall-clock ratio is shown beside it. On CUDA the basis is wall time
+(the GPU's work is not this process's CPU time).
+
+The ``none`` row is no-capture against itself: the noise floor. After a fixture's cells have run,
+``test_bench_capture_floor`` checks every floor cell of its table against 1 +- FLOOR_TOL; if one is
+off, the table is marked invalid and every cell of it is measured again (same rounds, same clock),
+while the session's time budget lasts, until the floors hold. An invalid table is rendered as such and
+never read for a finding or a target.
 
 The harness runs ``detokenize=False, flat_logprobs=True`` (parity/engines/vllm_offline.py). Skipped by
 design: full-vocabulary capture with detokenization on the 32k fixture (measured by hand: did not
@@ -30,7 +40,9 @@ S = SamplingSpec
 TOP_K = 50
 SPEC = S(0.8, top_k=TOP_K, top_p=0.9)
 FULL_VOCAB = -1
-ROUNDS, WARMUP = 3, 1
+ROUNDS, WARMUP = 5, 1  # every round interleaved with a no-capture round
+FLOOR_TOL = 0.05  # the noise floor (no capture against itself) must be within 1 +- this
+MAX_RERUNS = 3  # reruns of an invalid table, if the time budget allows
 # Capture only adds work: a ratio below this means the baseline rounds were disturbed (machine load).
 DISTURBED_BELOW = 0.9
 
@@ -64,7 +76,10 @@ KNOBS: dict[str, tuple[str, bool, bool]] = {
     "detok": ("detok on, flat on", True, True),
     "detok-nested": ("detok on, flat off", True, False),
 }
-CAPTURE_TARGET = "capture overhead at K <= 64 reported for both fixtures"
+CAPTURE_TARGET = "capture overhead at K <= 64 reported for both fixtures (valid tables, CPU time)"
+GPU_TARGET = ("capture overhead <= 1.05x at K <= 64 on CUDA", 1.05)
+# (table key, row, col) -> a function that measures the cell again (paired_plain, same rounds and clock)
+REMEASURE: dict[tuple[str, str, str], Callable[[], Any]] = {}
 
 
 def sampling_kwargs(capture: str, knob: str, *, max_tokens: int, seed: int) -> dict[str, Any]:
@@ -144,6 +159,14 @@ def intro(model: str, vocab: int) -> str:
     return text
 
 
+def basis_for(device: str) -> str:
+    return "cpu" if device == "cpu" else "wall"
+
+
+def table_key_for(model: str, device: str = "cpu") -> str:
+    return f"rollout-{device}-{model}"
+
+
 def run_case(
     report: Any,
     timer: Callable[..., Any],
@@ -156,11 +179,14 @@ def run_case(
     table_key: str | None = None,
     params_cls: Callable[..., Any] | None = None,
     prompt_cls: Callable[..., Any] | None = None,
+    remeasure: Callable[..., Any] | None = None,
 ) -> Any:
     """Time one capture variant against no capture, check what came back, report the ratio.
 
     ``params_cls`` / ``prompt_cls`` default to vLLM's ``SamplingParams`` / ``TokensPrompt`` (the smoke
-    test passes stand-ins and a fake engine, so no engine starts in CI).
+    test passes stand-ins and a fake engine, so no engine starts in CI). ``remeasure``: how a rerun of
+    an invalid table measures the cell again (the benchmarks pass conftest.paired_plain); None: the
+    cell is not rerun.
     """
     if params_cls is None or prompt_cls is None:
         from vllm import SamplingParams
@@ -169,8 +195,9 @@ def run_case(
         params_cls, prompt_cls = params_cls or SamplingParams, prompt_cls or TokensPrompt
     vocab = int(llm.llm_engine.model_config.get_vocab_size())
     row, col = CAPTURES[capture][0], KNOBS[knob][0]
+    key = table_key or table_key_for(model, device)
     table = report.table(
-        table_key or f"rollout-{device}-{model}",
+        key,
         title(model, vocab, device),
         "capture",
         intro(model, vocab),
@@ -188,27 +215,97 @@ def run_case(
         return [params_cls(**sampling_kwargs(cap, knob, max_tokens=w.tokens, seed=i)) for i in range(w.prompts)]
 
     target, base = params(capture), params("none")
-    pair = timer(
-        lambda: llm.generate(prompts, target, use_tqdm=False),
-        lambda: llm.generate(prompts, base, use_tqdm=False),
-        rounds=ROUNDS,
-        warmup_rounds=WARMUP,
-    )
-    check_outputs(pair.result, capture, knob, vocab=vocab, tokens=w.tokens)
-    pair.result = None
     note = f"[{w.label()}]" if w != MODELS[model] else ""
-    table.put_pair(row, col, pair, note=note)
-    _, logprobs = CAPTURES[capture]
-    if device == "cpu" and knob == "fast" and logprobs is not None and 0 < logprobs <= 64:
-        report.check(CAPTURE_TARGET, None, f"{model} top-{logprobs}", pair.ratio)
-    return pair
+    kw = {"rounds": ROUNDS, "warmup_rounds": WARMUP, "basis": basis_for(device)}
+
+    def gen_target() -> Any:
+        return llm.generate(prompts, target, use_tqdm=False)
+
+    def gen_base() -> Any:
+        return llm.generate(prompts, base, use_tqdm=False)
+
+    def record(pair: Any) -> Any:
+        check_outputs(pair.result, capture, knob, vocab=vocab, tokens=w.tokens)
+        pair.result = None
+        table.put_pair(row, col, pair, note=note)
+        return pair
+
+    if remeasure is not None:
+        REMEASURE[(key, row, col)] = lambda: record(remeasure(gen_target, gen_base, **kw))
+    return record(timer(gen_target, gen_base, **kw))
+
+
+def floor_cells(table: Any) -> list[tuple[str, Any]]:
+    """(column, cell) of the table's noise-floor row (no capture against no capture)."""
+    row = CAPTURES["none"][0]
+    return [(c, cell) for (r, c), cell in table.cells.items() if r == row and not isinstance(cell, str)]
+
+
+def floor_problem(table: Any) -> str | None:
+    """Why the table's noise floor does not hold (None: it holds)."""
+    cells = floor_cells(table)
+    if not cells:
+        return "its noise floor (no capture against no capture) was not measured"
+    off = [(c, cell) for c, cell in cells if abs(cell.value - 1) > FLOOR_TOL]
+    if not off:
+        return None
+    shown = "; ".join(f"{c}: {cell.value:.3f}x" for c, cell in off)
+    return f"noise floor outside 1 +- {FLOOR_TOL} ({shown})"
+
+
+def finish_table(
+    report: Any,
+    model: str,
+    *,
+    device: str = "cpu",
+    budget_left: Callable[[], float] = lambda: float("inf"),
+    max_reruns: int = MAX_RERUNS,
+) -> Any:
+    """Check a fixture's table against its noise floor; rerun an invalid one while the budget lasts.
+
+    A rerun measures every cell of the table again (the floors included) with the same rounds and
+    clock. The table ends valid (targets recorded from it) or marked invalid with the reason.
+    """
+    key = table_key_for(model, device)
+    table = report.tables.get(key)
+    if table is None:
+        return None
+    problem = floor_problem(table)
+    reruns = 0
+    while problem is not None and reruns < max_reruns and budget_left() > 0:
+        reruns += 1
+        todo = [k for k in REMEASURE if k[0] == key]
+        for k in sorted(todo, key=lambda k: k[1] != CAPTURES["none"][0]):  # floors first
+            if budget_left() <= 0:
+                break
+            REMEASURE[k]()
+        problem = floor_problem(table)
+    floors = ", ".join(f"{c}: {cell.value:.3f}x" for c, cell in floor_cells(table))
+    if problem is None:
+        table.invalid = None
+        table.notes.append(
+            f"noise floor within 1 +- {FLOOR_TOL} ({floors})" + (f" after {reruns} rerun(s) of the table" if reruns else "")
+        )
+        for (r, c), cell in table.cells.items():
+            logprobs = next((lp for lab, lp in CAPTURES.values() if lab == r), None)
+            if isinstance(cell, str) or c != KNOBS["fast"][0] or logprobs is None or not 0 < logprobs <= 64:
+                continue
+            if device == "cpu":
+                report.check(CAPTURE_TARGET, None, f"{model} top-{logprobs}", cell.value)
+            else:
+                report.check(*GPU_TARGET, f"{model} top-{logprobs}", cell.value)
+    else:
+        table.invalid = problem + (f", still after {reruns} rerun(s) of the table" if reruns else "") + (
+            "; the time budget was spent" if budget_left() <= 0 else ""
+        )
+    return table
 
 
 def cheapest_knobs(report: Any) -> list[str]:
     """Findings: per fixture, which knobs minimise capture at K <= 64 (the harness defaults should)."""
     lines = []
     for table in report.tables.values():
-        if not table.key.startswith("rollout-cpu-"):
+        if not table.key.startswith("rollout-cpu-") or table.invalid:
             continue
         totals: dict[str, list[float]] = {}
         for (row, col), cell in table.cells.items():
@@ -236,21 +333,22 @@ def cheapest_knobs(report: Any) -> list[str]:
 
 # flat_logprobs means nothing without log-probs: no-capture runs once per detokenize setting.
 def disturbed_cells(report: Any) -> list[str]:
-    """Findings: cells whose ratio is physically impossible (capture cheaper than none, or a noise
-    floor off by more than 10 %): the machine's load moved the baseline; rerun them (``-k``)."""
+    """Cells of valid tables whose ratio is physically impossible (capture cheaper than none): the
+    machine's load moved a baseline. Listed under the table (a note), never as a finding."""
     lines = []
     for table in report.tables.values():
-        if not table.key.startswith("rollout-"):
+        if not table.key.startswith("rollout-") or table.invalid:
             continue
         for (row, col), cell in table.cells.items():
-            if isinstance(cell, str):
+            if isinstance(cell, str) or row == CAPTURES["none"][0] or cell.value >= DISTURBED_BELOW:
                 continue
-            floor = row == CAPTURES["none"][0]
-            if (floor and abs(cell.value - 1) > 0.1) or (not floor and cell.value < DISTURBED_BELOW):
-                lines.append(
-                    f"disturbed by machine load, rerun: {table.title.split(': ', 1)[1].split(',')[0]} / {row} / {col}: "
-                    f"{cell.value:.2f}x (baseline min {cell.baseline_seconds or 0:.3f} s, target min {cell.seconds or 0:.3f} s)"
-                )
+            line = (
+                f"disturbed by machine load, rerun: {row} / {col}: {cell.value:.2f}x "
+                f"(baseline min {cell.baseline_seconds or 0:.3f} s, target min {cell.seconds or 0:.3f} s)"
+            )
+            if line not in table.notes:
+                table.notes.append(line)
+            lines.append(line)
     return lines
 
 
@@ -269,10 +367,18 @@ def engines(engine_pool):
 
 
 @pytest.mark.parametrize(("model", "capture", "knob"), CASES, ids=["-".join(c) for c in CASES])
-def test_bench_capture(timer, bench_report, engines, model, capture, knob) -> None:
+def test_bench_capture(timer, plain_timer, bench_report, engines, model, capture, knob) -> None:
     bench_report.derive(cheapest_knobs)
-    bench_report.derive(disturbed_cells)
-    run_case(bench_report, timer, engines(model), model, capture, knob)
+    run_case(bench_report, timer, engines(model), model, capture, knob, remeasure=plain_timer)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_bench_capture_floor(bench_budget, bench_report, model) -> None:
+    """The fixture's table against its noise floor: valid, or rerun while the budget lasts, or invalid."""
+    table = finish_table(bench_report, model, budget_left=bench_budget)
+    if table is None:
+        pytest.skip(f"no capture cell of {model} ran")
+    disturbed_cells(bench_report)
 
 
 # -- GPU: the same cases on CUDA, and vLLM's native kept-set return --------------------------------
@@ -297,8 +403,16 @@ def _gpu_rollout(model: str, capture: str = "topk") -> Any:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("model", "capture", "knob"), CASES, ids=["-".join(c) for c in CASES])
-def test_bench_capture_cuda(timer, bench_report, model, capture, knob) -> None:
-    run_case(bench_report, timer, _gpu_rollout(model).llm, model, capture, knob, device="cuda")
+def test_bench_capture_cuda(timer, plain_timer, bench_report, model, capture, knob) -> None:
+    """The same table on CUDA (wall-clock basis); ``ci/gpu_gate.py`` runs it into reports/gpu/bench."""
+    run_case(bench_report, timer, _gpu_rollout(model).llm, model, capture, knob, device="cuda", remeasure=plain_timer)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", list(MODELS))
+def test_bench_capture_floor_cuda(bench_budget, bench_report, model) -> None:
+    if finish_table(bench_report, model, device="cuda", budget_left=bench_budget) is None:
+        pytest.skip(f"no CUDA capture cell of {model} ran")
 
 
 @pytest.mark.gpu

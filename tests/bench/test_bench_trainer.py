@@ -1,16 +1,17 @@
 """Trainer-side cost on synthetic logits ``[T, V]``: full log-softmax vs replay vs recompute.
 
 Every estimator is timed against ``full`` (the full-vocabulary ``log_softmax(z / T)[y]`` most trainers
-run), interleaved round by round (conftest.paired); the ``full`` row is full against itself, the noise
-floor of the ratios. Rows:
+run), interleaved round by round (conftest.paired; wall-clock ratio, the CPU-time ratio beside it); the
+``full`` row is full against itself, the noise floor of the ratios. Rows:
 
 * replay: gather the K captured ids + logsumexp (``estimators.replay`` on padded ids ``[T, K]``);
-* recompute: ``estimators.recompute``, whose top_k rows are filtered over ``topk(k)`` candidates
-  with top_k + top_p (vLLM's sort path), top_k alone (its top-k-only path), and min_p;
+* recompute, every filter combination (temperature 0.8 throughout): with top_k, rows are filtered over
+  ``topk(k)`` candidates (top_k + top_p is vLLM's sort path, top_k alone or with min_p its top-k-only
+  path); without top_k, top_p rows go through the histogram select of ``parity.core.nucleus`` and min_p alone
+  through ``parity.core.nucleus.survivor_mass``. Rows either fast path cannot decide exactly run the reference
+  sort: their count is in the cell ("fallback n/T");
 * recompute through the reference sort: the same kept set from ``reference_filter`` (a full-row sort,
-  what recompute cost before), for scale;
-* recompute with top_p alone: no top_k bound, so the full-row sort is the algorithm (reported
-  separately; the capture side needs the full vocabulary for it too).
+  what recompute cost before), for scale, with top_k + top_p and with top_p alone.
 
 Shapes: T in {512, 4096} x V in {32000, 152064}, except T=4096 x V=152064 on CPU (2.5 GB of float32
 logits alone, and the reference sort needs ~3x that on top), which runs at T=1024. Each run also
@@ -44,14 +45,18 @@ ESTIMATORS: dict[str, tuple[str, str, SamplingSpec]] = {
     "recompute-k-p": (f"recompute top_k={TOP_K} top_p=0.9", "recompute", SPEC),
     "recompute-k": (f"recompute top_k={TOP_K}", "recompute", S(0.8, top_k=TOP_K)),
     "recompute-k-p-minp": (f"recompute top_k={TOP_K} top_p=0.9 min_p=0.05", "recompute", S(0.8, top_k=TOP_K, top_p=0.9, min_p=0.05)),
+    "recompute-k-minp": (f"recompute top_k={TOP_K} min_p=0.05", "recompute", S(0.8, top_k=TOP_K, min_p=0.05)),
+    "recompute-p": ("recompute top_p=0.9 (nucleus select)", "recompute", S(0.8, top_p=0.9)),
+    "recompute-p-minp": ("recompute top_p=0.9 min_p=0.05 (nucleus select)", "recompute", S(0.8, top_p=0.9, min_p=0.05)),
+    "recompute-minp": ("recompute min_p=0.05", "recompute", S(0.8, min_p=0.05)),
     "reference-sort-k-p": (f"recompute top_k={TOP_K} top_p=0.9 via reference sort", "reference", SPEC),
-    "recompute-p": ("recompute top_p=0.9 alone (full-row sort)", "recompute", S(0.8, top_p=0.9)),
+    "reference-sort-p": ("recompute top_p=0.9 via reference sort", "reference", S(0.8, top_p=0.9)),
 }
 ROUNDS, WARMUP = 3, 1  # fast rows; the multi-second sort rows run one round, no warm-up
 REPLAY_ROUNDS = 20
 SORT_MAX_T = 512  # on CPU the full-row sort rows run at this T only (their cost is linear in T)
 REPLAY_TARGET = ("replay <= 0.05x full at V=152k", 0.05)
-RECOMPUTE_TARGET = ("recompute <= 2x full when top_k is set", 2.0)
+RECOMPUTE_TARGET = ("recompute <= 2x full, every filter combination", 2.0)
 TITLE = "Trainer side: ratio to the full-vocabulary log-softmax + gather (float32, CPU)"
 INTRO = (
     f"Synthetic LM-like logits; replay reads the captured kept ids of top_k={TOP_K}, top_p=0.9 "
@@ -68,8 +73,7 @@ def shape_id(t: int, v: int) -> str:
 
 
 def sort_based(name: str) -> bool:
-    _, kind, spec = ESTIMATORS[name]
-    return kind == "reference" or (kind == "recompute" and not spec.uses_top_k)
+    return ESTIMATORS[name][1] == "reference"
 
 
 def make_workload(t: int, v: int, *, seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -169,35 +173,57 @@ def run_case(
         baseline_rounds=ROUNDS if fast else None,
     )
     check_result(name, pair.result, w)
+    notes = ["(1 round)"] if slow else []
+    if kind == "recompute":
+        notes.append(f"fallback {pair.result.fallback_count}/{t}")
+        FALLBACKS[(name, col)] = pair.result.fallback_count
     pair.result = None  # recompute's kept mask is [T, V]: do not keep it alive
-    table.put_pair(label, col, pair, note="(1 round)" if slow else "")
+    table.put_pair(label, col, pair, note=" ".join(notes))
     if targets and kind == "replay" and v >= 100_000:
         report.check(*REPLAY_TARGET, col, pair.ratio)
-    if targets and kind == "recompute" and spec.uses_top_k:
+    if targets and kind == "recompute":
         report.check(*RECOMPUTE_TARGET, f"{label.removeprefix('recompute ')} @ {col}", pair.ratio)
     return pair
 
 
+FALLBACKS: dict[tuple[str, str], int] = {}  # (estimator id, column) -> rows sent to the reference sort
+
+
 def trainer_findings(report: Any) -> list[str]:
-    """Findings read off the trainer table: what the candidate bound saved, what top_p alone costs."""
+    """Findings read off the trainer table: what the candidate bound and the nucleus select saved."""
     table = report.tables.get("trainer")
     if table is None:
         return []
 
+    def cell(key: str, col: str) -> Any:
+        c = table.cells.get((ESTIMATORS[key][0], col))
+        return None if c is None or isinstance(c, str) else c
+
     def ratio(key: str, col: str) -> float | None:
-        cell = table.cells.get((ESTIMATORS[key][0], col))
-        return None if cell is None or isinstance(cell, str) else cell.value
+        c = cell(key, col)
+        return None if c is None else c.value
 
     lines = []
     for col in table.cols:
-        fast, ref, alone, rep = (ratio(k, col) for k in ("recompute-k-p", "reference-sort-k-p", "recompute-p", "replay"))
+        fast, ref, alone, ref_p, rep = (
+            ratio(k, col) for k in ("recompute-k-p", "reference-sort-k-p", "recompute-p", "reference-sort-p", "replay")
+        )
         if fast is not None and ref is not None:
             lines.append(
                 f"{col}: recompute with top_k={TOP_K} top_p=0.9 costs {fast:.2f}x full over topk candidates "
                 f"against {ref:.1f}x through the reference full-row sort ({ref / fast:.0f}x less)"
             )
         if alone is not None:
-            lines.append(f"{col}: recompute with top_p alone (no top_k bound: full-row sort) costs {alone:.1f}x full")
+            c = cell("recompute-p", col)
+            fb = FALLBACKS.get(("recompute-p", col))
+            text = f"{col}: recompute with top_p alone costs {alone:.2f}x full (cpu {c.other:.2f}x)" if c.other else (
+                f"{col}: recompute with top_p alone costs {alone:.2f}x full"
+            )
+            if fb is not None:
+                text += f" through the nucleus select, {fb} rows in the rounding band cut from their sorted values"
+            if ref_p is not None:
+                text += f", against {ref_p:.1f}x through the reference full-row sort"
+            lines.append(text)
         if rep is not None:
             k = table.cells[(ESTIMATORS["replay"][0], col)]
             lines.append(f"{col}: replay costs {rep:.3f}x full ({_secs(k.seconds)} against {_secs(k.baseline_seconds)})")

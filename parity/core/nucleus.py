@@ -1,0 +1,574 @@
+"""The nucleus (top_p) cut of vLLM's sort path without sorting the row: a histogram select on float bits.
+
+vLLM's PyTorch top-p (``apply_top_k_top_p_pytorch`` in vllm/v1/sample/ops/topk_topp_sampler.py, mirrored
+by :func:`parity.filters.top_k_top_p_sorted`) sorts the whole row ascending, takes the float32 softmax of
+the sorted row, its cumulative sum, and drops the positions with ``cumsum <= 1 - p`` (the largest token
+always kept). The kept set is therefore ``{z' >= v*}`` for one value v* per row, and finding v* is a
+selection by probability mass, not a sort. :func:`nucleus_cut` finds it in a few passes over the row:
+
+1. ``d = m - z'`` (m the row max) and ``e = exp(-d)`` in float32, the very argument and function the
+   reference's softmax evaluates;
+2. a histogram of the sortable bits of ``d`` (``d >= 0``, so its int32 view is monotone in d):
+   ``MANTISSA_BITS`` mantissa bits per binade, counts and float32 masses per bucket;
+3. from the histogram, per row, the range of buckets in which the cut can fall (every bucket above it
+   certainly kept, every bucket below certainly dropped, with the error bounds below), searched in a
+   window of :data:`WINDOW` buckets either side of the bucket where the cumulative mass crosses 1 - p;
+4. in the same pass, the kept mask of the buckets above the range, the float32 masses above and below
+   it summed exactly enough (:func:`_row_sums`), and the tokens of the range: the candidates;
+5. the candidates (a few hundred per row) sorted by value: their exact cumulative mass is
+   ``(mass below the range + float64 partial sums) / S``, and the cut is decided there in float64,
+   as on the top_k path (:func:`parity.estimators._top_p_on_candidates`).
+
+Why it is exact, and when a row falls back to the reference sort instead (counted per reason):
+
+* **Order.** Buckets are defined on ``d``'s bits, and ``d = fl(m - z')`` is monotone in z' (IEEE
+  subtraction rounds monotonically), so a lower bucket holds only larger values: the partition agrees
+  with the reference's sorted order. Tied values share a bucket, so a tie group is either wholly a
+  candidate or wholly decided.
+* **Rounding band** (``band``). The exact cumulative mass C_j is compared with the float32 ``1 - p``.
+  The reference's float32 cumulative sum D_j differs from C_j by at most (u = 2^-24)::
+
+      u * (A_j + C_j * (3 + A + E)) + j * 2^-53 + 2^-40
+
+  - ``A_j = sum_{i<=j} q_i (|x_i| + 2)``: each float32 ``exp(x_i)`` carries the rounding of its argument
+    (u|x_i|) and its own error (at most 1 ulp, 2u); ``A`` is the same over the row (the denominator);
+  - ``3u``: the reciprocal of the sum, the product, and the float32 rounding of the cumulative sum's
+    output (CPU ``cumsum`` accumulates float32 input in double, acc_type<float, false>, so the sum itself
+    adds only ``j * 2^-53``: aten/src/ATen/native/cpu/ReduceOpsKernel.cpp, cumsum_cpu_kernel);
+  - ``E``: the float32 softmax denominator. CPU softmax (aten/src/ATen/native/cpu/SoftMaxKernel.cpp,
+    _vec_softmax_lastdim) sums the exps with ``vec::reduce_all`` (aten/src/ATen/cpu/vec/functional_base.h):
+    one vector accumulator of L lanes walks the sorted row, lane l adding positions l, l + L, ... in
+    ascending order, then the lanes are combined. Each lane's partial sum after position k is at most
+    ``T_{k+L-1} / L`` (T_k the ascending prefix sum: the L values after position k are no smaller), so
+    the error is at most ``u * ((B + (L - 1) S) / L + (L - 1) S)`` with ``B = sum_k T_k``, never more
+    than the ``(n - 1) u S`` of any order. B is bounded from the histogram: a token in bucket b has at
+    most as many tokens at or above it as the buckets <= b hold. L is the lane count of torch's CPU
+    vector path (:func:`softmax_lanes`); where it is not known, the any-order bound is used.
+  - the absolute terms cover underflowed float32 terms and this module's float64 arithmetic.
+
+  Our own evaluation adds the error of its masses: float32 exp (2u) and float32 sums of GROUP terms
+  for the masses around the range, ``(n - 1)u`` per bucket of ``n`` terms where the histogram decides
+  a bucket. A row whose C_j lies within the sum of both of ``1 - p`` at any candidate position could go
+  either way in the reference: it falls back.
+* **Tie split** (``tie_split``). When the cut falls between two equal values, which of them the
+  reference drops is decided by ``torch.sort``'s permutation of the whole row: the row is left to the
+  caller's reference sort (``unresolved``).
+* **Bracket** (``bracket``): the range does not fit the window, or holds more than
+  :data:`MAX_CANDIDATES` tokens (a flat row whose error bound spans many buckets): cut from the
+  sorted values rather than sort a large candidate list. A cost guard, not a correctness one.
+* **p = 1 rows** of a sort-path batch drop only tokens whose float32 probability underflows to 0: kept
+  if ``x > -80``, dropped if ``x < -105`` (the bounds of :mod:`parity.estimators`); if any token lies
+  in between, the row falls back (``band``).
+
+The log-mass of the kept set, ``log sum_{kept} exp(z' - m)``, is the mass above the range plus the
+kept candidates' float64 masses: within :data:`LOG_MASS_REL_ERROR` of the float64 sum over the same
+set. :func:`survivor_mass` gives the same for rows that are not cut at all (min_p alone, or no filter:
+vLLM's top-k/top-p step is skipped when no row sets top_p or top_k).
+
+CPU float32 only (the float32 kernels above are the CPU ones); other devices keep the reference sort.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+
+import torch
+
+from parity.core import tolerances
+from parity.core.filters import min_p_mask
+
+U = 2.0**-24  # float32 unit roundoff
+_SLACK = 1.0 + 2.0**-20  # second-order terms of the first-order error bounds
+_ABS = 2.0**-40  # absolute slack: underflowed float32 terms, float64 evaluation
+
+# Histogram over d = m - z' >= 0: bucket key = (float32 bits of d >> SHIFT) - BASE, clamped.
+MANTISSA_BITS = 6  # buckets per binade: 2**6 (relative width of a bucket in d: 1/64)
+SHIFT = 23 - MANTISSA_BITS
+LOW_EXP, HIGH_EXP = -4, 7  # d in [2^-4, 2^7) is resolved; below: bucket 0; d >= 2^7 (exp underflows): last
+BASE = (127 + LOW_EXP) << MANTISSA_BITS
+NB = ((HIGH_EXP - LOW_EXP) << MANTISSA_BITS) + 1
+WINDOW = 8  # the candidate range is searched this many buckets either side of the crossing bucket
+MAX_CANDIDATES = 16384  # wider candidate ranges fall back (counted as bracket)
+BLOCK_ELEMS = 1 << 21  # values per row block (8 MB per float32 buffer)
+GROUP = 8  # masses around the cut: float32 sums of GROUP terms, then float64
+# Those masses carry float32 exp (2u) and a float32 sum of GROUP terms ((GROUP - 1)u) per term: a
+# certified relative error, so also the error of log_mass in nats.
+SUM_REL_ERROR = (GROUP + 1) * U * _SLACK + 2.0**-48
+LOG_MASS_REL_ERROR = SUM_REL_ERROR
+
+# p = 1 rows on the sort path: the underflow band on d = m - x (parity.core.tolerances).
+UNDERFLOW_DROP, UNDERFLOW_KEEP = tolerances.UNDERFLOW_D_BAND
+
+
+@dataclass
+class NucleusResult:
+    kept: torch.Tensor  # bool: ``out`` with the cut rows filled, or [R, V] (meaningless on unresolved rows)
+    log_mass: torch.Tensor  # float64 [R]: log sum_{kept} exp(z' - m), m the row max (NaN: unresolved)
+    row_max: torch.Tensor  # float32 [R, 1]: m
+    band: torch.Tensor  # bool [R]: a decision fell inside the rounding band (or p = 1 underflow band)
+    tie_split: torch.Tensor  # bool [R]: the cut fell inside a group of equal values
+    bracket: torch.Tensor  # bool [R]: the range left the window or held more than MAX_CANDIDATES tokens
+    candidates: torch.Tensor  # long [R]: tokens in the candidate range (what was sorted)
+
+    @property
+    def fallback(self) -> torch.Tensor:
+        """bool [R]: rows the histogram select could not decide: cut from their sorted values instead
+        (:func:`_values_cut`, the reference's own ops), or left to the caller (``unresolved``)."""
+        return self.band | self.tie_split | self.bracket
+
+    @property
+    def unresolved(self) -> torch.Tensor:
+        """bool [R]: rows whose kept set needs the reference's permutation (a split tie): run the
+        reference sort on them (``kept`` and ``log_mass`` are not set there)."""
+        return torch.isnan(self.log_mass)
+
+    @property
+    def fallback_count(self) -> int:
+        return int(self.fallback.sum())
+
+
+def softmax_lanes(device: torch.device) -> int | None:
+    """Lanes of torch's CPU ``Vectorized<float>`` (the accumulator of the softmax sum), or None if unknown.
+
+    AVX-512: 16; AVX2: 8; the non-vectorised x86 build (``ATEN_CPU_CAPABILITY=default``): 8 (32-byte
+    generic vectors, lanes combined one by one). Other CPUs (ARM: NEON, SVE) are not modelled here.
+    """
+    if device.type != "cpu":
+        return None
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap == "AVX512":
+        return 16
+    if cap == "AVX2":
+        return 8
+    if cap == "DEFAULT" and platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+        return 8
+    return None
+
+
+def supported(work: torch.Tensor) -> bool:
+    """Whether :func:`nucleus_cut` and :func:`survivor_mass` apply: CPU float32 ``[N, V]``."""
+    return work.device.type == "cpu" and work.dtype == torch.float32 and work.dim() == 2
+
+
+def _edges() -> torch.Tensor:
+    """Upper d of each bucket plus 2 (float64 [NB]: the A-term weight); the last bucket's mass is 0."""
+    bits = ((torch.arange(1, NB + 1, dtype=torch.int64) + BASE) << SHIFT).to(torch.int32)
+    hi = bits.view(torch.float32).double()
+    hi[-1] = 2.0**HIGH_EXP * 2  # d >= 2^7 there: float32 exp(-d) is 0, so the weight multiplies 0
+    return hi + 2
+
+
+def _key_of(d: float) -> int:
+    """The bucket key of one value of d."""
+    bits = int(torch.tensor([d], dtype=torch.float32).view(torch.int32))
+    return min(max((bits >> SHIFT) - BASE, 0), NB - 1)
+
+
+_KEEP_KEY = _key_of(UNDERFLOW_KEEP)  # 80 = 1.25 * 2^6 is a bucket edge: key < _KEEP_KEY <=> d < 80
+_DROP_KEY = _key_of(UNDERFLOW_DROP)  # the bucket holding d = 105
+
+
+def _row_sums(f: torch.Tensor) -> torch.Tensor:
+    """Row sums of nonnegative float32 ``[b, V]`` in float64: float32 sums of GROUP terms, then float64.
+
+    Any order of GROUP nonnegative float32 terms is within (GROUP - 1)u of their exact sum; the float64
+    sum of the partial sums adds ~V 2^-53.
+    """
+    b, v = f.shape
+    main = v - v % GROUP
+    part = f.as_strided((b, GROUP, main // GROUP), (f.stride(0), main // GROUP, 1)).sum(dim=1).sum(dim=1, dtype=torch.float64)
+    if main < v:
+        part += f[:, main:].double().sum(dim=1)
+    return part
+
+
+def _check(work: torch.Tensor, rows: torch.Tensor | None, min_p: torch.Tensor | None, out: torch.Tensor | None):
+    if not supported(work):
+        raise ValueError(f"work must be float32 [N, V] logits on CPU: got {work.dtype} {tuple(work.shape)} on {work.device}")
+    n, v = work.shape
+    idx = None if rows is None else rows.to(device=work.device, dtype=torch.long)
+    r = n if idx is None else idx.numel()
+    if min_p is not None and (min_p.shape != (r,) or min_p.dtype != torch.float32):
+        raise ValueError(f"min_p has {min_p.dtype} {tuple(min_p.shape)}: allowed float32 [{r}] (one min_p per row, as the reference)")
+    if out is not None and (out.shape != (n, v) or out.dtype != torch.bool):
+        raise ValueError(f"out has {out.dtype} {tuple(out.shape)}: allowed bool [{n}, {v}]")
+    return n, v, idx, r
+
+
+class _Blocks:
+    """Row blocks of about BLOCK_ELEMS values and the buffers reused block after block.
+
+    A fresh ``[R, V]`` buffer costs about as much as a pass over it (page faults): only the kept mask
+    is full size.
+    """
+
+    def __init__(self, work: torch.Tensor, idx: torch.Tensor | None, r: int, min_p: torch.Tensor | None) -> None:
+        v = work.shape[1]
+        dev = work.device
+        self.work, self.idx, self.min_p = work, idx, min_p
+        # Rows per block: BLOCK_ELEMS values, and few enough that the [rows, NB] histogram tensors stay
+        # under torch's intra-op grain (32768 values): they run on one thread, with no synchronisation.
+        self.size = max(1, min(r, BLOCK_ELEMS // max(v, 1), 32768 // NB))
+        self.spans = [(b0, min(r, b0 + self.size)) for b0 in range(0, r, self.size)]
+        self.e = torch.empty(self.size, v, device=dev)
+        self.f = torch.empty(self.size, v, device=dev)
+        self.key = torch.empty(self.size, v, dtype=torch.int32, device=dev)
+        self.mask = torch.empty(self.size, v, dtype=torch.bool, device=dev)
+        self.cand = torch.empty(self.size, v, dtype=torch.bool, device=dev)
+        self.rows = torch.empty(self.size, v, device=dev) if idx is not None else None
+        self.zero = torch.zeros((), device=dev)
+
+    def block(self, b0: int, b1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(z' rows, m [b, 1], min_p drop mask or None); e = exp(z' - m) in ``self.e`` (0 where dropped)."""
+        if self.idx is None:
+            w = self.work[b0:b1]
+        else:
+            w = torch.index_select(self.work, 0, self.idx[b0:b1], out=self.rows[: b1 - b0])
+        dropped = None if self.min_p is None else min_p_mask(w, self.min_p[b0:b1])
+        m = w.amax(dim=1, keepdim=True)
+        e = self.e[: b1 - b0]
+        torch.sub(w, m, out=e).exp_()  # fl(z' - m): the argument the reference's softmax exponentiates
+        if dropped is not None:
+            e.masked_fill_(dropped, 0.0)
+        return w, m, dropped
+
+    def keys(self, w: torch.Tensor, m: torch.Tensor, dropped: torch.Tensor | None, offset: torch.Tensor) -> torch.Tensor:
+        """Bucket keys of d = m - z', plus ``offset`` per row (``self.f`` is scratch); dropped: last bucket.
+
+        d is clamped to [2^LOW_EXP, 2^HIGH_EXP] first (+inf at -inf entries, so the last bucket), so its
+        bits shifted right are BASE .. BASE + NB - 1; ``offset`` (row * NB - BASE) makes them indices
+        into the block's [b * NB] histogram in the same pass.
+        """
+        b = w.shape[0]
+        d, key = self.f[:b], self.key[:b]
+        torch.sub(m, w, out=d).clamp_(2.0**LOW_EXP, 2.0**HIGH_EXP)  # d = -fl(z' - m) exactly, before the clamp
+        torch.bitwise_right_shift(d.view(torch.int32), SHIFT, out=key)
+        if dropped is not None:
+            key.masked_fill_(dropped, BASE + NB - 1)
+        return key.add_(offset)
+
+
+def survivor_mass(
+    work: torch.Tensor,
+    *,
+    rows: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> NucleusResult:
+    """Rows that are not cut: the kept set is the finite z' left by min_p (:func:`parity.filters.min_p_mask`,
+    if given), and its log-mass as in :func:`nucleus_cut`.
+
+    These are the rows without top_k in a batch where no row sets top_p: vLLM then skips its top-p step
+    (``apply_top_k_top_p`` returns the logits when k and p are None; with top_k on other rows,
+    ``apply_top_k_only`` keeps every value >= the V-th largest of such a row: all of them).
+
+    Arguments as for :func:`nucleus_cut`; no row falls back.
+    """
+    n, v, idx, r = _check(work, rows, min_p, out)
+    dev = work.device
+    if out is None:
+        out, dest = torch.empty(r, v, dtype=torch.bool, device=dev), None
+    else:
+        dest = idx
+    blocks = _Blocks(work, idx, r, min_p)
+    log_mass = torch.empty(r, dtype=torch.float64, device=dev)
+    m_all = torch.empty(r, 1, device=dev)
+    for b0, b1 in blocks.spans:
+        w, m, dropped = blocks.block(b0, b1)
+        m_all[b0:b1] = m
+        log_mass[b0:b1] = torch.log(_row_sums(blocks.e[: b1 - b0]))
+        kept = out[b0:b1] if dest is None else blocks.mask[: b1 - b0]
+        torch.gt(w, float("-inf"), out=kept)
+        if dropped is not None:
+            kept &= ~dropped
+        if dest is not None:
+            out[dest[b0:b1]] = kept
+    no = torch.zeros(r, dtype=torch.bool, device=dev)
+    return NucleusResult(out, log_mass, m_all, no, no.clone(), no.clone(), torch.zeros(r, dtype=torch.long, device=dev))
+
+
+def nucleus_cut(
+    work: torch.Tensor,
+    p: torch.Tensor,
+    *,
+    rows: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lanes: int | None = -1,
+) -> NucleusResult:
+    """The kept set of vLLM's sort-path top_p cut for rows with no top_k, from a histogram select.
+
+    ``work``: float32 ``[N, V]`` on CPU, the scaled logits (``-inf`` allowed, every row with a finite
+    value); ``rows``: the rows to cut (default: all), R of them. ``p``: float32 ``[R]``, top_p per row
+    (1.0: the row only drops float32-underflowed tokens, as vLLM's sort path does for rows without top_p).
+    ``min_p``: float32 ``[R]`` or None: applied first with :func:`parity.filters.min_p_mask`, block of rows
+    by block (the reference's own function; its result for a row does not depend on the other rows).
+    ``out``: a bool ``[N, V]`` tensor whose ``rows`` receive the kept set (default: a new ``[R, V]``).
+    ``lanes``: the softmax accumulator's lane count (default :func:`softmax_lanes`; None: any order).
+
+    One pass over each block of rows: e and the bucket keys, the histogram, the range, the kept mask
+    above the range, the masses around it and the candidates; then the exact cut over all candidates.
+    """
+    n, v, idx, r = _check(work, rows, min_p, out)
+    if p.shape != (r,) or p.dtype != torch.float32:
+        raise ValueError(f"p has {p.dtype} {tuple(p.shape)}: allowed float32 [{r}] (one top_p per row cut; 1 - p in float32)")
+    dev = work.device
+    if out is None:
+        out, dest = torch.empty(r, v, dtype=torch.bool, device=dev), None  # cut row i -> out[i]
+    else:
+        dest = idx
+    if lanes == -1:
+        lanes = softmax_lanes(dev)
+    blocks = _Blocks(work, idx, r, min_p)
+    hd2 = _edges().to(dev)
+    thr32 = 1 - p  # float32, as the reference computes it
+    m_all = torch.empty(r, 1, device=dev)
+    parts: list[_Ranges] = []
+    found: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for b0, b1 in blocks.spans:
+        b = b1 - b0
+        w, m, dropped = blocks.block(b0, b1)
+        e = blocks.e[:b]
+        offset = torch.arange(0, b * NB, NB, dtype=torch.int32, device=dev).unsqueeze(1)
+        key = blocks.keys(w, m, dropped, offset - BASE)  # row r's bucket k is index r * NB + k
+        m_all[b0:b1] = m
+        # Histogram: counts and float32 masses per (row, bucket).
+        flat = key.view(-1)
+        nb = torch.bincount(flat, minlength=b * NB).view(b, NB).double()
+        mb = torch.bincount(flat, weights=e.view(-1), minlength=b * NB).view(b, NB).double()
+        rng = _ranges(nb, mb, thr32[b0:b1], v, lanes, hd2)
+        # The kept mask above the range, the masses around it, the candidates.
+        above = out[b0:b1] if dest is None else blocks.mask[:b]
+        torch.lt(key, rng.b_top.to(torch.int32).unsqueeze(1) + offset, out=above)
+        rng.above = _row_sums(torch.where(above, e, blocks.zero, out=blocks.f[:b]))
+        cand = torch.le(key, rng.b_bot.to(torch.int32).unsqueeze(1) + offset, out=blocks.cand[:b])
+        rng.below = _row_sums(torch.where(cand, blocks.zero, e, out=blocks.f[:b]))
+        cand.logical_xor_(above)
+        pos = cand.view(-1).nonzero().squeeze(1)
+        found.append((pos + b0 * v, w.reshape(-1)[pos]))
+        if dest is not None:
+            out[dest[b0:b1]] = above
+        parts.append(rng)
+    rng = _Ranges.cat(parts)
+    pos = torch.cat([f[0] for f in found])
+    keep_pos, log_mass, band, tie_split = _cut(pos, torch.cat([f[1] for f in found]), m_all, rng, thr32, v)
+    if keep_pos.numel():
+        crow = torch.div(keep_pos, v, rounding_mode="floor")
+        target = crow if dest is None else dest[crow]
+        out.view(-1)[target * v + (keep_pos - crow * v)] = True
+    # Rows in the band or off the window: the reference's own float32 cut on the row's sorted values.
+    late = ((band | rng.bracket) & ~tie_split).nonzero().squeeze(1)
+    if late.numel():
+        src = late if idx is None else idx[late]
+        w = work[src]
+        if min_p is not None:
+            w = w.masked_fill(min_p_mask(w, min_p[late]), float("-inf"))
+        v_star, split = _values_cut(w, thr32[late])
+        kept = w >= v_star.unsqueeze(1)
+        mass = _row_sums(torch.where(kept, torch.exp(w - m_all[late]), blocks.zero))
+        ok = ~split
+        out[(late if dest is None else dest[late])[ok]] = kept[ok]
+        log_mass[late[ok]] = torch.log(mass[ok])
+        tie_split[late[split]] = True
+        band[late[split]] = False
+        rng.bracket[late[split]] = False
+    return NucleusResult(out, log_mass, m_all, band, tie_split, rng.bracket, rng.n_cand)
+
+
+def _values_cut(w: torch.Tensor, thr32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's top_p cut value of each row, from its sorted values alone (no permutation).
+
+    The reference (:func:`parity.filters.top_k_top_p_sorted`) takes the float32 softmax and cumulative
+    sum of the row sorted ascending; those depend on the sorted *values* only, so running the same ops
+    on the same values gives its bits. The values are sorted as int32 keys (the float order: the bits,
+    with the magnitude bits flipped for negatives), which is cheaper than a float sort. Returns
+    (v* [k]: the first kept value, split [k]: the value before it is equal, so which of the tied tokens
+    are kept depends on the reference's permutation, which this does not know).
+    """
+    bits = w.view(torch.int32)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    srt = key.sort(dim=1).values
+    srt ^= (srt >> 31) & 0x7FFFFFFF
+    vals = srt.view(torch.float32)
+    cum = torch.cumsum(vals.softmax(dim=-1), dim=-1)
+    drop = cum <= thr32.unsqueeze(1)
+    drop[:, -1] = False  # the largest token is always kept
+    first = drop.sum(dim=1, keepdim=True)  # drops are a prefix (the cumulative sum only grows)
+    v_star = vals.gather(1, first).squeeze(1)
+    split = (first.squeeze(1) > 0) & (vals.gather(1, (first - 1).clamp(min=0)).squeeze(1) == v_star)
+    return v_star, split
+
+
+@dataclass
+class _Ranges:
+    b_top: torch.Tensor  # long [R]: first candidate bucket (every bucket before it is certainly kept)
+    b_bot: torch.Tensor  # long [R]: last candidate bucket (every bucket after it is certainly dropped)
+    n_cand: torch.Tensor  # long [R]: tokens in the range
+    band: torch.Tensor  # bool [R]: no certain range (or p = 1 underflow band): fall back
+    bracket: torch.Tensor  # bool [R]: range outside the window or wider than MAX_CANDIDATES: fall back
+    a_all: torch.Tensor  # float64 [R]: A (upper bound), the denominator's argument/exp error
+    e_sum: torch.Tensor  # float64 [R]: E, the denominator's summation error, relative
+    a_below: torch.Tensor  # float64 [R]: A over the tokens below the range (upper bound, unnormalised)
+    above: torch.Tensor | None = None  # float64 [R]: float32 e's mass above the range (_row_sums)
+    below: torch.Tensor | None = None  # float64 [R]: the same below the range
+
+    @staticmethod
+    def cat(parts: list[_Ranges]) -> _Ranges:
+        return _Ranges(*(torch.cat([getattr(pt, f) for pt in parts]) for f in _Ranges.__dataclass_fields__))
+
+
+def _ranges(nb: torch.Tensor, mb: torch.Tensor, thr32: torch.Tensor, v: int, lanes: int | None, hd2: torch.Tensor) -> _Ranges:
+    """Per row, from its histogram (counts ``nb``, float32 masses ``mb``, both [b, NB] float64)."""
+    dev = nb.device
+    # A float32 sum of n nonnegative terms is within (n - 1)u of the exact sum; float32 exp adds 2u.
+    eb = (nb + 1) * mb * (U * _SLACK)
+    m_hi = mb + eb
+    cum, ecum, ncum = mb.cumsum(dim=1), eb.cumsum(dim=1), nb.cumsum(dim=1)
+    acum = (m_hi * hd2).cumsum(dim=1)
+    s, es0 = cum[:, -1], ecum[:, -1]
+    es = es0 + s * 2.0**-50
+    s_lo = (s - es).clamp(min=1.0)  # the max contributes exp(0) = 1
+    s_hi = s + es
+    # B = sum over tokens of e * (tokens at or above it) <= sum_b mass_b * count(buckets <= b)
+    b_bound = (m_hi * ncum).sum(dim=1) * (1 + 4 * U)
+    anyorder = torch.full_like(s, float(v - 1))
+    e_sum = anyorder if lanes is None else torch.minimum((b_bound / s_lo + (lanes - 1)) / lanes + (lanes - 1), anyorder)
+    a_all = acum[:, -1] / s_lo
+    thr = thr32.double()
+    one = thr32 == 0
+
+    # The crossing bucket: the first whose mass strictly below, s - cum, is at most (1 - p) s.
+    star = torch.searchsorted(cum, (s * (1 - thr)).unsqueeze(1)).squeeze(1).clamp(max=NB - 1)
+    offs = torch.arange(-WINDOW, WINDOW + 1, device=dev)
+    win = (star.unsqueeze(1) + offs).clamp(0, NB - 1)  # [b, 2W + 1]
+    cum_w, ecum_w, mb_w, eb_w = cum.gather(1, win), ecum.gather(1, win), mb.gather(1, win), eb.gather(1, win)
+    below = s.unsqueeze(1) - cum_w  # mass strictly below bucket b
+    e_below = es0.unsqueeze(1) - ecum_w
+    incl, e_incl = below + mb_w, e_below + eb_w
+    t = thr.unsqueeze(1)
+    k_ref = (3 + a_all + e_sum).unsqueeze(1)
+    a1, es1, s_lo1 = a_all.unsqueeze(1), es.unsqueeze(1), s_lo.unsqueeze(1)
+
+    def band_at(cm: torch.Tensor) -> torch.Tensor:  # reference band (A_j <= A) + the histogram's error
+        return _margin(a1, cm, k_ref, v, es1 * (1 + cm) / s_lo1)
+
+    # Certainly dropped: every bucket after b (cumulative mass below b certainly under 1 - p); certainly
+    # kept: every bucket before b (cumulative mass at b's top certainly over). Both monotone in b.
+    c_below = (below + e_below) / s_lo1
+    c_above = (incl - e_incl) / s_hi.unsqueeze(1)
+    cb = c_below < t - band_at(torch.maximum(c_below, t))
+    ca = c_above > t + band_at(torch.maximum(c_above, t))
+    first_cb = cb.shape[1] - cb.flip(1).to(torch.int8).cumprod(dim=1).sum(dim=1)  # the run of True at the end
+    last_ca = ca.to(torch.int8).cumprod(dim=1).sum(dim=1) - 1  # the run of True at the start
+    b_bot = win.gather(1, first_cb.clamp(max=cb.shape[1] - 1).unsqueeze(1)).squeeze(1)
+    b_top = win.gather(1, last_ca.clamp(min=0).unsqueeze(1)).squeeze(1)
+    no_bottom = ~cb[:, -1]
+    no_top = ~ca[:, 0]
+    band = (no_bottom & (win[:, -1] == NB - 1)) | (no_top & (win[:, 0] == 0))  # the row's ends reached
+    bracket = ~band & (no_bottom | no_top)  # the run leaves the window
+    # p = 1 rows: keep d < 80, drop d > 105; any token in between: fall back.
+    b_top = torch.where(one, torch.full_like(b_top, _KEEP_KEY), b_top)
+    b_bot = torch.where(one, b_top - 1, b_bot)
+    gap = ncum[:, _DROP_KEY] - ncum[:, _KEEP_KEY - 1]
+    band = torch.where(one, gap > 0, band)
+    bracket &= ~one
+    n_cand = (ncum.gather(1, b_bot.clamp(min=0).unsqueeze(1)).squeeze(1) - torch.where(
+        b_top > 0, ncum.gather(1, (b_top - 1).clamp(min=0).unsqueeze(1)).squeeze(1), torch.zeros_like(s)
+    )).long().clamp(min=0)
+    bracket |= ~band & (n_cand > MAX_CANDIDATES)
+    skip = band | bracket
+    # Rows that fall back take no candidates and keep nothing here (the reference fills them).
+    b_top = torch.where(skip, torch.zeros_like(b_top), b_top)
+    b_bot = torch.where(skip, torch.full_like(b_bot, -1), b_bot)
+    n_cand = torch.where(skip, torch.zeros_like(n_cand), n_cand)
+    a_below = acum[:, -1] - acum.gather(1, b_bot.clamp(min=0).unsqueeze(1)).squeeze(1)
+    return _Ranges(b_top, b_bot, n_cand, band, bracket, a_all, e_sum, a_below)
+
+
+def _margin(a_j: torch.Tensor, cmax: torch.Tensor, k_ref: torch.Tensor, v: int, ours: torch.Tensor) -> torch.Tensor:
+    """Half-width around ``1 - p`` (cumulative mass units) inside which a decision is not certain.
+
+    ``u (A_j + C (3 + A + E)) + V 2^-53 + 2^-40`` bounds the reference's float32 cumulative sum against
+    the exact one (module docstring; ``k_ref = 3 + A + E``, C = ``cmax`` = max(C_j, 1 - p)); ``ours`` is
+    this module's own error at that position.
+    """
+    return U * _SLACK * (a_j + cmax * k_ref) + v * 2.0**-53 + _ABS + ours
+
+
+def _tied(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """The last dropped and the first kept candidate have the same value: the cut splits a tie."""
+    return lo == hi
+
+
+def _cut(
+    pos: torch.Tensor, vals: torch.Tensor, m: torch.Tensor, rng: _Ranges, thr32: torch.Tensor, v: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The exact cut over the candidates (flat positions ``pos`` into the cut rows, grouped by row).
+
+    The masses above and below the range are float32 e summed by :func:`_row_sums` (``rng``); the
+    candidates' are float64 exps. Returns (flat positions kept, log_mass [R], band [R], tie_split [R]).
+    """
+    r = m.shape[0]
+    dev = m.device
+    n_cand = rng.n_cand
+    width = max(int(n_cand.max()) if r else 0, 1)
+    crow = torch.div(pos, v, rounding_mode="floor")
+    start = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), n_cand.cumsum(0)[:-1]])
+    slot = torch.arange(pos.numel(), device=dev) - start[crow]
+    cvals = torch.full((r, width), float("inf"), device=dev)
+    cpos = torch.full((r, width), -1, dtype=torch.long, device=dev)
+    cvals[crow, slot] = vals
+    cpos[crow, slot] = pos
+    cvals, order = cvals.sort(dim=1)  # ascending; padding (+inf) last
+    cpos = cpos.gather(1, order)
+    valid = cpos >= 0
+    x = (cvals - m).double().masked_fill(~valid, 0.0)  # fl(z' - m), as the reference computes it
+    ec = torch.exp(x).masked_fill(~valid, 0.0)
+    low, above = rng.below, rng.above
+    s = low + above + ec.sum(dim=1)  # the row's mass (exact exps up to SUM_REL_ERROR on low and above)
+    e_low = SUM_REL_ERROR * low
+    e_s = SUM_REL_ERROR * (low + above)
+    s_lo = (s - e_s).clamp(min=1.0).unsqueeze(1)
+    t = thr32.double().unsqueeze(1)
+    c = (low.unsqueeze(1) + ec.cumsum(dim=1)) / s.unsqueeze(1)
+    drop = (c <= t) & valid
+    fin = ec > 0  # -inf candidates (min_p) have no mass and no argument error
+    a_j = (rng.a_below.unsqueeze(1) + torch.where(fin, ec * (2 - x), torch.zeros_like(ec)).cumsum(dim=1)) / s_lo
+    cmax = torch.maximum(c, t)
+    j = torch.arange(1, width + 1, device=dev, dtype=torch.float64).unsqueeze(0)
+    ours_j = (e_low.unsqueeze(1) + cmax * e_s.unsqueeze(1)) / s_lo + cmax * 2.0**-48 + j * 2.0**-52
+    near = ((c - t).abs() <= _margin(a_j, cmax, (3 + rng.a_all + rng.e_sum).unsqueeze(1), v, ours_j)) & valid
+    # The largest token is always kept: it is a candidate when the range starts at bucket 0.
+    last = (n_cand - 1).clamp(min=0)
+    has_max = (rng.b_top == 0) & (n_cand > 0)
+    top = torch.zeros_like(drop).scatter_(1, last.unsqueeze(1), has_max.unsqueeze(1))
+    drop &= ~top
+    near &= ~top
+    first_kept = drop.sum(dim=1)
+    split = (first_kept > 0) & (first_kept < n_cand)
+    lo_v = cvals.gather(1, (first_kept - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    hi_v = cvals.gather(1, first_kept.clamp(max=width - 1).unsqueeze(1)).squeeze(1)
+    skip = rng.band | rng.bracket
+    tie_split = ~skip & split & _tied(lo_v, hi_v)
+    band = rng.band | (~skip & near.any(dim=1))
+    keep_c = valid & ~drop
+    kept_mass = above + (ec * keep_c).sum(dim=1)
+    fb = band | tie_split | rng.bracket
+    log_mass = torch.where(fb, torch.full_like(kept_mass, float("nan")), torch.log(kept_mass))
+    keep_c &= ~fb.unsqueeze(1)
+    return cpos[keep_c], log_mass, band, tie_split
+
+
+def log_renormalised(zy: torch.Tensor, row_max: torch.Tensor, log_mass: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+    """``z'_y - log(sum_{kept} exp(z') [+ exp(z'_y) if forced])`` from :func:`nucleus_cut`'s kept mass.
+
+    ``zy``: float32 ``[R]`` scaled logit of the sampled token; ``row_max`` float32 ``[R]`` and ``log_mass``
+    ``[R]`` from the cut; ``forced``: y is outside the kept set and is added to it. The shift is the same
+    float32 ``z'_y - m`` as :func:`parity.estimators._log_renormalised` (m, the row max, is kept); the
+    sums are float64, so the result is within :data:`LOG_MASS_REL_ERROR` (plus float32 rounding of the
+    result) of the float64 renormalisation over the same kept set.
+    """
+    x = (zy - row_max).double()
+    lse = torch.where(forced, torch.logaddexp(log_mass, x), log_mass)
+    return (x - lse).to(zy.dtype)

@@ -1,0 +1,307 @@
+"""The nucleus select: recompute's rows without top_k keep vLLM's exact kept set, without a full sort.
+
+``parity.core.nucleus.nucleus_cut`` finds the float32 top_p cut of vLLM's sort path from a histogram of the
+float bits of ``m - z'`` and an exact float64 cut over the few candidates near it (top_p alone cost
+7-11x the full log-softmax through the full-row sort); rows in the rounding band are cut from their
+sorted values with the reference's own float32 ops, and rows whose cut splits a tie are left to the
+reference sort. ``parity.core.nucleus.survivor_mass`` serves rows with no cut at all (min_p alone, or no
+filter). These tests hold ``estimators.recompute`` to the kept set of vLLM's real ``Sampler`` and of
+``reference_filter`` on Hypothesis cases without top_k (top_p alone, with min_p, min_p alone, every
+temperature branch, mixed with top_k and greedy rows), and show that each fallback is needed: with the
+rounding band, the tie check or the underflow band of p = 1 rows switched off, purpose-built rows leave
+the reference's kept set. The bracket cap is a cost guard: counted, and still exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import event, example, given
+from hypothesis import strategies as st
+from strategies import example_case, example_logits, row_plans
+
+import parity.core.estimators as E
+import parity.core.nucleus as N
+from parity.core.filters import reference_filter
+from parity.core.spec import SamplingSpec
+from parity.testing.cases import Case, CasePlan, RowPlan, build_case, plant_top_p_tie
+
+pytestmark = pytest.mark.sampler
+
+S = SamplingSpec
+NEG_INF = float("-inf")
+U = 2.0**-24
+
+# -- cases without top_k ----------------------------------------------------------------------------
+
+temperatures = st.one_of(
+    st.just(0.0),  # greedy rows in a mixed batch run with p = 1 on the sort path
+    st.floats(1e-7, 0.0099),  # raised to 0.01 by vLLM
+    st.floats(0.01, 0.99),
+    st.just(1.0),
+    st.floats(1.01, 2.0),
+)
+top_ps = st.one_of(st.just(1.0), st.floats(0.01, 0.3), st.floats(0.6, 0.99), st.floats(0.999, 0.99999))
+min_ps = st.one_of(st.just(0.0), st.just(0.0), st.floats(0.001, 0.3), st.just(1.0))
+vocabs = st.one_of(st.integers(2, 64), st.integers(65, 1024), st.sampled_from([2048, 4096, 32000]))
+
+
+@st.composite
+def nucleus_specs(draw: st.DrawFn, vocab: int) -> SamplingSpec:
+    top_k = draw(st.sampled_from([0, -1, vocab, vocab + 7]))  # every way of leaving top_k off
+    return SamplingSpec(draw(temperatures), top_k, draw(top_ps), draw(min_ps))
+
+
+@st.composite
+def nucleus_cases(draw: st.DrawFn, max_rows: int = 6) -> Case:
+    vocab = draw(vocabs)
+    n = draw(st.integers(1, max_rows))
+    rows = []
+    for _ in range(n):
+        if draw(st.integers(0, 4)) == 0:  # now and then a top_k row: the batch mixes both fast paths
+            spec = SamplingSpec(draw(temperatures), draw(st.integers(1, max(1, vocab - 1))), draw(top_ps), draw(min_ps))
+        else:
+            spec = draw(nucleus_specs(vocab))
+        rows.append(draw(row_plans(vocab, spec)))
+    return build_case(CasePlan(vocab, tuple(rows), draw(st.integers(0, 2**31 - 1))))
+
+
+def _moved(case: Case) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(case.seed ^ 0x5EED)
+    return case.logits + 1e-3 * torch.randn(case.logits.shape, generator=gen)
+
+
+def _nucleus_rows(logits: torch.Tensor, specs: list[SamplingSpec]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows whose kept set and mass came from the nucleus select, rows a fast path sent to the reference)."""
+    b = E._kept_bounded(E.scale(logits, specs), [s.effective() for s in specs])
+    return ~torch.isnan(b.log_mass), b.fallback
+
+
+def _check_logprobs(fast: E.RecomputeResult, ref: E.RecomputeResult, nucleus_rows: torch.Tensor, what: str) -> None:
+    finite = torch.isfinite(ref.logprobs)
+    assert torch.equal(torch.isfinite(fast.logprobs), finite), f"{what}: -inf rows differ"
+    # Both: the same float32 shift z'_y - m, float64 sums, a float32 result (2u|lp| between them). The
+    # nucleus rows' kept mass is certified within LOG_MASS_REL_ERROR (float32 exp, float32 sums of 8).
+    extra = torch.where(nucleus_rows, N.LOG_MASS_REL_ERROR, 0.0).double()
+    gap = (fast.logprobs.double() - ref.logprobs.double()).abs()
+    tol = 2 * U * ref.logprobs.double().abs() + 1e-7 + extra
+    bad = finite & (gap > tol)
+    assert not bool(bad.any()), f"{what}: log-probs differ by {float(gap[bad].max()):.3g} in rows {bad.nonzero().flatten().tolist()}"
+
+
+@given(case=nucleus_cases())
+@example(case=example_case(4096, RowPlan(S(1.0, top_p=0.9), std=2.0), RowPlan(S(0.8, top_p=0.95, min_p=0.05), std=2.0)))
+@example(case=example_case(2048, RowPlan(S(0.7, top_p=0.8), std=2.0, top_p_tie=4), RowPlan(S(1.0), std=2.0)))  # tie + p = 1
+@example(case=example_case(1000, RowPlan(S(0.05, top_p=0.9), std=20.0), RowPlan(S(1.0, top_p=1.0), std=20.0)))  # underflow
+@example(case=example_case(4096, RowPlan(S(1.0, top_p=0.5), std=0.1, quantum=0.25), RowPlan(S(0.0), std=1.0)))  # ties, greedy
+@example(case=example_logits([[0.0, 0.0, 0.0, 0.0]], S(1.0, top_p=0.6)))  # the cut inside a full tie
+@example(case=example_logits([[1.0, NEG_INF, NEG_INF]], S(0.7, top_p=0.5, min_p=0.3)))  # a single finite value
+@example(case=example_case(4096, RowPlan(S(0.8, min_p=0.05), std=2.0), RowPlan(S(1.3), std=2.0)))  # no cut: survivors
+def test_nucleus_kept_is_vllms_kept(sampler, case: Case) -> None:
+    out = sampler(case.logits, case.specs, seed=case.seed)
+    res = E.recompute(case.logits, out.sampled, case.specs)
+    mism = (res.kept != out.kept).any(dim=1).nonzero().squeeze(1).tolist()
+    assert not mism, f"recompute's kept set differs from vLLM's Sampler in rows {mism} of {case!r}"
+    cut, fallback = _nucleus_rows(case.logits, case.specs)
+    event(f"nucleus rows: {'none' if not cut.any() else 'all' if cut.all() else 'some'}")
+    if bool(fallback.any()):
+        event("a row fell back to the reference sort")
+    for logits, what in ((case.logits, "sampler logits"), (_moved(case), "moved logits")):
+        fast = E.recompute(logits, out.sampled, case.specs)
+        ref = E._recompute_reference(logits, out.sampled, case.specs)
+        assert torch.equal(fast.kept, reference_filter(logits, case.specs).kept), f"{what}: kept sets differ, {case!r}"
+        assert torch.equal(fast.forced, ref.forced), f"{what}: forced flags differ, {case!r}"
+        _check_logprobs(fast, ref, _nucleus_rows(logits, case.specs)[0], f"{what}, {case!r}")
+        assert torch.equal(fast.fallback, _nucleus_rows(logits, case.specs)[1])
+
+
+def _lm_rows(n: int, vocab: int, seed: int) -> torch.Tensor:
+    """LM-like rows: a heavy head of 20 tokens over a wide tail."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, vocab, generator=g) * 2
+    z[:, :20] += torch.rand(n, 20, generator=g) * 10
+    return z
+
+
+def test_nucleus_path_is_taken_on_generic_rows() -> None:
+    """Not vacuous: LM-like rows under top_p alone (and with min_p, and p = 1 rows beside them) are cut by
+    the histogram select, not by the reference sort; the masses at these cuts are far outside any band."""
+    z = _lm_rows(32, 5000, 0)
+    y = torch.zeros(32, dtype=torch.long)
+    for specs in ([S(0.8, top_p=0.9)] * 32, [S(1.0, top_p=0.9, min_p=0.05)] * 32, [S(0.8, top_p=0.9), S(1.0)] * 16):
+        cut, fallback = _nucleus_rows(z, specs)
+        label = specs[0].label()
+        assert bool(cut.all()), f"{label}: only {int(cut.sum())} of 32 rows took the nucleus select"
+        assert not bool(fallback.any())
+        assert torch.equal(E.recompute(z, y, specs).kept, reference_filter(z, specs).kept), label
+
+
+def _boundary_rows(seed: int, n: int = 64, vocab: int = 3000) -> tuple[torch.Tensor, list[SamplingSpec]]:
+    """Rows whose float32 1 - p is the float32 number nearest the exact cumulative mass at one position:
+    there the reference's float32 cumulative sum (a few 1e-9 off the exact one) decides either way."""
+    g = torch.Generator().manual_seed(seed)
+    t = 0.9
+    z = torch.randn(n, vocab, generator=g) * 3
+    specs = []
+    for r in range(n):
+        vals = (z[r] / t).sort().values
+        e = torch.exp((vals - vals[-1]).double())
+        mass = e.cumsum(0) / e.sum()
+        lo = int((mass < 0.05).sum())
+        j = int(torch.randint(lo, vocab - 10, (1,), generator=g))
+        specs.append(S(t, top_p=float(1 - mass[j])))
+    return z, specs
+
+
+def test_rounding_band_is_needed(monkeypatch) -> None:
+    """At the float32 rounding boundary the exact decision is not vLLM's; the band sends those rows to the
+    reference (counted). Negative control: with no margin the kept sets differ."""
+    z, specs = _boundary_rows(1)
+    y = torch.zeros(z.shape[0], dtype=torch.long)
+    want = reference_filter(z, specs).kept
+    res = E.recompute(z, y, specs)
+    assert torch.equal(res.kept, want)
+    assert res.fallback_count > 0, "no row fell inside the band: these rows do not reach the rounding boundary"
+    cut = N.nucleus_cut(E.scale(z, specs), torch.tensor([s.top_p for s in specs], dtype=torch.float32))
+    assert bool(cut.band.any()) and not bool(cut.unresolved.any()), "band rows are cut from their sorted values"
+    monkeypatch.setattr(N, "_margin", lambda a_j, cmax, k_ref, v, ours: torch.zeros_like(cmax))
+    differ = int((E.recompute(z, y, specs).kept != want).any(dim=1).sum())
+    assert differ > 0, "no margin and still equal: the band was never needed on these rows"
+
+
+def test_tie_split_by_the_cut_falls_back(monkeypatch) -> None:
+    """Which tied tokens the cut drops follows torch.sort's permutation of the whole row; the candidates
+    cannot know it. Every such row is flagged and sent to the reference; unflagged, some rows differ."""
+    g = torch.Generator().manual_seed(3)
+    rows, specs = [], []
+    while len(rows) < 40:
+        z = torch.randn(2000, generator=g) * 2
+        spec = plant_top_p_tie(z, S(1.0, top_p=0.9), 6, g)
+        if spec.top_p != 0.9:
+            rows.append(z)
+            specs.append(spec)
+    z = torch.stack(rows)
+    y = torch.zeros(z.shape[0], dtype=torch.long)
+    want = reference_filter(z, specs).kept
+    res = N.nucleus_cut(E.scale(z, specs), torch.tensor([s.top_p for s in specs], dtype=torch.float32))
+    assert int(res.tie_split.sum()) >= 20, f"only {int(res.tie_split.sum())} rows had the cut inside the planted block"
+    assert torch.equal(E.recompute(z, y, specs).kept, want)
+    monkeypatch.setattr(N, "_tied", lambda lo, hi: torch.zeros_like(lo, dtype=torch.bool))
+    differ = int((E.recompute(z, y, specs).kept != want).any(dim=1).sum())
+    assert differ > 0, "the candidates' tie order always matched torch.sort's: the check was never needed"
+
+
+def test_p_one_rows_fall_back_in_the_underflow_band(monkeypatch) -> None:
+    """A row without top_p in a sort-path batch keeps every token whose float32 probability is not 0: a
+    token 90 nats below the max has probability ~1e-39 (a float32 subnormal) and is kept by vLLM. Tokens
+    between 80 and 105 nats below the max send the row to the reference; without that, it is dropped."""
+    z = torch.full((2, 600), -300.0)
+    z[:, 0] = 0.0
+    z[:, 1:500] = -torch.linspace(1.0, 40.0, 499)
+    z[1, 500] = -90.0
+    specs = [S(1.0, top_p=0.9), S(1.0)]
+    y = torch.zeros(2, dtype=torch.long)
+    want = reference_filter(z, specs).kept
+    assert bool(want[1, 500]), "vLLM keeps the subnormal-probability token"
+    res = E.recompute(z, y, specs)
+    assert torch.equal(res.kept, want)
+    assert res.fallback.tolist() == [False, True]
+    monkeypatch.setattr(N, "_DROP_KEY", N._KEEP_KEY - 1)  # no underflow band
+    assert not torch.equal(E.recompute(z, y, specs).kept, want)
+
+
+def test_bracket_cap_is_counted_and_exact(monkeypatch) -> None:
+    """The cap on candidates is a cost guard, not a correctness one: over it the row is sorted by the
+    reference (counted as bracket), and the kept set is the same."""
+    z = _lm_rows(8, 3000, 5)
+    specs = [S(1.0, top_p=0.2)] * 8  # the cut among the tail: many candidates per bucket
+    want = reference_filter(z, specs).kept
+    free = N.nucleus_cut(E.scale(z, specs), torch.full((8,), 0.2))
+    assert not bool(free.bracket.any())
+    monkeypatch.setattr(N, "MAX_CANDIDATES", int(free.candidates.min()) - 1)
+    capped = N.nucleus_cut(E.scale(z, specs), torch.full((8,), 0.2))
+    assert bool(capped.bracket.all()) and bool(capped.fallback.all())
+    res = E.recompute(z, torch.zeros(8, dtype=torch.long), specs)
+    assert torch.equal(res.kept, want) and res.fallback_count == 8
+
+
+def test_values_cut_is_the_references_cut() -> None:
+    """The fallback for band rows: the reference's float32 softmax and cumulative sum run on the row's
+    sorted values (no permutation) give its cut value; kept = z' >= v* unless the cut splits a tie."""
+    from parity.core.filters import top_k_top_p_sorted
+
+    g = torch.Generator().manual_seed(13)
+    z = torch.randn(24, 3000, generator=g) * 2
+    z[8:16] = torch.round(z[8:16] * 2) / 2  # many ties
+    z[16:20, ::3] = NEG_INF  # min_p-style -inf entries
+    p = torch.rand(24, generator=g) * 0.98 + 0.01
+    p[20:] = 1.0  # p = 1 rows: only float32 underflow drops
+    z[20:, :50] = -150.0
+    want = top_k_top_p_sorted(z, torch.full((24,), 3000), p) > NEG_INF
+    v_star, split = N._values_cut(z, 1 - p)
+    mine = z >= v_star.unsqueeze(1)
+    assert torch.equal(mine[~split], want[~split])
+    assert bool(split.any()), "no quantised row split a tie: the check is not exercised"
+    # Split rows: the reference keeps every value above v*, drops every value below, and part of the tie.
+    assert bool((want[split] <= mine[split]).all()) and bool((want[split] >= (z[split] > v_star[split].unsqueeze(1))).all())
+    assert bool((want[split] != mine[split]).any(dim=1).any()), "a split row where z' >= v* is right is no split"
+
+
+def test_survivor_rows_take_the_kept_mass_path() -> None:
+    """min_p alone and no filter (vLLM skips its top-k/top-p step): kept = the finite z' left by min_p,
+    the kept mass from the same blocked sums as the nucleus select."""
+    z = _lm_rows(16, 4000, 17)
+    g = torch.Generator().manual_seed(1)
+    y = torch.randint(0, 4000, (16,), generator=g)
+    for specs in ([S(0.8, min_p=0.05)] * 16, [S(1.3)] * 16, [S(0.8, min_p=0.1), S(1.0)] * 8):
+        cut, fallback = _nucleus_rows(z, specs)
+        assert bool(cut.all()) and not bool(fallback.any())
+        fast, ref = E.recompute(z, y, specs), E._recompute_reference(z, y, specs)
+        assert torch.equal(fast.kept, ref.kept) and torch.equal(fast.forced, ref.forced)
+        _check_logprobs(fast, ref, cut, specs[0].label())
+
+
+def test_any_order_bound_without_a_known_lane_count() -> None:
+    """Where torch's vector width is not known the denominator gets the any-order bound: more rows may
+    fall back, none is decided differently."""
+    z = _lm_rows(16, 4000, 9)
+    p = torch.full((16,), 0.95)
+    zs = E.scale(z, S(1.0, top_p=0.95))
+    want = reference_filter(z, S(1.0, top_p=0.95)).kept
+    for lanes in (None, 1, N.softmax_lanes(z.device)):
+        res = N.nucleus_cut(zs, p, lanes=lanes)
+        ok = ~res.fallback
+        assert torch.equal(res.kept[ok], want[ok]), f"lanes={lanes}"
+    assert int(N.nucleus_cut(zs, p, lanes=None).fallback.sum()) >= int(N.nucleus_cut(zs, p).fallback.sum())
+
+
+def test_rows_and_out() -> None:
+    """``rows`` cuts a subset of a batch into the same rows of ``out``; the rest of ``out`` is untouched."""
+    z = E.scale(_lm_rows(6, 2000, 11), S(1.0))
+    rows = torch.tensor([4, 1])
+    out = torch.ones(6, 2000, dtype=torch.bool)
+    res = N.nucleus_cut(z, torch.tensor([0.9, 0.7]), rows=rows, out=out)
+    assert res.kept is out
+    k = torch.full((2,), 2000)
+    from parity.core.filters import top_k_top_p_sorted
+
+    want = top_k_top_p_sorted(z[rows], k, torch.tensor([0.9, 0.7])) > NEG_INF
+    assert torch.equal(out[rows], want)
+    assert bool(out[[0, 2, 3, 5]].all())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"work": torch.zeros(2, 5, dtype=torch.float64)}, "float32"),
+        ({"p": torch.full((3,), 0.9)}, r"p has torch.float32 \(3,\): allowed float32 \[2\]"),
+        ({"p": torch.full((2,), 0.9, dtype=torch.float64)}, r"p has torch.float64 \(2,\): allowed float32 \[2\]"),
+        ({"min_p": torch.zeros(1)}, r"min_p has torch.float32 \(1,\): allowed float32 \[2\]"),
+        ({"out": torch.zeros(2, 4, dtype=torch.bool)}, r"out has torch.bool \(2, 4\): allowed bool \[2, 5\]"),
+    ],
+)
+def test_bad_input_is_refused(kwargs: dict, match: str) -> None:
+    args = {"work": torch.zeros(2, 5), "p": torch.full((2,), 0.9)} | kwargs
+    work, p = args.pop("work"), args.pop("p")
+    with pytest.raises(ValueError, match=match):
+        N.nucleus_cut(work, p, **args)

@@ -28,6 +28,17 @@ from parity.determinism.knobs import batch_invariant_mode
 from parity.determinism.layouts import BatchLayout, alone_logits, compare, max_abs_diff, sequence_logits
 from parity.fixtures import resolve_model
 
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread: the kernels' many small per-row calls stall on a shared 2-core machine under
+    OpenMP (the property itself was also checked with 2 threads); restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # Per-test example counts (the profile's other settings stay: ci is derandomized, no database). Each
 # example runs one layout forward plus every sequence alone under the mode (~0.3-2 s on 2 cores).
 PROPERTY_EXAMPLES = {"qwen2-tiny": 60, "qwen3-tiny": 15, "llama-tiny": 15, "llama-32k": 15}

@@ -17,6 +17,17 @@ from hypothesis import strategies as st
 
 from parity.determinism import kernels as ck
 
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread: the kernels' many small per-row calls stall on a shared 2-core machine under
+    OpenMP (the property itself was also checked with 2 threads); restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 aten = torch.ops.aten
 
 

@@ -99,8 +99,10 @@ def test_mode_on_the_cpu_engine_reports_what_is_in_force(rollout_run) -> None:
     assert not torch.are_deterministic_algorithms_enabled()  # restored after the mode
 
 
-def test_rollout_is_batch_invariant_on_cpu(rollout_run) -> None:
-    """Measured: vLLM's CPU engine gives bitwise the same answer at batch size 1 and in mixed batches."""
+def test_rollout_invariance_is_measured_and_reported(rollout_run, record_property) -> None:
+    """vLLM's CPU engine promises no batch invariance (its batch-invariant mode crashes on CPU): whether a
+    batch size changes its bits is this machine's business. The checks must be made, self-consistent and
+    gated as measured; the outcome is reported, not asserted (on the machines measured so far: bitwise)."""
     _, result = rollout_run
     names = [c["name"] for c in result["checks"]]
     assert names == [
@@ -110,14 +112,15 @@ def test_rollout_is_batch_invariant_on_cpu(rollout_run) -> None:
     ]
     assert result["modes"]["sampled"] == SPEC.to_dict()
     for c in result["checks"]:
-        assert c["bitwise"] and c["tokens_equal"] and c["max_abs_diff"] == 0.0, c
         if c["kind"] == "batch":
             assert c["filler_lengths"], c  # mixed with prompts of other lengths
-            assert c["support_equal"] is (True if c["mode"] == "sampled" else None), c
+            if c["tokens_equal"]:
+                assert c["bitwise"] == (c["max_abs_diff"] == 0.0 and c["support_equal"] is not False), c
         else:
-            assert c["unique_outputs"] == 1
-    assert result["invariant"]
-    assert invariance_gate(result, required=True) == []
+            assert c["bitwise"] == (c["unique_outputs"] == 1), c
+    assert result["invariant"] == all(c["bitwise"] for c in result["checks"])
+    assert len(invariance_gate(result, required=True)) == sum(not c["bitwise"] for c in result["checks"])
+    _report(record_property, "rollout_with_mode", result)
 
 
 def test_rollout_negative_control_fails_the_check_and_the_gate(engines, prompts) -> None:
@@ -265,8 +268,12 @@ def test_report_section_puts_both_sides_next_to_each_other(rollout_run, trainer_
     _, rollout = rollout_run
     state, trainer = trainer_run
     sec = determinism_section(state, rollout=rollout, trainer=trainer, replay_max_abs_diff=1.5e-6)
-    assert sec["required"] and sec["invariant"] and sec["violations"] == []
-    assert sec["cross_side"] == {"kernel_noise_max_abs_diff": 0.0, "replay_max_abs_diff": 1.5e-6}
+    # The trainer side is invariant by construction under the mode; the rollout side is measured.
+    assert sec["required"] and trainer["invariant"]
+    assert sec["invariant"] == rollout["invariant"]
+    assert len(sec["violations"]) == sum(not c["bitwise"] for c in rollout["checks"])
+    noise = [c["max_abs_diff"] for r in (rollout, trainer) for c in r["checks"] if c.get("max_abs_diff") is not None]
+    assert sec["cross_side"] == {"kernel_noise_max_abs_diff": max(noise), "replay_max_abs_diff": 1.5e-6}
     assert sec["mode"]["device"] == "cpu"
     # The report says which kernels were replaced on the trainer side.
     kernels = sec["mode"]["knobs"]["cpu_kernels"]["value"]

@@ -159,10 +159,11 @@ def validate_native_mask(spec: SamplingSpec) -> None:
 def padded_ids(rows: Sequence[Sequence[int]]) -> torch.Tensor:
     """Ragged per-position id lists → ``[L, K]`` sorted ascending, ``-1`` padded."""
     width = max([len(r) for r in rows] + [1])
-    out = torch.full((len(rows), width), -1, dtype=torch.long)
+    # An int fill and int ids make long tensors without the dtype: its mutants are equivalent.
+    out = torch.full((len(rows), width), -1, dtype=torch.long)  # pragma: no mutate
     for t, r in enumerate(rows):
         if len(r):
-            out[t, : len(r)] = torch.tensor(sorted(int(i) for i in r), dtype=torch.long)
+            out[t, : len(r)] = torch.tensor(sorted(int(i) for i in r), dtype=torch.long)  # pragma: no mutate
     return out
 
 

@@ -91,7 +91,7 @@ class Thresholds:
         data = tomllib.loads(p.read_text())
         table = dict(data.get("thresholds", data))
         table.pop("schema_version", None)
-        per_dtype = table.pop(dtype, {}) if isinstance(table.get(dtype), dict) else {}
+        per_dtype = table.pop(dtype) if isinstance(table.get(dtype), dict) else {}
         for key in [k for k, v in table.items() if isinstance(v, dict)]:
             table.pop(key)
         return cls.for_dtype(dtype).override(**table, **per_dtype)

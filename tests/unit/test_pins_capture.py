@@ -164,13 +164,15 @@ def test_padded_ids_sorts_pads_and_keeps_one_column() -> None:
 
 
 def test_compare_supports_ignores_order_and_padding_and_honours_skip() -> None:
-    a = torch.tensor([[1, 2, -1], [0, -1, -1], [4, 5, 6]])
-    b = torch.tensor([[2, 1, -1], [0, 3, -1], [6, 5, 4]])
-    assert compare_supports(a, b) == [1]
-    assert compare_supports(a, b, skip=torch.tensor([False, True, False])) == []
+    a = torch.tensor([[1, 2, -1, -1], [0, -1, -1, -1], [4, 5, 6, -1]])
+    b = torch.tensor([[2, 1], [0, 3], [6, 5]])
+    assert compare_supports(a, b) == [1, 2]
+    assert compare_supports(a, b, skip=torch.tensor([False, True, False])) == [2]
     assert compare_supports(a, b, skip=torch.tensor([True, False, True])) == [1]
-    c = torch.tensor([[1, 2, 0], [0, -1, -1], [4, 5, 6]])  # id 0 is a token, not padding
+    assert compare_supports(a[:2], b[:2, :1].expand(2, 3)) == [0]  # 2 positions, 4 and 3 columns
+    c = torch.tensor([[1, 2, 0, -1], [0, -1, -1, -1], [6, 4, 5, -1]])  # id 0 is a token, not padding
     assert compare_supports(a, c) == [0]
+    assert compare_supports(torch.tensor([[3, 0]]), torch.tensor([[0, 3, -1, -1]])) == []
     with pytest.raises(ValueError) as info:
-        compare_supports(a, b[:2])
+        compare_supports(a, torch.zeros(2, 5, dtype=torch.long))
     assert str(info.value) == "supports cover 3 and 2 positions"

@@ -124,7 +124,7 @@ def mutation(session: nox.Session) -> None:
     Not part of ``nox -s tests``. mutmut works in a copy under mutants/ (gitignored); the table goes to
     reports/mutation/ (score.md, score.json, survivors.txt). Fails when capture, gates, estimators, spec
     or metrics scores below 90 %. About 25 minutes on a quiet 2-core machine; arguments after ``--`` go
-    to ci/mutation.py (``-- --modules gates,spec``, ``-- --reuse``, ``-- --all``).
+    to ci/mutation.py (``-- --modules gates,spec``, ``-- --reuse``, ``-- --sample all``).
     """
     install(session, "cpu", "test", "report")
     session.install("mutmut==3.8.1")

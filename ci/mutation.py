@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample", choices=sorted(SAMPLES), help="one sample for every module: all, even (about 1/2) "
                     "or tenth (numbers ending in 0); default: all, table.py even")
     ap.add_argument("--max-children", type=int, default=2)
-    ap.add_argument("--module-limit-s", type=float, default=600.0, help="wall-clock limit per module")
+    ap.add_argument("--module-limit-s", type=float, default=900.0, help="wall-clock limit per module")
     ap.add_argument("--budget-s", type=float, default=1740.0, help="wall-clock limit of the whole run")
     ap.add_argument("--fail-under", type=float, default=90.0, help="minimum score (percent) of the gated modules")
     ap.add_argument("--out", default="reports/mutation")

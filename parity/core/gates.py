@@ -254,7 +254,7 @@ def thresholds_toml() -> str:
     lines = [
         "# Generated from parity.core.gates.Thresholds.for_dtype; do not edit. Change the code, then run",
         "#   python -c \"from parity.core.gates import thresholds_toml; print(thresholds_toml(), end='')\" > ci/thresholds.toml",
-        _THRESHOLDS_TOML_NOTES.rstrip("\n"),
+        *_THRESHOLDS_TOML_NOTES.splitlines(),
         f"schema_version = {THRESHOLDS_SCHEMA_VERSION}",
         "",
         "[thresholds]",

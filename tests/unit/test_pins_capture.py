@@ -106,6 +106,31 @@ def test_a_head_as_wide_as_the_vocabulary_is_complete(requested: int, incomplete
     assert cap.incomplete.tolist() == [incomplete]
 
 
+def test_a_head_of_v_entries_is_complete_whatever_was_requested() -> None:
+    cap = support_from_heads([0], [[0, 1, 2]], [[-1.0, -1.5, -2.0]], requested=2, vocab_size=3)
+    assert cap.incomplete.tolist() == [False]
+
+
+def test_requesting_v_is_the_full_vocabulary() -> None:
+    cap = support_from_heads([0], [[0, 1]], [[-0.5, -1.0]], requested=5, vocab_size=5)
+    assert cap.incomplete.tolist() == [False]
+
+
+def test_a_head_whose_ids_and_log_probs_differ_in_length_is_refused() -> None:
+    with pytest.raises(ValueError, match="zip"):
+        support_from_heads([0], [[0, 1, 2]], [[-0.5, -1.0]], requested=3, vocab_size=10)
+
+
+def test_log_probs_are_float32_whatever_the_default_dtype() -> None:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        cap = support_from_heads([0, 1], [[0, 1], [1, 2]], [[-0.5, NEG], [-0.25, -2.0]], requested=2, vocab_size=10)
+    finally:
+        torch.set_default_dtype(old)
+    assert cap.kept_logprobs.dtype == torch.float32 and cap.kept_ids.dtype == torch.long
+
+
 def test_full_vocabulary_heads_are_never_incomplete_even_when_short() -> None:
     cap = support_from_heads([0], [[0, 1]], [[-0.5, -1.0]], requested=FULL_VOCAB, vocab_size=5)
     assert cap.incomplete.tolist() == [False]
@@ -137,6 +162,7 @@ def test_support_mass_is_the_float64_sum_of_probabilities() -> None:
     assert m.dtype == torch.float64
     expected = torch.tensor([-0.5, -1.25], dtype=torch.float64).exp().sum()
     assert m.tolist() == [float(expected), 0.0]
+    assert support_mass(lps[0]).tolist() == float(expected)  # one position's head: the last axis
 
 
 def test_native_mask_messages_in_full() -> None:

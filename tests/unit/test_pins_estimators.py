@@ -322,3 +322,45 @@ def test_scale_divides_in_float32_and_leaves_greedy_rows() -> None:
     out = E.scale(z, [S(0.5), S(0.0)])
     assert out.dtype == torch.float32 and out.tolist() == [[2.0, 6.0], [1.0, 3.0]]
     assert E.scale(z, S(5e-6)).tolist() == [[100.0, 300.0]] * 2  # (0, 0.01) is raised to 0.01
+
+
+def test_mask_to_ids_lists_ids_ascending_on_long_rows() -> None:
+    """torch's default sort is not stable on long rows; the stable sort is what keeps kept ids ascending."""
+    kept = torch.rand(3, 50_000, generator=torch.Generator().manual_seed(0)) < 0.5
+    ids = E.mask_to_ids(kept)
+    for r in range(3):
+        c = int(kept[r].sum())
+        assert ids.shape[1] == int(kept.sum(-1).max())
+        assert torch.equal(ids[r, :c], kept[r].nonzero().squeeze(1)) and bool((ids[r, c:] == -1).all())
+
+
+def test_replay_on_ids_divides_in_float32_for_any_logit_dtype() -> None:
+    z = torch.randn(3, 50, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 3
+    ids = torch.tensor([[0, 5, 7], [1, 2, -1], [9, -1, -1]])
+    y = torch.tensor([5, 2, 9])
+    spec = S(0.7, top_k=3)
+    got = E.replay(z, y, ids, spec).logprobs
+    assert got.dtype == torch.float32
+    assert torch.equal(got, E.replay(z.float(), y, ids, spec).logprobs)
+
+
+def test_planted_faults_with_force_include_off_score_minus_infinity() -> None:
+    z = torch.tensor([[3.0, 2.0, 2.0, 2.0, 0.0]])
+    res = E.recompute(z, torch.tensor([4]), S(1.0, top_k=2), faults=FilterFaults(drop_top_k_ties=True),
+                      force_include=False)
+    assert res.forced.tolist() == [True] and res.logprobs.tolist() == [NEG]
+
+
+def test_the_underflow_decision_reads_the_normalised_log_probability() -> None:
+    """3000 tokens at the max: log q = x - m - log(3000). At x - m = -125 that is -133, a clear float32 zero;
+    without the normaliser it would read -125 + 8 and fall in the band."""
+    row = torch.full((3001,), 0.0)
+    row[-1] = -125.0
+    keep, fb = E._top_p_on_candidates(row.unsqueeze(0), torch.tensor([1.0]))
+    assert fb.tolist() == [False] and keep[0, :3000].all() and not bool(keep[0, -1])
+
+
+def test_the_tie_split_check_is_per_row() -> None:
+    """Row 0 drops a token, row 1 (no -inf, nothing dropped) must not be flagged by row 0's drop."""
+    keep, fb = _cut([[2.0, 1.0, 0.0, -1.0], [0.5, 0.4, 0.3, 0.2]], [0.5, 0.999])
+    assert keep == [[True, False, False, False], [True, True, True, True]] and fb == [False, False]

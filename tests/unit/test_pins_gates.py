@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from parity.core.gates import (
+    _THRESHOLDS_TOML_NOTES,
     RETIRED,
     THRESHOLD_DTYPES,
     THRESHOLDS_SCHEMA_VERSION,
@@ -141,6 +142,7 @@ def test_mean_bias_gate_statistic_is_the_absolute_mean_against_headroom_times_li
     [v] = evaluate(SC, t, s, th)
     bias = sign * 2 * u
     assert v.gate == "replay_mean_bias" and v.label == "replay |mean bias|" and v.comparison == ">"
+    assert v.scenario == SC
     assert (v.statistic, v.limit) == (2 * u, u)
     assert v.detail == f"mean(trainer - vllm) = {bias:.3g} over 3 tokens" and v.worst == ()
     # The same bias at exactly the allowance passes, whether the limit or the headroom is raised.
@@ -188,20 +190,22 @@ def test_naive_bias_outside_the_sampler_log_s() -> None:
     s_lo = torch.tensor([NAN, -0.3, -0.3, -0.3], dtype=torch.float64)
     s_hi = torch.tensor([NAN, -0.2, -0.26, -0.2], dtype=torch.float64)
     full = t.vllm - torch.tensor([5.0, 0.25, 0.25, 0.35], dtype=torch.float64)  # row 0 has no sampler log S
-    t = table(4, s_lo=s_lo, s_hi=s_hi, full=full, s_source="top_p_bracket")
-    [v] = evaluate(SC, t, summary(t, headroom={"naive_vs_sampler_log_s": 2.0}), Thresholds(max_violations_listed=1))
-    # Rows 1..3 have a sampler log S: the naive bias -0.25 lies inside row 1's bracket, 0.01 above row 2's
-    # upper end; row 3's bias -0.35 lies 0.05 below its lower end (the worst).
-    sub_row = 3
-    assert (v.gate, v.statistic, v.limit) == ("naive_vs_sampler_log_s", 2.0, 1.0)
+    bound, bound_full = t.bound.clone(), t.bound_full.clone()
+    bound[2] = bound_full[2] = 1e-8  # row 2's gap is the smaller, its bound smaller still: worst by gap / bound
+    t = table(4, s_lo=s_lo, s_hi=s_hi, full=full, bound=bound, bound_full=bound_full, s_source="top_p_bracket")
+    th = Thresholds(max_headroom=0.5, max_violations_listed=1)
+    [v] = evaluate(SC, t, summary(t, headroom={"naive_vs_sampler_log_s": 2.0}), th)
+    # Rows 1..3 have a sampler log S: the naive bias -0.25 lies inside row 1's bracket and 0.01 above
+    # row 2's upper end; row 3's bias -0.35 lies 0.05 below its lower end.
+    assert (v.gate, v.scenario, v.statistic, v.limit) == ("naive_vs_sampler_log_s", SC, 2.0, 0.5)
     assert v.label == "naive bias outside the sampler-side log S, max gap / bound"
     assert v.detail == "log S from the sampler's top p bracket"
     [w] = v.worst
-    assert (w.prompt, w.position, w.token) == (0, sub_row, 10 + sub_row)
-    assert w.values == {"vllm": float(t.vllm[3]), "trainer_full": float(full[3]), "sampler_log_s_lo": -0.3,
-                        "sampler_log_s_hi": -0.2}
-    assert w.gap == pytest.approx(0.05) and w.bound == pytest.approx(3e-6)
-    assert evaluate(SC, t, summary(t, headroom={"naive_vs_sampler_log_s": 1.0}), Thresholds()) == []
+    assert (w.prompt, w.position, w.token) == (0, 2, 12)
+    assert w.values == {"vllm": float(t.vllm[2]), "trainer_full": float(full[2]), "sampler_log_s_lo": -0.3,
+                        "sampler_log_s_hi": -0.26}
+    assert w.gap == pytest.approx(0.01) and w.bound == pytest.approx(0.5 * 2e-8)
+    assert evaluate(SC, t, summary(t, headroom={"naive_vs_sampler_log_s": 0.5}), th) == []
 
 
 def test_replay_and_recompute_support_gates_fail_below_their_fraction() -> None:
@@ -344,6 +348,12 @@ def test_the_generated_thresholds_file_round_trips_for_every_dtype(tmp_path) -> 
     text = thresholds_toml()
     lines = text.splitlines()
     assert lines[0] == "# Generated from parity.core.gates.Thresholds.for_dtype; do not edit. Change the code, then run"
+    assert lines[1] == (
+        "#   python -c \"from parity.core.gates import thresholds_toml; print(thresholds_toml(), end='')\" > ci/thresholds.toml"
+    )
+    notes = _THRESHOLDS_TOML_NOTES.splitlines()
+    end = 2 + len(notes)
+    assert lines[2:end + 3] == [*notes, "schema_version = 2", "", "[thresholds]"]
     assert text.endswith("recompute_support_equal_frac = 0.5\n")
     data = tomllib.loads(text)
     assert data["schema_version"] == THRESHOLDS_SCHEMA_VERSION == 2

@@ -103,4 +103,6 @@ def test_mean_bias_limit_by_hand() -> None:
     want = (4 * sd + 2e-6) / 2 + 2 * U * 2.0  # mean |v| over finite-or-0 values: (1 + 2 + 0 + 5) / 4
     assert mean_bias_limit(d, b, v, U) == pytest.approx(want, rel=1e-12)
     assert mean_bias_limit(d[:1], b[:1], v[:1], U) == pytest.approx(1e-6 + 2 * U, rel=1e-12)  # one token: sd 0
+    two = (4 * float(d[:2].std()) + 1e-6) / math.sqrt(2) + 2 * U * 1.5  # two tokens: the spread counts
+    assert mean_bias_limit(d[:2], b[:2], v[:2], U) == pytest.approx(two, rel=1e-12)
     assert mean_bias_limit(torch.zeros(0), torch.zeros(0), torch.zeros(0), U) == INF

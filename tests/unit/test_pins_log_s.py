@@ -44,6 +44,7 @@ def test_raw_logits_shapes_are_checked(raw: tuple, ids: tuple) -> None:
         (S(1.0, top_p=0.9, top_k=11), 10, True),
         (S(1.0, top_p=0.9, top_k=-1), 10, True),
         (S(1.0, top_p=0.9, top_k=9), 10, False),
+        (S(1.0, top_p=0.9, top_k=1), 10, False),
         (S(1.0, top_p=0.9, min_p=0.01), 10, False),
         (S(1.0, top_p=1.0), 10, False),
         (S(0.0, top_p=0.9), 10, False),
@@ -63,6 +64,9 @@ def test_bracket_ends_by_hand() -> None:
     r = float(lp[0, 2].double().exp())
     assert float(hi[0]) == pytest.approx(math.log(0.8) - math.log1p(-r) + slack, abs=1e-12)
     assert float(hi[1]) == math.inf  # a single kept token: no upper end
+    # A lone kept token whose float32 log-prob rounded just above 0 still has no upper end (not NaN).
+    _, hi_one = top_p_bracket(torch.tensor([[1e-7, NEG]]), 0.8, 100)
+    assert hi_one.tolist() == [math.inf]
     lo16, hi16 = top_p_bracket(lp, 0.8, 100, dtype="bfloat16")
     assert float(lo16[0]) == pytest.approx(math.log(0.8) - 100 * 2.0**-8 / 0.8, abs=1e-12)
 

@@ -430,7 +430,10 @@ def test_the_trainer_under_test_in_the_summary() -> None:
     assert s["trainer_under_test"] == {"name": "mine", **d.to_dict(), "max_abs_gap_to_log_s": gap.max_abs_diff,
                                        "diagnosis": "forgot T"}
     assert s["headroom"]["trainer_under_test"] == pytest.approx(0.5 / float(t.bound[1]))
-    assert "trainer_under_test" in s["mean_bias_limit"] and "trainer_under_test" in s["rl_view"]
+    from parity.core.error_model import mean_bias_limit
+
+    u = t.select(~t.incomplete)
+    assert s["mean_bias_limit"]["trainer_under_test"] == mean_bias_limit(u.user - u.vllm, u.bound, u.vllm, u.roundoff)
     assert list(s["rl_view"]) == ["naive", "replay", "recompute", "trainer_under_test"]
 
 

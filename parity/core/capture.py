@@ -25,6 +25,7 @@ import torch
 from parity.core.spec import SamplingSpec
 
 FULL_VOCAB = -1  # vLLM's "logprobs=-1": every token of the vocabulary
+NEG_INF = float("-inf")
 
 
 @dataclass(frozen=True)
@@ -112,20 +113,25 @@ def support_from_heads(
     rows: list[list[tuple[int, float]]] = []
     incomplete: list[bool] = []
     missing: list[bool] = []
-    for y, ids, lps in zip(sampled, head_ids, head_logprobs, strict=True):
-        finite = [(int(i), float(v)) for i, v in zip(ids, lps, strict=True) if v != float("-inf")]
+    # The lengths are checked above, so this zip's strict= cannot change anything.
+    for y, ids, lps in zip(sampled, head_ids, head_logprobs, strict=True):  # pragma: no mutate
+        finite = [(int(i), float(v)) for i, v in zip(ids, lps, strict=True) if v != NEG_INF]
         rows.append(finite)
         # A full head of finite values on a partial vocabulary may hide more kept tokens.
         incomplete.append(not full and len(finite) >= len(ids) and len(ids) < vocab_size)
         missing.append(all(i != int(y) for i, _ in finite))
     width = max([len(r) for r in rows] + [1])
-    ids_t = torch.full((len(rows), width), -1, dtype=torch.long)
-    lps_t = torch.full((len(rows), width), float("-inf"), dtype=torch.float32)
+    # Int and bool values make long and bool tensors whatever torch's default dtype: the dtype= of the
+    # lines marked below is there for the reader, and its mutants are equivalent.
+    ids_t = torch.full((len(rows), width), -1, dtype=torch.long)  # pragma: no mutate
+    lps_t = torch.full((len(rows), width), NEG_INF, dtype=torch.float32)
     for t, r in enumerate(rows):
         if r:
-            ids_t[t, : len(r)] = torch.tensor([i for i, _ in r], dtype=torch.long)
-            lps_t[t, : len(r)] = torch.tensor([v for _, v in r], dtype=torch.float32)
-    return CapturedSupport(ids_t, lps_t, torch.tensor(incomplete, dtype=torch.bool), torch.tensor(missing, dtype=torch.bool))
+            ids_t[t, : len(r)] = torch.tensor([i for i, _ in r], dtype=torch.long)  # pragma: no mutate
+            lps_t[t, : len(r)] = torch.tensor([v for _, v in r], dtype=torch.float32)  # pragma: no mutate (cast on assignment)
+    incomplete_t = torch.tensor(incomplete, dtype=torch.bool)  # pragma: no mutate
+    missing_t = torch.tensor(missing, dtype=torch.bool)  # pragma: no mutate
+    return CapturedSupport(ids_t, lps_t, incomplete_t, missing_t)
 
 
 def support_mass(kept_logprobs: torch.Tensor) -> torch.Tensor:
@@ -159,10 +165,11 @@ def validate_native_mask(spec: SamplingSpec) -> None:
 def padded_ids(rows: Sequence[Sequence[int]]) -> torch.Tensor:
     """Ragged per-position id lists → ``[L, K]`` sorted ascending, ``-1`` padded."""
     width = max([len(r) for r in rows] + [1])
-    out = torch.full((len(rows), width), -1, dtype=torch.long)
+    # An int fill and int ids make long tensors without the dtype: its mutants are equivalent.
+    out = torch.full((len(rows), width), -1, dtype=torch.long)  # pragma: no mutate
     for t, r in enumerate(rows):
         if len(r):
-            out[t, : len(r)] = torch.tensor(sorted(int(i) for i in r), dtype=torch.long)
+            out[t, : len(r)] = torch.tensor(sorted(int(i) for i in r), dtype=torch.long)  # pragma: no mutate
     return out
 
 

@@ -306,7 +306,7 @@ def _kept_bounded(z: torch.Tensor, specs: list[SamplingSpec]) -> _Bounded:
 def mask_to_ids(kept: torch.Tensor) -> torch.Tensor:
     """Dense bool mask ``[N, V]`` → padded ids ``[N, K]`` (K = largest support, ``-1`` padding)."""
     counts = kept.sum(dim=-1)
-    width = max(int(counts.max()) if counts.numel() else 0, 1)
+    width = max(int(counts.max()), 1) if counts.numel() else 1
     # Sorting the mask descending with a stable sort puts kept ids first, in ascending id order.
     order = torch.sort(kept.to(torch.int8), dim=-1, descending=True, stable=True).indices[:, :width]
     pos = torch.arange(width, device=kept.device).unsqueeze(0)

@@ -91,7 +91,7 @@ class Thresholds:
         data = tomllib.loads(p.read_text())
         table = dict(data.get("thresholds", data))
         table.pop("schema_version", None)
-        per_dtype = table.pop(dtype, {}) if isinstance(table.get(dtype), dict) else {}
+        per_dtype = table.pop(dtype) if isinstance(table.get(dtype), dict) else {}
         for key in [k for k, v in table.items() if isinstance(v, dict)]:
             table.pop(key)
         return cls.for_dtype(dtype).override(**table, **per_dtype)
@@ -254,7 +254,7 @@ def thresholds_toml() -> str:
     lines = [
         "# Generated from parity.core.gates.Thresholds.for_dtype; do not edit. Change the code, then run",
         "#   python -c \"from parity.core.gates import thresholds_toml; print(thresholds_toml(), end='')\" > ci/thresholds.toml",
-        _THRESHOLDS_TOML_NOTES.rstrip("\n"),
+        *_THRESHOLDS_TOML_NOTES.splitlines(),
         f"schema_version = {THRESHOLDS_SCHEMA_VERSION}",
         "",
         "[thresholds]",

@@ -95,7 +95,7 @@ class SamplingSpec:
         (0, 0.01) to 0.01 and resets top_p, top_k and min_p when temperature < _SAMPLING_EPS.
         """
         if self.greedy:
-            return SamplingSpec(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
+            return SamplingSpec(temperature=0.0)  # every filter at its default: off
         t = self.effective_temperature
         if self.top_k == -1 or t != self.temperature:
             return SamplingSpec(t, 0 if self.top_k == -1 else self.top_k, self.top_p, self.min_p)
@@ -103,9 +103,7 @@ class SamplingSpec:
 
     def top_k_for_vocab(self, vocab_size: int) -> int:
         """k as a row filter: the vocabulary size when top_k is off or k >= V."""
-        if not self.uses_top_k or self.top_k >= vocab_size:
-            return vocab_size
-        return self.top_k
+        return min(self.top_k, vocab_size) if self.uses_top_k else vocab_size
 
     # -- conversions --------------------------------------------------------------------------
 

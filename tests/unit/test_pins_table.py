@@ -1,0 +1,442 @@
+"""The token table pinned column by column, each planted trainer fault where it lands, and the summary's wiring.
+
+Records are made as the engine adapter makes them, from the reference filters on known logits; every
+column is checked against its definition (the estimator or bound it comes from, by name), so a column
+fed from the wrong source, a dropped shift or a swapped key shows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from parity.core import estimators as E
+from parity.core.error_model import logprob_bound, unit_roundoff
+from parity.core.filters import reference_filter
+from parity.core.log_s import top_p_bracket
+from parity.core.metrics import diff_stats, is_ratios
+from parity.core.rl import summarize_trainers
+from parity.core.spec import SamplingSpec as S
+from parity.core.table import (
+    SUPPORT_MASS_TOL,
+    TrainerFaults,
+    _engine_missing,
+    _logit_drift,
+    _sampler_lp_of,
+    build_table,
+    error_model_summary,
+    naive_gap_to_sampler_log_s,
+    summarize,
+)
+from parity.records.sequence import SequenceRecord
+
+V = 6
+NAN = math.nan
+
+
+def logits(seed: int, n: int = 4, scale: float = 2.0) -> torch.Tensor:
+    return torch.randn(n, V, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def record(z: torch.Tensor, spec: S, y: list[int], i: int = 0, extras: dict | None = None,
+           incomplete: torch.Tensor | None = None) -> SequenceRecord:
+    ref = reference_filter(z, spec)
+    yt = torch.tensor(y)
+    kept = lp = None
+    if spec.effective().filtered:
+        kept = E.mask_to_ids(ref.kept)
+        lp = ref.logprobs.gather(1, kept.clamp(min=0)).masked_fill(kept < 0, -math.inf)
+    return SequenceRecord("sampler", i, [1], y, spec, i, ref.logprobs.gather(1, yt.unsqueeze(1)).squeeze(1),
+                          kept_ids=kept, kept_logprobs=lp, incomplete=incomplete, extras=extras or {})
+
+
+SPEC = S(0.7, top_k=3)
+
+
+def one(spec: S = SPEC, seed: int = 0, y: list[int] | None = None, faults: TrainerFaults | None = None, **kw):
+    z = logits(seed)
+    y = y or reference_filter(z, spec).logprobs.argmax(dim=-1).tolist()
+    r = record(z, spec, y, **kw)
+    return z, r, build_table([r], [z], spec, faults=faults)
+
+
+def test_every_column_of_a_filtered_record() -> None:
+    z, r, t = one(y=None)
+    y = torch.tensor(r.completion_ids)
+    zs = E.scale(z, SPEC)
+    mask = E.ids_to_mask(r.kept_ids, V)
+    assert t.tokens == 4 and t.seq_lengths == [4] and t.roundoff == 2.0**-24 and t.s_source == "none"
+    assert t.prompt_index.tolist() == [0] * 4 and t.position.tolist() == [0, 1, 2, 3]
+    assert t.token.tolist() == y.tolist() and t.sampled.tolist() == y.tolist()
+    assert torch.equal(t.vllm, r.logprobs.double())
+    assert torch.equal(t.full, E.full(z, y, SPEC).double())
+    assert torch.equal(t.replay, E.replay(z, y, r.kept_ids, SPEC).logprobs.double())
+    assert torch.equal(t.recompute, E.recompute(z, y, SPEC).logprobs.double())
+    assert torch.equal(t.log_s, E.predicted_log_s(z, r.kept_ids, SPEC).double())
+    assert t.forced.tolist() == [False] * 4 and t.captured.tolist() == [True] * 4
+    assert t.incomplete.tolist() == [False] * 4 and t.sampled_outside.tolist() == [False] * 4
+    assert t.replay_support_ok.tolist() == [True] * 4 and t.recompute_support_equal.tolist() == [True] * 4
+    assert t.support_size.tolist() == [3] * 4
+    assert torch.equal(t.bound, logprob_bound(zs, y, mask))
+    assert torch.equal(t.bound_full, logprob_bound(zs, y, None))
+    assert bool((t.bound < t.bound_full).all())
+    assert bool(t.s_lo.isnan().all()) and bool(t.s_hi.isnan().all())
+    assert t.kl.abs().max() < 1e-6 and t.tv.abs().max() < 1e-6 and t.logit_drift.abs().max() < 1e-5
+    assert t.vllm.dtype == t.full.dtype == t.replay.dtype == t.recompute.dtype == t.log_s.dtype == torch.float64
+    assert t.user is None and t.user_name is None and t.user_diagnosis is None
+
+
+def test_kl_tv_and_logit_drift_of_a_trainer_with_other_logits() -> None:
+    z = logits(1)
+    spec = S(1.0, top_k=3)
+    y = reference_filter(z, spec).logprobs.argmax(dim=-1).tolist()
+    r = record(z, spec, y)
+    moved = z.clone()
+    moved[:, :] += torch.arange(V) * 0.01  # logit drift across the kept set
+    t = build_table([r], [moved], spec)
+    sampler_lp = r.kept_logprobs.double()
+    vals = moved.gather(1, r.kept_ids).double()
+    t_lp = vals - torch.logsumexp(vals, dim=-1, keepdim=True)
+    p, q = sampler_lp.exp(), t_lp.exp()
+    assert t.kl.tolist() == pytest.approx((p * (sampler_lp - t_lp)).sum(-1).tolist(), abs=1e-9)
+    assert t.tv.tolist() == pytest.approx((0.5 * (p - q).abs().sum(-1)).tolist(), abs=1e-9)
+    e = sampler_lp - t_lp
+    assert t.logit_drift.tolist() == pytest.approx((e.amax(-1) - e.amin(-1)).tolist(), abs=1e-6)
+    ids = r.kept_ids
+    spread = (moved.gather(1, ids) - z.gather(1, ids)).double()
+    assert t.logit_drift.tolist() == pytest.approx((spread.amax(-1) - spread.amin(-1)).tolist(), abs=1e-5)
+
+
+def test_an_unfiltered_record() -> None:
+    spec = S(0.7)
+    z = logits(2)
+    y = [0, 1, 2, 3]
+    r = record(z, spec, y)
+    t = build_table([r], [z], spec)
+    zs = E.scale(z, spec)
+    assert torch.equal(t.replay, t.full) and torch.equal(t.full, E.full(z, torch.tensor(y), spec).double())
+    assert t.log_s.tolist() == [0.0] * 4 and t.captured.tolist() == [False] * 4
+    assert t.incomplete.tolist() == [False] * 4 and t.sampled_outside.tolist() == [False] * 4
+    assert t.replay_support_ok.tolist() == [True] * 4 and t.recompute_support_equal.tolist() == [True] * 4
+    assert t.support_size.tolist() == [V] * 4 and t.kl.tolist() == [0.0] * 4 and t.tv.tolist() == [0.0] * 4
+    assert bool(t.logit_drift.isnan().all())
+    assert torch.equal(t.bound, logprob_bound(zs, torch.tensor(y), None)) and torch.equal(t.bound_full, t.bound)
+    assert t.s_lo.tolist() == [0.0] * 4 and t.s_hi.tolist() == [0.0] * 4 and t.s_source == "unfiltered"
+    flagged = record(z, spec, y, extras={"sampled_missing": torch.tensor([0, 1, 0, 0], dtype=torch.uint8)})
+    assert build_table([flagged], [z], spec).sampled_outside.tolist() == [False, True, False, False]
+
+
+def test_the_sampler_log_s_sources() -> None:
+    z = logits(3)
+    topp = S(1.0, top_p=0.8)
+    y = reference_filter(z, topp).logprobs.argmax(dim=-1).tolist()
+    r = record(z, topp, y)
+    t = build_table([r], [z], topp)
+    lo, hi = top_p_bracket(r.kept_logprobs, 0.8, V)
+    assert t.s_source == "top_p_bracket" and torch.equal(t.s_lo, lo) and torch.equal(t.s_hi, hi)
+    given = torch.tensor([-0.1, -0.2, -0.3, -0.4], dtype=torch.float32)
+    raw = record(z, topp, y, extras={"sampler_log_s": given})
+    t = build_table([raw], [z], topp)
+    assert t.s_source == "raw_logits" and torch.equal(t.s_lo, given.double()) and torch.equal(t.s_hi, given.double())
+    inc = record(z, topp, y, incomplete=torch.tensor([False, True, False, False]))
+    t = build_table([inc], [z], topp)
+    assert t.s_source == "none" and bool(t.s_lo.isnan().all())
+    assert build_table([r, raw], [z, z], topp).s_source == "mixed"
+    # top_k and top_p together: no bracket, no raw logits -> none; raw logits still count.
+    both = S(1.0, top_k=3, top_p=0.8)
+    yb = reference_filter(z, both).logprobs.argmax(dim=-1).tolist()
+    assert build_table([record(z, both, yb)], [z], both).s_source == "none"
+    clean = record(z, topp, y, incomplete=torch.zeros(4, dtype=torch.bool))
+    assert build_table([clean], [z], topp).s_source == "top_p_bracket"
+
+
+def test_no_records_give_an_empty_table() -> None:
+    t = build_table([], [], SPEC)
+    assert t.tokens == 0 and t.seq_lengths == [] and t.s_source == "none" and t.roundoff == 2.0**-24
+    assert build_table([], [], SPEC, dtype="bfloat16").roundoff == 2.0**-8
+
+
+def test_the_looser_dtype_is_the_roundoff_and_the_bound() -> None:
+    z, r, t32 = one()
+    t = build_table([r], [z], SPEC, dtype=("float32", "bfloat16"))
+    assert t.roundoff == unit_roundoff("bfloat16")
+    assert t.bound.tolist() == pytest.approx((t32.bound * 2.0**16).tolist(), rel=1e-9)
+
+
+def test_build_table_messages() -> None:
+    z, r, _ = one()
+    with pytest.raises(ValueError) as info:
+        build_table([r], [z, z], SPEC)
+    assert str(info.value) == "1 sampler records but 2 trainer logit tensors"
+    with pytest.raises(ValueError) as info:
+        build_table([r], [z[:3]], SPEC)
+    assert str(info.value) == f"trainer logits for prompt 0 have shape (3, {V}), allowed (4, {V})"
+
+
+def test_two_records_are_laid_out_in_order() -> None:
+    z0, z1 = logits(4, n=3), logits(5, n=2)
+    r0 = record(z0, SPEC, reference_filter(z0, SPEC).logprobs.argmax(-1).tolist(), i=0)
+    r1 = record(z1, SPEC, reference_filter(z1, SPEC).logprobs.argmax(-1).tolist(), i=7)
+    t = build_table([r0, r1], [z0, z1], SPEC)
+    assert t.prompt_index.tolist() == [0, 0, 0, 7, 7] and t.position.tolist() == [0, 1, 2, 0, 1]
+    assert t.seq_lengths == [3, 2] and t.locate(3) == f"prompt 7, position 0, token {int(t.token[3])}"
+    sub = t.select(torch.tensor([True, False, True, False, True]))
+    assert sub.position.tolist() == [0, 2, 1] and sub.seq_lengths == [2, 1] and sub.roundoff == t.roundoff
+    none = t.select(torch.zeros(5, dtype=torch.bool))
+    assert none.tokens == 0 and none.seq_lengths == []
+
+
+# -- planted trainer faults -----------------------------------------------------------------------
+
+
+def test_perturb_logits_moves_the_middle_token_only() -> None:
+    z, r, clean = one()
+    _, _, t = one(faults=TrainerFaults(perturb_logits=0.5))
+    changed = (t.full != clean.full).nonzero().flatten().tolist()
+    assert changed == [2]
+    assert float(t.full[2]) > float(clean.full[2]) and float(t.replay[2]) > float(clean.replay[2])
+    assert torch.equal(t.vllm, clean.vllm)
+
+
+def test_forget_temperature_scores_at_t_equal_one() -> None:
+    z, r, _ = one()
+    t = build_table([r], [z], SPEC, faults=TrainerFaults(forget_temperature=True))
+    y = torch.tensor(r.completion_ids)
+    assert torch.equal(t.full, E.full(z, y, S(1.0, top_k=3)).double())
+    greedy = S(0.0)
+    rg = record(z, greedy, [0, 1, 2, 3])
+    tg = build_table([rg], [z], greedy, faults=TrainerFaults(forget_temperature=True))
+    assert torch.equal(tg.full, E.full(z, torch.tensor([0, 1, 2, 3]), greedy).double())
+
+
+def test_swap_token_changes_the_scored_token_not_the_sampled_one() -> None:
+    z, r, _ = one()
+    t = build_table([r], [z], SPEC, faults=TrainerFaults(swap_token=True))
+    y = r.completion_ids
+    assert t.token.tolist() == [y[0], y[1], (y[2] + 1) % V, y[3]] and t.sampled.tolist() == y
+    assert summarize(t)["token_mismatch"] == 1
+
+
+def test_drop_kept_removes_one_non_sampled_token_at_the_middle() -> None:
+    z, r, clean = one()
+    t = build_table([r], [z], SPEC, faults=TrainerFaults(drop_kept=True))
+    assert t.support_size.tolist() == [3, 3, 2, 3]
+    assert t.replay_support_ok.tolist() == [True, True, False, True]
+    assert float(t.replay[2]) > float(clean.replay[2])  # renormalised over less mass
+    assert torch.equal(r.kept_ids, record(z, SPEC, r.completion_ids).kept_ids), "the record is not modified"
+
+
+def test_drop_kept_mass_drops_the_token_nearest_that_mass() -> None:
+    z, r, clean = one()
+    p = r.kept_logprobs[2].double().exp()
+    y2 = r.completion_ids[2]
+    others = [(abs(float(p[j]) - 0.2), int(r.kept_ids[2, j])) for j in range(3) if int(r.kept_ids[2, j]) != y2]
+    victim = min(others)[1]
+    t = build_table([r], [z], SPEC, faults=TrainerFaults(drop_kept_mass=0.2))
+    assert t.support_size.tolist() == [3, 3, 2, 3] and t.replay_support_ok.tolist() == [True, True, False, True]
+    kept_mass = float(p[(r.kept_ids[2] != victim)].sum())
+    assert float(t.replay[2]) == pytest.approx(float(clean.replay[2]) - math.log(kept_mass), abs=1e-5)
+
+
+def test_shift_bounds_and_bias_logprob_shift_by_what_they_say() -> None:
+    z, r, clean = one()
+    t = build_table([r], [z], SPEC, faults=TrainerFaults(shift_bounds=3.0))
+    d = (t.replay - clean.replay).tolist()
+    assert d[:2] == [0.0, 0.0] and d[3] == 0.0 and d[2] == pytest.approx(3.0 * float(clean.bound[2]), rel=1e-9)
+    assert float(t.recompute[2] - clean.recompute[2]) == pytest.approx(3.0 * float(clean.bound[2]), rel=1e-9)
+    naive = float(clean.bound[2] + clean.bound_full[2])
+    assert float(t.full[2] - clean.full[2]) == pytest.approx(3.0 * naive, rel=1e-9)
+    b = build_table([r], [z], SPEC, faults=TrainerFaults(bias_logprob=0.125))
+    for col in ("full", "replay", "recompute"):
+        assert (getattr(b, col) - getattr(clean, col)).tolist() == pytest.approx([0.125] * 4, abs=1e-12)
+    spec = S(0.7)
+    ru = record(z, spec, [0, 1, 2, 3])
+    cu = build_table([ru], [z], spec)
+    tu = build_table([ru], [z], spec, faults=TrainerFaults(shift_bounds=2.0))
+    assert float(tu.replay[2] - cu.replay[2]) == pytest.approx(2.0 * float(cu.bound[2]), rel=1e-9)
+    assert float(tu.full[2] - cu.full[2]) == pytest.approx(2.0 * float(cu.bound[2]), rel=1e-9)
+
+
+def test_move_boundary_every_counts_positions_across_the_batch() -> None:
+    z0, z1 = logits(6, n=3), logits(7, n=3)
+    y0 = reference_filter(z0, SPEC).logprobs.argmax(-1).tolist()
+    y1 = reference_filter(z1, SPEC).logprobs.argmax(-1).tolist()
+    rs = [record(z0, SPEC, y0, i=0), record(z1, SPEC, y1, i=1)]
+    t = build_table(rs, [z0, z1], SPEC, faults=TrainerFaults(move_boundary_every=2))
+    # positions 0, 2 (record 0) and 4 -> record 1 position 1: the best outside token reaches the row max
+    assert t.recompute_support_equal.tolist() == [False, True, False, True, False, True]
+    assert t.forced.tolist() == [False] * 6
+
+
+# -- the pieces ------------------------------------------------------------------------------------
+
+
+def test_engine_missing_prefers_the_engine_flag() -> None:
+    z, r, _ = one()
+    assert _engine_missing(r, 4).tolist() == [False] * 4
+    kept = r.kept_ids.clone()
+    kept[1] = torch.where(kept[1] == r.completion_ids[1], -1, kept[1])
+    assert _engine_missing(r, 4, kept).tolist() == [False, True, False, False]
+    r.extras["sampled_missing"] = torch.tensor([1, 0, 0, 1])
+    assert _engine_missing(r, 4, kept).tolist() == [True, False, False, True]
+
+
+def test_sampler_lp_of_masks_planted_drops_only() -> None:
+    z, r, _ = one()
+    assert torch.equal(_sampler_lp_of(r, r.kept_ids), r.kept_logprobs.double())
+    kept = r.kept_ids.clone()
+    kept[0, 1] = -1
+    lp = _sampler_lp_of(r, kept)
+    assert lp[0, 1] == -math.inf and torch.equal(lp[1:], r.kept_logprobs[1:].double())
+
+
+def test_logit_drift_by_hand() -> None:
+    s = torch.tensor([[-1.0, -2.0, -math.inf], [-math.inf, -math.inf, -math.inf]])
+    t = torch.tensor([[-1.5, -2.25, -math.inf], [-1.0, -math.inf, -math.inf]])
+    assert _logit_drift(s, t).tolist() == [0.25, 0.0]
+
+
+def test_a_capture_missing_mass_fails_replay_support_within_the_tolerance() -> None:
+    z, r, _ = one()
+    lp = r.kept_logprobs.clone().double()
+    lp[1, 0] += math.log1p(-3 * SUPPORT_MASS_TOL / float(lp[1, 0].exp()))  # mass short by 3x the tolerance
+    lp[2, 0] += math.log1p(-0.1 * SUPPORT_MASS_TOL / float(lp[2, 0].exp()))  # a tenth: rounding
+    r.kept_logprobs = lp.float()
+    t = build_table([r], [z], SPEC)
+    assert t.replay_support_ok.tolist() == [True, False, True, True]
+
+
+def test_engine_flagged_outside_is_kept_off_incomplete_positions() -> None:
+    z = logits(0)
+    y = reference_filter(z, SPEC).logprobs.argmax(dim=-1).tolist()
+    r = record(z, SPEC, y, extras={"sampled_missing": torch.tensor([True, True, False, False])},
+               incomplete=torch.tensor([False, True, False, False]))
+    t = build_table([r], [z], SPEC)
+    assert t.sampled_outside.tolist() == [True, False, False, False]
+    assert t.replay_support_ok.tolist() == [False, False, True, True]
+    assert t.incomplete.tolist() == [False, True, False, False]
+
+
+# -- the summary ----------------------------------------------------------------------------------
+
+
+def test_summary_keys_and_wiring() -> None:
+    z, r, t = one(faults=TrainerFaults(bias_logprob=1e-3))
+    t.incomplete = torch.tensor([False, False, False, True])
+    s = summarize(t)
+    u = t.select(~t.incomplete)
+    assert list(s) == [
+        "tokens", "compared_tokens", "sequences", "log_s", "naive", "replay", "recompute", "is_ratio",
+        "kl_over_support", "tv_over_support", "incomplete_positions", "sampled_outside_support", "token_mismatch",
+        "headroom", "mean_bias_limit", "bound", "sampler_log_s", "drift_split", "rl_view", "captured_positions",
+        "max_support_size", "mean_support_size",
+    ]
+    assert (s["tokens"], s["compared_tokens"], s["sequences"]) == (4, 3, 1)
+    assert s["log_s"] == {"mean": float(u.log_s.mean()), "min": float(u.log_s.min()), "mean_s": float(u.log_s.exp().mean())}
+    naive = diff_stats(u.full, u.vllm)
+    gap = diff_stats(u.full - u.vllm, u.log_s)
+    assert s["naive"] == {"bias_mean": naive.mean_diff, "max_abs_diff": naive.max_abs_diff,
+                          "max_abs_gap_to_log_s": gap.max_abs_diff, "mean_gap_to_log_s": gap.mean_diff}
+    assert s["replay"] == {**diff_stats(u.replay, u.vllm).to_dict(), "support_equal_frac": 1.0}
+    assert s["recompute"] == {**diff_stats(u.recompute, u.vllm).to_dict(), "support_equal_frac": 1.0, "forced_includes": 0}
+    for name, col in (("naive", u.full), ("replay", u.replay), ("recompute", u.recompute)):
+        ratio = is_ratios(col, u.vllm, u.seq_lengths, log_s=u.log_s if name == "naive" else None)
+        want = {"token": {"mean": ratio.token_mean, "min": ratio.token_min, "max": ratio.token_max},
+                "sequence": {"mean": ratio.seq_mean, "min": ratio.seq_min, "max": ratio.seq_max}}
+        if name == "naive":
+            want["sequence_identity_max_rel_err"] = ratio.seq_identity_max_rel_err
+        assert s["is_ratio"][name] == want
+    assert s["kl_over_support"] == {"mean": float(u.kl.mean()), "max": float(u.kl.max())}
+    assert s["tv_over_support"] == {"mean": float(u.tv.mean()), "max": float(u.tv.max())}
+    assert (s["incomplete_positions"], s["sampled_outside_support"], s["token_mismatch"]) == (1, 0, 0)
+    assert s["rl_view"] == summarize_trainers(u.vllm, {"naive": u.full, "replay": u.replay, "recompute": u.recompute},
+                                              u.seq_lengths)
+    assert (s["captured_positions"], s["max_support_size"], s["mean_support_size"]) == (4, 3, 3.0)
+    assert "trainer_under_test" not in s
+
+
+def test_summary_of_partial_support_and_forced_counts() -> None:
+    z, r, t = one()
+    t.replay_support_ok = torch.tensor([True, False, True, True])
+    t.recompute_support_equal = torch.tensor([False, False, True, True])
+    t.forced = torch.tensor([True, False, True, True])
+    t.sampled_outside = torch.tensor([False, True, True, False])
+    t.sampled = t.token.clone()
+    t.sampled[0] += 1
+    t.support_size = torch.tensor([3, 5, 2, 4])
+    t.captured = torch.tensor([True, True, False, True])
+    s = summarize(t)
+    assert s["replay"]["support_equal_frac"] == 0.75 and s["recompute"]["support_equal_frac"] == 0.5
+    assert s["recompute"]["forced_includes"] == 3
+    assert (s["sampled_outside_support"], s["token_mismatch"]) == (2, 1)
+    assert (s["captured_positions"], s["max_support_size"], s["mean_support_size"]) == (3, 5, 4.0)
+    t.captured = torch.zeros(4, dtype=torch.bool)
+    s = summarize(t)
+    assert (s["captured_positions"], s["max_support_size"], s["mean_support_size"]) == (0, None, None)
+    assert s["kl_over_support"] == {"mean": 0.0, "max": 0.0} and s["tv_over_support"] == {"mean": 0.0, "max": 0.0}
+
+
+def test_summary_of_a_table_with_nothing_compared() -> None:
+    z, r, t = one()
+    t.incomplete = torch.ones(4, dtype=torch.bool)
+    s = summarize(t)
+    assert s["compared_tokens"] == 0 and s["log_s"] == {"mean": 0.0, "min": 0.0, "mean_s": 1.0}
+    assert s["replay"]["support_equal_frac"] == 1.0 and s["incomplete_positions"] == 4
+    assert s["bound"] == {"max": 0.0, "mean": 0.0, "roundoff": 2.0**-24}
+    assert s["headroom"] == {"replay": 0.0, "recompute": 0.0, "naive_vs_sampler_log_s": None}
+    assert s["sampler_log_s"] == {"source": "none", "positions": 0, "lo_mean": None, "hi_mean": None, "naive_max_gap": None}
+    assert s["drift_split"] == {"logit_drift_max": None, "logit_drift_mean": None, "replay_max_abs_diff": None}
+
+
+def test_error_model_summary_by_hand() -> None:
+    z, r, t = one()
+    t.replay = t.vllm + torch.tensor([1e-7, -4e-7, 0.0, 2e-7], dtype=torch.float64)
+    t.recompute = t.vllm + torch.tensor([0.0, 0.0, 3e-7, 0.0], dtype=torch.float64)
+    t.bound = torch.tensor([1e-7, 1e-7, 1e-7, 2e-7], dtype=torch.float64)
+    t.logit_drift = torch.tensor([0.1, 0.3, NAN, 0.2], dtype=torch.float64)
+    t.s_lo = torch.tensor([NAN, -0.5, -0.5, NAN], dtype=torch.float64)
+    t.s_hi = torch.tensor([NAN, -0.1, -0.4, NAN], dtype=torch.float64)
+    t.full = t.vllm + torch.tensor([0.0, -0.2, -0.3, 0.0], dtype=torch.float64)  # row 2: 0.1 above hi
+    t.s_source = "top_p_bracket"
+    s = error_model_summary(t)
+    assert s["headroom"]["replay"] == pytest.approx(4.0) and s["headroom"]["recompute"] == pytest.approx(3.0)
+    rows, gap, bound = naive_gap_to_sampler_log_s(t)
+    assert rows.tolist() == [False, True, True, False] and gap.tolist() == pytest.approx([0.0, 0.1])
+    assert torch.equal(bound, (t.bound_full + t.bound)[1:3])
+    assert s["headroom"]["naive_vs_sampler_log_s"] == pytest.approx(0.1 / float(bound[1]))
+    assert s["bound"] == {"max": 2e-7, "mean": float(t.bound.mean()), "roundoff": 2.0**-24}
+    assert s["sampler_log_s"] == {"source": "top_p_bracket", "positions": 2, "lo_mean": -0.5, "hi_mean": -0.25,
+                                  "naive_max_gap": pytest.approx(0.1)}
+    assert s["drift_split"]["logit_drift_max"] == 0.3 and s["drift_split"]["logit_drift_mean"] == pytest.approx(0.2)
+    assert s["drift_split"]["replay_max_abs_diff"] == pytest.approx(4e-7)
+    from parity.core.error_model import mean_bias_limit
+
+    assert s["mean_bias_limit"] == {
+        "replay": mean_bias_limit(t.replay - t.vllm, t.bound, t.vllm, t.roundoff),
+        "recompute": mean_bias_limit(t.recompute - t.vllm, t.bound, t.vllm, t.roundoff),
+    }
+    assert s["mean_bias_limit"]["replay"] != s["mean_bias_limit"]["recompute"]
+
+
+def test_the_trainer_under_test_in_the_summary() -> None:
+    z, r, t = one()
+    t.user = t.vllm + torch.tensor([0.0, 0.5, 0.0, 0.0], dtype=torch.float64)
+    t.user_name, t.user_diagnosis = "mine", "forgot T"
+    s = summarize(t)
+    d = diff_stats(t.user, t.vllm)
+    gap = diff_stats(t.user - t.vllm, t.log_s)
+    assert s["trainer_under_test"] == {"name": "mine", **d.to_dict(), "max_abs_gap_to_log_s": gap.max_abs_diff,
+                                       "diagnosis": "forgot T"}
+    assert s["headroom"]["trainer_under_test"] == pytest.approx(0.5 / float(t.bound[1]))
+    from parity.core.error_model import mean_bias_limit
+
+    u = t.select(~t.incomplete)
+    assert s["mean_bias_limit"]["trainer_under_test"] == mean_bias_limit(u.user - u.vllm, u.bound, u.vllm, u.roundoff)
+    assert list(s["rl_view"]) == ["naive", "replay", "recompute", "trainer_under_test"]
+
+
+def test_token_table_locate() -> None:
+    z, r, t = one()
+    assert t.locate(1) == f"prompt 0, position 1, token {int(t.token[1])}"

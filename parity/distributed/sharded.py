@@ -80,6 +80,7 @@ import torch.distributed as dist
 from parity.core import estimators as _est
 from parity.core.filters import apply_temperature, check_logits, reference_filter
 from parity.core.metrics import abs_difference
+from parity.core.nucleus import LOG_MASS_REL_ERROR
 from parity.core.spec import SamplingSpec, per_row
 from parity.core.tolerances import U32 as U
 from parity.core.tolerances import top_p_band, underflow_decision
@@ -688,7 +689,9 @@ def logprob_bounds(
 
     out = {
         "full": U * (2 * c_all + 2 * mag(zy - m) + 3 * mag(reference["full"]) + 16),
-        "recompute": 2 * U * mag(reference["recompute"]) + (c_sup + 1) * 2.0**-50,
+        # The unsharded reference may come from the selection fast path (parity.core.nucleus), whose
+        # log-mass is certified to LOG_MASS_REL_ERROR nats rather than computed in float64.
+        "recompute": 2 * U * mag(reference["recompute"]) + (c_sup + 1) * 2.0**-50 + LOG_MASS_REL_ERROR,
         "replay": torch.zeros_like(c_all),
     }
     if "predicted_log_s" in reference:

@@ -71,14 +71,15 @@ def test_recompute_scores_the_sampled_token_over_the_kept_set_plus_itself() -> N
         assert naive.logprobs[0] == NEG and float(naive.logprobs[1]) == pytest.approx(want[1], abs=1e-6)
 
 
-def test_rows_without_top_k_run_the_reference_in_a_mixed_batch() -> None:
+def test_rows_without_top_k_are_not_listed_in_a_mixed_batch() -> None:
     p = torch.tensor([[0.4, 0.3, 0.2, 0.1]] * 3)
     specs = [S(1.0, top_p=0.5), S(1.0, top_k=1), S(1.0)]
     res = E.recompute(p.log(), torch.tensor([2, 0, 3]), specs)
     assert res.kept.tolist() == [[True, True, False, False], [True, False, False, False], [True] * 4]
     assert res.forced.tolist() == [True, False, False]
     assert res.logprobs.tolist() == pytest.approx([math.log(0.2 / 0.9), 0.0, math.log(0.1)], abs=1e-6)
-    _, ids, listed = E._kept_bounded(E.scale(p.log(), specs), specs)
+    b = E._kept_bounded(E.scale(p.log(), specs), specs)
+    ids, listed = b.ids, b.listed
     assert listed.tolist() == [False, True, False]
     assert ids.tolist() == [[-1, -1], [0, -1], [-1, -1]]
 
@@ -205,11 +206,13 @@ def test_generic_rows_take_the_candidate_path_and_top_p_alone_does_not() -> None
     z = torch.randn(8, 2000, generator=g) * 2
     z[:, :20] += torch.rand(8, 20, generator=g) * 10
     for spec in (S(0.8, top_k=50, top_p=0.9), S(0.8, top_k=50), S(1.0, top_k=50, top_p=0.9, min_p=0.05)):
-        kept, ids, listed = E._kept_bounded(E.scale(z, spec), [spec] * 8)
+        b = E._kept_bounded(E.scale(z, spec), [spec] * 8)
+        kept, ids, listed = b.kept, b.ids, b.listed
         assert listed.tolist() == [True] * 8, spec.label()
         assert torch.equal(kept, reference_filter(z, spec).kept)
         assert torch.equal(E.ids_to_mask(ids, 2000), kept) and int(ids.max()) < 2000
-    _, ids, listed = E._kept_bounded(E.scale(z, S(0.8, top_p=0.9)), [S(0.8, top_p=0.9)] * 8)
+    b = E._kept_bounded(E.scale(z, S(0.8, top_p=0.9)), [S(0.8, top_p=0.9)] * 8)
+    ids, listed = b.ids, b.listed
     assert not bool(listed.any()) and bool((ids == -1).all())
 
 

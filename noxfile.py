@@ -43,9 +43,9 @@ def install(session: nox.Session, *extras: str) -> None:
         session.run("pip", "uninstall", "-y", *MISMATCHED_TORCH_COMPANIONS, silent=True)
 
 
-def run_pytest(session: nox.Session, *args: str, profile: str = "ci") -> None:
+def run_pytest(session: nox.Session, *args: str, profile: str = "ci", env: dict[str, str] | None = None) -> None:
     """The one helper every test session calls."""
-    env = {**CPU_ENV, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", profile)}
+    env = {**CPU_ENV, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", profile), **(env or {})}
     session.run("pytest", *args, *session.posargs, env=env)
 
 
@@ -87,6 +87,11 @@ def bench(session: nox.Session) -> None:
     About 8.5 minutes of benchmarks on a quiet 2-core CPU machine; $PARITY_BENCH_BUDGET_S (default
     660) bounds them on a loaded one (what is cut is listed in bench.md). ``nox -R -s bench -- -k
     trainer`` reruns a part.
+
+    OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE`` unless set): by default a thread that
+    waits for its partner spins, and on a shared machine, where the partner is often descheduled, the
+    spinning is counted in both clocks of every parallel op; code of many ops (the nucleus select:
+    ~20 per block of rows) then measured 3-13x where it costs 1.5x (bench.md records the policy).
     """
     install(session, "cpu", "test")
     out = os.environ.get("PARITY_BENCH_DIR") or "reports/bench"
@@ -99,6 +104,7 @@ def bench(session: nox.Session) -> None:
         "-p",
         "no:cacheprovider",
         profile="dev",
+        env={"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")},
     )
 
 

@@ -95,6 +95,11 @@ def bench(session: nox.Session) -> None:
     About 8.5 minutes of benchmarks on a quiet 2-core CPU machine; $PARITY_BENCH_BUDGET_S (default
     660) bounds them on a loaded one (what is cut is listed in bench.md). ``nox -R -s bench -- -k
     trainer`` reruns a part.
+
+    OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE`` unless set): by default a thread that
+    waits for its partner spins, and on a shared machine, where the partner is often descheduled, the
+    spinning is counted in both clocks of every parallel op, and code of many ops (the nucleus select:
+    ~20 per block of rows) measured several times its cost (bench.md records the policy).
     """
     install(session, "cpu", "test")
     out = os.environ.get("PARITY_BENCH_DIR") or "reports/bench"
@@ -107,6 +112,7 @@ def bench(session: nox.Session) -> None:
         "-p",
         "no:cacheprovider",
         profile="dev",
+        env={"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")},
     )
 
 

@@ -63,8 +63,9 @@ class RecomputeResult:
     logprobs: torch.Tensor  # [N] log-prob of the sampled token over S_p ∪ {y}
     kept: torch.Tensor  # bool [N, V]: the recomputed support S_p (before force-include)
     forced: torch.Tensor  # bool [N]: y was outside S_p and had to be force-included
-    # bool [N]: a fast path (top_k candidates, or the nucleus select) left the row to the reference sort
-    # (rounding band, split tie, too wide a bracket); all False where no fast path ran
+    # bool [N]: a fast path (top_k candidates, the nucleus select) could not decide the row exactly
+    # (rounding band, split tie, too wide a bracket), so it was sorted: by the reference sort, or on the
+    # nucleus path by the reference's float32 ops on its sorted values; all False where no fast path ran
     fallback: torch.Tensor | None = None
 
     @property
@@ -228,7 +229,7 @@ class _Bounded(NamedTuple):
     listed: torch.Tensor  # bool [N]: rows filtered from top_k candidates
     log_mass: torch.Tensor  # float64 [N]: nucleus rows' log sum_{kept} exp(z' - m); NaN elsewhere
     row_max: torch.Tensor  # float32 [N]: m on nucleus rows
-    fallback: torch.Tensor  # bool [N]: a fast path left the row to the reference sort
+    fallback: torch.Tensor  # bool [N]: a fast path could not decide the row exactly (it was sorted)
 
 
 def _kept_bounded(z: torch.Tensor, specs: list[SamplingSpec]) -> _Bounded:
@@ -294,7 +295,7 @@ def _kept_bounded(z: torch.Tensor, specs: list[SamplingSpec]) -> _Bounded:
         row_max[free[ok]] = res.row_max.squeeze(1)[ok]
         done[free[ok]] = True
     rest = (~done).nonzero().squeeze(1)
-    if rest.numel():  # no fast path (no top_k off CPU), and fallback rows: the reference
+    if rest.numel():  # rows without top_k off CPU, and the fallback rows left unresolved: the reference
         sub = work(rest)
         if any_p:
             sub = top_k_top_p_sorted(sub, k[rest], p[rest])

@@ -90,7 +90,9 @@ BASE = (127 + LOW_EXP) << MANTISSA_BITS
 NB = ((HIGH_EXP - LOW_EXP) << MANTISSA_BITS) + 1
 WINDOW = 8  # the candidate range is searched this many buckets either side of the crossing bucket
 MAX_CANDIDATES = 16384  # wider candidate ranges fall back (counted as bracket)
-BLOCK_ELEMS = 1 << 21  # values per row block (8 MB per float32 buffer)
+# Values per row block (16 MB per float32 buffer). Smaller blocks stay in cache but multiply torch's
+# parallel regions (about 20 per block); on a loaded machine each can stall on a descheduled thread.
+BLOCK_ELEMS = 1 << 22
 GROUP = 8  # masses around the cut: float32 sums of GROUP terms, then float64
 # Those masses carry float32 exp (2u) and a float32 sum of GROUP terms ((GROUP - 1)u) per term: a
 # certified relative error, so also the error of log_mass in nats.
@@ -207,9 +209,7 @@ class _Blocks:
         v = work.shape[1]
         dev = work.device
         self.work, self.idx, self.min_p = work, idx, min_p
-        # Rows per block: BLOCK_ELEMS values, and few enough that the [rows, NB] histogram tensors stay
-        # under torch's intra-op grain (32768 values): they run on one thread, with no synchronisation.
-        self.size = max(1, min(r, BLOCK_ELEMS // max(v, 1), 32768 // NB))
+        self.size = max(1, min(r, BLOCK_ELEMS // max(v, 1)))
         self.spans = [(b0, min(r, b0 + self.size)) for b0 in range(0, r, self.size)]
         self.e = torch.empty(self.size, v, device=dev)
         self.f = torch.empty(self.size, v, device=dev)

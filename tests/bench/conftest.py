@@ -500,6 +500,7 @@ def environment() -> dict[str, str]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch threads": str(torch.get_num_threads()),
+        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "unset (threads spin while waiting)"),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }

@@ -33,7 +33,7 @@ def log_s_from_raw_logits(raw_logits: torch.Tensor, kept_ids: torch.Tensor, spec
     """Sampler-side ``log S`` per position (float64 ``[N]``) from its raw logits ``[N, V]``.
 
     ``kept_ids``: the captured S_q, ``[N, K]`` padded with -1. Temperature as the sampler applies it
-    (:func:`parity.estimators.scale`: float32 division, greedy rows unscaled).
+    (:func:`parity.core.estimators.scale`: float32 division, greedy rows unscaled).
     """
     if raw_logits.dim() != 2 or kept_ids.dim() != 2 or raw_logits.shape[0] != kept_ids.shape[0]:
         raise ValueError(

@@ -17,7 +17,7 @@ selection by probability mass, not a sort. :func:`nucleus_cut` finds it in a few
    it summed exactly enough (:func:`_row_sums`), and the tokens of the range: the candidates;
 5. the candidates (a few hundred per row) sorted by value: their exact cumulative mass is
    ``(mass below the range + float64 partial sums) / S``, and the cut is decided there in float64,
-   as on the top_k path (:func:`parity.estimators._top_p_on_candidates`).
+   as on the top_k path (:func:`parity.core.estimators._top_p_on_candidates`).
 
 Why it is exact, and when a row falls back to the reference sort instead (counted per reason):
 
@@ -57,7 +57,7 @@ Why it is exact, and when a row falls back to the reference sort instead (counte
   :data:`MAX_CANDIDATES` tokens (a flat row whose error bound spans many buckets): cut from the
   sorted values rather than sort a large candidate list. A cost guard, not a correctness one.
 * **p = 1 rows** of a sort-path batch drop only tokens whose float32 probability underflows to 0: kept
-  if ``x > -80``, dropped if ``x < -105`` (the bounds of :mod:`parity.estimators`); if any token lies
+  if ``x > -80``, dropped if ``x < -105`` (the bounds of :mod:`parity.core.estimators`); if any token lies
   in between, the row falls back (``band``).
 
 The log-mass of the kept set, ``log sum_{kept} exp(z' - m)``, is the mass above the range plus the
@@ -565,7 +565,7 @@ def log_renormalised(zy: torch.Tensor, row_max: torch.Tensor, log_mass: torch.Te
 
     ``zy``: float32 ``[R]`` scaled logit of the sampled token; ``row_max`` float32 ``[R]`` and ``log_mass``
     ``[R]`` from the cut; ``forced``: y is outside the kept set and is added to it. The shift is the same
-    float32 ``z'_y - m`` as :func:`parity.estimators._log_renormalised` (m, the row max, is kept); the
+    float32 ``z'_y - m`` as :func:`parity.core.estimators._log_renormalised` (m, the row max, is kept); the
     sums are float64, so the result is within :data:`LOG_MASS_REL_ERROR` (plus float32 rounding of the
     result) of the float64 renormalisation over the same kept set.
     """

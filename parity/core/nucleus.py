@@ -1,7 +1,7 @@
 """The nucleus (top_p) cut of vLLM's sort path without sorting the row: a histogram select on float bits.
 
 vLLM's PyTorch top-p (``apply_top_k_top_p_pytorch`` in vllm/v1/sample/ops/topk_topp_sampler.py, mirrored
-by :func:`parity.filters.top_k_top_p_sorted`) sorts the whole row ascending, takes the float32 softmax of
+by :func:`parity.core.filters.top_k_top_p_sorted`) sorts the whole row ascending, takes the float32 softmax of
 the sorted row, its cumulative sum, and drops the positions with ``cumsum <= 1 - p`` (the largest token
 always kept). The kept set is therefore ``{z' >= v*}`` for one value v* per row, and finding v* is a
 selection by probability mass, not a sort. :func:`nucleus_cut` finds it in a few passes over the row:
@@ -256,7 +256,7 @@ def survivor_mass(
     min_p: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> NucleusResult:
-    """Rows that are not cut: the kept set is the finite z' left by min_p (:func:`parity.filters.min_p_mask`,
+    """Rows that are not cut: the kept set is the finite z' left by min_p (:func:`parity.core.filters.min_p_mask`,
     if given), and its log-mass as in :func:`nucleus_cut`.
 
     These are the rows without top_k in a batch where no row sets top_p: vLLM then skips its top-p step
@@ -302,7 +302,7 @@ def nucleus_cut(
     ``work``: float32 ``[N, V]`` on CPU, the scaled logits (``-inf`` allowed, every row with a finite
     value); ``rows``: the rows to cut (default: all), R of them. ``p``: float32 ``[R]``, top_p per row
     (1.0: the row only drops float32-underflowed tokens, as vLLM's sort path does for rows without top_p).
-    ``min_p``: float32 ``[R]`` or None: applied first with :func:`parity.filters.min_p_mask`, block of rows
+    ``min_p``: float32 ``[R]`` or None: applied first with :func:`parity.core.filters.min_p_mask`, block of rows
     by block (the reference's own function; its result for a row does not depend on the other rows).
     ``out``: a bool ``[N, V]`` tensor whose ``rows`` receive the kept set (default: a new ``[R, V]``).
     ``lanes``: the softmax accumulator's lane count (default :func:`softmax_lanes`; None: any order).
@@ -379,7 +379,7 @@ def nucleus_cut(
 def _values_cut(w: torch.Tensor, thr32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's top_p cut value of each row, from its sorted values alone (no permutation).
 
-    The reference (:func:`parity.filters.top_k_top_p_sorted`) takes the float32 softmax and cumulative
+    The reference (:func:`parity.core.filters.top_k_top_p_sorted`) takes the float32 softmax and cumulative
     sum of the row sorted ascending; those depend on the sorted *values* only, so running the same ops
     on the same values gives its bits. The values are sorted as int32 keys (the float order: the bits,
     with the magnitude bits flipped for negatives), which is cheaper than a float sort. Returns

@@ -15,7 +15,7 @@ Their difference is ``log S`` per token plus kernel noise, and TRL's ``importanc
 :func:`patch_grpo` is a context manager that patches TRL's classes and restores them on exit:
 
 * **capture** (every mode): vLLM is asked for a head of processed log-probs wide enough to hold the
-  kept set S_q (:func:`parity.capture.plan_capture`; the engine is built with ``max_logprobs=-1``),
+  kept set S_q (:func:`parity.core.capture.plan_capture`; the engine is built with ``max_logprobs=-1``),
   TRL still receives exactly the sampled token's log-prob it asked for, and each generation batch is
   recorded per sequence (:data:`SEQUENCE_FIELDS`).
 * ``mode="observe"``: nothing TRL computes changes.
@@ -246,7 +246,7 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
     """Patch TRL's GRPOTrainer/VLLMGeneration for capture (and a fix), restore on exit.
 
     ``head`` forces the number of processed log-probs requested per position (-1: the whole
-    vocabulary); by default :func:`parity.capture.plan_capture` picks it from the spec.
+    vocabulary); by default :func:`parity.core.capture.plan_capture` picks it from the spec.
     ``keep_logits`` keeps the trainer's ``[L, V]`` logits per sequence (what parity's full report needs).
     """
     if mode not in MODES:

@@ -63,7 +63,7 @@ class GrpoRunConfig:
     max_completion_length: int = 16
     seed: int = 0
     phases: tuple[str, ...] = ("observe", "replay")
-    head: int | None = None  # processed log-probs requested per position (None: parity.capture.plan_capture)
+    head: int | None = None  # processed log-probs requested per position (None: parity.core.capture.plan_capture)
     keep_logits: bool = True
     vllm_dtype: str | None = None  # None: what TRL does (no dtype); "float32" forces the engine's dtype
     keep_linear_weights: bool = True  # the CPU engine workaround; False reproduces the weight-sync crash

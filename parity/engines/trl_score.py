@@ -10,7 +10,7 @@ the *trainer under test*, so the report says what TRL's numbers are (for TRL as 
 equals log S").
 
 Tokens TRL's mask leaves out are dropped from the records and counted (``masked_tokens``).
-Thresholds follow the sampler's dtype (:meth:`parity.gates.Thresholds.for_dtype`; bfloat16 under
+Thresholds follow the sampler's dtype (:meth:`parity.core.gates.Thresholds.for_dtype`; bfloat16 under
 TRL's defaults), since the trainer side is float32.
 """
 

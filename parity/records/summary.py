@@ -124,7 +124,7 @@ class First:
 
 @dataclass
 class DiffStream:
-    """max / mean / mean |.| / p99 of one difference (``parity.metrics.diff_stats``), streamed."""
+    """max / mean / mean |.| / p99 of one difference (``parity.core.metrics.diff_stats``), streamed."""
 
     n: int = 0
     total: float = 0.0
@@ -182,7 +182,7 @@ class DiffStream:
 
 @dataclass
 class Ratios:
-    """IS ratios exp(trainer - sampler) per token and per sequence (``parity.metrics.is_ratios``), streamed."""
+    """IS ratios exp(trainer - sampler) per token and per sequence (``parity.core.metrics.is_ratios``), streamed."""
 
     tok_n: int = 0
     tok_sum: float = 0.0

@@ -383,6 +383,7 @@ def test_bench_capture(timer, plain_timer, bench_report, engines, model, capture
     run_case(bench_report, timer, engines(model), model, capture, knob, remeasure=plain_timer)
 
 
+@pytest.mark.filterwarnings("ignore:Benchmark fixture was not used")
 @pytest.mark.parametrize("model", list(MODELS))
 def test_bench_capture_floor(bench_budget, bench_report, model) -> None:
     """The fixture's table against its noise floor: valid, or rerun while the budget lasts, or invalid."""
@@ -420,6 +421,7 @@ def test_bench_capture_cuda(timer, plain_timer, bench_report, model, capture, kn
 
 
 @pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:Benchmark fixture was not used")
 @pytest.mark.parametrize("model", list(MODELS))
 def test_bench_capture_floor_cuda(bench_budget, bench_report, model) -> None:
     if finish_table(bench_report, model, device="cuda", budget_left=bench_budget) is None:

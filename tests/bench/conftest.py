@@ -588,9 +588,14 @@ def plain_timer() -> Callable[..., Paired]:
 
 
 @pytest.fixture
-def bench_budget(pytestconfig) -> Callable[[], float]:
-    """:func:`budget_left`, for benchmark-session steps that are not themselves timed (skips like one)."""
-    skip_if_disabled(pytestconfig)
+def bench_budget(benchmark) -> Callable[[], float]:
+    """:func:`budget_left`, for benchmark-session steps that time through :func:`paired_plain`.
+
+    Requests ``benchmark`` so that ``--benchmark-only`` runs the step (it skips tests without it) and
+    ``--benchmark-disable`` skips it, like every benchmark (mark the test
+    ``filterwarnings("ignore:Benchmark fixture was not used")``: it times nothing through it).
+    """
+    skip_if_disabled(benchmark)
     return budget_left
 
 

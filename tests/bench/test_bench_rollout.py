@@ -26,6 +26,8 @@ measured by hand at 7.56 s vs 1.16 s for 16 x 32 tokens.
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +42,8 @@ S = SamplingSpec
 TOP_K = 50
 SPEC = S(0.8, top_k=TOP_K, top_p=0.9)
 FULL_VOCAB = -1
-ROUNDS, WARMUP = 5, 1  # every round interleaved with a no-capture round
+ROUNDS, WARMUP = 5, 1  # at least; every round interleaved with a no-capture round
+MAX_ROUNDS, SIDE_S = 20, 3.0  # short generations get more rounds: about SIDE_S seconds per side
 FLOOR_TOL = 0.05  # the noise floor (no capture against itself) must be within 1 +- this
 MAX_RERUNS = 3  # reruns of an invalid table, if the time budget allows
 # Capture only adds work: a ratio below this means the baseline rounds were disturbed (machine load).
@@ -163,6 +166,14 @@ def basis_for(device: str) -> str:
     return "cpu" if device == "cpu" else "wall"
 
 
+def rounds_for(baseline: Callable[[], Any]) -> int:
+    """ROUNDS, or more for a short generation (one untimed call of the baseline sizes it): a 0.1 s
+    round is moved by a single time slice of another job, a 3 s series much less."""
+    t0 = time.perf_counter()
+    baseline()
+    return max(ROUNDS, min(MAX_ROUNDS, math.ceil(SIDE_S / max(time.perf_counter() - t0, 1e-3))))
+
+
 def table_key_for(model: str, device: str = "cpu") -> str:
     return f"rollout-{device}-{model}"
 
@@ -216,13 +227,14 @@ def run_case(
 
     target, base = params(capture), params("none")
     note = f"[{w.label()}]" if w != MODELS[model] else ""
-    kw = {"rounds": ROUNDS, "warmup_rounds": WARMUP, "basis": basis_for(device)}
 
     def gen_target() -> Any:
         return llm.generate(prompts, target, use_tqdm=False)
 
     def gen_base() -> Any:
         return llm.generate(prompts, base, use_tqdm=False)
+
+    kw = {"rounds": rounds_for(gen_base), "warmup_rounds": WARMUP, "basis": basis_for(device)}
 
     def record(pair: Any) -> Any:
         check_outputs(pair.result, capture, knob, vocab=vocab, tokens=w.tokens)
@@ -372,6 +384,7 @@ def test_bench_capture(timer, plain_timer, bench_report, engines, model, capture
     run_case(bench_report, timer, engines(model), model, capture, knob, remeasure=plain_timer)
 
 
+@pytest.mark.filterwarnings("ignore:Benchmark fixture was not used")
 @pytest.mark.parametrize("model", list(MODELS))
 def test_bench_capture_floor(bench_budget, bench_report, model) -> None:
     """The fixture's table against its noise floor: valid, or rerun while the budget lasts, or invalid."""
@@ -409,6 +422,7 @@ def test_bench_capture_cuda(timer, plain_timer, bench_report, model, capture, kn
 
 
 @pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:Benchmark fixture was not used")
 @pytest.mark.parametrize("model", list(MODELS))
 def test_bench_capture_floor_cuda(bench_budget, bench_report, model) -> None:
     if finish_table(bench_report, model, device="cuda", budget_left=bench_budget) is None:

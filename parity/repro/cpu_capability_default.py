@@ -1,14 +1,24 @@
-"""Repro 10: vLLM's CPU engine under ``ATEN_CPU_CAPABILITY=default`` (torch's non-vectorised kernel path).
+"""Repro 10: vLLM's CPU engine fails under ``ATEN_CPU_CAPABILITY=default`` after a vectorised run.
 
 ``ATEN_CPU_CAPABILITY=default`` is how one machine runs torch's second CPU kernel path (parity uses it
 to check that its tests hold under another path). torch inductor reads the same variable
-(``torch/_inductor/cpu_vec_isa.py`` ``pick_vec_isa``) and then generates scalar C++; the failure
-reported for vLLM's CPU engine is that this C++ does not compile (``'at::vec' has not been
-declared``), so the engine never starts. Whether the compiled graph hits it depends on the CPU and
-on which of vLLM's CPU ops run natively there, so this repro measures it in a fresh subprocess with
-fresh compile caches (a cached kernel from the vectorised path would hide it) and a timeout, beside
-a control without the variable, and reports which one it saw. The engine is started as TRL starts it
-(no ``enforce_eager``, so vLLM compiles the model).
+(``torch/_inductor/cpu_vec_isa.py`` ``pick_vec_isa``) and then generates scalar C++ with a header
+that has no ``at::vec``. The failure, measured here: inductor's FX graph cache does not key on that
+choice. A graph compiled once on the vectorised path (any earlier run sharing the cache folder,
+``/tmp/torchinductor_$USER`` by default) is found by a later process under ``=default``; its cached
+C++ uses ``at::vec`` and is rebuilt against the scalar header, and g++ stops with ``'at::vec' has not
+been declared``. vLLM's sampler always compiles one such graph when log-probs are requested:
+``batched_count_greater_than`` (``vllm/v1/sample/ops/logprobs.py``, ``(x >= values).sum(-1)``), so
+the engine fails at the first request even with ``enforce_eager=True``.
+
+Each case runs three processes over one fresh cache folder, with a timeout each:
+1. the control, variable unset (vectorised; it also fills the cache);
+2. ``ATEN_CPU_CAPABILITY=default``, same cache: the failure;
+3. ``ATEN_CPU_CAPABILITY=default``, same cache, ``TORCHINDUCTOR_FX_GRAPH_CACHE=0``: the workaround,
+   which also pins the cause on the FX graph cache.
+The cases: torch alone (a compiled ``(x >= v).sum(-1)``, the shape vLLM compiles) and vLLM's engine
+(bfloat16; float32 compiles the same sampler graph). Where the control itself picked no vector ISA
+(a CPU inductor has none for) there is nothing to go stale, and the repro says so instead of a finding.
 """
 
 from __future__ import annotations
@@ -26,57 +36,91 @@ from parity.repro.common import Check, Column, Context, ReproResult
 
 NAME = "cpu_capability_default"
 NUMBER = 10
-TITLE = "vLLM's CPU engine does not start under ATEN_CPU_CAPABILITY=default ('at::vec' has not been declared)"
+TITLE = ("vLLM's CPU engine fails under ATEN_CPU_CAPABILITY=default after a vectorised run: inductor's FX graph "
+         "cache ignores the vector ISA ('at::vec' has not been declared)")
 FIXTURE = "qwen2-tiny"
 KNOB = "ATEN_CPU_CAPABILITY"
 MARK = "PARITY_REPRO_GENERATED"
-SUBPROCESS_TIMEOUT_S = 420.0
+ISA_MARK = "PARITY_REPRO_VEC_ISA"
+SUBPROCESS_TIMEOUT_S = 300.0
 SYMPTOM = "'at::vec' has not been declared"
+# g++ quotes the name with typographic quotes under a UTF-8 locale, ASCII ones otherwise.
+SYMPTOM_RE = re.compile(r"[\u2018']at::vec[\u2019'] has not been declared")
+SCALAR = ("INVALID_VEC_ISA", "none", "?")
+# (step, ATEN_CPU_CAPABILITY, TORCHINDUCTOR_FX_GRAPH_CACHE, what the step is expected to do)
+STEPS = (("control", None, None, "generates"), ("stale cache", "default", None, "fails"),
+         ("FX graph cache off", "default", "0", "generates"))
 
-CHILD = f"""
+_ISA = (f"from torch._inductor import cpu_vec_isa as _isa\n"
+        f"print('{ISA_MARK}', str(_isa.pick_vec_isa()) or 'none', flush=True)\n")
+TORCH_CHILD = _ISA + f"""
+import torch
+@torch.compile(dynamic=True)
+def count_ge(x, v):
+    return (x >= v).sum(-1)
+print("{MARK}", count_ge(torch.arange(12.0).reshape(3, 4), torch.tensor([[1.0], [5.0], [20.0]])).tolist(), flush=True)
+"""
+VLLM_CHILD = _ISA + f"""
 import sys
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype=sys.argv[2], max_model_len=256, seed=0,
-          enable_prefix_caching=False)
-print("PARITY_REPRO_ENGINE_STARTED", flush=True)
-out = llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in sys.argv[3:]])],
-                   SamplingParams(temperature=0.0, max_tokens=2, detokenize=False), use_tqdm=False)
+          enable_prefix_caching=False, enforce_eager=True)
+out = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])],
+                   SamplingParams(temperature=0.0, max_tokens=2, logprobs=1, detokenize=False), use_tqdm=False)
 print("{MARK}", list(out[0].outputs[0].token_ids), flush=True)
 """
 
 
 def settings(small: bool) -> dict[str, Any]:
-    return {"fixture": FIXTURE, "knob": KNOB, "dtypes": ["bfloat16"] if small else ["bfloat16", "float32"],
+    cases = ["vllm-bfloat16"] if small else ["torch", "vllm-bfloat16"]
+    return {"fixture": FIXTURE, "knob": KNOB, "cases": cases, "steps": [s[0] for s in STEPS],
             "timeout_s": SUBPROCESS_TIMEOUT_S}
 
 
-def parse(text: str) -> dict[str, Any]:
+def parse(stdout: str, text: str) -> dict[str, Any]:
+    """What a child's output says: its last error line, the symptom, the first g++ error, the vector ISA."""
     lines = [ln.split("]: ", 1)[-1] if ln.startswith("[rank") else ln for ln in text.splitlines()]
     errors = [ln.strip() for ln in lines if re.match(r"^\s*[A-Za-z_.]*(Error|Exception)\b.*:", ln)]
     compile_lines = [ln.strip() for ln in lines if "error:" in ln and ".cpp" in ln]
-    return {"error": errors[-1][:300] if errors else "", "symptom": SYMPTOM in text,
-            "compile_error": compile_lines[0][:300] if compile_lines else ""}
+    isa = [ln.split(ISA_MARK, 1)[1].strip() for ln in stdout.splitlines() if ln.startswith(ISA_MARK)]
+    return {"error": errors[-1][:300] if errors else "", "symptom": bool(SYMPTOM_RE.search(text)),
+            "compile_error": re.sub(r"^\S*/", "", compile_lines[0])[:300] if compile_lines else "",
+            "vec_isa": isa[0] if isa else "?"}
 
 
-def run_child(model: Path, dtype: str, value: str | None, timeout_s: float) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="parity-cap-") as cache:
-        env = dict(os.environ)
-        env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING",
-                   VLLM_CACHE_ROOT=str(Path(cache) / "vllm"), TORCHINDUCTOR_CACHE_DIR=str(Path(cache) / "inductor"))
+def run_child(code: str, args: list[str], env_over: dict[str, str | None], cache: Path, timeout_s: float) -> dict[str, Any]:
+    env = dict(os.environ)
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING",
+               VLLM_CACHE_ROOT=str(cache / "vllm"), TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"))
+    for key, value in env_over.items():
         if value is None:
-            env.pop(KNOB, None)
+            env.pop(key, None)
         else:
-            env[KNOB] = value
-        cmd = [sys.executable, "-c", CHILD, str(model), dtype, "5", "6", "7"]
-        try:
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return {"rc": None, "started": False, "generated": False, "error": f"timeout after {timeout_s:.0f} s",
-                    "symptom": False, "compile_error": ""}
+            env[key] = value
+    try:
+        p = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"rc": None, "generated": False, "error": f"timeout after {timeout_s:.0f} s", "symptom": False,
+                "compile_error": "", "vec_isa": "?"}
     text = (p.stdout or "") + "\n" + (p.stderr or "")
-    return {"rc": p.returncode, "started": "PARITY_REPRO_ENGINE_STARTED" in p.stdout, "generated": MARK in p.stdout,
-            **parse(text), "tail": "" if MARK in p.stdout else text[-2500:]}
+    generated = any(ln.startswith(MARK + " ") for ln in (p.stdout or "").splitlines())
+    return {"rc": p.returncode, "generated": generated, **parse(p.stdout or "", text),
+            "tail": "" if generated else text[-2500:]}
+
+
+def run_case(case: str, model: Path, timeout_s: float, progress: Any) -> list[dict[str, Any]]:
+    code, args = (TORCH_CHILD, []) if case == "torch" else (VLLM_CHILD, [str(model), case.split("-", 1)[1]])
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="parity-cap-") as tmp:
+        for step, knob, fx_cache, expect in STEPS:
+            progress(f"parity repro: {case}, {step} ({KNOB}={knob or 'unset'}, shared fresh cache, subprocess)")
+            res = run_child(code, args, {KNOB: knob, "TORCHINDUCTOR_FX_GRAPH_CACHE": fx_cache}, Path(tmp), timeout_s)
+            outcome = "generated" if res["generated"] else (res["compile_error"] or res["error"] or f"exit code {res['rc']}")
+            rows.append({"case": case, "step": step, "knob": knob or "unset", "fx_graph_cache": fx_cache or "on",
+                         "expect": expect, "vec_isa": res["vec_isa"], "generated": res["generated"],
+                         "symptom": res["symptom"], "outcome": outcome, "tail": res.get("tail", "")})
+    return rows
 
 
 def run(ctx: Context) -> ReproResult:
@@ -85,45 +129,45 @@ def run(ctx: Context) -> ReproResult:
     cfg = settings(ctx.small)
     model = ctx.model_path(FIXTURE)
     timeout = min(ctx.timeout_s, cfg["timeout_s"])
-    rows, raw = [], []
-    for dtype in cfg["dtypes"]:
-        for value in (None, "default"):
-            ctx.progress(f"parity repro: vLLM CPU engine, {dtype}, {KNOB}={value or 'unset'} (subprocess, fresh caches)")
-            res = run_child(model, dtype, value, timeout)
-            raw.append({"dtype": dtype, "knob": value, **res})
-            rows.append({"dtype": dtype, "knob": value or "unset", "started": res["started"],
-                         "generated": res["generated"],
-                         "outcome": "generated" if res["generated"] else (res["compile_error"] or res["error"]
-                                                                          or f"exit code {res['rc']}"),
-                         "symptom": res["symptom"]})
-    controls = [r for r in rows if r["knob"] == "unset"]
-    knob = [r for r in rows if r["knob"] == "default"]
-    seen = [r for r in knob if not r["generated"] and r["symptom"]]
+    rows = [r for case in cfg["cases"] for r in run_case(case, model, timeout, ctx.progress)]
+    by_step = {s[0]: [r for r in rows if r["step"] == s[0]] for s in STEPS}
+    control, stale, off = by_step["control"], by_step["stale cache"], by_step["FX graph cache off"]
+    vectorised = bool(control) and all(r["vec_isa"] not in SCALAR for r in control)
     checks = [
-        Check(f"control: without {KNOB} the engine starts and generates (fresh caches)",
-              bool(controls) and all(r["generated"] for r in controls), "; ".join(r["outcome"] for r in controls)),
-        Check(f"with {KNOB}=default the engine fails and the output names {SYMPTOM}",
-              bool(knob) and len(seen) == len(knob), "; ".join(f"{r['dtype']}: {r['outcome']}" for r in knob)),
+        Check(f"control: without {KNOB} each case generates, on a vectorised inductor ISA",
+              bool(control) and all(r["generated"] for r in control) and vectorised,
+              "; ".join(f"{r['case']}: {r['outcome']} (ISA {r['vec_isa']})" for r in control)),
+        Check(f"with {KNOB}=default over the same cache each case fails and the output names {SYMPTOM}",
+              bool(stale) and all(not r["generated"] and r["symptom"] for r in stale),
+              "; ".join(f"{r['case']}: {r['outcome']} (ISA {r['vec_isa']})" for r in stale)),
+        Check(f"with {KNOB}=default over the same cache but TORCHINDUCTOR_FX_GRAPH_CACHE=0 each case generates",
+              bool(off) and all(r["generated"] for r in off), "; ".join(f"{r['case']}: {r['outcome']}" for r in off)),
     ]
     cpu = {"capability": torch.backends.cpu.get_cpu_capability(), "avx512_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
            "amx_tile": bool(torch.cpu._is_amx_tile_supported())}
-    if seen:
-        finding = f"reproduced: under {KNOB}=default vLLM's CPU engine fails to compile ({SYMPTOM})"
-    elif knob and all(r["generated"] for r in knob):
-        finding = (f"not reproduced on this CPU ({cpu['capability']}): under {KNOB}=default the engine started and "
-                   "generated with fresh compile caches; the failure depends on the machine")
+    if all(c.passed for c in checks):
+        finding = (f"reproduced: a graph inductor compiled on the vectorised path ({control[0]['vec_isa']}) is reused "
+                   f"from the FX graph cache under {KNOB}=default and fails to build ({SYMPTOM}); with that cache "
+                   "off the same process starts")
+    elif not vectorised:
+        finding = (f"not reproducible on this CPU: the control picked no vector ISA ({control[0]['vec_isa'] if control else '?'}), "
+                   "so nothing compiled on a vectorised path can go stale")
     else:
-        finding = "not reproduced: " + "; ".join(r["outcome"] for r in knob)
+        finding = "not reproduced: " + "; ".join(f"{r['case']} {r['step']}: {r['outcome']}" for r in stale + off)
+    for r in rows:  # the output tail is kept only where a step did not do what it was expected to
+        if r["generated"] == (r["expect"] == "generates"):
+            del r["tail"]
     return ReproResult(
         name=NAME, number=NUMBER, title=TITLE, finding=finding,
-        columns=[Column("dtype", "dtype"), Column("knob", KNOB), Column("started", "engine started"),
-                 Column("generated", "generated"), Column("symptom", f"output names {SYMPTOM}"),
-                 Column("outcome", "outcome")],
+        columns=[Column("case", "case"), Column("step", "step"), Column("knob", KNOB),
+                 Column("fx_graph_cache", "FX graph cache"), Column("vec_isa", "inductor vector ISA"),
+                 Column("expect", "expected"), Column("generated", "generated"),
+                 Column("symptom", f"output names {SYMPTOM}"), Column("outcome", "outcome")],
         rows=rows, checks=checks,
-        notes=[f"Fixture {FIXTURE}; greedy, 2 tokens, compiled (no enforce_eager), fresh VLLM_CACHE_ROOT and "
-               f"TORCHINDUCTOR_CACHE_DIR per run. CPU: {cpu}. A machine where this does not reproduce reports "
-               "NOT REPRODUCED: the outcome is measured, not assumed."],
-        data={"settings": cfg, "cpu": cpu, "runs": raw},
+        notes=[f"Fixture {FIXTURE}; greedy, 2 tokens, logprobs=1 (so vLLM's sampler compiles its rank count), "
+               "enforce_eager=True; the three steps of a case share one fresh VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR. "
+               f"CPU: {cpu}. Workarounds: TORCHINDUCTOR_FX_GRAPH_CACHE=0, or a TORCHINDUCTOR_CACHE_DIR per kernel path."],
+        data={"settings": cfg, "cpu": cpu},
     )
 
 

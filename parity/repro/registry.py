@@ -53,7 +53,8 @@ REPROS: tuple[Entry, ...] = (
           "TRL colocate weight sync on vLLM's CPU engine: 'Parameter' object has no attribute 'weight_loader'",
           ("qwen2-tiny",)),
     Entry(10, "cpu_capability_default", "parity.repro.cpu_capability_default",
-          "vLLM's CPU engine does not start under ATEN_CPU_CAPABILITY=default ('at::vec' has not been declared)",
+          "vLLM's CPU engine under ATEN_CPU_CAPABILITY=default after a vectorised run: inductor's FX graph cache "
+          "ignores the vector ISA ('at::vec' has not been declared)",
           ("qwen2-tiny",)),
 )
 

@@ -559,40 +559,60 @@ def main_batch_invariant_cpu(cfg, args):
 
 
 # ==================== section: cpu_capability_default ====================
-CAP_CHILD = r'''
+CAP_ISA = "from torch._inductor import cpu_vec_isa\nprint('ISA', str(cpu_vec_isa.pick_vec_isa()), flush=True)\n"
+CAP_TORCH = CAP_ISA + r"""
+import torch
+@torch.compile(dynamic=True)
+def count_ge(x, v):
+    return (x >= v).sum(-1)
+print("GENERATED", count_ge(torch.arange(12.0).reshape(3, 4), torch.tensor([[1.0], [5.0], [20.0]])).tolist(), flush=True)
+"""
+CAP_VLLM = CAP_ISA + r"""
 import sys
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256, seed=0)
-out = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(temperature=0, max_tokens=2, detokenize=False), use_tqdm=False)
+llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256, seed=0, enforce_eager=True)
+out = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])],
+                   SamplingParams(temperature=0, max_tokens=2, logprobs=1, detokenize=False), use_tqdm=False)
 print("GENERATED", list(out[0].outputs[0].token_ids), flush=True)
-'''
+"""
+CAP_SYMPTOM = re.compile("[\u2018']at::vec[\u2019'] has not been declared")
 
 
 def main_cpu_capability_default(cfg, args):
-    """vLLM's CPU engine with and without ATEN_CPU_CAPABILITY=default, each in a fresh process with fresh
-    compile caches (the model is compiled, as TRL's colocated engine does)."""
+    """torch alone and vLLM's CPU engine (log-probs on, so its sampler compiles a rank count), each in three
+    processes over one fresh inductor cache: the control (vectorised, fills the cache), ATEN_CPU_CAPABILITY=default
+    over the same cache (the FX graph cache hands back vectorised C++, built against the scalar header), and
+    the same with TORCHINDUCTOR_FX_GRAPH_CACHE=0 (the workaround)."""
     path = save(build_model(cfg["vocab"], seed=args.seed))
+    steps = (("control", None, None), ("stale cache", "default", None), ("FX graph cache off", "default", "0"))
     rows = []
-    for knob in (None, "default"):
+    for case, code, argv in (("torch", CAP_TORCH, []), ("vllm", CAP_VLLM, [path])):
         cache = tempfile.mkdtemp(prefix="repro-cache-")
-        env = dict(os.environ, VLLM_CACHE_ROOT=os.path.join(cache, "vllm"), TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "ind"))
-        env.pop("ATEN_CPU_CAPABILITY", None)
-        if knob:
-            env["ATEN_CPU_CAPABILITY"] = knob
-        try:
-            p = subprocess.run([sys.executable, "-c", CAP_CHILD, path], env=env, capture_output=True, text=True,
-                               timeout=cfg["timeout_s"])
-            text = p.stdout + p.stderr
-        except subprocess.TimeoutExpired:
-            text = "timeout"
-        rows.append({"knob": knob or "unset", "generated": "GENERATED" in text,
-                     "symptom": "'at::vec' has not been declared" in text})
-    print(markdown([("knob", "ATEN_CPU_CAPABILITY", ""), ("generated", "generated", ""),
+        for step, knob, fx in steps:
+            env = dict(os.environ, VLLM_CACHE_ROOT=os.path.join(cache, "vllm"), TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "ind"))
+            for key, value in (("ATEN_CPU_CAPABILITY", knob), ("TORCHINDUCTOR_FX_GRAPH_CACHE", fx)):
+                env.pop(key, None)
+                if value:
+                    env[key] = value
+            try:
+                p = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True,
+                                   timeout=cfg["timeout_s"])
+                out, text = p.stdout, p.stdout + p.stderr
+            except subprocess.TimeoutExpired:
+                out = text = "timeout"
+            isa = [ln.split(" ", 1)[1] for ln in out.splitlines() if ln.startswith("ISA ")]
+            rows.append({"case": case, "step": step, "knob": knob or "unset", "isa": isa[0] if isa else "?",
+                         "generated": any(ln.startswith("GENERATED ") for ln in out.splitlines()),
+                         "symptom": bool(CAP_SYMPTOM.search(text))})
+    print(markdown([("case", "case", ""), ("step", "step", ""), ("knob", "ATEN_CPU_CAPABILITY", ""),
+                    ("isa", "inductor vector ISA", ""), ("generated", "generated", ""),
                     ("symptom", "'at::vec' has not been declared", "")], rows))
-    off, on = rows
+    pick = {s: [r for r in rows if r["step"] == s] for s, _, _ in steps}
     return verdict([
-        ("without the knob the CPU engine generates", off["generated"]),
-        ("with ATEN_CPU_CAPABILITY=default it fails with 'at::vec' has not been declared",
-         not on["generated"] and on["symptom"]),
+        ("control: without the variable both cases generate on a vectorised ISA",
+         all(r["generated"] and r["isa"] not in ("INVALID_VEC_ISA", "?") for r in pick["control"])),
+        ("ATEN_CPU_CAPABILITY=default over the same cache fails with 'at::vec' has not been declared",
+         all(not r["generated"] and r["symptom"] for r in pick["stale cache"])),
+        ("the same with TORCHINDUCTOR_FX_GRAPH_CACHE=0 generates", all(r["generated"] for r in pick["FX graph cache off"])),
     ])

@@ -42,7 +42,7 @@ def test_every_repro_emits_a_standalone_script(entry, tmp_path) -> None:
     assert "parity" not in imported, "an emitted script must not need parity"
     allowed = {"argparse", "collections", "gc", "math", "typing", "os", "re", "subprocess", "sys", "tempfile", "torch", "transformers", "vllm"}
     if entry.name in standalone.sections(standalone.TRL_SOURCE):  # the TRL repros run TRL's trainer itself
-        allowed |= {"contextlib", "json", "socket", "tokenizers", "datasets", "trl"}
+        allowed |= {"contextlib", "json", "socket", "types", "tokenizers", "datasets", "trl"}
     assert imported <= allowed
     assert f"def main_{entry.name}(" in text and "CONFIG = " in text and 'if __name__ == "__main__":' in text
     assert "from_pretrained" not in text  # the model is built from code, never downloaded
@@ -65,6 +65,30 @@ def test_emitted_scripts_carry_the_cores_rounding_bound() -> None:
     kept[torch.arange(6), y] = True
     for dtype in ("float32", "bfloat16"):
         assert torch.equal(ns["logprob_bound"](z, y, kept, dtype=dtype), logprob_bound(z, y, kept, dtype=dtype))
+
+
+def test_trl_scripts_carry_the_cores_bfloat16_rounding_bound() -> None:
+    """The TRL scripts' tolerance is parity.core.error_model.logprob_rounding_bound itself: same numbers."""
+    import types
+
+    import torch
+
+    from parity.core.error_model import logprob_rounding_bound
+    from parity.core.spec import SamplingSpec
+
+    prelude = standalone.inline(standalone.sections(standalone.TRL_SOURCE)["prelude"])
+    assert "inlined from parity.core.error_model" in prelude and "import parity" not in prelude
+    ns: dict = {}
+    exec(compile(prelude, "prelude", "exec"), ns)  # noqa: S102 - the emitted prelude, run as the script would
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(5, 40, generator=g) * 4
+    y = torch.randint(0, 40, (5,), generator=g)
+    kept = torch.stack([torch.randperm(40, generator=g)[:7] for _ in range(5)])
+    kept[:, 0] = y
+    kept[1, 5:] = -1
+    script_spec = types.SimpleNamespace(effective_temperature=0.7, greedy=False)  # what the script passes
+    got = ns["logprob_rounding_bound"](z, y, script_spec, "bfloat16", kept=kept)
+    assert torch.equal(got, logprob_rounding_bound(z, y, SamplingSpec(temperature=0.7), "bfloat16", kept=kept))
 
 
 def test_emit_all_writes_one_script_per_repro(tmp_path) -> None:

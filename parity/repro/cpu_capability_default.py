@@ -13,37 +13,31 @@ a control without the variable, and reports which one it saw. The engine is star
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from parity.repro import standalone
-from parity.repro.common import Check, Column, Context, ReproResult
+from parity.repro.common import Check, Context
+from parity.repro.runner import (
+    ENGINE_CHILD,
+    GENERATED,
+    STARTED,
+    Measured,
+    columns,
+    cpu_features,
+    engine_env,
+    exceptions,
+    output_lines,
+    run_child,
+)
 
-NAME = "cpu_capability_default"
-NUMBER = 10
-TITLE = "vLLM's CPU engine does not start under ATEN_CPU_CAPABILITY=default ('at::vec' has not been declared)"
 FIXTURE = "qwen2-tiny"
 KNOB = "ATEN_CPU_CAPABILITY"
-MARK = "PARITY_REPRO_GENERATED"
 SUBPROCESS_TIMEOUT_S = 420.0
 SYMPTOM = "'at::vec' has not been declared"
-
-CHILD = f"""
-import sys
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype=sys.argv[2], max_model_len=256, seed=0,
-          enable_prefix_caching=False)
-print("PARITY_REPRO_ENGINE_STARTED", flush=True)
-out = llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in sys.argv[3:]])],
-                   SamplingParams(temperature=0.0, max_tokens=2, detokenize=False), use_tqdm=False)
-print("{MARK}", list(out[0].outputs[0].token_ids), flush=True)
-"""
+COLUMNS = columns(("dtype", "dtype"), ("knob", KNOB), ("started", "engine started"), ("generated", "generated"),
+                  ("symptom", f"output names {SYMPTOM}"), ("outcome", "outcome"))
 
 
 def settings(small: bool) -> dict[str, Any]:
@@ -52,44 +46,34 @@ def settings(small: bool) -> dict[str, Any]:
 
 
 def parse(text: str) -> dict[str, Any]:
-    lines = [ln.split("]: ", 1)[-1] if ln.startswith("[rank") else ln for ln in text.splitlines()]
-    errors = [ln.strip() for ln in lines if re.match(r"^\s*[A-Za-z_.]*(Error|Exception)\b.*:", ln)]
+    lines = output_lines(text)
+    errors = exceptions(lines)
     compile_lines = [ln.strip() for ln in lines if "error:" in ln and ".cpp" in ln]
     return {"error": errors[-1][:300] if errors else "", "symptom": SYMPTOM in text,
             "compile_error": compile_lines[0][:300] if compile_lines else ""}
 
 
-def run_child(model: Path, dtype: str, value: str | None, timeout_s: float) -> dict[str, Any]:
+def child(model: Path, dtype: str, value: str | None, timeout_s: float) -> dict[str, Any]:
+    """The engine compiled on ``model`` in a fresh process with fresh compile caches, ``KNOB`` = ``value``."""
     with tempfile.TemporaryDirectory(prefix="parity-cap-") as cache:
-        env = dict(os.environ)
-        env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING",
-                   VLLM_CACHE_ROOT=str(Path(cache) / "vllm"), TORCHINDUCTOR_CACHE_DIR=str(Path(cache) / "inductor"))
-        if value is None:
-            env.pop(KNOB, None)
-        else:
-            env[KNOB] = value
-        cmd = [sys.executable, "-c", CHILD, str(model), dtype, "5", "6", "7"]
-        try:
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return {"rc": None, "started": False, "generated": False, "error": f"timeout after {timeout_s:.0f} s",
-                    "symptom": False, "compile_error": ""}
-    text = (p.stdout or "") + "\n" + (p.stderr or "")
-    return {"rc": p.returncode, "started": "PARITY_REPRO_ENGINE_STARTED" in p.stdout, "generated": MARK in p.stdout,
-            **parse(text), "tail": "" if MARK in p.stdout else text[-2500:]}
+        env = engine_env(KNOB, value, VLLM_CACHE_ROOT=str(Path(cache) / "vllm"),
+                         TORCHINDUCTOR_CACHE_DIR=str(Path(cache) / "inductor"))
+        p = run_child([sys.executable, "-c", ENGINE_CHILD, str(model), dtype, "compiled", "5", "6", "7"], env, timeout_s)
+    if p.timed_out:
+        return {"rc": None, "started": False, "generated": False, "error": f"timeout after {timeout_s:.0f} s",
+                "symptom": False, "compile_error": ""}
+    return {"rc": p.rc, "started": STARTED in p.stdout, "generated": GENERATED in p.stdout,
+            **parse(p.text), "tail": "" if GENERATED in p.stdout else p.text[-2500:]}
 
 
-def run(ctx: Context) -> ReproResult:
-    import torch
-
-    cfg = settings(ctx.small)
+def run(ctx: Context, cfg: dict[str, Any]) -> Measured:
     model = ctx.model_path(FIXTURE)
     timeout = min(ctx.timeout_s, cfg["timeout_s"])
     rows, raw = [], []
     for dtype in cfg["dtypes"]:
         for value in (None, "default"):
             ctx.progress(f"parity repro: vLLM CPU engine, {dtype}, {KNOB}={value or 'unset'} (subprocess, fresh caches)")
-            res = run_child(model, dtype, value, timeout)
+            res = child(model, dtype, value, timeout)
             raw.append({"dtype": dtype, "knob": value, **res})
             rows.append({"dtype": dtype, "knob": value or "unset", "started": res["started"],
                          "generated": res["generated"],
@@ -105,8 +89,7 @@ def run(ctx: Context) -> ReproResult:
         Check(f"with {KNOB}=default the engine fails and the output names {SYMPTOM}",
               bool(knob) and len(seen) == len(knob), "; ".join(f"{r['dtype']}: {r['outcome']}" for r in knob)),
     ]
-    cpu = {"capability": torch.backends.cpu.get_cpu_capability(), "avx512_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
-           "amx_tile": bool(torch.cpu._is_amx_tile_supported())}
+    cpu = cpu_features()
     if seen:
         finding = f"reproduced: under {KNOB}=default vLLM's CPU engine fails to compile ({SYMPTOM})"
     elif knob and all(r["generated"] for r in knob):
@@ -114,18 +97,11 @@ def run(ctx: Context) -> ReproResult:
                    "generated with fresh compile caches; the failure depends on the machine")
     else:
         finding = "not reproduced: " + "; ".join(r["outcome"] for r in knob)
-    return ReproResult(
-        name=NAME, number=NUMBER, title=TITLE, finding=finding,
-        columns=[Column("dtype", "dtype"), Column("knob", KNOB), Column("started", "engine started"),
-                 Column("generated", "generated"), Column("symptom", f"output names {SYMPTOM}"),
-                 Column("outcome", "outcome")],
-        rows=rows, checks=checks,
-        notes=[f"Fixture {FIXTURE}; greedy, 2 tokens, compiled (no enforce_eager), fresh VLLM_CACHE_ROOT and "
-               f"TORCHINDUCTOR_CACHE_DIR per run. CPU: {cpu}. A machine where this does not reproduce reports "
-               "NOT REPRODUCED: the outcome is measured, not assumed."],
-        data={"settings": cfg, "cpu": cpu, "runs": raw},
-    )
+    notes = [f"Fixture {FIXTURE}; greedy, 2 tokens, compiled (no enforce_eager), fresh VLLM_CACHE_ROOT and "
+             f"TORCHINDUCTOR_CACHE_DIR per run. CPU: {cpu}. A machine where this does not reproduce reports "
+             "NOT REPRODUCED: the outcome is measured, not assumed."]
+    return Measured(rows, checks, notes, data={"cpu": cpu, "runs": raw}, finding=finding)
 
 
-def emit_script(small: bool) -> str:
-    return standalone.emit(NAME, TITLE, config={"vocab": 512, "timeout_s": SUBPROCESS_TIMEOUT_S})
+def script_config(small: bool) -> dict:
+    return {"vocab": 512, "timeout_s": SUBPROCESS_TIMEOUT_S}

@@ -22,8 +22,8 @@ import json
 import sys
 from pathlib import Path
 
-from parity.repro.runner import emit_script, run_entries
 from parity.repro.registry import REPROS, RUN_ORDER, Entry, get
+from parity.repro.runner import emit_script, run_entries
 
 DEFAULT_ROOT = Path("reports/repro")
 

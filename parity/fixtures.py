@@ -104,20 +104,21 @@ _LLAMA_REGEX = (
 )
 _LLAMA_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|finetune_right_pad_id|>")
 
+_QWEN2 = ArchSpec(
+    model_type="qwen2",
+    architecture="Qwen2ForCausalLM",
+    special_tokens=_QWEN_SPECIALS,
+    bos=None,
+    eos="<|endoftext|>",
+    pad="<|endoftext|>",
+    add_bos=False,
+    head_dim_from_hidden=True,
+    pretokenize_regex=_QWEN_REGEX,
+    nfc=True,
+    extra_config=(("use_sliding_window", False), ("sliding_window", None)),
+)
 ARCHS: dict[str, ArchSpec] = {
-    "qwen2": ArchSpec(
-        model_type="qwen2",
-        architecture="Qwen2ForCausalLM",
-        special_tokens=_QWEN_SPECIALS,
-        bos=None,
-        eos="<|endoftext|>",
-        pad="<|endoftext|>",
-        add_bos=False,
-        head_dim_from_hidden=True,
-        pretokenize_regex=_QWEN_REGEX,
-        nfc=True,
-        extra_config=(("use_sliding_window", False), ("sliding_window", None)),
-    ),
+    "qwen2": _QWEN2,
     "llama": ArchSpec(
         model_type="llama",
         architecture="LlamaForCausalLM",
@@ -131,17 +132,12 @@ ARCHS: dict[str, ArchSpec] = {
         nfc=False,
         extra_config=(("attention_bias", False), ("mlp_bias", False)),
     ),
-    "qwen3": ArchSpec(
+    # Qwen3: Qwen2's tokenizer and special tokens, its own architecture, head_dim rule and config switches.
+    "qwen3": dataclasses.replace(
+        _QWEN2,
         model_type="qwen3",
         architecture="Qwen3ForCausalLM",
-        special_tokens=_QWEN_SPECIALS,
-        bos=None,
-        eos="<|endoftext|>",
-        pad="<|endoftext|>",
-        add_bos=False,
         head_dim_from_hidden=False,
-        pretokenize_regex=_QWEN_REGEX,
-        nfc=True,
         extra_config=(("attention_bias", False), ("use_sliding_window", False), ("sliding_window", None)),
     ),
 }

@@ -22,8 +22,8 @@ import json
 import sys
 from pathlib import Path
 
-from parity.repro.common import run_entries
 from parity.repro.registry import REPROS, RUN_ORDER, Entry, get
+from parity.repro.runner import emit_script, run_entries
 
 DEFAULT_ROOT = Path("reports/repro")
 
@@ -54,7 +54,7 @@ def _emit(entries: list[Entry], path: Path, small: bool, single: bool) -> int:
         path.mkdir(parents=True, exist_ok=True)
         targets = [(e, path / f"{e.name}.py") for e in entries]
     for entry, dest in targets:
-        text = entry.load().emit_script(small)
+        text = emit_script(entry, small)
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_text(text, encoding="utf-8")
         dest.chmod(0o755)

@@ -129,12 +129,8 @@ def recompute(
 
 
 def _recompute_reference(
-    logits: torch.Tensor,
-    sampled: torch.Tensor,
-    specs: SamplingSpec | Sequence[SamplingSpec],
-    *,
-    force_include: bool = True,
-    faults: FilterFaults | None = None,
+    logits: torch.Tensor, sampled: torch.Tensor, specs: SamplingSpec | Sequence[SamplingSpec], *,
+    force_include: bool = True, faults: FilterFaults | None = None,
 ) -> RecomputeResult:
     """recompute straight from :func:`reference_filter` (full-row sort, dense renormalisation)."""
     res = reference_filter(logits, specs, faults=faults)

@@ -138,6 +138,19 @@ def _set_env(undo: _Undo, name: str, value: str) -> None:
     undo.push(restore)
 
 
+def _set_attrs(undo: _Undo, *settings: tuple[Any, str, Any]) -> None:
+    """Set each ``(obj, attr, value)`` in order; one undo action puts the previous values back, in the same order."""
+    prev = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in settings]
+    for obj, attr, value in settings:
+        setattr(obj, attr, value)
+
+    def restore() -> None:
+        for obj, attr, value in prev:
+            setattr(obj, attr, value)
+
+    undo.push(restore)
+
+
 def _device_type(device: str) -> str:
     try:
         return torch.device(device).type
@@ -177,14 +190,8 @@ def _mkldnn_deterministic(state: DeterminismState, undo: _Undo, enabled: bool) -
     if not enabled:
         state.add(name, ON if mk.deterministic else OFF)
         return
-    prev = bool(mk.deterministic)
     # Set the attribute, not mkldnn.flags(): flags() also rewrites oneDNN's TF32 setting.
-    mk.deterministic = True
-
-    def restore() -> None:
-        mk.deterministic = prev
-
-    undo.push(restore)
+    _set_attrs(undo, (mk, "deterministic", True))
     state.add(name, ON, True)
 
 
@@ -299,47 +306,19 @@ def _cuda_torch_flags(state: DeterminismState, undo: _Undo, enabled: bool) -> No
     # TF32 rounds fp32 matmul inputs to 10 mantissa bits; torch >= 2.9 spells it fp32_precision and
     # refuses a mix of the legacy allow_tf32 flags and the new API, so use one or the other.
     if new_api:
-        targets = (mm, cudnn.conv, cudnn.rnn)
-        prev_prec = [t.fp32_precision for t in targets]
-        for t in targets:
-            t.fp32_precision = "ieee"
-
-        def restore_prec() -> None:
-            for t, p in zip(targets, prev_prec, strict=True):
-                t.fp32_precision = p
-
-        undo.push(restore_prec)
+        _set_attrs(undo, *((t, "fp32_precision", "ieee") for t in (mm, cudnn.conv, cudnn.rnn)))
         state.add("tf32_off", ON, {"fp32_precision": "ieee"})
     else:
-        prev_tf32 = (mm.allow_tf32, cudnn.allow_tf32)
-        mm.allow_tf32 = False
-        cudnn.allow_tf32 = False
-
-        def restore_tf32() -> None:
-            mm.allow_tf32, cudnn.allow_tf32 = prev_tf32
-
-        undo.push(restore_tf32)
+        _set_attrs(undo, (mm, "allow_tf32", False), (cudnn, "allow_tf32", False))
         state.add("tf32_off", ON, {"allow_tf32": False})
-    prev_cudnn = (cudnn.deterministic, cudnn.benchmark)
-    cudnn.deterministic = True
-    cudnn.benchmark = False  # autotuning may pick a different algorithm per shape and per run
-
-    def restore_cudnn() -> None:
-        cudnn.deterministic, cudnn.benchmark = prev_cudnn
-
-    undo.push(restore_cudnn)
+    # autotuning (benchmark) may pick a different algorithm per shape and per run
+    _set_attrs(undo, (cudnn, "deterministic", True), (cudnn, "benchmark", False))
     state.add("cudnn_deterministic", ON, True)
     state.add("cudnn_benchmark_off", ON, False)
     # fp16/bf16 GEMMs may reduce in reduced precision with a split that depends on the shape; vLLM's
     # enable_batch_invariant_mode turns both off.
-    prev_red = (mm.allow_fp16_reduced_precision_reduction, mm.allow_bf16_reduced_precision_reduction)
-    mm.allow_fp16_reduced_precision_reduction = False
-    mm.allow_bf16_reduced_precision_reduction = False
-
-    def restore_red() -> None:
-        mm.allow_fp16_reduced_precision_reduction, mm.allow_bf16_reduced_precision_reduction = prev_red
-
-    undo.push(restore_red)
+    _set_attrs(undo, (mm, "allow_fp16_reduced_precision_reduction", False),
+               (mm, "allow_bf16_reduced_precision_reduction", False))
     state.add("reduced_precision_reduction_off", ON, False)
 
 

@@ -279,20 +279,20 @@ def _renormalised(
 # ---------------------------------------------------------------------------------------------
 
 
+def _scaled(logits: torch.Tensor, specs: SamplingSpec | Sequence[SamplingSpec], shard: VocabShard) -> torch.Tensor:
+    """This rank's logits, checked against its shard, divided by each row's temperature."""
+    z = _check_shard(logits, shard)
+    return apply_temperature(z, per_row(specs, z.shape[0]))
+
+
 def sharded_full(
-    logits: torch.Tensor,
-    sampled: torch.Tensor,
-    specs: SamplingSpec | Sequence[SamplingSpec],
-    shard: VocabShard,
-    comm: Comm,
-    faults: ParallelFaults | None = None,
+    logits: torch.Tensor, sampled: torch.Tensor, specs: SamplingSpec | Sequence[SamplingSpec],
+    shard: VocabShard, comm: Comm, faults: ParallelFaults | None = None,
 ) -> torch.Tensor:
     """``log_softmax(z / T)[y]`` from shards: max all-reduce, then one ``[N, 2]`` float64 sum."""
-    faults = faults or ParallelFaults()
-    z = _check_shard(logits, shard)
-    scaled = apply_temperature(z, per_row(specs, z.shape[0]))
+    scaled = _scaled(logits, specs, shard)
     support = torch.ones_like(scaled, dtype=torch.bool)
-    lp, _ = _renormalised(scaled, support, shard, sampled.long(), comm, faults)
+    lp, _ = _renormalised(scaled, support, shard, sampled.long(), comm, faults or ParallelFaults())
     return lp
 
 
@@ -313,6 +313,15 @@ def _check_kept_ids(kept_ids: torch.Tensor, n: int, vocab: int) -> torch.Tensor:
     return kept_ids.long()
 
 
+def _scaled_kept(
+    logits: torch.Tensor, kept_ids: torch.Tensor, specs: SamplingSpec | Sequence[SamplingSpec], shard: VocabShard
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_scaled`, and the kept ids ``[N, K]`` checked against the logits' rows and the vocabulary."""
+    z = _check_shard(logits, shard)
+    ids = _check_kept_ids(kept_ids, z.shape[0], shard.vocab)
+    return apply_temperature(z, per_row(specs, z.shape[0])), ids
+
+
 @dataclass
 class ShardedReplay:
     logprobs: torch.Tensor  # [N]
@@ -320,24 +329,17 @@ class ShardedReplay:
 
 
 def sharded_replay(
-    logits: torch.Tensor,
-    sampled: torch.Tensor,
-    kept_ids: torch.Tensor,
-    specs: SamplingSpec | Sequence[SamplingSpec],
-    shard: VocabShard,
-    comm: Comm,
-    faults: ParallelFaults | None = None,
+    logits: torch.Tensor, sampled: torch.Tensor, kept_ids: torch.Tensor, specs: SamplingSpec | Sequence[SamplingSpec],
+    shard: VocabShard, comm: Comm, faults: ParallelFaults | None = None,
 ) -> ShardedReplay:
     """``z'_y - logsumexp(z'_{S_q})`` with one all-reduce of ``[N, K + 1]`` values.
 
     The gathered K + 1 values are the same float32 numbers the unsharded replay reads, so the
     single-device :func:`parity.core.estimators.replay` run on them is bit-identical to it.
     """
-    z = _check_shard(logits, shard)
-    n = z.shape[0]
-    ids = _check_kept_ids(kept_ids, n, shard.vocab)
+    scaled, ids = _scaled_kept(logits, kept_ids, specs, shard)
+    n = scaled.shape[0]
     y = sampled.long()
-    scaled = apply_temperature(z, per_row(specs, n))
     k = ids.shape[1]
     got = _gather_kept_values(scaled, torch.cat([ids, y.unsqueeze(1)], dim=1), shard, comm)
     kv = got[:, :k].masked_fill(ids < 0, NEG_INF)
@@ -352,19 +354,12 @@ def sharded_replay(
 
 
 def sharded_predicted_log_s(
-    logits: torch.Tensor,
-    kept_ids: torch.Tensor,
-    specs: SamplingSpec | Sequence[SamplingSpec],
-    shard: VocabShard,
-    comm: Comm,
-    faults: ParallelFaults | None = None,
+    logits: torch.Tensor, kept_ids: torch.Tensor, specs: SamplingSpec | Sequence[SamplingSpec],
+    shard: VocabShard, comm: Comm, faults: ParallelFaults | None = None,
 ) -> torch.Tensor:
     """``logsumexp(z'_{S_q}) - logsumexp(z')``, both shifted by the global row max as the reference."""
     faults = faults or ParallelFaults()
-    z = _check_shard(logits, shard)
-    n = z.shape[0]
-    ids = _check_kept_ids(kept_ids, n, shard.vocab)
-    scaled = apply_temperature(z, per_row(specs, n))
+    scaled, ids = _scaled_kept(logits, kept_ids, specs, shard)
     kv = _gather_kept_values(scaled, ids, shard, comm).masked_fill(ids < 0, NEG_INF)
     if faults.lse_without_max_shift:  # planted fault
         tot = comm.all_reduce(torch.exp(scaled).sum(dim=-1), "sum")
@@ -511,14 +506,8 @@ def _fallback_kept(
 
 
 def sharded_kept(
-    logits: torch.Tensor,
-    specs: SamplingSpec | Sequence[SamplingSpec],
-    shard: VocabShard,
-    comm: Comm,
-    *,
-    tie_policy: str = "gather",
-    band_policy: str = "gather",
-    faults: ParallelFaults | None = None,
+    logits: torch.Tensor, specs: SamplingSpec | Sequence[SamplingSpec], shard: VocabShard, comm: Comm, *,
+    tie_policy: str = "gather", band_policy: str = "gather", faults: ParallelFaults | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's slice of ``reference_filter(logits, specs).kept``.
 
@@ -634,15 +623,9 @@ def sharded_kept(
 
 
 def sharded_recompute(
-    logits: torch.Tensor,
-    sampled: torch.Tensor,
-    specs: SamplingSpec | Sequence[SamplingSpec],
-    shard: VocabShard,
-    comm: Comm,
-    *,
-    tie_policy: str = "gather",
-    band_policy: str = "gather",
-    faults: ParallelFaults | None = None,
+    logits: torch.Tensor, sampled: torch.Tensor, specs: SamplingSpec | Sequence[SamplingSpec],
+    shard: VocabShard, comm: Comm, *,
+    tie_policy: str = "gather", band_policy: str = "gather", faults: ParallelFaults | None = None,
 ) -> ShardedRecompute:
     """Reference kept set from shards, force-include y on its owner, renormalise over S_p ∪ {y}."""
     faults = faults or ParallelFaults()

@@ -47,15 +47,14 @@ def spec_row(spec: SamplingSpec) -> dict[str, Any]:
 
 
 def kept_columns(
-    sampled: Sequence[int],
-    heads: Sequence[Sequence[int]],
-    head_lps: Sequence[Sequence[float]],
-    *,
-    spec: SamplingSpec,
-    requested: int,
-    vocab_size: int,
+    sampled: Sequence[int], heads: Sequence[Sequence[int]], head_lps: Sequence[Sequence[float]], *,
+    spec: SamplingSpec, requested: int, vocab_size: int,
 ) -> dict[str, Any]:
-    """The kept-set columns of one sequence from its per-position top-K heads (none for unfiltered specs)."""
+    """The kept-set columns of one sequence from its per-position top-K heads (none for unfiltered specs).
+
+    The arguments are :func:`parity.core.capture.support_from_heads`'s, plus the spec that decides
+    whether a head is a kept set at all.
+    """
     if requested == 0 or not spec.effective().filtered:
         # Unfiltered (or greedy): S_q is the whole vocabulary; a top-K head is not a kept set.
         return {}

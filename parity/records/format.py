@@ -411,13 +411,17 @@ def validate_batch(
                 i = _first(mismatch)
                 have, lack = ("kept_ids", name) if kept.valid[i] else (name, "kept_ids")
                 raise RecordsError(f"{_where(source, row(i))}: {have} is set but {lack} is null: allowed both or neither")
-        wrong = kept.valid & (klp.lengths != kept.lengths)
-        if wrong.any():
-            i = _first(wrong)
-            raise RecordsError(
-                f"{_where(source, row(i), 'kept_logprobs')}: {int(klp.lengths[i])} values for {int(kept.lengths[i])} "
-                f"kept_ids: allowed one log-prob per kept id"
-            )
+
+        def one_per_kept_id(rag: Ragged, name: str, what: str) -> None:
+            wrong = rag.valid & (rag.lengths != kept.lengths)
+            if wrong.any():
+                i = _first(wrong)
+                raise RecordsError(
+                    f"{_where(source, row(i), name)}: {int(rag.lengths[i])} values for {int(kept.lengths[i])} "
+                    f"kept_ids: allowed one {what} per kept id"
+                )
+
+        one_per_kept_id(klp, "kept_logprobs", "log-prob")  # klp.valid == kept.valid, checked above
         wrong = kept.valid & (offs.lengths != lengths + 1)
         if wrong.any():
             i = _first(wrong)
@@ -479,13 +483,7 @@ def validate_batch(
             stray = tkl.valid & ~kept.valid
             if stray.any():
                 raise RecordsError(f"{_where(source, row(_first(stray)), 'trainer_kept_logits')}: set on a row without kept_ids")
-            wrong = tkl.valid & (tkl.lengths != kept.lengths)
-            if wrong.any():
-                i = _first(wrong)
-                raise RecordsError(
-                    f"{_where(source, row(i), 'trainer_kept_logits')}: {int(tkl.lengths[i])} values for "
-                    f"{int(kept.lengths[i])} kept_ids: allowed one logit per kept id"
-                )
+            one_per_kept_id(tkl, "trainer_kept_logits", "logit")
             _check_floats(tkl, "trainer_kept_logits", True)
             out.trainer_kept_logits = tkl
     else:

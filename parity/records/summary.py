@@ -180,6 +180,12 @@ class DiffStream:
         }
 
 
+def _fold(acc: tuple[int, float, float, float], n: int, total: Any, lo: Any, hi: Any) -> tuple[int, float, float, float]:
+    """A running (count, sum, min, max) after ``n`` more values whose sum, min and max are given."""
+    count, run_sum, run_min, run_max = acc
+    return count + n, run_sum + float(total), float(np.minimum(run_min, lo)), float(np.maximum(run_max, hi))
+
+
 @dataclass
 class Ratios:
     """IS ratios exp(trainer - sampler) per token and per sequence (``parity.core.metrics.is_ratios``), streamed."""
@@ -194,33 +200,29 @@ class Ratios:
     seq_max: float = -math.inf
     rel_err: float = 0.0  # max |seq ratio - prod S| / prod S (naive estimator)
 
+    def _add_tok(self, n: int, total: Any, lo: Any, hi: Any) -> None:
+        self.tok_n, self.tok_sum, self.tok_min, self.tok_max = _fold(
+            (self.tok_n, self.tok_sum, self.tok_min, self.tok_max), n, total, lo, hi)
+
+    def _add_seq(self, n: int, total: Any, lo: Any, hi: Any) -> None:
+        self.seq_n, self.seq_sum, self.seq_min, self.seq_max = _fold(
+            (self.seq_n, self.seq_sum, self.seq_min, self.seq_max), n, total, lo, hi)
+
     def add(self, d: np.ndarray, seq_d: np.ndarray, seq_log_s: np.ndarray | None = None) -> None:
         with np.errstate(over="ignore", invalid="ignore"):
             if d.size:
                 r = np.exp(d)
-                self.tok_n += int(r.size)
-                self.tok_sum += float(np.sum(r))
-                self.tok_min = float(np.minimum(self.tok_min, np.min(r)))
-                self.tok_max = float(np.maximum(self.tok_max, np.max(r)))
+                self._add_tok(int(r.size), np.sum(r), np.min(r), np.max(r))
             if seq_d.size:
                 s = np.exp(seq_d)
-                self.seq_n += int(s.size)
-                self.seq_sum += float(np.sum(s))
-                self.seq_min = float(np.minimum(self.seq_min, np.min(s)))
-                self.seq_max = float(np.maximum(self.seq_max, np.max(s)))
+                self._add_seq(int(s.size), np.sum(s), np.min(s), np.max(s))
                 if seq_log_s is not None:
                     pred = np.exp(seq_log_s)
                     self.rel_err = float(np.maximum(self.rel_err, np.max(np.abs(s - pred) / pred)))
 
     def merge(self, o: Ratios) -> None:
-        self.tok_n += o.tok_n
-        self.tok_sum += o.tok_sum
-        self.tok_min = float(np.minimum(self.tok_min, o.tok_min))
-        self.tok_max = float(np.maximum(self.tok_max, o.tok_max))
-        self.seq_n += o.seq_n
-        self.seq_sum += o.seq_sum
-        self.seq_min = float(np.minimum(self.seq_min, o.seq_min))
-        self.seq_max = float(np.maximum(self.seq_max, o.seq_max))
+        self._add_tok(o.tok_n, o.tok_sum, o.tok_min, o.tok_max)
+        self._add_seq(o.seq_n, o.seq_sum, o.seq_min, o.seq_max)
         self.rel_err = float(np.maximum(self.rel_err, o.rel_err))
 
     def to_report(self, identity: bool = False) -> dict[str, Any]:

@@ -12,37 +12,29 @@ without the knob. Reported as "reproduced: TypeError ..." or "not reproduced: ..
 from __future__ import annotations
 
 import os
-import re
-import subprocess
 import sys
 from pathlib import Path
 
 from parity.core.spec import SamplingSpec
-from parity.repro import standalone
-from parity.repro.common import Check, Column, Context, ReproResult
+from parity.repro.common import Check, Context
+from parity.repro.runner import (
+    ENGINE_CHILD,
+    GENERATED,
+    STARTED,
+    Measured,
+    columns,
+    engine_env,
+    exceptions,
+    frames,
+    output_lines,
+    run_child,
+)
 
-NAME = "batch_invariant_cpu"
-NUMBER = 7
-TITLE = "VLLM_BATCH_INVARIANT=1 crashes vLLM's CPU engine at the first forward"
 FIXTURE = "qwen2-tiny-ties"  # any fixture; this one's engine is already running in ``parity repro all``
 KNOB = "VLLM_BATCH_INVARIANT"
-MARK = "PARITY_REPRO_GENERATED"
 SUBPROCESS_TIMEOUT_S = 300.0
-
-# The child: start the engine on the fixture, one greedy request of two tokens.
-CHILD = f"""
-import sys
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
-          seed=0, enable_prefix_caching=False)
-print("PARITY_REPRO_ENGINE_STARTED", flush=True)
-out = llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in sys.argv[2:]])],
-                   SamplingParams(temperature=0.0, max_tokens=2, detokenize=False), use_tqdm=False)
-print("{MARK}", list(out[0].outputs[0].token_ids), flush=True)
-"""
-
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+COLUMNS = columns(("run", "run"), ("knob", KNOB), ("engine_started", "engine started"), ("generated", "generated"),
+                  ("outcome", "outcome"), ("where", "raised in"))
 
 
 def settings(small: bool) -> dict:
@@ -51,40 +43,31 @@ def settings(small: bool) -> dict:
 
 def parse_crash(text: str) -> dict:
     """The exception and the frames of interest from a child's combined output."""
-    lines = [ln.split("]: ", 1)[-1] if ln.startswith("[rank") else ln for ln in text.splitlines()]
-    errors = [ln.strip() for ln in lines if re.match(r"^\s*[A-Za-z_.]*(Error|Exception)\b.*:", ln)]
-    frames = [m.groupdict() for ln in lines if (m := _FRAME.search(ln))]
-    bi = [f for f in frames if f["file"].endswith("batch_invariant.py")]
-    via = [f for f in frames if "layernorm" in f["file"] or "rms_norm" in f["func"]]
+    lines = output_lines(text)
+    errors = exceptions(lines)
+    found = frames(lines)
+    bi = [f for f in found if f["file"].endswith("batch_invariant.py")]
+    via = [f for f in found if "layernorm" in f["file"] or "rms_norm" in f["func"]]
     where = ""
     if bi:
         where = f"{Path(bi[-1]['file']).name}:{bi[-1]['line']} in {bi[-1]['func']}"
         if via:
             where += f", reached from {via[0]['func']} ({Path(via[0]['file']).name})"
-    return {"error": errors[-1] if errors else "", "where": where, "frames": frames[-12:]}
+    return {"error": errors[-1] if errors else "", "where": where, "frames": found[-12:]}
 
 
-def run_child(model: Path, prompt: list[int], env_value: str | None, timeout_s: float) -> dict:
-    env = dict(os.environ)
-    env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"})
-    if env_value is None:
-        env.pop(KNOB, None)
-    else:
-        env[KNOB] = env_value
-    cmd = [sys.executable, "-c", CHILD, str(model), *map(str, prompt)]
-    try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        return {"rc": None, "timed_out": True, "generated": False, "started": "ENGINE_STARTED" in out,
-                "error": f"timeout after {timeout_s:.0f} s", "where": "", "tail": out[-2000:]}
-    text = p.stdout + "\n" + p.stderr
-    crash = parse_crash(text)
-    return {"rc": p.returncode, "timed_out": False, "generated": MARK in p.stdout,
-            "started": "PARITY_REPRO_ENGINE_STARTED" in p.stdout, **crash, "tail": text[-3000:]}
+def child(model: Path, prompt: list[int], env_value: str | None, timeout_s: float) -> dict:
+    """The engine started on ``model`` in a fresh process, ``KNOB`` set to ``env_value`` (None: unset)."""
+    cmd = [sys.executable, "-c", ENGINE_CHILD, str(model), "float32", "eager", *map(str, prompt)]
+    p = run_child(cmd, engine_env(KNOB, env_value), timeout_s)
+    if p.timed_out:
+        return {"rc": None, "timed_out": True, "generated": False, "started": STARTED in p.stdout,
+                "error": f"timeout after {timeout_s:.0f} s", "where": "", "tail": p.stdout[-2000:]}
+    return {"rc": p.rc, "timed_out": False, "generated": GENERATED in p.stdout,
+            "started": STARTED in p.stdout, **parse_crash(p.text), "tail": p.text[-3000:]}
 
 
-def run(ctx: Context) -> ReproResult:
+def run(ctx: Context, cfg: dict) -> Measured:
     model = ctx.model_path(FIXTURE)
     prompt = ctx.prompts(FIXTURE, 1)[0]
     # Control: the same request on the same fixture, in this process, knob unset.
@@ -106,37 +89,30 @@ def run(ctx: Context) -> ReproResult:
             control_ok, control_msg = False, f"{type(exc).__name__}: {exc}"
     timeout = min(ctx.timeout_s, SUBPROCESS_TIMEOUT_S)
     ctx.progress(f"parity repro: {KNOB}=1 in a subprocess (timeout {timeout:.0f} s)")
-    child = run_child(model, prompt, "1", timeout)
-    crashed = not child["generated"] and child["error"].startswith("TypeError")
-    in_bi = "batch_invariant.py" in child["where"]
+    res = child(model, prompt, "1", timeout)
+    crashed = not res["generated"] and res["error"].startswith("TypeError")
+    in_bi = "batch_invariant.py" in res["where"]
     reproduced = crashed and in_bi
-    status = (f"reproduced: {child['error']} ({child['where']})" if reproduced
-              else "not reproduced: " + ("the engine generated with the knob on" if child["generated"]
-                                         else child["error"] or f"exit code {child['rc']}"))
+    status = (f"reproduced: {res['error']} ({res['where']})" if reproduced
+              else "not reproduced: " + ("the engine generated with the knob on" if res["generated"]
+                                         else res["error"] or f"exit code {res['rc']}"))
     rows = [
         {"run": "control (this process)", "knob": "unset", "engine_started": control_ok, "generated": control_ok,
          "outcome": control_msg, "where": ""},
-        {"run": "subprocess", "knob": "1", "engine_started": child["started"], "generated": child["generated"],
-         "outcome": child["error"] or (f"exit code {child['rc']}" if not child["generated"] else "generated"),
-         "where": child["where"]},
+        {"run": "subprocess", "knob": "1", "engine_started": res["started"], "generated": res["generated"],
+         "outcome": res["error"] or (f"exit code {res['rc']}" if not res["generated"] else "generated"),
+         "where": res["where"]},
     ]
     checks = [
         Check("control: without the knob the CPU engine generates", control_ok, control_msg),
         Check(f"with {KNOB}=1 the engine starts, then generation fails with a TypeError",
-              child["started"] and crashed, child["error"] or status),
-        Check("the error is raised inside vLLM's determinism/batch_invariant.py", in_bi, child["where"]),
+              res["started"] and crashed, res["error"] or status),
+        Check("the error is raised inside vLLM's determinism/batch_invariant.py", in_bi, res["where"]),
     ]
-    return ReproResult(
-        name=NAME, number=NUMBER, title=TITLE,
-        finding=status,
-        columns=[Column("run", "run"), Column("knob", KNOB), Column("engine_started", "engine started"),
-                 Column("generated", "generated"), Column("outcome", "outcome"), Column("where", "raised in")],
-        rows=rows, checks=checks,
-        notes=[f"Fixture {FIXTURE}; greedy, 2 tokens. On CPU the harness must therefore not set {KNOB} blindly "
-               "(parity.determinism.knobs records it as unavailable). The CUDA build runs Triton kernels and is not covered here."],
-        data={"settings": settings(ctx.small), "child": child},
-    )
+    notes = [f"Fixture {FIXTURE}; greedy, 2 tokens. On CPU the harness must therefore not set {KNOB} blindly "
+             "(parity.determinism.knobs records it as unavailable). The CUDA build runs Triton kernels and is not covered here."]
+    return Measured(rows, checks, notes, data={"child": res}, finding=status)
 
 
-def emit_script(small: bool) -> str:
-    return standalone.emit(NAME, TITLE, config={"vocab": 512, "timeout_s": SUBPROCESS_TIMEOUT_S})
+def script_config(small: bool) -> dict:
+    return {"vocab": 512, "timeout_s": SUBPROCESS_TIMEOUT_S}

@@ -24,22 +24,9 @@ from parity.core import estimators
 from parity.core.capture import plan_capture
 from parity.core.filters import reference_filter
 from parity.core.spec import SamplingSpec
-from parity.repro import standalone
-from parity.repro.common import (
-    Check,
-    Column,
-    Context,
-    ReproResult,
-    cat,
-    fmax,
-    sample,
-    sample_raw,
-    token_bound,
-)
+from parity.repro.common import Check, Context, cat, fmax, sample, sample_raw, token_bound
+from parity.repro.runner import Measured, columns, filter_kwargs, scored, sweep
 
-NAME = "capture_head"
-NUMBER = 6
-TITLE = "capture head too small: top_logprobs < top_k or top_p without a top_k cap mis-scores positions"
 FIXTURE = "llama-32k-s4"
 # (case, spec, head): head None = the harness's own plan (the fix)
 CASES = (
@@ -81,8 +68,7 @@ def _row(ctx: Context, case: str, spec: SamplingSpec, head: int | None, cfg: dic
     logits = trainer.logits(records)
     planned = plan_capture(spec, vocab).logprobs if head is None else None
     pred, flagged, wrong, outside, err = [], [], [], [], []
-    for r, z in zip(records, logits, strict=True):
-        y = torch.tensor(r.completion_ids, dtype=torch.long)
+    for r, z, y in scored(records, logits):
         size_p = reference_filter(z, spec).kept.sum(-1)
         rep = estimators.replay(z, y, r.kept_ids, spec)
         e = (rep.logprobs.double() - r.logprobs.double()).abs()
@@ -112,28 +98,19 @@ def _row(ctx: Context, case: str, spec: SamplingSpec, head: int | None, cfg: dic
     }
 
 
-COLUMNS = [
-    Column("case", "case"),
-    Column("setting", "setting"),
-    Column("head", "top-K head"),
-    Column("refused", "harness refuses the plan"),
-    Column("tokens", "tokens"),
-    Column("predicted", "len(S_p) >= K (trainer logits)"),
-    Column("flagged", "flagged incomplete (harness)"),
-    Column("wrong", "mis-scored by replay over the head"),
-    Column("wrong_share", "share", ".1%"),
-    Column("missing_sampled", "sampled token not in head"),
-    Column("max_err", "max abs error (nats)", ".3f"),
-    Column("silent", "mis-scored, not flagged"),
-]
+COLUMNS = columns(
+    ("case", "case"), ("setting", "setting"), ("head", "top-K head"), ("refused", "harness refuses the plan"),
+    ("tokens", "tokens"), ("predicted", "len(S_p) >= K (trainer logits)"), ("flagged", "flagged incomplete (harness)"),
+    ("wrong", "mis-scored by replay over the head"), ("wrong_share", "share", ".1%"),
+    ("missing_sampled", "sampled token not in head"), ("max_err", "max abs error (nats)", ".3f"),
+    ("silent", "mis-scored, not flagged"),
+)
+FINDING = ("vLLM silently returns a head smaller than the support when asked; replay over it mis-scores every "
+           "position whose support does not fit. The harness refuses such plans and flags such positions.")
 
 
-def run(ctx: Context) -> ReproResult:
-    cfg = settings(ctx.small)
-    rows = []
-    for case, spec, head in CASES:
-        ctx.progress(f"parity repro: {case}")
-        rows.append(_row(ctx, case, spec, head, cfg))
+def run(ctx: Context, cfg: dict) -> Measured:
+    rows = sweep(ctx, CASES, lambda c: _row(ctx, *c, cfg), lambda c: c[0])
     small_heads = rows[:-1]
     fix = rows[-1]
     checks = [
@@ -156,25 +133,10 @@ def run(ctx: Context) -> ReproResult:
         "at all.",
         *[f"{r['case']}: {r['message']}" for r in rows],
     ]
-    return ReproResult(
-        name=NAME, number=NUMBER, title=TITLE,
-        finding=("vLLM silently returns a head smaller than the support when asked; replay over it mis-scores every "
-                 "position whose support does not fit. The harness refuses such plans and flags such positions."),
-        columns=COLUMNS, rows=rows, checks=checks, notes=notes, data={"settings": cfg},
-    )
+    return Measured(rows, checks, notes)
 
 
-def emit_script(small: bool) -> str:
+def script_config(small: bool) -> dict:
     cfg = settings(small)
-    cases = []
-    for _, spec, head in CASES[:-1]:
-        kw: dict = {}
-        if spec.uses_top_k:
-            kw["top_k"] = spec.top_k
-        if spec.uses_top_p:
-            kw["top_p"] = spec.top_p
-        cases.append((head, kw))
-    return standalone.emit(
-        NAME, TITLE,
-        config={"vocab": 32768, "logit_scale": 4.0, "cases": cases, "tokens": cfg["tokens"], "prompts": cfg["prompts"]},
-    )
+    cases = [(head, filter_kwargs(spec)) for _, spec, head in CASES[:-1]]
+    return {"vocab": 32768, "logit_scale": 4.0, "cases": cases, "tokens": cfg["tokens"], "prompts": cfg["prompts"]}

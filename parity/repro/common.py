@@ -1,4 +1,4 @@
-"""What every reproduction shares: the result type, the engine cache, raw sampling, Markdown/JSON output.
+"""What every reproduction reads and writes: the result type, the engine cache, raw sampling, Markdown/JSON output.
 
 A reproduction computes two things from two independent sources and states whether they agree:
 *predicted* values come from the trainer's logits (transformers, float32 unless the repro says
@@ -15,12 +15,11 @@ from __future__ import annotations
 import json
 import math
 import sys
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -28,9 +27,6 @@ from parity.core import estimators
 from parity.core.error_model import logprob_bound
 from parity.core.spec import SamplingSpec
 from parity.records.sequence import SequenceRecord
-
-if TYPE_CHECKING:  # pragma: no cover
-    from parity.repro.registry import Entry
 
 
 def token_bound(
@@ -71,7 +67,7 @@ class Check:
     detail: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"statement": self.statement, "passed": self.passed, "detail": self.detail}
+        return asdict(self)
 
 
 @dataclass
@@ -316,10 +312,6 @@ def sample_raw(
 # small numeric helpers
 
 
-def sampled_ids(records: Sequence[SequenceRecord]) -> list[torch.Tensor]:
-    return [torch.tensor(r.completion_ids, dtype=torch.long) for r in records]
-
-
 def seq_sums(values: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     """Per-sequence sums of a flat per-token tensor (float64)."""
     return torch.stack([v.sum() for v in torch.split(values.double(), list(lengths))])
@@ -335,33 +327,3 @@ def fmean(t: torch.Tensor) -> float:
 
 def cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat(list(parts)) if parts else torch.zeros(0)
-
-
-class Timer:
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-
-    @property
-    def seconds(self) -> float:
-        return time.perf_counter() - self.start
-
-
-def run_entries(entries: Sequence[Entry], ctx: Context, out_for: Callable[[Entry], Path]) -> list[ReproResult]:
-    """Run ``entries`` in order with a shared context; a repro that raises is reported as failed."""
-    results = []
-    for entry in entries:
-        ctx.progress(f"parity repro: [{entry.number}] {entry.name} ...")
-        timer = Timer()
-        try:
-            res = entry.load().run(ctx)
-        except Exception as exc:  # noqa: BLE001 - one broken repro must not hide the others
-            res = ReproResult(
-                name=entry.name, number=entry.number, title=entry.title,
-                finding="The reproduction did not run to completion.", columns=[], rows=[],
-                checks=[Check("the reproduction runs to completion", False, f"{type(exc).__name__}: {exc}")],
-            )
-        res.seconds = timer.seconds
-        res.write(out_for(entry))
-        print(res.markdown(), flush=True)
-        results.append(res)
-    return results

@@ -23,24 +23,18 @@ The cases: torch alone (a compiled ``(x >= v).sum(-1)``, the shape vLLM compiles
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from parity.repro import standalone
-from parity.repro.common import Check, Column, Context, ReproResult
+from parity.repro.common import Check, Context
+from parity.repro.runner import GENERATED, Measured, columns, cpu_features, engine_env, exceptions, output_lines, run_child
 
-NAME = "cpu_capability_default"
-NUMBER = 10
-TITLE = ("vLLM's CPU engine fails under ATEN_CPU_CAPABILITY=default after a vectorised run: inductor's FX graph "
-         "cache ignores the vector ISA ('at::vec' has not been declared)")
 FIXTURE = "qwen2-tiny"
 KNOB = "ATEN_CPU_CAPABILITY"
-MARK = "PARITY_REPRO_GENERATED"
+MARK = GENERATED
 ISA_MARK = "PARITY_REPRO_VEC_ISA"
 SUBPROCESS_TIMEOUT_S = 300.0
 SYMPTOM = "'at::vec' has not been declared"
@@ -80,8 +74,8 @@ def settings(small: bool) -> dict[str, Any]:
 
 def parse(stdout: str, text: str) -> dict[str, Any]:
     """What a child's output says: its last error line, the symptom, the first g++ error, the vector ISA."""
-    lines = [ln.split("]: ", 1)[-1] if ln.startswith("[rank") else ln for ln in text.splitlines()]
-    errors = [ln.strip() for ln in lines if re.match(r"^\s*[A-Za-z_.]*(Error|Exception)\b.*:", ln)]
+    lines = output_lines(text)
+    errors = exceptions(lines)
     compile_lines = [ln.strip() for ln in lines if "error:" in ln and ".cpp" in ln]
     isa = [ln.split(ISA_MARK, 1)[1].strip() for ln in stdout.splitlines() if ln.startswith(ISA_MARK)]
     return {"error": errors[-1][:300] if errors else "", "symptom": bool(SYMPTOM_RE.search(text)),
@@ -89,24 +83,21 @@ def parse(stdout: str, text: str) -> dict[str, Any]:
             "vec_isa": isa[0] if isa else "?"}
 
 
-def run_child(code: str, args: list[str], env_over: dict[str, str | None], cache: Path, timeout_s: float) -> dict[str, Any]:
-    env = dict(os.environ)
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING",
-               VLLM_CACHE_ROOT=str(cache / "vllm"), TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"))
+def child(code: str, args: list[str], env_over: dict[str, str | None], cache: Path, timeout_s: float) -> dict[str, Any]:
+    """``code`` in a fresh process over the compile caches in ``cache``, with ``env_over`` set (None: unset)."""
+    env = engine_env(KNOB, env_over.get(KNOB), VLLM_CACHE_ROOT=str(cache / "vllm"),
+                     TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"))
     for key, value in env_over.items():
         if value is None:
             env.pop(key, None)
         else:
             env[key] = value
-    try:
-        p = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+    p = run_child([sys.executable, "-c", code, *args], env, timeout_s)
+    if p.timed_out:
         return {"rc": None, "generated": False, "error": f"timeout after {timeout_s:.0f} s", "symptom": False,
-                "compile_error": "", "vec_isa": "?"}
-    text = (p.stdout or "") + "\n" + (p.stderr or "")
-    generated = any(ln.startswith(MARK + " ") for ln in (p.stdout or "").splitlines())
-    return {"rc": p.returncode, "generated": generated, **parse(p.stdout or "", text),
-            "tail": "" if generated else text[-2500:]}
+                "compile_error": "", "vec_isa": "?", "tail": p.text[-2500:]}
+    generated = any(ln.startswith(MARK + " ") for ln in p.stdout.splitlines())
+    return {"rc": p.rc, "generated": generated, **parse(p.stdout, p.text), "tail": "" if generated else p.text[-2500:]}
 
 
 def run_case(case: str, model: Path, timeout_s: float, progress: Any) -> list[dict[str, Any]]:
@@ -115,7 +106,7 @@ def run_case(case: str, model: Path, timeout_s: float, progress: Any) -> list[di
     with tempfile.TemporaryDirectory(prefix="parity-cap-") as tmp:
         for step, knob, fx_cache, expect in STEPS:
             progress(f"parity repro: {case}, {step} ({KNOB}={knob or 'unset'}, shared fresh cache, subprocess)")
-            res = run_child(code, args, {KNOB: knob, "TORCHINDUCTOR_FX_GRAPH_CACHE": fx_cache}, Path(tmp), timeout_s)
+            res = child(code, args, {KNOB: knob, "TORCHINDUCTOR_FX_GRAPH_CACHE": fx_cache}, Path(tmp), timeout_s)
             outcome = "generated" if res["generated"] else (res["compile_error"] or res["error"] or f"exit code {res['rc']}")
             rows.append({"case": case, "step": step, "knob": knob or "unset", "fx_graph_cache": fx_cache or "on",
                          "expect": expect, "vec_isa": res["vec_isa"], "generated": res["generated"],
@@ -123,10 +114,7 @@ def run_case(case: str, model: Path, timeout_s: float, progress: Any) -> list[di
     return rows
 
 
-def run(ctx: Context) -> ReproResult:
-    import torch
-
-    cfg = settings(ctx.small)
+def run(ctx: Context, cfg: dict[str, Any]) -> Measured:
     model = ctx.model_path(FIXTURE)
     timeout = min(ctx.timeout_s, cfg["timeout_s"])
     rows = [r for case in cfg["cases"] for r in run_case(case, model, timeout, ctx.progress)]
@@ -143,8 +131,7 @@ def run(ctx: Context) -> ReproResult:
         Check(f"with {KNOB}=default over the same cache but TORCHINDUCTOR_FX_GRAPH_CACHE=0 each case generates",
               bool(off) and all(r["generated"] for r in off), "; ".join(f"{r['case']}: {r['outcome']}" for r in off)),
     ]
-    cpu = {"capability": torch.backends.cpu.get_cpu_capability(), "avx512_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
-           "amx_tile": bool(torch.cpu._is_amx_tile_supported())}
+    cpu = cpu_features()
     if all(c.passed for c in checks):
         finding = (f"reproduced: a graph inductor compiled on the vectorised path ({control[0]['vec_isa']}) is reused "
                    f"from the FX graph cache under {KNOB}=default and fails to build ({SYMPTOM}); with that cache "
@@ -157,19 +144,17 @@ def run(ctx: Context) -> ReproResult:
     for r in rows:  # the output tail is kept only where a step did not do what it was expected to
         if r["generated"] == (r["expect"] == "generates"):
             del r["tail"]
-    return ReproResult(
-        name=NAME, number=NUMBER, title=TITLE, finding=finding,
-        columns=[Column("case", "case"), Column("step", "step"), Column("knob", KNOB),
-                 Column("fx_graph_cache", "FX graph cache"), Column("vec_isa", "inductor vector ISA"),
-                 Column("expect", "expected"), Column("generated", "generated"),
-                 Column("symptom", f"output names {SYMPTOM}"), Column("outcome", "outcome")],
-        rows=rows, checks=checks,
-        notes=[f"Fixture {FIXTURE}; greedy, 2 tokens, logprobs=1 (so vLLM's sampler compiles its rank count), "
-               "enforce_eager=True; the three steps of a case share one fresh VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR. "
-               f"CPU: {cpu}. Workarounds: TORCHINDUCTOR_FX_GRAPH_CACHE=0, or a TORCHINDUCTOR_CACHE_DIR per kernel path."],
-        data={"settings": cfg, "cpu": cpu},
-    )
+    notes = [f"Fixture {FIXTURE}; greedy, 2 tokens, logprobs=1 (so vLLM's sampler compiles its rank count), "
+             "enforce_eager=True; the three steps of a case share one fresh VLLM_CACHE_ROOT and "
+             f"TORCHINDUCTOR_CACHE_DIR. CPU: {cpu}. Workarounds: TORCHINDUCTOR_FX_GRAPH_CACHE=0, or a "
+             "TORCHINDUCTOR_CACHE_DIR per kernel path."]
+    return Measured(rows, checks, notes, data={"cpu": cpu}, finding=finding)
 
 
-def emit_script(small: bool) -> str:
-    return standalone.emit(NAME, TITLE, config={"vocab": 512, "timeout_s": SUBPROCESS_TIMEOUT_S})
+COLUMNS = columns(("case", "case"), ("step", "step"), ("knob", KNOB), ("fx_graph_cache", "FX graph cache"),
+                  ("vec_isa", "inductor vector ISA"), ("expect", "expected"), ("generated", "generated"),
+                  ("symptom", f"output names {SYMPTOM}"), ("outcome", "outcome"))
+
+
+def script_config(small: bool) -> dict:
+    return {"vocab": 512, "timeout_s": SUBPROCESS_TIMEOUT_S}

@@ -18,12 +18,9 @@ import torch
 from parity.core import estimators
 from parity.core.error_model import headroom
 from parity.core.spec import SamplingSpec
-from parity.repro import standalone
-from parity.repro.common import Check, Column, Context, ReproResult, cat, fmax, sample, token_bound
+from parity.repro.common import Check, Context, cat, fmax, sample, token_bound
+from parity.repro.runner import Measured, columns, filter_kwargs, scored, sweep
 
-NAME = "recompute_boundary"
-NUMBER = 4
-TITLE = "recompute at the boundary: a bf16 trainer loses the sampled token (-inf) without force-include"
 FIXTURE = "llama-32k-s1"
 SETTINGS = (
     SamplingSpec(1.0, top_k=1),
@@ -46,8 +43,7 @@ def _rows(ctx: Context, spec: SamplingSpec, cfg: dict) -> list[dict]:
         logits = ctx.trainer(FIXTURE, dtype).logits(records)
         cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("vllm", "naive", "forced_lp", "forced", "replay",
                                                                 "outside", "differs", "incomplete", "where", "bound")}
-        for r, z in zip(records, logits, strict=True):
-            y = torch.tensor(r.completion_ids, dtype=torch.long)
+        for r, z, y in scored(records, logits):
             naive = estimators.recompute(z, y, spec, force_include=False)  # what a naive recompute scores
             forced = estimators.recompute(z, y, spec, force_include=True)
             rep = estimators.replay(z, y, r.kept_ids, spec)
@@ -85,26 +81,19 @@ def _rows(ctx: Context, spec: SamplingSpec, cfg: dict) -> list[dict]:
     return rows
 
 
-COLUMNS = [
-    Column("setting", "setting"),
-    Column("trainer", "trainer"),
-    Column("tokens", "tokens"),
-    Column("support_differs", "S_p != S_q"),
-    Column("lost", "-inf without force-include"),
-    Column("lost_share", "share", ".2%"),
-    Column("forced_inf", "-inf with force-include"),
-    Column("replay_inf", "replay -inf"),
-    Column("recompute_max", "recompute (forced) max abs diff", ".1e"),
-    Column("replay_max", "replay max abs diff", ".1e"),
-]
+COLUMNS = columns(
+    ("setting", "setting"), ("trainer", "trainer"), ("tokens", "tokens"), ("support_differs", "S_p != S_q"),
+    ("lost", "-inf without force-include"), ("lost_share", "share", ".2%"),
+    ("forced_inf", "-inf with force-include"), ("replay_inf", "replay -inf"),
+    ("recompute_max", "recompute (forced) max abs diff", ".1e"), ("replay_max", "replay max abs diff", ".1e"),
+)
+FINDING = ("With a bf16 trainer, recomputing the filters on its own logits moves the boundary: the sampled "
+           "token sometimes falls outside the recomputed support and scores -inf; force-include removes every "
+           "-inf and replay never produces one.")
 
 
-def run(ctx: Context) -> ReproResult:
-    cfg = settings(ctx.small)
-    rows = []
-    for spec in SETTINGS:
-        ctx.progress(f"parity repro: {spec.label()}")
-        rows.extend(_rows(ctx, spec, cfg))
+def run(ctx: Context, cfg: dict) -> Measured:
+    rows = [row for rows in sweep(ctx, SETTINGS, lambda spec: _rows(ctx, spec, cfg), SamplingSpec.label) for row in rows]
     fp32 = [r for r in rows if r["trainer"] == "float32"]
     bf16 = [r for r in rows if r["trainer"] == "bfloat16"]
     lost = sum(r["lost"] for r in bf16)
@@ -127,20 +116,11 @@ def run(ctx: Context) -> ReproResult:
         "different set than the sampler did (its max abs diff). Replay's remaining difference in bf16 is the trainer's "
         "rounding of the kept logits (finite drift), not a support error.",
     ]
-    return ReproResult(
-        name=NAME, number=NUMBER, title=TITLE,
-        finding=("With a bf16 trainer, recomputing the filters on its own logits moves the boundary: the sampled "
-                 "token sometimes falls outside the recomputed support and scores -inf; force-include removes every "
-                 "-inf and replay never produces one."),
-        columns=COLUMNS, rows=rows, checks=checks, notes=notes, data={"settings": cfg},
-    )
+    return Measured(rows, checks, notes)
 
 
-def emit_script(small: bool) -> str:
+def script_config(small: bool) -> dict:
     cfg = settings(small)
-    return standalone.emit(
-        NAME, TITLE,
-        config={"vocab": 32768, "logit_scale": 1.0,
-                "settings": [{"top_k": s.top_k, **({"top_p": s.top_p} if s.uses_top_p else {})} for s in SETTINGS],
-                "tokens": cfg["tokens"], "prompts": cfg["prompts"]},
-    )
+    return {"vocab": 32768, "logit_scale": 1.0,
+            "settings": [filter_kwargs(s) for s in SETTINGS],
+            "tokens": cfg["tokens"], "prompts": cfg["prompts"]}

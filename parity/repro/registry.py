@@ -1,8 +1,11 @@
 """The reproductions, numbered as ``parity repro list`` shows them, and the order ``all`` runs them in.
 
-Each module named here exposes ``NAME``, ``NUMBER``, ``TITLE``, ``run(ctx) -> ReproResult`` and
-``emit_script(small: bool) -> str`` (a standalone script; every repro has one). Modules are imported
-only when a repro runs, so ``parity repro list`` and ``parity --help`` need no engine.
+Each repro is the module ``parity.repro.NAME``, run by :mod:`parity.repro.runner`; it exposes
+``settings(small) -> dict``, ``run(ctx, settings) -> Measured``, ``script_config(small) -> dict`` (its
+standalone script's ``CONFIG``; every repro has one), and ``FINDING`` and ``COLUMNS`` unless ``run``
+measures them; ``SCRIPT_SOURCE`` where its script is cut from another source than the default, and
+``TITLE`` where its report carries a longer title than its line here. Modules are imported only when
+a repro runs, so ``parity repro list`` and ``parity --help`` need no engine.
 """
 
 from __future__ import annotations
@@ -16,47 +19,46 @@ from types import ModuleType
 class Entry:
     number: int
     name: str
-    module: str
     title: str
     fixtures: tuple[str, ...]  # fixtures whose engines it uses (for the run order of ``all``)
+
+    @property
+    def module(self) -> str:
+        return f"parity.repro.{self.name}"
 
     def load(self) -> ModuleType:
         return importlib.import_module(self.module)
 
 
-REPROS: tuple[Entry, ...] = (
-    Entry(1, "top_p_bias", "parity.repro.top_p_bias",
-          "top_p biases the importance-sampling correction by log S per token, S^L per sequence",
-          ("llama-32k-s1",)),
-    Entry(2, "top_k_entropy", "parity.repro.top_k_entropy",
-          "top_k severity depends on entropy; top_p keeps S near top_p (32k-vocab logit-scale sweep)",
-          ("llama-32k-s1", "llama-32k-s2", "llama-32k-s4", "llama-32k-s6", "llama-32k-s8", "llama-32k-s12")),
-    Entry(3, "temperature", "parity.repro.temperature",
-          "a trainer that forgets to divide by the temperature is biased; one that divides is not",
-          ("llama-32k-s1",)),
-    Entry(4, "recompute_boundary", "parity.repro.recompute_boundary",
-          "recompute at the boundary: a bf16 trainer loses the sampled token (-inf) without force-include",
-          ("llama-32k-s1",)),
-    Entry(5, "top_k_ties", "parity.repro.top_k_ties",
-          "ties at the top_k boundary: vLLM keeps every tied token, a strict torch.topk recompute does not",
-          ("qwen2-tiny-ties",)),
-    Entry(6, "capture_head", "parity.repro.capture_head",
-          "capture head too small: top_logprobs < top_k or top_p without a top_k cap mis-scores positions",
-          ("llama-32k-s4",)),
-    Entry(7, "batch_invariant_cpu", "parity.repro.batch_invariant_cpu",
-          "VLLM_BATCH_INVARIANT=1 crashes vLLM's CPU engine at the first forward",
-          ("qwen2-tiny-ties",)),
-    Entry(8, "trl_grpo_top_p", "parity.repro.trl_grpo_top_p",
-          "TRL GRPOTrainer's own metrics: IS ratio scaled by S (S^L per sequence) under top_p/top_k/min_p; "
-          "a replay patch removes it", ("qwen2-tiny",)),
-    Entry(9, "trl_weight_sync", "parity.repro.trl_weight_sync",
-          "TRL colocate weight sync on vLLM's CPU engine: 'Parameter' object has no attribute 'weight_loader'",
-          ("qwen2-tiny",)),
-    Entry(10, "cpu_capability_default", "parity.repro.cpu_capability_default",
-          "vLLM's CPU engine under ATEN_CPU_CAPABILITY=default after a vectorised run: inductor's FX graph cache "
-          "ignores the vector ISA ('at::vec' has not been declared)",
-          ("qwen2-tiny",)),
+# name, title, fixtures; numbered in this order.
+_REPROS = (
+    ("top_p_bias", "top_p biases the importance-sampling correction by log S per token, S^L per sequence",
+     ("llama-32k-s1",)),
+    ("top_k_entropy", "top_k severity depends on entropy; top_p keeps S near top_p (32k-vocab logit-scale sweep)",
+     ("llama-32k-s1", "llama-32k-s2", "llama-32k-s4", "llama-32k-s6", "llama-32k-s8", "llama-32k-s12")),
+    ("temperature", "a trainer that forgets to divide by the temperature is biased; one that divides is not",
+     ("llama-32k-s1",)),
+    ("recompute_boundary",
+     "recompute at the boundary: a bf16 trainer loses the sampled token (-inf) without force-include",
+     ("llama-32k-s1",)),
+    ("top_k_ties", "ties at the top_k boundary: vLLM keeps every tied token, a strict torch.topk recompute does not",
+     ("qwen2-tiny-ties",)),
+    ("capture_head",
+     "capture head too small: top_logprobs < top_k or top_p without a top_k cap mis-scores positions",
+     ("llama-32k-s4",)),
+    ("batch_invariant_cpu", "VLLM_BATCH_INVARIANT=1 crashes vLLM's CPU engine at the first forward",
+     ("qwen2-tiny-ties",)),
+    ("trl_grpo_top_p", "TRL GRPOTrainer's own metrics: IS ratio scaled by S (S^L per sequence) under "
+     "top_p/top_k/min_p; a replay patch removes it", ("qwen2-tiny",)),
+    ("trl_weight_sync",
+     "TRL colocate weight sync on vLLM's CPU engine: 'Parameter' object has no attribute 'weight_loader'",
+     ("qwen2-tiny",)),
+    ("cpu_capability_default",
+     "vLLM's CPU engine under ATEN_CPU_CAPABILITY=default after a vectorised run: inductor's FX graph cache "
+     "ignores the vector ISA ('at::vec' has not been declared)",
+     ("qwen2-tiny",)),
 )
+REPROS: tuple[Entry, ...] = tuple(Entry(i, *row) for i, row in enumerate(_REPROS, start=1))
 
 BY_NAME = {e.name: e for e in REPROS}
 

@@ -78,6 +78,14 @@ def random_prompts(n, vocab, seed, length=8):
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
+def setup(cfg, args, logit_scale=None):
+    """The tiny model (cfg's logit scale unless given), a vLLM engine on it, and the prompts."""
+    model = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"] if logit_scale is None else logit_scale,
+                        seed=args.seed)
+    llm = start_vllm(save(model), seed=args.seed)
+    return model, llm, random_prompts(args.prompts, cfg["vocab"], args.seed)
+
+
 class Sample:
     def __init__(self, prompt, completion, logprobs, heads):
         self.prompt = prompt
@@ -208,33 +216,14 @@ def seq_ratio(per_token, lengths):
     return torch.stack([s.sum() for s in torch.split(per_token, lengths)]).exp()
 
 
-def markdown(columns, rows):
-    def cell(v, f):
-        if isinstance(v, float):
-            return "inf" if v == math.inf else "-inf" if v == -math.inf else format(v, f or "g")
-        return str(v)
-
-    out = ["| " + " | ".join(t for _, t, _ in columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-    out += ["| " + " | ".join(cell(r[k], f) for k, _, f in columns) + " |" for r in rows]
-    return "\n".join(out)
-
-
-def verdict(checks):
-    """Print the checks; 0 when all hold (REPRODUCED), 1 otherwise."""
-    print()
-    for statement, ok in checks:
-        print(f"- [{'x' if ok else ' '}] {statement}")
-    ok = all(ok for _, ok in checks)
-    print("\nREPRODUCED" if ok else "\nNOT REPRODUCED")
-    return 0 if ok else 1
+# The table and the verdict every script prints; emitted scripts carry its source here.
+from parity.repro.standalone_report import markdown, verdict  # @inline parity.repro.standalone_report
 
 
 # ==================== section: top_p_bias ====================
 def main_top_p_bias(cfg, args):
     """top_p bias: trainer full-vocabulary log-prob minus vLLM's processed log-prob = log S per token."""
-    model = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"], seed=args.seed)
-    llm = start_vllm(save(model), seed=args.seed)
-    prompts = random_prompts(args.prompts, cfg["vocab"], args.seed)
+    model, llm, prompts = setup(cfg, args)
     rows = []
     for top_p in cfg["top_ps"]:
         filtered = top_p < 1.0
@@ -290,9 +279,7 @@ def main_top_k_entropy(cfg, args):
     """S per setting across logit scales (entropies): top_p keeps S near top_p, top_k does not."""
     rows = []
     for scale in cfg["scales"]:
-        model = build_model(cfg["vocab"], logit_scale=scale, seed=args.seed)
-        llm = start_vllm(save(model), seed=args.seed)
-        prompts = random_prompts(args.prompts, cfg["vocab"], args.seed)
+        model, llm, prompts = setup(cfg, args, logit_scale=scale)
         row = {"scale": scale, "gap": 0.0, "ratio": 0.0}
         entropies = []
         for label, kw in cfg["settings"]:
@@ -338,9 +325,7 @@ def main_top_k_entropy(cfg, args):
 # ==================== section: temperature ====================
 def main_temperature(cfg, args):
     """A trainer that forgets to divide by T scores log_softmax(z) instead of log_softmax(z / T)."""
-    model = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"], seed=args.seed)
-    llm = start_vllm(save(model), seed=args.seed)
-    prompts = random_prompts(args.prompts, cfg["vocab"], args.seed)
+    model, llm, prompts = setup(cfg, args)
     rows = []
     for temp in cfg["temperatures"]:
         samples = sample(llm, prompts, temperature=temp, tokens=args.tokens, seed=args.seed)
@@ -375,10 +360,8 @@ def main_temperature(cfg, args):
 # ==================== section: recompute_boundary ====================
 def main_recompute_boundary(cfg, args):
     """bf16 trainer vs float32 rollout: the sampled token can fall outside the recomputed support."""
-    model = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"], seed=args.seed)
-    llm = start_vllm(save(model), seed=args.seed)
+    model, llm, prompts = setup(cfg, args)
     bf16 = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"], seed=args.seed).to(torch.bfloat16)
-    prompts = random_prompts(args.prompts, cfg["vocab"], args.seed)
     rows = []
     for kw in cfg["settings"]:
         k = kw["top_k"]
@@ -484,9 +467,7 @@ def main_top_k_ties(cfg, args):
 # ==================== section: capture_head ====================
 def main_capture_head(cfg, args):
     """A top-K head smaller than the support: replay over the head silently mis-scores those positions."""
-    model = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"], seed=args.seed)
-    llm = start_vllm(save(model), seed=args.seed)
-    prompts = random_prompts(args.prompts, cfg["vocab"], args.seed)
+    model, llm, prompts = setup(cfg, args)
     rows = []
     for head, kw in cfg["cases"]:
         samples = sample(llm, prompts, tokens=args.tokens, logprobs=head, seed=args.seed, **kw)

@@ -206,20 +206,8 @@ def run_child(payload, timeout_s):
     return (json.loads(m.group(1)) if m and p.returncode == 0 else None), text
 
 
-def markdown(columns, rows):
-    out = ["| " + " | ".join(t for _, t, _ in columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-    out += ["| " + " | ".join(format(r[k], f) if isinstance(r[k], float) else str(r[k]) for k, _, f in columns) + " |"
-            for r in rows]
-    return "\n".join(out)
-
-
-def verdict(checks):
-    print()
-    for statement, ok in checks:
-        print(f"- [{'x' if ok else ' '}] {statement}")
-    ok = all(ok for _, ok in checks)
-    print("\nREPRODUCED" if ok else "\nNOT REPRODUCED")
-    return 0 if ok else 1
+# The table and the verdict every script prints; emitted scripts carry its source here.
+from parity.repro.standalone_report import markdown, verdict  # @inline parity.repro.standalone_report
 
 
 # ==================== section: trl_grpo_top_p ====================

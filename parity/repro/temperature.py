@@ -16,23 +16,9 @@ import torch
 from parity.core import estimators
 from parity.core.error_model import headroom
 from parity.core.spec import SamplingSpec
-from parity.repro import standalone
-from parity.repro.common import (
-    Check,
-    Column,
-    Context,
-    ReproResult,
-    cat,
-    fmax,
-    fmean,
-    sample_raw,
-    seq_sums,
-    token_bound,
-)
+from parity.repro.common import Check, Context, cat, fmax, fmean, sample_raw, seq_sums, token_bound
+from parity.repro.runner import Measured, bound_detail, columns, scored, sweep
 
-NAME = "temperature"
-NUMBER = 3
-TITLE = "a trainer that forgets to divide by the temperature is biased; one that divides is not"
 FIXTURE = "llama-32k-s1"
 TEMPERATURES = (0.5, 0.7, 1.0, 1.3)
 NONZERO = 1e-3  # a bias at T != 1 must exceed this to count as present
@@ -48,8 +34,7 @@ def _row(ctx: Context, temp: float, cfg: dict) -> dict:
     records = sample_raw(ctx, FIXTURE, spec, prompts=cfg["prompts"], max_tokens=cfg["tokens"], logprobs=0)
     logits = ctx.trainer(FIXTURE).logits(records)
     right, forgot, pred, expected, vllm, bound, bound_t1 = [], [], [], [], [], [], []
-    for r, z in zip(records, logits, strict=True):
-        y = torch.tensor(r.completion_ids, dtype=torch.long)
+    for r, z, y in scored(records, logits):
         right.append(estimators.full(z, y, spec).double())
         forgot.append(estimators.full(z, y, forgot_spec).double())
         # Predicted from trainer logits alone (float64): the per-token bias, and its expectation under
@@ -82,33 +67,28 @@ def _row(ctx: Context, temp: float, cfg: dict) -> dict:
     }
 
 
-COLUMNS = [
-    Column("T", "T", "g"),
-    Column("expected", "predicted E[bias] = -KL(q_T, p)", ".4f"),
-    Column("predicted", "predicted mean bias (sampled tokens)", ".4f"),
-    Column("measured", "measured mean(forgot-T - vLLM)", ".4f"),
-    Column("gap", "max abs(measured - predicted)", ".1e"),
-    Column("forgot_seq", "forgot-T seq IS ratio", ".4g"),
-    Column("right_max", "divides by T: max abs(full - vLLM)", ".1e"),
-    Column("right_seq", "divides by T: seq IS ratio", ".6f"),
-]
+COLUMNS = columns(
+    ("T", "T", "g"), ("expected", "predicted E[bias] = -KL(q_T, p)", ".4f"),
+    ("predicted", "predicted mean bias (sampled tokens)", ".4f"), ("measured", "measured mean(forgot-T - vLLM)", ".4f"),
+    ("gap", "max abs(measured - predicted)", ".1e"), ("forgot_seq", "forgot-T seq IS ratio", ".4g"),
+    ("right_max", "divides by T: max abs(full - vLLM)", ".1e"), ("right_seq", "divides by T: seq IS ratio", ".6f"),
+)
+FINDING = ("A trainer scoring log_softmax(z) while vLLM sampled from softmax(z / T) is biased by "
+           "log_softmax(z)[y] - log_softmax(z / T)[y] per token (negative on average for every T != 1); "
+           "dividing by T removes it.")
 
 
-def run(ctx: Context) -> ReproResult:
-    cfg = settings(ctx.small)
-    rows = []
-    for temp in cfg["temperatures"]:
-        ctx.progress(f"parity repro: T={temp}")
-        rows.append(_row(ctx, temp, cfg))
+def run(ctx: Context, cfg: dict) -> Measured:
+    rows = sweep(ctx, cfg["temperatures"], lambda temp: _row(ctx, temp, cfg), lambda temp: f"T={temp}")
     off = [r for r in rows if r["T"] != 1.0]
     on = [r for r in rows if r["T"] == 1.0]
     checks = [
         Check("a trainer that divides by T agrees with vLLM per token within the rounding bound (no bias)",
               all(r["right_headroom"] <= 1.0 for r in rows),
-              "max " + ", ".join(f"{r['right_max']:.1e} ({r['right_headroom']:.2f} of the bound)" for r in rows)),
+              bound_detail(rows, "right_max", "right_headroom")),
         Check("a trainer that forgets T is off by exactly the predicted per-token bias (within the rounding bound)",
               all(r["gap_headroom"] <= 1.0 for r in rows),
-              "max " + ", ".join(f"{r['gap']:.1e} ({r['gap_headroom']:.2f})" for r in rows)),
+              bound_detail(rows, "gap", "gap_headroom", suffix="")),
         Check(f"the bias is present at every T != 1 (predicted |bias| > {NONZERO:g} somewhere, expected -KL < 0)",
               bool(off) and all(r["max_abs_pred"] > NONZERO and r["expected"] < 0 for r in off)),
         Check("control: at T = 1 both trainers are the same and unbiased",
@@ -119,19 +99,10 @@ def run(ctx: Context) -> ReproResult:
         "The measured mean over sampled tokens is a Monte Carlo estimate of E[bias] = -KL(q_T || p); it is reported, "
         "not gated (with few tokens it can land on either side of the expectation). The per-token identity is exact.",
     ]
-    return ReproResult(
-        name=NAME, number=NUMBER, title=TITLE,
-        finding=("A trainer scoring log_softmax(z) while vLLM sampled from softmax(z / T) is biased by "
-                 "log_softmax(z)[y] - log_softmax(z / T)[y] per token (negative on average for every T != 1); "
-                 "dividing by T removes it."),
-        columns=COLUMNS, rows=rows, checks=checks, notes=notes, data={"settings": cfg},
-    )
+    return Measured(rows, checks, notes)
 
 
-def emit_script(small: bool) -> str:
+def script_config(small: bool) -> dict:
     cfg = settings(small)
-    return standalone.emit(
-        NAME, TITLE,
-        config={"vocab": 32768, "logit_scale": 1.0, "temperatures": list(cfg["temperatures"]),
-                "tokens": cfg["tokens"], "prompts": cfg["prompts"]},
-    )
+    return {"vocab": 32768, "logit_scale": 1.0, "temperatures": list(cfg["temperatures"]),
+            "tokens": cfg["tokens"], "prompts": cfg["prompts"]}

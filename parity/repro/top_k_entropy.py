@@ -18,22 +18,9 @@ import torch
 from parity.core import estimators
 from parity.core.filters import reference_filter
 from parity.core.spec import SamplingSpec
-from parity.repro import standalone
-from parity.repro.common import (
-    Check,
-    Column,
-    Context,
-    ReproResult,
-    cat,
-    fmax,
-    fmean,
-    sample_raw,
-    token_bound,
-)
+from parity.repro.common import Check, Column, Context, cat, fmax, fmean, sample_raw, token_bound
+from parity.repro.runner import Measured, bound_detail, filter_kwargs, scored, sweep
 
-NAME = "top_k_entropy"
-NUMBER = 2
-TITLE = "top_k severity depends on entropy; top_p keeps S near top_p (32k-vocab logit-scale sweep)"
 SCALES = (1, 2, 4, 6, 8, 12)
 SMALL_SCALES = (1, 4, 12)
 SETTINGS = (
@@ -66,8 +53,7 @@ def _scale_row(ctx: Context, scale: int, cfg: dict) -> dict:
         records = sample_raw(ctx, fx, spec, prompts=cfg["prompts"], max_tokens=cfg["tokens"], logprobs=0)
         logits = trainer.logits(records)
         pred, meas, tol = [], [], []
-        for r, z in zip(records, logits, strict=True):
-            y = torch.tensor(r.completion_ids, dtype=torch.long)
+        for r, z, y in scored(records, logits):
             kept = reference_filter(z, spec).kept
             tol.append(token_bound(z, y, spec, kept))
             pred.append(estimators.predicted_log_s(z, kept, spec).double())
@@ -93,16 +79,17 @@ def _columns() -> list[Column]:
     return cols + [Column("max_gap", "max abs(log S meas - pred)", ".1e")]
 
 
-def run(ctx: Context) -> ReproResult:
-    cfg = settings(ctx.small)
+COLUMNS = _columns()
+FINDING = ("top_p keeps the surviving mass S near top_p whatever the entropy; top_k's S collapses on flat "
+           "(uncertain) distributions and approaches 1 on peaked ones.")
+
+
+def run(ctx: Context, cfg: dict) -> Measured:
     # Scales whose engine is already running first (``parity repro all`` shares them), then the rest.
     alive = set(ctx.alive())
     order = sorted(cfg["scales"], key=lambda s: fixture(s) not in alive)
-    by_scale = {}
-    for scale in order:
-        ctx.progress(f"parity repro: logit scale {scale}")
-        by_scale[scale] = _scale_row(ctx, scale, cfg)
-    rows = [by_scale[s] for s in sorted(by_scale)]
+    measured = sweep(ctx, order, lambda scale: _scale_row(ctx, scale, cfg), lambda scale: f"logit scale {scale}")
+    rows = sorted(measured, key=lambda r: r["scale"])
     p_label, p_spec = SETTINGS[0]
     p = p_spec.top_p
     k_labels = [label for label, spec in SETTINGS if spec.uses_top_k]
@@ -115,7 +102,7 @@ def run(ctx: Context) -> ReproResult:
         Check("per token, measured log S (full - vLLM) = predicted (trainer logits, reference filters) within "
               "the rounding bound (it grows with the logits' magnitude and the support size)",
               all(r["max_gap_over_tol"] <= 1.0 for r in rows),
-              "max " + ", ".join(f"{r['max_gap']:.1e} ({r['max_gap_over_tol']:.2f} of the bound)" for r in rows)),
+              bound_detail(rows, "max_gap", "max_gap_over_tol")),
         Check(f"top_p keeps S near top_p at every entropy: top_p <= S <= top_p + {TOP_P_NEAR:g}",
               all(r[f"{p_label} min_pred"] >= p - 1e-6 and r[f"{p_label} meas"] <= p + TOP_P_NEAR for r in rows),
               f"S @ {p_label}: {series(p_label)}"),
@@ -138,28 +125,11 @@ def run(ctx: Context) -> ReproResult:
         "Tolerance: the per-token rounding bound of parity.core.error_model. Both sides round float32 logits "
         "independently and the rounding grows with |z| / T and the support size, so a peaked model's bound is wider.",
     ]
-    return ReproResult(
-        name=NAME, number=NUMBER, title=TITLE,
-        finding=("top_p keeps the surviving mass S near top_p whatever the entropy; top_k's S collapses on flat "
-                 "(uncertain) distributions and approaches 1 on peaked ones."),
-        columns=_columns(), rows=rows, checks=checks, notes=notes, data={"settings": cfg},
-    )
+    return Measured(rows, checks, notes)
 
 
-def _filter_kwargs(spec: SamplingSpec) -> dict:
-    kw: dict = {}
-    if spec.uses_top_p:
-        kw["top_p"] = spec.top_p
-    if spec.uses_top_k:
-        kw["top_k"] = spec.top_k
-    return kw
-
-
-def emit_script(small: bool) -> str:
+def script_config(small: bool) -> dict:
     cfg = settings(small)
-    return standalone.emit(
-        NAME, TITLE,
-        config={"vocab": 32768, "scales": list(cfg["scales"]),
-                "settings": [(label, _filter_kwargs(spec)) for label, spec in SETTINGS],
-                "tokens": cfg["tokens"], "prompts": cfg["prompts"]},
-    )
+    return {"vocab": 32768, "scales": list(cfg["scales"]),
+            "settings": [(label, filter_kwargs(spec, ("top_p", "top_k"))) for label, spec in SETTINGS],
+            "tokens": cfg["tokens"], "prompts": cfg["prompts"]}

@@ -24,12 +24,9 @@ from parity.core.error_model import headroom
 from parity.core.filters import FilterFaults, reference_filter
 from parity.core.spec import SamplingSpec
 from parity.core.table import build_table
-from parity.repro import standalone
-from parity.repro.common import Check, Column, Context, ReproResult, fmax, sample
+from parity.repro.common import Check, Context, fmax, sample
+from parity.repro.runner import Measured, bound_detail, columns, scored, sweep
 
-NAME = "top_k_ties"
-NUMBER = 5
-TITLE = "ties at the top_k boundary: vLLM keeps every tied token, a strict torch.topk recompute does not"
 FIXTURE = "qwen2-tiny-ties"
 TOP_KS = (1, 2, 3, 5)
 STRICT = FilterFaults(drop_top_k_ties=True)  # torch.topk semantics: exactly k, ties broken by index
@@ -46,8 +43,7 @@ def _row(ctx: Context, k: int, cfg: dict) -> tuple[dict, dict]:
     logits = ctx.trainer(FIXTURE).logits(records)
     table = build_table(records, logits, spec)
     pred_over, strict_differs, strict_lost, strict_err, tie_aware_differs = [], [], [], [], []
-    for r, z in zip(records, logits, strict=True):
-        y = torch.tensor(r.completion_ids, dtype=torch.long)
+    for r, z, y in scored(records, logits):
         q = estimators.ids_to_mask(r.kept_ids, z.shape[-1])
         aware = reference_filter(z, spec).kept
         strict = reference_filter(z, spec, faults=STRICT).kept
@@ -85,29 +81,22 @@ def _row(ctx: Context, k: int, cfg: dict) -> tuple[dict, dict]:
     return row, {"support_size_histogram": torch.bincount(table.support_size).tolist()}
 
 
-COLUMNS = [
-    Column("top_k", "top_k"),
-    Column("tokens", "tokens"),
-    Column("over", "positions with len(S_q) > k (vLLM)"),
-    Column("share", "share", ".1%"),
-    Column("predicted_over", "len(S_p) > k (trainer ties)"),
-    Column("max_support", "max len(S_q)"),
-    Column("strict_differs", "torch.topk support != S_q"),
-    Column("strict_lost", "torch.topk drops the sampled token (-inf)"),
-    Column("strict_misscored", "torch.topk + force-include mis-scored"),
-    Column("strict_err", "its max abs diff", ".3f"),
-    Column("tie_aware_differs", "tie-aware recompute != S_q"),
-    Column("replay_max", "replay max abs diff", ".1e"),
-]
+COLUMNS = columns(
+    ("top_k", "top_k"), ("tokens", "tokens"), ("over", "positions with len(S_q) > k (vLLM)"), ("share", "share", ".1%"),
+    ("predicted_over", "len(S_p) > k (trainer ties)"), ("max_support", "max len(S_q)"),
+    ("strict_differs", "torch.topk support != S_q"), ("strict_lost", "torch.topk drops the sampled token (-inf)"),
+    ("strict_misscored", "torch.topk + force-include mis-scored"), ("strict_err", "its max abs diff", ".3f"),
+    ("tie_aware_differs", "tie-aware recompute != S_q"), ("replay_max", "replay max abs diff", ".1e"),
+)
+FINDING = ("vLLM keeps every token tied with the k-th logit, so len(S_q) > k at tie positions; a trainer "
+           "that recomputes with a strict torch.topk disagrees on the support there (and scores -inf "
+           "when it dropped the sampled token); replay and a tie-aware recompute agree.")
 
 
-def run(ctx: Context) -> ReproResult:
-    cfg = settings(ctx.small)
-    rows, extras = [], {}
-    for k in cfg["top_ks"]:
-        row, extra = _row(ctx, k, cfg)
-        rows.append(row)
-        extras[f"top_k={k}"] = extra
+def run(ctx: Context, cfg: dict) -> Measured:
+    measured = sweep(ctx, cfg["top_ks"], lambda k: _row(ctx, k, cfg))
+    rows = [row for row, _ in measured]
+    extras = {f"top_k={k}": extra for k, (_, extra) in zip(cfg["top_ks"], measured, strict=True)}
     from parity.fixtures import fixture_metadata
 
     tie_plan = fixture_metadata(ctx.model_path(FIXTURE)).get("tie_plan", [])
@@ -124,7 +113,7 @@ def run(ctx: Context) -> ReproResult:
         Check("a tie-aware recompute agrees with S_q everywhere, and scores within the rounding bound",
               all(r["tie_aware_differs"] == 0 and r["recompute_headroom"] <= 1.0 for r in rows)),
         Check("replay agrees with vLLM within the rounding bound", all(r["replay_headroom"] <= 1.0 for r in rows),
-              "max " + ", ".join(f"{r['replay_max']:.1e} ({r['replay_headroom']:.2f} of the bound)" for r in rows)),
+              bound_detail(rows, "replay_max", "replay_headroom")),
     ]
     notes = [
         f"Fixture {FIXTURE} (tie groups {tie_plan}), T = {cfg['temperature']:g}, {cfg['prompts']} prompts x "
@@ -132,20 +121,10 @@ def run(ctx: Context) -> ReproResult:
         "torch.topk + force-include: the strict support with the sampled token added; it still mis-scores a tie "
         "position whenever the renormalising set differs from S_q.",
     ]
-    return ReproResult(
-        name=NAME, number=NUMBER, title=TITLE,
-        finding=("vLLM keeps every token tied with the k-th logit, so len(S_q) > k at tie positions; a trainer "
-                 "that recomputes with a strict torch.topk disagrees on the support there (and scores -inf "
-                 "when it dropped the sampled token); replay and a tie-aware recompute agree."),
-        columns=COLUMNS, rows=rows, checks=checks, notes=notes,
-        data={"settings": cfg, "tie_plan": tie_plan, "per_setting": extras},
-    )
+    return Measured(rows, checks, notes, data={"tie_plan": tie_plan, "per_setting": extras})
 
 
-def emit_script(small: bool) -> str:
+def script_config(small: bool) -> dict:
     cfg = settings(small)
-    return standalone.emit(
-        NAME, TITLE,
-        config={"vocab": 400, "logit_scale": 3.0, "tie_sizes": [2, 3, 2, 4], "top_ks": list(cfg["top_ks"]),
-                "margin": 16, "tokens": cfg["tokens"], "prompts": cfg["prompts"]},
-    )
+    return {"vocab": 400, "logit_scale": 3.0, "tie_sizes": [2, 3, 2, 4], "top_ks": list(cfg["top_ks"]),
+            "margin": 16, "tokens": cfg["tokens"], "prompts": cfg["prompts"]}

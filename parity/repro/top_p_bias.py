@@ -23,24 +23,9 @@ import torch
 from parity.core import estimators
 from parity.core.error_model import headroom
 from parity.core.spec import SamplingSpec
-from parity.repro import standalone
-from parity.repro.common import (
-    Check,
-    Column,
-    Context,
-    ReproResult,
-    cat,
-    fmax,
-    fmean,
-    sample,
-    seq_bound,
-    seq_sums,
-    token_bound,
-)
+from parity.repro.common import Check, Context, cat, fmax, fmean, sample, seq_bound, seq_sums, token_bound
+from parity.repro.runner import Measured, bound_detail, columns, scored, sweep
 
-NAME = "top_p_bias"
-NUMBER = 1
-TITLE = "top_p biases the importance-sampling correction by log S per token, S^L per sequence"
 FIXTURE = "llama-32k-s1"
 TOP_PS = (1.0, 0.95, 0.9, 0.8)
 COMPLETION = 16  # the report's max_completion_length
@@ -59,8 +44,7 @@ def _row(ctx: Context, top_p: float, cfg: dict) -> tuple[dict, dict]:
     logits = trainer.logits(records)
     cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("vllm", "full", "replay", "recompute", "log_s", "log_s_q",
                                                             "forced", "incomplete", "outside", "support", "bound")}
-    for r, z in zip(records, logits, strict=True):
-        y = torch.tensor(r.completion_ids, dtype=torch.long)
+    for r, z, y in scored(records, logits):
         rec = estimators.recompute(z, y, spec)  # reference filters on trainer logits: S_p, force-include
         full = estimators.full(z, y, spec)
         cols["vllm"].append(r.logprobs.double())
@@ -131,31 +115,24 @@ def _row(ctx: Context, top_p: float, cfg: dict) -> tuple[dict, dict]:
     return row, extra
 
 
-COLUMNS = [
-    Column("top_p", "top_p", "g"),
-    Column("mean_s", "mean S", ".6f"),
-    Column("closed_form", "abs log top_p", ".4f"),
-    Column("predicted_abs_log_s", "predicted abs(log S)", ".4f"),
-    Column("measured_abs_bias", "measured abs(mean(full - vLLM))", ".4f"),
-    Column("abs_err", "abs err", ".1e"),
-    Column("closed_form_seq", "top_p^16", ".6f"),
-    Column("predicted_seq", "predicted S^16", ".6f"),
-    Column("measured_seq", "measured seq IS ratio", ".6f"),
-    Column("replay_abs_bias", "replay abs(bias)", ".1e"),
-    Column("replay_seq", "replay seq ratio", ".6f"),
-    Column("recompute_abs_bias", "recompute abs(bias)", ".1e"),
-    Column("recompute_seq", "recompute seq ratio", ".6f"),
-]
+COLUMNS = columns(
+    ("top_p", "top_p", "g"), ("mean_s", "mean S", ".6f"), ("closed_form", "abs log top_p", ".4f"),
+    ("predicted_abs_log_s", "predicted abs(log S)", ".4f"),
+    ("measured_abs_bias", "measured abs(mean(full - vLLM))", ".4f"), ("abs_err", "abs err", ".1e"),
+    ("closed_form_seq", "top_p^16", ".6f"), ("predicted_seq", "predicted S^16", ".6f"),
+    ("measured_seq", "measured seq IS ratio", ".6f"), ("replay_abs_bias", "replay abs(bias)", ".1e"),
+    ("replay_seq", "replay seq ratio", ".6f"), ("recompute_abs_bias", "recompute abs(bias)", ".1e"),
+    ("recompute_seq", "recompute seq ratio", ".6f"),
+)
+FINDING = ("Under top_p < 1 the trainer's full-vocabulary log-prob is below vLLM's processed log-prob by "
+           "exactly log S per token; the sequence IS ratio is the product of S; replay and recompute "
+           "remove the bias.")
 
 
-def run(ctx: Context) -> ReproResult:
-    cfg = settings(ctx.small)
-    rows, extras = [], {}
-    for p in cfg["top_ps"]:
-        ctx.progress(f"parity repro: top_p={p}")
-        row, extra = _row(ctx, p, cfg)
-        rows.append(row)
-        extras[f"top_p={p:g}"] = extra
+def run(ctx: Context, cfg: dict) -> Measured:
+    measured = sweep(ctx, cfg["top_ps"], lambda p: _row(ctx, p, cfg), lambda p: f"top_p={p}")
+    rows = [row for row, _ in measured]
+    extras = {f"top_p={p:g}": extra for p, (_, extra) in zip(cfg["top_ps"], measured, strict=True)}
     filtered = [r for r in rows if r["top_p"] < 1.0]
     control = [r for r in rows if r["top_p"] == 1.0]
     n = cfg["tokens"]
@@ -181,7 +158,7 @@ def run(ctx: Context) -> ReproResult:
         Check(
             "replay and recompute remove the bias (per-token abs(diff) within the rounding bound, no forced includes)",
             all(r["replay_headroom"] <= 1.0 and r["recompute_headroom"] <= 1.0 and r["forced"] == 0 for r in rows),
-            "max replay " + ", ".join(f"{r['replay_max']:.1e} ({r['replay_headroom']:.2f} of the bound)" for r in rows),
+            bound_detail(rows, "replay_max", "replay_headroom", prefix="max replay "),
         ),
         Check("the capture held S_q at every position (no incomplete head, sampled token always inside)",
               all(r["incomplete"] == 0 and r["sampled_outside"] == 0 for r in rows)),
@@ -193,23 +170,10 @@ def run(ctx: Context) -> ReproResult:
         "abs log top_p and top_p^16 are the closed form for a flat distribution (S = top_p); S exceeds top_p by "
         "the mass of the last token the nucleus keeps, so a peaked or small-vocabulary model departs further.",
     ]
-    return ReproResult(
-        name=NAME, number=NUMBER, title=TITLE,
-        finding=("Under top_p < 1 the trainer's full-vocabulary log-prob is below vLLM's processed log-prob by "
-                 "exactly log S per token; the sequence IS ratio is the product of S; replay and recompute "
-                 "remove the bias."),
-        columns=COLUMNS, rows=rows, checks=checks, notes=notes,
-        data={"settings": cfg, "per_setting": extras},
-    )
+    return Measured(rows, checks, notes, data={"per_setting": extras})
 
 
-def emit_script(small: bool) -> str:
+def script_config(small: bool) -> dict:
     cfg = settings(small)
-    return standalone.emit(
-        NAME, TITLE,
-        config={"vocab": 32768, "logit_scale": 1.0, "top_ps": list(cfg["top_ps"]), "tokens": cfg["tokens"],
-                "prompts": cfg["prompts"]},
-    )
-
-
-
+    return {"vocab": 32768, "logit_scale": 1.0, "top_ps": list(cfg["top_ps"]), "tokens": cfg["tokens"],
+            "prompts": cfg["prompts"]}

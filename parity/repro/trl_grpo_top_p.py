@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,10 +26,11 @@ from typing import Any
 import torch
 
 from parity.repro import standalone
-from parity.repro.common import Check, Column, Context, ReproResult
+from parity.repro.common import Check, Context
+from parity.repro.runner import Measured, columns, parity_child_env, run_child
 
-NAME = "trl_grpo_top_p"
-NUMBER = 8
+SCRIPT_SOURCE = standalone.TRL_SOURCE
+# The report's title; ``parity repro list`` shows the registry's shorter one.
 TITLE = ("TRL GRPOTrainer: the vLLM IS correction is scaled by S per token (S^L per sequence) under "
          "top_p/top_k/min_p; a replay patch removes it")
 FIXTURE = "qwen2-tiny"
@@ -79,30 +78,18 @@ def label(c: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def child_env() -> dict[str, str]:
-    """The child imports the same parity as this process, and runs the engine in-process."""
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING",
-               TOKENIZERS_PARALLELISM="false")
-    return env
-
-
 def run_config(run_cfg: dict[str, Any], out: Path, timeout_s: float) -> dict[str, Any]:
     """``python -m parity.engines.trl_run`` in a subprocess; its result.json, or the failure."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "parity.engines.trl_run", "--config", json.dumps(run_cfg), "--out", str(out)]
     t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
-        tail = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-        return {"error": f"timeout after {timeout_s:.0f} s", "tail": tail[-3000:], "seconds": time.perf_counter() - t0}
-    if p.returncode != 0 or not (out / "result.json").is_file():
-        err = [ln for ln in (p.stderr or "").splitlines() if "Error" in ln or "Exception" in ln]
-        return {"error": (err[-1] if err else f"exit code {p.returncode}").split("]: ", 1)[-1],
-                "tail": (p.stderr or "")[-3000:], "seconds": time.perf_counter() - t0}
+    p = run_child(cmd, parity_child_env(), timeout_s)
+    if p.timed_out:
+        return {"error": f"timeout after {timeout_s:.0f} s", "tail": p.stderr[-3000:], "seconds": time.perf_counter() - t0}
+    if p.rc != 0 or not (out / "result.json").is_file():
+        err = [ln for ln in p.stderr.splitlines() if "Error" in ln or "Exception" in ln]
+        return {"error": (err[-1] if err else f"exit code {p.rc}").split("]: ", 1)[-1],
+                "tail": p.stderr[-3000:], "seconds": time.perf_counter() - t0}
     res = json.loads((out / "result.json").read_text())
     res["wall_s"] = round(time.perf_counter() - t0, 2)
     return res
@@ -217,25 +204,20 @@ def _mean(rows: list[dict[str, Any]], key: str) -> float:
     return sum(float(r[key]) for r in rows) / len(rows)
 
 
-COLUMNS = [
-    Column("config", "config"),
-    Column("is_mode", "TRL IS mode"),
-    Column("tokens", "tokens"),
-    Column("mean_s", "S (parity)", ".4f"),
-    Column("abs_log_s", "closed form abs(log S)", ".4f"),
-    Column("trl_before", "TRL logp_difference/mean (as shipped)", ".4f"),
-    Column("err_before", "abs err", ".1e"),
-    Column("trl_after", "TRL logp_difference/mean (replay patch)", ".4f"),
-    Column("bound", "bound (bf16)", ".4f"),
-    Column("is_closed", "closed form IS (S^L or S)", ".4f"),
-    Column("trl_is_before", "TRL importance_sampling_ratio/mean (as shipped)", ".4f"),
-    Column("trl_is_after", "TRL importance_sampling_ratio/mean (replay patch)", ".4f"),
-    Column("seconds", "seconds", ".0f"),
-]
+COLUMNS = columns(
+    ("config", "config"), ("is_mode", "TRL IS mode"), ("tokens", "tokens"), ("mean_s", "S (parity)", ".4f"),
+    ("abs_log_s", "closed form abs(log S)", ".4f"), ("trl_before", "TRL logp_difference/mean (as shipped)", ".4f"),
+    ("err_before", "abs err", ".1e"), ("trl_after", "TRL logp_difference/mean (replay patch)", ".4f"),
+    ("bound", "bound (bf16)", ".4f"), ("is_closed", "closed form IS (S^L or S)", ".4f"),
+    ("trl_is_before", "TRL importance_sampling_ratio/mean (as shipped)", ".4f"),
+    ("trl_is_after", "TRL importance_sampling_ratio/mean (replay patch)", ".4f"), ("seconds", "seconds", ".0f"),
+)
+FINDING = ("TRL's own sampling_logp_difference/mean equals abs(log S) per token and its importance_sampling_ratio "
+           "the product of S (S^L) or S, as parity measures them on the same sampler; under the replay patch "
+           "both fall to the top_p=1 noise floor.")
 
 
-def run(ctx: Context) -> ReproResult:
-    cfg = settings(ctx.small)
+def run(ctx: Context, cfg: dict[str, Any]) -> Measured:
     timeout = min(ctx.timeout_s, cfg["timeout_s"])
     tmp = Path(tempfile.mkdtemp(prefix="parity-trl-repro-"))
     rows, per_config, failures = [], {}, []
@@ -288,10 +270,10 @@ def run(ctx: Context) -> ReproResult:
             per_config[name] = {"result": res, "steps": tables}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return _result(ctx, cfg, rows, per_config, failures)
+    return _result(cfg, rows, per_config, failures)
 
 
-def _result(ctx: Context, cfg: dict[str, Any], rows: list, per_config: dict, failures: list[str]) -> ReproResult:
+def _result(cfg: dict[str, Any], rows: list, per_config: dict, failures: list[str]) -> Measured:
     filtered = [r for r in rows if r["filtered"]]
     control = [r for r in rows if not r["filtered"]]
     off = [r for r in rows if "off_equals_observe" in r]
@@ -335,21 +317,11 @@ def _result(ctx: Context, cfg: dict[str, Any], rows: list, per_config: dict, fai
         "TRL's policy ratio is untouched by the patch: old_per_token_logps is restored to TRL's full-vocabulary "
         "values after the IS correction consumed the renormalised ones.",
     ]
-    return ReproResult(
-        name=NAME, number=NUMBER, title=TITLE,
-        finding=("TRL's own sampling_logp_difference/mean equals abs(log S) per token and its importance_sampling_ratio "
-                 "the product of S (S^L) or S, as parity measures them on the same sampler; under the replay patch "
-                 "both fall to the top_p=1 noise floor."),
-        columns=COLUMNS, rows=rows, checks=checks, notes=notes,
-        data={"settings": cfg, "per_config": per_config},
-    )
+    return Measured(rows, checks, notes, data={"per_config": per_config})
 
 
-def emit_script(small: bool) -> str:
+def script_config(small: bool) -> dict:
     cfg = settings(small)
-    return standalone.emit(
-        NAME, TITLE, source=standalone.TRL_SOURCE,
-        config={"configs": cfg["configs"], "steps": cfg["steps"], "batch": cfg["batch"],
-                "num_generations": cfg["num_generations"], "tokens": cfg["max_completion_length"],
-                "timeout_s": cfg["timeout_s"]},
-    )
+    return {"configs": cfg["configs"], "steps": cfg["steps"], "batch": cfg["batch"],
+            "num_generations": cfg["num_generations"], "tokens": cfg["max_completion_length"],
+            "timeout_s": cfg["timeout_s"]}

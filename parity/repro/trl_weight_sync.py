@@ -16,24 +16,28 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from parity.repro import standalone
-from parity.repro.common import Check, Column, Context, ReproResult
-from parity.repro.trl_grpo_top_p import child_env
+from parity.repro.common import Check, Context
+from parity.repro.runner import (
+    Measured,
+    columns,
+    cpu_features,
+    exceptions,
+    frames,
+    output_lines,
+    parity_child_env,
+    run_child,
+)
 
-NAME = "trl_weight_sync"
-NUMBER = 9
-TITLE = "TRL colocate weight sync on vLLM's CPU engine: 'Parameter' object has no attribute 'weight_loader'"
+SCRIPT_SOURCE = standalone.TRL_SOURCE
 FIXTURE = "qwen2-tiny"
 SUBPROCESS_TIMEOUT_S = 300.0
 ERROR = "AttributeError: 'Parameter' object has no attribute 'weight_loader'"
-
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
 
 RUNS = (
     # name, forced engine dtype, workaround, what is checked
@@ -50,11 +54,11 @@ def settings(small: bool) -> dict[str, Any]:
 
 def parse_crash(text: str) -> dict[str, Any]:
     """The last exception line and where it was raised (vLLM's linear.py, reached from TRL's sync_weights)."""
-    lines = [ln.split("]: ", 1)[-1] if ln.startswith("[rank") else ln for ln in text.splitlines()]
-    errors = [ln.strip() for ln in lines if re.match(r"^\s*[A-Za-z_.]*(Error|Exception)\b.*:", ln)]
-    frames = [m.groupdict() for ln in lines if (m := _FRAME.search(ln))]
-    linear = [f for f in frames if f["file"].endswith("layers/linear.py")]
-    sync = [f for f in frames if f["func"] == "sync_weights"]
+    lines = output_lines(text)
+    errors = exceptions(lines)
+    found = frames(lines)
+    linear = [f for f in found if f["file"].endswith("layers/linear.py")]
+    sync = [f for f in found if f["func"] == "sync_weights"]
     where = f"linear.py:{linear[-1]['line']} in {linear[-1]['func']}" if linear else ""
     if where and sync:
         where += f", reached from {Path(sync[-1]['file']).name} {sync[-1]['func']}"
@@ -67,24 +71,26 @@ def run_one(spec: dict[str, Any], timeout_s: float, seed: int) -> dict[str, Any]
            "keep_linear_weights": spec["keep"], "keep_logits": False}
     with tempfile.TemporaryDirectory(prefix="parity-trl-sync-") as tmp:
         cmd = [sys.executable, "-m", "parity.engines.trl_run", "--config", json.dumps(cfg), "--out", tmp]
-        try:
-            p = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+        p = run_child(cmd, parity_child_env(), timeout_s)
+        if p.timed_out:
             return {"rc": None, "trained": False, "error": f"timeout after {timeout_s:.0f} s", "where": "",
                     "in_linear_load_weights": False, "from_sync_weights": False, "engine_dtype": ""}
-        text = (p.stdout or "") + "\n" + (p.stderr or "")
-        trained = p.returncode == 0 and (Path(tmp) / "result.json").is_file()
+        text = p.text
+        trained = p.rc == 0 and (Path(tmp) / "result.json").is_file()
     m = re.search(r"PARITY_TRAINER_READY vllm_dtype=(\S+)", text)
     crash = parse_crash(text) if not trained else {"error": "", "where": "", "in_linear_load_weights": False,
                                                    "from_sync_weights": False}
-    return {"rc": p.returncode, "trained": trained, "engine_dtype": m.group(1) if m else "", **crash,
+    return {"rc": p.rc, "trained": trained, "engine_dtype": m.group(1) if m else "", **crash,
             "tail": "" if trained else text[-2500:]}
 
 
-def run(ctx: Context) -> ReproResult:
-    import torch
+COLUMNS = columns(("run", "run"), ("engine_dtype", "vLLM dtype"), ("workaround", "weights kept"),
+                  ("trained", "trained"), ("outcome", "outcome"), ("where", "raised in"))
+FINDING = ("TRL's colocated weight sync cannot load into vLLM's CPU linear layers once their weights are "
+           "packed (always in float32): AttributeError in linear.py load_weights; keeping the weights fixes it.")
 
-    cfg = settings(ctx.small)
+
+def run(ctx: Context, cfg: dict[str, Any]) -> Measured:
     timeout = min(ctx.timeout_s, cfg["timeout_s"])
     rows = []
     for spec in cfg["runs"]:
@@ -106,9 +112,7 @@ def run(ctx: Context) -> ReproResult:
         Check("control: keeping the linear layers' weights (parity.engines.vllm_cpu_linear) lets the same run train",
               bool(control) and all(r["trained"] for r in control), "; ".join(r["outcome"] for r in control)),
     ]
-    cpu = {"capability": torch.backends.cpu.get_cpu_capability(),
-           "avx512_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
-           "amx_tile": bool(torch.cpu._is_amx_tile_supported())}
+    cpu = cpu_features()
     measured = [r for r in rows if r["expect"] == "measured"]
     notes = [
         f"Fixture {FIXTURE}; TRL GRPOTrainer colocate, use_cpu=True, 1 step. CPU: {cpu}.",
@@ -120,16 +124,8 @@ def run(ctx: Context) -> ReproResult:
     ]
     for r in rows:
         r.pop("_res")
-    return ReproResult(
-        name=NAME, number=NUMBER, title=TITLE,
-        finding=("TRL's colocated weight sync cannot load into vLLM's CPU linear layers once their weights are "
-                 "packed (always in float32): AttributeError in linear.py load_weights; keeping the weights fixes it."),
-        columns=[Column("run", "run"), Column("engine_dtype", "vLLM dtype"), Column("workaround", "weights kept"),
-                 Column("trained", "trained"), Column("outcome", "outcome"), Column("where", "raised in")],
-        rows=rows, checks=checks, notes=notes, data={"settings": cfg, "cpu": cpu},
-    )
+    return Measured(rows, checks, notes, data={"cpu": cpu})
 
 
-def emit_script(small: bool) -> str:
-    return standalone.emit(NAME, TITLE, source=standalone.TRL_SOURCE,
-                           config={"timeout_s": SUBPROCESS_TIMEOUT_S, "steps": 1})
+def script_config(small: bool) -> dict:
+    return {"timeout_s": SUBPROCESS_TIMEOUT_S, "steps": 1}

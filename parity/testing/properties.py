@@ -64,6 +64,20 @@ def _fail(title: str, lines: list[str], total: int) -> AssertionError:
     return AssertionError(title + "\n  " + "\n  ".join(lines) + more)
 
 
+def _raise_worst(
+    bad: torch.Tensor, gap: torch.Tensor, title: str, show: int, describe: Callable[[int, int], str]
+) -> None:
+    """Raise naming the ``show`` (row, token) positions where ``bad`` holds, largest ``gap`` first (none: return).
+
+    ``title`` counts them with ``{n}``; ``describe(row, token)`` is one position's line.
+    """
+    if not bool(bad.any()):
+        return
+    where = bad.nonzero().tolist()
+    where.sort(key=lambda rt: -float(gap[rt[0], rt[1]]))
+    raise _fail(title.format(n=len(where)), [describe(r, t) for r, t in where[:show]], len(where))
+
+
 def check_kept_equal(ref: FilterResult, vllm: SamplerOutput, *, show: int = 5) -> None:
     """The reference keeps exactly the tokens vLLM keeps (ties included)."""
     if ref.kept.shape != vllm.kept.shape:
@@ -90,16 +104,9 @@ def check_processed_close(ref: FilterResult, vllm: SamplerOutput, *, atol: float
     a, b = ref.logprobs.double(), vllm.logprobs.double()
     gap = abs_difference(a, b)
     bad = gap > atol
-    if not bool(bad.any()):
-        return
-    where = bad.nonzero().tolist()
-    where.sort(key=lambda rt: -float(gap[rt[0], rt[1]]))
-    lines = [
+    _raise_worst(bad, gap, "processed log-probs differ (reference vs vLLM) at {n} token(s):", show, lambda r, t: (
         f"{_spec_label(ref.specs, r)}: token {t}: reference {float(a[r, t]):.9g} vs vLLM {float(b[r, t]):.9g}, "
-        f"gap {float(gap[r, t]):.3g} > {atol:g}"
-        for r, t in where[:show]
-    ]
-    raise _fail(f"processed log-probs differ (reference vs vLLM) at {len(where)} token(s):", lines, len(where))
+        f"gap {float(gap[r, t]):.3g} > {atol:g}"))
 
 
 def check_log_s_identity(
@@ -132,16 +139,9 @@ def check_log_s_identity(
     err = (gap - log_s.unsqueeze(1)).abs()
     tol = _tol(LOG_S_ATOL, full_all, processed)
     bad = kept & ~(err <= tol)  # NaN counts as bad
-    if not bool(bad.any()):
-        return
-    where = bad.nonzero().tolist()
-    where.sort(key=lambda rt: -float(err[rt[0], rt[1]]))
-    lines = [
+    _raise_worst(bad, err, "full - processed != log S at {n} kept token(s):", show, lambda r, t: (
         f"{_spec_label(specs, r)}: token {t}: full {float(full_all[r, t]):.9g} - processed {float(processed[r, t]):.9g} "
-        f"= {float(gap[r, t]):.9g} but log S = {float(log_s[r]):.9g}; gap {float(err[r, t]):.3g} > tol {float(tol[r, t]):.3g}"
-        for r, t in where[:show]
-    ]
-    raise _fail(f"full - processed != log S at {len(where)} kept token(s):", lines, len(where))
+        f"= {float(gap[r, t]):.9g} but log S = {float(log_s[r]):.9g}; gap {float(err[r, t]):.3g} > tol {float(tol[r, t]):.3g}"))
 
 
 def check_replay(

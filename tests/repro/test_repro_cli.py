@@ -122,3 +122,32 @@ def test_crash_parser_reads_the_cpu_traceback() -> None:
     crash = parse_crash(text)
     assert crash["error"] == "TypeError: 'function' object is not subscriptable"
     assert crash["where"].startswith("batch_invariant.py:755 in mean_dim, reached from forward_native")
+
+
+def test_the_runner_names_stores_and_writes_what_a_repro_measured(tmp_path) -> None:
+    """A module returns only its measurement; the runner adds the registry's name, number and title,
+    the settings, the timing and the files, and turns a repro that raises into a failed result."""
+    from types import SimpleNamespace
+
+    from parity.repro.common import Check, Column, Context
+    from parity.repro.registry import Entry
+    from parity.repro.runner import Measured, run_entries
+
+    def run(ctx, cfg):
+        if cfg["broken"]:
+            raise RuntimeError("no engine")
+        return Measured([{"x": 1.5}], [Check("x is set", True)], data={"extra": 1})
+
+    class FakeEntry(Entry):
+        def load(self):
+            return SimpleNamespace(settings=lambda small: {"broken": self.name == "broken"}, run=run,
+                                   FINDING="x is set", COLUMNS=[Column("x", "x", ".1f")])
+
+    ctx = Context(progress=lambda _msg: None)
+    good, bad = run_entries([FakeEntry(1, "good", "a good repro", ()), FakeEntry(2, "broken", "a broken one", ())],
+                            ctx, lambda e: tmp_path / e.name)
+    assert (good.name, good.number, good.title, good.finding, good.passed) == ("good", 1, "a good repro", "x is set", True)
+    assert good.data == {"settings": {"broken": False}, "extra": 1}
+    assert "| 1.5 |" in (tmp_path / "good" / "table.md").read_text()
+    assert not bad.passed and bad.checks[0].detail == "RuntimeError: no engine"
+    assert (tmp_path / "broken" / "result.json").is_file()

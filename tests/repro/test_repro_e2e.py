@@ -14,8 +14,9 @@ import sys
 
 import pytest
 
-from parity.repro.common import Context, run_entries
+from parity.repro.common import Context
 from parity.repro.registry import RUN_ORDER, get
+from parity.repro.runner import emit_script, run_entries
 
 pytestmark = pytest.mark.e2e
 
@@ -138,10 +139,8 @@ def test_repro_reproduces_on_small_settings(name, ctx, tmp_path) -> None:
 
 def test_emitted_tie_script_reproduces_standalone(tmp_path) -> None:
     """The emitted script runs with only torch, transformers and vLLM: parity is not importable there."""
-    from parity.repro.top_k_ties import emit_script
-
     script = tmp_path / "top_k_ties.py"
-    script.write_text(emit_script(small=True))
+    script.write_text(emit_script(get("top_k_ties"), small=True))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
     probe = subprocess.run([sys.executable, "-c", "import parity"], cwd=tmp_path, env=env, capture_output=True)

@@ -408,14 +408,12 @@ class ServerRollout(RolloutBase):
         check_probe(data, url=self.url, vocab_size=self.vocab_size, max_tokens=max_tokens)
 
     def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        spec: SamplingSpec,
-        *,
-        max_tokens: int,
-        seed: int,
+        self, prompts: Sequence[Sequence[int]], spec: SamplingSpec, *, max_tokens: int, seed: int
     ) -> list[SequenceRecord]:
-        """Sample one completion per prompt (seed ``seed + i``) through the server; record log-probs and S_q."""
+        """Sample one completion per prompt (seed ``seed + i``) through the server; record log-probs and S_q.
+
+        The same call as :meth:`parity.engines.vllm_offline.VllmRollout.generate` (symmetric adapters).
+        """
         if self._closed or self.url is None:
             raise ServerError("the server rollout is closed")
         plan = self.plan(spec)

@@ -1,0 +1,228 @@
+"""The one runner every reproduction goes through: a repro module measures, the runner does the rest.
+
+A repro module holds only what is specific to its upstream bug (registry docstring lists the names):
+``settings(small)``, ``run(ctx, cfg) -> Measured`` (its table rows, checks and notes), ``FINDING`` and
+``COLUMNS`` (unless ``run`` measures them), and ``script_config(small)`` for its standalone script.
+The runner names the result after the registry entry (number, name, title), stores the settings
+in its data, times it, turns an exception into a failed result, writes ``result.json``/``table.md``
+and prints the Markdown; it also emits the standalone scripts. The helpers below are the steps
+several repros share: walking a sweep, pairing records with trainer logits, rendering a rounding-bound
+detail, and running a child process (engine start-ups that must not share this process's state).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from parity.repro import standalone
+from parity.repro.common import Check, Column, Context, ReproResult
+
+if TYPE_CHECKING:  # pragma: no cover
+    from parity.core.spec import SamplingSpec
+    from parity.records.sequence import SequenceRecord
+    from parity.repro.registry import Entry
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass
+class Measured:
+    """What one repro's ``run`` returns: its table and verdicts, before the runner names and writes them."""
+
+    rows: list[dict[str, Any]]
+    checks: list[Check]
+    notes: list[str] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)  # beside the settings, which the runner stores first
+    finding: str | None = None  # measured (what a subprocess showed); None: the module's FINDING
+    columns: list[Column] | None = None  # None: the module's COLUMNS
+
+
+def columns(*spec: tuple[str, ...]) -> list[Column]:
+    """A table's columns from ``(key, title[, format])`` tuples."""
+    return [Column(*s) for s in spec]
+
+
+def title(entry: Entry, module: Any) -> str:
+    """The title a repro's report and script carry: the registry's, unless the module has a longer one."""
+    return str(getattr(module, "TITLE", entry.title))
+
+
+def run_entry(entry: Entry, ctx: Context) -> ReproResult:
+    """Run one repro (no timing, no output): its module's measurement, named after the registry entry."""
+    module = entry.load()
+    cfg = module.settings(ctx.small)
+    m: Measured = module.run(ctx, cfg)
+    return ReproResult(
+        name=entry.name, number=entry.number, title=title(entry, module),
+        finding=m.finding if m.finding is not None else module.FINDING,
+        columns=m.columns if m.columns is not None else module.COLUMNS,
+        rows=m.rows, checks=m.checks, notes=m.notes, data={"settings": cfg, **m.data},
+    )
+
+
+def run_entries(entries: Sequence[Entry], ctx: Context, out_for: Callable[[Entry], Path]) -> list[ReproResult]:
+    """Run ``entries`` in order with a shared context; a repro that raises is reported as failed."""
+    results = []
+    for entry in entries:
+        ctx.progress(f"parity repro: [{entry.number}] {entry.name} ...")
+        start = time.perf_counter()
+        try:
+            res = run_entry(entry, ctx)
+        except Exception as exc:  # noqa: BLE001 - one broken repro must not hide the others
+            res = ReproResult(
+                name=entry.name, number=entry.number, title=entry.title,
+                finding="The reproduction did not run to completion.", columns=[], rows=[],
+                checks=[Check("the reproduction runs to completion", False, f"{type(exc).__name__}: {exc}")],
+            )
+        res.seconds = time.perf_counter() - start
+        res.write(out_for(entry))
+        print(res.markdown(), flush=True)
+        results.append(res)
+    return results
+
+
+def emit_script(entry: Entry, small: bool) -> str:
+    """The repro's standalone script: its section of the script source, with its settings as ``CONFIG``."""
+    module = entry.load()
+    source = getattr(module, "SCRIPT_SOURCE", standalone.SOURCE)
+    return standalone.emit(entry.name, title(entry, module), config=module.script_config(small), source=source)
+
+
+# --------------------------------------------------------------------------------------------------
+# steps several repros share
+
+
+def sweep(ctx: Context, items: Iterable[T], measure: Callable[[T], R], label: Callable[[T], str] | None = None) -> list[R]:
+    """``measure(item)`` for each item in order, announcing ``label(item)`` first when given."""
+    out = []
+    for item in items:
+        if label is not None:
+            ctx.progress(f"parity repro: {label(item)}")
+        out.append(measure(item))
+    return out
+
+
+def scored(records: Sequence[SequenceRecord], logits: Sequence[torch.Tensor]) -> Iterator[tuple[Any, torch.Tensor, torch.Tensor]]:
+    """(record, its trainer logits ``[L, V]``, its sampled ids ``[L]`` as long) for each record."""
+    for r, z in zip(records, logits, strict=True):
+        yield r, z, torch.tensor(r.completion_ids, dtype=torch.long)
+
+
+def bound_detail(rows: Sequence[dict[str, Any]], value: str, headroom: str, *, prefix: str = "max ",
+                 suffix: str = " of the bound") -> str:
+    """``max 1.2e-07 (0.31 of the bound), ...``: each row's value and its share of the rounding bound."""
+    return prefix + ", ".join(f"{r[value]:.1e} ({r[headroom]:.2f}{suffix})" for r in rows)
+
+
+def filter_kwargs(spec: SamplingSpec, keys: Sequence[str] = ("top_k", "top_p")) -> dict[str, Any]:
+    """The filters ``spec`` sets among ``keys``, in that order: keyword arguments of a standalone script's sampler."""
+    on = {"top_k": spec.uses_top_k, "top_p": spec.uses_top_p, "min_p": spec.uses_min_p}
+    return {k: getattr(spec, k) for k in keys if on[k]}
+
+
+def cpu_features() -> dict[str, Any]:
+    """The CPU facts an engine-start failure can depend on (torch's kernel path, AVX-512 BF16, AMX)."""
+    return {"capability": torch.backends.cpu.get_cpu_capability(),
+            "avx512_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
+            "amx_tile": bool(torch.cpu._is_amx_tile_supported())}
+
+
+# --------------------------------------------------------------------------------------------------
+# child processes
+
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+STARTED = "PARITY_REPRO_ENGINE_STARTED"
+GENERATED = "PARITY_REPRO_GENERATED"
+
+# A child that starts vLLM on a fixture and asks one greedy request of two tokens:
+# argv = model, dtype, "eager" | "compiled", prompt ids.
+ENGINE_CHILD = f"""
+import sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype=sys.argv[2], max_model_len=256,
+          enforce_eager=sys.argv[3] == "eager", seed=0, enable_prefix_caching=False)
+print("{STARTED}", flush=True)
+out = llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in sys.argv[4:]])],
+                   SamplingParams(temperature=0.0, max_tokens=2, detokenize=False), use_tqdm=False)
+print("{GENERATED}", list(out[0].outputs[0].token_ids), flush=True)
+"""
+
+
+def engine_env(knob: str, value: str | None, **extra: str) -> dict[str, str]:
+    """This process's environment with the in-process CPU engine settings, ``knob`` set to ``value`` (None: unset)."""
+    env = dict(os.environ)
+    env.update(ENGINE_ENV, **extra)
+    if value is None:
+        env.pop(knob, None)
+    else:
+        env[knob] = value
+    return env
+
+
+def parity_child_env() -> dict[str, str]:
+    """For a child that runs parity (``python -m parity...``): the same parity as this process, the engine in-process."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(ENGINE_ENV, TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+@dataclass
+class ChildRun:
+    """A finished (or timed-out) child process: its exit code (None on timeout) and its output."""
+
+    rc: int | None
+    stdout: str
+    stderr: str
+
+    @property
+    def timed_out(self) -> bool:
+        return self.rc is None
+
+    @property
+    def text(self) -> str:
+        return self.stdout + "\n" + self.stderr
+
+
+def _text(out: str | bytes | None) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
+
+
+def run_child(cmd: Sequence[str], env: dict[str, str], timeout_s: float) -> ChildRun:
+    """``cmd`` with a timeout; on timeout, what it had written by then."""
+    try:
+        p = subprocess.run(list(cmd), env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        return ChildRun(None, _text(exc.stdout), _text(exc.stderr))
+    return ChildRun(p.returncode, p.stdout or "", p.stderr or "")
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+_EXCEPTION = re.compile(r"^\s*[A-Za-z_.]*(Error|Exception)\b.*:")
+
+
+def output_lines(text: str) -> list[str]:
+    """A child's output lines, vLLM's worker prefix (``[rank0]: ``) removed."""
+    return [ln.split("]: ", 1)[-1] if ln.startswith("[rank") else ln for ln in text.splitlines()]
+
+
+def exceptions(lines: Sequence[str]) -> list[str]:
+    """The exception lines (``TypeError: ...``) among ``lines``, stripped."""
+    return [ln.strip() for ln in lines if _EXCEPTION.match(ln)]
+
+
+def frames(lines: Sequence[str]) -> list[dict[str, str]]:
+    """The traceback frames among ``lines``: file, line and function of each."""
+    return [m.groupdict() for ln in lines if (m := _FRAME.search(ln))]

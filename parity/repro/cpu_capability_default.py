@@ -30,7 +30,16 @@ from pathlib import Path
 from typing import Any
 
 from parity.repro.common import Check, Context
-from parity.repro.runner import GENERATED, Measured, columns, cpu_features, engine_env, exceptions, output_lines, run_child
+from parity.repro.runner import (
+    GENERATED,
+    Measured,
+    columns,
+    cpu_features,
+    engine_env,
+    exceptions,
+    output_lines,
+    run_child,
+)
 
 FIXTURE = "qwen2-tiny"
 KNOB = "ATEN_CPU_CAPABILITY"

@@ -208,6 +208,7 @@ def token_columns(batch: RecordsBatch, *, vocab_size: int | None = None) -> Toke
     min_kept_lp = np.full(T, np.nan)
     if batch.kept is not None and T:
         kto = batch.kept_token_offsets
+        assert kto is not None and batch.kept_logprobs is not None  # set together with kept (RecordsBatch)
         seg = _segments(kto)
         ids = batch.kept.values.astype(np.int64)
         match = ids == y[seg]
@@ -266,7 +267,7 @@ def token_columns(batch: RecordsBatch, *, vocab_size: int | None = None) -> Toke
     if tt is not None:
         has_tt = np.repeat(tt.valid, lengths)
         trainer_token[has_tt] = tt.values.astype(np.int64)
-    views = {frozenset(): batch.sampler_logprobs.astype(np.float64)}
+    views: dict[frozenset[str], np.ndarray] = {frozenset(): batch.sampler_logprobs.astype(np.float64)}
     if bool((captured & have_full).any()):
         views[frozenset({"full_vocabulary"})] = np.where(captured & have_full, full_v, np.nan)
     return TokenColumns(
@@ -355,7 +356,7 @@ def _from_kept_logits(
     """
     T = batch.tokens
     tk = batch.trainer_kept_logits
-    assert tk is not None and batch.kept_token_offsets is not None
+    assert tk is not None and batch.kept_token_offsets is not None and batch.kept is not None
     with_logits = np.repeat(tk.valid, batch.completion.lengths) & batch.kept_rows()[row]
     # Entries of rows that carry logits, in the same order as kept.values (rows without a kept set add none).
     entry_has = np.repeat(tk.valid[batch.kept.valid], batch.kept.lengths[batch.kept.valid])
@@ -425,7 +426,7 @@ def _group_keys(batch: RecordsBatch) -> list[tuple[str, tuple[float, int, float,
     keys = []
     for i in range(batch.n_rows):
         spec = batch.spec_of(i)
-        label = batch.scenario[i] if batch.scenario[i] else spec.label()
+        label = str(batch.scenario[i]) if batch.scenario[i] else spec.label()
         keys.append((label, (spec.temperature, spec.top_k, spec.top_p, spec.min_p)))
     return keys
 

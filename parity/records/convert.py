@@ -227,9 +227,9 @@ def from_trl(
     if (kept_ids is None) != (kept_logprobs is None):
         raise RecordsError("from_trl: kept_ids and kept_logprobs come together: allowed both or neither")
     if kept_ids is not None:
-        for name, t in (("kept_ids", kept_ids), ("kept_logprobs", kept_logprobs), ("kept_logits", kept_logits)):
-            if t is not None and (t.dim() != 3 or tuple(t.shape[:2]) != (b, width) or t.shape[2] != kept_ids.shape[2]):
-                raise RecordsError(f"from_trl: {name} has shape {tuple(t.shape)}: allowed [B, L, K] = [{b}, {width}, K]")
+        for name, kt in (("kept_ids", kept_ids), ("kept_logprobs", kept_logprobs), ("kept_logits", kept_logits)):
+            if kt is not None and (kt.dim() != 3 or tuple(kt.shape[:2]) != (b, width) or kt.shape[2] != kept_ids.shape[2]):
+                raise RecordsError(f"from_trl: {name} has shape {tuple(kt.shape)}: allowed [B, L, K] = [{b}, {width}, K]")
     elif kept_logits is not None or kept_incomplete is not None:
         raise RecordsError("from_trl: kept_logits/kept_incomplete need kept_ids and kept_logprobs")
     rows = []
@@ -239,9 +239,9 @@ def from_trl(
         trainer = old_per_token_logps[i, :n].double()
         for name, v in (("sampling_per_token_logps", sampler), ("old_per_token_logps", trainer)):
             if bool(torch.isnan(v).any()):
-                t = int(torch.isnan(v).nonzero()[0])
+                pos = int(torch.isnan(v).nonzero()[0])
                 raise RecordsError(
-                    f"from_trl: {name} is NaN at sequence {i} position {t} (inside the completion mask): allowed "
+                    f"from_trl: {name} is NaN at sequence {i} position {pos} (inside the completion mask): allowed "
                     f"finite log-probs (TRL writes NaN where vLLM returned no log-prob)"
                 )
         if prompt_ids is not None:

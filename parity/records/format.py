@@ -502,11 +502,11 @@ def validate_batch(
                 f"{_where(source, row(r), 'trainer_token_ids', t)}: token id {int(rag.row(r)[t])} is negative: allowed ids >= 0"
             )
     for name in NONNEGATIVE_COLUMNS:
-        rag = out.trainer.get(name)
-        if rag is not None and rag.values.size and bool((rag.values < 0).any()):
-            r, t = _token_position(rag.offsets, _first(rag.values < 0))
+        opt = out.trainer.get(name)
+        if opt is not None and opt.values.size and bool((opt.values < 0).any()):
+            r, t = _token_position(opt.offsets, _first(opt.values < 0))
             raise RecordsError(
-                f"{_where(source, row(r), name, t)}: value {float(rag.row(r)[t])} is negative: allowed a finite bound >= 0"
+                f"{_where(source, row(r), name, t)}: value {float(opt.row(r)[t])} is negative: allowed a finite bound >= 0"
             )
     # The sampler-side log S interval: lo and hi together, lo <= hi, lo never +inf, hi never -inf.
     partial = [c for c in ("sampler_log_s_lo", "sampler_log_s_hi") if c in arrays]

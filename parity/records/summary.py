@@ -66,10 +66,10 @@ def _bin_value(b: int, max_abs: float) -> float:
     if b == 0:
         return 0.0
     if b == 1:
-        return min(10.0**HIST_LO, max_abs)
+        return float(min(10.0**HIST_LO, max_abs))
     if b == HIST_BINS - 1:
         return max_abs
-    return min(10.0 ** (HIST_LO + (b - 2 + 0.5) * HIST_STEP), max_abs)
+    return float(min(10.0 ** (HIST_LO + (b - 2 + 0.5) * HIST_STEP), max_abs))
 
 
 @dataclass
@@ -250,7 +250,8 @@ def headroom_key(d: np.ndarray, bound: np.ndarray) -> np.ndarray:
     ad = np.abs(d.astype(np.float64, copy=False))
     ad = np.where(np.isnan(ad), math.inf, ad)
     with np.errstate(invalid="ignore", over="ignore"):
-        return ad / np.maximum(bound.astype(np.float64, copy=False), TINY)
+        out: np.ndarray = ad / np.maximum(bound.astype(np.float64, copy=False), TINY)
+    return out
 
 
 @dataclass

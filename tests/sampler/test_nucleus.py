@@ -22,7 +22,7 @@ from strategies import example_case, example_logits, row_plans
 
 import parity.core.estimators as E
 import parity.core.nucleus as N
-from parity.core.filters import reference_filter
+from parity.core.filters import min_p_mask, reference_filter
 from parity.core.spec import SamplingSpec
 from parity.testing.cases import Case, CasePlan, RowPlan, build_case, plant_top_p_tie
 
@@ -123,17 +123,44 @@ def _lm_rows(n: int, vocab: int, seed: int) -> torch.Tensor:
     return z
 
 
-def test_nucleus_path_is_taken_on_generic_rows() -> None:
-    """Not vacuous: LM-like rows under top_p alone (and with min_p, and p = 1 rows beside them) are cut by
-    the histogram select, not by the reference sort; the masses at these cuts are far outside any band."""
+def test_nucleus_path_is_taken_on_generic_rows(monkeypatch) -> None:
+    """Not vacuous: LM-like rows under top_p alone (and with min_p when its survivors are too many to
+    list, and p = 1 rows beside them) are cut by the histogram select, not by the reference sort; the
+    masses at these cuts are far outside any band."""
     z = _lm_rows(32, 5000, 0)
     y = torch.zeros(32, dtype=torch.long)
+    monkeypatch.setattr(E, "MIN_P_LIST_MAX", 0)  # no min_p survivor list: top_p + min_p takes the select
     for specs in ([S(0.8, top_p=0.9)] * 32, [S(1.0, top_p=0.9, min_p=0.05)] * 32, [S(0.8, top_p=0.9), S(1.0)] * 16):
         cut, fallback = _nucleus_rows(z, specs)
         label = specs[0].label()
         assert bool(cut.all()), f"{label}: only {int(cut.sum())} of 32 rows took the nucleus select"
         assert not bool(fallback.any())
         assert torch.equal(E.recompute(z, y, specs).kept, reference_filter(z, specs).kept), label
+
+
+def test_min_p_survivor_lists_under_top_p(monkeypatch) -> None:
+    """top_p + min_p rows without top_k whose min_p survivors are few are cut over the survivor list
+    (as top_k rows over their candidates): listed, not nucleus rows, and vLLM's kept set; rows with more
+    survivors than MIN_P_LIST_MAX take the histogram select in the same batch. Negative control: a list
+    path that forgot min_p (every finite value a survivor) keeps a different set."""
+    z = _lm_rows(16, 5000, 21)
+    g = torch.Generator().manual_seed(4)
+    y = torch.randint(0, 5000, (16,), generator=g)
+    specs = [S(0.8, top_p=0.9, min_p=0.05)] * 8 + [S(1.0, top_p=0.95, min_p=0.001)] * 4 + [S(0.8, top_p=0.9)] * 4
+    zs = E.scale(z, specs)
+    count = (~min_p_mask(zs, torch.tensor([s.min_p for s in specs], dtype=torch.float32))).sum(dim=1)
+    monkeypatch.setattr(E, "MIN_P_LIST_MAX", int(count[:8].max()))
+    assert bool((count[8:12] > E.MIN_P_LIST_MAX).all()), "the min_p=0.001 rows must have too many survivors to list"
+    b = E._kept_bounded(zs, specs)
+    assert b.listed.tolist() == [True] * 8 + [False] * 8
+    assert bool((~torch.isnan(b.log_mass[8:])).all()), "the other rows take the histogram select"
+    fast, ref = E.recompute(z, y, specs), E._recompute_reference(z, y, specs)
+    assert torch.equal(fast.kept, ref.kept) and torch.equal(fast.forced, ref.forced)
+    _check_logprobs(fast, ref, ~b.listed, "min_p lists")
+    monkeypatch.setattr(E, "MIN_P_LIST_MAX", 5000)
+    monkeypatch.setattr(E, "min_p_mask", lambda sub, mp: torch.zeros_like(sub, dtype=torch.bool))
+    planted = E._kept_bounded(zs, specs)
+    assert bool(planted.listed[:8].all()) and not torch.equal(planted.kept[:8], ref.kept[:8]), "min_p never mattered here"
 
 
 def _boundary_rows(seed: int, n: int = 64, vocab: int = 3000) -> tuple[torch.Tensor, list[SamplingSpec]]:

@@ -258,16 +258,19 @@ def _min_p_lists(z: torch.Tensor, rows: torch.Tensor, mp: torch.Tensor) -> tuple
     min_p runs on the whole row with the reference's own function (:func:`min_p_mask`), then the
     survivors are listed: for top_p on the sort path they are exactly what ``_candidates`` lists for a
     top_k row (the tokens min_p drops add exactly 0 to the reference's softmax and cumulative sum), so
-    :func:`_top_p_on_candidates` cuts them. Values past a row's survivors are -inf, their ids 0.
+    :func:`_top_p_on_candidates` cuts them. Values past a row's survivors are -inf, their ids 0; the rows
+    come back in the order of ``rows``.
     """
     every = rows.numel() == z.shape[0]
     sub = z if every else z[rows]
-    surv = ~min_p_mask(sub, mp) & (sub > NEG_INF)
+    # min_p drops every -inf (probability 0 < min_p * max) unless that product underflows to 0; an -inf
+    # listed then is padding to _top_p_on_candidates (never kept, no mass).
+    surv = ~min_p_mask(sub, mp)
     count = surv.sum(dim=1)
     short = (count <= MIN_P_LIST_MAX).nonzero().squeeze(1)
     if not short.numel():
         return short, z.new_empty(0, 1), short.new_empty(0, 1)
-    r_i, col = surv[short].nonzero(as_tuple=True)
+    r_i, col = (surv if short.numel() == surv.shape[0] else surv[short]).nonzero(as_tuple=True)
     cnt = count[short]
     width = int(cnt.max())
     start = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)[:-1]])

@@ -196,6 +196,53 @@ def test_rounding_band_is_needed(monkeypatch) -> None:
     assert differ > 0, "no margin and still equal: the band was never needed on these rows"
 
 
+def test_decide_policy_counts_every_row_it_decides() -> None:
+    """band_policy="decide" cuts the candidate-band rows by the exact float64 mass instead of sorting them.
+    Outside its ``decided`` rows the kept set is the reference's; its decided rows plus its remaining
+    fallbacks are exactly the default policy's fallbacks. Negative control: on rows built at the float32
+    rounding boundary some decided row keeps a different set than vLLM, so the count is not decoration."""
+    z, specs = _boundary_rows(1)
+    y = torch.zeros(z.shape[0], dtype=torch.long)
+    want = reference_filter(z, specs).kept
+    default = E.recompute(z, y, specs)
+    decide = E.recompute(z, y, specs, band_policy="decide")
+    assert default.decided is None and decide.decided is not None
+    assert decide.decided_count > 0, "no row was decided: these rows do not reach the band"
+    assert torch.equal(decide.decided | decide.fallback, default.fallback)
+    assert not bool((decide.decided & decide.fallback).any())
+    same = ~decide.decided
+    assert torch.equal(decide.kept[same], want[same])
+    assert bool((decide.kept != want).any(dim=1)[decide.decided].any()), "every decided row matched: no boundary row"
+    # The decided rows keep the float64 cut: the exact cumulative mass at their cut sits on the other side.
+    zs = E.scale(z, specs)
+    p = torch.tensor([s.top_p for s in specs], dtype=torch.float32)
+    res = N.nucleus_cut(zs, p, band_policy="decide")
+    assert torch.equal(res.decided, decide.decided) and not bool(res.unresolved[res.decided].any())
+    assert N.nucleus_cut(zs, p).decided_count == 0
+
+
+def test_decide_policy_agrees_outside_the_band(monkeypatch) -> None:
+    """On generic LM-like rows and the Hypothesis-style mixes of the bench, "decide" changes nothing but
+    the decided rows; with the band switched off (no margin) nothing is decided."""
+    z = _lm_rows(48, 8000, 23)
+    y = torch.zeros(48, dtype=torch.long)
+    for specs in ([S(0.8, top_p=0.9)] * 48, [S(1.0, top_p=0.5), S(0.7, top_p=0.99), S(1.0)] * 16):
+        want = reference_filter(z, specs).kept
+        res = E.recompute(z, y, specs, band_policy="decide")
+        ok = ~res.decided
+        assert torch.equal(res.kept[ok], want[ok]), specs[0].label()
+        assert res.decided_count + res.fallback_count == E.recompute(z, y, specs).fallback_count
+    monkeypatch.setattr(N, "_margin", lambda a_j, cmax, k_ref, v, ours: torch.zeros_like(cmax))
+    assert E.recompute(z, y, [S(0.8, top_p=0.9)] * 48, band_policy="decide").decided_count == 0
+
+
+def test_band_policy_is_checked() -> None:
+    with pytest.raises(ValueError, match="band_policy is 'exact': allowed one of 'reference', 'decide'"):
+        E.recompute(torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), S(1.0, top_p=0.9), band_policy="exact")
+    with pytest.raises(ValueError, match="band_policy"):
+        N.nucleus_cut(torch.zeros(1, 4), torch.full((1,), 0.9), band_policy="sort")
+
+
 def test_tie_split_by_the_cut_falls_back(monkeypatch) -> None:
     """Which tied tokens the cut drops follows torch.sort's permutation of the whole row; the candidates
     cannot know it. Every such row is flagged and sent to the reference; unflagged, some rows differ."""

@@ -358,7 +358,7 @@ def summarize(table: TokenTable) -> dict[str, Any]:
     }
 
 
-def _rl_view(t: TokenTable) -> dict:
+def _rl_view(t: TokenTable) -> dict[str, Any]:
     """Each framework's mismatch metric and each IS correction, for the naive and the fixed trainers."""
     from parity.core.rl import summarize_trainers
 

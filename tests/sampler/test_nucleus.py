@@ -9,7 +9,10 @@ filter). These tests hold ``estimators.recompute`` to the kept set of vLLM's rea
 ``reference_filter`` on Hypothesis cases without top_k (top_p alone, with min_p, min_p alone, every
 temperature branch, mixed with top_k and greedy rows), and show that each fallback is needed: with the
 rounding band, the tie check or the underflow band of p = 1 rows switched off, purpose-built rows leave
-the reference's kept set. The bracket cap is a cost guard: counted, and still exact.
+the reference's kept set. The bracket cap is a cost guard: counted, and still exact. top_p + min_p rows
+with few min_p survivors are cut over the survivor list instead (listed, exact). The opt-in
+``band_policy="decide"`` changes only the rows it counts as decided, exactly the default's band rows
+that had candidates, and on boundary rows some of them do leave the reference's kept set.
 """
 
 from __future__ import annotations

@@ -112,12 +112,12 @@ def recompute(
     if band_policy not in nucleus.BAND_POLICIES:
         raise ValueError(f"band_policy is {band_policy!r}: allowed one of {', '.join(map(repr, nucleus.BAND_POLICIES))}")
     if faults is not None and faults != FilterFaults():
-        return _recompute_reference(logits, sampled, specs, force_include=force_include, faults=faults)
+        return _undecided(_recompute_reference(logits, sampled, specs, force_include=force_include, faults=faults), band_policy)
     z = scale(logits, specs)
     y = _check_ids(sampled, z)
     row_specs = per_row(specs, z.shape[0])
     if all(s.greedy for s in row_specs):  # reference_filter's all-greedy path: nothing to bound
-        return _recompute_reference(logits, sampled, specs, force_include=force_include)
+        return _undecided(_recompute_reference(logits, sampled, specs, force_include=force_include), band_policy)
     kept, ids, listed, log_mass, row_max, fallback, decided = _kept_bounded(z, row_specs, band_policy)
     forced = ~kept.gather(1, y.unsqueeze(1)).squeeze(1)
     lp = torch.empty(z.shape[0], dtype=z.dtype, device=z.device)
@@ -140,6 +140,13 @@ def recompute(
     if not force_include:  # y outside S_p scores -inf, as a naive trainer would get
         lp = lp.masked_fill(forced, NEG_INF)
     return RecomputeResult(lp, kept, forced, fallback, decided if band_policy == "decide" else None)
+
+
+def _undecided(res: RecomputeResult, band_policy: str) -> RecomputeResult:
+    """A result from the reference path: under band_policy="decide", no row was decided."""
+    if band_policy == "decide":
+        res.decided = torch.zeros_like(res.forced)
+    return res
 
 
 def _recompute_reference(

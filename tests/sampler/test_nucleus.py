@@ -116,6 +116,10 @@ def test_nucleus_kept_is_vllms_kept(sampler, case: Case) -> None:
         assert torch.equal(fast.forced, ref.forced), f"{what}: forced flags differ, {case!r}"
         _check_logprobs(fast, ref, _nucleus_rows(logits, case.specs)[0], f"{what}, {case!r}")
         assert torch.equal(fast.fallback, _nucleus_rows(logits, case.specs)[1])
+        decide = E.recompute(logits, out.sampled, case.specs, band_policy="decide")
+        assert torch.equal(decide.decided | decide.fallback, fast.fallback), f"{what}: decided rows are not band rows, {case!r}"
+        same = ~decide.decided
+        assert torch.equal(decide.kept[same], fast.kept[same]), f"{what}: band_policy=decide changed an undecided row, {case!r}"
 
 
 def _lm_rows(n: int, vocab: int, seed: int) -> torch.Tensor:

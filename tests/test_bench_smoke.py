@@ -84,6 +84,15 @@ def test_trainer_cases_run_and_check_themselves(lib, trainer) -> None:
     bad = E_recompute_with_a_dropped_token(w, trainer)
     with pytest.raises(AssertionError, match="kept set differs"):
         trainer.check_result("recompute-k-p", bad, w)
+    # The band_policy=decide row is held to the reference outside its decided rows, and caught there too.
+    from parity.core.estimators import recompute
+
+    dec = recompute(w["logits"], w["sampled"], trainer.ESTIMATORS["recompute-p-decide"][2], band_policy="decide")
+    trainer.check_result("recompute-p-decide", dec, w)
+    row = int((~dec.decided).nonzero()[0])
+    dec.kept[row, dec.kept[row].nonzero()[0, 0]] = False
+    with pytest.raises(AssertionError, match="kept set differs"):
+        trainer.check_result("recompute-p-decide", dec, w)
 
 
 def E_recompute_with_a_dropped_token(w: dict, trainer: ModuleType) -> Any:

@@ -67,6 +67,13 @@ class RecomputeResult:
     # (rounding band, split tie, too wide a bracket), so it was sorted: by the reference sort, or on the
     # nucleus path by the reference's float32 ops on its sorted values; all False where no fast path ran
     fallback: torch.Tensor | None = None
+    # bool [N]: band_policy="decide" only: nucleus rows cut by the exact float64 cumulative mass inside the
+    # rounding band, without the reference's float32 rounding (so possibly not its kept set); None otherwise
+    decided: torch.Tensor | None = None
+
+    @property
+    def decided_count(self) -> int:
+        return 0 if self.decided is None else int(self.decided.sum())
 
     @property
     def forced_count(self) -> int:
@@ -84,6 +91,7 @@ def recompute(
     *,
     force_include: bool = True,
     faults: FilterFaults | None = None,
+    band_policy: str = "reference",
 ) -> RecomputeResult:
     """Reference filters on trainer logits → S_p; ``z'_y - logsumexp(z'_{S_p ∪ {y}})``.
 
@@ -94,17 +102,23 @@ def recompute(
     the kept mass either way (:mod:`parity.core.nucleus`). Rows a fast path cannot decide exactly run the
     reference sort (counted in ``fallback``); so do planted ``faults``.
 
+    ``band_policy`` is :func:`parity.core.nucleus.nucleus_cut`'s: ``"reference"`` (default) keeps the
+    reference's kept set on every row; ``"decide"`` cuts the nucleus rows whose boundary lies in the
+    rounding band by the exact float64 mass instead of sorting them, and counts them in ``decided``.
+
     With ``force_include=False`` (only for negative controls) a sampled token outside S_p scores
     ``-inf``, which is what a trainer that recomputes filters naively gets.
     """
+    if band_policy not in nucleus.BAND_POLICIES:
+        raise ValueError(f"band_policy is {band_policy!r}: allowed one of {', '.join(map(repr, nucleus.BAND_POLICIES))}")
     if faults is not None and faults != FilterFaults():
-        return _recompute_reference(logits, sampled, specs, force_include=force_include, faults=faults)
+        return _undecided(_recompute_reference(logits, sampled, specs, force_include=force_include, faults=faults), band_policy)
     z = scale(logits, specs)
     y = _check_ids(sampled, z)
     row_specs = per_row(specs, z.shape[0])
     if all(s.greedy for s in row_specs):  # reference_filter's all-greedy path: nothing to bound
-        return _recompute_reference(logits, sampled, specs, force_include=force_include)
-    kept, ids, listed, log_mass, row_max, fallback = _kept_bounded(z, row_specs)
+        return _undecided(_recompute_reference(logits, sampled, specs, force_include=force_include), band_policy)
+    kept, ids, listed, log_mass, row_max, fallback, decided = _kept_bounded(z, row_specs, band_policy)
     forced = ~kept.gather(1, y.unsqueeze(1)).squeeze(1)
     lp = torch.empty(z.shape[0], dtype=z.dtype, device=z.device)
     if bool(listed.any()):
@@ -125,7 +139,14 @@ def recompute(
         lp[rest] = _log_renormalised(z[rest], y[rest], sub_kept)
     if not force_include:  # y outside S_p scores -inf, as a naive trainer would get
         lp = lp.masked_fill(forced, NEG_INF)
-    return RecomputeResult(lp, kept, forced, fallback)
+    return RecomputeResult(lp, kept, forced, fallback, decided if band_policy == "decide" else None)
+
+
+def _undecided(res: RecomputeResult, band_policy: str) -> RecomputeResult:
+    """A result from the reference path: under band_policy="decide", no row was decided."""
+    if band_policy == "decide":
+        res.decided = torch.zeros_like(res.forced)
+    return res
 
 
 def _recompute_reference(
@@ -226,13 +247,51 @@ class _Bounded(NamedTuple):
     log_mass: torch.Tensor  # float64 [N]: nucleus rows' log sum_{kept} exp(z' - m); NaN elsewhere
     row_max: torch.Tensor  # float32 [N]: m on nucleus rows
     fallback: torch.Tensor  # bool [N]: a fast path could not decide the row exactly (it was sorted)
+    decided: torch.Tensor  # bool [N]: nucleus rows decided in float64 inside the band (band_policy="decide")
 
 
-def _kept_bounded(z: torch.Tensor, specs: list[SamplingSpec]) -> _Bounded:
+# Rows without top_k under min_p and top_p whose min_p survivors number at most this are cut over the
+# survivor list (as top_k rows over their candidates), not by the nucleus select over the whole row.
+MIN_P_LIST_MAX = 1024
+
+
+def _min_p_lists(z: torch.Tensor, rows: torch.Tensor, mp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The min_p survivors of ``rows`` (those with at most MIN_P_LIST_MAX), descending: (rows, values, ids).
+
+    min_p runs on the whole row with the reference's own function (:func:`min_p_mask`), then the
+    survivors are listed: for top_p on the sort path they are exactly what ``_candidates`` lists for a
+    top_k row (the tokens min_p drops add exactly 0 to the reference's softmax and cumulative sum), so
+    :func:`_top_p_on_candidates` cuts them. Values past a row's survivors are -inf, their ids 0; the rows
+    come back in the order of ``rows``.
+    """
+    every = rows.numel() == z.shape[0]
+    sub = z if every else z[rows]
+    # min_p drops every -inf (probability 0 < min_p * max) unless that product underflows to 0; an -inf
+    # listed then is padding to _top_p_on_candidates (never kept, no mass).
+    surv = ~min_p_mask(sub, mp)
+    count = surv.sum(dim=1)
+    short = (count <= MIN_P_LIST_MAX).nonzero().squeeze(1)
+    if not short.numel():
+        return short, z.new_empty(0, 1), short.new_empty(0, 1)
+    r_i, col = (surv if short.numel() == surv.shape[0] else surv[short]).nonzero(as_tuple=True)
+    cnt = count[short]
+    width = int(cnt.max())
+    start = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)[:-1]])
+    slot = torch.arange(r_i.numel(), device=z.device) - start[r_i]
+    vals = torch.full((short.numel(), width), NEG_INF, dtype=z.dtype, device=z.device)
+    ids = torch.zeros(short.numel(), width, dtype=torch.long, device=z.device)
+    vals[r_i, slot] = sub[short[r_i], col]
+    ids[r_i, slot] = col
+    vals, order = vals.sort(dim=1, descending=True)
+    return rows[short], vals, ids.gather(1, order)
+
+
+def _kept_bounded(z: torch.Tensor, specs: list[SamplingSpec], band_policy: str = "reference") -> _Bounded:
     """reference_filter's kept mask for a not-all-greedy batch of scaled logits ``z``.
 
     Rows with top_k are filtered from their candidates (the ids are the whole kept set on those listed
-    rows); rows without top_k go through :func:`parity.core.nucleus.nucleus_cut` on the sort path, else
+    rows), and so are rows without top_k under min_p and top_p with few min_p survivors
+    (:func:`_min_p_lists`); other rows without top_k go through :func:`parity.core.nucleus.nucleus_cut` on the sort path, else
     :func:`parity.core.nucleus.survivor_mass` (CPU); other rows, and the rows a fast path cannot decide
     exactly (``fallback``), run the reference.
     """
@@ -251,19 +310,37 @@ def _kept_bounded(z: torch.Tensor, specs: list[SamplingSpec]) -> _Bounded:
     k = torch.tensor([s.top_k_for_vocab(vocab) for s in specs], dtype=torch.long, device=dev)
     p = torch.tensor([s.top_p if s.uses_top_p else 1.0 for s in specs], dtype=torch.float32, device=dev)
     bounded = k < vocab
-    listed = bounded.clone()
     fallback = torch.zeros(n, dtype=torch.bool, device=dev)
+    decided = torch.zeros(n, dtype=torch.bool, device=dev)
     log_mass = torch.full((n,), float("nan"), dtype=torch.float64, device=dev)
     row_max = torch.full((n,), float("nan"), dtype=torch.float32, device=dev)
     free = (~bounded).nonzero().squeeze(1)
+    lists: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, values desc, ids)
+    if any_p and use_min_p and free.numel():
+        mrows = free[mp[free] > 0]
+        if mrows.numel():
+            short, mvals, mids = _min_p_lists(z, mrows, mp[mrows])
+            if short.numel():
+                lists.append((short, mvals, mids))
+                bounded[short] = True
+                free = (~bounded).nonzero().squeeze(1)
+    listed = bounded.clone()
     cut = free.numel() > 0 and nucleus.supported(z)
     every_cut = cut and free.numel() == n
     kept = (torch.empty if every_cut else torch.zeros)(n, vocab, dtype=torch.bool, device=dev)
     ids = torch.full((n, 1), -1, dtype=torch.long, device=dev)
-    rows = bounded.nonzero().squeeze(1)
-    if rows.numel():
+    krows = (k < vocab).nonzero().squeeze(1)
+    if krows.numel():
+        lists.insert(0, (krows, *_candidates(work(None if krows.numel() == n else krows), k[krows])))
+    if lists:
+        width = max(vl.shape[1] for _, vl, _ in lists)
+        rows = torch.cat([r for r, _, _ in lists])
+        vals = torch.cat([torch.nn.functional.pad(vl, (0, width - vl.shape[1]), value=NEG_INF) for _, vl, _ in lists])
+        cand = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1])) for _, _, c in lists])
         every = rows.numel() == n
-        vals, cand = _candidates(work(None if every else rows), k[rows])
+        if every and len(lists) > 1:  # rows in order, so the scatter below fills row i from vals[i]
+            rows, order = rows.sort()
+            vals, cand = vals[order], cand[order]
         keep = vals > NEG_INF
         if any_p:
             keep, fb = _top_p_on_candidates(vals, p[rows])
@@ -282,7 +359,9 @@ def _kept_bounded(z: torch.Tensor, specs: list[SamplingSpec]) -> _Bounded:
     if cut:  # no top_k: the histogram select of the top_p cut, or no cut (parity.core.nucleus)
         sel, mps = None if every_cut else free, mp[free] if use_min_p else None
         if any_p:  # exact, or counted fallback
-            res = nucleus.nucleus_cut(z, p[free], rows=sel, min_p=mps, out=kept)
+            res = nucleus.nucleus_cut(z, p[free], rows=sel, min_p=mps, out=kept, band_policy=band_policy)
+            if res.decided is not None:
+                decided[free[res.decided]] = True
         else:
             res = nucleus.survivor_mass(z, rows=sel, min_p=mps, out=kept)
         ok = ~res.unresolved  # the rest (split ties) need the reference's permutation
@@ -297,7 +376,7 @@ def _kept_bounded(z: torch.Tensor, specs: list[SamplingSpec]) -> _Bounded:
             sub = top_k_top_p_sorted(sub, k[rest], p[rest])
         kept[rest] = sub > NEG_INF
         ids[rest] = -1
-    return _Bounded(kept, ids, listed, log_mass, row_max, fallback)
+    return _Bounded(kept, ids, listed, log_mass, row_max, fallback, decided)
 
 
 def mask_to_ids(kept: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,10 @@ Why it is exact, and when a row falls back to the reference sort instead (counte
     the error is at most ``u * ((B + (L - 1) S) / L + (L - 1) S)`` with ``B = sum_k T_k``, never more
     than the ``(n - 1) u S`` of any order. B is bounded from the histogram: a token in bucket b has at
     most as many tokens at or above it as the buckets <= b hold. L is the lane count of torch's CPU
-    vector path (:func:`softmax_lanes`); where it is not known, the any-order bound is used.
+    vector path (:func:`softmax_lanes`); where it is not known, the any-order bound is used. On LM-like
+    rows at V = 152k the histogram's B is within a few percent of the exact B of the sorted row: the
+    width of the band is the worst case of L lanes summing ~V / L ascending terms, not slack of the
+    histogram, and a row inside it needs the reference's own rounding (a sort) or ``band_policy``.
   - the absolute terms cover underflowed float32 terms and this module's float64 arithmetic.
 
   Our own evaluation adds the error of its masses: float32 exp (2u) and float32 sums of GROUP terms
@@ -56,6 +59,11 @@ Why it is exact, and when a row falls back to the reference sort instead (counte
 * **Bracket** (``bracket``): the range does not fit the window, or holds more than
   :data:`MAX_CANDIDATES` tokens (a flat row whose error bound spans many buckets): cut from the
   sorted values rather than sort a large candidate list. A cost guard, not a correctness one.
+* **Band policy.** ``band_policy="decide"`` (opt-in) keeps the exact float64 cut on the rows whose only
+  uncertainty is a candidate inside the rounding band, instead of sorting them: such a row is the exact
+  nucleus of its float32 probabilities, which may differ from the reference's float32 rounding of it by
+  the token at the boundary. Those rows are counted (``decided``); every other row is cut as under the
+  default ``"reference"`` policy.
 * **p = 1 rows** of a sort-path batch drop only tokens whose float32 probability underflows to 0: kept
   if ``x > -80``, dropped if ``x < -105`` (the bounds of :mod:`parity.core.estimators`); if any token lies
   in between, the row falls back (``band``).
@@ -73,6 +81,7 @@ from __future__ import annotations
 import platform
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from parity.core import tolerances
@@ -93,6 +102,7 @@ MAX_CANDIDATES = 16384  # wider candidate ranges fall back (counted as bracket)
 # Values per row block (16 MB per float32 buffer). Smaller blocks stay in cache but multiply torch's
 # parallel regions (about 20 per block); on a loaded machine each can stall on a descheduled thread.
 BLOCK_ELEMS = 1 << 22
+BAND_POLICIES = ("reference", "decide")  # nucleus_cut's band_policy
 GROUP = 8  # masses around the cut: float32 sums of GROUP terms, then float64
 # Those masses carry float32 exp (2u) and a float32 sum of GROUP terms ((GROUP - 1)u) per term: a
 # certified relative error, so also the error of log_mass in nats.
@@ -112,6 +122,14 @@ class NucleusResult:
     tie_split: torch.Tensor  # bool [R]: the cut fell inside a group of equal values
     bracket: torch.Tensor  # bool [R]: the range left the window or held more than MAX_CANDIDATES tokens
     candidates: torch.Tensor  # long [R]: tokens in the candidate range (what was sorted)
+    # bool [R]: band_policy="decide" only: rows with a candidate inside the rounding band, cut by the exact
+    # (float64) cumulative mass instead of the reference's float32 rounding (under "reference" they are
+    # ``band`` rows, sorted); all False under "reference"
+    decided: torch.Tensor | None = None
+
+    @property
+    def decided_count(self) -> int:
+        return 0 if self.decided is None else int(self.decided.sum())
 
     @property
     def fallback(self) -> torch.Tensor:
@@ -185,7 +203,9 @@ def _row_sums(f: torch.Tensor) -> torch.Tensor:
     return part
 
 
-def _check(work: torch.Tensor, rows: torch.Tensor | None, min_p: torch.Tensor | None, out: torch.Tensor | None):
+def _check(
+    work: torch.Tensor, rows: torch.Tensor | None, min_p: torch.Tensor | None, out: torch.Tensor | None
+) -> tuple[int, int, torch.Tensor | None, int]:
     if not supported(work):
         raise ValueError(f"work must be float32 [N, V] logits on CPU: got {work.dtype} {tuple(work.shape)} on {work.device}")
     n, v = work.shape
@@ -224,6 +244,7 @@ class _Blocks:
         if self.idx is None:
             w = self.work[b0:b1]
         else:
+            assert self.rows is not None  # allocated whenever idx is given
             w = torch.index_select(self.work, 0, self.idx[b0:b1], out=self.rows[: b1 - b0])
         dropped = None if self.min_p is None else min_p_mask(w, self.min_p[b0:b1])
         m = w.amax(dim=1, keepdim=True)
@@ -285,7 +306,7 @@ def survivor_mass(
         if dest is not None:
             out[dest[b0:b1]] = kept
     no = torch.zeros(r, dtype=torch.bool, device=dev)
-    return NucleusResult(out, log_mass, m_all, no, no.clone(), no.clone(), torch.zeros(r, dtype=torch.long, device=dev))
+    return NucleusResult(out, log_mass, m_all, no, no.clone(), no.clone(), torch.zeros(r, dtype=torch.long, device=dev), no.clone())
 
 
 def nucleus_cut(
@@ -296,6 +317,7 @@ def nucleus_cut(
     min_p: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     lanes: int | None = -1,
+    band_policy: str = "reference",
 ) -> NucleusResult:
     """The kept set of vLLM's sort-path top_p cut for rows with no top_k, from a histogram select.
 
@@ -306,11 +328,19 @@ def nucleus_cut(
     by block (the reference's own function; its result for a row does not depend on the other rows).
     ``out``: a bool ``[N, V]`` tensor whose ``rows`` receive the kept set (default: a new ``[R, V]``).
     ``lanes``: the softmax accumulator's lane count (default :func:`softmax_lanes`; None: any order).
+    ``band_policy``: what a row does when a candidate's exact cumulative mass lies inside the rounding
+    band. ``"reference"`` (default): the row is cut from its sorted values by the reference's own float32
+    ops (``band``), so the kept set is the reference's, bit for bit. ``"decide"``: the row keeps the cut
+    of the exact float64 cumulative mass, which may differ from the reference's float32 one on those rows
+    only; they are counted in ``decided`` (never silently). Rows whose whole range is uncertain (no
+    candidates: ``band`` from the histogram), split ties and brackets fall back under either policy.
 
     One pass over each block of rows: e and the bucket keys, the histogram, the range, the kept mask
     above the range, the masses around it and the candidates; then the exact cut over all candidates.
     """
     n, v, idx, r = _check(work, rows, min_p, out)
+    if band_policy not in BAND_POLICIES:
+        raise ValueError(f"band_policy is {band_policy!r}: allowed one of {', '.join(map(repr, BAND_POLICIES))}")
     if p.shape != (r,) or p.dtype != torch.float32:
         raise ValueError(f"p has {p.dtype} {tuple(p.shape)}: allowed float32 [{r}] (one top_p per row cut; 1 - p in float32)")
     dev = work.device
@@ -352,7 +382,9 @@ def nucleus_cut(
         parts.append(rng)
     rng = _Ranges.cat(parts)
     pos = torch.cat([f[0] for f in found])
-    keep_pos, log_mass, band, tie_split = _cut(pos, torch.cat([f[1] for f in found]), m_all, rng, thr32, v)
+    keep_pos, log_mass, band, tie_split, decided = _cut(
+        pos, torch.cat([f[1] for f in found]), m_all, rng, thr32, v, decide=band_policy == "decide"
+    )
     if keep_pos.numel():
         crow = torch.div(keep_pos, v, rounding_mode="floor")
         target = crow if dest is None else dest[crow]
@@ -373,7 +405,7 @@ def nucleus_cut(
         tie_split[late[split]] = True
         band[late[split]] = False
         rng.bracket[late[split]] = False
-    return NucleusResult(out, log_mass, m_all, band, tie_split, rng.bracket, rng.n_cand)
+    return NucleusResult(out, log_mass, m_all, band, tie_split, rng.bracket, rng.n_cand, decided)
 
 
 def _values_cut(w: torch.Tensor, thr32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -381,16 +413,14 @@ def _values_cut(w: torch.Tensor, thr32: torch.Tensor) -> tuple[torch.Tensor, tor
 
     The reference (:func:`parity.core.filters.top_k_top_p_sorted`) takes the float32 softmax and cumulative
     sum of the row sorted ascending; those depend on the sorted *values* only, so running the same ops
-    on the same values gives its bits. The values are sorted as int32 keys (the float order: the bits,
-    with the magnitude bits flipped for negatives), which is cheaper than a float sort. Returns
+    on the same values gives its bits. CPU tensors. Returns
     (v* [k]: the first kept value, split [k]: the value before it is equal, so which of the tied tokens
     are kept depends on the reference's permutation, which this does not know).
     """
-    bits = w.view(torch.int32)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    srt = key.sort(dim=1).values
-    srt ^= (srt >> 31) & 0x7FFFFFFF
-    vals = srt.view(torch.float32)
+    # numpy's sort of the values alone (no permutation): on one thread, about a quarter of the CPU time of
+    # torch.sort's values and indices on two. The sorted values are the same whatever sorts them (0.0 and
+    # -0.0 may swap: equal, with the same exp and the same comparisons).
+    vals = torch.from_numpy(np.sort(w.contiguous().numpy(), axis=1))
     cum = torch.cumsum(vals.softmax(dim=-1), dim=-1)
     drop = cum <= thr32.unsqueeze(1)
     drop[:, -1] = False  # the largest token is always kept
@@ -502,12 +532,14 @@ def _tied(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
 
 
 def _cut(
-    pos: torch.Tensor, vals: torch.Tensor, m: torch.Tensor, rng: _Ranges, thr32: torch.Tensor, v: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    pos: torch.Tensor, vals: torch.Tensor, m: torch.Tensor, rng: _Ranges, thr32: torch.Tensor, v: int, *, decide: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The exact cut over the candidates (flat positions ``pos`` into the cut rows, grouped by row).
 
     The masses above and below the range are float32 e summed by :func:`_row_sums` (``rng``); the
-    candidates' are float64 exps. Returns (flat positions kept, log_mass [R], band [R], tie_split [R]).
+    candidates' are float64 exps. Returns (flat positions kept, log_mass [R], band [R], tie_split [R],
+    decided [R]); with ``decide``, rows whose only uncertainty is a candidate inside the band keep the
+    float64 cut and are ``decided`` instead of ``band``.
     """
     r = m.shape[0]
     dev = m.device
@@ -526,6 +558,7 @@ def _cut(
     x = (cvals - m).double().masked_fill(~valid, 0.0)  # fl(z' - m), as the reference computes it
     ec = torch.exp(x).masked_fill(~valid, 0.0)
     low, above = rng.below, rng.above
+    assert low is not None and above is not None, "nucleus_cut fills the masses around the range first"
     s = low + above + ec.sum(dim=1)  # the row's mass (exact exps up to SUM_REL_ERROR on low and above)
     e_low = SUM_REL_ERROR * low
     e_s = SUM_REL_ERROR * (low + above)
@@ -551,13 +584,15 @@ def _cut(
     hi_v = cvals.gather(1, first_kept.clamp(max=width - 1).unsqueeze(1)).squeeze(1)
     skip = rng.band | rng.bracket
     tie_split = ~skip & split & _tied(lo_v, hi_v)
-    band = rng.band | (~skip & near.any(dim=1))
+    in_band = ~skip & near.any(dim=1)
+    decided = in_band & ~tie_split if decide else torch.zeros_like(in_band)
+    band = rng.band | (in_band & ~decided)
     keep_c = valid & ~drop
     kept_mass = above + (ec * keep_c).sum(dim=1)
     fb = band | tie_split | rng.bracket
     log_mass = torch.where(fb, torch.full_like(kept_mass, float("nan")), torch.log(kept_mass))
     keep_c &= ~fb.unsqueeze(1)
-    return cpos[keep_c], log_mass, band, tie_split
+    return cpos[keep_c], log_mass, band, tie_split, decided
 
 
 def log_renormalised(zy: torch.Tensor, row_max: torch.Tensor, log_mass: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:

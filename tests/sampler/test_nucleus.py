@@ -9,7 +9,10 @@ filter). These tests hold ``estimators.recompute`` to the kept set of vLLM's rea
 ``reference_filter`` on Hypothesis cases without top_k (top_p alone, with min_p, min_p alone, every
 temperature branch, mixed with top_k and greedy rows), and show that each fallback is needed: with the
 rounding band, the tie check or the underflow band of p = 1 rows switched off, purpose-built rows leave
-the reference's kept set. The bracket cap is a cost guard: counted, and still exact.
+the reference's kept set. The bracket cap is a cost guard: counted, and still exact. top_p + min_p rows
+with few min_p survivors are cut over the survivor list instead (listed, exact). The opt-in
+``band_policy="decide"`` changes only the rows it counts as decided, exactly the default's band rows
+that had candidates, and on boundary rows some of them do leave the reference's kept set.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from strategies import example_case, example_logits, row_plans
 
 import parity.core.estimators as E
 import parity.core.nucleus as N
-from parity.core.filters import reference_filter
+from parity.core.filters import min_p_mask, reference_filter
 from parity.core.spec import SamplingSpec
 from parity.testing.cases import Case, CasePlan, RowPlan, build_case, plant_top_p_tie
 
@@ -113,6 +116,10 @@ def test_nucleus_kept_is_vllms_kept(sampler, case: Case) -> None:
         assert torch.equal(fast.forced, ref.forced), f"{what}: forced flags differ, {case!r}"
         _check_logprobs(fast, ref, _nucleus_rows(logits, case.specs)[0], f"{what}, {case!r}")
         assert torch.equal(fast.fallback, _nucleus_rows(logits, case.specs)[1])
+        decide = E.recompute(logits, out.sampled, case.specs, band_policy="decide")
+        assert torch.equal(decide.decided | decide.fallback, fast.fallback), f"{what}: decided rows are not band rows, {case!r}"
+        same = ~decide.decided
+        assert torch.equal(decide.kept[same], fast.kept[same]), f"{what}: band_policy=decide changed an undecided row, {case!r}"
 
 
 def _lm_rows(n: int, vocab: int, seed: int) -> torch.Tensor:
@@ -123,17 +130,44 @@ def _lm_rows(n: int, vocab: int, seed: int) -> torch.Tensor:
     return z
 
 
-def test_nucleus_path_is_taken_on_generic_rows() -> None:
-    """Not vacuous: LM-like rows under top_p alone (and with min_p, and p = 1 rows beside them) are cut by
-    the histogram select, not by the reference sort; the masses at these cuts are far outside any band."""
+def test_nucleus_path_is_taken_on_generic_rows(monkeypatch) -> None:
+    """Not vacuous: LM-like rows under top_p alone (and with min_p when its survivors are too many to
+    list, and p = 1 rows beside them) are cut by the histogram select, not by the reference sort; the
+    masses at these cuts are far outside any band."""
     z = _lm_rows(32, 5000, 0)
     y = torch.zeros(32, dtype=torch.long)
+    monkeypatch.setattr(E, "MIN_P_LIST_MAX", 0)  # no min_p survivor list: top_p + min_p takes the select
     for specs in ([S(0.8, top_p=0.9)] * 32, [S(1.0, top_p=0.9, min_p=0.05)] * 32, [S(0.8, top_p=0.9), S(1.0)] * 16):
         cut, fallback = _nucleus_rows(z, specs)
         label = specs[0].label()
         assert bool(cut.all()), f"{label}: only {int(cut.sum())} of 32 rows took the nucleus select"
         assert not bool(fallback.any())
         assert torch.equal(E.recompute(z, y, specs).kept, reference_filter(z, specs).kept), label
+
+
+def test_min_p_survivor_lists_under_top_p(monkeypatch) -> None:
+    """top_p + min_p rows without top_k whose min_p survivors are few are cut over the survivor list
+    (as top_k rows over their candidates): listed, not nucleus rows, and vLLM's kept set; rows with more
+    survivors than MIN_P_LIST_MAX take the histogram select in the same batch. Negative control: a list
+    path that forgot min_p (every finite value a survivor) keeps a different set."""
+    z = _lm_rows(16, 5000, 21)
+    g = torch.Generator().manual_seed(4)
+    y = torch.randint(0, 5000, (16,), generator=g)
+    specs = [S(0.8, top_p=0.9, min_p=0.05)] * 8 + [S(1.0, top_p=0.95, min_p=0.001)] * 4 + [S(0.8, top_p=0.9)] * 4
+    zs = E.scale(z, specs)
+    count = (~min_p_mask(zs, torch.tensor([s.min_p for s in specs], dtype=torch.float32))).sum(dim=1)
+    monkeypatch.setattr(E, "MIN_P_LIST_MAX", int(count[:8].max()))
+    assert bool((count[8:12] > E.MIN_P_LIST_MAX).all()), "the min_p=0.001 rows must have too many survivors to list"
+    b = E._kept_bounded(zs, specs)
+    assert b.listed.tolist() == [True] * 8 + [False] * 8
+    assert bool((~torch.isnan(b.log_mass[8:])).all()), "the other rows take the histogram select"
+    fast, ref = E.recompute(z, y, specs), E._recompute_reference(z, y, specs)
+    assert torch.equal(fast.kept, ref.kept) and torch.equal(fast.forced, ref.forced)
+    _check_logprobs(fast, ref, ~b.listed, "min_p lists")
+    monkeypatch.setattr(E, "MIN_P_LIST_MAX", 5000)
+    monkeypatch.setattr(E, "min_p_mask", lambda sub, mp: torch.zeros_like(sub, dtype=torch.bool))
+    planted = E._kept_bounded(zs, specs)
+    assert bool(planted.listed[:8].all()) and not torch.equal(planted.kept[:8], ref.kept[:8]), "min_p never mattered here"
 
 
 def _boundary_rows(seed: int, n: int = 64, vocab: int = 3000) -> tuple[torch.Tensor, list[SamplingSpec]]:
@@ -167,6 +201,53 @@ def test_rounding_band_is_needed(monkeypatch) -> None:
     monkeypatch.setattr(N, "_margin", lambda a_j, cmax, k_ref, v, ours: torch.zeros_like(cmax))
     differ = int((E.recompute(z, y, specs).kept != want).any(dim=1).sum())
     assert differ > 0, "no margin and still equal: the band was never needed on these rows"
+
+
+def test_decide_policy_counts_every_row_it_decides() -> None:
+    """band_policy="decide" cuts the candidate-band rows by the exact float64 mass instead of sorting them.
+    Outside its ``decided`` rows the kept set is the reference's; its decided rows plus its remaining
+    fallbacks are exactly the default policy's fallbacks. Negative control: on rows built at the float32
+    rounding boundary some decided row keeps a different set than vLLM, so the count is not decoration."""
+    z, specs = _boundary_rows(1)
+    y = torch.zeros(z.shape[0], dtype=torch.long)
+    want = reference_filter(z, specs).kept
+    default = E.recompute(z, y, specs)
+    decide = E.recompute(z, y, specs, band_policy="decide")
+    assert default.decided is None and decide.decided is not None
+    assert decide.decided_count > 0, "no row was decided: these rows do not reach the band"
+    assert torch.equal(decide.decided | decide.fallback, default.fallback)
+    assert not bool((decide.decided & decide.fallback).any())
+    same = ~decide.decided
+    assert torch.equal(decide.kept[same], want[same])
+    assert bool((decide.kept != want).any(dim=1)[decide.decided].any()), "every decided row matched: no boundary row"
+    # The decided rows keep the float64 cut: the exact cumulative mass at their cut sits on the other side.
+    zs = E.scale(z, specs)
+    p = torch.tensor([s.top_p for s in specs], dtype=torch.float32)
+    res = N.nucleus_cut(zs, p, band_policy="decide")
+    assert torch.equal(res.decided, decide.decided) and not bool(res.unresolved[res.decided].any())
+    assert N.nucleus_cut(zs, p).decided_count == 0
+
+
+def test_decide_policy_agrees_outside_the_band(monkeypatch) -> None:
+    """On generic LM-like rows and the Hypothesis-style mixes of the bench, "decide" changes nothing but
+    the decided rows; with the band switched off (no margin) nothing is decided."""
+    z = _lm_rows(48, 8000, 23)
+    y = torch.zeros(48, dtype=torch.long)
+    for specs in ([S(0.8, top_p=0.9)] * 48, [S(1.0, top_p=0.5), S(0.7, top_p=0.99), S(1.0)] * 16):
+        want = reference_filter(z, specs).kept
+        res = E.recompute(z, y, specs, band_policy="decide")
+        ok = ~res.decided
+        assert torch.equal(res.kept[ok], want[ok]), specs[0].label()
+        assert res.decided_count + res.fallback_count == E.recompute(z, y, specs).fallback_count
+    monkeypatch.setattr(N, "_margin", lambda a_j, cmax, k_ref, v, ours: torch.zeros_like(cmax))
+    assert E.recompute(z, y, [S(0.8, top_p=0.9)] * 48, band_policy="decide").decided_count == 0
+
+
+def test_band_policy_is_checked() -> None:
+    with pytest.raises(ValueError, match="band_policy is 'exact': allowed one of 'reference', 'decide'"):
+        E.recompute(torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), S(1.0, top_p=0.9), band_policy="exact")
+    with pytest.raises(ValueError, match="band_policy"):
+        N.nucleus_cut(torch.zeros(1, 4), torch.full((1,), 0.9), band_policy="sort")
 
 
 def test_tie_split_by_the_cut_falls_back(monkeypatch) -> None:

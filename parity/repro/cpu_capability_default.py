@@ -31,7 +31,6 @@ from typing import Any
 
 from parity.repro.common import Check, Context
 from parity.repro.runner import (
-    GENERATED,
     Measured,
     columns,
     cpu_features,
@@ -40,39 +39,24 @@ from parity.repro.runner import (
     output_lines,
     run_child,
 )
+from parity.repro.standalone_src import CAP_SYMPTOM, CAP_TORCH, CAP_VLLM
 
 FIXTURE = "qwen2-tiny"
 KNOB = "ATEN_CPU_CAPABILITY"
-MARK = GENERATED
-ISA_MARK = "PARITY_REPRO_VEC_ISA"
+MARK = "GENERATED"
+ISA_MARK = "ISA"
 SUBPROCESS_TIMEOUT_S = 300.0
 SYMPTOM = "'at::vec' has not been declared"
-# g++ quotes the name with typographic quotes under a UTF-8 locale, ASCII ones otherwise.
-SYMPTOM_RE = re.compile(r"[\u2018']at::vec[\u2019'] has not been declared")
+SYMPTOM_RE = CAP_SYMPTOM  # g++ quotes the name with typographic quotes under a UTF-8 locale, ASCII ones otherwise
 SCALAR = ("INVALID_VEC_ISA", "none", "?")
 # (step, ATEN_CPU_CAPABILITY, TORCHINDUCTOR_FX_GRAPH_CACHE, what the step is expected to do)
 STEPS = (("control", None, None, "generates"), ("stale cache", "default", None, "fails"),
          ("FX graph cache off", "default", "0", "generates"))
 
-_ISA = (f"from torch._inductor import cpu_vec_isa as _isa\n"
-        f"print('{ISA_MARK}', str(_isa.pick_vec_isa()) or 'none', flush=True)\n")
-TORCH_CHILD = _ISA + f"""
-import torch
-@torch.compile(dynamic=True)
-def count_ge(x, v):
-    return (x >= v).sum(-1)
-print("{MARK}", count_ge(torch.arange(12.0).reshape(3, 4), torch.tensor([[1.0], [5.0], [20.0]])).tolist(), flush=True)
-"""
-VLLM_CHILD = _ISA + f"""
-import sys
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype=sys.argv[2], max_model_len=256, seed=0,
-          enable_prefix_caching=False, enforce_eager=True)
-out = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])],
-                   SamplingParams(temperature=0.0, max_tokens=2, logprobs=1, detokenize=False), use_tqdm=False)
-print("{MARK}", list(out[0].outputs[0].token_ids), flush=True)
-"""
+# The children are the standalone script's own (argv: model, dtype for vLLM's); they print "ISA ..." and
+# "GENERATED ..." lines. Importing the script source only sets the CPU engine's environment defaults
+# (setdefault), which this CPU-only repro's children get from engine_env anyway.
+TORCH_CHILD, VLLM_CHILD = CAP_TORCH, CAP_VLLM
 
 
 def settings(small: bool) -> dict[str, Any]:
@@ -86,7 +70,7 @@ def parse(stdout: str, text: str) -> dict[str, Any]:
     lines = output_lines(text)
     errors = exceptions(lines)
     compile_lines = [ln.strip() for ln in lines if "error:" in ln and ".cpp" in ln]
-    isa = [ln.split(ISA_MARK, 1)[1].strip() for ln in stdout.splitlines() if ln.startswith(ISA_MARK)]
+    isa = [ln.split(ISA_MARK, 1)[1].strip() for ln in stdout.splitlines() if ln.startswith(ISA_MARK + " ")]
     return {"error": errors[-1][:300] if errors else "", "symptom": bool(SYMPTOM_RE.search(text)),
             "compile_error": re.sub(r"^\S*/", "", compile_lines[0])[:300] if compile_lines else "",
             "vec_isa": isa[0] if isa else "?"}

@@ -540,6 +540,7 @@ def main_batch_invariant_cpu(cfg, args):
 
 
 # ==================== section: cpu_capability_default ====================
+# The children print "ISA <inductor's vector ISA>" first and "GENERATED <ids>" when they got through.
 CAP_ISA = "from torch._inductor import cpu_vec_isa\nprint('ISA', str(cpu_vec_isa.pick_vec_isa()), flush=True)\n"
 CAP_TORCH = CAP_ISA + r"""
 import torch
@@ -552,7 +553,8 @@ CAP_VLLM = CAP_ISA + r"""
 import sys
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256, seed=0, enforce_eager=True)
+llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype=sys.argv[2], max_model_len=256, seed=0, enforce_eager=True,
+          enable_prefix_caching=False)
 out = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])],
                    SamplingParams(temperature=0, max_tokens=2, logprobs=1, detokenize=False), use_tqdm=False)
 print("GENERATED", list(out[0].outputs[0].token_ids), flush=True)
@@ -568,7 +570,7 @@ def main_cpu_capability_default(cfg, args):
     path = save(build_model(cfg["vocab"], seed=args.seed))
     steps = (("control", None, None), ("stale cache", "default", None), ("FX graph cache off", "default", "0"))
     rows = []
-    for case, code, argv in (("torch", CAP_TORCH, []), ("vllm", CAP_VLLM, [path])):
+    for case, code, argv in (("torch", CAP_TORCH, []), ("vllm", CAP_VLLM, [path, "bfloat16"])):
         cache = tempfile.mkdtemp(prefix="repro-cache-")
         for step, knob, fx in steps:
             env = dict(os.environ, VLLM_CACHE_ROOT=os.path.join(cache, "vllm"), TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "ind"))

@@ -84,3 +84,54 @@ def test_no_pointer_to_what_is_not_in_the_repository() -> None:
                 if not (ROOT / ref).exists() and not (ROOT / ref.rstrip(".")).exists():
                     problems.append(f"{where}: names {ref}, which is not in the repository")
     assert not problems, "\n".join(problems)
+
+
+# Dotted names that are placeholders or deliberately absent (a test of the error for an unknown command),
+# and the installed-only package the fixtures folder becomes (pyproject's package-dir).
+DOTTED_NOT_MODULES = {"parity.X", "parity.repro.NAME", "parity.cli.no_such_command"}
+INSTALLED_ONLY = {"parity.fixture_data": ROOT / "fixtures"}
+
+
+def _resolves(name: str) -> bool:
+    """``parity.a.b.C``: an importable module, then attributes of it, all the way."""
+    import importlib
+
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError as exc:
+            if exc.name and not exc.name.startswith("parity"):
+                return True  # the module is there; an optional dependency of it is not installed
+            continue
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_every_dotted_parity_name_resolves() -> None:
+    """Docstrings, comments and docs that name ``parity.x.y`` name a module or attribute that exists."""
+    dotted = re.compile(r"(?<![\w/.-])parity(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
+    problems = []
+    for path in _tracked_text_files():
+        if path == Path(__file__).resolve():
+            continue
+        for i, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            for name in dotted.findall(line):
+                if name in DOTTED_NOT_MODULES or (name in INSTALLED_ONLY and INSTALLED_ONLY[name].is_dir()):
+                    continue
+                if not _resolves(name):
+                    problems.append(f"{path.relative_to(ROOT)}:{i}: names {name}, which does not resolve")
+    assert not problems, "\n".join(problems)
+
+
+def test_dotted_name_check_tells_a_stale_name_from_a_live_one() -> None:
+    assert _resolves("parity.core.error_model.logprob_rounding_bound")
+    assert _resolves("parity.records.sequence.SequenceRecord")
+    assert not _resolves("parity.rounding")  # a module that moved
+    assert not _resolves("parity.records.SequenceRecord")  # an attribute the package does not export

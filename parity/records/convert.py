@@ -7,7 +7,7 @@
 * :func:`from_trl`: the per-token tensors TRL's ``GRPOTrainer`` computes in
   ``_generate_and_score_completions`` (completion ids and mask, ``old_per_token_logps``,
   ``sampling_per_token_logps``, optionally a captured kept set);
-* :func:`from_sequence_records`: parity's own :class:`~parity.records.SequenceRecord` and, from
+* :func:`from_sequence_records`: parity's own :class:`~parity.records.sequence.SequenceRecord` and, from
   ``parity run --records``, every trainer-side estimate of the run's table.
 
 Every converter returns a ``pyarrow.Table`` in the records schema; write it with

@@ -60,7 +60,7 @@ CAPTION = (
     "over steps. Closed form (parity, same tokens, same mask): abs(log S) per token, with log S the trainer's "
     "log-mass on the S_q vLLM reported; S^L = prod of S over the sequence for sequence_* modes, S per token for "
     "token_* modes, under the same clip rule. bound = mean over tokens of u (|z'_y| + E|z'|) + u^2 E[z'^2], "
-    "u = 2^-8 (bfloat16's unit roundoff): how far rounding the logits to bfloat16 moves a log-prob (parity.rounding); "
+    "u = 2^-8 (bfloat16's unit roundoff): how far rounding the logits to bfloat16 moves a log-prob (parity.core.error_model.logprob_rounding_bound); "
     "the IS checks use its mean over each sequence (sequence_* modes) or over the batch (token_* modes).")
 
 
@@ -126,7 +126,7 @@ def step_stats(seqs: list[dict[str, Any]]) -> dict[str, Any]:
     log_s, bound, seq_pred, tok_pred, seq_dev, tok_dev, seq_len = [], [], [], [], [], [], []
     excluded = 0
     # deviation / its bound: per sequence (sequence modes: mean over the sequence's tokens), or the mean over
-    # the batch's tokens (token modes); the bound is a mean-level statement, see parity.rounding.
+    # the batch's tokens (token modes); the bound is a mean-level statement, see parity.core.error_model.logprob_rounding_bound.
     ratio: list[torch.Tensor] = []
     tok_bound: list[torch.Tensor] = []
     for s in seqs:

@@ -4,7 +4,7 @@ One engine pair for the module (EnginePool), small batches (2, 4, 8) and few tok
 the engine start-up, not the checks.
 
 What is guaranteed is asserted; what a platform does is measured and reported:
-- trainer under batch-invariant mode: the CPU kernel set (parity.cpu_kernels) makes every layout
+- trainer under batch-invariant mode: the CPU kernel set (parity.determinism.kernels) makes every layout
   bitwise by construction (right-padded, left-padded, packed; a ~1000-token packed row too), so that
   is asserted, and a 1-ulp nudge of one logit must fail each check (the planted fault).
 - trainer without the mode (sdpa, transformers' default, or eager): which layouts torch's own CPU

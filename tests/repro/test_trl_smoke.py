@@ -1,7 +1,7 @@
 """TRL's real GRPOTrainer on the CPU engine, one config (top_p=0.8, one step), as shipped and under the patch.
 
 The relations are checked against the bfloat16 rounding bound computed from this run's logits
-(:mod:`parity.rounding`; TRL's engine runs bfloat16), never against a stored number. The same
+(:func:`parity.core.error_model.logprob_rounding_bound`; TRL's engine runs bfloat16), never against a stored number. The same
 capture is then scored by parity into a report, which must fail TRL as shipped (bias = log S) and
 pass it under the replay patch.
 """

@@ -209,3 +209,14 @@ def test_the_drift_histogram_draws_diff_over_bound_for_every_compared_token() ->
         # Its maximum is the scenario's headroom, the statistic the drift gate compares with its limit.
         assert float(h.max()) == pytest.approx(max(summarize(table)["headroom"]["replay"], DRIFT_RANGE[0]), rel=1e-9)
     assert float(drift_headroom([planted], "replay").max()) > 1.0 > float(drift_headroom([clean], "replay").max())
+
+
+@pytest.mark.parametrize(("log_s", "expected"), [(-0.216, True), (-0.014, False)])
+def test_truncation_is_judged_against_the_mean_bias_limit_not_the_per_token_bound(log_s, expected) -> None:
+    """A bfloat16 TRL step: per-token bound 1.27 nats on average, mean-bias limit 0.14. A real log S of
+    -0.216 (top_p=0.8) truncates; -0.014 (a tenth of the limit) is rounding."""
+    s = {"spec": SamplingSpec(top_p=0.8).to_dict(), "log_s": {"mean": log_s},
+         "bound": {"mean": 1.2734, "max": 1.5866}, "mean_bias_limit": {"replay": 0.1403}}
+    assert summary.truncates(s) is expected
+    del s["mean_bias_limit"]  # a report without the limit falls back to the per-token bound
+    assert summary.truncates(s) is False

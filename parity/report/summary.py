@@ -76,11 +76,16 @@ def _gates(s: dict[str, Any]) -> list[str]:
 
 
 def truncates(s: dict[str, Any]) -> bool:
-    """The filters removed mass that rounding cannot explain: ``-log S`` above the mean rounding bound."""
+    """The filters removed mass that rounding cannot explain: the mean ``-log S`` above what rounding can
+    move a mean log-prob by (the replay mean-bias limit, :func:`parity.core.error_model.mean_bias_limit`;
+    the mean per-token bound where a report has no limit). A per-token bound is the wrong yardstick for a
+    mean: in bfloat16 it can exceed a real log S of 0.2 nats."""
     spec = SamplingSpec.from_dict(s["spec"]).effective()
     log_s = _f(s["log_s"]["mean"]) or 0.0
-    bound = _f((s.get("bound") or {}).get("mean")) or 0.0
-    return spec.filtered and -log_s > bound
+    limit = _f((s.get("mean_bias_limit") or {}).get("replay"))
+    if limit is None:
+        limit = _f((s.get("bound") or {}).get("mean")) or 0.0
+    return spec.filtered and -log_s > limit
 
 
 def support_cell(s: dict[str, Any]) -> str:

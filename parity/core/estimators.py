@@ -25,6 +25,7 @@ from parity.core.filters import (
     FilterFaults,
     apply_temperature,
     check_logits,
+    min_p_decide,
     min_p_mask,
     reference_filter,
     top_k_top_p_sorted,
@@ -65,7 +66,8 @@ class RecomputeResult:
     forced: torch.Tensor  # bool [N]: y was outside S_p and had to be force-included
     # bool [N]: a fast path (top_k candidates, the nucleus select) could not decide the row exactly
     # (rounding band, split tie, too wide a bracket), so it was sorted: by the reference sort, or on the
-    # nucleus path by the reference's float32 ops on its sorted values; all False where no fast path ran
+    # nucleus path by the reference's float32 ops on its sorted values; or a top_k row whose min_p had a
+    # candidate in the min_p band took the reference's min_p softmax; all False where no fast path ran
     fallback: torch.Tensor | None = None
     # bool [N]: band_policy="decide" only: nucleus rows cut by the exact float64 cumulative mass inside the
     # rounding band, without the reference's float32 rounding (so possibly not its kept set); None otherwise
@@ -186,7 +188,8 @@ def _recompute_reference(
 #   - ties split by the cut: when the nucleus boundary falls inside a group of equal values, which of
 #     them the reference drops is decided by torch.sort's permutation of the *whole* row (not stable
 #     for long rows), which no candidate list knows. Such a row falls back.
-# min_p runs first on the full row with the reference's own function (min_p_mask), as vLLM does.
+# min_p runs first, as in vLLM: on top_k rows it is decided on the candidates (min_p_decide, the
+# reference's min_p_mask where a candidate lies in its band), on other rows by min_p_mask itself.
 
 def _candidates(work: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The top_k survivors of each row, descending: values (-inf past the survivors) and ids.
@@ -206,6 +209,37 @@ def _candidates(work: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torc
         vals, ids = work.topk(max(wider, width), dim=1)
     surv = (vals >= kth) & (vals > NEG_INF)
     return vals.masked_fill(~surv, NEG_INF), ids
+
+
+def _top_k_candidates(
+    z: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, mp: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_candidates` of ``rows`` of ``z`` after min_p (``mp``, or None), without min_p's full-row softmax.
+
+    min_p drops exactly the values below a threshold (outside :func:`parity.core.filters.min_p_decide`'s
+    band), so the top_k survivors of the masked row are the top_k candidates of the raw row that min_p
+    keeps: fewer than k survive only when min_p cuts into the candidates, and then every survivor is one.
+    min_p is decided on the candidates alone (the row max is the first); a row with a candidate inside
+    the band takes the reference's :func:`min_p_mask` on its whole row, then :func:`_candidates`.
+    Returns (values, ids, redo [R]: the rows min_p was decided for by the reference).
+    """
+    every = rows.numel() == z.shape[0]
+    sub = z if every else z[rows]
+    vals, ids = _candidates(sub, k)
+    if mp is None or not bool((mp > 0).any()):
+        return vals, ids, torch.zeros(rows.numel(), dtype=torch.bool, device=z.device)
+    dropped, near = min_p_decide(vals, vals[:, 0], mp)
+    vals = vals.masked_fill(dropped, NEG_INF)
+    redo = near.nonzero().squeeze(1)
+    if redo.numel():
+        w = sub[redo]
+        rv, ri = _candidates(w.masked_fill(min_p_mask(w, mp[redo]), NEG_INF), k[redo])
+        width = max(vals.shape[1], rv.shape[1])
+        vals = torch.nn.functional.pad(vals, (0, width - vals.shape[1]), value=NEG_INF)
+        ids = torch.nn.functional.pad(ids, (0, width - ids.shape[1]))
+        vals[redo] = torch.nn.functional.pad(rv, (0, width - rv.shape[1]), value=NEG_INF)
+        ids[redo] = torch.nn.functional.pad(ri, (0, width - ri.shape[1]))
+    return vals, ids, near
 
 
 def _top_p_on_candidates(vals: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,7 +365,9 @@ def _kept_bounded(z: torch.Tensor, specs: list[SamplingSpec], band_policy: str =
     ids = torch.full((n, 1), -1, dtype=torch.long, device=dev)
     krows = (k < vocab).nonzero().squeeze(1)
     if krows.numel():
-        lists.insert(0, (krows, *_candidates(work(None if krows.numel() == n else krows), k[krows])))
+        kvals, kids, redo = _top_k_candidates(z, krows, k[krows], mp[krows] if use_min_p else None)
+        lists.insert(0, (krows, kvals, kids))
+        fallback[krows[redo]] = True  # min_p decided by the reference's softmax on the whole row
     if lists:
         width = max(vl.shape[1] for _, vl, _ in lists)
         rows = torch.cat([r for r, _, _ in lists])

@@ -20,11 +20,13 @@ predict what the engine does, not what one would like it to do:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from parity.core import tolerances
 from parity.core.spec import SAMPLING_EPS, SamplingSpec, per_row
 
 NEG_INF = float("-inf")
@@ -55,11 +57,19 @@ class FilterResult:
 
 
 def check_logits(logits: torch.Tensor, name: str = "logits") -> torch.Tensor:
-    """Validate ``[N, V]`` logits: no NaN, no +inf, at least one finite value per row."""
+    """Validate ``[N, V]`` logits: no NaN, no +inf, at least one finite value per row.
+
+    One reduction decides it: the row max is NaN if the row holds a NaN (``amax`` propagates NaN), +inf if
+    it holds +inf, -inf if every value is -inf, and finite exactly when the row is valid. Only a row that
+    fails is searched for the place to name. (``isfinite`` over the tensor, as this check did before, cost
+    four times the ``log_softmax`` it guards.)
+    """
     if logits.dim() != 2:
         raise ValueError(f"{name} has shape {tuple(logits.shape)}: allowed a 2-D [N, V] tensor")
     if logits.shape[1] < 1:
         raise ValueError(f"{name} has vocabulary size 0: allowed V >= 1")
+    if logits.is_floating_point() and bool(torch.isfinite(logits.amax(dim=-1)).all()):
+        return logits
     if torch.isnan(logits).any():
         row, col = (torch.isnan(logits).nonzero()[0]).tolist()
         raise ValueError(f"{name} contain NaN (first at row {row}, token {col}): allowed finite values or -inf")
@@ -99,6 +109,31 @@ def min_p_mask(scaled: torch.Tensor, min_p: torch.Tensor, *, log_space: bool = F
     probs = torch.softmax(scaled, dim=-1)
     threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
     return probs < threshold
+
+
+def min_p_decide(vals: torch.Tensor, row_max: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`min_p_mask` on some of a row's values without the row's softmax: (dropped, rows to redo).
+
+    vLLM's float32 comparison ``p_i < min_p * max_j p_j`` is the exact ``z_i - m < log(min_p)`` (m the
+    row max) except within :func:`parity.core.tolerances.min_p_band` of it: both sides share the
+    softmax's denominator, so its rounding cancels. ``vals``: float32 ``[R, C]``, any of each row's
+    scaled logits (a top-k candidate list, say); ``row_max``: float32 ``[R]``, the max of the whole row;
+    ``min_p``: float32 ``[R]`` (0 drops nothing, as in vLLM). A value below the band is dropped and one
+    above it kept. A row with a value inside the band, or with ``0 < min_p <``
+    :data:`parity.core.tolerances.MIN_P_FAST_MIN`, is flagged in the second result: only the reference's
+    own :func:`min_p_mask` on the whole row decides it (its ``dropped`` entries are meaningless).
+    """
+    mp = min_p.to(device=vals.device, dtype=torch.float64)
+    log_mp = torch.log(mp)
+    width = tolerances.min_p_band(torch.where(mp > 0, log_mp, torch.zeros_like(log_mp)))
+    at = row_max.to(device=vals.device, dtype=torch.float64) + log_mp
+    lo, hi = at - width, at + width
+    lo32, hi32 = lo.to(vals.dtype), hi.to(vals.dtype)  # rounded outward: the float32 band covers [lo, hi)
+    lo32 = torch.where(lo32.double() > lo, torch.nextafter(lo32, torch.full_like(lo32, NEG_INF)), lo32)
+    hi32 = torch.where(hi32.double() < hi, torch.nextafter(hi32, torch.full_like(hi32, math.inf)), hi32)
+    dropped = vals < lo32.unsqueeze(1)  # certainly below the threshold (every -inf when min_p > 0)
+    near = ((vals >= lo32.unsqueeze(1)) & (vals < hi32.unsqueeze(1))).any(dim=1)
+    return dropped, near | ((mp > 0) & (mp < tolerances.MIN_P_FAST_MIN))
 
 
 def top_k_only(scaled: torch.Tensor, k: torch.Tensor, *, drop_ties: bool = False) -> torch.Tensor:

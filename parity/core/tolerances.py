@@ -52,3 +52,21 @@ def underflow_decision(log_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """
     lo, hi = UNDERFLOW_BAND
     return log_q <= LOG_ZERO_PROB, (log_q >= lo) & (log_q <= hi)
+
+
+# min_p compares float32 probabilities: p_i < min_p * max_j p_j (MinPLogitsProcessor). Both sides share
+# the softmax's denominator, so its rounding cancels, and the decision is the exact ``z_i - m <
+# log(min_p)`` except within a narrow band: the exp of token i and of the max (each allowed
+# MIN_P_EXP_REL relative error: 256 ulp, far above the 1 ulp of a libm-quality float32 exp), the product
+# by the reciprocal, the max probability's rounding and its product by min_p (u each), and the float32
+# argument ``fl(z_i - m)`` (u |z_i - m|, in nats).
+MIN_P_EXP_REL = 2.0**-15
+# Below this min_p the threshold min_p * p_max (p_max >= 1/V) may be subnormal, where relative error
+# bounds do not hold: such rows take the reference's softmax.
+MIN_P_FAST_MIN = 2.0**-90
+
+
+def min_p_band(log_min_p: torch.Tensor) -> torch.Tensor:
+    """Half-width in nats, around ``z - m = log(min_p)``, inside which vLLM's float32 min_p may decide
+    either way (float64, per row; ``log_min_p`` float64)."""
+    return 2 * MIN_P_EXP_REL + 4 * U32 + U32 * 1.01 * (log_min_p.abs() + 1) + 2.0**-40

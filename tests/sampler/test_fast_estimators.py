@@ -103,6 +103,55 @@ def test_rounding_band_is_needed(monkeypatch) -> None:
     assert differ > 0, "no band and still equal: these rows do not reach the rounding boundary"
 
 
+def _min_p_boundary_rows(seed: int, n: int = 48) -> tuple[torch.Tensor, list[SamplingSpec]]:
+    """Rows with top_k and min_p whose candidates include values at min_p's exact threshold
+    ``m + log(min_p)`` and one or two float32 steps either side of it."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, 3000, generator=g) * 3
+    mp = (torch.rand(n, generator=g) * 0.3 + 0.02).tolist()
+    at = (z.amax(dim=1).double() + torch.log(torch.tensor(mp, dtype=torch.float64))).float()
+    for j, steps in enumerate((0, 1, -1, 2, -2)):
+        v = at.clone()
+        for _ in range(abs(steps)):
+            v = torch.nextafter(v, torch.full_like(v, float("inf") if steps > 0 else NEG_INF))
+        z[:, 100 + j] = v
+    return z, [S(1.0, top_k=200, top_p=0.95 if r % 2 else 1.0, min_p=mp[r]) for r in range(n)]
+
+
+def test_min_p_on_candidates_keeps_vllms_kept_set_at_the_threshold(sampler, monkeypatch) -> None:
+    """top_k rows decide min_p on their candidates (filters.min_p_decide), not by the full-row softmax.
+    At the float32 threshold the exact rule is not vLLM's: those rows take the reference's min_p (and are
+    counted in ``fallback``), and the kept set is vLLM's Sampler's. Negative control: with no band the
+    exact rule decides them, and the kept set leaves the reference's."""
+    z, specs = _min_p_boundary_rows(5)
+    out = sampler(z, specs, seed=0)
+    res = E.recompute(z, out.sampled, specs)
+    mism = (res.kept != out.kept).any(dim=1).nonzero().squeeze(1).tolist()
+    assert not mism, f"recompute's kept set differs from vLLM's Sampler in rows {mism}"
+    assert res.fallback_count > 0, "no row was sent to the reference: the planted values missed the band"
+    want = reference_filter(z, specs).kept
+    monkeypatch.setattr(tolerances, "min_p_band", lambda log_mp: torch.full_like(log_mp, -1.0))
+    differ = int((E.recompute(z, out.sampled, specs).kept != want).any(dim=1).sum())
+    assert differ > 0, "no band and still equal: the planted values do not reach min_p's rounding boundary"
+
+
+def test_min_p_decide_drops_what_min_p_mask_drops_away_from_the_threshold() -> None:
+    """Generic rows (no planted values): min_p_decide agrees with min_p_mask on every row it does not flag,
+    and flags few (a row is flagged only when a value lies within ~1e-4 nats of the threshold)."""
+    from parity.core.filters import min_p_decide, min_p_mask
+
+    g = torch.Generator().manual_seed(2)
+    z = torch.randn(64, 5000, generator=g) * 2
+    z[:, :5] = NEG_INF
+    mp = torch.rand(64, generator=g) * 0.5
+    mp[::9] = 0.0
+    dropped, near = min_p_decide(z, z.amax(dim=1), mp)
+    assert int(near.sum()) <= 4, f"{int(near.sum())} of 64 generic rows flagged: the band is too wide"
+    assert torch.equal(dropped[~near], min_p_mask(z, mp)[~near])
+    _, tiny = min_p_decide(z[:2], z[:2].amax(dim=1), torch.tensor([2.0**-100, 0.0]))
+    assert tiny.tolist() == [True, False], "a min_p whose threshold may be subnormal goes to the reference"
+
+
 def test_tie_split_by_the_cut_falls_back() -> None:
     """Which tied tokens the cut drops follows torch.sort's permutation of the whole row; the candidates
     cannot know it. Every such row is flagged, and the unflagged candidate answer is wrong on some."""

@@ -152,6 +152,26 @@ def test_bad_logits_are_refused_with_the_place(logits: torch.Tensor, message: st
         check_logits(logits)
 
 
+@pytest.mark.parametrize("bad", ["nan", "+inf", "all -inf"])
+@pytest.mark.parametrize("col", [0, 517, 999])  # a vector lane, the middle, the tail
+def test_the_one_reduction_check_finds_a_bad_value_anywhere_in_a_long_row(bad: str, col: int) -> None:
+    """check_logits decides validity from the row max alone: a single bad value in a 1000-wide row of an
+    otherwise valid batch must still be refused, with its place."""
+    z = torch.randn(3, 1000, generator=torch.Generator().manual_seed(col))
+    if bad == "all -inf":
+        z[2] = NEG_INF
+        message = r"row 2 is all -inf"
+    else:
+        z[1, col] = math.nan if bad == "nan" else math.inf
+        what = "NaN" if bad == "nan" else r"\+inf"
+        message = what + rf" \(first at row 1, token {col}\)"
+    with pytest.raises(ValueError, match=message):
+        check_logits(z)
+    if bad != "all -inf":
+        z[1, col] = NEG_INF
+        assert check_logits(z) is z  # -inf alone is allowed
+
+
 def test_spec_count_must_match_rows() -> None:
     with pytest.raises(ValueError, match=r"specs has 3 entries for 2 logit rows"):
         reference_filter(torch.zeros(2, 4), [S(1.0)] * 3)

@@ -107,7 +107,12 @@ GROUP = 8  # masses around the cut: float32 sums of GROUP terms, then float64
 # Those masses carry float32 exp (2u) and a float32 sum of GROUP terms ((GROUP - 1)u) per term: a
 # certified relative error, so also the error of log_mass in nats.
 SUM_REL_ERROR = (GROUP + 1) * U * _SLACK + 2.0**-48
-LOG_MASS_REL_ERROR = SUM_REL_ERROR
+# The masses around the cut come from the histogram: float64 sums (bincount with float64 weights) of
+# float32 exps, so 2u per term (1 ulp of exp) and n 2^-53 for the float64 sums, n <= V < 2^25.
+HIST_REL_ERROR = 2 * U * _SLACK + 2.0**-27 * 2.0**-24 * 2
+# The log-mass of a cut or survivor row: its masses are histogram sums (cut rows) or _row_sums (survivor
+# rows and rows cut from their sorted values): the larger bound covers both.
+LOG_MASS_REL_ERROR = max(SUM_REL_ERROR, HIST_REL_ERROR)
 
 # p = 1 rows on the sort path: the underflow band on d = m - x (parity.core.tolerances).
 UNDERFLOW_DROP, UNDERFLOW_KEEP = tolerances.UNDERFLOW_D_BAND
@@ -233,6 +238,7 @@ class _Blocks:
         self.spans = [(b0, min(r, b0 + self.size)) for b0 in range(0, r, self.size)]
         self.e = torch.empty(self.size, v, device=dev)
         self.f = torch.empty(self.size, v, device=dev)
+        self.e64 = torch.empty(self.size, v, dtype=torch.float64, device=dev)  # bincount weights
         self.key = torch.empty(self.size, v, dtype=torch.int32, device=dev)
         self.mask = torch.empty(self.size, v, dtype=torch.bool, device=dev)
         self.cand = torch.empty(self.size, v, dtype=torch.bool, device=dev)
@@ -366,14 +372,14 @@ def nucleus_cut(
         # Histogram: counts and float32 masses per (row, bucket).
         flat = key.view(-1)
         nb = torch.bincount(flat, minlength=b * NB).view(b, NB).double()
-        mb = torch.bincount(flat, weights=e.view(-1), minlength=b * NB).view(b, NB).double()
-        rng = _ranges(nb, mb, thr32[b0:b1], v, lanes, hd2)
-        # The kept mask above the range, the masses around it, the candidates.
+        e64 = blocks.e64[:b]
+        e64.copy_(e)
+        mb = torch.bincount(flat, weights=e64.view(-1), minlength=b * NB).view(b, NB)  # float64 sums
+        rng = _ranges(nb, mb, thr32[b0:b1], v, lanes, hd2)  # with the masses above and below the range
+        # The kept mask above the range and the candidates.
         above = out[b0:b1] if dest is None else blocks.mask[:b]
         torch.lt(key, rng.b_top.to(torch.int32).unsqueeze(1) + offset, out=above)
-        rng.above = _row_sums(torch.where(above, e, blocks.zero, out=blocks.f[:b]))
         cand = torch.le(key, rng.b_bot.to(torch.int32).unsqueeze(1) + offset, out=blocks.cand[:b])
-        rng.below = _row_sums(torch.where(cand, blocks.zero, e, out=blocks.f[:b]))
         cand.logical_xor_(above)
         pos = cand.view(-1).nonzero().squeeze(1)
         found.append((pos + b0 * v, w.reshape(-1)[pos]))
@@ -440,7 +446,7 @@ class _Ranges:
     a_all: torch.Tensor  # float64 [R]: A (upper bound), the denominator's argument/exp error
     e_sum: torch.Tensor  # float64 [R]: E, the denominator's summation error, relative
     a_below: torch.Tensor  # float64 [R]: A over the tokens below the range (upper bound, unnormalised)
-    above: torch.Tensor | None = None  # float64 [R]: float32 e's mass above the range (_row_sums)
+    above: torch.Tensor | None = None  # float64 [R]: float32 e's mass above the range (histogram)
     below: torch.Tensor | None = None  # float64 [R]: the same below the range
 
     @staticmethod
@@ -451,8 +457,8 @@ class _Ranges:
 def _ranges(nb: torch.Tensor, mb: torch.Tensor, thr32: torch.Tensor, v: int, lanes: int | None, hd2: torch.Tensor) -> _Ranges:
     """Per row, from its histogram (counts ``nb``, float32 masses ``mb``, both [b, NB] float64)."""
     dev = nb.device
-    # A float32 sum of n nonnegative terms is within (n - 1)u of the exact sum; float32 exp adds 2u.
-    eb = (nb + 1) * mb * (U * _SLACK)
+    # Each float32 exp is within 1 ulp (2u); the float64 sum of n of them adds at most n 2^-53.
+    eb = mb * ((2 * U + nb * 2.0**-53) * _SLACK)
     m_hi = mb + eb
     cum, ecum, ncum = mb.cumsum(dim=1), eb.cumsum(dim=1), nb.cumsum(dim=1)
     acum = (m_hi * hd2).cumsum(dim=1)
@@ -513,7 +519,12 @@ def _ranges(nb: torch.Tensor, mb: torch.Tensor, thr32: torch.Tensor, v: int, lan
     b_bot = torch.where(skip, torch.full_like(b_bot, -1), b_bot)
     n_cand = torch.where(skip, torch.zeros_like(n_cand), n_cand)
     a_below = acum[:, -1] - acum.gather(1, b_bot.clamp(min=0).unsqueeze(1)).squeeze(1)
-    return _Ranges(b_top, b_bot, n_cand, band, bracket, a_all, e_sum, a_below)
+    # The masses above and below the range: prefix sums of the buckets' float64 masses (HIST_REL_ERROR).
+    zero = torch.zeros_like(s)
+    m_above = torch.where(b_top > 0, cum.gather(1, (b_top - 1).clamp(min=0).unsqueeze(1)).squeeze(1), zero)
+    suffix = torch.nn.functional.pad(mb.flip(1).cumsum(dim=1).flip(1), (0, 1))  # suffix[k]: buckets >= k
+    m_below = suffix.gather(1, (b_bot + 1).unsqueeze(1)).squeeze(1)  # a sum, not s - cum: no cancellation
+    return _Ranges(b_top, b_bot, n_cand, band, bracket, a_all, e_sum, a_below, m_above, m_below)
 
 
 def _margin(a_j: torch.Tensor, cmax: torch.Tensor, k_ref: torch.Tensor, v: int, ours: torch.Tensor) -> torch.Tensor:
@@ -536,7 +547,7 @@ def _cut(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The exact cut over the candidates (flat positions ``pos`` into the cut rows, grouped by row).
 
-    The masses above and below the range are float32 e summed by :func:`_row_sums` (``rng``); the
+    The masses above and below the range are float32 e summed in float64 by the histogram (``rng``); the
     candidates' are float64 exps. Returns (flat positions kept, log_mass [R], band [R], tie_split [R],
     decided [R]); with ``decide``, rows whose only uncertainty is a candidate inside the band keep the
     float64 cut and are ``decided`` instead of ``band``.
@@ -559,9 +570,9 @@ def _cut(
     ec = torch.exp(x).masked_fill(~valid, 0.0)
     low, above = rng.below, rng.above
     assert low is not None and above is not None, "nucleus_cut fills the masses around the range first"
-    s = low + above + ec.sum(dim=1)  # the row's mass (exact exps up to SUM_REL_ERROR on low and above)
-    e_low = SUM_REL_ERROR * low
-    e_s = SUM_REL_ERROR * (low + above)
+    s = low + above + ec.sum(dim=1)  # the row's mass (exact exps up to HIST_REL_ERROR on low and above)
+    e_low = HIST_REL_ERROR * low
+    e_s = HIST_REL_ERROR * (low + above)
     s_lo = (s - e_s).clamp(min=1.0).unsqueeze(1)
     t = thr32.double().unsqueeze(1)
     c = (low.unsqueeze(1) + ec.cumsum(dim=1)) / s.unsqueeze(1)

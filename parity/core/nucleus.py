@@ -78,6 +78,7 @@ CPU float32 only (the float32 kernels above are the CPU ones); other devices kee
 
 from __future__ import annotations
 
+import concurrent.futures
 import platform
 from dataclasses import dataclass
 
@@ -414,6 +415,28 @@ def nucleus_cut(
     return NucleusResult(out, log_mass, m_all, band, tie_split, rng.bracket, rng.n_cand, decided)
 
 
+_SORT_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _sorted_rows(a: np.ndarray) -> np.ndarray:
+    """``np.sort(a, axis=1)``, the rows split over torch's intra-op thread count (numpy's sort releases
+    the GIL; one thread each, as torch's own kernels use them)."""
+    global _SORT_POOL
+    threads = min(torch.get_num_threads(), a.shape[0])
+    if threads <= 1:
+        return np.sort(a, axis=1)
+    if _SORT_POOL is None or _SORT_POOL._max_workers < threads:
+        _SORT_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="parity-sort")
+    out = np.empty_like(a)
+    bounds = np.linspace(0, a.shape[0], threads + 1).astype(int)
+
+    def one(i: int) -> None:
+        out[bounds[i] : bounds[i + 1]] = np.sort(a[bounds[i] : bounds[i + 1]], axis=1)
+
+    list(_SORT_POOL.map(one, range(threads)))
+    return out
+
+
 def _values_cut(w: torch.Tensor, thr32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's top_p cut value of each row, from its sorted values alone (no permutation).
 
@@ -426,7 +449,7 @@ def _values_cut(w: torch.Tensor, thr32: torch.Tensor) -> tuple[torch.Tensor, tor
     # numpy's sort of the values alone (no permutation): on one thread, about a quarter of the CPU time of
     # torch.sort's values and indices on two. The sorted values are the same whatever sorts them (0.0 and
     # -0.0 may swap: equal, with the same exp and the same comparisons).
-    vals = torch.from_numpy(np.sort(w.contiguous().numpy(), axis=1))
+    vals = torch.from_numpy(_sorted_rows(w.contiguous().numpy()))
     cum = torch.cumsum(vals.softmax(dim=-1), dim=-1)
     drop = cum <= thr32.unsqueeze(1)
     drop[:, -1] = False  # the largest token is always kept

@@ -17,6 +17,7 @@ that had candidates, and on boundary rows some of them do leave the reference's 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import event, example, given
@@ -386,3 +387,17 @@ def test_bad_input_is_refused(kwargs: dict, match: str) -> None:
     work, p = args.pop("work"), args.pop("p")
     with pytest.raises(ValueError, match=match):
         N.nucleus_cut(work, p, **args)
+
+
+def test_sorted_rows_split_over_threads_is_numpys_sort() -> None:
+    """The band rows' sort runs on torch's thread count (the sampler tests pin one thread: this one sets
+    three, with fewer rows than threads and with a remainder)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for rows in (1, 2, 7):
+            a = torch.randn(rows, 1001, generator=torch.Generator().manual_seed(rows)).numpy()
+            a[0, :3] = [0.0, -0.0, float("-inf")]
+            assert np.array_equal(N._sorted_rows(a), np.sort(a, axis=1))
+    finally:
+        torch.set_num_threads(before)

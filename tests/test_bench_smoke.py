@@ -87,6 +87,9 @@ def test_trainer_cases_run_and_check_themselves(lib, trainer) -> None:
     # The band_policy=decide row is held to the reference outside its decided rows, and caught there too.
     from parity.core.estimators import recompute
 
+    warm = trainer.estimator_fn("full-warm", trainer.SPEC, w)()
+    with pytest.raises(AssertionError, match="not full's log-probs"):
+        trainer.check_result("full-warm", warm + 1e-3, w)
     dec = recompute(w["logits"], w["sampled"], trainer.ESTIMATORS["recompute-p-decide"][2], band_policy="decide")
     trainer.check_result("recompute-p-decide", dec, w)
     row = int((~dec.decided).nonzero()[0])

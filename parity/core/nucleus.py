@@ -9,12 +9,13 @@ selection by probability mass, not a sort. :func:`nucleus_cut` finds it in a few
 1. ``d = m - z'`` (m the row max) and ``e = exp(-d)`` in float32, the very argument and function the
    reference's softmax evaluates;
 2. a histogram of the sortable bits of ``d`` (``d >= 0``, so its int32 view is monotone in d):
-   ``MANTISSA_BITS`` mantissa bits per binade, counts and float32 masses per bucket;
+   ``MANTISSA_BITS`` mantissa bits per binade, counts and masses per bucket (float64 sums of the float32
+   exps: ``bincount`` with float64 weights);
 3. from the histogram, per row, the range of buckets in which the cut can fall (every bucket above it
    certainly kept, every bucket below certainly dropped, with the error bounds below), searched in a
    window of :data:`WINDOW` buckets either side of the bucket where the cumulative mass crosses 1 - p;
-4. in the same pass, the kept mask of the buckets above the range, the float32 masses above and below
-   it summed exactly enough (:func:`_row_sums`), and the tokens of the range: the candidates;
+4. the masses above and below the range, prefix and suffix sums of the bucket masses; in one more
+   pass, the kept mask of the buckets above the range and the tokens of the range: the candidates;
 5. the candidates (a few hundred per row) sorted by value: their exact cumulative mass is
    ``(mass below the range + float64 partial sums) / S``, and the cut is decided there in float64,
    as on the top_k path (:func:`parity.core.estimators._top_p_on_candidates`).
@@ -49,9 +50,8 @@ Why it is exact, and when a row falls back to the reference sort instead (counte
     histogram, and a row inside it needs the reference's own rounding (a sort) or ``band_policy``.
   - the absolute terms cover underflowed float32 terms and this module's float64 arithmetic.
 
-  Our own evaluation adds the error of its masses: float32 exp (2u) and float32 sums of GROUP terms
-  for the masses around the range, ``(n - 1)u`` per bucket of ``n`` terms where the histogram decides
-  a bucket. A row whose C_j lies within the sum of both of ``1 - p`` at any candidate position could go
+  Our own evaluation adds the error of its masses: float32 exp (2u) and float64 sums
+  (:data:`HIST_REL_ERROR`) for the masses around the range and where the histogram decides a bucket. A row whose C_j lies within the sum of both of ``1 - p`` at any candidate position could go
   either way in the reference: it falls back.
 * **Tie split** (``tie_split``). When the cut falls between two equal values, which of them the
   reference drops is decided by ``torch.sort``'s permutation of the whole row: the row is left to the
@@ -104,13 +104,13 @@ MAX_CANDIDATES = 16384  # wider candidate ranges fall back (counted as bracket)
 # parallel regions (about 20 per block); on a loaded machine each can stall on a descheduled thread.
 BLOCK_ELEMS = 1 << 22
 BAND_POLICIES = ("reference", "decide")  # nucleus_cut's band_policy
-GROUP = 8  # masses around the cut: float32 sums of GROUP terms, then float64
+GROUP = 8  # _row_sums (survivor rows, rows cut from their sorted values): float32 sums of GROUP terms, then float64
 # Those masses carry float32 exp (2u) and a float32 sum of GROUP terms ((GROUP - 1)u) per term: a
 # certified relative error, so also the error of log_mass in nats.
 SUM_REL_ERROR = (GROUP + 1) * U * _SLACK + 2.0**-48
 # The masses around the cut come from the histogram: float64 sums (bincount with float64 weights) of
 # float32 exps, so 2u per term (1 ulp of exp) and n 2^-53 for the float64 sums, n <= V < 2^25.
-HIST_REL_ERROR = 2 * U * _SLACK + 2.0**-27 * 2.0**-24 * 2
+HIST_REL_ERROR = 2 * U * _SLACK + 2.0**-28  # + the prefix sums over NB buckets: NB 2^-53 < 2^-43
 # The log-mass of a cut or survivor row: its masses are histogram sums (cut rows) or _row_sums (survivor
 # rows and rows cut from their sorted values): the larger bound covers both.
 LOG_MASS_REL_ERROR = max(SUM_REL_ERROR, HIST_REL_ERROR)

@@ -63,7 +63,7 @@ Log-prob tolerance against the unsharded estimators (proved in ``logprob_bounds`
   This mirrors the single-device arithmetic of ``estimators._log_renormalised`` / ``predicted_log_s``
   (float32 shift, float64 sum and log); if that arithmetic changes, the parity tests fail and say so.
   On rows without top_k the single-device recompute takes the kept mass of :mod:`parity.core.nucleus`
-  (float32 exp and float32 sums of 8 terms): ``nucleus.LOG_MASS_REL_ERROR`` is added there.
+  (float32 exp; float64 histogram sums or float32 sums of 8 terms): ``nucleus.LOG_MASS_REL_ERROR`` is added there.
 * ``full``: ``u (2c + 2|z'_y - M| + 3|x| + 16)``: the reference is float32 ``log_softmax``, whose own
   float32 sum over c terms may be off by (c - 1)u in the worst case in *any* order; the sharded value is
   float64-accurate. Observed differences are a few float32 ulps (see the benchmark's ``max_abs_diff``).
@@ -673,7 +673,7 @@ def logprob_bounds(
         return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
     # Rows without top_k: the unsharded recompute takes the kept mass of parity.core.nucleus (CPU), certified
-    # within nucleus.LOG_MASS_REL_ERROR of the float64 sum (float32 exp and float32 sums of 8 terms).
+    # within nucleus.LOG_MASS_REL_ERROR of the float64 sum (float32 exp; float64 histogram sums or float32 sums of 8 terms).
     vocab = logits.shape[1]
     free = torch.tensor([s.top_k_for_vocab(vocab) >= vocab for s in per_row(specs, logits.shape[0])], device=z.device)
     mass_err = torch.where(free, _nucleus.LOG_MASS_REL_ERROR if _nucleus.supported(logits) else 0.0, 0.0).double()

@@ -51,7 +51,7 @@ def test_recompute_kept_is_vllms_kept(sampler, case: Case) -> None:
     assert torch.equal(torch.isfinite(fast.logprobs), finite)
     # Same float32 shift, float64 sums over the same terms in another order: float32-rounding equal.
     # Rows cut by the nucleus select (top_p without top_k) take its kept mass: certified within
-    # LOG_MASS_REL_ERROR (float32 exp and float32 sums of 8 terms), see tests/sampler/test_nucleus.py.
+    # LOG_MASS_REL_ERROR (float32 exp; float64 histogram sums or float32 sums of 8 terms), see tests/sampler/test_nucleus.py.
     nucleus_rows = ~torch.isnan(E._kept_bounded(E.scale(moved, case.specs), [s.effective() for s in case.specs]).log_mass)
     extra = torch.where(nucleus_rows, N.LOG_MASS_REL_ERROR, 0.0).double()[finite]
     gap = (fast.logprobs[finite].double() - ref.logprobs[finite].double()).abs()

@@ -85,7 +85,7 @@ def _check_logprobs(fast: E.RecomputeResult, ref: E.RecomputeResult, nucleus_row
     finite = torch.isfinite(ref.logprobs)
     assert torch.equal(torch.isfinite(fast.logprobs), finite), f"{what}: -inf rows differ"
     # Both: the same float32 shift z'_y - m, float64 sums, a float32 result (2u|lp| between them). The
-    # nucleus rows' kept mass is certified within LOG_MASS_REL_ERROR (float32 exp, float32 sums of 8).
+    # nucleus rows' kept mass is certified within LOG_MASS_REL_ERROR (float32 exp; float64 histogram sums or float32 sums of 8).
     extra = torch.where(nucleus_rows, N.LOG_MASS_REL_ERROR, 0.0).double()
     gap = (fast.logprobs.double() - ref.logprobs.double()).abs()
     tol = 2 * U * ref.logprobs.double().abs() + 1e-7 + extra

@@ -370,7 +370,7 @@ def nucleus_cut(
         offset = torch.arange(0, b * NB, NB, dtype=torch.int32, device=dev).unsqueeze(1)
         key = blocks.keys(w, m, dropped, offset - BASE)  # row r's bucket k is index r * NB + k
         m_all[b0:b1] = m
-        # Histogram: counts and float32 masses per (row, bucket).
+        # Histogram: counts and masses (float64 sums of the float32 exps) per (row, bucket).
         flat = key.view(-1)
         nb = torch.bincount(flat, minlength=b * NB).view(b, NB).double()
         e64 = blocks.e64[:b]
@@ -478,7 +478,7 @@ class _Ranges:
 
 
 def _ranges(nb: torch.Tensor, mb: torch.Tensor, thr32: torch.Tensor, v: int, lanes: int | None, hd2: torch.Tensor) -> _Ranges:
-    """Per row, from its histogram (counts ``nb``, float32 masses ``mb``, both [b, NB] float64)."""
+    """Per row, from its histogram (counts ``nb``, masses ``mb``: float64 sums of float32 exps; both [b, NB] float64)."""
     dev = nb.device
     # Each float32 exp is within 1 ulp (2u); the float64 sum of n of them adds at most n 2^-53.
     eb = mb * ((2 * U + nb * 2.0**-53) * _SLACK)

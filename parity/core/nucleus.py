@@ -372,10 +372,14 @@ def nucleus_cut(
         m_all[b0:b1] = m
         # Histogram: counts and masses (float64 sums of the float32 exps) per (row, bucket).
         flat = key.view(-1)
-        nb = torch.bincount(flat, minlength=b * NB).view(b, NB).double()
+        # bincount is one thread each: the counts run beside the masses when torch has two threads or more.
+        pool = _pool() if torch.get_num_threads() > 1 else None
+        counted = pool.submit(torch.bincount, flat, None, b * NB) if pool is not None else None
         e64 = blocks.e64[:b]
         e64.copy_(e)
         mb = torch.bincount(flat, weights=e64.view(-1), minlength=b * NB).view(b, NB)  # float64 sums
+        counts = counted.result() if counted is not None else torch.bincount(flat, minlength=b * NB)
+        nb = counts.view(b, NB).double()
         rng = _ranges(nb, mb, thr32[b0:b1], v, lanes, hd2)  # with the masses above and below the range
         # The kept mask above the range and the candidates.
         above = out[b0:b1] if dest is None else blocks.mask[:b]
@@ -415,25 +419,31 @@ def nucleus_cut(
     return NucleusResult(out, log_mass, m_all, band, tie_split, rng.bracket, rng.n_cand, decided)
 
 
-_SORT_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Worker threads for the single-threaded steps (numpy's sort, bincount), as many as torch's threads."""
+    global _POOL
+    threads = max(torch.get_num_threads(), 2)
+    if _POOL is None or _POOL._max_workers < threads:
+        _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="parity-nucleus")
+    return _POOL
 
 
 def _sorted_rows(a: np.ndarray) -> np.ndarray:
     """``np.sort(a, axis=1)``, the rows split over torch's intra-op thread count (numpy's sort releases
     the GIL; one thread each, as torch's own kernels use them)."""
-    global _SORT_POOL
     threads = min(torch.get_num_threads(), a.shape[0])
     if threads <= 1:
         return np.sort(a, axis=1)
-    if _SORT_POOL is None or _SORT_POOL._max_workers < threads:
-        _SORT_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="parity-sort")
     out = np.empty_like(a)
     bounds = np.linspace(0, a.shape[0], threads + 1).astype(int)
 
     def one(i: int) -> None:
         out[bounds[i] : bounds[i + 1]] = np.sort(a[bounds[i] : bounds[i + 1]], axis=1)
 
-    list(_SORT_POOL.map(one, range(threads)))
+    list(_pool().map(one, range(threads)))
     return out
 
 

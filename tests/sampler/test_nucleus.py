@@ -401,3 +401,21 @@ def test_sorted_rows_split_over_threads_is_numpys_sort() -> None:
             assert np.array_equal(N._sorted_rows(a), np.sort(a, axis=1))
     finally:
         torch.set_num_threads(before)
+
+
+def test_histogram_counts_beside_the_masses_give_the_one_thread_result() -> None:
+    """With two torch threads the bucket counts are taken in a worker thread beside the masses: the cut
+    is the same, bit for bit, as with one (the sampler tests pin one thread)."""
+    g = torch.Generator().manual_seed(11)
+    z = torch.randn(40, 20000, generator=g) * 2.5
+    z[:, :20] += torch.rand(40, 20, generator=g) * 10
+    p = torch.full((40,), 0.9)
+    one = N.nucleus_cut(z, p)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        two = N.nucleus_cut(z, p)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one.kept, two.kept) and torch.equal(one.log_mass.nan_to_num(), two.log_mass.nan_to_num())
+    assert torch.equal(one.band, two.band) and torch.equal(one.candidates, two.candidates)

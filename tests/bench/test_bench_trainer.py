@@ -73,9 +73,9 @@ INTRO = (
     f"Synthetic LM-like logits; replay reads the captured kept ids of top_k={TOP_K}, top_p=0.9 "
     "(K = widest kept set of the batch). T=4096 at V=152064 is replaced by T=1024 on CPU (memory). "
     "Freed memory is kept for reuse while this table is measured (glibc mallopt: M_MMAP_MAX=0, "
-    "M_TRIM_THRESHOLD off), as a training loop's allocator reuses its buffers: otherwise every [T, V] "
-    "buffer is mapped and faulted in anew, which cost about three quarters of full's time and flipped "
-    "with the kernel's huge-page luck between runs. The preallocated-full row checks that it held."
+    "M_TRIM_THRESHOLD off), as a GPU caching allocator or a loop that reuses its buffers would: otherwise "
+    "every [T, V] buffer is mapped and faulted in anew, which cost about three quarters of full's time "
+    "and came and went between calls. The preallocated-full row checks that it held."
 )
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc mallopt parameters
 GLIBC_DEFAULTS = {M_TRIM_THRESHOLD: 128 * 1024, M_MMAP_MAX: 65536}

@@ -123,17 +123,29 @@ def min_p_decide(vals: torch.Tensor, row_max: torch.Tensor, min_p: torch.Tensor)
     :data:`parity.core.tolerances.MIN_P_FAST_MIN`, is flagged in the second result: only the reference's
     own :func:`min_p_mask` on the whole row decides it (its ``dropped`` entries are meaningless).
     """
-    mp = min_p.to(device=vals.device, dtype=torch.float64)
-    log_mp = torch.log(mp)
-    width = tolerances.min_p_band(torch.where(mp > 0, log_mp, torch.zeros_like(log_mp)))
-    at = row_max.to(device=vals.device, dtype=torch.float64) + log_mp
-    lo, hi = at - width, at + width
-    lo32, hi32 = lo.to(vals.dtype), hi.to(vals.dtype)  # rounded outward: the float32 band covers [lo, hi)
-    lo32 = torch.where(lo32.double() > lo, torch.nextafter(lo32, torch.full_like(lo32, NEG_INF)), lo32)
-    hi32 = torch.where(hi32.double() < hi, torch.nextafter(hi32, torch.full_like(hi32, math.inf)), hi32)
+    lo32, hi32, redo = min_p_thresholds(row_max.to(device=vals.device), min_p.to(device=vals.device))
     dropped = vals < lo32.unsqueeze(1)  # certainly below the threshold (every -inf when min_p > 0)
     near = ((vals >= lo32.unsqueeze(1)) & (vals < hi32.unsqueeze(1))).any(dim=1)
-    return dropped, near | ((mp > 0) & (mp < tolerances.MIN_P_FAST_MIN))
+    return dropped, near | redo
+
+
+def min_p_thresholds(row_max: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The float32 band of :func:`min_p_decide` per row: (lo, hi, redo).
+
+    A value ``< lo`` is dropped by vLLM's min_p, one ``>= hi`` kept; one in ``[lo, hi)`` may go either way
+    (the reference decides the row). ``redo``: rows with ``0 < min_p <`` :data:`parity.core.tolerances.MIN_P_FAST_MIN`,
+    which the band does not cover. ``row_max`` float32 ``[R]`` (the max of the whole row), ``min_p``
+    float32 ``[R]``; min_p = 0 gives lo = -inf (nothing dropped).
+    """
+    mp = min_p.to(dtype=torch.float64)
+    log_mp = torch.log(mp)
+    width = tolerances.min_p_band(torch.where(mp > 0, log_mp, torch.zeros_like(log_mp)))
+    at = row_max.to(dtype=torch.float64) + log_mp
+    lo, hi = at - width, at + width
+    lo32, hi32 = lo.to(row_max.dtype), hi.to(row_max.dtype)  # rounded outward: the float32 band covers [lo, hi)
+    lo32 = torch.where(lo32.double() > lo, torch.nextafter(lo32, torch.full_like(lo32, NEG_INF)), lo32)
+    hi32 = torch.where(hi32.double() < hi, torch.nextafter(hi32, torch.full_like(hi32, math.inf)), hi32)
+    return lo32, hi32, (mp > 0) & (mp < tolerances.MIN_P_FAST_MIN)
 
 
 def top_k_only(scaled: torch.Tensor, k: torch.Tensor, *, drop_ties: bool = False) -> torch.Tensor:

@@ -85,8 +85,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from parity.core import tolerances
-from parity.core.filters import min_p_mask
+from parity.core import kernels, tolerances
+from parity.core.filters import min_p_mask, min_p_thresholds
 
 U = 2.0**-24  # float32 unit roundoff
 _SLACK = 1.0 + 2.0**-20  # second-order terms of the first-order error bounds
@@ -299,21 +299,79 @@ def survivor_mass(
         out, dest = torch.empty(r, v, dtype=torch.bool, device=dev), None
     else:
         dest = idx
-    blocks = _Blocks(work, idx, r, min_p)
     log_mass = torch.empty(r, dtype=torch.float64, device=dev)
     m_all = torch.empty(r, 1, device=dev)
-    for b0, b1 in blocks.spans:
-        w, m, dropped = blocks.block(b0, b1)
-        m_all[b0:b1] = m
-        log_mass[b0:b1] = torch.log(_row_sums(blocks.e[: b1 - b0]))
-        kept = out[b0:b1] if dest is None else blocks.mask[: b1 - b0]
-        torch.gt(w, float("-inf"), out=kept)
-        if dropped is not None:
-            kept &= ~dropped
-        if dest is not None:
-            out[dest[b0:b1]] = kept
+    todo = torch.arange(r, device=dev)
+    if kernels.backend() == "numba" and r:
+        todo = _survivor_kernel(work, idx, min_p, out, dest, log_mass, m_all)
+    if todo.numel():  # the torch passes (or the kernel's min_p band rows: the reference's min_p_mask)
+        sub_idx = todo if idx is None else idx[todo]
+        sub_dest = None if dest is None and todo.numel() == r else (todo if dest is None else dest[todo])
+        blocks = _Blocks(work, sub_idx if todo.numel() < n or idx is not None else None, todo.numel(), None if min_p is None else min_p[todo])
+        for b0, b1 in blocks.spans:
+            w, m, dropped = blocks.block(b0, b1)
+            m_all[todo[b0:b1]] = m
+            log_mass[todo[b0:b1]] = torch.log(_row_sums(blocks.e[: b1 - b0]))
+            kept = out[b0:b1] if sub_dest is None else blocks.mask[: b1 - b0]
+            torch.gt(w, float("-inf"), out=kept)
+            if dropped is not None:
+                kept &= ~dropped
+            if sub_dest is not None:
+                out[sub_dest[b0:b1]] = kept
     no = torch.zeros(r, dtype=torch.bool, device=dev)
     return NucleusResult(out, log_mass, m_all, no, no.clone(), no.clone(), torch.zeros(r, dtype=torch.long, device=dev), no.clone())
+
+
+def _rows_np(work: torch.Tensor, idx: torch.Tensor | None, r: int) -> tuple[np.ndarray, np.ndarray]:
+    """numpy views for the kernels: the logits (contiguous) and the row of each of the R rows."""
+    z = work.contiguous().numpy()
+    rows = np.arange(r, dtype=np.int64) if idx is None else idx.contiguous().numpy()
+    return z, rows
+
+
+def _row_max(work: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+    """float32 [R, 1]: the max of each cut row (torch's amax: vectorised, threaded)."""
+    if idx is None:
+        return work.amax(dim=1, keepdim=True)
+    return torch.cat([work[idx[b0 : b0 + 4096]].amax(dim=1, keepdim=True) for b0 in range(0, idx.numel(), 4096)])
+
+
+def _thresholds(m: torch.Tensor, min_p: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    """min_p's float32 band per row for the kernels (lo, hi, redo), and whether anything is dropped."""
+    r = m.shape[0]
+    if min_p is None:
+        none = np.full(r, -np.inf, dtype=np.float32)
+        return none, none, np.zeros(r, dtype=bool), False
+    lo, hi, redo = min_p_thresholds(m.squeeze(1), min_p)
+    return lo.numpy(), hi.numpy(), redo.numpy(), True
+
+
+def _run(fn: object, r: int, *args: object) -> None:
+    """Run a row kernel over rows [0, r), split over torch's intra-op thread count."""
+    spans = kernels.split(r, torch.get_num_threads())
+    if len(spans) == 1:
+        fn(*args[:2], *spans[0], *args[2:])  # type: ignore[operator]
+        return
+    list(_pool().map(lambda sp: fn(*args[:2], *sp, *args[2:]), spans))  # type: ignore[operator]
+
+
+def _survivor_kernel(
+    work: torch.Tensor, idx: torch.Tensor | None, min_p: torch.Tensor | None, out: torch.Tensor, dest: torch.Tensor | None,
+    log_mass: torch.Tensor, m_all: torch.Tensor,
+) -> torch.Tensor:
+    """survivor_mass through :func:`parity.core.kernels.survivor_rows`; returns the rows left to the torch
+    passes (min_p's rounding band: the reference's min_p_mask decides them)."""
+    r = m_all.shape[0]
+    z, rows = _rows_np(work, idx, r)
+    m = _row_max(work, idx)
+    lo, hi, redo, drop = _thresholds(m, min_p)
+    dest_np = np.arange(r, dtype=np.int64) if dest is None else dest.contiguous().numpy()
+    sums = np.empty(r, dtype=np.float64)
+    near = np.zeros(r, dtype=bool)
+    _run(kernels.survivor_rows, r, z, rows, m.squeeze(1).numpy(), lo, hi, drop, out.numpy(), dest_np, sums, near)
+    m_all.copy_(m)
+    log_mass.copy_(torch.log(torch.from_numpy(sums)))
+    return torch.from_numpy(near | redo).nonzero().squeeze(1)
 
 
 def nucleus_cut(
@@ -357,9 +415,66 @@ def nucleus_cut(
         dest = idx
     if lanes == -1:
         lanes = softmax_lanes(dev)
-    blocks = _Blocks(work, idx, r, min_p)
     hd2 = _edges().to(dev)
     thr32 = 1 - p  # float32, as the reference computes it
+    todo = torch.arange(r, device=dev)
+    kernel: tuple[torch.Tensor, _Ranges, torch.Tensor, torch.Tensor] | None = None
+    if kernels.backend() == "numba" and r:
+        kernel, todo = _select_kernel(work, idx, thr32, min_p, out, dest, lanes, hd2)
+    torch_part = None
+    if todo.numel():  # the torch passes (or the kernel's min_p band rows: the reference's min_p_mask)
+        whole = todo.numel() == r and kernel is None
+        torch_part = _select_torch(work, idx, None if whole else todo, thr32, min_p, out, dest, lanes, hd2)
+    if kernel is None:
+        assert torch_part is not None  # every row went through the torch passes
+        m_all, rng, pos, vals = torch_part
+    else:
+        m_all, rng, pos, vals = kernel
+        if torch_part is not None:
+            m_all[todo] = torch_part[0]
+            rng.assign(todo, torch_part[1])
+            pos, order = torch.cat([pos, torch_part[2]]).sort(stable=True)  # grouped by row again, columns in order
+            vals = torch.cat([vals, torch_part[3]])[order]
+    keep_pos, log_mass, band, tie_split, decided = _cut(pos, vals, m_all, rng, thr32, v, decide=band_policy == "decide")
+    if keep_pos.numel():
+        crow = torch.div(keep_pos, v, rounding_mode="floor")
+        target = crow if dest is None else dest[crow]
+        out.view(-1)[target * v + (keep_pos - crow * v)] = True
+    # Rows in the band or off the window: the reference's own float32 cut on the row's sorted values.
+    late = ((band | rng.bracket) & ~tie_split).nonzero().squeeze(1)
+    if late.numel():
+        src = late if idx is None else idx[late]
+        w = work[src]
+        if min_p is not None:
+            w = w.masked_fill(min_p_mask(w, min_p[late]), float("-inf"))
+        v_star, split = _values_cut(w, thr32[late])
+        kept = w >= v_star.unsqueeze(1)
+        mass = _row_sums(torch.where(kept, torch.exp(w - m_all[late]), torch.zeros((), device=dev)))
+        ok = ~split
+        out[(late if dest is None else dest[late])[ok]] = kept[ok]
+        log_mass[late[ok]] = torch.log(mass[ok])
+        tie_split[late[split]] = True
+        band[late[split]] = False
+        rng.bracket[late[split]] = False
+    return NucleusResult(out, log_mass, m_all, band, tie_split, rng.bracket, rng.n_cand, decided)
+
+
+def _select_torch(
+    work: torch.Tensor, idx: torch.Tensor | None, todo: torch.Tensor | None, thr32: torch.Tensor, min_p: torch.Tensor | None,
+    out: torch.Tensor, dest: torch.Tensor | None, lanes: int | None, hd2: torch.Tensor,
+) -> tuple[torch.Tensor, _Ranges, torch.Tensor, torch.Tensor]:
+    """The torch passes of :func:`nucleus_cut` over its rows (or the subset ``todo`` of them), block by
+    block: (row max [k, 1], ranges, candidate positions (flat, in the cut rows' numbering, grouped by
+    row), candidate values). The kept mask above each range goes to ``out``."""
+    dev, v = work.device, work.shape[1]
+    if todo is not None:  # a subset: read rows through idx, write out rows through dest
+        r_all = thr32.shape[0]
+        dest = (torch.arange(r_all, device=dev) if dest is None else dest)[todo]
+        idx = todo if idx is None else idx[todo]
+        thr32 = thr32[todo]
+        min_p = None if min_p is None else min_p[todo]
+    r = thr32.shape[0]
+    blocks = _Blocks(work, idx, r, min_p)
     m_all = torch.empty(r, 1, device=dev)
     parts: list[_Ranges] = []
     found: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -387,36 +502,53 @@ def nucleus_cut(
         cand = torch.le(key, rng.b_bot.to(torch.int32).unsqueeze(1) + offset, out=blocks.cand[:b])
         cand.logical_xor_(above)
         pos = cand.view(-1).nonzero().squeeze(1)
-        found.append((pos + b0 * v, w.reshape(-1)[pos]))
+        vals = w.reshape(-1)[pos]
+        if dropped is not None:  # min_p's drops are -inf in the reference's z'
+            vals = vals.masked_fill(dropped.reshape(-1)[pos], float("-inf"))
+        found.append((pos + b0 * v, vals))
         if dest is not None:
             out[dest[b0:b1]] = above
         parts.append(rng)
-    rng = _Ranges.cat(parts)
     pos = torch.cat([f[0] for f in found])
-    keep_pos, log_mass, band, tie_split, decided = _cut(
-        pos, torch.cat([f[1] for f in found]), m_all, rng, thr32, v, decide=band_policy == "decide"
+    if todo is not None:  # back to the numbering of all cut rows
+        row = torch.div(pos, v, rounding_mode="floor")
+        pos = todo[row] * v + (pos - row * v)
+    return m_all, _Ranges.cat(parts), pos, torch.cat([f[1] for f in found])
+
+
+def _select_kernel(
+    work: torch.Tensor, idx: torch.Tensor | None, thr32: torch.Tensor, min_p: torch.Tensor | None,
+    out: torch.Tensor, dest: torch.Tensor | None, lanes: int | None, hd2: torch.Tensor,
+) -> tuple[tuple[torch.Tensor, _Ranges, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The same as :func:`_select_torch` through the compiled row passes of :mod:`parity.core.kernels`:
+    one pass for the histogram, the ranges from it (:func:`_ranges`, shared), one pass for the kept
+    mask and the candidates. Returns that and the rows left to the torch passes: rows with a value in
+    min_p's rounding band (the reference's min_p_mask decides them); those get no candidates here."""
+    r, v = thr32.shape[0], work.shape[1]
+    z, rows = _rows_np(work, idx, r)
+    m = _row_max(work, idx)
+    lo, hi, redo, drop = _thresholds(m, min_p)
+    m_np = m.squeeze(1).numpy()
+    counts = np.zeros((r, NB), dtype=np.int64)
+    masses = np.zeros((r, NB), dtype=np.float64)
+    near = np.zeros(r, dtype=bool)
+    geometry = (SHIFT, BASE, NB - 1, np.float32(2.0**LOW_EXP), np.float32(2.0**HIGH_EXP))
+    _run(kernels.hist_rows, r, z, rows, m_np, lo, hi, drop, counts, masses, near, *geometry)
+    rng = _ranges(torch.from_numpy(counts).double(), torch.from_numpy(masses), thr32, v, lanes, hd2)
+    todo = torch.from_numpy(near | redo)
+    if bool(todo.any()):  # no candidates and no kept tokens from the kernel on these rows
+        rng.b_top[todo] = 0
+        rng.b_bot[todo] = -1
+        rng.n_cand[todo] = 0
+    start = torch.cat([torch.zeros(1, dtype=torch.long), rng.n_cand.cumsum(0)])
+    cand_pos = np.empty(int(start[-1]), dtype=np.int64)
+    cand_val = np.empty(int(start[-1]), dtype=np.float32)
+    dest_np = np.arange(r, dtype=np.int64) if dest is None else dest.contiguous().numpy()
+    _run(
+        kernels.mark_rows, r, z, rows, m_np, lo, drop, rng.b_top.numpy(), rng.b_bot.numpy(), out.numpy(), dest_np,
+        start.numpy(), cand_pos, cand_val, *geometry,
     )
-    if keep_pos.numel():
-        crow = torch.div(keep_pos, v, rounding_mode="floor")
-        target = crow if dest is None else dest[crow]
-        out.view(-1)[target * v + (keep_pos - crow * v)] = True
-    # Rows in the band or off the window: the reference's own float32 cut on the row's sorted values.
-    late = ((band | rng.bracket) & ~tie_split).nonzero().squeeze(1)
-    if late.numel():
-        src = late if idx is None else idx[late]
-        w = work[src]
-        if min_p is not None:
-            w = w.masked_fill(min_p_mask(w, min_p[late]), float("-inf"))
-        v_star, split = _values_cut(w, thr32[late])
-        kept = w >= v_star.unsqueeze(1)
-        mass = _row_sums(torch.where(kept, torch.exp(w - m_all[late]), blocks.zero))
-        ok = ~split
-        out[(late if dest is None else dest[late])[ok]] = kept[ok]
-        log_mass[late[ok]] = torch.log(mass[ok])
-        tie_split[late[split]] = True
-        band[late[split]] = False
-        rng.bracket[late[split]] = False
-    return NucleusResult(out, log_mass, m_all, band, tie_split, rng.bracket, rng.n_cand, decided)
+    return (m, rng, torch.from_numpy(cand_pos), torch.from_numpy(cand_val)), todo.nonzero().squeeze(1)
 
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
@@ -485,6 +617,11 @@ class _Ranges:
     @staticmethod
     def cat(parts: list[_Ranges]) -> _Ranges:
         return _Ranges(*(torch.cat([getattr(pt, f) for pt in parts]) for f in _Ranges.__dataclass_fields__))
+
+    def assign(self, rows: torch.Tensor, other: _Ranges) -> None:
+        """Rows ``rows`` of every field from ``other`` (one row of it per entry of ``rows``)."""
+        for f in _Ranges.__dataclass_fields__:
+            getattr(self, f)[rows] = getattr(other, f)
 
 
 def _ranges(nb: torch.Tensor, mb: torch.Tensor, thr32: torch.Tensor, v: int, lanes: int | None, hd2: torch.Tensor) -> _Ranges:

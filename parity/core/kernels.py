@@ -1,0 +1,218 @@
+"""Compiled CPU row passes for :mod:`parity.core.nucleus` (numba, optional): one pass where torch takes ten.
+
+The nucleus select and the survivor mass are a handful of elementwise steps and a histogram per row.
+Written as torch ops, each step is a pass over the whole ``[R, V]`` block with its own output buffer
+(keys, exps, float64 copies, two ``bincount`` calls, masks, ``nonzero``): about ten passes, where the
+full log-softmax they are compared with makes three. These kernels fuse them: for each row, in chunks
+that stay in the first-level cache, the bucket keys and the masses are computed in a loop the compiler
+vectorises and accumulated in a second, scalar loop; a second pass writes the kept mask and lists the
+candidates. The row max comes from torch (``amax``, vectorised and threaded), so do the min_p thresholds
+(:func:`parity.core.filters.min_p_thresholds`). Rows are split over torch's intra-op thread count; the
+kernels release the GIL.
+
+They compute what the torch passes of :mod:`parity.core.nucleus` compute, with one difference: the
+masses are float64 exps of the same float32 arguments ``fl(z' - m)`` (:func:`_exp_neg`, within
+:data:`EXP_REL_ERROR` of the exact exp), where the torch path sums float32 exps (1 ulp). Both lie within
+the module's ``HIST_REL_ERROR`` of the exact masses, so every decision of the select is certified the
+same way on both; the bucket counts, keys, kept masks and candidate lists are the same bits.
+
+numba is optional (``pip install parity[fast]``; vLLM's CPU build brings it): without it, or with
+``PARITY_KERNELS=torch``, the torch passes run. :func:`backend` names the one in use.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+
+try:  # numba is an optional dependency: the torch passes of parity.core.nucleus serve without it
+    import numba
+except ImportError:  # pragma: no cover - exercised where numba is not installed
+    numba = None
+
+BACKENDS = ("numba", "torch")
+ENV = "PARITY_KERNELS"  # "numba", "torch" or "auto" (the default: numba when it imports)
+
+# The histogram's geometry (shift, base, last bucket, clamp of d) is passed in by parity.core.nucleus.
+CHUNK = 1024  # values per chunk: keys (int32) and masses (float64) of a chunk, 12 KB, stay in L1
+
+# _exp_neg: exp(x) for float64 x in (-128, 0] from exp(x) = 2^n exp(r), |r| <= ln2 / 2:
+LOG2E = 1.4426950408889634
+LN2_HI = 6.93147180369123816490e-01  # fdlibm's split of ln 2: n * LN2_HI is exact for |n| < 2^20
+LN2_LO = 1.90821492927058770002e-10
+ROUND = 6755399441055744.0  # 1.5 * 2^52: t = y + ROUND rounds y to an integer held in t's low bits
+ROUND_BITS = 0x4338000000000000  # the bits of ROUND
+# Error: the Taylor remainder of degree 10 at |r| <= ln2 / 2 is below 7e-12 relative (0.35^11 / 11!
+# over exp(-0.35)); r = (x - n LN2_HI) - n LN2_LO is exact in its first step (Sterbenz) and within
+# 2^-53 |r| after the second; Horner's 10 steps add about 10 * 2^-53; the scaling by 2^n is exact.
+EXP_REL_ERROR = 2.0**-36
+UNDERFLOW_X = -128.0  # x <= this: the mass is taken as 0 (float32 exp underflows below -103.97)
+
+
+def backend() -> str:
+    """The row passes in use: ``"numba"`` (compiled) or ``"torch"`` (``PARITY_KERNELS``, default auto)."""
+    want = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if want not in ("auto", *BACKENDS):
+        raise ValueError(f"{ENV} is {want!r}: allowed auto, numba or torch")
+    if want == "torch" or numba is None:
+        if want == "numba":
+            raise ValueError(f"{ENV}=numba but numba is not installed (pip install parity[fast])")
+        return "torch"
+    return "numba"
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _jit(**kw: Any) -> Callable[[F], F]:
+    """numba.njit with the GIL released; the identity without numba (the functions are then unused)."""
+    if numba is None:  # pragma: no cover
+        return lambda f: f
+    jit: Callable[[F], F] = numba.njit(nogil=True, cache=True, fastmath=False, **kw)
+    return jit
+
+
+@_jit(inline="always")
+def _exp_neg(x: float) -> float:
+    """exp(x) for float64 ``x`` in (-128, 0], within EXP_REL_ERROR; exactly 1 at 0. Vectorisable."""
+    t = x * LOG2E + ROUND
+    n = t - ROUND
+    r = (x - n * LN2_HI) - n * LN2_LO
+    p = 1.0 / 3628800.0
+    p = p * r + 1.0 / 362880.0
+    p = p * r + 1.0 / 40320.0
+    p = p * r + 1.0 / 5040.0
+    p = p * r + 1.0 / 720.0
+    p = p * r + 1.0 / 120.0
+    p = p * r + 1.0 / 24.0
+    p = p * r + 1.0 / 6.0
+    p = p * r + 0.5
+    p = p * r + 1.0
+    p = p * r + 1.0
+    scale = (np.float64(t).view(np.int64) - ROUND_BITS + 1023) << 52
+    return p * np.int64(scale).view(np.float64)
+
+
+@_jit()
+def exp_neg_array(x: np.ndarray, out: np.ndarray) -> None:
+    """:func:`_exp_neg` over float64 ``x`` (for tests of its error)."""
+    for i in range(x.size):
+        out[i] = _exp_neg(x[i])
+
+
+@_jit(inline="always")
+def _key_mass(z: np.float32, m: np.float32, lo: np.float32, drop: bool, shift: int, base: int, last: int, lo_d: np.float32, hi_d: np.float32) -> tuple[Any, float]:
+    """(bucket key, float64 mass) of one value: as parity.core.nucleus's ``keys`` and ``block``."""
+    x = z - m  # fl(z' - m) in float32, the argument the reference's softmax exponentiates
+    d = min(max(-x, lo_d), hi_d)  # -fl(z' - m) = fl(m - z'), clamped
+    key: Any = (np.float32(d).view(np.int32) >> shift) - base
+    xd = max(np.float64(x), UNDERFLOW_X)
+    mass = _exp_neg(xd) * (xd > UNDERFLOW_X)
+    if drop and z < lo:  # dropped by min_p: the last bucket, no mass
+        key = last
+        mass = 0.0
+    return key, mass
+
+
+@_jit()
+def hist_rows(
+    z: np.ndarray, rows: np.ndarray, r0: int, r1: int, m: np.ndarray, lo: np.ndarray, hi: np.ndarray, drop: bool,
+    counts: np.ndarray, masses: np.ndarray, near: np.ndarray, shift: int, base: int, last: int, lo_d: np.float32, hi_d: np.float32,
+) -> None:
+    """Counts and float64 masses per bucket of rows ``r0:r1`` (``z[rows[i]]``, row max ``m[i]``).
+
+    With ``drop``, values below ``lo[i]`` are min_p's drops (last bucket, no mass) and a value in
+    ``[lo[i], hi[i])`` sets ``near[i]`` (min_p's rounding band: the reference decides that row).
+    """
+    v = z.shape[1]
+    keys = np.empty(CHUNK, np.int32)
+    mass = np.empty(CHUNK, np.float64)
+    for i in range(r0, r1):
+        row = z[rows[i]]
+        mi, loi, hii = m[i], lo[i], hi[i]
+        c_row, m_row = counts[i], masses[i]
+        hit = False
+        for c0 in range(0, v, CHUNK):
+            n = min(v - c0, CHUNK)
+            for j in range(n):
+                zj = row[c0 + j]
+                keys[j], mass[j] = _key_mass(zj, mi, loi, drop, shift, base, last, lo_d, hi_d)
+                hit |= drop and zj >= loi and zj < hii
+            for j in range(n):
+                k = keys[j]
+                m_row[k] += mass[j]
+                c_row[k] += 1
+        near[i] = hit
+
+
+@_jit()
+def mark_rows(
+    z: np.ndarray, rows: np.ndarray, r0: int, r1: int, m: np.ndarray, lo: np.ndarray, drop: bool,
+    b_top: np.ndarray, b_bot: np.ndarray, out: np.ndarray, dest: np.ndarray, start: np.ndarray,
+    cand_pos: np.ndarray, cand_val: np.ndarray, shift: int, base: int, last: int, lo_d: np.float32, hi_d: np.float32,
+) -> None:
+    """The kept mask above each row's range into ``out[dest[i]]``, and the range's tokens (candidates).
+
+    Row i's candidates go to ``cand_pos`` / ``cand_val`` from ``start[i]`` on, in column order:
+    position ``i * V + column`` and the value (-inf for min_p's drops, as the reference's z').
+    """
+    v = z.shape[1]
+    neg_inf = np.float32(-np.inf)
+    for i in range(r0, r1):
+        row = z[rows[i]]
+        o = out[dest[i]]
+        mi, loi, top, bot = m[i], lo[i], b_top[i], b_bot[i]
+        at = start[i]
+        for j in range(v):
+            zj = row[j]
+            key, _ = _key_mass(zj, mi, loi, drop, shift, base, last, lo_d, hi_d)
+            o[j] = key < top
+            if key >= top and key <= bot:
+                cand_pos[at] = i * v + j
+                cand_val[at] = neg_inf if drop and zj < loi else zj
+                at += 1
+
+
+@_jit()
+def survivor_rows(
+    z: np.ndarray, rows: np.ndarray, r0: int, r1: int, m: np.ndarray, lo: np.ndarray, hi: np.ndarray, drop: bool,
+    out: np.ndarray, dest: np.ndarray, sums: np.ndarray, near: np.ndarray,
+) -> None:
+    """Rows that are not cut: kept = finite and not dropped by min_p; float64 sum of their exps."""
+    v = z.shape[1]
+    neg_inf = np.float32(-np.inf)
+    for i in range(r0, r1):
+        row = z[rows[i]]
+        o = out[dest[i]]
+        mi, loi, hii = m[i], lo[i], hi[i]
+        total = 0.0
+        hit = False
+        for j in range(v):
+            zj = row[j]
+            keep = zj > neg_inf and not (drop and zj < loi)
+            o[j] = keep
+            xd = max(np.float64(zj - mi), UNDERFLOW_X)
+            total += _exp_neg(xd) * (keep and xd > UNDERFLOW_X)
+            hit |= drop and zj >= loi and zj < hii
+        sums[i] = total
+        near[i] = hit
+
+
+def exp_neg(x: np.ndarray) -> np.ndarray:
+    """:func:`_exp_neg` on float64 ``x`` in (-128, 0] (numba only)."""
+    out = np.empty_like(x, dtype=np.float64)
+    exp_neg_array(np.ascontiguousarray(x, dtype=np.float64), out)
+    return out
+
+
+def split(r: int, threads: int) -> list[tuple[int, int]]:
+    """Row ranges ``[r0, r1)`` for ``threads`` workers (fewer when there are fewer rows)."""
+    t = max(1, min(threads, r))
+    bounds = [round(i * r / t) for i in range(t + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(t) if bounds[i + 1] > bounds[i]]
+
+
+__all__ = ["BACKENDS", "EXP_REL_ERROR", "backend", "exp_neg", "hist_rows", "mark_rows", "split", "survivor_rows"]

@@ -10,7 +10,9 @@ run), interleaved round by round (conftest.paired; wall-clock ratio, the CPU-tim
   path); without top_k, top_p + min_p rows over their min_p survivors (``estimators._min_p_lists``),
   top_p alone through the histogram select of ``parity.core.nucleus`` and min_p alone through
   ``parity.core.nucleus.survivor_mass``. Rows a fast path cannot decide exactly are sorted (the reference's
-  float32 ops on their sorted values, or the reference sort): their count is in the cell ("fallback n/T");
+  float32 ops on their sorted values, or the reference sort): their count is in the cell ("fallback n/T"),
+  and so is which row passes served the rows without top_k ("numba passes": parity.core.kernels compiled,
+  "torch passes": torch ops; PARITY_KERNELS chooses);
 * recompute top_p alone with ``band_policy="decide"``: the rows whose boundary lies in the rounding band
   are cut by the exact float64 mass instead of sorted ("decided n/T": not the reference's rounding there);
 * recompute through the reference sort: the same kept set from ``reference_filter`` (a full-row sort,
@@ -33,6 +35,7 @@ import pytest
 import torch
 
 from parity.core import estimators as E
+from parity.core import kernels
 from parity.core.filters import check_logits, min_p_mask, reference_filter
 from parity.core.spec import SamplingSpec
 
@@ -239,6 +242,8 @@ def run_case(
     notes = ["(1 round)"] if slow else []
     if kind in ("recompute", "decide"):
         notes.append(f"fallback {pair.result.fallback_count}/{t}")
+        if spec.top_k_for_vocab(v) >= v:  # rows without top_k: the row passes of parity.core.kernels
+            notes.append(f"{kernels.backend()} passes")
         FALLBACKS[(name, col)] = pair.result.fallback_count
     if kind == "decide":
         notes.append(f"decided {pair.result.decided_count}/{t}")

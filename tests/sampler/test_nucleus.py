@@ -12,7 +12,8 @@ rounding band, the tie check or the underflow band of p = 1 rows switched off, p
 the reference's kept set. The bracket cap is a cost guard: counted, and still exact. top_p + min_p rows
 with few min_p survivors are cut over the survivor list instead (listed, exact). The opt-in
 ``band_policy="decide"`` changes only the rows it counts as decided, exactly the default's band rows
-that had candidates, and on boundary rows some of them do leave the reference's kept set.
+that had candidates, and on boundary rows some of them do leave the reference's kept set. Every test
+runs twice: on the compiled row passes of ``parity.core.kernels`` and on the torch passes.
 """
 
 from __future__ import annotations
@@ -25,12 +26,22 @@ from hypothesis import strategies as st
 from strategies import example_case, example_logits, row_plans
 
 import parity.core.estimators as E
+import parity.core.kernels as K
 import parity.core.nucleus as N
 from parity.core.filters import min_p_mask, reference_filter
 from parity.core.spec import SamplingSpec
 from parity.testing.cases import Case, CasePlan, RowPlan, build_case, plant_top_p_tie
 
 pytestmark = pytest.mark.sampler
+
+
+@pytest.fixture(scope="module", autouse=True, params=[b for b in K.BACKENDS if b != "numba" or K.numba is not None])
+def row_passes(request: pytest.FixtureRequest):
+    """Every test here runs on both row passes: the compiled kernels (parity.core.kernels) and torch's."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv(K.ENV, request.param)
+    yield request.param
+    patch.undo()
 
 S = SamplingSpec
 NEG_INF = float("-inf")

@@ -1,0 +1,185 @@
+"""The compiled row passes of ``parity.core.kernels`` against the torch passes and the reference.
+
+The kernels compute the nucleus select's histogram, kept mask and candidates, and the survivor rows'
+mass, in one or two passes per row. They are held to what the torch passes compute (the same bucket
+counts, masses within the bound both are certified by), to the reference's kept set and to vLLM's
+``Sampler`` on rows with min_p values planted at its float32 threshold, where the kernels must hand
+the row to the reference's ``min_p_mask`` (negative control: without that band the kept set leaves
+vLLM's). Their exp is checked against its stated error bound.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import parity.core.estimators as E
+import parity.core.kernels as K
+import parity.core.nucleus as N
+from parity.core.filters import reference_filter
+from parity.core.spec import SamplingSpec
+
+pytestmark = [pytest.mark.sampler, pytest.mark.skipif(K.numba is None, reason="numba is not installed")]
+
+S = SamplingSpec
+NEG_INF = float("-inf")
+U = 2.0**-24
+
+
+@pytest.fixture
+def backend(monkeypatch):
+    def use(name: str) -> None:
+        monkeypatch.setenv(K.ENV, name)
+
+    return use
+
+
+def _lm_rows(n: int, vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, vocab, generator=g) * 2
+    z[:, :20] += torch.rand(n, 20, generator=g) * 10
+    return z
+
+
+def test_exp_is_within_its_stated_error() -> None:
+    """The kernels' float64 exp of float32 arguments: within EXP_REL_ERROR of numpy's exp on a dense grid
+    over (-128, 0], at the reduction's switch points (odd multiples of ln2 / 2) and at the ends; exactly
+    1 at 0. The bound is what the histogram and survivor masses are certified with."""
+    grid = np.linspace(-128.0, 0.0, 2_000_001).astype(np.float32)
+    half = (np.arange(1, 370, 2) * np.log(2.0) / 2).astype(np.float32)
+    edges = np.concatenate([-half, np.nextafter(-half, 0), np.nextafter(-half, -np.inf)])
+    x = np.concatenate([grid, edges[edges > -128], np.float32([-127.99999, -1e-30, -1e-45, 0.0])]).astype(np.float64)
+    got, want = K.exp_neg(x), np.exp(x)
+    rel = np.abs(got - want) / want
+    assert float(rel.max()) <= K.EXP_REL_ERROR, f"max relative error {rel.max():.3e} at x = {x[rel.argmax()]!r}"
+    assert K.exp_neg(np.zeros(1))[0] == 1.0  # the row max contributes exactly 1
+    # The masses' bounds cover this exp and a float64 sum over any vocabulary (V < 2^25).
+    assert K.EXP_REL_ERROR + 2.0**25 * 2.0**-53 <= N.HIST_REL_ERROR
+    assert K.EXP_REL_ERROR + 2.0**25 * 2.0**-53 <= N.SUM_REL_ERROR
+
+
+def test_histogram_is_the_torch_histogram() -> None:
+    """Bucket counts equal torch's bincount of the same keys; the float64 masses are within 1 ulp of float32
+    exp (torch's sums) plus the float64 sums of the exact ones (and float32 subnormals' absolute error); min_p's
+    drops land in the last bucket, massless."""
+    z = _lm_rows(6, 5000, 1)
+    z[0, 7:300] = NEG_INF
+    z[1, :] = torch.linspace(-200, 0, 5000)  # every clamp: d below 2^-4 and past 2^7
+    m = z.amax(dim=1, keepdim=True)
+    lo = (m.squeeze(1) - 3.0).numpy()
+    for drop in (False, True):
+        low = lo if drop else np.full(6, -np.inf, dtype=np.float32)
+        counts, masses = np.zeros((6, N.NB), np.int64), np.zeros((6, N.NB))
+        near = np.zeros(6, dtype=bool)
+        geometry = (N.SHIFT, N.BASE, N.NB - 1, np.float32(2.0**N.LOW_EXP), np.float32(2.0**N.HIGH_EXP))
+        K.hist_rows(z.numpy(), np.arange(6), 0, 6, m.squeeze(1).numpy(), low, low, drop, counts, masses, near, *geometry)
+        d = (m - z).clamp(2.0**N.LOW_EXP, 2.0**N.HIGH_EXP)
+        key = (d.view(torch.int32) >> N.SHIFT) - N.BASE
+        e = torch.exp(z - m)
+        if drop:
+            gone = z < torch.from_numpy(lo).unsqueeze(1)
+            key = key.masked_fill(gone, N.NB - 1)
+            e = e.masked_fill(gone, 0.0)
+        want_c = torch.stack([torch.bincount(key[i], minlength=N.NB) for i in range(6)]).numpy()
+        want_m = torch.stack([torch.bincount(key[i], weights=e[i].double(), minlength=N.NB) for i in range(6)]).numpy()
+        assert np.array_equal(counts, want_c), f"drop={drop}: bucket counts differ"
+        # 1 ulp of float32 exp, float64 sums; float32 subnormal or underflowed exps (x < -87) err by < 1e-44 each
+        slack = want_m * (2 * U + 5000 * 2.0**-52) + want_c * 1e-44
+        assert np.all(np.abs(masses - want_m) <= slack), f"drop={drop}: masses"
+        assert masses[:, -1].max() == 0.0
+        assert not near.any()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_both_backends_keep_the_references_kept_set(backend, monkeypatch, threads: int) -> None:
+    """LM-like rows without top_k (top_p alone, top_p + min_p through the select, min_p alone, p = 1 rows
+    beside them), all rows or a subset, on one thread and split over three: both backends keep exactly
+    reference_filter's kept set, and their log-probs agree within the certified mass error."""
+    z = _lm_rows(24, 6000, 4)
+    y = torch.randint(0, 20, (24,), generator=torch.Generator().manual_seed(2))
+    monkeypatch.setattr(E, "MIN_P_LIST_MAX", 0)  # top_p + min_p rows take the select, not the survivor list
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        mixes = ([S(0.8, top_p=0.9)] * 24, [S(1.0, top_p=0.9, min_p=0.05)] * 24, [S(0.7, min_p=0.1)] * 24,
+                 [S(0.8, top_p=0.9), S(1.0), S(0.9, top_p=0.5, top_k=40)] * 8)
+        for specs in mixes:
+            want = reference_filter(z, specs).kept
+            got = {}
+            for name in K.BACKENDS:
+                backend(name)
+                assert K.backend() == name
+                got[name] = E.recompute(z, y, specs)
+                assert torch.equal(got[name].kept, want), f"{name}, {specs[0].label()}: kept set"
+            gap = (got["numba"].logprobs.double() - got["torch"].logprobs.double()).abs()
+            bound = 2 * N.LOG_MASS_REL_ERROR + 2 * 2.0**-24 * got["torch"].logprobs.double().abs() + 1e-9
+            assert bool((gap <= bound).all()), f"{specs[0].label()}: log-probs differ by {float(gap.max()):.3e}"
+    finally:
+        torch.set_num_threads(before)
+
+
+def _min_p_threshold_rows(seed: int, n: int = 48) -> tuple[torch.Tensor, list[float]]:
+    """Rows with values at min_p's exact threshold ``m + log(min_p)`` and one or two float32 steps either side."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, 3000, generator=g) * 3
+    mp = (torch.rand(n, generator=g) * 0.3 + 0.02).tolist()
+    at = (z.amax(dim=1).double() + torch.log(torch.tensor(mp, dtype=torch.float64))).float()
+    for j, steps in enumerate((0, 1, -1, 2, -2)):
+        v = at.clone()
+        for _ in range(abs(steps)):
+            v = torch.nextafter(v, torch.full_like(v, float("inf") if steps > 0 else NEG_INF))
+        z[:, 100 + j] = v
+    return z, mp
+
+
+@pytest.mark.parametrize("top_p", [None, 0.95])
+def test_min_p_band_rows_go_to_the_reference(sampler, backend, monkeypatch, top_p: float | None) -> None:
+    """min_p alone (survivor rows) and top_p + min_p (the select): at min_p's float32 threshold the exact
+    rule is not vLLM's, so the kernels flag those rows and the reference's min_p_mask decides them; the
+    kept set is vLLM's Sampler's. Negative control: with the band closed (hi = lo) the kernels decide
+    those rows by the exact rule, and the kept set leaves vLLM's."""
+    backend("numba")
+    monkeypatch.setattr(E, "MIN_P_LIST_MAX", 0)
+    z, mp = _min_p_threshold_rows(5)
+    specs = [S(1.0, top_p=top_p, min_p=p) if top_p is not None else S(1.0, min_p=p) for p in mp]
+    out = sampler(z, specs, seed=0)
+    res = E.recompute(z, out.sampled, specs)
+    mism = (res.kept != out.kept).any(dim=1).nonzero().squeeze(1).tolist()
+    assert not mism, f"recompute's kept set differs from vLLM's Sampler in rows {mism}"
+    flagged = []
+    real = N._thresholds
+
+    def closed(m: torch.Tensor, min_p: torch.Tensor | None):
+        lo, hi, redo, drop = real(m, min_p)
+        flagged.append(int(((z >= torch.from_numpy(lo).unsqueeze(1)) & (z < torch.from_numpy(hi).unsqueeze(1))).any(dim=1).sum()))
+        return lo, lo, redo, drop
+
+    monkeypatch.setattr(N, "_thresholds", closed)
+    differ = int((E.recompute(z, out.sampled, specs).kept != out.kept).any(dim=1).sum())
+    assert flagged and flagged[0] > 0, "no planted value fell inside min_p's band"
+    assert differ > 0, "band closed and still vLLM's kept set: the planted values never needed the reference"
+
+
+def test_backend_is_chosen_by_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv(K.ENV, "torch")
+    assert K.backend() == "torch"
+    monkeypatch.setenv(K.ENV, "auto")
+    assert K.backend() == "numba"
+    monkeypatch.setenv(K.ENV, "fortran")
+    with pytest.raises(ValueError, match="PARITY_KERNELS is 'fortran': allowed auto, numba or torch"):
+        K.backend()
+    monkeypatch.setattr(K, "numba", None)
+    monkeypatch.setenv(K.ENV, "auto")
+    assert K.backend() == "torch"
+    monkeypatch.setenv(K.ENV, "numba")
+    with pytest.raises(ValueError, match="numba is not installed"):
+        K.backend()
+
+
+def test_split_covers_every_row_once() -> None:
+    for r in (0, 1, 2, 5, 512):
+        for t in (1, 2, 3, 16):
+            spans = K.split(r, t)
+            assert [i for a, b in spans for i in range(a, b)] == list(range(r))
+            assert len(spans) <= max(1, min(t, r))

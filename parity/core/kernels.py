@@ -181,24 +181,35 @@ def survivor_rows(
     z: np.ndarray, rows: np.ndarray, r0: int, r1: int, m: np.ndarray, lo: np.ndarray, hi: np.ndarray, drop: bool,
     out: np.ndarray, dest: np.ndarray, sums: np.ndarray, near: np.ndarray,
 ) -> None:
-    """Rows that are not cut: kept = finite and not dropped by min_p; float64 sum of their exps."""
+    """Rows that are not cut: kept = finite and not dropped by min_p; float64 sum of their exps.
+
+    Branch-free in the element loop (the masses of a chunk are summed after it), so the compiler
+    vectorises it; ``lo`` is -inf where nothing is dropped, which makes ``drop`` a no-op there too.
+    """
     v = z.shape[1]
     neg_inf = np.float32(-np.inf)
+    mass = np.empty(CHUNK, np.float64)
     for i in range(r0, r1):
         row = z[rows[i]]
         o = out[dest[i]]
-        mi, loi, hii = m[i], lo[i], hi[i]
+        mi = m[i]
+        loi = lo[i] if drop else neg_inf
+        hii = hi[i] if drop else neg_inf
         total = 0.0
-        hit = False
-        for j in range(v):
-            zj = row[j]
-            keep = zj > neg_inf and not (drop and zj < loi)
-            o[j] = keep
-            xd = max(np.float64(zj - mi), UNDERFLOW_X)
-            total += _exp_neg(xd) * (keep and xd > UNDERFLOW_X)
-            hit |= drop and zj >= loi and zj < hii
+        hits = 0
+        for c0 in range(0, v, CHUNK):
+            n = min(v - c0, CHUNK)
+            for j in range(n):
+                zj = row[c0 + j]
+                keep = (zj > neg_inf) & (zj >= loi)
+                o[c0 + j] = keep
+                xd = max(np.float64(zj - mi), UNDERFLOW_X)
+                mass[j] = _exp_neg(xd) * (keep & (xd > UNDERFLOW_X))
+                hits += (zj >= loi) & (zj < hii)
+            for j in range(n):
+                total += mass[j]
         sums[i] = total
-        near[i] = hit
+        near[i] = hits > 0
 
 
 def exp_neg(x: np.ndarray) -> np.ndarray:

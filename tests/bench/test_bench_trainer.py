@@ -319,13 +319,23 @@ def trainer_findings(report: Any) -> list[str]:
             band_bound = dec is not None and (dec.value <= RECOMPUTE_TARGET[1] or dec.value < 0.8 * alone)
             if alone > RECOMPUTE_TARGET[1] and dec is not None and not band_bound:
                 # Deciding the band rows does not bring it down: the cost is the select itself, not the sorts.
+                if kernels.backend() == "numba":
+                    cost = (
+                        "the select's compiled row passes (parity.core.kernels: a histogram pass whose per-token "
+                        "float64 exp and scalar bucket scatter cost a few ns each, and a mark pass) plus the "
+                        "range and the candidates' exact cut in torch ops still cost more than log_softmax + "
+                        "gather's two or three vectorised passes"
+                    )
+                else:
+                    cost = (
+                        "the nucleus select through torch ops makes about a dozen eager passes over each row (max, "
+                        "exp and its float64 copy, four for the bucket keys, two histograms (bincount: a scalar "
+                        "scatter, the largest single cost), the kept mask, the candidates) where log_softmax + "
+                        "gather makes two or three fused ones (numba's compiled passes: the fast extra)"
+                    )
                 lines.append(
                     f"{col}: why top_p alone is over {RECOMPUTE_TARGET[1]:g}x: not the rounding band ({fb} rows "
-                    f"sorted; deciding them in float64 costs {dec.value:.2f}x); the nucleus select makes about a "
-                    "dozen eager passes over each row (max, exp and its float64 copy, four for the bucket keys, two "
-                    "histograms (bincount: a scalar scatter, the largest single cost), the kept mask, the candidates) "
-                    "where log_softmax + gather makes two or three fused ones, so only a fused one-pass kernel "
-                    "would reach the target"
+                    f"sorted; deciding them in float64 costs {dec.value:.2f}x); {cost}"
                 )
             if alone > RECOMPUTE_TARGET[1] and fb and band_bound:
                 lines.append(

@@ -33,6 +33,36 @@ try:  # numba is an optional dependency: the torch passes of parity.core.nucleus
 except ImportError:  # pragma: no cover - exercised where numba is not installed
     numba = None
 
+
+def _plain_dict_for_llvmlite() -> None:
+    """Give llvmlite's library handle an empty ``__dict__``.
+
+    ``llvmlite.binding.ffi.lib`` answers every attribute lookup, ``__dict__`` included, with a C function
+    wrapper. vLLM's CPU platform scans every loaded module's attributes when it registers its Triton
+    kernel overrides (``vllm/triton_utils/dispatcher.py``, ``_rebind_kernels``: ``vars(value).get(...)``),
+    and that scan fails on this object once numba is loaded, so an engine started after this import
+    would not start. The handle's class becomes a subclass whose ``__dict__`` is a property returning
+    ``{}``; every C function is still looked up as before (none is named ``__dict__``).
+    """
+    try:
+        from llvmlite.binding import ffi
+    except ImportError:  # pragma: no cover
+        return
+    lib = getattr(ffi, "lib", None)
+    base = type(lib)
+    if lib is None or base.__module__ != ffi.__name__ or "__dict__" in vars(base):
+        return
+
+    class _Handle(base):  # type: ignore[misc,valid-type]
+        __slots__ = ()
+        __dict__ = property(lambda self: {})  # type: ignore[assignment]
+
+    lib.__class__ = _Handle  # same layout (no new slots): every holder of ffi.lib sees it
+
+
+if numba is not None:
+    _plain_dict_for_llvmlite()
+
 BACKENDS = ("numba", "torch")
 ENV = "PARITY_KERNELS"  # "numba", "torch" or "auto" (the default: numba when it imports)
 

@@ -183,3 +183,15 @@ def test_split_covers_every_row_once() -> None:
             spans = K.split(r, t)
             assert [i for a, b in spans for i in range(a, b)] == list(range(r))
             assert len(spans) <= max(1, min(t, r))
+
+
+def test_an_engine_can_start_after_the_kernels_are_loaded() -> None:
+    """vLLM's CPU platform rebinds its Triton kernel overrides by scanning every loaded module's attributes
+    (``_rebind_kernels``: ``vars(value).get("kernel")``). llvmlite's library handle, loaded with numba,
+    broke that scan; parity.core.kernels gives it a plain ``__dict__``. The scan itself runs here."""
+    from llvmlite.binding import ffi
+    from vllm.triton_utils import dispatcher
+
+    assert vars(ffi.lib) == {}
+    assert ffi.lib.LLVMPY_GetProcessTriple is not None  # its C functions are still found
+    dispatcher._rebind_kernels([])  # raised AttributeError ('_lib_fn_wrapper' object has no attribute 'get')

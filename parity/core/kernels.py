@@ -55,7 +55,7 @@ def _plain_dict_for_llvmlite() -> None:
 
     class _Handle(base):  # type: ignore[misc,valid-type]
         __slots__ = ()
-        __dict__ = property(lambda self: {})  # type: ignore[assignment]
+        __dict__ = property(lambda self: {})
 
     lib.__class__ = _Handle  # same layout (no new slots): every holder of ffi.lib sees it
 

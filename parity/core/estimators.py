@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from parity.core import nucleus, tolerances
+from parity.core import kernels, nucleus, tolerances
 from parity.core.filters import (
     FilterFaults,
     apply_temperature,
@@ -298,6 +298,8 @@ def _min_p_lists(z: torch.Tensor, rows: torch.Tensor, mp: torch.Tensor) -> tuple
     :func:`_top_p_on_candidates` cuts them. Values past a row's survivors are -inf, their ids 0; the rows
     come back in the order of ``rows``.
     """
+    if nucleus.supported(z) and kernels.backend() == "numba" and rows.numel():
+        return _min_p_lists_kernel(z, rows, mp)
     every = rows.numel() == z.shape[0]
     sub = z if every else z[rows]
     # min_p drops every -inf (probability 0 < min_p * max) unless that product underflows to 0; an -inf
@@ -318,6 +320,36 @@ def _min_p_lists(z: torch.Tensor, rows: torch.Tensor, mp: torch.Tensor) -> tuple
     ids[r_i, slot] = col
     vals, order = vals.sort(dim=1, descending=True)
     return rows[short], vals, ids.gather(1, order)
+
+
+def _min_p_lists_kernel(z: torch.Tensor, rows: torch.Tensor, mp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_min_p_lists` through the compiled pass of :func:`parity.core.nucleus.min_p_survivors`: the
+    survivors listed in one pass, without the row's softmax. Rows with a value in min_p's rounding band
+    take the reference's min_p_mask (:func:`_min_p_lists` on the torch path); the same lists come back,
+    in the order of ``rows``."""
+    count, vals, ids, redo = nucleus.min_p_survivors(z, rows, mp, MIN_P_LIST_MAX)
+    short = ((count <= MIN_P_LIST_MAX) & ~redo).nonzero().squeeze(1)
+    width = int(count[short].max()) if short.numel() else 1
+    parts = [(short, vals[short, :width], ids[short, :width])]
+    again = redo.nonzero().squeeze(1)
+    if again.numel():
+        with kernels.forced("torch"):
+            r_rows, r_vals, r_ids = _min_p_lists(z, rows[again], mp[again])
+        pos = {int(r): i for i, r in enumerate(rows.tolist())}
+        parts.append((torch.tensor([pos[int(r)] for r in r_rows.tolist()], dtype=torch.long), r_vals, r_ids))
+    if not any(pt[0].numel() for pt in parts):
+        return rows[:0], z.new_empty(0, 1), rows.new_empty(0, 1)
+    width = max(pt[1].shape[1] for pt in parts if pt[0].numel())
+    at = torch.cat([pt[0] for pt in parts])
+    vals = torch.cat([torch.nn.functional.pad(pt[1][:, :width], (0, width - pt[1][:, :width].shape[1]), value=NEG_INF) for pt in parts])
+    ids = torch.cat([torch.nn.functional.pad(pt[2][:, :width], (0, width - pt[2][:, :width].shape[1])) for pt in parts])
+    order = at.argsort()
+    at, vals, ids = at[order], vals[order], ids[order]
+    head = ~redo[at]  # the kernel's lists are in column order: sorted here as _min_p_lists sorts its own
+    if bool(head.any()):
+        sv, so = vals[head].sort(dim=1, descending=True)
+        vals[head], ids[head] = sv, ids[head].gather(1, so)
+    return rows[at], vals, ids
 
 
 def _kept_bounded(z: torch.Tensor, specs: list[SamplingSpec], band_policy: str = "reference") -> _Bounded:

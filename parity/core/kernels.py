@@ -22,8 +22,9 @@ numba is optional (``pip install parity[fast]``; vLLM's CPU build brings it): wi
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
@@ -82,8 +83,25 @@ EXP_REL_ERROR = 2.0**-36
 UNDERFLOW_X = -128.0  # x <= this: the mass is taken as 0 (float32 exp underflows below -103.97)
 
 
+_FORCED: list[str] = []  # forced(): innermost last
+
+
+@contextlib.contextmanager
+def forced(name: str) -> Iterator[None]:
+    """Within the block, :func:`backend` answers ``name`` (a row the kernels hand back runs the torch passes)."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend is {name!r}: allowed {', '.join(BACKENDS)}")
+    _FORCED.append(name)
+    try:
+        yield
+    finally:
+        _FORCED.pop()
+
+
 def backend() -> str:
     """The row passes in use: ``"numba"`` (compiled) or ``"torch"`` (``PARITY_KERNELS``, default auto)."""
+    if _FORCED:
+        return _FORCED[-1]
     want = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if want not in ("auto", *BACKENDS):
         raise ValueError(f"{ENV} is {want!r}: allowed auto, numba or torch")
@@ -242,6 +260,32 @@ def survivor_rows(
         near[i] = hits > 0
 
 
+@_jit()
+def list_rows(
+    z: np.ndarray, rows: np.ndarray, r0: int, r1: int, lo: np.ndarray, hi: np.ndarray,
+    vals: np.ndarray, ids: np.ndarray, count: np.ndarray, near: np.ndarray,
+) -> None:
+    """min_p's survivors (``z >= lo[i]``) of each row, in column order: the first ``vals.shape[1]`` of them
+    into ``vals`` / ``ids`` (left as they are past that), their number into ``count``; ``near`` as above."""
+    v = z.shape[1]
+    cap = vals.shape[1]
+    for i in range(r0, r1):
+        row = z[rows[i]]
+        loi, hii = lo[i], hi[i]
+        c = 0
+        hits = 0
+        for j in range(v):
+            zj = row[j]
+            if zj >= loi:
+                if c < cap:
+                    vals[i, c] = zj
+                    ids[i, c] = j
+                c += 1
+            hits += (zj >= loi) & (zj < hii)
+        count[i] = c
+        near[i] = hits > 0
+
+
 def exp_neg(x: np.ndarray) -> np.ndarray:
     """:func:`_exp_neg` on float64 ``x`` in (-128, 0] (numba only)."""
     out = np.empty_like(x, dtype=np.float64)
@@ -256,4 +300,4 @@ def split(r: int, threads: int) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1]) for i in range(t) if bounds[i + 1] > bounds[i]]
 
 
-__all__ = ["BACKENDS", "EXP_REL_ERROR", "backend", "exp_neg", "hist_rows", "mark_rows", "split", "survivor_rows"]
+__all__ = ["BACKENDS", "EXP_REL_ERROR", "backend", "exp_neg", "hist_rows", "list_rows", "mark_rows", "split", "survivor_rows"]

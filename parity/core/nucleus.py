@@ -355,6 +355,27 @@ def _run(fn: object, r: int, *args: object) -> None:
     list(_pool().map(lambda sp: fn(*args[:2], *sp, *args[2:]), spans))  # type: ignore[operator]
 
 
+def min_p_survivors(
+    work: torch.Tensor, rows: torch.Tensor, min_p: torch.Tensor, cap: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """min_p's survivors of ``rows`` through :func:`parity.core.kernels.list_rows` (numba; CPU float32):
+    (count [R], values [R, cap] in column order, -inf past them, ids [R, cap], 0 past them, redo [R]).
+
+    A survivor is a value at or above the row's :func:`parity.core.filters.min_p_thresholds` ``lo``; the
+    rows flagged ``redo`` have a value inside min_p's rounding band (or a min_p below MIN_P_FAST_MIN):
+    only the reference's ``min_p_mask`` decides them, and their lists are meaningless.
+    """
+    r = rows.numel()
+    z, rows_np = _rows_np(work, rows, r)
+    lo, hi, redo, _ = _thresholds(_row_max(work, rows), min_p)
+    vals = np.full((r, max(cap, 1)), -np.inf, dtype=np.float32)
+    ids = np.zeros((r, max(cap, 1)), dtype=np.int64)
+    count = np.zeros(r, dtype=np.int64)
+    near = np.zeros(r, dtype=bool)
+    _run(kernels.list_rows, r, z, rows_np, lo, hi, vals, ids, count, near)
+    return torch.from_numpy(count), torch.from_numpy(vals), torch.from_numpy(ids), torch.from_numpy(near | redo)
+
+
 def _survivor_kernel(
     work: torch.Tensor, idx: torch.Tensor | None, min_p: torch.Tensor | None, out: torch.Tensor, dest: torch.Tensor | None,
     log_mass: torch.Tensor, m_all: torch.Tensor,

@@ -195,3 +195,22 @@ def test_an_engine_can_start_after_the_kernels_are_loaded() -> None:
     assert vars(ffi.lib) == {}
     assert ffi.lib.LLVMPY_GetProcessTriple is not None  # its C functions are still found
     dispatcher._rebind_kernels([])  # raised AttributeError ('_lib_fn_wrapper' object has no attribute 'get')
+
+
+def test_survivor_lists_are_the_torch_lists(backend) -> None:
+    """top_p + min_p rows with few survivors are listed by one compiled pass (no softmax over the row): the
+    same rows, values and ids as the torch lists, on generic rows and on rows with values planted in
+    min_p's band (those go through the reference's min_p_mask)."""
+    z_lm = _lm_rows(16, 4000, 9)
+    z_band, mp_band = _min_p_threshold_rows(6, n=16)
+    for z, mp in ((z_lm, torch.full((16,), 0.05)), (z_band, torch.tensor(mp_band)), (z_lm, torch.full((16,), 1e-4))):
+        rows = torch.tensor([0, 3, 4, 7, 8, 11, 15])
+        got = {}
+        for name in K.BACKENDS:
+            backend(name)
+            got[name] = E._min_p_lists(z, rows, mp[rows])
+        for a, b, what in zip(got["numba"], got["torch"], ("rows", "values", "ids"), strict=True):
+            assert torch.equal(a, b), what
+    backend("numba")
+    _, _, _, redo = N.min_p_survivors(z_band, torch.arange(16), torch.tensor(mp_band), E.MIN_P_LIST_MAX)
+    assert bool(redo.any()), "no planted row was handed to the reference"

@@ -178,6 +178,12 @@ def test_min_p_survivor_lists_under_top_p(monkeypatch) -> None:
     _check_logprobs(fast, ref, ~b.listed, "min_p lists")
     monkeypatch.setattr(E, "MIN_P_LIST_MAX", 5000)
     monkeypatch.setattr(E, "min_p_mask", lambda sub, mp: torch.zeros_like(sub, dtype=torch.bool))
+
+    def every_value(m: torch.Tensor, mp: torch.Tensor | None):  # the compiled lists' threshold, forgotten
+        low = np.full(m.shape[0], np.finfo(np.float32).min, dtype=np.float32)
+        return low, low, np.zeros(m.shape[0], dtype=bool), True
+
+    monkeypatch.setattr(N, "_thresholds", every_value)
     planted = E._kept_bounded(zs, specs)
     assert bool(planted.listed[:8].all()) and not torch.equal(planted.kept[:8], ref.kept[:8]), "min_p never mattered here"
 

@@ -68,6 +68,7 @@ BACKENDS = ("numba", "torch")
 ENV = "PARITY_KERNELS"  # "numba", "torch" or "auto" (the default: numba when it imports)
 
 # The histogram's geometry (shift, base, last bucket, clamp of d) is passed in by parity.core.nucleus.
+LANES = 8  # survivor_rows sums its masses in this many independent float64 accumulators
 CHUNK = 1024  # values per chunk: keys (int32) and masses (float64) of a chunk, 12 KB, stay in L1
 
 # _exp_neg: exp(x) for float64 x in (-128, 0] from exp(x) = 2^n exp(r), |r| <= ln2 / 2:
@@ -119,7 +120,7 @@ def _jit(**kw: Any) -> Callable[[F], F]:
     """numba.njit with the GIL released; the identity without numba (the functions are then unused)."""
     if numba is None:  # pragma: no cover
         return lambda f: f
-    jit: Callable[[F], F] = numba.njit(nogil=True, cache=True, fastmath=False, **kw)
+    jit: Callable[[F], F] = numba.njit(nogil=True, cache=True, fastmath={"contract"}, **kw)
     return jit
 
 
@@ -152,17 +153,18 @@ def exp_neg_array(x: np.ndarray, out: np.ndarray) -> None:
 
 
 @_jit(inline="always")
-def _key_mass(z: np.float32, m: np.float32, lo: np.float32, drop: bool, shift: int, base: int, last: int, lo_d: np.float32, hi_d: np.float32) -> tuple[Any, float]:
-    """(bucket key, float64 mass) of one value: as parity.core.nucleus's ``keys`` and ``block``."""
-    x = z - m  # fl(z' - m) in float32, the argument the reference's softmax exponentiates
-    d = min(max(-x, lo_d), hi_d)  # -fl(z' - m) = fl(m - z'), clamped
-    key: Any = (np.float32(d).view(np.int32) >> shift) - base
-    xd = max(np.float64(x), UNDERFLOW_X)
-    mass = _exp_neg(xd) * (xd > UNDERFLOW_X)
-    if drop and z < lo:  # dropped by min_p: the last bucket, no mass
-        key = last
-        mass = 0.0
-    return key, mass
+def _key(z: np.float32, m: np.float32, lo: np.float32, shift: int, base: int, last: int, lo_d: np.float32, hi_d: np.float32) -> Any:
+    """The bucket key of one value, as parity.core.nucleus's ``keys``: min_p's drops (``z < lo``) go to the last bucket."""
+    d = min(max(m - z, lo_d), hi_d)  # fl(m - z') = -fl(z' - m), clamped
+    key = (np.float32(d).view(np.int32) >> shift) - base
+    return last if z < lo else key
+
+
+@_jit(inline="always")
+def _mass(z: np.float32, m: np.float32, lo: np.float32) -> float:
+    """The float64 mass of one value: exp of the float32 argument ``fl(z' - m)``, 0 when min_p drops it."""
+    xd = max(np.float64(z - m), UNDERFLOW_X)
+    return _exp_neg(xd) * ((xd > UNDERFLOW_X) & (z >= lo))
 
 
 @_jit()
@@ -178,22 +180,27 @@ def hist_rows(
     v = z.shape[1]
     keys = np.empty(CHUNK, np.int32)
     mass = np.empty(CHUNK, np.float64)
+    neg_inf = np.float32(-np.inf)
     for i in range(r0, r1):
         row = z[rows[i]]
-        mi, loi, hii = m[i], lo[i], hi[i]
+        mi = m[i]
+        loi = lo[i] if drop else neg_inf  # -inf: nothing dropped, nothing near
+        hii = hi[i] if drop else neg_inf
         c_row, m_row = counts[i], masses[i]
-        hit = False
+        hits = 0
         for c0 in range(0, v, CHUNK):
             n = min(v - c0, CHUNK)
-            for j in range(n):
-                zj = row[c0 + j]
-                keys[j], mass[j] = _key_mass(zj, mi, loi, drop, shift, base, last, lo_d, hi_d)
-                hit |= drop and zj >= loi and zj < hii
+            seg, kseg, mseg = row[c0 : c0 + n], keys[:n], mass[:n]  # zero-based views: vectorised loop
+            for j in range(n):  # no branch either
+                zj = seg[j]
+                kseg[j] = _key(zj, mi, loi, shift, base, last, lo_d, hi_d)
+                mseg[j] = _mass(zj, mi, loi)
+                hits += (zj >= loi) & (zj < hii)
             for j in range(n):
                 k = keys[j]
                 m_row[k] += mass[j]
                 c_row[k] += 1
-        near[i] = hit
+        near[i] = hits > 0
 
 
 @_jit()
@@ -209,19 +216,34 @@ def mark_rows(
     """
     v = z.shape[1]
     neg_inf = np.float32(-np.inf)
+    keys = np.empty(CHUNK, np.int32)
+    found = np.empty(CHUNK + 1, np.int64)
     for i in range(r0, r1):
         row = z[rows[i]]
         o = out[dest[i]]
-        mi, loi, top, bot = m[i], lo[i], b_top[i], b_bot[i]
+        mi, top, bot = m[i], b_top[i], b_bot[i]
+        loi = lo[i] if drop else neg_inf
         at = start[i]
-        for j in range(v):
-            zj = row[j]
-            key, _ = _key_mass(zj, mi, loi, drop, shift, base, last, lo_d, hi_d)
-            o[j] = key < top
-            if key >= top and key <= bot:
-                cand_pos[at] = i * v + j
-                cand_val[at] = neg_inf if drop and zj < loi else zj
-                at += 1
+        for c0 in range(0, v, CHUNK):
+            n = min(v - c0, CHUNK)
+            inside = 0
+            seg, oseg, kseg = row[c0 : c0 + n], o[c0 : c0 + n], keys[:n]  # zero-based views: vectorised
+            for j in range(n):  # no branch either
+                k = _key(seg[j], mi, loi, shift, base, last, lo_d, hi_d)
+                kseg[j] = k
+                oseg[j] = k < top
+                inside += (k >= top) & (k <= bot)
+            if inside:  # the range's tokens (a few per row), in column order: a branch-free compaction
+                c = 0
+                for j in range(n):
+                    found[c] = j
+                    c += (keys[j] >= top) & (keys[j] <= bot)
+                for q in range(c):
+                    j = found[q]
+                    zj = row[c0 + j]
+                    cand_pos[at + q] = i * v + c0 + j
+                    cand_val[at + q] = neg_inf if zj < loi else zj
+                at += c
 
 
 @_jit()
@@ -236,27 +258,28 @@ def survivor_rows(
     """
     v = z.shape[1]
     neg_inf = np.float32(-np.inf)
-    mass = np.empty(CHUNK, np.float64)
+    mass = np.empty(CHUNK + LANES, np.float64)
     for i in range(r0, r1):
         row = z[rows[i]]
         o = out[dest[i]]
         mi = m[i]
         loi = lo[i] if drop else neg_inf
         hii = hi[i] if drop else neg_inf
-        total = 0.0
+        acc = np.zeros(LANES)
         hits = 0
         for c0 in range(0, v, CHUNK):
             n = min(v - c0, CHUNK)
+            seg, oseg, mseg = row[c0 : c0 + n], o[c0 : c0 + n], mass[:n]  # zero-based views: vectorised
             for j in range(n):
-                zj = row[c0 + j]
-                keep = (zj > neg_inf) & (zj >= loi)
-                o[c0 + j] = keep
-                xd = max(np.float64(zj - mi), UNDERFLOW_X)
-                mass[j] = _exp_neg(xd) * (keep & (xd > UNDERFLOW_X))
+                zj = seg[j]
+                oseg[j] = (zj > neg_inf) & (zj >= loi)
+                mseg[j] = _mass(zj, mi, loi)  # 0 at -inf too
                 hits += (zj >= loi) & (zj < hii)
-            for j in range(n):
-                total += mass[j]
-        sums[i] = total
+            mass[n : n + (-n) % LANES] = 0.0  # pad the last chunk to whole lanes
+            for j in range(0, n, LANES):  # LANES independent float64 sums, not one serial chain
+                for lane in range(LANES):
+                    acc[lane] += mass[j + lane]
+        sums[i] = acc.sum()
         near[i] = hits > 0
 
 

@@ -331,7 +331,7 @@ def _rows_np(work: torch.Tensor, idx: torch.Tensor | None, r: int) -> tuple[np.n
 
 def _row_max(work: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
     """float32 [R, 1]: the max of each cut row (torch's amax: vectorised, threaded)."""
-    if idx is None:
+    if idx is None or (idx.numel() == work.shape[0] and bool((idx == torch.arange(idx.numel(), device=idx.device)).all())):
         return work.amax(dim=1, keepdim=True)
     return torch.cat([work[idx[b0 : b0 + 4096]].amax(dim=1, keepdim=True) for b0 in range(0, idx.numel(), 4096)])
 

@@ -316,6 +316,50 @@ def list_rows(
         near[i] = hits > 0
 
 
+@_jit()
+def sort_rows(a: np.ndarray, out: np.ndarray, r0: int, r1: int) -> None:
+    """Rows ``r0:r1`` of float32 ``a`` sorted ascending into ``out`` (values only): an LSD radix sort on the
+    order-preserving integer keys of the float bits (negative: all bits flipped; positive: the sign bit),
+    three passes of 11 bits. -0.0 sorts before 0.0 (equal values, as for numpy's sort, which may put
+    either first); no NaN (the inputs are checked logits)."""
+    v = a.shape[1]
+    k0 = np.empty(v, np.uint32)
+    k1 = np.empty(v, np.uint32)
+    h = np.zeros((3, 2048), np.int64)
+    top = np.uint32(31)
+    low = np.uint32(2047)
+    for i in range(r0, r1):
+        bits = a[i].view(np.uint32)
+        h[:] = 0
+        for j in range(v):
+            u = np.uint32(bits[j])
+            u = u ^ (np.uint32(0xFFFFFFFF) if (u >> top) else np.uint32(0x80000000))
+            k0[j] = u
+            h[0, u & low] += 1
+            h[1, (u >> np.uint32(11)) & low] += 1
+            h[2, u >> np.uint32(22)] += 1
+        for p in range(3):  # bucket offsets: exclusive prefix sums
+            t = 0
+            for b in range(2048):
+                c = h[p, b]
+                h[p, b] = t
+                t += c
+        src, dst = k0, k1
+        for p in range(3):
+            shift = np.uint32(11 * p)
+            off = h[p]
+            for j in range(v):
+                u = src[j]
+                b = (u >> shift) & low
+                dst[off[b]] = u
+                off[b] += 1
+            src, dst = dst, src
+        o = out[i].view(np.uint32)
+        for j in range(v):
+            u = src[j]
+            o[j] = u ^ (np.uint32(0x80000000) if (u >> top) else np.uint32(0xFFFFFFFF))
+
+
 def exp_neg(x: np.ndarray) -> np.ndarray:
     """:func:`_exp_neg` on float64 ``x`` in (-128, 0] (numba only)."""
     out = np.empty_like(x, dtype=np.float64)
@@ -330,4 +374,4 @@ def split(r: int, threads: int) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1]) for i in range(t) if bounds[i + 1] > bounds[i]]
 
 
-__all__ = ["BACKENDS", "EXP_REL_ERROR", "backend", "exp_neg", "hist_rows", "list_rows", "mark_rows", "split", "survivor_rows"]
+__all__ = ["BACKENDS", "EXP_REL_ERROR", "backend", "exp_neg", "hist_rows", "list_rows", "mark_rows", "sort_rows", "split", "survivor_rows"]

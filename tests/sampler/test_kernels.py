@@ -214,3 +214,24 @@ def test_survivor_lists_are_the_torch_lists(backend) -> None:
     backend("numba")
     _, _, _, redo = N.min_p_survivors(z_band, torch.arange(16), torch.tensor(mp_band), E.MIN_P_LIST_MAX)
     assert bool(redo.any()), "no planted row was handed to the reference"
+
+
+def test_radix_sort_is_numpys_sort(backend) -> None:
+    """The band rows' sort (kernels.sort_rows through nucleus._sorted_rows): the same values as numpy's
+    sort, with signed zeros, infinities, subnormals and ties, on one thread and split over three."""
+    backend("numba")
+    g = np.random.default_rng(3)
+    a = (g.standard_normal((7, 5003)) * 30).astype(np.float32)
+    a[0, :6] = [0.0, -0.0, -np.inf, np.inf, 1e-45, -1e-45]
+    a[1] = np.round(a[1])  # many ties
+    a[2, ::2] = np.finfo(np.float32).max
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            got = N._sorted_rows(a)
+            assert np.array_equal(got, np.sort(a, axis=1))
+            zeros = got[0][got[0] == 0]
+            assert list(np.signbit(zeros)) == [True, False], "-0.0 sorts before 0.0"
+    finally:
+        torch.set_num_threads(before)

@@ -620,9 +620,10 @@ def _values_cut(w: torch.Tensor, thr32: torch.Tensor) -> tuple[torch.Tensor, tor
     # -0.0 may swap: equal, with the same exp and the same comparisons).
     vals = torch.from_numpy(_sorted_rows(w.contiguous().numpy()))
     cum = torch.cumsum(vals.softmax(dim=-1), dim=-1)
-    drop = cum <= thr32.unsqueeze(1)
-    drop[:, -1] = False  # the largest token is always kept
-    first = drop.sum(dim=1, keepdim=True)  # drops are a prefix (the cumulative sum only grows)
+    # The drops (cum <= 1 - p) are a prefix: the cumulative sum only grows (CPU cumsum accumulates the
+    # nonnegative float32 terms in double and rounds each output, both monotone), so their number is a
+    # binary search; the largest token is always kept.
+    first = torch.searchsorted(cum, thr32.unsqueeze(1), right=True).clamp(max=vals.shape[1] - 1)
     v_star = vals.gather(1, first).squeeze(1)
     split = (first.squeeze(1) > 0) & (vals.gather(1, (first - 1).clamp(min=0)).squeeze(1) == v_star)
     return v_star, split

@@ -360,7 +360,14 @@ def trainer_findings(report: Any) -> list[str]:
         parts = {k: ratio(k, col) for k in ("part-topk", "part-minp")}
         for k, r in over:
             spec = ESTIMATORS[k][2]
-            part = "part-topk" if spec.top_k else "part-minp" if spec.uses_min_p else None
+            compiled = not spec.top_k and kernels.backend() == "numba"  # no whole-row min_p rule on that path
+            part = "part-topk" if spec.top_k else "part-minp" if spec.uses_min_p and not compiled else None
+            if compiled:
+                lines.append(
+                    f"{col}: {ESTIMATORS[k][0].removeprefix('recompute ')} is over {RECOMPUTE_TARGET[1]:g}x "
+                    f"({r:.2f}x) through the compiled row passes (parity.core.kernels), which list or mask min_p's "
+                    "survivors from its thresholds without the whole-row softmax; no component row splits the rest"
+                )
             if part is not None and parts[part] is not None:
                 what = f"topk({TOP_K + 1}) over each row" if part == "part-topk" else "vLLM's min_p rule over each whole row"
                 lines.append(

@@ -469,11 +469,21 @@ def nucleus_cut(
         if min_p is not None:
             w = w.masked_fill(min_p_mask(w, min_p[late]), float("-inf"))
         v_star, split = _values_cut(w, thr32[late])
-        kept = w >= v_star.unsqueeze(1)
-        mass = _row_sums(torch.where(kept, torch.exp(w - m_all[late]), torch.zeros((), device=dev)))
         ok = ~split
-        out[(late if dest is None else dest[late])[ok]] = kept[ok]
-        log_mass[late[ok]] = torch.log(mass[ok])
+        to = late if dest is None else dest[late]
+        if kernels.backend() == "numba":  # kept = {z' >= v*} and its mass in one compiled pass, into out
+            okr = ok.nonzero().squeeze(1)
+            k = okr.numel()
+            sums, near, none = np.empty(k), np.zeros(k, dtype=bool), np.full(k, -np.inf, dtype=np.float32)
+            m_ok = m_all[late][okr].squeeze(1).contiguous().numpy()
+            args = (w.contiguous().numpy(), okr.numpy(), m_ok, v_star[okr].contiguous().numpy(), none, True)
+            _run(kernels.survivor_rows, k, *args, out.numpy(), to[okr].contiguous().numpy(), sums, near)
+            log_mass[late[okr]] = torch.log(torch.from_numpy(sums))
+        else:
+            kept = w >= v_star.unsqueeze(1)
+            mass = _row_sums(torch.where(kept, torch.exp(w - m_all[late]), torch.zeros((), device=dev)))
+            out[to[ok]] = kept[ok]
+            log_mass[late[ok]] = torch.log(mass[ok])
         tie_split[late[split]] = True
         band[late[split]] = False
         rng.bracket[late[split]] = False

@@ -96,6 +96,14 @@ def test_trainer_cases_run_and_check_themselves(lib, trainer) -> None:
     dec.kept[row, dec.kept[row].nonzero()[0, 0]] = False
     with pytest.raises(AssertionError, match="kept set differs"):
         trainer.check_result("recompute-p-decide", dec, w)
+    # The select's part row: what it marks kept must be kept by the reference.
+    sel = trainer.estimator_fn("part-select", trainer.SPEC, w)()
+    trainer.check_result("part-select", sel, w)
+    want = reference_filter(w["logits"], trainer.ESTIMATORS["part-select"][2]).kept
+    row = int((~want).sum(dim=1).argmax())
+    sel.kept[row, (~want[row]).nonzero()[0, 0]] = True
+    with pytest.raises(AssertionError, match="marks a token the reference drops"):
+        trainer.check_result("part-select", sel, w)
 
 
 def E_recompute_with_a_dropped_token(w: dict, trainer: ModuleType) -> Any:

@@ -399,7 +399,25 @@ def _survivor_kernel(
     return torch.from_numpy(near | redo).nonzero().squeeze(1)
 
 
-def nucleus_cut(
+@dataclass
+class Selection:
+    """The nucleus select up to its candidates (:func:`select`); :func:`nucleus_cut` cuts them."""
+
+    kept: torch.Tensor  # bool: the kept mask above each row's range (``out``, or a new [R, V])
+    row_max: torch.Tensor  # float32 [R, 1]
+    ranges: _Ranges  # per row: the candidate range, its fallbacks, the masses around it
+    pos: torch.Tensor  # long: the candidates' flat positions (row i * V + column), grouped by row
+    vals: torch.Tensor  # float32: their z' (-inf for min_p's drops)
+    thr32: torch.Tensor  # float32 [R]: 1 - p
+    idx: torch.Tensor | None  # the rows read (None: all)
+    dest: torch.Tensor | None  # the rows of ``kept`` written (None: row i -> kept[i])
+
+    @property
+    def candidates(self) -> int:
+        return self.pos.numel()
+
+
+def select(
     work: torch.Tensor,
     p: torch.Tensor,
     *,
@@ -407,30 +425,12 @@ def nucleus_cut(
     min_p: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     lanes: int | None = -1,
-    band_policy: str = "reference",
-) -> NucleusResult:
-    """The kept set of vLLM's sort-path top_p cut for rows with no top_k, from a histogram select.
-
-    ``work``: float32 ``[N, V]`` on CPU, the scaled logits (``-inf`` allowed, every row with a finite
-    value); ``rows``: the rows to cut (default: all), R of them. ``p``: float32 ``[R]``, top_p per row
-    (1.0: the row only drops float32-underflowed tokens, as vLLM's sort path does for rows without top_p).
-    ``min_p``: float32 ``[R]`` or None: applied first with :func:`parity.core.filters.min_p_mask`, block of rows
-    by block (the reference's own function; its result for a row does not depend on the other rows).
-    ``out``: a bool ``[N, V]`` tensor whose ``rows`` receive the kept set (default: a new ``[R, V]``).
-    ``lanes``: the softmax accumulator's lane count (default :func:`softmax_lanes`; None: any order).
-    ``band_policy``: what a row does when a candidate's exact cumulative mass lies inside the rounding
-    band. ``"reference"`` (default): the row is cut from its sorted values by the reference's own float32
-    ops (``band``), so the kept set is the reference's, bit for bit. ``"decide"``: the row keeps the cut
-    of the exact float64 cumulative mass, which may differ from the reference's float32 one on those rows
-    only; they are counted in ``decided`` (never silently). Rows whose whole range is uncertain (no
-    candidates: ``band`` from the histogram), split ties and brackets fall back under either policy.
-
-    One pass over each block of rows: e and the bucket keys, the histogram, the range, the kept mask
-    above the range, the masses around it and the candidates; then the exact cut over all candidates.
-    """
+) -> Selection:
+    """Steps 1-4 of the module docstring for :func:`nucleus_cut` (same arguments): the row max, the
+    histogram, each row's range, the kept mask above it and the candidates in it. Through the compiled row
+    passes (:mod:`parity.core.kernels`) or the torch ones; rows with a value in min_p's rounding band go
+    through the torch passes (the reference's min_p_mask). The cut itself is :func:`nucleus_cut`'s."""
     n, v, idx, r = _check(work, rows, min_p, out)
-    if band_policy not in BAND_POLICIES:
-        raise ValueError(f"band_policy is {band_policy!r}: allowed one of {', '.join(map(repr, BAND_POLICIES))}")
     if p.shape != (r,) or p.dtype != torch.float32:
         raise ValueError(f"p has {p.dtype} {tuple(p.shape)}: allowed float32 [{r}] (one top_p per row cut; 1 - p in float32)")
     dev = work.device
@@ -460,7 +460,44 @@ def nucleus_cut(
             rng.assign(todo, torch_part[1])
             pos, order = torch.cat([pos, torch_part[2]]).sort(stable=True)  # grouped by row again, columns in order
             vals = torch.cat([vals, torch_part[3]])[order]
-    keep_pos, log_mass, band, tie_split, decided = _cut(pos, vals, m_all, rng, thr32, v, decide=band_policy == "decide")
+    return Selection(out, m_all, rng, pos, vals, thr32, idx, dest)
+
+
+def nucleus_cut(
+    work: torch.Tensor,
+    p: torch.Tensor,
+    *,
+    rows: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lanes: int | None = -1,
+    band_policy: str = "reference",
+) -> NucleusResult:
+    """The kept set of vLLM's sort-path top_p cut for rows with no top_k, from a histogram select.
+
+    ``work``: float32 ``[N, V]`` on CPU, the scaled logits (``-inf`` allowed, every row with a finite
+    value); ``rows``: the rows to cut (default: all), R of them. ``p``: float32 ``[R]``, top_p per row
+    (1.0: the row only drops float32-underflowed tokens, as vLLM's sort path does for rows without top_p).
+    ``min_p``: float32 ``[R]`` or None: applied first with :func:`parity.core.filters.min_p_mask`, block of rows
+    by block (the reference's own function; its result for a row does not depend on the other rows).
+    ``out``: a bool ``[N, V]`` tensor whose ``rows`` receive the kept set (default: a new ``[R, V]``).
+    ``lanes``: the softmax accumulator's lane count (default :func:`softmax_lanes`; None: any order).
+    ``band_policy``: what a row does when a candidate's exact cumulative mass lies inside the rounding
+    band. ``"reference"`` (default): the row is cut from its sorted values by the reference's own float32
+    ops (``band``), so the kept set is the reference's, bit for bit. ``"decide"``: the row keeps the cut
+    of the exact float64 cumulative mass, which may differ from the reference's float32 one on those rows
+    only; they are counted in ``decided`` (never silently). Rows whose whole range is uncertain (no
+    candidates: ``band`` from the histogram), split ties and brackets fall back under either policy.
+
+    One pass over each block of rows: e and the bucket keys, the histogram, the range, the kept mask
+    above the range, the masses around it and the candidates; then the exact cut over all candidates.
+    """
+    if band_policy not in BAND_POLICIES:
+        raise ValueError(f"band_policy is {band_policy!r}: allowed one of {', '.join(map(repr, BAND_POLICIES))}")
+    sel = select(work, p, rows=rows, min_p=min_p, out=out, lanes=lanes)
+    v, idx, dev = work.shape[1], sel.idx, work.device
+    out, dest, m_all, rng, thr32 = sel.kept, sel.dest, sel.row_max, sel.ranges, sel.thr32
+    keep_pos, log_mass, band, tie_split, decided = _cut(sel.pos, sel.vals, m_all, rng, thr32, v, decide=band_policy == "decide")
     if keep_pos.numel():
         crow = torch.div(keep_pos, v, rounding_mode="floor")
         target = crow if dest is None else dest[crow]

@@ -16,7 +16,9 @@ run), interleaved round by round (conftest.paired; wall-clock ratio, the CPU-tim
 * recompute top_p alone with ``band_policy="decide"``: the rows whose boundary lies in the rounding band
   are cut by the exact float64 mass instead of sorted ("decided n/T": not the reference's rounding there);
 * recompute through the reference sort: the same kept set from ``reference_filter`` (a full-row sort,
-  what recompute cost before), for scale, with top_k + top_p and with top_p alone.
+  what recompute cost before), for scale, with top_k + top_p and with top_p alone;
+* parts: what a combination pays before its own work starts (z / T and ``topk``, z / T and vLLM's min_p
+  rule, z / T and the nucleus select up to its candidates: ``parity.core.nucleus.select``, CPU only).
 
 Shapes: T in {512, 4096} x V in {32000, 152064}, except T=4096 x V=152064 on CPU (2.5 GB of float32
 logits alone, and the reference sort needs ~3x that on top), which runs at T=1024. Each run also
@@ -35,7 +37,7 @@ import pytest
 import torch
 
 from parity.core import estimators as E
-from parity.core import kernels
+from parity.core import kernels, nucleus
 from parity.core.filters import check_logits, min_p_mask, reference_filter
 from parity.core.spec import SamplingSpec
 
@@ -61,6 +63,9 @@ ESTIMATORS: dict[str, tuple[str, str, SamplingSpec]] = {
     "recompute-minp": ("recompute min_p=0.05", "recompute", S(0.8, min_p=0.05)),
     "part-topk": (f"part: z / T and topk({TOP_K + 1}), what every top_k row pays", "part-topk", SPEC),
     "part-minp": ("part: z / T and vLLM's min_p rule on whole rows (min_p_mask)", "part-minp", S(0.8, min_p=0.05)),
+    "part-select": (
+        "part: z / T and the nucleus select up to its candidates (histogram, ranges, kept mask)", "part-select", S(0.8, top_p=0.9)
+    ),
     "reference-sort-k-p": (f"recompute top_k={TOP_K} top_p=0.9 via reference sort", "reference", SPEC),
     "reference-sort-p": ("recompute top_p=0.9 via reference sort", "reference", S(0.8, top_p=0.9)),
 }
@@ -172,6 +177,9 @@ def estimator_fn(kind: str, spec: SamplingSpec, w: dict[str, torch.Tensor]) -> C
     if kind == "part-minp":
         mp = torch.full((z.shape[0],), spec.min_p, device=z.device)
         return lambda: min_p_mask(E.scale(z, spec), mp)
+    if kind == "part-select":  # what every top_p-alone row pays before its exact cut
+        p = torch.full((z.shape[0],), spec.top_p, device=z.device)
+        return lambda: nucleus.select(E.scale(z, spec), p)
     if kind == "reference":
         return lambda: E._recompute_reference(z, y, spec)
     raise ValueError(f"unknown estimator kind {kind!r}")
@@ -194,6 +202,10 @@ def check_result(name: str, result: Any, w: dict[str, torch.Tensor]) -> None:
         assert not bool(result.gather(1, top).any()), f"{label}: dropped a row's max"
     elif kind == "full-warm":
         assert torch.equal(result, E.full(w["logits"], w["sampled"], spec)), f"{label}: not full's log-probs"
+    elif kind == "part-select":  # what it marks kept above the candidates is kept by the reference
+        want = reference_filter(w["logits"], spec).kept
+        assert not bool((result.kept & ~want).any()), f"{label}: marks a token the reference drops"
+        assert int(result.candidates) > 0, f"{label}: no candidates"
 
 
 def run_case(
@@ -218,7 +230,7 @@ def run_case(
         title,
         "estimator",
         INTRO,
-        rows=[label for label, _, _ in ESTIMATORS.values()],
+        rows=[label for k, (label, _, _) in ESTIMATORS.items() if device == "cpu" or k != "part-select"],
         cols=[shape_label(*s) for s in (SHAPES if device == "cpu" else GPU_SHAPES)],
     )
     if slow and device == "cpu" and t > SORT_MAX_T:
@@ -320,13 +332,19 @@ def trainer_findings(report: Any) -> list[str]:
             band_bound = dec is not None and (dec.value <= RECOMPUTE_TARGET[1] or dec.value < 0.8 * alone)
             if alone > RECOMPUTE_TARGET[1] and dec is not None and not band_bound:
                 # Deciding the band rows does not bring it down: the cost is the select itself, not the sorts.
+                sel = ratio("part-select", col)
                 if kernels.backend() == "numba":
                     cost = (
-                        "the select's compiled row passes (parity.core.kernels: a histogram pass whose per-token "
-                        "float64 exp and scalar bucket scatter cost a few ns each, and a mark pass) plus the "
-                        "range and the candidates' exact cut in torch ops still cost more than log_softmax + "
+                        "the select's compiled row passes (parity.core.kernels: a histogram pass with a float64 "
+                        "exp and a scalar scatter into two bucket arrays per token, and a mark pass) plus the "
+                        "ranges and the candidates' exact cut in torch ops still cost more than log_softmax + "
                         "gather's two or three vectorised passes"
                     )
+                    if sel is not None:
+                        cost += (
+                            f"; z / T and the select up to its candidates alone cost {sel:.2f}x full (measured "
+                            f"above), {100 * sel / alone:.0f} % of it, before the exact cut"
+                        )
                 else:
                     cost = (
                         "the nucleus select through torch ops makes about a dozen eager passes over each row (max, "
@@ -395,7 +413,8 @@ def test_bench_trainer(timer, bench_report, shape, name) -> None:
     run_case(bench_report, timer, name, *shape)
 
 
-GPU_CASES = [(shape, name) for shape in GPU_SHAPES for name in ESTIMATORS]
+# The nucleus select is CPU float32 only (parity.core.nucleus.supported): no part-select row on CUDA.
+GPU_CASES = [(shape, name) for shape in GPU_SHAPES for name in ESTIMATORS if name != "part-select"]
 
 
 @pytest.mark.gpu

@@ -389,6 +389,47 @@ def test_rows_and_out() -> None:
     assert bool(out[[0, 2, 3, 5]].all())
 
 
+def test_select_brackets_the_references_kept_set() -> None:
+    """``select`` (the part before the cut) marks only tokens the reference keeps, and every token it
+    keeps on a row that does not fall back is marked or a candidate; the cut then keeps exactly the
+    reference's set. Negative control: a range one bucket lower (``b_top`` + 1) marks a token the
+    reference drops on some row."""
+    z = E.scale(_lm_rows(24, 3000, 5), S(0.8))
+    p = torch.full((24,), 0.9)
+    want = reference_filter(z, S(1.0, top_p=0.9)).kept
+    sel = N.select(z, p)
+    assert not bool((sel.kept & ~want).any())
+    cand = torch.zeros_like(want).view(-1)
+    cand[sel.pos] = True
+    ok = ~(sel.ranges.band | sel.ranges.bracket)
+    assert bool(ok.any())
+    assert not bool((want & ~(sel.kept | cand.view_as(want)))[ok].any())
+    assert sel.candidates == int(sel.ranges.n_cand.sum())
+    assert torch.equal(N.nucleus_cut(z, p).kept, want)
+    # Negative control: the kept mask one bucket further down the row.
+    key = torch.bitwise_right_shift((z.amax(1, keepdim=True) - z).clamp(2.0**N.LOW_EXP, 2.0**N.HIGH_EXP).view(torch.int32), N.SHIFT) - N.BASE
+    lower = key < (sel.ranges.b_top + 1).unsqueeze(1)
+    assert bool((lower & ~want)[ok].any()), "one bucket lower marks a dropped token"
+
+
+def test_cut_groups_keep_every_row_result(monkeypatch) -> None:
+    """The exact cut in groups of rows by candidate count gives each row the result of one group of all
+    rows (the padding carries no mass): the same kept sets and log-masses within the float64 sums."""
+    z = E.scale(_lm_rows(200, 2000, 9), S(0.8))
+    p = torch.linspace(0.5, 0.99, 200)
+    assert N._group_size(torch.tensor([1] * 192 + [5000] * 64)) == 64, "a skewed batch is grouped"
+    assert N._group_size(torch.full((256,), 300)) == 256, "an even one is not"
+    monkeypatch.setattr(N, "CUT_GROUP_COST", 0)  # a group costs nothing: as many groups as allowed
+    assert N._group_size(torch.arange(200)) == 25
+    grouped = N.nucleus_cut(z, p)
+    monkeypatch.setattr(N, "CUT_GROUPS", 1)
+    single = N.nucleus_cut(z, p)
+    assert torch.equal(grouped.kept, single.kept)
+    assert torch.equal(grouped.fallback, single.fallback)
+    ok = ~grouped.fallback
+    assert torch.allclose(grouped.log_mass[ok], single.log_mass[ok], rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

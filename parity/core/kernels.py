@@ -296,6 +296,42 @@ def survivor_rows(
 
 
 @_jit()
+def prefix_rows(
+    counts: np.ndarray, masses: np.ndarray, r0: int, r1: int, hd2: np.ndarray, k_exp: float, k_sum: float,
+    cum: np.ndarray, ecum: np.ndarray, ncum: np.ndarray, acum: np.ndarray, suffix: np.ndarray, b_sum: np.ndarray,
+) -> None:
+    """The prefix sums of parity.core.nucleus's ``_prefix`` for rows ``r0:r1`` of a histogram, in float64:
+    with e_k = mass_k (k_exp + count_k k_sum) (the bucket's error bound) and h_k = mass_k + e_k, the running
+    sums of mass, e, count and h (upper d + 2) into ``cum``, ``ecum``, ``ncum``, ``acum``; the suffix sums of
+    the masses into ``suffix`` (0 past the last bucket); and sum_k h_k ncum_k into ``b_sum``. Sequential
+    sums, as torch's CPU cumsum of float64 runs; a fused multiply-add may replace a product and a sum
+    (one rounding fewer: these are bounds with slack for far more)."""
+    nbk = masses.shape[1]
+    for i in range(r0, r1):
+        c, e, n, a, b = 0.0, 0.0, 0.0, 0.0, 0.0
+        for k in range(nbk):
+            mb = masses[i, k]
+            nb = np.float64(counts[i, k])
+            eb = mb * (k_exp + nb * k_sum)
+            hi = mb + eb
+            c += mb
+            e += eb
+            n += nb
+            a += hi * hd2[k]
+            cum[i, k] = c
+            ecum[i, k] = e
+            ncum[i, k] = n
+            acum[i, k] = a
+            b += hi * n
+        b_sum[i] = b
+        t = 0.0
+        suffix[i, nbk] = 0.0
+        for k in range(nbk - 1, -1, -1):
+            t += masses[i, k]
+            suffix[i, k] = t
+
+
+@_jit()
 def list_rows(
     z: np.ndarray, rows: np.ndarray, r0: int, r1: int, lo: np.ndarray, hi: np.ndarray,
     vals: np.ndarray, ids: np.ndarray, count: np.ndarray, near: np.ndarray,
@@ -379,4 +415,4 @@ def split(r: int, threads: int) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1]) for i in range(t) if bounds[i + 1] > bounds[i]]
 
 
-__all__ = ["BACKENDS", "EXP_REL_ERROR", "backend", "exp_neg", "hist_rows", "list_rows", "mark_rows", "sort_rows", "split", "survivor_rows"]
+__all__ = ["BACKENDS", "EXP_REL_ERROR", "backend", "exp_neg", "hist_rows", "list_rows", "mark_rows", "prefix_rows", "sort_rows", "split", "survivor_rows"]

@@ -79,7 +79,9 @@ CPU float32 only (the float32 kernels above are the CPU ones); other devices kee
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import platform
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,6 +106,10 @@ MAX_CANDIDATES = 16384  # wider candidate ranges fall back (counted as bracket)
 # candidate count, so a row pads to its group's widest, not the batch's. A group costs about as much as
 # CUT_GROUP_COST more padded entries (its ~50 torch calls; measured at V = 32k and 152k).
 CUT_GROUPS, CUT_GROUP_COST = 8, 20000
+# Groups no wider than this are cut on one thread: their ~50 torch calls are small, and waking torch's
+# other threads for each cost more than it saved (OMP_WAIT_POLICY=PASSIVE: 11.6 against 6.9 ms at
+# 512 x 32k, 44 against 34 ms at 4096 x 32k); at V = 152k (~1600 wide) two threads were faster.
+CUT_SERIAL_WIDTH = 512
 # Values per row block (16 MB per float32 buffer). Smaller blocks stay in cache but multiply torch's
 # parallel regions (about 20 per block); on a loaded machine each can stall on a descheduled thread.
 BLOCK_ELEMS = 1 << 22
@@ -606,7 +612,7 @@ def _select_kernel(
     near = np.zeros(r, dtype=bool)
     geometry = (SHIFT, BASE, NB - 1, np.float32(2.0**LOW_EXP), np.float32(2.0**HIGH_EXP))
     _run(kernels.hist_rows, r, z, rows, m_np, lo, hi, drop, counts, masses, near, *geometry)
-    rng = _ranges(torch.from_numpy(counts).double(), torch.from_numpy(masses), thr32, v, lanes, hd2)
+    rng = _ranges(torch.from_numpy(counts).double(), torch.from_numpy(masses), thr32, v, lanes, hd2, _prefix_kernel(counts, masses, hd2))
     todo = torch.from_numpy(near | redo)
     if bool(todo.any()):  # no candidates and no kept tokens from the kernel on these rows
         rng.b_top[todo] = 0
@@ -703,20 +709,57 @@ class _Ranges:
             getattr(self, f)[rows] = getattr(other, f)
 
 
-def _ranges(nb: torch.Tensor, mb: torch.Tensor, thr32: torch.Tensor, v: int, lanes: int | None, hd2: torch.Tensor) -> _Ranges:
-    """Per row, from its histogram (counts ``nb``, masses ``mb``: float64 sums of float32 exps; both [b, NB] float64)."""
-    dev = nb.device
-    # Each float32 exp is within 1 ulp (2u); the float64 sum of n of them adds at most n 2^-53.
-    eb = mb * ((2 * U + nb * 2.0**-53) * _SLACK)
+@dataclass
+class _Prefix:
+    """A histogram's prefix sums (each [b, NB] float64, ``suffix`` [b, NB + 1]) and B's bound [b]."""
+
+    cum: torch.Tensor  # masses of buckets <= k
+    ecum: torch.Tensor  # their error bounds (``_bucket_error``)
+    ncum: torch.Tensor  # counts of buckets <= k
+    acum: torch.Tensor  # sum of (mass + error) * (upper d + 2): the A term
+    suffix: torch.Tensor  # masses of buckets >= k (0 past the last)
+    b_sum: torch.Tensor  # sum_k (mass + error)_k * ncum_k (B's bound before its rounding factor)
+
+
+def _bucket_error(mb: torch.Tensor, nb: torch.Tensor) -> torch.Tensor:
+    """Each float32 exp is within 1 ulp (2u); the float64 sum of n of them adds at most n 2^-53."""
+    return mb * ((2 * U + nb * 2.0**-53) * _SLACK)
+
+
+def _prefix(nb: torch.Tensor, mb: torch.Tensor, hd2: torch.Tensor) -> _Prefix:
+    """The prefix sums of :class:`_Prefix` in torch ops (the compiled pass: :func:`parity.core.kernels.prefix_rows`)."""
+    eb = _bucket_error(mb, nb)
     m_hi = mb + eb
-    cum, ecum, ncum = mb.cumsum(dim=1), eb.cumsum(dim=1), nb.cumsum(dim=1)
-    acum = (m_hi * hd2).cumsum(dim=1)
+    ncum = nb.cumsum(dim=1)
+    suffix = torch.nn.functional.pad(mb.flip(1).cumsum(dim=1).flip(1), (0, 1))  # suffix[k]: buckets >= k
+    return _Prefix(mb.cumsum(dim=1), eb.cumsum(dim=1), ncum, (m_hi * hd2).cumsum(dim=1), suffix, (m_hi * ncum).sum(dim=1))
+
+
+def _prefix_kernel(counts: np.ndarray, masses: np.ndarray, hd2: torch.Tensor) -> _Prefix:
+    """:func:`_prefix` through :func:`parity.core.kernels.prefix_rows`: one pass over each row's buckets
+    in place of about fifteen torch ops over [R, NB] (70 ms at 4096 x 32k, two thirds of full's time)."""
+    r, nbk = masses.shape
+    cum, ecum, ncum, acum = (np.empty((r, nbk)) for _ in range(4))
+    suffix, b_sum = np.empty((r, nbk + 1)), np.empty(r)
+    _run(kernels.prefix_rows, r, counts, masses, hd2.numpy(), 2 * U * _SLACK, 2.0**-53 * _SLACK, cum, ecum, ncum, acum, suffix, b_sum)
+    return _Prefix(*(torch.from_numpy(a) for a in (cum, ecum, ncum, acum, suffix, b_sum)))
+
+
+def _ranges(
+    nb: torch.Tensor, mb: torch.Tensor, thr32: torch.Tensor, v: int, lanes: int | None, hd2: torch.Tensor, pre: _Prefix | None = None
+) -> _Ranges:
+    """Per row, from its histogram (counts ``nb``, masses ``mb``: float64 sums of float32 exps; both [b, NB] float64)
+    and its prefix sums (``pre``; default :func:`_prefix`)."""
+    dev = nb.device
+    if pre is None:
+        pre = _prefix(nb, mb, hd2)
+    cum, ecum, ncum, acum = pre.cum, pre.ecum, pre.ncum, pre.acum
     s, es0 = cum[:, -1], ecum[:, -1]
     es = es0 + s * 2.0**-50
     s_lo = (s - es).clamp(min=1.0)  # the max contributes exp(0) = 1
     s_hi = s + es
     # B = sum over tokens of e * (tokens at or above it) <= sum_b mass_b * count(buckets <= b)
-    b_bound = (m_hi * ncum).sum(dim=1) * (1 + 4 * U)
+    b_bound = pre.b_sum * (1 + 4 * U)
     anyorder = torch.full_like(s, float(v - 1))
     e_sum = anyorder if lanes is None else torch.minimum((b_bound / s_lo + (lanes - 1)) / lanes + (lanes - 1), anyorder)
     a_all = acum[:, -1] / s_lo
@@ -727,7 +770,8 @@ def _ranges(nb: torch.Tensor, mb: torch.Tensor, thr32: torch.Tensor, v: int, lan
     star = torch.searchsorted(cum, (s * (1 - thr)).unsqueeze(1)).squeeze(1).clamp(max=NB - 1)
     offs = torch.arange(-WINDOW, WINDOW + 1, device=dev)
     win = (star.unsqueeze(1) + offs).clamp(0, NB - 1)  # [b, 2W + 1]
-    cum_w, ecum_w, mb_w, eb_w = cum.gather(1, win), ecum.gather(1, win), mb.gather(1, win), eb.gather(1, win)
+    cum_w, ecum_w, mb_w = cum.gather(1, win), ecum.gather(1, win), mb.gather(1, win)
+    eb_w = _bucket_error(mb_w, nb.gather(1, win))
     below = s.unsqueeze(1) - cum_w  # mass strictly below bucket b
     e_below = es0.unsqueeze(1) - ecum_w
     incl, e_incl = below + mb_w, e_below + eb_w
@@ -771,8 +815,7 @@ def _ranges(nb: torch.Tensor, mb: torch.Tensor, thr32: torch.Tensor, v: int, lan
     # The masses above and below the range: prefix sums of the buckets' float64 masses (HIST_REL_ERROR).
     zero = torch.zeros_like(s)
     m_above = torch.where(b_top > 0, cum.gather(1, (b_top - 1).clamp(min=0).unsqueeze(1)).squeeze(1), zero)
-    suffix = torch.nn.functional.pad(mb.flip(1).cumsum(dim=1).flip(1), (0, 1))  # suffix[k]: buckets >= k
-    m_below = suffix.gather(1, (b_bot + 1).unsqueeze(1)).squeeze(1)  # a sum, not s - cum: no cancellation
+    m_below = pre.suffix.gather(1, (b_bot + 1).unsqueeze(1)).squeeze(1)  # a sum, not s - cum: no cancellation
     return _Ranges(b_top, b_bot, n_cand, band, bracket, a_all, e_sum, a_below, m_above, m_below)
 
 
@@ -815,11 +858,27 @@ def _cut(
     size = _group_size(rng.n_cand[by_width])
     for g0 in range(0, r, size):
         rows = by_width[g0 : g0 + size]
-        keep_pos, log_mass[rows], band[rows], tie_split[rows], decided[rows] = _cut_rows(
-            rows, start[rows], pos, vals, m, rng, thr32, v, decide
-        )
+        narrow = int(rng.n_cand[rows[-1]]) <= CUT_SERIAL_WIDTH  # rows sorted by width: the last is the widest
+        with _one_thread() if narrow else contextlib.nullcontext():
+            keep_pos, log_mass[rows], band[rows], tie_split[rows], decided[rows] = _cut_rows(
+                rows, start[rows], pos, vals, m, rng, thr32, v, decide
+            )
         kept.append(keep_pos)
     return (torch.cat(kept) if kept else pos[:0]), log_mass, band, tie_split, decided
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch's intra-op parallelism off within the block (this thread's setting; restored after)."""
+    before = torch.get_num_threads()
+    if before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _group_size(widths: torch.Tensor) -> int:

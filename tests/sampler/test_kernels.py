@@ -91,6 +91,31 @@ def test_histogram_is_the_torch_histogram() -> None:
         assert not near.any()
 
 
+def test_prefix_sums_are_the_torch_prefix_sums() -> None:
+    """The compiled prefix pass over a histogram (running masses, error bounds, counts, A terms, suffix
+    masses, B's sum) agrees with the torch ops it replaces to float64 rounding (fused multiply-adds and
+    summation order only), and gives the same ranges: the same candidate buckets, counts and fallbacks."""
+    z = _lm_rows(40, 5000, 3)
+    z[0, 7:300] = NEG_INF
+    z[1] = torch.linspace(-200, 0, 5000)
+    m = z.amax(dim=1, keepdim=True)
+    counts, masses, near = np.zeros((40, N.NB), np.int64), np.zeros((40, N.NB)), np.zeros(40, dtype=bool)
+    none = np.full(40, -np.inf, dtype=np.float32)
+    geometry = (N.SHIFT, N.BASE, N.NB - 1, np.float32(2.0**N.LOW_EXP), np.float32(2.0**N.HIGH_EXP))
+    K.hist_rows(z.numpy(), np.arange(40), 0, 40, m.squeeze(1).numpy(), none, none, False, counts, masses, near, *geometry)
+    nb, mb, hd2 = torch.from_numpy(counts).double(), torch.from_numpy(masses), N._edges()
+    got, want = N._prefix_kernel(counts, masses, hd2), N._prefix(nb, mb, hd2)
+    for f in N._Prefix.__dataclass_fields__:
+        g, w = getattr(got, f), getattr(want, f)
+        assert g.shape == w.shape, f
+        assert torch.allclose(g, w, rtol=1e-13, atol=0), f"{f}: max rel {((g - w).abs() / w.abs().clamp(min=1e-300)).max():.2e}"
+    assert torch.equal(got.ncum, want.ncum)  # counts: integers, exact
+    p = torch.linspace(0.05, 0.999, 40)
+    a, b = (N._ranges(nb, mb, 1 - p, 5000, 8, hd2, pre) for pre in (got, want))
+    for f in ("b_top", "b_bot", "n_cand", "band", "bracket"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_both_backends_keep_the_references_kept_set(backend, monkeypatch, threads: int) -> None:
     """LM-like rows without top_k (top_p alone, top_p + min_p through the select, min_p alone, p = 1 rows

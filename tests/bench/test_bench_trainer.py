@@ -258,6 +258,7 @@ def run_case(
         if spec.top_k_for_vocab(v) >= v and not (spec.uses_top_p and spec.uses_min_p):
             notes.append(f"{kernels.backend()} passes")
         FALLBACKS[(name, col)] = pair.result.fallback_count
+        ROWS[col] = t
     if kind == "decide":
         notes.append(f"decided {pair.result.decided_count}/{t}")
         DECIDED[(name, col)] = pair.result.decided_count
@@ -273,6 +274,8 @@ def run_case(
 
 
 FALLBACKS: dict[tuple[str, str], int] = {}  # (estimator id, column) -> rows sent to the reference sort
+ROWS: dict[str, int] = {}  # column -> T
+BAND_SHARE = 0.05  # band rows below this share of T do not explain a cell's cost
 DECIDED: dict[tuple[str, str], int] = {}  # (estimator id, column) -> band rows decided in float64
 
 
@@ -329,42 +332,47 @@ def trainer_findings(report: Any) -> list[str]:
                 text += f", against {ref_p:.1f}x through the reference full-row sort"
             lines.append(text)
             dec = cell("recompute-p-decide", col)
-            band_bound = dec is not None and (dec.value <= RECOMPUTE_TARGET[1] or dec.value < 0.8 * alone)
-            if alone > RECOMPUTE_TARGET[1] and dec is not None and not band_bound:
-                # Deciding the band rows does not bring it down: the cost is the select itself, not the sorts.
-                sel = ratio("part-select", col)
+            sel = ratio("part-select", col)
+            rows = ROWS.get(col, 0)
+            # The band rows explain the cost only where they are many and deciding them saves a clear part.
+            band_bound = (
+                dec is not None and fb is not None and fb >= BAND_SHARE * rows
+                and (dec.value <= RECOMPUTE_TARGET[1] or dec.value < 0.8 * alone)
+            )
+            if alone > RECOMPUTE_TARGET[1]:
                 if kernels.backend() == "numba":
-                    cost = (
-                        "the select's compiled row passes (parity.core.kernels: a histogram pass with a float64 "
-                        "exp and a scalar scatter into two bucket arrays per token, and a mark pass) plus the "
-                        "ranges and the candidates' exact cut in torch ops still cost more than log_softmax + "
-                        "gather's two or three vectorised passes"
+                    passes = (
+                        "the select's compiled row passes (parity.core.kernels: a histogram pass with a float64 exp "
+                        "and a scalar scatter into two bucket arrays per token, a prefix pass, a mark pass) and the "
+                        "ranges' window in torch ops"
                     )
-                    if sel is not None:
-                        cost += (
-                            f"; z / T and the select up to its candidates alone cost {sel:.2f}x full (measured "
-                            f"above), {100 * sel / alone:.0f} % of it, before the exact cut"
-                        )
                 else:
-                    cost = (
-                        "the nucleus select through torch ops makes about a dozen eager passes over each row (max, "
-                        "exp and its float64 copy, four for the bucket keys, two histograms (bincount: a scalar "
+                    passes = (
+                        "the nucleus select through torch ops: about a dozen eager passes over each row (max, exp "
+                        "and its float64 copy, four for the bucket keys, two histograms (bincount: a scalar "
                         "scatter, the largest single cost), the kept mask, the candidates) where log_softmax + "
                         "gather makes two or three fused ones (numba's compiled passes: the fast extra)"
                     )
-                lines.append(
-                    f"{col}: why top_p alone is over {RECOMPUTE_TARGET[1]:g}x: not the rounding band ({fb} rows "
-                    f"sorted; deciding them in float64 costs {dec.value:.2f}x); {cost}"
-                )
-            if alone > RECOMPUTE_TARGET[1] and fb and band_bound:
-                lines.append(
-                    f"{col}: why top_p alone is over {RECOMPUTE_TARGET[1]:g}x: {fb} of its rows have a candidate "
-                    "inside the proven rounding band (mostly the reference's float32 softmax-denominator error "
-                    "bound, u times the sum of its lanes' partial sums, times 1 - p), and such a row is decided "
-                    "only by the reference's own float32 ops on the whole sorted row: a full-row sort each. "
-                    f"Deciding those rows in float64 (band_policy=decide, {DECIDED.get(('recompute-p-decide', col), '?')} "
-                    f"rows decided, counted) costs {dec.value:.2f}x"
-                )
+                why = [f"{col}: why top_p alone is over {RECOMPUTE_TARGET[1]:g}x:"]
+                if sel is not None:
+                    why.append(
+                        f"z / T and the select up to its candidates alone cost {sel:.2f}x full (measured above, "
+                        f"{100 * sel / alone:.0f} % of top_p alone's {alone:.2f}x): {passes}; the exact cut over "
+                        "the candidates and the band rows' sorts come on top."
+                    )
+                else:
+                    why.append(f"{passes}.")
+                if band_bound:
+                    why.append(
+                        f"{fb} of its rows have a candidate inside the proven rounding band (mostly the reference's "
+                        "float32 softmax-denominator error bound, u times the sum of its lanes' partial sums, times "
+                        "1 - p), and such a row is decided only by the reference's own float32 ops on the whole "
+                        "sorted row: a full-row sort each. Deciding those rows in float64 (band_policy=decide, "
+                        f"{DECIDED.get(('recompute-p-decide', col), '?')} rows decided, counted) costs {dec.value:.2f}x."
+                    )
+                elif dec is not None:
+                    why.append(f"Not the rounding band: {fb} rows sorted; deciding them in float64 costs {dec.value:.2f}x.")
+                lines.append(" ".join(why))
         floor = ratio("full", col)
         if floor is not None and abs(floor - 1) > FLOOR_TOL:
             lines.append(

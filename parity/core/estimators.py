@@ -28,6 +28,7 @@ from parity.core.filters import (
     min_p_decide,
     min_p_mask,
     reference_filter,
+    temperatures,
     top_k_top_p_sorted,
 )
 from parity.core.spec import SamplingSpec, per_row
@@ -115,9 +116,14 @@ def recompute(
         raise ValueError(f"band_policy is {band_policy!r}: allowed one of {', '.join(map(repr, nucleus.BAND_POLICIES))}")
     if faults is not None and faults != FilterFaults():
         return _undecided(_recompute_reference(logits, sampled, specs, force_include=force_include, faults=faults), band_policy)
-    z = scale(logits, specs)
-    y = _check_ids(sampled, z)
-    row_specs = per_row(specs, z.shape[0])
+    logits = check_logits(logits)
+    row_specs = per_row(specs, logits.shape[0])
+    z: torch.Tensor | nucleus.Scaled
+    if _reads_scaled(logits, row_specs):  # z' read where needed (parity.core.nucleus.Scaled): no [N, V] z / T
+        z = nucleus.Scaled(logits, temperatures(row_specs, torch.float32, logits.device))
+    else:
+        z = apply_temperature(logits.to(torch.float32), row_specs)
+    y = _check_ids(sampled, logits)
     if all(s.greedy for s in row_specs):  # reference_filter's all-greedy path: nothing to bound
         return _undecided(_recompute_reference(logits, sampled, specs, force_include=force_include), band_policy)
     kept, ids, listed, log_mass, row_max, fallback, decided = _kept_bounded(z, row_specs, band_policy)
@@ -125,6 +131,7 @@ def recompute(
     lp = torch.empty(z.shape[0], dtype=z.dtype, device=z.device)
     if bool(listed.any()):
         extra = torch.where(forced, y, -1) if force_include else torch.full_like(y, -1)
+        assert isinstance(z, torch.Tensor), "no row is listed when z' is read through Scaled"
         lp_ids = _log_renormalised(z, y, torch.cat([ids, extra.unsqueeze(1)], dim=1))
         lp = torch.where(listed, lp_ids, lp)
     massed = ~torch.isnan(log_mass)  # nucleus rows: their kept mass is known
@@ -142,6 +149,18 @@ def recompute(
     if not force_include:  # y outside S_p scores -inf, as a naive trainer would get
         lp = lp.masked_fill(forced, NEG_INF)
     return RecomputeResult(lp, kept, forced, fallback, decided if band_policy == "decide" else None)
+
+
+def _reads_scaled(logits: torch.Tensor, specs: list[SamplingSpec]) -> bool:
+    """Whether recompute reads z' through :class:`parity.core.nucleus.Scaled`: every row goes through the
+    compiled nucleus passes (CPU float32, numba; no top_k, no top_p + min_p list), which divide as they
+    read. Every other batch materialises z / T first, as before."""
+    if kernels.backend() != "numba" or logits.dtype != torch.float32 or not nucleus.supported(logits):
+        return False
+    vocab = logits.shape[1]
+    if any(s.top_k_for_vocab(vocab) < vocab for s in specs):
+        return False
+    return not (any(s.uses_top_p for s in specs) and any(s.uses_min_p for s in specs))
 
 
 def _undecided(res: RecomputeResult, band_policy: str) -> RecomputeResult:
@@ -352,8 +371,9 @@ def _min_p_lists_kernel(z: torch.Tensor, rows: torch.Tensor, mp: torch.Tensor) -
     return rows[at], vals, ids
 
 
-def _kept_bounded(z: torch.Tensor, specs: list[SamplingSpec], band_policy: str = "reference") -> _Bounded:
-    """reference_filter's kept mask for a not-all-greedy batch of scaled logits ``z``.
+def _kept_bounded(z: torch.Tensor | nucleus.Scaled, specs: list[SamplingSpec], band_policy: str = "reference") -> _Bounded:
+    """reference_filter's kept mask for a not-all-greedy batch of scaled logits ``z`` (a :class:`parity.core.nucleus.Scaled`
+    only where :func:`_reads_scaled`: then no row takes a candidate list).
 
     Rows with top_k are filtered from their candidates (the ids are the whole kept set on those listed
     rows), and so are rows without top_k under min_p and top_p with few min_p survivors
@@ -367,7 +387,7 @@ def _kept_bounded(z: torch.Tensor, specs: list[SamplingSpec], band_policy: str =
     mp = torch.tensor([s.min_p if s.uses_min_p else 0.0 for s in specs], dtype=torch.float32, device=dev)
 
     def work(rows: torch.Tensor | None) -> torch.Tensor:  # z' after min_p (row-wise: exact per row)
-        sub = z if rows is None else z[rows]
+        sub = z[rows if rows is not None else slice(None)] if isinstance(z, nucleus.Scaled) else z if rows is None else z[rows]
         if not use_min_p:
             return sub
         return sub.masked_fill(min_p_mask(sub, mp if rows is None else mp[rows]), NEG_INF)
@@ -385,6 +405,7 @@ def _kept_bounded(z: torch.Tensor, specs: list[SamplingSpec], band_policy: str =
     if any_p and use_min_p and free.numel():
         mrows = free[mp[free] > 0]
         if mrows.numel():
+            assert isinstance(z, torch.Tensor), "top_p + min_p batches materialise z' (_reads_scaled)"
             short, mvals, mids = _min_p_lists(z, mrows, mp[mrows])
             if short.numel():
                 lists.append((short, mvals, mids))
@@ -397,6 +418,7 @@ def _kept_bounded(z: torch.Tensor, specs: list[SamplingSpec], band_policy: str =
     ids = torch.full((n, 1), -1, dtype=torch.long, device=dev)
     krows = (k < vocab).nonzero().squeeze(1)
     if krows.numel():
+        assert isinstance(z, torch.Tensor), "top_k batches materialise z' (_reads_scaled)"
         kvals, kids, redo = _top_k_candidates(z, krows, k[krows], mp[krows] if use_min_p else None)
         lists.insert(0, (krows, kvals, kids))
         fallback[krows[redo]] = True  # min_p decided by the reference's softmax on the whole row

@@ -89,12 +89,12 @@ def apply_temperature(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.
     Mirrors ``Sampler.apply_temperature`` (vllm/v1/sample/sampler.py): in a batch that is not all
     random, temperatures below _SAMPLING_EPS are replaced by 1.0 before the division.
     """
-    temps = torch.tensor(
-        [1.0 if s.temperature < SAMPLING_EPS else s.temperature for s in specs],
-        dtype=logits.dtype,
-        device=logits.device,
-    )
-    return logits / temps.unsqueeze(1)
+    return logits / temperatures(specs, logits.dtype, logits.device).unsqueeze(1)
+
+
+def temperatures(specs: list[SamplingSpec], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The divisor of each row in :func:`apply_temperature`: T, or 1.0 below SAMPLING_EPS."""
+    return torch.tensor([1.0 if s.temperature < SAMPLING_EPS else s.temperature for s in specs], dtype=dtype, device=device)
 
 
 def min_p_mask(scaled: torch.Tensor, min_p: torch.Tensor, *, log_space: bool = False) -> torch.Tensor:

@@ -176,10 +176,10 @@ def _mass(z: np.float32, m: np.float32, lo: np.float32) -> float:
 
 @_jit()
 def hist_rows(
-    z: np.ndarray, rows: np.ndarray, r0: int, r1: int, m: np.ndarray, lo: np.ndarray, hi: np.ndarray, drop: bool,
+    z: np.ndarray, rows: np.ndarray, r0: int, r1: int, t: np.ndarray, m: np.ndarray, lo: np.ndarray, hi: np.ndarray, drop: bool,
     counts: np.ndarray, masses: np.ndarray, near: np.ndarray, shift: int, base: int, last: int, lo_d: np.float32, hi_d: np.float32,
 ) -> None:
-    """Counts and float64 masses per bucket of rows ``r0:r1`` (``z[rows[i]]``, row max ``m[i]``).
+    """Counts and float64 masses per bucket of rows ``r0:r1`` (``z[rows[i]] / t[rows[i]]``, row max ``m[i]``).
 
     With ``drop``, values below ``lo[i]`` are min_p's drops (last bucket, no mass) and a value in
     ``[lo[i], hi[i])`` sets ``near[i]`` (min_p's rounding band: the reference decides that row).
@@ -190,6 +190,7 @@ def hist_rows(
     neg_inf = np.float32(-np.inf)
     for i in range(r0, r1):
         row = z[rows[i]]
+        ti = t[rows[i]]
         mi = m[i]
         loi = lo[i] if drop else neg_inf  # -inf: nothing dropped, nothing near
         hii = hi[i] if drop else neg_inf
@@ -199,7 +200,7 @@ def hist_rows(
             n = min(v - c0, CHUNK)
             seg, kseg, mseg = row[c0 : c0 + n], keys[:n], mass[:n]  # zero-based views: vectorised loop
             for j in range(n):  # no branch either
-                zj = seg[j]
+                zj = seg[j] / ti
                 kseg[j] = _key(zj, mi, loi, shift, base, last, lo_d, hi_d)
                 mseg[j] = _mass(zj, mi, loi)
                 hits += (zj >= loi) & (zj < hii)
@@ -212,14 +213,15 @@ def hist_rows(
 
 @_jit()
 def mark_rows(
-    z: np.ndarray, rows: np.ndarray, r0: int, r1: int, m: np.ndarray, lo: np.ndarray, drop: bool,
+    z: np.ndarray, rows: np.ndarray, r0: int, r1: int, t: np.ndarray, m: np.ndarray, lo: np.ndarray, drop: bool,
     b_top: np.ndarray, b_bot: np.ndarray, out: np.ndarray, dest: np.ndarray, start: np.ndarray,
     cand_pos: np.ndarray, cand_val: np.ndarray, shift: int, base: int, last: int, lo_d: np.float32, hi_d: np.float32,
 ) -> None:
     """The kept mask above each row's range into ``out[dest[i]]``, and the range's tokens (candidates).
 
     Row i's candidates go to ``cand_pos`` / ``cand_val`` from ``start[i]`` on, in column order:
-    position ``i * V + column`` and the value (-inf for min_p's drops, as the reference's z').
+    position ``i * V + column`` and the value (``z / t`` as hist_rows reads it; -inf for min_p's drops,
+    as the reference's z').
     """
     v = z.shape[1]
     neg_inf = np.float32(-np.inf)
@@ -228,6 +230,7 @@ def mark_rows(
     found = np.empty(CHUNK + 1, np.int64)
     for i in range(r0, r1):
         row = z[rows[i]]
+        ti = t[rows[i]]
         o = out[dest[i]]
         mi, top, bot = m[i], b_top[i], b_bot[i]
         loi = lo[i] if drop else neg_inf
@@ -237,7 +240,7 @@ def mark_rows(
             inside = 0
             seg, oseg, fseg = row[c0 : c0 + n], o[c0 : c0 + n], flags[:n]  # zero-based views: vectorised
             for j in range(n):  # no branch either
-                k = _key(seg[j], mi, loi, shift, base, last, lo_d, hi_d)
+                k = _key(seg[j] / ti, mi, loi, shift, base, last, lo_d, hi_d)
                 oseg[j] = k < top
                 f = (k >= top) & (k <= bot)
                 fseg[j] = f
@@ -252,7 +255,7 @@ def mark_rows(
                             c += flags[j]
                 for q in range(c):
                     j = found[q]
-                    zj = row[c0 + j]
+                    zj = row[c0 + j] / ti
                     cand_pos[at + q] = i * v + c0 + j
                     cand_val[at + q] = neg_inf if zj < loi else zj
                 at += c
@@ -260,10 +263,11 @@ def mark_rows(
 
 @_jit()
 def survivor_rows(
-    z: np.ndarray, rows: np.ndarray, r0: int, r1: int, m: np.ndarray, lo: np.ndarray, hi: np.ndarray, drop: bool,
+    z: np.ndarray, rows: np.ndarray, r0: int, r1: int, t: np.ndarray, m: np.ndarray, lo: np.ndarray, hi: np.ndarray, drop: bool,
     out: np.ndarray, dest: np.ndarray, sums: np.ndarray, near: np.ndarray,
 ) -> None:
-    """Rows that are not cut: kept = finite and not dropped by min_p; float64 sum of their exps.
+    """Rows that are not cut (``z[rows[i]] / t[rows[i]]``): kept = finite and not dropped by min_p; float64
+    sum of their exps.
 
     Branch-free in the element loop (the masses of a chunk are summed after it), so the compiler
     vectorises it; ``lo`` is -inf where nothing is dropped, which makes ``drop`` a no-op there too.
@@ -273,6 +277,7 @@ def survivor_rows(
     mass = np.empty(CHUNK + LANES, np.float64)
     for i in range(r0, r1):
         row = z[rows[i]]
+        ti = t[rows[i]]
         o = out[dest[i]]
         mi = m[i]
         loi = lo[i] if drop else neg_inf
@@ -283,7 +288,7 @@ def survivor_rows(
             n = min(v - c0, CHUNK)
             seg, oseg, mseg = row[c0 : c0 + n], o[c0 : c0 + n], mass[:n]  # zero-based views: vectorised
             for j in range(n):
-                zj = seg[j]
+                zj = seg[j] / ti
                 oseg[j] = (zj > neg_inf) & (zj >= loi)
                 mseg[j] = _mass(zj, mi, loi)  # 0 at -inf too
                 hits += (zj >= loi) & (zj < hii)
@@ -333,20 +338,21 @@ def prefix_rows(
 
 @_jit()
 def list_rows(
-    z: np.ndarray, rows: np.ndarray, r0: int, r1: int, lo: np.ndarray, hi: np.ndarray,
+    z: np.ndarray, rows: np.ndarray, r0: int, r1: int, t: np.ndarray, lo: np.ndarray, hi: np.ndarray,
     vals: np.ndarray, ids: np.ndarray, count: np.ndarray, near: np.ndarray,
 ) -> None:
-    """min_p's survivors (``z >= lo[i]``) of each row, in column order: the first ``vals.shape[1]`` of them
+    """min_p's survivors (``z / t >= lo[i]``, row ``rows[i]``) of each row, in column order: the first ``vals.shape[1]`` of them
     into ``vals`` / ``ids`` (left as they are past that), their number into ``count``; ``near`` as above."""
     v = z.shape[1]
     cap = vals.shape[1]
     for i in range(r0, r1):
         row = z[rows[i]]
+        ti = t[rows[i]]
         loi, hii = lo[i], hi[i]
         c = 0
         hits = 0
         for j in range(v):
-            zj = row[j]
+            zj = row[j] / ti
             if zj >= loi:
                 if c < cap:
                     vals[i, c] = zj

@@ -182,9 +182,56 @@ def softmax_lanes(device: torch.device) -> int | None:
     return None
 
 
-def supported(work: torch.Tensor) -> bool:
+@dataclass(frozen=True)
+class Scaled:
+    """``z' = logits / temps[:, None]`` read where it is needed instead of materialised: the float32
+    division the sampler runs (``parity.core.filters.apply_temperature``), row by row. IEEE division is
+    correctly rounded, so every value read is the bit of the materialised z'; the compiled row passes
+    divide as they read (a pass over ``[N, V]`` and its output saved), the torch ones on the rows they take.
+    """
+
+    logits: torch.Tensor  # float32 [N, V]
+    temps: torch.Tensor  # float32 [N], > 0
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.logits.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.logits.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.logits.dtype
+
+    def dim(self) -> int:
+        return self.logits.dim()
+
+    def __getitem__(self, rows: torch.Tensor | slice) -> torch.Tensor:
+        """z' of ``rows`` (a slice or a 1-D index tensor)."""
+        return self.logits[rows] / self.temps[rows].unsqueeze(1)
+
+    def gather(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        """``z'.gather(1, index)``: the values at ``index`` only."""
+        if dim != 1:
+            raise ValueError(f"Scaled.gather reads along dim 1 (the vocabulary): got dim={dim}")
+        return self.logits.gather(1, index) / self.temps.unsqueeze(1)
+
+
+Work = torch.Tensor | Scaled  # z' materialised, or read through Scaled
+
+
+def supported(work: Work) -> bool:
     """Whether :func:`nucleus_cut` and :func:`survivor_mass` apply: CPU float32 ``[N, V]``."""
     return work.device.type == "cpu" and work.dtype == torch.float32 and work.dim() == 2
+
+
+def _divisors(work: Work) -> np.ndarray:
+    """The kernels' per-row divisor of what they read: the temperatures, or 1 (x / 1 is x)."""
+    if isinstance(work, Scaled):
+        return work.temps.contiguous().numpy()
+    return np.ones(work.shape[0], dtype=np.float32)
 
 
 def _edges() -> torch.Tensor:
@@ -220,7 +267,7 @@ def _row_sums(f: torch.Tensor) -> torch.Tensor:
 
 
 def _check(
-    work: torch.Tensor, rows: torch.Tensor | None, min_p: torch.Tensor | None, out: torch.Tensor | None
+    work: Work, rows: torch.Tensor | None, min_p: torch.Tensor | None, out: torch.Tensor | None
 ) -> tuple[int, int, torch.Tensor | None, int]:
     if not supported(work):
         raise ValueError(f"work must be float32 [N, V] logits on CPU: got {work.dtype} {tuple(work.shape)} on {work.device}")
@@ -241,7 +288,7 @@ class _Blocks:
     is full size.
     """
 
-    def __init__(self, work: torch.Tensor, idx: torch.Tensor | None, r: int, min_p: torch.Tensor | None) -> None:
+    def __init__(self, work: Work, idx: torch.Tensor | None, r: int, min_p: torch.Tensor | None) -> None:
         v = work.shape[1]
         dev = work.device
         self.work, self.idx, self.min_p = work, idx, min_p
@@ -262,7 +309,10 @@ class _Blocks:
             w = self.work[b0:b1]
         else:
             assert self.rows is not None  # allocated whenever idx is given
-            w = torch.index_select(self.work, 0, self.idx[b0:b1], out=self.rows[: b1 - b0])
+            raw = self.work.logits if isinstance(self.work, Scaled) else self.work
+            w = torch.index_select(raw, 0, self.idx[b0:b1], out=self.rows[: b1 - b0])
+            if isinstance(self.work, Scaled):
+                w.div_(self.work.temps[self.idx[b0:b1]].unsqueeze(1))  # z' of those rows, in place
         dropped = None if self.min_p is None else min_p_mask(w, self.min_p[b0:b1])
         m = w.amax(dim=1, keepdim=True)
         e = self.e[: b1 - b0]
@@ -288,7 +338,7 @@ class _Blocks:
 
 
 def survivor_mass(
-    work: torch.Tensor,
+    work: Work,
     *,
     rows: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
@@ -332,18 +382,28 @@ def survivor_mass(
     return NucleusResult(out, log_mass, m_all, no, no.clone(), no.clone(), torch.zeros(r, dtype=torch.long, device=dev), no.clone())
 
 
-def _rows_np(work: torch.Tensor, idx: torch.Tensor | None, r: int) -> tuple[np.ndarray, np.ndarray]:
-    """numpy views for the kernels: the logits (contiguous) and the row of each of the R rows."""
-    z = work.contiguous().numpy()
+def _rows_np(work: Work, idx: torch.Tensor | None, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """numpy views for the kernels: what they read (contiguous), the row of each of the R rows, and the
+    divisor of each row read (:func:`_divisors`)."""
+    raw = work.logits if isinstance(work, Scaled) else work
+    z = raw.contiguous().numpy()
     rows = np.arange(r, dtype=np.int64) if idx is None else idx.contiguous().numpy()
-    return z, rows
+    return z, rows, _divisors(work)
 
 
-def _row_max(work: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
-    """float32 [R, 1]: the max of each cut row (torch's amax: vectorised, threaded)."""
+def _row_max(work: Work, idx: torch.Tensor | None) -> torch.Tensor:
+    """float32 [R, 1]: the max of each cut row (torch's amax: vectorised, threaded). Through :class:`Scaled`,
+    the max of the logits divided by T: division by T > 0 rounds monotonically, so it is the max of z'."""
+    raw = work.logits if isinstance(work, Scaled) else work
     if idx is None or (idx.numel() == work.shape[0] and bool((idx == torch.arange(idx.numel(), device=idx.device)).all())):
-        return work.amax(dim=1, keepdim=True)
-    return torch.cat([work[idx[b0 : b0 + 4096]].amax(dim=1, keepdim=True) for b0 in range(0, idx.numel(), 4096)])
+        m = raw.amax(dim=1, keepdim=True)
+        return m / work.temps.unsqueeze(1) if isinstance(work, Scaled) else m
+    parts = []
+    for b0 in range(0, idx.numel(), 4096):
+        at = idx[b0 : b0 + 4096]
+        m = raw[at].amax(dim=1, keepdim=True)
+        parts.append(m / work.temps[at].unsqueeze(1) if isinstance(work, Scaled) else m)
+    return torch.cat(parts)
 
 
 def _thresholds(m: torch.Tensor, min_p: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
@@ -366,7 +426,7 @@ def _run(fn: object, r: int, *args: object) -> None:
 
 
 def min_p_survivors(
-    work: torch.Tensor, rows: torch.Tensor, min_p: torch.Tensor, cap: int
+    work: Work, rows: torch.Tensor, min_p: torch.Tensor, cap: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """min_p's survivors of ``rows`` through :func:`parity.core.kernels.list_rows` (numba; CPU float32):
     (count [R], values [R, cap] in column order, -inf past them, ids [R, cap], 0 past them, redo [R]).
@@ -376,30 +436,30 @@ def min_p_survivors(
     only the reference's ``min_p_mask`` decides them, and their lists are meaningless.
     """
     r = rows.numel()
-    z, rows_np = _rows_np(work, rows, r)
+    z, rows_np, t = _rows_np(work, rows, r)
     lo, hi, redo, _ = _thresholds(_row_max(work, rows), min_p)
     vals = np.full((r, max(cap, 1)), -np.inf, dtype=np.float32)
     ids = np.zeros((r, max(cap, 1)), dtype=np.int64)
     count = np.zeros(r, dtype=np.int64)
     near = np.zeros(r, dtype=bool)
-    _run(kernels.list_rows, r, z, rows_np, lo, hi, vals, ids, count, near)
+    _run(kernels.list_rows, r, z, rows_np, t, lo, hi, vals, ids, count, near)
     return torch.from_numpy(count), torch.from_numpy(vals), torch.from_numpy(ids), torch.from_numpy(near | redo)
 
 
 def _survivor_kernel(
-    work: torch.Tensor, idx: torch.Tensor | None, min_p: torch.Tensor | None, out: torch.Tensor, dest: torch.Tensor | None,
+    work: Work, idx: torch.Tensor | None, min_p: torch.Tensor | None, out: torch.Tensor, dest: torch.Tensor | None,
     log_mass: torch.Tensor, m_all: torch.Tensor,
 ) -> torch.Tensor:
     """survivor_mass through :func:`parity.core.kernels.survivor_rows`; returns the rows left to the torch
     passes (min_p's rounding band: the reference's min_p_mask decides them)."""
     r = m_all.shape[0]
-    z, rows = _rows_np(work, idx, r)
+    z, rows, t = _rows_np(work, idx, r)
     m = _row_max(work, idx)
     lo, hi, redo, drop = _thresholds(m, min_p)
     dest_np = np.arange(r, dtype=np.int64) if dest is None else dest.contiguous().numpy()
     sums = np.empty(r, dtype=np.float64)
     near = np.zeros(r, dtype=bool)
-    _run(kernels.survivor_rows, r, z, rows, m.squeeze(1).numpy(), lo, hi, drop, out.numpy(), dest_np, sums, near)
+    _run(kernels.survivor_rows, r, z, rows, t, m.squeeze(1).numpy(), lo, hi, drop, out.numpy(), dest_np, sums, near)
     m_all.copy_(m)
     log_mass.copy_(torch.log(torch.from_numpy(sums)))
     return torch.from_numpy(near | redo).nonzero().squeeze(1)
@@ -424,7 +484,7 @@ class Selection:
 
 
 def select(
-    work: torch.Tensor,
+    work: Work,
     p: torch.Tensor,
     *,
     rows: torch.Tensor | None = None,
@@ -470,7 +530,7 @@ def select(
 
 
 def nucleus_cut(
-    work: torch.Tensor,
+    work: Work,
     p: torch.Tensor,
     *,
     rows: torch.Tensor | None = None,
@@ -523,7 +583,8 @@ def nucleus_cut(
             k = okr.numel()
             sums, near, none = np.empty(k), np.zeros(k, dtype=bool), np.full(k, -np.inf, dtype=np.float32)
             m_ok = m_all[late][okr].squeeze(1).contiguous().numpy()
-            args = (w.contiguous().numpy(), okr.numpy(), m_ok, v_star[okr].contiguous().numpy(), none, True)
+            ones = np.ones(w.shape[0], dtype=np.float32)  # w holds z' already
+            args = (w.contiguous().numpy(), okr.numpy(), ones, m_ok, v_star[okr].contiguous().numpy(), none, True)
             _run(kernels.survivor_rows, k, *args, out.numpy(), to[okr].contiguous().numpy(), sums, near)
             log_mass[late[okr]] = torch.log(torch.from_numpy(sums))
         else:
@@ -538,7 +599,7 @@ def nucleus_cut(
 
 
 def _select_torch(
-    work: torch.Tensor, idx: torch.Tensor | None, todo: torch.Tensor | None, thr32: torch.Tensor, min_p: torch.Tensor | None,
+    work: Work, idx: torch.Tensor | None, todo: torch.Tensor | None, thr32: torch.Tensor, min_p: torch.Tensor | None,
     out: torch.Tensor, dest: torch.Tensor | None, lanes: int | None, hd2: torch.Tensor,
 ) -> tuple[torch.Tensor, _Ranges, torch.Tensor, torch.Tensor]:
     """The torch passes of :func:`nucleus_cut` over its rows (or the subset ``todo`` of them), block by
@@ -595,7 +656,7 @@ def _select_torch(
 
 
 def _select_kernel(
-    work: torch.Tensor, idx: torch.Tensor | None, thr32: torch.Tensor, min_p: torch.Tensor | None,
+    work: Work, idx: torch.Tensor | None, thr32: torch.Tensor, min_p: torch.Tensor | None,
     out: torch.Tensor, dest: torch.Tensor | None, lanes: int | None, hd2: torch.Tensor,
 ) -> tuple[tuple[torch.Tensor, _Ranges, torch.Tensor, torch.Tensor], torch.Tensor]:
     """The same as :func:`_select_torch` through the compiled row passes of :mod:`parity.core.kernels`:
@@ -603,7 +664,7 @@ def _select_kernel(
     mask and the candidates. Returns that and the rows left to the torch passes: rows with a value in
     min_p's rounding band (the reference's min_p_mask decides them); those get no candidates here."""
     r, v = thr32.shape[0], work.shape[1]
-    z, rows = _rows_np(work, idx, r)
+    z, rows, t = _rows_np(work, idx, r)
     m = _row_max(work, idx)
     lo, hi, redo, drop = _thresholds(m, min_p)
     m_np = m.squeeze(1).numpy()
@@ -611,7 +672,7 @@ def _select_kernel(
     masses = np.zeros((r, NB), dtype=np.float64)
     near = np.zeros(r, dtype=bool)
     geometry = (SHIFT, BASE, NB - 1, np.float32(2.0**LOW_EXP), np.float32(2.0**HIGH_EXP))
-    _run(kernels.hist_rows, r, z, rows, m_np, lo, hi, drop, counts, masses, near, *geometry)
+    _run(kernels.hist_rows, r, z, rows, t, m_np, lo, hi, drop, counts, masses, near, *geometry)
     rng = _ranges(torch.from_numpy(counts).double(), torch.from_numpy(masses), thr32, v, lanes, hd2, _prefix_kernel(counts, masses, hd2))
     todo = torch.from_numpy(near | redo)
     if bool(todo.any()):  # no candidates and no kept tokens from the kernel on these rows
@@ -623,7 +684,7 @@ def _select_kernel(
     cand_val = np.empty(int(start[-1]), dtype=np.float32)
     dest_np = np.arange(r, dtype=np.int64) if dest is None else dest.contiguous().numpy()
     _run(
-        kernels.mark_rows, r, z, rows, m_np, lo, drop, rng.b_top.numpy(), rng.b_bot.numpy(), out.numpy(), dest_np,
+        kernels.mark_rows, r, z, rows, t, m_np, lo, drop, rng.b_top.numpy(), rng.b_bot.numpy(), out.numpy(), dest_np,
         start.numpy(), cand_pos, cand_val, *geometry,
     )
     return (m, rng, torch.from_numpy(cand_pos), torch.from_numpy(cand_val)), todo.nonzero().squeeze(1)

@@ -73,7 +73,7 @@ def test_histogram_is_the_torch_histogram() -> None:
         counts, masses = np.zeros((6, N.NB), np.int64), np.zeros((6, N.NB))
         near = np.zeros(6, dtype=bool)
         geometry = (N.SHIFT, N.BASE, N.NB - 1, np.float32(2.0**N.LOW_EXP), np.float32(2.0**N.HIGH_EXP))
-        K.hist_rows(z.numpy(), np.arange(6), 0, 6, m.squeeze(1).numpy(), low, low, drop, counts, masses, near, *geometry)
+        K.hist_rows(z.numpy(), np.arange(6), 0, 6, np.ones(6, np.float32), m.squeeze(1).numpy(), low, low, drop, counts, masses, near, *geometry)
         d = (m - z).clamp(2.0**N.LOW_EXP, 2.0**N.HIGH_EXP)
         key = (d.view(torch.int32) >> N.SHIFT) - N.BASE
         e = torch.exp(z - m)
@@ -102,7 +102,7 @@ def test_prefix_sums_are_the_torch_prefix_sums() -> None:
     counts, masses, near = np.zeros((40, N.NB), np.int64), np.zeros((40, N.NB)), np.zeros(40, dtype=bool)
     none = np.full(40, -np.inf, dtype=np.float32)
     geometry = (N.SHIFT, N.BASE, N.NB - 1, np.float32(2.0**N.LOW_EXP), np.float32(2.0**N.HIGH_EXP))
-    K.hist_rows(z.numpy(), np.arange(40), 0, 40, m.squeeze(1).numpy(), none, none, False, counts, masses, near, *geometry)
+    K.hist_rows(z.numpy(), np.arange(40), 0, 40, np.ones(40, np.float32), m.squeeze(1).numpy(), none, none, False, counts, masses, near, *geometry)
     nb, mb, hd2 = torch.from_numpy(counts).double(), torch.from_numpy(masses), N._edges()
     got, want = N._prefix_kernel(counts, masses, hd2), N._prefix(nb, mb, hd2)
     for f in N._Prefix.__dataclass_fields__:
@@ -260,3 +260,61 @@ def test_radix_sort_is_numpys_sort(backend) -> None:
             assert list(np.signbit(zeros)) == [True, False], "-0.0 sorts before 0.0"
     finally:
         torch.set_num_threads(before)
+
+
+def test_scaled_reads_give_the_materialised_results(backend, monkeypatch) -> None:
+    """recompute reads z' = logits / T through ``nucleus.Scaled`` (divided as the compiled passes read it)
+    on batches without top_k or a top_p + min_p list: kept sets, log-probs, fallbacks and log-masses are
+    the bits of the materialised z / T path, over temperatures on both sides of 1 and greedy rows; the
+    reference's kept set holds. Batches with top_k or top_p + min_p materialise z / T."""
+    backend("numba")
+    z = _lm_rows(24, 4000, 21) * 3
+    z[3, 100:900] = NEG_INF
+    y = torch.randint(0, 4000, (24,), generator=torch.Generator().manual_seed(2))
+    temps = [0.05, 0.3, 0.8, 1.0, 1.7, 0.0]
+    batches = {
+        "top_p": [S(temps[i % 6], top_p=0.9) for i in range(24)],
+        "min_p": [S(temps[i % 6], min_p=0.1) for i in range(24)],
+        "mixed": [S(temps[i % 6], top_p=(0.5, 0.95, 1.0)[i % 3]) for i in range(24)],
+    }
+    for label, specs in batches.items():
+        assert E._reads_scaled(z, specs), label
+        got = E.recompute(z, y, specs)
+        with monkeypatch.context() as m:
+            m.setattr(E, "_reads_scaled", lambda *a: False)
+            want = E.recompute(z, y, specs)
+        assert torch.equal(got.kept, want.kept), label
+        assert torch.equal(got.logprobs, want.logprobs), label
+        assert torch.equal(got.fallback, want.fallback), label
+        assert torch.equal(got.kept, reference_filter(z, specs).kept), label
+    assert not E._reads_scaled(z, [S(0.8, top_k=50, top_p=0.9)] * 24)
+    assert not E._reads_scaled(z, [S(0.8, top_p=0.9, min_p=0.05)] * 24)
+    assert not E._reads_scaled(z.double(), batches["top_p"])
+    backend("torch")
+    assert not E._reads_scaled(z, batches["top_p"]), "the torch passes read materialised z'"
+
+
+def test_scaled_rows_are_the_divided_rows() -> None:
+    """``nucleus.Scaled`` reads the same float32 quotients as ``apply_temperature``: rows by slice and
+    by index, gathers, the row max (division by T > 0 is monotone), and the kernels' own division."""
+    z = _lm_rows(5, 300, 4) * 7
+    t = torch.tensor([0.01, 0.3, 1.0, 1.3, 7.0])
+    sc, want = N.Scaled(z, t), z / t.unsqueeze(1)
+    idx = torch.tensor([4, 0, 2])
+    assert torch.equal(sc[1:3], want[1:3]) and torch.equal(sc[idx], want[idx])
+    at = torch.randint(0, 300, (5, 3), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sc.gather(1, at), want.gather(1, at))
+    assert torch.equal(N._row_max(sc, None), want.amax(1, keepdim=True))
+    assert torch.equal(N._row_max(sc, idx), want[idx].amax(1, keepdim=True))
+    with pytest.raises(ValueError, match="dim=0"):
+        sc.gather(0, at)
+    # The kernels' division: hist_rows on (logits, T) bins exactly as on z / T.
+    geometry = (N.SHIFT, N.BASE, N.NB - 1, np.float32(2.0**N.LOW_EXP), np.float32(2.0**N.HIGH_EXP))
+    none = np.full(5, -np.inf, dtype=np.float32)
+    m = want.amax(1).numpy()
+    outs = []
+    for src, div in ((z, t.numpy()), (want, np.ones(5, np.float32))):
+        counts, masses, near = np.zeros((5, N.NB), np.int64), np.zeros((5, N.NB)), np.zeros(5, dtype=bool)
+        K.hist_rows(src.numpy(), np.arange(5), 0, 5, div, m, none, none, False, counts, masses, near, *geometry)
+        outs.append((counts, masses))
+    assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])

@@ -5,10 +5,17 @@ Written as torch ops, each step is a pass over the whole ``[R, V]`` block with i
 (keys, exps, float64 copies, two ``bincount`` calls, masks, ``nonzero``): about ten passes, where the
 full log-softmax they are compared with makes three. These kernels fuse them: for each row, in chunks
 that stay in the first-level cache, the bucket keys and the masses are computed in a loop the compiler
-vectorises and accumulated in a second, scalar loop; a second pass writes the kept mask and lists the
-candidates. The row max comes from torch (``amax``, vectorised and threaded), so do the min_p thresholds
-(:func:`parity.core.filters.min_p_thresholds`). Rows are split over torch's intra-op thread count; the
-kernels release the GIL.
+vectorises and accumulated in a second, scalar loop; a prefix pass over each row's buckets gives the
+running sums the ranges are read from; a second pass over the row writes the kept mask and lists the
+candidates (from the 8-value flag words that hold one: a serial compaction over whole chunks took most
+of that pass). The row max comes from torch (``amax``, vectorised and threaded), so do the min_p
+thresholds (:func:`parity.core.filters.min_p_thresholds`). Rows are split over torch's intra-op thread
+count; the kernels release the GIL.
+
+Every row pass reads ``z[rows[i]] / t[rows[i]]``: ``t`` is each row's temperature when the caller hands
+the logits unscaled (:class:`parity.core.nucleus.Scaled`), else 1. A float32 division is correctly
+rounded (no reciprocal: fastmath has no ``arcp``), so the value read is the bit of the materialised
+``z / T`` (``parity.core.filters.apply_temperature``), and a pass over ``[N, V]`` and its output is saved.
 
 Two things decide their speed, both measured: the element loops index zero-based views of each chunk
 (``row[c0:c0 + n][j]``, not ``row[c0 + j]``, which numba's index wrap-around kept scalar: 1.8 against

@@ -541,7 +541,7 @@ def nucleus_cut(
 ) -> NucleusResult:
     """The kept set of vLLM's sort-path top_p cut for rows with no top_k, from a histogram select.
 
-    ``work``: float32 ``[N, V]`` on CPU, the scaled logits (``-inf`` allowed, every row with a finite
+    ``work``: float32 ``[N, V]`` on CPU, the scaled logits, or a :class:`Scaled` that reads them from the logits (``-inf`` allowed, every row with a finite
     value); ``rows``: the rows to cut (default: all), R of them. ``p``: float32 ``[R]``, top_p per row
     (1.0: the row only drops float32-underflowed tokens, as vLLM's sort path does for rows without top_p).
     ``min_p``: float32 ``[R]`` or None: applied first with :func:`parity.core.filters.min_p_mask`, block of rows

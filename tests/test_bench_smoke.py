@@ -81,7 +81,7 @@ def test_trainer_cases_run_and_check_themselves(lib, trainer) -> None:
     assert any("through the reference full-row sort" in f for f in findings) and any("replay costs" in f for f in findings)
     alone = table.cells[(trainer.ESTIMATORS["recompute-p"][0], "T=16 V=300")].value
     if alone > trainer.RECOMPUTE_TARGET[1]:  # the reason names the measured part before the cut
-        assert any("why top_p alone" in f and "select up to its candidates alone cost" in f for f in findings), findings
+        assert any("why top_p alone" in f and "select up to its candidates alone costs" in f for f in findings), findings
     # The correctness check inside the bench can fail: a wrong kept set is caught.
     w = trainer.workload(16, 300)
     bad = E_recompute_with_a_dropped_token(w, trainer)

@@ -18,7 +18,8 @@ run), interleaved round by round (conftest.paired; wall-clock ratio, the CPU-tim
 * recompute through the reference sort: the same kept set from ``reference_filter`` (a full-row sort,
   what recompute cost before), for scale, with top_k + top_p and with top_p alone;
 * parts: what a combination pays before its own work starts (z / T and ``topk``, z / T and vLLM's min_p
-  rule, z / T and the nucleus select up to its candidates: ``parity.core.nucleus.select``, CPU only).
+  rule, the nucleus select up to its candidates: ``parity.core.nucleus.select``, CPU only, reading z / T as
+  recompute does).
 
 Shapes: T in {512, 4096} x V in {32000, 152064}, except T=4096 x V=152064 on CPU (2.5 GB of float32
 logits alone, and the reference sort needs ~3x that on top), which runs at T=1024. Each run also
@@ -64,7 +65,9 @@ ESTIMATORS: dict[str, tuple[str, str, SamplingSpec]] = {
     "part-topk": (f"part: z / T and topk({TOP_K + 1}), what every top_k row pays", "part-topk", SPEC),
     "part-minp": ("part: z / T and vLLM's min_p rule on whole rows (min_p_mask)", "part-minp", S(0.8, min_p=0.05)),
     "part-select": (
-        "part: z / T and the nucleus select up to its candidates (histogram, ranges, kept mask)", "part-select", S(0.8, top_p=0.9)
+        "part: the nucleus select up to its candidates (histogram, ranges, kept mask), z / T as recompute reads it",
+        "part-select",
+        S(0.8, top_p=0.9),
     ),
     "reference-sort-k-p": (f"recompute top_k={TOP_K} top_p=0.9 via reference sort", "reference", SPEC),
     "reference-sort-p": ("recompute top_p=0.9 via reference sort", "reference", S(0.8, top_p=0.9)),
@@ -177,8 +180,11 @@ def estimator_fn(kind: str, spec: SamplingSpec, w: dict[str, torch.Tensor]) -> C
     if kind == "part-minp":
         mp = torch.full((z.shape[0],), spec.min_p, device=z.device)
         return lambda: min_p_mask(E.scale(z, spec), mp)
-    if kind == "part-select":  # what every top_p-alone row pays before its exact cut
+    if kind == "part-select":  # what every top_p-alone row pays before its exact cut, read as recompute reads it
         p = torch.full((z.shape[0],), spec.top_p, device=z.device)
+        if E._reads_scaled(z, [spec]):
+            t = torch.full((z.shape[0],), spec.temperature, device=z.device)
+            return lambda: nucleus.select(nucleus.Scaled(z, t), p)
         return lambda: nucleus.select(E.scale(z, spec), p)
     if kind == "reference":
         return lambda: E._recompute_reference(z, y, spec)
@@ -356,7 +362,7 @@ def trainer_findings(report: Any) -> list[str]:
                 why = [f"{col}: why top_p alone is over {RECOMPUTE_TARGET[1]:g}x:"]
                 if sel is not None:
                     why.append(
-                        f"z / T and the select up to its candidates alone cost {sel:.2f}x full (measured above, "
+                        f"the select up to its candidates alone costs {sel:.2f}x full (measured above, "
                         f"{100 * sel / alone:.0f} % of top_p alone's {alone:.2f}x): {passes}; the exact cut over "
                         "the candidates and the band rows' sorts come on top."
                     )

@@ -131,7 +131,6 @@ def recompute(
     lp = torch.empty(z.shape[0], dtype=z.dtype, device=z.device)
     if bool(listed.any()):
         extra = torch.where(forced, y, -1) if force_include else torch.full_like(y, -1)
-        assert isinstance(z, torch.Tensor), "no row is listed when z' is read through Scaled"
         lp_ids = _log_renormalised(z, y, torch.cat([ids, extra.unsqueeze(1)], dim=1))
         lp = torch.where(listed, lp_ids, lp)
     massed = ~torch.isnan(log_mass)  # nucleus rows: their kept mass is known
@@ -152,15 +151,14 @@ def recompute(
 
 
 def _reads_scaled(logits: torch.Tensor, specs: list[SamplingSpec]) -> bool:
-    """Whether recompute reads z' through :class:`parity.core.nucleus.Scaled`: every row goes through the
-    compiled nucleus passes (CPU float32, numba; no top_k, no top_p + min_p list), which divide as they
-    read. Every other batch materialises z / T first, as before."""
+    """Whether recompute reads z' through :class:`parity.core.nucleus.Scaled`: no row has top_k, so every
+    row goes through the compiled passes (CPU float32, numba: the nucleus select, the survivor mass, the
+    min_p survivor lists), which divide as they read; the lists' renormalisation gathers K values of z'.
+    Every other batch materialises z / T first."""
     if kernels.backend() != "numba" or logits.dtype != torch.float32 or not nucleus.supported(logits):
         return False
     vocab = logits.shape[1]
-    if any(s.top_k_for_vocab(vocab) < vocab for s in specs):
-        return False
-    return not (any(s.uses_top_p for s in specs) and any(s.uses_min_p for s in specs))
+    return not any(s.top_k_for_vocab(vocab) < vocab for s in specs)
 
 
 def _undecided(res: RecomputeResult, band_policy: str) -> RecomputeResult:
@@ -243,7 +241,7 @@ def _top_k_candidates(
     Returns (values, ids, redo [R]: the rows min_p was decided for by the reference).
     """
     every = rows.numel() == z.shape[0]
-    sub = z if every else z[rows]
+    sub = z[rows] if isinstance(z, nucleus.Scaled) or not every else z
     vals, ids = _candidates(sub, k)
     if mp is None or not bool((mp > 0).any()):
         return vals, ids, torch.zeros(rows.numel(), dtype=torch.bool, device=z.device)
@@ -308,7 +306,7 @@ class _Bounded(NamedTuple):
 MIN_P_LIST_MAX = 1024
 
 
-def _min_p_lists(z: torch.Tensor, rows: torch.Tensor, mp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _min_p_lists(z: torch.Tensor | nucleus.Scaled, rows: torch.Tensor, mp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The min_p survivors of ``rows`` (those with at most MIN_P_LIST_MAX), descending: (rows, values, ids).
 
     min_p runs on the whole row with the reference's own function (:func:`min_p_mask`), then the
@@ -320,14 +318,14 @@ def _min_p_lists(z: torch.Tensor, rows: torch.Tensor, mp: torch.Tensor) -> tuple
     if nucleus.supported(z) and kernels.backend() == "numba" and rows.numel():
         return _min_p_lists_kernel(z, rows, mp)
     every = rows.numel() == z.shape[0]
-    sub = z if every else z[rows]
+    sub = z[rows] if isinstance(z, nucleus.Scaled) or not every else z
     # min_p drops every -inf (probability 0 < min_p * max) unless that product underflows to 0; an -inf
     # listed then is padding to _top_p_on_candidates (never kept, no mass).
     surv = ~min_p_mask(sub, mp)
     count = surv.sum(dim=1)
     short = (count <= MIN_P_LIST_MAX).nonzero().squeeze(1)
     if not short.numel():
-        return short, z.new_empty(0, 1), short.new_empty(0, 1)
+        return short, torch.empty(0, 1, dtype=z.dtype, device=z.device), short.new_empty(0, 1)
     r_i, col = (surv if short.numel() == surv.shape[0] else surv[short]).nonzero(as_tuple=True)
     cnt = count[short]
     width = int(cnt.max())
@@ -341,7 +339,9 @@ def _min_p_lists(z: torch.Tensor, rows: torch.Tensor, mp: torch.Tensor) -> tuple
     return rows[short], vals, ids.gather(1, order)
 
 
-def _min_p_lists_kernel(z: torch.Tensor, rows: torch.Tensor, mp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _min_p_lists_kernel(
+    z: torch.Tensor | nucleus.Scaled, rows: torch.Tensor, mp: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_min_p_lists` through the compiled pass of :func:`parity.core.nucleus.min_p_survivors`: the
     survivors listed in one pass, without the row's softmax. Rows with a value in min_p's rounding band
     take the reference's min_p_mask (:func:`_min_p_lists` on the torch path); the same lists come back,
@@ -357,7 +357,7 @@ def _min_p_lists_kernel(z: torch.Tensor, rows: torch.Tensor, mp: torch.Tensor) -
         pos = {int(r): i for i, r in enumerate(rows.tolist())}
         parts.append((torch.tensor([pos[int(r)] for r in r_rows.tolist()], dtype=torch.long), r_vals, r_ids))
     if not any(pt[0].numel() for pt in parts):
-        return rows[:0], z.new_empty(0, 1), rows.new_empty(0, 1)
+        return rows[:0], torch.empty(0, 1, dtype=z.dtype, device=z.device), rows.new_empty(0, 1)
     width = max(pt[1].shape[1] for pt in parts if pt[0].numel())
     at = torch.cat([pt[0] for pt in parts])
     vals = torch.cat([torch.nn.functional.pad(pt[1][:, :width], (0, width - pt[1][:, :width].shape[1]), value=NEG_INF) for pt in parts])
@@ -373,7 +373,7 @@ def _min_p_lists_kernel(z: torch.Tensor, rows: torch.Tensor, mp: torch.Tensor) -
 
 def _kept_bounded(z: torch.Tensor | nucleus.Scaled, specs: list[SamplingSpec], band_policy: str = "reference") -> _Bounded:
     """reference_filter's kept mask for a not-all-greedy batch of scaled logits ``z`` (a :class:`parity.core.nucleus.Scaled`
-    only where :func:`_reads_scaled`: then no row takes a candidate list).
+    only where :func:`_reads_scaled`: then no row has top_k).
 
     Rows with top_k are filtered from their candidates (the ids are the whole kept set on those listed
     rows), and so are rows without top_k under min_p and top_p with few min_p survivors
@@ -405,7 +405,6 @@ def _kept_bounded(z: torch.Tensor | nucleus.Scaled, specs: list[SamplingSpec], b
     if any_p and use_min_p and free.numel():
         mrows = free[mp[free] > 0]
         if mrows.numel():
-            assert isinstance(z, torch.Tensor), "top_p + min_p batches materialise z' (_reads_scaled)"
             short, mvals, mids = _min_p_lists(z, mrows, mp[mrows])
             if short.numel():
                 lists.append((short, mvals, mids))
@@ -488,12 +487,12 @@ def ids_to_mask(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return mask[:, :vocab]
 
 
-def _support_values(z: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+def _support_values(z: torch.Tensor | nucleus.Scaled, kept: torch.Tensor) -> torch.Tensor:
     """z on the kept set: ``[N, V]`` with -inf off a mask, or ``[N, K]`` gathered from padded ids."""
     if kept.dtype == torch.bool:
         if kept.shape != z.shape:
             raise ValueError(f"kept mask has shape {tuple(kept.shape)}: allowed the logits' shape {tuple(z.shape)}")
-        return z.masked_fill(~kept, NEG_INF)
+        return (z[:] if isinstance(z, nucleus.Scaled) else z).masked_fill(~kept, NEG_INF)
     if kept.dim() != 2 or kept.shape[0] != z.shape[0]:
         raise ValueError(f"kept ids have shape {tuple(kept.shape)}: allowed [{z.shape[0]}, K]")
     # Gather K values per row: never touches the other V - K logits.
@@ -518,7 +517,7 @@ def _log_sum_exp_shifted(vals: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.log(torch.exp((vals - m).double()).sum(dim=-1))
 
 
-def _log_renormalised(z: torch.Tensor, y: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+def _log_renormalised(z: torch.Tensor | nucleus.Scaled, y: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """``z_y - logsumexp(z over kept)``, computed as ``log_softmax`` does (shift by the kept max first)."""
     vals = _support_values(z, kept)
     m = _row_max(vals)

@@ -264,9 +264,9 @@ def test_radix_sort_is_numpys_sort(backend) -> None:
 
 def test_scaled_reads_give_the_materialised_results(backend, monkeypatch) -> None:
     """recompute reads z' = logits / T through ``nucleus.Scaled`` (divided as the compiled passes read it)
-    on batches without top_k or a top_p + min_p list: kept sets, log-probs, fallbacks and log-masses are
-    the bits of the materialised z / T path, over temperatures on both sides of 1 and greedy rows; the
-    reference's kept set holds. Batches with top_k or top_p + min_p materialise z / T."""
+    on batches without top_k (top_p alone, min_p alone, top_p + min_p over its survivor lists): kept sets,
+    log-probs and fallbacks are the bits of the materialised z / T path, over temperatures on both sides
+    of 1 and greedy rows; the reference's kept set holds. Batches with top_k materialise z / T."""
     backend("numba")
     z = _lm_rows(24, 4000, 21) * 3
     z[3, 100:900] = NEG_INF
@@ -276,6 +276,7 @@ def test_scaled_reads_give_the_materialised_results(backend, monkeypatch) -> Non
         "top_p": [S(temps[i % 6], top_p=0.9) for i in range(24)],
         "min_p": [S(temps[i % 6], min_p=0.1) for i in range(24)],
         "mixed": [S(temps[i % 6], top_p=(0.5, 0.95, 1.0)[i % 3]) for i in range(24)],
+        "top_p + min_p": [S(temps[i % 6], top_p=0.9, min_p=(0.02, 0.2)[i % 2]) for i in range(24)],
     }
     for label, specs in batches.items():
         assert E._reads_scaled(z, specs), label
@@ -288,7 +289,6 @@ def test_scaled_reads_give_the_materialised_results(backend, monkeypatch) -> Non
         assert torch.equal(got.fallback, want.fallback), label
         assert torch.equal(got.kept, reference_filter(z, specs).kept), label
     assert not E._reads_scaled(z, [S(0.8, top_k=50, top_p=0.9)] * 24)
-    assert not E._reads_scaled(z, [S(0.8, top_p=0.9, min_p=0.05)] * 24)
     assert not E._reads_scaled(z.double(), batches["top_p"])
     backend("torch")
     assert not E._reads_scaled(z, batches["top_p"]), "the torch passes read materialised z'"

@@ -348,24 +348,40 @@ def list_rows(
     z: np.ndarray, rows: np.ndarray, r0: int, r1: int, t: np.ndarray, lo: np.ndarray, hi: np.ndarray,
     vals: np.ndarray, ids: np.ndarray, count: np.ndarray, near: np.ndarray,
 ) -> None:
-    """min_p's survivors (``z / t >= lo[i]``, row ``rows[i]``) of each row, in column order: the first ``vals.shape[1]`` of them
-    into ``vals`` / ``ids`` (left as they are past that), their number into ``count``; ``near`` as above."""
+    """min_p's survivors (``z / t >= lo[i]``, row ``rows[i]``) of each row, in column order: the first
+    ``vals.shape[1]`` of them into ``vals`` / ``ids`` (left as they are past that), their number into
+    ``count``; ``near`` as above. Flags per chunk in a branch-free loop, then the survivors listed from
+    the flag words that hold one, as in mark_rows (a branch per value kept the loop scalar)."""
     v = z.shape[1]
     cap = vals.shape[1]
+    flags = np.zeros(CHUNK, np.uint8)
+    words = flags.view(np.uint64)
     for i in range(r0, r1):
         row = z[rows[i]]
         ti = t[rows[i]]
         loi, hii = lo[i], hi[i]
         c = 0
         hits = 0
-        for j in range(v):
-            zj = row[j] / ti
-            if zj >= loi:
-                if c < cap:
-                    vals[i, c] = zj
-                    ids[i, c] = j
-                c += 1
-            hits += (zj >= loi) & (zj < hii)
+        for c0 in range(0, v, CHUNK):
+            n = min(v - c0, CHUNK)
+            seg, fseg = row[c0 : c0 + n], flags[:n]  # zero-based views: vectorised
+            inside = 0
+            for j in range(n):
+                zj = seg[j] / ti
+                f = zj >= loi
+                fseg[j] = f
+                inside += f
+                hits += f & (zj < hii)
+            if inside:
+                flags[n:] = 0  # a short last chunk: no stale flags past it
+                for w in range((n + 7) // 8):
+                    if words[w]:
+                        for j in range(8 * w, 8 * w + 8):
+                            if flags[j]:
+                                if c < cap:
+                                    vals[i, c] = row[c0 + j] / ti
+                                    ids[i, c] = c0 + j
+                                c += 1
         count[i] = c
         near[i] = hits > 0
 

@@ -96,7 +96,7 @@ ROUND_BITS = 0x4338000000000000  # the bits of ROUND
 # second; Horner's 7 steps add about 7 * 2^-53 (fewer where they are fused into multiply-adds); the
 # scaling by 2^n is exact. Fused or not, t - ROUND is the integer n (t is ROUND + n). The masses need
 # no more: their bounds (parity.core.nucleus HIST_REL_ERROR, SUM_REL_ERROR) allow 2u = 2^-23 for the
-# exp, the error of the float32 exp on the torch path; degree 10 (2^-36) cost 25 % more per value.
+# exp, the error of the float32 exp on the torch path; degree 10 (2^-36) cost about 30 % more per value.
 EXP_REL_ERROR = 2.0**-26
 UNDERFLOW_X = -128.0  # x <= this: the mass is taken as 0 (float32 exp underflows below -103.97)
 

@@ -38,7 +38,6 @@ class RunConfig:
     full_vocab_limit: int = 4096
     timeout_s: float = 900.0
     prefix_caching: bool = False
-    trainer_shards: int = 1  # > 1: also score vocab-parallel across this many local processes
     trainer: Any = None  # trainer under test: "full" | "recompute" | "replay" | "module:function"
     invariance: bool = False  # run the batch-invariance checks on both sides and report them
     batch_invariant: bool = False  # turn on every batch-invariance knob available on the device
@@ -136,17 +135,6 @@ def score_scenario(rollout: Any, trainer: Any, sc: Scenario, cfg: RunConfig, raw
     if raw_pass is not None:
         summary["sampler_log_s"]["raw_logits_pass"] = raw_pass
     violations = evaluate(sc.name, table, summary, cfg.thresholds)
-    if cfg.trainer_shards > 1:
-        summary["vocab_parallel"], shard_violations = score_vocab_parallel(records, logits, sc, cfg.trainer_shards)
-        worst = max((d / b if b > 0 else (0.0 if d == 0 else float("inf")))
-                    for d, b in zip(summary["vocab_parallel"]["max_abs_diff_vs_unsharded"].values(),
-                                    summary["vocab_parallel"]["max_bound"].values(), strict=True)) \
-            if summary["vocab_parallel"]["max_abs_diff_vs_unsharded"] else 0.0
-        violations += [
-            Violation("vocab_parallel", sc.name, worst, 1.0, f"vocab-parallel ({cfg.trainer_shards} shards) vs unsharded "
-                      "max |diff| / bound", detail=v)
-            for v in shard_violations
-        ]
     if any("native_kept_ids" in r.extras for r in records):
         summary["native_capture"], native = native_capture_gate(records, sc.name, cfg.capture, cfg.thresholds)
         violations += native
@@ -175,33 +163,6 @@ def native_capture_gate(
     where = tuple(Position(prompt=p, position=t) for p, t in mism[: th.max_violations_listed])
     return summary, [Violation("native_vs_topk", scenario, len(mism), 0, "positions where the native sampling mask "
                                "and the top-K capture disagree on S_q", worst=where)]
-
-
-def score_vocab_parallel(records: list[Any], logits: list[Any], sc: Scenario, shards: int) -> tuple[dict[str, Any], list[str]]:
-    """Score the scenario's tokens with the vocab-parallel estimators and compare with the unsharded ones."""
-    import torch
-
-    from parity.distributed.pool import run_vocab_parallel
-    from parity.distributed.sharded import check_parity
-
-    z = torch.cat(list(logits))
-    y = torch.cat([torch.tensor(r.completion_ids, dtype=torch.long) for r in records])
-    kept = None
-    if all(r.kept_ids is not None for r in records):
-        width = max(int(r.kept_ids.shape[1]) for r in records)
-        kept = torch.cat([torch.nn.functional.pad(r.kept_ids, (0, width - r.kept_ids.shape[1]), value=-1) for r in records])
-    result = run_vocab_parallel(z, y, sc.spec, kept, shards)
-    rep = check_parity(result, z, y, sc.spec, kept)
-    summary = {
-        "shards": shards,
-        "max_abs_diff_vs_unsharded": rep.max_abs_diff,
-        "max_bound": rep.max_bound,
-        "support_equal_frac": rep.support_equal_frac,
-        "fallback_rows": rep.fallback_rows,
-        "bytes_per_token": result.get("bytes_per_token"),
-        "passed": rep.passed,
-    }
-    return summary, list(rep.violations)
 
 
 def score_trainer_under_test(table: Any, records: list[Any], logits: list[Any], sc: Scenario, name: Any, trainer: Any) -> None:
@@ -330,7 +291,6 @@ def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: 
             "seed": cfg.seed,
             "prefix_caching": cfg.prefix_caching,
             "rollout": "vllm-server" if cfg.server else "vllm-offline",
-            "trainer_shards": cfg.trainer_shards,
             "trainer_under_test": cfg.trainer if cfg.trainer is None or isinstance(cfg.trainer, str) else getattr(cfg.trainer, "__qualname__", "callable"),
             "thresholds": cfg.thresholds.to_dict(),
             "planted_faults": {k: v for k, v in cfg.faults.__dict__.items() if v},

@@ -17,7 +17,6 @@ ALLOWED = {
     "records": {"core", "records"},
     "report": {"core"},  # renders what the core declares (the RL catalogue), never an engine
     "determinism": {"core", "records"},
-    "distributed": {"core"},
 }
 
 

@@ -54,12 +54,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="how S_q is captured: top-K processed log-probs, vLLM's native sampling mask (CUDA, Model Runner V2), or both compared",
     )
     p.add_argument(
-        "--trainer-shards",
-        type=int,
-        default=1,
-        help="also score the trainer side vocab-parallel over N local processes (gloo on CPU) and compare",
-    )
-    p.add_argument(
         "--trainer",
         default=None,
         metavar="NAME|module:function",
@@ -130,7 +124,6 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         prefix_caching=args.prefix_caching,
         server=args.server,
         trainer=args.trainer,
-        trainer_shards=args.trainer_shards,
         capture=args.capture,
         batch_invariant=args.batch_invariant,
         invariance=args.invariance or args.batch_invariant,

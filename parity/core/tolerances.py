@@ -1,10 +1,9 @@
 """Float32 rounding bands of vLLM's filters: where an exact-arithmetic decision may differ from vLLM's.
 
-The fast single-device kept set (:func:`parity.core.estimators.recompute`) and the sharded one
-(:func:`parity.distributed.sharded.sharded_kept`) both decide top_p from an exact (float64) cumulative
-mass instead of vLLM's float32 ``cumsum(softmax)``. Outside these bands the exact decision is vLLM's;
-inside, the caller falls back to the reference filter itself (or flags the row). Both read the bands
-from here, so a change to a bound moves both.
+The top_k candidate path of :func:`parity.core.estimators.recompute` decides top_p from an exact
+(float64) cumulative mass instead of vLLM's float32 ``cumsum(softmax)``, and min_p from the exact
+``z - m < log(min_p)``. Outside these bands the exact decision is vLLM's; inside, the row falls back
+to the reference filter itself.
 """
 
 from __future__ import annotations

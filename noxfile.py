@@ -101,8 +101,8 @@ def bench(session: nox.Session) -> None:
 
     OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE`` unless set): by default a thread that
     waits for its partner spins, and on a shared machine, where the partner is often descheduled, the
-    spinning is counted in both clocks of every parallel op, and code of many ops (the nucleus select:
-    ~20 per block of rows) measured several times its cost (bench.md records the policy).
+    spinning is counted in both clocks of every parallel op, so code of many small ops measures several
+    times its cost (bench.md records the policy).
     """
     install(session, "cpu", "test")
     out = os.environ.get("PARITY_BENCH_DIR") or "reports/bench"

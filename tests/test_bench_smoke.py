@@ -79,34 +79,15 @@ def test_trainer_cases_run_and_check_themselves(lib, trainer) -> None:
     assert report.targets[trainer.RECOMPUTE_TARGET[0]].measured, "recompute rows with top_k feed the 2x target"
     findings = trainer.trainer_findings(report)
     assert any("through the reference full-row sort" in f for f in findings) and any("replay costs" in f for f in findings)
-    alone = table.cells[(trainer.ESTIMATORS["recompute-p"][0], "T=16 V=300")].value
-    if alone > trainer.RECOMPUTE_TARGET[1]:  # the reason names the measured part before the cut
-        assert any("why top_p alone" in f and "select up to its candidates alone costs" in f for f in findings), findings
+    assert any("recompute with top_p alone costs" in f for f in findings), findings
     # The correctness check inside the bench can fail: a wrong kept set is caught.
     w = trainer.workload(16, 300)
     bad = E_recompute_with_a_dropped_token(w, trainer)
     with pytest.raises(AssertionError, match="kept set differs"):
         trainer.check_result("recompute-k-p", bad, w)
-    # The band_policy=decide row is held to the reference outside its decided rows, and caught there too.
-    from parity.core.estimators import recompute
-
     warm = trainer.estimator_fn("full-warm", trainer.SPEC, w)()
     with pytest.raises(AssertionError, match="not full's log-probs"):
         trainer.check_result("full-warm", warm + 1e-3, w)
-    dec = recompute(w["logits"], w["sampled"], trainer.ESTIMATORS["recompute-p-decide"][2], band_policy="decide")
-    trainer.check_result("recompute-p-decide", dec, w)
-    row = int((~dec.decided).nonzero()[0])
-    dec.kept[row, dec.kept[row].nonzero()[0, 0]] = False
-    with pytest.raises(AssertionError, match="kept set differs"):
-        trainer.check_result("recompute-p-decide", dec, w)
-    # The select's part row: what it marks kept must be kept by the reference.
-    sel = trainer.estimator_fn("part-select", trainer.SPEC, w)()
-    trainer.check_result("part-select", sel, w)
-    want = reference_filter(w["logits"], trainer.ESTIMATORS["part-select"][2]).kept
-    row = int((~want).sum(dim=1).argmax())
-    sel.kept[row, (~want[row]).nonzero()[0, 0]] = True
-    with pytest.raises(AssertionError, match="marks a token the reference drops"):
-        trainer.check_result("part-select", sel, w)
 
 
 def E_recompute_with_a_dropped_token(w: dict, trainer: ModuleType) -> Any:

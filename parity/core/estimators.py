@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from parity.core import kernels, nucleus, tolerances
+from parity.core import tolerances
 from parity.core.filters import (
     FilterFaults,
     apply_temperature,
@@ -28,13 +28,11 @@ from parity.core.filters import (
     min_p_decide,
     min_p_mask,
     reference_filter,
-    temperatures,
     top_k_top_p_sorted,
 )
 from parity.core.spec import SamplingSpec, per_row
 
 NEG_INF = float("-inf")
-
 
 
 def _check_ids(sampled: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -65,18 +63,10 @@ class RecomputeResult:
     logprobs: torch.Tensor  # [N] log-prob of the sampled token over S_p ∪ {y}
     kept: torch.Tensor  # bool [N, V]: the recomputed support S_p (before force-include)
     forced: torch.Tensor  # bool [N]: y was outside S_p and had to be force-included
-    # bool [N]: a fast path (top_k candidates, the nucleus select) could not decide the row exactly
-    # (rounding band, split tie, too wide a bracket), so it was sorted: by the reference sort, or on the
-    # nucleus path by the reference's float32 ops on its sorted values; or a top_k row whose min_p had a
-    # candidate in the min_p band took the reference's min_p softmax; all False where no fast path ran
+    # bool [N]: the top_k candidate path could not decide the row exactly (rounding band, split tie), so
+    # the row ran the reference sort; or its min_p had a candidate in the min_p band and took the
+    # reference's min_p softmax; all False where the candidate path did not run
     fallback: torch.Tensor | None = None
-    # bool [N]: band_policy="decide" only: nucleus rows cut by the exact float64 cumulative mass inside the
-    # rounding band, without the reference's float32 rounding (so possibly not its kept set); None otherwise
-    decided: torch.Tensor | None = None
-
-    @property
-    def decided_count(self) -> int:
-        return 0 if self.decided is None else int(self.decided.sum())
 
     @property
     def forced_count(self) -> int:
@@ -94,51 +84,32 @@ def recompute(
     *,
     force_include: bool = True,
     faults: FilterFaults | None = None,
-    band_policy: str = "reference",
 ) -> RecomputeResult:
     """Reference filters on trainer logits → S_p; ``z'_y - logsumexp(z'_{S_p ∪ {y}})``.
 
     S_p is exactly the kept set of :func:`parity.core.filters.reference_filter` (ties included), but rows
     with top_k set are filtered over their ``topk(k)`` candidates instead of a full-row sort (see
-    :func:`_kept_bounded`); the renormalisation then reads the kept ids, not the whole row. Rows
-    without top_k take the histogram select of :func:`parity.core.nucleus.nucleus_cut` (CPU) under top_p, and
-    the kept mass either way (:mod:`parity.core.nucleus`). Rows a fast path cannot decide exactly run the
-    reference sort (counted in ``fallback``); so do planted ``faults``.
-
-    ``band_policy`` is :func:`parity.core.nucleus.nucleus_cut`'s: ``"reference"`` (default) keeps the
-    reference's kept set on every row; ``"decide"`` cuts the nucleus rows whose boundary lies in the
-    rounding band by the exact float64 mass instead of sorting them, and counts them in ``decided``.
+    :func:`_kept_bounded`); the renormalisation then reads the kept ids, not the whole row. Rows without
+    top_k run the reference's sort-based filter, as vLLM's sampler sorts the row for top_p; so do the rows
+    the candidates cannot decide exactly (counted in ``fallback``) and planted ``faults``.
 
     With ``force_include=False`` (only for negative controls) a sampled token outside S_p scores
     ``-inf``, which is what a trainer that recomputes filters naively gets.
     """
-    if band_policy not in nucleus.BAND_POLICIES:
-        raise ValueError(f"band_policy is {band_policy!r}: allowed one of {', '.join(map(repr, nucleus.BAND_POLICIES))}")
     if faults is not None and faults != FilterFaults():
-        return _undecided(_recompute_reference(logits, sampled, specs, force_include=force_include, faults=faults), band_policy)
-    logits = check_logits(logits)
-    row_specs = per_row(specs, logits.shape[0])
-    z: torch.Tensor | nucleus.Scaled
-    if _reads_scaled(logits, row_specs):  # z' read where needed (parity.core.nucleus.Scaled): no [N, V] z / T
-        z = nucleus.Scaled(logits, temperatures(row_specs, torch.float32, logits.device))
-    else:
-        z = apply_temperature(logits.to(torch.float32), row_specs)
-    y = _check_ids(sampled, logits)
+        return _recompute_reference(logits, sampled, specs, force_include=force_include, faults=faults)
+    z = scale(logits, specs)
+    y = _check_ids(sampled, z)
+    row_specs = per_row(specs, z.shape[0])
     if all(s.greedy for s in row_specs):  # reference_filter's all-greedy path: nothing to bound
-        return _undecided(_recompute_reference(logits, sampled, specs, force_include=force_include), band_policy)
-    kept, ids, listed, log_mass, row_max, fallback, decided = _kept_bounded(z, row_specs, band_policy)
+        return _recompute_reference(logits, sampled, specs, force_include=force_include)
+    kept, ids, listed, fallback = _kept_bounded(z, row_specs)
     forced = ~kept.gather(1, y.unsqueeze(1)).squeeze(1)
     lp = torch.empty(z.shape[0], dtype=z.dtype, device=z.device)
     if bool(listed.any()):
         extra = torch.where(forced, y, -1) if force_include else torch.full_like(y, -1)
         lp_ids = _log_renormalised(z, y, torch.cat([ids, extra.unsqueeze(1)], dim=1))
         lp = torch.where(listed, lp_ids, lp)
-    massed = ~torch.isnan(log_mass)  # nucleus rows: their kept mass is known
-    if bool(massed.any()):
-        zy = z.gather(1, y.unsqueeze(1)).squeeze(1)
-        lp_mass = nucleus.log_renormalised(zy, row_max, log_mass, forced & force_include)
-        lp = torch.where(massed, lp_mass, lp)
-        listed = listed | massed
     rest = (~listed).nonzero().squeeze(1)
     if rest.numel():
         sub_kept = kept[rest]
@@ -147,25 +118,7 @@ def recompute(
         lp[rest] = _log_renormalised(z[rest], y[rest], sub_kept)
     if not force_include:  # y outside S_p scores -inf, as a naive trainer would get
         lp = lp.masked_fill(forced, NEG_INF)
-    return RecomputeResult(lp, kept, forced, fallback, decided if band_policy == "decide" else None)
-
-
-def _reads_scaled(logits: torch.Tensor, specs: list[SamplingSpec]) -> bool:
-    """Whether recompute reads z' through :class:`parity.core.nucleus.Scaled`: no row has top_k, so every
-    row goes through the compiled passes (CPU float32, numba: the nucleus select, the survivor mass, the
-    min_p survivor lists), which divide as they read; the lists' renormalisation gathers K values of z'.
-    Every other batch materialises z / T first."""
-    if kernels.backend() != "numba" or logits.dtype != torch.float32 or not nucleus.supported(logits):
-        return False
-    vocab = logits.shape[1]
-    return not any(s.top_k_for_vocab(vocab) < vocab for s in specs)
-
-
-def _undecided(res: RecomputeResult, band_policy: str) -> RecomputeResult:
-    """A result from the reference path: under band_policy="decide", no row was decided."""
-    if band_policy == "decide":
-        res.decided = torch.zeros_like(res.forced)
-    return res
+    return RecomputeResult(lp, kept, forced, fallback)
 
 
 def _recompute_reference(
@@ -240,8 +193,7 @@ def _top_k_candidates(
     the band takes the reference's :func:`min_p_mask` on its whole row, then :func:`_candidates`.
     Returns (values, ids, redo [R]: the rows min_p was decided for by the reference).
     """
-    every = rows.numel() == z.shape[0]
-    sub = z[rows] if isinstance(z, nucleus.Scaled) or not every else z
+    sub = z if rows.numel() == z.shape[0] else z[rows]
     vals, ids = _candidates(sub, k)
     if mp is None or not bool((mp > 0).any()):
         return vals, ids, torch.zeros(rows.numel(), dtype=torch.bool, device=z.device)
@@ -295,141 +247,31 @@ class _Bounded(NamedTuple):
     kept: torch.Tensor  # bool [N, V]
     ids: torch.Tensor  # long [N, W]: the whole kept set on listed rows (-1 = padding)
     listed: torch.Tensor  # bool [N]: rows filtered from top_k candidates
-    log_mass: torch.Tensor  # float64 [N]: nucleus rows' log sum_{kept} exp(z' - m); NaN elsewhere
-    row_max: torch.Tensor  # float32 [N]: m on nucleus rows
-    fallback: torch.Tensor  # bool [N]: a fast path could not decide the row exactly (it was sorted)
-    decided: torch.Tensor  # bool [N]: nucleus rows decided in float64 inside the band (band_policy="decide")
+    fallback: torch.Tensor  # bool [N]: the candidates could not decide the row exactly (it was sorted)
 
 
-# Rows without top_k under min_p and top_p whose min_p survivors number at most this are cut over the
-# survivor list (as top_k rows over their candidates), not by the nucleus select over the whole row.
-MIN_P_LIST_MAX = 1024
-
-
-def _min_p_lists(z: torch.Tensor | nucleus.Scaled, rows: torch.Tensor, mp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The min_p survivors of ``rows`` (those with at most MIN_P_LIST_MAX), descending: (rows, values, ids).
-
-    min_p runs on the whole row with the reference's own function (:func:`min_p_mask`), then the
-    survivors are listed: for top_p on the sort path they are exactly what ``_candidates`` lists for a
-    top_k row (the tokens min_p drops add exactly 0 to the reference's softmax and cumulative sum), so
-    :func:`_top_p_on_candidates` cuts them. Values past a row's survivors are -inf, their ids 0; the rows
-    come back in the order of ``rows``.
-    """
-    if nucleus.supported(z) and kernels.backend() == "numba" and rows.numel():
-        return _min_p_lists_kernel(z, rows, mp)
-    every = rows.numel() == z.shape[0]
-    sub = z[rows] if isinstance(z, nucleus.Scaled) or not every else z
-    # min_p drops every -inf (probability 0 < min_p * max) unless that product underflows to 0; an -inf
-    # listed then is padding to _top_p_on_candidates (never kept, no mass).
-    surv = ~min_p_mask(sub, mp)
-    count = surv.sum(dim=1)
-    short = (count <= MIN_P_LIST_MAX).nonzero().squeeze(1)
-    if not short.numel():
-        return short, torch.empty(0, 1, dtype=z.dtype, device=z.device), short.new_empty(0, 1)
-    r_i, col = (surv if short.numel() == surv.shape[0] else surv[short]).nonzero(as_tuple=True)
-    cnt = count[short]
-    width = int(cnt.max())
-    start = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)[:-1]])
-    slot = torch.arange(r_i.numel(), device=z.device) - start[r_i]
-    vals = torch.full((short.numel(), width), NEG_INF, dtype=z.dtype, device=z.device)
-    ids = torch.zeros(short.numel(), width, dtype=torch.long, device=z.device)
-    vals[r_i, slot] = sub[short[r_i], col]
-    ids[r_i, slot] = col
-    vals, order = vals.sort(dim=1, descending=True)
-    return rows[short], vals, ids.gather(1, order)
-
-
-def _min_p_lists_kernel(
-    z: torch.Tensor | nucleus.Scaled, rows: torch.Tensor, mp: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_min_p_lists` through the compiled pass of :func:`parity.core.nucleus.min_p_survivors`: the
-    survivors listed in one pass, without the row's softmax. Rows with a value in min_p's rounding band
-    take the reference's min_p_mask (:func:`_min_p_lists` on the torch path); the same lists come back,
-    in the order of ``rows``."""
-    count, vals, ids, redo = nucleus.min_p_survivors(z, rows, mp, MIN_P_LIST_MAX)
-    short = ((count <= MIN_P_LIST_MAX) & ~redo).nonzero().squeeze(1)
-    width = int(count[short].max()) if short.numel() else 1
-    parts = [(short, vals[short, :width], ids[short, :width])]
-    again = redo.nonzero().squeeze(1)
-    if again.numel():
-        with kernels.forced("torch"):
-            r_rows, r_vals, r_ids = _min_p_lists(z, rows[again], mp[again])
-        pos = {int(r): i for i, r in enumerate(rows.tolist())}
-        parts.append((torch.tensor([pos[int(r)] for r in r_rows.tolist()], dtype=torch.long), r_vals, r_ids))
-    if not any(pt[0].numel() for pt in parts):
-        return rows[:0], torch.empty(0, 1, dtype=z.dtype, device=z.device), rows.new_empty(0, 1)
-    width = max(pt[1].shape[1] for pt in parts if pt[0].numel())
-    at = torch.cat([pt[0] for pt in parts])
-    vals = torch.cat([torch.nn.functional.pad(pt[1][:, :width], (0, width - pt[1][:, :width].shape[1]), value=NEG_INF) for pt in parts])
-    ids = torch.cat([torch.nn.functional.pad(pt[2][:, :width], (0, width - pt[2][:, :width].shape[1])) for pt in parts])
-    order = at.argsort()
-    at, vals, ids = at[order], vals[order], ids[order]
-    head = ~redo[at]  # the kernel's lists are in column order: sorted here as _min_p_lists sorts its own
-    if bool(head.any()):
-        sv, so = vals[head].sort(dim=1, descending=True)
-        vals[head], ids[head] = sv, ids[head].gather(1, so)
-    return rows[at], vals, ids
-
-
-def _kept_bounded(z: torch.Tensor | nucleus.Scaled, specs: list[SamplingSpec], band_policy: str = "reference") -> _Bounded:
-    """reference_filter's kept mask for a not-all-greedy batch of scaled logits ``z`` (a :class:`parity.core.nucleus.Scaled`
-    only where :func:`_reads_scaled`: then no row has top_k).
+def _kept_bounded(z: torch.Tensor, specs: list[SamplingSpec]) -> _Bounded:
+    """reference_filter's kept mask for a not-all-greedy batch of scaled logits ``z``.
 
     Rows with top_k are filtered from their candidates (the ids are the whole kept set on those listed
-    rows), and so are rows without top_k under min_p and top_p with few min_p survivors
-    (:func:`_min_p_lists`); other rows without top_k go through :func:`parity.core.nucleus.nucleus_cut` on the sort path, else
-    :func:`parity.core.nucleus.survivor_mass` (CPU); other rows, and the rows a fast path cannot decide
-    exactly (``fallback``), run the reference.
+    rows); rows without top_k, and the rows the candidates cannot decide exactly (``fallback``), run the
+    reference.
     """
     n, vocab = z.shape
     dev = z.device
     use_min_p = any(s.uses_min_p for s in specs)
     mp = torch.tensor([s.min_p if s.uses_min_p else 0.0 for s in specs], dtype=torch.float32, device=dev)
-
-    def work(rows: torch.Tensor | None) -> torch.Tensor:  # z' after min_p (row-wise: exact per row)
-        sub = z[rows if rows is not None else slice(None)] if isinstance(z, nucleus.Scaled) else z if rows is None else z[rows]
-        if not use_min_p:
-            return sub
-        return sub.masked_fill(min_p_mask(sub, mp if rows is None else mp[rows]), NEG_INF)
-
     any_p = any(s.uses_top_p for s in specs)
     k = torch.tensor([s.top_k_for_vocab(vocab) for s in specs], dtype=torch.long, device=dev)
     p = torch.tensor([s.top_p if s.uses_top_p else 1.0 for s in specs], dtype=torch.float32, device=dev)
-    bounded = k < vocab
+    listed = k < vocab
     fallback = torch.zeros(n, dtype=torch.bool, device=dev)
-    decided = torch.zeros(n, dtype=torch.bool, device=dev)
-    log_mass = torch.full((n,), float("nan"), dtype=torch.float64, device=dev)
-    row_max = torch.full((n,), float("nan"), dtype=torch.float32, device=dev)
-    free = (~bounded).nonzero().squeeze(1)
-    lists: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, values desc, ids)
-    if any_p and use_min_p and free.numel():
-        mrows = free[mp[free] > 0]
-        if mrows.numel():
-            short, mvals, mids = _min_p_lists(z, mrows, mp[mrows])
-            if short.numel():
-                lists.append((short, mvals, mids))
-                bounded[short] = True
-                free = (~bounded).nonzero().squeeze(1)
-    listed = bounded.clone()
-    cut = free.numel() > 0 and nucleus.supported(z)
-    every_cut = cut and free.numel() == n
-    kept = (torch.empty if every_cut else torch.zeros)(n, vocab, dtype=torch.bool, device=dev)
+    kept = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
     ids = torch.full((n, 1), -1, dtype=torch.long, device=dev)
-    krows = (k < vocab).nonzero().squeeze(1)
-    if krows.numel():
-        assert isinstance(z, torch.Tensor), "top_k batches materialise z' (_reads_scaled)"
-        kvals, kids, redo = _top_k_candidates(z, krows, k[krows], mp[krows] if use_min_p else None)
-        lists.insert(0, (krows, kvals, kids))
-        fallback[krows[redo]] = True  # min_p decided by the reference's softmax on the whole row
-    if lists:
-        width = max(vl.shape[1] for _, vl, _ in lists)
-        rows = torch.cat([r for r, _, _ in lists])
-        vals = torch.cat([torch.nn.functional.pad(vl, (0, width - vl.shape[1]), value=NEG_INF) for _, vl, _ in lists])
-        cand = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1])) for _, _, c in lists])
-        every = rows.numel() == n
-        if every and len(lists) > 1:  # rows in order, so the scatter below fills row i from vals[i]
-            rows, order = rows.sort()
-            vals, cand = vals[order], cand[order]
+    rows = listed.nonzero().squeeze(1)
+    if rows.numel():
+        vals, cand, redo = _top_k_candidates(z, rows, k[rows], mp[rows] if use_min_p else None)
+        fallback[rows[redo]] = True  # min_p decided by the reference's softmax on the whole row
         keep = vals > NEG_INF
         if any_p:
             keep, fb = _top_p_on_candidates(vals, p[rows])
@@ -438,34 +280,22 @@ def _kept_bounded(z: torch.Tensor | nucleus.Scaled, specs: list[SamplingSpec], b
             keep &= ~fb.unsqueeze(1)
         # Every row keeps its largest candidate (column 0): padding scatters onto it, harmlessly.
         filled = torch.where(keep, cand, cand[:, :1])
-        if every:
+        if rows.numel() == n:
             kept.scatter_(1, filled, True)
         else:
             kept[rows] = torch.zeros(rows.numel(), vocab, dtype=torch.bool, device=dev).scatter_(1, filled, True)
         ids = torch.full((n, cand.shape[1]), -1, dtype=torch.long, device=dev)
         ids[rows] = torch.where(keep, cand, torch.full_like(cand, -1))
-    done = listed.clone()
-    if cut:  # no top_k: the histogram select of the top_p cut, or no cut (parity.core.nucleus)
-        sel, mps = None if every_cut else free, mp[free] if use_min_p else None
-        if any_p:  # exact, or counted fallback
-            res = nucleus.nucleus_cut(z, p[free], rows=sel, min_p=mps, out=kept, band_policy=band_policy)
-            if res.decided is not None:
-                decided[free[res.decided]] = True
-        else:
-            res = nucleus.survivor_mass(z, rows=sel, min_p=mps, out=kept)
-        ok = ~res.unresolved  # the rest (split ties) need the reference's permutation
-        fallback[free[res.fallback]] = True
-        log_mass[free[ok]] = res.log_mass[ok]
-        row_max[free[ok]] = res.row_max.squeeze(1)[ok]
-        done[free[ok]] = True
-    rest = (~done).nonzero().squeeze(1)
-    if rest.numel():  # rows without top_k off CPU, and the fallback rows left unresolved: the reference
-        sub = work(rest)
+    rest = (~listed).nonzero().squeeze(1)
+    if rest.numel():  # rows without top_k, and the fallback rows: the reference itself
+        sub = z[rest]
+        if use_min_p:
+            sub = sub.masked_fill(min_p_mask(sub, mp[rest]), NEG_INF)
         if any_p:
             sub = top_k_top_p_sorted(sub, k[rest], p[rest])
         kept[rest] = sub > NEG_INF
         ids[rest] = -1
-    return _Bounded(kept, ids, listed, log_mass, row_max, fallback, decided)
+    return _Bounded(kept, ids, listed, fallback)
 
 
 def mask_to_ids(kept: torch.Tensor) -> torch.Tensor:
@@ -487,12 +317,12 @@ def ids_to_mask(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return mask[:, :vocab]
 
 
-def _support_values(z: torch.Tensor | nucleus.Scaled, kept: torch.Tensor) -> torch.Tensor:
+def _support_values(z: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """z on the kept set: ``[N, V]`` with -inf off a mask, or ``[N, K]`` gathered from padded ids."""
     if kept.dtype == torch.bool:
         if kept.shape != z.shape:
             raise ValueError(f"kept mask has shape {tuple(kept.shape)}: allowed the logits' shape {tuple(z.shape)}")
-        return (z[:] if isinstance(z, nucleus.Scaled) else z).masked_fill(~kept, NEG_INF)
+        return z.masked_fill(~kept, NEG_INF)
     if kept.dim() != 2 or kept.shape[0] != z.shape[0]:
         raise ValueError(f"kept ids have shape {tuple(kept.shape)}: allowed [{z.shape[0]}, K]")
     # Gather K values per row: never touches the other V - K logits.
@@ -517,7 +347,7 @@ def _log_sum_exp_shifted(vals: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.log(torch.exp((vals - m).double()).sum(dim=-1))
 
 
-def _log_renormalised(z: torch.Tensor | nucleus.Scaled, y: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+def _log_renormalised(z: torch.Tensor, y: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """``z_y - logsumexp(z over kept)``, computed as ``log_softmax`` does (shift by the kept max first)."""
     vals = _support_values(z, kept)
     m = _row_max(vals)

@@ -22,11 +22,6 @@ LOG_ZERO_PROB = math.log(2.0**-150)
 # above -80 exp(x - m) is a normal float >= 1.8e-35 and times 1/S >= 2**-24 (V <= 2**24) stays
 # nonzero. In between the decision depends on float32 rounding.
 UNDERFLOW_BAND = (-120.0, -80.0)
-# The same question asked on d = m - x (a logit's distance below the row max), where the key-space
-# nucleus select works before log S is known: beyond 105 the float32 probability is 0 for any row
-# (exp(-105) < 2**-149 and it only shrinks when divided by S >= 1); below 80 it is a normal float
-# and stays nonzero; in between, rounding decides. (drop above, keep below)
-UNDERFLOW_D_BAND = (105.0, 80.0)
 
 
 def top_p_band(mass: torch.Tensor, count: torch.Tensor, span: torch.Tensor) -> torch.Tensor:

@@ -7,19 +7,13 @@ run), interleaved round by round (conftest.paired; wall-clock ratio, the CPU-tim
 * replay: gather the K captured ids + logsumexp (``estimators.replay`` on padded ids ``[T, K]``);
 * recompute, every filter combination (temperature 0.8 throughout): with top_k, rows are filtered over
   ``topk(k)`` candidates (top_k + top_p is vLLM's sort path, top_k alone or with min_p its top-k-only
-  path); without top_k, top_p + min_p rows over their min_p survivors (``estimators._min_p_lists``),
-  top_p alone through the histogram select of ``parity.core.nucleus`` and min_p alone through
-  ``parity.core.nucleus.survivor_mass``. Rows a fast path cannot decide exactly are sorted (the reference's
-  float32 ops on their sorted values, or the reference sort): their count is in the cell ("fallback n/T"),
-  and so is which row passes served the rows without top_k ("numba passes": parity.core.kernels compiled,
-  "torch passes": torch ops; PARITY_KERNELS chooses);
-* recompute top_p alone with ``band_policy="decide"``: the rows whose boundary lies in the rounding band
-  are cut by the exact float64 mass instead of sorted ("decided n/T": not the reference's rounding there);
-* recompute through the reference sort: the same kept set from ``reference_filter`` (a full-row sort,
-  what recompute cost before), for scale, with top_k + top_p and with top_p alone;
+  path); rows a candidate list cannot decide exactly are sorted by the reference, their count is in the
+  cell ("fallback n/T"). Without top_k, rows take the reference filter: top_p sorts the whole row, as
+  vLLM's sampler does, and min_p alone applies vLLM's min_p rule to the whole row;
+* recompute through the reference sort with top_k + top_p: the same kept set from ``reference_filter``
+  (a full-row sort, what the candidate path saves), for scale;
 * parts: what a combination pays before its own work starts (z / T and ``topk``, z / T and vLLM's min_p
-  rule, the nucleus select up to its candidates: ``parity.core.nucleus.select``, CPU only, reading z / T as
-  recompute does).
+  rule).
 
 Shapes: T in {512, 4096} x V in {32000, 152064}, except T=4096 x V=152064 on CPU (2.5 GB of float32
 logits alone, and the reference sort needs ~3x that on top), which runs at T=1024. Each run also
@@ -38,7 +32,6 @@ import pytest
 import torch
 
 from parity.core import estimators as E
-from parity.core import kernels, nucleus
 from parity.core.filters import check_logits, min_p_mask, reference_filter
 from parity.core.spec import SamplingSpec
 
@@ -58,27 +51,19 @@ ESTIMATORS: dict[str, tuple[str, str, SamplingSpec]] = {
     "recompute-k": (f"recompute top_k={TOP_K}", "recompute", S(0.8, top_k=TOP_K)),
     "recompute-k-p-minp": (f"recompute top_k={TOP_K} top_p=0.9 min_p=0.05", "recompute", S(0.8, top_k=TOP_K, top_p=0.9, min_p=0.05)),
     "recompute-k-minp": (f"recompute top_k={TOP_K} min_p=0.05", "recompute", S(0.8, top_k=TOP_K, min_p=0.05)),
-    "recompute-p": ("recompute top_p=0.9 (nucleus select)", "recompute", S(0.8, top_p=0.9)),
-    "recompute-p-decide": ("recompute top_p=0.9 (nucleus select, band_policy=decide)", "decide", S(0.8, top_p=0.9)),
-    "recompute-p-minp": ("recompute top_p=0.9 min_p=0.05 (min_p survivor list)", "recompute", S(0.8, top_p=0.9, min_p=0.05)),
+    "recompute-p": ("recompute top_p=0.9 (reference sort)", "recompute", S(0.8, top_p=0.9)),
+    "recompute-p-minp": ("recompute top_p=0.9 min_p=0.05 (reference sort)", "recompute", S(0.8, top_p=0.9, min_p=0.05)),
     "recompute-minp": ("recompute min_p=0.05", "recompute", S(0.8, min_p=0.05)),
     "part-topk": (f"part: z / T and topk({TOP_K + 1}), what every top_k row pays", "part-topk", SPEC),
     "part-minp": ("part: z / T and vLLM's min_p rule on whole rows (min_p_mask)", "part-minp", S(0.8, min_p=0.05)),
-    "part-select": (
-        "part: the nucleus select up to its candidates (histogram, ranges, kept mask), z / T as recompute reads it",
-        "part-select",
-        S(0.8, top_p=0.9),
-    ),
     "reference-sort-k-p": (f"recompute top_k={TOP_K} top_p=0.9 via reference sort", "reference", SPEC),
-    "reference-sort-p": ("recompute top_p=0.9 via reference sort", "reference", S(0.8, top_p=0.9)),
 }
 ROUNDS, WARMUP = 3, 1  # fast rows; the multi-second sort rows run one round, no warm-up
 REPLAY_ROUNDS = 20
 FLOOR_TOL = 0.05  # the noise floor (full against full) is expected within 1 +- this
 SORT_MAX_T = 512  # on CPU the full-row sort rows run at this T only (their cost is linear in T)
 REPLAY_TARGET = ("replay <= 0.05x full at V=152k", 0.05)
-RECOMPUTE_TARGET = ("recompute <= 2x full, every filter combination", 2.0)
-DECIDE_TARGET = ("recompute top_p alone, band_policy=decide <= 2x full", 2.0)
+RECOMPUTE_TARGET = ("recompute <= 2x full, every filter combination with top_k", 2.0)
 TITLE = "Trainer side: ratio to the full-vocabulary log-softmax + gather (float32, CPU)"
 INTRO = (
     f"Synthetic LM-like logits; replay reads the captured kept ids of top_k={TOP_K}, top_p=0.9 "
@@ -122,7 +107,9 @@ def shape_id(t: int, v: int) -> str:
 
 
 def sort_based(name: str) -> bool:
-    return ESTIMATORS[name][1] == "reference"
+    """The rows that sort whole rows: the reference sort, and recompute with top_p but no top_k."""
+    _, kind, spec = ESTIMATORS[name]
+    return kind == "reference" or (kind == "recompute" and spec.uses_top_p and not spec.top_k)
 
 
 def make_workload(t: int, v: int, *, seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -173,19 +160,11 @@ def estimator_fn(kind: str, spec: SamplingSpec, w: dict[str, torch.Tensor]) -> C
         return lambda: E.replay(z, y, ids, spec)
     if kind == "recompute":
         return lambda: E.recompute(z, y, spec)
-    if kind == "decide":
-        return lambda: E.recompute(z, y, spec, band_policy="decide")
     if kind == "part-topk":
         return lambda: E.scale(z, spec).topk(TOP_K + 1, dim=1)
     if kind == "part-minp":
         mp = torch.full((z.shape[0],), spec.min_p, device=z.device)
         return lambda: min_p_mask(E.scale(z, spec), mp)
-    if kind == "part-select":  # what every top_p-alone row pays before its exact cut, read as recompute reads it
-        p = torch.full((z.shape[0],), spec.top_p, device=z.device)
-        if E._reads_scaled(z, [spec]):
-            t = torch.full((z.shape[0],), spec.temperature, device=z.device)
-            return lambda: nucleus.select(nucleus.Scaled(z, t), p)
-        return lambda: nucleus.select(E.scale(z, spec), p)
     if kind == "reference":
         return lambda: E._recompute_reference(z, y, spec)
     raise ValueError(f"unknown estimator kind {kind!r}")
@@ -194,10 +173,9 @@ def estimator_fn(kind: str, spec: SamplingSpec, w: dict[str, torch.Tensor]) -> C
 def check_result(name: str, result: Any, w: dict[str, torch.Tensor]) -> None:
     """What was timed must be right (correctness, not timing)."""
     label, kind, spec = ESTIMATORS[name]
-    if kind in ("recompute", "reference", "decide"):
+    if kind in ("recompute", "reference"):
         want = reference_filter(w["logits"], spec).kept
-        same = slice(None) if kind != "decide" else ~result.decided
-        assert torch.equal(result.kept[same], want[same]), f"{label}: kept set differs from reference_filter"
+        assert torch.equal(result.kept, want), f"{label}: kept set differs from reference_filter"
         assert bool(torch.isfinite(result.logprobs).all()), f"{label}: non-finite log-probs"
     elif kind == "replay":
         assert result.outside_count == 0, f"{label}: sampled ids outside the kept ids"
@@ -208,10 +186,6 @@ def check_result(name: str, result: Any, w: dict[str, torch.Tensor]) -> None:
         assert not bool(result.gather(1, top).any()), f"{label}: dropped a row's max"
     elif kind == "full-warm":
         assert torch.equal(result, E.full(w["logits"], w["sampled"], spec)), f"{label}: not full's log-probs"
-    elif kind == "part-select":  # what it marks kept above the candidates is kept by the reference
-        want = reference_filter(w["logits"], spec).kept
-        assert not bool((result.kept & ~want).any()), f"{label}: marks a token the reference drops"
-        assert int(result.candidates) > 0, f"{label}: no candidates"
 
 
 def run_case(
@@ -236,7 +210,7 @@ def run_case(
         title,
         "estimator",
         INTRO,
-        rows=[label for k, (label, _, _) in ESTIMATORS.items() if device == "cpu" or k != "part-select"],
+        rows=[label for label, _, _ in ESTIMATORS.values()],
         cols=[shape_label(*s) for s in (SHAPES if device == "cpu" else GPU_SHAPES)],
     )
     if slow and device == "cpu" and t > SORT_MAX_T:
@@ -258,35 +232,19 @@ def run_case(
     )
     check_result(name, pair.result, w)
     notes = ["(1 round)"] if slow else []
-    if kind in ("recompute", "decide"):
+    if kind == "recompute" and spec.top_k:
         notes.append(f"fallback {pair.result.fallback_count}/{t}")
-        # rows without top_k, except top_p + min_p (cut over their min_p survivor list): parity.core.kernels
-        if spec.top_k_for_vocab(v) >= v and not (spec.uses_top_p and spec.uses_min_p):
-            notes.append(f"{kernels.backend()} passes")
-        FALLBACKS[(name, col)] = pair.result.fallback_count
-        ROWS[col] = t
-    if kind == "decide":
-        notes.append(f"decided {pair.result.decided_count}/{t}")
-        DECIDED[(name, col)] = pair.result.decided_count
     pair.result = None  # recompute's kept mask is [T, V]: do not keep it alive
     table.put_pair(label, col, pair, note=" ".join(notes))
     if targets and kind == "replay" and v >= 100_000:
         report.check(*REPLAY_TARGET, col, pair.ratio)
-    if targets and kind == "recompute":
+    if targets and kind == "recompute" and spec.top_k:
         report.check(*RECOMPUTE_TARGET, f"{label.removeprefix('recompute ')} @ {col}", pair.ratio)
-    if targets and kind == "decide":
-        report.check(*DECIDE_TARGET, col, pair.ratio)
     return pair
 
 
-FALLBACKS: dict[tuple[str, str], int] = {}  # (estimator id, column) -> rows sent to the reference sort
-ROWS: dict[str, int] = {}  # column -> T
-BAND_SHARE = 0.05  # band rows below this share of T do not explain a cell's cost
-DECIDED: dict[tuple[str, str], int] = {}  # (estimator id, column) -> band rows decided in float64
-
-
 def trainer_findings(report: Any) -> list[str]:
-    """Findings read off the trainer table: what the candidate bound and the nucleus select saved."""
+    """Findings read off the trainer table: what the candidate bound saved, and what each row pays."""
     table = report.tables.get("trainer")
     if table is None:
         return []
@@ -318,67 +276,17 @@ def trainer_findings(report: Any) -> list[str]:
                 "buffers, or a GPU caching allocator, sees the smaller figure: divide a ratio by "
                 f"{warm:.2f} to read it against that"
             )
-        fast, ref, alone, ref_p, rep = (
-            ratio(k, col) for k in ("recompute-k-p", "reference-sort-k-p", "recompute-p", "reference-sort-p", "replay")
-        )
+        fast, ref, alone, rep = (ratio(k, col) for k in ("recompute-k-p", "reference-sort-k-p", "recompute-p", "replay"))
         if fast is not None and ref is not None:
             lines.append(
                 f"{col}: recompute with top_k={TOP_K} top_p=0.9 costs {fast:.2f}x full over topk candidates "
                 f"against {ref:.1f}x through the reference full-row sort ({ref / fast:.0f}x less)"
             )
         if alone is not None:
-            c = cell("recompute-p", col)
-            fb = FALLBACKS.get(("recompute-p", col))
-            text = f"{col}: recompute with top_p alone costs {alone:.2f}x full (cpu {c.other:.2f}x)" if c.other else (
-                f"{col}: recompute with top_p alone costs {alone:.2f}x full"
+            lines.append(
+                f"{col}: recompute with top_p alone costs {alone:.2f}x full: without top_k the whole row is sorted, "
+                "as vLLM's sampler sorts it for top_p"
             )
-            if fb is not None:
-                text += f" through the nucleus select, {fb} rows in the rounding band cut from their sorted values"
-            if ref_p is not None:
-                text += f", against {ref_p:.1f}x through the reference full-row sort"
-            lines.append(text)
-            dec = cell("recompute-p-decide", col)
-            sel = ratio("part-select", col)
-            rows = ROWS.get(col, 0)
-            # The band rows explain the cost only where they are many and deciding them saves a clear part.
-            band_bound = (
-                dec is not None and fb is not None and fb >= BAND_SHARE * rows
-                and (dec.value <= RECOMPUTE_TARGET[1] or dec.value < 0.8 * alone)
-            )
-            if alone > RECOMPUTE_TARGET[1]:
-                if kernels.backend() == "numba":
-                    passes = (
-                        "the select's compiled row passes (parity.core.kernels: a histogram pass with a float64 exp "
-                        "and a scalar scatter into two bucket arrays per token, a prefix pass, a mark pass) and the "
-                        "ranges' window in torch ops"
-                    )
-                else:
-                    passes = (
-                        "the nucleus select through torch ops: about a dozen eager passes over each row (max, exp "
-                        "and its float64 copy, four for the bucket keys, two histograms (bincount: a scalar "
-                        "scatter, the largest single cost), the kept mask, the candidates) where log_softmax + "
-                        "gather makes two or three fused ones (numba's compiled passes: the fast extra)"
-                    )
-                why = [f"{col}: why top_p alone is over {RECOMPUTE_TARGET[1]:g}x:"]
-                if sel is not None:
-                    why.append(
-                        f"the select up to its candidates alone costs {sel:.2f}x full (measured above, "
-                        f"{100 * sel / alone:.0f} % of top_p alone's {alone:.2f}x): {passes}; the exact cut over "
-                        "the candidates and the band rows' sorts come on top."
-                    )
-                else:
-                    why.append(f"{passes}.")
-                if band_bound:
-                    why.append(
-                        f"{fb} of its rows have a candidate inside the proven rounding band (mostly the reference's "
-                        "float32 softmax-denominator error bound, u times the sum of its lanes' partial sums, times "
-                        "1 - p), and such a row is decided only by the reference's own float32 ops on the whole "
-                        "sorted row: a full-row sort each. Deciding those rows in float64 (band_policy=decide, "
-                        f"{DECIDED.get(('recompute-p-decide', col), '?')} rows decided, counted) costs {dec.value:.2f}x."
-                    )
-                elif dec is not None:
-                    why.append(f"Not the rounding band: {fb} rows sorted; deciding them in float64 costs {dec.value:.2f}x.")
-                lines.append(" ".join(why))
         floor = ratio("full", col)
         if floor is not None and abs(floor - 1) > FLOOR_TOL:
             lines.append(
@@ -386,20 +294,13 @@ def trainer_findings(report: Any) -> list[str]:
                 "column's ratios are uncertain by about that much"
             )
         over = [
-            (k, r) for k in ESTIMATORS if ESTIMATORS[k][1] == "recompute" and (r := ratio(k, col)) is not None
-            and r > RECOMPUTE_TARGET[1] and k != "recompute-p"
+            (k, r) for k in ESTIMATORS if ESTIMATORS[k][1] == "recompute" and not sort_based(k)
+            and (r := ratio(k, col)) is not None and r > RECOMPUTE_TARGET[1]
         ]
         parts = {k: ratio(k, col) for k in ("part-topk", "part-minp")}
         for k, r in over:
             spec = ESTIMATORS[k][2]
-            compiled = not spec.top_k and kernels.backend() == "numba"  # no whole-row min_p rule on that path
-            part = "part-topk" if spec.top_k else "part-minp" if spec.uses_min_p and not compiled else None
-            if compiled:
-                lines.append(
-                    f"{col}: {ESTIMATORS[k][0].removeprefix('recompute ')} is over {RECOMPUTE_TARGET[1]:g}x "
-                    f"({r:.2f}x) through the compiled row passes (parity.core.kernels), which list or mask min_p's "
-                    "survivors from its thresholds without the whole-row softmax; no component row splits the rest"
-                )
+            part = "part-topk" if spec.top_k else "part-minp" if spec.uses_min_p else None
             if part is not None and parts[part] is not None:
                 what = f"topk({TOP_K + 1}) over each row" if part == "part-topk" else "vLLM's min_p rule over each whole row"
                 lines.append(
@@ -427,8 +328,7 @@ def test_bench_trainer(timer, bench_report, shape, name) -> None:
     run_case(bench_report, timer, name, *shape)
 
 
-# The nucleus select is CPU float32 only (parity.core.nucleus.supported): no part-select row on CUDA.
-GPU_CASES = [(shape, name) for shape in GPU_SHAPES for name in ESTIMATORS if name != "part-select"]
+GPU_CASES = [(shape, name) for shape in GPU_SHAPES for name in ESTIMATORS]
 
 
 @pytest.mark.gpu

@@ -34,13 +34,8 @@ from parity.records.analyze import (
     summarize_batch,
     token_columns,
 )
+from parity.records.format import open_records
 from parity.records.summary import Summary
-
-
-def records_format() -> Any:
-    """:mod:`parity.records.format` (importing this module already refused a missing pyarrow)."""
-    return rf
-
 
 # ==================================================================================================
 # re-scoring with a transformers model (--model)
@@ -69,7 +64,6 @@ def rescored_columns(batch: Any, trainer: Any, dtypes: tuple[str, str]) -> Token
 
     vocab = int(trainer.vocab_size)
     cols = token_columns(batch, vocab_size=vocab)  # sampler-side flags and the trainer under test, if any
-    rf = records_format()
     for name, rag in (("prompt_ids", batch.prompt), ("completion_ids", batch.completion), ("kept_ids", batch.kept)):
         if rag is not None and rag.values.size and int(rag.values.max()) >= vocab:
             flat = int(np.flatnonzero(rag.values >= vocab)[0])
@@ -144,7 +138,7 @@ def _dtypes(meta: dict[str, Any], options: Options) -> tuple[str, str]:
 
 def summarize_file(path: str, file_index: int, options: Options) -> Summary:
     """Summary of one records file, streamed batch by batch (what a worker process runs)."""
-    rf = records_format().open_records(path)
+    rf = open_records(path)
     out = Summary(files=[str(path)], metadata=[{"file": str(path), **rf.metadata}])
     dtypes = _dtypes(rf.metadata, options)
     vocab = rf.metadata.get("vocab_size")
@@ -272,7 +266,7 @@ def analyze(
     opts = options or Options()
     th = thresholds or Thresholds.for_dtype(opts.dtype)
     opts.n_listed = th.max_violations_listed
-    paths = records_format().records_paths(path)
+    paths = rf.records_paths(path)
     t0 = time.perf_counter()
     summary = summarize_paths(paths, opts, jobs=jobs, timeout_s=timeout_s, progress=progress)
     report = build_report(summary, th, options=opts, paths=paths)

@@ -26,9 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _records_dtype(path: Path) -> str | None:
-    from parity.analyze import records_format
+    import parity.analyze  # noqa: F401  (refuses a missing pyarrow with what to install)
+    from parity.records import format as rf
 
-    rf = records_format()
     try:
         return rf.open_records(rf.records_paths(path)[0]).metadata.get("trainer_dtype")
     except (OSError, rf.RecordsError):

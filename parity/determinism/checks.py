@@ -13,7 +13,6 @@ are :mod:`parity.determinism.gate`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -34,11 +33,6 @@ def nudge_one_ulp(values: torch.Tensor, index: int = 0) -> torch.Tensor:
     flat = out.view(-1)
     flat[index] = torch.nextafter(flat[index], torch.tensor(float("-inf"), dtype=out.dtype))
     return out
-
-
-def nudge_record(record: Any, position: int = 0) -> Any:
-    """A copy of a ``SequenceRecord`` whose log-prob at ``position`` is one float step lower."""
-    return replace(record, logprobs=nudge_one_ulp(record.logprobs, position))
 
 
 def compare_records(ref: Any, got: Any) -> dict[str, Any]:

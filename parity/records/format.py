@@ -105,8 +105,6 @@ BY_NAME: dict[str, Column] = {c.name: c for c in COLUMNS}
 REQUIRED = tuple(c.name for c in COLUMNS if c.required)
 KEPT_GROUP = ("kept_ids", "kept_offsets", "kept_logprobs")  # present together or not at all
 TRAINER_TOKEN_COLUMNS = tuple(c.name for c in COLUMNS if c.name.startswith("trainer_") and c.per == "token")
-FLOAT_LOGPROB_COLUMNS = ("sampler_logprobs", "kept_logprobs", "trainer_logprobs", "trainer_full_logprobs",
-                         "trainer_replay_logprobs", "trainer_recompute_logprobs", "trainer_log_s")
 NONNEGATIVE_COLUMNS = ("trainer_bound", "trainer_bound_full")  # finite and >= 0
 SAMPLER_LOG_S_SOURCES = ("raw_logits", "top_p_bracket", "unfiltered")
 
@@ -622,11 +620,6 @@ def open_records(path: str | Path) -> RecordsFile:
             f"needs {', '.join(REQUIRED)}"
         )
     return RecordsFile(p, pf, meta)
-
-
-def read_records(path: str | Path, **kw: Any) -> Iterator[RecordsBatch]:
-    """Validated batches of one records file (see :meth:`RecordsFile.batches`)."""
-    yield from open_records(path).batches(**kw)
 
 
 def records_paths(path: str | Path) -> list[Path]:

@@ -22,6 +22,7 @@ What is guaranteed is asserted; what a platform does is measured and reported:
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -32,7 +33,6 @@ from parity.determinism.checks import (
     check_rollout_invariance,
     check_trainer_invariance,
     nudge_one_ulp,
-    nudge_record,
 )
 from parity.determinism.gate import determinism_section, invariance_gate
 from parity.determinism.knobs import CPU_ATTENTION, ON, UNAVAILABLE, batch_invariant_mode
@@ -130,7 +130,7 @@ def test_rollout_negative_control_fails_the_check_and_the_gate(engines, prompts)
     def nudge(name: str, rec):
         if name in ("rollout greedy batch=4", "rollout sampled run-to-run #1"):
             perturbed.append(name)
-            return nudge_record(rec, position=MAX_TOKENS - 1)
+            return replace(rec, logprobs=nudge_one_ulp(rec.logprobs, MAX_TOKENS - 1))
         return rec
 
     result = check_rollout_invariance(

@@ -17,9 +17,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 from parity.core.matrix import Matrix, default_matrix
 from parity.core.spec import SamplingSpec
+from parity.determinism.checks import compare_records
 from parity.engines.session import EnginePool, make_prompts
 from parity.engines.vllm_server.client import ServerRollout
 from parity.engines.vllm_server.process import free_port, process_group_alive
@@ -27,7 +29,6 @@ from parity.engines.vllm_server.protocol import (
     LogprobsModeMismatch,
     ServerDied,
     ServerUnreachable,
-    compare_with_offline,
 )
 from parity.fixtures import resolve_model
 from parity.run import RunConfig, run
@@ -208,11 +209,13 @@ def test_server_matches_the_offline_engine(report, pool) -> None:
     try:
         diffs = {}
         for spec in CROSS_SPECS:
-            cmp = compare_with_offline(got[spec], offline.generate(prompts, spec, max_tokens=8, seed=11))
-            assert cmp["tokens_equal"], (spec.label(), cmp)
-            assert cmp["kept_equal"], (spec.label(), cmp)
-            assert cmp["compared_positions"] == cmp["tokens"] == 32
-            diffs[spec.label()] = max(cmp["max_abs_logprob_diff"], cmp["max_abs_kept_logprob_diff"])
+            pairs = list(zip(got[spec], offline.generate(prompts, spec, max_tokens=8, seed=11), strict=True))
+            assert sum(s.length for s, _ in pairs) == 32
+            for s, o in pairs:
+                assert (s.prompt_ids, s.seed, s.spec) == (o.prompt_ids, o.seed, o.spec)
+                cmp = compare_records(o, s)
+                assert cmp["tokens_equal"] and cmp["support_equal"] is not False, (spec.label(), s.prompt_index, cmp)
+                diffs[spec.label()] = max(diffs.get(spec.label(), 0.0), cmp["max_abs_diff"])
     finally:
         offline.close()
     worst = max(diffs.values())
@@ -229,8 +232,9 @@ def test_attach_to_a_running_server(report, pool) -> None:
         spec = SamplingSpec(0.7, top_k=20, top_p=0.9)
         a = attached.generate(prompts, spec, max_tokens=6, seed=5)
         b = spawned.generate(prompts, spec, max_tokens=6, seed=5)
-        cmp = compare_with_offline(a, b)
-        assert cmp["tokens_equal"] and cmp["max_abs_logprob_diff"] == 0.0
+        for s, o in zip(a, b, strict=True):
+            cmp = compare_records(o, s)
+            assert cmp["tokens_equal"] and torch.equal(s.logprobs, o.logprobs), cmp
         assert all(r.source == "vllm-server" for r in a)
     finally:
         attached.close()

@@ -19,7 +19,6 @@ from parity.records.format import (
     RecordsError,
     describe_columns,
     open_records,
-    read_records,
     records_table,
     validate_batch,
     write_records,
@@ -57,7 +56,7 @@ def refused(table_or_rows, match: str, tmp_path: Path) -> str:
     path = tmp_path / "bad.parquet"
     pq.write_table(table, path)
     with pytest.raises(RecordsError, match=match) as info:
-        for _ in read_records(path):
+        for _ in open_records(path).batches():
             pass
     msg = str(info.value)
     assert str(path) in msg, msg
@@ -225,7 +224,7 @@ def test_other_integer_and_float_widths_are_read(tmp_path: Path) -> None:
         t = t.set_column(i, pa.field(name, typ), t.column(name).cast(typ))
     path = tmp_path / "w.parquet"
     pq.write_table(t, path)
-    (b,) = list(read_records(path))
+    (b,) = list(open_records(path).batches())
     assert b.completion.values.tolist() == [3, 4, 5, 3, 4, 5]
 
 

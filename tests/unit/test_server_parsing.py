@@ -20,7 +20,6 @@ from parity.engines.vllm_server.protocol import (
     MalformedResponse,
     check_probe,
     check_processed,
-    compare_with_offline,
     parse_completion,
 )
 from parity.records.sequence import SequenceRecord
@@ -222,23 +221,6 @@ def _rec(source, ids, lps, kept=None, kept_lp=None, seed=1):
         kept_ids=kept,
         kept_logprobs=kept_lp,
     )
-
-
-def test_compare_with_offline() -> None:
-    kept = torch.tensor([[3, 4], [1, 2]])
-    klp = torch.log(torch.tensor([[0.6, 0.4], [0.5, 0.5]]))
-    a = _rec("vllm-server", [3, 2], [-0.51, -0.69], kept, klp)
-    b = _rec("vllm", [3, 2], [-0.5, -0.69], kept, klp + 1e-6)
-    r = compare_with_offline([a], [b])
-    assert r["tokens_equal"] and r["kept_equal"] and r["compared_positions"] == 2
-    assert r["max_abs_logprob_diff"] == pytest.approx(0.01, abs=1e-6)
-    assert r["max_abs_kept_logprob_diff"] == pytest.approx(1e-6, abs=1e-7)
-    c = _rec("vllm", [3, 1], [-0.51, -0.69], torch.tensor([[3, 4], [1, -1]]), klp)
-    r = compare_with_offline([a], [c])
-    assert not r["tokens_equal"] and r["first_token_mismatch"] == {"prompt": 0, "position": 1}
-    assert r["compared_positions"] == 1 and r["kept_equal"]
-    with pytest.raises(ValueError, match="seed"):
-        compare_with_offline([a], [_rec("vllm", [3, 2], [-0.5, -0.69], seed=2)])
 
 
 RAW = torch.log_softmax(torch.tensor([3.0, 2.0, 1.5, 1.0, 0.0, -1.0, -2.0, -3.0], dtype=torch.float64), 0)

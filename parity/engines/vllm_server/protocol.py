@@ -11,7 +11,6 @@ as ``-9999.0`` (JSON has no infinity), so ``-9999.0`` reads back as "off the sup
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +18,6 @@ import torch
 
 from parity.core.capture import FULL_VOCAB, support_mass
 from parity.core.spec import SamplingSpec
-from parity.records.sequence import SequenceRecord
 
 SOURCE = "vllm-server"
 # vLLM serialises -inf as this value (``max(logprob, -9999.0)`` in the completion serving code).
@@ -289,54 +287,3 @@ def check_probe(payload: Any, *, url: str, vocab_size: int, max_tokens: int) -> 
                 f"{[round(v, 6) for v in finite]} with probability mass {mass:.6f}, where processed log-probs "
                 f"keep one token (here {y}) at log-prob 0 — " + _mode_hint(url)
             )
-
-
-def compare_with_offline(
-    server: Sequence[SequenceRecord], offline: Sequence[SequenceRecord]
-) -> dict[str, Any]:
-    """Cross-check server records against offline-engine records of the same prompts, seeds and spec.
-
-    Returns token equality, the max |diff| of the sampled log-probs (over positions where both sides
-    sampled the same prefix) and of the captured kept sets (same ids, max |diff| of their log-probs).
-    """
-    if len(server) != len(offline):
-        raise ValueError(f"{len(server)} server records vs {len(offline)} offline records")
-    out: dict[str, Any] = {
-        "sequences": len(server),
-        "tokens": 0,
-        "tokens_equal": True,
-        "first_token_mismatch": None,
-        "max_abs_logprob_diff": 0.0,
-        "kept_equal": True,
-        "max_abs_kept_logprob_diff": 0.0,
-        "compared_positions": 0,
-    }
-    for s, o in zip(server, offline, strict=True):
-        if s.prompt_ids != o.prompt_ids or s.seed != o.seed or s.spec != o.spec:
-            raise ValueError(f"record {s.prompt_index}: prompt, seed or spec differ between the two sides")
-        out["tokens"] += s.length
-        n = 0
-        while n < min(s.length, o.length) and s.completion_ids[n] == o.completion_ids[n]:
-            n += 1
-        if n < max(s.length, o.length) and out["tokens_equal"]:
-            out["tokens_equal"] = False
-            out["first_token_mismatch"] = {"prompt": s.prompt_index, "position": n}
-        out["compared_positions"] += n
-        if n:
-            d = (s.logprobs[:n].double() - o.logprobs[:n].double()).abs().max().item()
-            out["max_abs_logprob_diff"] = max(out["max_abs_logprob_diff"], d)
-        if (s.kept_ids is None) != (o.kept_ids is None):
-            out["kept_equal"] = False
-            continue
-        if s.kept_ids is None or o.kept_ids is None or s.kept_logprobs is None or o.kept_logprobs is None:
-            continue
-        for t in range(n):
-            a = {int(i): float(v) for i, v in zip(s.kept_ids[t], s.kept_logprobs[t], strict=True) if i >= 0}
-            b = {int(i): float(v) for i, v in zip(o.kept_ids[t], o.kept_logprobs[t], strict=True) if i >= 0}
-            if a.keys() != b.keys():
-                out["kept_equal"] = False
-                continue
-            if a:
-                d = max(abs(a[i] - b[i]) for i in a)
-                out["max_abs_kept_logprob_diff"] = max(out["max_abs_kept_logprob_diff"], d)
-    return out

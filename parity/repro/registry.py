@@ -3,9 +3,10 @@
 Each repro is the module ``parity.repro.NAME``, run by :mod:`parity.repro.runner`; it exposes
 ``settings(small) -> dict``, ``run(ctx, settings) -> Measured``, ``script_config(small) -> dict`` (its
 standalone script's ``CONFIG``; every repro has one), and ``FINDING`` and ``COLUMNS`` unless ``run``
-measures them; ``SCRIPT_SOURCE`` where its script is cut from another source than the default, and
-``TITLE`` where its report carries a longer title than its line here. Modules are imported only when
-a repro runs, so ``parity repro list`` and ``parity --help`` need no engine.
+measures them; ``SCRIPT_SOURCE`` where its script is cut from another source than the default,
+``SCRIPT_ABOUT`` where its script needs and does other things than sampling with vLLM (its docstring's
+text), and ``TITLE`` where its report carries a longer title than its line here. Modules are imported
+only when a repro runs, so ``parity repro list`` and ``parity --help`` need no engine.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ _REPROS = (
      "vLLM's CPU engine under ATEN_CPU_CAPABILITY=default after a vectorised run: inductor's FX graph cache "
      "ignores the vector ISA ('at::vec' has not been declared)",
      ("qwen2-tiny",)),
+    ("torch_cpu_log_softmax",
+     "torch's float32 log_softmax on CPU: every log-prob of a wide, peaked row is high by one constant "
+     "(its sum of exponentials drops small terms)", ()),
 )
 REPROS: tuple[Entry, ...] = tuple(Entry(i, *row) for i, row in enumerate(_REPROS, start=1))
 
@@ -66,8 +70,10 @@ BY_NAME = {e.name: e for e in REPROS}
 # scales whose engines are still alive first), then the tie fixture: with two live engines, each
 # fixture's engine starts once.
 # The TRL and engine-start repros start their own engines in subprocesses: they come last.
+# torch_cpu_log_softmax starts no engine (torch alone, a subprocess for the second kernel path).
 RUN_ORDER = ("top_p_bias", "temperature", "recompute_boundary", "capture_head", "top_k_entropy",
-             "top_k_ties", "batch_invariant_cpu", "trl_grpo_top_p", "trl_weight_sync", "cpu_capability_default")
+             "top_k_ties", "batch_invariant_cpu", "trl_grpo_top_p", "trl_weight_sync", "cpu_capability_default",
+             "torch_cpu_log_softmax")
 
 
 def get(name: str) -> Entry:

@@ -95,7 +95,8 @@ def emit_script(entry: Entry, small: bool) -> str:
     """The repro's standalone script: its section of the script source, with its settings as ``CONFIG``."""
     module = entry.load()
     source = getattr(module, "SCRIPT_SOURCE", standalone.SOURCE)
-    return standalone.emit(entry.name, title(entry, module), config=module.script_config(small), source=source)
+    return standalone.emit(entry.name, title(entry, module), config=module.script_config(small), source=source,
+                           about=getattr(module, "SCRIPT_ABOUT", None))
 
 
 # --------------------------------------------------------------------------------------------------

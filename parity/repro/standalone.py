@@ -52,7 +52,8 @@ def sections(source: Path = SOURCE) -> dict[str, str]:
     return out
 
 
-def emit(name: str, title: str, *, config: dict, source: Path = SOURCE) -> str:
+def emit(name: str, title: str, *, config: dict, source: Path = SOURCE, about: str | None = None) -> str:
+    """The script text; ``about`` replaces the docstring's paragraph on what it needs and does (and its usage line)."""
     parts = sections(source)
     if name not in parts:
         raise ValueError(f"no standalone script section {name!r} in {source.name}: allowed {', '.join(p for p in parts if p != 'prelude')}")
@@ -62,16 +63,20 @@ def emit(name: str, title: str, *, config: dict, source: Path = SOURCE) -> str:
         made_by = f"parity {version('parity')}"
     except Exception:  # noqa: BLE001 - a source checkout without installed metadata
         made_by = "parity (source checkout)"
+    if about is None:
+        about = (
+            ("Needs only torch, transformers and vLLM; " if source == SOURCE else "Needs torch, transformers, vLLM, TRL and datasets; ")
+            + "builds its tiny model from code and downloads nothing.\n"
+            "It samples with vLLM (processed log-probs), scores the same tokens with transformers, prints a\n"
+            "Markdown table and the checks, and exits 0 when the finding reproduces, 1 when it does not.\n\n"
+            f"    python {name}.py [--prompts N] [--tokens L] [--seed S]\n"
+        )
     header = (
         "#!/usr/bin/env python3\n"
         f'"""{title}.\n\n'
         f"Standalone reproduction emitted by `parity repro {name} --emit-script` ({made_by}).\n"
-        + ("Needs only torch, transformers and vLLM; " if source == SOURCE else "Needs torch, transformers, vLLM, TRL and datasets; ")
-        + "builds its tiny model from code and downloads nothing.\n"
-        "It samples with vLLM (processed log-probs), scores the same tokens with transformers, prints a\n"
-        "Markdown table and the checks, and exits 0 when the finding reproduces, 1 when it does not.\n\n"
-        f"    python {name}.py [--prompts N] [--tokens L] [--seed S]\n"
-        '"""\n\n'
+        + about
+        + '"""\n\n'
     )
     cfg = "CONFIG = " + pprint.pformat(config, sort_dicts=False, width=100) + "\n"
     main = (

@@ -110,11 +110,23 @@ def relations_cpu_capability_default(res) -> None:
         assert res.passed
 
 
+def relations_torch_cpu_log_softmax(res) -> None:
+    # Both kernel paths measured every (V, sigma); whether the bias shows is the machine's, so only the rule is checked.
+    from parity.repro.standalone_src import LSM_DEFAULT, LSM_IN_PROCESS, lsm_checks
+
+    cfg = res.data["settings"]
+    per_path = len(cfg["vocabs"]) * len(cfg["scales"])
+    assert [r["path"] for r in res.rows] == [LSM_IN_PROCESS] * per_path + [LSM_DEFAULT] * per_path
+    assert [c.passed for c in res.checks] == [ok for _, ok, _ in
+                                               lsm_checks(res.rows, max(cfg["vocabs"]), cfg["verdict_scale"])]
+
+
 RELATIONS = {name: globals()[f"relations_{name}"] for name in RUN_ORDER}
 # trl_grpo_top_p: tests/repro/test_trl_smoke.py runs its one-config smoke in CI; cpu_capability_default
-# needs a vector ISA for inductor to reproduce (its relations require the verdict where the control had one).
+# needs a vector ISA for inductor to reproduce (its relations require the verdict where the control had one);
+# torch_cpu_log_softmax's bias is the machine's kernels' (its first check, the control: the DEFAULT subprocess ran).
 SLOW = {"trl_grpo_top_p"}
-MEASURED = {"cpu_capability_default"}
+MEASURED = {"cpu_capability_default", "torch_cpu_log_softmax"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in RUN_ORDER])

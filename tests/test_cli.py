@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 
 import parity
@@ -67,3 +72,52 @@ def test_help_shows_three_examples_that_parse(capsys: pytest.CaptureFixture[str]
         args = parser.parse_args(shlex.split(line)[1:])  # a typo in an example exits 2 here
         assert args.command in cli.COMMANDS
     assert parser.parse_args(["run", "--verbose"]).verbose is True
+
+
+# A fresh interpreter per command line: what it imported is read from sys.modules once main returns.
+NO_TORCH = textwrap.dedent(
+    """
+    import contextlib, io, json, sys
+    from parity.cli.main import main
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(json.loads(sys.argv[1]))
+        except SystemExit as exc:
+            code = exc.code
+    heavy = sorted(m for m in ("torch", "numpy", "transformers", "vllm") if m in sys.modules)
+    print(json.dumps({"code": code, "heavy": heavy}))
+    """
+)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["matrix"], ["fixtures", "list"]], ids=" ".join)
+def test_quick_commands_do_not_import_torch(argv: list[str]) -> None:
+    """``parity --help``, ``--version``, ``matrix`` and ``fixtures list`` import only their own command's
+    module and no torch (it took seconds before any output)."""
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_TORCH, json.dumps(argv)], cwd=Path(__file__).resolve().parents[1],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"code": 0, "heavy": []}, f"parity {' '.join(argv)}: {got}\n{proc.stderr}"
+
+
+def test_the_lazy_top_level_names_resolve() -> None:
+    assert set(parity.__all__) == {"__version__", *parity._LAZY}
+    for name in parity._LAZY:
+        assert getattr(parity, name).__name__ == name
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        parity.nope  # noqa: B018
+
+
+def test_the_named_command_alone_is_loaded() -> None:
+    """main builds the parser with only the named command's arguments; every command still parses."""
+    assert cli._command(["--debug", "matrix", "x.toml"]) == "matrix"
+    assert cli._command(["--help"]) is None and cli._command([]) is None
+    bare = cli.build_parser(load=[])
+    with pytest.raises(SystemExit):  # a command that was not loaded has no arguments of its own
+        bare.parse_args(["matrix", "x.toml"])
+    assert cli.build_parser(load=["matrix"]).parse_args(["matrix", "x.toml"]).matrix == "x.toml"

@@ -1,8 +1,9 @@
 """The ``parity`` console script.
 
 Each subcommand lives in its own module of :mod:`parity.cli` exposing ``add_arguments(parser)`` and
-``main(args) -> int``; a listed module without them is an error. Modules are imported when the parser
-is built, and none of them imports vLLM at import time, so ``parity --help`` works without vLLM.
+``main(args) -> int``; a listed module without them is an error. Only the module of the command being
+run is imported (``parity --help`` and ``--version`` import none, and so not torch), and none of them
+imports vLLM at import time, so ``parity --help`` works without vLLM.
 
 User mistakes (bad input, a missing file, an engine that cannot be reached) end with one readable
 line and exit 2; ``--debug`` shows the full traceback instead. Any other exception is a bug and is
@@ -15,7 +16,7 @@ import argparse
 import importlib
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import parity
 
@@ -46,7 +47,11 @@ Engine output goes to engine.log in the report folder (`parity run --verbose` sh
 USER_ERRORS = (ValueError, FileNotFoundError, RuntimeError, TimeoutError)
 
 
-def build_parser(commands: dict[str, tuple[str, str]] | None = None) -> argparse.ArgumentParser:
+def build_parser(
+    commands: dict[str, tuple[str, str]] | None = None, *, load: Collection[str] | None = None
+) -> argparse.ArgumentParser:
+    """The parser of every listed command. ``load`` names the commands whose modules are imported and whose
+    arguments are added (default: all); the others get a bare entry, enough for the top-level ``--help``."""
     parser = argparse.ArgumentParser(
         prog="parity",
         description="Rollout-trainer parity: does the trainer score the distribution vLLM sampled from?",
@@ -57,18 +62,28 @@ def build_parser(commands: dict[str, tuple[str, str]] | None = None) -> argparse
     parser.add_argument("--debug", action="store_true", help="show the full traceback of any error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in (COMMANDS if commands is None else commands).items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if load is not None and name not in load:
+            continue
         mod = importlib.import_module(module)
         missing = [f for f in ("add_arguments", "main") if not callable(getattr(mod, f, None))]
         if missing:
             raise TypeError(f"parity command {name!r}: module {module} has no {' or '.join(f + '()' for f in missing)}")
-        p = sub.add_parser(name, help=help_text, description=help_text)
         mod.add_arguments(p)
         p.set_defaults(_main=mod.main)
     return parser
 
 
+def _command(argv: Sequence[str]) -> str | None:
+    """The command named on the line: the first word that is not an option (the top-level options take no
+    value). None for ``parity --help``, ``parity --version`` and a bare ``parity``."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = _command(argv)
+    parser = build_parser(load=[command] if command in COMMANDS else [])
     args = parser.parse_args(argv)
     if not getattr(args, "_main", None):
         parser.print_help()

@@ -8,5 +8,5 @@
 - :mod:`~parity.core.metrics`: diff statistics, KL/TV over a support, importance ratios.
 - :mod:`~parity.core.gates`: thresholds and the gates that turn a summary into violations.
 - :mod:`~parity.core.matrix`: scenario matrices (default and TOML).
-- :mod:`~parity.core.tolerances`: float32 rounding bands shared by the single-device and sharded math.
+- :mod:`~parity.core.tolerances`: float32 rounding bands of vLLM's filters (recompute's top_k candidate path).
 """

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parity.core.gates import Thresholds, evaluate
+from parity.core.gates import Thresholds, evaluate, split_verdict
 from parity.core.matrix import Matrix, Scenario, default_matrix, load_matrix
 from parity.core.spec import SamplingSpec
 from parity.core.table import TrainerFaults, build_table, summarize
@@ -76,6 +76,7 @@ class ScenarioResult:
     violations: list[Violation]
     seconds: float
     export: Any = None  # the scenario's rows in the records format (with --records)
+    reference_violations: list[Violation] = field(default_factory=list)  # parity's own estimators, with --trainer
 
 
 def wants_sampler_log_s(rollout: Any, sc: Scenario, cfg: RunConfig) -> bool:
@@ -138,12 +139,13 @@ def score_scenario(rollout: Any, trainer: Any, sc: Scenario, cfg: RunConfig, raw
     if any("native_kept_ids" in r.extras for r in records):
         summary["native_capture"], native = native_capture_gate(records, sc.name, cfg.capture, cfg.thresholds)
         violations += native
+    violations, reference = split_verdict(violations, trainer_under_test=table.user is not None)
     export = None
     if cfg.records is not None:
         from parity.records.convert import from_sequence_records
 
         export = from_sequence_records(records, scenario=sc.name, table=table, logits=logits, faults=cfg.faults)
-    return ScenarioResult(sc, records, table, summary, violations, time.perf_counter() - t0, export)
+    return ScenarioResult(sc, records, table, summary, violations, time.perf_counter() - t0, export, reference)
 
 
 def native_capture_gate(
@@ -184,7 +186,10 @@ def score_trainer_under_test(table: Any, records: list[Any], logits: list[Any], 
     ys = [torch.tensor(r.completion_ids, dtype=torch.long) for r in records]
     views = reference_views(logits, ys, sc.spec, [r.kept_ids for r in records])
     ok = ~table.incomplete
-    table.user_diagnosis = diagnose(table.user[ok], table.vllm[ok], {k: v[ok] for k, v in views.items()}, table.bound[ok])
+    from parity.core.table import trainer_mean_limit
+
+    table.user_diagnosis = diagnose(table.user[ok], table.vllm[ok], {k: v[ok] for k, v in views.items()}, table.bound[ok],
+                                    trainer_mean_limit(table.select(ok)))
 
 
 def _progress(msg: str) -> None:
@@ -240,6 +245,7 @@ def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: 
                 **res.summary,
                 "verdict": "fail" if res.violations else "pass",
                 "violations": [v.to_dict() for v in res.violations],
+                "reference_violations": [v.to_dict() for v in res.reference_violations],
                 "_table": res.table,
                 "_export": res.export,
                 "_vocab_size": rollout.vocab_size,

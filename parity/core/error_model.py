@@ -16,10 +16,21 @@ derived from that arithmetic, not fitted to one machine:
   subtraction and the result one each, at the magnitude of the values involved:
   ``u * (|logsumexp_S| + |lp_y| + log2(n) + 2)`` per side.
 
+* **The float32 normalisation kernel.** torch's CPU ``log_softmax`` sums the exponentials of a wide,
+  peaked row so that small terms are lost: every log-prob of the row comes out too high by one amount
+  (``parity repro torch_cpu_log_softmax``). That offset has one sign on every row, so it is measured
+  on the row itself (:func:`kernel_offset`: the float32 kernel against float64) and added, for both
+  sides, to the bound and to the systematic bound.
+
 ``u`` is the unit roundoff of the looser dtype of the two sides (a bfloat16 sampler against a float32
 trainer is bounded by bfloat16). ``LOGIT_ULPS`` is the model's one free constant: 8 roundoffs of the
 row magnitude per side. Gates report the headroom ``max |diff| / bound`` so a reader sees how much of
 the allowance kernel noise used on their machine.
+
+The worst case gates a token's maximum; it is far too loose for a mean over many tokens, whose
+rounding does not point one way. A mean is gated by :func:`mean_bias_limit`: what is systematic
+(:func:`systematic_bound`) plus ``MEAN_BIAS_Z`` standard errors of the measured spread. The
+derivation is in docs/error_model.md.
 """
 
 from __future__ import annotations
@@ -40,6 +51,12 @@ UNIT_ROUNDOFF: dict[str, float] = {
 
 # Per-side logit error, in units of roundoff of the row's largest |z'|.
 LOGIT_ULPS = 8.0
+# Standard errors of the measured spread a mean may sit from its systematic bound (about 6e-5 two-sided
+# for Gaussian noise; each scenario has a handful of mean gates).
+MEAN_BIAS_Z = 4.0
+# The measured kernel offset counts once per side: the sampler runs the same float32 kernel over a row
+# that differs from the trainer's only by drift.
+KERNEL_SIDES = 2.0
 
 
 def _name(dtype: str | torch.dtype) -> str:
@@ -55,11 +72,6 @@ def unit_roundoff(dtypes: str | torch.dtype | Iterable[str | torch.dtype]) -> fl
     if not items:
         raise ValueError("dtypes is empty: name at least one dtype")
     return max(UNIT_ROUNDOFF[_name(d)] for d in items)
-
-
-def looser_dtype(*dtypes: str | torch.dtype) -> str:
-    """The dtype name with the largest unit roundoff."""
-    return max((_name(d) for d in dtypes), key=UNIT_ROUNDOFF.__getitem__)
 
 
 def logprob_bound_terms(
@@ -109,7 +121,64 @@ def logprob_bound(
     row_absmax = torch.where(finite, z.abs(), torch.zeros_like(z)).amax(dim=-1)
     lse = torch.logsumexp(torch.where(sup, z, neg), dim=-1)
     zy = z.gather(1, sampled.long().view(-1, 1)).squeeze(1)
-    return logprob_bound_terms(row_absmax, lse, zy - lse, sup.sum(dim=-1), unit_roundoff(dtype))
+    bound = logprob_bound_terms(row_absmax, lse, zy - lse, sup.sum(dim=-1), unit_roundoff(dtype))
+    return bound + KERNEL_SIDES * kernel_offset(scaled_logits, support).abs()
+
+
+def kernel_offset(scaled_logits: torch.Tensor, support: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row (float64 ``[N]``): how far torch's float32 ``log_softmax`` over the support lies above exact.
+
+    The sampler normalises with that kernel over its kept set (``-inf`` elsewhere, as vLLM's
+    ``Sampler.compute_logprobs`` does after the filters), and so do trainers. The offset is the same
+    for every token of a row, so one token (the row's largest logit) measures it.
+    """
+    z = scaled_logits.to(torch.float32)
+    if support is not None:
+        z = z.masked_fill(~support, -math.inf)
+    top = z.argmax(dim=-1, keepdim=True)
+    fast = torch.log_softmax(z, dim=-1).gather(1, top).squeeze(1).double()
+    zd = z.double()
+    exact = zd.gather(1, top).squeeze(1) - torch.logsumexp(zd, dim=-1)
+    out = fast - exact
+    return torch.where(torch.isfinite(out), out, torch.zeros_like(out))
+
+
+def systematic_bound(
+    scaled_logits: torch.Tensor,
+    sampled: torch.Tensor,
+    support: torch.Tensor | None = None,
+    *,
+    dtype: str | torch.dtype | Iterable[str | torch.dtype] = "float32",
+) -> torch.Tensor:
+    """Per token (float64 ``[N]``): what of ``lp_trainer - lp_sampler`` can have one sign over many tokens.
+
+    * the float32 normalisation kernel's offset (:func:`kernel_offset`), over the support and over the
+      whole row (full-vocabulary trainers), once per side;
+    * the last float32 operations on the log-prob (subtraction, storage): ``2 u32 |lp|``;
+    * when a side runs the model below float32, second-order rounding of the logits: with
+      ``z~ = z (1 + d)``, ``|d| <= u``, the log-sum-exp moves by ``E_p[d z'] + Var_p(d z') / 2 + ...``,
+      whose second-order part is one-signed and at most ``u^2 E_p[z'^2]`` (the mean of the first-order
+      part is zero and its spread is what the statistical allowance measures).
+    """
+    z = scaled_logits.double()
+    finite = torch.isfinite(z)
+    sup = finite if support is None else (support & finite)
+    neg = torch.full_like(z, -math.inf)
+    zs = torch.where(sup, z, neg)
+    lse = torch.logsumexp(zs, dim=-1)
+    zy = z.gather(1, sampled.long().view(-1, 1)).squeeze(1)
+    lp = (zy - lse).abs()
+    lp = torch.where(torch.isfinite(lp), lp, torch.zeros_like(lp))
+    kernel = kernel_offset(scaled_logits, support).abs()
+    if support is not None:
+        kernel = torch.maximum(kernel, kernel_offset(scaled_logits, None).abs())
+    out = KERNEL_SIDES * kernel + 2.0 * UNIT_ROUNDOFF["float32"] * lp
+    u = unit_roundoff(dtype)
+    if u > UNIT_ROUNDOFF["float32"]:
+        p = torch.softmax(torch.where(finite, z, neg), dim=-1)
+        e2 = (p * torch.where(finite, z * z, torch.zeros_like(z))).sum(dim=-1)
+        out = out + u * u * e2
+    return out
 
 
 def headroom(diff: torch.Tensor, bound: torch.Tensor) -> float:
@@ -120,23 +189,39 @@ def headroom(diff: torch.Tensor, bound: torch.Tensor) -> float:
     return float((d / bound.double().clamp(min=torch.finfo(torch.float64).tiny)).max())
 
 
-def mean_bias_limit(diff: torch.Tensor, bound: torch.Tensor, values: torch.Tensor, u: float) -> float:
-    """How far ``mean(diff)`` may sit from 0 when the per-token differences are rounding noise.
+def mean_bias_limit(n: int, systematic_mean: float, spread_sd: float) -> float:
+    """How far ``mean(diff)`` over ``n`` tokens may sit from 0 without a bias: the one rule of every mean gate.
 
-    Rounding noise within ``bound`` averages out: its mean lies within ``mean(bound) / sqrt(N)`` and
-    within four standard errors of the observed spread (``4 * sd(diff) / sqrt(N)``). What does not
-    average out is each side storing a log-prob of magnitude ``|v|`` in its dtype, one roundoff each:
-    ``2 u mean(|v|)``. A systematic offset beyond the sum is a bias, not noise (a fault shifting
-    every token by a fraction of the per-token bound is caught here and nowhere else).
+    ``systematic_mean``: the mean of :func:`systematic_bound` over the tokens (what can point one way);
+    ``spread_sd``: the sample standard deviation of a reference comparison's per-token differences
+    (the estimator's own for parity's estimators; replay's for a trainer under test, so a noisy trainer
+    gets no wider allowance). The rest averages out: ``MEAN_BIAS_Z`` standard errors. The limit is the
+    verdict's resolution: the smallest per-token bias it detects.
     """
-    d = diff.double()
-    n = int(d.numel())
-    if n == 0:
+    if n <= 0:
         return math.inf
-    v = values.double().abs()
-    v = torch.where(torch.isfinite(v), v, torch.zeros_like(v))
-    sd = float(d.std()) if n > 1 else 0.0
-    return (4.0 * sd + float(bound.double().mean())) / math.sqrt(n) + 2.0 * u * float(v.mean())
+    sd = spread_sd if n > 1 else 0.0
+    return systematic_mean + MEAN_BIAS_Z * sd / math.sqrt(n)
+
+
+def log_s_signature(n: int, cross: float, log_s_sq: float, spread_sd: float) -> dict[str, Any] | None:
+    """The least-squares slope of ``d`` on log S through 0 (1 = a full-vocabulary trainer, 0 = none of
+    log S), from ``sum(d * log S)`` and ``sum(log S^2)``, with its standard error from the reference spread."""
+    if n == 0 or log_s_sq <= 0.0:
+        return None
+    return {"slope": cross / log_s_sq, "slope_se": spread_sd / math.sqrt(log_s_sq)}
+
+
+def mean_bias_entry(n: int, mean: float, systematic_mean: float, spread_sd: float,
+                    signature: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One mean gate's numbers: the mean, its limit split into systematic and statistical parts (the
+    limit is the gate's resolution: the smallest per-token bias it detects)."""
+    limit = mean_bias_limit(n, systematic_mean, spread_sd)
+    out = {"mean": mean, "limit": limit, "systematic": systematic_mean, "statistical": limit - systematic_mean,
+           "spread_sd": spread_sd, "tokens": n}
+    if signature is not None:
+        out["log_s_signature"] = signature
+    return out
 
 
 # -- the final-logit rounding bound -------------------------------------------------------------

@@ -17,7 +17,15 @@ import torch
 
 from parity.core import estimators
 from parity.core.capture import support_mass
-from parity.core.error_model import headroom, logprob_bound, mean_bias_limit, unit_roundoff
+from parity.core.error_model import (
+    headroom,
+    log_s_signature,
+    logprob_bound,
+    mean_bias_entry,
+    mean_bias_limit,
+    systematic_bound,
+    unit_roundoff,
+)
 from parity.core.log_s import distance_outside, top_p_bracket, top_p_bracket_applies
 from parity.core.metrics import diff_stats, is_ratios, kl_tv_over_support, support_equal
 from parity.core.spec import SamplingSpec
@@ -49,6 +57,7 @@ class TokenTable:
     tv: torch.Tensor  # float64 [T]: total variation over S_q
     bound: torch.Tensor  # float64 [T]: rounding bound on |trainer - sampler| over S_q (parity.core.error_model)
     bound_full: torch.Tensor  # float64 [T]: the same over the whole vocabulary (the naive estimator's)
+    systematic: torch.Tensor  # float64 [T]: what of |trainer - sampler| can point one way (error_model.systematic_bound)
     sampled: torch.Tensor  # long [T]: the token the sampler drew (``token`` is what the trainer scored)
     s_lo: torch.Tensor  # float64 [T]: sampler-side log S lies in [s_lo, s_hi]; NaN where no source has it
     s_hi: torch.Tensor  # float64 [T]
@@ -171,6 +180,7 @@ def build_table(
         bound_full = bound if kept is None else logprob_bound(zs, y, None, dtype=dtype)
         cols["bound"].append(bound)
         cols["bound_full"].append(bound_full)
+        cols["systematic"].append(systematic_bound(zs, y, support, dtype=dtype))
         # Planted trainer faults that shift what the trainer reports (not its logits), each estimator by
         # a multiple of its own gate's bound (the naive one is gated with the full-vocabulary bound added).
         shift = torch.full((n,), faults.bias_logprob, dtype=torch.float64)
@@ -393,8 +403,12 @@ def error_model_summary(t: TokenTable) -> dict[str, Any]:
             "naive_vs_sampler_log_s": headroom(naive_gap, naive_bound) if bool(naive_rows.any()) else None,
         },
         "mean_bias_limit": {
-            "replay": mean_bias_limit(t.replay - t.vllm, t.bound, t.vllm, t.roundoff),
-            "recompute": mean_bias_limit(t.recompute - t.vllm, t.bound, t.vllm, t.roundoff),
+            "replay": _mean_limit(t, t.replay - t.vllm),
+            "recompute": _mean_limit(t, t.recompute - t.vllm),
+        },
+        "mean_bias": {
+            "replay": mean_bias_entry(t.tokens, _mean(t.replay - t.vllm), _mean(t.systematic), _sd(t.replay - t.vllm)),
+            "recompute": mean_bias_entry(t.tokens, _mean(t.recompute - t.vllm), _mean(t.systematic), _sd(t.recompute - t.vllm)),
         },
         "bound": {
             "max": float(t.bound.max()) if t.tokens else 0.0,
@@ -418,8 +432,38 @@ def error_model_summary(t: TokenTable) -> dict[str, Any]:
     }
     if t.user is not None:
         out["headroom"]["trainer_under_test"] = headroom(t.user - t.vllm, t.bound)
-        out["mean_bias_limit"]["trainer_under_test"] = mean_bias_limit(t.user - t.vllm, t.bound, t.vllm, t.roundoff)
+        # The allowance for averaging comes from replay's spread, not the trainer's own: a noisy trainer
+        # gets no wider limit.
+        out["mean_bias_limit"]["trainer_under_test"] = trainer_mean_limit(t)
+        out["mean_bias"]["trainer_under_test"] = mean_bias_entry(
+            t.tokens, _mean(t.user - t.vllm), _mean(t.systematic), _sd(t.replay - t.vllm), signature=_signature(t)
+        )
     return out
+
+
+def _mean(x: torch.Tensor) -> float:
+    return float(x.double().mean()) if x.numel() else 0.0
+
+
+def _sd(x: torch.Tensor) -> float:
+    return float(x.double().std()) if x.numel() > 1 else 0.0
+
+
+def _mean_limit(t: TokenTable, reference: torch.Tensor) -> float:
+    return mean_bias_limit(t.tokens, _mean(t.systematic), _sd(reference))
+
+
+def trainer_mean_limit(t: TokenTable) -> float:
+    """The mean-bias limit a trainer under test is held to on ``t``: its systematic bound plus the
+    allowance from replay's spread (the diagnosis holds each reference view to it too)."""
+    return _mean_limit(t, t.replay - t.vllm)
+
+
+def _signature(t: TokenTable) -> dict[str, Any] | None:
+    """How the trainer's difference tracks log S token by token: the slope of ``user - vllm`` on log S."""
+    assert t.user is not None
+    return log_s_signature(t.tokens, float((t.user - t.vllm).double().mul(t.log_s).sum()),
+                           float(t.log_s.double().pow(2).sum()), _sd(t.replay - t.vllm))
 
 
 def _user_summary(t: TokenTable) -> dict[str, Any]:

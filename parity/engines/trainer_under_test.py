@@ -129,15 +129,18 @@ def call_trainer(fn: TrainerFn, name: str, batch: TrainerBatch) -> torch.Tensor:
     return torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, bound: torch.Tensor) -> bool:
-    """``|a - b| <= bound`` at every position both define (NaN in ``b`` = not defined there)."""
+def _close(a: torch.Tensor, b: torch.Tensor, bound: torch.Tensor, mean_limit: float) -> bool:
+    """``|a - b| <= bound`` at every position both define (NaN in ``b`` = not defined there), and the mean
+    of ``a - b`` there within ``mean_limit``: a low-precision per-token bound alone admits a log S shift."""
     known = ~torch.isnan(b)
     if not bool(known.any()):
         return False
-    d = (a.double() - b.double()).abs()
+    signed = a.double() - b.double()
     same_inf = torch.isinf(a) & torch.isinf(b) & (torch.sign(a) == torch.sign(b))
-    d = torch.where(same_inf, torch.zeros_like(d), d)
-    return bool((d[known] <= bound.double()[known]).all())
+    signed = torch.where(same_inf, torch.zeros_like(signed), signed)
+    d = signed.abs()
+    mean = float(signed[known].nan_to_num(0.0, 0.0, 0.0).mean())
+    return bool((d[known] <= bound.double()[known]).all()) and abs(mean) <= mean_limit
 
 
 # The bug classes a trainer's log-probs are checked for, and how each is described. A view is the
@@ -187,13 +190,17 @@ def diagnose(
     sampler: torch.Tensor,
     views: dict[frozenset[str], torch.Tensor],
     bound: torch.Tensor,
+    mean_limit: float = math.inf,
 ) -> str:
     """Name the problem class of a trainer's log-probs against the sampler's.
 
     ``views``: :func:`reference_views`; ``bound``: the per-token rounding bound
-    (:func:`parity.core.error_model.logprob_bound`). Sets of fewer bugs are tried first.
+    (:func:`parity.core.error_model.logprob_bound`); ``mean_limit``: the mean-bias limit
+    (:func:`parity.core.error_model.mean_bias_limit`) a view's mean difference must stay within. Sets of
+    fewer bugs are tried first.
     """
-    close = {frozenset(): _close(user, sampler, bound), **{b: _close(user, v, bound) for b, v in views.items() if b}}
+    close = {frozenset(): _close(user, sampler, bound, mean_limit),
+             **{b: _close(user, v, bound, mean_limit) for b, v in views.items() if b}}
     d = (user - sampler).abs()
     return diagnosis_text(close, float(d.max()) if d.numel() else math.nan,
                           float((user - sampler).mean()) if d.numel() else math.nan)

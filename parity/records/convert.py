@@ -316,6 +316,7 @@ def from_sequence_records(
             "trainer_recompute_support_equal": table.recompute_support_equal,
             "trainer_bound": table.bound,
             "trainer_bound_full": table.bound_full,
+            "trainer_systematic": table.systematic,
         }
         if table.user is not None:
             cols["trainer_logprobs"] = table.user

@@ -13,8 +13,9 @@ from parity.core.error_model import (
     LOGIT_ULPS,
     UNIT_ROUNDOFF,
     headroom,
+    kernel_offset,
     logprob_bound,
-    looser_dtype,
+    systematic_bound,
     unit_roundoff,
 )
 
@@ -23,8 +24,6 @@ def test_the_looser_side_sets_the_roundoff() -> None:
     assert unit_roundoff("float32") == 2.0**-24
     assert unit_roundoff(["float32", "bfloat16"]) == 2.0**-8
     assert unit_roundoff([torch.float32, torch.float16]) == 2.0**-11
-    assert looser_dtype("float32", "bfloat16") == "bfloat16"
-    assert looser_dtype(torch.float64, "float32") == "float32"
 
 
 def test_unknown_dtype_is_refused_by_name() -> None:
@@ -104,3 +103,55 @@ def test_a_logit_fault_at_a_few_times_the_bound_exceeds_it_and_a_tenth_does_not(
         got = torch.log_softmax(moved, -1).gather(1, y[:, None]).squeeze(1)
         # The shift of lp is (1 - p_y) * delta; p_y is tiny at V = 3000, so it is ~delta.
         assert (headroom(got - exact, bound) > 1.0) is fails
+
+
+def _wide_peaked(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 4.0
+
+
+def test_the_kernel_offset_is_one_constant_per_row() -> None:
+    """Every float32 log-prob of a row sits off exact by the row's one offset, to the rounding of its
+    own subtraction: what lets one token measure the row (any machine, any kernel path)."""
+    z = _wide_peaked(8, 32000, 0)
+    off = kernel_offset(z)
+    lp32 = torch.log_softmax(z, dim=-1).double()
+    exact = z.double() - torch.logsumexp(z.double(), dim=-1, keepdim=True)
+    u = 2.0**-24
+    slack = 2 * u * ((z.double() - z.double().amax(-1, keepdim=True)).abs() + exact.abs() + 1.0)
+    assert bool(((lp32 - exact - off.unsqueeze(1)).abs() <= slack).all())
+
+
+def test_the_kernel_offset_over_a_support_is_the_masked_rows() -> None:
+    z = _wide_peaked(4, 4096, 1)
+    keep = z >= z.topk(50, dim=-1).values[:, -1:]
+    masked = z.masked_fill(~keep, -math.inf)
+    assert torch.equal(kernel_offset(z, keep), kernel_offset(masked))
+    # Fifty terms: the float32 sum loses nothing that matters.
+    assert bool((kernel_offset(z, keep).abs() <= 1e-6).all())
+
+
+def test_systematic_bound_holds_each_term() -> None:
+    z = _wide_peaked(6, 8192, 2)
+    y = z.argmax(dim=-1)
+    keep = z >= z.topk(20, dim=-1).values[:, -1:]
+    u = 2.0**-24
+    lp = (z.double().gather(1, y[:, None]).squeeze(1) - torch.logsumexp(z.double().masked_fill(~keep, -math.inf), -1)).abs()
+    sys32 = systematic_bound(z, y, keep, dtype="float32")
+    floor = 2 * torch.maximum(kernel_offset(z, keep).abs(), kernel_offset(z).abs()) + 2 * u * lp
+    assert torch.allclose(sys32, floor, rtol=1e-12, atol=0.0)
+    # Below float32 the second-order rounding of the logits is one-signed too.
+    sys16 = systematic_bound(z, y, keep, dtype=["float32", "bfloat16"])
+    e2 = (torch.softmax(z.double(), -1) * z.double() ** 2).sum(-1)
+    assert torch.allclose(sys16 - sys32, (2.0**-8) ** 2 * e2, rtol=1e-9)
+
+
+def test_the_per_token_bound_carries_the_kernel_offset() -> None:
+    z = _wide_peaked(4, 32000, 3)
+    y = z.argmax(dim=-1)
+    from parity.core.error_model import KERNEL_SIDES, logprob_bound_terms
+
+    zd = z.double()
+    lse = torch.logsumexp(zd, -1)
+    plain = logprob_bound_terms(zd.abs().amax(-1), lse, zd.gather(1, y[:, None]).squeeze(1) - lse,
+                                torch.full((4,), 32000.0), 2.0**-24)
+    assert torch.allclose(logprob_bound(z, y), plain + KERNEL_SIDES * kernel_offset(z).abs(), rtol=1e-12, atol=0.0)

@@ -8,12 +8,16 @@ import pytest
 import torch
 
 from parity.core.error_model import (
+    KERNEL_SIDES,
     LOGIT_ULPS,
+    MEAN_BIAS_Z,
     UNIT_ROUNDOFF,
     headroom,
+    kernel_offset,
+    log_s_signature,
     logprob_bound,
     logprob_bound_terms,
-    looser_dtype,
+    mean_bias_entry,
     mean_bias_limit,
     unit_roundoff,
 )
@@ -32,13 +36,11 @@ def test_roundoff_of_names_dtypes_and_mixtures() -> None:
     assert unit_roundoff("torch.bfloat16") == 2.0**-8
     assert unit_roundoff(("float64", torch.float32)) == U
     assert unit_roundoff(iter(["float16", "float32"])) == 2.0**-11
-    assert looser_dtype("float32") == "float32" and looser_dtype("float16", "bfloat16") == "bfloat16"
-    assert looser_dtype(torch.bfloat16, torch.float16) == "bfloat16"
     with pytest.raises(ValueError) as info:
         unit_roundoff(["float32", "int4"])
     assert str(info.value) == "dtype='int4' has no unit roundoff: allowed ['bfloat16', 'float16', 'float32', 'float64']"
     with pytest.raises(ValueError) as info:
-        looser_dtype(torch.int8)
+        unit_roundoff(torch.int8)
     assert str(info.value).startswith("dtype=torch.int8 has no unit roundoff")
     with pytest.raises(ValueError) as info:
         unit_roundoff(())
@@ -66,6 +68,8 @@ def test_bound_from_logits_by_hand() -> None:
         4 * 8 * U * 3 + 2 * U * (lse0 + abs(1 - lse0) + math.log2(3) + 2),
         4 * 8 * U * 2 + 2 * U * (lse1 + abs(2 - lse1) + 2 + 2),
     ]
+    # Each bound also carries the float32 kernel's measured offset, once per side (kernel_offset).
+    want = [w + KERNEL_SIDES * float(o) for w, o in zip(want, kernel_offset(z).abs(), strict=True)]
     assert logprob_bound(z, y).tolist() == pytest.approx(want, rel=1e-9)
     support = torch.tensor([[True, False, True, True], [False, False, True, True]])
     lse0s = math.log(math.e + 1)
@@ -74,9 +78,10 @@ def test_bound_from_logits_by_hand() -> None:
         4 * 8 * U * 3 + 2 * U * (lse0s + abs(1 - lse0s) + 1 + 2),
         4 * 8 * U * 2 + 2 * U * (lse1s + abs(2 - lse1s) + 1 + 2),
     ]
-    assert logprob_bound(z, y, support).tolist() == pytest.approx(want_s, rel=1e-9)
+    off = [KERNEL_SIDES * float(o) for o in kernel_offset(z, support).abs()]
+    assert logprob_bound(z, y, support).tolist() == pytest.approx([w + o for w, o in zip(want_s, off, strict=True)], rel=1e-9)
     b16 = logprob_bound(z, y, support, dtype=("float32", "bfloat16"))
-    assert b16.tolist() == pytest.approx([w * 2.0**16 for w in want_s], rel=1e-9)
+    assert b16.tolist() == pytest.approx([w * 2.0**16 + o for w, o in zip(want_s, off, strict=True)], rel=1e-9)
 
 
 def test_bound_shape_message() -> None:
@@ -96,13 +101,12 @@ def test_headroom() -> None:
 
 
 def test_mean_bias_limit_by_hand() -> None:
-    d = torch.tensor([1e-6, 3e-6, 2e-6, 2e-6], dtype=torch.float64)
-    b = torch.tensor([1e-6, 1e-6, 2e-6, 4e-6], dtype=torch.float64)
-    v = torch.tensor([-1.0, -2.0, -INF, -5.0], dtype=torch.float64)
-    sd = float(d.std())
-    want = (4 * sd + 2e-6) / 2 + 2 * U * 2.0  # mean |v| over finite-or-0 values: (1 + 2 + 0 + 5) / 4
-    assert mean_bias_limit(d, b, v, U) == pytest.approx(want, rel=1e-12)
-    assert mean_bias_limit(d[:1], b[:1], v[:1], U) == pytest.approx(1e-6 + 2 * U, rel=1e-12)  # one token: sd 0
-    two = (4 * float(d[:2].std()) + 1e-6) / math.sqrt(2) + 2 * U * 1.5  # two tokens: the spread counts
-    assert mean_bias_limit(d[:2], b[:2], v[:2], U) == pytest.approx(two, rel=1e-12)
-    assert mean_bias_limit(torch.zeros(0), torch.zeros(0), torch.zeros(0), U) == INF
+    assert MEAN_BIAS_Z == 4.0
+    assert mean_bias_limit(16, 1e-6, 2e-6) == pytest.approx(1e-6 + 4.0 * 2e-6 / 4.0, rel=1e-15)
+    assert mean_bias_limit(1, 1e-6, 5.0) == 1e-6  # one token: no spread to measure
+    assert mean_bias_limit(0, 1e-6, 2e-6) == INF
+    e = mean_bias_entry(16, -3e-6, 1e-6, 2e-6)
+    assert e["limit"] == mean_bias_limit(16, 1e-6, 2e-6)
+    assert e["systematic"] == 1e-6 and e["statistical"] == pytest.approx(2e-6) and e["mean"] == -3e-6
+    assert log_s_signature(4, -0.2, 0.4, 0.01) == {"slope": -0.5, "slope_se": 0.01 / math.sqrt(0.4)}
+    assert log_s_signature(4, 0.0, 0.0, 0.01) is None

@@ -54,6 +54,7 @@ def table(n: int = 5, **over) -> TokenTable:
         tv=torch.zeros(n, dtype=torch.float64),
         bound=torch.full((n,), 1e-6, dtype=torch.float64),
         bound_full=torch.full((n,), 2e-6, dtype=torch.float64),
+        systematic=torch.full((n,), 1e-7, dtype=torch.float64),
         sampled=torch.arange(10, 10 + n),
         s_lo=torch.full((n,), NAN, dtype=torch.float64),
         s_hi=torch.full((n,), NAN, dtype=torch.float64),

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from parity.core import estimators as E
-from parity.core.error_model import logprob_bound, unit_roundoff
+from parity.core.error_model import KERNEL_SIDES, kernel_offset, logprob_bound, unit_roundoff
 from parity.core.filters import reference_filter
 from parity.core.log_s import top_p_bracket
 from parity.core.metrics import diff_stats, is_ratios
@@ -162,7 +162,11 @@ def test_the_looser_dtype_is_the_roundoff_and_the_bound() -> None:
     z, r, t32 = one()
     t = build_table([r], [z], SPEC, dtype=("float32", "bfloat16"))
     assert t.roundoff == unit_roundoff("bfloat16")
-    assert t.bound.tolist() == pytest.approx((t32.bound * 2.0**16).tolist(), rel=1e-9)
+    # The rounding terms scale with the roundoff; the measured float32 kernel offset does not.
+    zs = E.scale(z, SPEC)
+    kept = E.ids_to_mask(r.kept_ids, V)
+    off = KERNEL_SIDES * kernel_offset(zs, kept).abs()
+    assert (t.bound - off).tolist() == pytest.approx(((t32.bound - off) * 2.0**16).tolist(), rel=1e-9)
 
 
 def test_build_table_messages() -> None:
@@ -330,7 +334,7 @@ def test_summary_keys_and_wiring() -> None:
     assert list(s) == [
         "tokens", "compared_tokens", "sequences", "log_s", "naive", "replay", "recompute", "is_ratio",
         "kl_over_support", "tv_over_support", "incomplete_positions", "sampled_outside_support", "token_mismatch",
-        "headroom", "mean_bias_limit", "bound", "sampler_log_s", "drift_split", "rl_view", "captured_positions",
+        "headroom", "mean_bias_limit", "mean_bias", "bound", "sampler_log_s", "drift_split", "rl_view", "captured_positions",
         "max_support_size", "mean_support_size",
     ]
     assert (s["tokens"], s["compared_tokens"], s["sequences"]) == (4, 3, 1)
@@ -413,11 +417,14 @@ def test_error_model_summary_by_hand() -> None:
     assert s["drift_split"]["replay_max_abs_diff"] == pytest.approx(4e-7)
     from parity.core.error_model import mean_bias_limit
 
+    sys_mean = float(t.systematic.mean())
     assert s["mean_bias_limit"] == {
-        "replay": mean_bias_limit(t.replay - t.vllm, t.bound, t.vllm, t.roundoff),
-        "recompute": mean_bias_limit(t.recompute - t.vllm, t.bound, t.vllm, t.roundoff),
+        "replay": mean_bias_limit(4, sys_mean, float((t.replay - t.vllm).std())),
+        "recompute": mean_bias_limit(4, sys_mean, float((t.recompute - t.vllm).std())),
     }
     assert s["mean_bias_limit"]["replay"] != s["mean_bias_limit"]["recompute"]
+    assert s["mean_bias"]["replay"]["limit"] == s["mean_bias_limit"]["replay"]
+    assert s["mean_bias"]["replay"]["mean"] == pytest.approx(float((t.replay - t.vllm).mean()))
 
 
 def test_the_trainer_under_test_in_the_summary() -> None:
@@ -433,7 +440,10 @@ def test_the_trainer_under_test_in_the_summary() -> None:
     from parity.core.error_model import mean_bias_limit
 
     u = t.select(~t.incomplete)
-    assert s["mean_bias_limit"]["trainer_under_test"] == mean_bias_limit(u.user - u.vllm, u.bound, u.vllm, u.roundoff)
+    # The trainer is held to replay's spread, not its own: a noisy trainer gets no wider limit.
+    want = mean_bias_limit(u.tokens, float(u.systematic.mean()), float((u.replay - u.vllm).std()))
+    assert s["mean_bias_limit"]["trainer_under_test"] == want
+    assert want < mean_bias_limit(u.tokens, float(u.systematic.mean()), float((u.user - u.vllm).std()))
     assert list(s["rl_view"]) == ["naive", "replay", "recompute", "trainer_under_test"]
 
 

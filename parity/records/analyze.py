@@ -462,6 +462,7 @@ def summarize_batch(
     out.tokens = rb.tokens
     out.columns = set(rb.columns)
     out.ignored_columns = set(rb.ignored_columns)
+    out.casts = {f"{rb.source}\x1f{k}": note for k, note in rb.casts.items()}
     if rb.n_rows == 0:
         return out
     cols = columns(rb) if columns is not None else token_columns(rb, vocab_size=vocab_size)

@@ -34,7 +34,7 @@ import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -42,6 +42,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from parity.core.spec import SamplingSpec
+from parity.records.summary import CastNote
 
 SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -50,6 +51,11 @@ METADATA_KEY = b"parity.records"
 # memory is bounded by one row group whatever the file's size.
 ROW_GROUP_TOKENS = 65_536
 ROW_GROUP_KEPT = 4_194_304
+# Reading: rows per validated batch (the analysis holds one batch at a time, so memory grows with it),
+# and the read buffer that streams a column chunk page by page instead of loading it whole: a batch's
+# memory does not depend on how large the writer made its row groups.
+MAX_BATCH_ROWS = 16_384
+READ_BUFFER_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -184,6 +190,7 @@ class RecordsBatch:
     trainer: dict[str, Ragged] = field(default_factory=dict)  # token columns trainer_*, sampler_log_s_* (validity per row)
     sampler_log_s_source: list[str | None] | None = None
     trainer_kept_logits: Ragged | None = None  # aligned with kept.values; valid per row
+    casts: dict[str, CastNote] = field(default_factory=dict)  # column -> what reading float64 as float32 changed
 
     @property
     def tokens(self) -> int:
@@ -210,7 +217,10 @@ def _as_array(batch: pa.RecordBatch | pa.Table, name: str) -> pa.Array:
     return col
 
 
-def _cast(arr: pa.Array, col: Column, source: str, first_row: int) -> pa.Array:
+def _cast(arr: pa.Array, col: Column, source: str, first_row: int, notes: dict[str, CastNote] | None = None) -> pa.Array:
+    """``arr`` as the column's type: other integer and float widths are cast (an integer out of range and
+    a float that is not a whole number where an integer is wanted are refused); a float64 column read as
+    float32 is rounded, and what that changed is noted in ``notes``."""
     if arr.type.equals(col.type):
         return arr
     target = col.type
@@ -224,12 +234,38 @@ def _cast(arr: pa.Array, col: Column, source: str, first_row: int) -> pa.Array:
     try:
         if not ok_source:
             raise pa.ArrowInvalid("list vs scalar")
-        return arr.cast(target, safe=True)
+        out = arr.cast(target, safe=True)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
         raise RecordsError(
             f"{_where(source, column=col.name)}: type {arr.type} cannot be read as {target} ({exc}): allowed {target} "
             f"({col.doc}), rows {first_row}..{first_row + len(arr) - 1}"
         ) from None
+    if notes is not None:
+        note = _narrowing(arr, out, col.name)
+        if note is not None:
+            notes[col.name] = note
+    return out
+
+
+def _element_type(t: pa.DataType) -> pa.DataType:
+    return t.value_type if pa.types.is_list(t) or pa.types.is_large_list(t) else t
+
+
+def _narrowing(arr: pa.Array, out: pa.Array, name: str) -> CastNote | None:
+    """What reading float64 values as float32 changed (rounding, tiny values to 0, huge ones to +-inf)."""
+    src, dst = _element_type(arr.type), _element_type(out.type)
+    if not (pa.types.is_float64(src) and pa.types.is_float32(dst)):
+        return None
+    nested = pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)
+    a = np.asarray((arr.flatten() if nested else arr).drop_null().to_numpy(zero_copy_only=False), dtype=np.float64)
+    b = np.asarray((out.flatten() if nested else out).drop_null().to_numpy(zero_copy_only=False), dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        changed = ~((a == b) | (np.isnan(a) & np.isnan(b)))
+        overflow = np.isfinite(a) & ~np.isfinite(b)
+        rounded = changed & ~overflow
+        max_change = float(np.abs(a[rounded] - b[rounded]).max()) if rounded.any() else 0.0
+    return CastNote(column=name, source_type=str(src), target_type=str(dst), values=int(a.size),
+                    changed=int(changed.sum()), overflowed=int(overflow.sum()), max_change=max_change)
 
 
 def _valid(arr: pa.Array) -> np.ndarray:
@@ -294,7 +330,8 @@ def validate_batch(
             f"{SCHEMA_VERSION}) needs {', '.join(REQUIRED)}"
         )
     n = batch.num_rows
-    arrays = {name: _cast(_as_array(batch, name), BY_NAME[name], source, first_row) for name in names if name in BY_NAME}
+    casts: dict[str, CastNote] = {}
+    arrays = {name: _cast(_as_array(batch, name), BY_NAME[name], source, first_row, casts) for name in names if name in BY_NAME}
     # An optional column with no value in this batch is as good as absent (writers emit every column).
     for name in [k for k, a in arrays.items() if not BY_NAME[k].required and a.null_count == len(a) and len(a)]:
         del arrays[name]
@@ -396,6 +433,7 @@ def validate_batch(
         prompt_index=_scalar(arrays["prompt_index"], -1).astype(np.int64) if "prompt_index" in arrays else None,
         seed=_scalar(arrays["seed"], -1).astype(np.int64) if "seed" in arrays else None,
         step=_scalar(arrays["step"], -1).astype(np.int64) if "step" in arrays else None,
+        casts={k: v for k, v in casts.items() if k in arrays},
     )
 
     # -- the kept set (CSR per row) ---------------------------------------------------------------
@@ -549,11 +587,16 @@ def validate_batch(
 
 @dataclass
 class RecordsFile:
-    """An open records file: checked footer, schema and version; rows are streamed by :meth:`batches`."""
+    """An open records file: checked footer, schema and version; rows are streamed by :meth:`batches`.
+
+    ``page_checksums``: whether the file's pages carry CRC checksums (:func:`page_checksums`); without
+    them a corrupt page may read as data, and the analysis cannot tell it from a sampler or trainer fault.
+    """
 
     path: Path
     parquet: pq.ParquetFile
     metadata: dict[str, Any]
+    page_checksums: bool | None = None
 
     @property
     def num_rows(self) -> int:
@@ -564,10 +607,13 @@ class RecordsFile:
         return list(self.parquet.schema_arrow.names)
 
     def batches(self, *, columns: Sequence[str] | None = None, batch_rows: int = 1024) -> Iterator[RecordsBatch]:
-        """Validated batches, one row group (or ``batch_rows`` rows of it) at a time.
+        """Validated batches of at most ``batch_rows`` whole rows (sequences), never spanning a row group.
 
+        The file is read through a buffer of :data:`READ_BUFFER_BYTES` (page by page), so one batch's
+        memory follows ``batch_rows`` (at most :data:`MAX_BATCH_ROWS`), not the writer's row-group size.
         ``columns`` limits what is read (required columns are always read).
         """
+        check_batch_rows(batch_rows, "batch_rows")
         names = self.columns
         wanted = names if columns is None else [c for c in names if c in set(columns) | set(REQUIRED)]
         md = self.parquet.metadata
@@ -590,36 +636,124 @@ class RecordsFile:
             first += rows
 
 
+def check_batch_rows(value: int, name: str = "batch_rows") -> int:
+    """``value`` if it is a row count a batch may hold (1..:data:`MAX_BATCH_ROWS`); else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BATCH_ROWS:
+        raise ValueError(
+            f"{name} {value!r} is out of range: allowed an integer from 1 to {MAX_BATCH_ROWS:,} (rows per streamed "
+            f"batch; the analysis holds one batch at a time, so its memory grows with this number)"
+        )
+    return value
+
+
+def _first_page_has_crc(f: BinaryIO, offset: int) -> bool | None:
+    """Whether the Parquet page header at ``offset`` carries its ``crc`` (field 4 of the Thrift compact
+    ``PageHeader``, after the three i32 fields type and the two page sizes); None if it cannot be told."""
+    f.seek(offset)
+    head = f.read(64)
+    pos, field_id = 0, 0
+    while pos < len(head):
+        byte = head[pos]
+        pos += 1
+        if byte == 0:  # end of the struct: no crc
+            return False
+        delta, kind = byte >> 4, byte & 0x0F
+        if delta == 0:  # long-form field header: not what a Parquet writer emits for these fields
+            return None
+        field_id += delta
+        if field_id == 4:
+            return kind == 5  # i32
+        if field_id > 4:
+            return False
+        if kind != 5:
+            return None
+        while pos < len(head) and head[pos] & 0x80:  # the i32's varint
+            pos += 1
+        pos += 1
+    return None
+
+
+def page_checksums(path: str | Path, md: pq.FileMetaData) -> bool | None:
+    """Whether the pages of ``path`` carry CRC checksums (pyarrow writes them with ``write_page_checksum=True``).
+
+    Read from the first page header of every column chunk of the first row group (a writer checksums
+    every page or none): False if any lacks one, None if the file has no row group or a header cannot
+    be read.
+    """
+    if md.num_row_groups == 0:
+        return None
+    rg = md.row_group(0)
+    seen: list[bool | None] = []
+    try:
+        with open(path, "rb") as f:
+            for i in range(rg.num_columns):
+                c = rg.column(i)
+                offset = c.dictionary_page_offset if c.has_dictionary_page and c.dictionary_page_offset else c.data_page_offset
+                seen.append(_first_page_has_crc(f, int(offset)))
+    except OSError:
+        return None
+    if False in seen:
+        return False
+    return None if None in seen or not seen else True
+
+
+def file_metadata(raw: bytes, source: str) -> dict[str, Any]:
+    """The facts of a file's ``parity.records`` key-value metadata, in either layout README documents:
+    ``{"schema_version": 1, "metadata": {facts}}`` (what parity writes) or the facts next to the version,
+    ``{"schema_version": 1, "model": ..., "dtype": ...}``. The version must be one this parity reads."""
+    key = METADATA_KEY.decode()
+    layouts = '{"schema_version": 1, "model": ..., ...} or {"schema_version": 1, "metadata": {"model": ..., ...}}'
+    try:
+        blob = json.loads(raw)
+    except ValueError:
+        raise RecordsError(f"{source}: key-value metadata {key!r} is not JSON: allowed a JSON object, {layouts}") from None
+    if not isinstance(blob, dict):
+        raise RecordsError(f"{source}: key-value metadata {key!r} is a JSON {type(blob).__name__}: allowed a JSON object, {layouts}")
+    version = blob.get("schema_version")
+    if version not in SUPPORTED_VERSIONS:
+        said = (f"file metadata {key!r} has no schema_version" if "schema_version" not in blob
+                else f"schema_version {version!r} (file metadata) is not supported")
+        raise RecordsError(
+            f"{source}: {said}: this parity reads schema_version {', '.join(map(str, SUPPORTED_VERSIONS))} (a newer "
+            f"parity may read it), {layouts}"
+        )
+    nested = blob.get("metadata", {})
+    if nested is None:
+        nested = {}
+    if not isinstance(nested, dict):
+        raise RecordsError(
+            f"{source}: key-value metadata {key!r} field 'metadata' is a JSON {type(nested).__name__}: allowed an object of facts"
+        )
+    flat = {k: v for k, v in blob.items() if k not in ("schema_version", "metadata")}
+    clash = sorted(k for k in flat if k in nested and nested[k] != flat[k])
+    if clash:
+        raise RecordsError(
+            f"{source}: key-value metadata {key!r} gives {', '.join(clash)} twice with different values (next to "
+            f"schema_version and under 'metadata'): allowed one value per fact"
+        )
+    return {**flat, **nested}
+
+
 def open_records(path: str | Path) -> RecordsFile:
     """Open a records file, refusing what is not one (with the file named) before any row is read."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"records file {str(p)!r} does not exist")
     try:
-        pf = pq.ParquetFile(p, page_checksum_verification=True)
+        pf = pq.ParquetFile(p, page_checksum_verification=True, pre_buffer=False, buffer_size=READ_BUFFER_BYTES)
     except (OSError, pa.ArrowException) as exc:
         raise RecordsError(f"{p}: not a readable Parquet file, refused before row 0 (truncated or corrupt?): {exc}") from None
     meta: dict[str, Any] = {}
     raw = (pf.schema_arrow.metadata or {}).get(METADATA_KEY)
     if raw is not None:
-        try:
-            blob = json.loads(raw)
-        except ValueError:
-            raise RecordsError(f"{p}: key-value metadata {METADATA_KEY.decode()!r} is not JSON") from None
-        version = blob.get("schema_version")
-        if version not in SUPPORTED_VERSIONS:
-            raise RecordsError(
-                f"{p}: schema_version {version!r} (file metadata) is not supported: this parity reads schema_version "
-                f"{', '.join(map(str, SUPPORTED_VERSIONS))} (a newer parity may read it)"
-            )
-        meta = dict(blob.get("metadata") or {})
+        meta = file_metadata(raw, str(p))
     missing = [c for c in REQUIRED if c not in pf.schema_arrow.names]
     if missing:
         raise RecordsError(
             f"{p}: missing required column(s) {', '.join(missing)}: a records file (schema_version {SCHEMA_VERSION}) "
             f"needs {', '.join(REQUIRED)}"
         )
-    return RecordsFile(p, pf, meta)
+    return RecordsFile(p, pf, meta, page_checksums(p, pf.metadata))
 
 
 def records_paths(path: str | Path) -> list[Path]:

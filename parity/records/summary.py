@@ -441,8 +441,38 @@ class ScenarioAcc:
 
 
 @dataclass
+class CastNote:
+    """What reading one column's float64 values as float32 changed (:func:`parity.records.format.validate_batch`)."""
+
+    column: str
+    source_type: str
+    target_type: str
+    values: int = 0
+    changed: int = 0  # values the cast did not keep exactly
+    overflowed: int = 0  # of them, finite values that became +-inf
+    max_change: float = 0.0  # largest |change| among the others
+
+    def merge(self, o: CastNote) -> None:
+        self.values += o.values
+        self.changed += o.changed
+        self.overflowed += o.overflowed
+        self.max_change = max(self.max_change, o.max_change)
+
+    def message(self, source: str) -> str:
+        out = (f"{source} column {self.column}: {self.source_type} values read as {self.target_type} changed "
+               f"{self.changed} of {self.values} value(s) (largest change {self.max_change:.3g})")
+        if self.overflowed:
+            out += f"; {self.overflowed} finite value(s) became infinite"
+        return out + f": write {self.column} as {self.target_type} to analyse the values themselves"
+
+
+@dataclass
 class Summary:
-    """Mergeable summary of any number of record batches: per-scenario accumulators plus provenance."""
+    """Mergeable summary of any number of record batches: per-scenario accumulators plus provenance.
+
+    ``casts``: per file and column (key ``source\x1fcolumn``), what reading float64 as float32 changed;
+    ``page_checksums``: per file, whether its pages carry checksums (None: could not be told).
+    """
 
     groups: dict[str, ScenarioAcc] = field(default_factory=dict)
     rows: int = 0
@@ -451,6 +481,8 @@ class Summary:
     metadata: list[dict[str, Any]] = field(default_factory=list)
     columns: set[str] = field(default_factory=set)
     ignored_columns: set[str] = field(default_factory=set)
+    casts: dict[str, CastNote] = field(default_factory=dict)
+    page_checksums: dict[str, bool | None] = field(default_factory=dict)
 
     def merge(self, other: Summary) -> Summary:
         for k, acc in other.groups.items():
@@ -464,6 +496,12 @@ class Summary:
         self.metadata += other.metadata
         self.columns |= other.columns
         self.ignored_columns |= other.ignored_columns
+        for k, note in other.casts.items():
+            if k in self.casts:
+                self.casts[k].merge(note)
+            else:
+                self.casts[k] = CastNote(**note.__dict__)
+        self.page_checksums.update(other.page_checksums)
         return self
 
     @classmethod
@@ -525,6 +563,8 @@ def _encode(s: Summary) -> dict[str, Any]:
         "metadata": s.metadata,
         "columns": sorted(s.columns),
         "ignored_columns": sorted(s.ignored_columns),
+        "casts": {k: dict(c.__dict__) for k, c in s.casts.items()},
+        "page_checksums": dict(s.page_checksums),
         "groups": groups,
     }
 
@@ -545,7 +585,9 @@ def _decode(data: dict[str, Any]) -> Summary:
         return BoundStream(d["n"], d["mean"], d["m2"], d["bound_sum"], d["abs_values_sum"], d["headroom"], worst, hist)
 
     out = Summary(rows=data["rows"], tokens=data["tokens"], files=list(data["files"]), metadata=list(data["metadata"]),
-                  columns=set(data["columns"]), ignored_columns=set(data["ignored_columns"]))
+                  columns=set(data["columns"]), ignored_columns=set(data["ignored_columns"]),
+                  casts={k: CastNote(**c) for k, c in data.get("casts", {}).items()},
+                  page_checksums=dict(data.get("page_checksums", {})))
     nested = ("streams", "bounds", "ratios", "first", "lacking", "views")
     for k, g in data["groups"].items():
         plain = {f: v for f, v in g.items() if f not in nested}

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from parity.report import rl as rl_report
+from parity.report.summary import sampler_name
 
 # The histogram's range of |diff| / bound: below it (exact matches too) at the left edge, above it (NaN
 # and inf too) at the right edge, so every compared token is drawn.
@@ -42,6 +43,7 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
         return []
     written = []
     sc = report["scenarios"]
+    who = sampler_name(report)
     tables = [(s["name"], s.get("_table")) for s in sc if s.get("_table") is not None]
     hists = [s["_drift_headroom"] for s in sc if s.get("_drift_headroom")]  # streamed (parity analyze)
     if tables or hists:
@@ -51,15 +53,15 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
         for est in ("replay", "recompute"):
             if tables:
                 h = drift_headroom([t for _, t in tables], est)
-                ax.hist(torch.log10(h).numpy(), bins=60, alpha=0.6, label=f"{est} − vLLM")
+                ax.hist(torch.log10(h).numpy(), bins=60, alpha=0.6, label=f"{est} − {who}")
                 continue
             counts = [x[est] for x in hists if est in x]
             if counts:
-                ax.stairs(sum(counts), hists[0]["edges"], fill=True, alpha=0.6, label=f"{est} − vLLM")
+                ax.stairs(sum(counts), hists[0]["edges"], fill=True, alpha=0.6, label=f"{est} − {who}")
         ax.axvline(math.log10(limit), color="black", linestyle="--", linewidth=1)
         ax.text(math.log10(limit), ax.get_ylim()[1] * 0.95, f"gate: |diff| = {limit:g} × bound ", va="top",
                 ha="right", fontsize=8)
-        ax.set_xlabel(f"log10 (|trainer − vLLM| / rounding bound) per token (exact and < {floor:g}: left edge; > {ceiling:g}: right)")
+        ax.set_xlabel(f"log10 (|trainer − {who}| / rounding bound) per token (exact and < {floor:g}: left edge; > {ceiling:g}: right)")
         ax.set_ylabel("tokens")
         ax.set_title("Per-token drift after the fix against its rounding bound (all scenarios)")
         ax.legend()
@@ -70,7 +72,7 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(max(8, len(sc) * 0.45), 4.5))
     x = range(len(sc))
     ax.bar([i - 0.2 for i in x], [_number(s["log_s"]["mean"]) for s in sc], width=0.4, label="predicted log S (mean)")
-    ax.bar([i + 0.2 for i in x], [_number(s["naive"]["bias_mean"]) for s in sc], width=0.4, label="naive bias full − vLLM (mean)")
+    ax.bar([i + 0.2 for i in x], [_number(s["naive"]["bias_mean"]) for s in sc], width=0.4, label=f"naive bias full − {who} (mean)")
     ax.set_xticks(list(x))
     ax.set_xticklabels([s["name"] for s in sc], rotation=70, ha="right", fontsize=7)
     ax.set_ylabel("nats per token")

@@ -129,6 +129,13 @@ def report_schema() -> dict[str, Any]:
             "environment": {"type": "object", "required": ["vllm", "torch", "transformers", "device", "dtype", "determinism"]},
             "scenarios": {"type": "array", "items": scenario},
             "passed": {"type": "boolean"},
+            # parity analyze: passed covers the gates evaluated; complete says whether that was every gate.
+            "complete": {"type": "boolean"},
+            "not_evaluated": {
+                "type": "array",
+                "items": {"type": "object", "required": ["gate", "reason", "scenarios"]},
+            },
+            "warnings": {"type": "array", "items": {"type": "string"}},
         },
     }
 
@@ -138,5 +145,8 @@ def write_report(report: dict[str, Any], out: Path, *, plots: bool = True) -> No
     out.mkdir(parents=True, exist_ok=True)
     if plots:
         report["plots"] = write_plots(report, out)
-    (out / "report.json").write_text(json.dumps(_clean(report), indent=2, sort_keys=False) + "\n")
-    (out / "report.md").write_text(render_markdown(report))
+    # Both texts are rendered before either is written: a report is never left half written.
+    text = json.dumps(_clean(report), indent=2, sort_keys=False) + "\n"
+    md = render_markdown(report)
+    (out / "report.json").write_text(text)
+    (out / "report.md").write_text(md)

@@ -1,8 +1,8 @@
 """The run at a glance: one row per scenario and one plain-language paragraph, computed from a report.
 
 Read from the report dict alone (the in-memory one or report.json loaded back: non-finite numbers may
-be the strings ``"inf"``/``"nan"``), so ``parity run`` and anything that re-reads a report draw the
-same text. :func:`render_terminal` is the terminal block; :func:`paragraph` and :func:`glance_rows`
+be the strings ``"inf"``/``"nan"``, and a statistic a records analysis could not compute is ``"n/a"``),
+so ``parity run`` and anything that re-reads a report draw the same text. :func:`render_terminal` is the terminal block; :func:`paragraph` and :func:`glance_rows`
 feed the head of report.md (:mod:`parity.report.markdown`).
 """
 
@@ -21,11 +21,25 @@ RECOMPUTE_GATES = ("recompute_drift", "recompute_mean_bias", "recompute_support"
 NAIVE_GATES = ("naive_vs_sampler_log_s",)
 TRAINER_GATES = ("trainer_under_test_drift", "trainer_under_test_mean_bias")
 WIDTH = 100
+NA = "n/a"  # a statistic whose inputs the records do not hold (parity.records.summary.NA); shown as such
+
+
+def sampler_name(report: dict[str, Any]) -> str:
+    """Who sampled: vLLM for ``parity run``; for records, the ``sampler`` the files name, else "the sampler"."""
+    env = report.get("environment") or {}
+    if "sampler" not in env:
+        return "vLLM"
+    return str(env["sampler"] or "the sampler")
+
+
+def not_evaluated(s: dict[str, Any]) -> set[str]:
+    """The gates a scenario could not evaluate (a records analysis lists them with the input they lack)."""
+    return {g["gate"] for g in s.get("not_evaluated", [])}
 
 
 def _f(x: Any) -> float | None:
     """A report number as a float (report.json writes non-finite floats as strings)."""
-    if x is None:
+    if x is None or x == NA:
         return None
     if isinstance(x, str):
         try:
@@ -38,7 +52,7 @@ def _f(x: Any) -> float | None:
 def _signed(x: Any) -> str:
     v = _f(x)
     if v is None:
-        return "—"
+        return NA if x == NA else "—"
     if v == 0:
         return "0"
     if not math.isfinite(v):
@@ -49,7 +63,7 @@ def _signed(x: Any) -> str:
 def _ratio(x: Any) -> str:
     v = _f(x)
     if v is None:
-        return "—"
+        return NA if x == NA else "—"
     if not math.isfinite(v):
         return str(v)
     return f"{v:.2f}" if v < 100 else f"{v:.3g}"
@@ -58,7 +72,7 @@ def _ratio(x: Any) -> str:
 def _pct(x: Any) -> str:
     v = _f(x)
     if v is None:
-        return "—"
+        return NA if x == NA else "—"
     return "100 %" if v == 1.0 else f"{100 * v:.1f} %"
 
 
@@ -81,6 +95,8 @@ def truncates(s: dict[str, Any]) -> bool:
     the mean per-token bound where a report has no limit). A per-token bound is the wrong yardstick for a
     mean: in bfloat16 it can exceed a real log S of 0.2 nats."""
     spec = SamplingSpec.from_dict(s["spec"]).effective()
+    if log_s_unknown(s):
+        return False
     log_s = _f(s["log_s"]["mean"]) or 0.0
     limit = _f((s.get("mean_bias_limit") or {}).get("replay"))
     if limit is None:
@@ -88,13 +104,24 @@ def truncates(s: dict[str, Any]) -> bool:
     return spec.filtered and -log_s > limit
 
 
+def log_s_unknown(s: dict[str, Any]) -> bool:
+    """A filtering scenario whose log S the records could not give: whether its filters truncated is unknown."""
+    return SamplingSpec.from_dict(s["spec"]).effective().filtered and _f(s["log_s"]["mean"]) is None
+
+
+def _token_s(s: dict[str, Any]) -> float:
+    """S per token: the naive IS ratio's mean, else the mean of exp(log S) (records without full log-probs)."""
+    v = _f(s["is_ratio"]["naive"]["token"]["mean"])
+    return v if v is not None else (_f(s["log_s"].get("mean_s")) or 1.0)
+
+
 def support_cell(s: dict[str, Any]) -> str:
     """Support equality, replay then recompute; the full vocabulary where no filter was captured."""
     if not s.get("captured_positions"):
-        cell = "full V"
+        cell = NA if SamplingSpec.from_dict(s["spec"]).effective().filtered and "replay_support" in not_evaluated(s) else "full V"
     else:
-        rep, rec = _f(s["replay"]["support_equal_frac"]), _f(s["recompute"]["support_equal_frac"])
-        cell = "equal" if rep == 1.0 and rec == 1.0 else f"{_pct(rep)} / {_pct(rec)}"
+        rep, rec = s["replay"]["support_equal_frac"], s["recompute"]["support_equal_frac"]
+        cell = "equal" if _f(rep) == 1.0 and _f(rec) == 1.0 else f"{_pct(rep)} / {_pct(rec)}"
     if s.get("incomplete_positions"):
         cell += f" ({s['incomplete_positions']} incomplete)"
     return cell
@@ -110,12 +137,25 @@ def glance_rows(report: dict[str, Any]) -> list[dict[str, str]]:
             "verdict": s["verdict"].upper(),
             "log S": _signed(s["log_s"]["mean"]),
             "naive bias": _signed(s["naive"]["bias_mean"]),
-            "replay": _ratio(head.get("replay")),
-            "recompute": _ratio(head.get("recompute")),
+            "replay": NA if "replay_drift" in not_evaluated(s) else _ratio(head.get("replay")),
+            "recompute": NA if "recompute_drift" in not_evaluated(s) else _ratio(head.get("recompute")),
             "support": support_cell(s),
+            **_mean_cells(s),
             "failed gates": ", ".join(_gates(s)),
         })
     return rows
+
+
+def _mean_cells(s: dict[str, Any]) -> dict[str, str]:
+    """The deciding mean gate's use of its limit (|mean| / limit) and the limit itself: the verdict's
+    resolution, the smallest per-token bias it would have detected (docs/error_model.md)."""
+    means = s.get("mean_bias") or {}
+    entry = means.get("trainer_under_test") or means.get("replay") or means.get("recompute")
+    if not entry or not isinstance(entry.get("limit"), (int, float)):
+        return {"mean/limit": NA, "resolution": NA}
+    limit = float(entry["limit"])
+    ratio = abs(float(entry["mean"])) / limit if limit > 0 else float("inf")
+    return {"mean/limit": _ratio(ratio), "resolution": f"{limit:.1e}"}
 
 
 def _example(truncating: list[dict[str, Any]]) -> dict[str, Any]:
@@ -147,30 +187,36 @@ def paragraph(report: dict[str, Any]) -> str:
     """What the numbers mean for a training run, in plain words, computed from the report."""
     sc = report["scenarios"]
     limit = headroom_limit(report)
+    who = sampler_name(report)
     parts: list[str] = []
     truncating = [s for s in sc if truncates(s)]
-    if not truncating:
+    unknown = [s for s in sc if log_s_unknown(s)]
+    if unknown:
+        parts.append(
+            f"Whether the filters removed probability mass is unknown in {len(unknown)} scenario(s) ({_names(unknown)}): "
+            "the records hold no log S and nothing to derive it from."
+        )
+    if not truncating and not unknown:
         parts.append(
             "No scenario's filters removed any probability mass (S = 1 throughout), so a trainer that takes the "
-            "full-vocabulary log-softmax scores what vLLM sampled here."
+            f"full-vocabulary log-softmax scores what {who} sampled here."
         )
-    else:
+    elif truncating:
         e = _example(truncating)
-        tok = _f(e["is_ratio"]["naive"]["token"]["mean"]) or 1.0
-        seq = _f(e["is_ratio"]["naive"]["sequence"]["mean"]) or 1.0
+        tok = _token_s(e)
+        seq = _f(e["is_ratio"]["naive"]["sequence"]["mean"])
         length = round((e.get("compared_tokens") or e["tokens"]) / max(1, e.get("sequences") or 1))
         parts.append(
             f"A trainer that takes the full-vocabulary log-softmax would under-weight every token by S = {tok:.2f} "
-            f"at {e['name']} (log S = {_signed(e['log_s']['mean'])} nats per token), "
-            f"{_article(length)} {length}-token completion by {seq:.2g}."
+            f"at {e['name']} (log S = {_signed(e['log_s']['mean'])} nats per token)"
+            + (f", {_article(length)} {length}-token completion by {seq:.2g}." if seq is not None else ".")
         )
         if len(truncating) > 1:
-            lo = min(truncating, key=lambda s: _f(s["is_ratio"]["naive"]["token"]["mean"]) or 1.0)
-            hi = max(truncating, key=lambda s: _f(s["is_ratio"]["naive"]["token"]["mean"]) or 1.0)
+            lo = min(truncating, key=_token_s)
+            hi = max(truncating, key=_token_s)
             parts.append(
                 f"Over the {len(truncating)} scenarios whose filters truncate, S per token runs from "
-                f"{_f(lo['is_ratio']['naive']['token']['mean']):.2f} ({lo['name']}) to "
-                f"{_f(hi['is_ratio']['naive']['token']['mean']):.2f} ({hi['name']})."
+                f"{_token_s(lo):.2f} ({lo['name']}) to {_token_s(hi):.2f} ({hi['name']})."
             )
         checked = [s for s in truncating if _f((s.get("headroom") or {}).get("naive_vs_sampler_log_s")) is not None]
         naive_bad = _failing(sc, NAIVE_GATES)
@@ -191,11 +237,7 @@ def paragraph(report: dict[str, Any]) -> str:
             )
     rep_bad, rec_bad = _failing(sc, REPLAY_GATES), _failing(sc, RECOMPUTE_GATES)
     if not rep_bad and not rec_bad:
-        worst = max((_f(s[k]["max_abs_diff"]) or 0.0 for s in sc for k in ("replay", "recompute")), default=0.0)
-        parts.append(
-            f"Replay and recompute remove it: their largest per-token gap to vLLM is {worst:.1e} nats."
-            if truncating else f"Replay and recompute agree with vLLM to {worst:.1e} nats per token."
-        )
+        parts += _estimators_sentences(sc, who, bool(truncating))
     else:
         for name, bad in (("Replay", rep_bad), ("Recompute", rec_bad)):
             if bad:
@@ -213,10 +255,10 @@ def paragraph(report: dict[str, Any]) -> str:
             )
         else:
             parts.append(
-                f"The trainer's gap to vLLM reaches {_ratio(h)} times its rounding bound in {s['name']} (the gate "
+                f"The trainer's gap to {who} reaches {_ratio(h)} times its rounding bound in {s['name']} (the gate "
                 f"allows {limit:g})."
             )
-    forced = sum(int(s["recompute"].get("forced_includes") or 0) for s in sc)
+    forced = sum(int(_f(s["recompute"].get("forced_includes")) or 0) for s in sc)
     if forced:
         parts.append(
             f"Recompute had to force-include the sampled token at {forced} position(s): the trainer's numerics moved "
@@ -226,8 +268,18 @@ def paragraph(report: dict[str, Any]) -> str:
     if tested:
         name = tested[0]["trainer_under_test"].get("name")
         bad = _failing(tested, TRAINER_GATES)
+        ungated = [s for s in tested if set(TRAINER_GATES) <= not_evaluated(s)]
         worst = bad[0] if bad else tested[0]
-        verdict = f"fails in {len(bad)} of {len(tested)} scenario(s) ({_names(bad)})" if bad else "passes every scenario"
+        if bad:
+            verdict = f"fails in {len(bad)} of {len(tested)} scenario(s) ({_names(bad)})"
+        elif len(ungated) == len(tested):
+            mean = _signed(tested[0]["trainer_under_test"].get("mean_diff"))
+            verdict = (f"was not gated: its drift and mean-bias gates were not evaluated (see the gates not evaluated); "
+                       f"its mean gap to {who} is {mean} nats per token at {tested[0]['name']}")
+        elif ungated:
+            verdict = f"passes the {len(tested) - len(ungated)} scenario(s) where it was gated (not gated in {_names(ungated)})"
+        else:
+            verdict = "passes every scenario"
         parts.append(
             f"The trainer under test ({name}) {verdict}; diagnosis at {worst['name']}: "
             f"{worst['trainer_under_test'].get('diagnosis') or 'none'}."
@@ -251,7 +303,37 @@ def paragraph(report: dict[str, Any]) -> str:
         h = rl_report.headline(_example(truncating))
         if h:
             parts.append(f"In RL terms, {h}")
+    skipped = sorted({g for s in sc for g in not_evaluated(s)})
+    if skipped:
+        parts.append(
+            f"{len(skipped)} gate(s) could not be evaluated on these records ({', '.join(skipped)}): they neither "
+            "pass nor fail, and the verdict covers only the gates that were evaluated."
+        )
     return " ".join(parts)
+
+
+def _estimators_sentences(sc: list[dict[str, Any]], who: str, truncating: bool) -> list[str]:
+    """Replay's and recompute's gap to the sampler where no gate of theirs failed: measured where the records
+    hold them, named as not gated where their drift gate was not evaluated, as missing where neither."""
+    measured = {k: [s for s in sc if _f(s[k]["max_abs_diff"]) is not None] for k in ("replay", "recompute")}
+    names = [k for k, v in measured.items() if v]
+    if not names:
+        return ["Neither replay nor recompute could be measured on these records (see the gates not evaluated)."]
+    worst = max(_f(s[k]["max_abs_diff"]) or 0.0 for k in names for s in measured[k])
+    subject = " and ".join(names).capitalize()
+    ungated = sorted({s["name"] for k in names for s in measured[k] if f"{k}_drift" in not_evaluated(s)})
+    if ungated:
+        out = [f"{subject}'s largest per-token gap to {who} is {worst:.1e} nats, measured but not gated in "
+               f"{len(ungated)} scenario(s) (no rounding bound to compare it with)."]
+    elif truncating:
+        verb, pron = ("remove", "their") if len(names) == 2 else ("removes", "its")
+        out = [f"{subject} {verb} it: {pron} largest per-token gap to {who} is {worst:.1e} nats."]
+    else:
+        out = [f"{subject} {'agree' if len(names) == 2 else 'agrees'} with {who} to {worst:.1e} nats per token."]
+    missing = [k for k in ("replay", "recompute") if k not in names]
+    if missing:
+        out.append(f"{missing[0].capitalize()} was not evaluated: the records do not hold what it needs.")
+    return out
 
 
 TERMINAL_COLUMNS = (
@@ -262,18 +344,22 @@ TERMINAL_COLUMNS = (
     ("replay", "drift rep"),
     ("recompute", "drift rec"),
     ("support", "support"),
+    ("mean/limit", "mean/limit"),
+    ("resolution", "resolution"),
 )
 
 
 def render_terminal(report: dict[str, Any], *, width: int = WIDTH) -> str:
     """The block ``parity run`` prints last: a one-line-per-scenario table, then the paragraph.
 
-    Drift columns are headroom (max |trainer - vLLM| / its per-token rounding bound; a gate fails
-    above 1); support is S_q equality for replay / recompute ("full V" where nothing was filtered).
+    Drift columns are headroom (max |trainer - sampler| / its per-token rounding bound; a gate fails
+    above 1); support is S_q equality for replay / recompute ("full V" where nothing was filtered);
+    mean/limit is the deciding mean gate's |mean diff| over its limit, and resolution that limit in nats
+    (the trainer under test's when there is one, else replay's).
     """
     rows = glance_rows(report)
     widths = {k: max(len(title), *(len(r[k]) for r in rows)) for k, title in TERMINAL_COLUMNS}
-    right = {"log S", "naive bias", "replay", "recompute"}
+    right = {"log S", "naive bias", "replay", "recompute", "mean/limit", "resolution"}
 
     def cell(key: str, text: str) -> str:
         return text.rjust(widths[key]) if key in right else text.ljust(widths[key])

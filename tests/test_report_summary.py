@@ -90,11 +90,16 @@ def test_one_line_per_scenario_with_its_own_numbers(mixed: dict) -> None:
     for s in mixed["scenarios"]:
         cells = rows[s["name"]].replace(s["name"], "NAME").split()
         assert cells[0] == s["verdict"].upper()
-        log_s, bias, rep, rec = cells[2:6]
+        log_s, drift = cells[2:4]
+        rep, rec = drift.split("/")
         assert float(log_s) == pytest.approx(s["log_s"]["mean"], abs=5e-5, rel=1e-3)
-        assert float(bias) == pytest.approx(s["naive"]["bias_mean"], abs=5e-5, rel=0.05)
         assert float(rep) == pytest.approx(s["headroom"]["replay"], abs=5e-3)
         assert float(rec) == pytest.approx(s["headroom"]["recompute"], abs=5e-3)
+        mean, resolution = cells[-2:] if not s["violations"] else cells[-2 - 1 - len(dict.fromkeys(
+            v["gate"] for v in s["violations"])):][:2]
+        entry = s["mean_bias"]["replay"]
+        assert float(resolution) == pytest.approx(entry["limit"], rel=0.05)
+        assert float(mean) == pytest.approx(abs(entry["mean"]) / entry["limit"], abs=5e-3)
     assert "full V" in rows["baseline T=1"] and "equal" in rows["top_p=0.9 T=0.7"]
     failed = [v["gate"] for v in mixed["scenarios"][2]["violations"]]
     assert failed and rows["top_k=5 planted"].endswith("← " + ", ".join(dict.fromkeys(failed)))
@@ -146,7 +151,7 @@ def test_report_json_renders_the_same(mixed: dict) -> None:
     loaded = json.loads(json.dumps(_clean(mixed)))
     assert loaded["scenarios"][1]["headroom"]["recompute"] == "inf"
     assert summary.render_terminal(loaded) == summary.render_terminal(mixed)
-    assert " inf " in _rows(summary.render_terminal(loaded))["baseline T=1"]
+    assert "/inf " in _rows(summary.render_terminal(loaded))["baseline T=1"]
 
 
 def test_the_default_matrix_fits_a_terminal() -> None:
@@ -167,7 +172,8 @@ def test_report_md_opens_with_the_verdict_the_paragraph_and_a_narrow_table(mixed
     header = next(i for i, line in enumerate(lines) if line.startswith("| scenario |"))
     assert header < lines.index("## Detail per scenario")
     assert [c.strip() for c in lines[header].strip("|").split("|")] == [
-        "scenario", "verdict", "log S", "naive bias", "replay headroom", "recompute headroom", "support equal"]
+        "scenario", "verdict", "log S", "naive bias", "replay headroom", "recompute headroom", "support equal",
+        "mean bias / limit", "resolution (nats)"]
     body = lines[header + 2 : header + 5]
     assert [row.split("|")[1].strip() for row in body] == [s["name"] for s in mixed["scenarios"]]
     assert "FAIL (replay_drift" in body[2]

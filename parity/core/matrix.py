@@ -119,15 +119,23 @@ def pair_coverage(matrix: Matrix) -> dict[str, list[str]]:
     return out
 
 
+# Matrices shipped with the package, by name (parity/data/): the real-checkpoint scenarios of the main job.
+NAMED_MATRICES = {"real": "real_checkpoint.toml", "real-bf16": "real_checkpoint_bf16.toml"}
+
+
 def load_matrix(path: str | Path) -> Matrix:
     """A TOML matrix: optional ``[defaults]`` (prompts, max_tokens, seed, model) and ``[[scenario]]`` tables.
 
     Each scenario takes ``name``, the spec fields (``temperature``, ``top_k``, ``top_p``, ``min_p``)
-    and optionally ``model``, ``prompts``, ``max_tokens``, ``seed``, ``capture_head``.
+    and optionally ``model``, ``prompts``, ``max_tokens``, ``seed``, ``capture_head``. A name of
+    :data:`NAMED_MATRICES` loads the packaged file.
     """
+    if str(path) in NAMED_MATRICES:
+        return load_matrix(Path(__file__).resolve().parent.parent / "data" / NAMED_MATRICES[str(path)])
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"matrix file {str(path)!r} does not exist: allowed 'default' or a TOML file")
+        raise FileNotFoundError(f"matrix file {str(path)!r} does not exist: allowed 'default', "
+                                f"{', '.join(map(repr, NAMED_MATRICES))} or a TOML file")
     try:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as exc:

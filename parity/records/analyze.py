@@ -9,7 +9,8 @@ reported as the same :class:`~parity.core.violation.Violation` objects with the 
   ``trainer_bound`` (what :func:`parity.core.error_model.logprob_bound` gave the exporting run) or,
   re-scoring with a model, the bound of the trainer's own logits;
 * mean bias (``*_mean_bias``): ``|mean diff|`` against ``mean_bias_headroom`` times
-  :func:`parity.core.error_model.mean_bias_limit`, computed from counts, moments and sums;
+  :func:`parity.core.error_model.mean_bias_limit`, from the count, the running moments and the sum of
+  the records' ``trainer_systematic`` (the float32 storage term alone when the column is absent);
 * the naive bias outside the sampler-side log S (``naive_vs_sampler_log_s``), the interval from the
   records (``sampler_log_s_lo``/``_hi``), 0 when nothing is filtered, or the top_p bracket of
   :mod:`parity.core.log_s` from the sampler's kept log-probs;
@@ -35,8 +36,8 @@ import numpy as np
 import torch
 
 from parity.core import estimators
-from parity.core.error_model import unit_roundoff
-from parity.core.gates import Thresholds
+from parity.core.error_model import UNIT_ROUNDOFF, log_s_signature, mean_bias_entry, unit_roundoff
+from parity.core.gates import Thresholds, split_verdict
 from parity.core.log_s import top_p_bracket, top_p_bracket_applies
 from parity.core.spec import SAMPLING_EPS, SamplingSpec
 from parity.core.table import SUPPORT_MASS_TOL
@@ -140,6 +141,7 @@ class TokenColumns:
     tv: np.ndarray
     bound: np.ndarray
     bound_full: np.ndarray
+    systematic: np.ndarray  # per-token systematic bound (trainer_systematic, else the float32 storage term alone)
     s_lo: np.ndarray  # NaN where no sampler-side log S
     s_hi: np.ndarray
     s_source: list[str | None]  # per row
@@ -260,6 +262,12 @@ def token_columns(batch: RecordsBatch, *, vocab_size: int | None = None) -> Toke
     bound_v, have["bound"] = bound if bound is not None else (zeros.copy(), false.copy())
     bound_full = _row_float(batch, "trainer_bound_full")
     bound_full_v, have["bound_full"] = bound_full if bound_full is not None else (zeros.copy(), false.copy())
+    # Without trainer_systematic only the last float32 operations are known to point one way (2 u32 |lp|);
+    # a float32 kernel's normalisation offset needs the trainer's logits (parity run --records writes it).
+    sys_col = _row_float(batch, "trainer_systematic")
+    v_abs = np.abs(batch.sampler_logprobs.astype(np.float64))
+    storage = 2.0 * UNIT_ROUNDOFF["float32"] * np.where(np.isfinite(v_abs), v_abs, 0.0)
+    systematic_v = np.where(sys_col[1], sys_col[0], storage) if sys_col is not None else storage
     s_lo, s_hi, have["sampler_log_s"], s_source = _sampler_log_s(batch, row, filtered, captured, incomplete, min_kept_lp,
                                                                    vocab_size)
     tt = batch.trainer.get("trainer_token_ids")
@@ -294,6 +302,7 @@ def token_columns(batch: RecordsBatch, *, vocab_size: int | None = None) -> Toke
         tv=tv,
         bound=bound_v,
         bound_full=bound_full_v,
+        systematic=systematic_v,
         s_lo=s_lo,
         s_hi=s_hi,
         s_source=s_source,
@@ -546,7 +555,8 @@ def _accumulate(acc: ScenarioAcc, rb: RecordsBatch, c: TokenColumns, rows: np.nd
         with np.errstate(invalid="ignore"):
             d = est - c.vllm
         s = acc.bounds[name]
-        key = s.add(d[idx], c.bound[idx], c.vllm[idx])
+        key = s.add(d[idx], c.bound[idx], c.systematic[idx],
+                    c.log_s[idx] if name == "user" and bool(h["log_s"][idx].all()) else None)
         s.worst.offer(key, order(idx), at(idx, values={"vllm": c.vllm, side: est}, gap=d,
                                           bound=c.bound * 1.0))
     nsel = usable & h["full"] & h["bound"] & h["bound_full"] & h["sampler_log_s"]
@@ -581,6 +591,9 @@ def _accumulate(acc: ScenarioAcc, rb: RecordsBatch, c: TokenColumns, rows: np.nd
             m = acc.views.setdefault("+".join(sorted(bugs)), ViewMatch())
             m.known += int(known.sum())
             m.over += int((~(d <= c.bound[known])).sum())
+            with np.errstate(invalid="ignore"):
+                diff = c.user[known] - view[known]
+            m.diff_sum += float(np.where(np.isfinite(diff), diff, 0.0).sum())
     dsel = usable & c.captured & ~np.isnan(c.logit_drift) & h["replay"]
     if dsel.any():
         acc.drift_n += int(dsel.sum())
@@ -675,11 +688,11 @@ def _plain_diagnosis(close: Mapping[frozenset[str], bool], max_abs: float, mean:
     return f"unexplained drift: max |diff| {max_abs:.3g}, mean {mean:.3g}"
 
 
-def _diagnosis(a: ScenarioAcc, diagnose: Diagnose) -> str:
+def _diagnosis(a: ScenarioAcc, diagnose: Diagnose, mean_limit: float) -> str:
     u = a.streams["user"]
     if not a.views:
         return "not diagnosed: " + REASONS["bound"]
-    close = {frozenset(k.split("+")) if k else frozenset(): v.close for k, v in a.views.items()}
+    close = {frozenset(k.split("+")) if k else frozenset(): v.close(mean_limit) for k, v in a.views.items()}
     return diagnose(close, u.max_abs if u.n else math.nan, u.total / u.n if u.n else math.nan)
 
 
@@ -717,13 +730,19 @@ def _scenario_report(a: ScenarioAcc, name: str, diagnose: Diagnose) -> dict[str,
         "recompute": b["recompute"].headroom if with_bound and avail["recompute"] else None,
         "naive_vs_sampler_log_s": b["naive"].headroom if b["naive"].n else None,
     }
-    limits: dict[str, Any] = {
-        "replay": b["replay"].mean_bias_limit(a.roundoff) if with_bound and avail["replay"] else None,
-        "recompute": b["recompute"].mean_bias_limit(a.roundoff) if with_bound and avail["recompute"] else None,
-    }
+    def entry(stream: str, ref: str, inp: str) -> dict[str, Any] | None:
+        if not (with_bound and avail[inp]):
+            return None
+        bs, rs = b[stream], b[ref] if b[ref].n else b[stream]
+        sig = log_s_signature(bs.n, bs.cross_log_s, bs.log_s_sq, rs.sd) if stream == "user" else None
+        return mean_bias_entry(bs.n, bs.mean if bs.n else 0.0, bs.systematic_mean, rs.sd, signature=sig)
+
+    means = {"replay": entry("replay", "replay", "replay"), "recompute": entry("recompute", "recompute", "recompute")}
     if avail["user"]:
         headroom["trainer_under_test"] = b["user"].headroom if with_bound else None
-        limits["trainer_under_test"] = b["user"].mean_bias_limit(a.roundoff) if with_bound else None
+        # The allowance for averaging comes from replay's spread, not the trainer's own.
+        means["trainer_under_test"] = entry("user", "replay", "user")
+    limits: dict[str, Any] = {k: None if v is None else v["limit"] for k, v in means.items()}
     sources = [x for x in a.s_sources if x != "none"]
     out: dict[str, Any] = {
         "name": name,
@@ -764,6 +783,7 @@ def _scenario_report(a: ScenarioAcc, name: str, diagnose: Diagnose) -> dict[str,
         "token_mismatch": a.token_mismatch,
         "headroom": headroom,
         "mean_bias_limit": limits,
+        "mean_bias": means,
         "bound": (
             {"max": a.bound_max if a.bound_n else 0.0, "mean": a.bound_sum / a.bound_n if a.bound_n else 0.0,
              "roundoff": a.roundoff} if with_bound else None
@@ -787,7 +807,8 @@ def _scenario_report(a: ScenarioAcc, name: str, diagnose: Diagnose) -> dict[str,
             "name": None,  # filled by the caller from the file metadata
             **u,
             "max_abs_gap_to_log_s": s["user_gap"].max_abs if s["user_gap"].n else NA,
-            "diagnosis": _diagnosis(a, diagnose),
+            "diagnosis": _diagnosis(a, diagnose, limits["trainer_under_test"] if limits["trainer_under_test"] is not None
+                                    else math.inf),
         }
     out["captured_positions"] = a.captured
     out["max_support_size"] = a.support_max if a.captured else None
@@ -959,8 +980,10 @@ def finalize(
                 ) + (" ..." if len(sc["not_evaluated"]) > 3 else ""),
             ))
         sc["gates_evaluated"] = evaluated
+        violations, reference = split_verdict(violations, trainer_under_test="trainer_under_test" in sc)
         sc["verdict"] = "fail" if violations else "pass"
         sc["violations"] = violations
+        sc["reference_violations"] = reference
         sc["_acc"] = a
         sc["_drift_headroom"] = drift_headroom_hist(a)
         out.append(sc)

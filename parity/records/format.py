@@ -100,6 +100,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("trainer_bound", _F64, False, "token", "rounding bound on |trainer - sampler| over S_q, >= 0 "
            "(parity.core.error_model.logprob_bound on the trainer's scaled logits)"),
     Column("trainer_bound_full", _F64, False, "token", "the same bound over the whole vocabulary (the naive estimator's), >= 0"),
+    Column("trainer_systematic", _F64, False, "token", "what of |trainer - sampler| can point one way, >= 0 "
+           "(parity.core.error_model.systematic_bound); absent: the float32 storage term 2 u |lp| alone"),
     Column("sampler_log_s_lo", _F64, False, "token", "log S from the sampler's side lies in [lo, hi] (raw-logits pass or the "
            "top_p bracket); lo may be -inf"),
     Column("sampler_log_s_hi", _F64, False, "token", "upper end of the sampler-side log S interval; may be +inf"),
@@ -111,7 +113,7 @@ BY_NAME: dict[str, Column] = {c.name: c for c in COLUMNS}
 REQUIRED = tuple(c.name for c in COLUMNS if c.required)
 KEPT_GROUP = ("kept_ids", "kept_offsets", "kept_logprobs")  # present together or not at all
 TRAINER_TOKEN_COLUMNS = tuple(c.name for c in COLUMNS if c.name.startswith("trainer_") and c.per == "token")
-NONNEGATIVE_COLUMNS = ("trainer_bound", "trainer_bound_full")  # finite and >= 0
+NONNEGATIVE_COLUMNS = ("trainer_bound", "trainer_bound_full", "trainer_systematic")  # finite and >= 0
 SAMPLER_LOG_S_SOURCES = ("raw_logits", "top_p_bracket", "unfiltered")
 
 

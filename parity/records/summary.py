@@ -9,7 +9,8 @@ violation names. :meth:`Summary.merge` is the reduce step; :meth:`Summary.to_jso
 The gates' own statistics (:mod:`parity.core.gates`) are kept exactly: per estimator the largest
 ``|diff| / bound`` (a maximum, so exact), and for the mean-bias limit of
 :func:`parity.core.error_model.mean_bias_limit` the count, the mean and second moment of the
-differences, the sum of the bounds and the sum of ``|sampler log-prob|``.
+differences, the sum of the per-token systematic bounds and, for the log S signature, the sums of
+``d * log S`` and ``log S^2``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 
 from parity.core.violation import Position
 
-SUMMARY_VERSION = 2
+SUMMARY_VERSION = 3
 # Histogram of |diff|: bin 0 exact zeros, bin 1 below 1e-16, then 0.01-decade bins up to 1e4, then one
 # overflow bin; non-finite differences are counted apart.
 HIST_LO, HIST_HI, HIST_STEP = -16.0, 4.0, 0.01
@@ -267,12 +268,15 @@ class BoundStream:
     mean: float = 0.0
     m2: float = 0.0
     bound_sum: float = 0.0
-    abs_values_sum: float = 0.0
+    systematic_sum: float = 0.0
     headroom: float = 0.0
     worst: Worst = field(default_factory=lambda: Worst(5))
     hist: np.ndarray = field(default_factory=lambda: np.zeros(HEAD_BINS, dtype=np.int64))
+    cross_log_s: float = 0.0  # sum of d * log S (the trainer-under-test stream's log S signature)
+    log_s_sq: float = 0.0  # sum of log S^2 over the same tokens
 
-    def add(self, d: np.ndarray, bound: np.ndarray, values: np.ndarray | None = None) -> np.ndarray:
+    def add(self, d: np.ndarray, bound: np.ndarray, systematic: np.ndarray | None = None,
+            log_s: np.ndarray | None = None) -> np.ndarray:
         """Add one batch; returns the headroom keys (for the caller to offer the worst positions)."""
         key = headroom_key(d, bound)
         if not d.size:
@@ -283,9 +287,12 @@ class BoundStream:
             m2b = float(np.sum((d - mb) ** 2))
             self._combine(nb, mb, m2b)
         self.bound_sum += float(np.sum(bound, dtype=np.float64))
-        if values is not None:
-            v = np.abs(values.astype(np.float64, copy=False))
-            self.abs_values_sum += float(np.sum(np.where(np.isfinite(v), v, 0.0)))
+        if systematic is not None:
+            self.systematic_sum += float(np.sum(systematic, dtype=np.float64))
+        if log_s is not None:
+            with np.errstate(invalid="ignore", over="ignore"):
+                self.cross_log_s += float(np.sum(d * log_s))
+                self.log_s_sq += float(np.sum(log_s * log_s))
         self.headroom = max(self.headroom, float(np.max(key)))
         with np.errstate(divide="ignore"):
             lg = np.log10(np.clip(key, 10.0**HEAD_LO, 10.0**HEAD_HI))
@@ -309,17 +316,21 @@ class BoundStream:
     def merge(self, o: BoundStream) -> None:
         self._combine(o.n, o.mean, o.m2)
         self.bound_sum += o.bound_sum
-        self.abs_values_sum += o.abs_values_sum
+        self.systematic_sum += o.systematic_sum
+        self.cross_log_s += o.cross_log_s
+        self.log_s_sq += o.log_s_sq
         self.headroom = max(self.headroom, o.headroom)
         self.worst.merge(o.worst)
         self.hist = self.hist + o.hist
 
-    def mean_bias_limit(self, u: float) -> float:
-        """:func:`parity.core.error_model.mean_bias_limit` from the pieces."""
-        if self.n == 0:
-            return math.inf
-        sd = math.sqrt(self.m2 / (self.n - 1)) if self.n > 1 and self.m2 >= 0 else (0.0 if self.n <= 1 else math.nan)
-        return (4.0 * sd + self.bound_sum / self.n) / math.sqrt(self.n) + 2.0 * u * self.abs_values_sum / self.n
+    @property
+    def sd(self) -> float:
+        """The sample standard deviation of ``d`` (``torch.std``'s)."""
+        return math.sqrt(self.m2 / (self.n - 1)) if self.n > 1 and self.m2 >= 0 else (0.0 if self.n <= 1 else math.nan)
+
+    @property
+    def systematic_mean(self) -> float:
+        return self.systematic_sum / self.n if self.n else 0.0
 
 
 @dataclass
@@ -330,14 +341,15 @@ class ViewMatch:
 
     known: int = 0
     over: int = 0
+    diff_sum: float = 0.0  # sum of (trainer - view) where known: the mean must sit within the mean-bias limit too
 
     def merge(self, o: ViewMatch) -> None:
         self.known += o.known
         self.over += o.over
+        self.diff_sum += o.diff_sum
 
-    @property
-    def close(self) -> bool:
-        return self.known > 0 and self.over == 0
+    def close(self, mean_limit: float) -> bool:
+        return self.known > 0 and self.over == 0 and abs(self.diff_sum / self.known) <= mean_limit
 
 
 NA = "n/a"  # a statistic whose inputs the records do not hold (the report says which and why)
@@ -536,7 +548,8 @@ def _encode(s: Summary) -> dict[str, Any]:
                 "hist": [[int(i), int(d.hist[i])] for i in nz]}
 
     def bounded(b: BoundStream) -> dict[str, Any]:
-        plain = {k: getattr(b, k) for k in ("n", "mean", "m2", "bound_sum", "abs_values_sum", "headroom")}
+        plain = {k: getattr(b, k) for k in ("n", "mean", "m2", "bound_sum", "systematic_sum", "headroom",
+                                            "cross_log_s", "log_s_sq")}
         nz = np.flatnonzero(b.hist)
         return {**plain, "worst": {"n": b.worst.n, "items": [[k, list(o), _pos(p)] for k, o, p in b.worst.items]},
                 "hist": [[int(i), int(b.hist[i])] for i in nz]}
@@ -553,7 +566,7 @@ def _encode(s: Summary) -> dict[str, Any]:
             "bounds": {n: bounded(b) for n, b in a.bounds.items()},
             "ratios": {n: r.__dict__ for n, r in a.ratios.items()},
             "first": {n: {"n": f.n, "items": [[list(o), _pos(p)] for o, p in f.items]} for n, f in a.first.items()},
-            "views": {n: [v.known, v.over] for n, v in a.views.items()},
+            "views": {n: [v.known, v.over, v.diff_sum] for n, v in a.views.items()},
         }
     return {
         "summary_version": SUMMARY_VERSION,
@@ -582,7 +595,8 @@ def _decode(data: dict[str, Any]) -> Summary:
         hist = np.zeros(HEAD_BINS, dtype=np.int64)
         for i, v in d["hist"]:
             hist[i] = v
-        return BoundStream(d["n"], d["mean"], d["m2"], d["bound_sum"], d["abs_values_sum"], d["headroom"], worst, hist)
+        return BoundStream(d["n"], d["mean"], d["m2"], d["bound_sum"], d["systematic_sum"], d["headroom"], worst, hist,
+                           d["cross_log_s"], d["log_s_sq"])
 
     out = Summary(rows=data["rows"], tokens=data["tokens"], files=list(data["files"]), metadata=list(data["metadata"]),
                   columns=set(data["columns"]), ignored_columns=set(data["ignored_columns"]),

@@ -25,6 +25,8 @@ GLANCE_COLUMNS = (
     ("replay", "replay headroom"),
     ("recompute", "recompute headroom"),
     ("support", "support equal"),
+    ("mean/limit", "mean bias / limit"),
+    ("resolution", "resolution (nats)"),
 )
 
 
@@ -33,7 +35,7 @@ def glance_table(report: dict[str, Any]) -> list[str]:
     who = summary.sampler_name(report)
     lines = [
         "| " + " | ".join(title for _, title in GLANCE_COLUMNS) + " |",
-        "|---|---|" + "---:|" * 4 + "---|",
+        "|---|---|" + "---:|" * 4 + "---|" + "---:|" * 2,
     ]
     for r in summary.glance_rows(report):
         verdict = r["verdict"] + (f" ({r['failed gates']})" if r["failed gates"] else "")
@@ -44,7 +46,9 @@ def glance_table(report: dict[str, Any]) -> list[str]:
         "log S: the mean log of the mass the filters kept (0: nothing filtered); naive bias: mean (full-vocabulary "
         f"trainer − {who}), per token. Headroom: max |trainer − {who}| / its per-token rounding bound (a gate fails "
         f"above {summary.headroom_limit(report):g}; n/a: not evaluated). Support equal: the captured S_q is the sampler's whole support (replay) and the trainer-side "
-        "filters keep the same set (recompute); full V where nothing was filtered.",
+        "filters keep the same set (recompute); full V where nothing was filtered. Mean bias / limit: the deciding mean "
+        "gate's |mean diff| over its limit (the trainer under test's, else replay's); resolution: that limit, the "
+        "smallest per-token bias the scenario would have detected (docs/error_model.md).",
     ]
     return lines
 
@@ -102,6 +106,12 @@ def render_markdown(report: dict[str, Any]) -> str:
     failures = [v for s in sc for v in s["violations"]]
     if failures:
         lines += ["## Violations", ""] + [f"- {v['message']}" for v in failures] + [""]
+    references = [v for s in sc for v in s.get("reference_violations", [])]
+    if references:
+        lines += ["## Reference estimators", "",
+                  "With a trainer under test the verdict is that trainer's; parity's own replay and recompute are "
+                  "references, and what their gates found here is a fact about them at this precision:", ""]
+        lines += [f"- {v['message']}" for v in references] + [""]
     # Records analysis (parity analyze): what the inputs could not support, and what they got wrong.
     skipped: dict[str, list[str]] = {}
     for s in sc:

@@ -140,9 +140,27 @@ def glance_rows(report: dict[str, Any]) -> list[dict[str, str]]:
             "replay": NA if "replay_drift" in not_evaluated(s) else _ratio(head.get("replay")),
             "recompute": NA if "recompute_drift" in not_evaluated(s) else _ratio(head.get("recompute")),
             "support": support_cell(s),
+            "drift": f"{_cell_of(s, 'replay')}/{_cell_of(s, 'recompute')}",
+            **_mean_cells(s),
             "failed gates": ", ".join(_gates(s)),
         })
     return rows
+
+
+def _cell_of(s: dict[str, Any], name: str) -> str:
+    return NA if f"{name}_drift" in not_evaluated(s) else _ratio((s.get("headroom") or {}).get(name))
+
+
+def _mean_cells(s: dict[str, Any]) -> dict[str, str]:
+    """The deciding mean gate's use of its limit (|mean| / limit) and the limit itself: the verdict's
+    resolution, the smallest per-token bias it would have detected (docs/error_model.md)."""
+    means = s.get("mean_bias") or {}
+    entry = means.get("trainer_under_test") or means.get("replay") or means.get("recompute")
+    if not entry or not isinstance(entry.get("limit"), (int, float)):
+        return {"mean/limit": NA, "resolution": NA}
+    limit = float(entry["limit"])
+    ratio = abs(float(entry["mean"])) / limit if limit > 0 else float("inf")
+    return {"mean/limit": _ratio(ratio), "resolution": f"{limit:.1e}"}
 
 
 def _example(truncating: list[dict[str, Any]]) -> dict[str, Any]:
@@ -327,22 +345,25 @@ TERMINAL_COLUMNS = (
     ("verdict", "verdict"),
     ("scenario", "scenario"),
     ("log S", "log S"),
-    ("naive bias", "naive bias"),
-    ("replay", "drift rep"),
-    ("recompute", "drift rec"),
+    ("drift", "drift rep/rec"),
     ("support", "support"),
+    ("mean/limit", "mean"),
+    ("resolution", "resolution"),
 )
 
 
 def render_terminal(report: dict[str, Any], *, width: int = WIDTH) -> str:
     """The block ``parity run`` prints last: a one-line-per-scenario table, then the paragraph.
 
-    Drift columns are headroom (max |trainer - sampler| / its per-token rounding bound; a gate fails
-    above 1); support is S_q equality for replay / recompute ("full V" where nothing was filtered).
+    The drift column is replay's / recompute's headroom (max |trainer - sampler| / its per-token
+    rounding bound; a gate fails above 1); support is S_q equality for replay / recompute ("full V"
+    where nothing was filtered); mean is the deciding mean gate's |mean diff| over its limit, and
+    resolution that limit in nats (the trainer under test's when there is one, else replay's). The
+    naive bias is in report.md's table and the paragraph.
     """
     rows = glance_rows(report)
     widths = {k: max(len(title), *(len(r[k]) for r in rows)) for k, title in TERMINAL_COLUMNS}
-    right = {"log S", "naive bias", "replay", "recompute"}
+    right = {"log S", "drift", "mean/limit", "resolution"}
 
     def cell(key: str, text: str) -> str:
         return text.rjust(widths[key]) if key in right else text.ljust(widths[key])

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import planted
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -24,7 +25,7 @@ from parity.analyze import analyze, summarize_paths
 from parity.core.gates import REFERENCE_GATES, Thresholds, evaluate
 from parity.core.metrics import _quantile, difference
 from parity.core.spec import SamplingSpec
-from parity.core.table import SUPPORT_MASS_TOL, TrainerFaults, build_table, summarize
+from parity.core.table import TrainerFaults, build_table, summarize
 from parity.records.analyze import NA, Options, finalize
 from parity.records.convert import from_sequence_records, to_sequence_records
 from parity.records.format import records_table, validate_batch, write_records
@@ -283,117 +284,7 @@ def base(tmp_path_factory):
     return rows, sc
 
 
-def _copy(rows):
-    return [{k: (list(v) if isinstance(v, list) else v) for k, v in r.items()} for r in rows]
-
-
-def _bump_bounds(column, times, where=((0, 7),), bound=("trainer_bound",)):
-    """Move ``column`` away from the sampler by ``times`` the position's bound (the gate's own unit)."""
-    def plant(rows):
-        out = _copy(rows)
-        for i, t in where:
-            r = out[i]
-            b = sum(r[c][t] for c in bound)
-            r[column][t] = r["sampler_logprobs"][t] + (r[column][t] - r["sampler_logprobs"][t]) + times * b
-        return out
-    return plant
-
-
-def _bias(column, times, limit_key):
-    """Shift ``column`` at every position by ``times`` its mean-bias limit (from the base analysis)."""
-    def plant(rows, sc):
-        out = _copy(rows)
-        delta = times * sc["mean_bias_limit"][limit_key]
-        for r in out:
-            r[column] = [v + delta for v in r[column]]
-        return out
-    return plant
-
-
-def _naive(times):
-    """Move the naive value outside the sampler-side log S by ``times`` its bound (bound + bound_full)."""
-    def plant(rows):
-        out = _copy(rows)
-        r = out[0]
-        t = 7
-        nb = r["trainer_bound"][t] + r["trainer_bound_full"][t]
-        r["trainer_full_logprobs"][t] = r["sampler_logprobs"][t] + r["sampler_log_s_lo"][t] - times * nb
-        return out
-    return plant
-
-
-def _drop_mass(delta, n=1):
-    """Take ``delta`` of probability from the largest non-sampled kept id at n positions."""
-    def plant(rows):
-        out = _copy(rows)
-        done = 0
-        for i, t in ALL:
-            r = out[i]
-            a, b = r["kept_offsets"][t], r["kept_offsets"][t + 1]
-            cands = [j for j in range(a, b) if r["kept_ids"][j] != r["completion_ids"][t] and math.exp(r["kept_logprobs"][j]) > 2 * delta]
-            if not cands:
-                continue
-            j = cands[0]
-            r["kept_logprobs"][j] = math.log(math.exp(r["kept_logprobs"][j]) - delta)
-            done += 1
-            if done == n:
-                return out
-        raise AssertionError("no position to plant on")
-    return plant
-
-
-def _flag(column, n):
-    def plant(rows):
-        out = _copy(rows)
-        for i, t in ALL[:n]:
-            out[i][column][t] = column == "kept_incomplete"
-        return out
-    return plant
-
-
-def _drop_sampled(n):
-    def plant(rows):
-        out = _copy(rows)
-        for i, t in ALL[:n]:
-            r = out[i]
-            a, b = r["kept_offsets"][t], r["kept_offsets"][t + 1]
-            j = next(j for j in range(a, b) if r["kept_ids"][j] == r["completion_ids"][t])
-            for col in ("kept_ids", "kept_logprobs", "trainer_kept_logits"):
-                del r[col][j]
-            r["kept_offsets"] = r["kept_offsets"][: t + 1] + [o - 1 for o in r["kept_offsets"][t + 1 :]]
-        return out
-    return plant
-
-
-def _mismatch(n):
-    def plant(rows):
-        out = _copy(rows)
-        for i, t in ALL[:n]:
-            r = out[i]
-            r["trainer_token_ids"] = list(r.get("trainer_token_ids") or r["completion_ids"])
-            r["trainer_token_ids"][t] = (r["trainer_token_ids"][t] + 1) % V
-        return out
-    return plant
-
-
-CASES = {
-    # gate: (planted at ~3x its limit, at ~0.1x, thresholds)
-    "replay_drift": (_bump_bounds("trainer_replay_logprobs", 3), _bump_bounds("trainer_replay_logprobs", 0.1), TOL),
-    "recompute_drift": (_bump_bounds("trainer_recompute_logprobs", 3), _bump_bounds("trainer_recompute_logprobs", 0.1), TOL),
-    "trainer_under_test_drift": (_bump_bounds("trainer_logprobs", 3), _bump_bounds("trainer_logprobs", 0.1), TOL),
-    "replay_mean_bias": (_bias("trainer_replay_logprobs", 3, "replay"), _bias("trainer_replay_logprobs", 0.1, "replay"), TOL),
-    "recompute_mean_bias": (_bias("trainer_recompute_logprobs", 3, "recompute"),
-                            _bias("trainer_recompute_logprobs", 0.1, "recompute"), TOL),
-    "trainer_under_test_mean_bias": (_bias("trainer_logprobs", 3, "trainer_under_test"),
-                                     _bias("trainer_logprobs", 0.1, "trainer_under_test"), TOL),
-    "naive_vs_sampler_log_s": (_naive(3), _naive(0.1), TOL),
-    "replay_support": (_drop_mass(3 * SUPPORT_MASS_TOL), _drop_mass(0.1 * SUPPORT_MASS_TOL), TOL),
-    "recompute_support": (_flag("trainer_recompute_support_equal", 30), _flag("trainer_recompute_support_equal", 1),
-                          Thresholds(recompute_support_equal_frac=0.99)),
-    "incomplete_capture": (_flag("kept_incomplete", 30), _flag("kept_incomplete", 1), Thresholds(max_incomplete_frac=0.01)),
-    "sampled_outside": (_drop_sampled(30), _drop_sampled(1), Thresholds(max_sampled_outside=10, replay_support_equal_frac=0.9)),
-    "token_mismatch": (_mismatch(30), _mismatch(1), Thresholds(max_token_mismatch=10)),
-}
+CASES = planted.cases(ALL, V)
 
 
 @pytest.mark.parametrize("gate", list(CASES))
@@ -414,7 +305,7 @@ def test_planted_fault_fails_its_gate_and_a_tenth_of_it_passes(gate, base, tmp_p
 
 
 def test_mass_far_from_one_is_counted_and_explained(base, tmp_path: Path) -> None:
-    (sc,) = scenarios(write_records(tmp_path / "m.parquet", _drop_mass(0.05, n=4)(base[0])))
+    (sc,) = scenarios(write_records(tmp_path / "m.parquet", planted.drop_mass(0.05, ALL, n=4)(base[0])))
     assert sc["kept_mass_off_positions"] == 4
     assert any("not processed log-probs" in n and "raw_logprobs" in n for n in sc["input_notes"])
 

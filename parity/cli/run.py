@@ -103,8 +103,13 @@ def thresholds_from_args(path: Path | None, gates: list[str], dtype: str) -> Thr
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
+    from parity.core.error_model import UNIT_ROUNDOFF
+
     trainer_dtype = args.trainer_dtype or args.dtype
-    th = thresholds_from_args(args.thresholds, args.gate, trainer_dtype)
+    # The looser side sets the thresholds, as it sets the bound: a bfloat16 sampler against a float32
+    # trainer is judged as bfloat16.
+    looser = max((args.dtype, trainer_dtype), key=UNIT_ROUNDOFF.__getitem__)
+    th = thresholds_from_args(args.thresholds, args.gate, looser)
     return RunConfig(
         model=args.model,
         trainer_model=args.trainer_model,

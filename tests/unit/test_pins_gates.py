@@ -15,7 +15,6 @@ import torch
 
 from parity.core.gates import (
     _THRESHOLDS_TOML_NOTES,
-    RETIRED,
     THRESHOLD_DTYPES,
     THRESHOLDS_SCHEMA_VERSION,
     Thresholds,
@@ -303,7 +302,7 @@ def test_defaults_per_dtype() -> None:
     assert Thresholds() == Thresholds(1.0, 1.0, 1.0, 0.99, 0.0, 0, 0, 5)
     assert Thresholds.for_dtype("float32") == Thresholds()
     for d in ("bfloat16", "float16"):
-        assert Thresholds.for_dtype(d) == Thresholds(recompute_support_equal_frac=0.5)
+        assert Thresholds.for_dtype(d) == Thresholds(recompute_support_equal_frac=0.0)
     with pytest.raises(ValueError) as info:
         Thresholds.for_dtype("float64")
     assert str(info.value) == "dtype='float64' has no default thresholds: allowed float32, bfloat16, float16"
@@ -311,12 +310,6 @@ def test_defaults_per_dtype() -> None:
 
 def test_override_messages() -> None:
     assert Thresholds().override(max_headroom=2.0) == Thresholds(max_headroom=2.0)
-    with pytest.raises(ValueError) as info:
-        Thresholds().override(naive_gap_to_log_s=1e-5, fixed_mean_bias=1e-5)
-    assert str(info.value) == (
-        f"threshold 'fixed_mean_bias' was replaced by {RETIRED['fixed_mean_bias']}; "
-        f"threshold 'naive_gap_to_log_s' was replaced by {RETIRED['naive_gap_to_log_s']}"
-    )
     with pytest.raises(ValueError) as info:
         Thresholds().override(zz=1, aa=2)
     names = [
@@ -335,7 +328,7 @@ def test_from_toml_forms(tmp_path) -> None:
     flat = tmp_path / "flat.toml"  # no [thresholds] table: the top level is the table
     flat.write_text("schema_version = 2\nmax_headroom = 3.0\n[bfloat16]\nmax_token_mismatch = 4\n[float16]\nmax_headroom = 9.0\n")
     assert Thresholds.from_toml(flat) == Thresholds(max_headroom=3.0)
-    assert Thresholds.from_toml(flat, "bfloat16") == Thresholds(3.0, recompute_support_equal_frac=0.5, max_token_mismatch=4)
+    assert Thresholds.from_toml(flat, "bfloat16") == Thresholds(3.0, recompute_support_equal_frac=0.0, max_token_mismatch=4)
     nested = tmp_path / "nested.toml"
     nested.write_text("[thresholds]\nschema_version = 2\nmean_bias_headroom = 2.0\n[thresholds.float32]\nmax_headroom = 0.5\n")
     assert Thresholds.from_toml(str(nested)) == Thresholds(max_headroom=0.5, mean_bias_headroom=2.0)
@@ -355,14 +348,14 @@ def test_the_generated_thresholds_file_round_trips_for_every_dtype(tmp_path) -> 
     notes = _THRESHOLDS_TOML_NOTES.splitlines()
     end = 2 + len(notes)
     assert lines[2:end + 3] == [*notes, "schema_version = 2", "", "[thresholds]"]
-    assert text.endswith("recompute_support_equal_frac = 0.5\n")
+    assert text.endswith("recompute_support_equal_frac = 0.0\n")
     data = tomllib.loads(text)
     assert data["schema_version"] == THRESHOLDS_SCHEMA_VERSION == 2
     assert data["thresholds"]["max_headroom"] == 1.0 and "max_violations_listed" not in data["thresholds"]
     assert {d: data["thresholds"][d] for d in THRESHOLD_DTYPES} == {
         "float32": {"recompute_support_equal_frac": 0.99},
-        "bfloat16": {"recompute_support_equal_frac": 0.5},
-        "float16": {"recompute_support_equal_frac": 0.5},
+        "bfloat16": {"recompute_support_equal_frac": 0.0},
+        "float16": {"recompute_support_equal_frac": 0.0},
     }
     assert "max_sampled_outside = 0\n" in text and "replay_support_equal_frac = 1.0\n" in text
     f = tmp_path / "t.toml"

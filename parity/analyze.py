@@ -136,13 +136,19 @@ def _dtypes(meta: dict[str, Any], options: Options) -> tuple[str, str]:
     return str(sampler), str(trainer)
 
 
-def summarize_file(path: str, file_index: int, options: Options) -> Summary:
-    """Summary of one records file, streamed batch by batch (what a worker process runs)."""
-    rf = open_records(path)
-    out = Summary(files=[str(path)], metadata=[{"file": str(path), **rf.metadata}],
-                  page_checksums={str(path): rf.page_checksums})
-    dtypes = _dtypes(rf.metadata, options)
-    vocab = rf.metadata.get("vocab_size")
+def file_header(path: str, records: Any) -> Summary:
+    """What an open records file (:func:`parity.records.format.open_records`) adds to a summary before any
+    of its rows: its name, its metadata, whether its pages carry checksums."""
+    return Summary(files=[str(path)], metadata=[{"file": str(path), **records.metadata}],
+                   page_checksums={str(path): records.page_checksums})
+
+
+def batch_summarizer(metadata: dict[str, Any], file_index: int, options: Options) -> Callable[[Any], Summary]:
+    """The map step for the validated batches of one file: dtypes and vocabulary size from the file's
+    metadata, the trainer's values re-scored with ``options.model`` when set (what every worker runs:
+    local processes, Ray, Spark)."""
+    dtypes = _dtypes(metadata, options)
+    vocab = metadata.get("vocab_size")
     columns: Callable[[Any], TokenColumns] | None = None
     if options.model:
         trainer = _trainer(options.model, options.dtype, options.device)
@@ -150,9 +156,20 @@ def summarize_file(path: str, file_index: int, options: Options) -> Summary:
         def columns(b: Any) -> TokenColumns:
             return rescored_columns(b, trainer, dtypes)
 
+    def summarize(rb: Any) -> Summary:
+        return summarize_batch(rb, file_index=file_index, options=options, dtypes=dtypes,
+                               vocab_size=int(vocab) if vocab else None, columns=columns)
+
+    return summarize
+
+
+def summarize_file(path: str, file_index: int, options: Options) -> Summary:
+    """Summary of one records file, streamed batch by batch (what a worker process runs)."""
+    rf = open_records(path)
+    out = file_header(str(path), rf)
+    summarize = batch_summarizer(rf.metadata, file_index, options)
     for rb in rf.batches(batch_rows=options.batch_rows):
-        out.merge(summarize_batch(rb, file_index=file_index, options=options, dtypes=dtypes,
-                                  vocab_size=int(vocab) if vocab else None, columns=columns))
+        out.merge(summarize(rb))
     out.files = [str(path)]
     return out
 
@@ -330,18 +347,31 @@ def analyze(
     plots: bool = True,
     timeout_s: float = 3600.0,
     progress: Callable[[str], None] | None = None,
+    engine: str = "local",
 ) -> dict[str, Any]:
-    """Analyse a records file or a directory of shards; write report.json/report.md/plots under ``out``."""
+    """Analyse a records file or a directory of shards; write report.json/report.md/plots under ``out``.
+
+    ``engine``: where the map step runs: ``local`` (this process, or ``jobs`` local processes), or Ray
+    or Spark (:func:`parity.analyze_engines.parse_engine` lists the forms), merged here either way.
+    """
+    from parity.analyze_engines import parse_engine, summarize_on_engine
     from parity.report.schema import write_report
 
     opts = options or Options()
     th = thresholds or Thresholds.for_dtype(opts.dtype)
     opts.n_listed = th.max_violations_listed
+    eng = parse_engine(engine)
     paths = rf.records_paths(path)
     t0 = time.perf_counter()
-    summary = summarize_paths(paths, opts, jobs=jobs, timeout_s=timeout_s, progress=progress)
+    if eng.kind == "local":
+        summary = summarize_paths(paths, opts, jobs=jobs, timeout_s=timeout_s, progress=progress)
+    else:
+        if jobs != 1:
+            raise ValueError(f"--jobs {jobs} applies to --engine local: {eng.kind} runs as many tasks as its cluster has room for")
+        summary = summarize_on_engine(eng, paths, opts, timeout_s=timeout_s, progress=progress)
     require_tokens(summary, str(path) if Path(path).is_file() else f"any of the {len(paths)} *.parquet file(s) under {path}")
     report = build_report(summary, th, options=opts, paths=paths)
+    report["config"]["engine"] = engine
     report["timings"] = {"total_s": time.perf_counter() - t0}
     if out is not None:
         write_report(report, Path(out), plots=plots)

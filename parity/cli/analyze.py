@@ -13,6 +13,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", type=Path, nargs="?", default=None, help="a records file (Parquet) or a directory of *.parquet shards")
     p.add_argument("--model", default=None, help="re-score with this trainer checkpoint (fixture name or Hugging Face directory)")
     p.add_argument("--jobs", type=int, default=1, help="analyse shards in N local processes and merge (default 1)")
+    p.add_argument("--engine", default="local", metavar="ENGINE",
+                   help="where the per-batch map step runs (default local): ray (a local cluster, or RAY_ADDRESS's), "
+                        "ray://HOST:PORT, spark (local[*]), spark://HOST:PORT or spark:MASTER; the summaries merge here "
+                        "(needs parity[ray] or parity[spark])")
     p.add_argument("--out", type=Path, default=Path("reports/analyze"), help="report folder (default: reports/analyze)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="trainer dtype: picks the default thresholds (and the --model dtype); default: the records' "
@@ -41,8 +45,10 @@ def main(args: argparse.Namespace) -> int:
     if args.path is None:
         raise ValueError("parity analyze needs PATH: allowed a records file (Parquet) or a directory of *.parquet shards")
     from parity.analyze import analyze
+    from parity.analyze_engines import parse_engine
     from parity.records.analyze import Options
 
+    parse_engine(args.engine)  # a bad --engine is refused before any file is read
     dtype = args.dtype or _records_dtype(args.path) or "float32"
     th = thresholds_from_args(args.thresholds, args.gate, dtype)
     # parity.analyze, imported above, refused a missing pyarrow
@@ -52,7 +58,7 @@ def main(args: argparse.Namespace) -> int:
     opts = Options(model=args.model, dtype=dtype, device=args.device, batch_rows=args.batch_rows)
     report = analyze(
         args.path, thresholds=th, options=opts, jobs=args.jobs, out=args.out, plots=not args.no_plots,
-        timeout_s=args.timeout, progress=lambda m: print(m, file=sys.stderr, flush=True),
+        timeout_s=args.timeout, progress=lambda m: print(m, file=sys.stderr, flush=True), engine=args.engine,
     )
     sc = report["scenarios"]
     n_fail = sum(s["verdict"] == "fail" for s in sc)

@@ -382,8 +382,30 @@ def test_report_section_requires_invariance_under_the_mode() -> None:
     with batch_invariant_mode(device="cpu") as state:
         pass
     sec = determinism_section(state, rollout=rollout_result(False, 1), replay_max_abs_diff=1e-6)
-    assert sec["required"] and not sec["invariant"] and len(sec["violations"]) == 1
-    assert sec["cross_side"] == {"kernel_noise_max_abs_diff": 5.96e-8, "replay_max_abs_diff": 1e-6}
+    # On CPU no knob makes vLLM's kernels invariant: the rollout side is measured and reported, not required.
     assert sec["mode"]["knobs"]["VLLM_BATCH_INVARIANT"]["status"] == UNAVAILABLE
+    assert sec["required"] and sec["required_sides"] == {"rollout": False, "trainer": False}
+    assert not sec["invariant"] and sec["violations"] == []
+    assert sec["not_required"] == {"rollout": {"invariant": False, "max_abs_diff": 5.96e-8}}
+    assert sec["cross_side"] == {"kernel_noise_max_abs_diff": 5.96e-8, "replay_max_abs_diff": 1e-6}
     relaxed = determinism_section(None, rollout=rollout_result(False, 1))
     assert not relaxed["required"] and relaxed["violations"] == []
+
+
+def test_a_side_is_required_when_a_knob_in_force_guarantees_it() -> None:
+    from parity.determinism.gate import guaranteed_sides
+    from parity.determinism.knobs import ON, DeterminismState
+
+    cpu = DeterminismState(enabled=True, device="cpu")
+    cpu.add("cpu_kernels", ON)
+    assert guaranteed_sides(cpu) == {"rollout": False, "trainer": True}
+    broken = rollout_result(False, 1)
+    sec = determinism_section(cpu, rollout=rollout_result(False, 1), trainer={**broken, "side": "trainer"})
+    assert [v["scenario"] for v in sec["violations"]] == [c["name"] for c in broken["checks"] if not c["bitwise"]]
+    assert list(sec["not_required"]) == ["rollout"]
+    cuda = DeterminismState(enabled=True, device="cuda")
+    cuda.add("VLLM_BATCH_INVARIANT", ON)
+    assert guaranteed_sides(cuda) == {"rollout": True, "trainer": False}
+    off = DeterminismState(enabled=False, device="cuda")
+    off.add("VLLM_BATCH_INVARIANT", ON)
+    assert guaranteed_sides(off) == {"rollout": False, "trainer": False}

@@ -106,6 +106,7 @@ def rescored_columns(batch: Any, trainer: Any, dtypes: tuple[str, str]) -> Token
             cols.have["forced"][tok] = True
             cols.bound_full[tok] = table.bound_full.numpy()
             cols.have["bound_full"][tok] = True
+            cols.systematic[tok] = np.where(known, table.systematic.numpy(), cols.systematic[tok])
             for name in ("replay", "log_s", "bound"):
                 getattr(cols, name)[tok] = np.where(known, getattr(table, name).numpy(), 0.0)
                 cols.have[name][tok] = known
@@ -295,6 +296,7 @@ def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: S
     for sc in scenarios:
         sc.pop("_acc")
         sc["violations"] = [v.to_dict() for v in sc["violations"]]
+        sc["reference_violations"] = [v.to_dict() for v in sc["reference_violations"]]
         if isinstance(models, dict) and sc["name"] in models:
             sc["model"] = models[sc["name"]]
     rollout_dtype = _metadata_value(summary, "dtype") or "unknown"

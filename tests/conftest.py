@@ -76,3 +76,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(no_cuda)
         if ("sampler" in item.keywords or "e2e" in item.keywords) and not HAVE_VLLM:
             item.add_marker(no_vllm)
+
+
+@pytest.fixture(autouse=True)
+def _every_written_report_validates(monkeypatch):
+    """Every report.json a test writes is checked against the schema the package publishes."""
+    if importlib.util.find_spec("jsonschema") is None or importlib.util.find_spec("torch") is None:
+        yield
+        return
+    import json
+
+    import jsonschema
+
+    from parity.report import schema
+
+    original = schema.write_report
+
+    def checked(report, out, **kw):
+        original(report, out, **kw)
+        jsonschema.validate(json.loads((Path(out) / "report.json").read_text()), schema.report_schema())
+
+    monkeypatch.setattr(schema, "write_report", checked)
+    yield

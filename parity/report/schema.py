@@ -116,6 +116,21 @@ def report_schema() -> dict[str, Any]:
             "incomplete_positions": {"type": "integer", "minimum": 0},
             "verdict": {"enum": ["pass", "fail"]},
             "violations": {"type": "array", "items": VIOLATION_SCHEMA},
+            # With a trainer under test: parity's own estimators' violations, reported beside its verdict.
+            "reference_violations": {"type": "array", "items": VIOLATION_SCHEMA},
+            # Per mean gate: the mean, its limit (the verdict's resolution) split into systematic and
+            # statistical parts (parity.core.error_model.mean_bias_entry); null where not evaluated.
+            "mean_bias": {
+                "type": "object",
+                "additionalProperties": {
+                    "anyOf": [
+                        {"type": "null"},
+                        {"type": "object",
+                         "required": ["mean", "limit", "systematic", "statistical", "spread_sd", "tokens"],
+                         "properties": {k: num for k in ("mean", "limit", "systematic", "statistical", "spread_sd")}},
+                    ],
+                },
+            },
             # Per trainer, each framework's metric and each IS-correction method (parity.core.rl).
             "rl_view": {"type": "object", "additionalProperties": {"type": "object", "required": ["metrics", "methods"]}},
         },

@@ -112,17 +112,24 @@ def logprob_bound(
     ``sampled``: ``[N]`` token ids; ``support``: bool ``[N, V]`` (``None`` = the whole vocabulary);
     ``dtype``: the two sides' dtypes (the looser one counts).
     """
+    z, finite, sup, lse, zy = _rows(scaled_logits, sampled, support)
+    row_absmax = torch.where(finite, z.abs(), torch.zeros_like(z)).amax(dim=-1)
+    bound = logprob_bound_terms(row_absmax, lse, zy - lse, sup.sum(dim=-1), unit_roundoff(dtype))
+    return bound + KERNEL_SIDES * kernel_offset(scaled_logits, support).abs()
+
+
+def _rows(
+    scaled_logits: torch.Tensor, sampled: torch.Tensor, support: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 ``z``, its finite mask, the support's finite mask, ``logsumexp`` over the support, ``z_y``."""
     if scaled_logits.dim() != 2:
         raise ValueError(f"scaled_logits has shape {tuple(scaled_logits.shape)}: allowed [N, V]")
     z = scaled_logits.double()
     finite = torch.isfinite(z)
     sup = finite if support is None else (support & finite)
-    neg = torch.full_like(z, -math.inf)
-    row_absmax = torch.where(finite, z.abs(), torch.zeros_like(z)).amax(dim=-1)
-    lse = torch.logsumexp(torch.where(sup, z, neg), dim=-1)
+    lse = torch.logsumexp(torch.where(sup, z, torch.full_like(z, -math.inf)), dim=-1)
     zy = z.gather(1, sampled.long().view(-1, 1)).squeeze(1)
-    bound = logprob_bound_terms(row_absmax, lse, zy - lse, sup.sum(dim=-1), unit_roundoff(dtype))
-    return bound + KERNEL_SIDES * kernel_offset(scaled_logits, support).abs()
+    return z, finite, sup, lse, zy
 
 
 def kernel_offset(scaled_logits: torch.Tensor, support: torch.Tensor | None = None) -> torch.Tensor:
@@ -160,13 +167,7 @@ def systematic_bound(
       whose second-order part is one-signed and at most ``u^2 E_p[z'^2]`` (the mean of the first-order
       part is zero and its spread is what the statistical allowance measures).
     """
-    z = scaled_logits.double()
-    finite = torch.isfinite(z)
-    sup = finite if support is None else (support & finite)
-    neg = torch.full_like(z, -math.inf)
-    zs = torch.where(sup, z, neg)
-    lse = torch.logsumexp(zs, dim=-1)
-    zy = z.gather(1, sampled.long().view(-1, 1)).squeeze(1)
+    z, finite, _, lse, zy = _rows(scaled_logits, sampled, support)
     lp = (zy - lse).abs()
     lp = torch.where(torch.isfinite(lp), lp, torch.zeros_like(lp))
     kernel = kernel_offset(scaled_logits, support).abs()
@@ -175,7 +176,7 @@ def systematic_bound(
     out = KERNEL_SIDES * kernel + 2.0 * UNIT_ROUNDOFF["float32"] * lp
     u = unit_roundoff(dtype)
     if u > UNIT_ROUNDOFF["float32"]:
-        p = torch.softmax(torch.where(finite, z, neg), dim=-1)
+        p = torch.softmax(torch.where(finite, z, torch.full_like(z, -math.inf)), dim=-1)
         e2 = (p * torch.where(finite, z * z, torch.zeros_like(z))).sum(dim=-1)
         out = out + u * u * e2
     return out
@@ -217,8 +218,8 @@ def mean_bias_entry(n: int, mean: float, systematic_mean: float, spread_sd: floa
     """One mean gate's numbers: the mean, its limit split into systematic and statistical parts (the
     limit is the gate's resolution: the smallest per-token bias it detects)."""
     limit = mean_bias_limit(n, systematic_mean, spread_sd)
-    out = {"mean": mean, "limit": limit, "systematic": systematic_mean, "statistical": limit - systematic_mean,
-           "spread_sd": spread_sd, "tokens": n}
+    out: dict[str, Any] = {"mean": mean, "limit": limit, "systematic": systematic_mean,
+                           "statistical": limit - systematic_mean, "spread_sd": spread_sd, "tokens": n}
     if signature is not None:
         out["log_s_signature"] = signature
     return out

@@ -17,12 +17,14 @@ from typing import Any
 
 import numpy as np
 
+from parity.errors import SetupError, TimedOut, UsageError
+
 try:  # the records format needs pyarrow (the records extra); say so instead of a traceback
     import pyarrow  # noqa: F401
 except ModuleNotFoundError as _exc:
     if _exc.name != "pyarrow":
         raise
-    raise RuntimeError("records (Parquet) need pyarrow: pip install 'parity[records]'") from None
+    raise SetupError("records (Parquet) need pyarrow: pip install 'parity[records]'") from None
 
 from parity.core.gates import Thresholds
 from parity.records import format as rf
@@ -187,7 +189,7 @@ def summarize_paths(
 ) -> Summary:
     """Summaries of every file, merged; with ``jobs > 1`` in that many local processes (spawned)."""
     if jobs < 1:
-        raise ValueError(f"--jobs {jobs} is invalid: allowed an integer >= 1")
+        raise UsageError(f"--jobs {jobs} is invalid: allowed an integer >= 1")
     total = Summary()
     if jobs == 1 or len(paths) == 1:
         for i, p in enumerate(paths):
@@ -208,7 +210,7 @@ def summarize_paths(
             try:
                 total.merge(res.get(timeout=max(left, 0.001)))
             except mp.TimeoutError:
-                raise TimeoutError(f"parity analyze: shard {p} did not finish within {timeout_s:.0f} s (raise --timeout)") from None
+                raise TimedOut(f"parity analyze: shard {p} did not finish within {timeout_s:.0f} s (raise --timeout)") from None
             if progress:
                 progress(f"parity analyze: [{i + 1}/{len(paths)}] {p}")
         pool.close()
@@ -369,7 +371,7 @@ def analyze(
         summary = summarize_paths(paths, opts, jobs=jobs, timeout_s=timeout_s, progress=progress)
     else:
         if jobs != 1:
-            raise ValueError(f"--jobs {jobs} applies to --engine local: {eng.kind} runs as many tasks as its cluster has room for")
+            raise UsageError(f"--jobs {jobs} applies to --engine local: {eng.kind} runs as many tasks as its cluster has room for")
         summary = summarize_on_engine(eng, paths, opts, timeout_s=timeout_s, progress=progress)
     require_tokens(summary, str(path) if Path(path).is_file() else f"any of the {len(paths)} *.parquet file(s) under {path}")
     report = build_report(summary, th, options=opts, paths=paths)

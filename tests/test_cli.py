@@ -1,4 +1,5 @@
-"""The ``parity`` entry point: --version, --debug, one-line user errors, and no silently skipped command."""
+"""The ``parity`` entry point: --version, --debug, one-line user errors (exit 2), bugs with their traceback
+(exit 3), and no silently skipped command."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import parity
 from parity.cli import main as cli
 from parity.cli import matrix as matrix_cli
+from parity.errors import ParityError, PathNotFound, SetupError, TimedOut, UsageError
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -21,27 +23,84 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out.strip() == f"parity {parity.__version__}"
 
 
-def test_user_error_is_one_line_and_debug_shows_the_traceback(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+def _raising(exc: BaseException):  # a command's main that raises exc
+    def main(args: object) -> int:
+        raise exc
+
+    return main
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [UsageError("matrix 'x' is invalid: allowed a TOML file"), PathNotFound("matrix file 'x.toml' does not exist"),
+     SetupError("needs vLLM: install parity[cpu]"), TimedOut("did not finish within 5 s (raise --timeout)")],
+    ids=lambda e: type(e).__name__,
+)
+def test_a_user_error_is_one_line_and_exit_2(
+    exc: ParityError, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def bad(args: object) -> int:
-        raise ValueError("matrix 'x' is invalid: allowed a TOML file")
-
-    monkeypatch.setattr(matrix_cli, "main", bad)
-    assert cli.main(["matrix"]) == 2
+    monkeypatch.setattr(matrix_cli, "main", _raising(exc))
+    assert cli.main(["matrix"]) == cli.USER_ERROR == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "parity matrix: error: matrix 'x' is invalid" in err and "--debug" in err
-    with pytest.raises(ValueError, match="matrix 'x' is invalid"):
-        cli.main(["--debug", "matrix"])
+    assert err == f"parity matrix: error: {exc} (--debug: full traceback)\n"
 
 
-def test_an_unexpected_exception_is_not_swallowed(monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(args: object) -> int:
-        raise KeyError("a bug, not a user mistake")
+def test_debug_shows_the_traceback_of_a_user_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(matrix_cli, "main", _raising(UsageError("matrix 'x' is invalid: allowed a TOML file")))
+    assert cli.main(["--debug", "matrix"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):") and "parity.errors.UsageError: matrix 'x' is invalid" in err
+    assert err.rstrip().splitlines()[-1] == "parity matrix: error: matrix 'x' is invalid: allowed a TOML file"
+    assert "bug" not in err
 
-    monkeypatch.setattr(matrix_cli, "main", broken)
-    with pytest.raises(KeyError, match="a bug"):
-        cli.main(["matrix"])
+
+def test_a_real_user_error_from_a_command_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nope.toml"
+    assert cli.main(["matrix", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"matrix file {str(missing)!r} does not exist" in err
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[scenario]]\nname = 'a'\ntemperature = 7.0\n")
+    assert cli.main(["matrix", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "temperature=7.0 is invalid" in err and "Traceback" not in err
+
+
+# Exceptions a bug raises, among them the built-ins that once passed for user errors.
+BUGS = [IndexError("index 7 is out of bounds for dimension 0 with size 4"), KeyError("a bug, not a user mistake"),
+        RuntimeError("The size of tensor a (3) must match the size of tensor b (4) at non-singleton dimension 1"),
+        ValueError("too many values to unpack (expected 2)"), FileNotFoundError(2, "No such file", "/tmp/x"),
+        TimeoutError("timed out"), AssertionError("capture asked for 2 sequences and got 1")]
+
+
+@pytest.mark.parametrize("exc", BUGS, ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize("debug", [False, True], ids=["plain", "debug"])
+def test_an_internal_bug_prints_its_traceback_and_exits_3(
+    exc: Exception, debug: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(matrix_cli, "main", _raising(exc))
+    argv = [*(["--debug"] if debug else []), "matrix", "my file.toml"]
+    assert cli.main(argv) == cli.INTERNAL_ERROR == 3
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):")
+    assert f"{type(exc).__name__}: " in err and "in main" in err  # the frame that raised
+    tail = err.rstrip().splitlines()[-2:]
+    assert tail[0].startswith("parity matrix: internal error: this is a bug in parity") and "report it" in tail[0]
+    assert tail[1].strip() == ("parity --debug" if debug else "parity") + " matrix 'my file.toml'"  # the command to report
+
+
+def test_the_console_script_exits_with_the_codes(tmp_path: Path) -> None:
+    """What a shell sees: 2 for a user error, 3 for a bug (1 stays the gates' own)."""
+    code = "import sys; from parity.cli import main as cli, matrix as m\n" \
+           "def boom(args): return [][1]\n" \
+           "m.main = boom if sys.argv[1] == 'bug' else m.main\n" \
+           "sys.exit(cli.main(['matrix', sys.argv[2]]))\n"
+    run = [sys.executable, "-c", code]
+    cwd = Path(__file__).resolve().parents[1]
+    user = subprocess.run([*run, "user", str(tmp_path / "nope.toml")], cwd=cwd, capture_output=True, text=True, timeout=120)
+    assert user.returncode == 2 and "does not exist" in user.stderr and "Traceback" not in user.stderr
+    bug = subprocess.run([*run, "bug", "default"], cwd=cwd, capture_output=True, text=True, timeout=120)
+    assert bug.returncode == 3 and "IndexError: list index out of range" in bug.stderr and "bug in parity" in bug.stderr
 
 
 def test_a_command_module_without_add_arguments_is_an_error() -> None:

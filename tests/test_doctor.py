@@ -229,7 +229,7 @@ def test_render_puts_each_fix_under_its_finding_and_counts() -> None:
     assert lines[0].split()[:3] == ["WARN", "KV", "cache"] and lines[1].strip() == "fix: export VLLM_CPU_KVCACHE_SPACE=1"
     assert lines[2].split()[:2] == ["FAIL", "torch"] and lines[3].strip() == "fix: pip install torch==2.13.0+cpu"
     assert lines[-1] == "parity doctor: 1 problem(s), 1 warning(s); `parity run` would fail: fix the FAIL lines first"
-    with pytest.raises(ValueError, match="level='bad'"):
+    with pytest.raises(AssertionError, match="level='bad'"):  # parity's own findings: an invariant, not input
         doctor.Finding("x", "bad", "y")
 
 

@@ -11,6 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PARITY = ROOT / "parity"
 ENGINE_MODULES = {"vllm", "transformers", "tokenizers", "trl"}  # never imported by core or records
 USER_EXAMPLE_PATHS = {"tests/test_my_trainer.py"}  # the reader's own test file in README's example
+# Modules of parity's top level that every layer may import: they import nothing of parity themselves.
+SHARED = {"errors"}
 # layer -> the parity layers it may import (itself always allowed)
 ALLOWED = {
     "core": {"core", "records"},
@@ -40,8 +42,12 @@ def test_layers_import_only_what_they_may() -> None:
                     problems.append(f"{path.relative_to(ROOT)} imports the engine module {mod}")
                 if top == "parity":
                     used = mod.split(".")[1] if "." in mod else ""
-                    if used != layer and used not in allowed:
+                    if used != layer and used not in allowed | SHARED:
                         problems.append(f"{path.relative_to(ROOT)} imports {mod} (allowed: {sorted(allowed | {layer})})")
+    for name in sorted(SHARED):
+        path = PARITY / f"{name}.py"
+        problems += [f"{path.relative_to(ROOT)} imports {mod}: a shared module imports nothing of parity"
+                     for mod in sorted(_imports(path)) if mod.split(".")[0] == "parity"]
     assert not problems, "\n".join(problems)
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from parity.cli.run import thresholds_from_args
+from parity.errors import UsageError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,7 +44,7 @@ def _records_dtype(path: Path) -> str | None:
 
 def main(args: argparse.Namespace) -> int:
     if args.path is None:
-        raise ValueError("parity analyze needs PATH: allowed a records file (Parquet) or a directory of *.parquet shards")
+        raise UsageError("parity analyze needs PATH: allowed a records file (Parquet) or a directory of *.parquet shards")
     from parity.analyze import analyze
     from parity.analyze_engines import parse_engine
     from parity.records.analyze import Options

@@ -51,8 +51,7 @@ class Finding:
     fix: str = ""
 
     def __post_init__(self) -> None:
-        if self.level not in LEVELS:
-            raise ValueError(f"Finding.level={self.level!r} is invalid: allowed {', '.join(LEVELS)}")
+        assert self.level in LEVELS, f"Finding.level={self.level!r} is invalid: allowed {', '.join(LEVELS)}"
 
 
 # -- what the checks read -------------------------------------------------------------------------

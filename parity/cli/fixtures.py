@@ -72,4 +72,4 @@ def main(args: argparse.Namespace) -> int:
     if action == "path":
         print(resolve_model(args.name))
         return 0
-    raise ValueError(f"unknown action {action!r}; allowed: list, build, path")
+    raise AssertionError(f"unknown action {action!r}; argparse allows list, build, path")

@@ -5,9 +5,14 @@ Each subcommand lives in its own module of :mod:`parity.cli` exposing ``add_argu
 run is imported (``parity --help`` and ``--version`` import none, and so not torch), and none of them
 imports vLLM at import time, so ``parity --help`` works without vLLM.
 
-User mistakes (bad input, a missing file, an engine that cannot be reached) end with one readable
-line and exit 2; ``--debug`` shows the full traceback instead. Any other exception is a bug and is
-never reduced to one line.
+Exit codes: 0 the command passed; 1 a gate failed (``run``, ``analyze``, ``sampler``, ``repro``) or ``doctor``
+found what would stop a run; 2 a user error (argparse's own usage errors included); 3 a bug in parity;
+130 interrupted.
+
+A :class:`~parity.errors.ParityError` (bad input, a missing file or package, an engine that cannot be
+reached or answers outside its contract, a step past ``--timeout``) ends with one readable line and exit 2;
+``--debug`` prints its traceback above that line. Any other exception is a bug in parity and is never
+reduced to one line: the traceback, a line saying it is a bug and how to report it, and exit 3.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import traceback
 from collections.abc import Collection, Sequence
 
 import parity
+from parity.errors import ParityError
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -43,8 +49,9 @@ examples:
 
 Engine output goes to engine.log in the report folder (`parity run --verbose` shows it instead).
 """
-# The errors a user can cause and fix: one line, exit 2 (without --debug).
-USER_ERRORS = (ValueError, FileNotFoundError, RuntimeError, TimeoutError)
+# Exit statuses (0 and 1 are the commands' own: passed, a gate failed).
+USER_ERROR = 2  # a ParityError: one line (the traceback too with --debug)
+INTERNAL_ERROR = 3  # any other exception: a bug in parity, with its traceback
 
 
 def build_parser(
@@ -90,17 +97,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args._main(args) or 0)
-    except USER_ERRORS as exc:
+    except ParityError as exc:
+        # Something the user can fix: one readable line that names it.
         if args.debug:
-            raise
-        # Bad input and unreachable engines end with one readable line, not a traceback.
-        print(f"parity {args.command}: error: {exc} (--debug: full traceback)", file=sys.stderr)
-        return 2
+            traceback.print_exc()
+        hint = "" if args.debug else " (--debug: full traceback)"
+        print(f"parity {args.command}: error: {exc}{hint}", file=sys.stderr)
+        return USER_ERROR
     except KeyboardInterrupt:
         if args.debug:
             traceback.print_exc()
         print(f"parity {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception:
+        # Not an error parity raises on purpose: a bug, never reduced to one line.
+        traceback.print_exc()
+        print(_bug_report(argv), file=sys.stderr)
+        return INTERNAL_ERROR
+
+
+def _bug_report(argv: Sequence[str]) -> str:
+    """What follows the traceback of an unexpected exception: that it is a bug, and what a report needs."""
+    import shlex
+
+    line = shlex.join(["parity", *argv])
+    return (
+        f"parity {_command(argv)}: internal error: this is a bug in parity {parity.__version__}, not a problem with "
+        f"your input. Please report it with the command line and the traceback above:\n    {line}"
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

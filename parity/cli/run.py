@@ -8,6 +8,7 @@ from pathlib import Path
 from parity.core.gates import Thresholds
 from parity.core.table import TrainerFaults
 from parity.engines.quiet import LOG_NAME, EngineOutput
+from parity.errors import UsageError
 from parity.report.summary import render_terminal
 from parity.run import RunConfig, run
 
@@ -92,11 +93,11 @@ def thresholds_from_args(path: Path | None, gates: list[str], dtype: str) -> Thr
     for item in gates:
         name, sep, value = item.partition("=")
         if not sep:
-            raise ValueError(f"--gate {item!r} is invalid: allowed NAME=VALUE")
+            raise UsageError(f"--gate {item!r} is invalid: allowed NAME=VALUE")
         try:
             changes[name.strip()] = float(value)
         except ValueError:
-            raise ValueError(f"--gate {item!r}: value {value!r} is not a number") from None
+            raise UsageError(f"--gate {item!r}: value {value!r} is not a number") from None
     if changes:
         th = th.override(**changes)
     return th

@@ -15,6 +15,7 @@ from collections import Counter
 import torch
 
 from parity.core.filters import FilterFaults
+from parity.errors import UsageError
 from parity.testing.cases import REQUIRED_LABELS, Case, build_case, case_labels, random_plan
 from parity.testing.properties import PROPERTY_NAMES, PropertyRun, run_properties
 
@@ -56,7 +57,7 @@ def main(args: argparse.Namespace) -> int:
     from parity.engines.vllm_sampler import VllmSampler  # imports vLLM
 
     if args.cases < 1 or args.max_vocab < 2 or args.max_rows < 1 or args.threads < 1:
-        raise ValueError(
+        raise UsageError(
             f"--cases {args.cases}, --max-vocab {args.max_vocab}, --max-rows {args.max_rows}, --threads {args.threads}: "
             "allowed >= 1, >= 2, >= 1, >= 1"
         )

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from parity.determinism.ties import characterize_ties, render
+from parity.errors import UsageError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,9 +32,9 @@ def parse_batch_sizes(text: str) -> list[int]:
         try:
             out.extend(range(int(a), int(b) + 1) if sep else [int(a)])
         except ValueError:
-            raise ValueError(f"--batch-sizes {text!r} is invalid: allowed e.g. 1-16 or 1,2,4,8") from None
+            raise UsageError(f"--batch-sizes {text!r} is invalid: allowed e.g. 1-16 or 1,2,4,8") from None
     if not out or min(out) < 1:
-        raise ValueError(f"--batch-sizes {text!r} is invalid: allowed sizes >= 1")
+        raise UsageError(f"--batch-sizes {text!r} is invalid: allowed sizes >= 1")
     return out
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from parity.core.spec import SamplingSpec
+from parity.errors import UsageError
 
 FULL_VOCAB = -1  # vLLM's "logprobs=-1": every token of the vocabulary
 NEG_INF = float("-inf")
@@ -59,9 +60,9 @@ def plan_capture(
     k = spec.top_k if spec.uses_top_k and spec.top_k < vocab_size else None
     if head is not None:
         if head != FULL_VOCAB and head < 1:
-            raise ValueError(f"capture head={head} is invalid: allowed -1 (full vocabulary) or >= 1")
+            raise UsageError(f"capture head={head} is invalid: allowed -1 (full vocabulary) or >= 1")
         if k is not None and head != FULL_VOCAB and head < k:
-            raise ValueError(
+            raise UsageError(
                 f"capture head={head} is smaller than top_k={k}: allowed head >= top_k "
                 f"(a head of top_k + {tie_margin} also captures ties at the k-th value)"
             )
@@ -75,7 +76,7 @@ def plan_capture(
         return CapturePlan(kk, f"top_k={k} + {tie_margin} to catch ties at the k-th value")
     if vocab_size <= full_vocab_limit:
         return CapturePlan(FULL_VOCAB, f"top_p/min_p without top_k: full vocabulary (V={vocab_size})")
-    raise ValueError(
+    raise UsageError(
         f"spec {spec.label()} filters with top_p/min_p but sets no top_k on a vocabulary of {vocab_size} "
         f"tokens: capturing S_q exactly needs the full vocabulary per position (logprobs=-1), above the "
         f"limit full_vocab_limit={full_vocab_limit}. Set top_k (e.g. top_k=64) to cap the support, or "
@@ -106,7 +107,7 @@ def support_from_heads(
     ``requested`` is the K that was asked for (-1 = full vocabulary).
     """
     if len(head_ids) != len(sampled) or len(head_logprobs) != len(sampled):
-        raise ValueError(
+        raise UsageError(
             f"capture has {len(head_ids)} heads and {len(head_logprobs)} log-prob rows for {len(sampled)} sampled tokens"
         )
     full = requested == FULL_VOCAB or requested >= vocab_size
@@ -151,12 +152,12 @@ def validate_native_mask(spec: SamplingSpec) -> None:
     (no greedy rows) and top_k > 0 (to bound the mask's size).
     """
     if spec.temperature <= 0:
-        raise ValueError(
+        raise UsageError(
             f"native sampling-mask capture needs temperature > 0, got temperature={spec.temperature!r}: "
             f"use top-K capture (--capture topk) for greedy scenarios"
         )
     if spec.top_k <= 0:
-        raise ValueError(
+        raise UsageError(
             f"native sampling-mask capture needs top_k > 0 to bound the mask, got top_k={spec.top_k!r}: "
             f"set top_k or use top-K capture (--capture topk)"
         )
@@ -179,7 +180,7 @@ def compare_supports(a: torch.Tensor, b: torch.Tensor, *, skip: torch.Tensor | N
     ``skip`` marks positions to leave out (for example top-K positions flagged incomplete).
     """
     if a.shape[0] != b.shape[0]:
-        raise ValueError(f"supports cover {a.shape[0]} and {b.shape[0]} positions")
+        raise UsageError(f"supports cover {a.shape[0]} and {b.shape[0]} positions")
     bad = []
     for t in range(a.shape[0]):
         if skip is not None and bool(skip[t]):

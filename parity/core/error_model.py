@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from parity.errors import UsageError
+
 # Unit roundoff (half an ulp at 1) per dtype name.
 UNIT_ROUNDOFF: dict[str, float] = {
     "float64": 2.0**-53,
@@ -62,7 +64,7 @@ KERNEL_SIDES = 2.0
 def _name(dtype: str | torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     if name not in UNIT_ROUNDOFF:
-        raise ValueError(f"dtype={dtype!r} has no unit roundoff: allowed {sorted(UNIT_ROUNDOFF)}")
+        raise UsageError(f"dtype={dtype!r} has no unit roundoff: allowed {sorted(UNIT_ROUNDOFF)}")
     return name
 
 
@@ -70,7 +72,7 @@ def unit_roundoff(dtypes: str | torch.dtype | Iterable[str | torch.dtype]) -> fl
     """The unit roundoff of the looser of the given dtypes (both sides of a comparison)."""
     items = [dtypes] if isinstance(dtypes, (str, torch.dtype)) else list(dtypes)
     if not items:
-        raise ValueError("dtypes is empty: name at least one dtype")
+        raise UsageError("dtypes is empty: name at least one dtype")
     return max(UNIT_ROUNDOFF[_name(d)] for d in items)
 
 
@@ -123,7 +125,7 @@ def _rows(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """float64 ``z``, its finite mask, the support's finite mask, ``logsumexp`` over the support, ``z_y``."""
     if scaled_logits.dim() != 2:
-        raise ValueError(f"scaled_logits has shape {tuple(scaled_logits.shape)}: allowed [N, V]")
+        raise UsageError(f"scaled_logits has shape {tuple(scaled_logits.shape)}: allowed [N, V]")
     z = scaled_logits.double()
     finite = torch.isfinite(z)
     sup = finite if support is None else (support & finite)
@@ -259,7 +261,7 @@ def logprob_rounding_bound(
     ``[N, K]``, ``-1`` = padding) is given, under the distribution renormalised over the kept set.
     """
     if logits.dim() != 2 or sampled.dim() != 1 or sampled.shape[0] != logits.shape[0]:
-        raise ValueError(
+        raise UsageError(
             f"logits {tuple(logits.shape)} and sampled {tuple(sampled.shape)}: allowed [N, V] and [N]"
         )
     t = spec.effective_temperature if not spec.greedy else 1.0
@@ -268,7 +270,7 @@ def logprob_rounding_bound(
     e1, e2 = (p * z.abs()).sum(dim=-1), (p * z * z).sum(dim=-1)
     if kept is not None:
         if kept.dim() != 2 or kept.shape[0] != z.shape[0]:
-            raise ValueError(f"kept has shape {tuple(kept.shape)}: allowed [{z.shape[0]}, K] padded ids")
+            raise UsageError(f"kept has shape {tuple(kept.shape)}: allowed [{z.shape[0]}, K] padded ids")
         zk = z.gather(1, kept.clamp(min=0).long())
         q = torch.softmax((zk / t).masked_fill(kept < 0, float("-inf")), dim=-1)
         e1 = torch.maximum(e1, (q * zk.abs()).sum(dim=-1))

@@ -31,17 +31,18 @@ from parity.core.filters import (
     top_k_top_p_sorted,
 )
 from parity.core.spec import SamplingSpec, per_row
+from parity.errors import UsageError
 
 NEG_INF = float("-inf")
 
 
 def _check_ids(sampled: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     if sampled.dim() != 1 or sampled.shape[0] != logits.shape[0]:
-        raise ValueError(
+        raise UsageError(
             f"sampled has shape {tuple(sampled.shape)}: allowed a 1-D tensor of {logits.shape[0]} token ids"
         )
     if sampled.numel() and (int(sampled.min()) < 0 or int(sampled.max()) >= logits.shape[1]):
-        raise ValueError(f"sampled ids must lie in [0, {logits.shape[1]}): got min {int(sampled.min())}, max {int(sampled.max())}")
+        raise UsageError(f"sampled ids must lie in [0, {logits.shape[1]}): got min {int(sampled.min())}, max {int(sampled.max())}")
     return sampled.long()
 
 
@@ -311,7 +312,7 @@ def mask_to_ids(kept: torch.Tensor) -> torch.Tensor:
 def ids_to_mask(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     """Padded ids ``[N, K]`` (``-1`` padding) → dense bool mask ``[N, V]``."""
     if ids.numel() and int(ids.max()) >= vocab:
-        raise ValueError(f"kept ids must lie in [0, {vocab}): got {int(ids.max())}")
+        raise UsageError(f"kept ids must lie in [0, {vocab}): got {int(ids.max())}")
     mask = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.bool, device=ids.device)
     mask.scatter_(1, torch.where(ids < 0, vocab, ids).long(), True)
     return mask[:, :vocab]
@@ -321,10 +322,10 @@ def _support_values(z: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """z on the kept set: ``[N, V]`` with -inf off a mask, or ``[N, K]`` gathered from padded ids."""
     if kept.dtype == torch.bool:
         if kept.shape != z.shape:
-            raise ValueError(f"kept mask has shape {tuple(kept.shape)}: allowed the logits' shape {tuple(z.shape)}")
+            raise UsageError(f"kept mask has shape {tuple(kept.shape)}: allowed the logits' shape {tuple(z.shape)}")
         return z.masked_fill(~kept, NEG_INF)
     if kept.dim() != 2 or kept.shape[0] != z.shape[0]:
-        raise ValueError(f"kept ids have shape {tuple(kept.shape)}: allowed [{z.shape[0]}, K]")
+        raise UsageError(f"kept ids have shape {tuple(kept.shape)}: allowed [{z.shape[0]}, K]")
     # Gather K values per row: never touches the other V - K logits.
     return z.gather(1, kept.clamp(min=0).long()).masked_fill(kept < 0, NEG_INF)
 
@@ -388,10 +389,10 @@ def replay(
         y = _check_ids(sampled, z)
         return ReplayResult(_log_renormalised(z, y, kept), ~_contains(kept, y))
     if logits.dim() != 2:
-        raise ValueError(f"logits has shape {tuple(logits.shape)}: allowed a 2-D [N, V] tensor")
+        raise UsageError(f"logits has shape {tuple(logits.shape)}: allowed a 2-D [N, V] tensor")
     y = _check_ids(sampled, logits)
     if kept.dim() != 2 or kept.shape[0] != logits.shape[0]:
-        raise ValueError(f"kept ids have shape {tuple(kept.shape)}: allowed [{logits.shape[0]}, K]")
+        raise UsageError(f"kept ids have shape {tuple(kept.shape)}: allowed [{logits.shape[0]}, K]")
     width = kept.shape[1]
     # Columns 0..K-1: the kept ids' logits (padding reads id 0 and is zeroed); column K: y's logit.
     small = logits.gather(1, torch.cat([kept.clamp(min=0).long(), y.unsqueeze(1)], dim=1))
@@ -399,7 +400,7 @@ def replay(
     small = small.masked_fill(pad, 0.0)
     if bool(torch.isnan(small).any()) or bool(torch.isposinf(small).any()):
         row = int((torch.isnan(small) | torch.isposinf(small)).any(dim=1).nonzero()[0])
-        raise ValueError(f"logits at the kept ids or the sampled id of row {row} contain NaN or +inf: allowed finite values or -inf")
+        raise UsageError(f"logits at the kept ids or the sampled id of row {row} contain NaN or +inf: allowed finite values or -inf")
     z = apply_temperature(small.to(torch.float32), per_row(specs, small.shape[0]))
     pos = torch.arange(width, device=kept.device).expand_as(kept)
     lp = _log_renormalised(z, torch.full_like(y, width), torch.where(kept < 0, -1, pos))

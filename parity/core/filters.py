@@ -28,6 +28,7 @@ import torch
 
 from parity.core import tolerances
 from parity.core.spec import SAMPLING_EPS, SamplingSpec, per_row
+from parity.errors import UsageError
 
 NEG_INF = float("-inf")
 
@@ -65,21 +66,21 @@ def check_logits(logits: torch.Tensor, name: str = "logits") -> torch.Tensor:
     four times the ``log_softmax`` it guards.)
     """
     if logits.dim() != 2:
-        raise ValueError(f"{name} has shape {tuple(logits.shape)}: allowed a 2-D [N, V] tensor")
+        raise UsageError(f"{name} has shape {tuple(logits.shape)}: allowed a 2-D [N, V] tensor")
     if logits.shape[1] < 1:
-        raise ValueError(f"{name} has vocabulary size 0: allowed V >= 1")
+        raise UsageError(f"{name} has vocabulary size 0: allowed V >= 1")
     if logits.is_floating_point() and bool(torch.isfinite(logits.amax(dim=-1)).all()):
         return logits
     if torch.isnan(logits).any():
         row, col = (torch.isnan(logits).nonzero()[0]).tolist()
-        raise ValueError(f"{name} contain NaN (first at row {row}, token {col}): allowed finite values or -inf")
+        raise UsageError(f"{name} contain NaN (first at row {row}, token {col}): allowed finite values or -inf")
     if torch.isposinf(logits).any():
         row, col = (torch.isposinf(logits).nonzero()[0]).tolist()
-        raise ValueError(f"{name} contain +inf (first at row {row}, token {col}): allowed finite values or -inf")
+        raise UsageError(f"{name} contain +inf (first at row {row}, token {col}): allowed finite values or -inf")
     dead = ~torch.isfinite(logits).any(dim=-1)
     if dead.any():
         row = int(dead.nonzero()[0])
-        raise ValueError(f"{name} row {row} is all -inf: allowed rows with at least one finite value")
+        raise UsageError(f"{name} row {row} is all -inf: allowed rows with at least one finite value")
     return logits
 
 

@@ -16,6 +16,7 @@ import torch
 
 from parity.core.table import naive_gap_to_sampler_log_s
 from parity.core.violation import Position, Violation
+from parity.errors import PathNotFound, UsageError
 
 if TYPE_CHECKING:
     from parity.core.table import TokenTable
@@ -43,10 +44,10 @@ class Thresholds:
         for f in fields(self):
             v = getattr(self, f.name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or v < 0:
-                raise ValueError(f"Thresholds.{f.name}={v!r} is invalid: allowed a number >= 0")
+                raise UsageError(f"Thresholds.{f.name}={v!r} is invalid: allowed a number >= 0")
         for name in ("replay_support_equal_frac", "recompute_support_equal_frac", "max_incomplete_frac"):
             if getattr(self, name) > 1:
-                raise ValueError(f"Thresholds.{name}={getattr(self, name)!r} is invalid: allowed a fraction in [0, 1]")
+                raise UsageError(f"Thresholds.{name}={getattr(self, name)!r} is invalid: allowed a fraction in [0, 1]")
 
     @classmethod
     def for_dtype(cls, dtype: str) -> Thresholds:
@@ -65,12 +66,12 @@ class Thresholds:
             return cls()
         if dtype in ("bfloat16", "float16"):
             return cls(recompute_support_equal_frac=0.0)
-        raise ValueError(f"dtype={dtype!r} has no default thresholds: allowed float32, bfloat16, float16")
+        raise UsageError(f"dtype={dtype!r} has no default thresholds: allowed float32, bfloat16, float16")
 
     def override(self, **changes: Any) -> Thresholds:
         unknown = set(changes) - {f.name for f in fields(self)}
         if unknown:
-            raise ValueError(f"unknown threshold(s) {sorted(unknown)}: allowed {[f.name for f in fields(self)]}")
+            raise UsageError(f"unknown threshold(s) {sorted(unknown)}: allowed {[f.name for f in fields(self)]}")
         return replace(self, **changes)
 
     @classmethod
@@ -78,8 +79,11 @@ class Thresholds:
         """``[thresholds]`` (all dtypes) and ``[thresholds.<dtype>]`` tables override the defaults."""
         p = Path(path)
         if not p.is_file():
-            raise FileNotFoundError(f"thresholds file {str(path)!r} does not exist")
-        data = tomllib.loads(p.read_text())
+            raise PathNotFound(f"thresholds file {str(path)!r} does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise UsageError(f"thresholds file {str(path)!r} is not valid TOML: {exc}") from exc
         table = dict(data.get("thresholds", data))
         table.pop("schema_version", None)
         per_dtype = table.pop(dtype) if isinstance(table.get(dtype), dict) else {}

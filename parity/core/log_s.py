@@ -25,6 +25,7 @@ import torch
 from parity.core.error_model import unit_roundoff
 from parity.core.estimators import scale
 from parity.core.spec import SamplingSpec
+from parity.errors import UsageError
 
 NEG_INF = float("-inf")
 
@@ -36,7 +37,7 @@ def log_s_from_raw_logits(raw_logits: torch.Tensor, kept_ids: torch.Tensor, spec
     (:func:`parity.core.estimators.scale`: float32 division, greedy rows unscaled).
     """
     if raw_logits.dim() != 2 or kept_ids.dim() != 2 or raw_logits.shape[0] != kept_ids.shape[0]:
-        raise ValueError(
+        raise UsageError(
             f"raw_logits {tuple(raw_logits.shape)} and kept_ids {tuple(kept_ids.shape)}: allowed [N, V] and [N, K]"
         )
     z = scale(raw_logits, spec).double()  # z / T in float32, as the sampler divides
@@ -63,7 +64,7 @@ def top_p_bracket(
     lp = kept_logprobs.double()
     finite = torch.isfinite(lp)
     if not bool(finite.any(dim=-1).all()):
-        raise ValueError("kept_logprobs has a row without any finite entry: allowed rows with at least one kept token")
+        raise UsageError("kept_logprobs has a row without any finite entry: allowed rows with at least one kept token")
     r = torch.where(finite, lp, torch.full_like(lp, math.inf)).amin(dim=-1).exp().clamp(max=1.0)
     slack = vocab * unit_roundoff(dtype) / top_p
     lo = torch.full_like(r, math.log(top_p) - slack)

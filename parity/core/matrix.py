@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from parity.core.spec import SamplingSpec
+from parity.errors import PathNotFound, UsageError
 
 DEFAULT_TIE_FIXTURE = "qwen2-tiny-ties"
 # A peaked checkpoint with a real-size vocabulary: 32768 tokens, logit scale 12 (|z| up to ~50). Cold
@@ -30,11 +31,11 @@ class Scenario:
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
-            raise ValueError(f"Scenario.name={self.name!r} is invalid: allowed a non-empty string")
+            raise UsageError(f"Scenario.name={self.name!r} is invalid: allowed a non-empty string")
         for f in ("prompts", "max_tokens"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"scenario {self.name!r}: {f}={v!r} is invalid: allowed an integer >= 1")
+                raise UsageError(f"scenario {self.name!r}: {f}={v!r} is invalid: allowed an integer >= 1")
 
 
 @dataclass(frozen=True)
@@ -45,11 +46,11 @@ class Matrix:
 
     def __post_init__(self) -> None:
         if not self.scenarios:
-            raise ValueError(f"matrix {self.name!r} has no scenarios: allowed at least one [[scenario]]")
+            raise UsageError(f"matrix {self.name!r} has no scenarios: allowed at least one [[scenario]]")
         seen: set[str] = set()
         for s in self.scenarios:
             if s.name in seen:
-                raise ValueError(f"matrix {self.name!r}: scenario name {s.name!r} is used twice: allowed unique names")
+                raise UsageError(f"matrix {self.name!r}: scenario name {s.name!r} is used twice: allowed unique names")
             seen.add(s.name)
 
 
@@ -134,26 +135,26 @@ def load_matrix(path: str | Path) -> Matrix:
         return load_matrix(Path(__file__).resolve().parent.parent / "data" / NAMED_MATRICES[str(path)])
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"matrix file {str(path)!r} does not exist: allowed 'default', "
-                                f"{', '.join(map(repr, NAMED_MATRICES))} or a TOML file")
+        raise PathNotFound(f"matrix file {str(path)!r} does not exist: allowed 'default', "
+                           f"{', '.join(map(repr, NAMED_MATRICES))} or a TOML file")
     try:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"matrix file {str(path)!r} is not valid TOML: {exc}") from exc
+        raise UsageError(f"matrix file {str(path)!r} is not valid TOML: {exc}") from exc
     defaults = data.get("defaults", {})
     allowed_defaults = {"prompts", "max_tokens", "seed", "model"}
     if set(defaults) - allowed_defaults:
-        raise ValueError(f"matrix [defaults] has unknown key(s) {sorted(set(defaults) - allowed_defaults)}: allowed {sorted(allowed_defaults)}")
+        raise UsageError(f"matrix [defaults] has unknown key(s) {sorted(set(defaults) - allowed_defaults)}: allowed {sorted(allowed_defaults)}")
     rows = data.get("scenario")
     if not isinstance(rows, list) or not rows:
-        raise ValueError(f"matrix file {str(path)!r} has no [[scenario]] tables")
+        raise UsageError(f"matrix file {str(path)!r} has no [[scenario]] tables")
     spec_keys = {"temperature", "top_k", "top_p", "min_p"}
     other = {"name", "model", "prompts", "max_tokens", "seed", "capture_head"}
     scenarios = []
     for i, row in enumerate(rows):
         unknown = set(row) - spec_keys - other
         if unknown:
-            raise ValueError(f"matrix scenario #{i + 1} has unknown key(s) {sorted(unknown)}: allowed {sorted(spec_keys | other)}")
+            raise UsageError(f"matrix scenario #{i + 1} has unknown key(s) {sorted(unknown)}: allowed {sorted(spec_keys | other)}")
         spec = SamplingSpec(**{k: row[k] for k in spec_keys if k in row})
         merged = {**defaults, **{k: row[k] for k in other if k in row}}
         merged.setdefault("name", f"scenario {i + 1} {spec.label()}")

@@ -11,11 +11,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from parity.errors import UsageError
+
 
 def support_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per row: do two kept masks ``[N, V]`` hold exactly the same tokens?"""
     if a.shape != b.shape:
-        raise ValueError(f"kept masks differ in shape: {tuple(a.shape)} vs {tuple(b.shape)}")
+        raise UsageError(f"kept masks differ in shape: {tuple(a.shape)} vs {tuple(b.shape)}")
     return (a == b).all(dim=-1)
 
 
@@ -77,7 +79,7 @@ class DiffStats:
 def diff_stats(a: torch.Tensor, b: torch.Tensor) -> DiffStats:
     """max/mean/p99 of ``a - b`` over matching elements (float64)."""
     if a.shape != b.shape:
-        raise ValueError(f"cannot compare shapes {tuple(a.shape)} and {tuple(b.shape)}")
+        raise UsageError(f"cannot compare shapes {tuple(a.shape)} and {tuple(b.shape)}")
     d = difference(a.flatten(), b.flatten())
     if d.numel() == 0:
         return DiffStats(0.0, 0.0, 0.0, 0.0, -1)

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from parity.errors import UsageError
+
 ASSUMPTION = (
     "First update after a rollout: the policy is still the trainer, so its own ratio is 1 and every ratio "
     "a method sees is r = p_trainer / q_sampler (the sampler's log-probs are the anchor). Only the "
@@ -70,13 +72,13 @@ class Mismatch:
         sampler = None
         if self.sampler is not None:
             if len(self.sampler) != len(deltas):
-                raise ValueError(
+                raise UsageError(
                     f"sampler has {len(self.sampler)} sequences but deltas has {len(deltas)}: allowed the same count"
                 )
             sampler = tuple(_as_1d(s, f"sampler[{i}]") for i, s in enumerate(self.sampler))
             for i, (d, s) in enumerate(zip(deltas, sampler, strict=True)):
                 if d.shape != s.shape:
-                    raise ValueError(
+                    raise UsageError(
                         f"sampler[{i}] has {s.numel()} tokens but deltas[{i}] has {d.numel()}: allowed the same length"
                     )
             object.__setattr__(self, "sampler", sampler)
@@ -106,7 +108,7 @@ class Mismatch:
     def from_logprobs(cls, trainer: Sequence[torch.Tensor], sampler: Sequence[torch.Tensor]) -> Mismatch:
         """One 1-D tensor of log-probs per sequence on each side."""
         if len(trainer) != len(sampler):
-            raise ValueError(
+            raise UsageError(
                 f"trainer has {len(trainer)} sequences but sampler has {len(sampler)}: allowed the same count"
             )
         pairs = [
@@ -115,7 +117,7 @@ class Mismatch:
         ]
         for i, (t, s) in enumerate(pairs):
             if t.shape != s.shape:
-                raise ValueError(
+                raise UsageError(
                     f"trainer[{i}] has {t.numel()} tokens but sampler[{i}] has {s.numel()}: allowed the same length"
                 )
         return cls(tuple(_delta(t, s) for t, s in pairs), tuple(s for _, s in pairs))
@@ -126,7 +128,7 @@ class Mismatch:
         trainer, sampler = _as_1d(trainer, "trainer"), _as_1d(sampler, "sampler")
         lengths = [int(n) for n in seq_lengths]
         if any(n < 0 for n in lengths) or sum(lengths) != trainer.numel() or trainer.shape != sampler.shape:
-            raise ValueError(
+            raise UsageError(
                 f"seq_lengths sum to {sum(lengths)} (min {min(lengths, default=0)}) for {trainer.numel()} trainer and "
                 f"{sampler.numel()} sampler tokens: allowed non-negative lengths summing to both"
             )
@@ -136,7 +138,7 @@ class Mismatch:
     def from_padded(cls, trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor) -> Mismatch:
         """``[B, T]`` log-probs with a completion mask (1 = a sampled token, 0 = padding)."""
         if trainer.dim() != 2 or trainer.shape != sampler.shape or trainer.shape != mask.shape:
-            raise ValueError(
+            raise UsageError(
                 f"trainer {tuple(trainer.shape)}, sampler {tuple(sampler.shape)}, mask {tuple(mask.shape)}: "
                 "allowed three [B, T] tensors of one shape"
             )
@@ -190,14 +192,14 @@ class Mismatch:
                 0, self._seq, values, reduce="amin" if how == "min" else "amax", include_self=True
             )
         else:
-            raise ValueError(f"seq_reduce how={how!r}: allowed sum, mean, min, max")
+            raise UsageError(f"seq_reduce how={how!r}: allowed sum, mean, min, max")
         return out[self._counts > 0]
 
 
 def _as_1d(x: Any, name: str) -> torch.Tensor:
     t = torch.as_tensor(x, dtype=torch.float64)
     if t.dim() != 1:
-        raise ValueError(f"{name} has shape {tuple(t.shape)}: allowed a 1-D tensor of per-token values")
+        raise UsageError(f"{name} has shape {tuple(t.shape)}: allowed a 1-D tensor of per-token values")
     return t
 
 
@@ -225,9 +227,9 @@ class Threshold:
 
     def __post_init__(self) -> None:
         if self.op not in ("<=", "<"):
-            raise ValueError(f"Threshold.op={self.op!r} is invalid: allowed '<=' or '<'")
+            raise UsageError(f"Threshold.op={self.op!r} is invalid: allowed '<=' or '<'")
         if not math.isfinite(self.limit):
-            raise ValueError(f"Threshold.limit={self.limit!r} is invalid: allowed a finite number")
+            raise UsageError(f"Threshold.limit={self.limit!r} is invalid: allowed a finite number")
 
     def holds(self, value: float | None) -> bool | None:
         if value is None:
@@ -253,7 +255,7 @@ class Metric:
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
-            raise ValueError(
+            raise UsageError(
                 f"Metric {self.name!r}: level={self.level!r} is invalid: allowed {', '.join(LEVELS)}"
             )
 
@@ -287,7 +289,7 @@ def _reduce(x: torch.Tensor, how: str) -> float | None:
         return float(x.min())
     if how == "std":
         return float(x.std())  # Bessel-corrected, as torch.std in verl and SkyRL
-    raise ValueError(f"reduction how={how!r}: allowed mean, max, min, std")
+    raise UsageError(f"reduction how={how!r}: allowed mean, max, min, std")
 
 
 def _abs_delta(m: Mismatch) -> torch.Tensor:
@@ -607,8 +609,8 @@ class Method:
     note: str = ""
 
     def __post_init__(self) -> None:
-        def bad(fieldname: str, value: Any, allowed: str) -> ValueError:
-            return ValueError(f"Method {self.name!r}: {fieldname}={value!r} is invalid: allowed {allowed}")
+        def bad(fieldname: str, value: Any, allowed: str) -> UsageError:
+            return UsageError(f"Method {self.name!r}: {fieldname}={value!r} is invalid: allowed {allowed}")
 
         if self.statistic not in STATISTICS:
             raise bad("statistic", self.statistic, ", ".join(STATISTICS))
@@ -661,7 +663,7 @@ class Method:
     def apply(self, m: Mismatch, sign: str = "any") -> MethodResult:
         """What this method does to the units of ``m`` for advantages of ``sign`` ('any', '+', '-')."""
         if sign not in self.signs:
-            raise ValueError(
+            raise UsageError(
                 f"Method {self.name!r}: sign={sign!r} is invalid: allowed {', '.join(self.signs)}"
             )
         if self.needs_probs and not m.has_probs:
@@ -736,9 +738,9 @@ def effective_sample_size(w: torch.Tensor) -> float:
     """
     w = w.double().flatten()
     if w.numel() == 0:
-        raise ValueError("effective_sample_size of no weights: allowed at least one weight")
+        raise UsageError("effective_sample_size of no weights: allowed at least one weight")
     if bool((w < 0).any()) or bool(torch.isnan(w).any()):
-        raise ValueError(f"effective_sample_size: weights must be >= 0 and not NaN, got min {float(w.min())}")
+        raise UsageError(f"effective_sample_size: weights must be >= 0 and not NaN, got min {float(w.min())}")
     top = float(w.max())
     if top == 0.0:
         return 0.0
@@ -948,7 +950,7 @@ def _check_unique(entries: Sequence[Any], kind: str) -> None:
     seen: set[str] = set()
     for e in entries:
         if e.name in seen:
-            raise ValueError(f"{kind} name {e.name!r} is used twice: allowed unique names")
+            raise UsageError(f"{kind} name {e.name!r} is used twice: allowed unique names")
         seen.add(e.name)
 
 

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from parity.errors import UsageError
+
 # vLLM treats temperatures below this as greedy (``_SAMPLING_EPS`` in vllm/sampling_params.py and
 # vllm/v1/sample/sampler.py).
 SAMPLING_EPS = 1e-5
@@ -21,8 +23,8 @@ MIN_RANDOM_TEMPERATURE = 1e-2
 MAX_TEMPERATURE = 2.0
 
 
-def _fail(field: str, value: object, allowed: str) -> ValueError:
-    return ValueError(f"SamplingSpec.{field}={value!r} is invalid: allowed {allowed}")
+def _fail(field: str, value: object, allowed: str) -> UsageError:
+    return UsageError(f"SamplingSpec.{field}={value!r} is invalid: allowed {allowed}")
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ class SamplingSpec:
     def from_dict(cls, data: dict[str, Any]) -> SamplingSpec:
         unknown = set(data) - {"temperature", "top_k", "top_p", "min_p"}
         if unknown:
-            raise ValueError(
+            raise UsageError(
                 f"SamplingSpec got unknown field(s) {sorted(unknown)}: allowed temperature, top_k, top_p, min_p"
             )
         return cls(**data)
@@ -148,5 +150,5 @@ def per_row(specs: SamplingSpec | Sequence[SamplingSpec], n: int) -> list[Sampli
         return [specs.effective()] * n
     out = [s.effective() for s in specs]
     if len(out) != n:
-        raise ValueError(f"specs has {len(out)} entries for {n} logit rows: allowed one spec or one per row")
+        raise UsageError(f"specs has {len(out)} entries for {n} logit rows: allowed one spec or one per row")
     return out

@@ -29,6 +29,7 @@ from parity.core.error_model import (
 from parity.core.log_s import distance_outside, top_p_bracket, top_p_bracket_applies
 from parity.core.metrics import diff_stats, is_ratios, kl_tv_over_support, support_equal
 from parity.core.spec import SamplingSpec
+from parity.errors import UsageError
 from parity.records.sequence import SequenceRecord
 
 # Float32 sums of up to V probabilities: 1e-4 is far above rounding, far below one missing token of
@@ -154,7 +155,7 @@ def build_table(
     ``dtype``: the two sides' dtypes; the per-token rounding bound uses the looser one.
     """
     if len(records) != len(logits):
-        raise ValueError(f"{len(records)} sampler records but {len(logits)} trainer logit tensors")
+        raise UsageError(f"{len(records)} sampler records but {len(logits)} trainer logit tensors")
     faults = faults or TrainerFaults()
     vocab = int(logits[0].shape[-1]) if logits else 0
     trainer_spec = SamplingSpec(1.0, spec.top_k, spec.top_p, spec.min_p) if faults.forget_temperature and not spec.greedy else spec
@@ -166,7 +167,7 @@ def build_table(
     for r, (y, z, kept) in zip(records, _plant(records, list(logits), faults, vocab), strict=True):
         n = r.length
         if z.shape != (n, vocab):
-            raise ValueError(f"trainer logits for prompt {r.prompt_index} have shape {tuple(z.shape)}, allowed ({n}, {vocab})")
+            raise UsageError(f"trainer logits for prompt {r.prompt_index} have shape {tuple(z.shape)}, allowed ({n}, {vocab})")
         lengths.append(n)
         cols["prompt_index"].append(torch.full((n,), r.prompt_index, dtype=torch.long))
         cols["position"].append(torch.arange(n))

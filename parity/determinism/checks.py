@@ -19,6 +19,7 @@ import torch
 
 from parity.core.metrics import max_abs_difference
 from parity.determinism.knobs import CPU_ATTENTION, UNAVAILABLE
+from parity.errors import UsageError
 
 # -- comparisons ---------------------------------------------------------------------------------
 
@@ -117,15 +118,15 @@ def check_rollout_invariance(
     every record compared against a reference (never to the reference itself).
     """
     if len(prompts) < 2:
-        raise ValueError(
+        raise UsageError(
             f"check_rollout_invariance needs a target and at least one filler prompt, got {len(prompts)}"
         )
     if any(isinstance(b, bool) or not isinstance(b, int) or b < 2 for b in batch_sizes):
-        raise ValueError(
+        raise UsageError(
             f"batch_sizes={tuple(batch_sizes)!r} is invalid: allowed ints >= 2 (1 is the reference)"
         )
     if repeats < 2:
-        raise ValueError(f"repeats={repeats!r} is invalid: allowed >= 2")
+        raise UsageError(f"repeats={repeats!r} is invalid: allowed >= 2")
     target, others = list(prompts[0]), prompts[1:]
 
     def gen(batch: list[list[int]], s: Any, base_seed: int) -> list[Any]:
@@ -241,7 +242,7 @@ def check_trainer_invariance(
     rows (one ``[L, V]`` tensor per record) before the comparison.
     """
     if not records:
-        raise ValueError("check_trainer_invariance needs at least one record")
+        raise UsageError("check_trainer_invariance needs at least one record")
     model = trainer.model
     device = getattr(trainer, "device", None) or next(model.parameters()).device
     impl = getattr(model.config, "_attn_implementation", None)

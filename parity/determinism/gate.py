@@ -12,6 +12,7 @@ from typing import Any
 
 from parity.core.violation import Position, Violation
 from parity.determinism.knobs import ON, UNAVAILABLE, DeterminismState
+from parity.errors import UsageError
 
 # -- gate and report section ---------------------------------------------------------------------
 
@@ -72,7 +73,7 @@ def invariance_gate(result: dict[str, Any], *, required: bool) -> list[Violation
                     "max |diff| against the reference layout", worst=worst, detail=_describe(c),
                 ))
     if not out and not _results(result):
-        raise ValueError(
+        raise UsageError(
             "invariance_gate: result has no 'checks' (pass a check_*_invariance result or a dict of them)"
         )
     return out

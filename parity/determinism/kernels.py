@@ -59,6 +59,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from parity.errors import UsageError
+
 ATTENTION_NAME = "parity_batch_invariant"
 # Query and key chunk of the attention kernel: a sequence's keys are reduced from its first token in
 # blocks of this many positions. A multiple of 16 keeps every chunk of a float32 buffer 64-byte aligned.
@@ -447,7 +449,7 @@ def _allowed(mask: torch.Tensor | None, b: int, q: int, kv: int) -> torch.Tensor
         causal = _allowed(None, b, q, kv)
         return causal & mask.to(torch.bool)[:, None, -kv:]
     if mask.dim() != 4:
-        raise ValueError(
+        raise UsageError(
             f"attention_mask has shape {tuple(mask.shape)}: allowed None, a 2D padding mask or a 4D mask "
             "[batch, 1 or heads, queries, keys]"
         )
@@ -458,17 +460,17 @@ def _allowed(mask: torch.Tensor | None, b: int, q: int, kv: int) -> torch.Tensor
         blocked = mask <= torch.finfo(mask.dtype).min / 2
         if not bool((allowed | blocked).all()):
             bad = float(mask[~(allowed | blocked)].flatten()[0])
-            raise ValueError(
+            raise UsageError(
                 f"attention_mask holds additive value {bad!r}: allowed a boolean mask or an additive mask of "
                 "0 (attend) and the dtype's minimum or -inf (blocked); attention biases are not supported"
             )
     if allowed.shape[-2:] != (q, kv) or allowed.shape[0] not in (1, b):
-        raise ValueError(
+        raise UsageError(
             f"attention_mask has shape {tuple(mask.shape)}: allowed [{b} or 1, 1 or heads, {q}, {kv}] "
             "for these queries and keys"
         )
     if allowed.shape[1] > 1 and not bool((allowed == allowed[:, :1]).all()):
-        raise ValueError("attention_mask differs between heads: allowed one mask shared by all heads")
+        raise UsageError("attention_mask differs between heads: allowed one mask shared by all heads")
     return allowed[:, 0].expand(b, q, kv)
 
 
@@ -480,7 +482,7 @@ def _key_ranges(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     expect = (j >= lo[..., None]) & (j < (lo + count)[..., None])
     if not torch.equal(allowed, expect):
         bi, qi = (allowed != expect).any(-1).nonzero()[0].tolist()
-        raise ValueError(
+        raise UsageError(
             f"attention_mask row (batch {bi}, query {qi}) is not one contiguous range of keys: allowed causal "
             "masks with padding and block-diagonal (packed) masks"
         )
@@ -566,12 +568,12 @@ def attention_forward(
     """
     for name in ("sliding_window", "softcap", "s_aux"):
         if kwargs.get(name) is not None:
-            raise ValueError(
+            raise UsageError(
                 f"{name}={kwargs[name]!r}: the batch-invariant attention supports full causal attention only "
                 f"(allowed {name}=None)"
             )
     if dropout and module.training:
-        raise ValueError(
+        raise UsageError(
             f"dropout={dropout!r} in training mode: the batch-invariant attention allows dropout=0"
         )
     with _bypass():
@@ -592,7 +594,7 @@ def _attention(
     b, h, q, d = query.shape
     hkv, kv, dv = key.shape[1], key.shape[2], value.shape[-1]
     if h % hkv:
-        raise ValueError(f"query has {h} heads and key {hkv}: allowed a multiple (grouped-query attention)")
+        raise UsageError(f"query has {h} heads and key {hkv}: allowed a multiple (grouped-query attention)")
     scale = float(scaling) if scaling is not None else d**-0.5
     heads = torch.arange(h) // (h // hkv)  # query head -> key/value head, as transformers' repeat_kv
     lo, count = _key_ranges(_allowed(mask, b, q, kv))
@@ -879,7 +881,7 @@ def _unregister() -> None:
             _REGISTERED["added"] = False
 
 
-class UnsupportedModel(ValueError):
+class UnsupportedModel(UsageError):
     """A model the kernel set cannot be installed on (the reason names what is missing)."""
 
 

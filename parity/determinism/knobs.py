@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from parity.determinism.kernels import ATTENTION_NAME as CPU_ATTENTION
+from parity.errors import SetupError, UsageError
 
 ON, OFF, UNAVAILABLE = "on", "off", "unavailable"
 
@@ -155,7 +156,7 @@ def _device_type(device: str) -> str:
     try:
         return torch.device(device).type
     except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device={device!r} is invalid: allowed 'cpu', 'cuda' or 'cuda:N'") from exc
+        raise UsageError(f"device={device!r} is invalid: allowed 'cpu', 'cuda' or 'cuda:N'") from exc
 
 
 # -- knobs common to every device ----------------------------------------------------------------
@@ -206,7 +207,7 @@ def _threads(state: DeterminismState, undo: _Undo, enabled: bool, threads: int |
     name = "torch_num_threads"
     current = torch.get_num_threads()
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ValueError(
+        raise UsageError(
             f"threads={threads!r} is invalid: allowed None (keep the current count) or an int >= 1"
         )
     if not enabled:
@@ -452,7 +453,7 @@ def batch_invariant_mode(
     """
     dev = _device_type(device)
     if enabled and dev == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"batch_invariant_mode(device={device!r}): torch.cuda.is_available() is False")
+        raise SetupError(f"batch_invariant_mode(device={device!r}): torch.cuda.is_available() is False")
     state = DeterminismState(enabled=enabled, device=device)
     undo = _Undo()
     try:

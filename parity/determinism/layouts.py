@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from parity.errors import UsageError
+
 MASKS = ("2d", "4d-bool", "4d-additive", "position-ids")
 SIDES = ("right", "left")
 
@@ -45,22 +47,22 @@ class BatchLayout:
 
     def __post_init__(self) -> None:
         if not self.rows or any(not r for r in self.rows):
-            raise ValueError(
+            raise UsageError(
                 f"rows={self.rows!r} is invalid: allowed one or more rows, each with >= 1 sequence"
             )
         flat = [i for r in self.rows for i in r]
         if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in flat) or len(set(flat)) != len(
             flat
         ):
-            raise ValueError(f"rows={self.rows!r} is invalid: allowed distinct sequence indices >= 0")
+            raise UsageError(f"rows={self.rows!r} is invalid: allowed distinct sequence indices >= 0")
         if self.side not in SIDES:
-            raise ValueError(f"side={self.side!r} is invalid: allowed {', '.join(SIDES)}")
+            raise UsageError(f"side={self.side!r} is invalid: allowed {', '.join(SIDES)}")
         if isinstance(self.extra_pad, bool) or not isinstance(self.extra_pad, int) or self.extra_pad < 0:
-            raise ValueError(f"extra_pad={self.extra_pad!r} is invalid: allowed an int >= 0")
+            raise UsageError(f"extra_pad={self.extra_pad!r} is invalid: allowed an int >= 0")
         if self.mask not in MASKS:
-            raise ValueError(f"mask={self.mask!r} is invalid: allowed {', '.join(MASKS)}")
+            raise UsageError(f"mask={self.mask!r} is invalid: allowed {', '.join(MASKS)}")
         if self.mask == "2d" and any(len(r) > 1 for r in self.rows):
-            raise ValueError(
+            raise UsageError(
                 f"mask='2d' with rows={self.rows!r}: a 2D padding mask cannot separate packed sequences; "
                 "allowed one sequence per row, or mask='4d-bool', '4d-additive' or 'position-ids'"
             )
@@ -89,11 +91,11 @@ def build(
     """Model inputs for ``layout`` over ``seqs`` (token id lists; every index in the layout must exist)."""
     missing = [i for i in layout.sequences if i >= len(seqs)]
     if missing:
-        raise ValueError(
+        raise UsageError(
             f"layout names sequence(s) {missing}: allowed indices below {len(seqs)} (the sequences given)"
         )
     if any(len(seqs[i]) == 0 for i in layout.sequences):
-        raise ValueError("an empty sequence cannot be laid out: allowed sequences of >= 1 token")
+        raise UsageError("an empty sequence cannot be laid out: allowed sequences of >= 1 token")
     totals = [sum(len(seqs[i]) for i in r) for r in layout.rows]
     width = max(totals) + layout.extra_pad
     b = len(layout.rows)

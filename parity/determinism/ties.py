@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from parity.core.spec import SamplingSpec
+from parity.errors import UsageError
 
 
 def characterize_ties(
@@ -37,7 +38,7 @@ def characterize_ties(
     rows = []
     for bs in batch_sizes:
         if bs > len(prompts):
-            raise ValueError(f"batch size {bs} exceeds the {len(prompts)} prompts given")
+            raise UsageError(f"batch size {bs} exceeds the {len(prompts)} prompts given")
         records = rollout.generate(prompts[:bs], spec, max_tokens=max_tokens, seed=seed)
         sizes = [int(s) for r in records for s in (r.kept_ids >= 0).sum(dim=-1)]
         dropped = 0

@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from parity.errors import SetupError
+
 LOG_NAME = "engine.log"
 TAIL_LINES = 20
 MARK = "=== "  # parity's own lines in the log start with this
@@ -91,7 +93,7 @@ class EngineOutput:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         except OSError as exc:
-            raise RuntimeError(
+            raise SetupError(
                 f"cannot write the engine log {str(self.log_path)!r} ({exc.strerror or exc}): allowed a writable "
                 "report folder (--out)"
             ) from exc

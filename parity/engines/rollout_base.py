@@ -12,6 +12,7 @@ from pathlib import Path
 
 from parity.core.capture import CapturePlan, plan_capture
 from parity.core.spec import SamplingSpec
+from parity.errors import PathNotFound
 
 
 class RolloutBase:
@@ -34,7 +35,7 @@ class RolloutBase:
     ) -> None:
         path = Path(model)
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(
+            raise PathNotFound(
                 f"model path {str(model)!r} has no config.json: allowed a Hugging Face checkpoint directory"
             )
         self.path = path

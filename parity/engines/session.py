@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from parity.engines.quiet import waiting
+from parity.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
     from parity.run import RunConfig
@@ -47,7 +48,7 @@ def check_same_vocabulary(rollout: Any, trainer: Any) -> None:
     if list(ev) != list(et):
         problems.append(f"tokenization of {SAMPLE_TEXT!r}: vllm={list(ev)[:12]}... trainer={list(et)[:12]}...")
     if problems:
-        raise ValueError(
+        raise UsageError(
             f"tokenizer/vocabulary mismatch between rollout model {rollout.model!r} and trainer model "
             f"{trainer.model_path!r}: " + "; ".join(problems)
         )
@@ -61,7 +62,7 @@ def make_prompts(tokenizer: Any, n: int) -> list[list[int]]:
             text = f"{text} ({i // len(PROMPT_TEXTS)})"
         ids = list(tokenizer.encode(text, add_special_tokens=False))
         if not ids:
-            raise ValueError(f"prompt {i} ({text!r}) tokenizes to no ids")
+            raise UsageError(f"prompt {i} ({text!r}) tokenizes to no ids")
         prompts.append(ids)
     return prompts
 

@@ -24,6 +24,7 @@ import torch
 
 from parity.core import estimators
 from parity.core.spec import SamplingSpec
+from parity.errors import UsageError
 from parity.records.batch import right_pad
 
 
@@ -51,7 +52,7 @@ TrainerFn = Callable[[TrainerBatch], Sequence[torch.Tensor]]
 
 def _needs_logits(batch: TrainerBatch) -> list[torch.Tensor]:
     if batch.logits is None:
-        raise ValueError("built-in trainers need the harness's logits (TrainerBatch.logits is None)")
+        raise UsageError("built-in trainers need the harness's logits (TrainerBatch.logits is None)")
     return batch.logits
 
 
@@ -82,16 +83,16 @@ def load_trainer(name: str | TrainerFn) -> tuple[str, TrainerFn]:
         return name, BUILTINS[name]
     module, sep, attr = name.partition(":")
     if not sep or not module or not attr:
-        raise ValueError(f"--trainer {name!r} is invalid: allowed {', '.join(BUILTINS)} or module:function")
+        raise UsageError(f"--trainer {name!r} is invalid: allowed {', '.join(BUILTINS)} or module:function")
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
     try:
         mod = importlib.import_module(module)
     except ImportError as exc:
-        raise ValueError(f"--trainer {name!r}: cannot import module {module!r} ({exc})") from exc
+        raise UsageError(f"--trainer {name!r}: cannot import module {module!r} ({exc})") from exc
     fn = getattr(mod, attr, None)
     if not callable(fn):
-        raise ValueError(f"--trainer {name!r}: {module!r} has no callable {attr!r}")
+        raise UsageError(f"--trainer {name!r}: {module!r} has no callable {attr!r}")
     return name, fn
 
 
@@ -117,14 +118,14 @@ def call_trainer(fn: TrainerFn, name: str, batch: TrainerBatch) -> torch.Tensor:
         out = [out[i, :n] for i, n in enumerate(batch.completion_lengths)]
     out = list(out)
     if len(out) != len(batch.completion_lengths):
-        raise ValueError(f"trainer {name!r} returned {len(out)} sequences for a batch of {len(batch.completion_lengths)}")
+        raise UsageError(f"trainer {name!r} returned {len(out)} sequences for a batch of {len(batch.completion_lengths)}")
     flat = []
     for i, (v, n) in enumerate(zip(out, batch.completion_lengths, strict=True)):
         v = torch.as_tensor(v).detach().flatten()
         if v.numel() != n:
-            raise ValueError(f"trainer {name!r} returned {v.numel()} log-probs for sequence {i}, which has {n} completion tokens")
+            raise UsageError(f"trainer {name!r} returned {v.numel()} log-probs for sequence {i}, which has {n} completion tokens")
         if torch.isnan(v).any():
-            raise ValueError(f"trainer {name!r} returned NaN for sequence {i} at position {int(torch.isnan(v).nonzero()[0])}")
+            raise UsageError(f"trainer {name!r} returned NaN for sequence {i} at position {int(torch.isnan(v).nonzero()[0])}")
         flat.append(v.double().cpu())
     return torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from parity.errors import PathNotFound, SetupError, UsageError
 from parity.records.batch import right_pad
 from parity.records.sequence import SequenceRecord
 
@@ -17,7 +18,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
-        raise ValueError(f"dtype={name!r} is invalid: allowed {', '.join(DTYPES)}")
+        raise UsageError(f"dtype={name!r} is invalid: allowed {', '.join(DTYPES)}")
     return DTYPES[name]
 
 
@@ -31,9 +32,9 @@ class TransformersTrainer:
 
         path = Path(model)
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model path {str(model)!r} has no config.json: allowed a Hugging Face checkpoint directory")
+            raise PathNotFound(f"model path {str(model)!r} has no config.json: allowed a Hugging Face checkpoint directory")
         if device == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("device='cuda' requested but torch.cuda.is_available() is False")
+            raise SetupError("device='cuda' requested but torch.cuda.is_available() is False")
         self.model_path = str(path)
         self.dtype = dtype
         self.device = torch.device(device)
@@ -71,7 +72,7 @@ class TransformersTrainer:
                 rows = logits[i, p - 1 : p - 1 + n].float().cpu()
                 if torch.isnan(rows).any():
                     t = int(torch.isnan(rows).any(dim=-1).nonzero()[0])
-                    raise ValueError(
+                    raise UsageError(
                         f"trainer logits are NaN at prompt {r.prompt_index}, completion position {t}: "
                         f"allowed finite logits (check the model weights and dtype={self.dtype})"
                     )

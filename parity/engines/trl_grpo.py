@@ -47,6 +47,7 @@ import torch
 from parity.core import estimators
 from parity.core.capture import plan_capture, support_from_heads
 from parity.core.spec import SamplingSpec
+from parity.errors import EngineError, UsageError
 
 MODES = ("observe", "replay", "recompute")
 CAPTURE_FORMAT = "parity-trl-grpo-capture"
@@ -127,9 +128,9 @@ def save_sequences(sequences: list[dict[str, Any]], path: str | Path) -> Path:
 def load_sequences(path: str | Path) -> list[dict[str, Any]]:
     data = torch.load(Path(path), weights_only=False)
     if not isinstance(data, dict) or data.get("format") != CAPTURE_FORMAT:
-        raise ValueError(f"{path}: not a {CAPTURE_FORMAT} file (format={data.get('format') if isinstance(data, dict) else None!r})")
+        raise UsageError(f"{path}: not a {CAPTURE_FORMAT} file (format={data.get('format') if isinstance(data, dict) else None!r})")
     if data.get("version") != CAPTURE_VERSION:
-        raise ValueError(f"{path}: capture version {data.get('version')!r}, allowed {CAPTURE_VERSION}")
+        raise UsageError(f"{path}: capture version {data.get('version')!r}, allowed {CAPTURE_VERSION}")
     return list(data["sequences"])
 
 
@@ -144,10 +145,10 @@ def _spec_of(gen: Any) -> SamplingSpec:
     kw.update(gen.generation_kwargs or {})
     rp = kw.get("repetition_penalty")
     if rp not in (None, 1, 1.0):
-        raise ValueError(f"repetition_penalty={rp!r} is not modelled by parity's filters: allowed 1.0 under patch_grpo")
+        raise UsageError(f"repetition_penalty={rp!r} is not modelled by parity's filters: allowed 1.0 under patch_grpo")
     for name in _UNMODELLED_SAMPLING[1:]:
         if kw.get(name) not in (None, 0, 0.0, {}, []):
-            raise ValueError(f"generation_kwargs[{name!r}]={kw[name]!r} is not modelled by parity's filters: allowed unset")
+            raise UsageError(f"generation_kwargs[{name!r}]={kw[name]!r} is not modelled by parity's filters: allowed unset")
     top_k = int(kw["top_k"] or 0)
     return SamplingSpec(temperature=float(kw["temperature"]), top_k=top_k if top_k > 0 else 0,
                         top_p=float(kw["top_p"]), min_p=float(kw["min_p"] or 0.0))
@@ -179,7 +180,7 @@ def _split_heads(cap: GrpoCapture, completion_ids: list[list[int]], logprobs: li
             try:
                 j = list(toks).index(int(y))
             except ValueError as exc:
-                raise RuntimeError(f"vLLM's head at a position does not list the sampled token {int(y)}") from exc
+                raise EngineError(f"vLLM's head at a position does not list the sampled token {int(y)}") from exc
             v = lps[j]
             if v is None:
                 cap.counts["nan_sampler_logprobs"] += 1
@@ -250,7 +251,7 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
     ``keep_logits`` keeps the trainer's ``[L, V]`` logits per sequence (what parity's full report needs).
     """
     if mode not in MODES:
-        raise ValueError(f"patch_grpo mode={mode!r} is invalid: allowed {', '.join(MODES)}")
+        raise UsageError(f"patch_grpo mode={mode!r} is invalid: allowed {', '.join(MODES)}")
     from trl.generation import vllm_generation as vg
     from trl.trainer import grpo_trainer as gt
 
@@ -300,10 +301,10 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
         # The first scoring call inside _generate_and_score_completions is old_per_token_logps.
         extra = [k for k in _UNSUPPORTED_FORWARD_KWARGS if kwargs.get(k) is not None]
         if extra:
-            raise ValueError(f"patch_grpo scores text-only batches: got {', '.join(extra)}")
+            raise UsageError(f"patch_grpo scores text-only batches: got {', '.join(extra)}")
         pend = active["pending"]
         if pend["supports"] is None and pend["spec"].effective().filtered and cap.mode == "replay":
-            raise RuntimeError("patch_grpo(mode='replay'): vLLM returned no log-probs, so S_q was not captured")
+            raise EngineError("patch_grpo(mode='replay'): vLLM returned no log-probs, so S_q was not captured")
         full_lp = out[0]
         logits = _forward_logits(model, input_ids, attention_mask, logits_to_keep, batch_size or input_ids.shape[0])
         used = full_lp.clone()
@@ -313,7 +314,7 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
             z = logits[b, :n]
             y = input_ids[b, input_ids.shape[1] - logits_to_keep :][:n].long().cpu()
             if y.tolist() != list(comp):
-                raise RuntimeError(f"row {b}: the scored completion differs from what vLLM sampled")
+                raise EngineError(f"row {b}: the scored completion differs from what vLLM sampled")
             support = pend["supports"][b] if pend["supports"] is not None else None
             log_s_q, correction = _log_mass_correction(cap, z.cpu(), y, pend["spec"], support)
             used[b, :n] = full_lp[b, :n] - correction.to(full_lp.dtype).to(full_lp.device)
@@ -324,7 +325,7 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
     def score(self: Any, inputs: Any) -> Any:
         if not (getattr(self, "use_vllm", False) and getattr(self, "vllm_importance_sampling_correction", False)):
             if cap.mode != "observe":
-                raise ValueError(
+                raise UsageError(
                     f"patch_grpo(mode={cap.mode!r}) fixes the vLLM importance-sampling correction: it needs "
                     f"use_vllm=True and vllm_importance_sampling_correction=True (got use_vllm="
                     f"{getattr(self, 'use_vllm', None)!r}, vllm_importance_sampling_correction="
@@ -342,7 +343,7 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
         old = active["old"]
         pend = active["pending"]
         if old is None or pend is None:
-            raise RuntimeError("patch_grpo: TRL scored the batch without computing old_per_token_logps")
+            raise EngineError("patch_grpo: TRL scored the batch without computing old_per_token_logps")
         if cap.mode != "observe":
             # The policy ratio must keep TRL's full-vocabulary values: only the IS correction is fixed.
             output["old_per_token_logps"] = old["full"]

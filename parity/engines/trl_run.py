@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parity.errors import UsageError
+
 IS_MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
 # TRL's logged metrics this run reads back (GRPOTrainer._generate_and_score_completions).
 TRL_METRICS = (
@@ -75,23 +77,23 @@ class GrpoRunConfig:
 
         SamplingSpec(self.temperature, self.top_k, self.top_p, self.min_p)  # raises naming the field
         if self.is_mode not in IS_MODES:
-            raise ValueError(f"GrpoRunConfig.is_mode={self.is_mode!r} is invalid: allowed {', '.join(IS_MODES)}")
+            raise UsageError(f"GrpoRunConfig.is_mode={self.is_mode!r} is invalid: allowed {', '.join(IS_MODES)}")
         for name in ("steps", "batch", "max_completion_length"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"GrpoRunConfig.{name}={v!r} is invalid: allowed an integer >= 1")
+                raise UsageError(f"GrpoRunConfig.{name}={v!r} is invalid: allowed an integer >= 1")
         if not isinstance(self.num_generations, int) or self.num_generations < 2 or self.batch % self.num_generations:
-            raise ValueError(
+            raise UsageError(
                 f"GrpoRunConfig.num_generations={self.num_generations!r} is invalid: allowed an integer >= 2 "
                 f"that divides batch={self.batch}"
             )
         bad = [p for p in self.phases if p not in (*MODES, "off")]
         if not self.phases or bad:
-            raise ValueError(
+            raise UsageError(
                 f"GrpoRunConfig.phases={self.phases!r} is invalid: allowed a non-empty list of off, {', '.join(MODES)}"
             )
         if self.vllm_dtype not in (None, "float32", "bfloat16", "float16"):
-            raise ValueError(f"GrpoRunConfig.vllm_dtype={self.vllm_dtype!r} is invalid: allowed null, float32, bfloat16, float16")
+            raise UsageError(f"GrpoRunConfig.vllm_dtype={self.vllm_dtype!r} is invalid: allowed null, float32, bfloat16, float16")
         object.__setattr__(self, "phases", tuple(self.phases))
 
     @classmethod
@@ -99,7 +101,7 @@ class GrpoRunConfig:
         known = {f for f in cls.__dataclass_fields__}
         unknown = set(data) - known
         if unknown:
-            raise ValueError(f"GrpoRunConfig got unknown field(s) {sorted(unknown)}: allowed {sorted(known)}")
+            raise UsageError(f"GrpoRunConfig got unknown field(s) {sorted(unknown)}: allowed {sorted(known)}")
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:

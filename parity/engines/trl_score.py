@@ -26,6 +26,7 @@ from parity.core.error_model import UNIT_ROUNDOFF, logprob_rounding_bound
 from parity.core.gates import Thresholds, evaluate
 from parity.core.spec import SamplingSpec
 from parity.core.table import build_table, summarize
+from parity.errors import UsageError
 from parity.records.sequence import SequenceRecord
 
 SOURCE = "vllm (TRL GRPOTrainer, colocate)"
@@ -42,9 +43,9 @@ def to_records(sequences: Sequence[dict[str, Any]]) -> tuple[list[SequenceRecord
     dropped = 0
     for s in sequences:
         if s.get("logits") is None:
-            raise ValueError(f"sequence {s['index']} of step {s['step']} has no logits: capture with keep_logits=True")
+            raise UsageError(f"sequence {s['index']} of step {s['step']} has no logits: capture with keep_logits=True")
         if s.get("sampling_logps") is None:
-            raise ValueError(f"sequence {s['index']} of step {s['step']} has no sampler log-probs (TRL got none from vLLM)")
+            raise UsageError(f"sequence {s['index']} of step {s['step']} has no sampler log-probs (TRL got none from vLLM)")
         m = s["mask"]
         dropped += int((~m).sum())
         if not bool(m.any()):
@@ -76,10 +77,10 @@ def score_step(sequences: Sequence[dict[str, Any]], *, name: str, thresholds: Th
     from parity.engines.trainer_under_test import diagnose, reference_views
 
     if not sequences:
-        raise ValueError(f"scenario {name!r}: no captured sequences")
+        raise UsageError(f"scenario {name!r}: no captured sequences")
     specs = {tuple(sorted(s["spec"].items())) for s in sequences}
     if len(specs) != 1:
-        raise ValueError(f"scenario {name!r}: sequences were sampled with {len(specs)} different specs; allowed one")
+        raise UsageError(f"scenario {name!r}: sequences were sampled with {len(specs)} different specs; allowed one")
     spec = SamplingSpec.from_dict(sequences[0]["spec"])
     dtype = str(sequences[0]["sampler_dtype"])
     th = thresholds or Thresholds.for_dtype(dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16")

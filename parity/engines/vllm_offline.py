@@ -19,6 +19,7 @@ from parity.core.capture import (
 )
 from parity.core.spec import SamplingSpec
 from parity.engines.rollout_base import RolloutBase
+from parity.errors import EngineError, SetupError, TimedOut, UsageError
 from parity.records.sequence import SequenceRecord
 
 T = TypeVar("T")
@@ -37,7 +38,7 @@ def configure_cpu_env(kv_cache_gib: int = 1) -> None:
 
 
 def call_with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:
-    """Run ``fn`` in a worker thread; raise ``TimeoutError`` naming ``what`` if it does not finish.
+    """Run ``fn`` in a worker thread; raise :class:`~parity.errors.TimedOut` naming ``what`` if it does not finish.
 
     The offline engine has no timeout of its own; a stuck engine must end the run with an error, not
     hang it.
@@ -54,7 +55,7 @@ def call_with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
-        raise TimeoutError(f"{what} did not finish within {timeout_s:.0f} s (raise --timeout if the model is large)")
+        raise TimedOut(f"{what} did not finish within {timeout_s:.0f} s (raise --timeout if the model is large)")
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -65,7 +66,7 @@ def sampling_params(spec: SamplingSpec, **extra: Any) -> Any:
     try:
         from vllm import SamplingParams
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise RuntimeError("vLLM sampling parameters need vLLM: install parity[cpu] (or parity[gpu] on CUDA)") from exc
+        raise SetupError("vLLM sampling parameters need vLLM: install parity[cpu] (or parity[gpu] on CUDA)") from exc
     return SamplingParams(**spec.sampling_params_kwargs(), **extra)
 
 
@@ -80,11 +81,11 @@ class VllmRollout(RolloutBase):
         super().__init__(model, **settings)
         capture, device = self.capture, self.device
         if capture not in ("topk", "native", "both"):
-            raise ValueError(f"capture={capture!r} is invalid: allowed topk, native, both")
+            raise UsageError(f"capture={capture!r} is invalid: allowed topk, native, both")
         if device == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("--device cuda requested but CUDA is not available on this machine (torch.cuda.is_available() is False)")
+            raise SetupError("--device cuda requested but CUDA is not available on this machine (torch.cuda.is_available() is False)")
         if capture != "topk" and device != "cuda":
-            raise ValueError(
+            raise UsageError(
                 f"capture={capture!r} uses vLLM's return_sampling_mask, which needs Model Runner V2 on CUDA "
                 f"(refused on {device}): use capture='topk'"
             )
@@ -96,7 +97,7 @@ class VllmRollout(RolloutBase):
         try:
             from vllm import LLM
         except ImportError as exc:
-            raise RuntimeError("the rollout engine needs vLLM: install parity[cpu] (or parity[gpu] on CUDA)") from exc
+            raise SetupError("the rollout engine needs vLLM: install parity[cpu] (or parity[gpu] on CUDA)") from exc
         kwargs: dict[str, Any] = dict(
             model=self.model,
             dtype=self.dtype,
@@ -171,7 +172,7 @@ class VllmRollout(RolloutBase):
             ids = list(comp.token_ids)
             flat = comp.logprobs
             if flat is None or len(flat.start_indices) != len(ids):
-                raise RuntimeError(
+                raise EngineError(
                     f"vLLM returned log-probs for {0 if flat is None else len(flat.start_indices)} of {len(ids)} "
                     f"tokens of prompt {i} ({spec.label()})"
                 )
@@ -179,7 +180,7 @@ class VllmRollout(RolloutBase):
             for t, (a, b) in enumerate(zip(flat.start_indices, flat.end_indices, strict=True)):
                 # Entry a is the sampled token (Sampler.gather_logprobs puts it first), then the top-K.
                 if flat.token_ids[a] != ids[t]:
-                    raise RuntimeError(f"vLLM log-prob entry for prompt {i} position {t} is token {flat.token_ids[a]}, sampled {ids[t]}")
+                    raise EngineError(f"vLLM log-prob entry for prompt {i} position {t} is token {flat.token_ids[a]}, sampled {ids[t]}")
                 sampled_lp.append(flat.logprobs[a])
                 heads.append(flat.token_ids[a + 1 : b])
                 head_lps.append(flat.logprobs[a + 1 : b])
@@ -192,7 +193,7 @@ class VllmRollout(RolloutBase):
             native = getattr(comp, "sampling_mask", None)
             if self.capture != "topk":
                 if native is None or len(native.token_ids) != len(ids):
-                    raise RuntimeError(f"vLLM returned no sampling mask for prompt {i} although return_sampling_mask is on")
+                    raise EngineError(f"vLLM returned no sampling mask for prompt {i} although return_sampling_mask is on")
                 native_ids = padded_ids(native.token_ids)
                 extras["native_kept_ids"] = native_ids
                 if self.capture == "native":

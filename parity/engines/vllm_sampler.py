@@ -16,6 +16,7 @@ import torch
 
 from parity.core.spec import SamplingSpec
 from parity.engines.vllm_offline import sampling_params
+from parity.errors import SetupError, UsageError
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
@@ -35,7 +36,7 @@ class VllmSampler:
             from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
             from vllm.v1.sample.sampler import Sampler
         except ImportError as exc:  # pragma: no cover - depends on the install
-            raise RuntimeError("VllmSampler needs vLLM: install parity[cpu] (or parity[gpu] on CUDA)") from exc
+            raise SetupError("VllmSampler needs vLLM: install parity[cpu] (or parity[gpu] on CUDA)") from exc
         self._sampler = Sampler(logprobs_mode=logprobs_mode)
         self._min_p_cls = MinPLogitsProcessor
         self._max_num_seqs = max_num_seqs
@@ -50,7 +51,7 @@ class VllmSampler:
 
         n, vocab = logits.shape
         if n > self._max_num_seqs:
-            raise ValueError(f"batch of {n} rows exceeds max_num_seqs={self._max_num_seqs}")
+            raise UsageError(f"batch of {n} rows exceeds max_num_seqs={self._max_num_seqs}")
         row_specs = [specs] * n if isinstance(specs, SamplingSpec) else list(specs)
         params = [sampling_params(s) for s in row_specs]  # SamplingParams resets greedy filters
         # Read greedy-ness and temperature off the SamplingParams, as InputBatch.add_request does

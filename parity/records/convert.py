@@ -27,6 +27,7 @@ import torch
 
 from parity.core.capture import FULL_VOCAB, support_from_heads
 from parity.core.spec import SamplingSpec
+from parity.errors import UsageError
 from parity.records.format import RecordsError, records_table
 from parity.records.sequence import SequenceRecord
 
@@ -133,7 +134,7 @@ def from_request_outputs(
     outs = list(outputs)
     plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(outs)
     if len(plist) != len(outs):
-        raise ValueError(f"from_request_outputs: {len(plist)} SamplingParams for {len(outs)} outputs: allowed one or one per output")
+        raise UsageError(f"from_request_outputs: {len(plist)} SamplingParams for {len(outs)} outputs: allowed one or one per output")
     vocab = int(vocab_size) if vocab_size else _UNKNOWN_VOCAB
     rows = []
     for i, (out, p) in enumerate(zip(outs, plist, strict=True)):
@@ -218,7 +219,7 @@ def from_trl(
     refused here with the sequence and position, never dropped.
     """
     if trainer_column not in TRL_TRAINER_COLUMNS:
-        raise ValueError(f"trainer_column={trainer_column!r} is invalid: allowed {', '.join(TRL_TRAINER_COLUMNS)}")
+        raise UsageError(f"trainer_column={trainer_column!r} is invalid: allowed {', '.join(TRL_TRAINER_COLUMNS)}")
     b, width = completion_ids.shape
     for name, t in (("completion_mask", completion_mask), ("old_per_token_logps", old_per_token_logps),
                     ("sampling_per_token_logps", sampling_per_token_logps)):
@@ -306,7 +307,7 @@ def from_sequence_records(
     if table is not None:
         lengths = [r.length for r in records]
         if list(table.seq_lengths) != lengths:
-            raise ValueError(f"table sequence lengths {list(table.seq_lengths)[:8]}... do not match the records' {lengths[:8]}...")
+            raise UsageError(f"table sequence lengths {list(table.seq_lengths)[:8]}... do not match the records' {lengths[:8]}...")
         cols = {
             "trainer_full_logprobs": table.full,
             "trainer_replay_logprobs": table.replay,

@@ -42,6 +42,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from parity.core.spec import SamplingSpec
+from parity.errors import PathNotFound, UsageError
 from parity.records.summary import CastNote
 
 SCHEMA_VERSION = 1
@@ -127,7 +128,7 @@ def _meta_blob(metadata: Mapping[str, Any] | None) -> bytes:
     return json.dumps({"schema_version": SCHEMA_VERSION, "metadata": dict(metadata or {})}, sort_keys=True).encode()
 
 
-class RecordsError(ValueError):
+class RecordsError(UsageError):
     """Bad records input. The message names the file, the row, the column, the value and what is allowed."""
 
 
@@ -639,9 +640,9 @@ class RecordsFile:
 
 
 def check_batch_rows(value: int, name: str = "batch_rows") -> int:
-    """``value`` if it is a row count a batch may hold (1..:data:`MAX_BATCH_ROWS`); else a ValueError naming ``name``."""
+    """``value`` if it is a row count a batch may hold (1..:data:`MAX_BATCH_ROWS`); else a UsageError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BATCH_ROWS:
-        raise ValueError(
+        raise UsageError(
             f"{name} {value!r} is out of range: allowed an integer from 1 to {MAX_BATCH_ROWS:,} (rows per streamed "
             f"batch; the analysis holds one batch at a time, so its memory grows with this number)"
         )
@@ -740,7 +741,7 @@ def open_records(path: str | Path) -> RecordsFile:
     """Open a records file, refusing what is not one (with the file named) before any row is read."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"records file {str(p)!r} does not exist")
+        raise PathNotFound(f"records file {str(p)!r} does not exist")
     try:
         pf = pq.ParquetFile(p, page_checksum_verification=True, pre_buffer=False, buffer_size=READ_BUFFER_BYTES)
     except (OSError, pa.ArrowException) as exc:
@@ -764,10 +765,10 @@ def records_paths(path: str | Path) -> list[Path]:
     if p.is_dir():
         found = sorted(q for q in p.rglob("*.parquet") if q.is_file())
         if not found:
-            raise FileNotFoundError(f"records directory {str(p)!r} holds no *.parquet file")
+            raise PathNotFound(f"records directory {str(p)!r} holds no *.parquet file")
         return found
     if not p.exists():
-        raise FileNotFoundError(f"records path {str(p)!r} does not exist")
+        raise PathNotFound(f"records path {str(p)!r} does not exist")
     return [p]
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from parity.core.spec import SamplingSpec
+from parity.errors import UsageError
 
 
 @dataclass
@@ -32,12 +33,12 @@ class SequenceRecord:
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
         if self.logprobs.shape != (n,):
-            raise ValueError(
+            raise UsageError(
                 f"{self.source} record {self.prompt_index}: logprobs has shape {tuple(self.logprobs.shape)}, "
                 f"allowed ({n},) — one value per completion token"
             )
         if self.kept_ids is not None and self.kept_ids.shape[0] != n:
-            raise ValueError(
+            raise UsageError(
                 f"{self.source} record {self.prompt_index}: kept_ids has {self.kept_ids.shape[0]} rows for {n} tokens"
             )
 

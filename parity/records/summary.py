@@ -10,7 +10,8 @@ The gates' own statistics (:mod:`parity.core.gates`) are kept exactly: per estim
 ``|diff| / bound`` (a maximum, so exact), and for the mean-bias limit of
 :func:`parity.core.error_model.mean_bias_limit` the count, the mean and second moment of the
 differences, the sum of the per-token systematic bounds and, for the log S signature, the sums of
-``d * log S`` and ``log S^2``.
+``d * log S`` and ``log S^2``. Per training step (the records' ``step`` column) each scenario keeps the
+few numbers of :mod:`parity.records.steps`, so the training-log view merges as the rest does.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from typing import Any
 import numpy as np
 
 from parity.core.violation import Position
+from parity.records.steps import StepAcc, merge_steps
+from parity.errors import UsageError
 
-SUMMARY_VERSION = 3
+SUMMARY_VERSION = 4  # 4: per-step accumulators (parity.records.steps) in every scenario
 # Histogram of |diff|: bin 0 exact zeros, bin 1 below 1e-16, then 0.01-decade bins up to 1e4, then one
 # overflow bin; non-finite differences are counted apart.
 HIST_LO, HIST_HI, HIST_STEP = -16.0, 4.0, 0.01
@@ -413,6 +416,8 @@ class ScenarioAcc:
     drift_replay_max: float = -math.inf
     views: dict[str, ViewMatch] = field(default_factory=dict)
     first: dict[str, First] = field(default_factory=dict)
+    unstepped: int = 0  # sequences without a training step (no step column, null or negative)
+    steps: dict[int, StepAcc] = field(default_factory=dict)  # the training-log view, per step
 
     def __post_init__(self) -> None:
         for s in DIFFS:
@@ -425,7 +430,7 @@ class ScenarioAcc:
     SUMS = ("sequences", "tokens", "compared", "log_s_n", "replay_ok", "replay_n", "recompute_eq", "recompute_n", "forced",
             "kl_n", "incomplete", "sampled_outside", "token_mismatch", "captured", "support_sum", "mass_off", "bound_n",
             "s_n", "drift_n", "log_s_sum", "log_s_sum_exp", "kl_sum", "tv_sum", "bound_sum", "s_lo_sum", "s_hi_sum",
-            "drift_sum")
+            "drift_sum", "unstepped")
     MAXES = ("kl_max", "tv_max", "support_max", "bound_max", "naive_gap_max", "drift_max", "drift_replay_max", "roundoff")
 
     def merge(self, o: ScenarioAcc) -> None:
@@ -450,6 +455,7 @@ class ScenarioAcc:
             self.first[k].merge(o.first[k])
         for k, v in o.views.items():
             self.views.setdefault(k, ViewMatch()).merge(v)
+        merge_steps(self.steps, o.steps)
 
 
 @dataclass
@@ -532,7 +538,7 @@ class Summary:
     def from_json(cls, text: str) -> Summary:
         data = json.loads(text)
         if data.get("summary_version") != SUMMARY_VERSION:
-            raise ValueError(f"summary_version {data.get('summary_version')!r} is not supported: allowed {SUMMARY_VERSION}")
+            raise UsageError(f"summary_version {data.get('summary_version')!r} is not supported: allowed {SUMMARY_VERSION}")
         return _decode(data)
 
 
@@ -554,7 +560,7 @@ def _encode(s: Summary) -> dict[str, Any]:
         return {**plain, "worst": {"n": b.worst.n, "items": [[k, list(o), _pos(p)] for k, o, p in b.worst.items]},
                 "hist": [[int(i), int(b.hist[i])] for i in nz]}
 
-    nested = ("streams", "bounds", "ratios", "first", "lacking", "views")
+    nested = ("streams", "bounds", "ratios", "first", "lacking", "views", "steps")
     groups = {}
     for k, a in s.groups.items():
         plain = {f: getattr(a, f) for f in a.__dataclass_fields__ if f not in nested}
@@ -567,6 +573,7 @@ def _encode(s: Summary) -> dict[str, Any]:
             "ratios": {n: r.__dict__ for n, r in a.ratios.items()},
             "first": {n: {"n": f.n, "items": [[list(o), _pos(p)] for o, p in f.items]} for n, f in a.first.items()},
             "views": {n: [v.known, v.over, v.diff_sum] for n, v in a.views.items()},
+            "steps": {str(step): acc.to_json() for step, acc in a.steps.items()},
         }
     return {
         "summary_version": SUMMARY_VERSION,
@@ -602,7 +609,7 @@ def _decode(data: dict[str, Any]) -> Summary:
                   columns=set(data["columns"]), ignored_columns=set(data["ignored_columns"]),
                   casts={k: CastNote(**c) for k, c in data.get("casts", {}).items()},
                   page_checksums=dict(data.get("page_checksums", {})))
-    nested = ("streams", "bounds", "ratios", "first", "lacking", "views")
+    nested = ("streams", "bounds", "ratios", "first", "lacking", "views", "steps")
     for k, g in data["groups"].items():
         plain = {f: v for f, v in g.items() if f not in nested}
         plain["first_order"] = tuple(plain["first_order"])
@@ -614,5 +621,6 @@ def _decode(data: dict[str, Any]) -> Summary:
             ratios={n: Ratios(**r) for n, r in g["ratios"].items()},
             first={n: First(f["n"], [(tuple(o), Position(**p)) for o, p in f["items"]]) for n, f in g["first"].items()},
             views={n: ViewMatch(*v) for n, v in g["views"].items()},
+            steps={int(step): StepAcc.from_json(v) for step, v in g["steps"].items()},
         )
     return out

@@ -15,6 +15,8 @@ import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
+from parity.errors import UsageError
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -83,5 +85,5 @@ def get(name: str) -> Entry:
             if e.number == int(key):
                 return e
     if key not in BY_NAME:
-        raise ValueError(f"unknown reproduction {name!r}: allowed list, all, or one of {', '.join(BY_NAME)} (or 1-{len(REPROS)})")
+        raise UsageError(f"unknown reproduction {name!r}: allowed list, all, or one of {', '.join(BY_NAME)} (or 1-{len(REPROS)})")
     return BY_NAME[key]

@@ -20,12 +20,18 @@ _MARK = re.compile(r"^# =+ section: (?P<name>[a-z0-9_]+) =+$", re.MULTILINE)
 # ``from parity.X import ...  # @inline parity.X`` in the source is replaced by module X's own code, so an
 # emitted script carries the rule parity applies instead of a copy that could drift from it.
 _INLINE = re.compile(r"^from (?P<module>parity\.[a-z_.]+) import .*# @inline (?P=module)$", re.MULTILINE)
+# An inlined module's own parity imports (parity.errors: the error classes it raises) are inlined in turn.
+_NESTED = re.compile(r"^from (?P<module>parity\.[a-z_.]+) import [^\n(]*$", re.MULTILINE)
 
 
-def _module_body(module: str) -> str:
-    """A parity module's source without its docstring and ``from __future__`` line."""
+def _module_body(module: str, seen: set[str] | None = None) -> str:
+    """A parity module's source without its docstring and ``from __future__`` line; the parity modules it
+    imports from are inlined before it (once per script: ``seen``)."""
     import ast
     import importlib
+
+    seen = set() if seen is None else seen
+    seen.add(module)
 
     text = Path(importlib.import_module(module).__file__ or "").read_text(encoding="utf-8")
     tree = ast.parse(text)
@@ -33,12 +39,15 @@ def _module_body(module: str) -> str:
     body = [n for n in body if not (isinstance(n, ast.ImportFrom) and n.module == "__future__")]
     lines = text.splitlines()
     start = body[0].lineno - 1 if body else len(lines)
-    return f"# ---- inlined from {module} ----\n" + "\n".join(lines[start:]).strip("\n") + f"\n# ---- end of {module} ----"
+    code = "\n".join(lines[start:]).strip("\n")
+    code = _NESTED.sub(lambda m: "" if m.group("module") in seen else _module_body(m.group("module"), seen), code)
+    return f"# ---- inlined from {module} ----\n{code}\n# ---- end of {module} ----"
 
 
 def inline(text: str) -> str:
     """Replace every ``# @inline`` import with the module it names."""
-    return _INLINE.sub(lambda m: _module_body(m.group("module")), text)
+    seen: set[str] = set()
+    return _INLINE.sub(lambda m: _module_body(m.group("module"), seen), text)
 
 
 def sections(source: Path = SOURCE) -> dict[str, str]:
@@ -55,8 +64,7 @@ def sections(source: Path = SOURCE) -> dict[str, str]:
 def emit(name: str, title: str, *, config: dict, source: Path = SOURCE, about: str | None = None) -> str:
     """The script text; ``about`` replaces the docstring's paragraph on what it needs and does (and its usage line)."""
     parts = sections(source)
-    if name not in parts:
-        raise ValueError(f"no standalone script section {name!r} in {source.name}: allowed {', '.join(p for p in parts if p != 'prelude')}")
+    assert name in parts, f"no standalone script section {name!r} in {source.name}: allowed {', '.join(p for p in parts if p != 'prelude')}"
     try:
         from importlib.metadata import version
 

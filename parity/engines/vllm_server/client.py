@@ -60,6 +60,7 @@ from parity.engines.vllm_server.protocol import (
     check_processed,
     parse_completion,
 )
+from parity.errors import TimedOut, UsageError
 from parity.records.sequence import SequenceRecord
 
 
@@ -70,7 +71,7 @@ class _PortTaken(Exception):
 def _normalise_url(url: str) -> str:
     parsed = urllib.parse.urlsplit(url.strip())
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise ValueError(f"--server {url!r} is invalid: allowed 'spawn' or an http(s)://HOST:PORT URL")
+        raise UsageError(f"--server {url!r} is invalid: allowed 'spawn' or an http(s)://HOST:PORT URL")
     path = parsed.path.rstrip("/")
     if path.endswith("/v1"):
         path = path[: -len("/v1")]
@@ -106,7 +107,7 @@ class ServerRollout(RolloutBase):
         if capture != "topk":
             # vLLM 0.32's /v1/completions has no field for return_sampling_mask; over HTTP the kept set
             # comes from the top-K processed log-probs only.
-            raise ValueError(
+            raise UsageError(
                 f"capture={capture!r} is not available in server mode: vLLM's OpenAI server does not expose "
                 f"return_sampling_mask; use capture='topk' (the default)"
             )
@@ -155,7 +156,7 @@ class ServerRollout(RolloutBase):
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         v = getattr(text, "vocab_size", None)
         if not isinstance(v, int) or v < 1:
-            raise ValueError(f"model config at {path} declares no vocab_size")
+            raise UsageError(f"model config at {path} declares no vocab_size")
         return v
 
     def _spawn(self, path: Path, *, logprobs_mode: str, server_args: Sequence[str]) -> str:
@@ -277,7 +278,7 @@ class ServerRollout(RolloutBase):
             except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError, AttributeError):
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(
+                raise TimedOut(
                     f"the vLLM server spawned at {url} was not ready within {self.startup_timeout_s:.0f} s "
                     f"(raise --timeout if the model is large)" + self._log_tail()
                 )
@@ -303,7 +304,7 @@ class ServerRollout(RolloutBase):
     def _request(
         self, method: str, route: str, body: dict[str, Any] | None, *, timeout: float, what: str
     ) -> Any:
-        """One HTTP exchange; every failure becomes a :class:`ServerError` or ``TimeoutError`` naming the URL."""
+        """One HTTP exchange; every failure becomes a :class:`ServerError` or :class:`~parity.errors.TimedOut` naming the URL."""
         url = self.url + route
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(
@@ -324,14 +325,14 @@ class ServerRollout(RolloutBase):
             raise ServerError(f"{what} to {url} failed: HTTP {exc.code}: {msg}{hint}") from None
         except TimeoutError:
             self._raise_if_died(what)
-            raise TimeoutError(
+            raise TimedOut(
                 f"{what} to {url}: no answer within {timeout:.0f} s (server hung or overloaded)"
             ) from None
         except (urllib.error.URLError, ConnectionError, http.client.HTTPException, OSError) as exc:
             self._raise_if_died(what, grace_s=2.0)
             reason = getattr(exc, "reason", exc)
             if isinstance(reason, (TimeoutError, socket.timeout)):
-                raise TimeoutError(
+                raise TimedOut(
                     f"{what} to {url}: no answer within {timeout:.0f} s (server hung or overloaded)"
                 ) from None
             if isinstance(reason, ConnectionRefusedError):
@@ -530,7 +531,7 @@ class ServerRollout(RolloutBase):
             if time.monotonic() > deadline:
                 with lock:
                     errors.append(TimeoutError("cancelled"))
-                raise TimeoutError(
+                raise TimedOut(
                     f"{what} at {self.url}: {finished} of {len(bodies)} requests done after {self.timeout_s:.0f} s "
                     f"(raise --timeout if the model is large)"
                 )

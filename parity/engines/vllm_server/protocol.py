@@ -18,6 +18,7 @@ import torch
 
 from parity.core.capture import FULL_VOCAB, support_mass
 from parity.core.spec import SamplingSpec
+from parity.errors import EngineError
 
 SOURCE = "vllm-server"
 # vLLM serialises -inf as this value (``max(logprob, -9999.0)`` in the completion serving code).
@@ -29,7 +30,7 @@ EXPECTED_MODE = "processed_logprobs"
 PROBE_SENTENCE = "The sampler and the trainer must agree"
 
 
-class ServerError(RuntimeError):
+class ServerError(EngineError):
     """Any failure of the server path; the message names the URL and the cause."""
 
 

@@ -13,6 +13,7 @@ import pyarrow as pa
 
 from parity.core.spec import SamplingSpec
 from parity.engines.vllm_server.protocol import parse_completion
+from parity.errors import UsageError
 from parity.records.convert import kept_columns, spec_row
 from parity.records.format import records_table
 
@@ -36,7 +37,7 @@ def from_server_responses(
 
     specs = list(spec) if not isinstance(spec, SamplingSpec) else [spec] * len(payloads)
     if not (len(payloads) == len(prompts) == len(specs)):
-        raise ValueError(f"from_server_responses: {len(payloads)} answers, {len(prompts)} prompts, {len(specs)} specs: allowed equal counts")
+        raise UsageError(f"from_server_responses: {len(payloads)} answers, {len(prompts)} prompts, {len(specs)} specs: allowed equal counts")
     rows = []
     for i, (payload, prompt, sp) in enumerate(zip(payloads, prompts, specs, strict=True)):
         parsed = parse_completion(payload, max_tokens=max_tokens, requested=requested, vocab_size=vocab_size, where=f"answer {i}")

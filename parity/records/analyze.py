@@ -15,7 +15,10 @@ reported as the same :class:`~parity.core.violation.Violation` objects with the 
   records (``sampler_log_s_lo``/``_hi``), 0 when nothing is filtered, or the top_p bracket of
   :mod:`parity.core.log_s` from the sampler's kept log-probs;
 * ``replay_support``, ``recompute_support``, ``incomplete_capture``, ``sampled_outside``,
-  ``token_mismatch``.
+  ``token_mismatch``;
+* on a training log (records with a ``step`` column), ``drift_trend``: the least-squares slope of mean
+  ``|diff|`` over steps against its standard error, and a later step above the band of the first steps
+  (:mod:`parity.records.steps`; each scenario's ``per_step`` and ``trend`` in the report).
 
 What the records hold decides what can be judged; each gate whose inputs are missing is listed with
 the input it lacks (``not_evaluated``). Numbers: counts, minima, maxima and headroom are exact; means
@@ -43,6 +46,18 @@ from parity.core.spec import SAMPLING_EPS, SamplingSpec
 from parity.core.table import SUPPORT_MASS_TOL
 from parity.core.violation import Position, Violation
 from parity.records.format import RecordsBatch, validate_batch
+from parity.records.steps import (
+    COMPARISONS,
+    REPORT_NAMES,
+    SUPPORT_OF,
+    TREND_GATE,
+    StepAcc,
+    StepComparison,
+    StepEntry,
+    drift_trend,
+    grouped_headroom,
+    grouped_streams,
+)
 from parity.records.summary import (
     HEAD_BINS,
     HEAD_LO,
@@ -536,6 +551,8 @@ def _accumulate(acc: ScenarioAcc, rb: RecordsBatch, c: TokenColumns, rows: np.nd
 
     h = c.have
     full_minus = c.full - c.vllm
+    diffs: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # per comparison: tokens and differences (the per-step view)
+    heads: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # per comparison: tokens with a bound and their headroom
     for name, sel, a, b in (
         ("naive", usable & h["full"], c.full, c.vllm),
         ("gap", usable & h["full"] & h["log_s"], full_minus, c.log_s),
@@ -545,7 +562,8 @@ def _accumulate(acc: ScenarioAcc, rb: RecordsBatch, c: TokenColumns, rows: np.nd
         ("user_gap", usable & h["user"] & h["log_s"], c.user - c.vllm, c.log_s),
     ):
         idx = np.flatnonzero(sel)
-        acc.streams[name].add(_finite_pair(a[idx], b[idx]))
+        diffs[name] = (idx, _finite_pair(a[idx], b[idx]))
+        acc.streams[name].add(diffs[name][1])
 
     # The gated comparisons against the per-token bound (parity.core.gates.evaluate).
     bsel = usable & h["bound"]
@@ -557,6 +575,7 @@ def _accumulate(acc: ScenarioAcc, rb: RecordsBatch, c: TokenColumns, rows: np.nd
         s = acc.bounds[name]
         key = s.add(d[idx], c.bound[idx], c.systematic[idx],
                     c.log_s[idx] if name == "user" and bool(h["log_s"][idx].all()) else None)
+        heads[name] = (idx, key)
         s.worst.offer(key, order(idx), at(idx, values={"vllm": c.vllm, side: est}, gap=d,
                                           bound=c.bound * 1.0))
     nsel = usable & h["full"] & h["bound"] & h["bound_full"] & h["sampler_log_s"]
@@ -619,6 +638,7 @@ def _accumulate(acc: ScenarioAcc, rb: RecordsBatch, c: TokenColumns, rows: np.nd
     idx = np.flatnonzero(req)
     acc.first["recompute_support"].offer(~c.recompute_support_equal[idx], order(idx), at(idx))
     acc.forced += int(c.forced[usable & h["forced"]].sum())
+    _accumulate_steps(acc, rb, c, rows, g, usable, diffs, heads)
 
     # IS ratios: per token, and per sequence over its compared tokens.
     def ratios(name: str, est: np.ndarray, inp: str, identity: bool = False) -> None:
@@ -668,6 +688,55 @@ def _accumulate(acc: ScenarioAcc, rb: RecordsBatch, c: TokenColumns, rows: np.nd
         worst = c.mass[off][int(np.argmax(np.abs(c.mass[off] - 1.0)))]
         if abs(worst - 1.0) > abs(acc.mass_off_worst - 1.0):
             acc.mass_off_worst = float(worst)
+
+
+def _accumulate_steps(
+    acc: ScenarioAcc, rb: RecordsBatch, c: TokenColumns, rows: np.ndarray, g: np.ndarray, usable: np.ndarray,
+    diffs: Mapping[str, tuple[np.ndarray, np.ndarray]], heads: Mapping[str, tuple[np.ndarray, np.ndarray]],
+) -> None:
+    """The training-log view of one scenario's rows: per step (``rb.step``), the comparisons' sums and
+    headroom over the same tokens as the scenario's streams, and the support counts."""
+    step_of_row = rb.step if rb.step is not None else np.full(rb.n_rows, -1, dtype=np.int64)
+    stepped = rows[step_of_row[rows] >= 0]  # a null step reads as -1; a negative step is no step
+    acc.unstepped += int(rows.size - stepped.size)
+    if not stepped.size:
+        return
+    steps, row_slot = np.unique(step_of_row[stepped], return_inverse=True)
+    ns = int(steps.size)
+    slot_of_row = np.full(rb.n_rows, -1, dtype=np.int64)
+    slot_of_row[stepped] = row_slot.reshape(-1)
+    tok_slot = slot_of_row[c.row] if c.row.size else np.zeros(0, dtype=np.int64)
+
+    def slots(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        sl = tok_slot[idx]
+        keep = sl >= 0
+        return sl[keep], keep
+
+    seqs = np.bincount(row_slot.reshape(-1), minlength=ns)
+    toks = np.bincount(tok_slot[g & (tok_slot >= 0)], minlength=ns)
+    parts = [StepAcc(sequences=int(seqs[i]), tokens=int(toks[i])) for i in range(ns)]
+    for name in COMPARISONS:
+        idx, d = diffs[name]
+        sl, keep = slots(idx)
+        for i, s in enumerate(grouped_streams(sl, ns, d[keep])):
+            parts[i].streams[name] = s
+        hidx, key = heads[name]
+        sl, keep = slots(hidx)
+        count, top = grouped_headroom(sl, ns, key[keep])
+        for i in range(ns):
+            parts[i].streams[name].head_n, parts[i].streams[name].headroom = int(count[i]), float(top[i])
+    for sel, flag, ok_field, n_field in ((usable & c.have["kept"], c.replay_support_ok, "replay_ok", "replay_n"),
+                                         (usable & c.have["recompute_support"], c.recompute_support_equal,
+                                          "recompute_eq", "recompute_n")):
+        idx = np.flatnonzero(sel)
+        sl, keep = slots(idx)
+        ok = np.bincount(sl, weights=flag[idx][keep].astype(np.float64), minlength=ns)
+        n = np.bincount(sl, minlength=ns)
+        for i in range(ns):
+            setattr(parts[i], ok_field, int(round(ok[i])))
+            setattr(parts[i], n_field, int(n[i]))
+    for i, step in enumerate(steps):
+        acc.steps.setdefault(int(step), StepAcc()).merge(parts[i])
 
 
 # ==================================================================================================
@@ -846,10 +915,69 @@ def _scenario_report(a: ScenarioAcc, name: str, diagnose: Diagnose) -> dict[str,
             for k in missing
         )
         not_eval.append({"gate": gate, "reason": why})
+    per_step, trend, trend_why = _step_view(a, avail, full_input)
+    out["per_step"] = [e.to_json() for e in per_step]
+    out["trend"] = None if trend is None else trend.to_json()
+    if a.steps and not (trend is not None and trend.evaluated):
+        not_eval.append({"gate": TREND_GATE, "reason": trend_why})
+    if a.steps and a.unstepped:
+        notes.append(f"{a.unstepped} of {a.sequences} sequences carry no step (null or negative): they are left out "
+                     f"of the per-step view and of {TREND_GATE}")
     out["not_evaluated"] = not_eval
     out["input_notes"] = notes
     out["lacking_inputs"] = lack
     return out
+
+
+def _step_view(
+    a: ScenarioAcc, avail: Mapping[str, bool], full_input: Callable[..., bool]
+) -> tuple[list[StepEntry], Any, str]:
+    """``(per_step, trend, why)``: the scenario's training-log view (empty without steps), the trend of the
+    comparison it follows (:class:`parity.records.steps.DriftTrend`; None when there is nothing to follow)
+    and, when the trend gate is not evaluated, why.
+
+    The trend follows the trainer under test where the records hold one, else replay, else recompute:
+    the comparison whose verdict the scenario gives.
+    """
+    from dataclasses import replace
+
+    if not a.steps:
+        return [], None, ""
+    held = [k for k in COMPARISONS if avail[k]]
+    follow = next((k for k in ("user", "replay", "recompute") if k in held), None)
+    support_known = {"replay": avail["kept"], "recompute": avail["recompute_support"]}
+    entries = []
+    for step in sorted(a.steps):
+        sa = a.steps[step]
+        by: dict[str, StepComparison] = {}
+        for k in held:
+            st = sa.streams[k]
+            ok, n = sa.support(SUPPORT_OF[k])
+            by[REPORT_NAMES[k]] = StepComparison(
+                tokens=st.n,
+                mean_bias=st.mean_bias if st.n else NA,
+                mean_abs_diff=st.mean_abs if st.n else NA,
+                max_headroom=st.headroom if avail["bound"] and st.head_n else None,
+                support_equal_frac=(ok / n if n else 1.0) if support_known[SUPPORT_OF[k]] else NA,
+            )
+        f = by[REPORT_NAMES[follow]] if follow else None
+        entries.append(StepEntry(
+            step=step, sequences=sa.sequences, tokens=sa.tokens, comparison=REPORT_NAMES[follow] if follow else None,
+            compared_tokens=f.tokens if f else 0, mean_bias=f.mean_bias if f else NA,
+            mean_abs_diff=f.mean_abs_diff if f else NA, max_headroom=f.max_headroom if f else None,
+            support_equal_frac=f.support_equal_frac if f else NA, by_comparison=by,
+        ))
+    if follow is None:
+        return entries, None, ("no comparison to follow across steps: " + REASONS["user"] + "; "
+                               + REASONS["replay"] + "; " + REASONS["recompute"])
+    at = [(s, a.steps[s].streams[follow]) for s in sorted(a.steps) if a.steps[s].streams[follow].n]
+    trend = drift_trend([s for s, _ in at], [st.mean_abs for _, st in at], [st.abs_se for _, st in at],
+                        REPORT_NAMES[follow], tokens=[st.n for _, st in at])
+    if trend.evaluated and not full_input(follow):
+        why = (REASONS[follow] + f" ({a.lacking[follow]} of {a.sequences} sequences lack it; the per-step values "
+               f"cover the others)")
+        trend = replace(trend, evaluated=False, passed=None, reason=why)
+    return entries, trend, trend.reason
 
 
 def _over(value: float, limit: float) -> bool:
@@ -863,7 +991,8 @@ def _scaled(ps: tuple[Position, ...], factor: float) -> tuple[Position, ...]:
 
 
 def evaluate_summary(sc: dict[str, Any], a: ScenarioAcc, th: Thresholds) -> list[Violation]:
-    """The gates of :func:`parity.core.gates.evaluate` on a scenario's streamed statistics.
+    """The gates of :func:`parity.core.gates.evaluate` on a scenario's streamed statistics, and on a training
+    log ``drift_trend`` (:func:`trend_violation`).
 
     ``sc``: the entry of :func:`_scenario_report` (its ``not_evaluated`` gates are left out).
     """
@@ -938,6 +1067,7 @@ def evaluate_summary(sc: dict[str, Any], a: ScenarioAcc, th: Thresholds) -> list
             worst=a.first["sampled_outside"].positions(n),
             detail="the engine reports a sampled token that its own kept set does not hold",
         ))
+    trend_violation(sc, out, skip)
     mismatch = sc["token_mismatch"]
     if _over(mismatch, th.max_token_mismatch):
         out.append(Violation(
@@ -946,6 +1076,33 @@ def evaluate_summary(sc: dict[str, Any], a: ScenarioAcc, th: Thresholds) -> list
             detail="the trainer's token ids are not the sampler's (an off-by-one or a re-tokenisation)",
         ))
     return out
+
+
+def trend_violation(sc: dict[str, Any], out: list[Violation], skip: set[str]) -> None:
+    """``drift_trend``: the verdict :func:`parity.records.steps.drift_trend` gave, as a violation naming the
+    first step above the band of the first steps."""
+    tr = sc.get("trend")
+    if TREND_GATE in skip or not tr or not tr["evaluated"] or tr["passed"]:
+        return
+    who = tr["comparison"]
+    if who == "trainer_under_test":
+        who = f"trainer {sc['trainer_under_test']['name']!r}"
+    by_step = {e["step"]: e for e in sc["per_step"]}
+    s = tr["first_step_outside"]
+    at = by_step.get(s, {}).get("mean_abs_diff", NA)
+    if tr["slope"] is None:  # a step's mean |diff| is not finite
+        out.append(Violation(TREND_GATE, sc["name"], math.inf, 0.0, f"{who} mean |diff| per step",
+                             detail=f"{tr['reason']}: drift left every band at step {s}"))
+        return
+    first, last = by_step[tr["first_step"]]["mean_abs_diff"], by_step[tr["last_step"]]["mean_abs_diff"]
+    base = ", ".join(str(x) for x in tr["baseline_steps"])
+    out.append(Violation(
+        TREND_GATE, sc["name"], tr["slope"], tr["limit"], f"{who} slope of mean |diff| per step",
+        detail=(f"mean |diff| {first:.3g} at step {tr['first_step']} -> {last:.3g} at step {tr['last_step']} over "
+                f"{tr['steps']} steps, slope {tr['slope']:.3g} ± {tr['slope_se']:.3g} per step (limit {tr['z']:g} "
+                f"standard errors); first left the band {tr['baseline_mean']:.3g} ± {tr['band_k']:g} × "
+                f"{tr['noise']:.3g} of steps {base} at step {s} (mean |diff| {at:.3g})"),
+    ))
 
 
 def drift_headroom_hist(a: ScenarioAcc) -> dict[str, Any]:
@@ -969,9 +1126,12 @@ def finalize(
         violations = evaluate_summary(sc, a, th)
         skipped = {g["gate"] for g in sc["not_evaluated"]}
         evaluated = [g for g in GATES if g not in skipped]
+        if sc["trend"] is not None and sc["trend"]["evaluated"]:
+            evaluated.append(TREND_GATE)
         # Support gates over no captured position hold by definition (S_q is the vocabulary), and the
         # token check holds by the format's definition unless trainer_token_ids says otherwise: they judge nothing.
-        judged = [g for g in evaluated if GATE_INPUTS[g] not in (("kept",), ()) or (sc["captured_positions"] and g != "token_mismatch")]
+        judged = [g for g in evaluated if g == TREND_GATE or GATE_INPUTS[g] not in (("kept",), ())
+                  or (sc["captured_positions"] and g != "token_mismatch")]
         if not judged:
             violations.append(Violation(
                 "records_inputs", name, 0, 1, "gates the records could evaluate", "<",

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from parity.core.violation import Position
-from parity.records.steps import StepAcc, merge_steps
 from parity.errors import UsageError
+from parity.records.steps import StepAcc, merge_steps
 
 SUMMARY_VERSION = 4  # 4: per-step accumulators (parity.records.steps) in every scenario
 # Histogram of |diff|: bin 0 exact zeros, bin 1 below 1e-16, then 0.01-decade bins up to 1e4, then one

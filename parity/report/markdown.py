@@ -53,6 +53,63 @@ def glance_table(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+# A scenario's per-step table shows at most this many steps (the first and last halves); report.json has all.
+MAX_STEP_ROWS = 60
+
+
+def _trend_verdict(tr: dict[str, Any]) -> str:
+    if not tr.get("evaluated"):
+        return "not evaluated"
+    return "PASS" if tr.get("passed") else "FAIL"
+
+
+def steps_section(report: dict[str, Any]) -> list[str]:
+    """The training-log view (records with a ``step`` column): each scenario's trend of mean |diff| over steps
+    with the ``drift_trend`` verdict, then its per-step table. Empty when no scenario has steps."""
+    sc = [s for s in report["scenarios"] if s.get("per_step")]
+    if not sc:
+        return []
+    lines = [
+        "", "## Drift per step (training log)", "",
+        "Per scenario, the comparison its verdict follows (the trainer under test, else replay, else recompute): mean "
+        "|diff| per training step and its least-squares slope against step, with the slope's standard error (the larger "
+        "of the one from the per-step values' scatter about the line and the one from each step's per-token spread). "
+        "drift_trend fails when the slope exceeds its limit (z standard errors) and a step after the baseline steps lies "
+        "above the band, baseline mean + k × noise (docs/error_model.md, section 5).", "",
+        "| scenario | comparison | steps | slope per step | slope se | limit | band (baseline steps) | first step above "
+        "| drift_trend |",
+        "|---|---|---:|---:|---:|---:|---|---:|---|",
+    ]
+    for s in sc:
+        tr = s.get("trend") or {}
+        band = "—"
+        if isinstance(tr.get("baseline_mean"), (int, float)) and isinstance(tr.get("noise"), (int, float)):
+            base = ", ".join(str(x) for x in tr.get("baseline_steps", []))
+            band = f"{_fmt(tr['baseline_mean'])} ± {_fmt(tr['band_k'] * tr['noise'])} ({base})"
+        lines.append("| " + " | ".join(_fmt(x) for x in (
+            s["name"], tr.get("comparison"), tr.get("steps", 0), tr.get("slope"), tr.get("slope_se"), tr.get("limit"),
+            band, tr.get("first_step_outside"), _trend_verdict(tr) if tr else "not evaluated",
+        )) + " |")
+    if "drift_steps.png" in set(report.get("plots") or []):
+        lines += ["", "![mean |diff| per training step, its fitted line and band](drift_steps.png)"]
+    for s in sc:
+        steps = s["per_step"]
+        who = steps[0].get("comparison") or "no comparison"
+        lines += ["", f"### {s['name']}: per step ({who})", "",
+                  "| step | sequences | tokens | mean bias | mean abs diff | max headroom | support equal |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        shown = steps if len(steps) <= MAX_STEP_ROWS else steps[: MAX_STEP_ROWS // 2] + [None] + steps[-MAX_STEP_ROWS // 2:]
+        for e in shown:
+            if e is None:
+                lines.append(f"| … | | | | | | ({len(steps) - MAX_STEP_ROWS} more steps in report.json) |")
+                continue
+            lines.append("| " + " | ".join(_fmt(x) for x in (
+                e["step"], e["sequences"], e["tokens"], e["mean_bias"], e["mean_abs_diff"], e["max_headroom"],
+                e["support_equal_frac"],
+            )) + " |")
+    return lines
+
+
 def _headline(report: dict[str, Any]) -> str:
     """The verdict line; a records analysis that could not evaluate every gate says its PASS covers the others."""
     sc = report["scenarios"]
@@ -170,6 +227,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         )
     if "drift_hist.png" in plots:
         lines += ["", "![per-token drift of replay and recompute against its rounding bound](drift_hist.png)"]
+    lines += steps_section(report)
     lines += rl_report.markdown(report)
     det = report.get("determinism")
     if det:

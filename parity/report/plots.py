@@ -33,6 +33,41 @@ def _number(x: Any) -> float:
     return float(x) if isinstance(x, (int, float)) else math.nan
 
 
+def write_steps_plot(report: dict[str, Any], out: Path, plt: Any) -> bool:
+    """drift_steps.png: per scenario with a training-log view, mean |diff| per step, its least-squares line, the
+    band of the baseline steps and the first step above it (``drift_trend``); False when no scenario has steps."""
+    sc = [s for s in report["scenarios"] if s.get("per_step")]
+    if not sc:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, s in enumerate(sc):
+        color = f"C{i % 10}"
+        steps = [e["step"] for e in s["per_step"]]
+        means = [_number(e["mean_abs_diff"]) for e in s["per_step"]]
+        tr = s.get("trend") or {}
+        ax.plot(steps, means, "o-", color=color, markersize=3, linewidth=1,
+                label=f"{s['name']} ({tr.get('comparison') or s['per_step'][0].get('comparison') or 'n/a'})")
+        slope, icpt = _number(tr.get("slope")), _number(tr.get("intercept"))
+        if math.isfinite(slope) and math.isfinite(icpt):
+            ax.plot([steps[0], steps[-1]], [icpt + slope * steps[0], icpt + slope * steps[-1]], "--", color=color,
+                    linewidth=1)
+        lo, hi = _number(tr.get("band_lo")), _number(tr.get("band_hi"))
+        if math.isfinite(lo) and math.isfinite(hi):
+            ax.fill_between([steps[0], steps[-1]], lo, hi, color=color, alpha=0.12, linewidth=0)
+        first = tr.get("first_step_outside")
+        if first is not None and first in steps:
+            ax.plot([first], [means[steps.index(first)]], "x", color="black", markersize=9)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("mean |trainer − sampler| per token (nats)")
+    ax.set_title("Drift per training step: fitted line (dashed), baseline band (shaded), first step above it (x)",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "drift_steps.png", dpi=110)
+    plt.close(fig)
+    return True
+
+
 def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     try:
         import matplotlib
@@ -69,6 +104,8 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
         fig.savefig(out / "drift_hist.png", dpi=110)
         plt.close(fig)
         written.append("drift_hist.png")
+    if write_steps_plot(report, out, plt):
+        written.append("drift_steps.png")
     fig, ax = plt.subplots(figsize=(max(8, len(sc) * 0.45), 4.5))
     x = range(len(sc))
     ax.bar([i - 0.2 for i in x], [_number(s["log_s"]["mean"]) for s in sc], width=0.4, label="predicted log S (mean)")

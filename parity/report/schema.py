@@ -133,6 +133,18 @@ def report_schema() -> dict[str, Any]:
             },
             # Per trainer, each framework's metric and each IS-correction method (parity.core.rl).
             "rl_view": {"type": "object", "additionalProperties": {"type": "object", "required": ["metrics", "methods"]}},
+            # parity analyze on a training log (a step column): per step, and the trend drift_trend gates
+            # (parity.records.steps.StepEntry and DriftTrend).
+            "per_step": {"type": "array", "items": {
+                "type": "object",
+                "required": ["step", "tokens", "mean_bias", "mean_abs_diff", "max_headroom", "support_equal_frac"],
+                "properties": {"step": {"type": "integer"}, "tokens": {"type": "integer", "minimum": 0},
+                               "mean_bias": num, "mean_abs_diff": num, "max_headroom": {"type": ["number", "string", "null"]},
+                               "support_equal_frac": num, "by_comparison": {"type": "object"}},
+            }},
+            "trend": {"type": ["object", "null"], "required": [
+                "comparison", "steps", "slope", "slope_se", "limit", "baseline_steps", "band_lo", "band_hi",
+                "first_step_outside", "evaluated", "passed"]},
         },
     }
     return {

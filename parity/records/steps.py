@@ -1,0 +1,343 @@
+"""The training-log view of a records analysis: drift per training step, its trend, and the ``drift_trend`` gate.
+
+A rollout log spans many training steps (the records' ``step`` column). Per scenario and per step the
+analysis keeps, for each comparison the records hold (replay, recompute, the trainer under test), a
+few mergeable numbers (:class:`StepStream`, :class:`StepAcc`: counts, sums, the spread of ``|d|``, the
+largest headroom, the support counts), so the per-step state is a dict step -> small accumulators and
+the summary stays mergeable across batches, files and workers.
+
+From them :func:`drift_trend` fits the least-squares slope of mean ``|diff|`` against step and gates
+it: drift whose mean ``|diff|`` grows by more than its noise across steps fails, and the violation
+names the first step above the band of the first steps. The derivation and the choice of
+:data:`TREND_Z`, :data:`BAND_K` and :data:`MIN_STEPS` are in docs/error_model.md, section 5.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+TREND_GATE = "drift_trend"
+# The slope must exceed TREND_Z standard errors, and some step after the baseline must sit more than
+# BAND_K noise units above the baseline mean (docs/error_model.md, section 5, says why these values).
+TREND_Z = 4.0
+BAND_K = 3.0
+BASELINE_STEPS = 3  # the first steps, whose mean |diff| is the band's centre
+MIN_STEPS = 6  # below this the residual spread has under 4 degrees of freedom: the gate is not evaluated
+# The comparisons kept per step (summary stream names) and their names in the report.
+COMPARISONS = ("replay", "recompute", "user")
+REPORT_NAMES = {"replay": "replay", "recompute": "recompute", "user": "trainer_under_test"}
+# Which support equality belongs to each comparison: replay's gate (is the captured S_q the sampler's
+# whole support) for replay and the trainer under test, recompute's own for recompute.
+SUPPORT_OF = {"replay": "replay", "recompute": "recompute", "user": "replay"}
+NA = "n/a"  # as parity.records.summary.NA: the records do not hold the statistic's inputs
+EPS = float(np.finfo(np.float64).eps)
+
+
+# ==================================================================================================
+# the mergeable accumulators
+# ==================================================================================================
+
+
+@dataclass
+class StepStream:
+    """One comparison's differences ``d = trainer - sampler`` at one step.
+
+    ``n``/``total``/``total_abs``: every compared token (as :class:`parity.records.summary.DiffStream`
+    counts them: NaN as inf, equal infinities as 0); ``fin_*``: the count, mean and sum of squared
+    deviations of the finite ``|d|`` (for the per-token standard error of the step's mean |diff|);
+    ``head_n``/``headroom``: the tokens with a bound and their largest ``|d| / bound``.
+    """
+
+    n: int = 0
+    total: float = 0.0
+    total_abs: float = 0.0
+    fin_n: int = 0
+    fin_mean: float = 0.0
+    fin_m2: float = 0.0
+    head_n: int = 0
+    headroom: float = 0.0
+
+    def merge(self, o: StepStream) -> None:
+        self.n += o.n
+        self.total += o.total
+        self.total_abs += o.total_abs
+        if o.fin_n:
+            if self.fin_n == 0:
+                self.fin_n, self.fin_mean, self.fin_m2 = o.fin_n, o.fin_mean, o.fin_m2
+            else:
+                n = self.fin_n + o.fin_n
+                delta = o.fin_mean - self.fin_mean
+                # Written symmetrically in the two sides, so a merge gives the same bits either way round.
+                self.fin_mean = (self.fin_n * self.fin_mean + o.fin_n * o.fin_mean) / n
+                self.fin_m2 = self.fin_m2 + o.fin_m2 + delta * delta * (self.fin_n * o.fin_n / n)
+                self.fin_n = n
+        self.head_n += o.head_n
+        self.headroom = max(self.headroom, o.headroom)
+
+    @property
+    def mean_bias(self) -> float:
+        return self.total / self.n if self.n else 0.0
+
+    @property
+    def mean_abs(self) -> float:
+        return self.total_abs / self.n if self.n else 0.0
+
+    @property
+    def abs_se(self) -> float:
+        """Per-token standard error of the step's mean |diff|: the sample sd of |d| over sqrt(n) (0 for one token)."""
+        if self.fin_n < 2:
+            return 0.0
+        return math.sqrt(max(self.fin_m2, 0.0) / (self.fin_n - 1) / self.fin_n)
+
+    def to_json(self) -> list[Any]:
+        return [self.n, self.total, self.total_abs, self.fin_n, self.fin_mean, self.fin_m2, self.head_n, self.headroom]
+
+    @classmethod
+    def from_json(cls, v: Sequence[Any]) -> StepStream:
+        return cls(int(v[0]), float(v[1]), float(v[2]), int(v[3]), float(v[4]), float(v[5]), int(v[6]), float(v[7]))
+
+
+@dataclass
+class StepAcc:
+    """What one scenario's per-step view needs at one step: sizes, a :class:`StepStream` per comparison,
+    and the replay (captured S_q complete) and recompute (same support) equality counts."""
+
+    sequences: int = 0
+    tokens: int = 0
+    streams: dict[str, StepStream] = field(default_factory=lambda: {k: StepStream() for k in COMPARISONS})
+    replay_ok: int = 0
+    replay_n: int = 0
+    recompute_eq: int = 0
+    recompute_n: int = 0
+
+    COUNTS = ("sequences", "tokens", "replay_ok", "replay_n", "recompute_eq", "recompute_n")
+
+    def merge(self, o: StepAcc) -> None:
+        for k in self.COUNTS:
+            setattr(self, k, getattr(self, k) + getattr(o, k))
+        for k in COMPARISONS:
+            self.streams[k].merge(o.streams[k])
+
+    def support(self, which: str) -> tuple[int, int]:
+        return (self.replay_ok, self.replay_n) if which == "replay" else (self.recompute_eq, self.recompute_n)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**{k: getattr(self, k) for k in self.COUNTS},
+                "streams": {k: s.to_json() for k, s in self.streams.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> StepAcc:
+        return cls(**{k: int(d[k]) for k in cls.COUNTS},
+                   streams={k: StepStream.from_json(v) for k, v in d["streams"].items()})
+
+
+def merge_steps(into: dict[int, StepAcc], other: dict[int, StepAcc]) -> None:
+    """Add ``other``'s per-step accumulators to ``into`` (steps it lacks are copied, never shared)."""
+    for step, acc in other.items():
+        if step not in into:
+            into[step] = StepAcc()
+        into[step].merge(acc)
+
+
+def grouped_streams(slot: np.ndarray, n_slots: int, d: np.ndarray) -> list[StepStream]:
+    """One :class:`StepStream` per slot (step) from the differences ``d`` of tokens whose slot is ``slot``.
+
+    ``d``: finite-pair differences (:func:`parity.records.summary._finite_pair`); a slot's sums are
+    float64 sums in token order.
+    """
+    n = np.bincount(slot, minlength=n_slots)
+    ad = np.abs(d)
+    with np.errstate(invalid="ignore"):
+        total = np.bincount(slot, weights=d, minlength=n_slots)
+        total_abs = np.bincount(slot, weights=ad, minlength=n_slots)
+    fin = np.isfinite(ad)
+    fs, fa = slot[fin], ad[fin]
+    fn = np.bincount(fs, minlength=n_slots)
+    fmean = np.bincount(fs, weights=fa, minlength=n_slots) / np.maximum(fn, 1)
+    fm2 = np.bincount(fs, weights=(fa - fmean[fs]) ** 2, minlength=n_slots)
+    return [StepStream(int(n[i]), float(total[i]), float(total_abs[i]), int(fn[i]), float(fmean[i]) if fn[i] else 0.0,
+                       float(fm2[i])) for i in range(n_slots)]
+
+
+def grouped_headroom(slot: np.ndarray, n_slots: int, key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per slot: how many tokens carry a headroom key (``|d| / bound``) and the largest (0 where none)."""
+    count = np.bincount(slot, minlength=n_slots)
+    top = np.zeros(n_slots, dtype=np.float64)
+    if key.size:
+        np.maximum.at(top, slot, np.where(np.isnan(key), math.inf, key))
+    return count, top
+
+
+# ==================================================================================================
+# the report: per-step entries and the trend
+# ==================================================================================================
+
+
+@dataclass(frozen=True)
+class StepComparison:
+    """One comparison at one step, in the report (``n/a``: the records do not hold it; ``max_headroom``
+    None: no per-token bound)."""
+
+    tokens: int
+    mean_bias: float | str
+    mean_abs_diff: float | str
+    max_headroom: float | None
+    support_equal_frac: float | str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> StepComparison:
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    """One step of a scenario's ``per_step`` list. The flat statistics are those of ``comparison`` (the
+    one the trend gates: the trainer under test where the records hold one, else replay, else recompute);
+    ``by_comparison`` has every comparison the records hold."""
+
+    step: int
+    sequences: int
+    tokens: int
+    comparison: str | None
+    compared_tokens: int
+    mean_bias: float | str
+    mean_abs_diff: float | str
+    max_headroom: float | None
+    support_equal_frac: float | str
+    by_comparison: dict[str, StepComparison]
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k != "by_comparison"}
+        out["by_comparison"] = {k: v.to_json() for k, v in self.by_comparison.items()}
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> StepEntry:
+        return cls(**{**d, "by_comparison": {k: StepComparison.from_json(v) for k, v in d["by_comparison"].items()}})
+
+
+@dataclass(frozen=True)
+class DriftTrend:
+    """The least-squares trend of a comparison's mean |diff| over steps, and the ``drift_trend`` verdict.
+
+    ``slope`` is in nats per token per training step (the unit of the records' step numbers);
+    ``slope_se`` is the larger of ``slope_se_residual`` (from the per-step values' scatter about the
+    fitted line) and ``slope_se_tokens`` (from each step's per-token spread of |d|), so neither a lucky
+    line through few steps nor correlated tokens claim more resolution than the data has. ``limit`` is
+    ``z * slope_se``, the smallest slope the gate detects (its resolution). ``band_lo``/``band_hi`` are
+    the baseline mean (``baseline_steps``) ± ``band_k * noise``; ``first_step_outside`` the first later
+    step whose mean |diff| is above it. ``passed`` is None when the gate was not evaluated (``reason``).
+    """
+
+    comparison: str
+    steps: int
+    first_step: int | None
+    last_step: int | None
+    slope: float | None
+    intercept: float | None
+    slope_se: float | None
+    slope_se_residual: float | None
+    slope_se_tokens: float | None
+    z: float
+    limit: float | None
+    baseline_steps: tuple[int, ...]
+    baseline_mean: float | None
+    noise: float | None
+    band_k: float
+    band_lo: float | None
+    band_hi: float | None
+    first_step_outside: int | None
+    evaluated: bool
+    passed: bool | None
+    reason: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.evaluated and self.passed is False
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["baseline_steps"] = list(self.baseline_steps)
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> DriftTrend:
+        return cls(**{**d, "baseline_steps": tuple(d["baseline_steps"])})
+
+
+def _over(value: float, limit: float) -> bool:
+    return not (value <= limit)  # NaN fails
+
+
+def drift_trend(
+    steps: Sequence[int], means: Sequence[float], token_se: Sequence[float], comparison: str, *,
+    tokens: Sequence[int] | None = None, z: float = TREND_Z, band_k: float = BAND_K,
+    baseline: int = BASELINE_STEPS, min_steps: int = MIN_STEPS,
+) -> DriftTrend:
+    """Fit mean |diff| (``means``, one per step, ascending ``steps``) against step and judge its growth.
+
+    ``token_se``: each step's per-token standard error of its mean; ``tokens``: each step's token count
+    (the float64 rounding floor of the noise). The gate fails when ``slope > z * slope_se`` and some step
+    after the first ``baseline`` ones lies above ``baseline mean + band_k * noise``, ``noise`` being the
+    larger of the residual sd about the line and the steps' rms per-token standard error. Evaluated only
+    with at least ``min_steps`` steps; with fewer, what can be fitted is still reported.
+    """
+    x = np.asarray(steps, dtype=np.float64)
+    y = np.asarray(means, dtype=np.float64)
+    se = np.asarray(token_se, dtype=np.float64)
+    n = int(x.size)
+    if not (baseline >= 1 and min_steps > baseline):
+        raise ValueError(f"drift_trend: baseline={baseline}, min_steps={min_steps}: allowed 1 <= baseline < min_steps")
+    if n and bool(np.any(np.diff(x) <= 0)):
+        raise ValueError("drift_trend: steps must be strictly ascending")
+    base_steps = tuple(int(s) for s in steps[:baseline]) if n > baseline else ()
+    empty: dict[str, Any] = dict(slope=None, intercept=None, slope_se=None, slope_se_residual=None, slope_se_tokens=None,
+                                 limit=None, baseline_mean=None, noise=None, band_lo=None, band_hi=None,
+                                 first_step_outside=None)
+    common: dict[str, Any] = dict(comparison=comparison, steps=n, z=z, band_k=band_k,
+                                  first_step=int(steps[0]) if n else None, last_step=int(steps[-1]) if n else None)
+    bad = np.flatnonzero(~np.isfinite(y))
+    if bad.size:
+        # An infinite (or NaN) mean |diff| is drift beyond any band: the gate fails at that step.
+        s = int(steps[int(bad[0])])
+        return DriftTrend(**common, **{**empty, "first_step_outside": s}, baseline_steps=base_steps, evaluated=True,
+                          passed=False, reason=f"mean |diff| is not finite at step {s}")
+    fit: dict[str, Any] = dict(empty)
+    if n >= 2:
+        xc = x - x.mean()
+        sxx = float(xc @ xc)
+        slope = float(xc @ (y - y.mean())) / sxx
+        intercept = float(y.mean() - slope * x.mean())
+        resid = y - (intercept + slope * x)
+        s_res = math.sqrt(float(resid @ resid) / (n - 2)) if n > 2 else math.nan
+        se_tok = math.sqrt(float((xc * xc) @ (se * se))) / sxx
+        # Float64 rounding of the steps' sums: a floor, so exactly flat values never read as a trend.
+        most = int(max(tokens)) if tokens is not None and len(tokens) else 1
+        floor = EPS * max(most, 1) * float(np.max(np.abs(y)))
+        noise = max(s_res if n > 2 else 0.0, math.sqrt(float(np.mean(se * se))), floor)
+        slope_se = max(s_res / math.sqrt(sxx) if n > 2 else 0.0, se_tok, floor / math.sqrt(sxx))
+        fit.update(slope=slope, intercept=intercept, slope_se=slope_se,
+                   slope_se_residual=s_res / math.sqrt(sxx) if n > 2 else None, slope_se_tokens=se_tok,
+                   limit=z * slope_se, noise=noise)
+        if n > baseline:
+            mu0 = float(np.mean(y[:baseline]))
+            hi = mu0 + band_k * noise
+            out = [int(s) for s, m in zip(steps[baseline:], y[baseline:], strict=True) if _over(float(m), hi)]
+            fit.update(baseline_mean=mu0, band_lo=mu0 - band_k * noise, band_hi=hi,
+                       first_step_outside=out[0] if out else None)
+    if n < min_steps:
+        why = (f"{n} step(s) with {comparison} values"
+               + (f" ({', '.join(str(int(s)) for s in steps[:8])}{' ...' if n > 8 else ''})" if n else "")
+               + f": the trend gate needs at least {min_steps} (the first {baseline} are its baseline, and fewer "
+               f"steps leave the residual spread under {min_steps - 2} degrees of freedom)")
+        return DriftTrend(**common, **fit, baseline_steps=base_steps, evaluated=False, passed=None, reason=why)
+    fails = _over(fit["slope"], fit["limit"]) and fit["first_step_outside"] is not None
+    return DriftTrend(**common, **fit, baseline_steps=base_steps, evaluated=True, passed=not fails)

@@ -6,7 +6,7 @@
     python ci/mutation.py --sample tenth          # a tenth of every module's mutants (a quick look)
 
 mutmut (configured under ``[tool.mutmut]`` in pyproject.toml) copies parity/ and tests/ into mutants/,
-writes every mutant of the listed core modules into that copy, records which unit test reaches which
+with the checkout files the tests read (``also_copy``: README.md, fixtures/), writes every mutant of the listed core modules into that copy, records which unit test reaches which
 function, then runs each mutant against only the tests that reach it. A mutant is *killed* when a test
 fails, *survived* when every test still passes: a change to the core that no fast test notices.
 

@@ -35,7 +35,7 @@ class RunConfig:
     thresholds: Thresholds = field(default_factory=Thresholds)
     faults: TrainerFaults = field(default_factory=TrainerFaults)
     capture_head: int | None = None
-    full_vocab_limit: int = 4096
+    max_capture_head: int = 4096  # widest top-K head asked per position (parity.core.capture.DEFAULT_MAX_HEAD)
     timeout_s: float = 900.0
     prefix_caching: bool = False
     trainer: Any = None  # trainer under test: "full" | "recompute" | "replay" | "module:function"
@@ -80,12 +80,12 @@ class ScenarioResult:
 
 
 def wants_sampler_log_s(rollout: Any, sc: Scenario, cfg: RunConfig) -> bool:
-    """A raw-logits pass is run when it can give the whole row: offline engine, vocabulary captured in full."""
+    """A raw-logits pass is run when it can give the whole row: offline engine, vocabulary within the capture cap."""
     return (
         cfg.sampler_log_s
         and not cfg.server
         and sc.spec.effective().filtered
-        and rollout.vocab_size <= cfg.full_vocab_limit
+        and rollout.vocab_size <= cfg.max_capture_head
     )
 
 
@@ -115,8 +115,6 @@ def score_scenario(rollout: Any, trainer: Any, sc: Scenario, cfg: RunConfig, raw
 
     ``raw``: the raw-logits engine for the sampler-side log S (see :func:`wants_sampler_log_s`).
     """
-    from parity.core.capture import plan_capture
-
     t0 = time.perf_counter()
     prompts = make_prompts(trainer.tokenizer(), sc.prompts)
     rollout.head = sc.capture_head if sc.capture_head is not None else cfg.capture_head
@@ -129,9 +127,9 @@ def score_scenario(rollout: Any, trainer: Any, sc: Scenario, cfg: RunConfig, raw
     if cfg.trainer:
         score_trainer_under_test(table, records, logits, sc, cfg.trainer, trainer)
     summary = summarize(table)
-    plan = plan_capture(sc.spec, rollout.vocab_size, head=rollout.head, tie_margin=rollout.tie_margin,
-                        full_vocab_limit=rollout.full_vocab_limit)
-    summary["capture_plan"] = {"logprobs": plan.logprobs, "reason": plan.reason}
+    # What the capture did (parity.core.capture.CaptureStats): the head it started with, what it widened,
+    # the largest |S_q| met, positions unproven at the cap, resamples that came back different.
+    summary["capture_plan"] = rollout.last_capture.to_dict()
     summary["dtypes"] = {"sampler": dtypes[0], "trainer": dtypes[1]}
     if raw_pass is not None:
         summary["sampler_log_s"]["raw_logits_pass"] = raw_pass
@@ -213,6 +211,7 @@ def run(cfg: RunConfig, progress: Callable[[str], None] = _progress, pool: Engin
 
 
 def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: EnginePool | None, state: Any) -> dict[str, Any]:
+    from parity.core.capture import CaptureHistory
     from parity.core.matrix import pair_coverage
     from parity.core.rl import catalogue as rl_catalogue
     from parity.determinism.checks import check_rollout_invariance, check_trainer_invariance
@@ -228,11 +227,15 @@ def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: 
     # Scenarios run grouped by model so that each engine starts once, then are reported in matrix order.
     order = sorted(range(len(matrix.scenarios)), key=lambda i: (matrix.scenarios[i].model or cfg.model) != cfg.model)
     by_index: dict[int, dict[str, Any]] = {}
+    fresh: set[int] = set()
     try:
         for done, idx in enumerate(order, start=1):
             sc = matrix.scenarios[idx]
             model_name = sc.model or cfg.model
             rollout, trainer = pool.get(model_name, cfg, progress)
+            if id(rollout) not in fresh:  # start heads learnt within this run only (the pool may outlive it)
+                rollout.capture_history = CaptureHistory()
+                fresh.add(id(rollout))
             raw = pool.raw(model_name, cfg, progress) if wants_sampler_log_s(rollout, sc, cfg) else None
             # The trainer-side knobs (the CPU kernels; eager attention elsewhere) need the model, so they nest
             # around scoring.
@@ -258,6 +261,8 @@ def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: 
                 f"({s['headroom']['replay']:.2f} of its bound)  "
                 f"({s['tokens']} tokens, {res.seconds:.1f} s)"
             )
+            if s["capture_plan"].get("adaptive"):
+                progress(f"    {rollout.last_capture.summary()}")
         determinism = None
         if cfg.invariance:
             rollout, trainer = pool.get(cfg.model, cfg, progress)

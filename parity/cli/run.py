@@ -34,7 +34,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--thresholds", type=Path, default=None, help="TOML file with a [thresholds] table")
     p.add_argument("--gate", action="append", default=[], metavar="NAME=VALUE", help="override one threshold")
     p.add_argument("--capture-head", type=int, default=None, help="force the top-K capture head (-1: full vocabulary)")
-    p.add_argument("--full-vocab-limit", type=int, default=4096, help="largest vocabulary captured in full for top_p/min_p-only specs")
+    p.add_argument(
+        "--max-capture-head",
+        type=int,
+        default=4096,
+        help="widest top-K head asked per position: the cap of adaptive captures (top_p/min_p without top_k); "
+        "vocabularies up to it are captured in full and get the raw-logits log S pass (default 4096)",
+    )
+    # Gone: top_p/min_p without top_k are captured adaptively now; the old flag gets an error that says so.
+    p.add_argument("--full-vocab-limit", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds any one engine call may take")
     p.add_argument("--plant", choices=sorted(FAULTS), default=None, help="plant a trainer-side fault (self-test of the gates)")
     p.add_argument("--prefix-caching", action="store_true", help="let vLLM reuse cached KV blocks across scenarios (off: order-independent results)")
@@ -104,6 +112,13 @@ def thresholds_from_args(path: Path | None, gates: list[str], dtype: str) -> Thr
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
+    if args.full_vocab_limit is not None:
+        raise UsageError(
+            f"--full-vocab-limit={args.full_vocab_limit} is gone: top_p/min_p without top_k are captured with an "
+            f"adaptive top-K head now; --max-capture-head caps that head (default 4096)"
+        )
+    if args.max_capture_head < 2:
+        raise UsageError(f"--max-capture-head={args.max_capture_head} is invalid: allowed an integer >= 2")
     from parity.core.error_model import UNIT_ROUNDOFF
 
     trainer_dtype = args.trainer_dtype or args.dtype
@@ -125,7 +140,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         thresholds=th,
         faults=FAULTS[args.plant] if args.plant else TrainerFaults(),
         capture_head=args.capture_head,
-        full_vocab_limit=args.full_vocab_limit,
+        max_capture_head=args.max_capture_head,
         timeout_s=args.timeout,
         prefix_caching=args.prefix_caching,
         server=args.server,

@@ -1,44 +1,106 @@
-"""Capturing the sampler's kept set S_q from top-K processed log-probs, with completeness checks.
+"""Capturing the sampler's kept set S_q from top-K processed log-probs, with completeness proofs.
 
 vLLM returns, per generated position, the sampled token's processed log-prob followed by the top-K
-processed log-probs (sorted descending). Under ``processed_logprobs`` a token off the support has
-log-prob ``-inf``, so the finite entries of the head are S_q — *when the head holds the whole
-support*. If every one of the K entries is finite and K < V, tokens beyond the head may also be kept
-(most often a tie with the k-th value, which top_k keeps): that position is flagged incomplete and
-counted, never guessed.
+processed log-probs, sorted descending (``Sampler.gather_logprobs``: ``torch.topk`` over the processed
+row). Under ``processed_logprobs`` a token off the support has log-prob ``-inf``, so the finite entries
+of the head are S_q *when the head holds the whole support*: a head whose last entry is ``-inf``
+proves it (every token after it is ``-inf`` too); a head of K finite entries on a partial vocabulary
+may hide more kept tokens, and that position is flagged incomplete and counted, never guessed.
 
-Head-size rules:
-* top_k set: K >= top_k is required; a margin above top_k lets ties at the k-th value be captured.
-* top_p or min_p without top_k: the support can be most of the vocabulary, so the head must be the
-  full vocabulary (``logprobs=-1``). That is affordable for small vocabularies only; above
-  ``full_vocab_limit`` the harness refuses and asks for a top_k cap instead.
+Head-size rules (:func:`plan_capture`; the derivation is in docs/capture_plan.md):
+
+* top_k set: K = top_k + a tie margin (ties at the k-th value are kept, so |S_q| can exceed k).
+* top_p or min_p without top_k: an *adaptive* plan. Generation starts with a head chosen from the
+  spec (and from what earlier calls with the same or a stricter spec needed,
+  :class:`CaptureHistory`); every sequence with an unproven position is asked again with a wider
+  head and the same seed (:func:`run_capture`), up to a cap (``max_head``, or the vocabulary when it
+  is smaller). Positions still unproven at the cap are counted, never guessed.
 * no filter (or greedy): S_q is the whole vocabulary by definition; nothing is captured.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
 from parity.core.spec import SamplingSpec
-from parity.errors import UsageError
+from parity.errors import EngineError, UsageError
 
 FULL_VOCAB = -1  # vLLM's "logprobs=-1": every token of the vocabulary
 NEG_INF = float("-inf")
+DEFAULT_MAX_HEAD = 4096  # the widest head an adaptive plan asks for (--max-capture-head)
+GROWTH = 4  # an unproven sequence is asked again with (at least) this many times the head
+MIN_HEAD = 16  # the narrowest start of an adaptive plan
+SMALL_VOCAB = 1024  # up to this vocabulary, top_p/min_p without top_k read the whole row at once
+# top_p alone: the start by temperature (see start_head); a narrow nucleus (top_p <= 0.5) starts small.
+TOP_P_START_COLD, TOP_P_START, TOP_P_START_NARROW = 1024, 4096, 64
+MIN_P_START_FACTOR = 4  # min_p alone: start at 4 / min_p (rounded up to a power of two)
+# Below the head's processed mass, tolerance for float32 rounding of the values before the tail bound
+# of :func:`support_lower_bound` counts missing tokens (a sum of float32 probabilities can be off by
+# about 1e-5 on wide rows; the bound only skips ahead, it never proves anything).
+MASS_SLACK = 1e-4
 
 
 @dataclass(frozen=True)
 class CapturePlan:
-    """How many processed log-probs to request per position, and why."""
+    """How many processed log-probs to request per position, and why.
+
+    ``max_head`` marks an adaptive plan (top_p or min_p without top_k): ``logprobs`` is the head it
+    starts with, and unproven sequences are asked again up to ``max_head`` (``FULL_VOCAB`` when the cap
+    is the whole vocabulary).
+    """
 
     logprobs: int | None  # None: sampled token only (logprobs=0); -1: full vocabulary; K: top-K
     reason: str
+    max_head: int | None = None
+    growth: int = GROWTH
 
     @property
     def captures_support(self) -> bool:
         return self.logprobs is not None and self.logprobs != 0
+
+    @property
+    def adaptive(self) -> bool:
+        return self.max_head is not None
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def start_head(spec: SamplingSpec) -> int:
+    """The head an adaptive plan starts with, from the spec alone (before any history).
+
+    min_p keeps tokens with p >= min_p * p_max, so a row keeps at most 1 / (min_p * p_max) of them:
+    4 / min_p covers rows whose top token has p_max >= 1/4. top_p has no such bound, and a sequence
+    needs the head of its widest position: on SmolLM2-135M at T=1, top_p=0.9 the nucleus was 25
+    tokens at the median position but 235 to 2,827 at each sequence's widest (192 positions), at
+    T=0.7 at most 271. A head entry costs about 0.5 us on CPU and a second generation about what the
+    first did, so top_p starts wide: 4096 at T >= 1, 1024 below, 64 for a narrow nucleus
+    (top_p <= 0.5); docs/capture_plan.md has the measurements.
+    """
+    spec = spec.effective()
+    starts = []
+    if spec.uses_top_p:
+        if spec.top_p <= 0.5:
+            starts.append(TOP_P_START_NARROW)
+        else:
+            starts.append(TOP_P_START if spec.temperature >= 1.0 else TOP_P_START_COLD)
+    if spec.uses_min_p:
+        starts.append(_pow2_at_least(math.ceil(MIN_P_START_FACTOR / spec.min_p)))
+    return max(MIN_HEAD, min(starts)) if starts else MIN_HEAD
+
+
+def _check_max_head(max_head: int) -> None:
+    if isinstance(max_head, bool) or not isinstance(max_head, int) or max_head < 2:
+        raise UsageError(
+            f"max capture head={max_head!r} is invalid: allowed an integer >= 2 (a head proves itself complete "
+            f"only by ending in a dropped token, so it needs room for one)"
+        )
 
 
 def plan_capture(
@@ -47,13 +109,20 @@ def plan_capture(
     *,
     head: int | None = None,
     tie_margin: int = 16,
-    full_vocab_limit: int = 4096,
+    max_head: int = DEFAULT_MAX_HEAD,
+    start: int | None = None,
+    suggested: int | None = None,
 ) -> CapturePlan:
     """Choose the head size K for ``spec`` on a vocabulary of ``vocab_size``.
 
-    ``head`` forces K (validated: K >= top_k when top_k is set). Raises ``ValueError`` naming the
-    field when the spec cannot be captured exactly with the allowed head.
+    ``head`` forces K (validated: K >= top_k when top_k is set; a forced head is never widened).
+    ``max_head`` caps K: an adaptive plan widens up to it, and a top_k plan that needs more is
+    refused. ``start`` sets the head an adaptive plan starts with; without it the plan starts from
+    ``suggested`` (what a :class:`CaptureHistory` suggests) or :func:`start_head`, and a vocabulary of
+    at most ``SMALL_VOCAB`` tokens is read whole at once. Raises :class:`~parity.errors.UsageError` naming the field when
+    the spec cannot be captured within the allowed head.
     """
+    _check_max_head(max_head)
     spec = spec.effective()
     if not spec.filtered:
         return CapturePlan(None, "no filter: the support is the whole vocabulary")
@@ -72,16 +141,309 @@ def plan_capture(
     if k is not None:
         kk = k + tie_margin
         if kk >= vocab_size:
-            return CapturePlan(FULL_VOCAB, f"top_k={k} + tie margin covers the vocabulary")
-        return CapturePlan(kk, f"top_k={k} + {tie_margin} to catch ties at the k-th value")
-    if vocab_size <= full_vocab_limit:
-        return CapturePlan(FULL_VOCAB, f"top_p/min_p without top_k: full vocabulary (V={vocab_size})")
-    raise UsageError(
-        f"spec {spec.label()} filters with top_p/min_p but sets no top_k on a vocabulary of {vocab_size} "
-        f"tokens: capturing S_q exactly needs the full vocabulary per position (logprobs=-1), above the "
-        f"limit full_vocab_limit={full_vocab_limit}. Set top_k (e.g. top_k=64) to cap the support, or "
-        f"raise the limit (--full-vocab-limit) and accept the cost"
+            plan = CapturePlan(FULL_VOCAB, f"top_k={k} + tie margin covers the vocabulary")
+        else:
+            plan = CapturePlan(kk, f"top_k={k} + {tie_margin} to catch ties at the k-th value")
+        need = vocab_size if plan.logprobs == FULL_VOCAB else kk
+        if need > max_head:
+            raise UsageError(
+                f"spec {spec.label()} needs a capture head of {need} (top_k={k} + {tie_margin} for ties"
+                f"{', the whole vocabulary' if plan.logprobs == FULL_VOCAB else ''}), above the cap "
+                f"max_head={max_head}: raise --max-capture-head to {need} or more, or lower top_k"
+            )
+        return plan
+    if not (spec.uses_top_p or spec.uses_min_p):
+        # top_k >= V alone keeps every token: S_q is the whole vocabulary, provable only by reading all of it.
+        if vocab_size > max_head:
+            raise UsageError(
+                f"spec {spec.label()} keeps the whole vocabulary (top_k={spec.top_k} >= V={vocab_size}): its "
+                f"support is every token, and capturing it needs logprobs=-1, above the cap max_head={max_head}: "
+                f"drop top_k (the spec is then unfiltered) or raise --max-capture-head to {vocab_size}"
+            )
+        return CapturePlan(FULL_VOCAB, f"top_k={spec.top_k} >= V={vocab_size}: full vocabulary")
+    cap = FULL_VOCAB if max_head >= vocab_size else max_head
+    if start is not None:
+        k0 = max(2, int(start))
+    else:
+        k0 = max(2, int(suggested)) if suggested is not None else start_head(spec)
+        if vocab_size <= SMALL_VOCAB and cap == FULL_VOCAB:
+            k0 = vocab_size
+    what = "top_p/min_p without top_k"
+    if k0 >= vocab_size:
+        return CapturePlan(FULL_VOCAB, f"{what}: full vocabulary (V={vocab_size})", max_head=FULL_VOCAB)
+    if cap != FULL_VOCAB:
+        k0 = min(k0, cap)
+    if k0 == cap:
+        return CapturePlan(k0, f"{what}: adaptive, top-{k0} first, which is the cap max_head={cap}: positions it "
+                           f"does not prove are flagged", max_head=cap)
+    cap_text = f"the vocabulary (V={vocab_size})" if cap == FULL_VOCAB else f"max_head={cap}"
+    return CapturePlan(
+        k0,
+        f"{what}: adaptive, top-{k0} first, sequences with an unproven position asked again with "
+        f"x{GROWTH} the head and the same seed, up to {cap_text}",
+        max_head=cap,
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# the adaptive capture loop (engine-free: the engine is a callable)
+
+
+def _head_complete(values: Sequence[float], *, full: bool, vocab_size: int) -> bool:
+    """The sentinel proof: the head ends in a dropped token (some entry is -inf), or it is the vocabulary."""
+    return full or len(values) >= vocab_size or NEG_INF in values
+
+
+def support_lower_bound(values: Sequence[float]) -> int:
+    """A lower bound on |S_q| at a position whose head of K processed log-probs is all finite.
+
+    Every token beyond the head has a processed probability no larger than the head's smallest, and
+    together they hold what the head misses of the mass 1: at least ``(1 - mass - MASS_SLACK) / p_min``
+    of them. The bound only lets a plan skip ahead (or stop before a head that cannot suffice); it
+    never proves a position complete.
+    """
+    if not values:
+        return 0
+    mass = math.fsum(math.exp(v) for v in values)
+    p_min = math.exp(min(values))
+    rest = 1.0 - mass - MASS_SLACK
+    if rest <= 0.0:
+        return len(values)
+    if p_min <= 0.0:
+        return 2**62
+    return len(values) + math.ceil(rest / p_min)
+
+
+@dataclass
+class Heads:
+    """One sequence as the engine returned it: sampled tokens and, per position, the top-K head.
+
+    ``head_ids`` / ``head_logprobs`` exclude the sampled entry; ``payload`` is the engine's own object
+    for the sequence (a ``CompletionOutput``, a JSON answer), handed back to the adapter untouched.
+    """
+
+    completion_ids: list[int]
+    sampled_logprobs: list[float]
+    head_ids: list[list[int]]
+    head_logprobs: list[list[float]]
+    payload: Any = None
+
+
+# ask(indices, heads) -> one Heads per index: sample sequences ``indices`` again (same seeds) with
+# ``heads[j]`` processed log-probs per position (0: none, -1: the vocabulary).
+AskFn = Callable[[list[int], list[int]], list[Heads]]
+
+
+@dataclass
+class CaptureStats:
+    """What a capture did, for report.json's ``capture_plan`` (one scenario, or one TRL generation batch)."""
+
+    logprobs: int | None  # the head asked first (-1: the vocabulary; None: sampled token only)
+    reason: str
+    adaptive: bool = False
+    max_head: int | None = None  # adaptive cap (-1: the vocabulary)
+    sequences: int = 0
+    positions: int = 0
+    rounds: int = 0  # widening rounds after the first generation
+    asks: list[dict[str, int]] = field(default_factory=list)  # per round: sequences asked again, widest head
+    unproven_positions: int = 0  # positions the first generation did not prove complete
+    widened_sequences: int = 0  # sequences asked again with a wider head
+    widened_positions: int = 0  # their positions that the first generation had not proven
+    largest_support: int = 0  # the largest |S_q| met at a position proven complete
+    widest_head: int = 0  # the largest head asked (-1: the vocabulary)
+    incomplete_positions: int = 0  # still unproven at the end: counted, reported and gated, never guessed
+    beyond_cap_positions: int = 0  # of those, positions whose head's mass shows the support exceeds the cap
+    resampled_differently: int = 0  # sequences whose second draw differed (their first capture is kept)
+    resampled_prompts: list[int] = field(default_factory=list)
+    support_changed_positions: int = 0  # proven in both draws of the same tokens, with different kept sets
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CaptureStats:
+        return cls(**data)
+
+    def summary(self) -> str:
+        """One line for progress output and report.md."""
+        if not self.adaptive:
+            return f"capture: {self.reason}"
+        cap = "V" if self.max_head == FULL_VOCAB else str(self.max_head)
+        start = "V" if self.logprobs == FULL_VOCAB else str(self.logprobs)
+        text = (f"capture: adaptive, start K={start}, cap {cap}; widened {self.widened_sequences}/{self.sequences} "
+                f"sequences ({self.widened_positions} positions) in {self.rounds} round(s); largest |S_q| "
+                f"{self.largest_support}; incomplete at the cap {self.incomplete_positions}")
+        if self.beyond_cap_positions:
+            text += f" ({self.beyond_cap_positions} beyond it)"
+        if self.resampled_differently:
+            text += f"; {self.resampled_differently} resample(s) came back different"
+        return text
+
+
+@dataclass
+class CaptureResult:
+    heads: list[Heads]
+    requested: list[int]  # per sequence: the head its kept heads were asked with (0: none)
+    stats: CaptureStats
+
+
+def _as_k(k: int, vocab_size: int) -> int:
+    return vocab_size if k == FULL_VOCAB else k
+
+
+def _status(h: Heads, requested: int, vocab_size: int) -> tuple[list[bool], int]:
+    """Per position: proven complete; and the widest support proven in this sequence."""
+    full = requested == FULL_VOCAB or requested >= vocab_size
+    done, widest = [], 0
+    for vals in h.head_logprobs:
+        ok = _head_complete(vals, full=full, vocab_size=vocab_size)
+        done.append(ok)
+        if ok:
+            widest = max(widest, len(vals) - vals.count(NEG_INF))
+    return done, widest
+
+
+def _finite_ids(ids: Sequence[int], vals: Sequence[float]) -> set[int]:
+    return {int(i) for i, v in zip(ids, vals, strict=True) if v != NEG_INF}
+
+
+def run_capture(
+    plan: CapturePlan,
+    n: int,
+    ask: AskFn,
+    *,
+    vocab_size: int,
+    spec: SamplingSpec | None = None,
+    history: CaptureHistory | None = None,
+) -> CaptureResult:
+    """Generate ``n`` sequences under ``plan`` through ``ask``; widen adaptive plans until proven or capped.
+
+    A fixed plan asks once. An adaptive plan asks every sequence with its start head, proves each
+    position by the sentinel (:func:`_head_complete`), and asks the sequences with an unproven
+    position again (same seeds: ``ask`` owns them) with ``growth`` times the head, or more where the
+    head's mass shows more is needed (:func:`support_lower_bound`), until every position is proven or
+    the head reaches ``plan.max_head``. A sequence whose second draw differs from its first keeps its
+    first capture (its unproven positions stay flagged) and is counted: passes are never mixed.
+    """
+    first = plan.logprobs if plan.logprobs is not None else 0
+    stats = CaptureStats(plan.logprobs, plan.reason, adaptive=plan.adaptive, max_head=plan.max_head, sequences=n,
+                         widest_head=first)
+    if n == 0:
+        return CaptureResult([], [], stats)
+    heads = ask(list(range(n)), [first] * n)
+    if len(heads) != n:
+        raise EngineError(f"capture asked for {n} sequences and got {len(heads)}")
+    requested = [first] * n
+    stats.positions = sum(len(h.completion_ids) for h in heads)
+    if first == 0:
+        return CaptureResult(heads, requested, stats)
+    status = [_status(h, first, vocab_size) for h in heads]
+    done_seq = [False] * n
+    if plan.adaptive:
+        stats.unproven_positions = sum(d.count(False) for d, _ in status)
+        cap_k = _as_k(plan.max_head if plan.max_head is not None else FULL_VOCAB, vocab_size)
+        widened: set[int] = set()
+        while True:
+            todo: list[tuple[int, int]] = []
+            for i in range(n):
+                if done_seq[i] or all(status[i][0]):
+                    continue
+                k = _as_k(requested[i], vocab_size)
+                bounds = [support_lower_bound(v) for v, ok in zip(heads[i].head_logprobs, status[i][0], strict=True)
+                          if not ok]
+                # A head of |S_q| + 1 entries proves a position; positions that need more than the cap are left.
+                reachable = [b for b in bounds if b + 1 <= cap_k]
+                if k >= cap_k or not reachable:
+                    done_seq[i] = True
+                    continue
+                nxt = min(cap_k, max(k * plan.growth, _pow2_at_least(max(reachable) + 1)))
+                todo.append((i, FULL_VOCAB if nxt >= vocab_size else nxt))
+            if not todo:
+                break
+            stats.rounds += 1
+            idx = [i for i, _ in todo]
+            ks = [k for _, k in todo]
+            stats.asks.append({"sequences": len(idx), "head": FULL_VOCAB if FULL_VOCAB in ks else max(ks)})
+            again = ask(idx, ks)
+            if len(again) != len(idx):
+                raise EngineError(f"capture asked again for {len(idx)} sequences and got {len(again)}")
+            for i, k, h in zip(idx, ks, again, strict=True):
+                if i not in widened:
+                    widened.add(i)
+                    stats.widened_positions += status[i][0].count(False)
+                if list(h.completion_ids) != list(heads[i].completion_ids):
+                    stats.resampled_differently += 1
+                    stats.resampled_prompts.append(i)
+                    done_seq[i] = True
+                    continue
+                new_status = _status(h, k, vocab_size)
+                old = heads[i]
+                for t, (was, now) in enumerate(zip(status[i][0], new_status[0], strict=True)):
+                    if was and now and _finite_ids(old.head_ids[t], old.head_logprobs[t]) != _finite_ids(
+                        h.head_ids[t], h.head_logprobs[t]
+                    ):
+                        stats.support_changed_positions += 1
+                heads[i], requested[i], status[i] = h, k, new_status
+        stats.widened_sequences = len(widened)
+        stats.widest_head = FULL_VOCAB if FULL_VOCAB in requested else max(requested)
+        for i in range(n):
+            for vals, ok in zip(heads[i].head_logprobs, status[i][0], strict=True):
+                if not ok:
+                    stats.incomplete_positions += 1
+                    if support_lower_bound(vals) + 1 > cap_k:
+                        stats.beyond_cap_positions += 1
+    else:
+        stats.unproven_positions = stats.incomplete_positions = sum(d.count(False) for d, _ in status)
+    stats.largest_support = max((w for _, w in status), default=0)
+    if history is not None and spec is not None and plan.adaptive:
+        history.record(spec, [_need(heads[i], status[i][0], requested[i], vocab_size) for i in range(n)])
+    return CaptureResult(heads, requested, stats)
+
+
+def _need(h: Heads, done: list[bool], requested: int, vocab_size: int) -> int:
+    """The head that would have proven this sequence in one generation (as far as its capture shows)."""
+    need = 2
+    for vals, ok in zip(h.head_logprobs, done, strict=True):
+        if ok:
+            need = max(need, len(vals) - vals.count(NEG_INF) + 1)
+        else:
+            need = max(need, support_lower_bound(vals) + 1, _as_k(requested, vocab_size) + 1)
+    return need
+
+
+class CaptureHistory:
+    """What earlier adaptive captures of one run needed: the start head of the next.
+
+    Keyed by the effective (temperature, top_p, min_p). A spec's support contains that of any
+    stricter spec at the same logits (lower temperature, lower top_p, higher min_p: the nucleus and
+    the min_p set only grow as the row flattens or the thresholds loosen), so the start for a spec is
+    the widest head that the latest capture of it, or of any stricter spec, needed per sequence
+    (rounded up to a power of two). TRL's steps reuse their spec; a run's scenarios reuse the stricter
+    ones'.
+    """
+
+    def __init__(self) -> None:
+        self._needs: dict[tuple[float, float, float], int] = {}
+
+    @staticmethod
+    def _key(spec: SamplingSpec) -> tuple[float, float, float]:
+        s = spec.effective()
+        return (s.temperature, s.top_p, s.min_p)
+
+    def record(self, spec: SamplingSpec, needs: Sequence[int]) -> None:
+        if needs:
+            self._needs[self._key(spec)] = int(max(needs))
+
+    def start(self, spec: SamplingSpec) -> int | None:
+        """The suggested start head for ``spec``, or None when nothing relevant was captured yet."""
+        t, p, m = self._key(spec)
+        exact = self._needs.get((t, p, m))
+        if exact is not None:
+            return max(MIN_HEAD, _pow2_at_least(exact))
+        stricter = [need for (tt, pp, mm), need in self._needs.items() if tt <= t and pp <= p and mm >= m]
+        if not stricter:
+            return None
+        return max(start_head(spec), _pow2_at_least(max(stricter)))
 
 
 @dataclass
@@ -111,12 +473,17 @@ def support_from_heads(
             f"capture has {len(head_ids)} heads and {len(head_logprobs)} log-prob rows for {len(sampled)} sampled tokens"
         )
     full = requested == FULL_VOCAB or requested >= vocab_size
+    lengths = {len(r) for r in head_ids} | {len(r) for r in head_logprobs}
+    if len(sampled) and len(lengths) == 1:
+        return _support_dense(sampled, head_ids, head_logprobs, full=full, vocab_size=vocab_size)
     rows: list[list[tuple[int, float]]] = []
     incomplete: list[bool] = []
     missing: list[bool] = []
     # The lengths are checked above, so this zip's strict= cannot change anything.
     for y, ids, lps in zip(sampled, head_ids, head_logprobs, strict=True):  # pragma: no mutate
         finite = [(int(i), float(v)) for i, v in zip(ids, lps, strict=True) if v != NEG_INF]
+        # One order whatever the head's order among equal values (torch.topk leaves ties unordered).
+        finite.sort(key=lambda iv: (-iv[1], iv[0]))
         rows.append(finite)
         # A full head of finite values on a partial vocabulary may hide more kept tokens.
         incomplete.append(not full and len(finite) >= len(ids) and len(ids) < vocab_size)
@@ -133,6 +500,45 @@ def support_from_heads(
     incomplete_t = torch.tensor(incomplete, dtype=torch.bool)  # pragma: no mutate
     missing_t = torch.tensor(missing, dtype=torch.bool)  # pragma: no mutate
     return CapturedSupport(ids_t, lps_t, incomplete_t, missing_t)
+
+
+def _support_dense(
+    sampled: Sequence[int],
+    head_ids: Sequence[Sequence[int]],
+    head_logprobs: Sequence[Sequence[float]],
+    *,
+    full: bool,
+    vocab_size: int,
+) -> CapturedSupport:
+    """:func:`support_from_heads` for heads of one length, as tensor operations (wide adaptive heads).
+
+    The same rules and the same output as the per-position loop: finite entries kept, ordered by
+    processed log-prob descending and then by id, padded with -1 / -inf to the widest support.
+    """
+    n, k = len(sampled), len(head_ids[0])
+    ids = torch.tensor([list(r) for r in head_ids], dtype=torch.long).reshape(n, k)
+    lps = torch.tensor([list(r) for r in head_logprobs], dtype=torch.float32).reshape(n, k)
+    finite = lps != NEG_INF
+    count = finite.sum(dim=1)
+    # A full head of finite values on a partial vocabulary may hide more kept tokens.
+    incomplete = count >= k if not full and k < vocab_size else torch.zeros(n, dtype=torch.bool)
+    # Order: by value descending, ties by id ascending (a stable sort by id, then a stable one by
+    # value); dropped entries (-inf) sort after every kept one.
+    by_id = torch.argsort(ids, dim=1, stable=True)
+    ids, lps = ids.gather(1, by_id), lps.gather(1, by_id)
+    by_value = torch.sort(lps, dim=1, descending=True, stable=True).indices
+    ids, lps = ids.gather(1, by_value), lps.gather(1, by_value)
+    width = max(int(count.max()), 1)
+    if k == 0:
+        kept_ids = torch.full((n, 1), -1, dtype=torch.long)
+        kept_lps = torch.full((n, 1), NEG_INF, dtype=torch.float32)
+    else:
+        keep = lps[:, :width] != NEG_INF
+        kept_ids = ids[:, :width].masked_fill(~keep, -1)
+        kept_lps = lps[:, :width].masked_fill(~keep, NEG_INF)
+    y = torch.tensor([int(v) for v in sampled], dtype=torch.long)
+    missing = ~(kept_ids == y[:, None]).any(dim=1)
+    return CapturedSupport(kept_ids.contiguous(), kept_lps.contiguous(), incomplete, missing)
 
 
 def support_mass(kept_logprobs: torch.Tensor) -> torch.Tensor:

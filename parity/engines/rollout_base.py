@@ -3,14 +3,15 @@
 :class:`~parity.engines.vllm_offline.VllmRollout` (in-process engine) and
 :class:`~parity.engines.vllm_server.client.ServerRollout` (OpenAI-compatible server) take the same
 settings with the same defaults, validate the checkpoint the same way and plan the capture of S_q
-with the same :func:`~parity.core.capture.plan_capture` call; both inherit them from here.
+with the same :func:`~parity.core.capture.plan_capture` call, and remember what earlier captures
+needed (:class:`~parity.core.capture.CaptureHistory`); both inherit them from here.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from parity.core.capture import CapturePlan, plan_capture
+from parity.core.capture import DEFAULT_MAX_HEAD, CaptureHistory, CapturePlan, CaptureStats, plan_capture
 from parity.core.spec import SamplingSpec
 from parity.errors import PathNotFound
 
@@ -26,7 +27,8 @@ class RolloutBase:
         device: str = "cpu",
         seed: int = 0,
         max_model_len: int = 512,
-        full_vocab_limit: int = 4096,
+        max_head: int = DEFAULT_MAX_HEAD,
+        start_head: int | None = None,
         tie_margin: int = 16,
         head: int | None = None,
         timeout_s: float = 900.0,
@@ -44,7 +46,10 @@ class RolloutBase:
         self.device = device
         self.seed = seed
         self.max_model_len_arg = max_model_len
-        self.full_vocab_limit = full_vocab_limit
+        self.max_head = max_head  # the widest head an adaptive plan asks (top_p/min_p without top_k)
+        self.start_head = start_head  # force the first head of adaptive plans (None: spec and history)
+        self.capture_history = CaptureHistory()
+        self.last_capture: CaptureStats | None = None  # what the latest generate() captured
         self.tie_margin = tie_margin
         self.head = head
         self.timeout_s = timeout_s
@@ -55,7 +60,12 @@ class RolloutBase:
         self.vocab_size = 0  # set by the adapter once it knows the engine's vocabulary
 
     def plan(self, spec: SamplingSpec) -> CapturePlan:
-        """The top-K head that captures S_q for ``spec`` under this adapter's capture settings."""
+        """The top-K head that captures S_q for ``spec`` under this adapter's capture settings.
+
+        Adaptive plans start from ``start_head`` when set, else from what this adapter's history
+        suggests, else from the spec (:func:`~parity.core.capture.start_head`).
+        """
         return plan_capture(
-            spec, self.vocab_size, head=self.head, tie_margin=self.tie_margin, full_vocab_limit=self.full_vocab_limit
+            spec, self.vocab_size, head=self.head, tie_margin=self.tie_margin, max_head=self.max_head,
+            start=self.start_head, suggested=self.capture_history.start(spec),
         )

@@ -97,7 +97,7 @@ class EnginePool:
             with waiting("raw-logits vLLM engine start-up"):
                 self._raw[key] = VllmRollout(
                     _resolve(model_name), dtype=cfg.dtype, device=cfg.device, seed=cfg.seed, timeout_s=cfg.timeout_s,
-                    full_vocab_limit=cfg.full_vocab_limit, prefix_caching=cfg.prefix_caching,
+                    max_head=cfg.max_capture_head, prefix_caching=cfg.prefix_caching,
                     engine_kwargs={"logprobs_mode": "raw_logits"},
                 )
         return self._raw[key]
@@ -119,7 +119,7 @@ class EnginePool:
                 dtype=cfg.dtype,
                 device=cfg.device,
                 seed=cfg.seed,
-                full_vocab_limit=cfg.full_vocab_limit,
+                max_head=cfg.max_capture_head,
                 head=cfg.capture_head,
                 timeout_s=cfg.timeout_s,
                 prefix_caching=cfg.prefix_caching,

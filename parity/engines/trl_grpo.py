@@ -17,7 +17,11 @@ Their difference is ``log S`` per token plus kernel noise, and TRL's ``importanc
 * **capture** (every mode): vLLM is asked for a head of processed log-probs wide enough to hold the
   kept set S_q (:func:`parity.core.capture.plan_capture`; the engine is built with ``max_logprobs=-1``),
   TRL still receives exactly the sampled token's log-prob it asked for, and each generation batch is
-  recorded per sequence (:data:`SEQUENCE_FIELDS`).
+  recorded per sequence (:data:`SEQUENCE_FIELDS`). Without top_k (TRL's default top_k=0 with
+  top_p), the plan is adaptive: the colocated engine's ``generate`` is wrapped for the batch, each
+  request gets its own seed, and the sequences whose head does not prove S_q complete are asked again
+  with a wider head and the same seed (:func:`parity.core.capture.run_capture`); what each batch
+  needed is in :attr:`GrpoCapture.capture_plans`, and later steps start from it.
 * ``mode="observe"``: nothing TRL computes changes.
 * ``mode="replay"``: the trainer-side log-probs that TRL's IS correction (and its
   ``sampling/*`` metrics) read are renormalised over the captured S_q:
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +50,17 @@ from typing import Any
 import torch
 
 from parity.core import estimators
-from parity.core.capture import plan_capture, support_from_heads
+from parity.core.capture import (
+    DEFAULT_MAX_HEAD,
+    NEG_INF,
+    CaptureHistory,
+    CapturePlan,
+    CaptureStats,
+    Heads,
+    plan_capture,
+    run_capture,
+    support_from_heads,
+)
 from parity.core.spec import SamplingSpec
 from parity.errors import EngineError, UsageError
 
@@ -93,7 +108,10 @@ class GrpoCapture:
 
     mode: str
     head: int | None = None
+    max_head: int = DEFAULT_MAX_HEAD
     sequences: list[dict[str, Any]] = field(default_factory=list)
+    capture_plans: list[dict[str, Any]] = field(default_factory=list)  # per generation batch: CaptureStats + step
+    history: CaptureHistory = field(default_factory=CaptureHistory, repr=False)
     counts: dict[str, int] = field(
         default_factory=lambda: {
             "generation_batches": 0,
@@ -104,6 +122,8 @@ class GrpoCapture:
             "nan_sampler_logprobs": 0,  # vLLM returned NaN (TRL maps it to a zero IS difference)
             "replay_fallbacks": 0,  # incomplete capture: recompute used at that position
             "forced_includes": 0,  # recompute: sampled token outside the recomputed support
+            "widened_sequences": 0,  # adaptive capture: sequences asked again with a wider head
+            "resampled_differently": 0,  # adaptive capture: second draws that came back with other tokens
         }
     )
     _pending: list[dict[str, Any]] = field(default_factory=list, repr=False)
@@ -169,10 +189,14 @@ def _sampler_dtype(gen: Any) -> str:
 
 
 def _split_heads(cap: GrpoCapture, completion_ids: list[list[int]], logprobs: list, token_ids: list,
-                 requested: int, vocab: int) -> tuple[list, list, list]:
-    """Per sequence: the sampled token's log-prob for TRL, and S_q for parity."""
+                 requested: int | list[int], vocab: int) -> tuple[list, list, list]:
+    """Per sequence: the sampled token's log-prob for TRL, and S_q for parity.
+
+    ``requested``: the head each sequence was asked with (one value for all, or one per sequence).
+    """
     lp_out, ids_out, supports = [], [], []
-    for seq_ids, seq_lps, seq_tok in zip(completion_ids, logprobs, token_ids, strict=True):
+    per_seq = requested if isinstance(requested, list) else [requested] * len(completion_ids)
+    for seq_ids, seq_lps, seq_tok, requested in zip(completion_ids, logprobs, token_ids, per_seq, strict=True):
         lp_rows, id_rows, heads_ids, heads_lps = [], [], [], []
         for y, lps, toks in zip(seq_ids, seq_lps, seq_tok, strict=True):
             # TRL's extract_logprobs sorts the head by rank and _generate_single_turn reads entry 0 as the
@@ -238,16 +262,89 @@ def _log_mass_correction(cap: GrpoCapture, z: torch.Tensor, y: torch.Tensor, spe
     return log_s_q, correction
 
 
+def _heads_of(output: Any, requested: int) -> Heads:
+    """One ``RequestOutput`` (n=1) as sampled tokens and per-position heads, sampled entry excluded.
+
+    vLLM's per-position container (a dict, or ``FlatLogprobs`` read the same way) holds the sampled
+    token first and then the top-K: K entries when the sampled token is among them, K + 1 when not.
+    """
+    comp = output.outputs[0]
+    ids = [int(t) for t in comp.token_ids]
+    if comp.logprobs is None or len(comp.logprobs) != len(ids):
+        raise EngineError(f"vLLM returned log-probs for {0 if comp.logprobs is None else len(comp.logprobs)} "
+                          f"of {len(ids)} tokens")
+    sampled, heads, head_lps = [], [], []
+    for y, entry in zip(ids, comp.logprobs, strict=True):
+        items = list(entry.items())
+        head = items if requested == -1 or len(items) == requested else [kv for kv in items if kv[0] != y]
+        sampled.append(float(entry[y].logprob))
+        heads.append([int(k) for k, _ in head])
+        head_lps.append([NEG_INF if math.isnan(v.logprob) else float(v.logprob) for _, v in head])
+    return Heads(ids, sampled, heads, head_lps, payload=output)
+
+
+def _adaptive_generate(generate: Any, plan: CapturePlan, spec: SamplingSpec, vocab: int, history: CaptureHistory,
+                       seeds: random.Random, batch: dict[str, Any]) -> Any:
+    """``LLM.generate`` for one TRL batch under an adaptive plan: seeded requests, unproven ones asked again.
+
+    TRL sends one ``SamplingParams`` (n=1) for all prompts and no seed: each request gets a seed of its
+    own (so it can be drawn again) and candidate detokenization is turned off (TRL decodes completions
+    from their ids; the text of thousands of head candidates per position is what made wide captures
+    slow). The outputs TRL gets back are, per sequence, those of the capture that proved it (or of its
+    first draw); what the batch needed goes to ``batch``.
+    """
+
+    def wrapped(prompts: Any, sampling_params: Any = None, *args: Any, **kwargs: Any) -> Any:
+        sp = sampling_params
+        if sp is None or isinstance(sp, (list, tuple)) or getattr(sp, "n", 1) != 1 or args:
+            return generate(prompts, sampling_params, *args, **kwargs)
+        prompts = list(prompts)
+        n = len(prompts)
+        base = seeds.randrange(0, 2**31 - n - 1)
+        detokenize = bool(sp.detokenize) and bool(sp.stop)  # stop strings need the text
+
+        def ask(indices: list[int], heads: list[int]) -> list[Heads]:
+            params = []
+            for i, k in zip(indices, heads, strict=True):
+                p = sp.clone()
+                p.logprobs, p.detokenize = k, detokenize
+                p.seed = sp.seed if sp.seed is not None else base + i
+                params.append(p)
+            outs = generate([prompts[i] for i in indices], params, **kwargs)
+            return [_heads_of(o, k) for o, k in zip(outs, heads, strict=True)]
+
+        result = run_capture(plan, n, ask, vocab_size=vocab, spec=spec, history=history)
+        batch["stats"], batch["requested"] = result.stats, result.requested
+        return [h.payload for h in result.heads]
+
+    return wrapped
+
+
+def _fixed_stats(plan: CapturePlan, supports: list, completion_ids: list) -> CaptureStats:
+    """What a one-generation capture (top_k, forced head, no colocated engine) met."""
+    stats = CaptureStats(plan.logprobs, plan.reason, sequences=len(completion_ids),
+                         positions=sum(len(c) for c in completion_ids), widest_head=plan.logprobs or 0)
+    for sup in supports:
+        if sup is not None:
+            stats.incomplete_positions += int(sup.incomplete.sum())
+            done = ~sup.incomplete
+            if bool(done.any()):
+                stats.largest_support = max(stats.largest_support, int((sup.kept_ids[done] >= 0).sum(-1).max()))
+    return stats
+
+
 # --------------------------------------------------------------------------------------------------
 # the patch
 
 
 @contextlib.contextmanager
-def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bool = True) -> Iterator[GrpoCapture]:
+def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bool = True,
+               max_head: int = DEFAULT_MAX_HEAD) -> Iterator[GrpoCapture]:
     """Patch TRL's GRPOTrainer/VLLMGeneration for capture (and a fix), restore on exit.
 
     ``head`` forces the number of processed log-probs requested per position (-1: the whole
-    vocabulary); by default :func:`parity.core.capture.plan_capture` picks it from the spec.
+    vocabulary); by default :func:`parity.core.capture.plan_capture` picks it from the spec, and
+    ``max_head`` caps the adaptive plans of specs without top_k.
     ``keep_logits`` keeps the trainer's ``[L, V]`` logits per sequence (what parity's full report needs).
     """
     if mode not in MODES:
@@ -255,7 +352,7 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
     from trl.generation import vllm_generation as vg
     from trl.trainer import grpo_trainer as gt
 
-    cap = GrpoCapture(mode=mode, head=head)
+    cap = GrpoCapture(mode=mode, head=head, max_head=max_head)
     Gen, Trainer = vg.VLLMGeneration, gt.GRPOTrainer
     saved = {
         "LLM": vg.LLM,
@@ -264,6 +361,8 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
         "logps": Trainer._get_per_token_logps_and_entropies,
     }
     llm_cls = saved["LLM"]
+    # Per-request seeds of adaptive batches: their own stream, so TRL's torch RNG is left untouched.
+    seeds = random.Random(0x5EED)
 
     def make_llm(*args: Any, **kwargs: Any) -> Any:
         # vLLM refuses a head wider than max_logprobs (default 20); -1 allows the whole vocabulary.
@@ -273,21 +372,37 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
     def generate(self: Any, *args: Any, **kwargs: Any) -> tuple:
         spec = _spec_of(self)
         vocab = _vocab_size(self)
-        plan = plan_capture(spec, vocab, head=head)
+        plan = plan_capture(spec, vocab, head=head, max_head=max_head, suggested=cap.history.start(spec))
+        llm = getattr(self, "llm", None) if getattr(self, "mode", "colocate") == "colocate" else None
+        if plan.adaptive and llm is None:
+            # TRL's server client sends no per-request seed, so a sequence cannot be drawn again: one
+            # generation at the cap, unproven positions flagged.
+            cap_k = plan.max_head if plan.max_head is not None else -1
+            plan = CapturePlan(cap_k, f"{plan.reason.split(':')[0]}: one generation at the cap (no colocated "
+                               f"engine to ask again with the same seed)")
         requested = plan.logprobs if plan.captures_support else 0
+        batch: dict[str, Any] = {}
         old = self.logprobs
         self.logprobs = requested
+        if plan.adaptive:
+            llm.generate = _adaptive_generate(llm.generate, plan, spec, vocab, cap.history, seeds, batch)
         try:
             prompt_ids, completion_ids, logprobs, token_ids = saved["generate"](self, *args, **kwargs)
         finally:
             self.logprobs = old
+            if plan.adaptive:
+                del llm.generate  # the instance attribute: the class's method shows through again
         if logprobs is None:
             cap._pending.append({"completion_ids": completion_ids, "supports": None, "spec": spec,
-                                 "dtype": _sampler_dtype(self)})
+                                 "dtype": _sampler_dtype(self), "capture": None})
             return prompt_ids, completion_ids, logprobs, token_ids
-        lps, ids, supports = _split_heads(cap, completion_ids, logprobs, token_ids, requested, vocab)
+        per_seq = batch.get("requested", requested)
+        lps, ids, supports = _split_heads(cap, completion_ids, logprobs, token_ids, per_seq, vocab)
+        stats = batch.get("stats") or _fixed_stats(plan, supports, completion_ids)
+        cap.counts["widened_sequences"] += stats.widened_sequences
+        cap.counts["resampled_differently"] += stats.resampled_differently
         cap._pending.append({"completion_ids": [list(c) for c in completion_ids], "supports": supports,
-                             "spec": spec, "dtype": _sampler_dtype(self)})
+                             "spec": spec, "dtype": _sampler_dtype(self), "capture": stats})
         return prompt_ids, completion_ids, lps, ids
 
     def logps(self: Any, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
@@ -373,6 +488,8 @@ def _record(cap: GrpoCapture, trainer: Any, step: int, pend: dict[str, Any], old
     prompt_mask = output["prompt_mask"]
     spec = pend["spec"]
     cap.counts["generation_batches"] += 1
+    if pend.get("capture") is not None:
+        cap.capture_plans.append({"step": step, **pend["capture"].to_dict()})
     for b, comp in enumerate(pend["completion_ids"]):
         n = len(comp)
         row = old["rows"][b]

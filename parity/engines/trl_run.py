@@ -240,6 +240,7 @@ def run_phase(cfg: GrpoRunConfig, mode: str, model_path: str, out: Path) -> dict
         "mode": mode,
         "metrics": metrics,
         "counts": cap.counts if cap is not None else None,
+        "capture_plans": cap.capture_plans if cap is not None else None,
         "linear_layers_kept": kept["kept"],
         "vllm_dtype": engine_dtype,
         "sampler_dtype": dtypes[0] if len(dtypes) == 1 else dtypes,

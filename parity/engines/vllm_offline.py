@@ -12,8 +12,15 @@ from typing import Any, TypeVar
 import torch
 
 from parity.core.capture import (
+    DEFAULT_MAX_HEAD,
+    CaptureHistory,
+    CapturePlan,
+    CaptureStats,
+    Heads,
     compare_supports,
     padded_ids,
+    plan_capture,
+    run_capture,
     support_from_heads,
     validate_native_mask,
 )
@@ -68,6 +75,118 @@ def sampling_params(spec: SamplingSpec, **extra: Any) -> Any:
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise SetupError("vLLM sampling parameters need vLLM: install parity[cpu] (or parity[gpu] on CUDA)") from exc
     return SamplingParams(**spec.sampling_params_kwargs(), **extra)
+
+
+def generate_with_capture(
+    llm: Any,
+    prompts: Sequence[Any],
+    params: Any,
+    *,
+    max_head: int = DEFAULT_MAX_HEAD,
+    history: CaptureHistory | None = None,
+    start: int | None = None,
+    timeout_s: float | None = None,
+) -> tuple[list[Any], list[Any], CaptureStats]:
+    """``llm.generate`` with the kept set captured: your engine, parity's capture plan.
+
+    ``params``: one ``SamplingParams`` for every prompt, or one per prompt, each with ``n=1``; their
+    ``logprobs`` is set from :func:`parity.core.capture.plan_capture` (adaptive for top_p/min_p
+    without top_k: unproven sequences are asked again, same seed, wider head, up to ``max_head`` or
+    the engine's ``max_logprobs``, whichever is smaller). A request without a seed gets one (a
+    sequence asked again must be drawn again). The engine must run with
+    ``logprobs_mode="processed_logprobs"``. Returns the outputs (per prompt, those of the capture
+    that proved it, else of its first draw), the ``SamplingParams`` each was generated with (pass
+    both to :func:`parity.records.convert.from_request_outputs`) and what the capture did.
+    ``history`` carries what earlier calls needed into the start head of this one; ``start`` forces it;
+    ``timeout_s`` bounds the whole call, widening included.
+    """
+    import random
+
+    prompts = list(prompts)
+    plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    if len(plist) != len(prompts):
+        raise UsageError(f"generate_with_capture: {len(plist)} SamplingParams for {len(prompts)} prompts: allowed one or one per prompt")
+    for i, p in enumerate(plist):
+        if int(getattr(p, "n", 1)) != 1:
+            raise UsageError(f"generate_with_capture: params {i} has n={p.n}: allowed n=1 (repeat the prompt instead; "
+                             f"each completion must be drawn again on its own)")
+    mc = llm.llm_engine.model_config
+    vocab = int(mc.get_vocab_size())
+    engine_max = int(mc.max_logprobs)
+    if engine_max != -1 and engine_max < max_head:
+        if engine_max < 2:
+            raise UsageError(f"generate_with_capture: the engine allows max_logprobs={engine_max}: allowed -1 or >= 2 "
+                             f"(build it with LLM(..., max_logprobs=-1))")
+        max_head = engine_max
+    base = random.Random(0x5EED).randrange(0, 2**31 - len(prompts) - 1)
+    seeded = []
+    for i, p in enumerate(plist):
+        q = p.clone()
+        if q.seed is None:
+            q.seed = base + i
+        seeded.append(q)
+    specs = [_spec_of_params(q) for q in seeded]
+    if len({(s.temperature, s.top_k, s.top_p, s.min_p) for s in specs}) != 1:
+        raise UsageError("generate_with_capture: the prompts' SamplingParams differ in temperature/top_k/top_p/min_p: "
+                         "allowed one sampling spec per call")
+    spec = specs[0]
+    plan = plan_capture(spec, vocab, max_head=max_head, start=start,
+                        suggested=history.start(spec) if history else None)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    used: list[Any] = list(seeded)
+
+    def ask(indices: list[int], heads: list[int]) -> list[Heads]:
+        batch = []
+        for i, k in zip(indices, heads, strict=True):
+            q = seeded[i].clone()
+            q.logprobs = k
+            batch.append(q)
+        run = lambda: llm.generate([prompts[i] for i in indices], batch, use_tqdm=False)  # noqa: E731
+        outs = run() if deadline is None else call_with_timeout(run, max(deadline - time.monotonic(), 1.0),
+                                                                f"vLLM generate ({spec.label()})")
+        res = []
+        for i, q, o in zip(indices, batch, outs, strict=True):
+            used[i] = q
+            comp = o.outputs[0]
+            ids = [int(t) for t in comp.token_ids]
+            sampled, heads_, lps = _heads_of_output(comp.logprobs, ids, int(q.logprobs), f"prompt {i}")
+            res.append(Heads(ids, sampled, heads_, lps, payload=(o, q)))
+        return res
+
+    result = run_capture(plan, len(prompts), ask, vocab_size=vocab, spec=spec, history=history)
+    outputs = [h.payload[0] for h in result.heads]
+    return outputs, [h.payload[1] for h in result.heads], result.stats
+
+
+def _spec_of_params(params: Any) -> SamplingSpec:
+    top_k = int(getattr(params, "top_k", 0) or 0)
+    return SamplingSpec(temperature=float(params.temperature), top_k=top_k if top_k >= 1 else 0,
+                        top_p=float(getattr(params, "top_p", 1.0)), min_p=float(getattr(params, "min_p", 0.0) or 0.0))
+
+
+def _heads_of_output(logprobs: Any, ids: list[int], requested: int, where: str) -> tuple[list, list, list]:
+    """Sampled log-probs and heads (sampled entry excluded) from a ``CompletionOutput.logprobs``.
+
+    ``FlatLogprobs``: per position the sampled entry, then the top-K. ``list[dict]``: the same keyed by
+    id, the sampled token first, so K entries when it is in the top-K and K + 1 when not.
+    """
+    if logprobs is None or len(logprobs) != len(ids):
+        raise EngineError(f"{where}: vLLM returned log-probs for {0 if logprobs is None else len(logprobs)} of "
+                          f"{len(ids)} tokens (allowed an engine with logprobs_mode='processed_logprobs')")
+    sampled, heads, head_lps = [], [], []
+    if hasattr(logprobs, "start_indices"):
+        for a, b in zip(logprobs.start_indices, logprobs.end_indices, strict=True):
+            sampled.append(float(logprobs.logprobs[a]))
+            heads.append(list(logprobs.token_ids[a + 1 : b]))
+            head_lps.append(list(logprobs.logprobs[a + 1 : b]))
+        return sampled, heads, head_lps
+    for y, entry in zip(ids, logprobs, strict=True):
+        items = list(entry.items())
+        head = items if requested == -1 or len(items) == requested else [kv for kv in items if kv[0] != y]
+        sampled.append(float(entry[y].logprob))
+        heads.append([int(k) for k, _ in head])
+        head_lps.append([float(v.logprob) for _, v in head])
+    return sampled, heads, head_lps
 
 
 class VllmRollout(RolloutBase):
@@ -134,9 +253,13 @@ class VllmRollout(RolloutBase):
     ) -> list[SequenceRecord]:
         """Sample one completion per prompt (seed ``seed + i``); record log-probs and S_q.
 
-        ``logprobs`` forces the head size without :func:`plan_capture`'s checks (diagnostics only: the
+        The capture follows :meth:`plan`; adaptive plans (top_p/min_p without top_k) ask the sequences
+        with an unproven position again, same seeds, wider heads (:func:`parity.core.capture.run_capture`);
+        what the capture did is left in ``self.last_capture``. ``logprobs`` forces the head size
+        without :func:`plan_capture`'s checks and without widening (diagnostics only: the
         capture-head reproduction asks for a head smaller than top_k on purpose); positions it cannot
-        capture completely are still flagged incomplete.
+        capture completely are still flagged incomplete. The engine timeout bounds the whole call,
+        widening rounds included.
         """
         from vllm.inputs import TokensPrompt
 
@@ -144,50 +267,46 @@ class VllmRollout(RolloutBase):
             validate_native_mask(spec)
         if logprobs is None:
             plan = self.plan(spec)
-            logprobs = plan.logprobs if plan.logprobs is not None else 0
-        captures = logprobs != 0
-        params = [
-            sampling_params(
-                spec,
-                max_tokens=max_tokens,
-                seed=seed + i,
-                logprobs=logprobs,
-                # Candidate detokenization dominates capture cost (full-vocab capture did not finish
-                # in minutes with it on); ids are all the harness needs.
-                detokenize=False,
-                flat_logprobs=True,
-                ignore_eos=True,  # fixed-length completions: every scenario compares the same count
-            )
-            for i in range(len(prompts))
-        ]
+        else:
+            plan = CapturePlan(logprobs if logprobs != 0 else None, f"top-{logprobs} (asked directly)")
         inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        start = time.perf_counter()
-        outputs = call_with_timeout(
-            lambda: self.llm.generate(inputs, params, use_tqdm=False), self.timeout_s, f"vLLM generate ({spec.label()})"
-        )
-        self.capture_s += time.perf_counter() - start
-        records = []
-        for i, out in enumerate(outputs):
-            comp = out.outputs[0]
-            ids = list(comp.token_ids)
-            flat = comp.logprobs
-            if flat is None or len(flat.start_indices) != len(ids):
-                raise EngineError(
-                    f"vLLM returned log-probs for {0 if flat is None else len(flat.start_indices)} of {len(ids)} "
-                    f"tokens of prompt {i} ({spec.label()})"
+        deadline = time.monotonic() + self.timeout_s
+
+        def ask(indices: list[int], heads: list[int]) -> list[Heads]:
+            params = [
+                sampling_params(
+                    spec,
+                    max_tokens=max_tokens,
+                    seed=seed + i,
+                    logprobs=k,
+                    # Candidate detokenization dominates capture cost (full-vocab capture did not finish
+                    # in minutes with it on); ids are all the harness needs.
+                    detokenize=False,
+                    flat_logprobs=True,
+                    ignore_eos=True,  # fixed-length completions: every scenario compares the same count
                 )
-            sampled_lp, heads, head_lps = [], [], []
-            for t, (a, b) in enumerate(zip(flat.start_indices, flat.end_indices, strict=True)):
-                # Entry a is the sampled token (Sampler.gather_logprobs puts it first), then the top-K.
-                if flat.token_ids[a] != ids[t]:
-                    raise EngineError(f"vLLM log-prob entry for prompt {i} position {t} is token {flat.token_ids[a]}, sampled {ids[t]}")
-                sampled_lp.append(flat.logprobs[a])
-                heads.append(flat.token_ids[a + 1 : b])
-                head_lps.append(flat.logprobs[a + 1 : b])
+                for i, k in zip(indices, heads, strict=True)
+            ]
+            start = time.perf_counter()
+            left = max(deadline - time.monotonic(), 1.0)
+            outputs = call_with_timeout(
+                lambda: self.llm.generate([inputs[i] for i in indices], params, use_tqdm=False),
+                left,
+                f"vLLM generate ({spec.label()})",
+            )
+            self.capture_s += time.perf_counter() - start
+            return [_heads(out.outputs[0], i, spec) for i, out in zip(indices, outputs, strict=True)]
+
+        result = run_capture(plan, len(prompts), ask, vocab_size=self.vocab_size, spec=spec,
+                             history=self.capture_history if logprobs is None else None)
+        self.last_capture = result.stats
+        records = []
+        for i, (h, requested) in enumerate(zip(result.heads, result.requested, strict=True)):
+            comp, ids, heads, head_lps = h.payload, h.completion_ids, h.head_ids, h.head_logprobs
             kept = kept_lp = incomplete = None
             extras: dict[str, torch.Tensor] = {}
-            if captures:
-                cap = support_from_heads(ids, heads, head_lps, requested=logprobs, vocab_size=self.vocab_size)
+            if requested != 0:
+                cap = support_from_heads(ids, heads, head_lps, requested=requested, vocab_size=self.vocab_size)
                 kept, kept_lp, incomplete = cap.kept_ids, cap.kept_logprobs, cap.incomplete
                 extras["sampled_missing"] = cap.sampled_missing
             native = getattr(comp, "sampling_mask", None)
@@ -210,7 +329,7 @@ class VllmRollout(RolloutBase):
                     completion_ids=ids,
                     spec=spec,
                     seed=seed + i,
-                    logprobs=torch.tensor(sampled_lp, dtype=torch.float32),
+                    logprobs=torch.tensor(h.sampled_logprobs, dtype=torch.float32),
                     kept_ids=kept,
                     kept_logprobs=kept_lp,
                     incomplete=incomplete,
@@ -226,6 +345,26 @@ class VllmRollout(RolloutBase):
             import gc
 
             gc.collect()
+
+
+def _heads(comp: Any, i: int, spec: SamplingSpec) -> Heads:
+    """One ``CompletionOutput`` (``flat_logprobs=True``) as sampled tokens and per-position heads."""
+    ids = list(comp.token_ids)
+    flat = comp.logprobs
+    if flat is None or len(flat.start_indices) != len(ids):
+        raise EngineError(
+            f"vLLM returned log-probs for {0 if flat is None else len(flat.start_indices)} of {len(ids)} "
+            f"tokens of prompt {i} ({spec.label()})"
+        )
+    sampled_lp, heads, head_lps = [], [], []
+    for t, (a, b) in enumerate(zip(flat.start_indices, flat.end_indices, strict=True)):
+        # Entry a is the sampled token (Sampler.gather_logprobs puts it first), then the top-K.
+        if flat.token_ids[a] != ids[t]:
+            raise EngineError(f"vLLM log-prob entry for prompt {i} position {t} is token {flat.token_ids[a]}, sampled {ids[t]}")
+        sampled_lp.append(flat.logprobs[a])
+        heads.append(flat.token_ids[a + 1 : b])
+        head_lps.append(flat.logprobs[a + 1 : b])
+    return Heads(ids, sampled_lp, heads, head_lps, payload=comp)
 
 
 def _logprobs_for(ids: torch.Tensor, heads: list, head_lps: list) -> torch.Tensor:

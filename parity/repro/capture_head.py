@@ -3,15 +3,17 @@
 Replay needs the sampler's whole kept set S_q per position, read from the top-K processed
 log-probs. vLLM accepts any K: with ``logprobs < top_k``, or top_p without a top_k cap, the head can
 hold only part of S_q, and a trainer replaying over the head renormalises over too few tokens (or
-misses the sampled token altogether) — silently. The harness refuses such plans up front
-(``parity.core.capture.plan_capture`` raises) and, when a head is forced, flags every position whose
-head is full of finite values as incomplete instead of guessing.
+misses the sampled token altogether) — silently. The harness refuses a head below top_k up front
+(``parity.core.capture.plan_capture`` raises), plans top_p alone adaptively (a head that does not end
+in a dropped token is widened, same seed, until it does), and, when a head is forced, flags every
+position whose head is full of finite values as incomplete instead of guessing.
 
 Here vLLM is asked directly for the too-small head (what a user's code would do), and each position
 is classified three ways: predicted from the trainer's logits (len(S_p) >= K: the head cannot show
 the whole support), flagged by the harness's completeness check, and mis-scored (replay over the
 head differs from vLLM's processed log-prob by more than 1e-5). The fix row caps the support with
-top_k and lets the harness plan the head.
+top_k and lets the harness plan the head; the second fix row leaves top_p alone and lets the harness
+plan it adaptively.
 
 Fixture ``llama-32k-s4`` (entropy ~4 nats: nucleus sizes vary from a few tokens to hundreds).
 """
@@ -34,6 +36,7 @@ CASES = (
     ("top_logprobs < top_k, with top_p", SamplingSpec(1.0, top_k=50, top_p=0.9), 20),
     ("top_p without a top_k cap", SamplingSpec(1.0, top_p=0.9), 64),
     ("fix: cap with top_k, harness plans the head", SamplingSpec(1.0, top_k=64, top_p=0.9), None),
+    ("fix: top_p alone, harness plans an adaptive head", SamplingSpec(1.0, top_p=0.9), None),
 )
 
 
@@ -48,12 +51,10 @@ def _plan_outcome(spec: SamplingSpec, vocab: int, head: int | None) -> tuple[boo
         plan = plan_capture(spec, vocab) if head is None else plan_capture(spec, vocab, head=head)
     except ValueError as exc:
         return True, str(exc)
-    if head is not None and plan.logprobs == head:
-        # A forced head the harness cannot prove complete (top_p alone): accepted, flagged per position.
-        try:
-            plan_capture(spec, vocab)
-        except ValueError as exc:
-            return True, f"refused by default ({exc}); a forced head={head} is accepted and flagged per position"
+    if head is not None and plan.logprobs == head and plan_capture(spec, vocab).adaptive:
+        # A forced head the harness would not settle for (top_p alone): accepted, never widened, flagged.
+        return True, (f"not used by default ({plan_capture(spec, vocab).reason}); a forced head={head} is "
+                      f"accepted, never widened, and flagged per position")
     return False, f"accepted: {plan.reason}"
 
 
@@ -66,7 +67,11 @@ def _row(ctx: Context, case: str, spec: SamplingSpec, head: int | None, cfg: dic
     else:
         records = sample_raw(ctx, FIXTURE, spec, prompts=cfg["prompts"], max_tokens=cfg["tokens"], logprobs=head)
     logits = trainer.logits(records)
-    planned = plan_capture(spec, vocab).logprobs if head is None else None
+    planned = None
+    if head is None:
+        st = ctx.rollout(FIXTURE).last_capture
+        planned = (f"{st.logprobs} (planned)" if not st.adaptive else
+                   f"{st.logprobs} (adaptive: widest {st.widest_head}, {st.widened_sequences} sequences widened)")
     pred, flagged, wrong, outside, err = [], [], [], [], []
     for r, z, y in scored(records, logits):
         size_p = reference_filter(z, spec).kept.sum(-1)
@@ -82,7 +87,7 @@ def _row(ctx: Context, case: str, spec: SamplingSpec, head: int | None, cfg: dic
     return {
         "case": case,
         "setting": spec.label(),
-        "head": head if head is not None else f"{planned} (planned)",
+        "head": head if head is not None else planned,
         "refused": refused,
         "message": message,
         "tokens": int(flag_t.numel()),
@@ -99,23 +104,24 @@ def _row(ctx: Context, case: str, spec: SamplingSpec, head: int | None, cfg: dic
 
 
 COLUMNS = columns(
-    ("case", "case"), ("setting", "setting"), ("head", "top-K head"), ("refused", "harness refuses the plan"),
+    ("case", "case"), ("setting", "setting"), ("head", "top-K head"), ("refused", "harness does not use this head by default"),
     ("tokens", "tokens"), ("predicted", "len(S_p) >= K (trainer logits)"), ("flagged", "flagged incomplete (harness)"),
     ("wrong", "mis-scored by replay over the head"), ("wrong_share", "share", ".1%"),
     ("missing_sampled", "sampled token not in head"), ("max_err", "max abs error (nats)", ".3f"),
     ("silent", "mis-scored, not flagged"),
 )
 FINDING = ("vLLM silently returns a head smaller than the support when asked; replay over it mis-scores every "
-           "position whose support does not fit. The harness refuses such plans and flags such positions.")
+           "position whose support does not fit. The harness refuses heads below top_k, widens top_p-alone heads "
+           "until they end in a dropped token, and flags positions it cannot prove.")
 
 
 def run(ctx: Context, cfg: dict) -> Measured:
     rows = sweep(ctx, CASES, lambda c: _row(ctx, *c, cfg), lambda c: c[0])
-    small_heads = rows[:-1]
-    fix = rows[-1]
+    small_heads = [r for r, (_, _, head) in zip(rows, CASES, strict=True) if head is not None]
+    fixes = [r for r, (_, _, head) in zip(rows, CASES, strict=True) if head is None]
     checks = [
-        Check("the harness refuses every too-small capture plan (ValueError naming the field)",
-              all(r["refused"] for r in small_heads)),
+        Check("the harness never uses a too-small head by default (a head below top_k is refused, top_p alone is "
+              "planned adaptively)", all(r["refused"] for r in small_heads)),
         Check("vLLM accepts the too-small head, and replay over it mis-scores positions in every case",
               all(r["wrong"] > 0 for r in small_heads),
               ", ".join(f"{r['wrong_share']:.1%}" for r in small_heads)),
@@ -123,8 +129,9 @@ def run(ctx: Context, cfg: dict) -> Measured:
               all(r["predicted_vs_flagged"] == 0 for r in small_heads)),
         Check("the harness's completeness check flags every mis-scored position (none silent)",
               all(r["silent"] == 0 for r in rows)),
-        Check("the fix (top_k cap, planned head) captures S_q everywhere and replay is exact",
-              not fix["refused"] and fix["flagged"] == 0 and fix["wrong"] == 0, f"max abs diff {fix['max_err']:.1e}"),
+        Check("the fixes (top_k cap; top_p alone adaptively) capture S_q everywhere and replay is exact",
+              all(not f["refused"] and f["flagged"] == 0 and f["wrong"] == 0 for f in fixes),
+              ", ".join(f"max abs diff {f['max_err']:.1e}" for f in fixes)),
     ]
     notes = [
         f"Fixture {FIXTURE} (vocabulary {ctx.trainer(FIXTURE).vocab_size}), T = 1, {cfg['prompts']} prompts x "
@@ -138,5 +145,5 @@ def run(ctx: Context, cfg: dict) -> Measured:
 
 def script_config(small: bool) -> dict:
     cfg = settings(small)
-    cases = [(head, filter_kwargs(spec)) for _, spec, head in CASES[:-1]]
+    cases = [(head, filter_kwargs(spec)) for _, spec, head in CASES if head is not None]
     return {"vocab": 32768, "logit_scale": 4.0, "cases": cases, "tokens": cfg["tokens"], "prompts": cfg["prompts"]}

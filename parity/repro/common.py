@@ -272,21 +272,20 @@ def sample(
     *,
     prompts: int,
     max_tokens: int,
-    full_vocab_limit: int | None = None,
+    head: int | None = None,
 ) -> list[SequenceRecord]:
     """Sample through the harness's own path (``VllmRollout.generate``: capture planned and checked).
 
-    ``full_vocab_limit`` raises the vocabulary size up to which top_p/min_p-only specs are captured in
-    full (the harness refuses above 4096 by default).
+    ``head`` forces the capture head (-1: the whole vocabulary, e.g. for a flat 32k row whose nucleus
+    is most of it); by default the harness plans it (adaptive for top_p/min_p without top_k).
     """
     rollout = ctx.rollout(fixture)
-    old = rollout.full_vocab_limit
-    rollout.full_vocab_limit = full_vocab_limit if full_vocab_limit is not None else old
-    rollout.head = None
+    old = rollout.head
+    rollout.head = head
     try:
         return rollout.generate(ctx.prompts(fixture, prompts), spec, max_tokens=max_tokens, seed=ctx.seed)
     finally:
-        rollout.full_vocab_limit = old
+        rollout.head = old
 
 
 def sample_raw(

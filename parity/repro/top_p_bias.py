@@ -40,7 +40,7 @@ def _row(ctx: Context, top_p: float, cfg: dict) -> tuple[dict, dict]:
     spec = SamplingSpec(temperature=cfg["temperature"], top_p=top_p)
     trainer = ctx.trainer(FIXTURE)
     vocab = trainer.vocab_size
-    records = sample(ctx, FIXTURE, spec, prompts=cfg["prompts"], max_tokens=cfg["tokens"], full_vocab_limit=vocab)
+    records = sample(ctx, FIXTURE, spec, prompts=cfg["prompts"], max_tokens=cfg["tokens"], head=-1)
     logits = trainer.logits(records)
     cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("vllm", "full", "replay", "recompute", "log_s", "log_s_q",
                                                             "forced", "incomplete", "outside", "support", "bound")}

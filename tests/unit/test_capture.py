@@ -24,13 +24,15 @@ def test_plan_capture_rules() -> None:
     assert plan_capture(SamplingSpec(top_k=20, top_p=0.9), 32000).logprobs == 36
     assert plan_capture(SamplingSpec(top_p=0.9), 320).logprobs == FULL_VOCAB
     assert plan_capture(SamplingSpec(top_k=310), 320).logprobs == FULL_VOCAB
-    with pytest.raises(ValueError, match="top_p/min_p but sets no top_k.*32000.*Set top_k"):
-        plan_capture(SamplingSpec(top_p=0.9), 32000)
+    # top_p without top_k on a real vocabulary: adaptive, capped (no longer refused).
+    wide = plan_capture(SamplingSpec(top_p=0.9), 32000)
+    assert wide.adaptive and wide.logprobs == 4096 and wide.max_head == 4096
     with pytest.raises(ValueError, match="head=10 is smaller than top_k=20"):
         plan_capture(SamplingSpec(top_k=20), 32000, head=10)
     with pytest.raises(ValueError, match="head=0"):
         plan_capture(SamplingSpec(top_k=20), 32000, head=0)
-    assert plan_capture(SamplingSpec(top_p=0.9), 32000, full_vocab_limit=40000).logprobs == FULL_VOCAB
+    raised = plan_capture(SamplingSpec(top_p=0.9), 32000, max_head=40000)
+    assert (raised.logprobs, raised.max_head) == (4096, FULL_VOCAB)  # the cap is the vocabulary
 
 
 def test_support_from_heads_flags_full_heads_as_incomplete() -> None:

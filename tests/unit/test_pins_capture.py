@@ -24,14 +24,28 @@ NEG = float("-inf")
     ("spec", "vocab", "kwargs", "plan"),
     [
         (SamplingSpec(), 100, {}, (None, "no filter: the support is the whole vocabulary")),
-        (SamplingSpec(top_k=100), 100, {}, (FULL_VOCAB, "top_p/min_p without top_k: full vocabulary (V=100)")),
+        (SamplingSpec(top_k=100), 100, {}, (FULL_VOCAB, "top_k=100 >= V=100: full vocabulary")),
         (SamplingSpec(top_k=10), 100, {}, (26, "top_k=10 + 16 to catch ties at the k-th value")),
         (SamplingSpec(top_k=10), 100, {"tie_margin": 3}, (13, "top_k=10 + 3 to catch ties at the k-th value")),
         (SamplingSpec(top_k=84), 100, {}, (FULL_VOCAB, "top_k=84 + tie margin covers the vocabulary")),
         (SamplingSpec(top_k=83), 100, {}, (99, "top_k=83 + 16 to catch ties at the k-th value")),
         (SamplingSpec(top_k=99), 100, {}, (FULL_VOCAB, "top_k=99 + tie margin covers the vocabulary")),
-        (SamplingSpec(min_p=0.1), 4096, {}, (FULL_VOCAB, "top_p/min_p without top_k: full vocabulary (V=4096)")),
-        (SamplingSpec(top_p=0.5), 50, {"full_vocab_limit": 50}, (FULL_VOCAB, "top_p/min_p without top_k: full vocabulary (V=50)")),
+        (SamplingSpec(min_p=0.1), 4096, {}, (64, "top_p/min_p without top_k: adaptive, top-64 first, sequences with an "
+                                                "unproven position asked again with x4 the head and the same seed, up to "
+                                                "the vocabulary (V=4096)", FULL_VOCAB)),
+        (SamplingSpec(top_p=0.5), 50, {"max_head": 50}, (FULL_VOCAB, "top_p/min_p without top_k: full vocabulary (V=50)",
+                                                         FULL_VOCAB)),
+        (SamplingSpec(top_p=0.9), 5000, {}, (4096, "top_p/min_p without top_k: adaptive, top-4096 first, which is the cap "
+                                             "max_head=4096: positions it does not prove are flagged", 4096)),
+        (SamplingSpec(0.5, top_p=0.9), 5000, {"start": 100, "max_head": 300},
+         (100, "top_p/min_p without top_k: adaptive, top-100 first, sequences with an unproven position asked again "
+               "with x4 the head and the same seed, up to max_head=300", 300)),
+        (SamplingSpec(0.5, top_p=0.9), 5000, {"start": 1000, "max_head": 300},
+         (300, "top_p/min_p without top_k: adaptive, top-300 first, which is the cap max_head=300: positions it does "
+               "not prove are flagged", 300)),
+        (SamplingSpec(0.5, top_p=0.9), 5000, {"start": 1}, (2, "top_p/min_p without top_k: adaptive, top-2 first, "
+                                                           "sequences with an unproven position asked again with x4 the "
+                                                           "head and the same seed, up to max_head=4096", 4096)),
         (SamplingSpec(top_k=10), 100, {"head": 10}, (10, "top-10 (forced)")),
         (SamplingSpec(top_k=10), 100, {"head": 99}, (99, "top-99 (forced)")),
         (SamplingSpec(top_k=10), 100, {"head": 100}, (FULL_VOCAB, "full vocabulary (forced)")),
@@ -62,12 +76,33 @@ def test_plan_messages_in_full() -> None:
         "capture head=9 is smaller than top_k=10: allowed head >= top_k (a head of top_k + 4 also captures ties at the k-th value)"
     )
     with pytest.raises(ValueError) as info:
-        plan_capture(SamplingSpec(0.5, top_p=0.9), 4097)
+        plan_capture(SamplingSpec(0.5, top_k=5000), 49152)
     assert str(info.value) == (
-        "spec T=0.5 top_p=0.9 filters with top_p/min_p but sets no top_k on a vocabulary of 4097 tokens: capturing "
-        "S_q exactly needs the full vocabulary per position (logprobs=-1), above the limit full_vocab_limit=4096. "
-        "Set top_k (e.g. top_k=64) to cap the support, or raise the limit (--full-vocab-limit) and accept the cost"
+        "spec T=0.5 top_k=5000 needs a capture head of 5016 (top_k=5000 + 16 for ties), above the cap max_head=4096: "
+        "raise --max-capture-head to 5016 or more, or lower top_k"
     )
+    with pytest.raises(ValueError) as info:
+        plan_capture(SamplingSpec(0.5, top_k=5000), 5010)
+    assert str(info.value) == (
+        "spec T=0.5 top_k=5000 needs a capture head of 5010 (top_k=5000 + 16 for ties, the whole vocabulary), above "
+        "the cap max_head=4096: raise --max-capture-head to 5010 or more, or lower top_k"
+    )
+    with pytest.raises(ValueError) as info:
+        plan_capture(SamplingSpec(1.0, top_k=60000), 49152)
+    assert str(info.value) == (
+        "spec T=1 top_k=60000 keeps the whole vocabulary (top_k=60000 >= V=49152): its support is every token, and "
+        "capturing it needs logprobs=-1, above the cap max_head=4096: drop top_k (the spec is then unfiltered) or "
+        "raise --max-capture-head to 49152"
+    )
+    for bad in (1, 0, -1, True, 2.5):
+        with pytest.raises(ValueError) as info:
+            plan_capture(SamplingSpec(top_p=0.9), 100, max_head=bad)
+        assert str(info.value) == (
+            f"max capture head={bad!r} is invalid: allowed an integer >= 2 (a head proves itself complete only by "
+            f"ending in a dropped token, so it needs room for one)"
+        )
+    assert plan_capture(SamplingSpec(top_k=10), 100, max_head=26).logprobs == 26  # the cap itself is allowed
+    assert plan_capture(SamplingSpec(top_k=10), 100, head=99, max_head=2).logprobs == 99  # a forced head is not capped
 
 
 @pytest.mark.parametrize(("logprobs", "captures"), [(None, False), (0, False), (FULL_VOCAB, True), (1, True), (40, True)])

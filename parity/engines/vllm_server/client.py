@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from parity.core.capture import FULL_VOCAB, support_from_heads
+from parity.core.capture import Heads, run_capture, support_from_heads
 from parity.core.spec import SamplingSpec
 from parity.engines.rollout_base import RolloutBase
 from parity.engines.vllm_server.process import LAUNCHER, free_port, shutdown
@@ -418,32 +418,35 @@ class ServerRollout(RolloutBase):
         if self._closed or self.url is None:
             raise ServerError("the server rollout is closed")
         plan = self.plan(spec)
-        requested = plan.logprobs if plan.logprobs is not None else 0
         label = spec.label()
-        start = time.perf_counter()
-        payloads = self._send_all(
-            [
-                self._body(p, spec, max_tokens=max_tokens, seed=seed + i, logprobs=requested)
-                for i, p in enumerate(prompts)
-            ],
-            what=f"completion ({label})",
-        )
-        self.capture_s += time.perf_counter() - start
-        records = []
-        for i, payload in enumerate(payloads):
-            where = f"{self.url} completion for prompt {i} ({label})"
-            parsed = parse_completion(
-                payload, max_tokens=max_tokens, requested=requested, vocab_size=self.vocab_size, where=where
+        deadline = time.monotonic() + self.timeout_s
+
+        def ask(indices: list[int], heads: list[int]) -> list[Heads]:
+            start = time.perf_counter()
+            payloads = self._send_all(
+                [self._body(prompts[i], spec, max_tokens=max_tokens, seed=seed + i, logprobs=k)
+                 for i, k in zip(indices, heads, strict=True)],
+                what=f"completion ({label})",
+                deadline=deadline,
             )
+            self.capture_s += time.perf_counter() - start
+            out = []
+            for i, k, payload in zip(indices, heads, payloads, strict=True):
+                where = f"{self.url} completion for prompt {i} ({label})"
+                parsed = parse_completion(payload, max_tokens=max_tokens, requested=k, vocab_size=self.vocab_size, where=where)
+                out.append(Heads(parsed.token_ids, parsed.sampled_logprobs, parsed.head_ids, parsed.head_logprobs))
+            return out
+
+        result = run_capture(plan, len(prompts), ask, vocab_size=self.vocab_size, spec=spec, history=self.capture_history)
+        self.last_capture = result.stats
+        records = []
+        for i, (h, requested) in enumerate(zip(result.heads, result.requested, strict=True)):
+            where = f"{self.url} completion for prompt {i} ({label})"
             kept = kept_lp = incomplete = None
             extras: dict[str, torch.Tensor] = {}
-            if plan.captures_support:
+            if requested != 0:
                 cap = support_from_heads(
-                    parsed.token_ids,
-                    parsed.head_ids,
-                    parsed.head_logprobs,
-                    requested=plan.logprobs or FULL_VOCAB,
-                    vocab_size=self.vocab_size,
+                    h.completion_ids, h.head_ids, h.head_logprobs, requested=requested, vocab_size=self.vocab_size
                 )
                 check_processed(
                     cap.kept_logprobs,
@@ -460,10 +463,10 @@ class ServerRollout(RolloutBase):
                     source=self.name,
                     prompt_index=i,
                     prompt_ids=list(prompts[i]),
-                    completion_ids=parsed.token_ids,
+                    completion_ids=h.completion_ids,
                     spec=spec,
                     seed=seed + i,
-                    logprobs=torch.tensor(parsed.sampled_logprobs, dtype=torch.float32),
+                    logprobs=torch.tensor(h.sampled_logprobs, dtype=torch.float32),
                     kept_ids=kept,
                     kept_logprobs=kept_lp,
                     incomplete=incomplete,
@@ -472,8 +475,10 @@ class ServerRollout(RolloutBase):
             )
         return records
 
-    def _send_all(self, bodies: list[dict[str, Any]], *, what: str) -> list[Any]:
+    def _send_all(self, bodies: list[dict[str, Any]], *, what: str, deadline: float | None = None) -> list[Any]:
         """POST every body concurrently (the server batches them); fail fast on the first error.
+
+        ``deadline`` (a ``time.monotonic()`` value) bounds the call; default: ``timeout_s`` from now.
 
         Daemon threads, not an executor: a worker blocked on a dead socket must not keep the
         interpreter from exiting (executor threads are joined at exit, before atexit handlers run).
@@ -518,7 +523,7 @@ class ServerRollout(RolloutBase):
         n_workers = min(self.concurrency, len(bodies))
         for _ in range(n_workers):
             threading.Thread(target=worker, name="parity-server-request", daemon=True).start()
-        deadline = time.monotonic() + self.timeout_s
+        deadline = deadline if deadline is not None else time.monotonic() + self.timeout_s
         finished = 0
         while finished < len(bodies):
             if done.acquire(timeout=0.25):

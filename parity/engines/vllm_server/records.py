@@ -6,11 +6,20 @@ so what a user records from their server is read exactly as ``parity run --serve
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyarrow as pa
 
+from parity.core.capture import (
+    DEFAULT_MAX_HEAD,
+    CaptureHistory,
+    CaptureStats,
+    Heads,
+    plan_capture,
+    run_capture,
+)
 from parity.core.spec import SamplingSpec
 from parity.engines.vllm_server.protocol import parse_completion
 from parity.errors import UsageError
@@ -23,7 +32,7 @@ def from_server_responses(
     prompts: Sequence[Sequence[int]],
     spec: SamplingSpec | Sequence[SamplingSpec],
     *,
-    requested: int,
+    requested: int | Sequence[int],
     vocab_size: int,
     max_tokens: int,
     seeds: Sequence[int] | None = None,
@@ -31,15 +40,18 @@ def from_server_responses(
 ) -> pa.Table:
     """Records from ``/v1/completions`` JSON answers, one per prompt, parsed as the server rollout parses them.
 
-    The requests must have asked for ``logprobs=requested`` with ``return_tokens_as_token_ids`` (see
+    The requests must have asked for ``logprobs=requested`` (one value, or one per answer, as
+    :func:`request_with_capture` returns them) with ``return_tokens_as_token_ids`` (see
     :mod:`parity.engines.vllm_server.protocol` for the request shape).
     """
 
     specs = list(spec) if not isinstance(spec, SamplingSpec) else [spec] * len(payloads)
-    if not (len(payloads) == len(prompts) == len(specs)):
-        raise UsageError(f"from_server_responses: {len(payloads)} answers, {len(prompts)} prompts, {len(specs)} specs: allowed equal counts")
+    heads = [int(requested)] * len(payloads) if isinstance(requested, int) else [int(k) for k in requested]
+    if not (len(payloads) == len(prompts) == len(specs) == len(heads)):
+        raise UsageError(f"from_server_responses: {len(payloads)} answers, {len(prompts)} prompts, {len(specs)} specs, "
+                         f"{len(heads)} requested heads: allowed equal counts")
     rows = []
-    for i, (payload, prompt, sp) in enumerate(zip(payloads, prompts, specs, strict=True)):
+    for i, (payload, prompt, sp, requested) in enumerate(zip(payloads, prompts, specs, heads, strict=True)):
         parsed = parse_completion(payload, max_tokens=max_tokens, requested=requested, vocab_size=vocab_size, where=f"answer {i}")
         rows.append(
             {
@@ -61,3 +73,50 @@ def from_server_responses(
             }
         )
     return records_table(rows)
+
+
+def request_with_capture(
+    send: Callable[[list[dict[str, Any]]], list[Any]],
+    bodies: Sequence[dict[str, Any]],
+    spec: SamplingSpec,
+    *,
+    vocab_size: int,
+    max_tokens: int,
+    max_head: int = DEFAULT_MAX_HEAD,
+    history: CaptureHistory | None = None,
+) -> tuple[list[Any], list[int], CaptureStats]:
+    """Send ``/v1/completions`` bodies with a capture plan for ``spec``; ask unproven ones again.
+
+    ``send`` is your own client: it POSTs a list of bodies and returns their JSON answers in order.
+    Each body must carry its ``seed`` (the sequences asked again must be drawn again), ``n=1`` and
+    ``return_tokens_as_token_ids``; its ``logprobs`` is set here, from
+    :func:`parity.core.capture.plan_capture` (adaptive for top_p/min_p without top_k, up to
+    ``max_head``: the server needs ``--max-logprobs`` at least that, or -1). Returns the answers (per
+    body, the one whose head proved it, else its first), the ``logprobs`` each was asked with (pass
+    them to :func:`from_server_responses` as ``requested``) and what the capture did.
+    """
+    for i, b in enumerate(bodies):
+        if b.get("seed") is None or int(b.get("n", 1)) != 1:
+            raise UsageError(
+                f"request_with_capture: body {i} has seed={b.get('seed')!r}, n={b.get('n', 1)!r}: allowed a seed per "
+                f"body and n=1 (a sequence asked again with a wider head must be drawn again with its own seed)"
+            )
+    plan = plan_capture(spec, vocab_size, max_head=max_head, suggested=history.start(spec) if history else None)
+
+    def ask(indices: list[int], heads: list[int]) -> list[Heads]:
+        sent = []
+        for i, k in zip(indices, heads, strict=True):
+            body = copy.deepcopy(dict(bodies[i]))
+            body["logprobs"] = int(k)
+            sent.append(body)
+        answers = list(send(sent))
+        if len(answers) != len(sent):
+            raise UsageError(f"request_with_capture: send returned {len(answers)} answers for {len(sent)} bodies")
+        out = []
+        for i, k, a in zip(indices, heads, answers, strict=True):
+            parsed = parse_completion(a, max_tokens=max_tokens, requested=k, vocab_size=vocab_size, where=f"answer {i}")
+            out.append(Heads(parsed.token_ids, parsed.sampled_logprobs, parsed.head_ids, parsed.head_logprobs, payload=a))
+        return out
+
+    result = run_capture(plan, len(bodies), ask, vocab_size=vocab_size, spec=spec, history=history)
+    return [h.payload for h in result.heads], result.requested, result.stats

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from parity.errors import UsageError
+
 TREND_GATE = "drift_trend"
 # The slope must exceed TREND_Z standard errors, and some step after the baseline must sit more than
 # BAND_K noise units above the baseline mean (docs/error_model.md, section 5, says why these values).
@@ -295,9 +297,9 @@ def drift_trend(
     se = np.asarray(token_se, dtype=np.float64)
     n = int(x.size)
     if not (baseline >= 1 and min_steps > baseline):
-        raise ValueError(f"drift_trend: baseline={baseline}, min_steps={min_steps}: allowed 1 <= baseline < min_steps")
+        raise UsageError(f"drift_trend: baseline={baseline}, min_steps={min_steps}: allowed 1 <= baseline < min_steps")
     if n and bool(np.any(np.diff(x) <= 0)):
-        raise ValueError("drift_trend: steps must be strictly ascending")
+        raise UsageError("drift_trend: steps must be strictly ascending")
     base_steps = tuple(int(s) for s in steps[:baseline]) if n > baseline else ()
     empty: dict[str, Any] = dict(slope=None, intercept=None, slope_se=None, slope_se_residual=None, slope_se_tokens=None,
                                  limit=None, baseline_mean=None, noise=None, band_lo=None, band_hi=None,

@@ -110,6 +110,34 @@ def attach_sampler_log_s(records: list[Any], raw: Any, prompts: list[list[int]],
     return {"raw_logits_pass": True, "sequences": len(records), "redrawn_differently": mismatched}
 
 
+def preflight(matrix: Matrix, cfg: RunConfig) -> None:
+    """Check every scenario's capture plan against its model's vocabulary before any engine starts (an
+    engine start costs tens of seconds, and a spec the plan refuses would stop the run after it)."""
+    import json
+
+    from parity.core.capture import plan_capture
+    from parity.errors import UsageError
+    from parity.fixtures import resolve_model
+
+    vocab: dict[str, int | None] = {}
+    problems = []
+    for sc in matrix.scenarios:
+        name = str(sc.model or cfg.model)
+        if name not in vocab:
+            config = json.loads((resolve_model(name) / "config.json").read_text())
+            size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+            vocab[name] = int(size) if size else None
+        if vocab[name] is None:
+            continue
+        head = sc.capture_head if sc.capture_head is not None else cfg.capture_head
+        try:
+            plan_capture(sc.spec, vocab[name], head=head, max_head=cfg.max_capture_head)
+        except UsageError as exc:
+            problems.append(f"scenario {sc.name!r} on {name} (V={vocab[name]}): {exc}")
+    if problems:
+        raise UsageError("; ".join(problems))
+
+
 def score_scenario(rollout: Any, trainer: Any, sc: Scenario, cfg: RunConfig, raw: Any = None) -> ScenarioResult:
     """Sample with vLLM, score with the trainer, compare, gate: one scenario.
 
@@ -219,6 +247,7 @@ def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: 
     from parity.determinism.knobs import batch_invariant_mode
     from parity.report.schema import SCHEMA_VERSION, environment, write_report
 
+    preflight(matrix, cfg)
     own_pool = pool is None
     pool = pool or EnginePool()
     results: list[dict[str, Any]] = []

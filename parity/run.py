@@ -10,14 +10,24 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parity.core.gates import Thresholds, evaluate, split_verdict
 from parity.core.matrix import Matrix, Scenario, default_matrix, load_matrix
 from parity.core.spec import SamplingSpec
-from parity.core.table import TrainerFaults, build_table, summarize
+from parity.core.table import TokenTable, TrainerFaults, build_table, summarize
 from parity.core.violation import Violation
-from parity.engines.session import EnginePool, make_prompts
+from parity.engines.session import EnginePool, Rollout, Trainer, make_prompts
+from parity.engines.settings import EngineSettings
+from parity.records.sequence import SequenceRecord
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pyarrow as pa
+    import torch
+
+    from parity.determinism.knobs import DeterminismState
+    from parity.engines.trainer_under_test import TrainerFn
+    from parity.engines.vllm_offline import VllmRollout
 
 
 @dataclass
@@ -38,7 +48,7 @@ class RunConfig:
     max_capture_head: int = 4096  # widest top-K head asked per position (parity.core.capture.DEFAULT_MAX_HEAD)
     timeout_s: float = 900.0
     prefix_caching: bool = False
-    trainer: Any = None  # trainer under test: "full" | "recompute" | "replay" | "module:function"
+    trainer: str | TrainerFn | None = None  # trainer under test: "full" | "recompute" | "replay" | "module:function"
     invariance: bool = False  # run the batch-invariance checks on both sides and report them
     batch_invariant: bool = False  # turn on every batch-invariance knob available on the device
     capture: str = "topk"  # "topk" | "native" (vLLM return_sampling_mask, CUDA) | "both" (and compare them)
@@ -46,6 +56,23 @@ class RunConfig:
     plots: bool = True
     sampler_log_s: bool = True  # a raw-logits pass for a log S from the sampler's side (small vocabularies)
     records: Path | None = None  # also write what was sampled and scored, per token (parity.records.format)
+
+    def engine_settings(self) -> EngineSettings:
+        """The part of this configuration the engines are started with."""
+        return EngineSettings(
+            model=self.model,
+            trainer_model=self.trainer_model,
+            dtype=self.dtype,
+            trainer_dtype=self.trainer_dtype,
+            device=self.device,
+            seed=self.seed,
+            capture_head=self.capture_head,
+            max_capture_head=self.max_capture_head,
+            timeout_s=self.timeout_s,
+            prefix_caching=self.prefix_caching,
+            capture=self.capture,
+            server=self.server,
+        )
 
 
 def resolve_matrix(cfg: RunConfig) -> Matrix:
@@ -70,16 +97,16 @@ def resolve_matrix(cfg: RunConfig) -> Matrix:
 @dataclass
 class ScenarioResult:
     scenario: Scenario
-    records: list[Any]
-    table: Any
+    records: list[SequenceRecord]
+    table: TokenTable
     summary: dict[str, Any]
     violations: list[Violation]
     seconds: float
-    export: Any = None  # the scenario's rows in the records format (with --records)
+    export: pa.Table | None = None  # the scenario's rows in the records format (with --records)
     reference_violations: list[Violation] = field(default_factory=list)  # parity's own estimators, with --trainer
 
 
-def wants_sampler_log_s(rollout: Any, sc: Scenario, cfg: RunConfig) -> bool:
+def wants_sampler_log_s(rollout: Rollout, sc: Scenario, cfg: RunConfig) -> bool:
     """A raw-logits pass is run when it can give the whole row: offline engine, vocabulary within the capture cap."""
     return (
         cfg.sampler_log_s
@@ -89,7 +116,9 @@ def wants_sampler_log_s(rollout: Any, sc: Scenario, cfg: RunConfig) -> bool:
     )
 
 
-def attach_sampler_log_s(records: list[Any], raw: Any, prompts: list[list[int]], sc: Scenario, seed: int) -> dict[str, Any]:
+def attach_sampler_log_s(
+    records: list[SequenceRecord], raw: VllmRollout, prompts: list[list[int]], sc: Scenario, seed: int
+) -> dict[str, Any]:
     """Sample again with the raw-logits engine (same seeds) and put the sampler-side log S on each record.
 
     A record whose second draw differs from the first gets none (counted, never guessed).
@@ -104,6 +133,7 @@ def attach_sampler_log_s(records: list[Any], raw: Any, prompts: list[list[int]],
         if list(a.completion_ids) != list(r.completion_ids) or r.kept_ids is None or a.kept_ids is None:
             mismatched.append(r.prompt_index)
             continue
+        assert a.kept_logprobs is not None  # captured with its kept set
         rows = torch.full((a.length, raw.vocab_size), float("-inf"), dtype=torch.float64)
         rows.scatter_(1, a.kept_ids.clamp(min=0), a.kept_logprobs.double().masked_fill(a.kept_ids < 0, float("-inf")))
         r.extras["sampler_log_s"] = log_s_from_raw_logits(rows, r.kept_ids, sc.spec)
@@ -127,18 +157,21 @@ def preflight(matrix: Matrix, cfg: RunConfig) -> None:
             config = json.loads((resolve_model(name) / "config.json").read_text())
             size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
             vocab[name] = int(size) if size else None
-        if vocab[name] is None:
+        size_v = vocab[name]
+        if size_v is None:
             continue
         head = sc.capture_head if sc.capture_head is not None else cfg.capture_head
         try:
-            plan_capture(sc.spec, vocab[name], head=head, max_head=cfg.max_capture_head)
+            plan_capture(sc.spec, size_v, head=head, max_head=cfg.max_capture_head)
         except UsageError as exc:
-            problems.append(f"scenario {sc.name!r} on {name} (V={vocab[name]}): {exc}")
+            problems.append(f"scenario {sc.name!r} on {name} (V={size_v}): {exc}")
     if problems:
         raise UsageError("; ".join(problems))
 
 
-def score_scenario(rollout: Any, trainer: Any, sc: Scenario, cfg: RunConfig, raw: Any = None) -> ScenarioResult:
+def score_scenario(
+    rollout: Rollout, trainer: Trainer, sc: Scenario, cfg: RunConfig, raw: VllmRollout | None = None
+) -> ScenarioResult:
     """Sample with vLLM, score with the trainer, compare, gate: one scenario.
 
     ``raw``: the raw-logits engine for the sampler-side log S (see :func:`wants_sampler_log_s`).
@@ -157,6 +190,7 @@ def score_scenario(rollout: Any, trainer: Any, sc: Scenario, cfg: RunConfig, raw
     summary = summarize(table)
     # What the capture did (parity.core.capture.CaptureStats): the head it started with, what it widened,
     # the largest |S_q| met, positions unproven at the cap, resamples that came back different.
+    assert rollout.last_capture is not None  # set by generate()
     summary["capture_plan"] = rollout.last_capture.to_dict()
     summary["dtypes"] = {"sampler": dtypes[0], "trainer": dtypes[1]}
     if raw_pass is not None:
@@ -175,7 +209,7 @@ def score_scenario(rollout: Any, trainer: Any, sc: Scenario, cfg: RunConfig, raw
 
 
 def native_capture_gate(
-    records: list[Any], scenario: str, mode: str, th: Thresholds
+    records: list[SequenceRecord], scenario: str, mode: str, th: Thresholds
 ) -> tuple[dict[str, Any], list[Violation]]:
     """vLLM's native sampling mask against the top-K capture, position by position (CUDA, ``--capture both``).
 
@@ -193,7 +227,14 @@ def native_capture_gate(
                                "and the top-K capture disagree on S_q", worst=where)]
 
 
-def score_trainer_under_test(table: Any, records: list[Any], logits: list[Any], sc: Scenario, name: Any, trainer: Any) -> None:
+def score_trainer_under_test(
+    table: TokenTable,
+    records: list[SequenceRecord],
+    logits: list[torch.Tensor],
+    sc: Scenario,
+    name: str | TrainerFn,
+    trainer: Trainer,
+) -> None:
     """Run the trainer under test on the sampled batch and attach its values and diagnosis to the table."""
     import torch
 
@@ -238,7 +279,9 @@ def run(cfg: RunConfig, progress: Callable[[str], None] = _progress, pool: Engin
         return _run(cfg, matrix, progress, pool, state)
 
 
-def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: EnginePool | None, state: Any) -> dict[str, Any]:
+def _run(
+    cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: EnginePool | None, state: DeterminismState
+) -> dict[str, Any]:
     from parity.core.capture import CaptureHistory
     from parity.core.matrix import pair_coverage
     from parity.core.rl import catalogue as rl_catalogue
@@ -248,6 +291,7 @@ def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: 
     from parity.report.schema import SCHEMA_VERSION, environment, write_report
 
     preflight(matrix, cfg)
+    engines = cfg.engine_settings()
     own_pool = pool is None
     pool = pool or EnginePool()
     results: list[dict[str, Any]] = []
@@ -261,11 +305,11 @@ def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: 
         for done, idx in enumerate(order, start=1):
             sc = matrix.scenarios[idx]
             model_name = sc.model or cfg.model
-            rollout, trainer = pool.get(model_name, cfg, progress)
+            rollout, trainer = pool.get(model_name, engines, progress)
             if id(rollout) not in fresh:  # start heads learnt within this run only (the pool may outlive it)
                 rollout.capture_history = CaptureHistory()
                 fresh.add(id(rollout))
-            raw = pool.raw(model_name, cfg, progress) if wants_sampler_log_s(rollout, sc, cfg) else None
+            raw = pool.raw(model_name, engines, progress) if wants_sampler_log_s(rollout, sc, cfg) else None
             # The trainer-side knobs (the CPU kernels; eager attention elsewhere) need the model, so they nest
             # around scoring.
             with batch_invariant_mode(cfg.batch_invariant, device=cfg.device, models=[trainer.model]):
@@ -290,11 +334,11 @@ def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: 
                 f"({s['headroom']['replay']:.2f} of its bound)  "
                 f"({s['tokens']} tokens, {res.seconds:.1f} s)"
             )
-            if s["capture_plan"].get("adaptive"):
+            if s["capture_plan"].get("adaptive") and rollout.last_capture is not None:
                 progress(f"    {rollout.last_capture.summary()}")
         determinism = None
         if cfg.invariance:
-            rollout, trainer = pool.get(cfg.model, cfg, progress)
+            rollout, trainer = pool.get(cfg.model, engines, progress)
             progress("parity: invariance checks (rollout batch sizes 2..32, trainer padding and packing)")
             t0 = time.perf_counter()
             prompts = make_prompts(trainer.tokenizer(), 8)
@@ -319,7 +363,7 @@ def _run(cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: 
     results = [by_index[i] for i in range(len(matrix.scenarios))]
     timings["total_s"] = time.perf_counter() - t_start
     trainer_dtype = cfg.trainer_dtype or cfg.dtype
-    report = {
+    report: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "environment": {**environment(cfg.device, cfg.dtype, trainer_dtype), "batch_invariant_mode": state.to_dict()},
         "config": {
@@ -353,6 +397,7 @@ def write_run_records(cfg: RunConfig, matrix: Matrix, results: list[dict[str, An
     """``--records``: every scenario's sampled and scored tokens, in matrix order, as one records file."""
     from parity.records.format import RecordsWriter
 
+    assert cfg.records is not None  # called with --records only
     users = {r["_table"].user_name for r in results if r.get("_table") is not None and r["_table"].user_name}
     vocabs = {r["_vocab_size"] for r in results if r.get("_vocab_size")}
     metadata = {

@@ -10,10 +10,27 @@ needed (:class:`~parity.core.capture.CaptureHistory`); both inherit them from he
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypedDict
 
 from parity.core.capture import DEFAULT_MAX_HEAD, CaptureHistory, CapturePlan, CaptureStats, plan_capture
 from parity.core.spec import SamplingSpec
 from parity.errors import PathNotFound
+
+
+class RolloutSettings(TypedDict, total=False):
+    """The keyword settings of :class:`RolloutBase`, as the adapters pass them on (``**settings``)."""
+
+    dtype: str
+    device: str
+    seed: int
+    max_model_len: int
+    max_head: int
+    start_head: int | None
+    tie_margin: int
+    head: int | None
+    timeout_s: float
+    prefix_caching: bool
+    capture: str
 
 
 class RolloutBase:

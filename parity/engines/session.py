@@ -3,15 +3,70 @@ check and the fixed prompts both sides see as the same token ids."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 from parity.engines.quiet import waiting
+from parity.engines.settings import EngineSettings, HasEngineSettings, as_engine_settings
 from parity.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from parity.run import RunConfig
+    import torch
+
+    from parity.core.capture import CaptureHistory, CaptureStats
+    from parity.core.spec import SamplingSpec
+    from parity.engines.rollout_base import RolloutSettings
+    from parity.engines.vllm_offline import VllmRollout
+    from parity.records.sequence import SequenceRecord
+
+
+class Tokenizer(Protocol):
+    """What parity asks of either side's tokenizer."""
+
+    def encode(self, text: str, *, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def __len__(self) -> int: ...
+
+
+class Rollout(Protocol):
+    """A rollout adapter (:class:`~parity.engines.vllm_offline.VllmRollout`,
+    :class:`~parity.engines.vllm_server.client.ServerRollout`) as a run uses it."""
+
+    head: int | None  # the capture head of the next generate() (None: planned per spec)
+    capture_history: CaptureHistory
+    last_capture: CaptureStats | None  # what the latest generate() captured
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def tokenizer(self) -> Tokenizer: ...
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], spec: SamplingSpec, *, max_tokens: int, seed: int
+    ) -> list[SequenceRecord]: ...
+
+    def close(self) -> None: ...
+
+
+class Trainer(Protocol):
+    """The trainer side (:class:`~parity.engines.transformers_trainer.TransformersTrainer`) as a run uses it."""
+
+    @property
+    def model(self) -> torch.nn.Module: ...
+
+    @property
+    def model_path(self) -> str: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def tokenizer(self) -> Tokenizer: ...
+
+    def logits(self, records: Sequence[SequenceRecord]) -> list[torch.Tensor]: ...
 
 # Fixed prompt texts, tokenized by the trainer's tokenizer and sent to vLLM as token ids so that
 # tokenization cannot drift between the sides.
@@ -28,7 +83,7 @@ PROMPT_TEXTS = (
 SAMPLE_TEXT = "Parity checks that both sides tokenize this sentence identically, 12345!"
 
 
-def check_same_vocabulary(rollout: Any, trainer: Any) -> None:
+def check_same_vocabulary(rollout: Rollout, trainer: Trainer) -> None:
     """The two sides must agree on ids before any comparison means anything."""
     problems = []
     if rollout.vocab_size != trainer.vocab_size:
@@ -54,7 +109,7 @@ def check_same_vocabulary(rollout: Any, trainer: Any) -> None:
         )
 
 
-def make_prompts(tokenizer: Any, n: int) -> list[list[int]]:
+def make_prompts(tokenizer: Tokenizer, n: int) -> list[list[int]]:
     prompts = []
     for i in range(n):
         text = PROMPT_TEXTS[i % len(PROMPT_TEXTS)]
@@ -79,10 +134,12 @@ class EnginePool:
     """One rollout engine and one trainer per model, started on first use and shared across runs."""
 
     def __init__(self) -> None:
-        self._engines: dict[tuple[str, str], tuple[Any, Any]] = {}
-        self._raw: dict[tuple[str, str, str], Any] = {}
+        self._engines: dict[tuple[str, str], tuple[Rollout, Trainer]] = {}
+        self._raw: dict[tuple[str, str, str], VllmRollout] = {}
 
-    def raw(self, model_name: str, cfg: RunConfig, progress: Callable[[str], None]) -> Any:
+    def raw(
+        self, model_name: str, settings: EngineSettings | HasEngineSettings, progress: Callable[[str], None]
+    ) -> VllmRollout:
         """A second offline engine on the same model with ``logprobs_mode="raw_logits"``.
 
         Sampling does not depend on the log-prob mode, so with the same seeds it draws the same tokens
@@ -91,6 +148,7 @@ class EnginePool:
         """
         from parity.engines.vllm_offline import VllmRollout
 
+        cfg = as_engine_settings(settings)
         key = (model_name, cfg.dtype, cfg.device)
         if key not in self._raw:
             progress(f"parity: starting a raw-logits vLLM engine on {model_name} (sampler-side log S)")
@@ -102,10 +160,18 @@ class EnginePool:
                 )
         return self._raw[key]
 
-    def get(self, model_name: str, cfg: RunConfig, progress: Callable[[str], None]) -> tuple[Any, Any]:
+    def get(
+        self, model_name: str, settings: EngineSettings | HasEngineSettings, progress: Callable[[str], None]
+    ) -> tuple[Rollout, Trainer]:
+        """The rollout engine and trainer for ``model_name``, started on first use.
+
+        ``settings``: :class:`~parity.engines.settings.EngineSettings`, or a configuration that carries
+        them (``parity run``'s ``RunConfig``).
+        """
         from parity.engines.transformers_trainer import TransformersTrainer
         from parity.engines.vllm_offline import VllmRollout
 
+        cfg = as_engine_settings(settings)
         trainer_dtype = cfg.trainer_dtype or cfg.dtype
         trainer_name = cfg.trainer_model if cfg.trainer_model and model_name == cfg.model else model_name
         key = (model_name, f"{trainer_name}|{cfg.dtype}|{trainer_dtype}|{cfg.device}|{cfg.server or 'offline'}|{cfg.capture}")
@@ -115,7 +181,7 @@ class EnginePool:
             progress(f"parity: starting vLLM ({cfg.device}, {cfg.dtype}) and transformers ({trainer_dtype}) on {model_name}")
             with waiting("transformers model load"):
                 trainer = TransformersTrainer(trainer_path, dtype=trainer_dtype, device=cfg.device)
-            common = dict(
+            common: RolloutSettings = dict(
                 dtype=cfg.dtype,
                 device=cfg.device,
                 seed=cfg.seed,
@@ -129,6 +195,7 @@ class EnginePool:
             if cfg.server:
                 from parity.engines.vllm_server.client import ServerRollout
 
+                rollout: Rollout
                 with waiting("vLLM server start-up and ready" if cfg.server == "spawn" else "vLLM server connection"):
                     rollout = ServerRollout(model_path, server=cfg.server, **common)
             else:

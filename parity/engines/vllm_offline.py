@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import torch
 
@@ -25,7 +25,7 @@ from parity.core.capture import (
     validate_native_mask,
 )
 from parity.core.spec import SamplingSpec
-from parity.engines.rollout_base import RolloutBase
+from parity.engines.rollout_base import RolloutBase, RolloutSettings
 from parity.errors import EngineError, SetupError, TimedOut, UsageError
 from parity.records.sequence import SequenceRecord
 
@@ -194,7 +194,8 @@ class VllmRollout(RolloutBase):
 
     name = "vllm"
 
-    def __init__(self, model: str | Path, *, engine_kwargs: dict[str, Any] | None = None, **settings: Any) -> None:
+    def __init__(self, model: str | Path, *, engine_kwargs: dict[str, Any] | None = None,
+                 **settings: Unpack[RolloutSettings]) -> None:
         """``settings``: those of :class:`~parity.engines.rollout_base.RolloutBase`; ``engine_kwargs``
         go to ``vllm.LLM`` last (they override)."""
         super().__init__(model, **settings)

@@ -10,16 +10,19 @@ function (see :class:`parity.engines.trainer_under_test.TrainerBatch`), and fail
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parity.core.gates import Thresholds
 from parity.core.spec import SamplingSpec
 
-_SHARED_POOL: Any = None
+if TYPE_CHECKING:  # pragma: no cover
+    from parity.engines.session import EnginePool
+    from parity.engines.trainer_under_test import TrainerFn
+
+_SHARED_POOL: EnginePool | None = None
 
 
-def _pool() -> Any:
+def _pool() -> EnginePool:
     global _SHARED_POOL
     if _SHARED_POOL is None:
         from parity.engines.session import EnginePool
@@ -29,7 +32,7 @@ def _pool() -> Any:
 
 
 def check_trainer(
-    fn: Callable[..., Any] | str,
+    fn: TrainerFn | str,
     *,
     spec: SamplingSpec,
     model: str = "qwen2-tiny",
@@ -38,7 +41,7 @@ def check_trainer(
     seed: int = 0,
     thresholds: Thresholds | None = None,
     dtype: str = "float32",
-    pool: Any = None,
+    pool: EnginePool | None = None,
 ) -> dict[str, Any]:
     """Score ``fn`` on one sampled batch; return the scenario summary with ``violations``."""
     from parity.core.matrix import Scenario
@@ -55,7 +58,7 @@ def check_trainer(
     return {**res.summary, "violations": mine, "harness_violations": [v for v in res.violations if v not in mine]}
 
 
-def assert_trainer_parity(fn: Callable[..., Any] | str, *, spec: SamplingSpec, **kwargs: Any) -> dict[str, Any]:
+def assert_trainer_parity(fn: TrainerFn | str, *, spec: SamplingSpec, **kwargs: Any) -> dict[str, Any]:
     """Raise ``AssertionError`` with parity's verdict if ``fn`` does not score the sampler's distribution."""
     result = check_trainer(fn, spec=spec, **kwargs)
     if result["violations"]:

@@ -8,9 +8,14 @@ test session; ``trainer_parity`` is :func:`parity.testing.asserts.assert_trainer
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:  # pragma: no cover
+    from parity.core.spec import SamplingSpec
+    from parity.engines.session import EnginePool
+    from parity.engines.trainer_under_test import TrainerFn
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -24,7 +29,7 @@ def parity_model(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="session")
-def parity_pool() -> Iterator[Any]:
+def parity_pool() -> Iterator[EnginePool]:
     from parity.engines.session import EnginePool
     from parity.engines.vllm_offline import configure_cpu_env
 
@@ -35,10 +40,10 @@ def parity_pool() -> Iterator[Any]:
 
 
 @pytest.fixture
-def trainer_parity(parity_pool: Any, parity_model: str) -> Callable[..., dict[str, Any]]:
+def trainer_parity(parity_pool: EnginePool, parity_model: str) -> Callable[..., dict[str, Any]]:
     from parity.testing.asserts import assert_trainer_parity
 
-    def check(fn: Any, *, spec: Any, **kwargs: Any) -> dict[str, Any]:
+    def check(fn: TrainerFn | str, *, spec: SamplingSpec, **kwargs: Any) -> dict[str, Any]:
         kwargs.setdefault("model", parity_model)
         return assert_trainer_parity(fn, spec=spec, pool=parity_pool, **kwargs)
 

@@ -40,13 +40,13 @@ import uuid
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
 from parity.core.capture import Heads, run_capture, support_from_heads
 from parity.core.spec import SamplingSpec
-from parity.engines.rollout_base import RolloutBase
+from parity.engines.rollout_base import RolloutBase, RolloutSettings
 from parity.engines.vllm_server.process import LAUNCHER, free_port, shutdown
 from parity.engines.vllm_server.protocol import (
     EXPECTED_MODE,
@@ -100,7 +100,7 @@ class ServerRollout(RolloutBase):
         logprobs_mode: str = EXPECTED_MODE,
         check_mode: bool = True,
         server_args: Sequence[str] = (),
-        **settings: Any,
+        **settings: Unpack[RolloutSettings],
     ) -> None:
         """``settings``: those of :class:`~parity.engines.rollout_base.RolloutBase`."""
         capture = settings.get("capture", "topk")

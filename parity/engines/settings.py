@@ -1,0 +1,42 @@
+"""What the engines of a run are started with: the settings :class:`~parity.engines.session.EnginePool` reads.
+
+``parity run``'s :class:`~parity.run.RunConfig` holds these and more (the matrix, thresholds, report
+options); :meth:`~parity.run.RunConfig.engine_settings` hands the engines only their part, so the
+engines never import the run layer above them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from parity.core.capture import DEFAULT_MAX_HEAD
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The rollout engine and trainer settings of one run (each is a ``parity run`` option)."""
+
+    model: str  # the run's model; its scenarios are scored by ``trainer_model`` when that is set
+    trainer_model: str | None = None
+    dtype: str = "float32"  # the sampler's dtype
+    trainer_dtype: str | None = None  # None: the sampler's
+    device: str = "cpu"
+    seed: int = 0
+    capture_head: int | None = None  # None: the capture plan's head
+    max_capture_head: int = DEFAULT_MAX_HEAD  # widest top-K head asked per position
+    timeout_s: float = 900.0
+    prefix_caching: bool = False
+    capture: str = "topk"  # "topk" | "native" | "both"
+    server: str | None = None  # None: offline engine; "spawn": a local vLLM server; or a URL to attach to
+
+
+class HasEngineSettings(Protocol):
+    """A configuration that carries engine settings (``parity run``'s ``RunConfig``)."""
+
+    def engine_settings(self) -> EngineSettings: ...
+
+
+def as_engine_settings(settings: EngineSettings | HasEngineSettings) -> EngineSettings:
+    """``settings`` itself, or the engine settings of a run configuration."""
+    return settings if isinstance(settings, EngineSettings) else settings.engine_settings()

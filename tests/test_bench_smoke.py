@@ -346,3 +346,38 @@ def test_cpu_basis_reads_process_time(lib) -> None:
     assert pair.cpu_ratio < 0.5, pair
     cell = lib.Table("t", "T", "r").put_pair("sleep", "c", pair)
     assert cell.basis == "cpu" and "(wall " in cell.render()
+
+
+def test_adaptive_capture_cells_on_a_fake_rollout(lib) -> None:
+    """tests/bench/test_bench_adaptive.py's cell: timing, peak RSS, the capture note and the three targets."""
+    from parity.core.capture import CaptureStats
+
+    adaptive = _load("parity_bench_adaptive", "test_bench_adaptive.py")
+
+    class Rec:
+        length = adaptive.TOKENS
+
+    class FakeRollout:
+        capture_history = None
+        start_head = None
+        last_capture = None
+
+        def generate(self, prompts, spec, *, max_tokens, seed):
+            wide = spec.uses_top_p and not spec.uses_top_k
+            self.last_capture = CaptureStats(4096 if wide else 66, "fake", adaptive=wide, max_head=4096,
+                                             sequences=len(prompts), largest_support=2827 if wide else 50)
+            return [Rec() for _ in prompts]
+
+    report, rollout = lib.BenchReport(), FakeRollout()
+    timer = quick(lib)
+    for case in adaptive.CASES:
+        pair, stats = adaptive.run_cell(report, lambda t, b, **kw: timer(t, b, rounds=1, warmup_rounds=0, basis="cpu"),
+                                        rollout, lambda: None, [[1]] * adaptive.PROMPTS, case)
+        assert pair.ratio > 0 and stats is rollout.last_capture
+        assert rollout.start_head is None  # a forced start is put back
+    table = report.tables[adaptive.TABLE]
+    assert {r for r, _ in table.cells} == {label for label, *_ in adaptive.CASES.values()}
+    assert any("largest |S_q| 2827" in n for n in table.notes)
+    assert set(report.targets) >= {adaptive.TIME_TARGET[0], adaptive.FLAT_TARGET[0]}
+    if adaptive.peak_rss_mb() is not None and adaptive.reset_peak_rss():
+        assert report.targets[adaptive.RSS_TARGET[0]].measured

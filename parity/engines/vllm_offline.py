@@ -223,7 +223,7 @@ class VllmRollout(RolloutBase):
             dtype=self.dtype,
             seed=self.seed,
             logprobs_mode="processed_logprobs",
-            max_logprobs=-1,  # allow full-vocabulary capture for small vocabularies
+            max_logprobs=-1,  # any head a plan asks: adaptive widening up to the cap, a forced full vocabulary
             max_model_len=self.max_model_len_arg,
             enforce_eager=True,
             # Off by default so no scenario's numbers can depend on what an earlier scenario left

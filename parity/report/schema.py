@@ -89,7 +89,7 @@ VIOLATION_SCHEMA: dict[str, Any] = {
 def report_schema() -> dict[str, Any]:
     """JSON Schema of report.json, schema_version 2 (violations became objects; see VIOLATION_SCHEMA)."""
     num = {"type": ["number", "string"]}
-    diff = {
+    diff: dict[str, Any] = {
         "type": "object",
         "required": ["max_abs_diff", "mean_diff", "p99_abs_diff", "support_equal_frac"],
         "properties": {k: num for k in ("max_abs_diff", "mean_diff", "p99_abs_diff", "support_equal_frac")},

@@ -305,9 +305,9 @@ def paragraph(report: dict[str, Any]) -> str:
                 + (" (required under batch-invariant mode)." if det.get("required") else " (reported, not required).")
             )
     if truncating:
-        h = rl_report.headline(_example(truncating))
-        if h:
-            parts.append(f"In RL terms, {h}")
+        headline = rl_report.headline(_example(truncating))
+        if headline:
+            parts.append(f"In RL terms, {headline}")
     skipped = sorted({g for s in sc for g in not_evaluated(s)})
     if skipped:
         parts.append(

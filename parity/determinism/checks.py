@@ -13,13 +13,33 @@ are :mod:`parity.determinism.gate`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from parity.core.metrics import max_abs_difference
-from parity.determinism.knobs import CPU_ATTENTION, UNAVAILABLE
+from parity.determinism.kernels import ATTENTION_NAME as CPU_ATTENTION
+from parity.determinism.knobs import UNAVAILABLE
 from parity.errors import UsageError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from parity.core.spec import SamplingSpec
+    from parity.records.sequence import SequenceRecord
+
+
+class Generates(Protocol):
+    """A rollout engine as the rollout check drives it (seed ``seed + i`` for prompt ``i``)."""
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], spec: SamplingSpec, *, max_tokens: int, seed: int
+    ) -> list[SequenceRecord]: ...
+
+
+class HasModel(Protocol):
+    """A trainer as the trainer check drives it: its model (and, optionally, a ``device`` attribute)."""
+
+    @property
+    def model(self) -> torch.nn.Module: ...
 
 # -- comparisons ---------------------------------------------------------------------------------
 
@@ -76,7 +96,7 @@ def _fingerprint(rec: Any) -> tuple[Any, ...]:
 # -- rollout side --------------------------------------------------------------------------------
 
 
-def _modes(spec: Any) -> list[tuple[str, Any]]:
+def _modes(spec: SamplingSpec) -> list[tuple[str, SamplingSpec]]:
     from parity.core.spec import SamplingSpec
 
     greedy = SamplingSpec(temperature=0.0)
@@ -95,15 +115,15 @@ def _fillers(others: Sequence[Sequence[int]], count: int) -> list[list[int]]:
 
 
 def check_rollout_invariance(
-    rollout: Any,
+    rollout: Generates,
     prompts: list[list[int]],
-    spec: Any,
+    spec: SamplingSpec,
     *,
     max_tokens: int,
     seed: int,
     batch_sizes: Sequence[int] = (2, 4, 8, 16, 32),
     repeats: int = 4,
-    perturb: Callable[[str, Any], Any] | None = None,
+    perturb: Callable[[str, SequenceRecord], SequenceRecord] | None = None,
 ) -> dict[str, Any]:
     """The rollout engine's answer for ``prompts[0]`` must not depend on what else is in the batch.
 
@@ -129,11 +149,11 @@ def check_rollout_invariance(
         raise UsageError(f"repeats={repeats!r} is invalid: allowed >= 2")
     target, others = list(prompts[0]), prompts[1:]
 
-    def gen(batch: list[list[int]], s: Any, base_seed: int) -> list[Any]:
+    def gen(batch: list[list[int]], s: SamplingSpec, base_seed: int) -> list[SequenceRecord]:
         return rollout.generate(batch, s, max_tokens=max_tokens, seed=base_seed)
 
     checks: list[dict[str, Any]] = []
-    modes = {}
+    modes: dict[str, dict[str, Any]] = {}
     for mode, mspec in _modes(spec):
         modes[mode] = mspec.to_dict()
         ref = gen([target], mspec, seed)[0]
@@ -225,8 +245,8 @@ def _packed_mask(
 
 @torch.no_grad()
 def check_trainer_invariance(
-    trainer: Any,
-    records: Sequence[Any],
+    trainer: HasModel,
+    records: Sequence[SequenceRecord],
     *,
     perturb: Callable[[str, list[torch.Tensor]], list[torch.Tensor]] | None = None,
 ) -> dict[str, Any]:
@@ -257,7 +277,8 @@ def check_trainer_invariance(
             attention_mask=None if mask is None else mask.to(device),
             position_ids=pos.to(device),
         )
-        return out.logits.float().cpu()
+        logits: torch.Tensor = out.logits.float().cpu()
+        return logits
 
     def rows(logits: torch.Tensor, offsets: list[int]) -> list[torch.Tensor]:
         # Record i sits in batch row i (padded layouts) or at offset o of the single packed row.
@@ -303,7 +324,7 @@ def check_trainer_invariance(
     layouts["left_padded"] = lambda: padded(left=True)
     layouts["packed"] = packed
 
-    checks = []
+    checks: list[dict[str, Any]] = []
     for layout, build in layouts.items():
         name = f"trainer {layout.replace('_', '-')}"
         got, why = build()

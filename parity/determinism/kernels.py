@@ -723,11 +723,11 @@ def _all_cpu(args: Any) -> bool:
     return all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor))
 
 
-class _KernelMode(TorchDispatchMode):
+class _KernelMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves __init_subclass__ unannotated
     """Routes the operations in ``KERNELS`` to this module's kernels and counts every operation."""
 
     def __init__(self, kernels: CpuKernels) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves TorchDispatchMode.__init__ unannotated
         self.kernels = kernels
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

@@ -255,7 +255,11 @@ def _attention(state: DeterminismState, undo: _Undo, enabled: bool, models: Sequ
     for m, prev in zip(models, impls, strict=True):
         if prev != "eager":
             m.set_attn_implementation("eager")
-            undo.push(lambda m=m, prev=prev: m.set_attn_implementation(prev))
+
+            def restore(m: Any = m, prev: Any = prev) -> None:
+                m.set_attn_implementation(prev)
+
+            undo.push(restore)
     state.add(name, ON, "eager", SDPA_NOTE)
 
 
@@ -307,7 +311,9 @@ def _cuda_torch_flags(state: DeterminismState, undo: _Undo, enabled: bool) -> No
     # TF32 rounds fp32 matmul inputs to 10 mantissa bits; torch >= 2.9 spells it fp32_precision and
     # refuses a mix of the legacy allow_tf32 flags and the new API, so use one or the other.
     if new_api:
-        _set_attrs(undo, *((t, "fp32_precision", "ieee") for t in (mm, cudnn.conv, cudnn.rnn)))
+        # cudnn.conv is set on torch's module-replacing CudnnModule; torch's annotations of the module omit it.
+        conv = cudnn.conv  # type: ignore[attr-defined]
+        _set_attrs(undo, *((t, "fp32_precision", "ieee") for t in (mm, conv, cudnn.rnn)))
         state.add("tf32_off", ON, {"fp32_precision": "ieee"})
     else:
         _set_attrs(undo, (mm, "allow_tf32", False), (cudnn, "allow_tf32", False))

@@ -41,11 +41,12 @@ class TransformersTrainer:
         self.batch_size = batch_size
         start = time.perf_counter()
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=parse_dtype(dtype))
-        self.model.to(self.device).eval()
+        # transformers' wrapper around PreTrainedModel.to is annotated without its bound self.
+        self.model.to(self.device).eval()  # type: ignore[arg-type]
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.init_s = time.perf_counter() - start
         self.forward_s = 0.0
-        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])  # type: ignore[no-untyped-call]  # unannotated in transformers
 
     def tokenizer(self) -> Any:
         return self._tokenizer

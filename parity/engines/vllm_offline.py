@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar, Unpack
+from typing import Any, TypeVar, Unpack, cast
 
 import torch
 
@@ -65,7 +65,7 @@ def call_with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:
         raise TimedOut(f"{what} did not finish within {timeout_s:.0f} s (raise --timeout if the model is large)")
     if "error" in box:
         raise box["error"]
-    return box["value"]
+    return cast(T, box["value"])
 
 
 def sampling_params(spec: SamplingSpec, **extra: Any) -> Any:
@@ -141,7 +141,10 @@ def generate_with_capture(
             q = seeded[i].clone()
             q.logprobs = k
             batch.append(q)
-        run = lambda: llm.generate([prompts[i] for i in indices], batch, use_tqdm=False)  # noqa: E731
+
+        def run() -> Any:
+            return llm.generate([prompts[i] for i in indices], batch, use_tqdm=False)
+
         outs = run() if deadline is None else call_with_timeout(run, max(deadline - time.monotonic(), 1.0),
                                                                 f"vLLM generate ({spec.label()})")
         res = []
@@ -164,7 +167,9 @@ def _spec_of_params(params: Any) -> SamplingSpec:
                         top_p=float(getattr(params, "top_p", 1.0)), min_p=float(getattr(params, "min_p", 0.0) or 0.0))
 
 
-def _heads_of_output(logprobs: Any, ids: list[int], requested: int, where: str) -> tuple[list, list, list]:
+def _heads_of_output(
+    logprobs: Any, ids: list[int], requested: int, where: str
+) -> tuple[list[float], list[list[int]], list[list[float]]]:
     """Sampled log-probs and heads (sampled entry excluded) from a ``CompletionOutput.logprobs``.
 
     ``FlatLogprobs``: per position the sampled entry, then the top-K. ``list[dict]``: the same keyed by
@@ -173,7 +178,9 @@ def _heads_of_output(logprobs: Any, ids: list[int], requested: int, where: str) 
     if logprobs is None or len(logprobs) != len(ids):
         raise EngineError(f"{where}: vLLM returned log-probs for {0 if logprobs is None else len(logprobs)} of "
                           f"{len(ids)} tokens (allowed an engine with logprobs_mode='processed_logprobs')")
-    sampled, heads, head_lps = [], [], []
+    sampled: list[float] = []
+    heads: list[list[int]] = []
+    head_lps: list[list[float]] = []
     if hasattr(logprobs, "start_indices"):
         for a, b in zip(logprobs.start_indices, logprobs.end_indices, strict=True):
             sampled.append(float(logprobs.logprobs[a]))
@@ -368,7 +375,7 @@ def _heads(comp: Any, i: int, spec: SamplingSpec) -> Heads:
     return Heads(ids, sampled_lp, heads, head_lps, payload=comp)
 
 
-def _logprobs_for(ids: torch.Tensor, heads: list, head_lps: list) -> torch.Tensor:
+def _logprobs_for(ids: torch.Tensor, heads: list[list[int]], head_lps: list[list[float]]) -> torch.Tensor:
     """The sampler's processed log-probs of natively captured ids, looked up in the top-K heads.
 
     An id the head did not list gets NaN: the support-mass check then reports it instead of guessing.

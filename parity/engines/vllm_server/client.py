@@ -125,7 +125,7 @@ class ServerRollout(RolloutBase):
         self._log_state = {"keep": False}  # shared with the finalizer, which must not hold self
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path: Path | None = None
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[[subprocess.Popen[bytes], Path, dict[str, bool]], ServerRollout] | None = None
         self._spawn_name: str | None = None
         # No proxies, ever: the harness talks to loopback or to the URL it was given, directly.
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -308,6 +308,7 @@ class ServerRollout(RolloutBase):
         self, method: str, route: str, body: dict[str, Any] | None, *, timeout: float, what: str
     ) -> Any:
         """One HTTP exchange; every failure becomes a :class:`ServerError` or :class:`~parity.errors.TimedOut` naming the URL."""
+        assert self.url is not None  # set before the first request
         url = self.url + route
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(
@@ -409,6 +410,7 @@ class ServerRollout(RolloutBase):
         data = self._request(
             "POST", "/v1/completions", body, timeout=self.request_timeout_s, what="probe request"
         )
+        assert self.url is not None  # probed once the server is up
         check_probe(data, url=self.url, vocab_size=self.vocab_size, max_tokens=max_tokens)
 
     def generate(

@@ -97,6 +97,13 @@ def _logprob(value: Any, where: str) -> float:
     return float("-inf") if v <= JSON_NEG_INF else v
 
 
+def _list_field(lp: dict[str, Any], name: str, where: str) -> list[Any]:
+    val = lp.get(name)
+    if not isinstance(val, list):
+        raise MalformedResponse(f"{where}: 'logprobs.{name}' is {type(val).__name__}, allowed a list")
+    return val
+
+
 def parse_completion(
     payload: Any,
     *,
@@ -124,10 +131,7 @@ def parse_completion(
         raise MalformedResponse(
             f"{where}: 'choices[0].logprobs' is missing — the server returned no log-probs"
         )
-    tokens, token_lps, tops = lp.get("tokens"), lp.get("token_logprobs"), lp.get("top_logprobs")
-    for name, val in (("tokens", tokens), ("token_logprobs", token_lps), ("top_logprobs", tops)):
-        if not isinstance(val, list):
-            raise MalformedResponse(f"{where}: 'logprobs.{name}' is {type(val).__name__}, allowed a list")
+    tokens, token_lps, tops = (_list_field(lp, name, where) for name in ("tokens", "token_logprobs", "top_logprobs"))
     if not (len(tokens) == len(token_lps) == len(tops)):
         raise MalformedResponse(
             f"{where}: logprobs lists disagree in length (tokens {len(tokens)}, token_logprobs {len(token_lps)}, "

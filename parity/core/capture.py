@@ -207,7 +207,7 @@ def support_lower_bound(values: Sequence[float]) -> int:
     mass = math.fsum(math.exp(v) for v in values)
     p_min = math.exp(min(values))
     rest = 1.0 - mass - MASS_SLACK
-    if rest <= 0.0:
+    if not rest > 0.0:  # nothing missing, or a NaN in the head: no bound beyond the head itself
         return len(values)
     if p_min <= 0.0:
         return 2**62

@@ -335,3 +335,91 @@ def test_dense_and_per_position_support_agree_with_ties_in_any_order() -> None:
         for row_ids, row_lps in zip(dense.kept_ids.tolist(), dense.kept_logprobs.tolist(), strict=True):
             pairs = [(i, v) for i, v in zip(row_ids, row_lps, strict=True) if i >= 0]
             assert pairs == sorted(pairs, key=lambda iv: (-iv[1], iv[0]))
+
+
+# -- records from a server: request_with_capture and per-answer heads ----------------------------
+
+
+def test_request_with_capture_widens_through_your_client_and_the_records_prove_every_position() -> None:
+    from parity.engines.vllm_server.records import from_server_responses, request_with_capture
+    from parity.records.format import validate_batch
+
+    vocab, spec = 2000, S(1.0, top_p=0.9)
+    rows = rows_for(spec, [3.0, 0.8], length=3, vocab=vocab)
+    tokens = [[int(r[t].argmax()) for t in range(3)] for r in rows]
+
+    def answer(body: dict) -> dict:
+        i, k = body["seed"] - 100, body["logprobs"]
+        r = rows[i]
+        vals, ids = torch.topk(r, vocab if k == FULL_VOCAB else k, dim=-1)
+        tops = []
+        for t, y in enumerate(tokens[i]):
+            entries = {f"token_id:{y}": float(r[t, y])}
+            for j, v in zip(ids[t].tolist(), vals[t].tolist(), strict=True):
+                entries.setdefault(f"token_id:{j}", max(v, -9999.0))
+            tops.append(entries)
+        lp = {"tokens": [f"token_id:{y}" for y in tokens[i]], "token_logprobs": [float(r[t, y]) for t, y in
+                                                                               enumerate(tokens[i])], "top_logprobs": tops}
+        return {"choices": [{"index": 0, "text": "", "logprobs": lp, "finish_reason": "length"}]}
+
+    sent: list[list[int]] = []
+
+    def send(bodies: list[dict]) -> list[dict]:
+        sent.append([b["logprobs"] for b in bodies])
+        return [answer(b) for b in bodies]
+
+    bodies = [{"prompt": [1, 2], "seed": 100 + i, "n": 1, "max_tokens": 3} for i in range(2)]
+    history = CaptureHistory()
+    history.record(spec, [8])  # as if an earlier step needed 8: this one starts at 16 and widens
+    answers, requested, stats = request_with_capture(send, bodies, spec, vocab_size=vocab, max_tokens=3, history=history)
+    assert sent[0] == [16, 16] and len(sent) >= 2 and stats.widened_sequences >= 1
+    assert all(k > 16 or k == FULL_VOCAB for k in requested)  # each answer carries the head it was asked with
+    b = validate_batch(from_server_responses(answers, [[1, 2]] * 2, spec, requested=requested, vocab_size=vocab,
+                                             max_tokens=3, seeds=[100, 101]))
+    assert not bool(b.kept_incomplete.any()) and stats.incomplete_positions == 0
+    n_kept = [int(b.kept_token_offsets[t + 1] - b.kept_token_offsets[t]) for t in range(6)]
+    assert n_kept == [n for s in sizes(rows) for n in s]
+    with pytest.raises(ValueError, match="body 0 has seed=None"):
+        request_with_capture(send, [{"prompt": [1]}], spec, vocab_size=vocab, max_tokens=3)
+    with pytest.raises(ValueError, match="1 answers, 1 prompts, 1 specs, 2 requested heads"):
+        from_server_responses(answers[:1], [[1]], spec, requested=[16, 16], vocab_size=vocab, max_tokens=3)
+
+
+def uniform_rows(sizes_per_position: list[int], vocab: int = 100) -> torch.Tensor:
+    """Processed rows with exactly n kept tokens of probability 1/n each (the lower bound is then exact)."""
+    out = torch.full((len(sizes_per_position), vocab), NEG_INF)
+    for t, n in enumerate(sizes_per_position):
+        out[t, (torch.arange(n) * 7 + t) % vocab] = math.log(1.0 / n)
+    return out
+
+
+def test_every_count_of_the_capture_pinned_on_known_supports() -> None:
+    # Kept-set sizes per position; cap 64: sequence 2's first position (90 tokens) cannot be proven.
+    eng = FakeEngine([uniform_rows([3, 10]), uniform_rows([40, 2]), uniform_rows([90, 5])])
+    h = CaptureHistory()
+    res = run_capture(CapturePlan(4, "why", max_head=64), 3, eng.ask, vocab_size=100, spec=S(1.0, top_p=0.99), history=h)
+    assert eng.calls == [([0, 1, 2], [4, 4, 4]), ([0, 1, 2], [16, 64, 16])]
+    assert res.requested == [16, 64, 16]
+    assert res.stats.to_dict() == {
+        "logprobs": 4, "reason": "why", "adaptive": True, "max_head": 64, "sequences": 3, "positions": 6,
+        "rounds": 1, "asks": [{"sequences": 3, "head": 64}], "unproven_positions": 4, "widened_sequences": 3,
+        "widened_positions": 4, "largest_support": 40, "widest_head": 64, "incomplete_positions": 1,
+        "beyond_cap_positions": 1, "resampled_differently": 0, "resampled_prompts": [], "support_changed_positions": 0,
+    }
+    # The history keeps the widest need, 91 (the unproven position's bound + 1): the next start is 128.
+    assert h.start(S(1.0, top_p=0.99)) == 128
+    assert support_lower_bound(uniform_rows([90])[0].topk(16).values.tolist()) == 90
+
+
+def test_a_nan_in_a_head_bounds_nothing_beyond_it() -> None:
+    assert support_lower_bound([-0.5, float("nan"), -2.0]) == 3
+
+
+def test_the_old_full_vocab_limit_flag_is_an_error_that_names_its_replacement(capsys) -> None:
+    from parity.cli.main import main
+
+    assert main(["run", "--full-vocab-limit", "50000"]) == 2
+    err = capsys.readouterr().err
+    assert "--full-vocab-limit=50000 is gone" in err and "--max-capture-head" in err
+    assert main(["run", "--max-capture-head", "1"]) == 2
+    assert "--max-capture-head=1 is invalid: allowed an integer >= 2" in capsys.readouterr().err

@@ -53,6 +53,7 @@ from parity.core import estimators
 from parity.core.capture import (
     DEFAULT_MAX_HEAD,
     NEG_INF,
+    CapturedSupport,
     CaptureHistory,
     CapturePlan,
     CaptureStats,
@@ -181,23 +182,29 @@ def _vocab_size(gen: Any) -> int:
 
 
 def _sampler_dtype(gen: Any) -> str:
-    llm = getattr(gen, "llm", None)
+    llm: Any = getattr(gen, "llm", None)  # None (server mode) raises the AttributeError below
     try:
         return str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
     except AttributeError:
         return "unknown"
 
 
-def _split_heads(cap: GrpoCapture, completion_ids: list[list[int]], logprobs: list, token_ids: list,
-                 requested: int | list[int], vocab: int) -> tuple[list, list, list]:
+def _split_heads(cap: GrpoCapture, completion_ids: list[list[int]], logprobs: list[Any], token_ids: list[Any],
+                 requested: int | list[int], vocab: int
+                 ) -> tuple[list[list[list[float | None]]], list[list[list[int]]], list[CapturedSupport | None]]:
     """Per sequence: the sampled token's log-prob for TRL, and S_q for parity.
 
     ``requested``: the head each sequence was asked with (one value for all, or one per sequence).
     """
-    lp_out, ids_out, supports = [], [], []
+    lp_out: list[list[list[float | None]]] = []
+    ids_out: list[list[list[int]]] = []
+    supports: list[CapturedSupport | None] = []
     per_seq = requested if isinstance(requested, list) else [requested] * len(completion_ids)
     for seq_ids, seq_lps, seq_tok, requested in zip(completion_ids, logprobs, token_ids, per_seq, strict=True):
-        lp_rows, id_rows, heads_ids, heads_lps = [], [], [], []
+        lp_rows: list[list[float | None]] = []
+        id_rows: list[list[int]] = []
+        heads_ids: list[list[int]] = []
+        heads_lps: list[list[float]] = []
         for y, lps, toks in zip(seq_ids, seq_lps, seq_tok, strict=True):
             # TRL's extract_logprobs sorts the head by rank and _generate_single_turn reads entry 0 as the
             # sampled token's: true only for logprobs=0, so the sampled entry is moved to the front.
@@ -320,7 +327,7 @@ def _adaptive_generate(generate: Any, plan: CapturePlan, spec: SamplingSpec, voc
     return wrapped
 
 
-def _fixed_stats(plan: CapturePlan, supports: list, completion_ids: list) -> CaptureStats:
+def _fixed_stats(plan: CapturePlan, supports: list[CapturedSupport | None], completion_ids: list[Any]) -> CaptureStats:
     """What a one-generation capture (top_k, forced head, no colocated engine) met."""
     stats = CaptureStats(plan.logprobs, plan.reason, sequences=len(completion_ids),
                          positions=sum(len(c) for c in completion_ids), widest_head=plan.logprobs or 0)
@@ -369,18 +376,19 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
         kwargs.setdefault("max_logprobs", -1)
         return llm_cls(*args, **kwargs)
 
-    def generate(self: Any, *args: Any, **kwargs: Any) -> tuple:
+    def generate(self: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         spec = _spec_of(self)
         vocab = _vocab_size(self)
         plan = plan_capture(spec, vocab, head=head, max_head=max_head, suggested=cap.history.start(spec))
-        llm = getattr(self, "llm", None) if getattr(self, "mode", "colocate") == "colocate" else None
+        # None (server mode) only with a plan made non-adaptive just below.
+        llm: Any = getattr(self, "llm", None) if getattr(self, "mode", "colocate") == "colocate" else None
         if plan.adaptive and llm is None:
             # TRL's server client sends no per-request seed, so a sequence cannot be drawn again: one
             # generation at the cap, unproven positions flagged.
             cap_k = plan.max_head if plan.max_head is not None else -1
             plan = CapturePlan(cap_k, f"{plan.reason.split(':')[0]}: one generation at the cap (no colocated "
                                f"engine to ask again with the same seed)")
-        requested = plan.logprobs if plan.captures_support else 0
+        requested = plan.logprobs if plan.logprobs is not None and plan.captures_support else 0
         batch: dict[str, Any] = {}
         old = self.logprobs
         self.logprobs = requested
@@ -406,8 +414,8 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
         return prompt_ids, completion_ids, lps, ids
 
     def logps(self: Any, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-              batch_size: int | None = None, **kwargs: Any) -> tuple:
-        out = saved["logps"](self, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **kwargs)
+              batch_size: int | None = None, **kwargs: Any) -> tuple[Any, ...]:
+        out: tuple[Any, ...] = saved["logps"](self, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **kwargs)
         active = cap._active
         if active is None or active["old"] is not None or not cap._pending:
             return out
@@ -478,7 +486,8 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
         Trainer._get_per_token_logps_and_entropies = saved["logps"]
 
 
-def _record(cap: GrpoCapture, trainer: Any, step: int, pend: dict[str, Any], old: dict[str, Any], output: dict) -> None:
+def _record(cap: GrpoCapture, trainer: Any, step: int, pend: dict[str, Any], old: dict[str, Any],
+            output: dict[str, Any]) -> None:
     mask = output["completion_mask"]
     if "tool_mask" in output:
         mask = mask * output["tool_mask"]

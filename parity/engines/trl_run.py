@@ -129,7 +129,7 @@ def configure_process(port: int | None = None) -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
 
-def _reward_length(completions: list, **_: Any) -> list[float]:
+def _reward_length(completions: list[Any], **_: Any) -> list[float]:
     """Any reward will do: the IS correction does not depend on it."""
     return [float(len(c)) for c in completions]
 

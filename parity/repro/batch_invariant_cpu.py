@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from parity.core.spec import SamplingSpec
 from parity.repro.common import Check, Context
@@ -37,11 +38,11 @@ COLUMNS = columns(("run", "run"), ("knob", KNOB), ("engine_started", "engine sta
                   ("outcome", "outcome"), ("where", "raised in"))
 
 
-def settings(small: bool) -> dict:
+def settings(small: bool) -> dict[str, Any]:
     return {"fixture": FIXTURE, "knob": KNOB, "timeout_s": SUBPROCESS_TIMEOUT_S}
 
 
-def parse_crash(text: str) -> dict:
+def parse_crash(text: str) -> dict[str, Any]:
     """The exception and the frames of interest from a child's combined output."""
     lines = output_lines(text)
     errors = exceptions(lines)
@@ -56,7 +57,7 @@ def parse_crash(text: str) -> dict:
     return {"error": errors[-1] if errors else "", "where": where, "frames": found[-12:]}
 
 
-def child(model: Path, prompt: list[int], env_value: str | None, timeout_s: float) -> dict:
+def child(model: Path, prompt: list[int], env_value: str | None, timeout_s: float) -> dict[str, Any]:
     """The engine started on ``model`` in a fresh process, ``KNOB`` set to ``env_value`` (None: unset)."""
     cmd = [sys.executable, "-c", ENGINE_CHILD, str(model), "float32", "eager", *map(str, prompt)]
     p = run_child(cmd, engine_env(KNOB, env_value), timeout_s)
@@ -67,7 +68,7 @@ def child(model: Path, prompt: list[int], env_value: str | None, timeout_s: floa
             "started": STARTED in p.stdout, **parse_crash(p.text), "tail": p.text[-3000:]}
 
 
-def run(ctx: Context, cfg: dict) -> Measured:
+def run(ctx: Context, cfg: dict[str, Any]) -> Measured:
     model = ctx.model_path(FIXTURE)
     prompt = ctx.prompts(FIXTURE, 1)[0]
     # Control: the same request on the same fixture, in this process, knob unset.
@@ -114,5 +115,5 @@ def run(ctx: Context, cfg: dict) -> Measured:
     return Measured(rows, checks, notes, data={"child": res}, finding=status)
 
 
-def script_config(small: bool) -> dict:
+def script_config(small: bool) -> dict[str, Any]:
     return {"vocab": 512, "timeout_s": SUBPROCESS_TIMEOUT_S}

@@ -20,6 +20,8 @@ Fixture ``llama-32k-s4`` (entropy ~4 nats: nucleus sizes vary from a few tokens 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from parity.core import estimators
@@ -40,7 +42,7 @@ CASES = (
 )
 
 
-def settings(small: bool) -> dict:
+def settings(small: bool) -> dict[str, Any]:
     return {"fixture": FIXTURE, "cases": [(c, s.label(), h) for c, s, h in CASES],
             "prompts": 8 if small else 16, "tokens": 8 if small else 16}
 
@@ -58,7 +60,7 @@ def _plan_outcome(spec: SamplingSpec, vocab: int, head: int | None) -> tuple[boo
     return False, f"accepted: {plan.reason}"
 
 
-def _row(ctx: Context, case: str, spec: SamplingSpec, head: int | None, cfg: dict) -> dict:
+def _row(ctx: Context, case: str, spec: SamplingSpec, head: int | None, cfg: dict[str, Any]) -> dict[str, Any]:
     trainer = ctx.trainer(FIXTURE)
     vocab = trainer.vocab_size
     refused, message = _plan_outcome(spec, vocab, head)
@@ -115,7 +117,7 @@ FINDING = ("vLLM silently returns a head smaller than the support when asked; re
            "until they end in a dropped token, and flags positions it cannot prove.")
 
 
-def run(ctx: Context, cfg: dict) -> Measured:
+def run(ctx: Context, cfg: dict[str, Any]) -> Measured:
     rows = sweep(ctx, CASES, lambda c: _row(ctx, *c, cfg), lambda c: c[0])
     small_heads = [r for r, (_, _, head) in zip(rows, CASES, strict=True) if head is not None]
     fixes = [r for r, (_, _, head) in zip(rows, CASES, strict=True) if head is None]
@@ -143,7 +145,7 @@ def run(ctx: Context, cfg: dict) -> Measured:
     return Measured(rows, checks, notes)
 
 
-def script_config(small: bool) -> dict:
+def script_config(small: bool) -> dict[str, Any]:
     cfg = settings(small)
     cases = [(head, filter_kwargs(spec)) for _, spec, head in CASES if head is not None]
     return {"vocab": 32768, "logit_scale": 4.0, "cases": cases, "tokens": cfg["tokens"], "prompts": cfg["prompts"]}

@@ -149,5 +149,5 @@ COLUMNS = columns(("case", "case"), ("step", "step"), ("knob", KNOB), ("fx_graph
                   ("symptom", f"output names {SYMPTOM}"), ("outcome", "outcome"))
 
 
-def script_config(small: bool) -> dict:
+def script_config(small: bool) -> dict[str, Any]:
     return {"vocab": 512, "timeout_s": SUBPROCESS_TIMEOUT_S}

@@ -13,6 +13,8 @@ Small top_k values put the sampled token at the boundary most often; top_k + 16 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from parity.core import estimators
@@ -31,12 +33,12 @@ SETTINGS = (
 TRAINER_DTYPES = ("float32", "bfloat16")
 
 
-def settings(small: bool) -> dict:
+def settings(small: bool) -> dict[str, Any]:
     return {"fixture": FIXTURE, "settings": [s.label() for s in SETTINGS], "trainer_dtypes": TRAINER_DTYPES,
             "rollout_dtype": "float32", "prompts": 16 if small else 32, "tokens": 16}
 
 
-def _rows(ctx: Context, spec: SamplingSpec, cfg: dict) -> list[dict]:
+def _rows(ctx: Context, spec: SamplingSpec, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     records = sample(ctx, FIXTURE, spec, prompts=cfg["prompts"], max_tokens=cfg["tokens"])
     rows = []
     for dtype in TRAINER_DTYPES:
@@ -92,7 +94,7 @@ FINDING = ("With a bf16 trainer, recomputing the filters on its own logits moves
            "-inf and replay never produces one.")
 
 
-def run(ctx: Context, cfg: dict) -> Measured:
+def run(ctx: Context, cfg: dict[str, Any]) -> Measured:
     rows = [row for rows in sweep(ctx, SETTINGS, lambda spec: _rows(ctx, spec, cfg), SamplingSpec.label) for row in rows]
     fp32 = [r for r in rows if r["trainer"] == "float32"]
     bf16 = [r for r in rows if r["trainer"] == "bfloat16"]
@@ -119,7 +121,7 @@ def run(ctx: Context, cfg: dict) -> Measured:
     return Measured(rows, checks, notes)
 
 
-def script_config(small: bool) -> dict:
+def script_config(small: bool) -> dict[str, Any]:
     cfg = settings(small)
     return {"vocab": 32768, "logit_scale": 1.0,
             "settings": [filter_kwargs(s) for s in SETTINGS],

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pprint
 import re
 from pathlib import Path
+from typing import Any
 
 SOURCE = Path(__file__).with_name("standalone_src.py")
 # The reproductions that run TRL's trainer: their own prelude (TRL, datasets and a tokenizer built from code).
@@ -61,7 +62,7 @@ def sections(source: Path = SOURCE) -> dict[str, str]:
     return out
 
 
-def emit(name: str, title: str, *, config: dict, source: Path = SOURCE, about: str | None = None) -> str:
+def emit(name: str, title: str, *, config: dict[str, Any], source: Path = SOURCE, about: str | None = None) -> str:
     """The script text; ``about`` replaces the docstring's paragraph on what it needs and does (and its usage line)."""
     parts = sections(source)
     assert name in parts, f"no standalone script section {name!r} in {source.name}: allowed {', '.join(p for p in parts if p != 'prelude')}"

@@ -11,6 +11,8 @@ Fixture ``llama-32k-s1`` (shares the engine of repro 1). Measured: trainer minus
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from parity.core import estimators
@@ -24,11 +26,11 @@ TEMPERATURES = (0.5, 0.7, 1.0, 1.3)
 NONZERO = 1e-3  # a bias at T != 1 must exceed this to count as present
 
 
-def settings(small: bool) -> dict:
+def settings(small: bool) -> dict[str, Any]:
     return {"fixture": FIXTURE, "temperatures": TEMPERATURES, "prompts": 6 if small else 16, "tokens": 8 if small else 16}
 
 
-def _row(ctx: Context, temp: float, cfg: dict) -> dict:
+def _row(ctx: Context, temp: float, cfg: dict[str, Any]) -> dict[str, Any]:
     spec = SamplingSpec(temperature=temp)
     forgot_spec = SamplingSpec(temperature=1.0)  # what the buggy trainer uses whatever the sampler's T
     records = sample_raw(ctx, FIXTURE, spec, prompts=cfg["prompts"], max_tokens=cfg["tokens"], logprobs=0)
@@ -78,7 +80,7 @@ FINDING = ("A trainer scoring log_softmax(z) while vLLM sampled from softmax(z /
            "dividing by T removes it.")
 
 
-def run(ctx: Context, cfg: dict) -> Measured:
+def run(ctx: Context, cfg: dict[str, Any]) -> Measured:
     rows = sweep(ctx, cfg["temperatures"], lambda temp: _row(ctx, temp, cfg), lambda temp: f"T={temp}")
     off = [r for r in rows if r["T"] != 1.0]
     on = [r for r in rows if r["T"] == 1.0]
@@ -102,7 +104,7 @@ def run(ctx: Context, cfg: dict) -> Measured:
     return Measured(rows, checks, notes)
 
 
-def script_config(small: bool) -> dict:
+def script_config(small: bool) -> dict[str, Any]:
     cfg = settings(small)
     return {"vocab": 32768, "logit_scale": 1.0, "temperatures": list(cfg["temperatures"]),
             "tokens": cfg["tokens"], "prompts": cfg["prompts"]}

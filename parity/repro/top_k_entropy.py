@@ -13,6 +13,8 @@ vLLM is asked for the sampled token's log-prob only (``logprobs=0``), which keep
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from parity.core import estimators
@@ -36,17 +38,17 @@ def fixture(scale: int) -> str:
     return f"llama-32k-s{scale}"
 
 
-def settings(small: bool) -> dict:
+def settings(small: bool) -> dict[str, Any]:
     return {"scales": SMALL_SCALES if small else SCALES, "settings": [label for label, _ in SETTINGS],
             "prompts": 6 if small else 16, "tokens": 8 if small else 16}
 
 
-def _scale_row(ctx: Context, scale: int, cfg: dict) -> dict:
+def _scale_row(ctx: Context, scale: int, cfg: dict[str, Any]) -> dict[str, Any]:
     fx = fixture(scale)
     trainer = ctx.trainer(fx)
     from parity.fixtures import fixture_metadata
 
-    row: dict = {"scale": scale, "fixture": fx, "max_gap": 0.0, "max_gap_over_tol": 0.0, "max_bound": 0.0,
+    row: dict[str, Any] = {"scale": scale, "fixture": fx, "max_gap": 0.0, "max_gap_over_tol": 0.0, "max_bound": 0.0,
                  "fixture_entropy": fixture_metadata(ctx.model_path(fx)).get("mean_entropy_nats")}
     entropies = []
     for label, spec in SETTINGS:
@@ -84,7 +86,7 @@ FINDING = ("top_p keeps the surviving mass S near top_p whatever the entropy; to
            "(uncertain) distributions and approaches 1 on peaked ones.")
 
 
-def run(ctx: Context, cfg: dict) -> Measured:
+def run(ctx: Context, cfg: dict[str, Any]) -> Measured:
     # Scales whose engine is already running first (``parity repro all`` shares them), then the rest.
     alive = set(ctx.alive())
     order = sorted(cfg["scales"], key=lambda s: fixture(s) not in alive)
@@ -128,7 +130,7 @@ def run(ctx: Context, cfg: dict) -> Measured:
     return Measured(rows, checks, notes)
 
 
-def script_config(small: bool) -> dict:
+def script_config(small: bool) -> dict[str, Any]:
     cfg = settings(small)
     return {"vocab": 32768, "scales": list(cfg["scales"]),
             "settings": [(label, filter_kwargs(spec, ("top_p", "top_k"))) for label, spec in SETTINGS],

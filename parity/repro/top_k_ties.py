@@ -17,6 +17,8 @@ rows a step samples): this measures the CPU engine.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from parity.core import estimators
@@ -32,12 +34,12 @@ TOP_KS = (1, 2, 3, 5)
 STRICT = FilterFaults(drop_top_k_ties=True)  # torch.topk semantics: exactly k, ties broken by index
 
 
-def settings(small: bool) -> dict:
+def settings(small: bool) -> dict[str, Any]:
     return {"fixture": FIXTURE, "top_ks": TOP_KS[:3] if small else TOP_KS, "temperature": 1.0,
             "prompts": 12 if small else 32, "tokens": 16}
 
 
-def _row(ctx: Context, k: int, cfg: dict) -> tuple[dict, dict]:
+def _row(ctx: Context, k: int, cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     spec = SamplingSpec(temperature=cfg["temperature"], top_k=k)
     records = sample(ctx, FIXTURE, spec, prompts=cfg["prompts"], max_tokens=cfg["tokens"])
     logits = ctx.trainer(FIXTURE).logits(records)
@@ -93,7 +95,7 @@ FINDING = ("vLLM keeps every token tied with the k-th logit, so len(S_q) > k at 
            "when it dropped the sampled token); replay and a tie-aware recompute agree.")
 
 
-def run(ctx: Context, cfg: dict) -> Measured:
+def run(ctx: Context, cfg: dict[str, Any]) -> Measured:
     measured = sweep(ctx, cfg["top_ks"], lambda k: _row(ctx, k, cfg))
     rows = [row for row, _ in measured]
     extras = {f"top_k={k}": extra for k, (_, extra) in zip(cfg["top_ks"], measured, strict=True)}
@@ -124,7 +126,7 @@ def run(ctx: Context, cfg: dict) -> Measured:
     return Measured(rows, checks, notes, data={"tie_plan": tie_plan, "per_setting": extras})
 
 
-def script_config(small: bool) -> dict:
+def script_config(small: bool) -> dict[str, Any]:
     cfg = settings(small)
     return {"vocab": 400, "logit_scale": 3.0, "tie_sizes": [2, 3, 2, 4], "top_ks": list(cfg["top_ks"]),
             "margin": 16, "tokens": cfg["tokens"], "prompts": cfg["prompts"]}

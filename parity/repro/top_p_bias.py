@@ -17,6 +17,7 @@ reference filters run on the trainer's logits (S_p).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -31,12 +32,12 @@ TOP_PS = (1.0, 0.95, 0.9, 0.8)
 COMPLETION = 16  # the report's max_completion_length
 
 
-def settings(small: bool) -> dict:
+def settings(small: bool) -> dict[str, Any]:
     return {"fixture": FIXTURE, "top_ps": TOP_PS, "temperature": 1.0, "tokens": COMPLETION,
             "prompts": 4 if small else 16}
 
 
-def _row(ctx: Context, top_p: float, cfg: dict) -> tuple[dict, dict]:
+def _row(ctx: Context, top_p: float, cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     spec = SamplingSpec(temperature=cfg["temperature"], top_p=top_p)
     trainer = ctx.trainer(FIXTURE)
     vocab = trainer.vocab_size
@@ -129,7 +130,7 @@ FINDING = ("Under top_p < 1 the trainer's full-vocabulary log-prob is below vLLM
            "remove the bias.")
 
 
-def run(ctx: Context, cfg: dict) -> Measured:
+def run(ctx: Context, cfg: dict[str, Any]) -> Measured:
     measured = sweep(ctx, cfg["top_ps"], lambda p: _row(ctx, p, cfg), lambda p: f"top_p={p}")
     rows = [row for row, _ in measured]
     extras = {f"top_p={p:g}": extra for p, (_, extra) in zip(cfg["top_ps"], measured, strict=True)}
@@ -173,7 +174,7 @@ def run(ctx: Context, cfg: dict) -> Measured:
     return Measured(rows, checks, notes, data={"per_setting": extras})
 
 
-def script_config(small: bool) -> dict:
+def script_config(small: bool) -> dict[str, Any]:
     cfg = settings(small)
     return {"vocab": 32768, "logit_scale": 1.0, "top_ps": list(cfg["top_ps"]), "tokens": cfg["tokens"],
             "prompts": cfg["prompts"]}

@@ -127,5 +127,5 @@ def run(ctx: Context, cfg: dict[str, Any]) -> Measured:
     return Measured(rows, checks, notes, data={"cpu": cpu})
 
 
-def script_config(small: bool) -> dict:
+def script_config(small: bool) -> dict[str, Any]:
     return {"timeout_s": SUBPROCESS_TIMEOUT_S, "steps": 1}

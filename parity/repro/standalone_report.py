@@ -7,12 +7,14 @@ Imports nothing from parity: both script sources (``standalone_src.py`` and
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 
-def markdown(columns, rows):
+def markdown(columns: Sequence[tuple[str, str, str]], rows: Iterable[Mapping[str, Any]]) -> str:
     """A Markdown table; ``columns`` are ``(key, title, format)``, floats use the format ("" = "g")."""
 
-    def cell(v, f):
+    def cell(v: Any, f: str) -> str:
         if isinstance(v, float):
             return "inf" if v == math.inf else "-inf" if v == -math.inf else format(v, f or "g")
         return str(v)
@@ -22,7 +24,7 @@ def markdown(columns, rows):
     return "\n".join(out)
 
 
-def verdict(checks):
+def verdict(checks: Sequence[tuple[str, object]]) -> int:
     """Print the checks; 0 when all hold (REPRODUCED), 1 otherwise."""
     print()
     for statement, ok in checks:

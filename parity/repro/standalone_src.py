@@ -15,6 +15,8 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 # In-process vLLM engine with a small KV cache (CPU builds); ignored on GPU builds. Must precede the
 # vLLM import.
@@ -31,7 +33,7 @@ NEG_INF = float("-inf")
 from parity.core.error_model import logprob_bound  # @inline parity.core.error_model
 
 
-def parse_args(cfg, title):
+def parse_args(cfg: dict[str, Any], title: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=title)
     p.add_argument("--prompts", type=int, default=cfg.get("prompts", 8), help="prompts (one completion each)")
     p.add_argument("--tokens", type=int, default=cfg.get("tokens", 16), help="completion length")
@@ -39,7 +41,7 @@ def parse_args(cfg, title):
     return p.parse_args()
 
 
-def build_model(vocab, *, hidden=64, layers=2, logit_scale=1.0, seed=0):
+def build_model(vocab: int, *, hidden: int = 64, layers: int = 2, logit_scale: float = 1.0, seed: int = 0) -> Any:
     """A tiny random Llama (float32). lm_head rows are N(0, 1/hidden): the final RMSNorm output has norm
     ~sqrt(hidden), so the logits at a position are ~N(0, logit_scale^2) across the vocabulary
     (logit_scale 1: near-uniform; 12: peaked)."""
@@ -51,20 +53,20 @@ def build_model(vocab, *, hidden=64, layers=2, logit_scale=1.0, seed=0):
         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=1,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float().eval()
+    model = LlamaForCausalLM(config).float().eval()  # type: ignore[no-untyped-call]  # unannotated in transformers
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, logit_scale / math.sqrt(hidden))
     return model
 
 
-def save(model):
+def save(model: Any) -> str:
     """Save to a fresh temporary folder (no tokenizer: vLLM runs with skip_tokenizer_init)."""
     path = tempfile.mkdtemp(prefix="repro-model-")
     model.save_pretrained(path)
     return path
 
 
-def start_vllm(path, seed=0):
+def start_vllm(path: str, seed: int = 0) -> Any:
     from vllm import LLM
 
     return LLM(
@@ -73,12 +75,12 @@ def start_vllm(path, seed=0):
     )
 
 
-def random_prompts(n, vocab, seed, length=8):
+def random_prompts(n: int, vocab: int, seed: int, length: int = 8) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def setup(cfg, args, logit_scale=None):
+def setup(cfg: dict[str, Any], args: argparse.Namespace, logit_scale: float | None = None) -> tuple[Any, Any, list[list[int]]]:
     """The tiny model (cfg's logit scale unless given), a vLLM engine on it, and the prompts."""
     model = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"] if logit_scale is None else logit_scale,
                         seed=args.seed)
@@ -87,20 +89,21 @@ def setup(cfg, args, logit_scale=None):
 
 
 class Sample:
-    def __init__(self, prompt, completion, logprobs, heads):
+    def __init__(self, prompt: list[int], completion: list[int], logprobs: torch.Tensor, heads: list[dict[int, float]]) -> None:
         self.prompt = prompt
         self.completion = completion  # sampled ids
         self.logprobs = logprobs  # float64 [L]: vLLM's processed log-prob of each sampled token
         self.heads = heads  # per position {token id: processed log-prob} of the requested top-K
 
 
-def sample(llm, prompts, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, tokens=16, logprobs=0, seed=0):
+def sample(llm: Any, prompts: list[list[int]], *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+           min_p: float = 0.0, tokens: int = 16, logprobs: int = 0, seed: int = 0) -> list[Sample]:
     """One completion per prompt (seed + i), with the sampled token's processed log-prob and a top-K head
     (logprobs=-1: the whole vocabulary)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    def params(i):
+    def params(i: int) -> Any:
         kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, max_tokens=tokens,
                   seed=seed + i, logprobs=logprobs, detokenize=False, ignore_eos=True)
         try:
@@ -110,12 +113,13 @@ def sample(llm, prompts, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, toke
 
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                         [params(i) for i in range(len(prompts))], use_tqdm=False)
-    samples = []
+    samples: list[Sample] = []
     for prompt, out in zip(prompts, outs):
         comp = out.outputs[0]
         ids = list(comp.token_ids)
         lp = comp.logprobs
-        lps, heads = [], []
+        lps: list[float] = []
+        heads: list[dict[int, float]] = []
         if hasattr(lp, "start_indices"):  # flat: entry a is the sampled token, a+1..b the top-K
             for a, b in zip(lp.start_indices, lp.end_indices):
                 lps.append(lp.logprobs[a])
@@ -130,14 +134,15 @@ def sample(llm, prompts, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, toke
 
 
 @torch.no_grad()
-def trainer_logits(model, prompt, completion):
+def trainer_logits(model: Any, prompt: Sequence[int], completion: Sequence[int]) -> torch.Tensor:
     """float32 logits [L, V]: row t predicts completion token t (what an RL trainer scores)."""
     ids = torch.tensor([list(prompt) + list(completion)])
-    z = model(input_ids=ids).logits[0].float()
+    z: torch.Tensor = model(input_ids=ids).logits[0].float()
     return z[len(prompt) - 1 : len(prompt) - 1 + len(completion)]
 
 
-def vllm_filter(z, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+def vllm_filter(z: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                min_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's sampling filters (v1 Sampler, PyTorch path) on logits [L, V] -> (z / T, kept mask).
 
     Temperature; min_p on probabilities (softmax(z/T) < min_p * max prob dropped); top_k (values below
@@ -164,13 +169,13 @@ def vllm_filter(z, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
     return z, work > NEG_INF
 
 
-def strict_top_k(z, k):
+def strict_top_k(z: torch.Tensor, k: int) -> torch.Tensor:
     """What a trainer gets from torch.topk: exactly k tokens, ties at the k-th value broken arbitrarily."""
     kept = torch.zeros_like(z, dtype=torch.bool)
     return kept.scatter_(1, z.topk(k, dim=-1).indices, True)
 
 
-def log_prob_over(z, y, kept):
+def log_prob_over(z: torch.Tensor, y: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """z_y - logsumexp(z over kept) per row, as log_softmax computes it (float32 shift by the kept max,
     then the sum in float64); -inf where y is not kept."""
     vals = z.masked_fill(~kept, NEG_INF)
@@ -180,25 +185,26 @@ def log_prob_over(z, y, kept):
     return out.masked_fill(~kept.gather(1, y[:, None]).squeeze(1), NEG_INF)
 
 
-def log_mass(z, kept):
+def log_mass(z: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """log S: log of the probability mass of softmax(z) on the kept tokens, per row."""
     s = (z - z.amax(-1, keepdim=True)).double()
     return s.masked_fill(~kept, NEG_INF).exp().sum(-1).log() - s.exp().sum(-1).log()
 
 
-def over_bound(diff, zs, y, kept):
+def over_bound(diff: torch.Tensor, zs: torch.Tensor, y: torch.Tensor, kept: torch.Tensor) -> float:
     """max |diff| / bound: the rounding bound of each token's log-prob over ``kept`` (<= 1 holds)."""
     b = logprob_bound(zs, y, kept, dtype="float32")
     return float((diff.double().abs() / b).max())
 
 
-def seq_over_bound(pred_seq, meas_seq, zs_list, ys, kepts):
+def seq_over_bound(pred_seq: torch.Tensor, meas_seq: torch.Tensor, zs_list: list[torch.Tensor], ys: list[torch.Tensor],
+                   kepts: list[torch.Tensor]) -> float:
     """The same for sequence ratios e^sum: |e^a - e^b| <= e^max(a, b) * |a - b|."""
     b = torch.stack([logprob_bound(zs, y, k, dtype="float32").sum() for zs, y, k in zip(zs_list, ys, kepts)])
     return float(((pred_seq - meas_seq).abs() / (torch.maximum(pred_seq, meas_seq) * b.exp() * b)).max())
 
 
-def kept_from_heads(heads, vocab):
+def kept_from_heads(heads: list[dict[int, float]], vocab: int) -> torch.Tensor:
     """S_q from captured heads: the tokens with a finite processed log-prob."""
     kept = torch.zeros(len(heads), vocab, dtype=torch.bool)
     for t, h in enumerate(heads):
@@ -207,11 +213,11 @@ def kept_from_heads(heads, vocab):
     return kept
 
 
-def with_token(kept, y):
+def with_token(kept: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return kept.clone().scatter_(1, y[:, None], True)
 
 
-def seq_ratio(per_token, lengths):
+def seq_ratio(per_token: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """Per-sequence importance ratios exp(sum over the sequence)."""
     return torch.stack([s.sum() for s in torch.split(per_token, lengths)]).exp()
 
@@ -221,7 +227,7 @@ from parity.repro.standalone_report import markdown, verdict  # @inline parity.r
 
 
 # ==================== section: top_p_bias ====================
-def main_top_p_bias(cfg, args):
+def main_top_p_bias(cfg: dict[str, Any], args: argparse.Namespace) -> int:
     """top_p bias: trainer full-vocabulary log-prob minus vLLM's processed log-prob = log S per token."""
     model, llm, prompts = setup(cfg, args)
     rows = []
@@ -229,8 +235,10 @@ def main_top_p_bias(cfg, args):
         filtered = top_p < 1.0
         # The whole vocabulary per position when filtered, so that replay knows S_q exactly.
         samples = sample(llm, prompts, top_p=top_p, tokens=args.tokens, logprobs=-1 if filtered else 0, seed=args.seed)
-        cols = {k: [] for k in ("full", "vllm", "log_s", "replay", "recompute")}
-        zs_list, ys, kepts = [], [], []
+        cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("full", "vllm", "log_s", "replay", "recompute")}
+        zs_list: list[torch.Tensor] = []
+        ys: list[torch.Tensor] = []
+        kepts: list[torch.Tensor] = []
         for s in samples:
             z = trainer_logits(model, s.prompt, s.completion)
             y = torch.tensor(s.completion)
@@ -242,7 +250,9 @@ def main_top_p_bias(cfg, args):
             cols["log_s"].append(log_mass(zs, kept_p))  # predicted from trainer logits alone
             cols["replay"].append(log_prob_over(zs, y, kept_q))
             cols["recompute"].append(log_prob_over(zs, y, with_token(kept_p, y)))
-            zs_list.append(zs), ys.append(y), kepts.append(kept_q)
+            zs_list.append(zs)
+            ys.append(y)
+            kepts.append(kept_q)
         c = {k: torch.cat(v) for k, v in cols.items()}
         zs_all, y_all, kept_all = torch.cat(zs_list), torch.cat(ys), torch.cat(kepts)
         lengths = [len(s.completion) for s in samples]
@@ -275,7 +285,7 @@ def main_top_p_bias(cfg, args):
 
 
 # ==================== section: top_k_entropy ====================
-def main_top_k_entropy(cfg, args):
+def main_top_k_entropy(cfg: dict[str, Any], args: argparse.Namespace) -> int:
     """S per setting across logit scales (entropies): top_p keeps S near top_p, top_k does not."""
     rows = []
     for scale in cfg["scales"]:
@@ -284,17 +294,19 @@ def main_top_k_entropy(cfg, args):
         entropies = []
         for label, kw in cfg["settings"]:
             samples = sample(llm, prompts, tokens=args.tokens, seed=args.seed, **kw)
-            pred, meas, tols = [], [], []
+            pred_seq: list[torch.Tensor] = []
+            meas_seq: list[torch.Tensor] = []
+            tols: list[torch.Tensor] = []
             for s in samples:
                 z = trainer_logits(model, s.prompt, s.completion)
                 y = torch.tensor(s.completion)
                 zs, kept = vllm_filter(z, **kw)
                 tols.append(logprob_bound(zs, y, kept, dtype="float32"))
-                pred.append(log_mass(zs, kept))
-                meas.append(log_prob_over(zs, y, torch.ones_like(kept)) - s.logprobs)
+                pred_seq.append(log_mass(zs, kept))
+                meas_seq.append(log_prob_over(zs, y, torch.ones_like(kept)) - s.logprobs)
                 logp = zs.double().log_softmax(-1)
                 entropies.append(-(logp.exp() * logp).sum(-1))
-            pred, meas = torch.cat(pred), torch.cat(meas)
+            pred, meas = torch.cat(pred_seq), torch.cat(meas_seq)
             row[label + " pred"] = float(pred.exp().mean())
             row[label + " meas"] = float(meas.exp().mean())
             row["gap"] = max(row["gap"], float((pred - meas).abs().max()))
@@ -323,25 +335,31 @@ def main_top_k_entropy(cfg, args):
 
 
 # ==================== section: temperature ====================
-def main_temperature(cfg, args):
+def main_temperature(cfg: dict[str, Any], args: argparse.Namespace) -> int:
     """A trainer that forgets to divide by T scores log_softmax(z) instead of log_softmax(z / T)."""
     model, llm, prompts = setup(cfg, args)
     rows = []
     for temp in cfg["temperatures"]:
         samples = sample(llm, prompts, temperature=temp, tokens=args.tokens, seed=args.seed)
-        right, forgot, pred, vllm, b_t, b_1 = [], [], [], [], [], []
+        right_seq: list[torch.Tensor] = []
+        forgot_seq: list[torch.Tensor] = []
+        pred_seq: list[torch.Tensor] = []
+        vllm_seq: list[torch.Tensor] = []
+        b_t_seq: list[torch.Tensor] = []
+        b_1_seq: list[torch.Tensor] = []
         for s in samples:
             z = trainer_logits(model, s.prompt, s.completion)
             y = torch.tensor(s.completion)
             everything = torch.ones_like(z, dtype=torch.bool)
-            right.append(log_prob_over(z / temp, y, everything))
-            forgot.append(log_prob_over(z, y, everything))
-            pred.append(z.double().log_softmax(-1).gather(1, y[:, None]).squeeze(1)
-                        - (z.double() / temp).log_softmax(-1).gather(1, y[:, None]).squeeze(1))
-            vllm.append(s.logprobs)
-            b_t.append(logprob_bound(z / temp, y, everything, dtype="float32"))
-            b_1.append(logprob_bound(z, y, everything, dtype="float32"))
-        right, forgot, pred, vllm, b_t, b_1 = (torch.cat(v) for v in (right, forgot, pred, vllm, b_t, b_1))
+            right_seq.append(log_prob_over(z / temp, y, everything))
+            forgot_seq.append(log_prob_over(z, y, everything))
+            pred_seq.append(z.double().log_softmax(-1).gather(1, y[:, None]).squeeze(1)
+                            - (z.double() / temp).log_softmax(-1).gather(1, y[:, None]).squeeze(1))
+            vllm_seq.append(s.logprobs)
+            b_t_seq.append(logprob_bound(z / temp, y, everything, dtype="float32"))
+            b_1_seq.append(logprob_bound(z, y, everything, dtype="float32"))
+        right, forgot, pred, vllm, b_t, b_1 = (torch.cat(v) for v in (right_seq, forgot_seq, pred_seq, vllm_seq,
+                                                                     b_t_seq, b_1_seq))
         rows.append({"T": temp, "pred": float(pred.mean()), "forgot": float((forgot - vllm).mean()),
                      "gap": float(((forgot - vllm) - pred).abs().max()), "right": float((right - vllm).abs().max()),
                      "gap_h": float((((forgot - vllm) - pred).abs() / (b_t + b_1)).max()),
@@ -358,11 +376,11 @@ def main_temperature(cfg, args):
 
 
 # ==================== section: recompute_boundary ====================
-def main_recompute_boundary(cfg, args):
+def main_recompute_boundary(cfg: dict[str, Any], args: argparse.Namespace) -> int:
     """bf16 trainer vs float32 rollout: the sampled token can fall outside the recomputed support."""
     model, llm, prompts = setup(cfg, args)
     bf16 = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"], seed=args.seed).to(torch.bfloat16)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for kw in cfg["settings"]:
         k = kw["top_k"]
         samples = sample(llm, prompts, tokens=args.tokens, logprobs=k + 16, seed=args.seed, **kw)
@@ -393,7 +411,7 @@ def main_recompute_boundary(cfg, args):
 
 
 # ==================== section: top_k_ties ====================
-def plant_ties(model, prompts, sizes, rank_top=4):
+def plant_ties(model: Any, prompts: list[list[int]], sizes: Sequence[int], rank_top: int = 4) -> list[list[int]]:
     """Make groups of lm_head rows identical, so those tokens' logits are bitwise equal everywhere. Each
     group copies the token most often among the rank_top largest logits (so ties sit where top_k
     boundaries fall) into size - 1 other tokens."""
@@ -414,7 +432,7 @@ def plant_ties(model, prompts, sizes, rank_top=4):
     return groups
 
 
-def main_top_k_ties(cfg, args):
+def main_top_k_ties(cfg: dict[str, Any], args: argparse.Namespace) -> int:
     """Ties at the k-th value: vLLM keeps every tied token (len(S_q) > k); torch.topk keeps exactly k."""
     model = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"], seed=args.seed)
     prompts = random_prompts(args.prompts, cfg["vocab"], args.seed)
@@ -465,7 +483,7 @@ def main_top_k_ties(cfg, args):
 
 
 # ==================== section: capture_head ====================
-def main_capture_head(cfg, args):
+def main_capture_head(cfg: dict[str, Any], args: argparse.Namespace) -> int:
     """A top-K head smaller than the support: replay over the head silently mis-scores those positions."""
     model, llm, prompts = setup(cfg, args)
     rows = []
@@ -510,11 +528,11 @@ print("GENERATED", list(out[0].outputs[0].token_ids), flush=True)
 '''
 
 
-def main_batch_invariant_cpu(cfg, args):
+def main_batch_invariant_cpu(cfg: dict[str, Any], args: argparse.Namespace) -> int:
     """VLLM_BATCH_INVARIANT=1 on vLLM's CPU engine: greedy generation with and without it, each in a
     fresh process (the knob is read at import)."""
     path = save(build_model(cfg["vocab"], seed=args.seed))
-    rows = []
+    rows: list[dict[str, Any]] = []
     for knob in ("0", "1"):
         env = dict(os.environ, VLLM_BATCH_INVARIANT=knob)
         try:
@@ -562,7 +580,7 @@ print("GENERATED", list(out[0].outputs[0].token_ids), flush=True)
 CAP_SYMPTOM = re.compile("[\u2018']at::vec[\u2019'] has not been declared")
 
 
-def main_cpu_capability_default(cfg, args):
+def main_cpu_capability_default(cfg: dict[str, Any], args: argparse.Namespace) -> int:
     """torch alone and vLLM's CPU engine (log-probs on, so its sampler compiles a rank count), each in three
     processes over one fresh inductor cache: the control (vectorised, fills the cache), ATEN_CPU_CAPABILITY=default
     over the same cache (the FX graph cache hands back vectorised C++, built against the scalar header), and
@@ -618,21 +636,21 @@ LSM_COLUMNS = (("vocab", "V", ",d"), ("sigma", "σ", "g"), ("path", "kernel path
                ("lse_abs", "logsumexp mean abs offset", ".1e"), ("written_mean", "max+exp+sum mean offset", "+.1e"))
 
 
-def lsm_base_rows(vocab, rows, seed):
+def lsm_base_rows(vocab: int, rows: int, seed: int) -> torch.Tensor:
     """Standard normal rows [rows, vocab] in float32; the logits are sigma times these. Drawn in float64 and
     rounded: torch's float32 normal sampler gives other numbers on the other kernel path."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + vocab)
     return torch.randn(rows, vocab, generator=g, dtype=torch.float64).float()
 
 
-def lsm_fingerprint(z):
+def lsm_fingerprint(z: torch.Tensor) -> int:
     """An integer fingerprint of z's bits (exact integer sums, so both kernel paths agree on equal rows)."""
     bits = z.contiguous().view(torch.int32).long()
     weights = torch.arange(z.shape[-1]) % 1021 + 1  # per row |sum| < 2^31 * 1021 * V: no int64 overflow
     return int(sum(int(s) * (i + 1) for i, s in enumerate((bits * weights).sum(-1).tolist())) % (1 << 61))
 
 
-def lsm_row_offsets(z):
+def lsm_row_offsets(z: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per row of float32 logits z [R, V], each a float64 [R]: the offset (mean over the row's tokens of
     float32 result - float64 log_softmax) of torch.log_softmax, of z - torch.logsumexp(z) and of a written-out
     max + exp + sum; the within-row spread (std over tokens) of log_softmax's difference, and the spread of
@@ -647,7 +665,7 @@ def lsm_row_offsets(z):
             "logsumexp": lse.mean(-1), "written_out": written.mean(-1)}
 
 
-def lsm_measure(vocabs, scales, rows, seed):
+def lsm_measure(vocabs: Iterable[int], scales: Iterable[float], rows: int, seed: int) -> list[dict[str, Any]]:
     """One table row per (V, sigma) on this process's kernel path: the per-row statistics over `rows` rows."""
     capability = torch.backends.cpu.get_cpu_capability()
     out = []
@@ -667,14 +685,14 @@ def lsm_measure(vocabs, scales, rows, seed):
     return out
 
 
-def lsm_print(rows):
+def lsm_print(rows: Iterable[Mapping[str, Any]]) -> None:
     """The child's output: one tab-separated line per table row."""
     for r in rows:
         print("\t".join([LSM_ROW] + [f"{k}={v!r}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()]),
               flush=True)
 
 
-def lsm_value(text):
+def lsm_value(text: str) -> int | float | str:
     for kind in (int, float):
         try:
             return kind(text)
@@ -683,7 +701,7 @@ def lsm_value(text):
     return text
 
 
-def lsm_parse(stdout):
+def lsm_parse(stdout: str) -> list[dict[str, Any]]:
     """The table rows a child printed (lsm_print's lines; other output is ignored)."""
     rows = []
     for line in stdout.splitlines():
@@ -692,7 +710,7 @@ def lsm_parse(stdout):
     return rows
 
 
-def lsm_checks(rows, vocab, scale, child_error=""):
+def lsm_checks(rows: Sequence[Mapping[str, Any]], vocab: int, scale: float, child_error: str = "") -> list[tuple[str, bool, str]]:
     """The verdict's rule, as (statement, holds, detail): the default-path rows come from torch's DEFAULT
     kernels; then on each kernel path, at V = `vocab` and logit scale `scale`, log_softmax's row offset is
     positive on at least LSM_MIN_POSITIVE of the rows and its mean is positive and at least LSM_MIN_RATIO
@@ -717,12 +735,12 @@ def lsm_checks(rows, vocab, scale, child_error=""):
     return checks
 
 
-def main_torch_cpu_log_softmax(cfg, args):
+def main_torch_cpu_log_softmax(cfg: dict[str, Any], args: argparse.Namespace) -> int:
     """Seeded N(0, sigma^2) float32 rows per vocabulary size V: each row's offset (mean over its tokens of
     torch.log_softmax - the float64 result), its within-row spread, and the same offset for z - logsumexp(z)
     and a written-out max + exp + sum; in this process (torch's native kernels) and in this script run again
     under ATEN_CPU_CAPABILITY=default (non-vectorised kernels)."""
-    def measure():
+    def measure() -> list[dict[str, Any]]:
         return lsm_measure(cfg["vocabs"], cfg["scales"], cfg["rows"], args.seed)
 
     if os.environ.get(LSM_CHILD):

@@ -19,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 import types
+from collections.abc import Iterator
+from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -35,14 +37,14 @@ PROMPTS = ["the sampler and the trainer must agree", "once upon a time in a smal
            "importance sampling corrects for the gap", "the policy is updated from rollouts"]
 
 
-def parse_args(cfg, title):
+def parse_args(cfg: dict[str, Any], title: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=title)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args()
 
 
-def build_model(path, vocab=400, hidden=128, logit_scale=3.0, seed=1):
+def build_model(path: str, vocab: int = 400, hidden: int = 128, logit_scale: float = 3.0, seed: int = 1) -> str:
     """A tiny random Qwen2 (head_dim 64, which vLLM's CPU attention accepts) and a word-level tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -55,12 +57,12 @@ def build_model(path, vocab=400, hidden=128, logit_scale=3.0, seed=1):
         table.setdefault(w, len(table))
     tok = Tokenizer(models.WordLevel(table, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")  # type: ignore[no-untyped-call]  # unannotated in transformers
     config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                          num_attention_heads=hidden // 64, num_key_value_heads=1, max_position_embeddings=512,
                          tie_word_embeddings=False, eos_token_id=1, pad_token_id=0, bos_token_id=None)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).float().eval()
+    model = Qwen2ForCausalLM(config).float().eval()  # type: ignore[no-untyped-call]  # unannotated in transformers
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, logit_scale / math.sqrt(hidden))
     model.save_pretrained(path)
@@ -69,7 +71,7 @@ def build_model(path, vocab=400, hidden=128, logit_scale=3.0, seed=1):
 
 
 @contextlib.contextmanager
-def keep_linear_weights():
+def keep_linear_weights() -> Iterator[None]:
     """vLLM's CPU build packs each linear weight and replaces layer.weight by an empty Parameter without a
     weight_loader (dispatch_cpu_unquantized_gemm, remove_weight=True); TRL's colocated weight sync then fails.
     Keep the weights and compute with F.linear on them (vLLM's own fallback branch)."""
@@ -77,7 +79,7 @@ def keep_linear_weights():
 
     original = U.dispatch_cpu_unquantized_gemm
 
-    def dispatch(layer, remove_weight):
+    def dispatch(layer: Any, remove_weight: bool) -> Any:
         w = getattr(layer, "weight", None)
         if w is None or w.is_meta or w.ndim != 2:
             return original(layer, remove_weight)
@@ -91,7 +93,7 @@ def keep_linear_weights():
 
 
 @contextlib.contextmanager
-def replay_patch(record):
+def replay_patch(record: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     """Renormalise the trainer log-probs that TRL's vLLM IS correction reads over the kept set vLLM sampled
     from (captured from its full-vocabulary processed log-probs); the policy ratio keeps TRL's values.
     ``record`` collects per-token log S (trainer logits over S_q) for the closed form."""
@@ -100,21 +102,23 @@ def replay_patch(record):
 
     Gen, Tr = vg.VLLMGeneration, gt.GRPOTrainer
     saved = (vg.LLM, Gen.generate, Tr._generate_and_score_completions, Tr._get_per_token_logps_and_entropies)
-    state = {"kept": None, "first": None, "active": False, "batch": 0}
+    state: dict[str, Any] = {"kept": None, "first": None, "active": False, "batch": 0}
 
-    def llm(*a, **k):
+    def llm(*a: Any, **k: Any) -> Any:
         k.setdefault("max_logprobs", -1)
         return saved[0](*a, **k)
 
-    def generate(self, *a, **k):
+    def generate(self: Any, *a: Any, **k: Any) -> tuple[Any, ...]:
         old, self.logprobs = self.logprobs, -1
         try:
             p, c, lps, ids = saved[1](self, *a, **k)
         finally:
             self.logprobs = old
-        kept, lp_out = [], []
+        kept: list[list[list[int]]] = []
+        lp_out: list[list[list[float | None]]] = []
         for seq, seq_lp, seq_ids in zip(c, lps, ids):
-            rows, row_lp = [], []
+            rows: list[list[int]] = []
+            row_lp: list[list[float | None]] = []
             for y, lp, tid in zip(seq, seq_lp, seq_ids):
                 row_lp.append([lp[tid.index(y)]])  # TRL reads entry 0 as the sampled token's log-prob
                 rows.append([t for t, v in zip(tid, lp) if v is not None and v > -math.inf])
@@ -123,8 +127,9 @@ def replay_patch(record):
         state["kept"] = kept
         return p, c, lp_out, [[[y] for y in seq] for seq in c]
 
-    def logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **k):
-        out = saved[3](self, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **k)
+    def logps(self: Any, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+              batch_size: int | None = None, **k: Any) -> tuple[Any, ...]:
+        out: tuple[Any, ...] = saved[3](self, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **k)
         if not state["active"] or state["first"] is not None or state["kept"] is None:
             return out
         with torch.no_grad():
@@ -148,7 +153,7 @@ def replay_patch(record):
         state["first"] = out[0]
         return (used, *out[1:])
 
-    def score(self, inputs):
+    def score(self: Any, inputs: Any) -> Any:
         state.update(first=None, active=True, batch=state["batch"] + 1)
         try:
             output = saved[2](self, inputs)
@@ -166,13 +171,14 @@ def replay_patch(record):
         vg.LLM, Gen.generate, Tr._generate_and_score_completions, Tr._get_per_token_logps_and_entropies = saved
 
 
-def free_port():
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
-def train(path, cfg, seed):
+def train(path: str, cfg: dict[str, Any], seed: int) -> list[dict[str, Any]]:
     """TRL's GRPOTrainer, colocated vLLM on CPU, one process; returns TRL's logged sampling/* metrics."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     from datasets import Dataset
@@ -194,7 +200,7 @@ def train(path, cfg, seed):
             if "sampling/sampling_logp_difference/mean" in h]
 
 
-def run_child(payload, timeout_s):
+def run_child(payload: dict[str, Any], timeout_s: float) -> tuple[Any, str]:
     """This script in a fresh process on one configuration; (parsed JSON result or None, output text)."""
     try:
         p = subprocess.run([sys.executable, __file__, "--child", json.dumps(payload)], capture_output=True,
@@ -211,13 +217,13 @@ from parity.repro.standalone_report import markdown, verdict  # @inline parity.r
 
 
 # ==================== section: trl_grpo_top_p ====================
-def child_trl_grpo_top_p(payload):
-    record = []
+def child_trl_grpo_top_p(payload: dict[str, Any]) -> dict[str, Any]:
+    record: list[dict[str, Any]] = []
     with keep_linear_weights(), replay_patch(record) as state:
         state["fix"] = payload["fix"]
         metrics = train(payload["path"], payload["cfg"], payload["seed"])
     log_s = torch.tensor([r["log_s"] for r in record], dtype=torch.float64)
-    per_seq = {}
+    per_seq: dict[tuple[int, int], float] = {}
     for r in record:
         per_seq[r["seq"]] = per_seq.get(r["seq"], 0.0) + r["log_s"]
     return {"metrics": metrics, "abs_log_s": float(log_s.abs().mean()), "mean_s": float(log_s.exp().mean()),
@@ -225,25 +231,28 @@ def child_trl_grpo_top_p(payload):
             "bound": sum(r["bound"] for r in record) / len(record)}
 
 
-def main_trl_grpo_top_p(cfg, args):
+def main_trl_grpo_top_p(cfg: dict[str, Any], args: argparse.Namespace) -> int:
     """TRL's own sampling/* metrics as shipped and under the replay patch, beside the closed form log S / S^L."""
     if args.child:
         payload = json.loads(args.child)
         print("RESULT " + json.dumps(child_trl_grpo_top_p(payload)), flush=True)
         return 0
     path = build_model(tempfile.mkdtemp(prefix="repro-qwen2-"))
-    rows = []
+    rows: list[dict[str, Any]] = []
     for c in cfg["configs"]:
         run = {**c, "steps": cfg["steps"], "batch": cfg["batch"], "num_generations": cfg["num_generations"],
                "tokens": cfg["tokens"]}
-        res = {}
+        res: dict[bool, Any] = {}
         for fix in (False, True):
             out, text = run_child({"path": path, "cfg": run, "seed": args.seed, "fix": fix}, cfg["timeout_s"])
             if out is None:
                 print(text[-3000:], file=sys.stderr)
                 return 1
             res[fix] = out
-        mean = lambda ms, k: sum(m[k] for m in ms) / len(ms)  # noqa: E731
+
+        def mean(ms: list[dict[str, float]], k: str) -> float:
+            return sum(m[k] for m in ms) / len(ms)
+
         seq = c.get("is_mode", "sequence_mask").startswith("sequence")
         rows.append({
             "config": " ".join(f"{k}={v}" for k, v in c.items() if k in ("top_p", "top_k", "min_p")),
@@ -274,7 +283,7 @@ def main_trl_grpo_top_p(cfg, args):
 
 
 # ==================== section: trl_weight_sync ====================
-def child_trl_weight_sync(payload):
+def child_trl_weight_sync(payload: dict[str, Any]) -> dict[str, Any]:
     from trl.generation import vllm_generation as vg
 
     original = vg.LLM
@@ -284,13 +293,13 @@ def child_trl_weight_sync(payload):
     return {"trained": True}
 
 
-def main_trl_weight_sync(cfg, args):
+def main_trl_weight_sync(cfg: dict[str, Any], args: argparse.Namespace) -> int:
     """TRL colocate with vLLM forced to float32: the first weight sync fails in vLLM's linear.py load_weights."""
     if args.child:
         print("RESULT " + json.dumps(child_trl_weight_sync(json.loads(args.child))), flush=True)
         return 0
     path = build_model(tempfile.mkdtemp(prefix="repro-qwen2-"))
-    rows = []
+    rows: list[dict[str, Any]] = []
     for keep in (False, True):
         out, text = run_child({"path": path, "seed": args.seed, "keep": keep}, cfg["timeout_s"])
         lines = [re.sub(r"^\[rank\d+\]: ", "", ln) for ln in text.splitlines()]

@@ -72,6 +72,7 @@ def _row(ctx: Context, case: str, spec: SamplingSpec, head: int | None, cfg: dic
     planned = None
     if head is None:
         st = ctx.rollout(FIXTURE).last_capture
+        assert st is not None  # set by the generate() that sample() ran
         planned = (f"{st.logprobs} (planned)" if not st.adaptive else
                    f"{st.logprobs} (adaptive: widest {st.widest_head}, {st.widened_sequences} sequences widened)")
     pred, flagged, wrong, outside, err = [], [], [], [], []

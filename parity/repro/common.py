@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,13 +28,17 @@ from parity.core.error_model import logprob_bound
 from parity.core.spec import SamplingSpec
 from parity.records.sequence import SequenceRecord
 
+if TYPE_CHECKING:  # pragma: no cover
+    from parity.engines.transformers_trainer import TransformersTrainer
+    from parity.engines.vllm_offline import VllmRollout
+
 
 def token_bound(
     logits: torch.Tensor,
     sampled: torch.Tensor,
     spec: SamplingSpec,
     kept: torch.Tensor | None = None,
-    dtype: str = "float32",
+    dtype: str | tuple[str, str] = "float32",
 ) -> torch.Tensor:
     """Per-token rounding bound on ``|measured - predicted|`` log-probs for one record's logits ``[L, V]``.
 
@@ -117,7 +121,7 @@ class ReproResult:
         return "\n".join(lines) + "\n"
 
     def to_json(self) -> dict[str, Any]:
-        return _clean(
+        data: dict[str, Any] = _clean(
             {
                 "schema_version": 1,
                 "name": self.name,
@@ -134,6 +138,7 @@ class ReproResult:
                 "seconds": round(self.seconds, 3),
             }
         )
+        return data
 
     def write(self, out: Path) -> list[Path]:
         """result.json and table.md under ``out`` (created)."""
@@ -208,8 +213,8 @@ class Context:
         self.timeout_s = timeout_s
         self.max_engines = max_engines
         self.progress = progress
-        self._rollouts: OrderedDict[str, Any] = OrderedDict()
-        self._trainers: dict[tuple[str, str], Any] = {}
+        self._rollouts: OrderedDict[str, VllmRollout] = OrderedDict()
+        self._trainers: dict[tuple[str, str], TransformersTrainer] = {}
         self._paths: dict[str, Path] = {}
 
     def model_path(self, fixture: str) -> Path:
@@ -219,7 +224,7 @@ class Context:
             self._paths[fixture] = resolve_model(fixture)
         return self._paths[fixture]
 
-    def trainer(self, fixture: str, dtype: str = "float32") -> Any:
+    def trainer(self, fixture: str, dtype: str = "float32") -> TransformersTrainer:
         key = (fixture, dtype)
         if key not in self._trainers:
             from parity.engines.transformers_trainer import TransformersTrainer
@@ -227,7 +232,7 @@ class Context:
             self._trainers[key] = TransformersTrainer(self.model_path(fixture), dtype=dtype)
         return self._trainers[key]
 
-    def rollout(self, fixture: str) -> Any:
+    def rollout(self, fixture: str) -> VllmRollout:
         """The vLLM engine for ``fixture`` (float32, CPU), started on first use and shared."""
         if fixture in self._rollouts:
             self._rollouts.move_to_end(fixture)

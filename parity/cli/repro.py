@@ -21,9 +21,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from parity.repro.registry import REPROS, RUN_ORDER, Entry, get
 from parity.repro.runner import emit_script, run_entries
+
+if TYPE_CHECKING:  # pragma: no cover
+    from parity.repro.common import ReproResult
 
 DEFAULT_ROOT = Path("reports/repro")
 
@@ -81,7 +85,7 @@ def main(args: argparse.Namespace) -> int:
     if single:
         out = args.out or DEFAULT_ROOT / entries[0].name
 
-        def out_for(_e: Entry) -> Path:
+        def out_for(e: Entry) -> Path:
             return out
     else:
         root = args.out or DEFAULT_ROOT
@@ -103,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _summary(results: list, root: Path, small: bool) -> None:
+def _summary(results: list[ReproResult], root: Path, small: bool) -> None:
     from parity.repro.common import Column, markdown_table
 
     rows = [{"number": r.number, "name": r.name, "verdict": r.verdict, "seconds": r.seconds, "finding": r.finding}

@@ -90,7 +90,7 @@ def run_config(run_cfg: dict[str, Any], out: Path, timeout_s: float) -> dict[str
         err = [ln for ln in p.stderr.splitlines() if "Error" in ln or "Exception" in ln]
         return {"error": (err[-1] if err else f"exit code {p.rc}").split("]: ", 1)[-1],
                 "tail": p.stderr[-3000:], "seconds": time.perf_counter() - t0}
-    res = json.loads((out / "result.json").read_text())
+    res: dict[str, Any] = json.loads((out / "result.json").read_text())
     res["wall_s"] = round(time.perf_counter() - t0, 2)
     return res
 
@@ -273,7 +273,7 @@ def run(ctx: Context, cfg: dict[str, Any]) -> Measured:
     return _result(cfg, rows, per_config, failures)
 
 
-def _result(cfg: dict[str, Any], rows: list, per_config: dict, failures: list[str]) -> Measured:
+def _result(cfg: dict[str, Any], rows: list[dict[str, Any]], per_config: dict[str, Any], failures: list[str]) -> Measured:
     filtered = [r for r in rows if r["filtered"]]
     control = [r for r in rows if not r["filtered"]]
     off = [r for r in rows if "off_equals_observe" in r]
@@ -320,7 +320,7 @@ def _result(cfg: dict[str, Any], rows: list, per_config: dict, failures: list[st
     return Measured(rows, checks, notes, data={"per_config": per_config})
 
 
-def script_config(small: bool) -> dict:
+def script_config(small: bool) -> dict[str, Any]:
     cfg = settings(small)
     return {"configs": cfg["configs"], "steps": cfg["steps"], "batch": cfg["batch"],
             "num_generations": cfg["num_generations"], "tokens": cfg["max_completion_length"],

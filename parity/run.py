@@ -112,7 +112,7 @@ def wants_sampler_log_s(rollout: Rollout, sc: Scenario, cfg: RunConfig) -> bool:
         cfg.sampler_log_s
         and not cfg.server
         and sc.spec.effective().filtered
-        and rollout.vocab_size <= cfg.max_capture_head
+        and rollout.vocab_size <= (sc.max_capture_head or cfg.max_capture_head)
     )
 
 
@@ -162,7 +162,7 @@ def preflight(matrix: Matrix, cfg: RunConfig) -> None:
             continue
         head = sc.capture_head if sc.capture_head is not None else cfg.capture_head
         try:
-            plan_capture(sc.spec, size_v, head=head, max_head=cfg.max_capture_head)
+            plan_capture(sc.spec, size_v, head=head, max_head=sc.max_capture_head or cfg.max_capture_head)
         except UsageError as exc:
             problems.append(f"scenario {sc.name!r} on {name} (V={size_v}): {exc}")
     if problems:
@@ -179,6 +179,7 @@ def score_scenario(
     t0 = time.perf_counter()
     prompts = make_prompts(trainer.tokenizer(), sc.prompts)
     rollout.head = sc.capture_head if sc.capture_head is not None else cfg.capture_head
+    rollout.max_head = sc.max_capture_head or cfg.max_capture_head
     seed = cfg.seed + sc.seed
     records = rollout.generate(prompts, sc.spec, max_tokens=sc.max_tokens, seed=seed)
     raw_pass = attach_sampler_log_s(records, raw, prompts, sc, seed) if raw is not None else None

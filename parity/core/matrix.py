@@ -28,6 +28,7 @@ class Scenario:
     max_tokens: int = 16
     seed: int = 0
     capture_head: int | None = None  # None: chosen by parity.core.capture.plan_capture
+    max_capture_head: int | None = None  # cap of adaptive capture (top_p/min_p without top_k); None: the run's
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -36,6 +37,9 @@ class Scenario:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise UsageError(f"scenario {self.name!r}: {f}={v!r} is invalid: allowed an integer >= 1")
+        m = self.max_capture_head
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 2):
+            raise UsageError(f"scenario {self.name!r}: max_capture_head={m!r} is invalid: allowed an integer >= 2")
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,8 @@ def load_matrix(path: str | Path) -> Matrix:
     """A TOML matrix: optional ``[defaults]`` (prompts, max_tokens, seed, model) and ``[[scenario]]`` tables.
 
     Each scenario takes ``name``, the spec fields (``temperature``, ``top_k``, ``top_p``, ``min_p``)
-    and optionally ``model``, ``prompts``, ``max_tokens``, ``seed``, ``capture_head``. A name of
+    and optionally ``model``, ``prompts``, ``max_tokens``, ``seed``, ``capture_head``,
+    ``max_capture_head`` (the cap of adaptive capture for that scenario). A name of
     :data:`NAMED_MATRICES` loads the packaged file.
     """
     if str(path) in NAMED_MATRICES:
@@ -149,7 +154,7 @@ def load_matrix(path: str | Path) -> Matrix:
     if not isinstance(rows, list) or not rows:
         raise UsageError(f"matrix file {str(path)!r} has no [[scenario]] tables")
     spec_keys = {"temperature", "top_k", "top_p", "min_p"}
-    other = {"name", "model", "prompts", "max_tokens", "seed", "capture_head"}
+    other = {"name", "model", "prompts", "max_tokens", "seed", "capture_head", "max_capture_head"}
     scenarios = []
     for i, row in enumerate(rows):
         unknown = set(row) - spec_keys - other

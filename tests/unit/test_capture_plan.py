@@ -423,3 +423,19 @@ def test_the_old_full_vocab_limit_flag_is_an_error_that_names_its_replacement(ca
     assert "--full-vocab-limit=50000 is gone" in err and "--max-capture-head" in err
     assert main(["run", "--max-capture-head", "1"]) == 2
     assert "--max-capture-head=1 is invalid: allowed an integer >= 2" in capsys.readouterr().err
+
+
+def test_a_scenario_can_widen_its_own_cap(tmp_path) -> None:
+    """``max_capture_head`` per scenario (the real matrix's T=1.3 top_p=0.9 needs more than 4096)."""
+    from parity.core.matrix import Scenario, load_matrix
+    from parity.run import RunConfig, preflight
+
+    toml = tmp_path / "m.toml"
+    toml.write_text('[[scenario]]\nname = "wide"\ntop_k = 300\nmax_capture_head = 400\n')
+    m = load_matrix(toml)
+    assert m.scenarios[0].max_capture_head == 400
+    preflight(m, RunConfig(model="qwen2-tiny", matrix=m, max_capture_head=128))  # its own cap: no refusal
+    with pytest.raises(ValueError, match="max_capture_head=1 is invalid"):
+        Scenario(name="x", spec=S(1.0, top_p=0.9), max_capture_head=1)
+    real = {s.name: s for s in load_matrix("real").scenarios}
+    assert real["T=1.3 top_p=0.9"].max_capture_head == 16384 and real["T=1 top_p=0.9"].max_capture_head is None

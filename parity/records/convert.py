@@ -128,8 +128,10 @@ def from_request_outputs(
 
     ``params`` is the ``SamplingParams`` the outputs were generated with (one, or one per output). The
     engine must run with ``logprobs_mode="processed_logprobs"``; ask for ``logprobs=K`` with K >= top_k
-    (plus a margin for ties) to record the kept set, or ``logprobs=-1`` for the whole vocabulary
-    (``max_logprobs=-1`` on the engine). ``vocab_size`` tells when K covers the vocabulary.
+    (plus a margin for ties) to record the kept set. For top_p/min_p without top_k, generate with
+    :func:`parity.engines.vllm_offline.generate_with_capture` and pass the ``SamplingParams`` it
+    returns (one per output, each with the head that proved it). ``vocab_size`` tells when K covers
+    the vocabulary; a position whose head is full of finite values is recorded as incomplete.
     """
     outs = list(outputs)
     plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(outs)

@@ -1,7 +1,7 @@
 """``parity repro``: minimal, convincing reproductions of upstream bugs, one module each.
 
     parity repro list
-    parity repro NAME|NUMBER [--out DIR] [--small] [--emit-script PATH]
+    parity repro NAME|NUMBER [--out DIR] [--small] [--emit-script PATH] [--model NAME|PATH]
     parity repro all [--out DIR] [--small] [--emit-script DIR]
 
 Each reproduction samples with the real vLLM engine, scores the same tokens with a transformers
@@ -13,6 +13,9 @@ the expected relation and exits non-zero when any repro does not.
 ``--emit-script`` writes a standalone Python script per repro (only torch, transformers and vLLM
 needed; the tiny model is built from code) instead of running the repro: a file for one repro, a
 folder of ``NAME.py`` files for ``all``. ``--small`` runs fewer prompts/tokens/settings (tests).
+``--model`` runs one repro that takes it (``parity repro list`` marks them) on another fixture or a
+checkpoint directory, e.g. ``parity repro trl_grpo_top_p --model smollm2-135m``; the repro picks the
+settings that fit a real model.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from parity.errors import UsageError
 from parity.repro.registry import REPROS, RUN_ORDER, Entry, get
 from parity.repro.runner import emit_script, run_entries
 
@@ -30,6 +34,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from parity.repro.common import ReproResult
 
 DEFAULT_ROOT = Path("reports/repro")
+# The repros whose module sets TAKES_MODEL (listed here so that `parity repro list` imports no repro module;
+# tests/repro/test_repro_cli.py checks the two agree).
+MODEL_REPROS = ("trl_grpo_top_p",)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,14 +48,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--small", action="store_true", help="fewer prompts, tokens and settings (what the tests run)")
     p.add_argument("--seed", type=int, default=0, help="base sampling seed (prompt i uses seed + i)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds any one engine call or subprocess may take")
+    p.add_argument("--model", default=None, metavar="NAME|PATH",
+                   help="run the repro on this fixture or checkpoint directory instead of its own fixture "
+                        "(one repro that takes it, e.g. trl_grpo_top_p --model smollm2-135m)")
 
 
 def _list() -> int:
     width = max(len(e.name) for e in REPROS)
     for e in REPROS:
-        print(f"{e.number}  {e.name:<{width}}  {e.title}")
-    print("\nrun one: parity repro NAME [--small]; all: parity repro all; standalone: --emit-script PATH")
+        print(f"{e.number}  {e.name:<{width}}  {e.title}" + ("  [--model]" if e.name in MODEL_REPROS else ""))
+    print("\nrun one: parity repro NAME [--small]; all: parity repro all; standalone: --emit-script PATH; "
+          "[--model]: also runs on another model (parity repro NAME --model NAME|PATH)")
     return 0
+
+
+def _check_model(args: argparse.Namespace, entries: list[Entry], single: bool) -> None:
+    """``--model``: one repro that takes it, a run (not a script), a fixture name or a checkpoint directory."""
+    from parity.repro.runner import takes_model
+
+    if not single:
+        raise UsageError("--model applies to one repro (parity repro NAME --model ...), not to 'all'")
+    if args.emit_script is not None:
+        raise UsageError("--model applies to a run: the standalone script builds its fixture from code")
+    entry = entries[0]
+    if not takes_model(entry):
+        raise UsageError(f"--model is not an option of repro {entry.name!r} (it runs on its own fixture); "
+                         f"repros that take it: {', '.join(MODEL_REPROS)}")
+    from parity.fixtures import recipe_names
+
+    path = Path(args.model).expanduser()
+    if not ((path / "config.json").is_file() or args.model in recipe_names()):
+        raise UsageError(f"--model {args.model!r} is neither a fixture name nor a checkpoint directory with "
+                         f"config.json; fixtures: {', '.join(recipe_names())}")
 
 
 def _emit(entries: list[Entry], path: Path, small: bool, single: bool) -> int:
@@ -75,6 +106,8 @@ def main(args: argparse.Namespace) -> int:
     else:
         entries = [get(target)]
     single = target != "all"
+    if args.model is not None:
+        _check_model(args, entries, single)
     if args.emit_script is not None:
         return _emit(sorted(entries, key=lambda e: e.number), args.emit_script, args.small, single)
 
@@ -93,7 +126,10 @@ def main(args: argparse.Namespace) -> int:
         def out_for(e: Entry) -> Path:
             return root / e.name
 
-    ctx = Context(small=args.small, seed=args.seed, timeout_s=args.timeout)
+    model = args.model
+    if model is not None and (Path(model).expanduser() / "config.json").is_file():
+        model = str(Path(model).expanduser().resolve())  # the repro's subprocesses may run elsewhere
+    ctx = Context(small=args.small, seed=args.seed, timeout_s=args.timeout, model=model)
     try:
         results = run_entries(entries, ctx, out_for)
     finally:

@@ -205,12 +205,16 @@ class Context:
         small: bool = False,
         seed: int = 0,
         timeout_s: float = 900.0,
+        model: str | None = None,
         max_engines: int = 2,
         progress: Callable[[str], None] = _stderr,
     ) -> None:
         self.small = small
         self.seed = seed
         self.timeout_s = timeout_s
+        # ``--model``: a fixture name or checkpoint directory in place of the repro's own fixture
+        # (only repros with ``TAKES_MODEL``; None: each repro's own).
+        self.model = model
         self.max_engines = max_engines
         self.progress = progress
         self._rollouts: OrderedDict[str, VllmRollout] = OrderedDict()

@@ -5,7 +5,8 @@ Each repro is the module ``parity.repro.NAME``, run by :mod:`parity.repro.runner
 standalone script's ``CONFIG``; every repro has one), and ``FINDING`` and ``COLUMNS`` unless ``run``
 measures them; ``SCRIPT_SOURCE`` where its script is cut from another source than the default,
 ``SCRIPT_ABOUT`` where its script needs and does other things than sampling with vLLM (its docstring's
-text), and ``TITLE`` where its report carries a longer title than its line here. Modules are imported
+text), ``TITLE`` where its report carries a longer title than its line here, and ``TAKES_MODEL = True``
+where ``parity repro NAME --model`` may run it on another model (``settings(small, model=...)``). Modules are imported
 only when a repro runs, so ``parity repro list`` and ``parity --help`` need no engine.
 """
 

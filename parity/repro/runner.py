@@ -2,7 +2,8 @@
 
 A repro module holds only what is specific to its upstream bug (registry docstring lists the names):
 ``settings(small)``, ``run(ctx, cfg) -> Measured`` (its table rows, checks and notes), ``FINDING`` and
-``COLUMNS`` (unless ``run`` measures them), and ``script_config(small)`` for its standalone script.
+``COLUMNS`` (unless ``run`` measures them), and ``script_config(small)`` for its standalone script;
+``TAKES_MODEL = True`` where ``--model`` may replace its fixture (then ``settings(small, model=...)``).
 The runner names the result after the registry entry (number, name, title), stores the settings
 in its data, times it, turns an exception into a failed result, writes ``result.json``/``table.md``
 and prints the Markdown; it also emits the standalone scripts. The helpers below are the steps
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from parity.errors import UsageError
 from parity.repro import standalone
 from parity.repro.common import Check, Column, Context, ReproResult
 
@@ -57,10 +59,24 @@ def title(entry: Entry, module: Any) -> str:
     return str(getattr(module, "TITLE", entry.title))
 
 
+def takes_model(entry: Entry) -> bool:
+    """Whether the repro can run on another model than its fixture (``parity repro NAME --model``)."""
+    return bool(getattr(entry.load(), "TAKES_MODEL", False))
+
+
+def settings_for(entry: Entry, module: Any, ctx: Context) -> dict[str, Any]:
+    """The repro's settings for this invocation: ``settings(small)``, or ``settings(small, model)`` under ``--model``."""
+    if ctx.model is None:
+        return dict(module.settings(ctx.small))
+    if not getattr(module, "TAKES_MODEL", False):
+        raise UsageError(f"--model is not an option of repro {entry.name!r}: it runs on its own fixture")
+    return dict(module.settings(ctx.small, model=ctx.model))
+
+
 def run_entry(entry: Entry, ctx: Context) -> ReproResult:
     """Run one repro (no timing, no output): its module's measurement, named after the registry entry."""
     module = entry.load()
-    cfg = module.settings(ctx.small)
+    cfg = settings_for(entry, module, ctx)
     m: Measured = module.run(ctx, cfg)
     return ReproResult(
         name=entry.name, number=entry.number, title=title(entry, module),

@@ -151,3 +151,33 @@ def test_the_runner_names_stores_and_writes_what_a_repro_measured(tmp_path) -> N
     assert "| 1.5 |" in (tmp_path / "good" / "table.md").read_text()
     assert not bad.passed and bad.checks[0].detail == "RuntimeError: no engine"
     assert (tmp_path / "broken" / "result.json").is_file()
+
+
+def test_model_option_is_declared_where_the_repro_takes_it() -> None:
+    from parity.cli.repro import MODEL_REPROS
+    from parity.repro.runner import takes_model
+
+    assert tuple(e.name for e in REPROS if takes_model(e)) == MODEL_REPROS
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["repro", "top_p_bias", "--model", "qwen2-tiny"], "--model is not an option of repro 'top_p_bias'"),
+    (["repro", "all", "--model", "qwen2-tiny"], "--model applies to one repro"),
+    (["repro", "trl_grpo_top_p", "--model", "qwen2-tiny", "--emit-script", "x.py"], "--model applies to a run"),
+    (["repro", "trl_grpo_top_p", "--model", "no-such-model"], "neither a fixture name nor a checkpoint directory"),
+])
+def test_model_option_misuse_is_one_readable_error(argv, message, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_trl_repro_settings_under_model() -> None:
+    from parity.repro import trl_grpo_top_p as m
+
+    assert m.settings(False) == m.settings(False, model=m.FIXTURE)  # the default is the fixture's run
+    real = m.settings(False, model="smollm2-135m")
+    assert real["fixture"] == "smollm2-135m" and real["steps"] == 2 and real["timeout_s"] == m.MODEL_CONFIG_TIMEOUT_S
+    # top_p alone (TRL's top_k=0: adaptive capture), with the top_p=1 control that carries the off phase
+    assert [c.get("top_p") for c in real["configs"]] == [1.0, 0.9, 0.8]
+    assert not any(c.get("top_k") or c.get("min_p") for c in real["configs"])
+    assert [c.get("top_p") for c in m.settings(True, model="smollm2-135m")["configs"]] == [1.0, 0.9]

@@ -223,7 +223,7 @@ def evaluate(scenario: str, table: TokenTable, summary: dict[str, Any], th: Thre
         out.append(Violation(
             "incomplete_capture", scenario, inc / table.tokens, th.max_incomplete_frac, "incomplete capture fraction",
             worst=where, detail=f"{inc} of {table.tokens} positions: the head is full and the support may extend "
-            "past it; raise the capture head",
+            "past it; raise --max-capture-head (or the scenario's max_capture_head)",
         ))
     outside = summary["sampled_outside_support"]
     if _over(outside, th.max_sampled_outside):

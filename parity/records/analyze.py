@@ -1059,7 +1059,7 @@ def evaluate_summary(sc: dict[str, Any], a: ScenarioAcc, th: Thresholds) -> list
         out.append(Violation(
             "incomplete_capture", scenario, inc / tokens, th.max_incomplete_frac, "incomplete capture fraction",
             worst=a.first["incomplete"].positions(n), detail=f"{inc} of {tokens} positions: the head is full and the "
-            "support may extend past it; raise the capture head",
+            "support may extend past it; raise --max-capture-head (or the scenario's max_capture_head)",
         ))
     outside = sc["sampled_outside_support"]
     if "sampled_outside" not in skip and _over(outside, th.max_sampled_outside):

@@ -239,7 +239,7 @@ def test_incomplete_capture_fraction_counts_every_table_row() -> None:
     [v] = evaluate(SC, t, summary(t), th)
     assert v == Violation(
         "incomplete_capture", SC, 0.5, 0.25, "incomplete capture fraction", worst=(pos(t, 1, {}), pos(t, 3, {})),
-        detail="2 of 4 positions: the head is full and the support may extend past it; raise the capture head",
+        detail="2 of 4 positions: the head is full and the support may extend past it; raise --max-capture-head (or the scenario's max_capture_head)",
     )
     assert evaluate(SC, t, summary(t), Thresholds(max_incomplete_frac=0.5)) == []
 

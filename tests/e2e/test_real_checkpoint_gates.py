@@ -108,7 +108,7 @@ def base(pool, smollm2_dir, tmp_path_factory):
 
 
 # The naive bias is gated against a sampler-side log S, which a 49k vocabulary under top_k does not give
-# (no full-vocabulary capture, no top_p bracket): it is not evaluated on these records.
+# (no full-vocabulary capture, no top_p bracket): it is planted on a top_p-alone run below.
 GATES = [g for g in planted.GATES if g != "naive_vs_sampler_log_s"]
 
 
@@ -126,3 +126,22 @@ def test_every_gate_fails_a_planted_fault_at_3x_and_passes_at_a_tenth(base, tmp_
     (ok,) = analyze(write_records(tmp_path / "small.parquet", small(*args), metadata={"vocab_size": V}),
                     thresholds=th)["scenarios"]
     assert ok["violations"] + ok["reference_violations"] == [], (gate, ok["violations"], ok["reference_violations"])
+
+
+def test_the_naive_gate_fails_a_planted_fault_at_3x_and_passes_at_a_tenth(pool, smollm2_dir, tmp_path) -> None:
+    """top_p alone (captured adaptively, every position proven) gives the top_p bracket of the sampler-side
+    log S on the real vocabulary: the naive estimator is gated against it."""
+    from parity.records.format import write_records
+
+    path = tmp_path / "top_p.parquet"
+    sc = _run(pool, smollm2_dir, tmp_path, "replay", records=path, spec=SamplingSpec(temperature=1.0, top_p=0.9))
+    assert sc["verdict"] == "pass", sc["violations"]
+    assert sc["sampler_log_s"]["source"] == "top_p_bracket" and sc["incomplete_positions"] == 0
+    rows = pq.read_table(path).to_pylist()
+    positions = [(i, t) for i, r in enumerate(rows) for t in range(len(r["completion_ids"]))]
+    big, small, th = planted.cases(positions, V, at=positions[len(positions) // 2])["naive_vs_sampler_log_s"]
+    meta = {"vocab_size": V}
+    (bad,) = analyze(write_records(tmp_path / "big.parquet", big(rows), metadata=meta), thresholds=th)["scenarios"]
+    assert "naive_vs_sampler_log_s" in [v["gate"] for v in bad["reference_violations"]], bad["reference_violations"]
+    (ok,) = analyze(write_records(tmp_path / "small.parquet", small(rows), metadata=meta), thresholds=th)["scenarios"]
+    assert ok["violations"] + ok["reference_violations"] == [], (ok["violations"], ok["reference_violations"])

@@ -72,7 +72,7 @@ CAPTION = (
 # "off" phase. Adaptive capture seeds each request so that a sequence can be drawn again; TRL's own requests
 # carry no seed, so a run with no parity patch draws other tokens and is compared bitwise only where the
 # capture asks nothing of the engine (top_p=1). Each phase is a fresh trainer and engine: about 40 s of
-# training for 2 steps on an idle 2-core machine (DESIGN.md), minutes per phase on a loaded one.
+# training for 2 steps on an idle 2-core machine, minutes per phase on a loaded one.
 MODEL_CONFIGS: tuple[dict[str, Any], ...] = (
     {"top_p": 1.0, "is_mode": "sequence_mask", "off": True},
     {"top_p": 0.9, "is_mode": "sequence_mask"},

@@ -52,6 +52,7 @@ import torch
 from parity.core import estimators
 from parity.core.capture import (
     DEFAULT_MAX_HEAD,
+    FULL_VOCAB,
     NEG_INF,
     CapturedSupport,
     CaptureHistory,
@@ -388,6 +389,11 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
             cap_k = plan.max_head if plan.max_head is not None else -1
             plan = CapturePlan(cap_k, f"{plan.reason.split(':')[0]}: one generation at the cap (no colocated "
                                f"engine to ask again with the same seed)")
+        elif plan.adaptive and plan.logprobs == FULL_VOCAB:
+            # The first head is the whole vocabulary (V <= SMALL_VOCAB): it proves every position and no
+            # sequence is asked again, so the requests keep TRL's own unseeded draws (what TRL samples with
+            # no patch) rather than seeds of their own.
+            plan = CapturePlan(FULL_VOCAB, plan.reason)
         requested = plan.logprobs if plan.logprobs is not None and plan.captures_support else 0
         batch: dict[str, Any] = {}
         old = self.logprobs

@@ -339,7 +339,7 @@ def _result(cfg: dict[str, Any], rows: list[dict[str, Any]], per_config: dict[st
                         f"proven, largest S_q {r['largest_support']}, {r['widened']} sequences widened, "
                         f"{r['resampled_differently']} resampled differently" for r in rows)),
         Check("recording changes nothing: TRL with no parity patch logs bitwise the same metrics as observe mode"
-              + (" (on the configs without adaptive capture; see its note)"
+              + (" (on the configs that carry the off phase; adaptive capture seeds its requests, see its note)"
                  if any(r["capture"] == "adaptive" for r in rows) else ""),
               bool(off) and all(r["off_equals_observe"] for r in off) if any(c.get("off") for c in cfg["configs"]) else True,
               ", ".join(f"{r['config']}: {r['off_equals_observe']}" for r in off)),
@@ -365,7 +365,8 @@ def _result(cfg: dict[str, Any], rows: list[dict[str, Any]], per_config: dict[st
             f"Adaptive capture ({', '.join(adaptive)}: top_p without top_k on {vocab} tokens): patch_grpo gives every "
             "request of a generation batch its own seed and asks unproven sequences again with the same seed and a "
             "wider head, so the tokens drawn differ from TRL's unseeded draws (same distribution); the bitwise "
-            "off-against-observe comparison runs only on configs without it.")
+            "off-against-observe comparison belongs on configs without it (here: "
+            + (", ".join(r["config"] for r in off) or "none") + ").")
     unresolved = [r for r in filtered if r["abs_log_s"] <= r["bound"]]
     if unresolved:
         notes.append(

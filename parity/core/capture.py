@@ -39,6 +39,7 @@ SMALL_VOCAB = 1024  # up to this vocabulary, top_p/min_p without top_k read the 
 # top_p alone: the start by temperature (see start_head); a narrow nucleus (top_p <= 0.5) starts small.
 TOP_P_START_COLD, TOP_P_START, TOP_P_START_NARROW = 1024, 4096, 64
 MIN_P_START_FACTOR = 4  # min_p alone: start at 4 / min_p (rounded up to a power of two)
+MIN_P_START_CAP = 1 << 20  # min_p's start head never exceeds this (a head is capped by max_head anyway)
 # Below the head's processed mass, tolerance for float32 rounding of the values before the tail bound
 # of :func:`support_lower_bound` counts missing tokens (a sum of float32 probabilities can be off by
 # about 1e-5 on wide rows; the bound only skips ahead, it never proves anything).
@@ -91,7 +92,9 @@ def start_head(spec: SamplingSpec) -> int:
         else:
             starts.append(TOP_P_START if spec.temperature >= 1.0 else TOP_P_START_COLD)
     if spec.uses_min_p:
-        starts.append(_pow2_at_least(math.ceil(MIN_P_START_FACTOR / spec.min_p)))
+        # A vanishing min_p keeps nearly every token: its bound is no tighter than the largest head.
+        want = MIN_P_START_FACTOR / spec.min_p
+        starts.append(_pow2_at_least(math.ceil(want)) if want < MIN_P_START_CAP else MIN_P_START_CAP)
     return max(MIN_HEAD, min(starts)) if starts else MIN_HEAD
 
 
@@ -169,10 +172,10 @@ def plan_capture(
         if vocab_size <= SMALL_VOCAB and cap == FULL_VOCAB:
             k0 = vocab_size
     what = "top_p/min_p without top_k"
+    if cap != FULL_VOCAB:
+        k0 = min(k0, cap)  # never above the cap, whatever the start asked for
     if k0 >= vocab_size:
         return CapturePlan(FULL_VOCAB, f"{what}: full vocabulary (V={vocab_size})", max_head=FULL_VOCAB)
-    if cap != FULL_VOCAB:
-        k0 = min(k0, cap)
     if k0 == cap:
         return CapturePlan(k0, f"{what}: adaptive, top-{k0} first, which is the cap max_head={cap}: positions it "
                            f"does not prove are flagged", max_head=cap)

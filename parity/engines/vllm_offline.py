@@ -21,7 +21,6 @@ from parity.core.capture import (
     padded_ids,
     plan_capture,
     run_capture,
-    support_from_heads,
     validate_native_mask,
 )
 from parity.core.spec import SamplingSpec
@@ -311,12 +310,7 @@ class VllmRollout(RolloutBase):
         records = []
         for i, (h, requested) in enumerate(zip(result.heads, result.requested, strict=True)):
             comp, ids, heads, head_lps = h.payload, h.completion_ids, h.head_ids, h.head_logprobs
-            kept = kept_lp = incomplete = None
-            extras: dict[str, torch.Tensor] = {}
-            if requested != 0:
-                cap = support_from_heads(ids, heads, head_lps, requested=requested, vocab_size=self.vocab_size)
-                kept, kept_lp, incomplete = cap.kept_ids, cap.kept_logprobs, cap.incomplete
-                extras["sampled_missing"] = cap.sampled_missing
+            kept, kept_lp, incomplete, extras = self.topk_support(h, requested)
             native = getattr(comp, "sampling_mask", None)
             if self.capture != "topk":
                 if native is None or len(native.token_ids) != len(ids):
@@ -329,21 +323,8 @@ class VllmRollout(RolloutBase):
                 elif kept is not None:
                     bad = compare_supports(native_ids, kept, skip=incomplete)
                     extras["native_vs_topk_mismatch"] = torch.tensor(bad, dtype=torch.long)
-            records.append(
-                SequenceRecord(
-                    source=self.name,
-                    prompt_index=i,
-                    prompt_ids=list(prompts[i]),
-                    completion_ids=ids,
-                    spec=spec,
-                    seed=seed + i,
-                    logprobs=torch.tensor(h.sampled_logprobs, dtype=torch.float32),
-                    kept_ids=kept,
-                    kept_logprobs=kept_lp,
-                    incomplete=incomplete,
-                    extras=extras,
-                )
-            )
+            support = (kept, kept_lp, incomplete, extras)
+            records.append(self.sampler_record(i, prompts[i], h, spec, seed + i, support))
         return records
 
     def close(self) -> None:

@@ -45,9 +45,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Unpack
 
-import torch
-
-from parity.core.capture import Heads, run_capture, support_from_heads
+from parity.core.capture import Heads, run_capture
 from parity.core.spec import SamplingSpec
 from parity.engines.rollout_base import RolloutBase, RolloutSettings
 from parity.engines.vllm_server.process import LAUNCHER, free_port, shutdown
@@ -447,37 +445,11 @@ class ServerRollout(RolloutBase):
         records = []
         for i, (h, requested) in enumerate(zip(result.heads, result.requested, strict=True)):
             where = f"{self.url} completion for prompt {i} ({label})"
-            kept = kept_lp = incomplete = None
-            extras: dict[str, torch.Tensor] = {}
-            if requested != 0:
-                cap = support_from_heads(
-                    h.completion_ids, h.head_ids, h.head_logprobs, requested=requested, vocab_size=self.vocab_size
-                )
-                check_processed(
-                    cap.kept_logprobs,
-                    cap.incomplete,
-                    url=self.url,
-                    where=where,
-                    spec=spec,
-                    vocab_size=self.vocab_size,
-                )
-                kept, kept_lp, incomplete = cap.kept_ids, cap.kept_logprobs, cap.incomplete
-                extras["sampled_missing"] = cap.sampled_missing
-            records.append(
-                SequenceRecord(
-                    source=self.name,
-                    prompt_index=i,
-                    prompt_ids=list(prompts[i]),
-                    completion_ids=h.completion_ids,
-                    spec=spec,
-                    seed=seed + i,
-                    logprobs=torch.tensor(h.sampled_logprobs, dtype=torch.float32),
-                    kept_ids=kept,
-                    kept_logprobs=kept_lp,
-                    incomplete=incomplete,
-                    extras=extras,
-                )
-            )
+            kept, kept_lp, incomplete, extras = self.topk_support(h, requested)
+            if kept_lp is not None and incomplete is not None:
+                check_processed(kept_lp, incomplete, url=self.url, where=where, spec=spec, vocab_size=self.vocab_size)
+            support = (kept, kept_lp, incomplete, extras)
+            records.append(self.sampler_record(i, prompts[i], h, spec, seed + i, support))
         return records
 
     def _send_all(self, bodies: list[dict[str, Any]], *, what: str, deadline: float | None = None) -> list[Any]:

@@ -1,36 +1,28 @@
-"""The RL view of a sampler/trainer mismatch (engine-free): δ in, statistics out.
+"""The RL view of a sampler/trainer mismatch (engine-free): δ = log p_trainer − log q_sampler in, statistics out.
 
-With δ = log p_trainer − log q_sampler per sampled token and r = e^δ, this module computes
-
-* every RL framework's own mismatch metric, under the name its dashboard shows, exactly as that
-  framework reduces it (which mask, sum or mean, per token or per sequence first);
-* what each importance-sampling correction would do to the same tokens with its frameworks' default
-  parameters: the fraction of units (tokens or sequences) it clips, masks, vetoes or drops, the mean
-  weight it leaves, and the effective sample size of those weights.
-
-Each metric and each method is one small frozen entry in :data:`METRICS` or :data:`METHODS`; adding a
-method is adding one entry.
-
-Assumption behind the method numbers: the first update after a rollout. The policy is still the
-trainer (π_θ = p), so its own ratio to the trainer is 1 and every ratio a method sees is the
-sampler/trainer ratio r = p / q (the sampler's log-probs are the anchor, as in verl's bypass mode or
-prime-rl). Only the mismatch moves the weights.
-
-Non-finite input: a NaN δ (a position neither side can score) is excluded from every statistic and
-counted (``excluded_nan``); ±inf is kept and flows through (r = 0 or inf, masks drop it, clips cap it),
-because a token the trainer gives zero probability is a real, reportable mismatch.
+Every RL framework's own mismatch metric under its dashboard name, reduced as that framework reduces
+it, and what each importance-sampling correction would do to the same tokens with its frameworks'
+defaults: the fraction of units (tokens or sequences) it clips, masks, vetoes or drops, the mean weight
+it leaves and the effective sample size. The entries are data (parity/data/rl_catalogue.toml, read by
+:func:`load_catalogue`); this module holds the statistics they name. The methods assume the first
+update after a rollout (:data:`ASSUMPTION`). A NaN δ is excluded and counted (``excluded_nan``); ±inf
+flows through (r = 0 or inf), a token the trainer cannot produce being a real, reportable mismatch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from parity.errors import UsageError
+from parity.errors import PathNotFound, UsageError
 
 ASSUMPTION = (
     "First update after a rollout: the policy is still the trainer, so its own ratio is 1 and every ratio "
@@ -241,28 +233,76 @@ class Threshold:
 
 
 @dataclass(frozen=True)
+class Statistic:
+    """Per-unit values of a mismatch: one per token, or one per non-empty sequence."""
+
+    level: str
+    compute: Callable[[Mismatch], torch.Tensor]
+    needs_probs: bool = False
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """A metric's number computed over all tokens at once, not reduced from per-unit values."""
+
+    level: str
+    compute: Callable[[Mismatch], float | None]
+    needs_probs: bool = False
+
+
+@dataclass(frozen=True)
 class Metric:
-    """One framework's mismatch metric under its dashboard name."""
+    """One framework's mismatch metric under its dashboard name.
+
+    Its number is ``reduce`` over the per-unit ``values`` (:data:`METRIC_VALUES`, :data:`REDUCTIONS`),
+    or ``compute`` (:data:`METRIC_FUNCTIONS`) for a metric that is no such reduction.
+    """
 
     framework: str
     name: str
     level: str  # where the last reduction runs: over tokens, or over per-sequence values
     statistic: str  # what it computes, in words
-    compute: Callable[[Mismatch], float | None]
     source: str  # the framework file and function it mirrors
+    values: str | None = None
+    reduce: str | None = None
+    compute: str | None = None
     threshold: Threshold | None = None
-    needs_probs: bool = False
 
     def __post_init__(self) -> None:
-        if self.level not in LEVELS:
-            raise UsageError(
-                f"Metric {self.name!r}: level={self.level!r} is invalid: allowed {', '.join(LEVELS)}"
-            )
+        def bad(fieldname: str, value: Any, allowed: str) -> UsageError:
+            return UsageError(f"Metric {self.name!r}: {fieldname}={value!r} is invalid: allowed {allowed}")
+
+        if self.compute is not None:
+            if self.values is not None or self.reduce is not None:
+                raise bad("compute", self.compute, "compute alone, or values with reduce")
+            if self.compute not in METRIC_FUNCTIONS:
+                raise bad("compute", self.compute, ", ".join(METRIC_FUNCTIONS))
+        else:
+            if self.values not in METRIC_VALUES:
+                raise bad("values", self.values, ", ".join(METRIC_VALUES) + " (or compute)")
+            if self.reduce not in REDUCTIONS:
+                raise bad("reduce", self.reduce, ", ".join(REDUCTIONS))
+        if self.level not in LEVELS or self.level != self._kind.level:
+            raise bad("level", self.level, f"{self._kind.level!r} (the level of its values)")
+
+    @property
+    def _kind(self) -> Statistic | Aggregate:
+        if self.compute is not None:
+            return METRIC_FUNCTIONS[self.compute]
+        assert self.values is not None
+        return METRIC_VALUES[self.values]
+
+    @property
+    def needs_probs(self) -> bool:
+        return self._kind.needs_probs
 
     def value(self, m: Mismatch) -> float | None:
         if self.needs_probs and not m.has_probs:
             return None
-        return self.compute(m)
+        if self.compute is not None:
+            return METRIC_FUNCTIONS[self.compute].compute(m)
+        assert self.values is not None and self.reduce is not None
+        return _reduce(METRIC_VALUES[self.values].compute(m), self.reduce)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -275,6 +315,9 @@ class Metric:
             if self.threshold is None
             else {"limit": self.threshold.limit, "op": self.threshold.op, "source": self.threshold.source},
         }
+
+
+REDUCTIONS = ("mean", "max", "min", "std")
 
 
 def _reduce(x: torch.Tensor, how: str) -> float | None:
@@ -315,6 +358,9 @@ def _pearson_probs(m: Mismatch) -> float | None:
     return float((pc * qc).sum()) / den
 
 
+TRL_IS_CAP = 3.0  # trl GRPOConfig.vllm_importance_sampling_clip_max default
+
+
 def _trl_seq_mask_ratio(m: Mismatch) -> torch.Tensor:
     # trl/trainer/grpo_trainer.py GRPOTrainer._generate_and_score_completions, default
     # vllm_importance_sampling_mode="sequence_mask" with vllm_importance_sampling_clip_max=3.0 and
@@ -332,209 +378,42 @@ def _trl_token_truncate_ratio(m: Mismatch) -> torch.Tensor:
     return m.delta().exp().clamp(max=TRL_IS_CAP)
 
 
-def _slime_abs_diff(m: Mismatch) -> float | None:
+def _seq_mean_abs_delta(m: Mismatch) -> torch.Tensor:
     # slime/backends/megatron_utils/loss.py policy_loss_function: train_rollout_logprob_abs_diff =
     # sum_of_sample_mean(|old_log_probs - rollout_log_probs|); sum_of_sample_mean (cp_utils.py
     # get_sum_of_sample_mean, default calculate_per_token_loss=False) averages within each sample, and
     # the logged value is that sum over the number of samples: the mean over sequences of each
     # sequence's mean |δ|.
-    per_seq = m.seq_reduce(_abs_delta(m), "mean")
-    return _reduce(per_seq, "mean")
+    return m.seq_reduce(_abs_delta(m), "mean")
 
 
-def _nemo_mult_prob_error(m: Mismatch) -> float | None:
+def _exp_abs_delta(m: Mismatch) -> torch.Tensor:
     # nemo_rl/algorithms/loss_functions.py ClippedPGLossFn.__call__: token_mult_prob_error =
     # masked_mean(exp(|generation_logprobs - prev_logprobs| * mask), mask) over all valid tokens.
-    return _reduce(_abs_delta(m).exp(), "mean")
+    return _abs_delta(m).exp()
 
 
-def _prime_mismatch_kl(how: str) -> Callable[[Mismatch], float | None]:
-    # prime_rl/trainer/rl/loss.py compute_loss: per sequence, token_mismatch_kl = r - log r - 1 is
-    # averaged over the loss mask; the per-sequence values are stacked and logged as mismatch_kl/mean,
-    # /max, ... across sequences.
-    def f(m: Mismatch) -> float | None:
-        return _reduce(m.seq_reduce(k3(m.delta()), "mean"), how)
-
-    return f
+def _seq_mean_k3(m: Mismatch) -> torch.Tensor:
+    # A method's statistic too (verl's K3 rejection). As a metric, prime_rl/trainer/rl/loss.py
+    # compute_loss: per sequence, token_mismatch_kl = r - log r - 1 is averaged over the loss mask; the
+    # per-sequence values are stacked and logged as mismatch_kl/mean, /max, ... across sequences.
+    return m.seq_reduce(k3(m.delta()), "mean")
 
 
-TRL_IS_CAP = 3.0  # trl GRPOConfig.vllm_importance_sampling_clip_max default
-TRL_SRC = "trl/trainer/grpo_trainer.py GRPOTrainer._generate_and_score_completions"
-VERL_DEBUG_SRC = "verl/utils/debug/metrics.py calculate_debug_metrics"
-SKYRL_SRC = "skyrl_train/trainer.py RayPPOTrainer.fwd_logprobs_values_reward"
-
-
-def _tok(transform: Callable[[Mismatch], torch.Tensor], how: str) -> Callable[[Mismatch], float | None]:
-    return lambda m: _reduce(transform(m), how)
-
-
-METRICS: tuple[Metric, ...] = (
-    # TRL: |δ| over the completion mask, NaN excluded (TRL logs 0.0 for an empty batch; here None).
-    Metric(
-        "TRL",
-        "sampling/sampling_logp_difference/mean",
-        "token",
-        "mean |δ|",
-        _tok(_abs_delta, "mean"),
-        TRL_SRC,
-    ),
-    Metric(
-        "TRL", "sampling/sampling_logp_difference/max", "token", "max |δ|", _tok(_abs_delta, "max"), TRL_SRC
-    ),
-    Metric(
-        "TRL",
-        "sampling/importance_sampling_ratio/min",
-        "sequence",
-        "min over sequences of exp(Σδ), 0 above 3 (sequence_mask, default)",
-        _tok(_trl_seq_mask_ratio, "min"),
-        TRL_SRC,
-    ),
-    Metric(
-        "TRL",
-        "sampling/importance_sampling_ratio/mean",
-        "sequence",
-        "mean over sequences of exp(Σδ), 0 above 3 (sequence_mask, default)",
-        _tok(_trl_seq_mask_ratio, "mean"),
-        TRL_SRC,
-    ),
-    Metric(
-        "TRL",
-        "sampling/importance_sampling_ratio/max",
-        "sequence",
-        "max over sequences of exp(Σδ), 0 above 3 (sequence_mask, default)",
-        _tok(_trl_seq_mask_ratio, "max"),
-        TRL_SRC,
-    ),
-    Metric(
-        "TRL",
-        "sampling/importance_sampling_ratio/min [token_truncate]",
-        "token",
-        "min of min(e^δ, 3) over tokens",
-        _tok(_trl_token_truncate_ratio, "min"),
-        TRL_SRC,
-    ),
-    Metric(
-        "TRL",
-        "sampling/importance_sampling_ratio/mean [token_truncate]",
-        "token",
-        "mean of min(e^δ, 3) over tokens",
-        _tok(_trl_token_truncate_ratio, "mean"),
-        TRL_SRC,
-    ),
-    Metric(
-        "TRL",
-        "sampling/importance_sampling_ratio/max [token_truncate]",
-        "token",
-        "max of min(e^δ, 3) over tokens",
-        _tok(_trl_token_truncate_ratio, "max"),
-        TRL_SRC,
-    ),
-    # verl: in probability space, |e^lp − e^lq| over the response mask; std is torch.std (unbiased).
-    Metric(
-        "verl",
-        "training/rollout_probs_diff_max",
-        "token",
-        "max |p − q|",
-        _tok(_probs_abs_diff, "max"),
-        VERL_DEBUG_SRC,
-        needs_probs=True,
-    ),
-    Metric(
-        "verl",
-        "training/rollout_probs_diff_mean",
-        "token",
-        "mean |p − q|",
-        _tok(_probs_abs_diff, "mean"),
-        VERL_DEBUG_SRC,
-        needs_probs=True,
-    ),
-    Metric(
-        "verl",
-        "training/rollout_probs_diff_std",
-        "token",
-        "std |p − q| (unbiased)",
-        _tok(_probs_abs_diff, "std"),
-        VERL_DEBUG_SRC,
-        needs_probs=True,
-    ),
-    Metric(
-        "verl",
-        "training/rollout_actor_probs_pearson_corr",
-        "token",
-        "Pearson correlation of p and q",
-        _pearson_probs,
-        VERL_DEBUG_SRC,
-        needs_probs=True,
-    ),
-    Metric(
-        "slime",
-        "train_rollout_logprob_abs_diff",
-        "sequence",
-        "mean over sequences of mean |δ|",
-        _slime_abs_diff,
-        "slime/backends/megatron_utils/loss.py policy_loss_function",
-        Threshold(0.1, "<=", "slime CI asserts ≤ 0.1"),
-    ),
-    Metric(
-        "NeMo-RL",
-        "token_mult_prob_error",
-        "token",
-        "mean e^|δ|",
-        _nemo_mult_prob_error,
-        "nemo_rl/algorithms/loss_functions.py ClippedPGLossFn.__call__",
-        Threshold(1.05, "<", "NeMo-RL: 1.05 or more is treated as a framework issue"),
-    ),
-    Metric(
-        "prime-rl",
-        "mismatch_kl/mean",
-        "sequence",
-        "mean over sequences of mean (r − log r − 1)",
-        _prime_mismatch_kl("mean"),
-        "prime_rl/trainer/rl/loss.py compute_loss",
-        Threshold(0.015, "<", "prime-rl: new models < 0.015"),
-    ),
-    Metric(
-        "prime-rl",
-        "mismatch_kl/max",
-        "sequence",
-        "max over sequences of mean (r − log r − 1)",
-        _prime_mismatch_kl("max"),
-        "prime_rl/trainer/rl/loss.py compute_loss",
-    ),
-    # SkyRL: |rollout − trainer| over loss_mask > 0; std is torch.std (unbiased).
-    Metric(
-        "SkyRL",
-        "policy/rollout_train_logprobs_abs_diff_mean",
-        "token",
-        "mean |δ|",
-        _tok(_abs_delta, "mean"),
-        SKYRL_SRC,
-    ),
-    Metric(
-        "SkyRL",
-        "policy/rollout_train_logprobs_abs_diff_std",
-        "token",
-        "std |δ| (unbiased)",
-        _tok(_abs_delta, "std"),
-        SKYRL_SRC,
-    ),
-    Metric(
-        "SkyRL",
-        "policy/rollout_train_logprobs_abs_diff_max",
-        "token",
-        "max |δ|",
-        _tok(_abs_delta, "max"),
-        SKYRL_SRC,
-    ),
-    Metric(
-        "SkyRL",
-        "policy/rollout_train_logprobs_abs_diff_min",
-        "token",
-        "min |δ|",
-        _tok(_abs_delta, "min"),
-        SKYRL_SRC,
-    ),
-)
+# The per-unit values a metric reduces, by the name a catalogue entry gives as ``values``.
+METRIC_VALUES: dict[str, Statistic] = {
+    "abs_delta": Statistic("token", _abs_delta),  # |δ|
+    "exp_abs_delta": Statistic("token", _exp_abs_delta),  # e^|δ|
+    "probs_abs_diff": Statistic("token", _probs_abs_diff, needs_probs=True),  # |p − q|
+    "trl_token_truncate_ratio": Statistic("token", _trl_token_truncate_ratio),  # min(e^δ, 3)
+    "trl_sequence_mask_ratio": Statistic("sequence", _trl_seq_mask_ratio),  # exp(Σδ), 0 above 3
+    "seq_mean_abs_delta": Statistic("sequence", _seq_mean_abs_delta),  # mean |δ| per sequence
+    "seq_mean_k3": Statistic("sequence", _seq_mean_k3),  # mean (r − log r − 1) per sequence
+}
+# Metrics that are no reduction of per-unit values, by the name an entry gives as ``compute``.
+METRIC_FUNCTIONS: dict[str, Aggregate] = {
+    "pearson_probs": Aggregate("token", _pearson_probs, needs_probs=True),  # corr(p, q)
+}
 
 
 # ------------------------------------------------------------------------------------------ methods
@@ -557,19 +436,8 @@ def _stat_seq_geo_ratio(m: Mismatch) -> torch.Tensor:
     return m.seq_reduce(m.delta(), "mean").exp()
 
 
-def _stat_seq_k3_mean(m: Mismatch) -> torch.Tensor:
-    return m.seq_reduce(k3(m.delta()), "mean")
-
-
 def _stat_seq_min_ratio(m: Mismatch) -> torch.Tensor:
     return m.seq_reduce(m.delta(), "min").exp()
-
-
-@dataclass(frozen=True)
-class Statistic:
-    level: str
-    compute: Callable[[Mismatch], torch.Tensor]
-    needs_probs: bool = False
 
 
 # The per-unit statistics a method can threshold. Token statistics have one value per token, sequence
@@ -579,7 +447,7 @@ STATISTICS: dict[str, Statistic] = {
     "tv": Statistic("token", _stat_token_prob_diff, needs_probs=True),  # binary TV, signed: p − q
     "seq_ratio": Statistic("sequence", _stat_seq_ratio),  # Π r = exp(Σδ)
     "geo_ratio": Statistic("sequence", _stat_seq_geo_ratio),  # exp(mean δ)
-    "seq_mean_k3": Statistic("sequence", _stat_seq_k3_mean),  # mean (r − log r − 1)
+    "seq_mean_k3": Statistic("sequence", _seq_mean_k3),  # mean (r − log r − 1)
     "min_ratio": Statistic("sequence", _stat_seq_min_ratio),  # the sequence's smallest token ratio
 }
 
@@ -721,13 +589,8 @@ class MethodResult:
     ess: float | None  # (Σw)² / (n Σw²), in [0, 1]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "units": self.units,
-            "affected": self.affected,
-            "affected_frac": self.affected_frac,
-            "mean_weight": self.mean_weight,
-            "ess": self.ess,
-        }
+        """The numbers (the method, sign, level and action are the keys this goes under)."""
+        return {k: getattr(self, k) for k in ("units", "affected", "affected_frac", "mean_weight", "ess")}
 
 
 def effective_sample_size(w: torch.Tensor) -> float:
@@ -749,201 +612,145 @@ def effective_sample_size(w: torch.Tensor) -> float:
     return min(1.0, float(v.sum() ** 2 / (w.numel() * (v * v).sum())))
 
 
-_INF = math.inf
-VERL_RC = "verl/trainer/ppo/rollout_corr_helper.py"
-VERL_PRESETS = "verl/trainer/config/algorithm.py RolloutCorrectionConfig"
-SKYRL_OPC = "skyrl_train/utils/off_policy_correction.py"
-VERL_CORE = "verl/trainer/ppo/core_algos.py"
+# ------------------------------------------------------------------------------------------ catalogue
 
-METHODS: tuple[Method, ...] = (
-    Method(
-        name="Naive IS (token)",
-        frameworks=("reference",),
-        level="token",
-        statistic="ratio",
-        interval=(0.0, _INF),
-        action="none",
-        source="per-token importance weight r, no truncation",
+CATALOGUE = "rl_catalogue.toml"  # the packaged metrics and methods, in parity/data/
+
+
+class _Wrong(Exception):
+    """A catalogue value of the wrong type; the message is what is allowed."""
+
+
+def _text(v: Any) -> str:
+    if not isinstance(v, str):
+        raise _Wrong("a string")
+    return v
+
+
+def _number(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise _Wrong("a number (inf and -inf included)")
+    return float(v)
+
+
+def _texts(v: Any) -> tuple[str, ...]:
+    if not isinstance(v, list) or not v or not all(isinstance(x, str) for x in v):
+        raise _Wrong("a non-empty list of strings")
+    return tuple(v)
+
+
+def _interval(v: Any) -> tuple[float, float]:
+    if not isinstance(v, list) or len(v) != 2:
+        raise _Wrong("[low, high], two numbers")
+    try:
+        return _number(v[0]), _number(v[1])
+    except _Wrong:
+        raise _Wrong("[low, high], two numbers") from None
+
+
+def _threshold(v: Any) -> Threshold:
+    allowed = "{ limit = <number>, op = '<=' or '<', source = <string> }"
+    if not isinstance(v, dict) or set(v) != {"limit", "op", "source"}:
+        raise _Wrong(allowed)
+    try:
+        return Threshold(_number(v["limit"]), _text(v["op"]), _text(v["source"]))
+    except _Wrong:
+        raise _Wrong(allowed) from None
+
+
+# Per table of the file: the entry type and how each key's value is read.
+_TABLES: dict[str, tuple[type[Metric] | type[Method], dict[str, Callable[[Any], Any]]]] = {
+    "metric": (
+        Metric,
+        {
+            "framework": _text,
+            "name": _text,
+            "level": _text,
+            "statistic": _text,
+            "source": _text,
+            "values": _text,
+            "reduce": _text,
+            "compute": _text,
+            "threshold": _threshold,
+        },
     ),
-    Method(
-        name="Naive IS (sequence)",
-        frameworks=("reference",),
-        level="sequence",
-        statistic="seq_ratio",
-        interval=(0.0, _INF),
-        action="none",
-        source="per-sequence importance weight Π r, no truncation",
+    "method": (
+        Method,
+        {
+            "name": _text,
+            "frameworks": _texts,
+            "level": _text,
+            "statistic": _text,
+            "interval": _interval,
+            "action": _text,
+            "source": _text,
+            "sign": _text,
+            "weight": _text,
+            "dual_clip": _number,
+            "note": _text,
+        },
     ),
-    Method(
-        name="Token TIS C=2",
-        frameworks=("verl", "slime", "SkyRL"),
-        level="token",
-        statistic="ratio",
-        interval=(0.0, 2.0),
-        action="clip",
-        source=f"{VERL_RC} compute_rollout_correction_weights (rollout_is='token', threshold 2.0); "
-        f"{SKYRL_OPC} compute_tis_ratio (token)",
-    ),
-    Method(
-        name="Token TIS C=3",
-        frameworks=("TRL",),
-        level="token",
-        statistic="ratio",
-        interval=(0.0, TRL_IS_CAP),
-        action="clip",
-        source=f"{TRL_SRC}, vllm_importance_sampling_mode='token_truncate', clip_max 3.0",
-    ),
-    Method(
-        name="Sequence TIS C=2",
-        frameworks=("verl",),
-        level="sequence",
-        statistic="seq_ratio",
-        interval=(0.0, 2.0),
-        action="clip",
-        source=f"{VERL_RC} compute_rollout_correction_weights (rollout_is='sequence', threshold 2.0)",
-    ),
-    Method(
-        name="TRL sequence_mask (default)",
-        frameworks=("TRL",),
-        level="sequence",
-        statistic="seq_ratio",
-        interval=(0.0, TRL_IS_CAP),
-        action="mask",
-        source=f"{TRL_SRC}, vllm_importance_sampling_mode='sequence_mask' (default), clip_max 3.0, no lower bound",
-    ),
-    Method(
-        name="Token MIS/IcePop [0.5, 5]",
-        frameworks=("verl", "OpenRLHF"),
-        level="token",
-        statistic="ratio",
-        interval=(0.5, 5.0),
-        action="mask",
-        source=f"{VERL_RC} compute_rollout_rejection_mask (token level, IcePop bounds 0.5 and 5)",
-    ),
-    Method(
-        name="Token MIS [0.5, 2]",
-        frameworks=("SkyRL",),
-        level="token",
-        statistic="ratio",
-        interval=(0.5, 2.0),
-        action="mask",
-        source=f"{SKYRL_OPC} compute_token_mask (token_mask_is_threshold_low/high)",
-    ),
-    Method(
-        name="Sequence MIS [0.5, 2]",
-        frameworks=("verl",),
-        level="sequence",
-        statistic="seq_ratio",
-        interval=(0.5, 2.0),
-        action="mask",
-        source=f"{VERL_PRESETS}.decoupled_seq_is_rs (sequence IS 2.0 + sequence RS, lower bound 1/2)",
-    ),
-    Method(
-        name="Geo-mean RS [0.999, 1.001]",
-        frameworks=("verl",),
-        level="sequence",
-        statistic="geo_ratio",
-        interval=(0.999, 1.001),
-        action="drop",
-        weight="one",
-        source=f"{VERL_PRESETS}.decoupled_geo_rs (geometric RS 0.999-1.001)",
-    ),
-    Method(
-        name="Geo-mean RS [0.99, 1.01]",
-        frameworks=("SkyRL",),
-        level="sequence",
-        statistic="geo_ratio",
-        interval=(0.99, 1.01),
-        action="drop",
-        weight="one",
-        source=f"{SKYRL_OPC} compute_sequence_mask (sequence_mask_metric='geometric', geo_mask_low/high)",
-    ),
-    Method(
-        name="K3 RS 0.01",
-        frameworks=("verl",),
-        level="sequence",
-        statistic="seq_mean_k3",
-        interval=(-_INF, 0.01),
-        action="drop",
-        weight="one",
-        source=f"{VERL_PRESETS}.decoupled_k3_rs (seq_mean_k3 <= 0.01); {VERL_RC} compute_rollout_rejection_mask",
-    ),
-    Method(
-        name="Token veto 1e-4",
-        frameworks=("verl", "SkyRL"),
-        level="sequence",
-        statistic="min_ratio",
-        interval=(1e-4, _INF),
-        action="veto",
-        weight="one",
-        source="verl rollout_token_veto_threshold 1e-4 (a sequence with any token ratio below it is rejected); "
-        f"{SKYRL_OPC} compute_outlier_token_mask (outlier_token_is_threshold_low 1e-4)",
-    ),
-    Method(
-        name="PPO clip [0.8, 1.2]",
-        frameworks=("verl", "TRL", "OpenRLHF"),
-        level="token",
-        statistic="ratio",
-        interval=(0.8, 1.2),
-        action="drop",
-        sign="ppo",
-        dual_clip=3.0,
-        source=f"{VERL_CORE} compute_policy_loss_vanilla (clip_ratio 0.2, dual clip c=3)",
-    ),
-    Method(
-        name="DAPO clip [0.8, 1.28]",
-        frameworks=("verl", "TRL"),
-        level="token",
-        statistic="ratio",
-        interval=(0.8, 1.28),
-        action="drop",
-        sign="ppo",
-        dual_clip=3.0,
-        source=f"{VERL_CORE} compute_policy_loss_vanilla (clip_ratio_low 0.2, clip_ratio_high 0.28, dual clip c=3)",
-    ),
-    Method(
-        name="GSPO [1-3e-4, 1+4e-4]",
-        frameworks=("verl", "TRL"),
-        level="sequence",
-        statistic="geo_ratio",
-        interval=(1 - 3e-4, 1 + 4e-4),
-        action="drop",
-        sign="ppo",
-        source=f"{VERL_CORE} compute_policy_loss_gspo (sequence ratio exp(mean δ), clip 3e-4 / 4e-4)",
-    ),
-    Method(
-        name="CISPO cap 5",
-        frameworks=("TRL", "MiniMax-M1"),
-        level="token",
-        statistic="ratio",
-        interval=(0.0, 5.0),
-        action="clip",
-        source="trl/trainer/grpo_trainer.py GRPOTrainer._compute_loss, loss_type='cispo': "
-        "clamp(r, max=epsilon_high), epsilon_high 5.0 as ScaleRL recommends",
-    ),
-    Method(
-        name="TOPR",
-        frameworks=("TOPR",),
-        level="sequence",
-        statistic="seq_ratio",
-        interval=(0.0, 1.0),
-        action="clip",
-        sign="neg",
-        source="Tapered Off-Policy REINFORCE: positive advantages weight 1, negative ones min(Π r, 1)",
-    ),
-    Method(
-        name="DPPO binary-TV 0.2",
-        frameworks=("verl",),
-        level="token",
-        statistic="tv",
-        interval=(-0.2, 0.2),
-        action="drop",
-        sign="ppo",
-        weight="ratio",
-        source=f"{VERL_CORE} compute_policy_loss_dppo_tv (A > 0 keeps p − q <= 0.2, A < 0 keeps p − q >= -0.2; "
-        "the kept weight is r, no ratio clipping)",
-    ),
-)
+}
+
+
+def _entries(doc: dict[str, Any], table: str, where: str) -> list[Any]:
+    kind, readers = _TABLES[table]
+    raw = doc.get(table, [])
+    if not isinstance(raw, list):
+        raise UsageError(f"{where}: {table}={raw!r} is invalid: allowed [[{table}]] tables")
+    required = [f.name for f in dataclasses.fields(kind) if f.default is dataclasses.MISSING]
+    out = []
+    for i, entry in enumerate(raw, 1):
+        what = f"{where}, [[{table}]] {i}"
+        if not isinstance(entry, dict):
+            raise UsageError(f"{what}: {entry!r} is invalid: allowed a table")
+        what += f" ({entry['name']!r})" if isinstance(entry.get("name"), str) else ""
+        missing = [k for k in required if k not in entry]
+        if missing:
+            raise UsageError(f"{what}: {', '.join(missing)} missing: required {', '.join(required)}")
+        kwargs = {}
+        for key, value in entry.items():
+            if key not in readers:
+                raise UsageError(f"{what}: {key}={value!r} is not a field: allowed {', '.join(readers)}")
+            try:
+                kwargs[key] = readers[key](value)
+            except _Wrong as e:
+                raise UsageError(f"{what}: {key}={value!r} is invalid: allowed {e}") from None
+            except UsageError as e:  # a threshold's own check
+                raise UsageError(f"{what}: {key}: {e}") from None
+        try:
+            out.append(kind(**kwargs))
+        except UsageError as e:
+            raise UsageError(f"{what}: {e}") from None
+    return out
+
+
+def load_catalogue(path: str | Path | None = None) -> tuple[tuple[Metric, ...], tuple[Method, ...]]:
+    """The ``[[metric]]`` and ``[[method]]`` entries of a catalogue file (TOML), each checked.
+
+    Default: the packaged parity/data/rl_catalogue.toml, whose header documents the fields. A file of
+    one's own in the same form adds metrics or methods: pass them to :func:`summarize`.
+    """
+    if path is None:
+        where = f"parity/data/{CATALOGUE}"
+        text = (resources.files("parity") / "data" / CATALOGUE).read_text(encoding="utf-8")
+    else:
+        where = str(path)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise PathNotFound(f"catalogue file {where!r} does not exist: allowed a TOML file") from None
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"{where}: not valid TOML: {e}") from None
+    for key in doc:
+        if key not in _TABLES:
+            raise UsageError(f"{where}: {key}={doc[key]!r} is not a table of the catalogue: allowed [[metric]], [[method]]")
+    metrics, methods = tuple(_entries(doc, "metric", where)), tuple(_entries(doc, "method", where))
+    _check_unique(metrics, f"{where}: metric")
+    _check_unique(methods, f"{where}: method")
+    return metrics, methods
 
 
 def _check_unique(entries: Sequence[Any], kind: str) -> None:
@@ -954,8 +761,7 @@ def _check_unique(entries: Sequence[Any], kind: str) -> None:
         seen.add(e.name)
 
 
-_check_unique(METRICS, "metric")
-_check_unique(METHODS, "method")
+METRICS, METHODS = load_catalogue()
 
 
 # ------------------------------------------------------------------------------------------ summary

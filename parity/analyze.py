@@ -289,11 +289,10 @@ def require_tokens(summary: Summary, where: str) -> None:
 
 
 def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: Sequence[Path]) -> dict[str, Any]:
-    from parity.engines.trainer_under_test import diagnosis_text
     from parity.report.schema import SCHEMA_VERSION, environment
 
     trainer_name = _metadata_value(summary, "trainer_under_test") or _metadata_value(summary, "trainer_name")
-    scenarios = finalize(summary, th, trainer_name=trainer_name, diagnose=diagnosis_text)
+    scenarios = finalize(summary, th, trainer_name=trainer_name)
     models = _metadata_value(summary, "scenario_models") or {}
     for sc in scenarios:
         sc.pop("_acc")

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from parity.core.gates import Thresholds, evaluate, split_verdict
+from parity.core.gates import Thresholds
 from parity.core.matrix import Matrix, Scenario, default_matrix, load_matrix
 from parity.core.spec import SamplingSpec
-from parity.core.table import TokenTable, TrainerFaults, build_table, summarize
+from parity.core.table import TokenTable, TrainerFaults, build_table
 from parity.core.violation import Violation
 from parity.engines.session import EnginePool, Rollout, Trainer, make_prompts
 from parity.engines.settings import EngineSettings
@@ -172,10 +172,15 @@ def preflight(matrix: Matrix, cfg: RunConfig) -> None:
 def score_scenario(
     rollout: Rollout, trainer: Trainer, sc: Scenario, cfg: RunConfig, raw: VllmRollout | None = None
 ) -> ScenarioResult:
-    """Sample with vLLM, score with the trainer, compare, gate: one scenario.
+    """Sample with vLLM, score with the trainer, then judge the scenario's records: one scenario.
 
-    ``raw``: the raw-logits engine for the sampler-side log S (see :func:`wants_sampler_log_s`).
+    The verdict is the records analysis's (:func:`parity.records.judge.judge`) on the rows ``--records`` writes,
+    so a run and an analysis of its records agree by construction. ``raw``: the raw-logits engine for the
+    sampler-side log S (see :func:`wants_sampler_log_s`).
     """
+    from parity.records.convert import from_sequence_records
+    from parity.records.judge import judge, rl_view
+
     t0 = time.perf_counter()
     prompts = make_prompts(trainer.tokenizer(), sc.prompts)
     rollout.head = sc.capture_head if sc.capture_head is not None else cfg.capture_head
@@ -186,9 +191,13 @@ def score_scenario(
     logits = trainer.logits(records)
     dtypes = (cfg.dtype, cfg.trainer_dtype or cfg.dtype)
     table = build_table(records, logits, sc.spec, faults=cfg.faults, dtype=dtypes)
-    if cfg.trainer:
-        score_trainer_under_test(table, records, logits, sc, cfg.trainer, trainer)
-    summary = summarize(table)
+    views = score_trainer_under_test(table, records, logits, sc, cfg.trainer, trainer) if cfg.trainer else None
+    export = from_sequence_records(records, scenario=sc.name, table=table, logits=logits, faults=cfg.faults)
+    entry = judge(export, cfg.thresholds, dtypes=dtypes, vocab_size=rollout.vocab_size, trainer_name=table.user_name,
+                  views=views)
+    entry.pop("_acc")
+    summary = {k: v for k, v in entry.items() if k not in ("name", "spec", "verdict", "violations", "reference_violations")}
+    summary["rl_view"] = rl_view(table)
     # What the capture did (parity.core.capture.CaptureStats): the head it started with, what it widened,
     # the largest |S_q| met, positions unproven at the cap, resamples that came back different.
     assert rollout.last_capture is not None  # set by generate()
@@ -196,17 +205,12 @@ def score_scenario(
     summary["dtypes"] = {"sampler": dtypes[0], "trainer": dtypes[1]}
     if raw_pass is not None:
         summary["sampler_log_s"]["raw_logits_pass"] = raw_pass
-    violations = evaluate(sc.name, table, summary, cfg.thresholds)
+    violations, reference = list(entry["violations"]), list(entry["reference_violations"])
     if any("native_kept_ids" in r.extras for r in records):
         summary["native_capture"], native = native_capture_gate(records, sc.name, cfg.capture, cfg.thresholds)
         violations += native
-    violations, reference = split_verdict(violations, trainer_under_test=table.user is not None)
-    export = None
-    if cfg.records is not None:
-        from parity.records.convert import from_sequence_records
-
-        export = from_sequence_records(records, scenario=sc.name, table=table, logits=logits, faults=cfg.faults)
-    return ScenarioResult(sc, records, table, summary, violations, time.perf_counter() - t0, export, reference)
+    return ScenarioResult(sc, records, table, summary, violations, time.perf_counter() - t0,
+                          export if cfg.records is not None else None, reference)
 
 
 def native_capture_gate(
@@ -235,29 +239,19 @@ def score_trainer_under_test(
     sc: Scenario,
     name: str | TrainerFn,
     trainer: Trainer,
-) -> None:
-    """Run the trainer under test on the sampled batch and attach its values and diagnosis to the table."""
+) -> dict[frozenset[str], torch.Tensor]:
+    """Run the trainer under test on the sampled batch and attach its values to the table; return the
+    reference views its diagnosis compares them with (:func:`parity.engines.trainer_under_test.reference_views`)."""
     import torch
 
-    from parity.engines.trainer_under_test import (
-        call_trainer,
-        diagnose,
-        load_trainer,
-        make_batch,
-        reference_views,
-    )
+    from parity.engines.trainer_under_test import call_trainer, load_trainer, make_batch, reference_views
 
     label, fn = load_trainer(name)
     batch = make_batch(records, logits, sc.spec, getattr(trainer, "model", None), getattr(trainer, "model_path", ""))
     table.user = call_trainer(fn, label, batch)
     table.user_name = label
     ys = [torch.tensor(r.completion_ids, dtype=torch.long) for r in records]
-    views = reference_views(logits, ys, sc.spec, [r.kept_ids for r in records])
-    ok = ~table.incomplete
-    from parity.core.table import trainer_mean_limit
-
-    table.user_diagnosis = diagnose(table.user[ok], table.vllm[ok], {k: v[ok] for k, v in views.items()}, table.bound[ok],
-                                    trainer_mean_limit(table.select(ok)))
+    return reference_views(logits, ys, sc.spec, [r.kept_ids for r in records])
 
 
 def _progress(msg: str) -> None:
@@ -323,7 +317,6 @@ def _run(
                 "verdict": "fail" if res.violations else "pass",
                 "violations": [v.to_dict() for v in res.violations],
                 "reference_violations": [v.to_dict() for v in res.reference_violations],
-                "_table": res.table,
                 "_export": res.export,
                 "_vocab_size": rollout.vocab_size,
             }
@@ -389,7 +382,7 @@ def _run(
         write_run_records(cfg, matrix, results, report["environment"])
     write_report(report, cfg.out, plots=cfg.plots)
     for r in results:
-        for k in ("_table", "_export", "_vocab_size"):
+        for k in ("_drift_headroom", "_export", "_vocab_size"):
             r.pop(k, None)
     return report
 
@@ -399,7 +392,7 @@ def write_run_records(cfg: RunConfig, matrix: Matrix, results: list[dict[str, An
     from parity.records.format import RecordsWriter
 
     assert cfg.records is not None  # called with --records only
-    users = {r["_table"].user_name for r in results if r.get("_table") is not None and r["_table"].user_name}
+    users = {r["trainer_under_test"]["name"] for r in results if r.get("trainer_under_test")}
     vocabs = {r["_vocab_size"] for r in results if r.get("_vocab_size")}
     metadata = {
         "producer": "parity run",

@@ -36,12 +36,17 @@ derivation is in docs/error_model.md.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from parity.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported by the functions that compute on tensors (their callers have imported it already):
+# the records analysis reads the roundoff and the mean-bias limits here without loading torch.
 
 # Unit roundoff (half an ulp at 1) per dtype name.
 UNIT_ROUNDOFF: dict[str, float] = {
@@ -59,6 +64,9 @@ MEAN_BIAS_Z = 4.0
 # The measured kernel offset counts once per side: the sampler runs the same float32 kernel over a row
 # that differs from the trainer's only by drift.
 KERNEL_SIDES = 2.0
+# A captured kept set's mass (a float32 sum of up to V probabilities) counts as 1 within this: far above
+# rounding, far below one missing token of any mass the filters would keep.
+SUPPORT_MASS_TOL = 1e-4
 
 
 def _name(dtype: str | torch.dtype) -> str:
@@ -68,9 +76,14 @@ def _name(dtype: str | torch.dtype) -> str:
     return name
 
 
+def _is_torch_dtype(x: Any) -> bool:
+    torch_module = sys.modules.get("torch")  # a torch.dtype exists only once torch is imported
+    return torch_module is not None and isinstance(x, torch_module.dtype)
+
+
 def unit_roundoff(dtypes: str | torch.dtype | Iterable[str | torch.dtype]) -> float:
     """The unit roundoff of the looser of the given dtypes (both sides of a comparison)."""
-    items = [dtypes] if isinstance(dtypes, (str, torch.dtype)) else list(dtypes)
+    items = [dtypes] if isinstance(dtypes, str) or _is_torch_dtype(dtypes) else list(dtypes)
     if not items:
         raise UsageError("dtypes is empty: name at least one dtype")
     return max(UNIT_ROUNDOFF[_name(d)] for d in items)
@@ -90,6 +103,7 @@ def logprob_bound_terms(
     Non-finite ingredients (a token outside the support, an empty row) give an infinite bound only
     where the log-prob itself is non-finite; that comparison is the diff rule's, not the bound's.
     """
+    import torch
 
     def mag(x: torch.Tensor) -> torch.Tensor:
         x = x.double().abs()
@@ -114,6 +128,8 @@ def logprob_bound(
     ``sampled``: ``[N]`` token ids; ``support``: bool ``[N, V]`` (``None`` = the whole vocabulary);
     ``dtype``: the two sides' dtypes (the looser one counts).
     """
+    import torch
+
     z, finite, sup, lse, zy = _rows(scaled_logits, sampled, support)
     row_absmax = torch.where(finite, z.abs(), torch.zeros_like(z)).amax(dim=-1)
     bound = logprob_bound_terms(row_absmax, lse, zy - lse, sup.sum(dim=-1), unit_roundoff(dtype))
@@ -124,6 +140,8 @@ def _rows(
     scaled_logits: torch.Tensor, sampled: torch.Tensor, support: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """float64 ``z``, its finite mask, the support's finite mask, ``logsumexp`` over the support, ``z_y``."""
+    import torch
+
     if scaled_logits.dim() != 2:
         raise UsageError(f"scaled_logits has shape {tuple(scaled_logits.shape)}: allowed [N, V]")
     z = scaled_logits.double()
@@ -141,6 +159,8 @@ def kernel_offset(scaled_logits: torch.Tensor, support: torch.Tensor | None = No
     ``Sampler.compute_logprobs`` does after the filters), and so do trainers. The offset is the same
     for every token of a row, so one token (the row's largest logit) measures it.
     """
+    import torch
+
     z = scaled_logits.to(torch.float32)
     if support is not None:
         z = z.masked_fill(~support, -math.inf)
@@ -169,6 +189,8 @@ def systematic_bound(
       whose second-order part is one-signed and at most ``u^2 E_p[z'^2]`` (the mean of the first-order
       part is zero and its spread is what the statistical allowance measures).
     """
+    import torch
+
     z, finite, _, lse, zy = _rows(scaled_logits, sampled, support)
     lp = (zy - lse).abs()
     lp = torch.where(torch.isfinite(lp), lp, torch.zeros_like(lp))
@@ -186,6 +208,8 @@ def systematic_bound(
 
 def headroom(diff: torch.Tensor, bound: torch.Tensor) -> float:
     """``max |diff| / bound`` over the tokens (0 for none; NaN in ``diff`` counts as infinite)."""
+    import torch
+
     if diff.numel() == 0:
         return 0.0
     d = diff.double().abs().nan_to_num(math.inf)
@@ -260,6 +284,8 @@ def logprob_rounding_bound(
     ``E`` is the larger of the expectations under ``softmax(z / T)`` and, when ``kept`` (padded ids
     ``[N, K]``, ``-1`` = padding) is given, under the distribution renormalised over the kept set.
     """
+    import torch
+
     if logits.dim() != 2 or sampled.dim() != 1 or sampled.shape[0] != logits.shape[0]:
         raise UsageError(
             f"logits {tuple(logits.shape)} and sampled {tuple(sampled.shape)}: allowed [N, V] and [N]"

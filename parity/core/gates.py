@@ -1,7 +1,6 @@
-"""Thresholds per dtype and the verdict, as :class:`parity.core.violation.Violation` objects.
-
-Every violation names the gate, the scenario, the statistic and its limit and, where tokens are to
-blame, the prompt, position, token, both sides' values, the gap and the bound.
+"""Gate thresholds per dtype, the split of a verdict into deciding and reference violations, and
+ci/thresholds.toml. The gates themselves are computed once, on streamed records statistics:
+:func:`parity.records.analyze.evaluate_summary`.
 """
 
 from __future__ import annotations
@@ -10,16 +9,10 @@ import math
 import tomllib
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
-
-from parity.core.table import naive_gap_to_sampler_log_s
-from parity.core.violation import Position, Violation
+from parity.core.violation import Violation
 from parity.errors import PathNotFound, UsageError
-
-if TYPE_CHECKING:
-    from parity.core.table import TokenTable
 
 
 @dataclass(frozen=True)
@@ -124,123 +117,6 @@ def recompute_support_limit(frac: float, n: int) -> float:
         return frac
     p = 1.0 - frac
     return max(0.0, frac - 3.0 * math.sqrt(p * (1.0 - p) / n))
-
-
-def _worst(gap: torch.Tensor, n: int, scale: torch.Tensor | None = None) -> list[int]:
-    """The ``n`` rows with the largest ``|gap|`` (relative to ``scale`` when given); NaN first."""
-    key = gap.double().abs().nan_to_num(math.inf)
-    if scale is not None:
-        key = key / scale.double().clamp(min=torch.finfo(torch.float64).tiny)
-    order = torch.argsort(key, descending=True, stable=True)  # ties in table order: the same list wherever computed
-    return [int(i) for i in order[:n]]
-
-
-def _position(
-    table: TokenTable, i: int, values: dict[str, torch.Tensor], gap: torch.Tensor | None = None,
-    bound: torch.Tensor | None = None, note: str = "",
-) -> Position:
-    return Position(
-        prompt=int(table.prompt_index[i]),
-        position=int(table.position[i]),
-        token=int(table.token[i]),
-        values={k: float(v[i]) for k, v in values.items()},
-        gap=None if gap is None else float(gap[i]),
-        bound=None if bound is None else float(bound[i]),
-        note=note,
-    )
-
-
-def _over(value: float, limit: float) -> bool:
-    return not (value <= limit)  # NaN fails
-
-
-def evaluate(scenario: str, table: TokenTable, summary: dict[str, Any], th: Thresholds) -> list[Violation]:
-    """Return the violations of one scenario (empty list = pass)."""
-    out: list[Violation] = []
-    usable = table.select(~table.incomplete)
-    n = th.max_violations_listed
-    head = summary["headroom"]
-    limits = summary["mean_bias_limit"]
-
-    def drift_gate(gate: str, label: str, side: str, values: torch.Tensor, stat: float) -> None:
-        if _over(stat, th.max_headroom):
-            gap = values - usable.vllm
-            worst = tuple(
-                _position(usable, i, {"vllm": usable.vllm, side: values}, gap, usable.bound * th.max_headroom)
-                for i in _worst(gap, n, usable.bound)
-            )
-            out.append(Violation(gate, scenario, stat, th.max_headroom, f"{label} max |diff| / bound", worst=worst))
-
-    def mean_gate(gate: str, label: str, values: torch.Tensor, limit: float) -> None:
-        bias = float((values - usable.vllm).mean()) if usable.tokens else 0.0
-        allowed = th.mean_bias_headroom * limit
-        if _over(abs(bias), allowed):
-            out.append(Violation(gate, scenario, abs(bias), allowed, f"{label} |mean bias|",
-                                 detail=f"mean(trainer - vllm) = {bias:.3g} over {usable.tokens} tokens"))
-
-    drift_gate("replay_drift", "replay", "trainer_replay", usable.replay, head["replay"])
-    drift_gate("recompute_drift", "recompute", "trainer_recompute", usable.recompute, head["recompute"])
-    mean_gate("replay_mean_bias", "replay", usable.replay, limits["replay"])
-    mean_gate("recompute_mean_bias", "recompute", usable.recompute, limits["recompute"])
-    if usable.user is not None:
-        ut = summary["trainer_under_test"]
-        label = f"trainer {ut['name']!r} ({ut['diagnosis']})"
-        drift_gate("trainer_under_test_drift", label, "trainer_under_test", usable.user, head["trainer_under_test"])
-        mean_gate("trainer_under_test_mean_bias", label, usable.user, limits["trainer_under_test"])
-    naive_h = head.get("naive_vs_sampler_log_s")
-    if naive_h is not None and _over(naive_h, th.max_headroom):
-        rows, gap, bound = naive_gap_to_sampler_log_s(usable)
-        sub = usable.select(rows)
-        worst = tuple(
-            _position(sub, i, {"vllm": sub.vllm, "trainer_full": sub.full, "sampler_log_s_lo": sub.s_lo,
-                               "sampler_log_s_hi": sub.s_hi}, gap, bound * th.max_headroom)
-            for i in _worst(gap, n, bound)
-        )
-        out.append(Violation(
-            "naive_vs_sampler_log_s", scenario, naive_h, th.max_headroom,
-            "naive bias outside the sampler-side log S, max gap / bound",
-            detail=f"log S from the sampler's {usable.s_source.replace('_', ' ')}", worst=worst,
-        ))
-    frac = summary["replay"]["support_equal_frac"]
-    if _over(th.replay_support_equal_frac, frac):
-        bad = (~usable.replay_support_ok).nonzero().flatten()[:n].tolist()
-        out.append(Violation(
-            "replay_support", scenario, frac, th.replay_support_equal_frac, "replay support equality", "<",
-            worst=tuple(_position(usable, i, {}) for i in bad),
-            detail="captured S_q is not the sampler's whole support (mass != 1 or the sampled token missing)",
-        ))
-    frac = summary["recompute"]["support_equal_frac"]
-    limit = recompute_support_limit(th.recompute_support_equal_frac, usable.tokens)
-    if _over(limit, frac):
-        bad = (~usable.recompute_support_equal).nonzero().flatten()[:n].tolist()
-        out.append(Violation(
-            "recompute_support", scenario, frac, limit, "recompute support equality", "<",
-            worst=tuple(_position(usable, i, {}) for i in bad), detail="trainer-side filters keep a different set",
-        ))
-    inc = summary["incomplete_positions"]
-    if table.tokens and _over(inc / table.tokens, th.max_incomplete_frac):
-        where = tuple(_position(table, i, {}) for i in table.incomplete.nonzero().flatten()[:n].tolist())
-        out.append(Violation(
-            "incomplete_capture", scenario, inc / table.tokens, th.max_incomplete_frac, "incomplete capture fraction",
-            worst=where, detail=f"{inc} of {table.tokens} positions: the head is full and the support may extend "
-            "past it; raise --max-capture-head (or the scenario's max_capture_head)",
-        ))
-    outside = summary["sampled_outside_support"]
-    if _over(outside, th.max_sampled_outside):
-        where = tuple(_position(table, i, {}) for i in table.sampled_outside.nonzero().flatten()[:n].tolist())
-        out.append(Violation(
-            "sampled_outside", scenario, outside, th.max_sampled_outside, "sampled tokens outside the captured S_q",
-            worst=where, detail="the engine reports a sampled token that its own kept set does not hold",
-        ))
-    mismatch = summary["token_mismatch"]
-    if _over(mismatch, th.max_token_mismatch):
-        bad = (table.token != table.sampled).nonzero().flatten()[:n].tolist()
-        where = tuple(_position(table, i, {}, note=f"sampled {int(table.sampled[i])}") for i in bad)
-        out.append(Violation(
-            "token_mismatch", scenario, mismatch, th.max_token_mismatch, "trainer scored other tokens than sampled",
-            worst=where, detail="the trainer's token ids are not the sampler's (an off-by-one or a re-tokenisation)",
-        ))
-    return out
 
 
 # -- the thresholds file -------------------------------------------------------------------------

@@ -17,17 +17,9 @@ import torch
 
 from parity.core import estimators
 from parity.core.capture import support_mass
-from parity.core.error_model import (
-    headroom,
-    log_s_signature,
-    logprob_bound,
-    mean_bias_entry,
-    mean_bias_limit,
-    systematic_bound,
-    unit_roundoff,
-)
-from parity.core.log_s import distance_outside, top_p_bracket, top_p_bracket_applies
-from parity.core.metrics import diff_stats, is_ratios, kl_tv_over_support, support_equal
+from parity.core.error_model import logprob_bound, systematic_bound, unit_roundoff
+from parity.core.log_s import top_p_bracket, top_p_bracket_applies
+from parity.core.metrics import kl_tv_over_support, support_equal
 from parity.core.spec import SamplingSpec
 from parity.errors import UsageError
 from parity.records.sequence import SequenceRecord
@@ -68,7 +60,6 @@ class TokenTable:
     s_source: str = "none"  # where s_lo/s_hi come from: unfiltered, raw_logits, top_p_bracket, none
     user: torch.Tensor | None = None  # float64 [T]: a trainer under test's log-probs (parity.engines.trainer_under_test)
     user_name: str | None = None
-    user_diagnosis: str | None = None
 
     @property
     def tokens(self) -> int:
@@ -159,7 +150,7 @@ def build_table(
     faults = faults or TrainerFaults()
     vocab = int(logits[0].shape[-1]) if logits else 0
     trainer_spec = SamplingSpec(1.0, spec.top_k, spec.top_p, spec.min_p) if faults.forget_temperature and not spec.greedy else spec
-    scalar = ("seq_lengths", "user", "user_name", "user_diagnosis", "roundoff", "s_source")
+    scalar = ("seq_lengths", "user", "user_name", "roundoff", "s_source")
     cols: dict[str, list[torch.Tensor]] = {f.name: [] for f in fields(TokenTable) if f.name not in scalar}
     sources: set[str] = set()
     nan = float("nan")
@@ -299,181 +290,3 @@ def _sampler_lp_of(r: SequenceRecord, kept: torch.Tensor) -> torch.Tensor:
     if kept is r.kept_ids:
         return lp
     return lp.masked_fill(kept < 0, float("-inf"))
-
-
-def summarize(table: TokenTable) -> dict[str, Any]:
-    """The per-scenario numbers of the report contract (schema_version 1), computed from the table."""
-    usable = ~table.incomplete  # incomplete positions are counted, never guessed
-    t = table.select(usable)
-    naive = diff_stats(t.full, t.vllm)
-    gap = diff_stats(t.full - t.vllm, t.log_s)
-    rep = diff_stats(t.replay, t.vllm)
-    rec = diff_stats(t.recompute, t.vllm)
-    captured = t.captured
-    kl = t.kl[captured]
-    tv = t.tv[captured]
-
-    def frac(mask: torch.Tensor) -> float:
-        return float(mask.double().mean()) if mask.numel() else 1.0
-
-    naive_ratio = is_ratios(t.full, t.vllm, t.seq_lengths, log_s=t.log_s)
-    replay_ratio = is_ratios(t.replay, t.vllm, t.seq_lengths)
-    recompute_ratio = is_ratios(t.recompute, t.vllm, t.seq_lengths)
-    return {
-        "tokens": table.tokens,
-        "compared_tokens": t.tokens,
-        "sequences": len(table.seq_lengths),
-        "log_s": {
-            "mean": float(t.log_s.mean()) if t.tokens else 0.0,
-            "min": float(t.log_s.min()) if t.tokens else 0.0,
-            "mean_s": float(t.log_s.exp().mean()) if t.tokens else 1.0,
-        },
-        "naive": {
-            "bias_mean": naive.mean_diff,
-            "max_abs_diff": naive.max_abs_diff,
-            "max_abs_gap_to_log_s": gap.max_abs_diff,
-            "mean_gap_to_log_s": gap.mean_diff,
-        },
-        "replay": {**rep.to_dict(), "support_equal_frac": frac(t.replay_support_ok)},
-        "recompute": {
-            **rec.to_dict(),
-            "support_equal_frac": frac(t.recompute_support_equal),
-            "forced_includes": int(t.forced.sum()),
-        },
-        "is_ratio": {
-            "naive": {
-                "token": {"mean": naive_ratio.token_mean, "min": naive_ratio.token_min, "max": naive_ratio.token_max},
-                "sequence": {"mean": naive_ratio.seq_mean, "min": naive_ratio.seq_min, "max": naive_ratio.seq_max},
-                "sequence_identity_max_rel_err": naive_ratio.seq_identity_max_rel_err,
-            },
-            "replay": {
-                "token": {"mean": replay_ratio.token_mean, "min": replay_ratio.token_min, "max": replay_ratio.token_max},
-                "sequence": {"mean": replay_ratio.seq_mean, "min": replay_ratio.seq_min, "max": replay_ratio.seq_max},
-            },
-            "recompute": {
-                "token": {"mean": recompute_ratio.token_mean, "min": recompute_ratio.token_min, "max": recompute_ratio.token_max},
-                "sequence": {"mean": recompute_ratio.seq_mean, "min": recompute_ratio.seq_min, "max": recompute_ratio.seq_max},
-            },
-        },
-        "kl_over_support": {"mean": float(kl.mean()) if kl.numel() else 0.0, "max": float(kl.max()) if kl.numel() else 0.0},
-        "tv_over_support": {"mean": float(tv.mean()) if tv.numel() else 0.0, "max": float(tv.max()) if tv.numel() else 0.0},
-        "incomplete_positions": int(table.incomplete.sum()),
-        "sampled_outside_support": int(table.sampled_outside.sum()),
-        "token_mismatch": int((table.token != table.sampled).sum()),
-        **error_model_summary(t),
-        **({"trainer_under_test": _user_summary(t)} if t.user is not None else {}),
-        "rl_view": _rl_view(t),
-        "captured_positions": int(table.captured.sum()),
-        "max_support_size": int(table.support_size[table.captured].max()) if bool(table.captured.any()) else None,
-        "mean_support_size": float(table.support_size[table.captured].double().mean()) if bool(table.captured.any()) else None,
-    }
-
-
-def _rl_view(t: TokenTable) -> dict[str, Any]:
-    """Each framework's mismatch metric and each IS correction, for the naive and the fixed trainers."""
-    from parity.core.rl import summarize_trainers
-
-    trainers = {"naive": t.full, "replay": t.replay, "recompute": t.recompute}
-    if t.user is not None:
-        trainers["trainer_under_test"] = t.user
-    return summarize_trainers(t.vllm, trainers, t.seq_lengths)
-
-
-def naive_gap_to_sampler_log_s(t: TokenTable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(rows, gap, bound)``: where a sampler-side log S exists, how far ``full - vllm`` lies outside it.
-
-    The naive estimator's bias measured against a log S the trainer did not compute; ``bound`` is the
-    full-vocabulary drift bound plus the sampler's own rounding over S_q.
-    """
-    rows = torch.isfinite(t.s_lo)
-    gap = distance_outside((t.full - t.vllm)[rows], t.s_lo[rows], t.s_hi[rows])
-    return rows, gap, (t.bound_full + t.bound)[rows]
-
-
-def error_model_summary(t: TokenTable) -> dict[str, Any]:
-    """Headroom ``max |diff| / bound`` per gated estimator, the mean-bias limits, the drift split.
-
-    ``t`` is the table without incomplete positions.
-    """
-    naive_rows, naive_gap, naive_bound = naive_gap_to_sampler_log_s(t)
-    captured = t.captured & torch.isfinite(t.logit_drift)
-    out: dict[str, Any] = {
-        "headroom": {
-            "replay": headroom(t.replay - t.vllm, t.bound),
-            "recompute": headroom(t.recompute - t.vllm, t.bound),
-            "naive_vs_sampler_log_s": headroom(naive_gap, naive_bound) if bool(naive_rows.any()) else None,
-        },
-        "mean_bias_limit": {
-            "replay": _mean_limit(t, t.replay - t.vllm),
-            "recompute": _mean_limit(t, t.recompute - t.vllm),
-        },
-        "mean_bias": {
-            "replay": mean_bias_entry(t.tokens, _mean(t.replay - t.vllm), _mean(t.systematic), _sd(t.replay - t.vllm)),
-            "recompute": mean_bias_entry(t.tokens, _mean(t.recompute - t.vllm), _mean(t.systematic), _sd(t.recompute - t.vllm)),
-        },
-        "bound": {
-            "max": float(t.bound.max()) if t.tokens else 0.0,
-            "mean": float(t.bound.mean()) if t.tokens else 0.0,
-            "roundoff": t.roundoff,
-        },
-        "sampler_log_s": {
-            "source": t.s_source,
-            "positions": int(naive_rows.sum()),
-            "lo_mean": float(t.s_lo[naive_rows].mean()) if bool(naive_rows.any()) else None,
-            "hi_mean": float(t.s_hi[naive_rows].mean()) if bool(naive_rows.any()) else None,
-            "naive_max_gap": float(naive_gap.max()) if naive_gap.numel() else None,
-        },
-        # Over S_q, lp_i - lp_j = z'_i - z'_j: the spread of (sampler - trainer) there is logit drift
-        # (kernels); the rest of a replay gap is normalisation (which tokens the support holds).
-        "drift_split": {
-            "logit_drift_max": float(t.logit_drift[captured].max()) if bool(captured.any()) else None,
-            "logit_drift_mean": float(t.logit_drift[captured].mean()) if bool(captured.any()) else None,
-            "replay_max_abs_diff": float((t.replay - t.vllm)[captured].abs().max()) if bool(captured.any()) else None,
-        },
-    }
-    if t.user is not None:
-        out["headroom"]["trainer_under_test"] = headroom(t.user - t.vllm, t.bound)
-        # The allowance for averaging comes from replay's spread, not the trainer's own: a noisy trainer
-        # gets no wider limit.
-        out["mean_bias_limit"]["trainer_under_test"] = trainer_mean_limit(t)
-        out["mean_bias"]["trainer_under_test"] = mean_bias_entry(
-            t.tokens, _mean(t.user - t.vllm), _mean(t.systematic), _sd(t.replay - t.vllm), signature=_signature(t)
-        )
-    return out
-
-
-def _mean(x: torch.Tensor) -> float:
-    return float(x.double().mean()) if x.numel() else 0.0
-
-
-def _sd(x: torch.Tensor) -> float:
-    return float(x.double().std()) if x.numel() > 1 else 0.0
-
-
-def _mean_limit(t: TokenTable, reference: torch.Tensor) -> float:
-    return mean_bias_limit(t.tokens, _mean(t.systematic), _sd(reference))
-
-
-def trainer_mean_limit(t: TokenTable) -> float:
-    """The mean-bias limit a trainer under test is held to on ``t``: its systematic bound plus the
-    allowance from replay's spread (the diagnosis holds each reference view to it too)."""
-    return _mean_limit(t, t.replay - t.vllm)
-
-
-def _signature(t: TokenTable) -> dict[str, Any] | None:
-    """How the trainer's difference tracks log S token by token: the slope of ``user - vllm`` on log S."""
-    assert t.user is not None
-    return log_s_signature(t.tokens, float((t.user - t.vllm).double().mul(t.log_s).sum()),
-                           float(t.log_s.double().pow(2).sum()), _sd(t.replay - t.vllm))
-
-
-def _user_summary(t: TokenTable) -> dict[str, Any]:
-    assert t.user is not None
-    d = diff_stats(t.user, t.vllm)
-    gap = diff_stats(t.user - t.vllm, t.log_s)
-    return {
-        "name": t.user_name,
-        **d.to_dict(),
-        "max_abs_gap_to_log_s": gap.max_abs_diff,
-        "diagnosis": t.user_diagnosis,
-    }

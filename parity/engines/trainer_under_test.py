@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import math
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ import torch
 from parity.core import estimators
 from parity.core.spec import SamplingSpec
 from parity.errors import UsageError
+from parity.records.analyze import BUGS
 from parity.records.batch import right_pad
 
 
@@ -130,32 +131,6 @@ def call_trainer(fn: TrainerFn, name: str, batch: TrainerBatch) -> torch.Tensor:
     return torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, bound: torch.Tensor, mean_limit: float) -> bool:
-    """``|a - b| <= bound`` at every position both define (NaN in ``b`` = not defined there), and the mean
-    of ``a - b`` there within ``mean_limit``: a low-precision per-token bound alone admits a log S shift."""
-    known = ~torch.isnan(b)
-    if not bool(known.any()):
-        return False
-    signed = a.double() - b.double()
-    same_inf = torch.isinf(a) & torch.isinf(b) & (torch.sign(a) == torch.sign(b))
-    signed = torch.where(same_inf, torch.zeros_like(signed), signed)
-    d = signed.abs()
-    mean = float(signed[known].nan_to_num(0.0, 0.0, 0.0).mean())
-    return bool((d[known] <= bound.double()[known]).all()) and abs(mean) <= mean_limit
-
-
-# The bug classes a trainer's log-probs are checked for, and how each is described. A view is the
-# trainer-side log-prob with a set of these bugs applied; the diagnosis names the smallest set whose
-# view the trainer matches, so two bugs at once are named together.
-BUGS: dict[str, str] = {
-    "full_vocabulary": "it scores the full-vocabulary distribution while the sampler truncates (bias log S per "
-    "token; use replay over the captured kept set or recompute the filters)",
-    "forgets_temperature": "it forgets to divide the logits by the sampling temperature",
-    "off_by_one": "it reads each token's log-prob one position late (logits and labels not shifted against "
-    "each other)",
-}
-
-
 def reference_views(
     logits: list[torch.Tensor], ys: list[torch.Tensor], spec: SamplingSpec, kept: Sequence[torch.Tensor | None]
 ) -> dict[frozenset[str], torch.Tensor]:
@@ -186,35 +161,3 @@ def reference_views(
     return views
 
 
-def diagnose(
-    user: torch.Tensor,
-    sampler: torch.Tensor,
-    views: dict[frozenset[str], torch.Tensor],
-    bound: torch.Tensor,
-    mean_limit: float = math.inf,
-) -> str:
-    """Name the problem class of a trainer's log-probs against the sampler's.
-
-    ``views``: :func:`reference_views`; ``bound``: the per-token rounding bound
-    (:func:`parity.core.error_model.logprob_bound`); ``mean_limit``: the mean-bias limit
-    (:func:`parity.core.error_model.mean_bias_limit`) a view's mean difference must stay within. Sets of
-    fewer bugs are tried first.
-    """
-    close = {frozenset(): _close(user, sampler, bound, mean_limit),
-             **{b: _close(user, v, bound, mean_limit) for b, v in views.items() if b}}
-    d = (user - sampler).abs()
-    return diagnosis_text(close, float(d.max()) if d.numel() else math.nan,
-                          float((user - sampler).mean()) if d.numel() else math.nan)
-
-
-def diagnosis_text(close: Mapping[frozenset[str], bool], max_abs_diff: float, mean_diff: float) -> str:
-    """The diagnosis from which views the trainer matches within the bound (``close``; the empty set is
-    the sampler's values). Sets of fewer bugs are tried first. Records analysis calls this with counts
-    it streamed (:mod:`parity.records.analyze`)."""
-    if close.get(frozenset()):
-        return "matches the sampler's processed log-probs"
-    for bugs in sorted((b for b, ok in close.items() if b and ok), key=lambda b: (len(b), sorted(b))):
-        ordered = [b for b in BUGS if b in bugs]
-        lead = "two bugs at once: " if len(ordered) == 2 else "three bugs at once: " if len(ordered) == 3 else ""
-        return lead + "; ".join(BUGS[b] for b in ordered)
-    return f"unexplained drift: max |diff| {max_abs_diff:.3g}, mean {mean_diff:.3g}"

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from parity.core.error_model import UNIT_ROUNDOFF, logprob_rounding_bound
-from parity.core.gates import Thresholds, evaluate
+from parity.core.gates import Thresholds
 from parity.core.spec import SamplingSpec
-from parity.core.table import build_table, summarize
+from parity.core.table import build_table
 from parity.errors import UsageError
 from parity.records.sequence import SequenceRecord
 
@@ -73,8 +73,10 @@ def to_records(sequences: Sequence[dict[str, Any]]) -> tuple[list[SequenceRecord
 
 
 def score_step(sequences: Sequence[dict[str, Any]], *, name: str, thresholds: Thresholds | None = None) -> dict[str, Any]:
-    """One report scenario for one generation batch."""
-    from parity.engines.trainer_under_test import diagnose, reference_views
+    """One report scenario for one generation batch: its records judged by :func:`parity.records.judge.judge`."""
+    from parity.engines.trainer_under_test import reference_views
+    from parity.records.convert import from_sequence_records
+    from parity.records.judge import judge, rl_view
 
     if not sequences:
         raise UsageError(f"scenario {name!r}: no captured sequences")
@@ -83,34 +85,33 @@ def score_step(sequences: Sequence[dict[str, Any]], *, name: str, thresholds: Th
         raise UsageError(f"scenario {name!r}: sequences were sampled with {len(specs)} different specs; allowed one")
     spec = SamplingSpec.from_dict(sequences[0]["spec"])
     dtype = str(sequences[0]["sampler_dtype"])
+    gate_dtype = dtype if dtype in UNIT_ROUNDOFF else "bfloat16"
     th = thresholds or Thresholds.for_dtype(dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16")
     records, logits, used, dropped = to_records(sequences)
-    table = build_table(records, logits, spec, dtype=(dtype if dtype in UNIT_ROUNDOFF else "bfloat16", "float32"))
+    table = build_table(records, logits, spec, dtype=(gate_dtype, "float32"))
     table.user = torch.cat(used) if used else torch.zeros(0, dtype=torch.float64)
     table.user_name = TRAINER_UNDER_TEST
     ys = [torch.tensor(r.completion_ids, dtype=torch.long) for r in records]
     views = reference_views(logits, ys, spec, [r.kept_ids for r in records])
-    ok = ~table.incomplete
-    # The diagnosis must tell log S from noise: the per-token rounding bound of the sampler's dtype,
-    # not the gate limit (bfloat16's 0.25 is larger than log S at top_p=0.8).
-    bound = torch.cat([logprob_rounding_bound(z, y, spec, dtype if dtype in UNIT_ROUNDOFF else "bfloat16", kept=r.kept_ids)
+    export = from_sequence_records(records, scenario=name, table=table, logits=logits)
+    vocab = int(logits[0].shape[-1]) if logits else None
+    entry = judge(export, th, dtypes=(gate_dtype, "float32"), vocab_size=vocab, trainer_name=TRAINER_UNDER_TEST,
+                  views=views, source=f"TRL step {name!r}")
+    entry.pop("_acc")
+    # The sampler dtype's own per-token rounding bound, as a fact beside the gates' (which also carry the trainer's).
+    bound = torch.cat([logprob_rounding_bound(z, y, spec, gate_dtype, kept=r.kept_ids)
                        for z, y, r in zip(logits, ys, records, strict=True)]) if ys else torch.zeros(0, dtype=torch.float64)
-    tol = float(bound.max()) if bound.numel() else 0.0
-    table.user_diagnosis = diagnose(table.user[ok], table.vllm[ok], {k: v[ok] for k, v in views.items()}, bound[ok])
-    summary = summarize(table)
-    violations = evaluate(name, table, summary, th)
     return {
-        "name": name,
+        **entry,
         "model": "TRL GRPOTrainer",
-        "spec": spec.to_dict(),
-        **summary,
+        "rl_view": rl_view(table),
         "masked_tokens": dropped,
-        "rounding_bound": {"dtype": dtype, "mean": float(bound.mean()) if bound.numel() else 0.0, "max": tol},
+        "rounding_bound": {"dtype": dtype, "mean": float(bound.mean()) if bound.numel() else 0.0,
+                           "max": float(bound.max()) if bound.numel() else 0.0},
         "trl": {"is_mode": sequences[0]["is_mode"], "fix": sequences[0]["fix"], "sampler_dtype": dtype,
                 "step": int(sequences[0]["step"])},
-        "verdict": "fail" if violations else "pass",
-        "violations": [v.to_dict() for v in violations],
-        "_table": table,
+        "violations": [v.to_dict() for v in entry["violations"]],
+        "reference_violations": [v.to_dict() for v in entry["reference_violations"]],
         "_thresholds": th,
     }
 
@@ -150,5 +151,5 @@ def write_capture_report(sequences: Sequence[dict[str, Any]], out: str | Path, *
     report = score_capture(sequences, label=label)
     write_report(report, Path(out), plots=plots)
     for sc in report["scenarios"]:
-        sc.pop("_table", None)
+        sc.pop("_drift_headroom", None)
     return report

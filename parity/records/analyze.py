@@ -1,8 +1,7 @@
 """The records analysis: one validated batch of records in, its mergeable :class:`~parity.records.summary.Summary`
-out (the map step), and from a merged summary the report entries and verdicts of ``parity run``.
-
-The gates are those of :func:`parity.core.gates.evaluate`, evaluated on streamed statistics and
-reported as the same :class:`~parity.core.violation.Violation` objects with the same gate names:
+out (the map step), and from a merged summary the report entries and verdicts. This is where every gate
+is computed, for ``parity analyze``, ``parity run`` (:func:`parity.records.judge.judge` on the run's own
+records) and the TRL capture alike, as :class:`~parity.core.violation.Violation` objects:
 
 * drift (``replay_drift``, ``recompute_drift``, ``trainer_under_test_drift``): the largest
   ``|trainer - sampler| / bound`` per token against ``max_headroom``, the bound being the records'
@@ -23,8 +22,8 @@ reported as the same :class:`~parity.core.violation.Violation` objects with the 
 What the records hold decides what can be judged; each gate whose inputs are missing is listed with
 the input it lacks (``not_evaluated``). Numbers: counts, minima, maxima and headroom are exact; means
 are float64 sums (equal to ``parity run``'s to rounding); p99 comes from a histogram with 0.01-decade
-bins (within about 1.2 %). The per-scenario RL view of ``parity run`` needs every token at once and
-is not part of an analysis.
+bins (within about 1.2 %). The per-scenario RL view needs every token at once: a second pass over a
+run's table (:func:`parity.records.judge.rl_view`), not part of the streamed analysis.
 """
 
 from __future__ import annotations
@@ -36,14 +35,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
-from parity.core import estimators
-from parity.core.error_model import UNIT_ROUNDOFF, log_s_signature, mean_bias_entry, unit_roundoff
+# No torch at import: records without --model are judged with numpy alone. torch is imported where a
+# rule's one home computes on tensors (the top_p bracket, replay from kept logits).
+from parity.core.error_model import (
+    SUPPORT_MASS_TOL,
+    UNIT_ROUNDOFF,
+    log_s_signature,
+    mean_bias_entry,
+    unit_roundoff,
+)
 from parity.core.gates import Thresholds, recompute_support_limit, split_verdict
-from parity.core.log_s import top_p_bracket, top_p_bracket_applies
 from parity.core.spec import SAMPLING_EPS, SamplingSpec
-from parity.core.table import SUPPORT_MASS_TOL
 from parity.core.violation import Position, Violation
 from parity.records.format import RecordsBatch, validate_batch
 from parity.records.steps import (
@@ -180,6 +183,8 @@ def _row_float(batch: RecordsBatch, name: str) -> tuple[np.ndarray, np.ndarray] 
     rag = batch.trainer.get(name)
     if rag is None:
         return None
+    if bool(rag.valid.all()):  # every row has the column: its values are the token column
+        return rag.values.astype(np.float64), np.ones(batch.tokens, dtype=bool)
     have = np.repeat(rag.valid, batch.completion.lengths)
     vals = np.zeros(batch.tokens, dtype=np.float64)
     vals[have] = rag.values.astype(np.float64)
@@ -201,6 +206,8 @@ def token_columns(batch: RecordsBatch, *, vocab_size: int | None = None) -> Toke
     """Sampler-side flags and the trainer's values read (or derived) from the records themselves.
 
     ``vocab_size`` (records metadata, or the re-scoring model) lets the top_p bracket be derived.
+    Per kept entry, only what every batch needs is computed (the sampled token's membership, the
+    kept mass); the smallest kept log-prob only where the top_p bracket may apply.
     """
     T = batch.tokens
     row = batch.row_of_token()
@@ -222,26 +229,36 @@ def token_columns(batch: RecordsBatch, *, vocab_size: int | None = None) -> Toke
     replay_derived = np.full(T, np.nan)
     have_replay_derived = false.copy()
     logit_drift = np.full(T, np.nan)
-    min_kept_lp = np.full(T, np.nan)
+    kto = batch.kept_token_offsets
     if batch.kept is not None and T:
-        kto = batch.kept_token_offsets
         assert kto is not None and batch.kept_logprobs is not None  # set together with kept (RecordsBatch)
         seg = _segments(kto)
-        ids = batch.kept.values.astype(np.int64)
-        match = ids == y[seg]
-        contains = np.bincount(seg[match], minlength=T) > 0
-        klp = batch.kept_logprobs.astype(np.float64)
-        p = np.exp(klp)
-        mass = np.where(captured, np.bincount(seg, weights=p, minlength=T), 1.0)
+        match = batch.kept.values == batch.completion.values[seg]
         support_size = np.diff(kto)
         nonempty = np.flatnonzero(support_size > 0)
-        if nonempty.size:
-            finite_lp = np.where(np.isfinite(klp), klp, np.inf)
-            min_kept_lp[nonempty] = np.minimum.reduceat(finite_lp, kto[nonempty])
+        if nonempty.size:  # whether the sampled token is among the position's kept ids
+            contains[nonempty] = np.logical_or.reduceat(match, kto[nonempty])
+        # exp in float64 of the float32 log-probs (as exp(klp.astype(float64))), summed in entry order.
+        p = np.exp(batch.kept_logprobs, dtype=np.float64)
+        mass = np.where(captured, np.bincount(seg, weights=p, minlength=T), 1.0)
         if batch.trainer_kept_logits is not None:
+            klp = batch.kept_logprobs.astype(np.float64)
             kl, tv, replay_derived, with_logits, logit_drift = _from_kept_logits(batch, seg, match, p, klp, row)
             have_kl = with_logits
             have_replay_derived = with_logits
+
+    def min_kept_lp() -> np.ndarray:
+        """The smallest finite kept processed log-prob per position (inf: none finite; NaN: no kept ids)."""
+        out = np.full(T, np.nan)
+        if batch.kept is not None and T:
+            assert kto is not None and batch.kept_logprobs is not None
+            nonempty = np.flatnonzero(support_size > 0)
+            if nonempty.size:
+                klp32 = batch.kept_logprobs  # the minimum of float32 values is exact in either width
+                finite_lp = np.where(np.isfinite(klp32), klp32, np.float32(np.inf))
+                out[nonempty] = np.minimum.reduceat(finite_lp, kto[nonempty])
+        return out
+
     mass_ok = np.abs(mass - 1.0) <= SUPPORT_MASS_TOL
     sampled_outside = captured & ~contains & ~incomplete
     replay_support_ok = np.where(captured, ~incomplete & contains & mass_ok, True)
@@ -280,7 +297,8 @@ def token_columns(batch: RecordsBatch, *, vocab_size: int | None = None) -> Toke
     # Without trainer_systematic only the last float32 operations are known to point one way (2 u32 |lp|);
     # a float32 kernel's normalisation offset needs the trainer's logits (parity run --records writes it).
     sys_col = _row_float(batch, "trainer_systematic")
-    v_abs = np.abs(batch.sampler_logprobs.astype(np.float64))
+    vllm = batch.sampler_logprobs.astype(np.float64)
+    v_abs = np.abs(vllm)
     storage = 2.0 * UNIT_ROUNDOFF["float32"] * np.where(np.isfinite(v_abs), v_abs, 0.0)
     systematic_v = np.where(sys_col[1], sys_col[0], storage) if sys_col is not None else storage
     s_lo, s_hi, have["sampler_log_s"], s_source = _sampler_log_s(batch, row, filtered, captured, incomplete, min_kept_lp,
@@ -290,7 +308,7 @@ def token_columns(batch: RecordsBatch, *, vocab_size: int | None = None) -> Toke
     if tt is not None:
         has_tt = np.repeat(tt.valid, lengths)
         trainer_token[has_tt] = tt.values.astype(np.int64)
-    views: dict[frozenset[str], np.ndarray] = {frozenset(): batch.sampler_logprobs.astype(np.float64)}
+    views: dict[frozenset[str], np.ndarray] = {frozenset(): vllm}  # read only, like every column here
     if bool((captured & have_full).any()):
         views[frozenset({"full_vocabulary"})] = np.where(captured & have_full, full_v, np.nan)
     return TokenColumns(
@@ -298,7 +316,7 @@ def token_columns(batch: RecordsBatch, *, vocab_size: int | None = None) -> Toke
         row=row,
         position=position,
         token=y,
-        vllm=batch.sampler_logprobs.astype(np.float64),
+        vllm=vllm,
         have=have,
         full=full_v,
         replay=replay_v,
@@ -329,43 +347,66 @@ def token_columns(batch: RecordsBatch, *, vocab_size: int | None = None) -> Toke
 
 def _sampler_log_s(
     batch: RecordsBatch, row: np.ndarray, filtered: np.ndarray, captured: np.ndarray, incomplete: np.ndarray,
-    min_kept_lp: np.ndarray, vocab_size: int | None,
+    min_kept_lp: Callable[[], np.ndarray], vocab_size: int | None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str | None]]:
     """``(lo, hi, have, source per row)``: the sampler-side log S, as :func:`parity.core.table.build_table` takes it.
 
     The records' interval where given; 0 where nothing is filtered; else the top_p bracket
-    (:func:`parity.core.log_s.top_p_bracket`) from the smallest kept processed log-prob, when top_p
-    is the only filter, the row's kept set is complete and the vocabulary size is known.
+    (:func:`parity.core.log_s.top_p_bracket`) from the smallest kept processed log-prob
+    (``min_kept_lp()``, computed only here), when top_p is the only filter, the row's kept set is
+    complete and the vocabulary size is known.
     """
     T = batch.tokens
+    n = batch.n_rows
     lengths = batch.completion.lengths
     lo, hi = np.full(T, np.nan), np.full(T, np.nan)
-    source: list[str | None] = [None] * batch.n_rows
-    given_src = batch.sampler_log_s_source or [None] * batch.n_rows
-    have_given = np.zeros(batch.n_rows, dtype=bool)
+    source = np.full(n, None, dtype=object)
+    have_given = np.zeros(n, dtype=bool)
     if "sampler_log_s_lo" in batch.trainer:
         rlo, rhi = batch.trainer["sampler_log_s_lo"], batch.trainer["sampler_log_s_hi"]
         tok = np.repeat(rlo.valid, lengths)
         lo[tok], hi[tok] = rlo.values.astype(np.float64), rhi.values.astype(np.float64)
         have_given = rlo.valid.copy()
-    cap_rows = batch.kept_rows()
-    inc_rows = np.bincount(row[incomplete], minlength=batch.n_rows) > 0 if T else np.zeros(batch.n_rows, dtype=bool)
-    starts = batch.token_offsets
-    for i in range(batch.n_rows):
-        a, b = int(starts[i]), int(starts[i + 1])
-        spec = batch.spec_of(i)
-        if have_given[i]:
+        given_src = batch.sampler_log_s_source or [None] * n
+        for i in np.flatnonzero(have_given):
             source[i] = given_src[i] or "recorded"
-        elif not spec.effective().filtered:
-            lo[a:b], hi[a:b] = 0.0, 0.0
-            source[i] = "unfiltered"
-        elif (vocab_size and cap_rows[i] and not inc_rows[i] and top_p_bracket_applies(spec, vocab_size)
-              and bool(np.isfinite(min_kept_lp[a:b]).all())):
-            r_lo, r_hi = top_p_bracket(torch.from_numpy(min_kept_lp[a:b].reshape(-1, 1)), spec.top_p, vocab_size)
-            lo[a:b], hi[a:b] = r_lo.numpy(), r_hi.numpy()
-            source[i] = "top_p_bracket"
-    have_rows = np.array([s is not None for s in source], dtype=bool)
-    return lo, hi, np.repeat(have_rows, lengths), source
+    spec_filtered = np.array([s.effective().filtered for s in batch.specs], dtype=bool)
+    unfiltered = ~have_given & ~spec_filtered[batch.spec_index]
+    tok = np.repeat(unfiltered, lengths)
+    lo[tok], hi[tok] = 0.0, 0.0
+    source[unfiltered] = "unfiltered"
+    bracket_specs = [j for j, s in enumerate(batch.specs)
+                     if vocab_size and spec_filtered[j] and _top_p_bracket_applies(s, vocab_size)]
+    if bracket_specs:
+        inc_rows = np.bincount(row[incomplete], minlength=n) > 0 if T else np.zeros(n, dtype=bool)
+        rows = np.flatnonzero(~have_given & np.isin(batch.spec_index, bracket_specs) & batch.kept_rows() & ~inc_rows)
+        if rows.size:
+            import torch
+
+            from parity.core.log_s import top_p_bracket
+
+            assert vocab_size
+            mk = min_kept_lp()
+            starts = batch.token_offsets
+            for i in rows:
+                a, b = int(starts[i]), int(starts[i + 1])
+                if not bool(np.isfinite(mk[a:b]).all()):
+                    continue
+                # One call per row, as parity.core.table calls it per sequence: the same tensors, the same bits.
+                r_lo, r_hi = top_p_bracket(torch.from_numpy(mk[a:b].reshape(-1, 1)), batch.spec_of(int(i)).top_p, vocab_size)
+                lo[a:b], hi[a:b] = r_lo.numpy(), r_hi.numpy()
+                source[i] = "top_p_bracket"
+    out: list[str | None] = source.tolist()
+    have_rows = np.array([x is not None for x in out], dtype=bool)
+    return lo, hi, np.repeat(have_rows, lengths), out
+
+
+def _top_p_bracket_applies(spec: SamplingSpec, vocab: int) -> bool:
+    if spec.top_p >= 1.0:  # a condition of the rule itself: no torch for specs it cannot apply to
+        return False
+    from parity.core.log_s import top_p_bracket_applies
+
+    return top_p_bracket_applies(spec, vocab)
 
 
 def _from_kept_logits(
@@ -378,6 +419,10 @@ def _from_kept_logits(
     KL(sampler || trainer) and TV are summed over S_q; replay is ``estimators.replay`` itself, on the
     gathered logits. A sampled token outside S_q has no logit here: its replay is -inf.
     """
+    import torch
+
+    from parity.core import estimators
+
     T = batch.tokens
     tk = batch.trainer_kept_logits
     assert tk is not None and batch.kept_token_offsets is not None and batch.kept is not None
@@ -446,13 +491,28 @@ def _from_kept_logits(
 # ==================================================================================================
 
 
-def _group_keys(batch: RecordsBatch) -> list[tuple[str, tuple[float, int, float, float]]]:
-    keys = []
-    for i in range(batch.n_rows):
-        spec = batch.spec_of(i)
-        label = str(batch.scenario[i]) if batch.scenario[i] else spec.label()
-        keys.append((label, (spec.temperature, spec.top_k, spec.top_p, spec.min_p)))
-    return keys
+def _row_groups(batch: RecordsBatch) -> list[tuple[str, tuple[str, tuple[float, int, float, float]], np.ndarray]]:
+    """The batch's scenarios: ``(name, (label, spec values), rows)``, rows ascending, in the order of each
+    scenario's first row. A row's label is its ``scenario``, else its spec's label."""
+    n, n_specs = batch.n_rows, max(len(batch.specs), 1)
+    names: dict[str, int] = {}
+    code = np.zeros(n, dtype=np.int64)  # 0: no scenario name
+    if any(batch.scenario):
+        for i, name in enumerate(batch.scenario):
+            if name:
+                code[i] = names.setdefault(str(name), len(names) + 1)
+    label_of = [None, *names]
+    pair = code * n_specs + batch.spec_index
+    uniq, first, inverse = np.unique(pair, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    groups: dict[str, tuple[tuple[str, tuple[float, int, float, float]], list[np.ndarray]]] = {}
+    for u in np.argsort(first, kind="stable"):
+        c, j = divmod(int(uniq[u]), n_specs)
+        spec = batch.specs[j]
+        key = (label_of[c] if c else spec.label(), (spec.temperature, spec.top_k, spec.top_p, spec.min_p))
+        groups.setdefault(_key_name(key), (key, []))[1].append(np.flatnonzero(inverse == u))
+    return [(g, key, parts[0] if len(parts) == 1 else np.sort(np.concatenate(parts)))
+            for g, (key, parts) in groups.items()]
 
 
 def _key_name(key: tuple[str, tuple[float, int, float, float]]) -> str:
@@ -491,20 +551,15 @@ def summarize_batch(
         return out
     cols = columns(rb) if columns is not None else token_columns(rb, vocab_size=vocab_size)
     u = unit_roundoff(dtypes)
-    keys = _group_keys(rb)
-    row_group: dict[str, list[int]] = {}
-    for i, k in enumerate(keys):
-        row_group.setdefault(_key_name(k), []).append(i)
-    for gname, rows in row_group.items():
-        label, spec = keys[rows[0]]
+    for gname, (label, spec), rows in _row_groups(rb):
         acc = ScenarioAcc(
             name=label,
             spec=SamplingSpec(spec[0], int(spec[1]), spec[2], spec[3]).to_dict(),
-            first_order=(file_index, rb.first_row + rows[0], 0),
+            first_order=(file_index, rb.first_row + int(rows[0]), 0),
             n_listed=opts.n_listed,
             roundoff=u,
         )
-        _accumulate(acc, rb, cols, np.asarray(rows, dtype=np.int64), file_index)
+        _accumulate(acc, rb, cols, rows.astype(np.int64, copy=False), file_index)
         out.groups[gname] = acc
     return out
 
@@ -516,14 +571,19 @@ def _same_inf_zero(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _accumulate(acc: ScenarioAcc, rb: RecordsBatch, c: TokenColumns, rows: np.ndarray, file_index: int) -> None:
-    in_rows = np.zeros(rb.n_rows, dtype=bool)
-    in_rows[rows] = True
-    g = in_rows[c.row] if c.row.size else np.zeros(0, dtype=bool)
+    if rows.size == rb.n_rows:  # the batch is one scenario
+        g = np.ones(c.row.size, dtype=bool)
+    else:
+        in_rows = np.zeros(rb.n_rows, dtype=bool)
+        in_rows[rows] = True
+        g = in_rows[c.row] if c.row.size else np.zeros(0, dtype=bool)
     acc.sequences += int(rows.size)
     acc.tokens += int(g.sum())
-    # Sequences lacking each input (a row lacks it when any of its tokens does).
+    # Sequences lacking each input (a row lacks it when any of its tokens does): tokens are in row order,
+    # so the rows are the runs of equal row numbers.
     for k in INPUTS:
-        acc.lacking[k] += int(np.unique(c.row[g & ~c.have[k]]).size)
+        lack = c.row[g & ~c.have[k]]
+        acc.lacking[k] += int(np.count_nonzero(lack[1:] != lack[:-1])) + 1 if lack.size else 0
     usable = g & ~c.incomplete  # incomplete positions are counted, never compared
     acc.compared += int(usable.sum())
     row_in_file = rb.first_row + c.row
@@ -565,7 +625,7 @@ def _accumulate(acc: ScenarioAcc, rb: RecordsBatch, c: TokenColumns, rows: np.nd
         diffs[name] = (idx, _finite_pair(a[idx], b[idx]))
         acc.streams[name].add(diffs[name][1])
 
-    # The gated comparisons against the per-token bound (parity.core.gates.evaluate).
+    # The gated comparisons against the per-token bound (evaluate_summary).
     bsel = usable & h["bound"]
     for name, est, side in (("replay", c.replay, "trainer_replay"), ("recompute", c.recompute, "trainer_recompute"),
                             ("user", c.user, "trainer_under_test")):
@@ -743,29 +803,42 @@ def _accumulate_steps(
 # the report entries and the verdicts
 # ==================================================================================================
 
-# diagnose(close, max_abs_diff, mean_diff) -> text: ``close`` maps each reference view (a bug set, the
-# empty set = the sampler's values) to whether the trainer under test matches it within the bound.
-Diagnose = Callable[[Mapping[frozenset[str], bool], float, float], str]
+
+# The bug classes a trainer's log-probs are checked for, and how each is described. A view is the
+# trainer-side log-prob with a set of these bugs applied
+# (:func:`parity.engines.trainer_under_test.reference_views`); the diagnosis names the smallest set whose
+# view the trainer matches, so two bugs at once are named together.
+BUGS: dict[str, str] = {
+    "full_vocabulary": "it scores the full-vocabulary distribution while the sampler truncates (bias log S per "
+    "token; use replay over the captured kept set or recompute the filters)",
+    "forgets_temperature": "it forgets to divide the logits by the sampling temperature",
+    "off_by_one": "it reads each token's log-prob one position late (logits and labels not shifted against "
+    "each other)",
+}
 
 
-def _plain_diagnosis(close: Mapping[frozenset[str], bool], max_abs: float, mean: float) -> str:
+def diagnosis_text(close: Mapping[frozenset[str], bool], max_abs_diff: float, mean_diff: float) -> str:
+    """The diagnosis from which views the trainer matches (``close``: within the per-token bound everywhere
+    the view is known and its mean within the mean-bias limit; the empty set is the sampler's values).
+    Sets of fewer bugs are tried first."""
     if close.get(frozenset()):
         return "matches the sampler's processed log-probs"
-    hit = sorted((b for b, ok in close.items() if b and ok), key=lambda b: (len(b), sorted(b)))
-    if hit:
-        return "matches the reference view with " + " and ".join(sorted(hit[0]))
-    return f"unexplained drift: max |diff| {max_abs:.3g}, mean {mean:.3g}"
+    for bugs in sorted((b for b, ok in close.items() if b and ok), key=lambda b: (len(b), sorted(b))):
+        ordered = [b for b in BUGS if b in bugs]
+        lead = "two bugs at once: " if len(ordered) == 2 else "three bugs at once: " if len(ordered) == 3 else ""
+        return lead + "; ".join(BUGS[b] for b in ordered)
+    return f"unexplained drift: max |diff| {max_abs_diff:.3g}, mean {mean_diff:.3g}"
 
 
-def _diagnosis(a: ScenarioAcc, diagnose: Diagnose, mean_limit: float) -> str:
+def _diagnosis(a: ScenarioAcc, mean_limit: float) -> str:
     u = a.streams["user"]
     if not a.views:
         return "not diagnosed: " + REASONS["bound"]
     close = {frozenset(k.split("+")) if k else frozenset(): v.close(mean_limit) for k, v in a.views.items()}
-    return diagnose(close, u.max_abs if u.n else math.nan, u.total / u.n if u.n else math.nan)
+    return diagnosis_text(close, u.max_abs if u.n else math.nan, u.total / u.n if u.n else math.nan)
 
 
-def _scenario_report(a: ScenarioAcc, name: str, diagnose: Diagnose) -> dict[str, Any]:
+def _scenario_report(a: ScenarioAcc, name: str) -> dict[str, Any]:
     s = a.streams
     lack = {k: v for k, v in a.lacking.items() if v}
     avail = {k: a.lacking[k] < a.sequences or a.sequences == 0 for k in INPUTS}  # some sequence has it
@@ -876,7 +949,7 @@ def _scenario_report(a: ScenarioAcc, name: str, diagnose: Diagnose) -> dict[str,
             "name": None,  # filled by the caller from the file metadata
             **u,
             "max_abs_gap_to_log_s": s["user_gap"].max_abs if s["user_gap"].n else NA,
-            "diagnosis": _diagnosis(a, diagnose, limits["trainer_under_test"] if limits["trainer_under_test"] is not None
+            "diagnosis": _diagnosis(a, limits["trainer_under_test"] if limits["trainer_under_test"] is not None
                                     else math.inf),
         }
     out["captured_positions"] = a.captured
@@ -898,10 +971,10 @@ def _scenario_report(a: ScenarioAcc, name: str, diagnose: Diagnose) -> dict[str,
         )
     not_eval = []
     for gate in GATES:
+        if gate.startswith("trainer_under_test") and not avail["user"]:
+            continue  # no trainer under test in these records: its gates do not apply (nor pass)
         inputs = GATE_INPUTS[gate]
         have = (all(avail[k] for k in inputs) and a.s_n > 0) if gate in PARTIAL_OK else full_input(*inputs)
-        if gate.startswith("trainer_under_test") and not avail["user"]:
-            have = False
         if have:
             if gate in PARTIAL_OK and not full_input(*inputs):
                 missing = [k for k in inputs if a.lacking[k]]
@@ -991,7 +1064,7 @@ def _scaled(ps: tuple[Position, ...], factor: float) -> tuple[Position, ...]:
 
 
 def evaluate_summary(sc: dict[str, Any], a: ScenarioAcc, th: Thresholds) -> list[Violation]:
-    """The gates of :func:`parity.core.gates.evaluate` on a scenario's streamed statistics, and on a training
+    """Every gate, on a scenario's streamed statistics (thresholds: :class:`parity.core.gates.Thresholds`), and on a training
     log ``drift_trend`` (:func:`trend_violation`).
 
     ``sc``: the entry of :func:`_scenario_report` (its ``not_evaluated`` gates are left out).
@@ -1113,7 +1186,7 @@ def drift_headroom_hist(a: ScenarioAcc) -> dict[str, Any]:
 
 
 def finalize(
-    summary: Summary, th: Thresholds, *, trainer_name: str | None = None, diagnose: Diagnose | None = None
+    summary: Summary, th: Thresholds, *, trainer_name: str | None = None
 ) -> list[dict[str, Any]]:
     """Per-scenario report entries with verdicts (``violations``: :class:`Violation` objects)."""
     accs = sorted(summary.groups.values(), key=lambda a: a.first_order)
@@ -1121,12 +1194,13 @@ def finalize(
     out = []
     for a in accs:
         name = a.name if names.count(a.name) == 1 else f"{a.name} [{SamplingSpec(**a.spec).label()}]"
-        sc = _scenario_report(a, name, diagnose or _plain_diagnosis)
+        sc = _scenario_report(a, name)
         if "trainer_under_test" in sc:
             sc["trainer_under_test"]["name"] = trainer_name or "trainer"
         violations = evaluate_summary(sc, a, th)
         skipped = {g["gate"] for g in sc["not_evaluated"]}
-        evaluated = [g for g in GATES if g not in skipped]
+        evaluated = [g for g in GATES if g not in skipped
+                     and ("trainer_under_test" in sc or not g.startswith("trainer_under_test"))]
         if sc["trend"] is not None and sc["trend"]["evaluated"]:
             evaluated.append(TREND_GATE)
         # Support gates over no captured position hold by definition (S_q is the vocabulary), and the

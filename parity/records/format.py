@@ -277,16 +277,40 @@ def _valid(arr: pa.Array) -> np.ndarray:
     return _np(arr.is_valid()).astype(bool)
 
 
+# Arrow types whose value buffer has numpy's layout.
+_NUMPY_LAYOUT: dict[pa.DataType, np.dtype[Any]] = {
+    t: np.dtype(d)
+    for t, d in ((pa.int8(), np.int8), (pa.int16(), np.int16), (pa.int32(), np.int32), (pa.int64(), np.int64),
+                 (pa.uint8(), np.uint8), (pa.uint16(), np.uint16), (pa.uint32(), np.uint32), (pa.uint64(), np.uint64),
+                 (pa.float16(), np.float16), (pa.float32(), np.float32), (pa.float64(), np.float64))
+}
+
+
+def _raw(arr: pa.Array) -> np.ndarray | None:
+    """A read-only view of a fixed-width array's values, null slots included (whatever they hold); None for
+    other types. Arrow's own conversion (``to_numpy``) imports pandas on first use: 0.4 s of a command's start."""
+    dtype = _NUMPY_LAYOUT.get(arr.type)
+    if dtype is None:
+        return None
+    if len(arr) == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.frombuffer(arr.buffers()[1], dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
+
+
 def _np(arr: pa.Array) -> np.ndarray:
-    """Values as numpy (booleans through int8: pyarrow's boolean conversion goes through pandas)."""
+    """Values as numpy (booleans through int8)."""
     if pa.types.is_boolean(arr.type):
-        return np.asarray(arr.cast(pa.int8()).to_numpy(zero_copy_only=False)).astype(bool)
-    return np.asarray(arr.to_numpy(zero_copy_only=False))
+        return _np(arr.cast(pa.int8())).astype(bool)
+    raw = _raw(arr) if arr.null_count == 0 else None
+    return raw if raw is not None else np.asarray(arr.to_numpy(zero_copy_only=False))
 
 
 def _ragged(arr: pa.Array, name: str, source: str, first_row: int) -> Ragged:
     valid = _valid(arr)
-    lengths = np.asarray(pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False), dtype=np.int64)
+    # Lengths from the list offsets (a null row may span values in Arrow: it counts 0 here, and flatten skips them).
+    lengths = np.diff(_np(arr.offsets).astype(np.int64))
+    if arr.null_count:
+        lengths = np.where(valid, lengths, 0)
     offsets = np.zeros(len(arr) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     values = arr.flatten()  # skips the slices behind null rows
@@ -301,7 +325,10 @@ def _ragged(arr: pa.Array, name: str, source: str, first_row: int) -> Ragged:
 
 
 def _scalar(arr: pa.Array, fill: Any) -> np.ndarray:
-    return np.asarray(arr.fill_null(fill).to_numpy(zero_copy_only=False))
+    raw = _raw(arr)
+    if raw is None:
+        return np.asarray(arr.fill_null(fill).to_numpy(zero_copy_only=False))
+    return raw if arr.null_count == 0 else np.where(_valid(arr), raw, np.asarray(fill, dtype=raw.dtype))
 
 
 def _first(mask: np.ndarray) -> int:
@@ -391,6 +418,11 @@ def validate_batch(
 
     def _check_floats(rag: Ragged, name: str, allow_inf: bool) -> None:
         vals = rag.values
+        if not vals.size:
+            return
+        top = vals.max()  # NaN if any value is NaN: one pass where the values are good
+        if not np.isnan(top) and top != np.inf and (allow_inf or vals.min() != -np.inf):
+            return
         nan = np.isnan(vals)
         if nan.any():
             r, t = _token_position(rag.offsets, _first(nan))

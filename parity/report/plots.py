@@ -6,26 +6,12 @@ import math
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from parity.report import rl as rl_report
 from parity.report.summary import sampler_name
 
 # The histogram's range of |diff| / bound: below it (exact matches too) at the left edge, above it (NaN
 # and inf too) at the right edge, so every compared token is drawn.
 DRIFT_RANGE = (1e-4, 1e4)
-
-
-def drift_headroom(tables: list[Any], estimator: str) -> torch.Tensor:
-    """Per compared token, ``|estimator - vLLM| / bound`` (the quantity the drift gates compare with 1),
-    clamped to :data:`DRIFT_RANGE`; incomplete positions are left out, as the gates leave them out."""
-    floor, ceiling = DRIFT_RANGE
-    if not tables:
-        return torch.zeros(0, dtype=torch.float64)
-    d = torch.cat([(getattr(t, estimator) - t.vllm)[~t.incomplete] for t in tables]).double().abs()
-    b = torch.cat([t.bound[~t.incomplete] for t in tables]).double()
-    h = (d / b.clamp(min=torch.finfo(torch.float64).tiny)).nan_to_num(ceiling, posinf=ceiling)
-    return h.clamp(min=floor, max=ceiling)
 
 
 def _number(x: Any) -> float:
@@ -79,17 +65,12 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     written = []
     sc = report["scenarios"]
     who = sampler_name(report)
-    tables = [(s["name"], s.get("_table")) for s in sc if s.get("_table") is not None]
-    hists = [s["_drift_headroom"] for s in sc if s.get("_drift_headroom")]  # streamed (parity analyze)
-    if tables or hists:
+    hists = [s["_drift_headroom"] for s in sc if s.get("_drift_headroom")]  # the streamed histograms
+    if hists:
         limit = float((report.get("config") or {}).get("thresholds", {}).get("max_headroom") or 1.0)
         floor, ceiling = DRIFT_RANGE
         fig, ax = plt.subplots(figsize=(8, 4.5))
         for est in ("replay", "recompute"):
-            if tables:
-                h = drift_headroom([t for _, t in tables], est)
-                ax.hist(torch.log10(h).numpy(), bins=60, alpha=0.6, label=f"{est} − {who}")
-                continue
             counts = [x[est] for x in hists if est in x]
             if counts:
                 ax.stairs(sum(counts), hists[0]["edges"], fill=True, alpha=0.6, label=f"{est} − {who}")

@@ -12,11 +12,11 @@ import math
 
 import pytest
 import torch
+from judged import failed, judged
 
 from parity.core import estimators as E
-from parity.core.gates import Thresholds, evaluate
 from parity.core.spec import SamplingSpec as S
-from parity.core.table import TrainerFaults, build_table, summarize
+from parity.core.table import TrainerFaults, build_table
 from parity.records.sequence import SequenceRecord
 
 pytestmark = pytest.mark.sampler
@@ -47,8 +47,8 @@ def _records(sampler, z: torch.Tensor, spec: S) -> list[SequenceRecord]:
 
 def _gates(records, logits, spec, faults=None):
     table = build_table(records, logits, spec, faults=faults)
-    summary = summarize(table)
-    return summary, [v.gate for v in evaluate("wide", table, summary, Thresholds())]
+    summary = judged(records, logits, table, faults=faults, name="wide")
+    return summary, sorted(failed(summary))
 
 
 @pytest.mark.parametrize("spec", [S(1.0), S(0.7, top_k=50)], ids=["unfiltered T=1", "top_k=50 T=0.7"])

@@ -1,5 +1,6 @@
-"""``parity analyze`` on synthetic records (no engine): the same numbers and verdicts as the table path,
-what each kind of input supports, every gate's planted fault near its limit, merging, the CLI.
+"""``parity analyze`` on synthetic records (no engine): the streamed numbers against the table's tensors, a
+file's analysis equal to the in-memory judgement of ``parity run``, what each kind of input supports, every
+gate's planted fault near its limit, merging, the CLI.
 
 The sampler side is the reference filter pipeline on known logits (``test_compare_gates.sampler_records``);
 the records are what ``parity run --records`` writes for that table (``from_sequence_records``).
@@ -19,13 +20,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from judged import judged
 from test_compare_gates import sampler_records
 
 from parity.analyze import analyze, summarize_paths
-from parity.core.gates import REFERENCE_GATES, Thresholds, evaluate
+from parity.core.gates import REFERENCE_GATES, Thresholds
 from parity.core.metrics import _quantile, difference
 from parity.core.spec import SamplingSpec
-from parity.core.table import TrainerFaults, build_table, summarize
+from parity.core.table import TrainerFaults, build_table
 from parity.records.analyze import NA, Options, finalize
 from parity.records.convert import from_sequence_records, to_sequence_records
 from parity.records.format import records_table, validate_batch, write_records
@@ -48,10 +50,37 @@ def run_side(specs, *, faults=None, n_seq=3, length=6, head=None, seed=0, raw=Tr
         table = build_table(recs, logits, spec, faults=faults or TrainerFaults())
         if user:
             table.user, table.user_name = table.full.clone(), "trainer"
-            table.user_diagnosis = "set by the test"
-        summary = summarize(table)
-        out.append((f"s{j}", recs, logits, table, summary, evaluate(f"s{j}", table, summary, TOL)))
+        entry = judged(recs, logits, table, TOL, faults=faults, name=f"s{j}")
+        out.append((f"s{j}", recs, logits, table, entry, entry["violations"]))
     return out
+
+
+def oracle(table) -> dict[str, float]:
+    """The streamed statistics computed directly from the table's tensors (an independent reference)."""
+    t = table.select(~table.incomplete)
+    d = {"replay": t.replay - t.vllm, "recompute": t.recompute - t.vllm}
+    out: dict[str, float] = {"tokens": table.tokens, "compared_tokens": t.tokens,
+                             "incomplete_positions": int(table.incomplete.sum())}
+    for k, v in d.items():
+        v = v.double()
+        out[f"{k}.max_abs_diff"] = float(v.abs().max())
+        out[f"{k}.mean_diff"] = float(v.mean())
+        out[f"headroom.{k}"] = float((v.abs() / t.bound.double()).max())
+    out["recompute.support_equal_frac"] = float(t.recompute_support_equal.double().mean())
+    out["replay.support_equal_frac"] = float(t.replay_support_ok.double().mean())
+    out["log_s.mean"] = float(t.log_s.double().mean())
+    return out
+
+
+def check_oracle(table, entry) -> list[str]:
+    bad = []
+    for key, want in oracle(table).items():
+        got = entry
+        for part in key.split("."):
+            got = got[part]
+        if not (got == want or (math.isnan(got) and math.isnan(want)) or abs(got - want) <= 1e-12 * max(1.0, abs(want))):
+            bad.append(f"{key}: streamed {got!r}, tensors {want!r}")
+    return bad
 
 
 def export(side, path: Path, faults=None) -> Path:
@@ -96,9 +125,8 @@ def scenarios(path: Path, th: Thresholds = TOL, **kw):
     return analyze(path, thresholds=th, **kw)["scenarios"]
 
 
-# The run's summary keys an analysis does not reproduce: the RL view needs every token at once, the
-# capture plan and dtypes are set by the run around the table, the diagnosis text by the trainer call.
-RUN_ONLY = ("rl_view", "capture_plan", "dtypes", "diagnosis")
+# An in-memory judgement's keys a file's analysis does not give alike: the streamed state the plots read.
+RUN_ONLY = ("_acc", "_drift_headroom", "violations", "reference_violations")  # violations: same_violations
 
 
 # -- the same numbers and verdicts as the table path ------------------------------------------------
@@ -117,7 +145,8 @@ def test_records_of_a_table_give_its_numbers_and_verdicts(fault, tmp_path: Path)
     # Under forget-temperature the trainer scaled by T = 1; its kept logits are raw, so KL/TV and the
     # logit drift (computed from them at the sampling temperature) differ.
     skip = RUN_ONLY + (("kl_over_support", "tv_over_support", "drift_split") if fault and fault.forget_temperature else ())
-    for (name, _, _, _, summary, violations), sc in zip(side, got, strict=True):
+    for (name, _, _, table, summary, violations), sc in zip(side, got, strict=True):
+        assert check_oracle(table, summary) == [], name
         assert same(summary, sc, name, skip) == []
         assert same_violations(violations, sc["violations"]) == [], name
         assert sc["verdict"] == ("fail" if violations else "pass")
@@ -383,7 +412,8 @@ def test_cli_writes_the_report(tmp_path: Path) -> None:
     jsonschema.validate(data, report_schema())
     assert data["source"] == "records" and data["records"]["rows"] == 6
     md = (out / "report.md").read_text()
-    assert "## Violations" in md and "## Gates not evaluated" in md
+    # Every gate had its inputs (no trainer under test in these records: its gates do not apply).
+    assert "## Violations" in md and "## Gates not evaluated" not in md and data["complete"] is True
     for png in ("drift_hist.png", "log_s_bias.png"):
         assert (out / png).stat().st_size > 1000
     assert main(["analyze", str(path), "--out", str(out), "--gate", "max_headroom=1e9", "--gate",

@@ -12,13 +12,15 @@ import math
 
 import pytest
 import torch
+from judged import failed as failed_gates
+from judged import judged
 
 from parity.core.capture import support_from_heads
 from parity.core.filters import reference_filter
-from parity.core.gates import Thresholds, evaluate
+from parity.core.gates import Thresholds
 from parity.core.log_s import log_s_from_raw_logits
 from parity.core.spec import SamplingSpec
-from parity.core.table import SUPPORT_MASS_TOL, TrainerFaults, build_table, summarize
+from parity.core.table import SUPPORT_MASS_TOL, TrainerFaults, build_table
 from parity.records.sequence import SequenceRecord
 
 V = 64
@@ -75,8 +77,8 @@ def sampler_records(
 def gates(spec: SamplingSpec, faults: TrainerFaults | None = None, th: Thresholds | None = None, **kw):
     records, logits = sampler_records(spec, **kw)
     table = build_table(records, logits, spec, faults=faults)
-    summary = summarize(table)
-    return {v.gate for v in evaluate("planted", table, summary, th or Thresholds())}, table, summary
+    summary = judged(records, logits, table, th, faults=faults)
+    return failed_gates(summary), table, summary
 
 
 FILTERED = [
@@ -130,7 +132,7 @@ def test_a_violation_names_scenario_position_token_both_sides_the_gap_and_the_bo
     spec = SamplingSpec(0.7, top_k=10, top_p=0.9)
     records, logits = sampler_records(spec)
     table = build_table(records, logits, spec, faults=TrainerFaults(shift_bounds=4.0))
-    v = next(v for v in evaluate("planted", table, summarize(table), Thresholds()) if v.gate == "replay_drift")
+    v = next(v for v in judged(records, logits, table)["violations"] if v.gate == "replay_drift")
     assert v.scenario == "planted" and v.statistic > v.limit == 1.0
     worst = v.worst[0]
     assert worst.position == 3 and set(worst.values) == {"vllm", "trainer_replay"}
@@ -179,10 +181,15 @@ def test_replay_support_fault_by_the_mass_the_capture_lost() -> None:
 def test_an_engine_flagged_token_outside_its_kept_set_is_blamed_on_the_capture() -> None:
     spec = SamplingSpec(0.7, top_k=10)
     records, logits = sampler_records(spec)
-    records[1].extras["sampled_missing"] = records[1].extras["sampled_missing"].clone()
-    records[1].extras["sampled_missing"][2] = True
+    # The engine's kept set at position 2 lacks the token it sampled (and the capture flags it).
+    r = records[1]
+    at = r.kept_ids[2] == r.completion_ids[2]
+    r.kept_ids, r.kept_logprobs = r.kept_ids.clone(), r.kept_logprobs.clone()
+    r.kept_ids[2][at], r.kept_logprobs[2][at] = -1, -math.inf
+    r.extras["sampled_missing"] = r.extras["sampled_missing"].clone()
+    r.extras["sampled_missing"][2] = True
     table = build_table(records, logits, spec)
-    failed = {v.gate for v in evaluate("engine", table, summarize(table), Thresholds())}
+    failed = failed_gates(judged(records, logits, table, name="engine"))
     assert "sampled_outside" in failed and "token_mismatch" not in failed
 
 
@@ -196,13 +203,13 @@ def test_incomplete_capture_is_counted_and_gated() -> None:
     spec = SamplingSpec(temperature=1.0, top_p=0.99)  # wide support
     records, logits = sampler_records(spec, head=4)  # far too small a head
     table = build_table(records, logits, spec)
-    summary = summarize(table)
+    summary = judged(records, logits, table, name="head")
     assert summary["incomplete_positions"] > 0
-    assert "incomplete_capture" in {v.gate for v in evaluate("head", table, summary, Thresholds())}
+    assert "incomplete_capture" in failed_gates(summary)
     # Incomplete positions are excluded, not guessed: nothing else fails on them.
     assert summary["compared_tokens"] == summary["tokens"] - summary["incomplete_positions"]
     relaxed = Thresholds(max_incomplete_frac=1.0)
-    assert {v.gate for v in evaluate("head", table, summary, relaxed)} == set()
+    assert failed_gates(judged(records, logits, table, relaxed, name="head")) == set()
 
 
 def test_the_looser_dtype_sets_the_bound() -> None:
@@ -221,12 +228,15 @@ def test_drift_split_reads_logit_drift_from_the_captured_kept_set() -> None:
     """Over S_q, lp_i - lp_j = z'_i - z'_j: a logit moved on one side shows up as spread, normalisation does not."""
     spec = SamplingSpec(1.0, top_k=10)
     records, logits = sampler_records(spec)
-    clean = summarize(build_table(records, logits, spec))["drift_split"]
+    def split(faults: TrainerFaults | None = None):
+        return judged(records, logits, build_table(records, logits, spec, faults=faults), faults=faults)["drift_split"]
+
+    clean = split()
     assert clean["logit_drift_max"] < 1e-5
-    moved = summarize(build_table(records, logits, spec, faults=TrainerFaults(perturb_logits=0.01)))["drift_split"]
+    moved = split(TrainerFaults(perturb_logits=0.01))
     assert moved["logit_drift_max"] == pytest.approx(0.01, rel=1e-3)
     # A constant shift of every trainer log-prob is normalisation, not logit drift.
-    shifted = summarize(build_table(records, logits, spec, faults=TrainerFaults(bias_logprob=0.01)))["drift_split"]
+    shifted = split(TrainerFaults(bias_logprob=0.01))
     assert shifted["logit_drift_max"] < 1e-5
 
 

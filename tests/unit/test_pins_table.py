@@ -11,13 +11,12 @@ import math
 
 import pytest
 import torch
+from judged import judged
 
 from parity.core import estimators as E
 from parity.core.error_model import KERNEL_SIDES, kernel_offset, logprob_bound, unit_roundoff
 from parity.core.filters import reference_filter
 from parity.core.log_s import top_p_bracket
-from parity.core.metrics import diff_stats, is_ratios
-from parity.core.rl import summarize_trainers
 from parity.core.spec import SamplingSpec as S
 from parity.core.table import (
     SUPPORT_MASS_TOL,
@@ -26,10 +25,8 @@ from parity.core.table import (
     _logit_drift,
     _sampler_lp_of,
     build_table,
-    error_model_summary,
-    naive_gap_to_sampler_log_s,
-    summarize,
 )
+from parity.records.judge import rl_view
 from parity.records.sequence import SequenceRecord
 
 V = 6
@@ -85,7 +82,7 @@ def test_every_column_of_a_filtered_record() -> None:
     assert bool(t.s_lo.isnan().all()) and bool(t.s_hi.isnan().all())
     assert t.kl.abs().max() < 1e-6 and t.tv.abs().max() < 1e-6 and t.logit_drift.abs().max() < 1e-5
     assert t.vllm.dtype == t.full.dtype == t.replay.dtype == t.recompute.dtype == t.log_s.dtype == torch.float64
-    assert t.user is None and t.user_name is None and t.user_diagnosis is None
+    assert t.user is None and t.user_name is None
 
 
 def test_kl_tv_and_logit_drift_of_a_trainer_with_other_logits() -> None:
@@ -220,7 +217,7 @@ def test_swap_token_changes_the_scored_token_not_the_sampled_one() -> None:
     t = build_table([r], [z], SPEC, faults=TrainerFaults(swap_token=True))
     y = r.completion_ids
     assert t.token.tolist() == [y[0], y[1], (y[2] + 1) % V, y[3]] and t.sampled.tolist() == y
-    assert summarize(t)["token_mismatch"] == 1
+    assert judged([r], [z], t, faults=TrainerFaults(swap_token=True))["token_mismatch"] == 1
 
 
 def test_drop_kept_removes_one_non_sampled_token_at_the_middle() -> None:
@@ -326,125 +323,45 @@ def test_engine_flagged_outside_is_kept_off_incomplete_positions() -> None:
 # -- the summary ----------------------------------------------------------------------------------
 
 
-def test_summary_keys_and_wiring() -> None:
-    z, r, t = one(faults=TrainerFaults(bias_logprob=1e-3))
-    t.incomplete = torch.tensor([False, False, False, True])
-    s = summarize(t)
-    u = t.select(~t.incomplete)
-    assert list(s) == [
-        "tokens", "compared_tokens", "sequences", "log_s", "naive", "replay", "recompute", "is_ratio",
-        "kl_over_support", "tv_over_support", "incomplete_positions", "sampled_outside_support", "token_mismatch",
-        "headroom", "mean_bias_limit", "mean_bias", "bound", "sampler_log_s", "drift_split", "rl_view", "captured_positions",
-        "max_support_size", "mean_support_size",
-    ]
-    assert (s["tokens"], s["compared_tokens"], s["sequences"]) == (4, 3, 1)
-    assert s["log_s"] == {"mean": float(u.log_s.mean()), "min": float(u.log_s.min()), "mean_s": float(u.log_s.exp().mean())}
-    naive = diff_stats(u.full, u.vllm)
-    gap = diff_stats(u.full - u.vllm, u.log_s)
-    assert s["naive"] == {"bias_mean": naive.mean_diff, "max_abs_diff": naive.max_abs_diff,
-                          "max_abs_gap_to_log_s": gap.max_abs_diff, "mean_gap_to_log_s": gap.mean_diff}
-    assert s["replay"] == {**diff_stats(u.replay, u.vllm).to_dict(), "support_equal_frac": 1.0}
-    assert s["recompute"] == {**diff_stats(u.recompute, u.vllm).to_dict(), "support_equal_frac": 1.0, "forced_includes": 0}
-    for name, col in (("naive", u.full), ("replay", u.replay), ("recompute", u.recompute)):
-        ratio = is_ratios(col, u.vllm, u.seq_lengths, log_s=u.log_s if name == "naive" else None)
-        want = {"token": {"mean": ratio.token_mean, "min": ratio.token_min, "max": ratio.token_max},
-                "sequence": {"mean": ratio.seq_mean, "min": ratio.seq_min, "max": ratio.seq_max}}
-        if name == "naive":
-            want["sequence_identity_max_rel_err"] = ratio.seq_identity_max_rel_err
-        assert s["is_ratio"][name] == want
-    assert s["kl_over_support"] == {"mean": float(u.kl.mean()), "max": float(u.kl.max())}
-    assert s["tv_over_support"] == {"mean": float(u.tv.mean()), "max": float(u.tv.max())}
-    assert (s["incomplete_positions"], s["sampled_outside_support"], s["token_mismatch"]) == (1, 0, 0)
-    assert s["rl_view"] == summarize_trainers(u.vllm, {"naive": u.full, "replay": u.replay, "recompute": u.recompute},
-                                              u.seq_lengths)
-    assert (s["captured_positions"], s["max_support_size"], s["mean_support_size"]) == (4, 3, 3.0)
-    assert "trainer_under_test" not in s
+def test_the_error_model_numbers_of_a_judged_table_by_hand() -> None:
+    """The table's columns go to the records and come back as the report's headroom, limits and means."""
+    from parity.core.error_model import mean_bias_limit
 
-
-def test_summary_of_partial_support_and_forced_counts() -> None:
-    z, r, t = one()
-    t.replay_support_ok = torch.tensor([True, False, True, True])
-    t.recompute_support_equal = torch.tensor([False, False, True, True])
-    t.forced = torch.tensor([True, False, True, True])
-    t.sampled_outside = torch.tensor([False, True, True, False])
-    t.sampled = t.token.clone()
-    t.sampled[0] += 1
-    t.support_size = torch.tensor([3, 5, 2, 4])
-    t.captured = torch.tensor([True, True, False, True])
-    s = summarize(t)
-    assert s["replay"]["support_equal_frac"] == 0.75 and s["recompute"]["support_equal_frac"] == 0.5
-    assert s["recompute"]["forced_includes"] == 3
-    assert (s["sampled_outside_support"], s["token_mismatch"]) == (2, 1)
-    assert (s["captured_positions"], s["max_support_size"], s["mean_support_size"]) == (3, 5, 4.0)
-    t.captured = torch.zeros(4, dtype=torch.bool)
-    s = summarize(t)
-    assert (s["captured_positions"], s["max_support_size"], s["mean_support_size"]) == (0, None, None)
-    assert s["kl_over_support"] == {"mean": 0.0, "max": 0.0} and s["tv_over_support"] == {"mean": 0.0, "max": 0.0}
-
-
-def test_summary_of_a_table_with_nothing_compared() -> None:
-    z, r, t = one()
-    t.incomplete = torch.ones(4, dtype=torch.bool)
-    s = summarize(t)
-    assert s["compared_tokens"] == 0 and s["log_s"] == {"mean": 0.0, "min": 0.0, "mean_s": 1.0}
-    assert s["replay"]["support_equal_frac"] == 1.0 and s["incomplete_positions"] == 4
-    assert s["bound"] == {"max": 0.0, "mean": 0.0, "roundoff": 2.0**-24}
-    assert s["headroom"] == {"replay": 0.0, "recompute": 0.0, "naive_vs_sampler_log_s": None}
-    assert s["sampler_log_s"] == {"source": "none", "positions": 0, "lo_mean": None, "hi_mean": None, "naive_max_gap": None}
-    assert s["drift_split"] == {"logit_drift_max": None, "logit_drift_mean": None, "replay_max_abs_diff": None}
-
-
-def test_error_model_summary_by_hand() -> None:
     z, r, t = one()
     t.replay = t.vllm + torch.tensor([1e-7, -4e-7, 0.0, 2e-7], dtype=torch.float64)
     t.recompute = t.vllm + torch.tensor([0.0, 0.0, 3e-7, 0.0], dtype=torch.float64)
     t.bound = torch.tensor([1e-7, 1e-7, 1e-7, 2e-7], dtype=torch.float64)
-    t.logit_drift = torch.tensor([0.1, 0.3, NAN, 0.2], dtype=torch.float64)
-    t.s_lo = torch.tensor([NAN, -0.5, -0.5, NAN], dtype=torch.float64)
-    t.s_hi = torch.tensor([NAN, -0.1, -0.4, NAN], dtype=torch.float64)
-    t.full = t.vllm + torch.tensor([0.0, -0.2, -0.3, 0.0], dtype=torch.float64)  # row 2: 0.1 above hi
-    t.s_source = "top_p_bracket"
-    s = error_model_summary(t)
+    s = judged([r], [z], t)
     assert s["headroom"]["replay"] == pytest.approx(4.0) and s["headroom"]["recompute"] == pytest.approx(3.0)
-    rows, gap, bound = naive_gap_to_sampler_log_s(t)
-    assert rows.tolist() == [False, True, True, False] and gap.tolist() == pytest.approx([0.0, 0.1])
-    assert torch.equal(bound, (t.bound_full + t.bound)[1:3])
-    assert s["headroom"]["naive_vs_sampler_log_s"] == pytest.approx(0.1 / float(bound[1]))
-    assert s["bound"] == {"max": 2e-7, "mean": float(t.bound.mean()), "roundoff": 2.0**-24}
-    assert s["sampler_log_s"] == {"source": "top_p_bracket", "positions": 2, "lo_mean": -0.5, "hi_mean": -0.25,
-                                  "naive_max_gap": pytest.approx(0.1)}
-    assert s["drift_split"]["logit_drift_max"] == 0.3 and s["drift_split"]["logit_drift_mean"] == pytest.approx(0.2)
-    assert s["drift_split"]["replay_max_abs_diff"] == pytest.approx(4e-7)
-    from parity.core.error_model import mean_bias_limit
-
+    assert s["bound"] == {"max": 2e-7, "mean": pytest.approx(float(t.bound.mean())), "roundoff": 2.0**-24}
     sys_mean = float(t.systematic.mean())
-    assert s["mean_bias_limit"] == {
-        "replay": mean_bias_limit(4, sys_mean, float((t.replay - t.vllm).std())),
-        "recompute": mean_bias_limit(4, sys_mean, float((t.recompute - t.vllm).std())),
-    }
+    assert s["mean_bias_limit"]["replay"] == pytest.approx(mean_bias_limit(4, sys_mean, float((t.replay - t.vllm).std())))
+    assert s["mean_bias_limit"]["recompute"] == pytest.approx(
+        mean_bias_limit(4, sys_mean, float((t.recompute - t.vllm).std())))
     assert s["mean_bias_limit"]["replay"] != s["mean_bias_limit"]["recompute"]
     assert s["mean_bias"]["replay"]["limit"] == s["mean_bias_limit"]["replay"]
     assert s["mean_bias"]["replay"]["mean"] == pytest.approx(float((t.replay - t.vllm).mean()))
+    assert {v.gate for v in s["violations"]} == {"replay_drift", "recompute_drift"}
 
 
-def test_the_trainer_under_test_in_the_summary() -> None:
-    z, r, t = one()
-    t.user = t.vllm + torch.tensor([0.0, 0.5, 0.0, 0.0], dtype=torch.float64)
-    t.user_name, t.user_diagnosis = "mine", "forgot T"
-    s = summarize(t)
-    d = diff_stats(t.user, t.vllm)
-    gap = diff_stats(t.user - t.vllm, t.log_s)
-    assert s["trainer_under_test"] == {"name": "mine", **d.to_dict(), "max_abs_gap_to_log_s": gap.max_abs_diff,
-                                       "diagnosis": "forgot T"}
-    assert s["headroom"]["trainer_under_test"] == pytest.approx(0.5 / float(t.bound[1]))
+def test_the_trainer_under_test_in_a_judged_table() -> None:
     from parity.core.error_model import mean_bias_limit
 
-    u = t.select(~t.incomplete)
+    z, r, t = one()
+    t.user = t.vllm + torch.tensor([0.0, 0.5, 0.0, 0.0], dtype=torch.float64)
+    t.user_name = "mine"
+    s = judged([r], [z], t)
+    d = t.user - t.vllm
+    assert s["trainer_under_test"]["name"] == "mine"
+    assert s["trainer_under_test"]["max_abs_diff"] == pytest.approx(0.5)
+    assert s["trainer_under_test"]["mean_diff"] == pytest.approx(float(d.mean()))
+    assert s["headroom"]["trainer_under_test"] == pytest.approx(0.5 / float(t.bound[1]))
     # The trainer is held to replay's spread, not its own: a noisy trainer gets no wider limit.
-    want = mean_bias_limit(u.tokens, float(u.systematic.mean()), float((u.replay - u.vllm).std()))
-    assert s["mean_bias_limit"]["trainer_under_test"] == want
-    assert want < mean_bias_limit(u.tokens, float(u.systematic.mean()), float((u.user - u.vllm).std()))
-    assert list(s["rl_view"]) == ["naive", "replay", "recompute", "trainer_under_test"]
+    want = mean_bias_limit(t.tokens, float(t.systematic.mean()), float((t.replay - t.vllm).std()))
+    assert s["mean_bias_limit"]["trainer_under_test"] == pytest.approx(want)
+    assert want < mean_bias_limit(t.tokens, float(t.systematic.mean()), float(d.std()))
+    assert {v.gate for v in s["violations"]} == {"trainer_under_test_drift", "trainer_under_test_mean_bias"}
+    assert list(rl_view(t)) == ["naive", "replay", "recompute", "trainer_under_test"]
 
 
 def test_token_table_locate() -> None:

@@ -7,11 +7,13 @@ import math
 
 import pytest
 import torch
+from judged import scenario_entry
 
 from parity.core.filters import reference_filter
 from parity.core.rl import METHODS, METRICS, catalogue
 from parity.core.spec import SamplingSpec
-from parity.core.table import build_table, summarize
+from parity.core.table import build_table
+from parity.records.judge import rl_view
 from parity.records.sequence import SequenceRecord
 from parity.report.markdown import render_markdown
 from parity.report.rl import headline
@@ -54,15 +56,7 @@ def records_for(spec: SamplingSpec, n_seq: int = 4, length: int = 8, seed: int =
 def scenario(name: str, spec: SamplingSpec) -> tuple[dict, object]:
     records, logits = records_for(spec)
     table = build_table(records, logits, spec)
-    s = summarize(table)
-    return {
-        "name": name,
-        "model": "synthetic",
-        "spec": spec.to_dict(),
-        **s,
-        "verdict": "pass",
-        "violations": [],
-    }, table
+    return scenario_entry(records, logits, table, name), table
 
 
 def test_scenario_summary_carries_the_three_trainers() -> None:
@@ -94,10 +88,8 @@ def test_trainer_under_test_joins_the_view() -> None:
     table = build_table(records, logits, spec)
     table.user = table.full.clone()
     table.user_name = "mine"
-    assert (
-        summarize(table)["rl_view"]["trainer_under_test"]["metrics"]
-        == summarize(table)["rl_view"]["naive"]["metrics"]
-    )
+    rl = rl_view(table)
+    assert rl["trainer_under_test"]["metrics"] == rl["naive"]["metrics"]
 
 
 def test_report_md_and_json_carry_both_tables(tmp_path) -> None:

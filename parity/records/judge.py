@@ -1,0 +1,71 @@
+"""The one road from a producer to a verdict: a scenario's records in, its report entry out.
+
+Every producer writes records (:mod:`parity.records.format`): ``parity run`` converts its sampled and
+scored tokens (:func:`parity.records.convert.from_sequence_records`), the TRL capture its steps, a user
+their own file. The streamed analysis of :mod:`parity.records.analyze` computes every statistic and
+every gate from them, so ``parity run`` gives what ``parity run --records`` then ``parity analyze``
+gives. The RL view needs every token at once; it is a second pass over the same values
+(:func:`rl_view`), not a second pipeline.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from parity.core.gates import Thresholds
+from parity.records.analyze import Options, finalize, summarize_batch, token_columns
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    import torch
+
+    from parity.core.table import TokenTable
+    from parity.records.analyze import TokenColumns
+    from parity.records.format import RecordsBatch
+
+
+def judge(
+    export: pa.Table,
+    th: Thresholds,
+    *,
+    dtypes: tuple[str, str],
+    vocab_size: int | None,
+    trainer_name: str | None = None,
+    views: dict[frozenset[str], torch.Tensor] | None = None,
+    source: str = "run",
+) -> dict[str, Any]:
+    """The report entry of one scenario's records (``export``: one scenario, one spec), verdict included.
+
+    ``views``: the trainer-side reference views of a trainer under test, by bug set
+    (:func:`parity.engines.trainer_under_test.reference_views`; the producer has the logits), for its
+    diagnosis; without them the records' own views are used (the sampler's values, and the
+    full-vocabulary view where the records hold it). ``violations`` and ``reference_violations`` are
+    :class:`~parity.core.violation.Violation` objects; ``_acc`` and ``_drift_headroom`` are the
+    streamed state the report's plots read (popped by the report writer's caller).
+    """
+    import numpy as np
+
+    def columns(rb: RecordsBatch) -> TokenColumns:
+        cols = token_columns(rb, vocab_size=vocab_size)
+        if views:
+            cols.views = {frozenset(): cols.views[frozenset()],
+                          **{b: v.double().numpy().astype(np.float64) for b, v in views.items() if b}}
+        return cols
+
+    summary = summarize_batch(export, options=Options(n_listed=th.max_violations_listed), source=source, dtypes=dtypes,
+                              vocab_size=vocab_size, columns=columns)
+    entries = finalize(summary, th, trainer_name=trainer_name)
+    assert len(entries) == 1, [e["name"] for e in entries]  # one scenario, one spec per export
+    return entries[0]
+
+
+def rl_view(table: TokenTable) -> dict[str, Any]:
+    """Each framework's mismatch metric and each IS correction for the naive, the fixed and a trainer under
+    test (:func:`parity.core.rl.summarize_trainers`), over the positions the gates compare."""
+    from parity.core.rl import summarize_trainers
+
+    t = table.select(~table.incomplete)
+    trainers = {"naive": t.full, "replay": t.replay, "recompute": t.recompute}
+    if t.user is not None:
+        trainers["trainer_under_test"] = t.user
+    return summarize_trainers(t.vllm, trainers, t.seq_lengths)

@@ -1,0 +1,37 @@
+"""A token table's verdict the way ``parity run`` gets it: the table's records through :func:`parity.records.judge.judge`.
+
+For tests that build a :class:`~parity.core.table.TokenTable` from synthetic sampler records and logits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from parity.core.gates import Thresholds
+from parity.records.convert import from_sequence_records
+from parity.records.judge import judge
+
+
+def judged(records, logits, table, th: Thresholds | None = None, *, faults=None, name: str = "planted",
+           dtypes: tuple[str, str] = ("float32", "float32"), views=None) -> dict[str, Any]:
+    """The scenario's report entry; ``faults``: the ones ``table`` was built with (planted kept sets go to the records)."""
+    export = from_sequence_records(records, scenario=name, table=table, logits=logits, faults=faults)
+    vocab = int(logits[0].shape[-1]) if len(logits) else None
+    return judge(export, th or Thresholds(), dtypes=dtypes, vocab_size=vocab, trainer_name=table.user_name, views=views)
+
+
+def failed(entry: dict[str, Any]) -> set[str]:
+    """Every gate that failed, deciding or reference."""
+    return {v.gate for v in [*entry["violations"], *entry["reference_violations"]]}
+
+
+def scenario_entry(records, logits, table, name: str, th: Thresholds | None = None, *, faults=None) -> dict[str, Any]:
+    """A report.json scenario as ``parity run`` writes it (the RL view included, violations as dicts)."""
+    from parity.records.judge import rl_view
+
+    e = judged(records, logits, table, th, faults=faults, name=name)
+    e.pop("_acc")
+    e.pop("_drift_headroom")
+    return {**e, "model": "synthetic", "rl_view": rl_view(table),
+            "violations": [v.to_dict() for v in e["violations"]],
+            "reference_violations": [v.to_dict() for v in e["reference_violations"]]}

@@ -64,7 +64,7 @@ def tests(session: nox.Session) -> None:
     # uncached: pyspark is a 456 MB sdist built here). Kept out of the test extra, which users' own CI installs
     # for the pytest plugin.
     install(session, "cpu", "test", "report", "ray", "spark")
-    common = ("-p", "no:cacheprovider", "--benchmark-disable")
+    common = ("-p", "no:cacheprovider", "--benchmark-disable", "--durations=20")
     # The engine tests fail instead of skipping when ray, pyspark or Java is missing here.
     run_pytest(session, "-m", "not slow and not gpu", *common, env={"PARITY_ENGINES_REQUIRED": "1"})
     second = {"ATEN_CPU_CAPABILITY": "default", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}

@@ -266,8 +266,7 @@ def run(cfg: RunConfig, progress: Callable[[str], None] = _progress, pool: Engin
     from parity.determinism.knobs import batch_invariant_mode
 
     matrix = resolve_matrix(cfg)
-    if cfg.records is not None:
-        import parity.analyze  # noqa: F401  (refuses a missing pyarrow before any engine starts)
+    import parity.records.judge  # noqa: F401  (every verdict is judged on records: refuses a missing pyarrow before any engine starts)
     # Entered before any engine starts: on CUDA, VLLM_BATCH_INVARIANT is read at engine start-up.
     # With the mode off the context changes nothing and records the knobs as they are.
     with batch_invariant_mode(cfg.batch_invariant, device=cfg.device) as state:

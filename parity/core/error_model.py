@@ -1,36 +1,12 @@
 """How far two engines' per-token log-probabilities may differ from rounding alone (engine-free).
 
-Both sides compute logits of the same model with different kernels (GEMM blocking, vector width,
-reduction order), then normalise over a support. The bound on ``|lp_a - lp_b|`` for one token is
-derived from that arithmetic, not fitted to one machine:
-
-* **Logits.** Each side's scaled logits ``z' = z / T`` agree with exact arithmetic to within
-  ``LOGIT_ULPS`` units of roundoff of the row's magnitude ``A = max_i |z'_i|``: the error of a logit
-  comes from reductions over hidden states whose size sets the scale of the whole row, so it is
-  relative to the row, not to the token. Two sides then differ by ``2 * LOGIT_ULPS * u * A`` per logit,
-  and ``lp_y = z'_y - logsumexp_S(z')`` moves by at most twice the largest logit change (once through
-  ``z'_y``, once through the probability-weighted mean in the logsumexp): ``4 * LOGIT_ULPS * u * A``.
-  Temperature enters here: ``A`` grows as ``1 / T``.
-* **Normalisation.** Each side rounds a logsumexp over ``n = |S|`` terms: the exponent sum carries a
-  relative error of about ``log2(n)`` roundoffs (blocked/pairwise summation), the log itself, the
-  subtraction and the result one each, at the magnitude of the values involved:
-  ``u * (|logsumexp_S| + |lp_y| + log2(n) + 2)`` per side.
-
-* **The float32 normalisation kernel.** torch's CPU ``log_softmax`` sums the exponentials of a wide,
-  peaked row so that small terms are lost: every log-prob of the row comes out too high by one amount
-  (``parity repro torch_cpu_log_softmax``). That offset has one sign on every row, so it is measured
-  on the row itself (:func:`kernel_offset`: the float32 kernel against float64) and added, for both
-  sides, to the bound and to the systematic bound.
-
-``u`` is the unit roundoff of the looser dtype of the two sides (a bfloat16 sampler against a float32
-trainer is bounded by bfloat16). ``LOGIT_ULPS`` is the model's one free constant: 8 roundoffs of the
-row magnitude per side. Gates report the headroom ``max |diff| / bound`` so a reader sees how much of
-the allowance kernel noise used on their machine.
-
-The worst case gates a token's maximum; it is far too loose for a mean over many tokens, whose
-rounding does not point one way. A mean is gated by :func:`mean_bias_limit`: what is systematic
-(:func:`systematic_bound`) plus ``MEAN_BIAS_Z`` standard errors of the measured spread. The
-derivation is in docs/error_model.md.
+The bound on ``|lp_a - lp_b|`` for one token (:func:`logprob_bound`) is derived from the arithmetic
+both sides do, not fitted to one machine: each side's scaled logits within ``LOGIT_ULPS`` roundoffs of
+the row's largest ``|z'|``, the rounding of a log-sum-exp over the support, and the float32
+normalisation kernel's offset measured on the row (:func:`kernel_offset`), at the unit roundoff of the
+looser dtype of the two sides. A mean over many tokens is gated by :func:`mean_bias_limit`: what can
+point one way (:func:`systematic_bound`) plus ``MEAN_BIAS_Z`` standard errors of the measured spread.
+The derivations: docs/error_model.md.
 """
 
 from __future__ import annotations
@@ -38,7 +14,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from parity.errors import UsageError
 
@@ -83,7 +59,10 @@ def _is_torch_dtype(x: Any) -> bool:
 
 def unit_roundoff(dtypes: str | torch.dtype | Iterable[str | torch.dtype]) -> float:
     """The unit roundoff of the looser of the given dtypes (both sides of a comparison)."""
-    items = [dtypes] if isinstance(dtypes, str) or _is_torch_dtype(dtypes) else list(dtypes)
+    if isinstance(dtypes, str) or _is_torch_dtype(dtypes):
+        items: list[Any] = [dtypes]
+    else:
+        items = list(cast("Iterable[str | torch.dtype]", dtypes))
     if not items:
         raise UsageError("dtypes is empty: name at least one dtype")
     return max(UNIT_ROUNDOFF[_name(d)] for d in items)
@@ -253,23 +232,8 @@ def mean_bias_entry(n: int, mean: float, systematic_mean: float, spread_sd: floa
 
 # -- the final-logit rounding bound -------------------------------------------------------------
 # A narrower model for a narrower question: how far a log-prob moves when one side only rounds its
-# final logits to a low-precision dtype (TRL's bfloat16 sampler against a float32 trainer). It is
-# checked against means over many tokens, where upstream kernel noise averages out.
-#
-# A sampler that runs the model in bfloat16 rounds every logit: ``z~_i = z_i (1 + d_i)`` with
-# ``|d_i| <= u``, ``u`` the dtype's unit roundoff (``finfo(dtype).eps / 2``; 2^-8 for bfloat16). To
-# first order, the log-prob of the sampled token y under ``log_softmax(z / T)`` — over the whole
-# vocabulary or renormalised over any kept set — then moves by
-#
-#     eps_y = dz_y / T - log E_p[exp(dz / T)],  so  |eps_y| <= u (|z_y| + E_p|z|) / T + u^2 E_p[z^2] / T^2
-#
-# (Jensen below, ``e^x <= 1 + x + x^2`` above), p the distribution the log-prob is taken over.
-# :func:`logprob_rounding_bound` returns that per-token bound from the trainer's float32 logits, taking
-# the larger expectation of the full and the kept-set distribution, so it holds for the full
-# log-softmax and for the renormalised one. A relation between a low-precision sampler's log-probs and
-# float32 ones holds "to the dtype" when it holds within this bound. It bounds rounding the final
-# logits, not every kernel upstream of them: the relations parity checks against it are means over
-# many tokens, where the measured noise sits far inside it.
+# final logits to a low-precision dtype (TRL's bfloat16 sampler against a float32 trainer), checked
+# against means over many tokens. The derivation: docs/error_model.md, section 6.
 
 
 def logprob_rounding_bound(

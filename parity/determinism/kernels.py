@@ -1,51 +1,13 @@
 """Batch-invariant CPU kernels for a transformers causal LM's forward.
 
-On CPU, torch's kernels give a row of a result that depends on the rest of the batch: the GEMM behind
-``linear`` picks its code path and blocking by the number of rows M (measured with MKL 2024.2 on an
-AMD EPYC under the AVX-512, AVX2 and default kernel paths: a row differs between M=1, M=2..3, and
-the M % 4 tail rows of any larger M), attention reduces over the whole padded or packed row, and
-the vectorised ``sigmoid``/``silu`` compute the scalar tail of a tensor differently from its vector
-body (measured: 2-4 % of float32 elements differ), so where an element falls depends on the layout.
-
-This module replaces each of those operations, while ``enable`` is in force, by one whose result for
-a row depends only on that row's own data. Every kernel rests on one of two principles:
-
-* **Exact elementwise arithmetic.** IEEE 754 ``+ - * /`` are correctly rounded, so an element's
-  result does not depend on which vector lane, tail loop or thread computes it. Every own reduction
-  and function is written from these operations (plus exact ones: comparisons, max, rounding to an
-  integer, casts, bit operations) in a fixed order: a sum over ``n`` values is a halving tree over
-  the values zero-padded to the next power of two, so the pairing is fixed by ``n`` alone; exp, log,
-  sin, cos and 1/sqrt are range reductions with polynomials or Newton steps in float64, rounded once
-  to the output dtype. torch's ``sqrt`` is not used: its results are not the correctly rounded ones
-  (measured: 16 % of float32 and 1 % of float64 inputs differ from IEEE sqrt). These kernels give
-  the same bits on every CPU and kernel path.
-* **The same library call on the same inputs.** Where a kernel still calls a torch reduction
-  (``torch.mv``, and ``torch.matmul`` on attention chunks), every call that produces a row's result
-  has the same shape, strides, 64-byte alignment and input values in every batch layout, under the
-  same thread count (``batch_invariant_mode`` pins it). A deterministic kernel then returns the same
-  bits; what a GEMM does with the *other* rows or columns of a call never enters an output element
-  (BLAS kernels have no value-dependent branches). These kernels are invariant within one kernel
-  path; across CPUs or ``ATEN_CPU_CAPABILITY`` values their bits may differ.
-
-The replaced operations are the keys of ``KERNELS``, each with a line saying how it computes: the
-matrix products ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``mv`` (each output row is one ``torch.mv``
-on a 64-byte-aligned copy of that row), the reductions ``mean.dim`` and ``sum.dim_IntList`` (halving
-tree), ``_softmax`` and ``_log_softmax`` (exact max, own exp/log, halving tree), the functions
-``silu``, ``sigmoid``, ``exp``, ``cos``, ``sin``, ``rsqrt``, ``sqrt`` and ``pow`` with exponents 1,
-2, 3, 0.5, -0.5, -1 (own float64 arithmetic), and ``add``/``sub`` with ``alpha != 1`` (a fused
-multiply-add in the vector body but not in the tail: split into two operations). Attention goes
-through transformers' attention registry (``ATTENTION_NAME``): each sequence is cut out of its row by
-the mask and reduced over its own keys from its first token, one fixed-shape query chunk of
-``CHUNK`` positions at a time (``_chunked``).
-
-The kernels are applied by a ``TorchDispatchMode`` entered around each given model's ``forward``
-only: a vLLM engine or any other code in the same process keeps torch's own kernels. The mode also
-counts what it saw: replaced calls by operation, operations that are exact (``EXACT_OPS``: data
-movement, comparisons, IEEE arithmetic), and any other floating-point operation (``other_ops``),
-which no principle above covers and which the invariance checks must then measure.
-
-These kernels are built for scoring (``torch.no_grad``); under autograd the gradients are torch's
-own formulas for the replaced operations and the attention kernel's arithmetic.
+On CPU a row of torch's result depends on the rest of the batch (GEMM blocking by row count, attention
+over the padded or packed row, vectorised functions whose scalar tail rounds differently). While
+``enable`` is in force, each such operation (the keys of ``KERNELS``, and attention through
+``ATTENTION_NAME``) is replaced by one whose result for a row depends only on that row: own reductions
+and functions from exactly rounded arithmetic in a fixed order, or the same library call on the same
+inputs in every layout. A ``TorchDispatchMode`` applies them around the given models' ``forward``
+only, and counts replaced, exact and uncovered operations. What was measured, the two principles and
+each kernel: docs/batch_invariance.md.
 """
 
 from __future__ import annotations

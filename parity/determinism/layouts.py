@@ -1,25 +1,11 @@
 """Batch layouts of token sequences for a causal LM, and the bitwise check that a layout changes nothing.
 
-A layout puts sequences into rows. Each row holds one or more sequences back to back (packed), the
-rows are padded on one side to a common width (plus ``extra_pad`` columns), and the model reads the
-layout through one of four masks:
-
-* ``2d``: a ``[B, W]`` padding mask, position ids from its cumulative sum (what a right- or
-  left-padded trainer batch passes); one sequence per row, since a 2D mask cannot separate packed
-  sequences.
-* ``4d-bool`` / ``4d-additive``: a ``[B, 1, W, W]`` block-diagonal causal mask, boolean (True =
-  attend) or additive (0 / dtype minimum); transformers passes a 4D mask through unchanged.
-* ``position-ids``: no mask, position ids restarting at every sequence; transformers derives the
-  block-diagonal mask from the restarts (masking_utils ``find_packed_sequence_indices``, only without
-  a KV cache, so the forward runs with ``use_cache=False``).
-
-Padding runs are their own pseudo-sequence in the packed forms (position ids restart, each padding
-position attends to the padding before it), so no query has an empty key set.
-
-``build`` makes the model inputs, ``sequence_logits`` runs a model and cuts out each sequence's
-logits, ``alone_logits`` runs one sequence by itself (batch of one, no padding), and ``compare``
-checks a layout's logits against the sequences alone, bitwise. The module imports no engine: the
-model is any callable taking ``input_ids``, ``attention_mask`` and ``position_ids``.
+A layout packs sequences into rows, pads the rows on one side and passes them through one of four
+masks (``2d``, ``4d-bool``, ``4d-additive``, ``position-ids``; what each means: docs/batch_invariance.md,
+section 4). ``build`` makes the model inputs, ``sequence_logits`` runs a model and cuts out each
+sequence's logits, ``alone_logits`` runs one sequence by itself, and ``compare`` checks a layout's
+logits against the sequences alone, bitwise. The model is any callable taking ``input_ids``,
+``attention_mask`` and ``position_ids``; no engine is imported.
 """
 
 from __future__ import annotations

@@ -1,40 +1,14 @@
 """TRL's ``GRPOTrainer`` under parity: capture what it computes, and optionally fix its IS correction.
 
 TRL 1.16 (``trl/trainer/grpo_trainer.py``, ``GRPOTrainer._generate_and_score_completions``) compares
-two log-probabilities of every sampled token for its vLLM importance-sampling correction:
-
-* ``sampling_per_token_logps``: vLLM's processed log-prob (the engine runs with
-  ``logprobs_mode="processed_logprobs"``, ``trl/generation/vllm_generation.py`` ``_init_vllm``), i.e.
-  ``log(p / S)`` renormalised over the tokens top_k/top_p/min_p kept;
-* ``old_per_token_logps``: the trainer's full-vocabulary ``log_softmax(z / T)`` (the fused LM head,
-  ``trl/trainer/utils.py`` ``add_fused_lm_head``), i.e. ``log p``.
-
-Their difference is ``log S`` per token plus kernel noise, and TRL's ``importance_sampling_ratio`` is
-``exp`` of it (per token in ``token_*`` modes, summed over the sequence in ``sequence_*`` modes).
-
-:func:`patch_grpo` is a context manager that patches TRL's classes and restores them on exit:
-
-* **capture** (every mode): vLLM is asked for a head of processed log-probs wide enough to hold the
-  kept set S_q (:func:`parity.core.capture.plan_capture`; the engine is built with ``max_logprobs=-1``),
-  TRL still receives exactly the sampled token's log-prob it asked for, and each generation batch is
-  recorded per sequence (:data:`SEQUENCE_FIELDS`). Without top_k (TRL's default top_k=0 with
-  top_p), the plan is adaptive: the colocated engine's ``generate`` is wrapped for the batch, each
-  request gets its own seed, and the sequences whose head does not prove S_q complete are asked again
-  with a wider head and the same seed (:func:`parity.core.capture.run_capture`); what each batch
-  needed is in :attr:`GrpoCapture.capture_plans`, and later steps start from it.
-* ``mode="observe"``: nothing TRL computes changes.
-* ``mode="replay"``: the trainer-side log-probs that TRL's IS correction (and its
-  ``sampling/*`` metrics) read are renormalised over the captured S_q:
-  ``old - log S_q`` with ``log S_q = logsumexp(z'_{S_q}) - logsumexp(z')`` from the trainer's own
-  logits. Positions whose capture is incomplete fall back to recompute (counted).
-* ``mode="recompute"``: the same, over parity's reference filters run on the trainer's logits with
-  the sampled token force-included (counted).
-
-The fix touches only the tensor the IS correction consumes: after ``_generate_and_score_completions``
-returns, ``old_per_token_logps`` is put back to TRL's full-vocabulary values, so the policy ratio
-``per_token_logps - old_per_token_logps`` in ``_compute_loss`` (full vocabulary on both sides) is
-unchanged. Enter the context before constructing the trainer (the engine's ``max_logprobs`` is set
-at construction). Colocate and server mode share the generate path; only colocate is exercised here.
+vLLM's processed log-prob of each sampled token (``sampling_per_token_logps``: ``log(p / S)``,
+renormalised over the kept set) with the trainer's full-vocabulary ``log_softmax(z / T)`` from its fused
+LM head (``old_per_token_logps``: ``log p``). Their difference is ``log S`` per token plus kernel noise,
+and TRL's ``importance_sampling_ratio`` is ``exp`` of it (per token, or summed over the sequence).
+:func:`patch_grpo` patches TRL's classes inside a ``with`` block: it captures S_q from vLLM's processed
+head and records each generation batch per sequence (:data:`SEQUENCE_FIELDS`); ``mode="replay"`` or
+``"recompute"`` renormalises the log-probs the IS correction reads, ``"observe"`` changes nothing. An
+example: the README's "TRL's GRPOTrainer under parity".
 """
 
 from __future__ import annotations
@@ -349,6 +323,29 @@ def _fixed_stats(plan: CapturePlan, supports: list[CapturedSupport | None], comp
 def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bool = True,
                max_head: int = DEFAULT_MAX_HEAD) -> Iterator[GrpoCapture]:
     """Patch TRL's GRPOTrainer/VLLMGeneration for capture (and a fix), restore on exit.
+
+    * **capture** (every mode): vLLM is asked for a head of processed log-probs wide enough to hold
+      the kept set S_q (:func:`parity.core.capture.plan_capture`; the engine is built with
+      ``max_logprobs=-1``), TRL still receives exactly the sampled token's log-prob it asked for, and
+      each generation batch is recorded per sequence (:data:`SEQUENCE_FIELDS`). Without top_k (TRL's default top_k=0
+      with top_p), the plan is adaptive: the colocated engine's ``generate`` is wrapped for the batch,
+      each request gets its own seed, and the sequences whose head does not prove S_q complete are
+      asked again with a wider head and the same seed (:func:`parity.core.capture.run_capture`); what
+      each batch needed is in :attr:`GrpoCapture.capture_plans`, and later steps start from it.
+    * ``mode="observe"``: nothing TRL computes changes.
+    * ``mode="replay"``: the trainer-side log-probs that TRL's IS correction (and its ``sampling/*``
+      metrics) read are renormalised over the captured S_q: ``old - log S_q`` with
+      ``log S_q = logsumexp(z'_{S_q}) - logsumexp(z')`` from the trainer's own logits. Positions whose
+      capture is incomplete fall back to recompute (counted).
+    * ``mode="recompute"``: the same, over parity's reference filters run on the trainer's logits
+      with the sampled token force-included (counted).
+
+    The fix touches only the tensor the IS correction consumes: after
+    ``_generate_and_score_completions`` returns, ``old_per_token_logps`` is put back to TRL's
+    full-vocabulary values, so the policy ratio ``per_token_logps - old_per_token_logps`` in
+    ``_compute_loss`` (full vocabulary on both sides) is unchanged. Enter the context before
+    constructing the trainer (the engine's ``max_logprobs`` is set at construction). Colocate and
+    server mode share the generate path; only colocate is exercised here.
 
     ``head`` forces the number of processed log-probs requested per position (-1: the whole
     vocabulary); by default :func:`parity.core.capture.plan_capture` picks it from the spec, and

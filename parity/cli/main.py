@@ -1,18 +1,11 @@
 """The ``parity`` console script.
 
 Each subcommand lives in its own module of :mod:`parity.cli` exposing ``add_arguments(parser)`` and
-``main(args) -> int``; a listed module without them is an error. Only the module of the command being
-run is imported (``parity --help`` and ``--version`` import none, and so not torch), and none of them
-imports vLLM at import time, so ``parity --help`` works without vLLM.
-
-Exit codes: 0 the command passed; 1 a gate failed (``run``, ``analyze``, ``sampler``, ``repro``) or ``doctor``
-found what would stop a run; 2 a user error (argparse's own usage errors included); 3 a bug in parity;
+``main(args) -> int``. Only the module of the command being run is imported (``--help`` and
+``--version`` import none, so not torch), and none imports vLLM at import time. Exit codes (the
+README's table): 0 passed, 1 a gate failed (or ``doctor`` found a blocker), 2 a user error (a :class:`~parity.errors.ParityError`, one
+readable line; ``--debug`` adds its traceback), 3 a bug in parity (the traceback and how to report it),
 130 interrupted.
-
-A :class:`~parity.errors.ParityError` (bad input, a missing file or package, an engine that cannot be
-reached or answers outside its contract, a step past ``--timeout``) ends with one readable line and exit 2;
-``--debug`` prints its traceback above that line. Any other exception is a bug in parity and is never
-reduced to one line: the traceback, a line saying it is a bug and how to report it, and exit 3.
 """
 
 from __future__ import annotations

@@ -5,17 +5,11 @@
     parity repro all [--out DIR] [--small] [--emit-script DIR]
 
 Each reproduction samples with the real vLLM engine, scores the same tokens with a transformers
-trainer, prints a Markdown table and writes ``result.json`` and ``table.md``: for one repro under
-``--out`` (default ``reports/repro/NAME``), for ``all`` under ``--out/NAME`` (default root
-``reports/repro``, plus ``summary.json``/``summary.md``). It states whether the measured table shows
-the expected relation and exits non-zero when any repro does not.
-
-``--emit-script`` writes a standalone Python script per repro (only torch, transformers and vLLM
-needed; the tiny model is built from code) instead of running the repro: a file for one repro, a
-folder of ``NAME.py`` files for ``all``. ``--small`` runs fewer prompts/tokens/settings (tests).
-``--model`` runs one repro that takes it (``parity repro list`` marks them) on another fixture or a
-checkpoint directory, e.g. ``parity repro trl_grpo_top_p --model smollm2-135m``; the repro picks the
-settings that fit a real model.
+trainer, prints a Markdown table, writes ``result.json`` and ``table.md`` (under ``--out``, default
+``reports/repro/NAME``; ``all`` adds ``summary.json``/``summary.md``), and exits non-zero when the table
+does not show the expected relation. ``--emit-script`` writes standalone scripts instead (torch,
+transformers and vLLM only); ``--small`` runs a smaller setting; ``--model`` runs a repro that takes it
+on another fixture or checkpoint (``parity repro list`` marks them).
 """
 
 from __future__ import annotations

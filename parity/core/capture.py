@@ -1,21 +1,12 @@
 """Capturing the sampler's kept set S_q from top-K processed log-probs, with completeness proofs.
 
-vLLM returns, per generated position, the sampled token's processed log-prob followed by the top-K
-processed log-probs, sorted descending (``Sampler.gather_logprobs``: ``torch.topk`` over the processed
-row). Under ``processed_logprobs`` a token off the support has log-prob ``-inf``, so the finite entries
-of the head are S_q *when the head holds the whole support*: a head whose last entry is ``-inf``
-proves it (every token after it is ``-inf`` too); a head of K finite entries on a partial vocabulary
-may hide more kept tokens, and that position is flagged incomplete and counted, never guessed.
-
-Head-size rules (:func:`plan_capture`; the derivation is in docs/capture_plan.md):
-
-* top_k set: K = top_k + a tie margin (ties at the k-th value are kept, so |S_q| can exceed k).
-* top_p or min_p without top_k: an *adaptive* plan. Generation starts with a head chosen from the
-  spec (and from what earlier calls with the same or a stricter spec needed,
-  :class:`CaptureHistory`); every sequence with an unproven position is asked again with a wider
-  head and the same seed (:func:`run_capture`), up to a cap (``max_head``, or the vocabulary when it
-  is smaller). Positions still unproven at the cap are counted, never guessed.
-* no filter (or greedy): S_q is the whole vocabulary by definition; nothing is captured.
+vLLM returns, per position, the sampled token's processed log-prob and the top-K processed log-probs
+sorted descending; a token off the support has ``-inf``. So a head whose last entry is ``-inf`` holds
+all of S_q; a head of K finite entries on a partial vocabulary may not, and that position is flagged
+incomplete and counted, never guessed. :func:`plan_capture` sizes the head: top_k + a tie margin when
+top_k is set; an adaptive plan for top_p or min_p alone (:func:`run_capture` asks unproven sequences
+again, same seed, wider heads, up to a cap; :class:`CaptureHistory` picks the start); nothing when no
+filter applies. The derivation and measurements: docs/capture_plan.md.
 """
 
 from __future__ import annotations

@@ -2,20 +2,13 @@
 
 Given float32 logits ``[N, V]`` and one :class:`~parity.core.spec.SamplingSpec` per row, return which
 tokens the sampler keeps (the support S_q) and the processed log-probabilities it reports with
-``logprobs_mode="processed_logprobs"``. Each step names the vLLM function whose semantics it
-follows; the code is written from those semantics, not copied.
-
-Two behaviours are batch-level in vLLM and are mirrored here on purpose, because the harness must
-predict what the engine does, not what one would like it to do:
-
-* If every row is greedy, processed log-probs are ``log_softmax(z)`` of the raw logits. In a mixed
-  batch, greedy rows run through the random path with temperature 1 and no filters, which gives the
-  same values.
-* The top-k/top-p step picks its algorithm per batch: if no row uses top_p, a top-k-only threshold
-  is used; if any row does, every row goes through the sort + cumulative-sum path. With that path a
-  row whose top_p is 1 still drops tokens whose float32 probability underflowed to exactly 0
-  (``cumsum <= 1 - 1``). Such tokens have probability 0 either way; only their reported log-prob
-  changes from a large negative number to ``-inf``.
+``logprobs_mode="processed_logprobs"``. Each step names the vLLM function whose semantics it follows;
+the code is written from those semantics, not copied. vLLM's batch-level behaviours are mirrored on
+purpose (the harness predicts the engine): a greedy row reports ``log_softmax(z)`` (in a mixed batch it
+runs the random path at T = 1 with no filters, the same values), and the top-k/top-p step picks its
+algorithm per batch: top-k-only when no row uses top_p, else sort + cumulative sum for every row, where
+top_p = 1 still drops tokens whose float32 probability underflowed to 0 (``-inf`` instead of a large
+negative log-prob).
 """
 
 from __future__ import annotations

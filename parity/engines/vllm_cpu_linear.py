@@ -1,19 +1,13 @@
 """Keep vLLM's CPU linear layers reading their own ``weight`` so that in-place weight updates take effect.
 
-On CPU, vLLM 0.32 packs every dense linear weight after loading
-(``vllm/model_executor/layers/utils.py`` ``dispatch_cpu_unquantized_gemm``, called from
-``UnquantizedLinearMethod.process_weights_after_loading`` in ``linear.py`` with
-``remove_weight=True``): the layer then computes from a oneDNN handle or a packed copy, and its
-``weight`` is replaced by an empty ``Parameter`` that has no ``weight_loader``. A later
-``model.load_weights(...)`` — what an RL trainer's colocated weight sync calls (TRL's
-``VLLMGeneration.sync_weights``) — fails with ``AttributeError: 'Parameter' object has no attribute
-'weight_loader'`` in ``linear.py`` ``load_weights``. Which CPUs and dtypes take a packing path is the
-CPU's business (oneDNN always packs float32 on x86; bfloat16 where the CPU has AVX-512 BF16 or AMX),
-so the crash is measured by the ``trl_weight_sync`` reproduction, never assumed.
-
-:func:`keep_linear_weights` swaps that dispatch, for 2-D weights, for vLLM's own fallback
-(``torch.nn.functional.linear`` on the layer's current ``weight``) and restores it on exit. Enter it
-before the engine is built: the dispatch runs once, at load time.
+On CPU, vLLM 0.32 packs dense linear weights after loading (``dispatch_cpu_unquantized_gemm`` in
+``vllm/model_executor/layers/utils.py``, with ``remove_weight=True``) and leaves an empty ``weight``
+without a ``weight_loader``, so a colocated weight sync (``model.load_weights``, as TRL's
+``VLLMGeneration.sync_weights`` calls it) fails with ``AttributeError: 'Parameter' object has no
+attribute 'weight_loader'``. Which CPUs and dtypes pack is the CPU's business; the ``trl_weight_sync``
+reproduction measures it. :func:`keep_linear_weights` swaps that dispatch, for 2-D weights, for vLLM's
+own fallback (``F.linear`` on the current ``weight``) and restores it on exit; enter it before the
+engine is built.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Converters into the records format (:mod:`parity.records.format`) from what engines and trainers hand out.
 
-* :func:`from_request_outputs`: the offline vLLM API's ``RequestOutput`` objects (``LLM.generate``);
-* ``/v1/completions`` answers of an OpenAI-compatible vLLM server:
-  :func:`parity.engines.vllm_server.records.from_server_responses` (it parses them with the server
-  rollout's own parser, so it lives with the engine; it builds its rows with :func:`kept_columns`);
-* :func:`from_trl`: the per-token tensors TRL's ``GRPOTrainer`` computes in
-  ``_generate_and_score_completions`` (completion ids and mask, ``old_per_token_logps``,
-  ``sampling_per_token_logps``, optionally a captured kept set);
-* :func:`from_sequence_records`: parity's own :class:`~parity.records.sequence.SequenceRecord` and, from
-  ``parity run --records``, every trainer-side estimate of the run's table.
-
-Every converter returns a ``pyarrow.Table`` in the records schema; write it with
-:func:`parity.records.format.write_records`. None of them imports vLLM: they read the attributes of the
-objects they are given.
+:func:`from_request_outputs` (the offline vLLM API's ``RequestOutput``), :func:`from_trl` (the per-token
+tensors of TRL's ``GRPOTrainer._generate_and_score_completions``) and :func:`from_sequence_records`
+(parity's own records and, from ``parity run --records``, the run's trainer-side estimates); server
+answers are converted by :func:`parity.engines.vllm_server.records.from_server_responses`, which shares
+:func:`kept_columns`. Each returns a ``pyarrow.Table`` in the records schema
+(:func:`parity.records.format.write_records` writes it) and none imports vLLM.
 """
 
 from __future__ import annotations

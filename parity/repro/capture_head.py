@@ -1,21 +1,12 @@
 """Repro 6: a capture head smaller than the support.
 
-Replay needs the sampler's whole kept set S_q per position, read from the top-K processed
-log-probs. vLLM accepts any K: with ``logprobs < top_k``, or top_p without a top_k cap, the head can
-hold only part of S_q, and a trainer replaying over the head renormalises over too few tokens (or
-misses the sampled token altogether) — silently. The harness refuses a head below top_k up front
-(``parity.core.capture.plan_capture`` raises), plans top_p alone adaptively (a head that does not end
-in a dropped token is widened, same seed, until it does), and, when a head is forced, flags every
-position whose head is full of finite values as incomplete instead of guessing.
-
-Here vLLM is asked directly for the too-small head (what a user's code would do), and each position
-is classified three ways: predicted from the trainer's logits (len(S_p) >= K: the head cannot show
-the whole support), flagged by the harness's completeness check, and mis-scored (replay over the
-head differs from vLLM's processed log-prob by more than 1e-5). The fix row caps the support with
-top_k and lets the harness plan the head; the second fix row leaves top_p alone and lets the harness
-plan it adaptively.
-
-Fixture ``llama-32k-s4`` (entropy ~4 nats: nucleus sizes vary from a few tokens to hundreds).
+Replay needs the sampler's whole kept set S_q per position, read from the top-K processed log-probs.
+vLLM accepts any K: with ``logprobs < top_k``, or top_p without a top_k cap, the head can hold only
+part of S_q, and replay over it renormalises over too few tokens, silently. The harness refuses a head
+below top_k (``parity.core.capture.plan_capture``), widens top_p-alone heads adaptively, and flags a
+forced head that is full of finite values as incomplete. Here vLLM is asked for the too-small head
+directly, and each position is predicted (len(S_p) >= K from trainer logits), flagged, and checked
+for mis-scoring; the fix rows let the harness plan the head. Fixture ``llama-32k-s4``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """Repro 10: vLLM's CPU engine fails under ``ATEN_CPU_CAPABILITY=default`` after a vectorised run.
 
-``ATEN_CPU_CAPABILITY=default`` is how one machine runs torch's second CPU kernel path (parity uses it
-to check that its tests hold under another path). torch inductor reads the same variable
-(``torch/_inductor/cpu_vec_isa.py`` ``pick_vec_isa``) and then generates scalar C++ with a header
-that has no ``at::vec``. The failure, measured here: inductor's FX graph cache does not key on that
-choice. A graph compiled once on the vectorised path (any earlier run sharing the cache folder,
-``/tmp/torchinductor_$USER`` by default) is found by a later process under ``=default``; its cached
-C++ uses ``at::vec`` and is rebuilt against the scalar header, and g++ stops with ``'at::vec' has not
-been declared``. vLLM's sampler always compiles one such graph when log-probs are requested:
-``batched_count_greater_than`` (``vllm/v1/sample/ops/logprobs.py``, ``(x >= values).sum(-1)``), so
-the engine fails at the first request even with ``enforce_eager=True``.
-
-Each case runs three processes over one fresh cache folder, with a timeout each:
-1. the control, variable unset (vectorised; it also fills the cache);
-2. ``ATEN_CPU_CAPABILITY=default``, same cache: the failure;
-3. ``ATEN_CPU_CAPABILITY=default``, same cache, ``TORCHINDUCTOR_FX_GRAPH_CACHE=0``: the workaround,
-   which also pins the cause on the FX graph cache.
-The cases: torch alone (a compiled ``(x >= v).sum(-1)``, the shape vLLM compiles) and vLLM's engine
-(bfloat16; float32 compiles the same sampler graph). Where the control itself picked no vector ISA
-(a CPU inductor has none for) there is nothing to go stale, and the repro says so instead of a finding.
+torch inductor reads ``ATEN_CPU_CAPABILITY`` (``torch/_inductor/cpu_vec_isa.py`` ``pick_vec_isa``), but
+its FX graph cache does not key on it: a graph compiled on the vectorised path (any earlier run sharing
+``/tmp/torchinductor_$USER``) is found under ``=default``, rebuilt against the scalar header, and g++
+stops with ``'at::vec' has not been declared``. vLLM's sampler always compiles one such graph when
+log-probs are requested (``batched_count_greater_than``, ``vllm/v1/sample/ops/logprobs.py``), so the
+engine fails at its first request even with ``enforce_eager=True``. Each case (torch alone, vLLM's
+engine) runs three processes over one fresh cache: the control (variable unset), ``=default`` (the
+failure), and ``=default`` with ``TORCHINDUCTOR_FX_GRAPH_CACHE=0`` (the workaround, which pins the
+cause). A control with no vector ISA has nothing to go stale, and the repro says so.
 """
 
 from __future__ import annotations

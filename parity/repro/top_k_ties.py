@@ -1,18 +1,12 @@
 """Repro 5: ties at the top_k boundary.
 
 vLLM's top_k drops values *below* the k-th largest, so every token tied with the k-th value is kept
-and |S_q| can exceed k (``apply_top_k_only`` / ``apply_top_k_top_p`` in
-vllm/v1/sample/ops/topk_topp_sampler.py, PyTorch path, as measured on the CPU engine). A trainer
-that recomputes the support with a strict ``torch.topk(k)`` keeps exactly k tokens: it renormalises
-over a smaller set, and when the sampled token is a tie it left out, scores ``-inf``. Replay of the
-captured S_q agrees.
-
-Fixture ``qwen2-tiny-ties``: lm_head rows duplicated so groups of tokens have bitwise-equal logits,
-placed among the most likely tokens so they land on small-k boundaries. Capture: top_k + 16 (the
-harness's tie margin), which holds every tie group of this fixture. Predicted (trainer logits): where
-the reference filter keeps more than k tokens. Measured (vLLM): where the captured S_q has more
-than k. The CUDA path may differ (its kernels, and reports of tie handling that depends on how many
-rows a step samples): this measures the CPU engine.
+and |S_q| can exceed k (``apply_top_k_only`` / ``apply_top_k_top_p``, PyTorch path, measured on the
+CPU engine; the CUDA path may differ). A trainer that recomputes the support with a strict
+``torch.topk(k)`` renormalises over a smaller set, and scores ``-inf`` when the sampled token is a tie
+it left out; replay of the captured S_q agrees. Fixture ``qwen2-tiny-ties`` (duplicated lm_head rows
+among the most likely tokens: bitwise ties on small-k boundaries), captured at top_k + 16. Predicted:
+where the reference filter keeps more than k tokens; measured: where the captured S_q does.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Hypothesis strategies for logits batches and sampling specs, exported for users' property tests.
 
-Needs ``hypothesis`` (the ``test`` extra). Pair with :func:`parity.testing.properties.run_properties` and
-:class:`parity.engines.vllm_sampler.VllmSampler` to check your own filters against vLLM's real Sampler::
+Needs ``hypothesis`` (the ``test`` extra). To check your own filters against vLLM's real Sampler::
 
     from hypothesis import given
     from parity.engines.vllm_sampler import VllmSampler
@@ -12,20 +11,10 @@ Needs ``hypothesis`` (the ``test`` extra). Pair with :func:`parity.testing.prope
     def test_my_case(case):
         run_properties(case, VllmSampler()(case.logits, case.specs))
 
-A strategy draws a :class:`parity.testing.cases.CasePlan` — the choices — and ``build_case`` turns it into
-float32 logits deterministically, so shrinking works on the choices (vocabulary, spec, which feature
-is planted) rather than on thousands of floats. ``parity sampler`` draws the same plan shapes with
-``random``; the branches a case reaches are read from the data by ``parity.testing.cases.case_labels``.
-
-Branches drawn here (each one a labelled ``hypothesis.event`` in the tests):
-* vocabulary: 2..16, 17..512, 1000/2048/4096;
-* logit scale: flat (std 0.1), middling (0.5..5), peaked (std 20); quantised logits (many ties);
-* temperature: 0, in (0, 1e-5) (vLLM raises it to 0.01: not greedy), [1e-5, 0.01), [0.01, 1), 1, (1, 2];
-* top_k: off (0 or -1), 1, 1 < k < V, k >= V;  top_p: 1, small (<= 0.3), typical;  min_p: 0, typical, 1;
-* planted: exact ties at the top_k boundary, a tied block with the top_p cut inside it, -inf entries,
-  rows with a single finite value;
-* batches: one spec for every row, or mixed per-row specs (greedy rows among random ones); a quarter
-  with top_p off in every row, so vLLM's top_k-only path (its own tie rule) is exercised too.
+A strategy draws a :class:`parity.testing.cases.CasePlan` (the choices: vocabulary, logit scale, spec,
+planted ties and ``-inf`` entries, mixed per-row specs) and ``build_case`` turns it into float32 logits
+deterministically, so shrinking works on the choices; ``parity.testing.cases.case_labels`` names the
+branches a case reaches.
 """
 
 from __future__ import annotations

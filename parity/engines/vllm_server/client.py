@@ -1,28 +1,13 @@
 """Rollout side over HTTP: a vLLM OpenAI-compatible server, spawned on loopback or attached by URL.
 
-Many RL stacks (TRL's server mode, async trainers, verl) sample through ``vllm serve`` rather than an
-in-process engine, and launch that server with their own log-prob settings. ``ServerRollout`` has the
-interface and record type of :class:`parity.engines.vllm_offline.VllmRollout` (source ``"vllm-server"``),
-so the same capture, comparison and gates run on the server path.
-
-What the server is asked, per prompt (one ``/v1/completions`` request each, sent concurrently):
-prompt token ids (never text, so tokenization cannot drift), the per-request seed, the spec's
-temperature/top_k/top_p/min_p, neutral penalties (a server applies the checkpoint's
-``generation_config`` defaults to any field a request leaves out), ``ignore_eos`` with a fixed
-``max_tokens``, and ``logprobs=K`` with ``return_tokens_as_token_ids`` so every entry is keyed
-``token_id:N`` (the response is parsed by :mod:`parity.engines.vllm_server.protocol`). For top_p or
-min_p without top_k, K follows the adaptive plan: the prompts whose heads do not prove S_q complete
-are sent again with the same seed and a wider K (:func:`parity.core.capture.run_capture`), within
-one ``--timeout`` for the whole capture.
-
-Faults end with an error that names the cause, never a hang: every HTTP call has a timeout, a
-spawned server that exits is noticed while waiting, and a server that does not return processed
-log-probs (vLLM's default ``--logprobs-mode`` is ``raw_logprobs``) is detected twice — by a probe at
-start-up (``top_k=1`` must give one kept token at log-prob 0) and on every captured position (the
-processed probabilities of a complete kept set sum to 1, see :func:`parity.core.capture.support_mass`).
-
-Only the standard library talks HTTP (an attached server must not need vLLM on the client), with
-proxies disabled: requests go to 127.0.0.1 or to the URL the user gave, nowhere else.
+Many RL stacks (TRL's server mode, async trainers, verl) sample through ``vllm serve`` and launch it
+with their own log-prob settings. ``ServerRollout`` has the interface and record type of
+:class:`parity.engines.vllm_offline.VllmRollout` (source ``"vllm-server"``), so the same capture,
+comparison and gates run on the server path: one ``/v1/completions`` request per prompt
+(:meth:`ServerRollout._body`), sent concurrently, answers parsed by
+:mod:`parity.engines.vllm_server.protocol`. Faults end with an error that names the cause, never a
+hang; a server that does not return processed log-probs is refused at start-up and on every captured
+position. Only the standard library talks HTTP, proxies off: requests go to 127.0.0.1 or the given URL.
 """
 
 from __future__ import annotations
@@ -375,6 +360,15 @@ class ServerRollout(RolloutBase):
     def _body(
         self, prompt: Sequence[int], spec: SamplingSpec, *, max_tokens: int, seed: int, logprobs: int
     ) -> dict[str, Any]:
+        """One prompt's request: token ids (never text, so tokenization cannot drift), the seed, the
+        spec's filters, neutral penalties, ``ignore_eos`` with a fixed ``max_tokens``, and ``logprobs=K``
+        with ``return_tokens_as_token_ids`` so every entry is keyed ``token_id:N``.
+
+        Faults are caught three ways: every HTTP call has a timeout, a spawned server that exits is
+        noticed while waiting, and a server in vLLM's default ``--logprobs-mode raw_logprobs`` is found
+        by the start-up probe (:meth:`probe_logprobs_mode`) and by the kept mass of every captured
+        position (:func:`parity.core.capture.support_mass`).
+        """
         kw = spec.sampling_params_kwargs()
         return {
             "model": self.served_model,

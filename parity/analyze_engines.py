@@ -345,12 +345,18 @@ def _ray_row_numbers(ray: Any, targets: Sequence[str], step: MapStep) -> list[tu
 def _on_ray(eng: Engine, targets: Sequence[str], step: MapStep, timeout_s: float, say: Callable[[str], None]) -> list[str]:
     ray = _require("ray", "ray")
     _require("ray.data", "ray")
+    import logging
+
     started = not ray.is_initialized()
     if started:
+        # Ray's own INFO and WARNING lines (cluster start, each dataset's plan) are engine chatter: errors only.
         if eng.address:
-            ray.init(address=eng.address)
+            ray.init(address=eng.address, logging_level=logging.ERROR)
         else:
-            ray.init(address="local", include_dashboard=False)
+            ray.init(address="local", include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
+    data_log = logging.getLogger("ray.data")
+    level = data_log.level
+    data_log.setLevel(logging.ERROR)
     ctx = ray.data.DataContext.get_current()
     bars = ctx.enable_progress_bars
     ctx.enable_progress_bars = False
@@ -368,6 +374,7 @@ def _on_ray(eng: Engine, targets: Sequence[str], step: MapStep, timeout_s: float
         return parts
     finally:
         ctx.enable_progress_bars = bars
+        data_log.setLevel(level)
         if started:
             ray.shutdown()
 
@@ -386,15 +393,27 @@ def _spark_session(eng: Engine) -> tuple[Any, bool]:
                          "and JAVA_HOME is not set")
     master = eng.address or "local[*]"
     b = sql.SparkSession.builder.appName("parity analyze").master(master)
+    # Stage progress bars are engine chatter on the user's terminal (parity prints its own progress).
+    b = b.config("spark.ui.showConsoleProgress", "false")
     if master.startswith("local"):
         b = b.config("spark.ui.enabled", "false")
+        log4j = Path(__file__).parent / "data" / "spark-log4j2.properties"
+        if "spark.driver.extraJavaOptions" not in os.environ.get("PYSPARK_SUBMIT_ARGS", ""):
+            b = b.config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile=file:{log4j}")
         # Local workers run this interpreter, so they import parity and pyarrow from this environment
         # (PySpark reads the variable when the context starts; its default is whatever python3 is on PATH).
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    return b.getOrCreate(), active is None
+    session = b.getOrCreate()
+    if active is None:
+        session.sparkContext.setLogLevel("ERROR")  # the driver's WARN lines (plan truncation, ...) likewise
+    return session, active is None
 
 
 def _on_spark(eng: Engine, targets: Sequence[str], step: MapStep, timeout_s: float, say: Callable[[str], None]) -> list[str]:
+    import warnings
+
+    # PySpark's FutureWarning about the installed pandas release is engine chatter (mapInArrow uses no pandas).
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"pyspark(\..*)?")
     spark, ours = _spark_session(eng)
     from pyspark.sql import functions as F
 

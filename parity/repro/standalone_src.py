@@ -169,6 +169,12 @@ def vllm_filter(z: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0, to
     return z, work > NEG_INF
 
 
+def score(model: Any, s: Any, **filters: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One sample on the trainer: its sampled ids, the trainer's z / T and kept mask under ``filters``."""
+    zs, kept = vllm_filter(trainer_logits(model, s.prompt, s.completion), **filters)
+    return torch.tensor(s.completion), zs, kept
+
+
 def strict_top_k(z: torch.Tensor, k: int) -> torch.Tensor:
     """What a trainer gets from torch.topk: exactly k tokens, ties at the k-th value broken arbitrarily."""
     kept = torch.zeros_like(z, dtype=torch.bool)
@@ -240,11 +246,9 @@ def main_top_p_bias(cfg: dict[str, Any], args: argparse.Namespace) -> int:
         ys: list[torch.Tensor] = []
         kepts: list[torch.Tensor] = []
         for s in samples:
-            z = trainer_logits(model, s.prompt, s.completion)
-            y = torch.tensor(s.completion)
-            zs, kept_p = vllm_filter(z, top_p=top_p)
+            y, zs, kept_p = score(model, s, top_p=top_p)
             everything = torch.ones_like(kept_p)
-            kept_q = kept_from_heads(s.heads, z.shape[-1]) if filtered else everything
+            kept_q = kept_from_heads(s.heads, zs.shape[-1]) if filtered else everything
             cols["full"].append(log_prob_over(zs, y, everything))
             cols["vllm"].append(s.logprobs)
             cols["log_s"].append(log_mass(zs, kept_p))  # predicted from trainer logits alone
@@ -298,9 +302,7 @@ def main_top_k_entropy(cfg: dict[str, Any], args: argparse.Namespace) -> int:
             meas_seq: list[torch.Tensor] = []
             tols: list[torch.Tensor] = []
             for s in samples:
-                z = trainer_logits(model, s.prompt, s.completion)
-                y = torch.tensor(s.completion)
-                zs, kept = vllm_filter(z, **kw)
+                y, zs, kept = score(model, s, **kw)
                 tols.append(logprob_bound(zs, y, kept, dtype="float32"))
                 pred_seq.append(log_mass(zs, kept))
                 meas_seq.append(log_prob_over(zs, y, torch.ones_like(kept)) - s.logprobs)
@@ -387,10 +389,8 @@ def main_recompute_boundary(cfg: dict[str, Any], args: argparse.Namespace) -> in
         for name, trainer in (("float32", model), ("bfloat16", bf16)):
             n = differ = lost = lost_forced = replay_lost = 0
             for s in samples:
-                z = trainer_logits(trainer, s.prompt, s.completion)
-                y = torch.tensor(s.completion)
-                zs, kept_p = vllm_filter(z, **kw)
-                kept_q = kept_from_heads(s.heads, z.shape[-1])
+                y, zs, kept_p = score(trainer, s, **kw)
+                kept_q = kept_from_heads(s.heads, zs.shape[-1])
                 n += len(y)
                 differ += int((kept_p != kept_q).any(-1).sum())
                 lost += int(torch.isinf(log_prob_over(zs, y, kept_p)).sum())
@@ -446,10 +446,8 @@ def main_top_k_ties(cfg: dict[str, Any], args: argparse.Namespace) -> int:
         r = {"k": k, "tokens": 0, "over": 0, "max": 0, "pred": 0, "agree": 0, "strict": 0, "lost": 0,
              "strict_err": 0.0, "replay": 0.0, "replay_h": 0.0, "incomplete": 0}
         for s in samples:
-            z = trainer_logits(model, s.prompt, s.completion)
-            y = torch.tensor(s.completion)
-            zs, kept_p = vllm_filter(z, top_k=k)
-            kept_q = kept_from_heads(s.heads, z.shape[-1])
+            y, zs, kept_p = score(model, s, top_k=k)
+            kept_q = kept_from_heads(s.heads, zs.shape[-1])
             size_q = kept_q.sum(-1)
             strict = strict_top_k(zs, k)
             r["tokens"] += len(y)
@@ -492,10 +490,8 @@ def main_capture_head(cfg: dict[str, Any], args: argparse.Namespace) -> int:
         r = {"setting": " ".join(f"{a}={b}" for a, b in kw.items()), "head": head, "tokens": 0, "pred": 0,
              "flag": 0, "wrong": 0, "unflagged": 0, "err": 0.0}
         for s in samples:
-            z = trainer_logits(model, s.prompt, s.completion)
-            y = torch.tensor(s.completion)
-            zs, kept_p = vllm_filter(z, **kw)
-            kept_head = kept_from_heads(s.heads, z.shape[-1])
+            y, zs, kept_p = score(model, s, **kw)
+            kept_head = kept_from_heads(s.heads, zs.shape[-1])
             flagged = kept_head.sum(-1) >= head  # a head full of finite values may hide more kept tokens
             err = (log_prob_over(zs, y, with_token(kept_head, y)) - s.logprobs).abs()
             wrong = err > logprob_bound(zs, y, with_token(kept_head, y), dtype="float32")

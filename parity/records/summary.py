@@ -339,8 +339,8 @@ class BoundStream:
 @dataclass
 class ViewMatch:
     """For the trainer-under-test diagnosis: at how many positions a reference view is known, and how many
-    of them differ from the trainer's values by more than the bound
-    (:func:`parity.engines.trainer_under_test.diagnose` asks "all within the bound where known")."""
+    of them differ from the trainer's values by more than the bound, and the mean difference where known
+    (:func:`parity.records.analyze.diagnosis_text` names the views matched within both)."""
 
     known: int = 0
     over: int = 0

@@ -177,10 +177,11 @@ def summarize_file(path: str, file_index: int, options: Options) -> Summary:
     return out
 
 
-def _worker_init(threads: int) -> None:
-    import torch
+def _worker_init(threads: int, model: bool) -> None:
+    if model:  # torch only where a model scores (importing it costs a worker seconds of its start)
+        import torch
 
-    torch.set_num_threads(threads)
+        torch.set_num_threads(threads)
 
 
 def summarize_paths(
@@ -201,7 +202,7 @@ def summarize_paths(
 
     threads = max(1, (os.cpu_count() or 1) // jobs)
     ctx = mp.get_context("spawn")
-    pool = ctx.Pool(processes=min(jobs, len(paths)), initializer=_worker_init, initargs=(threads,))
+    pool = ctx.Pool(processes=min(jobs, len(paths)), initializer=_worker_init, initargs=(threads, bool(options.model)))
     try:
         pending = [pool.apply_async(summarize_file, (str(p), i, options)) for i, p in enumerate(paths)]
         deadline = time.monotonic() + timeout_s

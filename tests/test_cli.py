@@ -164,6 +164,43 @@ def test_quick_commands_do_not_import_torch(argv: list[str]) -> None:
     assert got == {"code": 0, "heavy": []}, f"parity {' '.join(argv)}: {got}\n{proc.stderr}"
 
 
+ANALYZE = textwrap.dedent(
+    """
+    import contextlib, io, json, sys
+    from parity.cli.main import main
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        code = main(json.loads(sys.argv[1]))
+    heavy = sorted(m for m in ("torch", "pandas", "transformers", "vllm", "matplotlib") if m in sys.modules)
+    print(json.dumps({"code": code, "heavy": heavy}))
+    """
+)
+
+
+@pytest.mark.parametrize("plots", [False, True], ids=["no-plots", "plots"])
+def test_analyze_without_a_model_imports_neither_torch_nor_pandas(plots: bool, tmp_path: Path) -> None:
+    """``parity analyze FILE`` (no ``--model``) reads records with numpy and pyarrow alone: torch took 3 s of
+    its start, pandas (through pyarrow's own numpy conversion) 0.4 s. The plots need matplotlib."""
+    import json
+
+    import records_synth
+
+    path = records_synth.write_file(tmp_path / "r.parquet", 2048, k=8, vocab=512, length=64)
+    argv = ["analyze", str(path), "--out", str(tmp_path / "out"), *([] if plots else ["--no-plots"])]
+    proc = subprocess.run(
+        [sys.executable, "-c", ANALYZE, json.dumps(argv)], cwd=Path(__file__).resolve().parents[1],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"code": 0, "heavy": ["matplotlib"] if plots else []}, f"{got}\n{proc.stderr}"
+    jsonschema = pytest.importorskip("jsonschema")
+    from parity.report.schema import report_schema
+
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    jsonschema.validate(report, report_schema())  # torch's knobs are None where torch was never loaded
+    assert report["environment"]["determinism"]["torch_num_threads"] is None
+
+
 def test_the_lazy_top_level_names_resolve() -> None:
     assert set(parity.__all__) == {"__version__", *parity._LAZY}
     for name in parity._LAZY:

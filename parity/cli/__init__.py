@@ -1,1 +1,35 @@
-"""The ``parity`` command line: :mod:`parity.cli.main` builds the parser; one module per command."""
+"""The ``parity`` command line: :mod:`parity.cli.main` builds the parser; one module per command.
+
+What more than one command reads from its flags lives here, free of torch and of any engine, so that
+``parity analyze`` without ``--model`` starts without importing torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from parity.errors import UsageError
+
+if TYPE_CHECKING:
+    from parity.core.gates import Thresholds
+
+
+def thresholds_from_args(path: Path | None, gates: list[str], dtype: str) -> Thresholds:
+    """``--thresholds FILE`` (or the dtype's defaults) with ``--gate NAME=VALUE`` overrides."""
+    # Imported on use: `parity --help` imports no command's dependencies.
+    from parity.core.gates import Thresholds
+
+    th = Thresholds.from_toml(path, dtype) if path else Thresholds.for_dtype(dtype)
+    changes: dict[str, float] = {}
+    for item in gates:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"--gate {item!r} is invalid: allowed NAME=VALUE")
+        try:
+            changes[name.strip()] = float(value)
+        except ValueError:
+            raise UsageError(f"--gate {item!r}: value {value!r} is not a number") from None
+    if changes:
+        th = th.override(**changes)
+    return th

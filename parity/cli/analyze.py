@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from parity.cli.run import thresholds_from_args
+from parity.cli import thresholds_from_args
 from parity.errors import UsageError
 
 

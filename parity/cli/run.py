@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from parity.core.gates import Thresholds
+from parity.cli import thresholds_from_args
 from parity.core.table import TrainerFaults
 from parity.engines.quiet import LOG_NAME, EngineOutput
 from parity.errors import UsageError
@@ -92,23 +92,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let vLLM, torch and transformers print to the terminal (default: into engine.log in the report folder)",
     )
-
-
-def thresholds_from_args(path: Path | None, gates: list[str], dtype: str) -> Thresholds:
-    """``--thresholds FILE`` (or the dtype's defaults) with ``--gate NAME=VALUE`` overrides."""
-    th = Thresholds.from_toml(path, dtype) if path else Thresholds.for_dtype(dtype)
-    changes: dict[str, float] = {}
-    for item in gates:
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise UsageError(f"--gate {item!r} is invalid: allowed NAME=VALUE")
-        try:
-            changes[name.strip()] = float(value)
-        except ValueError:
-            raise UsageError(f"--gate {item!r}: value {value!r} is not a number") from None
-    if changes:
-        th = th.override(**changes)
-    return th
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:

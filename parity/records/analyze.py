@@ -154,7 +154,7 @@ class TokenColumns:
     sampled_outside: np.ndarray
     replay_support_ok: np.ndarray
     support_size: np.ndarray
-    mass: np.ndarray  # float64 (1 where not captured)
+    mass: np.ndarray  # float64 (1 where not captured); exact where it may be off 1, else a float32 screen (_kept_mass)
     kl: np.ndarray
     tv: np.ndarray
     bound: np.ndarray
@@ -171,6 +171,35 @@ class TokenColumns:
 def _segments(kto: np.ndarray) -> np.ndarray:
     """Token index of every kept entry, from token -> entry offsets."""
     return np.repeat(np.arange(kto.size - 1, dtype=np.int64), np.diff(kto))
+
+
+# The float32 screen of a kept mass (exp and sum in float32) lies within (n + 8) * 2**-23 of the float64 sum
+# relative to max(mass, 1) for n entries: a few ulps per exp, (n - 1) ulps for the sum, doubled.
+_SCREEN_ULPS = 2.0**-23
+
+
+def _kept_mass(klp: np.ndarray, kto: np.ndarray, counts: np.ndarray, nonempty: np.ndarray) -> np.ndarray:
+    """Per position, the mass of its kept set: the sum of exp(kept log-prob), 0 for none.
+
+    Exact (float64 exp, summed in entry order) where the mass may be judged off 1 (``|mass - 1| >
+    SUPPORT_MASS_TOL``: the only way a mass enters a result); elsewhere a float32 screen, which
+    proves ``|mass - 1| <= SUPPORT_MASS_TOL`` without the float64 pass over every entry.
+    """
+    mass = np.zeros(counts.size, dtype=np.float64)
+    if not nonempty.size:
+        return mass
+    with np.errstate(over="ignore"):
+        screen = np.add.reduceat(np.exp(klp), kto[nonempty]).astype(np.float64)
+        margin = (counts[nonempty] + 8) * _SCREEN_ULPS * np.maximum(screen, 1.0)
+    mass[nonempty] = screen
+    exact = nonempty[~(np.abs(screen - 1.0) <= SUPPORT_MASS_TOL - margin)]
+    if exact.size:
+        c = counts[exact]
+        local = np.cumsum(c) - c  # where each position's entries start among the gathered ones
+        entries = np.repeat(kto[exact] - local, c) + np.arange(int(c.sum()))
+        p = np.exp(klp[entries], dtype=np.float64)
+        mass[exact] = np.bincount(np.repeat(np.arange(exact.size), c), weights=p, minlength=exact.size)
+    return mass
 
 
 def _temperature(spec: SamplingSpec) -> float:
@@ -232,16 +261,15 @@ def token_columns(batch: RecordsBatch, *, vocab_size: int | None = None) -> Toke
     kto = batch.kept_token_offsets
     if batch.kept is not None and T:
         assert kto is not None and batch.kept_logprobs is not None  # set together with kept (RecordsBatch)
-        seg = _segments(kto)
-        match = batch.kept.values == batch.completion.values[seg]
         support_size = np.diff(kto)
         nonempty = np.flatnonzero(support_size > 0)
+        match = batch.kept.values == np.repeat(batch.completion.values, support_size)
         if nonempty.size:  # whether the sampled token is among the position's kept ids
             contains[nonempty] = np.logical_or.reduceat(match, kto[nonempty])
-        # exp in float64 of the float32 log-probs (as exp(klp.astype(float64))), summed in entry order.
-        p = np.exp(batch.kept_logprobs, dtype=np.float64)
-        mass = np.where(captured, np.bincount(seg, weights=p, minlength=T), 1.0)
+        mass = np.where(captured, _kept_mass(batch.kept_logprobs, kto, support_size, nonempty), 1.0)
         if batch.trainer_kept_logits is not None:
+            seg = _segments(kto)
+            p = np.exp(batch.kept_logprobs, dtype=np.float64)
             klp = batch.kept_logprobs.astype(np.float64)
             kl, tv, replay_derived, with_logits, logit_drift = _from_kept_logits(batch, seg, match, p, klp, row)
             have_kl = with_logits

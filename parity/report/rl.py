@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from parity.core.rl import METHODS, METRICS, Method
+if TYPE_CHECKING:
+    from parity.core.rl import Method
+
+# parity.core.rl (and torch with it) is imported where a scenario has an RL view: a records analysis has
+# none, and renders its report without torch.
 
 TRAINERS = ("naive", "replay", "recompute")
 FIXED = ("replay", "recompute")
@@ -75,6 +79,8 @@ def headline(scenario: dict[str, Any]) -> str | None:
     rl = scenario.get("rl_view")
     if not rl or "naive" not in rl:
         return None
+    from parity.core.rl import METHODS
+
     by_name = {m.name: m for m in METHODS}
     methods = [by_name[n] for n in HEADLINE_METHODS]
     parts = []
@@ -96,6 +102,8 @@ def headline(scenario: dict[str, Any]) -> str | None:
 
 
 def _threshold_cell(metric_name: str) -> str:
+    from parity.core.rl import METRICS
+
     e = next(e for e in METRICS if e.name == metric_name)
     return e.threshold.label() if e.threshold else "—"
 
@@ -105,6 +113,8 @@ def _trainers(rl: dict[str, Any]) -> list[str]:
 
 
 def metrics_table(rl: dict[str, Any]) -> list[str]:
+    from parity.core.rl import METRICS
+
     trainers = _trainers(rl)
     lines = [
         "| framework | metric | " + " | ".join(trainers) + " | documented threshold |",
@@ -123,6 +133,8 @@ def metrics_table(rl: dict[str, Any]) -> list[str]:
 
 
 def methods_table(rl: dict[str, Any]) -> list[str]:
+    from parity.core.rl import METHODS
+
     trainers = _trainers(rl)
     lines = [
         "| method | frameworks | level | statistic | kept interval | action | advantage | "
@@ -159,6 +171,8 @@ def markdown(report: dict[str, Any]) -> list[str]:
         "ESS = (Σw)² / (n Σw²).",
         "",
     ]
+    from parity.core.rl import METHODS
+
     quiet = []
     for s in scenarios:
         rl = s["rl_view"]
@@ -199,6 +213,8 @@ def write_plot(report: dict[str, Any], out: Path, plt: Any) -> list[str]:
     scenarios = [s for s in report["scenarios"] if s.get("rl_view")]
     if not scenarios:
         return []
+    from parity.core.rl import METHODS
+
     rows = [(m, s) for m in METHODS if m.action in ("mask", "drop", "veto") for s in m.signs]
     labels = [m.name + ("" if s == "any" else f" ({_sign_label(s)})") for m, s in rows]
     trainers = [t for t in TRAINERS if all(t in sc["rl_view"] for sc in scenarios)]

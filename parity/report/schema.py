@@ -10,11 +10,10 @@ import json
 import math
 import os
 import platform
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from parity.report.markdown import render_markdown
 from parity.report.plots import write_plots
@@ -40,9 +39,13 @@ def _version(dist: str) -> str | None:
 
 
 def environment(device: str, dtype: str, trainer_dtype: str) -> dict[str, Any]:
+    """Versions, device, dtypes and the determinism knobs in force. torch's own state is read where this
+    process has loaded torch (a run, a re-scoring); an analysis of records without a model never imports
+    it (3 s of its start), and reports the installed version with ``None`` for torch's knobs."""
+    torch = sys.modules.get("torch")
     return {
         "vllm": _version("vllm"),
-        "torch": torch.__version__,
+        "torch": torch.__version__ if torch is not None else _version("torch"),
         "transformers": _version("transformers"),
         "parity": _version("parity"),
         "python": platform.python_version(),
@@ -51,8 +54,8 @@ def environment(device: str, dtype: str, trainer_dtype: str) -> dict[str, Any]:
         "trainer_dtype": trainer_dtype,
         "determinism": {
             "env": {k: os.environ.get(k) for k in DETERMINISM_ENV},
-            "torch_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-            "torch_num_threads": torch.get_num_threads(),
+            "torch_deterministic_algorithms": torch.are_deterministic_algorithms_enabled() if torch is not None else None,
+            "torch_num_threads": torch.get_num_threads() if torch is not None else None,
         },
     }
 

@@ -150,8 +150,13 @@ class DiffStream:
             self.total_abs += float(np.sum(ad))
         self.max_abs = max(self.max_abs, float(np.max(ad)))
         fin = np.isfinite(ad)
-        self.nonfinite += int(d.size - fin.sum())
-        self.hist += np.bincount(_hist_index(ad[fin]), minlength=HIST_BINS)
+        n_fin = int(fin.sum())
+        self.nonfinite += int(d.size - n_fin)
+        vals = ad if n_fin == ad.size else ad[fin]
+        if vals.any():
+            self.hist += np.bincount(_hist_index(vals), minlength=HIST_BINS)
+        else:  # exact matches only: bin 0
+            self.hist[0] += vals.size
 
     def merge(self, other: DiffStream) -> None:
         self.n += other.n

@@ -9,7 +9,7 @@ from parity.cli import thresholds_from_args
 from parity.core.table import TrainerFaults
 from parity.engines.quiet import LOG_NAME, EngineOutput
 from parity.errors import UsageError
-from parity.report.summary import render_terminal
+from parity.report.overview import render_terminal
 from parity.run import RunConfig, run
 
 FAULTS = {

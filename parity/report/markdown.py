@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from parity.report import rl as rl_report
-from parity.report import summary
+from parity.report import overview, rl_section
 
 
 def _fmt(x: Any) -> str:
@@ -31,13 +30,13 @@ GLANCE_COLUMNS = (
 
 
 def glance_table(report: dict[str, Any]) -> list[str]:
-    """The narrow table under the verdict: one row per scenario (cells from parity.report.summary)."""
-    who = summary.sampler_name(report)
+    """The narrow table under the verdict: one row per scenario (cells from parity.report.overview)."""
+    who = overview.sampler_name(report)
     lines = [
         "| " + " | ".join(title for _, title in GLANCE_COLUMNS) + " |",
         "|---|---|" + "---:|" * 4 + "---|" + "---:|" * 2,
     ]
-    for r in summary.glance_rows(report):
+    for r in overview.glance_rows(report):
         verdict = r["verdict"] + (f" ({r['failed gates']})" if r["failed gates"] else "")
         cells = [verdict if k == "verdict" else r[k] for k, _ in GLANCE_COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
@@ -45,7 +44,7 @@ def glance_table(report: dict[str, Any]) -> list[str]:
         "",
         "log S: the mean log of the mass the filters kept (0: nothing filtered); naive bias: mean (full-vocabulary "
         f"trainer − {who}), per token. Headroom: max |trainer − {who}| / its per-token rounding bound (a gate fails "
-        f"above {summary.headroom_limit(report):g}; n/a: not evaluated). Support equal: the captured S_q is the sampler's whole support (replay) and the trainer-side "
+        f"above {overview.headroom_limit(report):g}; n/a: not evaluated). Support equal: the captured S_q is the sampler's whole support (replay) and the trainer-side "
         "filters keep the same set (recompute); full V where nothing was filtered. Mean bias / limit: the deciding mean "
         "gate's |mean diff| over its limit (the trainer under test's, else replay's); resolution: that limit, the "
         "smallest per-token bias the scenario would have detected (docs/error_model.md).",
@@ -114,8 +113,8 @@ def _headline(report: dict[str, Any]) -> str:
     """The verdict line; a records analysis that could not evaluate every gate says its PASS covers the others."""
     sc = report["scenarios"]
     n_fail = sum(s["verdict"] == "fail" for s in sc)
-    skipped = sorted({g for s in sc for g in summary.not_evaluated(s)})
-    where = sum(bool(summary.not_evaluated(s)) for s in sc)
+    skipped = sorted({g for s in sc for g in overview.not_evaluated(s)})
+    where = sum(bool(overview.not_evaluated(s)) for s in sc)
     if not skipped:
         return f"**{'PASS' if report['passed'] else 'FAIL'}** — {len(sc) - n_fail}/{len(sc)} scenarios pass."
     verdict = "PASS on the gates evaluated" if report["passed"] else "FAIL"
@@ -149,7 +148,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         _headline(report),
         "",
-        summary.paragraph(report),
+        overview.paragraph(report),
         "",
         _environment(env),
         "",
@@ -228,7 +227,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     if "drift_hist.png" in plots:
         lines += ["", "![per-token drift of replay and recompute against its rounding bound](drift_hist.png)"]
     lines += steps_section(report)
-    lines += rl_report.markdown(report)
+    lines += rl_section.markdown(report)
     det = report.get("determinism")
     if det:
         lines += ["", "## Determinism", ""]

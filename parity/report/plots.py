@@ -6,8 +6,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from parity.report import rl as rl_report
-from parity.report.summary import sampler_name
+from parity.report import rl_section
+from parity.report.overview import sampler_name
 
 # The histogram's range of |diff| / bound: below it (exact matches too) at the left edge, above it (NaN
 # and inf too) at the right edge, so every compared token is drawn.
@@ -100,5 +100,5 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     fig.savefig(out / "log_s_bias.png", dpi=110)
     plt.close(fig)
     written.append("log_s_bias.png")
-    written += rl_report.write_plot(report, out, plt)
+    written += rl_section.write_plot(report, out, plt)
     return written

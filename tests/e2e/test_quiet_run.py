@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from parity.report.summary import render_terminal
+from parity.report.overview import render_terminal
 
 pytestmark = pytest.mark.e2e
 

@@ -16,7 +16,7 @@ from parity.core.table import build_table
 from parity.records.judge import rl_view
 from parity.records.sequence import SequenceRecord
 from parity.report.markdown import render_markdown
-from parity.report.rl import headline
+from parity.report.rl_section import headline
 from parity.report.schema import SCHEMA_VERSION, environment, report_schema, write_report
 
 V = 48

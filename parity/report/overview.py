@@ -13,7 +13,7 @@ import textwrap
 from typing import Any
 
 from parity.core.spec import SamplingSpec
-from parity.report import rl as rl_report
+from parity.report import rl_section
 
 # Which gates belong to which side of the story (parity.core.gates names them).
 REPLAY_GATES = ("replay_drift", "replay_mean_bias", "replay_support")
@@ -305,7 +305,7 @@ def paragraph(report: dict[str, Any]) -> str:
                 + (" (required under batch-invariant mode)." if det.get("required") else " (reported, not required).")
             )
     if truncating:
-        headline = rl_report.headline(_example(truncating))
+        headline = rl_section.headline(_example(truncating))
         if headline:
             parts.append(f"In RL terms, {headline}")
     skipped = sorted({g for s in sc for g in not_evaluated(s)})

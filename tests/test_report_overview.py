@@ -17,7 +17,7 @@ from parity.core.matrix import default_matrix
 from parity.core.spec import SamplingSpec
 from parity.core.table import TrainerFaults, build_table
 from parity.records.sequence import SequenceRecord
-from parity.report import summary
+from parity.report import overview
 from parity.report.markdown import render_markdown
 from parity.report.schema import _clean
 
@@ -80,7 +80,7 @@ def _rows(text: str) -> dict[str, str]:
 
 
 def test_one_line_per_scenario_with_its_own_numbers(mixed: dict) -> None:
-    text = summary.render_terminal(mixed)
+    text = overview.render_terminal(mixed)
     header = text.splitlines()[0].split()
     assert header[:2] == ["verdict", "scenario"] and "support" in header
     rows = _rows(text)
@@ -105,12 +105,12 @@ def test_one_line_per_scenario_with_its_own_numbers(mixed: dict) -> None:
 
 
 def test_the_paragraph_reads_its_numbers_from_the_report(mixed: dict) -> None:
-    text = summary.paragraph(mixed)
+    text = overview.paragraph(mixed)
     e = mixed["scenarios"][0]  # top_p alone nearest 0.9: the scenario the paragraph speaks of
     s_token = e["is_ratio"]["naive"]["token"]["mean"]
     assert s_token < 1
     assert f"under-weight every token by S = {s_token:.2f} at top_p=0.9 T=0.7" in text
-    assert f"{summary._article(LENGTH)} {LENGTH}-token completion by {e['is_ratio']['naive']['sequence']['mean']:.2g}" in text
+    assert f"{overview._article(LENGTH)} {LENGTH}-token completion by {e['is_ratio']['naive']['sequence']['mean']:.2g}" in text
     # The planted fault fails replay and recompute in that scenario alone, and its drift is named.
     assert "Replay fails in 1 scenario(s): top_k=5 planted." in text
     assert "Recompute fails in 1 scenario(s): top_k=5 planted." in text
@@ -125,7 +125,7 @@ def test_a_clean_run_says_the_fixes_remove_the_bias() -> None:
         _scenario("top_p=0.8 T=1.3", SamplingSpec(temperature=1.3, top_p=0.8)),
     ])
     assert report["passed"]
-    text = summary.paragraph(report)
+    text = overview.paragraph(report)
     gap = max(s[k]["max_abs_diff"] for s in report["scenarios"] for k in ("replay", "recompute"))
     assert f"Replay and recompute remove it: their largest per-token gap to vLLM is {gap:.1e} nats." in text
     h, name = max((s["headroom"][k], s["name"]) for s in report["scenarios"] for k in ("replay", "recompute"))
@@ -137,7 +137,7 @@ def test_a_clean_run_says_the_fixes_remove_the_bias() -> None:
 def test_without_truncation_the_paragraph_says_so() -> None:
     report = _report([_scenario("baseline T=1", SamplingSpec(temperature=1.0)),
                       _scenario("greedy", SamplingSpec(temperature=0.0))])
-    text = summary.paragraph(report)
+    text = overview.paragraph(report)
     assert text.startswith("No scenario's filters removed any probability mass")
     assert "under-weight" not in text and "In RL terms" not in text
 
@@ -148,17 +148,17 @@ def test_report_json_renders_the_same(mixed: dict) -> None:
     mixed["scenarios"][1]["headroom"]["recompute"] = float("inf")
     loaded = json.loads(json.dumps(_clean(mixed)))
     assert loaded["scenarios"][1]["headroom"]["recompute"] == "inf"
-    assert summary.render_terminal(loaded) == summary.render_terminal(mixed)
-    assert "/inf " in _rows(summary.render_terminal(loaded))["baseline T=1"]
+    assert overview.render_terminal(loaded) == overview.render_terminal(mixed)
+    assert "/inf " in _rows(overview.render_terminal(loaded))["baseline T=1"]
 
 
 def test_the_default_matrix_fits_a_terminal() -> None:
     m = default_matrix()
     report = _report([_scenario(sc.name, sc.spec) for sc in m.scenarios])
-    table = summary.render_terminal(report).split("\n\n", 1)[0].splitlines()
+    table = overview.render_terminal(report).split("\n\n", 1)[0].splitlines()
     assert len(table) == len(m.scenarios) + 1
-    assert max(len(line) for line in table) <= summary.WIDTH
-    assert all(len(line) <= summary.WIDTH for line in summary.render_terminal(report).splitlines())
+    assert max(len(line) for line in table) <= overview.WIDTH
+    assert all(len(line) <= overview.WIDTH for line in overview.render_terminal(report).splitlines())
 
 
 def test_report_md_opens_with_the_verdict_the_paragraph_and_a_narrow_table(mixed: dict) -> None:
@@ -168,7 +168,7 @@ def test_report_md_opens_with_the_verdict_the_paragraph_and_a_narrow_table(mixed
     # top_k=5 without a raw-logits pass has no sampler-side log S: its naive gate is listed, not passed.
     assert lines[2] == ("**FAIL** — 2/3 scenarios pass; 1 gate(s) were not evaluated in 1 scenario(s) and neither pass "
                         "nor fail (see \"Gates not evaluated\").")
-    assert lines[4] == summary.paragraph(mixed)
+    assert lines[4] == overview.paragraph(mixed)
     header = next(i for i, line in enumerate(lines) if line.startswith("| scenario |"))
     assert header < lines.index("## Detail per scenario")
     assert [c.strip() for c in lines[header].strip("|").split("|")] == [
@@ -183,7 +183,7 @@ def test_report_md_opens_with_the_verdict_the_paragraph_and_a_narrow_table(mixed
 
 
 def test_glance_cells_are_report_values_formatted(mixed: dict) -> None:
-    for row, s in zip(summary.glance_rows(mixed), mixed["scenarios"], strict=True):
+    for row, s in zip(overview.glance_rows(mixed), mixed["scenarios"], strict=True):
         assert row["scenario"] == s["name"] and row["verdict"] == s["verdict"].upper()
         v = float(row["log S"]) if row["log S"] != "0" else 0.0
         assert math.isclose(v, s["log_s"]["mean"], rel_tol=1e-3, abs_tol=5e-5)
@@ -196,7 +196,7 @@ def test_a_trainer_under_test_is_named_with_its_diagnosis(mixed: dict) -> None:
     s["trainer_under_test"] = {"name": "mymodule:my_logprobs", "diagnosis": "it forgets the temperature"}
     s["violations"].append({"gate": "trainer_under_test_drift", "message": "m"})
     report["scenarios"][1]["trainer_under_test"] = {"name": "mymodule:my_logprobs", "diagnosis": "matches"}
-    text = summary.paragraph(report)
+    text = overview.paragraph(report)
     assert ("The trainer under test (mymodule:my_logprobs) fails in 1 of 2 scenario(s) (top_p=0.9 T=0.7); "
             "diagnosis at top_p=0.9 T=0.7: it forgets the temperature.") in text
     assert "Other failed gates" not in text
@@ -226,6 +226,6 @@ def test_truncation_is_judged_against_the_mean_bias_limit_not_the_per_token_boun
     -0.216 (top_p=0.8) truncates; -0.014 (a tenth of the limit) is rounding."""
     s = {"spec": SamplingSpec(top_p=0.8).to_dict(), "log_s": {"mean": log_s},
          "bound": {"mean": 1.2734, "max": 1.5866}, "mean_bias_limit": {"replay": 0.1403}}
-    assert summary.truncates(s) is expected
+    assert overview.truncates(s) is expected
     del s["mean_bias_limit"]  # a report without the limit falls back to the per-token bound
-    assert summary.truncates(s) is False
+    assert overview.truncates(s) is False

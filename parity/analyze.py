@@ -289,7 +289,38 @@ def require_tokens(summary: Summary, where: str) -> None:
         )
 
 
-def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: Sequence[Path]) -> dict[str, Any]:
+# The metadata key under which a producer stores the facts of its report that records do not hold (parity
+# run: each scenario's capture plan, dtypes, RL view; the matrix's pair coverage, the invariance checks, its
+# config): the report of its records then is its report, whoever builds it.
+REPORT_FACTS = "report"
+
+
+def _apply_facts(report: dict[str, Any], facts: Any) -> None:
+    if not isinstance(facts, dict):
+        return
+    per = facts.get("scenarios") or {}
+    for sc in report["scenarios"]:
+        extra = dict(per.get(sc["name"]) or {})
+        raw = extra.pop("raw_logits_pass", None)
+        if raw is not None:
+            sc["sampler_log_s"]["raw_logits_pass"] = raw
+        native = extra.pop("native_violations", None) or []
+        sc.update(extra)
+        if native:
+            sc["violations"] = sc["violations"] + native
+            sc["verdict"] = "fail"
+    report["config"].update(facts.get("config") or {})
+    report["environment"].update(facts.get("environment") or {})
+    report.update(facts.get("top") or {})
+    determinism = report.get("determinism")
+    report["passed"] = (all(s["verdict"] == "pass" for s in report["scenarios"]) and bool(report["scenarios"])
+                        and not (isinstance(determinism, dict) and determinism.get("violations")))
+
+
+def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: Sequence[Path | str],
+                 engine: str = "local") -> dict[str, Any]:
+    """report.json of a records summary: the one report builder (``parity analyze``, ``parity run`` on its own
+    records, the TRL capture). A producer's facts stored under :data:`REPORT_FACTS` join the report."""
     from parity.report.schema import SCHEMA_VERSION, environment
 
     trainer_name = _metadata_value(summary, "trainer_under_test") or _metadata_value(summary, "trainer_name")
@@ -313,7 +344,7 @@ def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: S
     for sc in scenarios:
         for g in sc["not_evaluated"]:
             skipped.setdefault((g["gate"], g["reason"]), []).append(sc["name"])
-    return {
+    report = {
         "schema_version": SCHEMA_VERSION,
         "source": "records",
         "environment": env,
@@ -324,7 +355,8 @@ def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: S
             "thresholds": th.to_dict(),
             "columns": sorted(summary.columns),
             "ignored_columns": sorted(summary.ignored_columns),
-            "records_metadata": summary.metadata,
+            "records_metadata": [{k: v for k, v in m.items() if k != REPORT_FACTS} for m in summary.metadata],
+            "engine": engine,
         },
         "records": {
             "files": len(paths), "rows": summary.rows, "tokens": summary.tokens,
@@ -339,6 +371,8 @@ def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: S
         "complete": not skipped,
         "not_evaluated": [{"gate": g, "reason": r, "scenarios": names} for (g, r), names in skipped.items()],
     }
+    _apply_facts(report, _metadata_value(summary, REPORT_FACTS))
+    return report
 
 
 def analyze(
@@ -374,8 +408,7 @@ def analyze(
             raise UsageError(f"--jobs {jobs} applies to --engine local: {eng.kind} runs as many tasks as its cluster has room for")
         summary = summarize_on_engine(eng, paths, opts, timeout_s=timeout_s, progress=progress)
     require_tokens(summary, str(path) if Path(path).is_file() else f"any of the {len(paths)} *.parquet file(s) under {path}")
-    report = build_report(summary, th, options=opts, paths=paths)
-    report["config"]["engine"] = engine
+    report = build_report(summary, th, options=opts, paths=paths, engine=engine)
     report["timings"] = {"total_s": time.perf_counter() - t0}
     if out is not None:
         write_report(report, Path(out), plots=plots)

@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from parity.determinism.knobs import DeterminismState
     from parity.engines.trainer_under_test import TrainerFn
     from parity.engines.vllm_offline import VllmRollout
+    from parity.records.summary import Summary
 
 
 @dataclass
@@ -99,10 +100,12 @@ class ScenarioResult:
     scenario: Scenario
     records: list[SequenceRecord]
     table: TokenTable
-    summary: dict[str, Any]
+    summary: dict[str, Any]  # the scenario's report entry as judged (its progress line; the report is rebuilt)
     violations: list[Violation]
     seconds: float
-    export: pa.Table | None = None  # the scenario's rows in the records format (with --records)
+    export: pa.Table  # the scenario's rows in the records format
+    part: Summary  # their streamed summary (merged into the run's, in matrix order)
+    facts: dict[str, Any]  # what the records do not hold: the capture plan, dtypes, the RL view (records metadata)
     reference_violations: list[Violation] = field(default_factory=list)  # parity's own estimators, with --trainer
 
 
@@ -174,12 +177,13 @@ def score_scenario(
 ) -> ScenarioResult:
     """Sample with vLLM, score with the trainer, then judge the scenario's records: one scenario.
 
-    The verdict is the records analysis's (:func:`parity.records.judge.judge`) on the rows ``--records`` writes,
-    so a run and an analysis of its records agree by construction. ``raw``: the raw-logits engine for the
-    sampler-side log S (see :func:`wants_sampler_log_s`).
+    The verdict is the records analysis's (:func:`parity.records.judge.scenario_summary`) on the rows
+    ``--records`` writes, so a run and an analysis of its records agree by construction. ``raw``: the
+    raw-logits engine for the sampler-side log S (see :func:`wants_sampler_log_s`).
     """
+    from parity.records.analyze import finalize
     from parity.records.convert import from_sequence_records
-    from parity.records.judge import judge, rl_view
+    from parity.records.judge import rl_view, scenario_summary
 
     t0 = time.perf_counter()
     prompts = make_prompts(trainer.tokenizer(), sc.prompts)
@@ -193,24 +197,22 @@ def score_scenario(
     table = build_table(records, logits, sc.spec, faults=cfg.faults, dtype=dtypes)
     views = score_trainer_under_test(table, records, logits, sc, cfg.trainer, trainer) if cfg.trainer else None
     export = from_sequence_records(records, scenario=sc.name, table=table, logits=logits, faults=cfg.faults)
-    entry = judge(export, cfg.thresholds, dtypes=dtypes, vocab_size=rollout.vocab_size, trainer_name=table.user_name,
-                  views=views)
-    entry.pop("_acc")
-    summary = {k: v for k, v in entry.items() if k not in ("name", "spec", "verdict", "violations", "reference_violations")}
-    summary["rl_view"] = rl_view(table)
+    part = scenario_summary(export, dtypes=dtypes, vocab_size=rollout.vocab_size, views=views,
+                            n_listed=cfg.thresholds.max_violations_listed, source=str(cfg.records or "parity run"))
+    (entry,) = finalize(part, cfg.thresholds, trainer_name=table.user_name)
     # What the capture did (parity.core.capture.CaptureStats): the head it started with, what it widened,
     # the largest |S_q| met, positions unproven at the cap, resamples that came back different.
     assert rollout.last_capture is not None  # set by generate()
-    summary["capture_plan"] = rollout.last_capture.to_dict()
-    summary["dtypes"] = {"sampler": dtypes[0], "trainer": dtypes[1]}
+    facts: dict[str, Any] = {"rl_view": rl_view(table), "capture_plan": rollout.last_capture.to_dict(),
+                             "dtypes": {"sampler": dtypes[0], "trainer": dtypes[1]}}
     if raw_pass is not None:
-        summary["sampler_log_s"]["raw_logits_pass"] = raw_pass
+        facts["raw_logits_pass"] = raw_pass
     violations, reference = list(entry["violations"]), list(entry["reference_violations"])
     if any("native_kept_ids" in r.extras for r in records):
-        summary["native_capture"], native = native_capture_gate(records, sc.name, cfg.capture, cfg.thresholds)
+        facts["native_capture"], native = native_capture_gate(records, sc.name, cfg.capture, cfg.thresholds)
+        facts["native_violations"] = [v.to_dict() for v in native]
         violations += native
-    return ScenarioResult(sc, records, table, summary, violations, time.perf_counter() - t0,
-                          export if cfg.records is not None else None, reference)
+    return ScenarioResult(sc, records, table, entry, violations, time.perf_counter() - t0, export, part, facts, reference)
 
 
 def native_capture_gate(
@@ -277,23 +279,21 @@ def _run(
     cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: EnginePool | None, state: DeterminismState
 ) -> dict[str, Any]:
     from parity.core.capture import CaptureHistory
-    from parity.core.matrix import pair_coverage
-    from parity.core.rl import catalogue as rl_catalogue
     from parity.determinism.checks import check_rollout_invariance, check_trainer_invariance
     from parity.determinism.gate import determinism_section
     from parity.determinism.knobs import batch_invariant_mode
-    from parity.report.schema import SCHEMA_VERSION, environment, write_report
+    from parity.report.schema import write_report
 
     preflight(matrix, cfg)
     engines = cfg.engine_settings()
     own_pool = pool is None
     pool = pool or EnginePool()
-    results: list[dict[str, Any]] = []
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
     # Scenarios run grouped by model so that each engine starts once, then are reported in matrix order.
     order = sorted(range(len(matrix.scenarios)), key=lambda i: (matrix.scenarios[i].model or cfg.model) != cfg.model)
-    by_index: dict[int, dict[str, Any]] = {}
+    by_index: dict[int, ScenarioResult] = {}
+    vocab: dict[int, int] = {}
     fresh: set[int] = set()
     try:
         for done, idx in enumerate(order, start=1):
@@ -308,17 +308,7 @@ def _run(
             # around scoring.
             with batch_invariant_mode(cfg.batch_invariant, device=cfg.device, models=[trainer.model]):
                 res = score_scenario(rollout, trainer, sc, cfg, raw)
-            by_index[idx] = {
-                "name": sc.name,
-                "model": model_name,
-                "spec": sc.spec.to_dict(),
-                **res.summary,
-                "verdict": "fail" if res.violations else "pass",
-                "violations": [v.to_dict() for v in res.violations],
-                "reference_violations": [v.to_dict() for v in res.reference_violations],
-                "_export": res.export,
-                "_vocab_size": rollout.vocab_size,
-            }
+            by_index[idx], vocab[idx] = res, rollout.vocab_size
             timings[f"scenario_s[{sc.name}]"] = res.seconds
             s = res.summary
             progress(
@@ -327,7 +317,7 @@ def _run(
                 f"({s['headroom']['replay']:.2f} of its bound)  "
                 f"({s['tokens']} tokens, {res.seconds:.1f} s)"
             )
-            if s["capture_plan"].get("adaptive") and rollout.last_capture is not None:
+            if res.facts["capture_plan"].get("adaptive") and rollout.last_capture is not None:
                 progress(f"    {rollout.last_capture.summary()}")
         determinism = None
         if cfg.invariance:
@@ -339,7 +329,7 @@ def _run(
             with batch_invariant_mode(cfg.batch_invariant, device=cfg.device, models=[trainer.model]) as inner:
                 ro = check_rollout_invariance(rollout, prompts, spec, max_tokens=8, seed=cfg.seed)
                 tr = check_trainer_invariance(trainer, rollout.generate(prompts, spec, max_tokens=8, seed=cfg.seed))
-            replay_max = max((r["replay"]["max_abs_diff"] for r in by_index.values()), default=None)
+            replay_max = max((r.summary["replay"]["max_abs_diff"] for r in by_index.values()), default=None)
             # The inner state: it also holds the trainer-side knobs (the CPU kernels and their calls).
             determinism = determinism_section(
                 inner, rollout=ro, trainer=tr, required=cfg.batch_invariant, replay_max_abs_diff=replay_max
@@ -354,65 +344,77 @@ def _run(
         if own_pool:
             pool.close()
     results = [by_index[i] for i in range(len(matrix.scenarios))]
+    vocabs = {vocab[i] for i in range(len(matrix.scenarios))}
+    report = run_report(cfg, matrix, results, state, determinism, vocabs.pop() if len(vocabs) == 1 else None)
     timings["total_s"] = time.perf_counter() - t_start
-    trainer_dtype = cfg.trainer_dtype or cfg.dtype
-    report: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION,
-        "environment": {**environment(cfg.device, cfg.dtype, trainer_dtype), "batch_invariant_mode": state.to_dict()},
-        "config": {
-            "model": cfg.model,
-            "trainer_model": cfg.trainer_model or cfg.model,
-            "matrix": matrix.name,
-            "seed": cfg.seed,
-            "prefix_caching": cfg.prefix_caching,
-            "rollout": "vllm-server" if cfg.server else "vllm-offline",
-            "trainer_under_test": cfg.trainer if cfg.trainer is None or isinstance(cfg.trainer, str) else getattr(cfg.trainer, "__qualname__", "callable"),
-            "thresholds": cfg.thresholds.to_dict(),
-            "planted_faults": {k: v for k, v in cfg.faults.__dict__.items() if v},
-        },
-        "matrix_pair_coverage": pair_coverage(matrix),
-        "rl_view": rl_catalogue(),
-        "scenarios": results,
-        "determinism": determinism,
-        "passed": all(r["verdict"] == "pass" for r in results) and not (determinism and determinism["violations"]),
-        "timings": timings,
-    }
-    if cfg.records is not None:
-        write_run_records(cfg, matrix, results, report["environment"])
+    report["timings"] = timings
     write_report(report, cfg.out, plots=cfg.plots)
-    for r in results:
-        for k in ("_drift_headroom", "_export", "_vocab_size"):
-            r.pop(k, None)
+    for r in report["scenarios"]:
+        r.pop("_drift_headroom", None)
     return report
 
 
-def write_run_records(cfg: RunConfig, matrix: Matrix, results: list[dict[str, Any]], env: dict[str, Any]) -> None:
-    """``--records``: every scenario's sampled and scored tokens, in matrix order, as one records file."""
-    from parity.records.format import RecordsWriter
+def run_report(
+    cfg: RunConfig, matrix: Matrix, results: list[ScenarioResult], state: DeterminismState,
+    determinism: dict[str, Any] | None, vocab_size: int | None,
+) -> dict[str, Any]:
+    """The run's records (written with ``--records``) and their report, built as an analysis of them builds it
+    (:func:`parity.analyze.build_report`): what the records do not hold travels in their metadata."""
+    import json
 
-    assert cfg.records is not None  # called with --records only
-    users = {r["trainer_under_test"]["name"] for r in results if r.get("trainer_under_test")}
-    vocabs = {r["_vocab_size"] for r in results if r.get("_vocab_size")}
-    metadata = {
-        "producer": "parity run",
+    from parity.analyze import REPORT_FACTS, build_report
+    from parity.core.matrix import pair_coverage
+    from parity.core.rl import catalogue as rl_catalogue
+    from parity.records.analyze import Options
+    from parity.records.format import RecordsWriter
+    from parity.records.summary import Summary
+    from parity.report.schema import environment
+
+    env = environment(cfg.device, cfg.dtype, cfg.trainer_dtype or cfg.dtype)
+    users = {r.table.user_name for r in results if r.table.user_name}
+    config = {
         "model": cfg.model,
         "trainer_model": cfg.trainer_model or cfg.model,
-        "scenario_models": {r["name"]: r["model"] for r in results},
+        "matrix": matrix.name,
+        "seed": cfg.seed,
+        "prefix_caching": cfg.prefix_caching,
+        "rollout": "vllm-server" if cfg.server else "vllm-offline",
+        "trainer_under_test": cfg.trainer if cfg.trainer is None or isinstance(cfg.trainer, str)
+        else getattr(cfg.trainer, "__qualname__", "callable"),
+        "planted_faults": {k: v for k, v in cfg.faults.__dict__.items() if v},
+    }
+    facts = {
+        "scenarios": {r.scenario.name: {"model": r.scenario.model or cfg.model, **r.facts} for r in results},
+        "config": config,
+        "environment": {"device": cfg.device, "batch_invariant_mode": state.to_dict()},
+        "top": {"matrix_pair_coverage": pair_coverage(matrix), "rl_view": rl_catalogue(), "determinism": determinism},
+    }
+    metadata = json.loads(json.dumps({
+        "producer": "parity run",
+        **{k: config[k] for k in ("model", "trainer_model", "seed", "matrix", "rollout", "planted_faults")},
+        "scenario_models": {r.scenario.name: r.scenario.model or cfg.model for r in results},
         "vllm": env.get("vllm"),
         "torch": env.get("torch"),
         "transformers": env.get("transformers"),
         "device": cfg.device,
         "dtype": cfg.dtype,
         "trainer_dtype": cfg.trainer_dtype or cfg.dtype,
-        "vocab_size": vocabs.pop() if len(vocabs) == 1 else None,
-        "seed": cfg.seed,
-        "matrix": matrix.name,
-        "rollout": "vllm-server" if cfg.server else "vllm-offline",
+        "vocab_size": vocab_size,
         "trainer_under_test": users.pop() if len(users) == 1 else None,
-        "planted_faults": {k: v for k, v in cfg.faults.__dict__.items() if v},
-    }
-    with RecordsWriter(cfg.records, metadata=metadata) as writer:
-        for r in results:
-            writer.write(r["_export"])
-
-
+        REPORT_FACTS: facts,
+    }, default=str))
+    where = str(cfg.records) if cfg.records is not None else "parity run"
+    if cfg.records is not None:
+        with RecordsWriter(cfg.records, metadata=metadata) as writer:
+            for r in results:
+                writer.write(r.export)
+    total = Summary(files=[where], metadata=[{"file": where, **metadata}],
+                    page_checksums={where: True} if cfg.records is not None else {})
+    first_row = 0
+    for r in results:  # matrix order, each scenario's rows after the last one's (as in the file)
+        for acc in r.part.groups.values():
+            acc.first_order = (0, first_row + acc.first_order[1], 0)
+        first_row += r.part.rows
+        total.merge(r.part)
+    return build_report(total, cfg.thresholds, options=Options(device=cfg.device, n_listed=cfg.thresholds.max_violations_listed),
+                        paths=[where] if cfg.records is not None else [])

@@ -73,10 +73,11 @@ def to_records(sequences: Sequence[dict[str, Any]]) -> tuple[list[SequenceRecord
 
 
 def score_step(sequences: Sequence[dict[str, Any]], *, name: str, thresholds: Thresholds | None = None) -> dict[str, Any]:
-    """One report scenario for one generation batch: its records judged by :func:`parity.records.judge.judge`."""
+    """One generation batch judged as records: ``{"part": Summary, "facts": ..., "thresholds": ..., "dtype": ...}``
+    (:func:`score_capture` merges the steps into one report)."""
     from parity.engines.trainer_under_test import reference_views
     from parity.records.convert import from_sequence_records
-    from parity.records.judge import judge, rl_view
+    from parity.records.judge import rl_view, scenario_summary
 
     if not sequences:
         raise UsageError(f"scenario {name!r}: no captured sequences")
@@ -95,14 +96,12 @@ def score_step(sequences: Sequence[dict[str, Any]], *, name: str, thresholds: Th
     views = reference_views(logits, ys, spec, [r.kept_ids for r in records])
     export = from_sequence_records(records, scenario=name, table=table, logits=logits)
     vocab = int(logits[0].shape[-1]) if logits else None
-    entry = judge(export, th, dtypes=(gate_dtype, "float32"), vocab_size=vocab, trainer_name=TRAINER_UNDER_TEST,
-                  views=views, source=f"TRL step {name!r}")
-    entry.pop("_acc")
+    part = scenario_summary(export, dtypes=(gate_dtype, "float32"), vocab_size=vocab, views=views,
+                            n_listed=th.max_violations_listed, source=SOURCE)
     # The sampler dtype's own per-token rounding bound, as a fact beside the gates' (which also carry the trainer's).
     bound = torch.cat([logprob_rounding_bound(z, y, spec, gate_dtype, kept=r.kept_ids)
                        for z, y, r in zip(logits, ys, records, strict=True)]) if ys else torch.zeros(0, dtype=torch.float64)
-    return {
-        **entry,
+    facts = {
         "model": "TRL GRPOTrainer",
         "rl_view": rl_view(table),
         "masked_tokens": dropped,
@@ -110,37 +109,49 @@ def score_step(sequences: Sequence[dict[str, Any]], *, name: str, thresholds: Th
                            "max": float(bound.max()) if bound.numel() else 0.0},
         "trl": {"is_mode": sequences[0]["is_mode"], "fix": sequences[0]["fix"], "sampler_dtype": dtype,
                 "step": int(sequences[0]["step"])},
-        "violations": [v.to_dict() for v in entry["violations"]],
-        "reference_violations": [v.to_dict() for v in entry["reference_violations"]],
-        "_thresholds": th,
     }
+    return {"part": part, "facts": facts, "thresholds": th, "dtype": dtype}
 
 
 def score_capture(sequences: Sequence[dict[str, Any]], *, label: str = "trl", thresholds: Thresholds | None = None) -> dict[str, Any]:
-    """The report dict (report.json's schema) for every captured step."""
-    from parity.report.schema import SCHEMA_VERSION, environment
+    """The report (report.json's schema) of every captured step, one scenario per step, built as an analysis of
+    the capture's records builds it (:func:`parity.analyze.build_report`)."""
+    import json
+    from importlib.metadata import PackageNotFoundError, version
+
+    from parity.analyze import REPORT_FACTS, build_report
+    from parity.records.analyze import Options
+    from parity.records.summary import Summary
+    from parity.report.schema import environment
 
     steps = sorted({int(s["step"]) for s in sequences})
-    scenarios = [score_step([s for s in sequences if int(s["step"]) == st], name=f"{label}-step{st}", thresholds=thresholds)
-                 for st in steps]
-    th = scenarios[0].pop("_thresholds") if scenarios else (thresholds or Thresholds())
-    for sc in scenarios[1:]:
-        sc.pop("_thresholds", None)
-    dtype = scenarios[0]["trl"]["sampler_dtype"] if scenarios else "unknown"
-    env = environment("cpu", dtype, "float32")
+    scored = [score_step([s for s in sequences if int(s["step"]) == st], name=f"{label}-step{st}", thresholds=thresholds)
+              for st in steps]
+    th = scored[0]["thresholds"] if scored else (thresholds or Thresholds())
+    dtype = scored[0]["dtype"] if scored else "unknown"
     try:
-        from importlib.metadata import version
-
-        env["trl"] = version("trl")
-    except Exception:  # noqa: BLE001 - TRL is optional for scoring a saved capture
-        env["trl"] = None
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "environment": env,
-        "config": {"source": "TRL GRPOTrainer capture", "thresholds": th.to_dict(), "fix": scenarios[0]["trl"]["fix"] if scenarios else None},
-        "scenarios": scenarios,
-        "passed": all(s["verdict"] == "pass" for s in scenarios),
+        trl_version: str | None = version("trl")
+    except PackageNotFoundError:  # TRL is optional for scoring a saved capture
+        trl_version = None
+    facts = {
+        "scenarios": {f"{label}-step{st}": x["facts"] for st, x in zip(steps, scored, strict=True)},
+        "config": {"source": "TRL GRPOTrainer capture", "fix": scored[0]["facts"]["trl"]["fix"] if scored else None},
+        "environment": {"trl": trl_version},
     }
+    env = environment("cpu", dtype, "float32")  # the capture ran here: these are its versions
+    metadata = json.loads(json.dumps({"producer": "TRL GRPOTrainer capture", "sampler": "vLLM", "dtype": dtype,
+                                      **{k: env[k] for k in ("vllm", "torch", "transformers")},
+                                      "trainer_dtype": "float32", "trainer_under_test": TRAINER_UNDER_TEST,
+                                      REPORT_FACTS: facts}))
+    total = Summary(files=[SOURCE], metadata=[{"file": SOURCE, **metadata}])
+    first_row = 0
+    for x in scored:
+        part = x["part"]
+        for acc in part.groups.values():
+            acc.first_order = (0, first_row + acc.first_order[1], 0)
+        first_row += part.rows
+        total.merge(part)
+    return build_report(total, th, options=Options(n_listed=th.max_violations_listed), paths=[])
 
 
 def write_capture_report(sequences: Sequence[dict[str, Any]], out: str | Path, *, label: str = "trl",

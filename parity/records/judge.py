@@ -22,6 +22,37 @@ if TYPE_CHECKING:
     from parity.core.table import TokenTable
     from parity.records.analyze import TokenColumns
     from parity.records.format import RecordsBatch
+    from parity.records.summary import Summary
+
+
+def scenario_summary(
+    export: pa.Table,
+    *,
+    dtypes: tuple[str, str],
+    vocab_size: int | None,
+    n_listed: int,
+    views: dict[frozenset[str], torch.Tensor] | None = None,
+    source: str = "run",
+) -> Summary:
+    """The streamed summary of one scenario's records (``export``), as a file's analysis gets it (``source``
+    names the file in messages).
+
+    ``views``: the trainer-side reference views of a trainer under test, by bug set
+    (:func:`parity.engines.trainer_under_test.reference_views`; the producer has the logits), for its
+    diagnosis; without them the records' own views are used (the sampler's values, and the
+    full-vocabulary view where the records hold it).
+    """
+    import numpy as np
+
+    def columns(rb: RecordsBatch) -> TokenColumns:
+        cols = token_columns(rb, vocab_size=vocab_size)
+        if views:
+            cols.views = {frozenset(): cols.views[frozenset()],
+                          **{b: v.double().numpy().astype(np.float64) for b, v in views.items() if b}}
+        return cols
+
+    return summarize_batch(export, options=Options(n_listed=n_listed), source=source, dtypes=dtypes,
+                           vocab_size=vocab_size, columns=columns)
 
 
 def judge(
@@ -34,27 +65,15 @@ def judge(
     views: dict[frozenset[str], torch.Tensor] | None = None,
     source: str = "run",
 ) -> dict[str, Any]:
-    """The report entry of one scenario's records (``export``: one scenario, one spec), verdict included.
+    """The report entry of one scenario's records (one scenario, one spec), verdict included: what the
+    report of a summary holding them gives (:func:`parity.analyze.build_report`).
 
-    ``views``: the trainer-side reference views of a trainer under test, by bug set
-    (:func:`parity.engines.trainer_under_test.reference_views`; the producer has the logits), for its
-    diagnosis; without them the records' own views are used (the sampler's values, and the
-    full-vocabulary view where the records hold it). ``violations`` and ``reference_violations`` are
-    :class:`~parity.core.violation.Violation` objects; ``_acc`` and ``_drift_headroom`` are the
-    streamed state the report's plots read (popped by the report writer's caller).
+    ``violations`` and ``reference_violations`` are :class:`~parity.core.violation.Violation` objects;
+    ``_acc`` and ``_drift_headroom`` are the streamed state the report's plots read.
     """
-    import numpy as np
-
-    def columns(rb: RecordsBatch) -> TokenColumns:
-        cols = token_columns(rb, vocab_size=vocab_size)
-        if views:
-            cols.views = {frozenset(): cols.views[frozenset()],
-                          **{b: v.double().numpy().astype(np.float64) for b, v in views.items() if b}}
-        return cols
-
-    summary = summarize_batch(export, options=Options(n_listed=th.max_violations_listed), source=source, dtypes=dtypes,
-                              vocab_size=vocab_size, columns=columns)
-    entries = finalize(summary, th, trainer_name=trainer_name)
+    part = scenario_summary(export, dtypes=dtypes, vocab_size=vocab_size, n_listed=th.max_violations_listed,
+                            views=views, source=source)
+    entries = finalize(part, th, trainer_name=trainer_name)
     assert len(entries) == 1, [e["name"] for e in entries]  # one scenario, one spec per export
     return entries[0]
 

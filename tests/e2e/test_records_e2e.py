@@ -3,6 +3,7 @@ numbers, and the README's "records from your own vLLM engine" block works as wri
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -51,20 +52,22 @@ def pool():
 RUN_ONLY = ("rl_view", "capture_plan", "dtypes", "raw_logits_pass")
 
 
-def same(a, b, path="") -> list[str]:
-    """Run numbers against analysis numbers: exact or float64 rounding; p99 within its histogram bin."""
+def same(a, b, path="", exact=False) -> list[str]:
+    """Run numbers against analysis numbers: exact or float64 rounding; p99 within its histogram bin.
+    ``exact``: every key on both sides (the run-only ones too)."""
     bad = []
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            bad += same(x, y, f"{path}[{i}]")
+            bad += same(x, y, f"{path}[{i}]", exact)
     elif isinstance(a, dict):
         for k, v in a.items():
-            if k in RUN_ONLY:
+            if k in RUN_ONLY and not exact:
                 continue
             if k not in b:
                 bad.append(f"{path}.{k} missing")
             else:
-                bad += same(v, b[k], f"{path}.{k}")
+                bad += same(v, b[k], f"{path}.{k}", exact)
+        bad += [f"{path}.{k} only in the analysis" for k in b if k not in a and exact]
     elif isinstance(a, float) and isinstance(b, float):
         tol = 0.013 * abs(a) if "p99" in path else 1e-12 * max(1.0, abs(a))
         if not (a == b or (math.isnan(a) and math.isnan(b)) or abs(a - b) <= tol):
@@ -84,8 +87,13 @@ def round_trip(pool, tmp_path: Path, **cfg):
 @pytest.mark.parametrize(
     ("faults", "trainer"), [(TrainerFaults(), "full"), (TrainerFaults(perturb_logits=0.05), None)], ids=["clean", "planted"]
 )
-def test_run_records_then_analyze_gives_the_same_verdicts_and_numbers(pool, tmp_path: Path, faults, trainer) -> None:
+def test_run_records_then_analyze_gives_the_same_report(pool, tmp_path: Path, faults, trainer) -> None:
     rep, ana = round_trip(pool, tmp_path, matrix=small_matrix(), faults=faults, trainer=trainer)
+    # report.json itself, timings aside: one report builder over the same records and their metadata.
+    written = [json.loads((tmp_path / d / "report.json").read_text()) for d in ("run", "analyze")]
+    for w in written:
+        w.pop("timings")
+    assert same(written[0], written[1], "report.json", exact=True) == []
     assert [s["name"] for s in ana["scenarios"]] == [s["name"] for s in rep["scenarios"]]
     assert ana["passed"] == rep["passed"]
     for r, a in zip(rep["scenarios"], ana["scenarios"], strict=True):

@@ -1,4 +1,4 @@
-"""A token table's verdict the way ``parity run`` gets it: the table's records through :func:`parity.records.judge.judge`.
+"""A token table's verdict the way ``parity run`` gets it: the table's records through :func:`parity.records.judge.scenario_summary`.
 
 For tests that build a :class:`~parity.core.table.TokenTable` from synthetic sampler records and logits.
 """
@@ -8,8 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from parity.core.gates import Thresholds
+from parity.records.analyze import finalize
 from parity.records.convert import from_sequence_records
-from parity.records.judge import judge
+from parity.records.judge import scenario_summary
 
 
 def judged(records, logits, table, th: Thresholds | None = None, *, faults=None, name: str = "planted",
@@ -17,7 +18,10 @@ def judged(records, logits, table, th: Thresholds | None = None, *, faults=None,
     """The scenario's report entry; ``faults``: the ones ``table`` was built with (planted kept sets go to the records)."""
     export = from_sequence_records(records, scenario=name, table=table, logits=logits, faults=faults)
     vocab = int(logits[0].shape[-1]) if len(logits) else None
-    return judge(export, th or Thresholds(), dtypes=dtypes, vocab_size=vocab, trainer_name=table.user_name, views=views)
+    th = th or Thresholds()
+    part = scenario_summary(export, dtypes=dtypes, vocab_size=vocab, n_listed=th.max_violations_listed, views=views)
+    (entry,) = finalize(part, th, trainer_name=table.user_name)
+    return entry
 
 
 def failed(entry: dict[str, Any]) -> set[str]:

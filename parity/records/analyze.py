@@ -1,6 +1,6 @@
 """The records analysis: one validated batch of records in, its mergeable :class:`~parity.records.summary.Summary`
 out (the map step), and from a merged summary the report entries and verdicts. This is where every gate
-is computed, for ``parity analyze``, ``parity run`` (:func:`parity.records.judge.judge` on the run's own
+is computed, for ``parity analyze``, ``parity run`` (:func:`parity.records.judge.scenario_summary` on the run's own
 records) and the TRL capture alike, as :class:`~parity.core.violation.Violation` objects:
 
 * drift (``replay_drift``, ``recompute_drift``, ``trainer_under_test_drift``): the largest

@@ -1,19 +1,18 @@
-"""The one road from a producer to a verdict: a scenario's records in, its report entry out.
+"""The one road from a producer to a verdict: a scenario's records in, their streamed summary out.
 
 Every producer writes records (:mod:`parity.records.format`): ``parity run`` converts its sampled and
 scored tokens (:func:`parity.records.convert.from_sequence_records`), the TRL capture its steps, a user
 their own file. The streamed analysis of :mod:`parity.records.analyze` computes every statistic and
-every gate from them, so ``parity run`` gives what ``parity run --records`` then ``parity analyze``
-gives. The RL view needs every token at once; it is a second pass over the same values
-(:func:`rl_view`), not a second pipeline.
+every gate from them, and :func:`parity.analyze.build_report` writes the one report, so ``parity run``
+gives what ``parity run --records`` then ``parity analyze`` gives. The RL view needs every token at
+once; it is a second pass over the same values (:func:`rl_view`), not a second pipeline.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from parity.core.gates import Thresholds
-from parity.records.analyze import Options, finalize, summarize_batch, token_columns
+from parity.records.analyze import Options, summarize_batch, token_columns
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -53,29 +52,6 @@ def scenario_summary(
 
     return summarize_batch(export, options=Options(n_listed=n_listed), source=source, dtypes=dtypes,
                            vocab_size=vocab_size, columns=columns)
-
-
-def judge(
-    export: pa.Table,
-    th: Thresholds,
-    *,
-    dtypes: tuple[str, str],
-    vocab_size: int | None,
-    trainer_name: str | None = None,
-    views: dict[frozenset[str], torch.Tensor] | None = None,
-    source: str = "run",
-) -> dict[str, Any]:
-    """The report entry of one scenario's records (one scenario, one spec), verdict included: what the
-    report of a summary holding them gives (:func:`parity.analyze.build_report`).
-
-    ``violations`` and ``reference_violations`` are :class:`~parity.core.violation.Violation` objects;
-    ``_acc`` and ``_drift_headroom`` are the streamed state the report's plots read.
-    """
-    part = scenario_summary(export, dtypes=dtypes, vocab_size=vocab_size, n_listed=th.max_violations_listed,
-                            views=views, source=source)
-    entries = finalize(part, th, trainer_name=trainer_name)
-    assert len(entries) == 1, [e["name"] for e in entries]  # one scenario, one spec per export
-    return entries[0]
 
 
 def rl_view(table: TokenTable) -> dict[str, Any]:

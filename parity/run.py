@@ -59,21 +59,10 @@ class RunConfig:
     records: Path | None = None  # also write what was sampled and scored, per token (parity.records.format)
 
     def engine_settings(self) -> EngineSettings:
-        """The part of this configuration the engines are started with."""
-        return EngineSettings(
-            model=self.model,
-            trainer_model=self.trainer_model,
-            dtype=self.dtype,
-            trainer_dtype=self.trainer_dtype,
-            device=self.device,
-            seed=self.seed,
-            capture_head=self.capture_head,
-            max_capture_head=self.max_capture_head,
-            timeout_s=self.timeout_s,
-            prefix_caching=self.prefix_caching,
-            capture=self.capture,
-            server=self.server,
-        )
+        """The part of this configuration the engines are started with (every EngineSettings field is one of ours)."""
+        from dataclasses import fields
+
+        return EngineSettings(**{f.name: getattr(self, f.name) for f in fields(EngineSettings)})
 
 
 def resolve_matrix(cfg: RunConfig) -> Matrix:

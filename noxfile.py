@@ -137,15 +137,18 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Capture and replay overhead (pytest-benchmark): ratios in one run, bench.md, a ratio regression guard.
+    """Benchmarks (pytest-benchmark): capture overhead, replay and recompute against full, parity analyze
+    against a plain pyarrow scan, end-to-end throughput, the batch-invariant kernels' overhead; ratios in
+    one run, bench.md, a ratio regression guard.
 
     Writes into $PARITY_BENCH_DIR (default reports/bench): pytest-benchmark's JSON per machine,
     bench.md (targets, ratio tables, what is skipped by design) and ratios.json. Guard against a saved
     run: ``nox -s bench -- --ratio-baseline OLD/ratios.json --ratio-fail 25`` (fails when a ratio grew
     by more than 25 %); pytest-benchmark's ``--benchmark-compare`` works too, on absolute times.
-    About 8.5 minutes of benchmarks on a quiet 2-core CPU machine; $PARITY_BENCH_BUDGET_S (default
-    660) bounds them on a loaded one (what is cut is listed in bench.md). ``nox -R -s bench -- -k
-    trainer`` reruns a part.
+    The benchmarks took 4 min 41 s (281 s) on a quiet 2-core CPU machine (``pytest tests/bench
+    --benchmark-only``, no install; 7 min 11 s with five other jobs on the machine and a few rows more);
+    $PARITY_BENCH_BUDGET_S (default 660) bounds them on a loaded one (what is cut is listed in bench.md).
+    ``nox -R -s bench -- -k trainer`` reruns a part.
 
     OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE`` unless set): by default a thread that
     waits for its partner spins, and on a shared machine, where the partner is often descheduled, the

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
-from parity.records.format import SCHEMA_VERSION, RecordsWriter
+from parity.records.format import SCHEMA_VERSION, RecordsWriter, records_schema
 
 CHUNK_TOKENS = 65_536
 
@@ -58,15 +59,29 @@ def chunk(n_seq: int, length: int, k: int, vocab: int, rng: np.random.Generator,
     return pa.table(data)
 
 
-def write_file(path: Path, tokens: int, *, k: int = 64, vocab: int = 32_768, length: int = 256, seed: int = 0) -> Path:
-    """A records file of ``tokens`` tokens (rounded to whole sequences), written chunk by chunk."""
+def write_file(
+    path: Path, tokens: int, *, k: int = 64, vocab: int = 32_768, length: int = 256, seed: int = 0,
+    one_row_group: bool = False,
+) -> Path:
+    """A records file of ``tokens`` tokens (rounded to whole sequences), written chunk by chunk.
+
+    Row groups are the writer's (:class:`~parity.records.format.RecordsWriter`, bounded in tokens);
+    ``one_row_group`` writes the whole file as a single row group instead (a writer that never cuts
+    one: the reader must still hold only a batch of rows at a time).
+    """
     rng = np.random.default_rng(seed)
     per_chunk = max(1, CHUNK_TOKENS // length)
     n_seq = max(1, tokens // length)
-    with RecordsWriter(path, metadata={"producer": "records benchmark", "trainer_dtype": "float32"}) as w:
-        done = 0
-        while done < n_seq:
-            n = min(per_chunk, n_seq - done)
-            w.write(chunk(n, length, k, vocab, rng, first_prompt=done))
-            done += n
+    metadata = {"producer": "records benchmark", "trainer_dtype": "float32"}
+    starts = range(0, n_seq, per_chunk)
+    if not one_row_group:
+        with RecordsWriter(path, metadata=metadata) as w:
+            for done in starts:
+                w.write(chunk(min(per_chunk, n_seq - done), length, k, vocab, rng, first_prompt=done))
+        return path
+    table = pa.concat_tables([chunk(min(per_chunk, n_seq - done), length, k, vocab, rng, first_prompt=done) for done in starts])
+    schema = records_schema(metadata)  # every column, as RecordsWriter writes them (absent ones null)
+    full = pa.table({f.name: table.column(f.name).cast(f.type) if f.name in table.schema.names else pa.nulls(len(table), f.type)
+                     for f in schema}, schema=schema)
+    pq.write_table(full, path, row_group_size=len(full), compression="zstd", write_page_checksum=True)
     return path

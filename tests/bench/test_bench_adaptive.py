@@ -6,12 +6,10 @@ the kept sets as tensors) against ``LLM.generate`` of the same prompts and seeds
 (the engine runs in this process). 8 prompts x 24 tokens, float32.
 
 Rows: top_p=0.9 at T=1 from a fresh history (the first call of a run: the start head comes from the
-spec), with the history of the previous round (later steps of a run), and with the start forced to
-1024 (what widening costs: the sequences it leaves unproven are generated again); a flat case, T=1.3 top_p=0.99,
-whose nucleus reaches past the cap at some positions (reported: counted there, not widened forever);
-top_k=50 (a fixed head of 66) for comparison. Peak RSS per row (VmHWM after a reset of the process's
-high-water mark) is compared with the top_k=50 row's. Targets: top_p=0.9 within 1.5x the logprobs=20
-generation, peak RSS within 1.2x that of top_k=50. Nothing here asserts a duration.
+spec, the costliest call), and top_k=50 (a fixed head of 66) for comparison. Peak RSS per row (VmHWM
+after a reset of the process's high-water mark) is compared with the top_k=50 row's. Targets: top_p=0.9
+within 1.5x the logprobs=20 generation, peak RSS within 1.2x that of top_k=50. Nothing here asserts a
+duration. (The later-step, forced-start and T=1.3 rows are cut: each took about a minute of the session.)
 """
 
 from __future__ import annotations
@@ -27,20 +25,15 @@ from parity.core.spec import SamplingSpec
 
 MODEL = "smollm2-135m"
 PROMPTS, TOKENS = 8, 24
-ROUNDS, WARMUP = 3, 1
+ROUNDS, WARMUP = 2, 1  # a round is 4-6 s of smollm2 generation per side
 BASE_LOGPROBS = 20
 CASES: dict[str, tuple[str, SamplingSpec, bool, int | None]] = {
     # id -> (row label, spec, keep the history between rounds, forced start head)
     "top_k": ("top_k=50 T=1 (fixed head 66)", SamplingSpec(1.0, top_k=50), True, None),
     "top_p-cold": ("top_p=0.9 T=1, fresh history", SamplingSpec(1.0, top_p=0.9), False, None),
-    "top_p-warm": ("top_p=0.9 T=1, history of the last round", SamplingSpec(1.0, top_p=0.9), True, None),
-    # What a narrower start costs: the sequences it does not prove are generated a second time.
-    "top_p-1024": ("top_p=0.9 T=1, start forced to K=1024", SamplingSpec(1.0, top_p=0.9), False, 1024),
-    "flat": ("flat: top_p=0.99 T=1.3, fresh history", SamplingSpec(1.3, top_p=0.99), False, None),
 }
 TIME_TARGET = ("adaptive capture of top_p=0.9 T=1 (no top_k) <= 1.5x generation with logprobs=20, smollm2-135m", 1.5)
 RSS_TARGET = ("peak RSS of top_p=0.9 T=1 capture <= 1.2x that of top_k=50, smollm2-135m", 1.2)
-FLAT_TARGET = ("flat case top_p=0.99 T=1.3: capture time / generation with logprobs=20 (reported)", None)
 TABLE = "adaptive-cpu-smollm2"
 COLS = ("CPU time ratio", "peak RSS", "peak RSS / top_k=50")
 _RSS: dict[str, float] = {}
@@ -114,10 +107,8 @@ def run_cell(report: Any, timer: Callable[..., Any], rollout: Any, base: Callabl
             table.put(label, COLS[2], rss / _RSS["top_k"])
             if case == "top_p-cold":
                 report.check(*RSS_TARGET, "cold", rss / _RSS["top_k"])
-    if case in ("top_p-cold", "top_p-warm"):
+    if case == "top_p-cold":
         report.check(*TIME_TARGET, case.split("-")[1], pair.ratio)
-    if case == "flat":
-        report.check(*FLAT_TARGET, describe(stats), pair.ratio)
     return pair, stats
 
 

@@ -1,10 +1,13 @@
 """Rollout capture cost: vLLM generation with log-probs requested, as a ratio to no capture.
 
 Each cell times ``LLM.generate`` with one ``SamplingParams`` variant against the same generation with
-no log-probs and the same ``detokenize`` setting (detokenize also decodes the completion text, which
-no-capture then pays too), interleaved round by round (conftest.paired), ROUNDS rounds after a warm-up.
+no log-probs, interleaved round by round (conftest.paired), ROUNDS rounds after a warm-up, with the
+harness's own settings (``detokenize=False, flat_logprobs=True``, parity/engines/vllm_offline.py).
 Rows: what is captured (no log-probs; the sampled token's only, ``logprobs=0``; top-K for K in {top_k,
-64, 512}; the full vocabulary, ``logprobs=-1``); columns: candidate detokenization and ``flat_logprobs``.
+512}; the full vocabulary, ``logprobs=-1``). One fixture, llama-32k: a vocabulary of a real model's
+order (the 400-token qwen2-tiny makes K=512 the whole vocabulary). The detokenize / flat_logprobs
+combinations that once made more columns are gone: the harness runs one of them, and on this fixture
+the others cost minutes of the session for a question no user of the harness asks.
 
 The clock: on CPU the engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the ratio's
 basis is the process's CPU time (user + sys), which other jobs on a shared machine do not inflate the
@@ -17,11 +20,9 @@ off, the table is marked invalid and every cell of it is measured again (same ro
 while the session's time budget lasts, until the floors hold. An invalid table is rendered as such and
 never read for a finding or a target.
 
-The harness runs ``detokenize=False, flat_logprobs=True`` (parity/engines/vllm_offline.py). Skipped by
-design: full-vocabulary capture with detokenization on the 32k fixture (measured by hand: did not
-finish in minutes), and K=512 on a 400-token vocabulary (that is the full vocabulary). The 32k
-full-vocabulary row runs a smaller workload (its own no-capture baseline on the same workload):
-measured by hand at 7.56 s vs 1.16 s for 16 x 32 tokens.
+The 32k full-vocabulary row runs a smaller workload (its own no-capture baseline on the same workload):
+measured by hand at 7.56 s vs 1.16 s for 16 x 32 tokens. A K at or above the vocabulary is skipped (it is
+the full-vocabulary request).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class Workload:
         return f"{self.prompts} prompts x {self.tokens} tokens"
 
 
-MODELS = {"qwen2-tiny": Workload(16, 32), "llama-32k": Workload(8, 32)}
+MODELS = {"llama-32k": Workload(8, 32)}
 SMALL = Workload(4, 8)  # full-vocabulary capture on a large vocabulary
 LARGE_VOCAB = 4096  # above this, full-vocabulary capture runs the SMALL workload
 
@@ -68,18 +69,14 @@ CAPTURES: dict[str, tuple[str, int | None]] = {
     "none": ("none (noise floor)", None),
     "sampled": ("sampled token only (logprobs=0)", 0),
     "topk": (f"top-{TOP_K} (K = top_k)", TOP_K),
-    "top64": ("top-64", 64),
     "top512": ("top-512", 512),
     "full": ("full vocabulary (logprobs=-1)", FULL_VOCAB),
 }
 # id -> (column label, detokenize, flat_logprobs)
 KNOBS: dict[str, tuple[str, bool, bool]] = {
     "fast": ("detok off, flat on (harness)", False, True),
-    "nested": ("detok off, flat off", False, False),
-    "detok": ("detok on, flat on", True, True),
-    "detok-nested": ("detok on, flat off", True, False),
 }
-CAPTURE_TARGET = "capture overhead at K <= 64 reported for both fixtures (valid tables, CPU time)"
+CAPTURE_TARGET = f"capture overhead at K = top_k = {TOP_K} reported, llama-32k (valid table, CPU time)"
 GPU_TARGET = ("capture overhead <= 1.05x at K <= 64 on CUDA", 1.05)
 # (table key, row, col) -> a function that measures the cell again (paired_plain, same rounds and clock)
 REMEASURE: dict[tuple[str, str, str], Callable[[], Any]] = {}
@@ -105,12 +102,6 @@ def sampling_kwargs(capture: str, knob: str, *, max_tokens: int, seed: int) -> d
 def skip_reason(capture: str, knob: str, vocab: int) -> str | None:
     """Why a cell is not run, or None."""
     _, logprobs = CAPTURES[capture]
-    _, detokenize, flat = KNOBS[knob]
-    if logprobs == FULL_VOCAB and detokenize and vocab > LARGE_VOCAB:
-        return (
-            f"full-vocabulary capture with candidate detokenization on a {vocab}-token vocabulary did not "
-            "finish in minutes when measured by hand (one decode per candidate per position)"
-        )
     if logprobs is not None and logprobs >= vocab:
         return f"K={logprobs} >= V={vocab}: the same request as full-vocabulary capture"
     return None
@@ -155,7 +146,7 @@ def title(model: str, vocab: int, device: str = "cpu") -> str:
 def intro(model: str, vocab: int) -> str:
     text = (
         f"vLLM offline engine, {MODELS[model].label()}, {SPEC.label()}, float32. Each cell: generation "
-        "with that capture / generation with no log-probs and the same detokenize setting."
+        "with that capture / generation with no log-probs, the harness's detokenize=False and flat_logprobs=True."
     )
     if vocab > LARGE_VOCAB:
         text += f" The full-vocabulary row runs {SMALL.label()} (with its own no-capture baseline)."
@@ -313,36 +304,6 @@ def finish_table(
     return table
 
 
-def cheapest_knobs(report: Any) -> list[str]:
-    """Findings: per fixture, which knobs minimise capture at K <= 64 (the harness defaults should)."""
-    lines = []
-    for table in report.tables.values():
-        if not table.key.startswith("rollout-cpu-") or table.invalid:
-            continue
-        totals: dict[str, list[float]] = {}
-        for (row, col), cell in table.cells.items():
-            if isinstance(cell, str) or row not in (CAPTURES["topk"][0], CAPTURES["top64"][0]):
-                continue
-            if cell.value >= DISTURBED_BELOW:  # disturbed cells are listed by disturbed_cells instead
-                totals.setdefault(col, []).append(cell.value)
-        complete = {c: sum(v) / len(v) for c, v in totals.items() if len(v) == 2}
-        if not complete:
-            continue
-        best = min(complete, key=complete.__getitem__)
-        default = KNOBS["fast"][0]
-        if best == default:
-            verdict = "which is the harness default"
-        elif default in complete:
-            verdict = f"NOT the harness default ({default}: {complete[default]:.2f}x)"
-        else:
-            verdict = "the harness default's cells were disturbed or not run: no comparison"
-        lines.append(
-            f"{table.title.split(': ', 1)[1].split(',')[0]}: cheapest capture at K <= 64 is {best} "
-            f"({complete[best]:.2f}x mean over top-{TOP_K} and top-64), {verdict}"
-        )
-    return lines
-
-
 # flat_logprobs means nothing without log-probs: no-capture runs once per detokenize setting.
 def disturbed_cells(report: Any) -> list[str]:
     """Cells of valid tables whose ratio is physically impossible (capture cheaper than none): the
@@ -380,7 +341,6 @@ def engines(engine_pool):
 
 @pytest.mark.parametrize(("model", "capture", "knob"), CASES, ids=["-".join(c) for c in CASES])
 def test_bench_capture(timer, plain_timer, bench_report, engines, model, capture, knob) -> None:
-    bench_report.derive(cheapest_knobs)
     run_case(bench_report, timer, engines(model), model, capture, knob, remeasure=plain_timer)
 
 

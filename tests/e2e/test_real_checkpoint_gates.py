@@ -90,7 +90,10 @@ def test_a_float64_replay_trainer_passes(pool, smollm2_dir, tmp_path) -> None:
 def test_a_trainer_1e4_off_fails_at_float32(pool, smollm2_dir, tmp_path) -> None:
     sc = _run(pool, smollm2_dir, tmp_path, off_by_1e4)
     assert "trainer_under_test_mean_bias" in [v["gate"] for v in sc["violations"]]
-    assert sc["mean_bias"]["trainer_under_test"]["limit"] < 1e-4 / 3
+    # The gate measures the planted offset to within its resolution (the limit: the CPU's measured float32
+    # kernel offset is part of it, so its size is reported, not asserted).
+    mb = sc["mean_bias"]["trainer_under_test"]
+    assert abs(mb["mean"] - 1e-4) <= mb["limit"] < 1e-4, mb
 
 
 @pytest.fixture(scope="module")

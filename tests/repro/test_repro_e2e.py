@@ -127,7 +127,8 @@ RELATIONS = {name: globals()[f"relations_{name}"] for name in RUN_ORDER}
 # trl_grpo_top_p: tests/repro/test_trl_smoke.py runs its one-config smoke in CI; cpu_capability_default
 # needs a vector ISA for inductor to reproduce (its relations require the verdict where the control had one);
 # torch_cpu_log_softmax's bias is the machine's kernels' (its first check, the control: the DEFAULT subprocess ran).
-SLOW = {"trl_grpo_top_p"}
+# Minutes of TRL or of a second kernel path: `nox -s repro` runs them (and every other repro) in full.
+SLOW = {"trl_grpo_top_p", "trl_weight_sync", "cpu_capability_default"}
 MEASURED = {"cpu_capability_default", "torch_cpu_log_softmax"}
 
 

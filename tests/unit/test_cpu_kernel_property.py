@@ -41,7 +41,7 @@ def one_thread():
 
 # Per-test example counts (the profile's other settings stay: ci is derandomized, no database). Each
 # example runs one layout forward plus every sequence alone under the mode (~0.3-2 s on 2 cores).
-PROPERTY_EXAMPLES = {"qwen2-tiny": 60, "qwen3-tiny": 15, "llama-tiny": 15, "llama-32k": 15}
+PROPERTY_EXAMPLES = {"qwen2-tiny": 30, "qwen3-tiny": 15, "llama-tiny": 15, "llama-32k": 15}
 CONTROL_EXAMPLES = 20
 # Long packed rows (position ids restart per sequence, so a row may exceed the position limit): one
 # holding a sequence at the fixture's limit (max_position_embeddings = 2048) between two others, one

@@ -529,7 +529,7 @@ def _row_groups(batch: RecordsBatch) -> list[tuple[str, tuple[str, tuple[float, 
         for i, name in enumerate(batch.scenario):
             if name:
                 code[i] = names.setdefault(str(name), len(names) + 1)
-    label_of = [None, *names]
+    label_of: list[str] = ["", *names]  # code 0: no scenario name (the spec's label stands for it)
     pair = code * n_specs + batch.spec_index
     uniq, first, inverse = np.unique(pair, return_index=True, return_inverse=True)
     inverse = inverse.reshape(-1)

@@ -50,7 +50,7 @@ def _finite_pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         d = a - b
     if bool(np.isfinite(d).all()):  # no infinity or NaN on either side: nothing to map
-        return d
+        return np.asarray(d, dtype=np.float64)
     both = np.isinf(a) & np.isinf(b) & (np.sign(a) == np.sign(b))
     d = np.where(both, 0.0, d)
     return np.where(np.isnan(d), math.inf, d)

@@ -17,16 +17,12 @@ import torch
 
 from parity.core import estimators
 from parity.core.capture import support_mass
-from parity.core.error_model import logprob_bound, systematic_bound, unit_roundoff
+from parity.core.error_model import SUPPORT_MASS_TOL, logprob_bound, systematic_bound, unit_roundoff
 from parity.core.log_s import top_p_bracket, top_p_bracket_applies
 from parity.core.metrics import kl_tv_over_support, support_equal
 from parity.core.spec import SamplingSpec
 from parity.errors import UsageError
 from parity.records.sequence import SequenceRecord
-
-# Float32 sums of up to V probabilities: 1e-4 is far above rounding, far below one missing token of
-# any mass the filters would keep.
-SUPPORT_MASS_TOL = 1e-4
 
 
 @dataclass

@@ -155,11 +155,3 @@ def test_the_per_token_bound_carries_the_kernel_offset() -> None:
     plain = logprob_bound_terms(zd.abs().amax(-1), lse, zd.gather(1, y[:, None]).squeeze(1) - lse,
                                 torch.full((4,), 32000.0), 2.0**-24)
     assert torch.allclose(logprob_bound(z, y), plain + KERNEL_SIDES * kernel_offset(z).abs(), rtol=1e-12, atol=0.0)
-
-
-def test_one_support_mass_tolerance() -> None:
-    """The records analysis reads the kept-mass tolerance from the error model (no torch); parity run's table
-    must judge a kept set's mass by the same number."""
-    from parity.core import error_model, table
-
-    assert table.SUPPORT_MASS_TOL == error_model.SUPPORT_MASS_TOL

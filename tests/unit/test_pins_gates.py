@@ -33,7 +33,7 @@ from parity.core.gates import (
     thresholds_toml,
 )
 from parity.core.violation import Position, Violation
-from parity.records.analyze import GATES, _scenario_report, evaluate_summary, trend_violation
+from parity.records.analyze import GATES, _scaled, _scenario_report, evaluate_summary, trend_violation
 from parity.records.steps import TREND_GATE, DriftTrend
 from parity.records.summary import FLAGS, ScenarioAcc
 
@@ -192,6 +192,14 @@ def test_replay_drift_names_the_stream_worst_rows_by_gap_over_bound() -> None:
     [got] = evaluate_summary(report(every), every, th)
     assert got.statistic == pytest.approx(8.0) and [w.position for w in got.worst] == [3, 1]
     assert got.worst[0].gap == pytest.approx(-8e-6) and got.worst[0].bound == 0.5e-6
+
+
+def test_worst_positions_are_scaled_by_max_headroom_and_an_unknown_bound_stays_unknown() -> None:
+    """A position without a bound (None) is listed as it is; the others' bound is multiplied by the factor,
+    every other field kept."""
+    ps = (pos(0, {"vllm": -1.0}, 0.5, None, "no bound"), pos(1, {"vllm": -1.5}, 0.25, 4e-6))
+    assert _scaled(ps, 0.5) == (ps[0], pos(1, {"vllm": -1.5}, 0.25, 2e-6))
+    assert _scaled((), 0.5) == ()
 
 
 def test_recompute_drift_and_nan_statistic() -> None:
@@ -387,6 +395,19 @@ def test_support_gates_list_at_most_the_configured_number() -> None:
     flag(kept_two, "replay_support", [T] * 4)
     [got] = evaluate_summary(report(kept_two), kept_two, Thresholds(max_violations_listed=3))
     assert [w.position for w in got.worst] == [0, 1]
+
+
+@pytest.mark.parametrize(("gate", "name"), [
+    ("replay_support", "replay_support"), ("recompute_support", "recompute_support"),
+    ("incomplete_capture", "incomplete"), ("sampled_outside", "sampled_outside"), ("token_mismatch", "token_mismatch"),
+])
+def test_every_flag_gate_lists_the_first_max_violations_listed_rows(gate: str, name: str) -> None:
+    """The accumulator kept the first 5 flagged rows; each gate lists the first max_violations_listed of them."""
+    a = acc(6)
+    flag(a, name, [F, T, T, F, T, T])
+    for listed, rows in ((2, [1, 2]), (0, []), (9, [1, 2, 4, 5])):
+        [got] = evaluate_summary(report(a), a, Thresholds(max_violations_listed=listed))
+        assert got.gate == gate and [w.position for w in got.worst] == rows, listed
 
 
 def test_incomplete_capture_fraction_counts_every_token() -> None:
@@ -622,6 +643,8 @@ def test_recompute_support_limit_allows_the_thresholds_rate_with_its_binomial_sp
     assert recompute_support_limit(1.0, 80) == 1.0  # strict: no allowance
     assert recompute_support_limit(0.99, 80) == pytest.approx(0.99 - 3 * math.sqrt(0.99 * 0.01 / 80))
     assert recompute_support_limit(0.99, 0) == 0.99
+    # One position already has its allowance (three standard errors of one Bernoulli draw).
+    assert recompute_support_limit(0.99, 1) == pytest.approx(0.99 - 3 * math.sqrt(0.99 * 0.01))
     assert recompute_support_limit(0.0, 80) == 0.0
     # One moved boundary in 80 positions passes at 0.99; ten do not.
     assert 79 / 80 >= recompute_support_limit(0.99, 80) > 70 / 80

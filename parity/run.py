@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from parity.determinism.knobs import DeterminismState
     from parity.engines.trainer_under_test import TrainerFn
     from parity.engines.vllm_offline import VllmRollout
-    from parity.records.summary import Summary
+    from parity.records.accumulators import Summary
 
 
 @dataclass
@@ -170,9 +170,9 @@ def score_scenario(
     ``--records`` writes, so a run and an analysis of its records agree by construction. ``raw``: the
     raw-logits engine for the sampler-side log S (see :func:`wants_sampler_log_s`).
     """
-    from parity.records.analyze import finalize
     from parity.records.convert import from_sequence_records
     from parity.records.judge import rl_view, scenario_summary
+    from parity.records.verdict import finalize
 
     t0 = time.perf_counter()
     prompts = make_prompts(trainer.tokenizer(), sc.prompts)
@@ -338,8 +338,6 @@ def _run(
     timings["total_s"] = time.perf_counter() - t_start
     report["timings"] = timings
     write_report(report, cfg.out, plots=cfg.plots)
-    for r in report["scenarios"]:
-        r.pop("_drift_headroom", None)
     return report
 
 
@@ -348,15 +346,15 @@ def run_report(
     determinism: dict[str, Any] | None, vocab_size: int | None,
 ) -> dict[str, Any]:
     """The run's records (written with ``--records``) and their report, built as an analysis of them builds it
-    (:func:`parity.analyze.build_report`): what the records do not hold travels in their metadata."""
+    (:func:`parity.pipeline.build_report`): what the records do not hold travels in their metadata."""
     import json
 
-    from parity.analyze import REPORT_FACTS, build_report
     from parity.core.matrix import pair_coverage
     from parity.core.rl import catalogue as rl_catalogue
-    from parity.records.analyze import Options
+    from parity.pipeline import REPORT_FACTS, build_report
+    from parity.records.accumulators import Summary
+    from parity.records.columns import Options
     from parity.records.format import RecordsWriter
-    from parity.records.summary import Summary
     from parity.report.schema import environment
 
     env = environment(cfg.device, cfg.dtype, cfg.trainer_dtype or cfg.dtype)

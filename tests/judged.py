@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from parity.core.gates import Thresholds
-from parity.records.analyze import finalize
 from parity.records.convert import from_sequence_records
 from parity.records.judge import scenario_summary
+from parity.records.verdict import finalize
 
 
 def judged(records, logits, table, th: Thresholds | None = None, *, faults=None, name: str = "planted",
@@ -34,8 +34,6 @@ def scenario_entry(records, logits, table, name: str, th: Thresholds | None = No
     from parity.records.judge import rl_view
 
     e = judged(records, logits, table, th, faults=faults, name=name)
-    e.pop("_acc")
-    e.pop("_drift_headroom")
     return {**e, "model": "synthetic", "rl_view": rl_view(table),
             "violations": [v.to_dict() for v in e["violations"]],
             "reference_violations": [v.to_dict() for v in e["reference_violations"]]}

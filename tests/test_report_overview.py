@@ -19,6 +19,7 @@ from parity.core.table import TrainerFaults, build_table
 from parity.records.sequence import SequenceRecord
 from parity.report import overview
 from parity.report.markdown import render_markdown
+from parity.report.plots import dense_drift_hist
 from parity.report.schema import _clean
 
 V = 48
@@ -211,7 +212,7 @@ def test_the_drift_histogram_draws_diff_over_bound_for_every_compared_token() ->
     clean = judged(records, logits, build_table(records, logits, spec))
     planted = judged(records, logits, build_table(records, logits, spec, faults=faults), faults=faults)
     for e in (clean, planted):
-        h = e["_drift_headroom"]
+        h = dense_drift_hist(e["drift_headroom"])
         assert int(h["replay"].sum()) == e["compared_tokens"]  # every compared token is drawn
         # The highest filled bin holds the scenario's headroom, the statistic the drift gate compares with its limit.
         top = max(i for i, c in enumerate(h["replay"]) if c)

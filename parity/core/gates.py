@@ -1,6 +1,6 @@
 """Gate thresholds per dtype, the split of a verdict into deciding and reference violations, and
 ci/thresholds.toml. The gates themselves are computed once, on streamed records statistics:
-:func:`parity.records.analyze.evaluate_summary`.
+:func:`parity.records.verdict.evaluate_summary`.
 """
 
 from __future__ import annotations

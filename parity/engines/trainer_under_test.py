@@ -25,8 +25,8 @@ import torch
 from parity.core import estimators
 from parity.core.spec import SamplingSpec
 from parity.errors import UsageError
-from parity.records.analyze import BUGS
 from parity.records.batch import right_pad
+from parity.records.verdict import BUGS
 
 
 @dataclass

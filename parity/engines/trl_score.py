@@ -115,13 +115,13 @@ def score_step(sequences: Sequence[dict[str, Any]], *, name: str, thresholds: Th
 
 def score_capture(sequences: Sequence[dict[str, Any]], *, label: str = "trl", thresholds: Thresholds | None = None) -> dict[str, Any]:
     """The report (report.json's schema) of every captured step, one scenario per step, built as an analysis of
-    the capture's records builds it (:func:`parity.analyze.build_report`)."""
+    the capture's records builds it (:func:`parity.pipeline.build_report`)."""
     import json
     from importlib.metadata import PackageNotFoundError, version
 
-    from parity.analyze import REPORT_FACTS, build_report
-    from parity.records.analyze import Options
-    from parity.records.summary import Summary
+    from parity.pipeline import REPORT_FACTS, build_report
+    from parity.records.accumulators import Summary
+    from parity.records.columns import Options
     from parity.report.schema import environment
 
     steps = sorted({int(s["step"]) for s in sequences})
@@ -156,11 +156,9 @@ def score_capture(sequences: Sequence[dict[str, Any]], *, label: str = "trl", th
 
 def write_capture_report(sequences: Sequence[dict[str, Any]], out: str | Path, *, label: str = "trl",
                          plots: bool = False) -> dict[str, Any]:
-    """Score and write report.json / report.md under ``out``; returns the report (tables dropped)."""
+    """Score and write report.json / report.md under ``out``; returns the report."""
     from parity.report.schema import write_report
 
     report = score_capture(sequences, label=label)
     write_report(report, Path(out), plots=plots)
-    for sc in report["scenarios"]:
-        sc.pop("_drift_headroom", None)
     return report

@@ -43,7 +43,7 @@ import pyarrow.parquet as pq
 
 from parity.core.spec import SamplingSpec
 from parity.errors import PathNotFound, UsageError
-from parity.records.summary import CastNote
+from parity.records.accumulators import CastNote
 
 SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = (1,)

@@ -36,7 +36,7 @@ REPORT_NAMES = {"replay": "replay", "recompute": "recompute", "user": "trainer_u
 # Which support equality belongs to each comparison: replay's gate (is the captured S_q the sampler's
 # whole support) for replay and the trainer under test, recompute's own for recompute.
 SUPPORT_OF = {"replay": "replay", "recompute": "recompute", "user": "replay"}
-NA = "n/a"  # as parity.records.summary.NA: the records do not hold the statistic's inputs
+NA = "n/a"  # as parity.records.accumulators.NA: the records do not hold the statistic's inputs
 EPS = float(np.finfo(np.float64).eps)
 
 
@@ -49,7 +49,7 @@ EPS = float(np.finfo(np.float64).eps)
 class StepStream:
     """One comparison's differences ``d = trainer - sampler`` at one step.
 
-    ``n``/``total``/``total_abs``: every compared token (as :class:`parity.records.summary.DiffStream`
+    ``n``/``total``/``total_abs``: every compared token (as :class:`parity.records.accumulators.DiffStream`
     counts them: NaN as inf, equal infinities as 0); ``fin_*``: the count, mean and sum of squared
     deviations of the finite ``|d|`` (for the per-token standard error of the step's mean |diff|);
     ``head_n``/``headroom``: the tokens with a bound and their largest ``|d| / bound``.
@@ -149,7 +149,7 @@ def merge_steps(into: dict[int, StepAcc], other: dict[int, StepAcc]) -> None:
 def grouped_streams(slot: np.ndarray, n_slots: int, d: np.ndarray) -> list[StepStream]:
     """One :class:`StepStream` per slot (step) from the differences ``d`` of tokens whose slot is ``slot``.
 
-    ``d``: finite-pair differences (:func:`parity.records.summary._finite_pair`); a slot's sums are
+    ``d``: finite-pair differences (:func:`parity.records.accumulators._finite_pair`); a slot's sums are
     float64 sums in token order.
     """
     n = np.bincount(slot, minlength=n_slots)

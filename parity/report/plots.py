@@ -54,6 +54,21 @@ def write_steps_plot(report: dict[str, Any], out: Path, plt: Any) -> bool:
     return True
 
 
+def dense_drift_hist(h: dict[str, Any]) -> dict[str, Any]:
+    """A scenario's ``drift_headroom`` (filled bins only) as bin ``edges`` and a count array per estimator."""
+    import numpy as np
+
+    n = int(h["bins"])
+    out: dict[str, Any] = {"edges": [h["log10_lo"] + i * h["bin_width"] for i in range(n + 1)]}
+    for est in ("replay", "recompute"):
+        if est in h:
+            counts = np.zeros(n, dtype=np.int64)
+            for i, c in h[est]:
+                counts[i] = c
+            out[est] = counts
+    return out
+
+
 def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     try:
         import matplotlib
@@ -65,7 +80,8 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     written = []
     sc = report["scenarios"]
     who = sampler_name(report)
-    hists = [s["_drift_headroom"] for s in sc if s.get("_drift_headroom")]  # the streamed histograms
+    # the streamed histograms, of the scenarios that compared a token against its bound
+    hists = [dense_drift_hist(h) for s in sc if (h := s.get("drift_headroom")) and ("replay" in h or "recompute" in h)]
     if hists:
         limit = float((report.get("config") or {}).get("thresholds", {}).get("max_headroom") or 1.0)
         floor, ceiling = DRIFT_RANGE

@@ -65,7 +65,7 @@ def _clean(obj: Any) -> Any:
     if isinstance(obj, float) and not math.isfinite(obj):
         return str(obj)
     if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items() if not k.startswith("_")}
+        return {k: _clean(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_clean(v) for v in obj]
     return obj
@@ -145,6 +145,11 @@ def report_schema() -> dict[str, Any]:
                                "mean_bias": num, "mean_abs_diff": num, "max_headroom": {"type": ["number", "string", "null"]},
                                "support_equal_frac": num, "by_comparison": {"type": "object"}},
             }},
+            # The drift plot's histogram of log10(|diff| / bound) (parity.records.verdict.drift_headroom_hist).
+            "drift_headroom": {"type": "object", "required": ["log10_lo", "bin_width", "bins"], "properties": {
+                "log10_lo": {"type": "number"}, "bin_width": {"type": "number"}, "bins": {"type": "integer"},
+                **{k: {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 2,
+                                                     "maxItems": 2}} for k in ("replay", "recompute")}}},
             "trend": {"type": ["object", "null"], "required": [
                 "comparison", "steps", "slope", "slope_se", "limit", "baseline_steps", "band_lo", "band_hi",
                 "first_step_outside", "evaluated", "passed"]},

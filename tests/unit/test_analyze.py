@@ -23,15 +23,16 @@ from hypothesis import strategies as st
 from judged import judged
 from test_compare_gates import sampler_records
 
-from parity.analyze import analyze, summarize_paths
 from parity.core.gates import REFERENCE_GATES, Thresholds
 from parity.core.metrics import _quantile, difference
 from parity.core.spec import SamplingSpec
 from parity.core.table import TrainerFaults, build_table
-from parity.records.analyze import NA, Options, finalize
+from parity.pipeline import analyze, summarize_paths
+from parity.records.accumulators import NA, DiffStream, Summary
+from parity.records.columns import Options
 from parity.records.convert import from_sequence_records, to_sequence_records
 from parity.records.format import records_table, validate_batch, write_records
-from parity.records.summary import DiffStream, Summary
+from parity.records.verdict import finalize
 
 V = 64
 FILTERED = [SamplingSpec(temperature=0.8, top_k=10), SamplingSpec(top_p=0.9), SamplingSpec(min_p=0.1),
@@ -126,7 +127,7 @@ def scenarios(path: Path, th: Thresholds = TOL, **kw):
 
 
 # An in-memory judgement's keys a file's analysis does not give alike: the streamed state the plots read.
-RUN_ONLY = ("_acc", "_drift_headroom", "violations", "reference_violations")  # violations: same_violations
+RUN_ONLY = ("drift_headroom", "violations", "reference_violations")  # violations: same_violations
 
 
 # -- the same numbers and verdicts as the table path ------------------------------------------------
@@ -366,20 +367,22 @@ def test_summary_survives_json(tmp_path: Path) -> None:
 
     def plain(entries):
         return [{k: (v if k != "violations" else [x.to_dict() for x in v]) for k, v in e.items()
-                 if k not in ("_acc", "_drift_headroom")} for e in entries]
+                 } for e in entries]
 
     a, b = plain(finalize(s, TOL)), plain(finalize(back, TOL))
     assert json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
 
 
 def test_drift_histogram_counts_every_compared_token(base, tmp_path: Path) -> None:
-    from parity.records.analyze import drift_headroom_hist
+    from parity.records.verdict import drift_headroom_hist
+    from parity.report.plots import dense_drift_hist
 
     s = summarize_paths([write_records(tmp_path / "h.parquet", base[0])], Options())
     (acc,) = s.groups.values()
-    h = drift_headroom_hist(acc)
+    h = dense_drift_hist(drift_headroom_hist(acc))
     assert int(h["replay"].sum()) == acc.bounds["replay"].n == N_SEQ * LENGTH
     assert len(h["edges"]) == len(h["replay"]) + 1
+    assert np.array_equal(h["replay"], acc.bounds["replay"].hist)  # the sparse form loses no bin
 
 
 @settings(max_examples=40, deadline=None)

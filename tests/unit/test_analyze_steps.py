@@ -19,9 +19,10 @@ import pyarrow as pa
 import pytest
 from test_analyze import FILTERED, rows_of, run_side
 
-from parity.analyze import analyze
 from parity.core.gates import Thresholds
-from parity.records.analyze import finalize, summarize_batch
+from parity.pipeline import analyze
+from parity.records.accumulators import SUMMARY_VERSION, Summary
+from parity.records.columns import summarize_batch
 from parity.records.format import records_table, write_records
 from parity.records.steps import (
     BAND_K,
@@ -33,7 +34,7 @@ from parity.records.steps import (
     StepEntry,
     drift_trend,
 )
-from parity.records.summary import SUMMARY_VERSION, Summary
+from parity.records.verdict import finalize
 
 TOL = Thresholds()
 N_SEQ, LENGTH = 8, 16

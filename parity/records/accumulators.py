@@ -1,4 +1,4 @@
-"""Mergeable summaries of records (:mod:`parity.records.analyze` fills them, one batch at a time).
+"""Mergeable summaries of records (:mod:`parity.records.columns` fills them, one batch at a time).
 
 Everything a scenario's report and verdict need, as pieces that add up across batches, files and
 processes: counts, float64 sums, running mean and second moment (Chan's pairwise update), maxima,
@@ -347,7 +347,7 @@ class BoundStream:
 class ViewMatch:
     """For the trainer-under-test diagnosis: at how many positions a reference view is known, and how many
     of them differ from the trainer's values by more than the bound, and the mean difference where known
-    (:func:`parity.records.analyze.diagnosis_text` names the views matched within both)."""
+    (:func:`parity.records.verdict.diagnosis_text` names the views matched within both)."""
 
     known: int = 0
     over: int = 0
@@ -366,7 +366,7 @@ NA = "n/a"  # a statistic whose inputs the records do not hold (the report says 
 DIFFS = ("naive", "gap", "replay", "recompute", "user", "user_gap")
 BOUNDED = ("replay", "recompute", "user", "naive")
 FLAGS = ("replay_support", "recompute_support", "incomplete", "sampled_outside", "token_mismatch")
-# Inputs a sequence may lack (parity.records.analyze names each and what it is for).
+# Inputs a sequence may lack (parity.records.verdict names each and what it is for).
 INPUTS = ("kept", "replay", "recompute", "recompute_support", "full", "log_s", "user", "forced", "kl", "bound",
           "bound_full", "sampler_log_s")
 

@@ -5,9 +5,9 @@ file that is not a records file is refused as a local analysis refuses it and ea
 (dtypes, vocabulary size) and own columns travel with the job. Workers read the Parquet files with the
 engine's reader (Ray Data's ``read_parquet``, Spark's ``spark.read.parquet``), validate each run of
 consecutive rows of one file under that file's name and row numbers, and run
-:func:`parity.records.analyze.summarize_batch` on it (re-scoring with ``--model`` as
-:func:`parity.analyze.batch_summarizer` does); they return encoded summaries
-(:meth:`parity.records.summary.Summary.to_json`) that the driver merges. Merging is order-free, so
+:func:`parity.records.columns.summarize_batch` on it (re-scoring with ``--model`` as
+:func:`parity.pipeline.batch_summarizer` does); they return encoded summaries
+(:meth:`parity.records.accumulators.Summary.to_json`) that the driver merges. Merging is order-free, so
 the report equals the local analysis of the same shards: counts, maxima, headroom, worst and first
 positions and verdicts exactly, means to float64 rounding.
 
@@ -45,11 +45,11 @@ from urllib.parse import unquote, urlparse
 import numpy as np
 import pyarrow as pa
 
-from parity.analyze import batch_summarizer, file_header
 from parity.errors import EngineError, SetupError, TimedOut, UsageError
-from parity.records.analyze import Options
+from parity.pipeline import batch_summarizer, file_header
+from parity.records.accumulators import Summary
+from parity.records.columns import Options
 from parity.records.format import RecordsBatch, RecordsError, open_records, validate_batch
-from parity.records.summary import Summary
 
 ENGINE_FORMS = ("local; ray (a local Ray cluster, or the one RAY_ADDRESS names); ray://HOST:PORT; spark (local[*], "
                 "or the active Spark session); spark://HOST:PORT; spark:MASTER (any Spark master URL, e.g. spark:local[4])")

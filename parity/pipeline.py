@@ -1,6 +1,6 @@
 """``parity analyze``: the gates and report of ``parity run`` on records recorded anywhere (:mod:`parity.records`).
 
-The map step and the verdicts are engine-free (:mod:`parity.records.analyze`); this module composes
+The map step and the verdicts are engine-free (:mod:`parity.records.columns`, :mod:`parity.records.verdict`); this module composes
 them with what needs more: re-scoring with a transformers model (``--model``), files and shards over
 local processes (``--jobs``), and the report writer (:mod:`parity.report.schema`). The command line is
 :mod:`parity.cli.analyze`.
@@ -28,16 +28,10 @@ except ModuleNotFoundError as _exc:
 
 from parity.core.gates import Thresholds
 from parity.records import format as rf
-from parity.records.analyze import (
-    LOGIT_BUDGET,
-    Options,
-    TokenColumns,
-    finalize,
-    summarize_batch,
-    token_columns,
-)
+from parity.records.accumulators import Summary
+from parity.records.columns import LOGIT_BUDGET, Options, TokenColumns, summarize_batch, token_columns
 from parity.records.format import open_records
-from parity.records.summary import Summary
+from parity.records.verdict import finalize
 
 # ==================================================================================================
 # re-scoring with a transformers model (--model)
@@ -327,7 +321,6 @@ def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: S
     scenarios = finalize(summary, th, trainer_name=trainer_name)
     models = _metadata_value(summary, "scenario_models") or {}
     for sc in scenarios:
-        sc.pop("_acc")
         sc["violations"] = [v.to_dict() for v in sc["violations"]]
         sc["reference_violations"] = [v.to_dict() for v in sc["reference_violations"]]
         if isinstance(models, dict) and sc["name"] in models:
@@ -390,9 +383,9 @@ def analyze(
     """Analyse a records file or a directory of shards; write report.json/report.md/plots under ``out``.
 
     ``engine``: where the map step runs: ``local`` (this process, or ``jobs`` local processes), or Ray
-    or Spark (:func:`parity.analyze_engines.parse_engine` lists the forms), merged here either way.
+    or Spark (:func:`parity.cluster.parse_engine` lists the forms), merged here either way.
     """
-    from parity.analyze_engines import parse_engine, summarize_on_engine
+    from parity.cluster import parse_engine, summarize_on_engine
     from parity.report.schema import write_report
 
     opts = options or Options()
@@ -412,6 +405,4 @@ def analyze(
     report["timings"] = {"total_s": time.perf_counter() - t0}
     if out is not None:
         write_report(report, Path(out), plots=plots)
-    for sc in report["scenarios"]:
-        sc.pop("_drift_headroom", None)
     return report

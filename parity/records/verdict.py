@@ -1,0 +1,534 @@
+"""The verdicts of the records analysis: the report entries of a merged
+:class:`~parity.records.accumulators.Summary` and every gate. This is where each gate is computed, for
+``parity analyze``, ``parity run`` (:func:`parity.records.judge.scenario_summary` on the run's own records)
+and the TRL capture alike, as :class:`~parity.core.violation.Violation` objects:
+
+* drift (``replay_drift``, ``recompute_drift``, ``trainer_under_test_drift``): the largest
+  ``|trainer - sampler| / bound`` per token against ``max_headroom``, the bound being the records'
+  ``trainer_bound`` (what :func:`parity.core.error_model.logprob_bound` gave the exporting run) or,
+  re-scoring with a model, the bound of the trainer's own logits;
+* mean bias (``*_mean_bias``): ``|mean diff|`` against ``mean_bias_headroom`` times
+  :func:`parity.core.error_model.mean_bias_limit`, from the count, the running moments and the sum of
+  the records' ``trainer_systematic`` (the float32 storage term alone when the column is absent);
+* the naive bias outside the sampler-side log S (``naive_vs_sampler_log_s``), the interval from the
+  records (``sampler_log_s_lo``/``_hi``), 0 when nothing is filtered, or the top_p bracket of
+  :mod:`parity.core.log_s` from the sampler's kept log-probs;
+* ``replay_support``, ``recompute_support``, ``incomplete_capture``, ``sampled_outside``,
+  ``token_mismatch``;
+* on a training log (records with a ``step`` column), ``drift_trend``: the least-squares slope of mean
+  ``|diff|`` over steps against its standard error, and a later step above the band of the first steps
+  (:mod:`parity.records.steps`; each scenario's ``per_step`` and ``trend`` in the report).
+
+What the records hold decides what can be judged; each gate whose inputs are missing is listed with
+the input it lacks (``not_evaluated``). Numbers: counts, minima, maxima and headroom are exact; means
+are float64 sums (equal to ``parity run``'s to rounding); p99 comes from a histogram with 0.01-decade
+bins (within about 1.2 %). The per-scenario RL view needs every token at once: a second pass over a
+run's table (:func:`parity.records.judge.rl_view`), not part of the streamed analysis.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+# No torch at import: records without --model are judged with numpy alone. torch is imported where a
+# rule's one home computes on tensors (the top_p bracket, replay from kept logits).
+from parity.core.error_model import (
+    SUPPORT_MASS_TOL,
+    log_s_signature,
+    mean_bias_entry,
+)
+from parity.core.gates import Thresholds, recompute_support_limit, split_verdict
+from parity.core.spec import SamplingSpec
+from parity.core.violation import Position, Violation
+from parity.records.accumulators import (
+    HEAD_BINS,
+    HEAD_LO,
+    HEAD_STEP,
+    INPUTS,
+    NA,
+    ScenarioAcc,
+    Summary,
+    _na_ratios,
+)
+from parity.records.steps import (
+    COMPARISONS,
+    REPORT_NAMES,
+    SUPPORT_OF,
+    TREND_GATE,
+    StepComparison,
+    StepEntry,
+    drift_trend,
+)
+
+# What each gate reads (inputs named as in REASONS), in parity.core.gates' order.
+GATE_INPUTS: dict[str, tuple[str, ...]] = {
+    "replay_drift": ("replay", "bound"),
+    "recompute_drift": ("recompute", "bound"),
+    "replay_mean_bias": ("replay", "bound"),
+    "recompute_mean_bias": ("recompute", "bound"),
+    "trainer_under_test_drift": ("user", "bound"),
+    "trainer_under_test_mean_bias": ("user", "bound"),
+    "naive_vs_sampler_log_s": ("full", "bound", "bound_full", "sampler_log_s"),
+    "replay_support": ("kept",),
+    "recompute_support": ("recompute_support",),
+    "incomplete_capture": ("kept",),
+    "sampled_outside": ("kept",),
+    "token_mismatch": (),
+}
+GATES = tuple(GATE_INPUTS)
+# Gates that judge the sequences that have their inputs (parity run gates the naive bias wherever a
+# sampler-side log S exists); the others need every sequence to have them.
+PARTIAL_OK = ("naive_vs_sampler_log_s",)
+REASONS = {
+    "kept": "no kept set (kept_ids, kept_offsets, kept_logprobs) under a filtering spec: the sampler's support S_q is unknown",
+    "replay": "no trainer_replay_logprobs, and no trainer_kept_logits to renormalise over S_q",
+    "recompute": "no trainer_recompute_logprobs: recomputing the filters needs the trainer's full-vocabulary logits "
+    "(analyze with --model CKPT)",
+    "recompute_support": "no trainer_recompute_support_equal: needs the trainer's full-vocabulary logits (--model CKPT)",
+    "full": "no trainer_full_logprobs (the trainer's full-vocabulary log-probs)",
+    "log_s": "no trainer_log_s, and log S cannot be derived (needs trainer_kept_logits with trainer_full_logprobs, "
+    "or --model CKPT)",
+    "user": "no trainer_logprobs (the trainer under test's own log-probs)",
+    "forced": "no trainer_recompute_forced",
+    "kl": "no trainer_kept_logits: KL and TV over S_q need the trainer's distribution there",
+    "bound": "no trainer_bound: the per-token rounding bound needs the trainer's scaled logits over the whole row "
+    "(parity run --records writes it; or analyze with --model CKPT)",
+    "bound_full": "no trainer_bound_full (the full-vocabulary rounding bound; parity run --records writes it, or --model CKPT)",
+    "sampler_log_s": "no sampler-side log S: no sampler_log_s_lo/_hi, and the top_p bracket needs top_p as the only "
+    "filter, a complete kept set and the vocabulary size (records metadata vocab_size, or --model CKPT)",
+}
+assert set(REASONS) == set(INPUTS)
+
+
+# ==================================================================================================
+# the report entries and the verdicts
+# ==================================================================================================
+
+
+# The bug classes a trainer's log-probs are checked for, and how each is described. A view is the
+# trainer-side log-prob with a set of these bugs applied
+# (:func:`parity.engines.trainer_under_test.reference_views`); the diagnosis names the smallest set whose
+# view the trainer matches, so two bugs at once are named together.
+BUGS: dict[str, str] = {
+    "full_vocabulary": "it scores the full-vocabulary distribution while the sampler truncates (bias log S per "
+    "token; use replay over the captured kept set or recompute the filters)",
+    "forgets_temperature": "it forgets to divide the logits by the sampling temperature",
+    "off_by_one": "it reads each token's log-prob one position late (logits and labels not shifted against "
+    "each other)",
+}
+
+
+def diagnosis_text(close: Mapping[frozenset[str], bool], max_abs_diff: float, mean_diff: float) -> str:
+    """The diagnosis from which views the trainer matches (``close``: within the per-token bound everywhere
+    the view is known and its mean within the mean-bias limit; the empty set is the sampler's values).
+    Sets of fewer bugs are tried first."""
+    if close.get(frozenset()):
+        return "matches the sampler's processed log-probs"
+    for bugs in sorted((b for b, ok in close.items() if b and ok), key=lambda b: (len(b), sorted(b))):
+        ordered = [b for b in BUGS if b in bugs]
+        lead = "two bugs at once: " if len(ordered) == 2 else "three bugs at once: " if len(ordered) == 3 else ""
+        return lead + "; ".join(BUGS[b] for b in ordered)
+    return f"unexplained drift: max |diff| {max_abs_diff:.3g}, mean {mean_diff:.3g}"
+
+
+def _diagnosis(a: ScenarioAcc, mean_limit: float) -> str:
+    u = a.streams["user"]
+    if not a.views:
+        return "not diagnosed: " + REASONS["bound"]
+    close = {frozenset(k.split("+")) if k else frozenset(): v.close(mean_limit) for k, v in a.views.items()}
+    return diagnosis_text(close, u.max_abs if u.n else math.nan, u.total / u.n if u.n else math.nan)
+
+
+def _scenario_report(a: ScenarioAcc, name: str) -> dict[str, Any]:
+    s = a.streams
+    lack = {k: v for k, v in a.lacking.items() if v}
+    avail = {k: a.lacking[k] < a.sequences or a.sequences == 0 for k in INPUTS}  # some sequence has it
+
+    def full_input(*inputs: str) -> bool:
+        return all(a.lacking[k] == 0 for k in inputs)
+
+    def diff(stream: str, inp: str) -> dict[str, Any]:
+        return s[stream].stats() if avail[inp] else dict.fromkeys(("max_abs_diff", "mean_diff", "mean_abs_diff", "p99_abs_diff"), NA)
+
+    def frac(ok: int, n: int, inp: str) -> Any:
+        if not avail[inp]:
+            return NA
+        return ok / n if n else 1.0
+
+    naive = s["naive"].stats() if avail["full"] else None
+    gap = s["gap"].stats() if avail["full"] and avail["log_s"] else None
+    ratios = {
+        "naive": a.ratios["naive"].to_report(identity=True) if avail["full"] else _na_ratios(identity=True),
+        "replay": a.ratios["replay"].to_report() if avail["replay"] else _na_ratios(),
+        "recompute": a.ratios["recompute"].to_report() if avail["recompute"] else _na_ratios(),
+    }
+    if avail["full"] and not avail["log_s"]:
+        ratios["naive"]["sequence_identity_max_rel_err"] = NA
+    if avail["user"]:
+        ratios["trainer_under_test"] = a.ratios["user"].to_report()
+    b = a.bounds
+    with_bound = avail["bound"]
+    headroom: dict[str, Any] = {
+        "replay": b["replay"].headroom if with_bound and avail["replay"] else None,
+        "recompute": b["recompute"].headroom if with_bound and avail["recompute"] else None,
+        "naive_vs_sampler_log_s": b["naive"].headroom if b["naive"].n else None,
+    }
+    def entry(stream: str, ref: str, inp: str) -> dict[str, Any] | None:
+        if not (with_bound and avail[inp]):
+            return None
+        bs, rs = b[stream], b[ref] if b[ref].n else b[stream]
+        sig = log_s_signature(bs.n, bs.cross_log_s, bs.log_s_sq, rs.sd) if stream == "user" else None
+        return mean_bias_entry(bs.n, bs.mean if bs.n else 0.0, bs.systematic_mean, rs.sd, signature=sig)
+
+    means = {"replay": entry("replay", "replay", "replay"), "recompute": entry("recompute", "recompute", "recompute")}
+    if avail["user"]:
+        headroom["trainer_under_test"] = b["user"].headroom if with_bound else None
+        # The allowance for averaging comes from replay's spread, not the trainer's own.
+        means["trainer_under_test"] = entry("user", "replay", "user")
+    limits: dict[str, Any] = {k: None if v is None else v["limit"] for k, v in means.items()}
+    sources = [x for x in a.s_sources if x != "none"]
+    out: dict[str, Any] = {
+        "name": name,
+        "spec": a.spec,
+        "tokens": a.tokens,
+        "compared_tokens": a.compared,
+        "sequences": a.sequences,
+        "log_s": (
+            {
+                "mean": a.log_s_sum / a.log_s_n if a.log_s_n else 0.0,
+                "min": a.log_s_min if a.log_s_n else 0.0,
+                "mean_s": a.log_s_sum_exp / a.log_s_n if a.log_s_n else 1.0,
+            }
+            if avail["log_s"]
+            else {"mean": NA, "min": NA, "mean_s": NA}
+        ),
+        "naive": {
+            "bias_mean": naive["mean_diff"] if naive else NA,
+            "max_abs_diff": naive["max_abs_diff"] if naive else NA,
+            "max_abs_gap_to_log_s": gap["max_abs_diff"] if gap else NA,
+            "mean_gap_to_log_s": gap["mean_diff"] if gap else NA,
+        },
+        "replay": {**diff("replay", "replay"), "support_equal_frac": frac(a.replay_ok, a.replay_n, "kept")},
+        "recompute": {
+            **diff("recompute", "recompute"),
+            "support_equal_frac": frac(a.recompute_eq, a.recompute_n, "recompute_support"),
+            "forced_includes": a.forced if avail["forced"] else NA,
+        },
+        "is_ratio": ratios,
+        "kl_over_support": (
+            {"mean": a.kl_sum / a.kl_n if a.kl_n else 0.0, "max": a.kl_max} if avail["kl"] else {"mean": NA, "max": NA}
+        ),
+        "tv_over_support": (
+            {"mean": a.tv_sum / a.kl_n if a.kl_n else 0.0, "max": a.tv_max} if avail["kl"] else {"mean": NA, "max": NA}
+        ),
+        "incomplete_positions": a.incomplete,
+        "sampled_outside_support": a.sampled_outside,
+        "token_mismatch": a.token_mismatch,
+        "headroom": headroom,
+        "mean_bias_limit": limits,
+        "mean_bias": means,
+        "bound": (
+            {"max": a.bound_max if a.bound_n else 0.0, "mean": a.bound_sum / a.bound_n if a.bound_n else 0.0,
+             "roundoff": a.roundoff} if with_bound else None
+        ),
+        "sampler_log_s": {
+            "source": sources[0] if len(sources) == 1 else ("mixed" if sources else "none"),
+            "positions": a.s_n,
+            "lo_mean": a.s_lo_sum / a.s_n if a.s_n else None,
+            "hi_mean": a.s_hi_sum / a.s_n if a.s_n else None,
+            "naive_max_gap": a.naive_gap_max if a.s_n else None,
+        },
+        "drift_split": {
+            "logit_drift_max": a.drift_max if a.drift_n else None,
+            "logit_drift_mean": a.drift_sum / a.drift_n if a.drift_n else None,
+            "replay_max_abs_diff": a.drift_replay_max if a.drift_n else None,
+        },
+    }
+    if avail["user"]:
+        u = s["user"].stats()
+        out["trainer_under_test"] = {
+            "name": None,  # filled by the caller from the file metadata
+            **u,
+            "max_abs_gap_to_log_s": s["user_gap"].max_abs if s["user_gap"].n else NA,
+            "diagnosis": _diagnosis(a, limits["trainer_under_test"] if limits["trainer_under_test"] is not None
+                                    else math.inf),
+        }
+    out["captured_positions"] = a.captured
+    out["max_support_size"] = a.support_max if a.captured else None
+    out["mean_support_size"] = a.support_sum / a.captured if a.captured else None
+    out["kept_mass_off_positions"] = a.mass_off
+    notes = []
+    if a.mass_off:
+        notes.append(
+            f"{a.mass_off} position(s) with a kept set that claims to be complete carry sampler probability "
+            f"{a.mass_off_worst:.6g} at worst, not 1 (|mass - 1| > {SUPPORT_MASS_TOL:g}): tokens are missing from "
+            f"kept_ids, or the log-probs are not processed log-probs (vLLM's default logprobs_mode is raw_logprobs; "
+            f"the sampler must run with logprobs_mode='processed_logprobs')"
+        )
+    if a.sampled_outside:
+        notes.append(
+            f"{a.sampled_outside} sampled token(s) are missing from a kept set that claims to be complete "
+            f"(kept_incomplete False): an engine or capture fault, or a head too small with kept_incomplete unset"
+        )
+    not_eval = []
+    for gate in GATES:
+        if gate.startswith("trainer_under_test") and not avail["user"]:
+            continue  # no trainer under test in these records: its gates do not apply (nor pass)
+        inputs = GATE_INPUTS[gate]
+        have = (all(avail[k] for k in inputs) and a.s_n > 0) if gate in PARTIAL_OK else full_input(*inputs)
+        if have:
+            if gate in PARTIAL_OK and not full_input(*inputs):
+                missing = [k for k in inputs if a.lacking[k]]
+                notes.append(f"{gate} judged {a.s_n} of {a.compared} compared positions; the others lack: "
+                             + "; ".join(REASONS[k] for k in missing))
+            continue
+        missing = [k for k in inputs if not full_input(k)] or ["sampler_log_s"]
+        why = "; ".join(
+            REASONS[k] + ("" if a.lacking[k] >= a.sequences else f" ({a.lacking[k]} of {a.sequences} sequences lack it; "
+                          f"the statistics cover the others)")
+            for k in missing
+        )
+        not_eval.append({"gate": gate, "reason": why})
+    per_step, trend, trend_why = _step_view(a, avail, full_input)
+    out["per_step"] = [e.to_json() for e in per_step]
+    out["trend"] = None if trend is None else trend.to_json()
+    if a.steps and not (trend is not None and trend.evaluated):
+        not_eval.append({"gate": TREND_GATE, "reason": trend_why})
+    if a.steps and a.unstepped:
+        notes.append(f"{a.unstepped} of {a.sequences} sequences carry no step (null or negative): they are left out "
+                     f"of the per-step view and of {TREND_GATE}")
+    out["not_evaluated"] = not_eval
+    out["input_notes"] = notes
+    out["lacking_inputs"] = lack
+    return out
+
+
+def _step_view(
+    a: ScenarioAcc, avail: Mapping[str, bool], full_input: Callable[..., bool]
+) -> tuple[list[StepEntry], Any, str]:
+    """``(per_step, trend, why)``: the scenario's training-log view (empty without steps), the trend of the
+    comparison it follows (:class:`parity.records.steps.DriftTrend`; None when there is nothing to follow)
+    and, when the trend gate is not evaluated, why.
+
+    The trend follows the trainer under test where the records hold one, else replay, else recompute:
+    the comparison whose verdict the scenario gives.
+    """
+    from dataclasses import replace
+
+    if not a.steps:
+        return [], None, ""
+    held = [k for k in COMPARISONS if avail[k]]
+    follow = next((k for k in ("user", "replay", "recompute") if k in held), None)
+    support_known = {"replay": avail["kept"], "recompute": avail["recompute_support"]}
+    entries = []
+    for step in sorted(a.steps):
+        sa = a.steps[step]
+        by: dict[str, StepComparison] = {}
+        for k in held:
+            st = sa.streams[k]
+            ok, n = sa.support(SUPPORT_OF[k])
+            by[REPORT_NAMES[k]] = StepComparison(
+                tokens=st.n,
+                mean_bias=st.mean_bias if st.n else NA,
+                mean_abs_diff=st.mean_abs if st.n else NA,
+                max_headroom=st.headroom if avail["bound"] and st.head_n else None,
+                support_equal_frac=(ok / n if n else 1.0) if support_known[SUPPORT_OF[k]] else NA,
+            )
+        f = by[REPORT_NAMES[follow]] if follow else None
+        entries.append(StepEntry(
+            step=step, sequences=sa.sequences, tokens=sa.tokens, comparison=REPORT_NAMES[follow] if follow else None,
+            compared_tokens=f.tokens if f else 0, mean_bias=f.mean_bias if f else NA,
+            mean_abs_diff=f.mean_abs_diff if f else NA, max_headroom=f.max_headroom if f else None,
+            support_equal_frac=f.support_equal_frac if f else NA, by_comparison=by,
+        ))
+    if follow is None:
+        return entries, None, ("no comparison to follow across steps: " + REASONS["user"] + "; "
+                               + REASONS["replay"] + "; " + REASONS["recompute"])
+    at = [(s, a.steps[s].streams[follow]) for s in sorted(a.steps) if a.steps[s].streams[follow].n]
+    trend = drift_trend([s for s, _ in at], [st.mean_abs for _, st in at], [st.abs_se for _, st in at],
+                        REPORT_NAMES[follow], tokens=[st.n for _, st in at])
+    if trend.evaluated and not full_input(follow):
+        why = (REASONS[follow] + f" ({a.lacking[follow]} of {a.sequences} sequences lack it; the per-step values "
+               f"cover the others)")
+        trend = replace(trend, evaluated=False, passed=None, reason=why)
+    return entries, trend, trend.reason
+
+
+def _over(value: float, limit: float) -> bool:
+    return not (value <= limit)  # NaN fails
+
+
+def _scaled(ps: tuple[Position, ...], factor: float) -> tuple[Position, ...]:
+    from dataclasses import replace
+
+    return tuple(replace(p, bound=None if p.bound is None else p.bound * factor) for p in ps)
+
+
+def evaluate_summary(sc: dict[str, Any], a: ScenarioAcc, th: Thresholds) -> list[Violation]:
+    """Every gate, on a scenario's streamed statistics (thresholds: :class:`parity.core.gates.Thresholds`), and on a training
+    log ``drift_trend`` (:func:`trend_violation`).
+
+    ``sc``: the entry of :func:`_scenario_report` (its ``not_evaluated`` gates are left out).
+    """
+    out: list[Violation] = []
+    skip = {g["gate"] for g in sc["not_evaluated"]}
+    scenario, n = sc["name"], th.max_violations_listed
+    head, limits = sc["headroom"], sc["mean_bias_limit"]
+
+    def key(stream: str) -> str:
+        return "trainer_under_test" if stream == "user" else stream
+
+    def drift_gate(gate: str, label: str, stream: str) -> None:
+        if gate in skip:
+            return
+        stat = head[key(stream)]
+        if _over(stat, th.max_headroom):
+            worst = _scaled(a.bounds[stream].worst.positions(n), th.max_headroom)
+            out.append(Violation(gate, scenario, stat, th.max_headroom, f"{label} max |diff| / bound", worst=worst))
+
+    def mean_gate(gate: str, label: str, stream: str) -> None:
+        if gate in skip:
+            return
+        bs = a.bounds[stream]
+        bias = bs.mean if bs.n else 0.0
+        allowed = th.mean_bias_headroom * limits[key(stream)]
+        if _over(abs(bias), allowed):
+            out.append(Violation(gate, scenario, abs(bias), allowed, f"{label} |mean bias|",
+                                 detail=f"mean(trainer - vllm) = {bias:.3g} over {bs.n} tokens"))
+
+    drift_gate("replay_drift", "replay", "replay")
+    drift_gate("recompute_drift", "recompute", "recompute")
+    mean_gate("replay_mean_bias", "replay", "replay")
+    mean_gate("recompute_mean_bias", "recompute", "recompute")
+    if "trainer_under_test" in sc:
+        ut = sc["trainer_under_test"]
+        label = f"trainer {ut['name']!r} ({ut['diagnosis']})"
+        drift_gate("trainer_under_test_drift", label, "user")
+        mean_gate("trainer_under_test_mean_bias", label, "user")
+    naive_h = head.get("naive_vs_sampler_log_s")
+    if "naive_vs_sampler_log_s" not in skip and naive_h is not None and _over(naive_h, th.max_headroom):
+        source = sc["sampler_log_s"]["source"]
+        out.append(Violation(
+            "naive_vs_sampler_log_s", scenario, naive_h, th.max_headroom,
+            "naive bias outside the sampler-side log S, max gap / bound",
+            detail=f"log S from the sampler's {source.replace('_', ' ')}",
+            worst=_scaled(a.bounds["naive"].worst.positions(n), th.max_headroom),
+        ))
+    frac = sc["replay"]["support_equal_frac"]
+    if "replay_support" not in skip and _over(th.replay_support_equal_frac, frac):
+        out.append(Violation(
+            "replay_support", scenario, frac, th.replay_support_equal_frac, "replay support equality", "<",
+            worst=a.first["replay_support"].positions(n),
+            detail="captured S_q is not the sampler's whole support (mass != 1 or the sampled token missing)",
+        ))
+    frac = sc["recompute"]["support_equal_frac"]
+    limit = recompute_support_limit(th.recompute_support_equal_frac, a.recompute_n)
+    if "recompute_support" not in skip and _over(limit, frac):
+        out.append(Violation(
+            "recompute_support", scenario, frac, limit, "recompute support equality", "<",
+            worst=a.first["recompute_support"].positions(n), detail="trainer-side filters keep a different set",
+        ))
+    inc, tokens = sc["incomplete_positions"], sc["tokens"]
+    if "incomplete_capture" not in skip and tokens and _over(inc / tokens, th.max_incomplete_frac):
+        out.append(Violation(
+            "incomplete_capture", scenario, inc / tokens, th.max_incomplete_frac, "incomplete capture fraction",
+            worst=a.first["incomplete"].positions(n), detail=f"{inc} of {tokens} positions: the head is full and the "
+            "support may extend past it; raise --max-capture-head (or the scenario's max_capture_head)",
+        ))
+    outside = sc["sampled_outside_support"]
+    if "sampled_outside" not in skip and _over(outside, th.max_sampled_outside):
+        out.append(Violation(
+            "sampled_outside", scenario, outside, th.max_sampled_outside, "sampled tokens outside the captured S_q",
+            worst=a.first["sampled_outside"].positions(n),
+            detail="the engine reports a sampled token that its own kept set does not hold",
+        ))
+    trend_violation(sc, out, skip)
+    mismatch = sc["token_mismatch"]
+    if _over(mismatch, th.max_token_mismatch):
+        out.append(Violation(
+            "token_mismatch", scenario, mismatch, th.max_token_mismatch, "trainer scored other tokens than sampled",
+            worst=a.first["token_mismatch"].positions(n),
+            detail="the trainer's token ids are not the sampler's (an off-by-one or a re-tokenisation)",
+        ))
+    return out
+
+
+def trend_violation(sc: dict[str, Any], out: list[Violation], skip: set[str]) -> None:
+    """``drift_trend``: the verdict :func:`parity.records.steps.drift_trend` gave, as a violation naming the
+    first step above the band of the first steps."""
+    tr = sc.get("trend")
+    if TREND_GATE in skip or not tr or not tr["evaluated"] or tr["passed"]:
+        return
+    who = tr["comparison"]
+    if who == "trainer_under_test":
+        who = f"trainer {sc['trainer_under_test']['name']!r}"
+    by_step = {e["step"]: e for e in sc["per_step"]}
+    s = tr["first_step_outside"]
+    at = by_step.get(s, {}).get("mean_abs_diff", NA)
+    if tr["slope"] is None:  # a step's mean |diff| is not finite
+        out.append(Violation(TREND_GATE, sc["name"], math.inf, 0.0, f"{who} mean |diff| per step",
+                             detail=f"{tr['reason']}: drift left every band at step {s}"))
+        return
+    first, last = by_step[tr["first_step"]]["mean_abs_diff"], by_step[tr["last_step"]]["mean_abs_diff"]
+    base = ", ".join(str(x) for x in tr["baseline_steps"])
+    out.append(Violation(
+        TREND_GATE, sc["name"], tr["slope"], tr["limit"], f"{who} slope of mean |diff| per step",
+        detail=(f"mean |diff| {first:.3g} at step {tr['first_step']} -> {last:.3g} at step {tr['last_step']} over "
+                f"{tr['steps']} steps, slope {tr['slope']:.3g} ± {tr['slope_se']:.3g} per step (limit {tr['z']:g} "
+                f"standard errors); first left the band {tr['baseline_mean']:.3g} ± {tr['band_k']:g} × "
+                f"{tr['noise']:.3g} of steps {base} at step {s} (mean |diff| {at:.3g})"),
+    ))
+
+
+def drift_headroom_hist(a: ScenarioAcc) -> dict[str, Any]:
+    """Counts of ``|diff| / bound`` per replay and recompute on log10 bins, for the report's drift plot:
+    ``bins`` of width ``bin_width`` from ``log10_lo``; each estimator's filled bins as [index, count] pairs."""
+    out: dict[str, Any] = {"log10_lo": HEAD_LO, "bin_width": HEAD_STEP, "bins": HEAD_BINS}
+    for k in ("replay", "recompute"):
+        if a.bounds[k].n:
+            h = a.bounds[k].hist
+            out[k] = [[int(i), int(h[i])] for i in np.flatnonzero(h)]
+    return out
+
+
+def finalize(
+    summary: Summary, th: Thresholds, *, trainer_name: str | None = None
+) -> list[dict[str, Any]]:
+    """Per-scenario report entries with verdicts (``violations``: :class:`Violation` objects)."""
+    accs = sorted(summary.groups.values(), key=lambda a: a.first_order)
+    names = [a.name for a in accs]
+    out = []
+    for a in accs:
+        name = a.name if names.count(a.name) == 1 else f"{a.name} [{SamplingSpec(**a.spec).label()}]"
+        sc = _scenario_report(a, name)
+        if "trainer_under_test" in sc:
+            sc["trainer_under_test"]["name"] = trainer_name or "trainer"
+        violations = evaluate_summary(sc, a, th)
+        skipped = {g["gate"] for g in sc["not_evaluated"]}
+        evaluated = [g for g in GATES if g not in skipped
+                     and ("trainer_under_test" in sc or not g.startswith("trainer_under_test"))]
+        if sc["trend"] is not None and sc["trend"]["evaluated"]:
+            evaluated.append(TREND_GATE)
+        # Support gates over no captured position hold by definition (S_q is the vocabulary), and the
+        # token check holds by the format's definition unless trainer_token_ids says otherwise: they judge nothing.
+        judged = [g for g in evaluated if g == TREND_GATE or GATE_INPUTS[g] not in (("kept",), ())
+                  or (sc["captured_positions"] and g != "token_mismatch")]
+        if not judged:
+            violations.append(Violation(
+                "records_inputs", name, 0, 1, "gates the records could evaluate", "<",
+                detail="no gate could be evaluated on these records: " + "; ".join(
+                    f"{x['gate']}: {x['reason']}" for x in sc["not_evaluated"][:3]
+                ) + (" ..." if len(sc["not_evaluated"]) > 3 else ""),
+            ))
+        sc["gates_evaluated"] = evaluated
+        violations, reference = split_verdict(violations, trainer_under_test="trainer_under_test" in sc)
+        sc["verdict"] = "fail" if violations else "pass"
+        sc["violations"] = violations
+        sc["reference_violations"] = reference
+        sc["drift_headroom"] = drift_headroom_hist(a)
+        out.append(sc)
+    return out

@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(
     res = reference_filter(z, spec)
     y = torch.tensor([0])
     replay(z, y, res.kept, spec); recompute(z, y, spec); full(z, y, spec); predicted_log_s(z, res.kept, spec)
-    parity.core.metrics.diff_stats(res.logprobs, res.logprobs)
+    parity.core.metrics.max_abs_difference(res.logprobs, res.logprobs)
 
     from parity.cli.main import main
     out = io.StringIO()

@@ -5,7 +5,7 @@
 - :mod:`~parity.core.estimators`: the trainer-side estimators (full, replay, recompute, log S).
 - :mod:`~parity.core.capture`: which support the rollout side captures and how it is read back.
 - :mod:`~parity.core.table`: per-token comparison table of both sides and its summary.
-- :mod:`~parity.core.metrics`: diff statistics, KL/TV over a support, importance ratios.
+- :mod:`~parity.core.metrics`: the comparison rule for differences, support equality, KL/TV over a support.
 - :mod:`~parity.core.gates`: thresholds and the gates that turn a summary into violations.
 - :mod:`~parity.core.matrix`: scenario matrices (default and TOML).
 - :mod:`~parity.core.tolerances`: float32 rounding bands of vLLM's filters (recompute's top_k candidate path).

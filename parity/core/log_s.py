@@ -62,9 +62,3 @@ def top_p_bracket(
     lo = torch.full_like(r, math.log(top_p) - slack)
     hi = math.log(top_p) - torch.log1p(-r) + slack  # r = 1 -> +inf
     return lo, hi
-
-
-def distance_outside(values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """How far each value lies outside ``[lo, hi]`` (0 inside)."""
-    v = values.double()
-    return (lo - v).clamp(min=0.0) + (v - hi).clamp(min=0.0)

@@ -46,7 +46,8 @@ WEIGHTS = ("statistic", "ratio", "one")
 class Mismatch:
     """Per-sequence δ (and, when known, the sampler's log-probs, for probability-space statistics).
 
-    Build it with :meth:`from_logprobs`, :meth:`from_flat`, :meth:`from_padded` or :meth:`from_deltas`.
+    Build it with :meth:`from_logprobs` or :meth:`from_flat`, or from δ alone as ``Mismatch(deltas)``
+    (the probability-space entries then report None).
     """
 
     deltas: tuple[torch.Tensor, ...]
@@ -125,26 +126,6 @@ class Mismatch:
                 f"{sampler.numel()} sampler tokens: allowed non-negative lengths summing to both"
             )
         return cls.from_logprobs(list(torch.split(trainer, lengths)), list(torch.split(sampler, lengths)))
-
-    @classmethod
-    def from_padded(cls, trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor) -> Mismatch:
-        """``[B, T]`` log-probs with a completion mask (1 = a sampled token, 0 = padding)."""
-        if trainer.dim() != 2 or trainer.shape != sampler.shape or trainer.shape != mask.shape:
-            raise UsageError(
-                f"trainer {tuple(trainer.shape)}, sampler {tuple(sampler.shape)}, mask {tuple(mask.shape)}: "
-                "allowed three [B, T] tensors of one shape"
-            )
-        m = mask.bool()
-        return cls.from_logprobs(
-            [trainer[b][m[b]] for b in range(len(m))], [sampler[b][m[b]] for b in range(len(m))]
-        )
-
-    @classmethod
-    def from_deltas(
-        cls, deltas: Sequence[torch.Tensor], sampler: Sequence[torch.Tensor] | None = None
-    ) -> Mismatch:
-        """δ per sequence; without the sampler's log-probs the probability-space entries report None."""
-        return cls(tuple(deltas), tuple(sampler) if sampler is not None else None)
 
     # -- views used by the entries
 

@@ -61,9 +61,6 @@ class TokenTable:
     def tokens(self) -> int:
         return int(self.token.numel())
 
-    def locate(self, i: int) -> str:
-        return f"prompt {int(self.prompt_index[i])}, position {int(self.position[i])}, token {int(self.token[i])}"
-
     def select(self, mask: torch.Tensor) -> TokenTable:
         """Rows where ``mask`` holds (sequence lengths are recomputed per prompt)."""
         kw: dict[str, Any] = {}

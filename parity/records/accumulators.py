@@ -130,7 +130,7 @@ class First:
 
 @dataclass
 class DiffStream:
-    """max / mean / mean |.| / p99 of one difference (``parity.core.metrics.diff_stats``), streamed."""
+    """max / mean / mean |.| / p99 of one difference, streamed."""
 
     n: int = 0
     total: float = 0.0
@@ -199,7 +199,7 @@ def _fold(acc: tuple[int, float, float, float], n: int, total: Any, lo: Any, hi:
 
 @dataclass
 class Ratios:
-    """IS ratios exp(trainer - sampler) per token and per sequence (``parity.core.metrics.is_ratios``), streamed."""
+    """IS ratios exp(trainer - sampler) per token and per sequence (products over its tokens), streamed."""
 
     tok_n: int = 0
     tok_sum: float = 0.0

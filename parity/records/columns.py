@@ -594,7 +594,7 @@ def _accumulate(acc: ScenarioAcc, rb: RecordsBatch, c: TokenColumns, rows: np.nd
     idx = np.flatnonzero(nsel)
     if idx.size:
         v = full_minus[idx]
-        gap = np.clip(c.s_lo[idx] - v, 0.0, None) + np.clip(v - c.s_hi[idx], 0.0, None)  # log_s.distance_outside
+        gap = np.clip(c.s_lo[idx] - v, 0.0, None) + np.clip(v - c.s_hi[idx], 0.0, None)  # the distance outside [s_lo, s_hi]
         nb = c.bound_full[idx] + c.bound[idx]
         s = acc.bounds["naive"]
         key = s.add(gap, nb)

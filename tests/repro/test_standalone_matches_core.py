@@ -16,8 +16,8 @@ import torch
 from parity.core import estimators
 from parity.core.capture import support_from_heads
 from parity.core.filters import reference_filter
-from parity.core.metrics import is_ratios
 from parity.core.spec import SamplingSpec
+from parity.records.accumulators import Ratios
 from parity.repro import common
 from parity.repro import standalone_src as src
 from parity.testing.cases import build_case, random_plan
@@ -117,8 +117,10 @@ def test_kept_from_heads_and_seq_ratio_are_the_cores() -> None:
     per_token = torch.randn(12, generator=g, dtype=torch.float64) * 0.1
     lengths = [5, 4, 3]
     got = src.seq_ratio(per_token, lengths)
-    want = is_ratios(per_token, torch.zeros(12, dtype=torch.float64), lengths)
-    assert (float(got.mean()), float(got.min()), float(got.max())) == pytest.approx((want.seq_mean, want.seq_min, want.seq_max), rel=1e-12)
+    want = Ratios()  # the records analysis' IS ratios, fed the per-sequence sums its map step computes
+    want.add(per_token.numpy(), torch.stack([s.sum() for s in per_token.split(lengths)]).numpy())
+    seq = want.to_report()["sequence"]
+    assert (float(got.mean()), float(got.min()), float(got.max())) == pytest.approx((seq["mean"], seq["min"], seq["max"]), rel=1e-12)
     # The scripts' rounding bound is the core's own code, inlined at emit time (test_repro_cli checks it).
     assert src.logprob_bound is common.logprob_bound
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from parity.core.log_s import distance_outside, log_s_from_raw_logits, top_p_bracket, top_p_bracket_applies
+from parity.core.log_s import log_s_from_raw_logits, top_p_bracket, top_p_bracket_applies
 from parity.core.spec import SamplingSpec as S
 
 NEG = -math.inf
@@ -75,12 +75,3 @@ def test_bracket_refuses_a_row_without_a_kept_token() -> None:
     with pytest.raises(ValueError) as info:
         top_p_bracket(torch.tensor([[0.0, NEG], [NEG, NEG]]), 0.9, 10)
     assert str(info.value) == "kept_logprobs has a row without any finite entry: allowed rows with at least one kept token"
-
-
-def test_distance_outside() -> None:
-    v = torch.tensor([-0.5, -0.1, -0.3, -0.3], dtype=torch.float32)
-    lo = torch.tensor([-0.4, -0.4, -0.4, NEG], dtype=torch.float64)
-    hi = torch.tensor([-0.2, -0.2, -0.2, math.inf], dtype=torch.float64)
-    d = distance_outside(v, lo, hi)
-    assert d.dtype == torch.float64
-    assert d.tolist() == pytest.approx([0.1, 0.1, 0.0, 0.0], abs=1e-7)

@@ -44,7 +44,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def deltas() -> rl.Mismatch:
-    return rl.Mismatch.from_deltas([torch.tensor([0.0, 1.0, -1.0], dtype=torch.float64)])
+    return rl.Mismatch((torch.tensor([0.0, 1.0, -1.0], dtype=torch.float64),))
 
 
 def test_the_packaged_catalogue_is_what_the_module_holds() -> None:

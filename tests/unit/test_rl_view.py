@@ -146,7 +146,7 @@ def test_pearson_is_undefined_on_constant_or_single_tokens() -> None:
 
 
 def test_probability_space_entries_need_the_sampler_side() -> None:
-    m = Mismatch.from_deltas([torch.full((16,), LOG09)])
+    m = Mismatch((torch.full((16,), LOG09),))
     assert value("training/rollout_probs_diff_mean", m) is None
     assert value("sampling/sampling_logp_difference/mean", m) == pytest.approx(-LOG09)
     assert res("DPPO binary-TV 0.2", m, "+").units == 0
@@ -423,15 +423,12 @@ def test_empty_sequences_are_counted_and_left_out_of_sequence_statistics() -> No
     assert res("Sequence MIS [0.5, 2]", m).units == 1
 
 
-def test_padded_input_equals_the_list_input() -> None:
+def test_flat_input_equals_the_list_input() -> None:
     lq = torch.log(torch.tensor([[0.5, 0.4, 0.3], [0.2, 0.6, 0.9]], dtype=torch.float64))
     lp = lq + torch.tensor([[0.1, -0.2, 0.0], [0.3, 0.0, -0.5]], dtype=torch.float64)
-    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    a = summarize(Mismatch.from_padded(lp, lq, mask))
     b = summarize(Mismatch.from_logprobs([lp[0, :2], lp[1]], [lq[0, :2], lq[1]]))
-    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
     c = summarize(Mismatch.from_flat(torch.cat([lp[0, :2], lp[1]]), torch.cat([lq[0, :2], lq[1]]), [2, 3]))
-    assert json.dumps(a, sort_keys=True) == json.dumps(c, sort_keys=True)
+    assert json.dumps(b, sort_keys=True) == json.dumps(c, sort_keys=True)
 
 
 def test_minus_inf_trainer_logprob_is_kept_and_acted_on() -> None:
@@ -471,11 +468,9 @@ def test_bad_input_names_the_field() -> None:
     with pytest.raises(ValueError, match="trainer has 1 sequences but sampler has 2"):
         Mismatch.from_logprobs([torch.zeros(2)], [torch.zeros(2), torch.zeros(1)])
     with pytest.raises(ValueError, match=r"deltas\[0\] has shape \(2, 2\)"):
-        Mismatch.from_deltas([torch.zeros(2, 2)])
+        Mismatch((torch.zeros(2, 2),))
     with pytest.raises(ValueError, match="seq_lengths sum to 4"):
         Mismatch.from_flat(torch.zeros(3), torch.zeros(3), [2, 2])
-    with pytest.raises(ValueError, match="mask"):
-        Mismatch.from_padded(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 2))
 
 
 def test_bad_method_definitions_name_the_field() -> None:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from parity.core.estimators import mask_to_ids, predicted_log_s
 from parity.core.filters import reference_filter
-from parity.core.log_s import distance_outside, log_s_from_raw_logits, top_p_bracket, top_p_bracket_applies
+from parity.core.log_s import log_s_from_raw_logits, top_p_bracket, top_p_bracket_applies
 from parity.core.spec import SamplingSpec as S
 
 
@@ -23,6 +23,12 @@ def _kept_lp(z: torch.Tensor, spec: S) -> tuple[torch.Tensor, torch.Tensor, torc
     zs = z.double() / spec.temperature
     exact = torch.logsumexp(zs.masked_fill(~res.kept, -math.inf), -1) - torch.logsumexp(zs, -1)
     return ids, lp, exact
+
+
+def distance_outside(values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """How far each value lies outside ``[lo, hi]`` (0 inside), in float64."""
+    v = values.double()
+    return (lo - v).clamp(min=0.0) + (v - hi).clamp(min=0.0)
 
 
 def test_raw_logits_give_the_same_log_s_as_the_trainer_side_formula_on_the_same_logits() -> None:

@@ -48,7 +48,6 @@ GGUF_BUILDER_VERSION = 1
 METADATA_FILE = "parity_fixture.json"
 RECIPES_FILE = "recipes.toml"
 CACHE_ENV = "PARITY_FIXTURE_CACHE"
-DEFAULT_FIXTURE = "qwen2-tiny"
 
 # vLLM's CPU attention accepts only these head sizes: CPUAttentionBackend.get_supported_head_sizes in
 # vllm/v1/attention/backends/cpu_attn.py (vLLM 0.32). Anything else fails at engine start with

@@ -1,19 +1,49 @@
-"""The test suite's strategies: the exported ones (parity.testing.strategies), so users test with the same,
-and the batch layouts the trainer-side invariance property draws."""
+"""The test suite's strategies: the exported ones (parity.testing.strategies), so users test with the same;
+the specs the end-to-end runs draw, the hand-picked cases for ``@example``, and the batch layouts the
+trainer-side invariance property draws."""
 
+import torch
 from hypothesis import strategies as st
 
+from parity.core.spec import SamplingSpec
 from parity.determinism.layouts import MASKS, SIDES, BatchLayout
+from parity.testing.cases import Case, CasePlan, RowPlan, build_case
 from parity.testing.strategies import *  # noqa: F401,F403
 from parity.testing.strategies import (  # noqa: F401
     case_plans,
     cases,
-    example_case,
-    example_logits,
     row_plans,
     specs,
     top_ks,
 )
+
+# -- end-to-end specs and hand-picked cases ------------------------------------------------------
+
+
+@st.composite
+def engine_specs(draw: st.DrawFn, vocab: int) -> SamplingSpec:
+    """Specs for end-to-end runs on a real engine: T in [0.05, 2], top_k off or 1..V, top_p in (0, 1],
+    min_p in [0, 1), alone and combined (each filter is off half the time)."""
+    t = draw(st.floats(0.05, 2.0))
+    k = draw(st.one_of(st.just(0), st.integers(1, vocab)))
+    p = draw(st.one_of(st.just(1.0), st.floats(0.01, 1.0)))
+    m = draw(st.one_of(st.just(0.0), st.floats(0.0, 0.99)))
+    return SamplingSpec(t, k, p, m)
+
+
+def example_case(vocab: int, *rows: RowPlan, seed: int = 0) -> Case:
+    """A hand-picked case for ``@example``: built like a drawn one, tagged ``source="example"``."""
+    case = build_case(CasePlan(vocab, tuple(rows), seed))
+    case.source = "example"
+    return case
+
+
+def example_logits(logits: list[list[float]], *specs_: SamplingSpec, seed: int = 0) -> Case:
+    """A hand-written logits batch for ``@example`` (one spec, or one per row)."""
+    z = torch.tensor(logits, dtype=torch.float32)
+    row_specs = list(specs_) if len(specs_) == z.shape[0] else [specs_[0]] * z.shape[0]
+    return Case(z, row_specs, seed, None, source="example")
+
 
 # -- batch layouts of token sequences (trainer-side invariance) ------------------------------------
 

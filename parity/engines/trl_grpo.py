@@ -105,12 +105,6 @@ class GrpoCapture:
     _pending: list[dict[str, Any]] = field(default_factory=list, repr=False)
     _active: dict[str, Any] | None = field(default=None, repr=False)
 
-    def steps(self) -> list[int]:
-        return sorted({int(s["step"]) for s in self.sequences})
-
-    def for_step(self, step: int) -> list[dict[str, Any]]:
-        return [s for s in self.sequences if int(s["step"]) == step]
-
 
 def save_sequences(sequences: list[dict[str, Any]], path: str | Path) -> Path:
     """Write captured sequences as one ``torch.save`` file (plain dicts of CPU tensors and lists)."""

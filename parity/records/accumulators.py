@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -528,13 +528,6 @@ class Summary:
                 self.casts[k] = CastNote(**note.__dict__)
         self.page_checksums.update(other.page_checksums)
         return self
-
-    @classmethod
-    def merge_all(cls, parts: Iterable[Summary]) -> Summary:
-        out = cls()
-        for p in parts:
-            out.merge(p)
-        return out
 
     # -- serialisation: the map step's output on a distributed engine --------------------------------
 

@@ -919,16 +919,3 @@ def write_records(
     with RecordsWriter(path, metadata=metadata) as w:
         w.write(data)
     return Path(path)
-
-
-def describe_columns() -> str:
-    """The columns as a Markdown table (README documents the format from this)."""
-    def name(t: pa.DataType) -> str:
-        if pa.types.is_list(t):
-            return f"list<{name(t.value_type)}>"
-        return {"float": "float32", "double": "float64"}.get(str(t), str(t))
-
-    lines = ["| column | type | required | per | meaning |", "|---|---|---|---|---|"]
-    for c in COLUMNS:
-        lines.append(f"| `{c.name}` | `{name(c.type)}` | {'yes' if c.required else 'no'} | {c.per} | {c.doc} |")
-    return "\n".join(lines)

@@ -58,17 +58,6 @@ def specs(draw: st.DrawFn, vocab: int) -> SamplingSpec:
 
 
 @st.composite
-def engine_specs(draw: st.DrawFn, vocab: int) -> SamplingSpec:
-    """Specs for end-to-end runs on a real engine: T in [0.05, 2], top_k off or 1..V, top_p in (0, 1],
-    min_p in [0, 1), alone and combined (each filter is off half the time)."""
-    t = draw(st.floats(0.05, 2.0))
-    k = draw(st.one_of(st.just(0), st.integers(1, vocab)))
-    p = draw(st.one_of(st.just(1.0), st.floats(0.01, 1.0)))
-    m = draw(st.one_of(st.just(0.0), st.floats(0.0, 0.99)))
-    return SamplingSpec(t, k, p, m)
-
-
-@st.composite
 def row_plans(draw: st.DrawFn, vocab: int, spec: SamplingSpec | None = None) -> RowPlan:
     return RowPlan(
         spec=spec if spec is not None else draw(specs(vocab)),
@@ -98,19 +87,3 @@ def case_plans(draw: st.DrawFn, max_rows: int = 6) -> CasePlan:
 def cases(max_rows: int = 6) -> st.SearchStrategy[Case]:
     """Logits ``[N, V]`` float32 with one spec per row."""
     return case_plans(max_rows).map(build_case)
-
-
-def example_case(vocab: int, *rows: RowPlan, seed: int = 0) -> Case:
-    """A hand-picked case for ``@example``: built like a drawn one, tagged ``source="example"``."""
-    case = build_case(CasePlan(vocab, tuple(rows), seed))
-    case.source = "example"
-    return case
-
-
-def example_logits(logits: list[list[float]], *specs_: SamplingSpec, seed: int = 0) -> Case:
-    """A hand-written logits batch for ``@example`` (one spec, or one per row)."""
-    import torch
-
-    z = torch.tensor(logits, dtype=torch.float32)
-    row_specs = list(specs_) if len(specs_) == z.shape[0] else [specs_[0]] * z.shape[0]
-    return Case(z, row_specs, seed, None, source="example")

@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import engine_specs
 
 from parity.core.matrix import Scenario
 from parity.core.table import TrainerFaults
 from parity.engines.session import EnginePool
 from parity.run import RunConfig, score_scenario, wants_sampler_log_s
-from parity.testing.strategies import engine_specs
 
 pytestmark = pytest.mark.e2e
 

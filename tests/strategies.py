@@ -4,9 +4,9 @@ trainer-side invariance property draws."""
 
 import torch
 from hypothesis import strategies as st
+from layouts import MASKS, SIDES, BatchLayout
 
 from parity.core.spec import SamplingSpec
-from parity.determinism.layouts import MASKS, SIDES, BatchLayout
 from parity.testing.cases import Case, CasePlan, RowPlan, build_case
 from parity.testing.strategies import *  # noqa: F401,F403
 from parity.testing.strategies import (  # noqa: F401

@@ -44,18 +44,6 @@ class HasModel(Protocol):
 # -- comparisons ---------------------------------------------------------------------------------
 
 
-def nudge_one_ulp(values: torch.Tensor, index: int = 0) -> torch.Tensor:
-    """A copy of ``values`` with one entry moved one float step toward -inf (``torch.nextafter``).
-
-    The smallest change a bitwise comparison must catch: the negative controls use it where the CPU
-    engine offers no cheap natural source of non-invariance.
-    """
-    out = values.clone()
-    flat = out.view(-1)
-    flat[index] = torch.nextafter(flat[index], torch.tensor(float("-inf"), dtype=out.dtype))
-    return out
-
-
 def compare_records(ref: Any, got: Any) -> dict[str, Any]:
     """Bitwise comparison of two records of the same prompt: tokens, log-probs, kept set.
 

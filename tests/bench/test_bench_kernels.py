@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 import torch
+from layouts import BatchLayout, max_abs_diff, sequence_logits
 
 from parity.determinism.knobs import batch_invariant_mode
-from parity.determinism.layouts import BatchLayout, max_abs_diff, sequence_logits
 
 # One fixture (a 32k vocabulary, Llama layers): the ratio is the kernels', and each fixture added a
 # quarter minute to the session.

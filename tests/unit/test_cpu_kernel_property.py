@@ -20,12 +20,12 @@ from dataclasses import replace
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from layouts import BatchLayout, max_abs_diff, sequence_logits
 from strategies import batch_layout_cases
+from ulp import nudge_one_ulp
 
 from parity.determinism import kernels as cpu_kernels
-from parity.determinism.checks import nudge_one_ulp
 from parity.determinism.knobs import batch_invariant_mode
-from parity.determinism.layouts import BatchLayout, alone_logits, compare, max_abs_diff, sequence_logits
 from parity.fixtures import resolve_model
 
 
@@ -63,6 +63,24 @@ def models() -> dict[str, torch.nn.Module]:
 def tokens(lengths: list[int], seed: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def alone_logits(model: torch.nn.Module, seq: list[int]) -> torch.Tensor:
+    """The reference: the sequence by itself, a batch of one with a full mask."""
+    return sequence_logits(model, BatchLayout(((0,),)), [seq])[0]
+
+
+def compare(reference: dict[int, torch.Tensor], got: dict[int, torch.Tensor]) -> dict:
+    """Bitwise comparison of each sequence's logits in a layout with the sequence alone."""
+    per = {i: (torch.equal(reference[i], g), max_abs_diff(reference[i], g)) for i, g in got.items()}
+    worst = max(per, key=lambda i: per[i][1])
+    return {
+        "bitwise": all(e for e, _ in per.values()),
+        "sequences": len(per),
+        "not_bitwise": sorted(i for i, (e, _) in per.items() if not e),
+        "max_abs_diff": per[worst][1],
+        "worst_sequence": worst if per[worst][1] > 0 else None,
+    }
 
 
 def measure(model: torch.nn.Module, lengths: list[int], seed: int, layout: BatchLayout, perturb=None) -> dict:

@@ -1,16 +1,16 @@
-"""Batch layouts of token sequences for a causal LM, and the bitwise check that a layout changes nothing.
+"""Batch layouts of token sequences for a causal LM, as the trainer-side invariance property draws them.
 
 A layout packs sequences into rows, pads the rows on one side and passes them through one of four
 masks (``2d``, ``4d-bool``, ``4d-additive``, ``position-ids``; what each means: docs/batch_invariance.md,
 section 4). ``build`` makes the model inputs, ``sequence_logits`` runs a model and cuts out each
-sequence's logits, ``alone_logits`` runs one sequence by itself, and ``compare`` checks a layout's
-logits against the sequences alone, bitwise. The model is any callable taking ``input_ids``,
+sequence's logits; a layout is checked by comparing those logits with each sequence run alone,
+bitwise (tests/unit/test_cpu_kernel_property.py). The model is any callable taking ``input_ids``,
 ``attention_mask`` and ``position_ids``; no engine is imported.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,27 +145,9 @@ def sequence_logits(
     return {i: logits[r, o : o + n].clone() for i, (r, o, n) in inp.spans.items()}
 
 
-def alone_logits(model: Callable[..., Any], seq: Sequence[int]) -> torch.Tensor:
-    """The reference: the sequence by itself, a batch of one with a full mask."""
-    return sequence_logits(model, BatchLayout(((0,),)), [seq])[0]
-
-
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| in float64; equal entries (equal infinities included) count 0."""
     if a.numel() == 0:
         return 0.0
     a, b = a.double(), b.double()
     return float(torch.where(a == b, torch.zeros_like(a), (a - b).abs()).max())
-
-
-def compare(reference: Mapping[int, torch.Tensor], got: Mapping[int, torch.Tensor]) -> dict[str, Any]:
-    """Bitwise comparison of each sequence's logits in a layout with the sequence alone."""
-    per = {i: (torch.equal(reference[i], g), max_abs_diff(reference[i], g)) for i, g in got.items()}
-    worst = max(per, key=lambda i: per[i][1])
-    return {
-        "bitwise": all(e for e, _ in per.values()),
-        "sequences": len(per),
-        "not_bitwise": sorted(i for i, (e, _) in per.items() if not e),
-        "max_abs_diff": per[worst][1],
-        "worst_sequence": worst if per[worst][1] > 0 else None,
-    }

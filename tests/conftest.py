@@ -80,7 +80,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _every_written_report_validates(monkeypatch):
-    """Every report.json a test writes is checked against the schema the package publishes."""
+    """Every report.json a test writes is checked against the schema the package publishes, and read back by
+    the typed report (:func:`parity.report.model.load_report`) without a key lost or added."""
     if importlib.util.find_spec("jsonschema") is None or importlib.util.find_spec("torch") is None:
         yield
         return
@@ -92,9 +93,14 @@ def _every_written_report_validates(monkeypatch):
 
     original = schema.write_report
 
+    from parity.report.model import load_report
+
     def checked(report, out, **kw):
         original(report, out, **kw)
-        jsonschema.validate(json.loads((Path(out) / "report.json").read_text()), schema.report_schema())
+        written = json.loads((Path(out) / "report.json").read_text())
+        jsonschema.validate(written, schema.report_schema())
+        # The typed report reads back what was written, key for key.
+        assert schema._clean(load_report(out).to_json()) == written
 
     monkeypatch.setattr(schema, "write_report", checked)
     yield

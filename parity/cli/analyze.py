@@ -45,9 +45,11 @@ def _records_dtype(path: Path) -> str | None:
 def main(args: argparse.Namespace) -> int:
     if args.path is None:
         raise UsageError("parity analyze needs PATH: allowed a records file (Parquet) or a directory of *.parquet shards")
+    # isort: off
+    from parity.pipeline import analyze  # first: it refuses a missing pyarrow with what to install
     from parity.cluster import parse_engine
-    from parity.pipeline import analyze
     from parity.records.columns import Options
+    # isort: on
 
     parse_engine(args.engine)  # a bad --engine is refused before any file is read
     dtype = args.dtype or _records_dtype(args.path) or "float32"

@@ -14,12 +14,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from parity.core.spec import SamplingSpec
 from parity.errors import EngineError, UsageError
+
+if TYPE_CHECKING:
+    import torch  # the support functions import it when called: the capture plan and its stats need none
 
 FULL_VOCAB = -1  # vLLM's "logprobs=-1": every token of the vocabulary
 NEG_INF = float("-inf")
@@ -462,6 +463,8 @@ def support_from_heads(
 
     ``requested`` is the K that was asked for (-1 = full vocabulary).
     """
+    import torch
+
     if len(head_ids) != len(sampled) or len(head_logprobs) != len(sampled):
         raise UsageError(
             f"capture has {len(head_ids)} heads and {len(head_logprobs)} log-prob rows for {len(sampled)} sampled tokens"
@@ -509,6 +512,8 @@ def _support_dense(y: torch.Tensor, ids: torch.Tensor, lps: torch.Tensor, *, par
     processed log-prob descending and then by id, padded with -1 / -inf to the widest support.
     ``partial``: the heads are neither the vocabulary nor as wide as it.
     """
+    import torch
+
     n, k = ids.shape
     finite = lps != NEG_INF
     count = finite.sum(dim=1)
@@ -539,6 +544,8 @@ def support_mass(kept_logprobs: torch.Tensor) -> torch.Tensor:
     when tokens are missing; a server running ``raw_logprobs`` also fails this (its head is not
     renormalised).
     """
+    import torch
+
     return torch.exp(kept_logprobs.double()).sum(dim=-1)
 
 
@@ -562,6 +569,8 @@ def validate_native_mask(spec: SamplingSpec) -> None:
 
 def padded_ids(rows: Sequence[Sequence[int]]) -> torch.Tensor:
     """Ragged per-position id lists → ``[L, K]`` sorted ascending, ``-1`` padded."""
+    import torch
+
     width = max([len(r) for r in rows] + [1])
     # An int fill and int ids make long tensors without the dtype: its mutants are equivalent.
     out = torch.full((len(rows), width), -1, dtype=torch.long)  # pragma: no mutate

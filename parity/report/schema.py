@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from parity.report.markdown import render_markdown
+from parity.report.model import Report
 from parity.report.plots import write_plots
 
 SCHEMA_VERSION = 2
@@ -180,8 +181,9 @@ def write_report(report: dict[str, Any], out: Path, *, plots: bool = True) -> No
     out.mkdir(parents=True, exist_ok=True)
     if plots:
         report["plots"] = write_plots(report, out)
+    # The typed report decides what is written: a key that Report does not name is an error, not an extra.
     # Both texts are rendered before either is written: a report is never left half written.
-    text = json.dumps(_clean(report), indent=2, sort_keys=False) + "\n"
+    text = json.dumps(_clean(Report.from_json(report).to_json()), indent=2, sort_keys=False) + "\n"
     md = render_markdown(report)
     (out / "report.json").write_text(text)
     (out / "report.md").write_text(md)

@@ -18,18 +18,9 @@ from typing import Any
 
 from parity.core.spec import SamplingSpec
 from parity.repro.common import Check, Context
-from parity.repro.runner import (
-    ENGINE_CHILD,
-    GENERATED,
-    STARTED,
-    Measured,
-    columns,
-    engine_env,
-    exceptions,
-    frames,
-    output_lines,
-    run_child,
-)
+from parity.repro.runner import Measured, child_env, columns
+from parity.repro.standalone_child import exceptions, frames, output_lines, run_child
+from parity.repro.standalone_src import BI_CHILD
 
 FIXTURE = "qwen2-tiny-ties"  # any fixture; this one's engine is already running in ``parity repro all``
 KNOB = "VLLM_BATCH_INVARIANT"
@@ -58,14 +49,17 @@ def parse_crash(text: str) -> dict[str, Any]:
 
 
 def child(model: Path, prompt: list[int], env_value: str | None, timeout_s: float) -> dict[str, Any]:
-    """The engine started on ``model`` in a fresh process, ``KNOB`` set to ``env_value`` (None: unset)."""
-    cmd = [sys.executable, "-c", ENGINE_CHILD, str(model), "float32", "eager", *map(str, prompt)]
-    p = run_child(cmd, engine_env(KNOB, env_value), timeout_s)
+    """The engine started on ``model`` in a fresh process (the standalone script's child), ``KNOB`` set to
+    ``env_value`` (None: unset)."""
+    p = run_child([sys.executable, "-c", BI_CHILD, str(model), *map(str, prompt)], child_env({KNOB: env_value}),
+                  timeout_s)
+    printed = {ln.split(" ", 1)[0] for ln in p.stdout.splitlines()}  # the child's marks: STARTED, GENERATED
+    started, generated = "STARTED" in printed, "GENERATED" in printed
     if p.timed_out:
-        return {"rc": None, "timed_out": True, "generated": False, "started": STARTED in p.stdout,
-                "error": f"timeout after {timeout_s:.0f} s", "where": "", "tail": p.stdout[-2000:]}
-    return {"rc": p.rc, "timed_out": False, "generated": GENERATED in p.stdout,
-            "started": STARTED in p.stdout, **parse_crash(p.text), "tail": p.text[-3000:]}
+        return {"rc": None, "timed_out": True, "generated": False, "started": started, "error": p.error, "where": "",
+                "tail": p.stdout[-2000:]}
+    return {"rc": p.rc, "timed_out": False, "generated": generated, "started": started, **parse_crash(p.text),
+            "tail": p.text[-3000:]}
 
 
 def run(ctx: Context, cfg: dict[str, Any]) -> Measured:

@@ -20,15 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from parity.repro.common import Check, Context
-from parity.repro.runner import (
-    Measured,
-    columns,
-    cpu_features,
-    engine_env,
-    exceptions,
-    output_lines,
-    run_child,
-)
+from parity.repro.runner import Measured, child_env, columns, cpu_features
+from parity.repro.standalone_child import exceptions, output_lines, run_child
 from parity.repro.standalone_src import CAP_SYMPTOM, CAP_TORCH, CAP_VLLM
 
 FIXTURE = "qwen2-tiny"
@@ -45,7 +38,7 @@ STEPS = (("control", None, None, "generates"), ("stale cache", "default", None, 
 
 # The children are the standalone script's own (argv: model, dtype for vLLM's); they print "ISA ..." and
 # "GENERATED ..." lines. Importing the script source only sets the CPU engine's environment defaults
-# (setdefault), which this CPU-only repro's children get from engine_env anyway.
+# (setdefault), which this CPU-only repro's children get from child_env anyway.
 TORCH_CHILD, VLLM_CHILD = CAP_TORCH, CAP_VLLM
 
 
@@ -68,16 +61,11 @@ def parse(stdout: str, text: str) -> dict[str, Any]:
 
 def child(code: str, args: list[str], env_over: dict[str, str | None], cache: Path, timeout_s: float) -> dict[str, Any]:
     """``code`` in a fresh process over the compile caches in ``cache``, with ``env_over`` set (None: unset)."""
-    env = engine_env(KNOB, env_over.get(KNOB), VLLM_CACHE_ROOT=str(cache / "vllm"),
-                     TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"))
-    for key, value in env_over.items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
+    env = child_env({"VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+                     **env_over})
     p = run_child([sys.executable, "-c", code, *args], env, timeout_s)
     if p.timed_out:
-        return {"rc": None, "generated": False, "error": f"timeout after {timeout_s:.0f} s", "symptom": False,
+        return {"rc": None, "generated": False, "error": p.error, "symptom": False,
                 "compile_error": "", "vec_isa": "?", "tail": p.text[-2500:]}
     generated = any(ln.startswith(MARK + " ") for ln in p.stdout.splitlines())
     return {"rc": p.rc, "generated": generated, **parse(p.stdout, p.text), "tail": "" if generated else p.text[-2500:]}

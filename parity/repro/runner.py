@@ -8,16 +8,15 @@ The runner names the result after the registry entry (number, name, title), stor
 in its data, times it, turns an exception into a failed result, writes ``result.json``/``table.md``
 and prints the Markdown; it also emits the standalone scripts. The helpers below are the steps
 several repros share: walking a sweep, pairing records with trainer logits, rendering a rounding-bound
-detail, and running a child process (engine start-ups that must not share this process's state).
+detail, and the environment of a child process (engine start-ups that must not share this process's
+state; :mod:`parity.repro.standalone_child` runs it and reads its traceback).
 """
 
 from __future__ import annotations
 
 import os
-import re
-import subprocess
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -157,89 +156,20 @@ def cpu_features() -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 # child processes
 
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
-STARTED = "PARITY_REPRO_ENGINE_STARTED"
-GENERATED = "PARITY_REPRO_GENERATED"
-
-# A child that starts vLLM on a fixture and asks one greedy request of two tokens:
-# argv = model, dtype, "eager" | "compiled", prompt ids.
-ENGINE_CHILD = f"""
-import sys
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype=sys.argv[2], max_model_len=256,
-          enforce_eager=sys.argv[3] == "eager", seed=0, enable_prefix_caching=False)
-print("{STARTED}", flush=True)
-out = llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in sys.argv[4:]])],
-                   SamplingParams(temperature=0.0, max_tokens=2, detokenize=False), use_tqdm=False)
-print("{GENERATED}", list(out[0].outputs[0].token_ids), flush=True)
-"""
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
+              "TOKENIZERS_PARALLELISM": "false"}
 
 
-def engine_env(knob: str, value: str | None, **extra: str) -> dict[str, str]:
-    """This process's environment with the in-process CPU engine settings, ``knob`` set to ``value`` (None: unset)."""
-    env = dict(os.environ)
-    env.update(ENGINE_ENV, **extra)
-    if value is None:
-        env.pop(knob, None)
-    else:
-        env[knob] = value
-    return env
-
-
-def parity_child_env() -> dict[str, str]:
-    """For a child that runs parity (``python -m parity...``): the same parity as this process, the engine in-process."""
+def child_env(overrides: Mapping[str, str | None] | None = None) -> dict[str, str]:
+    """A child's environment: this process's, with the in-process CPU engine settings, this process's parity
+    importable (``python -m parity...``) and ``overrides`` applied (None: unset)."""
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.update(ENGINE_ENV, TOKENIZERS_PARALLELISM="false")
+    env.update(ENGINE_ENV)
+    for key, value in (overrides or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     return env
-
-
-@dataclass
-class ChildRun:
-    """A finished (or timed-out) child process: its exit code (None on timeout) and its output."""
-
-    rc: int | None
-    stdout: str
-    stderr: str
-
-    @property
-    def timed_out(self) -> bool:
-        return self.rc is None
-
-    @property
-    def text(self) -> str:
-        return self.stdout + "\n" + self.stderr
-
-
-def _text(out: str | bytes | None) -> str:
-    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
-
-
-def run_child(cmd: Sequence[str], env: dict[str, str], timeout_s: float) -> ChildRun:
-    """``cmd`` with a timeout; on timeout, what it had written by then."""
-    try:
-        p = subprocess.run(list(cmd), env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
-        return ChildRun(None, _text(exc.stdout), _text(exc.stderr))
-    return ChildRun(p.returncode, p.stdout or "", p.stderr or "")
-
-
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
-_EXCEPTION = re.compile(r"^\s*[A-Za-z_.]*(Error|Exception)\b.*:")
-
-
-def output_lines(text: str) -> list[str]:
-    """A child's output lines, vLLM's worker prefix (``[rank0]: ``) removed."""
-    return [ln.split("]: ", 1)[-1] if ln.startswith("[rank") else ln for ln in text.splitlines()]
-
-
-def exceptions(lines: Sequence[str]) -> list[str]:
-    """The exception lines (``TypeError: ...``) among ``lines``, stripped."""
-    return [ln.strip() for ln in lines if _EXCEPTION.match(ln)]
-
-
-def frames(lines: Sequence[str]) -> list[dict[str, str]]:
-    """The traceback frames among ``lines``: file, line and function of each."""
-    return [m.groupdict() for ln in lines if (m := _FRAME.search(ln))]

@@ -2,7 +2,7 @@
 
 The script text is cut from ``standalone_src.py``: its ``prelude`` section (environment, a tiny
 Llama built from code, vLLM sampling, vLLM's filter rules written out in torch, table printing) plus
-the section named after the repro, followed by the repro's settings as a ``CONFIG`` literal and a
+the section named after the repro (either may ``# @inline`` a parity module), followed by the repro's settings as a ``CONFIG`` literal and a
 ``__main__`` guard. ``standalone_src.py`` is ordinary Python that imports nothing from parity, so
 what is emitted runs anywhere vLLM does and can be pasted into an upstream issue.
 """
@@ -18,9 +18,11 @@ SOURCE = Path(__file__).with_name("standalone_src.py")
 # The reproductions that run TRL's trainer: their own prelude (TRL, datasets and a tokenizer built from code).
 TRL_SOURCE = Path(__file__).with_name("standalone_trl_src.py")
 _MARK = re.compile(r"^# =+ section: (?P<name>[a-z0-9_]+) =+$", re.MULTILINE)
-# ``from parity.X import ...  # @inline parity.X`` in the source is replaced by module X's own code, so an
-# emitted script carries the rule parity applies instead of a copy that could drift from it.
-_INLINE = re.compile(r"^from (?P<module>parity\.[a-z_.]+) import .*# @inline (?P=module)$", re.MULTILINE)
+# ``from parity.X import ...  # @inline parity.X`` in the source (or ``import (  # @inline parity.X`` and the
+# names on the lines up to ``)``) is replaced by module X's own code, so an emitted script carries the rule
+# parity applies instead of a copy that could drift from it.
+_INLINE = re.compile(r"^from (?P<module>parity\.[a-z_.]+) import (?:\(  # @inline (?P=module)\n[^)]*\)|.*# @inline (?P=module))$",
+                     re.MULTILINE)
 # An inlined module's own parity imports (parity.errors: the error classes it raises) are inlined in turn.
 _NESTED = re.compile(r"^from (?P<module>parity\.[a-z_.]+) import [^\n(]*$", re.MULTILINE)
 
@@ -45,9 +47,9 @@ def _module_body(module: str, seen: set[str] | None = None) -> str:
     return f"# ---- inlined from {module} ----\n{code}\n# ---- end of {module} ----"
 
 
-def inline(text: str) -> str:
-    """Replace every ``# @inline`` import with the module it names."""
-    seen: set[str] = set()
+def inline(text: str, seen: set[str] | None = None) -> str:
+    """Replace every ``# @inline`` import with the module it names (once per script: ``seen``)."""
+    seen = set() if seen is None else seen
     return _INLINE.sub(lambda m: _module_body(m.group("module"), seen), text)
 
 
@@ -92,4 +94,5 @@ def emit(name: str, title: str, *, config: dict[str, Any], source: Path = SOURCE
         '\n\nif __name__ == "__main__":\n'
         f"    sys.exit(main_{name}(CONFIG, parse_args(CONFIG, {title!r})))\n"
     )
-    return header + inline(parts["prelude"]) + "\n\n" + cfg + "\n\n" + parts[name] + main
+    seen: set[str] = set()
+    return header + inline(parts["prelude"], seen) + "\n\n" + cfg + "\n\n" + inline(parts[name], seen) + main

@@ -1,4 +1,4 @@
-# ruff: noqa: E402, B905
+# ruff: noqa: E402, B905, F811
 """Source of the standalone reproduction scripts that ``parity repro NAME --emit-script`` writes.
 
 Nothing here imports parity: each emitted script is the ``prelude`` section plus one repro's section
@@ -12,7 +12,6 @@ import gc
 import math
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
@@ -514,12 +513,23 @@ def main_capture_head(cfg: dict[str, Any], args: argparse.Namespace) -> int:
 
 
 # ==================== section: batch_invariant_cpu ====================
-CHILD = r'''
-import os, sys
+from parity.repro.standalone_child import (  # @inline parity.repro.standalone_child
+    frames,
+    output_lines,
+    run_child,
+)
+
+# The child starts vLLM on argv[1] (float32, eager) and asks one greedy request of two tokens for the prompt ids
+# argv[2:]; it prints "STARTED" once the engine is up and "GENERATED <ids>" when the request got through.
+BI_CHILD = r'''
+import sys
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True, seed=0)
-out = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(temperature=0, max_tokens=2, detokenize=False), use_tqdm=False)
+llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True, seed=0,
+          enable_prefix_caching=False)
+print("STARTED", flush=True)
+out = llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in sys.argv[2:]])],
+                   SamplingParams(temperature=0, max_tokens=2, detokenize=False), use_tqdm=False)
 print("GENERATED", list(out[0].outputs[0].token_ids), flush=True)
 '''
 
@@ -530,19 +540,12 @@ def main_batch_invariant_cpu(cfg: dict[str, Any], args: argparse.Namespace) -> i
     path = save(build_model(cfg["vocab"], seed=args.seed))
     rows: list[dict[str, Any]] = []
     for knob in ("0", "1"):
-        env = dict(os.environ, VLLM_BATCH_INVARIANT=knob)
-        try:
-            p = subprocess.run([sys.executable, "-c", CHILD, path], env=env, capture_output=True, text=True,
-                               timeout=cfg["timeout_s"])
-            text, rc = p.stdout + p.stderr, p.returncode
-        except subprocess.TimeoutExpired:
-            text, rc = "timeout", None
-        lines = [re.sub(r"^\[rank\d+\]: ", "", ln) for ln in text.splitlines()]
-        errors = [ln.strip() for ln in lines if re.match(r"^[A-Za-z_.]*(Error|Exception): ", ln)]
-        frames = [m.group(1) + ":" + m.group(2) + " in " + m.group(3) for ln in lines
-                  if (m := re.search(r'File ".*?(batch_invariant\.py)", line (\d+), in (\S+)', ln))]
-        rows.append({"knob": knob, "rc": rc, "generated": "GENERATED" in text,
-                     "error": errors[-1] if errors else "", "where": frames[-1] if frames else ""})
+        p = run_child([sys.executable, "-c", BI_CHILD, path, "5", "6", "7"], dict(os.environ, VLLM_BATCH_INVARIANT=knob),
+                      cfg["timeout_s"])
+        where = [f"{os.path.basename(f['file'])}:{f['line']} in {f['func']}" for f in frames(output_lines(p.text))
+                 if f["file"].endswith("batch_invariant.py")]
+        rows.append({"knob": knob, "rc": p.rc, "generated": "GENERATED" in p.stdout, "error": p.error,
+                     "where": where[-1] if where else ""})
     print(markdown([("knob", "VLLM_BATCH_INVARIANT", ""), ("rc", "exit code", ""), ("generated", "generated", ""),
                     ("error", "last error", ""), ("where", "last batch_invariant.py frame", "")], rows))
     off, on = rows
@@ -554,6 +557,8 @@ def main_batch_invariant_cpu(cfg: dict[str, Any], args: argparse.Namespace) -> i
 
 
 # ==================== section: cpu_capability_default ====================
+from parity.repro.standalone_child import run_child  # @inline parity.repro.standalone_child
+
 # The children print "ISA <inductor's vector ISA>" first and "GENERATED <ids>" when they got through.
 CAP_ISA = "from torch._inductor import cpu_vec_isa\nprint('ISA', str(cpu_vec_isa.pick_vec_isa()), flush=True)\n"
 CAP_TORCH = CAP_ISA + r"""
@@ -592,16 +597,11 @@ def main_cpu_capability_default(cfg: dict[str, Any], args: argparse.Namespace) -
                 env.pop(key, None)
                 if value:
                     env[key] = value
-            try:
-                p = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True,
-                                   timeout=cfg["timeout_s"])
-                out, text = p.stdout, p.stdout + p.stderr
-            except subprocess.TimeoutExpired:
-                out = text = "timeout"
-            isa = [ln.split(" ", 1)[1] for ln in out.splitlines() if ln.startswith("ISA ")]
+            p = run_child([sys.executable, "-c", code, *argv], env, cfg["timeout_s"])
+            isa = [ln.split(" ", 1)[1] for ln in p.stdout.splitlines() if ln.startswith("ISA ")]
             rows.append({"case": case, "step": step, "knob": knob or "unset", "isa": isa[0] if isa else "?",
-                         "generated": any(ln.startswith("GENERATED ") for ln in out.splitlines()),
-                         "symptom": bool(CAP_SYMPTOM.search(text))})
+                         "generated": any(ln.startswith("GENERATED ") for ln in p.stdout.splitlines()),
+                         "symptom": bool(CAP_SYMPTOM.search(p.text))})
     print(markdown([("case", "case", ""), ("step", "step", ""), ("knob", "ATEN_CPU_CAPABILITY", ""),
                     ("isa", "inductor vector ISA", ""), ("generated", "generated", ""),
                     ("symptom", "'at::vec' has not been declared", "")], rows))
@@ -616,6 +616,8 @@ def main_cpu_capability_default(cfg: dict[str, Any], args: argparse.Namespace) -
 
 
 # ==================== section: torch_cpu_log_softmax ====================
+from parity.repro.standalone_child import run_child  # @inline parity.repro.standalone_child
+
 # torch reads ATEN_CPU_CAPABILITY once, when it is imported: the second kernel path runs in a child process,
 # which prints one "LSM_ROW<TAB>key=value<TAB>..." line per (V, sigma). The script is its own child (LSM_CHILD set).
 LSM_CHILD = "REPRO_LOG_SOFTMAX_CHILD"
@@ -744,15 +746,10 @@ def main_torch_cpu_log_softmax(cfg: dict[str, Any], args: argparse.Namespace) ->
         return 0
     rows = [dict(r, path=LSM_IN_PROCESS) for r in measure()]
     env = dict(os.environ, ATEN_CPU_CAPABILITY="default", **{LSM_CHILD: "1"})
-    error = ""
-    try:
-        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--seed", str(args.seed)], env=env,
-                           capture_output=True, text=True, timeout=cfg["timeout_s"])
-        child = lsm_parse(p.stdout)
-        error = "" if child else (p.stderr.strip().splitlines() or [f"exit code {p.returncode}"])[-1]
-    except subprocess.TimeoutExpired:
-        child, error = [], f"timeout after {cfg['timeout_s']} s"
+    p = run_child([sys.executable, os.path.abspath(__file__), "--seed", str(args.seed)], env, cfg["timeout_s"])
+    child = lsm_parse(p.stdout)
     rows += [dict(r, path=LSM_DEFAULT) for r in child]
+    error = "" if child else p.error
     print(markdown(LSM_COLUMNS, rows))
     return verdict([(f"{s} ({d})", ok) for s, ok, d in
                     lsm_checks(rows, max(cfg["vocabs"]), cfg["verdict_scale"], error)])

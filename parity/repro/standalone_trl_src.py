@@ -15,7 +15,6 @@ import math
 import os
 import re
 import socket
-import subprocess
 import sys
 import tempfile
 import types
@@ -30,6 +29,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 
 from parity.core.error_model import logprob_rounding_bound  # @inline parity.core.error_model
+
+# A child process and its traceback; emitted scripts carry its source here.
+from parity.repro.standalone_child import (  # @inline parity.repro.standalone_child
+    ChildRun,
+    exceptions,
+    frames,
+    output_lines,
+    run_child,
+)
 
 WORDS = ("the sampler and trainer must agree on every token once upon a time in small village by sea "
          "importance sampling corrects for gap between two distributions policy is updated from rollouts").split()
@@ -200,16 +208,11 @@ def train(path: str, cfg: dict[str, Any], seed: int) -> list[dict[str, Any]]:
             if "sampling/sampling_logp_difference/mean" in h]
 
 
-def run_child(payload: dict[str, Any], timeout_s: float) -> tuple[Any, str]:
-    """This script in a fresh process on one configuration; (parsed JSON result or None, output text)."""
-    try:
-        p = subprocess.run([sys.executable, __file__, "--child", json.dumps(payload)], capture_output=True,
-                           text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return None, f"timeout after {timeout_s} s"
-    text = p.stdout + "\n" + p.stderr
+def run_self(payload: dict[str, Any], timeout_s: float) -> tuple[Any, ChildRun]:
+    """This script in a fresh process on one configuration: (its parsed JSON result or None, the child)."""
+    p = run_child([sys.executable, __file__, "--child", json.dumps(payload)], None, timeout_s)
     m = re.search(r"^RESULT (.*)$", p.stdout, re.MULTILINE)
-    return (json.loads(m.group(1)) if m and p.returncode == 0 else None), text
+    return (json.loads(m.group(1)) if m and p.rc == 0 else None), p
 
 
 # The table and the verdict every script prints; emitted scripts carry its source here.
@@ -244,9 +247,9 @@ def main_trl_grpo_top_p(cfg: dict[str, Any], args: argparse.Namespace) -> int:
                "tokens": cfg["tokens"]}
         res: dict[bool, Any] = {}
         for fix in (False, True):
-            out, text = run_child({"path": path, "cfg": run, "seed": args.seed, "fix": fix}, cfg["timeout_s"])
+            out, p = run_self({"path": path, "cfg": run, "seed": args.seed, "fix": fix}, cfg["timeout_s"])
             if out is None:
-                print(text[-3000:], file=sys.stderr)
+                print(p.text[-3000:] + "\n" + p.error, file=sys.stderr)
                 return 1
             res[fix] = out
 
@@ -301,13 +304,12 @@ def main_trl_weight_sync(cfg: dict[str, Any], args: argparse.Namespace) -> int:
     path = build_model(tempfile.mkdtemp(prefix="repro-qwen2-"))
     rows: list[dict[str, Any]] = []
     for keep in (False, True):
-        out, text = run_child({"path": path, "seed": args.seed, "keep": keep}, cfg["timeout_s"])
-        lines = [re.sub(r"^\[rank\d+\]: ", "", ln) for ln in text.splitlines()]
-        errors = [ln.strip() for ln in lines if re.match(r"^[A-Za-z_.]*(Error|Exception): ", ln)]
-        frames = [f"linear.py:{m.group(1)} in {m.group(2)}" for ln in lines
-                  if (m := re.search(r'File ".*?layers/linear\.py", line (\d+), in (\S+)', ln))]
+        out, p = run_self({"path": path, "seed": args.seed, "keep": keep}, cfg["timeout_s"])
+        lines = output_lines(p.text)
+        errors = exceptions(lines)
+        where = [f"linear.py:{f['line']} in {f['func']}" for f in frames(lines) if f["file"].endswith("layers/linear.py")]
         rows.append({"keep": keep, "trained": out is not None, "error": errors[-1] if errors and out is None else "",
-                     "where": frames[-1] if frames and out is None else ""})
+                     "where": where[-1] if where and out is None else ""})
     print(markdown([("keep", "linear weights kept", ""), ("trained", "trained", ""), ("error", "error", ""),
                     ("where", "raised in", "")], rows))
     crash, control = rows

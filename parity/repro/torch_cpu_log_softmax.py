@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from parity.repro.common import Check, Context
-from parity.repro.runner import Measured, columns, parity_child_env, run_child
+from parity.repro.runner import Measured, child_env, columns
+from parity.repro.standalone_child import run_child
 from parity.repro.standalone_src import (
     LSM_COLUMNS,
     LSM_DEFAULT,
@@ -67,17 +68,10 @@ def script_config(small: bool) -> dict[str, Any]:
 def measure_default(cfg: dict[str, Any], seed: int, timeout_s: float) -> tuple[list[dict[str, Any]], str, dict[str, Any]]:
     """The table rows measured in a subprocess under ``ATEN_CPU_CAPABILITY=default``, its error line (``""``
     when it printed rows) and what to keep of it."""
-    env = parity_child_env()
-    env[KNOB] = "default"
     arg = json.dumps({"vocabs": cfg["vocabs"], "scales": cfg["scales"], "rows": cfg["rows"], "seed": seed})
-    p = run_child([sys.executable, "-c", CHILD, arg], env, timeout_s)
+    p = run_child([sys.executable, "-c", CHILD, arg], child_env({KNOB: "default"}), timeout_s)
     rows = [dict(r, path=LSM_DEFAULT) for r in lsm_parse(p.stdout)]
-    if p.timed_out:
-        error = f"timeout after {timeout_s:.0f} s"
-    elif rows:
-        error = ""
-    else:
-        error = (p.stderr.strip().splitlines() or [f"exit code {p.rc}"])[-1][:300]
+    error = "" if rows else p.error[:300]
     return rows, error, {"rc": p.rc, "error": error, "tail": "" if rows else p.text[-2500:]}
 
 

@@ -27,7 +27,8 @@ import torch
 
 from parity.repro import standalone
 from parity.repro.common import Check, Context
-from parity.repro.runner import Measured, columns, parity_child_env, run_child
+from parity.repro.runner import Measured, child_env, columns
+from parity.repro.standalone_child import run_child
 
 SCRIPT_SOURCE = standalone.TRL_SOURCE
 # The report's title; ``parity repro list`` shows the registry's shorter one.
@@ -105,13 +106,9 @@ def run_config(run_cfg: dict[str, Any], out: Path, timeout_s: float) -> dict[str
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "parity.engines.trl_run", "--config", json.dumps(run_cfg), "--out", str(out)]
     t0 = time.perf_counter()
-    p = run_child(cmd, parity_child_env(), timeout_s)
-    if p.timed_out:
-        return {"error": f"timeout after {timeout_s:.0f} s", "tail": p.stderr[-3000:], "seconds": time.perf_counter() - t0}
+    p = run_child(cmd, child_env(), timeout_s)
     if p.rc != 0 or not (out / "result.json").is_file():
-        err = [ln for ln in p.stderr.splitlines() if "Error" in ln or "Exception" in ln]
-        return {"error": (err[-1] if err else f"exit code {p.rc}").split("]: ", 1)[-1],
-                "tail": p.stderr[-3000:], "seconds": time.perf_counter() - t0}
+        return {"error": p.error or "no result.json", "tail": p.stderr[-3000:], "seconds": time.perf_counter() - t0}
     res: dict[str, Any] = json.loads((out / "result.json").read_text())
     res["wall_s"] = round(time.perf_counter() - t0, 2)
     return res

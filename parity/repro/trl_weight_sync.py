@@ -23,16 +23,8 @@ from typing import Any
 
 from parity.repro import standalone
 from parity.repro.common import Check, Context
-from parity.repro.runner import (
-    Measured,
-    columns,
-    cpu_features,
-    exceptions,
-    frames,
-    output_lines,
-    parity_child_env,
-    run_child,
-)
+from parity.repro.runner import Measured, child_env, columns, cpu_features
+from parity.repro.standalone_child import exceptions, frames, output_lines, run_child
 
 SCRIPT_SOURCE = standalone.TRL_SOURCE
 FIXTURE = "qwen2-tiny"
@@ -71,9 +63,9 @@ def run_one(spec: dict[str, Any], timeout_s: float, seed: int) -> dict[str, Any]
            "keep_linear_weights": spec["keep"], "keep_logits": False}
     with tempfile.TemporaryDirectory(prefix="parity-trl-sync-") as tmp:
         cmd = [sys.executable, "-m", "parity.engines.trl_run", "--config", json.dumps(cfg), "--out", tmp]
-        p = run_child(cmd, parity_child_env(), timeout_s)
+        p = run_child(cmd, child_env(), timeout_s)
         if p.timed_out:
-            return {"rc": None, "trained": False, "error": f"timeout after {timeout_s:.0f} s", "where": "",
+            return {"rc": None, "trained": False, "error": p.error, "where": "",
                     "in_linear_load_weights": False, "from_sync_weights": False, "engine_dtype": ""}
         text = p.text
         trained = p.rc == 0 and (Path(tmp) / "result.json").is_file()

@@ -19,7 +19,7 @@ from parity.core import estimators
 from parity.core.capture import plan_capture
 from parity.core.filters import reference_filter
 from parity.core.spec import SamplingSpec
-from parity.repro.common import Check, Context, cat, fmax, sample, sample_raw, token_bound
+from parity.repro.common import Check, Context, cat, fmax, sample, token_bound
 from parity.repro.runner import Measured, columns, filter_kwargs, scored, sweep
 
 FIXTURE = "llama-32k-s4"
@@ -55,10 +55,8 @@ def _row(ctx: Context, case: str, spec: SamplingSpec, head: int | None, cfg: dic
     trainer = ctx.trainer(FIXTURE)
     vocab = trainer.vocab_size
     refused, message = _plan_outcome(spec, vocab, head)
-    if head is None:
-        records = sample(ctx, FIXTURE, spec, prompts=cfg["prompts"], max_tokens=cfg["tokens"])
-    else:
-        records = sample_raw(ctx, FIXTURE, spec, prompts=cfg["prompts"], max_tokens=cfg["tokens"], logprobs=head)
+    # head None: the harness plans the capture; otherwise vLLM is asked for exactly that head
+    records = sample(ctx, FIXTURE, spec, prompts=cfg["prompts"], max_tokens=cfg["tokens"], logprobs=head)
     logits = trainer.logits(records)
     planned = None
     if head is None:

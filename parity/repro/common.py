@@ -1,4 +1,4 @@
-"""What every reproduction reads and writes: the result type, the engine cache, raw sampling, Markdown/JSON output.
+"""What every reproduction reads and writes: the result type, the engine cache, sampling, Markdown/JSON output.
 
 A reproduction computes two things from two independent sources and states whether they agree:
 *predicted* values come from the trainer's logits (transformers, float32 unless the repro says
@@ -282,38 +282,25 @@ def sample(
     prompts: int,
     max_tokens: int,
     head: int | None = None,
+    logprobs: int | None = None,
 ) -> list[SequenceRecord]:
     """Sample through the harness's own path (``VllmRollout.generate``: capture planned and checked).
 
     ``head`` forces the capture head (-1: the whole vocabulary, e.g. for a flat 32k row whose nucleus
     is most of it); by default the harness plans it (adaptive for top_p/min_p without top_k).
+    ``logprobs`` instead asks for exactly that many top-K processed log-probs, bypassing the capture plan:
+    what a user's code does when it asks vLLM directly (vLLM accepts any K, including one smaller than
+    top_k). ``logprobs=0`` returns the sampled token's processed log-prob only (no S_q); otherwise the
+    head is parsed into ``kept_ids`` with the harness's completeness flags.
     """
     rollout = ctx.rollout(fixture)
     old = rollout.head
     rollout.head = head
     try:
-        return rollout.generate(ctx.prompts(fixture, prompts), spec, max_tokens=max_tokens, seed=ctx.seed)
+        return rollout.generate(ctx.prompts(fixture, prompts), spec, max_tokens=max_tokens, seed=ctx.seed,
+                                logprobs=logprobs)
     finally:
         rollout.head = old
-
-
-def sample_raw(
-    ctx: Context,
-    fixture: str,
-    spec: SamplingSpec,
-    *,
-    prompts: int,
-    max_tokens: int,
-    logprobs: int = 0,
-) -> list[SequenceRecord]:
-    """Sample with exactly ``logprobs`` top-K processed log-probs, bypassing the harness's capture plan.
-
-    This is what a user's code does when it asks vLLM directly: vLLM accepts any K, including one
-    smaller than top_k. ``logprobs=0`` returns the sampled token's processed log-prob only (no S_q);
-    otherwise the head is parsed into ``kept_ids`` with the harness's completeness flags.
-    """
-    rollout = ctx.rollout(fixture)
-    return rollout.generate(ctx.prompts(fixture, prompts), spec, max_tokens=max_tokens, seed=ctx.seed, logprobs=logprobs)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 from parity.core import estimators
 from parity.core.error_model import headroom
 from parity.core.spec import SamplingSpec
-from parity.repro.common import Check, Context, cat, fmax, fmean, sample_raw, seq_sums, token_bound
+from parity.repro.common import Check, Context, cat, fmax, fmean, sample, seq_sums, token_bound
 from parity.repro.runner import Measured, bound_detail, columns, scored, sweep
 
 FIXTURE = "llama-32k-s1"
@@ -33,7 +33,7 @@ def settings(small: bool) -> dict[str, Any]:
 def _row(ctx: Context, temp: float, cfg: dict[str, Any]) -> dict[str, Any]:
     spec = SamplingSpec(temperature=temp)
     forgot_spec = SamplingSpec(temperature=1.0)  # what the buggy trainer uses whatever the sampler's T
-    records = sample_raw(ctx, FIXTURE, spec, prompts=cfg["prompts"], max_tokens=cfg["tokens"], logprobs=0)
+    records = sample(ctx, FIXTURE, spec, prompts=cfg["prompts"], max_tokens=cfg["tokens"], logprobs=0)
     logits = ctx.trainer(FIXTURE).logits(records)
     right, forgot, pred, expected, vllm, bound, bound_t1 = [], [], [], [], [], [], []
     for r, z, y in scored(records, logits):

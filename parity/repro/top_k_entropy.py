@@ -20,7 +20,7 @@ import torch
 from parity.core import estimators
 from parity.core.filters import reference_filter
 from parity.core.spec import SamplingSpec
-from parity.repro.common import Check, Column, Context, cat, fmax, fmean, sample_raw, token_bound
+from parity.repro.common import Check, Column, Context, cat, fmax, fmean, sample, token_bound
 from parity.repro.runner import Measured, bound_detail, filter_kwargs, scored, sweep
 
 SCALES = (1, 2, 4, 6, 8, 12)
@@ -52,7 +52,7 @@ def _scale_row(ctx: Context, scale: int, cfg: dict[str, Any]) -> dict[str, Any]:
                  "fixture_entropy": fixture_metadata(ctx.model_path(fx)).get("mean_entropy_nats")}
     entropies = []
     for label, spec in SETTINGS:
-        records = sample_raw(ctx, fx, spec, prompts=cfg["prompts"], max_tokens=cfg["tokens"], logprobs=0)
+        records = sample(ctx, fx, spec, prompts=cfg["prompts"], max_tokens=cfg["tokens"], logprobs=0)
         logits = trainer.logits(records)
         pred, meas, tol = [], [], []
         for r, z, y in scored(records, logits):

@@ -102,11 +102,9 @@ class ReproResult:
     def verdict(self) -> str:
         return "REPRODUCED" if self.passed else "NOT REPRODUCED"
 
-    def table_markdown(self) -> str:
-        return markdown_table(self.columns, self.rows)
-
     def markdown(self) -> str:
-        lines = [f"## Repro {self.number}: {self.title} (`{self.name}`)", "", self.finding, "", self.table_markdown(), ""]
+        lines = [f"## Repro {self.number}: {self.title} (`{self.name}`)", "", self.finding, "",
+                 markdown_table(self.columns, self.rows), ""]
         lines.append("Checks (measured from the vLLM run vs predicted from trainer logits):")
         lines.append("")
         for c in self.checks:

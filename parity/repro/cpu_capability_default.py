@@ -22,6 +22,10 @@ from typing import Any
 from parity.repro.common import Check, Context
 from parity.repro.runner import Measured, child_env, columns, cpu_features
 from parity.repro.standalone_child import exceptions, output_lines, run_child
+
+# The children and the symptom are the standalone script's own (the children's argv: model, dtype for vLLM's);
+# they print "ISA ..." and "GENERATED ..." lines. Importing the script source only sets the CPU engine's
+# environment defaults (setdefault), which this CPU-only repro's children get from child_env anyway.
 from parity.repro.standalone_src import CAP_SYMPTOM, CAP_TORCH, CAP_VLLM
 
 FIXTURE = "qwen2-tiny"
@@ -30,16 +34,10 @@ MARK = "GENERATED"
 ISA_MARK = "ISA"
 SUBPROCESS_TIMEOUT_S = 300.0
 SYMPTOM = "'at::vec' has not been declared"
-SYMPTOM_RE = CAP_SYMPTOM  # g++ quotes the name with typographic quotes under a UTF-8 locale, ASCII ones otherwise
 SCALAR = ("INVALID_VEC_ISA", "none", "?")
 # (step, ATEN_CPU_CAPABILITY, TORCHINDUCTOR_FX_GRAPH_CACHE, what the step is expected to do)
 STEPS = (("control", None, None, "generates"), ("stale cache", "default", None, "fails"),
          ("FX graph cache off", "default", "0", "generates"))
-
-# The children are the standalone script's own (argv: model, dtype for vLLM's); they print "ISA ..." and
-# "GENERATED ..." lines. Importing the script source only sets the CPU engine's environment defaults
-# (setdefault), which this CPU-only repro's children get from child_env anyway.
-TORCH_CHILD, VLLM_CHILD = CAP_TORCH, CAP_VLLM
 
 
 def settings(small: bool) -> dict[str, Any]:
@@ -54,7 +52,7 @@ def parse(stdout: str, text: str) -> dict[str, Any]:
     errors = exceptions(lines)
     compile_lines = [ln.strip() for ln in lines if "error:" in ln and ".cpp" in ln]
     isa = [ln.split(ISA_MARK, 1)[1].strip() for ln in stdout.splitlines() if ln.startswith(ISA_MARK + " ")]
-    return {"error": errors[-1][:300] if errors else "", "symptom": bool(SYMPTOM_RE.search(text)),
+    return {"error": errors[-1][:300] if errors else "", "symptom": bool(CAP_SYMPTOM.search(text)),
             "compile_error": re.sub(r"^\S*/", "", compile_lines[0])[:300] if compile_lines else "",
             "vec_isa": isa[0] if isa else "?"}
 
@@ -72,7 +70,7 @@ def child(code: str, args: list[str], env_over: dict[str, str | None], cache: Pa
 
 
 def run_case(case: str, model: Path, timeout_s: float, progress: Any) -> list[dict[str, Any]]:
-    code, args = (TORCH_CHILD, []) if case == "torch" else (VLLM_CHILD, [str(model), case.split("-", 1)[1]])
+    code, args = (CAP_TORCH, []) if case == "torch" else (CAP_VLLM, [str(model), case.split("-", 1)[1]])
     rows = []
     with tempfile.TemporaryDirectory(prefix="parity-cap-") as tmp:
         for step, knob, fx_cache, expect in STEPS:

@@ -578,6 +578,7 @@ out = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])],
                    SamplingParams(temperature=0, max_tokens=2, logprobs=1, detokenize=False), use_tqdm=False)
 print("GENERATED", list(out[0].outputs[0].token_ids), flush=True)
 """
+# g++ quotes the name with typographic quotes under a UTF-8 locale, ASCII ones otherwise.
 CAP_SYMPTOM = re.compile("[\u2018']at::vec[\u2019'] has not been declared")
 
 

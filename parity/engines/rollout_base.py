@@ -4,8 +4,8 @@
 :class:`~parity.engines.vllm_server.client.ServerRollout` (OpenAI-compatible server) take the same
 settings with the same defaults, validate the checkpoint the same way and plan the capture of S_q
 with the same :func:`~parity.core.capture.plan_capture` call, remember what earlier captures
-needed (:class:`~parity.core.capture.CaptureHistory`) and turn the captured heads into records the same
-way; both inherit them from here.
+needed (:class:`~parity.core.capture.CaptureHistory`) and turn a capture's heads into records the same
+way (:meth:`RolloutBase.records`); both inherit them from here.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from parity.core.capture import (
     DEFAULT_MAX_HEAD,
     CaptureHistory,
     CapturePlan,
+    CaptureResult,
     CaptureStats,
     Heads,
     plan_capture,
@@ -90,8 +91,6 @@ class RolloutBase:
         self.timeout_s = timeout_s
         self.prefix_caching = prefix_caching
         self.capture = capture
-        self.capture_s = 0.0
-        self.init_s = 0.0
         self.vocab_size = 0  # set by the adapter once it knows the engine's vocabulary
 
     def plan(self, spec: SamplingSpec) -> CapturePlan:
@@ -105,8 +104,12 @@ class RolloutBase:
             start=self.start_head, suggested=self.capture_history.start(spec),
         )
 
-    def topk_support(self, h: Heads, requested: int) -> Support:
-        """S_q of one sequence from its top-K heads (``None`` and no extras when none was asked, 0)."""
+    def support(self, i: int, h: Heads, requested: int, spec: SamplingSpec) -> Support:
+        """S_q of sequence ``i`` from its top-K heads (``None`` and no extras when none was asked, 0).
+
+        Adapters extend it: the offline engine with vLLM's native sampling mask, the server client
+        with the check that the values are processed log-probs.
+        """
         if requested == 0:
             return None, None, None, {}
         cap = support_from_heads(
@@ -114,21 +117,28 @@ class RolloutBase:
         )
         return cap.kept_ids, cap.kept_logprobs, cap.incomplete, {"sampled_missing": cap.sampled_missing}
 
-    def sampler_record(
-        self, i: int, prompt: Sequence[int], h: Heads, spec: SamplingSpec, seed: int, support: Support
-    ) -> SequenceRecord:
-        """The record of prompt ``i``, sampled with ``seed``, with its S_q (:meth:`topk_support`)."""
-        kept, kept_lp, incomplete, extras = support
-        return SequenceRecord(
-            source=self.name,
-            prompt_index=i,
-            prompt_ids=list(prompt),
-            completion_ids=h.completion_ids,
-            spec=spec,
-            seed=seed,
-            logprobs=torch.tensor(h.sampled_logprobs, dtype=torch.float32),
-            kept_ids=kept,
-            kept_logprobs=kept_lp,
-            incomplete=incomplete,
-            extras=extras,
-        )
+    def records(
+        self, prompts: Sequence[Sequence[int]], spec: SamplingSpec, seed: int, result: CaptureResult
+    ) -> list[SequenceRecord]:
+        """One record per prompt of a capture (prompt ``i`` sampled with ``seed + i``), S_q from
+        :meth:`support`; what the capture did is left in ``last_capture``."""
+        self.last_capture = result.stats
+        records = []
+        for i, (h, requested) in enumerate(zip(result.heads, result.requested, strict=True)):
+            kept, kept_lp, incomplete, extras = self.support(i, h, requested, spec)
+            records.append(
+                SequenceRecord(
+                    source=self.name,
+                    prompt_index=i,
+                    prompt_ids=list(prompts[i]),
+                    completion_ids=h.completion_ids,
+                    spec=spec,
+                    seed=seed + i,
+                    logprobs=torch.tensor(h.sampled_logprobs, dtype=torch.float32),
+                    kept_ids=kept,
+                    kept_logprobs=kept_lp,
+                    incomplete=incomplete,
+                    extras=extras,
+                )
+            )
+        return records

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -39,13 +38,10 @@ class TransformersTrainer:
         self.dtype = dtype
         self.device = torch.device(device)
         self.batch_size = batch_size
-        start = time.perf_counter()
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=parse_dtype(dtype))
         # transformers' wrapper around PreTrainedModel.to is annotated without its bound self.
         self.model.to(self.device).eval()  # type: ignore[arg-type]
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.init_s = time.perf_counter() - start
-        self.forward_s = 0.0
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])  # type: ignore[no-untyped-call]  # unannotated in transformers
 
     def tokenizer(self) -> Any:
@@ -62,7 +58,6 @@ class TransformersTrainer:
         bitwise by construction.
         """
         out: list[torch.Tensor] = []
-        start = time.perf_counter()
         for b in range(0, len(records), self.batch_size):
             chunk = records[b : b + self.batch_size]
             ids, mask = right_pad([r.prompt_ids + r.completion_ids for r in chunk])
@@ -78,5 +73,4 @@ class TransformersTrainer:
                         f"allowed finite logits (check the model weights and dtype={self.dtype})"
                     )
                 out.append(rows)
-        self.forward_s += time.perf_counter() - start
         return out

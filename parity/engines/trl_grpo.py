@@ -27,17 +27,15 @@ from parity.core import estimators
 from parity.core.capture import (
     DEFAULT_MAX_HEAD,
     FULL_VOCAB,
-    NEG_INF,
     CapturedSupport,
     CaptureHistory,
     CapturePlan,
     CaptureStats,
-    Heads,
     plan_capture,
-    run_capture,
     support_from_heads,
 )
 from parity.core.spec import SamplingSpec
+from parity.engines.vllm_offline import capture_outputs
 from parity.errors import EngineError, UsageError
 
 MODES = ("observe", "replay", "recompute")
@@ -150,7 +148,8 @@ def _vocab_size(gen: Any) -> int:
     return int(text.vocab_size)
 
 
-def _sampler_dtype(gen: Any) -> str:
+def engine_dtype(gen: Any) -> str:
+    """The dtype TRL's colocated engine runs the model in (``gen``: its ``VLLMGeneration``), or 'unknown'."""
     llm: Any = getattr(gen, "llm", None)  # None (server mode) raises the AttributeError below
     try:
         return str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
@@ -238,27 +237,6 @@ def _log_mass_correction(cap: GrpoCapture, z: torch.Tensor, y: torch.Tensor, spe
     return log_s_q, correction
 
 
-def _heads_of(output: Any, requested: int) -> Heads:
-    """One ``RequestOutput`` (n=1) as sampled tokens and per-position heads, sampled entry excluded.
-
-    vLLM's per-position container (a dict, or ``FlatLogprobs`` read the same way) holds the sampled
-    token first and then the top-K: K entries when the sampled token is among them, K + 1 when not.
-    """
-    comp = output.outputs[0]
-    ids = [int(t) for t in comp.token_ids]
-    if comp.logprobs is None or len(comp.logprobs) != len(ids):
-        raise EngineError(f"vLLM returned log-probs for {0 if comp.logprobs is None else len(comp.logprobs)} "
-                          f"of {len(ids)} tokens")
-    sampled, heads, head_lps = [], [], []
-    for y, entry in zip(ids, comp.logprobs, strict=True):
-        items = list(entry.items())
-        head = items if requested == -1 or len(items) == requested else [kv for kv in items if kv[0] != y]
-        sampled.append(float(entry[y].logprob))
-        heads.append([int(k) for k, _ in head])
-        head_lps.append([NEG_INF if math.isnan(v.logprob) else float(v.logprob) for _, v in head])
-    return Heads(ids, sampled, heads, head_lps, payload=output)
-
-
 def _adaptive_generate(generate: Any, plan: CapturePlan, spec: SamplingSpec, vocab: int, history: CaptureHistory,
                        seeds: random.Random, batch: dict[str, Any]) -> Any:
     """``LLM.generate`` for one TRL batch under an adaptive plan: seeded requests, unproven ones asked again.
@@ -275,23 +253,17 @@ def _adaptive_generate(generate: Any, plan: CapturePlan, spec: SamplingSpec, voc
         if sp is None or isinstance(sp, (list, tuple)) or getattr(sp, "n", 1) != 1 or args:
             return generate(prompts, sampling_params, *args, **kwargs)
         prompts = list(prompts)
-        n = len(prompts)
-        base = seeds.randrange(0, 2**31 - n - 1)
-        detokenize = bool(sp.detokenize) and bool(sp.stop)  # stop strings need the text
-
-        def ask(indices: list[int], heads: list[int]) -> list[Heads]:
-            params = []
-            for i, k in zip(indices, heads, strict=True):
-                p = sp.clone()
-                p.logprobs, p.detokenize = k, detokenize
-                p.seed = sp.seed if sp.seed is not None else base + i
-                params.append(p)
-            outs = generate([prompts[i] for i in indices], params, **kwargs)
-            return [_heads_of(o, k) for o, k in zip(outs, heads, strict=True)]
-
-        result = run_capture(plan, n, ask, vocab_size=vocab, spec=spec, history=history)
+        base = seeds.randrange(0, 2**31 - len(prompts) - 1)
+        params = []
+        for i in range(len(prompts)):
+            p = sp.clone()
+            p.detokenize = bool(sp.detokenize) and bool(sp.stop)  # stop strings need the text
+            p.seed = sp.seed if sp.seed is not None else base + i
+            params.append(p)
+        result = capture_outputs(lambda ps, qs: generate(ps, qs, **kwargs), prompts, params, plan, spec=spec,
+                                 vocab_size=vocab, history=history, nan_as_dropped=True)
         batch["stats"], batch["requested"] = result.stats, result.requested
-        return [h.payload for h in result.heads]
+        return [h.payload[0] for h in result.heads]
 
     return wrapped
 
@@ -399,7 +371,7 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
                 del llm.generate  # the instance attribute: the class's method shows through again
         if logprobs is None:
             cap._pending.append({"completion_ids": completion_ids, "supports": None, "spec": spec,
-                                 "dtype": _sampler_dtype(self), "capture": None})
+                                 "dtype": engine_dtype(self), "capture": None})
             return prompt_ids, completion_ids, logprobs, token_ids
         per_seq = batch.get("requested", requested)
         lps, ids, supports = _split_heads(cap, completion_ids, logprobs, token_ids, per_seq, vocab)
@@ -407,7 +379,7 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
         cap.counts["widened_sequences"] += stats.widened_sequences
         cap.counts["resampled_differently"] += stats.resampled_differently
         cap._pending.append({"completion_ids": [list(c) for c in completion_ids], "supports": supports,
-                             "spec": spec, "dtype": _sampler_dtype(self), "capture": stats})
+                             "spec": spec, "dtype": engine_dtype(self), "capture": stats})
         return prompt_ids, completion_ids, lps, ids
 
     def logps(self: Any, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,

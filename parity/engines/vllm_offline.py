@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
+import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, Unpack, cast
 
@@ -13,8 +15,10 @@ import torch
 
 from parity.core.capture import (
     DEFAULT_MAX_HEAD,
+    NEG_INF,
     CaptureHistory,
     CapturePlan,
+    CaptureResult,
     CaptureStats,
     Heads,
     compare_supports,
@@ -24,23 +28,29 @@ from parity.core.capture import (
     validate_native_mask,
 )
 from parity.core.spec import SamplingSpec
-from parity.engines.rollout_base import RolloutBase, RolloutSettings
+from parity.engines.rollout_base import RolloutBase, RolloutSettings, Support
 from parity.errors import EngineError, SetupError, TimedOut, UsageError
 from parity.records.sequence import SequenceRecord
 
 T = TypeVar("T")
 
+# Engine settings measured on CPU machines. The default KV cache grabs ~11 GiB and makes the first
+# generate 10x slower on fixture models; the in-process engine avoids the ``__main__`` guard that
+# multiprocessing needs.
+CPU_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
-def configure_cpu_env(kv_cache_gib: int = 1) -> None:
-    """Engine settings measured on CPU machines; must be set before vLLM is imported.
 
-    The default KV cache grabs ~11 GiB and makes the first generate 10x slower on fixture models; the
-    in-process engine avoids the ``__main__`` guard that multiprocessing needs.
-    """
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+def configure_cpu_env(env: MutableMapping[str, str] | None = None) -> None:
+    """Default :data:`CPU_ENV` into ``env`` (this process's environment: before vLLM is imported; or a
+    spawned server's); values already set are kept."""
+    target = os.environ if env is None else env
+    for name, value in CPU_ENV.items():
+        target.setdefault(name, value)
 
 
 def call_with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:
@@ -76,6 +86,81 @@ def sampling_params(spec: SamplingSpec, **extra: Any) -> Any:
     return SamplingParams(**spec.sampling_params_kwargs(), **extra)
 
 
+def heads_of_output(comp: Any, requested: int, where: str, *, nan_as_dropped: bool = False, payload: Any = None) -> Heads:
+    """One ``CompletionOutput`` as sampled tokens and per-position heads (the sampled entry excluded).
+
+    ``FlatLogprobs`` (``flat_logprobs=True``): per position the sampled entry (``Sampler.gather_logprobs``
+    puts it first), then the top-K. ``list[dict]``: the same keyed by id, the sampled token first, so
+    K entries when it is in the top-K and K + 1 when not. ``requested``: the ``logprobs`` asked (-1:
+    the vocabulary). ``nan_as_dropped`` reads a NaN head value as ``-inf`` (off the support).
+    """
+    ids = [int(t) for t in comp.token_ids]
+    logprobs = comp.logprobs
+    if logprobs is None or len(logprobs) != len(ids):
+        raise EngineError(f"{where}: vLLM returned log-probs for {0 if logprobs is None else len(logprobs)} of "
+                          f"{len(ids)} tokens (allowed an engine with logprobs_mode='processed_logprobs')")
+    sampled: list[float] = []
+    heads: list[list[int]] = []
+    head_lps: list[list[float]] = []
+    if hasattr(logprobs, "start_indices"):
+        for t, (a, b) in enumerate(zip(logprobs.start_indices, logprobs.end_indices, strict=True)):
+            if logprobs.token_ids[a] != ids[t]:
+                raise EngineError(f"{where} position {t}: vLLM's first log-prob entry is token {logprobs.token_ids[a]}, "
+                                  f"sampled {ids[t]}")
+            sampled.append(float(logprobs.logprobs[a]))
+            heads.append(list(logprobs.token_ids[a + 1 : b]))
+            head_lps.append([float(v) for v in logprobs.logprobs[a + 1 : b]])
+    else:
+        for y, entry in zip(ids, logprobs, strict=True):
+            items = list(entry.items())
+            head = items if requested == -1 or len(items) == requested else [kv for kv in items if kv[0] != y]
+            sampled.append(float(entry[y].logprob))
+            heads.append([int(k) for k, _ in head])
+            head_lps.append([float(v.logprob) for _, v in head])
+    if nan_as_dropped:
+        head_lps = [[NEG_INF if math.isnan(v) else v for v in row] for row in head_lps]
+    return Heads(ids, sampled, heads, head_lps, payload=payload)
+
+
+def capture_outputs(
+    generate: Callable[[list[Any], list[Any]], Sequence[Any]],
+    prompts: Sequence[Any],
+    params: Sequence[Any],
+    plan: CapturePlan,
+    *,
+    spec: SamplingSpec,
+    vocab_size: int,
+    history: CaptureHistory | None = None,
+    deadline: float | None = None,
+    nan_as_dropped: bool = False,
+) -> CaptureResult:
+    """``plan`` run over ``generate(prompts, params)`` (``LLM.generate`` or a wrapper of it).
+
+    Each round asks its sequences with ``params[i]`` (seeded, ``n=1``) cloned and ``logprobs`` set to
+    the round's head; an adaptive plan asks unproven sequences again (:func:`~parity.core.capture.run_capture`).
+    Every ``Heads.payload`` is ``(RequestOutput, the SamplingParams it was drawn with)``. ``deadline``
+    (a ``time.monotonic()`` value) bounds the whole capture, widening included.
+    """
+
+    def ask(indices: list[int], heads: list[int]) -> list[Heads]:
+        batch = []
+        for i, k in zip(indices, heads, strict=True):
+            q = params[i].clone()
+            q.logprobs = k
+            batch.append(q)
+
+        def run() -> Sequence[Any]:
+            return generate([prompts[i] for i in indices], batch)
+
+        outs = run() if deadline is None else call_with_timeout(
+            run, max(deadline - time.monotonic(), 1.0), f"vLLM generate ({spec.label()})")
+        return [heads_of_output(o.outputs[0], k, f"prompt {i} ({spec.label()})", nan_as_dropped=nan_as_dropped,
+                                payload=(o, q))
+                for i, k, q, o in zip(indices, heads, batch, outs, strict=True)]
+
+    return run_capture(plan, len(prompts), ask, vocab_size=vocab_size, spec=spec, history=history)
+
+
 def generate_with_capture(
     llm: Any,
     prompts: Sequence[Any],
@@ -99,8 +184,6 @@ def generate_with_capture(
     ``history`` carries what earlier calls needed into the start head of this one; ``start`` forces it;
     ``timeout_s`` bounds the whole call, widening included.
     """
-    import random
-
     prompts = list(prompts)
     plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
     if len(plist) != len(prompts):
@@ -131,68 +214,17 @@ def generate_with_capture(
     spec = specs[0]
     plan = plan_capture(spec, vocab, max_head=max_head, start=start,
                         suggested=history.start(spec) if history else None)
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    used: list[Any] = list(seeded)
-
-    def ask(indices: list[int], heads: list[int]) -> list[Heads]:
-        batch = []
-        for i, k in zip(indices, heads, strict=True):
-            q = seeded[i].clone()
-            q.logprobs = k
-            batch.append(q)
-
-        def run() -> Any:
-            return llm.generate([prompts[i] for i in indices], batch, use_tqdm=False)
-
-        outs = run() if deadline is None else call_with_timeout(run, max(deadline - time.monotonic(), 1.0),
-                                                                f"vLLM generate ({spec.label()})")
-        res = []
-        for i, q, o in zip(indices, batch, outs, strict=True):
-            used[i] = q
-            comp = o.outputs[0]
-            ids = [int(t) for t in comp.token_ids]
-            sampled, heads_, lps = _heads_of_output(comp.logprobs, ids, int(q.logprobs), f"prompt {i}")
-            res.append(Heads(ids, sampled, heads_, lps, payload=(o, q)))
-        return res
-
-    result = run_capture(plan, len(prompts), ask, vocab_size=vocab, spec=spec, history=history)
-    outputs = [h.payload[0] for h in result.heads]
-    return outputs, [h.payload[1] for h in result.heads], result.stats
+    result = capture_outputs(
+        lambda ps, qs: llm.generate(ps, qs, use_tqdm=False), prompts, seeded, plan, spec=spec, vocab_size=vocab,
+        history=history, deadline=None if timeout_s is None else time.monotonic() + timeout_s,
+    )
+    return [h.payload[0] for h in result.heads], [h.payload[1] for h in result.heads], result.stats
 
 
 def _spec_of_params(params: Any) -> SamplingSpec:
     top_k = int(getattr(params, "top_k", 0) or 0)
     return SamplingSpec(temperature=float(params.temperature), top_k=top_k if top_k >= 1 else 0,
                         top_p=float(getattr(params, "top_p", 1.0)), min_p=float(getattr(params, "min_p", 0.0) or 0.0))
-
-
-def _heads_of_output(
-    logprobs: Any, ids: list[int], requested: int, where: str
-) -> tuple[list[float], list[list[int]], list[list[float]]]:
-    """Sampled log-probs and heads (sampled entry excluded) from a ``CompletionOutput.logprobs``.
-
-    ``FlatLogprobs``: per position the sampled entry, then the top-K. ``list[dict]``: the same keyed by
-    id, the sampled token first, so K entries when it is in the top-K and K + 1 when not.
-    """
-    if logprobs is None or len(logprobs) != len(ids):
-        raise EngineError(f"{where}: vLLM returned log-probs for {0 if logprobs is None else len(logprobs)} of "
-                          f"{len(ids)} tokens (allowed an engine with logprobs_mode='processed_logprobs')")
-    sampled: list[float] = []
-    heads: list[list[int]] = []
-    head_lps: list[list[float]] = []
-    if hasattr(logprobs, "start_indices"):
-        for a, b in zip(logprobs.start_indices, logprobs.end_indices, strict=True):
-            sampled.append(float(logprobs.logprobs[a]))
-            heads.append(list(logprobs.token_ids[a + 1 : b]))
-            head_lps.append(list(logprobs.logprobs[a + 1 : b]))
-        return sampled, heads, head_lps
-    for y, entry in zip(ids, logprobs, strict=True):
-        items = list(entry.items())
-        head = items if requested == -1 or len(items) == requested else [kv for kv in items if kv[0] != y]
-        sampled.append(float(entry[y].logprob))
-        heads.append([int(k) for k, _ in head])
-        head_lps.append([float(v.logprob) for _, v in head])
-    return sampled, heads, head_lps
 
 
 class VllmRollout(RolloutBase):
@@ -241,9 +273,7 @@ class VllmRollout(RolloutBase):
             kwargs["return_sampling_mask"] = True
             kwargs["max_logprobs"] = 4096  # the native path refuses unbounded (-1) log-prob requests
         kwargs.update(engine_kwargs or {})
-        start = time.perf_counter()
         self.llm = call_with_timeout(lambda: LLM(**kwargs), self.timeout_s, "vLLM engine start-up")
-        self.init_s = time.perf_counter() - start
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
 
     def tokenizer(self) -> Any:
@@ -261,7 +291,7 @@ class VllmRollout(RolloutBase):
         """Sample one completion per prompt (seed ``seed + i``); record log-probs and S_q.
 
         The capture follows :meth:`plan`; adaptive plans (top_p/min_p without top_k) ask the sequences
-        with an unproven position again, same seeds, wider heads (:func:`parity.core.capture.run_capture`);
+        with an unproven position again, same seeds, wider heads (:func:`capture_outputs`);
         what the capture did is left in ``self.last_capture``. ``logprobs`` forces the head size
         without :func:`plan_capture`'s checks and without widening (diagnostics only: the
         capture-head reproduction asks for a head smaller than top_k on purpose); positions it cannot
@@ -276,56 +306,44 @@ class VllmRollout(RolloutBase):
             plan = self.plan(spec)
         else:
             plan = CapturePlan(logprobs if logprobs != 0 else None, f"top-{logprobs} (asked directly)")
-        inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        deadline = time.monotonic() + self.timeout_s
-
-        def ask(indices: list[int], heads: list[int]) -> list[Heads]:
-            params = [
-                sampling_params(
-                    spec,
-                    max_tokens=max_tokens,
-                    seed=seed + i,
-                    logprobs=k,
-                    # Candidate detokenization dominates capture cost (full-vocab capture did not finish
-                    # in minutes with it on); ids are all the harness needs.
-                    detokenize=False,
-                    flat_logprobs=True,
-                    ignore_eos=True,  # fixed-length completions: every scenario compares the same count
-                )
-                for i, k in zip(indices, heads, strict=True)
-            ]
-            start = time.perf_counter()
-            left = max(deadline - time.monotonic(), 1.0)
-            outputs = call_with_timeout(
-                lambda: self.llm.generate([inputs[i] for i in indices], params, use_tqdm=False),
-                left,
-                f"vLLM generate ({spec.label()})",
+        params = [
+            sampling_params(
+                spec,
+                max_tokens=max_tokens,
+                seed=seed + i,
+                # Candidate detokenization dominates capture cost (full-vocab capture did not finish
+                # in minutes with it on); ids are all the harness needs.
+                detokenize=False,
+                flat_logprobs=True,
+                ignore_eos=True,  # fixed-length completions: every scenario compares the same count
             )
-            self.capture_s += time.perf_counter() - start
-            return [_heads(out.outputs[0], i, spec) for i, out in zip(indices, outputs, strict=True)]
+            for i in range(len(prompts))
+        ]
+        result = capture_outputs(
+            lambda ps, qs: self.llm.generate(ps, qs, use_tqdm=False),
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, plan,
+            spec=spec, vocab_size=self.vocab_size, history=self.capture_history if logprobs is None else None,
+            deadline=time.monotonic() + self.timeout_s,
+        )
+        return self.records(prompts, spec, seed, result)
 
-        result = run_capture(plan, len(prompts), ask, vocab_size=self.vocab_size, spec=spec,
-                             history=self.capture_history if logprobs is None else None)
-        self.last_capture = result.stats
-        records = []
-        for i, (h, requested) in enumerate(zip(result.heads, result.requested, strict=True)):
-            comp, ids, heads, head_lps = h.payload, h.completion_ids, h.head_ids, h.head_logprobs
-            kept, kept_lp, incomplete, extras = self.topk_support(h, requested)
-            native = getattr(comp, "sampling_mask", None)
-            if self.capture != "topk":
-                if native is None or len(native.token_ids) != len(ids):
-                    raise EngineError(f"vLLM returned no sampling mask for prompt {i} although return_sampling_mask is on")
-                native_ids = padded_ids(native.token_ids)
-                extras["native_kept_ids"] = native_ids
-                if self.capture == "native":
-                    kept, incomplete = native_ids, torch.zeros(len(ids), dtype=torch.bool)
-                    kept_lp = _logprobs_for(native_ids, heads, head_lps)
-                elif kept is not None:
-                    bad = compare_supports(native_ids, kept, skip=incomplete)
-                    extras["native_vs_topk_mismatch"] = torch.tensor(bad, dtype=torch.long)
-            support = (kept, kept_lp, incomplete, extras)
-            records.append(self.sampler_record(i, prompts[i], h, spec, seed + i, support))
-        return records
+    def support(self, i: int, h: Heads, requested: int, spec: SamplingSpec) -> Support:
+        """S_q from the top-K heads, or from vLLM's own sampling mask (``capture`` native or both)."""
+        kept, kept_lp, incomplete, extras = super().support(i, h, requested, spec)
+        if self.capture == "topk":
+            return kept, kept_lp, incomplete, extras
+        native = getattr(h.payload[0].outputs[0], "sampling_mask", None)
+        if native is None or len(native.token_ids) != len(h.completion_ids):
+            raise EngineError(f"vLLM returned no sampling mask for prompt {i} although return_sampling_mask is on")
+        native_ids = padded_ids(native.token_ids)
+        extras["native_kept_ids"] = native_ids
+        if self.capture == "native":
+            kept, incomplete = native_ids, torch.zeros(len(h.completion_ids), dtype=torch.bool)
+            kept_lp = _logprobs_for(native_ids, h.head_ids, h.head_logprobs)
+        elif kept is not None:
+            bad = compare_supports(native_ids, kept, skip=incomplete)
+            extras["native_vs_topk_mismatch"] = torch.tensor(bad, dtype=torch.long)
+        return kept, kept_lp, incomplete, extras
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)
@@ -334,26 +352,6 @@ class VllmRollout(RolloutBase):
             import gc
 
             gc.collect()
-
-
-def _heads(comp: Any, i: int, spec: SamplingSpec) -> Heads:
-    """One ``CompletionOutput`` (``flat_logprobs=True``) as sampled tokens and per-position heads."""
-    ids = list(comp.token_ids)
-    flat = comp.logprobs
-    if flat is None or len(flat.start_indices) != len(ids):
-        raise EngineError(
-            f"vLLM returned log-probs for {0 if flat is None else len(flat.start_indices)} of {len(ids)} "
-            f"tokens of prompt {i} ({spec.label()})"
-        )
-    sampled_lp, heads, head_lps = [], [], []
-    for t, (a, b) in enumerate(zip(flat.start_indices, flat.end_indices, strict=True)):
-        # Entry a is the sampled token (Sampler.gather_logprobs puts it first), then the top-K.
-        if flat.token_ids[a] != ids[t]:
-            raise EngineError(f"vLLM log-prob entry for prompt {i} position {t} is token {flat.token_ids[a]}, sampled {ids[t]}")
-        sampled_lp.append(flat.logprobs[a])
-        heads.append(flat.token_ids[a + 1 : b])
-        head_lps.append(flat.logprobs[a + 1 : b])
-    return Heads(ids, sampled_lp, heads, head_lps, payload=comp)
 
 
 def _logprobs_for(ids: torch.Tensor, heads: list[list[int]], head_lps: list[list[float]]) -> torch.Tensor:

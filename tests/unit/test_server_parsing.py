@@ -65,10 +65,10 @@ def processed_topk3():
 
 def test_parse_recovers_top_k_heads_and_infinities() -> None:
     p = parse_completion(processed_topk3(), max_tokens=2, requested=3, vocab_size=V)
-    assert p.token_ids == [4, 1]
+    assert p.completion_ids == [4, 1]
     assert p.head_ids == [[4, 1, 0], [1, 5, 3]]  # K entries: the sampled token is one of them
     assert p.head_logprobs[0][2] == float("-inf")
-    cap = support_from_heads(p.token_ids, p.head_ids, p.head_logprobs, requested=3, vocab_size=V)
+    cap = support_from_heads(p.completion_ids, p.head_ids, p.head_logprobs, requested=3, vocab_size=V)
     assert cap.incomplete.tolist() == [False, False]
     assert cap.sampled_missing.tolist() == [False, False]
     assert sorted(cap.kept_ids[1].tolist()) == [1, 5]
@@ -79,7 +79,7 @@ def test_sampled_token_outside_the_head_is_dropped_from_it() -> None:
     d = payload([2], [math.log(0.2)], [[(2, math.log(0.2)), (5, math.log(0.5)), (3, math.log(0.3))]])
     p = parse_completion(d, max_tokens=1, requested=2, vocab_size=V)
     assert p.head_ids == [[5, 3]]
-    cap = support_from_heads(p.token_ids, p.head_ids, p.head_logprobs, requested=2, vocab_size=V)
+    cap = support_from_heads(p.completion_ids, p.head_ids, p.head_logprobs, requested=2, vocab_size=V)
     assert cap.incomplete.tolist() == [True] and cap.sampled_missing.tolist() == [True]
     check_processed(cap.kept_logprobs, cap.incomplete, url=URL, where="x")  # incomplete: mass not judged
 
@@ -159,7 +159,7 @@ def test_malformed_body_and_wrong_length() -> None:
 
 def test_processed_heads_pass_the_mass_check() -> None:
     p = parse_completion(processed_topk3(), max_tokens=2, requested=3, vocab_size=V)
-    cap = support_from_heads(p.token_ids, p.head_ids, p.head_logprobs, requested=3, vocab_size=V)
+    cap = support_from_heads(p.completion_ids, p.head_ids, p.head_logprobs, requested=3, vocab_size=V)
     check_processed(cap.kept_logprobs, cap.incomplete, url=URL, where="prompt 0")
 
 

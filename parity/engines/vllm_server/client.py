@@ -15,7 +15,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,9 @@ from typing import Any, Unpack
 
 from parity.core.capture import Heads, run_capture
 from parity.core.spec import SamplingSpec
-from parity.engines.rollout_base import RolloutBase, RolloutSettings
+from parity.engines.quiet import log_tail
+from parity.engines.rollout_base import RolloutBase, RolloutSettings, Support
+from parity.engines.vllm_offline import configure_cpu_env
 from parity.engines.vllm_server.process import LAUNCHER, free_port, shutdown
 from parity.engines.vllm_server.protocol import (
     EXPECTED_MODE,
@@ -117,7 +118,6 @@ class ServerRollout(RolloutBase):
         from transformers import AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(self.model)
-        start = time.perf_counter()
         try:
             if self.spawned:
                 self.url = self._spawn(path, logprobs_mode=logprobs_mode, server_args=server_args)
@@ -129,7 +129,6 @@ class ServerRollout(RolloutBase):
         except BaseException:  # including KeyboardInterrupt: never leave a spawned server behind
             self.close()
             raise
-        self.init_s = time.perf_counter() - start
 
     # -- set-up -------------------------------------------------------------------------------
 
@@ -202,13 +201,7 @@ class ServerRollout(RolloutBase):
         ]
         env = dict(os.environ)
         if self.device == "cpu":
-            for k, v in (
-                ("VLLM_CPU_KVCACHE_SPACE", "1"),
-                ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
-                ("VLLM_LOGGING_LEVEL", "WARNING"),
-                ("TOKENIZERS_PARALLELISM", "false"),
-            ):
-                env.setdefault(k, v)
+            configure_cpu_env(env)
         log_dir = Path(tempfile.mkdtemp(prefix="parity-server-"))
         self.log_path = log_dir / "server.log"
         if threading.current_thread() is threading.main_thread():
@@ -233,12 +226,11 @@ class ServerRollout(RolloutBase):
         return url
 
     def _log_tail(self, lines: int = 15) -> str:
-        if self.log_path is None or not self.log_path.is_file():
+        tail = log_tail(self.log_path, lines) if self.log_path is not None else []
+        if not tail:
             return ""
-        text = self.log_path.read_bytes()[-8000:].decode(errors="replace").strip().splitlines()
-        tail = "\n".join(text[-lines:])
         self._log_state["keep"] = True  # an error message points at it
-        return f"\n--- last lines of {self.log_path} ---\n{tail}" if tail else ""
+        return f"\n--- last lines of {self.log_path} ---\n" + "\n".join(tail)
 
     def _exited(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -310,18 +302,14 @@ class ServerRollout(RolloutBase):
                 " (start the server with a larger --max-logprobs)" if "logprobs" in str(msg).lower() else ""
             )
             raise ServerError(f"{what} to {url} failed: HTTP {exc.code}: {msg}{hint}") from None
-        except TimeoutError:
-            self._raise_if_died(what)
-            raise TimedOut(
-                f"{what} to {url}: no answer within {timeout:.0f} s (server hung or overloaded)"
-            ) from None
         except (urllib.error.URLError, ConnectionError, http.client.HTTPException, OSError) as exc:
-            self._raise_if_died(what, grace_s=2.0)
-            reason = getattr(exc, "reason", exc)
-            if isinstance(reason, (TimeoutError, socket.timeout)):
+            reason = getattr(exc, "reason", exc)  # URLError wraps the socket's error
+            if isinstance(reason, TimeoutError):
+                self._raise_if_died(what)
                 raise TimedOut(
                     f"{what} to {url}: no answer within {timeout:.0f} s (server hung or overloaded)"
                 ) from None
+            self._raise_if_died(what, grace_s=2.0)
             if isinstance(reason, ConnectionRefusedError):
                 raise ServerUnreachable(
                     f"{what}: nothing is listening at {url} (connection refused) — is the vLLM server running "
@@ -414,37 +402,35 @@ class ServerRollout(RolloutBase):
         """
         if self._closed or self.url is None:
             raise ServerError("the server rollout is closed")
-        plan = self.plan(spec)
         label = spec.label()
         deadline = time.monotonic() + self.timeout_s
 
         def ask(indices: list[int], heads: list[int]) -> list[Heads]:
-            start = time.perf_counter()
             payloads = self._send_all(
                 [self._body(prompts[i], spec, max_tokens=max_tokens, seed=seed + i, logprobs=k)
                  for i, k in zip(indices, heads, strict=True)],
                 what=f"completion ({label})",
                 deadline=deadline,
             )
-            self.capture_s += time.perf_counter() - start
-            out = []
-            for i, k, payload in zip(indices, heads, payloads, strict=True):
-                where = f"{self.url} completion for prompt {i} ({label})"
-                parsed = parse_completion(payload, max_tokens=max_tokens, requested=k, vocab_size=self.vocab_size, where=where)
-                out.append(Heads(parsed.token_ids, parsed.sampled_logprobs, parsed.head_ids, parsed.head_logprobs))
-            return out
+            return [parse_completion(payload, max_tokens=max_tokens, requested=k, vocab_size=self.vocab_size,
+                                     where=self._where(i, spec))
+                    for i, k, payload in zip(indices, heads, payloads, strict=True)]
 
-        result = run_capture(plan, len(prompts), ask, vocab_size=self.vocab_size, spec=spec, history=self.capture_history)
-        self.last_capture = result.stats
-        records = []
-        for i, (h, requested) in enumerate(zip(result.heads, result.requested, strict=True)):
-            where = f"{self.url} completion for prompt {i} ({label})"
-            kept, kept_lp, incomplete, extras = self.topk_support(h, requested)
-            if kept_lp is not None and incomplete is not None:
-                check_processed(kept_lp, incomplete, url=self.url, where=where, spec=spec, vocab_size=self.vocab_size)
-            support = (kept, kept_lp, incomplete, extras)
-            records.append(self.sampler_record(i, prompts[i], h, spec, seed + i, support))
-        return records
+        result = run_capture(self.plan(spec), len(prompts), ask, vocab_size=self.vocab_size, spec=spec,
+                             history=self.capture_history)
+        return self.records(prompts, spec, seed, result)
+
+    def support(self, i: int, h: Heads, requested: int, spec: SamplingSpec) -> Support:
+        """S_q from the top-K heads, refused unless it reads as processed log-probs (:func:`check_processed`)."""
+        kept, kept_lp, incomplete, extras = super().support(i, h, requested, spec)
+        if kept_lp is not None and incomplete is not None:
+            assert self.url is not None  # generate() refuses a closed rollout
+            check_processed(kept_lp, incomplete, url=self.url, where=self._where(i, spec), spec=spec,
+                            vocab_size=self.vocab_size)
+        return kept, kept_lp, incomplete, extras
+
+    def _where(self, i: int, spec: SamplingSpec) -> str:
+        return f"{self.url} completion for prompt {i} ({spec.label()})"
 
     def _send_all(self, bodies: list[dict[str, Any]], *, what: str, deadline: float | None = None) -> list[Any]:
         """POST every body concurrently (the server batches them); fail fast on the first error.

@@ -11,12 +11,11 @@ as ``-9999.0`` (JSON has no infinity), so ``-9999.0`` reads back as "off the sup
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from parity.core.capture import FULL_VOCAB, support_mass
+from parity.core.capture import FULL_VOCAB, Heads, support_mass
 from parity.core.spec import SamplingSpec
 from parity.errors import EngineError
 
@@ -61,18 +60,6 @@ def _mode_hint(url: str) -> str:
 # -- parsing (pure: canned JSON in, lists out) ------------------------------------------------------
 
 
-@dataclass
-class ParsedCompletion:
-    """One completion as the server reported it, heads already trimmed to the top-K."""
-
-    token_ids: list[int]
-    sampled_logprobs: list[float]
-    head_ids: list[
-        list[int]
-    ]  # per position: the top-K ids (the sampled entry removed when outside the top-K)
-    head_logprobs: list[list[float]]  # the same positions' values, -9999.0 read back as -inf
-
-
 def _token_id(key: Any, where: str) -> int:
     if not isinstance(key, str) or not key.startswith(TOKEN_PREFIX):
         raise MalformedResponse(
@@ -111,8 +98,10 @@ def parse_completion(
     requested: int,
     vocab_size: int,
     where: str = "response",
-) -> ParsedCompletion:
-    """Parse one ``/v1/completions`` answer into sampled ids, their log-probs and the top-K heads.
+) -> Heads:
+    """Parse one ``/v1/completions`` answer into sampled ids, their log-probs and the top-K heads
+    (the sampled entry removed when outside the top-K; ``-9999.0`` read back as ``-inf``), ``payload``
+    the answer itself.
 
     ``requested`` is the ``logprobs`` value sent (0: sampled token only; -1: full vocabulary; K).
     Raises :class:`MalformedResponse` naming the field and position of the first problem.
@@ -143,7 +132,7 @@ def parse_completion(
             f"(finish_reason={choice.get('finish_reason')!r}); fixed-length completions are required"
         )
     full = requested == FULL_VOCAB or requested >= vocab_size
-    out = ParsedCompletion([], [], [], [])
+    out = Heads([], [], [], [], payload=payload)
     for t, (key, value, top) in enumerate(zip(tokens, token_lps, tops, strict=True)):
         at = f"{where} position {t}"
         y = _token_id(key, at)
@@ -190,7 +179,7 @@ def parse_completion(
                 f"{at}: {len(entries)} top_logprobs entries for logprobs={requested}, allowed {requested} or "
                 f"{requested + 1} (the server's --max-logprobs may be lower than the capture needs)"
             )
-        out.token_ids.append(y)
+        out.completion_ids.append(y)
         out.sampled_logprobs.append(sampled_lp)
         out.head_ids.append([i for i, _ in head])
         out.head_logprobs.append([v for _, v in head])
@@ -279,7 +268,7 @@ def check_probe(payload: Any, *, url: str, vocab_size: int, max_tokens: int) -> 
         payload, max_tokens=max_tokens, requested=2, vocab_size=vocab_size, where="probe"
     )
     for t, (y, lp, ids, vals) in enumerate(
-        zip(parsed.token_ids, parsed.sampled_logprobs, parsed.head_ids, parsed.head_logprobs, strict=True)
+        zip(parsed.completion_ids, parsed.sampled_logprobs, parsed.head_ids, parsed.head_logprobs, strict=True)
     ):
         reported = dict(zip(ids, vals, strict=True))
         reported[y] = lp  # the sampled token may sit outside the top-2 head

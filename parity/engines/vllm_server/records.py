@@ -59,15 +59,15 @@ def from_server_responses(
                 "prompt_index": i,
                 "seed": None if seeds is None else int(seeds[i]),
                 "prompt_ids": [int(t) for t in prompt],
-                "completion_ids": parsed.token_ids,
+                "completion_ids": parsed.completion_ids,
                 **spec_row(sp),
                 "sampler_logprobs": parsed.sampled_logprobs,
                 **kept_columns(
-                    parsed.token_ids,
+                    parsed.completion_ids,
                     parsed.head_ids,
                     parsed.head_logprobs,
                     spec=sp,
-                    requested=requested if requested != 0 else 0,
+                    requested=requested,
                     vocab_size=vocab_size,
                 ),
             }
@@ -112,11 +112,8 @@ def request_with_capture(
         answers = list(send(sent))
         if len(answers) != len(sent):
             raise UsageError(f"request_with_capture: send returned {len(answers)} answers for {len(sent)} bodies")
-        out = []
-        for i, k, a in zip(indices, heads, answers, strict=True):
-            parsed = parse_completion(a, max_tokens=max_tokens, requested=k, vocab_size=vocab_size, where=f"answer {i}")
-            out.append(Heads(parsed.token_ids, parsed.sampled_logprobs, parsed.head_ids, parsed.head_logprobs, payload=a))
-        return out
+        return [parse_completion(a, max_tokens=max_tokens, requested=k, vocab_size=vocab_size, where=f"answer {i}")
+                for i, k, a in zip(indices, heads, answers, strict=True)]
 
     result = run_capture(plan, len(bodies), ask, vocab_size=vocab_size, spec=spec, history=history)
     return [h.payload for h in result.heads], result.requested, result.stats

@@ -17,7 +17,6 @@ import argparse
 import gc
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -108,15 +107,10 @@ class GrpoRunConfig:
         return SamplingSpec(self.temperature, self.top_k, self.top_p, self.min_p).label()
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def configure_process(port: int | None = None) -> None:
     """The one-process gloo group and CPU engine settings; before torch.distributed/vLLM start."""
     from parity.engines.vllm_offline import configure_cpu_env
+    from parity.engines.vllm_server.process import free_port
 
     configure_cpu_env()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -188,13 +182,6 @@ def _force_dtype(dtype: str | None) -> Any:
     return ctx()
 
 
-def _engine_dtype(trainer: Any) -> str:
-    try:
-        return str(trainer.vllm_generation.llm.llm_engine.model_config.dtype).removeprefix("torch.")
-    except AttributeError:
-        return "unknown"
-
-
 def _shutdown(trainer: Any) -> None:
     gen = getattr(trainer, "vllm_generation", None)
     llm = getattr(gen, "llm", None)
@@ -207,7 +194,7 @@ def run_phase(cfg: GrpoRunConfig, mode: str, model_path: str, out: Path) -> dict
     """One fresh trainer, ``cfg.steps`` steps, under ``patch_grpo(mode)``; TRL's metrics and the capture."""
     import contextlib
 
-    from parity.engines.trl_grpo import patch_grpo, save_sequences
+    from parity.engines.trl_grpo import engine_dtype, patch_grpo, save_sequences
     from parity.engines.vllm_cpu_linear import keep_linear_weights
 
     t0 = time.perf_counter()
@@ -218,14 +205,15 @@ def run_phase(cfg: GrpoRunConfig, mode: str, model_path: str, out: Path) -> dict
             recorder as cap, _force_dtype(cfg.vllm_dtype):
         trainer = _trainer(cfg, model_path, tmp)
         t_init = time.perf_counter() - t0
-        print(f"PARITY_TRAINER_READY vllm_dtype={_engine_dtype(trainer)}", flush=True)
+        gen = getattr(trainer, "vllm_generation", None)
+        print(f"PARITY_TRAINER_READY vllm_dtype={engine_dtype(gen)}", flush=True)
         try:
             trainer.train()
         finally:
             _shutdown(trainer)
         history = trainer.state.log_history
-        engine_dtype = _engine_dtype(trainer)
-        del trainer
+        vllm_dtype = engine_dtype(gen)
+        del trainer, gen
         gc.collect()
     metrics = [{k: h[k] for k in TRL_METRICS if k in h} | {"step": h.get("step")} for h in history
                if any(k in h for k in TRL_METRICS)]
@@ -237,7 +225,7 @@ def run_phase(cfg: GrpoRunConfig, mode: str, model_path: str, out: Path) -> dict
         "counts": cap.counts if cap is not None else None,
         "capture_plans": cap.capture_plans if cap is not None else None,
         "linear_layers_kept": kept["kept"],
-        "vllm_dtype": engine_dtype,
+        "vllm_dtype": vllm_dtype,
         "sampler_dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
         "capture": path.name if path is not None else None,
         "init_s": round(t_init, 2),
@@ -251,7 +239,7 @@ def run(cfg: GrpoRunConfig, out: Path) -> dict[str, Any]:
     configure_process()
     from parity.fixtures import resolve_model
 
-    model_path = str(resolve_model(cfg.model)) if not (Path(cfg.model) / "config.json").is_file() else cfg.model
+    model_path = str(resolve_model(cfg.model))
     t_imp = time.perf_counter()
     import trl
     import vllm

@@ -462,15 +462,8 @@ def batch_invariant_mode(
             for name in CUDA_KNOBS:
                 state.add(name, UNAVAILABLE, None, reason)
             if dev == "cpu":
-                state.knobs["VLLM_BATCH_INVARIANT"] = Knob(
-                    "VLLM_BATCH_INVARIANT",
-                    UNAVAILABLE,
-                    os.environ.get("VLLM_BATCH_INVARIANT"),
-                    VLLM_CPU_CRASH,
-                )
-                state.knobs["vllm_aten_overrides"] = Knob(
-                    "vllm_aten_overrides", UNAVAILABLE, None, VLLM_OVERRIDES_CPU
-                )
+                state.add("VLLM_BATCH_INVARIANT", UNAVAILABLE, os.environ.get("VLLM_BATCH_INVARIANT"), VLLM_CPU_CRASH)
+                state.add("vllm_aten_overrides", UNAVAILABLE, None, VLLM_OVERRIDES_CPU)
     except BaseException:
         undo.run()
         raise

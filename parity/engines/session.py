@@ -131,6 +131,21 @@ def _resolve(name: str) -> Path:
     return resolve_model(name)
 
 
+def _rollout_settings(cfg: EngineSettings) -> RolloutSettings:
+    """The settings every rollout engine of a run starts with (the raw-logits engine included; only
+    the run's own rollout takes ``capture``)."""
+    settings: RolloutSettings = {
+        "dtype": cfg.dtype,
+        "device": cfg.device,
+        "seed": cfg.seed,
+        "max_head": cfg.max_capture_head,
+        "head": cfg.capture_head,
+        "timeout_s": cfg.timeout_s,
+        "prefix_caching": cfg.prefix_caching,
+    }
+    return settings
+
+
 class EnginePool:
     """One rollout engine and one trainer per model, started on first use and shared across runs."""
 
@@ -155,9 +170,7 @@ class EnginePool:
             progress(f"parity: starting a raw-logits vLLM engine on {model_name} (sampler-side log S)")
             with waiting("raw-logits vLLM engine start-up"):
                 self._raw[key] = VllmRollout(
-                    _resolve(model_name), dtype=cfg.dtype, device=cfg.device, seed=cfg.seed, timeout_s=cfg.timeout_s,
-                    max_head=cfg.max_capture_head, prefix_caching=cfg.prefix_caching,
-                    engine_kwargs={"logprobs_mode": "raw_logits"},
+                    _resolve(model_name), **_rollout_settings(cfg), engine_kwargs={"logprobs_mode": "raw_logits"}
                 )
         return self._raw[key]
 
@@ -182,15 +195,7 @@ class EnginePool:
             progress(f"parity: starting vLLM ({cfg.device}, {cfg.dtype}) and transformers ({trainer_dtype}) on {model_name}")
             with waiting("transformers model load"):
                 trainer = TransformersTrainer(trainer_path, dtype=trainer_dtype, device=cfg.device)
-            common: RolloutSettings = dict(
-                dtype=cfg.dtype,
-                device=cfg.device,
-                seed=cfg.seed,
-                max_head=cfg.max_capture_head,
-                head=cfg.capture_head,
-                timeout_s=cfg.timeout_s,
-                prefix_caching=cfg.prefix_caching,
-            )
+            common = _rollout_settings(cfg)
             if cfg.capture != "topk":
                 common["capture"] = cfg.capture
             if cfg.server:

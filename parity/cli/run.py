@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 from pathlib import Path
 
 from parity.cli import thresholds_from_args
@@ -109,32 +110,17 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     # trainer is judged as bfloat16.
     looser = max((args.dtype, trainer_dtype), key=UNIT_ROUNDOFF.__getitem__)
     th = thresholds_from_args(args.thresholds, args.gate, looser)
-    return RunConfig(
-        model=args.model,
-        trainer_model=args.trainer_model,
-        matrix=args.matrix,
-        out=args.out,
-        device=args.device,
-        dtype=args.dtype,
-        trainer_dtype=args.trainer_dtype,
-        prompts=args.prompts,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
+    derived = dict(
         thresholds=th,
         faults=FAULTS[args.plant] if args.plant else TrainerFaults(),
-        capture_head=args.capture_head,
-        max_capture_head=args.max_capture_head,
         timeout_s=args.timeout,
-        prefix_caching=args.prefix_caching,
-        server=args.server,
-        trainer=args.trainer,
-        capture=args.capture,
-        batch_invariant=args.batch_invariant,
         invariance=args.invariance or args.batch_invariant,
         plots=not args.no_plots,
         sampler_log_s=not args.no_sampler_log_s,
-        records=args.records,
     )
+    # Every other RunConfig field takes its flag's value unchanged.
+    same = {f.name: getattr(args, f.name) for f in fields(RunConfig) if f.name not in derived}
+    return RunConfig(**same, **derived)
 
 
 def main(args: argparse.Namespace) -> int:

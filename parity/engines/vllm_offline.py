@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import threading
@@ -15,7 +14,6 @@ import torch
 
 from parity.core.capture import (
     DEFAULT_MAX_HEAD,
-    NEG_INF,
     CaptureHistory,
     CapturePlan,
     CaptureResult,
@@ -31,6 +29,7 @@ from parity.core.spec import SamplingSpec
 from parity.engines.rollout_base import RolloutBase, RolloutSettings, Support
 from parity.errors import EngineError, SetupError, TimedOut, UsageError
 from parity.records.sequence import SequenceRecord
+from parity.records.vllm_outputs import heads_of_output, spec_of_params
 
 T = TypeVar("T")
 
@@ -86,42 +85,6 @@ def sampling_params(spec: SamplingSpec, **extra: Any) -> Any:
     return SamplingParams(**spec.sampling_params_kwargs(), **extra)
 
 
-def heads_of_output(comp: Any, requested: int, where: str, *, nan_as_dropped: bool = False, payload: Any = None) -> Heads:
-    """One ``CompletionOutput`` as sampled tokens and per-position heads (the sampled entry excluded).
-
-    ``FlatLogprobs`` (``flat_logprobs=True``): per position the sampled entry (``Sampler.gather_logprobs``
-    puts it first), then the top-K. ``list[dict]``: the same keyed by id, the sampled token first, so
-    K entries when it is in the top-K and K + 1 when not. ``requested``: the ``logprobs`` asked (-1:
-    the vocabulary). ``nan_as_dropped`` reads a NaN head value as ``-inf`` (off the support).
-    """
-    ids = [int(t) for t in comp.token_ids]
-    logprobs = comp.logprobs
-    if logprobs is None or len(logprobs) != len(ids):
-        raise EngineError(f"{where}: vLLM returned log-probs for {0 if logprobs is None else len(logprobs)} of "
-                          f"{len(ids)} tokens (allowed an engine with logprobs_mode='processed_logprobs')")
-    sampled: list[float] = []
-    heads: list[list[int]] = []
-    head_lps: list[list[float]] = []
-    if hasattr(logprobs, "start_indices"):
-        for t, (a, b) in enumerate(zip(logprobs.start_indices, logprobs.end_indices, strict=True)):
-            if logprobs.token_ids[a] != ids[t]:
-                raise EngineError(f"{where} position {t}: vLLM's first log-prob entry is token {logprobs.token_ids[a]}, "
-                                  f"sampled {ids[t]}")
-            sampled.append(float(logprobs.logprobs[a]))
-            heads.append(list(logprobs.token_ids[a + 1 : b]))
-            head_lps.append([float(v) for v in logprobs.logprobs[a + 1 : b]])
-    else:
-        for y, entry in zip(ids, logprobs, strict=True):
-            items = list(entry.items())
-            head = items if requested == -1 or len(items) == requested else [kv for kv in items if kv[0] != y]
-            sampled.append(float(entry[y].logprob))
-            heads.append([int(k) for k, _ in head])
-            head_lps.append([float(v.logprob) for _, v in head])
-    if nan_as_dropped:
-        head_lps = [[NEG_INF if math.isnan(v) else v for v in row] for row in head_lps]
-    return Heads(ids, sampled, heads, head_lps, payload=payload)
-
-
 def capture_outputs(
     generate: Callable[[list[Any], list[Any]], Sequence[Any]],
     prompts: Sequence[Any],
@@ -154,8 +117,8 @@ def capture_outputs(
 
         outs = run() if deadline is None else call_with_timeout(
             run, max(deadline - time.monotonic(), 1.0), f"vLLM generate ({spec.label()})")
-        return [heads_of_output(o.outputs[0], k, f"prompt {i} ({spec.label()})", nan_as_dropped=nan_as_dropped,
-                                payload=(o, q))
+        return [heads_of_output(o.outputs[0], k, f"prompt {i} ({spec.label()})", error=EngineError,
+                                nan_as_dropped=nan_as_dropped, payload=(o, q))
                 for i, k, q, o in zip(indices, heads, batch, outs, strict=True)]
 
     return run_capture(plan, len(prompts), ask, vocab_size=vocab_size, spec=spec, history=history)
@@ -207,7 +170,7 @@ def generate_with_capture(
         if q.seed is None:
             q.seed = base + i
         seeded.append(q)
-    specs = [_spec_of_params(q) for q in seeded]
+    specs = [spec_of_params(q) for q in seeded]
     if len({(s.temperature, s.top_k, s.top_p, s.min_p) for s in specs}) != 1:
         raise UsageError("generate_with_capture: the prompts' SamplingParams differ in temperature/top_k/top_p/min_p: "
                          "allowed one sampling spec per call")
@@ -219,12 +182,6 @@ def generate_with_capture(
         history=history, deadline=None if timeout_s is None else time.monotonic() + timeout_s,
     )
     return [h.payload[0] for h in result.heads], [h.payload[1] for h in result.heads], result.stats
-
-
-def _spec_of_params(params: Any) -> SamplingSpec:
-    top_k = int(getattr(params, "top_k", 0) or 0)
-    return SamplingSpec(temperature=float(params.temperature), top_k=top_k if top_k >= 1 else 0,
-                        top_p=float(getattr(params, "top_p", 1.0)), min_p=float(getattr(params, "min_p", 0.0) or 0.0))
 
 
 class VllmRollout(RolloutBase):

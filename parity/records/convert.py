@@ -18,11 +18,12 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from parity.core.capture import FULL_VOCAB, support_from_heads
+from parity.core.capture import support_from_heads
 from parity.core.spec import SamplingSpec
 from parity.errors import UsageError
 from parity.records.format import RecordsError, records_table
 from parity.records.sequence import SequenceRecord
+from parity.records.vllm_outputs import heads_of_output, spec_of_params
 
 # A vocabulary no model reaches: with no vocab_size given, only logprobs=-1 counts as the full vocabulary.
 _UNKNOWN_VOCAB = 2**31 - 1
@@ -62,54 +63,6 @@ def kept_columns(
 # ==================================================================================================
 
 
-def _spec_of_params(params: Any) -> SamplingSpec:
-    top_k = int(getattr(params, "top_k", 0) or 0)
-    return SamplingSpec(
-        temperature=float(params.temperature),
-        top_k=top_k if top_k >= 1 else 0,
-        top_p=float(getattr(params, "top_p", 1.0)),
-        min_p=float(getattr(params, "min_p", 0.0) or 0.0),
-    )
-
-
-def _positions(
-    logprobs: Any, token_ids: Sequence[int], requested: int, where: str
-) -> tuple[list[float], list[list[int]], list[list[float]]]:
-    """Sampled log-probs and top-K heads (sampled entry excluded) from either of vLLM's log-prob containers.
-
-    ``FlatLogprobs`` (``flat_logprobs=True``): per position the sampled token's entry first, then the
-    top-K (``Sampler.gather_logprobs`` order). ``list[dict[int, Logprob]]``: the same entries keyed by
-    id, inserted sampled first, so a sampled token that is also in the top-K appears once
-    (vllm/logprobs.py, ``append_logprobs_for_next_position``): K entries when it is in the top-K (the
-    head is every entry), K + 1 when it is not (every entry but the first).
-    """
-    sampled, heads, head_lps = [], [], []
-    if hasattr(logprobs, "start_indices"):
-        for t, (a, b) in enumerate(zip(logprobs.start_indices, logprobs.end_indices, strict=True)):
-            if b <= a or logprobs.token_ids[a] != token_ids[t]:
-                got = logprobs.token_ids[a] if b > a else None
-                raise RecordsError(f"{where} position {t}: the first log-prob entry is token {got}, sampled {token_ids[t]}")
-            sampled.append(float(logprobs.logprobs[a]))
-            heads.append(list(logprobs.token_ids[a + 1 : b]))
-            head_lps.append([float(v) for v in logprobs.logprobs[a + 1 : b]])
-        return sampled, heads, head_lps
-    for t, entry in enumerate(logprobs):
-        y = int(token_ids[t])
-        if not entry or y not in entry:
-            raise RecordsError(f"{where} position {t}: no log-prob for the sampled token {y}")
-        items = list(entry.items())
-        sampled.append(float(entry[y].logprob))
-        if requested == 0:
-            head = []
-        elif requested == FULL_VOCAB or len(items) == requested:
-            head = items
-        else:
-            head = [kv for kv in items if kv[0] != y]
-        heads.append([int(k) for k, _ in head])
-        head_lps.append([float(v.logprob) for _, v in head])
-    return sampled, heads, head_lps
-
-
 def from_request_outputs(
     outputs: Sequence[Any],
     params: Any,
@@ -133,19 +86,13 @@ def from_request_outputs(
     vocab = int(vocab_size) if vocab_size else _UNKNOWN_VOCAB
     rows = []
     for i, (out, p) in enumerate(zip(outs, plist, strict=True)):
-        spec = _spec_of_params(p)
+        spec = spec_of_params(p)
         requested = int(p.logprobs) if getattr(p, "logprobs", None) is not None else 0
         prompt = [int(t) for t in (out.prompt_token_ids or [])]
         for j, comp in enumerate(out.outputs):
-            ids = [int(t) for t in comp.token_ids]
             where = f"output {i} (request {getattr(out, 'request_id', i)}) completion {j}"
-            if comp.logprobs is None or len(comp.logprobs) != len(ids):
-                got = 0 if comp.logprobs is None else len(comp.logprobs)
-                raise RecordsError(
-                    f"{where}: log-probs for {got} of {len(ids)} tokens: allowed SamplingParams(logprobs=K >= 0), "
-                    f"and an engine with logprobs_mode='processed_logprobs'"
-                )
-            sampled, heads, head_lps = _positions(comp.logprobs, ids, requested, where)
+            h = heads_of_output(comp, requested, where, error=RecordsError)
+            ids = h.completion_ids
             row = {
                 "scenario": scenario,
                 "prompt_index": i,
@@ -153,8 +100,8 @@ def from_request_outputs(
                 "prompt_ids": prompt,
                 "completion_ids": ids,
                 **spec_row(spec),
-                "sampler_logprobs": sampled,
-                **kept_columns(ids, heads, head_lps, spec=spec, requested=requested, vocab_size=vocab),
+                "sampler_logprobs": h.sampled_logprobs,
+                **kept_columns(ids, h.head_ids, h.head_logprobs, spec=spec, requested=requested, vocab_size=vocab),
             }
             rows.append(row)
     return records_table(rows)

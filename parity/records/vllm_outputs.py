@@ -1,0 +1,70 @@
+"""vLLM's sampling parameters and completion log-probs read without importing vLLM (the engine adapter
+and :func:`parity.records.convert.from_request_outputs` both read them here)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from parity.core.capture import FULL_VOCAB, NEG_INF, Heads
+from parity.core.spec import SamplingSpec
+
+
+def spec_of_params(params: Any) -> SamplingSpec:
+    """The filters of a ``vllm.SamplingParams`` (top_k < 1 and a missing min_p mean off)."""
+    top_k = int(getattr(params, "top_k", 0) or 0)
+    return SamplingSpec(
+        temperature=float(params.temperature),
+        top_k=top_k if top_k >= 1 else 0,
+        top_p=float(getattr(params, "top_p", 1.0)),
+        min_p=float(getattr(params, "min_p", 0.0) or 0.0),
+    )
+
+
+def heads_of_output(
+    comp: Any,
+    requested: int,
+    where: str,
+    *,
+    error: type[Exception],
+    nan_as_dropped: bool = False,
+    payload: Any = None,
+) -> Heads:
+    """One ``CompletionOutput`` as sampled tokens and per-position heads (the sampled entry excluded).
+
+    ``FlatLogprobs`` (``flat_logprobs=True``): per position the sampled entry (``Sampler.gather_logprobs``
+    puts it first), then the top-K. ``list[dict]``: the same keyed by id, the sampled token first, so
+    K entries when it is in the top-K and K + 1 when not (vllm/logprobs.py). ``requested``: the
+    ``logprobs`` asked (-1: the vocabulary). ``nan_as_dropped`` reads a NaN head value as ``-inf`` (off
+    the support). Log-probs missing for a token, or not led by the sampled one, raise ``error``.
+    """
+    ids = [int(t) for t in comp.token_ids]
+    logprobs = comp.logprobs
+    if logprobs is None or len(logprobs) != len(ids):
+        raise error(
+            f"{where}: vLLM returned log-probs for {0 if logprobs is None else len(logprobs)} of {len(ids)} tokens: "
+            f"allowed SamplingParams(logprobs=K >= 0), and an engine with logprobs_mode='processed_logprobs'"
+        )
+    sampled: list[float] = []
+    heads: list[list[int]] = []
+    head_lps: list[list[float]] = []
+    if hasattr(logprobs, "start_indices"):
+        for t, (a, b) in enumerate(zip(logprobs.start_indices, logprobs.end_indices, strict=True)):
+            if b <= a or logprobs.token_ids[a] != ids[t]:
+                got = logprobs.token_ids[a] if b > a else None
+                raise error(f"{where} position {t}: vLLM's first log-prob entry is token {got}, sampled {ids[t]}")
+            sampled.append(float(logprobs.logprobs[a]))
+            heads.append(list(logprobs.token_ids[a + 1 : b]))
+            head_lps.append([float(v) for v in logprobs.logprobs[a + 1 : b]])
+    else:
+        for t, (y, entry) in enumerate(zip(ids, logprobs, strict=True)):
+            if not entry or y not in entry:
+                raise error(f"{where} position {t}: no log-prob for the sampled token {y}")
+            items = list(entry.items())
+            head = items if requested == FULL_VOCAB or len(items) == requested else [kv for kv in items if kv[0] != y]
+            sampled.append(float(entry[y].logprob))
+            heads.append([int(k) for k, _ in head])
+            head_lps.append([float(v.logprob) for _, v in head])
+    if nan_as_dropped:
+        head_lps = [[NEG_INF if math.isnan(v) else v for v in row] for row in head_lps]
+    return Heads(ids, sampled, heads, head_lps, payload=payload)

@@ -43,10 +43,10 @@ _TRAINERS: dict[tuple[str, str, str], Any] = {}
 def _trainer(model: str, dtype: str, device: str) -> Any:
     key = (model, dtype, device)
     if key not in _TRAINERS:
-        from parity.engines.session import _resolve
         from parity.engines.transformers_trainer import TransformersTrainer
+        from parity.fixtures import resolve_model
 
-        _TRAINERS[key] = TransformersTrainer(_resolve(model), dtype=dtype, device=device)
+        _TRAINERS[key] = TransformersTrainer(resolve_model(model), dtype=dtype, device=device)
     return _TRAINERS[key]
 
 

@@ -4,12 +4,12 @@ check and the fixed prompts both sides see as the same token ids."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from parity.engines.quiet import waiting
 from parity.engines.settings import EngineSettings, HasEngineSettings, as_engine_settings
 from parity.errors import UsageError
+from parity.fixtures import resolve_model
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -123,14 +123,6 @@ def make_prompts(tokenizer: Tokenizer, n: int) -> list[list[int]]:
     return prompts
 
 
-def _resolve(name: str) -> Path:
-    if (Path(name) / "config.json").is_file():
-        return Path(name)
-    from parity.fixtures import resolve_model
-
-    return resolve_model(name)
-
-
 def _rollout_settings(cfg: EngineSettings) -> RolloutSettings:
     """The settings every rollout engine of a run starts with (the raw-logits engine included; only
     the run's own rollout takes ``capture``)."""
@@ -170,7 +162,7 @@ class EnginePool:
             progress(f"parity: starting a raw-logits vLLM engine on {model_name} (sampler-side log S)")
             with waiting("raw-logits vLLM engine start-up"):
                 self._raw[key] = VllmRollout(
-                    _resolve(model_name), **_rollout_settings(cfg), engine_kwargs={"logprobs_mode": "raw_logits"}
+                    resolve_model(model_name), **_rollout_settings(cfg), engine_kwargs={"logprobs_mode": "raw_logits"}
                 )
         return self._raw[key]
 
@@ -190,8 +182,8 @@ class EnginePool:
         trainer_name = cfg.trainer_model if cfg.trainer_model and model_name == cfg.model else model_name
         key = (model_name, f"{trainer_name}|{cfg.dtype}|{trainer_dtype}|{cfg.device}|{cfg.server or 'offline'}|{cfg.capture}")
         if key not in self._engines:
-            model_path = _resolve(model_name)
-            trainer_path = _resolve(trainer_name)
+            model_path = resolve_model(model_name)
+            trainer_path = resolve_model(trainer_name)
             progress(f"parity: starting vLLM ({cfg.device}, {cfg.dtype}) and transformers ({trainer_dtype}) on {model_name}")
             with waiting("transformers model load"):
                 trainer = TransformersTrainer(trainer_path, dtype=trainer_dtype, device=cfg.device)

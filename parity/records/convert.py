@@ -4,7 +4,7 @@
 tensors of TRL's ``GRPOTrainer._generate_and_score_completions``) and :func:`from_sequence_records`
 (parity's own records and, from ``parity run --records``, the run's trainer-side estimates); server
 answers are converted by :func:`parity.engines.vllm_server.records.from_server_responses`, which shares
-:func:`kept_columns`. Each returns a ``pyarrow.Table`` in the records schema
+:func:`heads_row`. Each returns a ``pyarrow.Table`` in the records schema
 (:func:`parity.records.format.write_records` writes it) and none imports vLLM.
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from parity.core.capture import support_from_heads
+from parity.core.capture import Heads, support_from_heads
 from parity.core.spec import SamplingSpec
 from parity.errors import UsageError
 from parity.records.format import RecordsError, records_table
@@ -41,21 +41,28 @@ def spec_row(spec: SamplingSpec) -> dict[str, Any]:
     return {"temperature": spec.temperature, "top_k": spec.top_k, "top_p": spec.top_p, "min_p": spec.min_p}
 
 
-def kept_columns(
-    sampled: Sequence[int], heads: Sequence[Sequence[int]], head_lps: Sequence[Sequence[float]], *,
-    spec: SamplingSpec, requested: int, vocab_size: int,
+def heads_row(
+    h: Heads, prompt: Sequence[int], spec: SamplingSpec, *, requested: int, vocab_size: int, **fields: Any
 ) -> dict[str, Any]:
-    """The kept-set columns of one sequence from its per-position top-K heads (none for unfiltered specs).
+    """The record row of one sequence as the engine returned it (``fields``: scenario, prompt_index, seed).
 
-    The arguments are :func:`parity.core.capture.support_from_heads`'s, plus the spec that decides
-    whether a head is a kept set at all.
+    Its kept-set columns come from the per-position top-K heads
+    (:func:`parity.core.capture.support_from_heads`), none for an unfiltered (or greedy) spec or
+    ``requested=0``: S_q is then the whole vocabulary, and a top-K head is not a kept set.
     """
-    if requested == 0 or not spec.effective().filtered:
-        # Unfiltered (or greedy): S_q is the whole vocabulary; a top-K head is not a kept set.
-        return {}
-    cap = support_from_heads(sampled, heads, head_lps, requested=requested, vocab_size=vocab_size)
-    ids, offsets, (lps,) = _csr(cap.kept_ids, cap.kept_logprobs)
-    return {"kept_ids": ids, "kept_offsets": offsets, "kept_logprobs": lps, "kept_incomplete": cap.incomplete.tolist()}
+    row = {
+        **fields,
+        "prompt_ids": [int(t) for t in prompt],
+        "completion_ids": h.completion_ids,
+        **spec_row(spec),
+        "sampler_logprobs": h.sampled_logprobs,
+    }
+    if requested != 0 and spec.effective().filtered:
+        ids = h.completion_ids
+        cap = support_from_heads(ids, h.head_ids, h.head_logprobs, requested=requested, vocab_size=vocab_size)
+        kept, offsets, (lps,) = _csr(cap.kept_ids, cap.kept_logprobs)
+        row.update(kept_ids=kept, kept_offsets=offsets, kept_logprobs=lps, kept_incomplete=cap.incomplete.tolist())
+    return row
 
 
 # ==================================================================================================
@@ -88,22 +95,12 @@ def from_request_outputs(
     for i, (out, p) in enumerate(zip(outs, plist, strict=True)):
         spec = spec_of_params(p)
         requested = int(p.logprobs) if getattr(p, "logprobs", None) is not None else 0
-        prompt = [int(t) for t in (out.prompt_token_ids or [])]
+        prompt = out.prompt_token_ids or []
         for j, comp in enumerate(out.outputs):
             where = f"output {i} (request {getattr(out, 'request_id', i)}) completion {j}"
             h = heads_of_output(comp, requested, where, error=RecordsError)
-            ids = h.completion_ids
-            row = {
-                "scenario": scenario,
-                "prompt_index": i,
-                "seed": getattr(p, "seed", None),
-                "prompt_ids": prompt,
-                "completion_ids": ids,
-                **spec_row(spec),
-                "sampler_logprobs": h.sampled_logprobs,
-                **kept_columns(ids, h.head_ids, h.head_logprobs, spec=spec, requested=requested, vocab_size=vocab),
-            }
-            rows.append(row)
+            rows.append(heads_row(h, prompt, spec, requested=requested, vocab_size=vocab,
+                                  scenario=scenario, prompt_index=i, seed=getattr(p, "seed", None)))
     return records_table(rows)
 
 

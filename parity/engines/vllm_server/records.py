@@ -23,7 +23,7 @@ from parity.core.capture import (
 from parity.core.spec import SamplingSpec
 from parity.engines.vllm_server.protocol import parse_completion
 from parity.errors import UsageError
-from parity.records.convert import kept_columns, spec_row
+from parity.records.convert import heads_row
 from parity.records.format import records_table
 
 
@@ -53,25 +53,8 @@ def from_server_responses(
     rows = []
     for i, (payload, prompt, sp, requested) in enumerate(zip(payloads, prompts, specs, heads, strict=True)):
         parsed = parse_completion(payload, max_tokens=max_tokens, requested=requested, vocab_size=vocab_size, where=f"answer {i}")
-        rows.append(
-            {
-                "scenario": scenario,
-                "prompt_index": i,
-                "seed": None if seeds is None else int(seeds[i]),
-                "prompt_ids": [int(t) for t in prompt],
-                "completion_ids": parsed.completion_ids,
-                **spec_row(sp),
-                "sampler_logprobs": parsed.sampled_logprobs,
-                **kept_columns(
-                    parsed.completion_ids,
-                    parsed.head_ids,
-                    parsed.head_logprobs,
-                    spec=sp,
-                    requested=requested,
-                    vocab_size=vocab_size,
-                ),
-            }
-        )
+        rows.append(heads_row(parsed, prompt, sp, requested=requested, vocab_size=vocab_size, scenario=scenario,
+                              prompt_index=i, seed=None if seeds is None else int(seeds[i])))
     return records_table(rows)
 
 

@@ -95,13 +95,9 @@ def rescored_columns(batch: Any, trainer: Any, dtypes: tuple[str, str]) -> Token
             tok = np.concatenate([np.arange(batch.token_offsets[i], batch.token_offsets[i + 1]) for i in part])
             # A filtering spec without a kept set: build_table would take S_q as the whole vocabulary.
             known = np.repeat(batch.kept_rows()[part] | ~filtered_spec[j], batch.completion.lengths[part])
-            for name in ("full", "recompute"):
+            for name in ("full", "recompute", "forced", "bound_full"):
                 getattr(cols, name)[tok] = getattr(table, name).numpy()
                 cols.have[name][tok] = True
-            cols.forced[tok] = table.forced.numpy()
-            cols.have["forced"][tok] = True
-            cols.bound_full[tok] = table.bound_full.numpy()
-            cols.have["bound_full"][tok] = True
             cols.systematic[tok] = np.where(known, table.systematic.numpy(), cols.systematic[tok])
             for name in ("replay", "log_s", "bound"):
                 getattr(cols, name)[tok] = np.where(known, getattr(table, name).numpy(), 0.0)

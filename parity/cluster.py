@@ -1,30 +1,14 @@
 """``parity analyze --engine ray|spark``: the records map step on a cluster's workers, the merge and the report here.
 
-The driver lists the shards (:func:`parity.records.format.records_paths`) and opens every footer, so a
-file that is not a records file is refused as a local analysis refuses it and each shard's metadata
-(dtypes, vocabulary size) and own columns travel with the job. Workers read the Parquet files with the
-engine's reader (Ray Data's ``read_parquet``, Spark's ``spark.read.parquet``), validate each run of
-consecutive rows of one file under that file's name and row numbers, and run
-:func:`parity.records.columns.summarize_batch` on it (re-scoring with ``--model`` as
-:func:`parity.pipeline.batch_summarizer` does); they return encoded summaries
-(:meth:`parity.records.accumulators.Summary.to_json`) that the driver merges. Merging is order-free, so
-the report equals the local analysis of the same shards: counts, maxima, headroom, worst and first
-positions and verdicts exactly, means to float64 rounding.
+The driver lists the shards and opens every footer (so a non-records file is refused as locally, and
+each shard's metadata travels with the job); workers read rows with the engine's Parquet reader and run
+:func:`parity.records.columns.summarize_batch` on each run of consecutive rows of one file; the driver
+merges their :meth:`~parity.records.accumulators.Summary.to_json` summaries. README's "Scale" section
+says how rows keep their file and row number on each engine (Ray: a first pass over ``row_hash``).
 
-Provenance. A position in a verdict names its file and row as the local analysis names them, so
-each row must reach its worker with its file and its row number in the file. Spark's Parquet source
-gives both (``_metadata.file_path``, ``_metadata.row_index``). Ray Data gives the file (``include_paths``)
-and a per-row hash of file and row (``include_row_hash``), not the row number: a first pass reads no
-data column, only ``path`` and ``row_hash`` in file order (``preserve_order``), and the map pass looks
-each row's hash up in that table. The driver checks that the engine delivered every row of every file
-exactly once (the merged row count against the footers).
-
-Errors. A worker that meets a bad row raises :class:`parity.records.format.RecordsError` with the
-message a local analysis gives (file, row, column, value, what is allowed), and adds a note holding
-that message as JSON; engines pass exceptions back as text (a traceback), and the driver finds the
-note there and raises the same error with the same text.
-
-ray and pyspark are imported only here, and only when asked for (the ``ray`` and ``spark`` extras).
+A worker's :class:`~parity.records.format.RecordsError` travels back as a JSON note in the engine's
+traceback text, and the driver raises it again with the local message. ray and pyspark are imported
+only here, and only when asked for (the ``ray`` and ``spark`` extras).
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
 """The records file format: per-token rollout data recorded anywhere, as Apache Parquet (schema_version 1).
 
-One row per sampled sequence, list columns for per-token values, so pandas, polars, DuckDB, Spark
-and Hugging Face ``datasets`` read a records file as they read any Parquet file. What a row holds:
-
-* the prompt and completion token ids, the sampling spec (temperature, top_k, top_p, min_p) and the
-  sampler's processed log-prob of each sampled token (required);
-* optionally the sampler's kept set S_q per token, CSR-style: ``kept_ids`` holds every position's
-  kept ids back to back, ``kept_offsets`` (L + 1 values) says where each position's ids start, and
-  ``kept_logprobs`` the sampler's processed log-probs of them; ``kept_incomplete`` flags positions
-  whose head may not hold the whole support (absent: every kept set claims to be complete);
-* optionally the trainer's side: its per-token log-probs as the trainer under test computed them,
-  parity's estimators on the trainer's logits (full, replay, recompute, log S, forced includes,
-  recomputed-support equality), the per-token rounding bound the drift gates compare against
-  (:func:`parity.core.error_model.logprob_bound`) and the trainer's raw logits at the kept ids;
-* optionally a log S from the sampler's side (an interval; see :mod:`parity.core.log_s`), against
-  which the naive estimator's bias is gated;
-* free-form metadata (model, engine versions, step) in the file's key-value metadata, and an
-  optional ``step`` column.
-
-Every row carries ``schema_version`` as a column (a constant column costs a few bytes in Parquet),
-so a file rewritten by a tool that drops Parquet key-value metadata is still recognised. The reader
-checks each batch as it streams: a missing column, lists of different lengths, NaN, ids below 0,
-spec values out of range and an unknown schema_version are refused with the file, the row, the
-column, the value and what is allowed; a truncated or corrupt file is refused with the file and the
-rows it could not read. Statistical problems of valid data (a sampled token outside a kept set that
-claims to be complete, a kept set whose probabilities do not sum to 1) are counted by the analysis
-and fail a gate; they are never dropped.
+One row per sampled sequence, list columns for per-token values: the sampler's side (required), its
+kept sets S_q in CSR layout, the trainer's side and a sampler-side log S (optional); README's "The
+records format" lists every column. ``schema_version`` is a column too, so a file rewritten by a tool
+that drops Parquet key-value metadata is still recognised. The reader validates each batch as it
+streams and refuses bad input with the file, row, column, value and what is allowed; statistical
+problems of valid data are left to the analysis, which counts and gates them.
 """
 
 from __future__ import annotations

@@ -1,29 +1,19 @@
 """The verdicts of the records analysis: the report entries of a merged
-:class:`~parity.records.accumulators.Summary` and every gate. This is where each gate is computed, for
-``parity analyze``, ``parity run`` (:func:`parity.records.judge.scenario_summary` on the run's own records)
-and the TRL capture alike, as :class:`~parity.core.violation.Violation` objects:
+:class:`~parity.records.accumulators.Summary`, and every gate as a :class:`~parity.core.violation.Violation`
+(for ``parity analyze``, ``parity run`` through :func:`parity.records.judge.scenario_summary`, and the TRL capture):
 
 * drift (``replay_drift``, ``recompute_drift``, ``trainer_under_test_drift``): the largest
-  ``|trainer - sampler| / bound`` per token against ``max_headroom``, the bound being the records'
-  ``trainer_bound`` (what :func:`parity.core.error_model.logprob_bound` gave the exporting run) or,
-  re-scoring with a model, the bound of the trainer's own logits;
+  ``|trainer - sampler| / bound`` per token against ``max_headroom`` (the records' ``trainer_bound``,
+  or with a model, the bound of its own logits);
 * mean bias (``*_mean_bias``): ``|mean diff|`` against ``mean_bias_headroom`` times
-  :func:`parity.core.error_model.mean_bias_limit`, from the count, the running moments and the sum of
-  the records' ``trainer_systematic`` (the float32 storage term alone when the column is absent);
-* the naive bias outside the sampler-side log S (``naive_vs_sampler_log_s``), the interval from the
-  records (``sampler_log_s_lo``/``_hi``), 0 when nothing is filtered, or the top_p bracket of
-  :mod:`parity.core.log_s` from the sampler's kept log-probs;
-* ``replay_support``, ``recompute_support``, ``incomplete_capture``, ``sampled_outside``,
-  ``token_mismatch``;
-* on a training log (records with a ``step`` column), ``drift_trend``: the least-squares slope of mean
-  ``|diff|`` over steps against its standard error, and a later step above the band of the first steps
-  (:mod:`parity.records.steps`; each scenario's ``per_step`` and ``trend`` in the report).
+  :func:`parity.core.error_model.mean_bias_limit` (from the records' ``trainer_systematic``, else the
+  float32 storage term);
+* ``naive_vs_sampler_log_s``: the naive bias outside the sampler-side log S interval (the records', 0
+  when unfiltered, or the top_p bracket of :mod:`parity.core.log_s`);
+* ``replay_support``, ``recompute_support``, ``incomplete_capture``, ``sampled_outside``, ``token_mismatch``;
+* ``drift_trend`` on records with a ``step`` column (:mod:`parity.records.steps`).
 
-What the records hold decides what can be judged; each gate whose inputs are missing is listed with
-the input it lacks (``not_evaluated``). Numbers: counts, minima, maxima and headroom are exact; means
-are float64 sums (equal to ``parity run``'s to rounding); p99 comes from a histogram with 0.01-decade
-bins (within about 1.2 %). The per-scenario RL view needs every token at once: a second pass over a
-run's table (:func:`parity.records.judge.rl_view`), not part of the streamed analysis.
+A gate whose inputs are missing is listed with the input it lacks (``not_evaluated``).
 """
 
 from __future__ import annotations

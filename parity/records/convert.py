@@ -29,12 +29,25 @@ from parity.records.vllm_outputs import heads_of_output, spec_of_params
 _UNKNOWN_VOCAB = 2**31 - 1
 
 
-def _csr(kept: torch.Tensor, *values: torch.Tensor) -> tuple[list[int], list[int], list[list[float]]]:
-    """Padded kept ids ``[L, K]`` (-1 = none) and aligned values → flat ids, L + 1 offsets, flat values."""
+def _kept_columns(
+    kept: torch.Tensor,
+    logprobs: torch.Tensor,
+    incomplete: torch.Tensor | None = None,
+    logits: torch.Tensor | None = None,
+) -> dict[str, Any]:
+    """Padded kept ids ``[L, K]`` (-1 = none), their aligned log-probs (and the trainer's logits at them)
+    as the records' kept-set columns: the ids back to back, L + 1 offsets, the values alike."""
     mask = kept >= 0
-    counts = mask.sum(dim=1)
-    offsets = [0] + torch.cumsum(counts, 0).tolist()
-    return kept[mask].tolist(), offsets, [v[mask].tolist() for v in values]
+    out = {
+        "kept_ids": kept[mask].tolist(),
+        "kept_offsets": [0] + torch.cumsum(mask.sum(dim=1), 0).tolist(),
+        "kept_logprobs": logprobs[mask].tolist(),
+    }
+    if incomplete is not None:
+        out["kept_incomplete"] = incomplete.tolist()
+    if logits is not None:
+        out["trainer_kept_logits"] = logits[mask].tolist()
+    return out
 
 
 def spec_row(spec: SamplingSpec) -> dict[str, Any]:
@@ -60,8 +73,7 @@ def heads_row(
     if requested != 0 and spec.effective().filtered:
         ids = h.completion_ids
         cap = support_from_heads(ids, h.head_ids, h.head_logprobs, requested=requested, vocab_size=vocab_size)
-        kept, offsets, (lps,) = _csr(cap.kept_ids, cap.kept_logprobs)
-        row.update(kept_ids=kept, kept_offsets=offsets, kept_logprobs=lps, kept_incomplete=cap.incomplete.tolist())
+        row.update(_kept_columns(cap.kept_ids, cap.kept_logprobs, cap.incomplete))
     return row
 
 
@@ -201,13 +213,9 @@ def from_trl(
         }
         if kept_ids is not None:
             assert kept_logprobs is not None
-            extra = [kept_logits[i, :n].float()] if kept_logits is not None else []
-            ids, offsets, vals = _csr(kept_ids[i, :n].long(), kept_logprobs[i, :n].float(), *extra)
-            row.update(kept_ids=ids, kept_offsets=offsets, kept_logprobs=vals[0])
-            if kept_logits is not None:
-                row["trainer_kept_logits"] = vals[1]
-            if kept_incomplete is not None:
-                row["kept_incomplete"] = kept_incomplete[i, :n].bool().tolist()
+            inc = None if kept_incomplete is None else kept_incomplete[i, :n].bool()
+            z = None if kept_logits is None else kept_logits[i, :n].float()
+            row.update(_kept_columns(kept_ids[i, :n].long(), kept_logprobs[i, :n].float(), inc, z))
         rows.append(row)
     return records_table(rows)
 
@@ -275,16 +283,9 @@ def from_sequence_records(
         }
         kept = planted[i][2] if planted is not None else r.kept_ids
         if kept is not None and r.kept_logprobs is not None:
-            lps = r.kept_logprobs.float()
-            extra = []
-            if planted is not None:
-                z = planted[i][1]
-                extra = [z.gather(1, kept.clamp(min=0)).float()]
-            flat, offsets, vals = _csr(kept, lps, *extra)
-            row.update(kept_ids=flat, kept_offsets=offsets, kept_logprobs=vals[0])
-            row["kept_incomplete"] = (r.incomplete if r.incomplete is not None else torch.zeros(r.length, dtype=torch.bool)).tolist()
-            if extra:
-                row["trainer_kept_logits"] = vals[1]
+            incomplete = r.incomplete if r.incomplete is not None else torch.zeros(r.length, dtype=torch.bool)
+            logits_at = planted[i][1].gather(1, kept.clamp(min=0)).float() if planted is not None else None
+            row.update(_kept_columns(kept, r.kept_logprobs.float(), incomplete, logits_at))
         if split is not None:
             for k, parts in split.items():
                 v = parts[i]

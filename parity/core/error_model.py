@@ -14,12 +14,16 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 from parity.errors import UsageError
 
 if TYPE_CHECKING:
     import torch
+    from torch import Tensor
+
+    # One dtype or several (both sides of a comparison): the looser one counts.
+    Dtypes: TypeAlias = str | torch.dtype | Iterable[str | torch.dtype]
 
 # torch is imported by the functions that compute on tensors (their callers have imported it already):
 # the records analysis reads the roundoff and the mean-bias limits here without loading torch.
@@ -57,7 +61,7 @@ def _is_torch_dtype(x: Any) -> bool:
     return torch_module is not None and isinstance(x, torch_module.dtype)
 
 
-def unit_roundoff(dtypes: str | torch.dtype | Iterable[str | torch.dtype]) -> float:
+def unit_roundoff(dtypes: Dtypes) -> float:
     """The unit roundoff of the looser of the given dtypes (both sides of a comparison)."""
     if isinstance(dtypes, str) or _is_torch_dtype(dtypes):
         items: list[Any] = [dtypes]
@@ -69,12 +73,12 @@ def unit_roundoff(dtypes: str | torch.dtype | Iterable[str | torch.dtype]) -> fl
 
 
 def logprob_bound_terms(
-    row_absmax: torch.Tensor,
-    lse: torch.Tensor,
-    logprob: torch.Tensor,
-    support_size: torch.Tensor,
+    row_absmax: Tensor,
+    lse: Tensor,
+    logprob: Tensor,
+    support_size: Tensor,
     u: float,
-) -> torch.Tensor:
+) -> Tensor:
     """The bound from its ingredients, each a float tensor of one value per token.
 
     ``row_absmax``: ``max |z'|`` over the row's finite logits; ``lse``: ``logsumexp`` of ``z'`` over
@@ -84,41 +88,39 @@ def logprob_bound_terms(
     """
     import torch
 
-    def mag(x: torch.Tensor) -> torch.Tensor:
-        x = x.double().abs()
-        return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
-
     n = support_size.double().clamp(min=1.0)
-    logits_term = 4.0 * LOGIT_ULPS * u * mag(row_absmax)
-    norm_term = 2.0 * u * (mag(lse) + mag(logprob) + torch.log2(n) + 2.0)
+    logits_term = 4.0 * LOGIT_ULPS * u * _finite_abs(row_absmax)
+    norm_term = 2.0 * u * (_finite_abs(lse) + _finite_abs(logprob) + torch.log2(n) + 2.0)
     return logits_term + norm_term
 
 
+def _finite_abs(x: Tensor) -> Tensor:
+    """float64 ``|x|``, 0 where it is not finite."""
+    import torch
+
+    x = x.double().abs()
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
 def logprob_bound(
-    scaled_logits: torch.Tensor,
-    sampled: torch.Tensor,
-    support: torch.Tensor | None = None,
-    *,
-    dtype: str | torch.dtype | Iterable[str | torch.dtype] = "float32",
-) -> torch.Tensor:
+    scaled_logits: Tensor, sampled: Tensor, support: Tensor | None = None, *, dtype: Dtypes = "float32"
+) -> Tensor:
     """Per-token bound on ``|lp_sampler - lp_trainer|`` for float64 ``[N]``.
 
     ``scaled_logits``: ``[N, V]`` logits already divided by the temperature (``-inf`` allowed);
     ``sampled``: ``[N]`` token ids; ``support``: bool ``[N, V]`` (``None`` = the whole vocabulary);
     ``dtype``: the two sides' dtypes (the looser one counts).
     """
-    import torch
-
-    z, finite, sup, lse, zy = _rows(scaled_logits, sampled, support)
-    row_absmax = torch.where(finite, z.abs(), torch.zeros_like(z)).amax(dim=-1)
-    bound = logprob_bound_terms(row_absmax, lse, zy - lse, sup.sum(dim=-1), unit_roundoff(dtype))
+    z, _, sup, lse, lp = _rows(scaled_logits, sampled, support)
+    bound = logprob_bound_terms(_finite_abs(z).amax(dim=-1), lse, lp, sup.sum(dim=-1), unit_roundoff(dtype))
     return bound + KERNEL_SIDES * kernel_offset(scaled_logits, support).abs()
 
 
 def _rows(
-    scaled_logits: torch.Tensor, sampled: torch.Tensor, support: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float64 ``z``, its finite mask, the support's finite mask, ``logsumexp`` over the support, ``z_y``."""
+    scaled_logits: Tensor, sampled: Tensor, support: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """float64 ``z``, its finite mask, the support's finite mask, ``logsumexp`` over the support and
+    the token's log-prob over it (what both bounds read)."""
     import torch
 
     if scaled_logits.dim() != 2:
@@ -128,10 +130,10 @@ def _rows(
     sup = finite if support is None else (support & finite)
     lse = torch.logsumexp(torch.where(sup, z, torch.full_like(z, -math.inf)), dim=-1)
     zy = z.gather(1, sampled.long().view(-1, 1)).squeeze(1)
-    return z, finite, sup, lse, zy
+    return z, finite, sup, lse, zy - lse
 
 
-def kernel_offset(scaled_logits: torch.Tensor, support: torch.Tensor | None = None) -> torch.Tensor:
+def kernel_offset(scaled_logits: Tensor, support: Tensor | None = None) -> Tensor:
     """Per row (float64 ``[N]``): how far torch's float32 ``log_softmax`` over the support lies above exact.
 
     The sampler normalises with that kernel over its kept set (``-inf`` elsewhere, as vLLM's
@@ -152,12 +154,8 @@ def kernel_offset(scaled_logits: torch.Tensor, support: torch.Tensor | None = No
 
 
 def systematic_bound(
-    scaled_logits: torch.Tensor,
-    sampled: torch.Tensor,
-    support: torch.Tensor | None = None,
-    *,
-    dtype: str | torch.dtype | Iterable[str | torch.dtype] = "float32",
-) -> torch.Tensor:
+    scaled_logits: Tensor, sampled: Tensor, support: Tensor | None = None, *, dtype: Dtypes = "float32"
+) -> Tensor:
     """Per token (float64 ``[N]``): what of ``lp_trainer - lp_sampler`` can have one sign over many tokens.
 
     * the float32 normalisation kernel's offset (:func:`kernel_offset`), over the support and over the
@@ -170,13 +168,11 @@ def systematic_bound(
     """
     import torch
 
-    z, finite, _, lse, zy = _rows(scaled_logits, sampled, support)
-    lp = (zy - lse).abs()
-    lp = torch.where(torch.isfinite(lp), lp, torch.zeros_like(lp))
+    z, finite, _, _, lp = _rows(scaled_logits, sampled, support)
     kernel = kernel_offset(scaled_logits, support).abs()
     if support is not None:
         kernel = torch.maximum(kernel, kernel_offset(scaled_logits, None).abs())
-    out = KERNEL_SIDES * kernel + 2.0 * UNIT_ROUNDOFF["float32"] * lp
+    out = KERNEL_SIDES * kernel + 2.0 * UNIT_ROUNDOFF["float32"] * _finite_abs(lp)
     u = unit_roundoff(dtype)
     if u > UNIT_ROUNDOFF["float32"]:
         p = torch.softmax(torch.where(finite, z, torch.full_like(z, -math.inf)), dim=-1)
@@ -185,7 +181,7 @@ def systematic_bound(
     return out
 
 
-def headroom(diff: torch.Tensor, bound: torch.Tensor) -> float:
+def headroom(diff: Tensor, bound: Tensor) -> float:
     """``max |diff| / bound`` over the tokens (0 for none; NaN in ``diff`` counts as infinite)."""
     import torch
 
@@ -237,12 +233,12 @@ def mean_bias_entry(n: int, mean: float, systematic_mean: float, spread_sd: floa
 
 
 def logprob_rounding_bound(
-    logits: torch.Tensor,
-    sampled: torch.Tensor,
+    logits: Tensor,
+    sampled: Tensor,
     spec: Any,  # a parity.core.spec.SamplingSpec (not imported: emitted scripts inline this module)
     dtype: str | torch.dtype,
-    kept: torch.Tensor | None = None,
-) -> torch.Tensor:
+    kept: Tensor | None = None,
+) -> Tensor:
     """Per-token bound ``u (|z_y| + E|z|) / T + u^2 E[z^2] / T^2`` (float64 ``[N]``) for logits ``[N, V]``.
 
     ``E`` is the larger of the expectations under ``softmax(z / T)`` and, when ``kept`` (padded ids

@@ -7,6 +7,8 @@ imported by the tests like any module; run the emitted scripts, not this file.
 """
 
 # ==================== section: prelude ====================
+from __future__ import annotations  # the inlined parity modules' annotations name types only mypy imports
+
 import argparse
 import gc
 import math

@@ -8,6 +8,8 @@ named module's code: each emitted script is the ``prelude`` section plus one rep
 """
 
 # ==================== section: prelude ====================
+from __future__ import annotations  # the inlined parity modules' annotations name types only mypy imports
+
 import argparse
 import contextlib
 import json

@@ -40,7 +40,7 @@ def test_every_repro_emits_a_standalone_script(entry, tmp_path) -> None:
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert "parity" not in imported, "an emitted script must not need parity"
-    allowed = {"argparse", "collections", "dataclasses", "gc", "math", "typing", "os", "re", "subprocess", "sys", "tempfile",
+    allowed = {"__future__", "argparse", "collections", "dataclasses", "gc", "math", "typing", "os", "re", "subprocess", "sys", "tempfile",
                "torch", "transformers", "vllm"}
     if entry.name in standalone.sections(standalone.TRL_SOURCE):  # the TRL repros run TRL's trainer itself
         allowed |= {"contextlib", "json", "socket", "types", "tokenizers", "datasets", "trl"}

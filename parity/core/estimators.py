@@ -139,28 +139,9 @@ def _recompute_reference(
 
 
 # -- the kept set of reference_filter from topk(k) candidates ---------------------------------------
-#
-# Why this is exact. reference_filter (and vLLM's Sampler) choose the top-k/top-p algorithm per batch:
-# * top-k-only path (no row sets top_p; ``apply_top_k_only``): S = {finite z' >= k-th largest z'}.
-#   That set is exactly the top ``c`` values for c = |S|, so ``topk`` widened until it holds every
-#   token tied with the k-th value lists S: no sort of the row, no approximation.
-# * sort path (some row sets top_p; ``apply_top_k_top_p``): the row is sorted ascending, top_k masks
-#   values below the k-th largest, then float32 ``cumsum(softmax) <= 1 - p`` is dropped (the largest
-#   kept). Masked tokens add exactly 0 to that softmax and cumsum, so the decision at each surviving
-#   position depends only on the survivors' values, which the widened candidate list holds in the same
-#   ascending order. Two things the candidates cannot reproduce, and the row then runs the reference
-#   sort itself (``top_k_top_p_sorted`` on that row alone: per-row arithmetic, the batch-level path
-#   choice kept):
-#   - rounding: the reference's float32 softmax sums in its kernel's order (which depends on the
-#     survivors' positions in the full row). The exact cumulative mass is computed here in float64
-#     and the decision taken from it; a position whose mass lies within the reference's float32
-#     error of ``1 - p`` (:func:`parity.core.tolerances.top_p_band`; for rows with p = 1 the underflow band) could go
-#     either way there, so the row falls back.
-#   - ties split by the cut: when the nucleus boundary falls inside a group of equal values, which of
-#     them the reference drops is decided by torch.sort's permutation of the *whole* row (not stable
-#     for long rows), which no candidate list knows. Such a row falls back.
-# min_p runs first, as in vLLM: on top_k rows it is decided on the candidates (min_p_decide, the
-# reference's min_p_mask where a candidate lies in its band), on other rows by min_p_mask itself.
+# Exact, not an approximation: the widened topk list holds every survivor in the reference's order;
+# a row whose top_p decision lies within float32 rounding of 1 - p, or whose nucleus cut splits a tie,
+# runs the reference sort itself. The proof: docs/capture_plan.md, section 8.
 
 def _candidates(work: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The top_k survivors of each row, descending: values (-inf past the survivors) and ids.

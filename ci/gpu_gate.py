@@ -35,7 +35,7 @@ class Step:
 
 def steps(device: str, out: Path, *, small: bool = False) -> list[Step]:
     th = str(HERE / "thresholds.toml")
-    size = ["--prompts", "2", "--max-tokens", "4"] if small else []
+    size = ["--matrix", str(HERE / "small_matrix.toml")] if small else []
     run = ["run", "--model", "qwen2-tiny", "--device", device, "--thresholds", th, *size]
     return [
         Step("float32", [*run, "--dtype", "float32", "--out", str(out / "fp32")]),

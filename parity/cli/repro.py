@@ -124,10 +124,7 @@ def main(args: argparse.Namespace) -> int:
     if model is not None and (Path(model).expanduser() / "config.json").is_file():
         model = str(Path(model).expanduser().resolve())  # the repro's subprocesses may run elsewhere
     ctx = Context(small=args.small, seed=args.seed, timeout_s=args.timeout, model=model)
-    try:
-        results = run_entries(entries, ctx, out_for)
-    finally:
-        ctx.close()
+    results = run_entries(entries, ctx, out_for)
     results.sort(key=lambda r: r.number)
     if not single:
         _summary(results, args.out or DEFAULT_ROOT, args.small)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 from parity.errors import UsageError
 
@@ -30,8 +31,40 @@ class Entry:
     def module(self) -> str:
         return f"parity.repro.{self.name}"
 
+    @property
+    def scripted(self) -> bool:
+        """Whether ``parity repro`` runs the repro's emitted script itself (it has no module of its own)."""
+        return self.name in SCRIPT_CONFIGS
+
     def load(self) -> ModuleType:
         return importlib.import_module(self.module)
+
+
+# The repros whose one implementation is their section of standalone_src.py: ``parity repro NAME`` runs the
+# emitted script. Their settings (the script's CONFIG), and what ``--small`` changes.
+_VOCAB_32K = {"vocab": 32768, "logit_scale": 1.0}
+SCRIPT_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "top_p_bias": ({**_VOCAB_32K, "top_ps": [1.0, 0.95, 0.9, 0.8], "tokens": 16, "prompts": 16}, {"prompts": 4}),
+    "top_k_entropy": ({"vocab": 32768, "scales": [1, 2, 4, 6, 8, 12], "tokens": 16, "prompts": 16,
+                       "settings": [("top_p=0.9", {"top_p": 0.9}), ("top_k=50", {"top_k": 50}), ("top_k=20", {"top_k": 20})]},
+                      {"scales": [1, 4, 12], "tokens": 8, "prompts": 6}),
+    "temperature": ({**_VOCAB_32K, "temperatures": [0.5, 0.7, 1.0, 1.3], "tokens": 16, "prompts": 16},
+                    {"tokens": 8, "prompts": 6}),
+    "recompute_boundary": ({**_VOCAB_32K, "settings": [{"top_k": 1}, {"top_k": 2}, {"top_k": 5}, {"top_k": 50, "top_p": 0.9}],
+                            "tokens": 16, "prompts": 32}, {"prompts": 16}),
+    "top_k_ties": ({"vocab": 400, "logit_scale": 3.0, "tie_sizes": [2, 3, 2, 4], "top_ks": [1, 2, 3, 5], "margin": 16,
+                    "tokens": 16, "prompts": 32}, {"top_ks": [1, 2, 3], "prompts": 12}),
+    "capture_head": ({"vocab": 32768, "logit_scale": 4.0, "tokens": 16, "prompts": 16,
+                      "cases": [(20, {"top_k": 50}), (20, {"top_k": 50, "top_p": 0.9}), (64, {"top_p": 0.9})]},
+                     {"tokens": 8, "prompts": 8}),
+    "batch_invariant_cpu": ({"vocab": 512, "timeout_s": 300.0}, {}),
+    "cpu_capability_default": ({"vocab": 512, "cases": ["torch", "vllm"], "timeout_s": 300.0}, {"cases": ["vllm"]}),
+}
+
+
+def script_config(name: str, small: bool) -> dict[str, Any]:
+    full, small_changes = SCRIPT_CONFIGS[name]
+    return {**full, **small_changes} if small else dict(full)
 
 
 # name, title, fixtures; numbered in this order.

@@ -1,39 +1,35 @@
-"""The one runner every reproduction goes through: a repro module measures, the runner does the rest.
+"""The one runner every reproduction goes through.
 
-A repro module holds only what is specific to its upstream bug (registry docstring lists the names):
-``settings(small)``, ``run(ctx, cfg) -> Measured`` (its table rows, checks and notes), ``FINDING`` and
-``COLUMNS`` (unless ``run`` measures them), and ``script_config(small)`` for its standalone script;
-``TAKES_MODEL = True`` where ``--model`` may replace its fixture (then ``settings(small, model=...)``).
-The runner names the result after the registry entry (number, name, title), stores the settings
-in its data, times it, turns an exception into a failed result, writes ``result.json``/``table.md``
-and prints the Markdown; it also emits the standalone scripts. The helpers below are the steps
-several repros share: walking a sweep, pairing records with trainer logits, rendering a rounding-bound
-detail, and the environment of a child process (engine start-ups that must not share this process's
-state; :mod:`parity.repro.standalone_child` runs it and reads its traceback).
+Most repros are their section of ``standalone_src.py`` and nothing else: the runner emits that script with
+the registry's settings, runs it in a child process (with a timeout, its output in a log file) and reads
+the table and checks it writes. A repro that needs more than one script (TRL's trainer, a second kernel path)
+is a module: ``settings(small)``, ``run(ctx, cfg) -> Measured``, ``FINDING``, ``COLUMNS`` and
+``script_config(small)``; ``TAKES_MODEL = True`` where ``--model`` may replace its fixture. The runner names
+the result after the registry entry, stores the settings, times it, turns an exception into a failed result,
+writes ``result.json``/``table.md`` and prints the Markdown.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from parity.errors import UsageError
 from parity.repro import standalone
 from parity.repro.common import Check, Column, Context, ReproResult
+from parity.repro.registry import script_config
+from parity.repro.standalone_child import run_child
 
 if TYPE_CHECKING:  # pragma: no cover
-    from parity.core.spec import SamplingSpec
-    from parity.records.sequence import SequenceRecord
     from parity.repro.registry import Entry
-
-T = TypeVar("T")
-R = TypeVar("R")
 
 
 @dataclass
@@ -60,7 +56,7 @@ def title(entry: Entry, module: Any) -> str:
 
 def takes_model(entry: Entry) -> bool:
     """Whether the repro can run on another model than its fixture (``parity repro NAME --model``)."""
-    return bool(getattr(entry.load(), "TAKES_MODEL", False))
+    return not entry.scripted and bool(getattr(entry.load(), "TAKES_MODEL", False))
 
 
 def settings_for(entry: Entry, module: Any, ctx: Context) -> dict[str, Any]:
@@ -72,8 +68,11 @@ def settings_for(entry: Entry, module: Any, ctx: Context) -> dict[str, Any]:
     return dict(module.settings(ctx.small, model=ctx.model))
 
 
-def run_entry(entry: Entry, ctx: Context) -> ReproResult:
-    """Run one repro (no timing, no output): its module's measurement, named after the registry entry."""
+def run_entry(entry: Entry, ctx: Context, out: Path) -> ReproResult:
+    """Run one repro (no timing, no result files): its module's measurement, or its emitted script (written
+    to ``out``, run in a child process with the context's timeout, its output in ``out/script.log``)."""
+    if entry.scripted:
+        return run_script(entry, ctx, out)
     module = entry.load()
     cfg = settings_for(entry, module, ctx)
     m: Measured = module.run(ctx, cfg)
@@ -85,6 +84,26 @@ def run_entry(entry: Entry, ctx: Context) -> ReproResult:
     )
 
 
+def run_script(entry: Entry, ctx: Context, out: Path) -> ReproResult:
+    cfg = script_config(entry.name, ctx.small)
+    out.mkdir(parents=True, exist_ok=True)
+    script, result, log = out / f"{entry.name}.py", out / "script.json", out / "script.log"
+    script.write_text(emit_script(entry, ctx.small), encoding="utf-8")
+    result.unlink(missing_ok=True)
+    ctx.progress(f"parity repro: python {script} (timeout {ctx.timeout_s:.0f} s, output in {log})")
+    p = run_child([sys.executable, str(script), "--seed", str(ctx.seed), "--json", str(result)], child_env(),
+                  ctx.timeout_s)
+    log.write_text(p.text, encoding="utf-8")
+    if not result.is_file():
+        raise RuntimeError(f"{script.name} wrote no result: {p.error or 'no error printed'} (its output: {log})")
+    got = json.loads(result.read_text(encoding="utf-8"))
+    return ReproResult(
+        name=entry.name, number=entry.number, title=entry.title, finding=standalone.finding(entry.name),
+        columns=[Column(*c) for c in got["columns"]], rows=got["rows"], checks=[Check(*c) for c in got["checks"]],
+        data={"settings": cfg, "script": str(script)},
+    )
+
+
 def run_entries(entries: Sequence[Entry], ctx: Context, out_for: Callable[[Entry], Path]) -> list[ReproResult]:
     """Run ``entries`` in order with a shared context; a repro that raises is reported as failed."""
     results = []
@@ -92,7 +111,7 @@ def run_entries(entries: Sequence[Entry], ctx: Context, out_for: Callable[[Entry
         ctx.progress(f"parity repro: [{entry.number}] {entry.name} ...")
         start = time.perf_counter()
         try:
-            res = run_entry(entry, ctx)
+            res = run_entry(entry, ctx, out_for(entry))
         except Exception as exc:  # noqa: BLE001 - one broken repro must not hide the others
             res = ReproResult(
                 name=entry.name, number=entry.number, title=entry.title,
@@ -108,6 +127,8 @@ def run_entries(entries: Sequence[Entry], ctx: Context, out_for: Callable[[Entry
 
 def emit_script(entry: Entry, small: bool) -> str:
     """The repro's standalone script: its section of the script source, with its settings as ``CONFIG``."""
+    if entry.scripted:
+        return standalone.emit(entry.name, entry.title, config=script_config(entry.name, small))
     module = entry.load()
     source = getattr(module, "SCRIPT_SOURCE", standalone.SOURCE)
     return standalone.emit(entry.name, title(entry, module), config=module.script_config(small), source=source,
@@ -116,34 +137,6 @@ def emit_script(entry: Entry, small: bool) -> str:
 
 # --------------------------------------------------------------------------------------------------
 # steps several repros share
-
-
-def sweep(ctx: Context, items: Iterable[T], measure: Callable[[T], R], label: Callable[[T], str] | None = None) -> list[R]:
-    """``measure(item)`` for each item in order, announcing ``label(item)`` first when given."""
-    out = []
-    for item in items:
-        if label is not None:
-            ctx.progress(f"parity repro: {label(item)}")
-        out.append(measure(item))
-    return out
-
-
-def scored(records: Sequence[SequenceRecord], logits: Sequence[torch.Tensor]) -> Iterator[tuple[Any, torch.Tensor, torch.Tensor]]:
-    """(record, its trainer logits ``[L, V]``, its sampled ids ``[L]`` as long) for each record."""
-    for r, z in zip(records, logits, strict=True):
-        yield r, z, torch.tensor(r.completion_ids, dtype=torch.long)
-
-
-def bound_detail(rows: Sequence[dict[str, Any]], value: str, headroom: str, *, prefix: str = "max ",
-                 suffix: str = " of the bound") -> str:
-    """``max 1.2e-07 (0.31 of the bound), ...``: each row's value and its share of the rounding bound."""
-    return prefix + ", ".join(f"{r[value]:.1e} ({r[headroom]:.2f}{suffix})" for r in rows)
-
-
-def filter_kwargs(spec: SamplingSpec, keys: Sequence[str] = ("top_k", "top_p")) -> dict[str, Any]:
-    """The filters ``spec`` sets among ``keys``, in that order: keyword arguments of a standalone script's sampler."""
-    on = {"top_k": spec.uses_top_k, "top_p": spec.uses_top_p, "min_p": spec.uses_min_p}
-    return {k: getattr(spec, k) for k in keys if on[k]}
 
 
 def cpu_features() -> dict[str, Any]:

@@ -64,6 +64,14 @@ def sections(source: Path = SOURCE) -> dict[str, str]:
     return out
 
 
+def finding(name: str, source: Path = SOURCE) -> str:
+    """What a repro shows when its checks hold: its section's ``repro_NAME`` docstring."""
+    import ast
+
+    fn = next(n for n in ast.parse(sections(source)[name]).body if isinstance(n, ast.FunctionDef) and n.name == f"repro_{name}")
+    return " ".join((ast.get_docstring(fn) or "").split())
+
+
 def emit(name: str, title: str, *, config: dict[str, Any], source: Path = SOURCE, about: str | None = None) -> str:
     """The script text; ``about`` replaces the docstring's paragraph on what it needs and does (and its usage line)."""
     parts = sections(source)
@@ -92,7 +100,8 @@ def emit(name: str, title: str, *, config: dict[str, Any], source: Path = SOURCE
     cfg = "CONFIG = " + pprint.pformat(config, sort_dicts=False, width=100) + "\n"
     main = (
         '\n\nif __name__ == "__main__":\n'
-        f"    sys.exit(main_{name}(CONFIG, parse_args(CONFIG, {title!r})))\n"
+        f"    ARGS = parse_args(CONFIG, {title!r})\n"
+        f"    sys.exit(report(repro_{name}(CONFIG, ARGS), ARGS.json))\n"
     )
     seen: set[str] = set()
     return header + inline(parts["prelude"], seen) + "\n\n" + cfg + "\n\n" + inline(parts[name], seen) + main

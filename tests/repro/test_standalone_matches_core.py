@@ -13,12 +13,11 @@ import random
 import pytest
 import torch
 
-from parity.core import estimators
+from parity.core import error_model, estimators
 from parity.core.capture import support_from_heads
 from parity.core.filters import reference_filter
 from parity.core.spec import SamplingSpec
 from parity.records.accumulators import Ratios
-from parity.repro import common
 from parity.repro import standalone_src as src
 from parity.testing.cases import build_case, random_plan
 
@@ -122,7 +121,7 @@ def test_kept_from_heads_and_seq_ratio_are_the_cores() -> None:
     seq = want.to_report()["sequence"]
     assert (float(got.mean()), float(got.min()), float(got.max())) == pytest.approx((seq["mean"], seq["min"], seq["max"]), rel=1e-12)
     # The scripts' rounding bound is the core's own code, inlined at emit time (test_repro_cli checks it).
-    assert src.logprob_bound is common.logprob_bound
+    assert src.logprob_bound is error_model.logprob_bound
 
 
 @pytest.mark.parametrize("fault", ["drop_top_k_ties", "top_p_before_top_k"])

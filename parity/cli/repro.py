@@ -1,4 +1,4 @@
-"""``parity repro``: minimal, convincing reproductions of upstream bugs, one module each.
+"""``parity repro``: minimal, convincing reproductions of upstream bugs.
 
     parity repro list
     parity repro NAME|NUMBER [--out DIR] [--small] [--emit-script PATH] [--model NAME|PATH]

@@ -148,7 +148,7 @@ def test_the_runner_names_stores_and_writes_what_a_repro_measured(tmp_path) -> N
                                    FINDING="x is set", COLUMNS=[Column("x", "x", ".1f")])
 
     ctx = Context(progress=lambda _msg: None)
-    good, bad = run_entries([FakeEntry(1, "good", "a good repro", ()), FakeEntry(2, "broken", "a broken one", ())],
+    good, bad = run_entries([FakeEntry(1, "good", "a good repro"), FakeEntry(2, "broken", "a broken one")],
                             ctx, lambda e: tmp_path / e.name)
     assert (good.name, good.number, good.title, good.finding, good.passed) == ("good", 1, "a good repro", "x is set", True)
     assert good.data == {"settings": {"broken": False}, "extra": 1}

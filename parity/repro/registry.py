@@ -55,8 +55,19 @@ SCRIPT_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
                       "cases": [(20, {"top_k": 50}), (20, {"top_k": 50, "top_p": 0.9}), (64, {"top_p": 0.9})]},
                      {"tokens": 8, "prompts": 8}),
     "batch_invariant_cpu": ({"vocab": 512, "timeout_s": 300.0}, {}),
+    "trl_weight_sync": ({"timeout_s": 300.0, "default_dtype_row": True}, {"default_dtype_row": False}),
+    "torch_cpu_log_softmax": ({"vocabs": [4096, 32000, 49152, 152064], "scales": [1.0, 4.0, 8.0], "rows": 64,
+                               "verdict_scale": 4.0, "timeout_s": 300.0},
+                              {"vocabs": [4096, 152064], "scales": [1.0, 4.0], "rows": 8}),
     "cpu_capability_default": ({"vocab": 512, "cases": ["torch", "vllm"], "timeout_s": 300.0}, {"cases": ["vllm"]}),
 }
+
+# A script whose needs differ from the default docstring's (torch, transformers and vLLM; sampling).
+SCRIPT_ABOUT = {"torch_cpu_log_softmax": (
+    "Needs only torch; samples nothing and downloads nothing. It measures float32 torch.log_softmax\n"
+    "against float64 on seeded rows, in this process and in itself run again under ATEN_CPU_CAPABILITY=default,\n"
+    "prints a Markdown table and the checks, and exits 0 when the finding reproduces, 1 when it does not.\n\n"
+    "    python torch_cpu_log_softmax.py [--seed S]\n")}
 
 
 def script_config(name: str, small: bool) -> dict[str, Any]:

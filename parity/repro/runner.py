@@ -20,12 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from parity.errors import UsageError
 from parity.repro import standalone
 from parity.repro.common import Check, Column, Context, ReproResult
-from parity.repro.registry import script_config
+from parity.repro.registry import SCRIPT_ABOUT, script_config
 from parity.repro.standalone_child import run_child
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -128,22 +126,12 @@ def run_entries(entries: Sequence[Entry], ctx: Context, out_for: Callable[[Entry
 def emit_script(entry: Entry, small: bool) -> str:
     """The repro's standalone script: its section of the script source, with its settings as ``CONFIG``."""
     if entry.scripted:
-        return standalone.emit(entry.name, entry.title, config=script_config(entry.name, small))
+        return standalone.emit(entry.name, entry.title, config=script_config(entry.name, small),
+                               source=standalone.source_of(entry.name), about=SCRIPT_ABOUT.get(entry.name))
     module = entry.load()
     source = getattr(module, "SCRIPT_SOURCE", standalone.SOURCE)
     return standalone.emit(entry.name, title(entry, module), config=module.script_config(small), source=source,
                            about=getattr(module, "SCRIPT_ABOUT", None))
-
-
-# --------------------------------------------------------------------------------------------------
-# steps several repros share
-
-
-def cpu_features() -> dict[str, Any]:
-    """The CPU facts an engine-start failure can depend on (torch's kernel path, AVX-512 BF16, AMX)."""
-    return {"capability": torch.backends.cpu.get_cpu_capability(),
-            "avx512_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
-            "amx_tile": bool(torch.cpu._is_amx_tile_supported())}
 
 
 # --------------------------------------------------------------------------------------------------

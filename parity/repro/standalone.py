@@ -64,11 +64,16 @@ def sections(source: Path = SOURCE) -> dict[str, str]:
     return out
 
 
-def finding(name: str, source: Path = SOURCE) -> str:
+def source_of(name: str) -> Path:
+    """The script source that holds the repro's section."""
+    return TRL_SOURCE if name in sections(TRL_SOURCE) else SOURCE
+
+
+def finding(name: str) -> str:
     """What a repro shows when its checks hold: its section's ``repro_NAME`` docstring."""
     import ast
 
-    fn = next(n for n in ast.parse(sections(source)[name]).body if isinstance(n, ast.FunctionDef) and n.name == f"repro_{name}")
+    fn = next(n for n in ast.parse(sections(source_of(name))[name]).body if isinstance(n, ast.FunctionDef) and n.name == f"repro_{name}")
     return " ".join((ast.get_docstring(fn) or "").split())
 
 

@@ -69,14 +69,6 @@ class RecomputeResult:
     # reference's min_p softmax; all False where the candidate path did not run
     fallback: torch.Tensor | None = None
 
-    @property
-    def forced_count(self) -> int:
-        return int(self.forced.sum())
-
-    @property
-    def fallback_count(self) -> int:
-        return 0 if self.fallback is None else int(self.fallback.sum())
-
 
 def recompute(
     logits: torch.Tensor,
@@ -341,10 +333,6 @@ def _log_renormalised(z: torch.Tensor, y: torch.Tensor, kept: torch.Tensor) -> t
 class ReplayResult:
     logprobs: torch.Tensor  # [N] z'_y - logsumexp(z'_{S_q})
     outside: torch.Tensor  # bool [N]: the sampled token is not in S_q (capture or engine fault)
-
-    @property
-    def outside_count(self) -> int:
-        return int(self.outside.sum())
 
 
 def _contains(kept: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

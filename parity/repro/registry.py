@@ -2,10 +2,9 @@
 
 Most repros are their section of ``standalone_src.py`` alone, with their settings here (``SCRIPT_CONFIGS``):
 :mod:`parity.repro.runner` runs the emitted script. The others are the module ``parity.repro.NAME``:
-``settings(small)``, ``run(ctx, settings) -> Measured``, ``script_config(small)``, ``FINDING`` and ``COLUMNS``
-unless ``run`` measures them; ``SCRIPT_SOURCE``, ``SCRIPT_ABOUT`` and ``TITLE`` where its script's source,
-docstring or report title differ from the defaults, and ``TAKES_MODEL = True`` where ``--model`` may run it on
-another model. Nothing is imported until a repro runs, so ``parity repro list`` needs no engine.
+``settings(small)``, ``run(ctx, settings) -> Measured``, ``script_config(small)``, ``FINDING``, ``COLUMNS``,
+``TITLE`` where its report's title is longer than its line here, and ``TAKES_MODEL = True`` where ``--model``
+may run it on another model. Nothing is imported until a repro runs, so ``parity repro list`` needs no engine.
 """
 
 from __future__ import annotations

@@ -38,8 +38,6 @@ class Measured:
     checks: list[Check]
     notes: list[str] = field(default_factory=list)
     data: dict[str, Any] = field(default_factory=dict)  # beside the settings, which the runner stores first
-    finding: str | None = None  # measured (what a subprocess showed); None: the module's FINDING
-    columns: list[Column] | None = None  # None: the module's COLUMNS
 
 
 def columns(*spec: tuple[str, ...]) -> list[Column]:
@@ -76,9 +74,7 @@ def run_entry(entry: Entry, ctx: Context, out: Path) -> ReproResult:
     m: Measured = module.run(ctx, cfg)
     return ReproResult(
         name=entry.name, number=entry.number, title=title(entry, module),
-        finding=m.finding if m.finding is not None else module.FINDING,
-        columns=m.columns if m.columns is not None else module.COLUMNS,
-        rows=m.rows, checks=m.checks, notes=m.notes, data={"settings": cfg, **m.data},
+        finding=module.FINDING, columns=module.COLUMNS, rows=m.rows, checks=m.checks, notes=m.notes, data={"settings": cfg, **m.data},
     )
 
 
@@ -126,12 +122,12 @@ def run_entries(entries: Sequence[Entry], ctx: Context, out_for: Callable[[Entry
 def emit_script(entry: Entry, small: bool) -> str:
     """The repro's standalone script: its section of the script source, with its settings as ``CONFIG``."""
     if entry.scripted:
-        return standalone.emit(entry.name, entry.title, config=script_config(entry.name, small),
-                               source=standalone.source_of(entry.name), about=SCRIPT_ABOUT.get(entry.name))
-    module = entry.load()
-    source = getattr(module, "SCRIPT_SOURCE", standalone.SOURCE)
-    return standalone.emit(entry.name, title(entry, module), config=module.script_config(small), source=source,
-                           about=getattr(module, "SCRIPT_ABOUT", None))
+        head, config = entry.title, script_config(entry.name, small)
+    else:
+        module = entry.load()
+        head, config = title(entry, module), module.script_config(small)
+    return standalone.emit(entry.name, head, config=config, source=standalone.source_of(entry.name),
+                           about=SCRIPT_ABOUT.get(entry.name))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -25,12 +25,10 @@ from typing import Any
 
 import torch
 
-from parity.repro import standalone
 from parity.repro.common import Check, Context
 from parity.repro.runner import Measured, child_env, columns
 from parity.repro.standalone_child import run_child
 
-SCRIPT_SOURCE = standalone.TRL_SOURCE
 # The report's title; ``parity repro list`` shows the registry's shorter one.
 TITLE = ("TRL GRPOTrainer: the vLLM IS correction is scaled by S per token (S^L per sequence) under "
          "top_p/top_k/min_p; a replay patch removes it")

@@ -93,7 +93,7 @@ def emit(name: str, title: str, *, config: dict[str, Any], source: Path = SOURCE
             + "builds its tiny model from code and downloads nothing.\n"
             "It samples with vLLM (processed log-probs), scores the same tokens with transformers, prints a\n"
             "Markdown table and the checks, and exits 0 when the finding reproduces, 1 when it does not.\n\n"
-            f"    python {name}.py [--prompts N] [--tokens L] [--seed S]\n"
+            f"    python {name}.py {'[--prompts N] [--tokens L] ' if source == SOURCE else ''}[--seed S] [--json PATH]\n"
         )
     header = (
         "#!/usr/bin/env python3\n"

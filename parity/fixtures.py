@@ -527,6 +527,16 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
     )
 
 
+def config_vocab_size(checkpoint: Path) -> int:
+    """The vocabulary a checkpoint's config.json declares (a multimodal config's text_config; what vLLM's
+    ``get_vocab_size`` reads)."""
+    config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    if not isinstance(size, int) or size < 1:
+        raise UsageError(f"the model config at {checkpoint} declares no vocab_size")
+    return size
+
+
 def build(name: str, *, force: bool = False) -> Path:
     """Build the fixture ``name`` into the cache (unless cached) and return its checkpoint directory."""
     recipe = load_recipe(name)

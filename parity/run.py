@@ -135,23 +135,17 @@ def attach_sampler_log_s(
 def preflight(matrix: Matrix, cfg: RunConfig) -> None:
     """Check every scenario's capture plan against its model's vocabulary before any engine starts (an
     engine start costs tens of seconds, and a spec the plan refuses would stop the run after it)."""
-    import json
-
     from parity.core.capture import plan_capture
     from parity.errors import UsageError
-    from parity.fixtures import resolve_model
+    from parity.fixtures import config_vocab_size, resolve_model
 
-    vocab: dict[str, int | None] = {}
+    vocab: dict[str, int] = {}
     problems = []
     for sc in matrix.scenarios:
         name = str(sc.model or cfg.model)
         if name not in vocab:
-            config = json.loads((resolve_model(name) / "config.json").read_text())
-            size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-            vocab[name] = int(size) if size else None
+            vocab[name] = config_vocab_size(resolve_model(name))
         size_v = vocab[name]
-        if size_v is None:
-            continue
         head = sc.capture_head if sc.capture_head is not None else cfg.capture_head
         try:
             plan_capture(sc.spec, size_v, head=head, max_head=sc.max_capture_head or cfg.max_capture_head)

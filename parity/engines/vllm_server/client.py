@@ -48,6 +48,7 @@ from parity.engines.vllm_server.protocol import (
     parse_completion,
 )
 from parity.errors import TimedOut, UsageError
+from parity.fixtures import config_vocab_size
 from parity.records.sequence import SequenceRecord
 
 
@@ -114,7 +115,7 @@ class ServerRollout(RolloutBase):
         # No proxies, ever: the harness talks to loopback or to the URL it was given, directly.
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         attach_url = None if self.spawned else _normalise_url(server)
-        self.vocab_size = self._config_vocab_size(path)
+        self.vocab_size = config_vocab_size(path)
         from transformers import AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(self.model)
@@ -131,18 +132,6 @@ class ServerRollout(RolloutBase):
             raise
 
     # -- set-up -------------------------------------------------------------------------------
-
-    @staticmethod
-    def _config_vocab_size(path: Path) -> int:
-        """The vocabulary the server's model config declares (what vLLM's ``get_vocab_size`` reads)."""
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.from_pretrained(str(path))
-        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        v = getattr(text, "vocab_size", None)
-        if not isinstance(v, int) or v < 1:
-            raise UsageError(f"model config at {path} declares no vocab_size")
-        return v
 
     def _spawn(self, path: Path, *, logprobs_mode: str, server_args: Sequence[str]) -> str:
         # A free port can be taken between the probe and the server's bind (other test runs spawn

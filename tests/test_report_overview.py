@@ -20,7 +20,7 @@ from parity.records.sequence import SequenceRecord
 from parity.report import overview
 from parity.report.markdown import render_markdown
 from parity.report.plots import dense_drift_hist
-from parity.report.schema import _clean
+from parity.report.schema import json_safe
 
 V = 48
 LENGTH = 8
@@ -120,7 +120,7 @@ def test_the_paragraph_reads_its_numbers_from_the_report(mixed: dict) -> None:
     assert h > 1 and f"gap to vLLM reaches {h:.2f} times its rounding bound in top_k=5 planted" in text
 
 
-def test_a_clean_run_says_the_fixes_remove_the_bias() -> None:
+def test_ajson_safe_run_says_the_fixes_remove_the_bias() -> None:
     report = _report([
         _scenario("top_p=0.9 T=0.7", SamplingSpec(temperature=0.7, top_p=0.9)),
         _scenario("top_p=0.8 T=1.3", SamplingSpec(temperature=1.3, top_p=0.8)),
@@ -145,9 +145,9 @@ def test_without_truncation_the_paragraph_says_so() -> None:
 
 def test_report_json_renders_the_same(mixed: dict) -> None:
     """report.json writes non-finite numbers as strings; the loaded report renders identically."""
-    mixed = json.loads(json.dumps(_clean(mixed)))
+    mixed = json.loads(json.dumps(json_safe(mixed)))
     mixed["scenarios"][1]["headroom"]["recompute"] = float("inf")
-    loaded = json.loads(json.dumps(_clean(mixed)))
+    loaded = json.loads(json.dumps(json_safe(mixed)))
     assert loaded["scenarios"][1]["headroom"]["recompute"] == "inf"
     assert overview.render_terminal(loaded) == overview.render_terminal(mixed)
     assert "/inf " in _rows(overview.render_terminal(loaded))["baseline T=1"]
@@ -192,7 +192,7 @@ def test_glance_cells_are_report_values_formatted(mixed: dict) -> None:
 
 
 def test_a_trainer_under_test_is_named_with_its_diagnosis(mixed: dict) -> None:
-    report = json.loads(json.dumps(_clean(mixed)))
+    report = json.loads(json.dumps(json_safe(mixed)))
     s = report["scenarios"][0]
     s["trainer_under_test"] = {"name": "mymodule:my_logprobs", "diagnosis": "it forgets the temperature"}
     s["violations"].append({"gate": "trainer_under_test_drift", "message": "m"})

@@ -135,14 +135,14 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _summary(results: list[ReproResult], root: Path, small: bool) -> None:
-    from parity.repro.common import Column, markdown_table
+    from parity.repro.standalone_report import markdown
 
     rows = [{"number": r.number, "name": r.name, "verdict": r.verdict, "seconds": r.seconds, "finding": r.finding}
             for r in results]
-    cols = [Column("number", "#"), Column("name", "repro"), Column("verdict", "verdict"),
-            Column("seconds", "seconds", ".1f"), Column("finding", "finding")]
+    cols = [("number", "#", ""), ("name", "repro", ""), ("verdict", "verdict", ""), ("seconds", "seconds", ".1f"),
+            ("finding", "finding", "")]
     root.mkdir(parents=True, exist_ok=True)
-    md = "# parity repro all\n\n" + markdown_table(cols, rows) + "\n"
+    md = "# parity repro all\n\n" + markdown(cols, rows) + "\n"
     (root / "summary.md").write_text(md, encoding="utf-8")
     (root / "summary.json").write_text(
         json.dumps({"small": small, "passed": all(r.passed for r in results), "repros": rows}, indent=2) + "\n",

@@ -61,15 +61,17 @@ def environment(device: str, dtype: str, trainer_dtype: str) -> dict[str, Any]:
     }
 
 
-def _clean(obj: Any) -> Any:
-    """JSON-safe: non-finite floats become strings ('inf', '-inf', 'nan')."""
+def json_safe(obj: Any) -> Any:
+    """JSON-safe: non-finite floats become strings ('inf', '-inf', 'nan'), tensors and arrays lists, paths strings."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return str(obj)
     if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
+        return {str(k): json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    return obj
+        return [json_safe(v) for v in obj]
+    if hasattr(obj, "tolist"):
+        return json_safe(obj.tolist())
+    return str(obj) if isinstance(obj, Path) else obj
 
 
 # A violation object (parity.core.violation.Violation.to_dict), schema_version 2.
@@ -183,7 +185,7 @@ def write_report(report: dict[str, Any], out: Path, *, plots: bool = True) -> No
         report["plots"] = write_plots(report, out)
     # The typed report decides what is written: a key that Report does not name is an error, not an extra.
     # Both texts are rendered before either is written: a report is never left half written.
-    text = json.dumps(_clean(Report.from_json(report).to_json()), indent=2, sort_keys=False) + "\n"
+    text = json.dumps(json_safe(Report.from_json(report).to_json()), indent=2, sort_keys=False) + "\n"
     md = render_markdown(report)
     (out / "report.json").write_text(text)
     (out / "report.md").write_text(md)

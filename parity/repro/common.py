@@ -8,14 +8,14 @@ come from the vLLM run (the sampler's processed log-probs, its top-K head). Noth
 from __future__ import annotations
 
 import json
-import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
+from parity.report.schema import json_safe
+from parity.repro.standalone_report import markdown
 
 
 @dataclass
@@ -31,19 +31,12 @@ class Check:
 
 
 @dataclass
-class Column:
-    key: str
-    title: str
-    fmt: str = ""  # a format spec for numbers ("" = str())
-
-
-@dataclass
 class ReproResult:
     name: str
     number: int
     title: str
     finding: str  # one sentence: what the table shows when the checks hold
-    columns: list[Column]
+    columns: list[tuple[str, str, str]]  # (key, title, format spec for floats)
     rows: list[dict[str, Any]]
     checks: list[Check]
     notes: list[str] = field(default_factory=list)
@@ -60,7 +53,7 @@ class ReproResult:
 
     def markdown(self) -> str:
         lines = [f"## Repro {self.number}: {self.title} (`{self.name}`)", "", self.finding, "",
-                 markdown_table(self.columns, self.rows), ""]
+                 markdown(self.columns, self.rows), ""]
         lines.append("Checks (measured from the vLLM run vs predicted from trainer logits):")
         lines.append("")
         for c in self.checks:
@@ -75,7 +68,7 @@ class ReproResult:
         return "\n".join(lines) + "\n"
 
     def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = _clean(
+        data: dict[str, Any] = json_safe(
             {
                 "schema_version": 1,
                 "name": self.name,
@@ -84,7 +77,7 @@ class ReproResult:
                 "finding": self.finding,
                 "verdict": self.verdict,
                 "passed": self.passed,
-                "columns": [{"key": c.key, "title": c.title} for c in self.columns],
+                "columns": [{"key": k, "title": t} for k, t, _ in self.columns],
                 "rows": self.rows,
                 "checks": [c.to_dict() for c in self.checks],
                 "notes": self.notes,
@@ -102,44 +95,6 @@ class ReproResult:
         md = out / "table.md"
         md.write_text(self.markdown(), encoding="utf-8")
         return [j, md]
-
-
-def _clean(obj: Any) -> Any:
-    """JSON-safe: tensors to lists, non-finite floats to strings ("inf", "-inf", "nan")."""
-    if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_clean(v) for v in obj]
-    if isinstance(obj, torch.Tensor):
-        return _clean(obj.tolist())
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj
-
-
-def fmt_cell(value: Any, spec: str) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return format(value, spec) if spec else f"{value:g}"
-    if isinstance(value, int) and spec and spec[-1] in "dn":
-        return format(value, spec)
-    return str(value)
-
-
-def markdown_table(columns: Sequence[Column], rows: Sequence[dict[str, Any]]) -> str:
-    head = "| " + " | ".join(c.title for c in columns) + " |"
-    sep = "|" + "|".join("---" for _ in columns) + "|"
-    body = ["| " + " | ".join(fmt_cell(r.get(c.key), c.fmt) for c in columns) + " |" for r in rows]
-    return "\n".join([head, sep, *body])
 
 
 def _stderr(msg: str) -> None:
@@ -165,8 +120,3 @@ class Context:
         # (only repros with ``TAKES_MODEL``; None: each repro's own).
         self.model = model
         self.progress = progress
-
-    def model_path(self, fixture: str) -> Path:
-        from parity.fixtures import resolve_model
-
-        return resolve_model(fixture)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from parity.errors import UsageError
 from parity.repro import standalone
-from parity.repro.common import Check, Column, Context, ReproResult
+from parity.repro.common import Check, Context, ReproResult
 from parity.repro.registry import SCRIPT_ABOUT, script_config
 from parity.repro.standalone_child import run_child
 
@@ -38,11 +38,6 @@ class Measured:
     checks: list[Check]
     notes: list[str] = field(default_factory=list)
     data: dict[str, Any] = field(default_factory=dict)  # beside the settings, which the runner stores first
-
-
-def columns(*spec: tuple[str, ...]) -> list[Column]:
-    """A table's columns from ``(key, title[, format])`` tuples."""
-    return [Column(*s) for s in spec]
 
 
 def title(entry: Entry, module: Any) -> str:
@@ -93,7 +88,7 @@ def run_script(entry: Entry, ctx: Context, out: Path) -> ReproResult:
     got = json.loads(result.read_text(encoding="utf-8"))
     return ReproResult(
         name=entry.name, number=entry.number, title=entry.title, finding=standalone.finding(entry.name),
-        columns=[Column(*c) for c in got["columns"]], rows=got["rows"], checks=[Check(*c) for c in got["checks"]],
+        columns=[tuple(c) for c in got["columns"]], rows=got["rows"], checks=[Check(*c) for c in got["checks"]],
         data={"settings": cfg, "script": str(script)},
     )
 

@@ -18,15 +18,16 @@ Outcome = tuple[Sequence[tuple[str, str, str]], list[dict[str, Any]], list[tuple
 
 
 def markdown(columns: Sequence[tuple[str, str, str]], rows: Iterable[Mapping[str, Any]]) -> str:
-    """A Markdown table; ``columns`` are ``(key, title, format)``, floats use the format ("" = "g")."""
+    """A Markdown table; ``columns`` are ``(key, title, format)``, floats use the format ("" = "g"), a missing
+    value or None shows as "–" and a bool as yes/no."""
 
     def cell(v: Any, f: str) -> str:
         if isinstance(v, float):
-            return "inf" if v == math.inf else "-inf" if v == -math.inf else format(v, f or "g")
-        return str(v)
+            return str(v) if not math.isfinite(v) else format(v, f or "g")
+        return "–" if v is None else ("yes" if v else "no") if isinstance(v, bool) else str(v)
 
     out = ["| " + " | ".join(t for _, t, _ in columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-    out += ["| " + " | ".join(cell(r[k], f) for k, _, f in columns) + " |" for r in rows]
+    out += ["| " + " | ".join(cell(r.get(k), f) for k, _, f in columns) + " |" for r in rows]
     return "\n".join(out)
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from parity.repro.common import Check, Context
-from parity.repro.runner import Measured, child_env, columns
+from parity.repro.runner import Measured, child_env
 from parity.repro.standalone_child import run_child
 
 # The report's title; ``parity repro list`` shows the registry's shorter one.
@@ -221,15 +221,15 @@ def _mean(rows: list[dict[str, Any]], key: str) -> float:
     return sum(float(r[key]) for r in rows) / len(rows)
 
 
-COLUMNS = columns(
-    ("config", "config"), ("is_mode", "TRL IS mode"), ("tokens", "tokens"), ("largest_support", "largest S_q"),
-    ("mean_s", "S (parity)", ".4f"),
-    ("abs_log_s", "closed form abs(log S)", ".4f"), ("trl_before", "TRL logp_difference/mean (as shipped)", ".4f"),
-    ("err_before", "abs err", ".1e"), ("trl_after", "TRL logp_difference/mean (replay patch)", ".4f"),
-    ("bound", "bound (bf16)", ".4f"), ("is_closed", "closed form IS (S^L or S)", ".4f"),
+COLUMNS = [
+    ("config", "config", ""), ("is_mode", "TRL IS mode", ""), ("tokens", "tokens", ""),
+    ("largest_support", "largest S_q", ""), ("mean_s", "S (parity)", ".4f"), ("abs_log_s", "closed form abs(log S)", ".4f"),
+    ("trl_before", "TRL logp_difference/mean (as shipped)", ".4f"), ("err_before", "abs err", ".1e"),
+    ("trl_after", "TRL logp_difference/mean (replay patch)", ".4f"), ("bound", "bound (bf16)", ".4f"),
+    ("is_closed", "closed form IS (S^L or S)", ".4f"),
     ("trl_is_before", "TRL importance_sampling_ratio/mean (as shipped)", ".4f"),
     ("trl_is_after", "TRL importance_sampling_ratio/mean (replay patch)", ".4f"), ("seconds", "seconds", ".0f"),
-)
+]
 FINDING = ("TRL's own sampling_logp_difference/mean equals abs(log S) per token and its importance_sampling_ratio "
            "the product of S (S^L) or S, as parity measures them on the same sampler; under the replay patch "
            "both fall to the top_p=1 noise floor.")

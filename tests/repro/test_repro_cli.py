@@ -133,7 +133,7 @@ def test_the_runner_names_stores_and_writes_what_a_repro_measured(tmp_path) -> N
     the settings, the timing and the files, and turns a repro that raises into a failed result."""
     from types import SimpleNamespace
 
-    from parity.repro.common import Check, Column, Context
+    from parity.repro.common import Check, Context
     from parity.repro.registry import Entry
     from parity.repro.runner import Measured, run_entries
 
@@ -145,7 +145,7 @@ def test_the_runner_names_stores_and_writes_what_a_repro_measured(tmp_path) -> N
     class FakeEntry(Entry):
         def load(self):
             return SimpleNamespace(settings=lambda small: {"broken": self.name == "broken"}, run=run,
-                                   FINDING="x is set", COLUMNS=[Column("x", "x", ".1f")])
+                                   FINDING="x is set", COLUMNS=[("x", "x", ".1f")])
 
     ctx = Context(progress=lambda _msg: None)
     good, bad = run_entries([FakeEntry(1, "good", "a good repro"), FakeEntry(2, "broken", "a broken one")],

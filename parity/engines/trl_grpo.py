@@ -19,6 +19,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ from parity.core.capture import (
 from parity.core.spec import SamplingSpec
 from parity.engines.vllm_offline import capture_outputs
 from parity.errors import EngineError, UsageError
+from parity.records.vllm_outputs import spec_of_params
 
 MODES = ("observe", "replay", "recompute")
 CAPTURE_FORMAT = "parity-trl-grpo-capture"
@@ -137,9 +139,7 @@ def _spec_of(gen: Any) -> SamplingSpec:
     for name in _UNMODELLED_SAMPLING[1:]:
         if kw.get(name) not in (None, 0, 0.0, {}, []):
             raise UsageError(f"generation_kwargs[{name!r}]={kw[name]!r} is not modelled by parity's filters: allowed unset")
-    top_k = int(kw["top_k"] or 0)
-    return SamplingSpec(temperature=float(kw["temperature"]), top_k=top_k if top_k > 0 else 0,
-                        top_p=float(kw["top_p"]), min_p=float(kw["min_p"] or 0.0))
+    return spec_of_params(SimpleNamespace(**kw))
 
 
 def _vocab_size(gen: Any) -> int:

@@ -46,6 +46,19 @@ def _fields(cls: type[T], data: Any, where: str) -> dict[str, Any]:
     return dict(data)
 
 
+def _to_json(obj: Any) -> dict[str, Any]:
+    """A report type's JSON: each field's own ``to_json``/``to_dict`` (lists element-wise); an optional block
+    the producer did not give (None, with a None default) is left out."""
+
+    def value(v: Any) -> Any:
+        if isinstance(v, list):
+            return [value(x) for x in v]
+        return v.to_json() if hasattr(v, "to_json") else v.to_dict() if hasattr(v, "to_dict") else v
+
+    return {f.name: value(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+            if not (getattr(obj, f.name) is None and f.default is None)}
+
+
 def violation_from_json(d: dict[str, Any]) -> Violation:
     """The inverse of :meth:`Violation.to_dict` (``message`` is derived, so it is read back, not stored)."""
     worst = tuple(
@@ -150,19 +163,7 @@ class Scenario:
         return cls(**d)
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if f.name in ("violations", "reference_violations"):
-                v = [x.to_dict() for x in v]
-            elif f.name == "spec":
-                v = v.to_dict()
-            elif f.name == "capture_plan" and v is not None:
-                v = v.to_dict()
-            elif v is None and f.default is None:
-                continue  # an optional block the producer did not give
-            out[f.name] = v
-        return out
+        return _to_json(self)
 
 
 @dataclass
@@ -197,17 +198,7 @@ class Report:
         return cls(**d)
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if f.name == "environment":
-                v = v.to_json()
-            elif f.name == "scenarios":
-                v = [s.to_json() for s in v]
-            elif v is None and f.default is None:
-                continue
-            out[f.name] = v
-        return out
+        return _to_json(self)
 
     def scenario(self, name: str) -> Scenario:
         for s in self.scenarios:

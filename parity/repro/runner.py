@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -128,20 +128,13 @@ def emit_script(entry: Entry, small: bool) -> str:
 # --------------------------------------------------------------------------------------------------
 # child processes
 
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
-              "TOKENIZERS_PARALLELISM": "false"}
+def child_env() -> dict[str, str]:
+    """A child's environment: this process's, with the CPU engine settings defaulted (``CPU_ENV``; a value the
+    user set is kept) and this process's parity importable (``python -m parity...``)."""
+    from parity.engines.vllm_offline import configure_cpu_env
 
-
-def child_env(overrides: Mapping[str, str | None] | None = None) -> dict[str, str]:
-    """A child's environment: this process's, with the in-process CPU engine settings, this process's parity
-    importable (``python -m parity...``) and ``overrides`` applied (None: unset)."""
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.update(ENGINE_ENV)
-    for key, value in (overrides or {}).items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
+    configure_cpu_env(env)
     return env

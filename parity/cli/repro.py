@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from parity.errors import UsageError
-from parity.repro.registry import REPROS, RUN_ORDER, Entry, get
+from parity.repro.registry import REPROS, Entry, get
 from parity.repro.runner import emit_script, run_entries
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -96,7 +96,7 @@ def main(args: argparse.Namespace) -> int:
     if target == "list":
         return _list()
     if target == "all":
-        entries = [get(n) for n in RUN_ORDER]
+        entries = list(REPROS)
     else:
         entries = [get(target)]
     single = target != "all"

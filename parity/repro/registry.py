@@ -2,9 +2,8 @@
 
 Most repros are their section of ``standalone_src.py`` alone, with their settings here (``SCRIPT_CONFIGS``):
 :mod:`parity.repro.runner` runs the emitted script. The others are the module ``parity.repro.NAME``:
-``settings(small)``, ``run(ctx, settings) -> Measured``, ``script_config(small)``, ``FINDING``, ``COLUMNS``,
-``TITLE`` where its report's title is longer than its line here, and ``TAKES_MODEL = True`` where ``--model``
-may run it on another model. Nothing is imported until a repro runs, so ``parity repro list`` needs no engine.
+``settings(small)``, ``run(ctx, settings) -> Measured``, ``script_config(small)``, ``FINDING``, ``COLUMNS``
+and ``TAKES_MODEL = True`` where ``--model`` may run it on another model. Nothing is imported until a repro runs, so ``parity repro list`` needs no engine.
 """
 
 from __future__ import annotations
@@ -99,8 +98,6 @@ _REPROS = (
 REPROS: tuple[Entry, ...] = tuple(Entry(i, *row) for i, row in enumerate(_REPROS, start=1))
 
 BY_NAME = {e.name: e for e in REPROS}
-
-RUN_ORDER = tuple(e.name for e in REPROS)
 
 
 def get(name: str) -> Entry:

@@ -2,7 +2,7 @@
 
 Most repros are their section of ``standalone_src.py`` and nothing else: the runner emits that script with
 the registry's settings, runs it in a child process (with a timeout, its output in a log file) and reads
-the table and checks it writes. A repro that needs more than one script (TRL's trainer, a second kernel path)
+the table and checks it writes. The repro that drives parity's own TRL patch (trl_grpo_top_p)
 is a module: ``settings(small)``, ``run(ctx, cfg) -> Measured``, ``FINDING``, ``COLUMNS`` and
 ``script_config(small)``; ``TAKES_MODEL = True`` where ``--model`` may replace its fixture. The runner names
 the result after the registry entry, stores the settings, times it, turns an exception into a failed result,
@@ -40,11 +40,6 @@ class Measured:
     data: dict[str, Any] = field(default_factory=dict)  # beside the settings, which the runner stores first
 
 
-def title(entry: Entry, module: Any) -> str:
-    """The title a repro's report and script carry: the registry's, unless the module has a longer one."""
-    return str(getattr(module, "TITLE", entry.title))
-
-
 def takes_model(entry: Entry) -> bool:
     """Whether the repro can run on another model than its fixture (``parity repro NAME --model``)."""
     return not entry.scripted and bool(getattr(entry.load(), "TAKES_MODEL", False))
@@ -68,7 +63,7 @@ def run_entry(entry: Entry, ctx: Context, out: Path) -> ReproResult:
     cfg = settings_for(entry, module, ctx)
     m: Measured = module.run(ctx, cfg)
     return ReproResult(
-        name=entry.name, number=entry.number, title=title(entry, module),
+        name=entry.name, number=entry.number, title=entry.title,
         finding=module.FINDING, columns=module.COLUMNS, rows=m.rows, checks=m.checks, notes=m.notes, data={"settings": cfg, **m.data},
     )
 
@@ -120,7 +115,7 @@ def emit_script(entry: Entry, small: bool) -> str:
         head, config = entry.title, script_config(entry.name, small)
     else:
         module = entry.load()
-        head, config = title(entry, module), module.script_config(small)
+        head, config = entry.title, module.script_config(small)
     return standalone.emit(entry.name, head, config=config, source=standalone.source_of(entry.name),
                            about=SCRIPT_ABOUT.get(entry.name))
 

@@ -29,9 +29,6 @@ from parity.repro.common import Check, Context
 from parity.repro.runner import Measured, child_env
 from parity.repro.standalone_child import run_child
 
-# The report's title; ``parity repro list`` shows the registry's shorter one.
-TITLE = ("TRL GRPOTrainer: the vLLM IS correction is scaled by S per token (S^L per sequence) under "
-         "top_p/top_k/min_p; a replay patch removes it")
 FIXTURE = "qwen2-tiny"
 FIX = "replay"
 CONFIG_TIMEOUT_S = 420.0

@@ -8,12 +8,11 @@ import pytest
 
 from parity.cli.main import main as cli_main
 from parity.repro import standalone
-from parity.repro.registry import REPROS, RUN_ORDER, get
+from parity.repro.registry import REPROS, get
 
 
-def test_registry_numbers_names_and_run_order() -> None:
+def test_registry_numbers_and_names() -> None:
     assert [e.number for e in REPROS] == list(range(1, len(REPROS) + 1))
-    assert sorted(RUN_ORDER) == sorted(e.name for e in REPROS)
     assert get("1").name == "top_p_bias" and get("top-k-ties").number == 5
     with pytest.raises(ValueError, match="unknown reproduction 'nope'"):
         get("nope")

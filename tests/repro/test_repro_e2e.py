@@ -12,7 +12,7 @@ import json
 import pytest
 
 from parity.repro.common import Context
-from parity.repro.registry import RUN_ORDER, get
+from parity.repro.registry import REPROS, get
 from parity.repro.runner import run_entries
 
 pytestmark = pytest.mark.e2e
@@ -114,7 +114,7 @@ def relations_torch_cpu_log_softmax(res) -> None:
                                                lsm_checks(res.rows, max(cfg["vocabs"]), cfg["verdict_scale"])]
 
 
-RELATIONS = {name: globals()[f"relations_{name}"] for name in RUN_ORDER}
+RELATIONS = {name: globals()[f"relations_{name}"] for name in (e.name for e in REPROS)}
 # trl_grpo_top_p: tests/repro/test_trl_smoke.py runs its one-config smoke in CI; cpu_capability_default
 # needs a vector ISA for inductor to reproduce (its relations require the verdict where the control had one);
 # torch_cpu_log_softmax's bias is the machine's kernels' (its first check, the control: the DEFAULT subprocess ran).
@@ -123,7 +123,7 @@ SLOW = {"trl_grpo_top_p", "trl_weight_sync", "cpu_capability_default"}
 MEASURED = {"cpu_capability_default", "torch_cpu_log_softmax"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in RUN_ORDER])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in (e.name for e in REPROS)])
 def test_repro_reproduces_on_small_settings(name, ctx, tmp_path) -> None:
     [res] = run_entries([get(name)], ctx, lambda _e: tmp_path)
     failed = [f"{c.statement}: {c.detail}" for c in res.checks if not c.passed]

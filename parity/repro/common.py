@@ -101,22 +101,14 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+@dataclass(kw_only=True)
 class Context:
     """Settings of one ``parity repro`` invocation."""
 
-    def __init__(
-        self,
-        *,
-        small: bool = False,
-        seed: int = 0,
-        timeout_s: float = 900.0,
-        model: str | None = None,
-        progress: Callable[[str], None] = _stderr,
-    ) -> None:
-        self.small = small
-        self.seed = seed
-        self.timeout_s = timeout_s
-        # ``--model``: a fixture name or checkpoint directory in place of the repro's own fixture
-        # (only repros with ``TAKES_MODEL``; None: each repro's own).
-        self.model = model
-        self.progress = progress
+    small: bool = False
+    seed: int = 0
+    timeout_s: float = 900.0
+    # ``--model``: a fixture name or checkpoint directory in place of the repro's own fixture (only repros
+    # with ``TAKES_MODEL``; None: each repro's own).
+    model: str | None = None
+    progress: Callable[[str], None] = _stderr

@@ -24,7 +24,7 @@ from parity.errors import UsageError
 from parity.repro import standalone
 from parity.repro.common import Check, Context, ReproResult
 from parity.repro.registry import SCRIPT_ABOUT, script_config
-from parity.repro.standalone_child import run_child
+from parity.repro.standalone_child import ChildRun, run_child
 
 if TYPE_CHECKING:  # pragma: no cover
     from parity.repro.registry import Entry
@@ -73,14 +73,12 @@ def run_script(entry: Entry, ctx: Context, out: Path) -> ReproResult:
     out.mkdir(parents=True, exist_ok=True)
     script, result, log = out / f"{entry.name}.py", out / "script.json", out / "script.log"
     script.write_text(emit_script(entry, ctx.small), encoding="utf-8")
-    result.unlink(missing_ok=True)
     ctx.progress(f"parity repro: python {script} (timeout {ctx.timeout_s:.0f} s, output in {log})")
-    p = run_child([sys.executable, str(script), "--seed", str(ctx.seed), "--json", str(result)], child_env(),
-                  ctx.timeout_s)
+    got, p = run_for_json([sys.executable, str(script), "--seed", str(ctx.seed), "--json", str(result)], result,
+                          ctx.timeout_s)
     log.write_text(p.text, encoding="utf-8")
-    if not result.is_file():
+    if got is None:
         raise RuntimeError(f"{script.name} wrote no result: {p.error or 'no error printed'} (its output: {log})")
-    got = json.loads(result.read_text(encoding="utf-8"))
     return ReproResult(
         name=entry.name, number=entry.number, title=entry.title, finding=standalone.finding(entry.name),
         columns=[tuple(c) for c in got["columns"]], rows=got["rows"], checks=[Check(*c) for c in got["checks"]],
@@ -122,6 +120,14 @@ def emit_script(entry: Entry, small: bool) -> str:
 
 # --------------------------------------------------------------------------------------------------
 # child processes
+
+def run_for_json(cmd: list[str], result: Path, timeout_s: float) -> tuple[dict[str, Any] | None, ChildRun]:
+    """``cmd`` in a child process (:func:`child_env`, a timeout): the JSON it wrote to ``result`` (None: it wrote
+    none), and the child."""
+    result.unlink(missing_ok=True)
+    p = run_child(cmd, child_env(), timeout_s)
+    return (json.loads(result.read_text(encoding="utf-8")) if result.is_file() else None), p
+
 
 def child_env() -> dict[str, str]:
     """A child's environment: this process's, with the CPU engine settings defaulted (``CPU_ENV``; a value the

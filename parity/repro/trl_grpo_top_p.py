@@ -26,8 +26,7 @@ from typing import Any
 import torch
 
 from parity.repro.common import Check, Context
-from parity.repro.runner import Measured, child_env
-from parity.repro.standalone_child import run_child
+from parity.repro.runner import Measured, run_for_json
 
 FIXTURE = "qwen2-tiny"
 FIX = "replay"
@@ -101,10 +100,9 @@ def run_config(run_cfg: dict[str, Any], out: Path, timeout_s: float) -> dict[str
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "parity.engines.trl_run", "--config", json.dumps(run_cfg), "--out", str(out)]
     t0 = time.perf_counter()
-    p = run_child(cmd, child_env(), timeout_s)
-    if p.rc != 0 or not (out / "result.json").is_file():
+    res, p = run_for_json(cmd, out / "result.json", timeout_s)
+    if p.rc != 0 or res is None:
         return {"error": p.error or "no result.json", "tail": p.stderr[-3000:], "seconds": time.perf_counter() - t0}
-    res: dict[str, Any] = json.loads((out / "result.json").read_text())
     res["wall_s"] = round(time.perf_counter() - t0, 2)
     return res
 

@@ -26,9 +26,6 @@ class Check:
     passed: bool
     detail: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass
 class ReproResult:
@@ -79,7 +76,7 @@ class ReproResult:
                 "passed": self.passed,
                 "columns": [{"key": k, "title": t} for k, t, _ in self.columns],
                 "rows": self.rows,
-                "checks": [c.to_dict() for c in self.checks],
+                "checks": [asdict(c) for c in self.checks],
                 "notes": self.notes,
                 "data": self.data,
                 "seconds": round(self.seconds, 3),

@@ -109,13 +109,8 @@ def run_entries(entries: Sequence[Entry], ctx: Context, out_for: Callable[[Entry
 
 def emit_script(entry: Entry, small: bool) -> str:
     """The repro's standalone script: its section of the script source, with its settings as ``CONFIG``."""
-    if entry.scripted:
-        head, config = entry.title, script_config(entry.name, small)
-    else:
-        module = entry.load()
-        head, config = entry.title, module.script_config(small)
-    return standalone.emit(entry.name, head, config=config, source=standalone.source_of(entry.name),
-                           about=SCRIPT_ABOUT.get(entry.name))
+    config = script_config(entry.name, small) if entry.scripted else entry.load().script_config(small)
+    return standalone.emit(entry.name, entry.title, config=config, about=SCRIPT_ABOUT.get(entry.name))
 
 
 # --------------------------------------------------------------------------------------------------

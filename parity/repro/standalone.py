@@ -77,10 +77,10 @@ def finding(name: str) -> str:
     return " ".join((ast.get_docstring(fn) or "").split())
 
 
-def emit(name: str, title: str, *, config: dict[str, Any], source: Path = SOURCE, about: str | None = None) -> str:
+def emit(name: str, title: str, *, config: dict[str, Any], about: str | None = None) -> str:
     """The script text; ``about`` replaces the docstring's paragraph on what it needs and does (and its usage line)."""
+    source = source_of(name)
     parts = sections(source)
-    assert name in parts, f"no standalone script section {name!r} in {source.name}: allowed {', '.join(p for p in parts if p != 'prelude')}"
     try:
         from importlib.metadata import version
 

@@ -21,16 +21,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from parity.errors import UsageError
-from parity.repro.registry import REPROS, Entry, get
+from parity.repro.registry import MODEL_REPROS, REPROS, Entry, get
 from parity.repro.runner import emit_script, run_entries
 
 if TYPE_CHECKING:  # pragma: no cover
     from parity.repro.common import ReproResult
 
 DEFAULT_ROOT = Path("reports/repro")
-# The repros whose module sets TAKES_MODEL (listed here so that `parity repro list` imports no repro module;
-# tests/repro/test_repro_cli.py checks the two agree).
-MODEL_REPROS = ("trl_grpo_top_p",)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _list() -> int:
     width = max(len(e.name) for e in REPROS)
     for e in REPROS:
-        print(f"{e.number}  {e.name:<{width}}  {e.title}" + ("  [--model]" if e.name in MODEL_REPROS else ""))
+        print(f"{e.number}  {e.name:<{width}}  {e.title}" + ("  [--model]" if e.takes_model else ""))
     print("\nrun one: parity repro NAME [--small]; all: parity repro all; standalone: --emit-script PATH; "
           "[--model]: also runs on another model (parity repro NAME --model NAME|PATH)")
     return 0
@@ -58,14 +55,12 @@ def _list() -> int:
 
 def _check_model(args: argparse.Namespace, entries: list[Entry], single: bool) -> None:
     """``--model``: one repro that takes it, a run (not a script), a fixture name or a checkpoint directory."""
-    from parity.repro.runner import takes_model
-
     if not single:
         raise UsageError("--model applies to one repro (parity repro NAME --model ...), not to 'all'")
     if args.emit_script is not None:
         raise UsageError("--model applies to a run: the standalone script builds its fixture from code")
     entry = entries[0]
-    if not takes_model(entry):
+    if not entry.takes_model:
         raise UsageError(f"--model is not an option of repro {entry.name!r} (it runs on its own fixture); "
                          f"repros that take it: {', '.join(MODEL_REPROS)}")
     from parity.fixtures import recipe_names

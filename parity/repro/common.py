@@ -106,6 +106,6 @@ class Context:
     seed: int = 0
     timeout_s: float = 900.0
     # ``--model``: a fixture name or checkpoint directory in place of the repro's own fixture (only repros
-    # with ``TAKES_MODEL``; None: each repro's own).
+    # in ``registry.MODEL_REPROS``; None: each repro's own).
     model: str | None = None
     progress: Callable[[str], None] = _stderr

@@ -3,7 +3,7 @@
 Most repros are their section of ``standalone_src.py`` alone, with their settings here (``SCRIPT_CONFIGS``):
 :mod:`parity.repro.runner` runs the emitted script. The others are the module ``parity.repro.NAME``:
 ``settings(small)``, ``run(ctx, settings) -> Measured``, ``script_config(small)``, ``FINDING``, ``COLUMNS``
-and ``TAKES_MODEL = True`` where ``--model`` may run it on another model. Nothing is imported until a repro runs, so ``parity repro list`` needs no engine.
+(``settings(small, model)`` where it is in ``MODEL_REPROS``). Nothing is imported until a repro runs, so ``parity repro list`` needs no engine.
 """
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ class Entry:
         return f"parity.repro.{self.name}"
 
     @property
+    def takes_model(self) -> bool:
+        """Whether ``parity repro NAME --model`` may run the repro on another fixture or checkpoint."""
+        return self.name in MODEL_REPROS
+
+    @property
     def scripted(self) -> bool:
         """Whether ``parity repro`` runs the repro's emitted script itself (it has no module of its own)."""
         return self.name in SCRIPT_CONFIGS
@@ -34,6 +39,8 @@ class Entry:
     def load(self) -> ModuleType:
         return importlib.import_module(self.module)
 
+
+MODEL_REPROS = ("trl_grpo_top_p",)  # ``--model``: another fixture or a real checkpoint in place of its own
 
 # The repros whose one implementation is their section of standalone_src.py: ``parity repro NAME`` runs the
 # emitted script. Their settings (the script's CONFIG), and what ``--small`` changes.

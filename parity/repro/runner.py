@@ -4,7 +4,7 @@ Most repros are their section of ``standalone_src.py`` and nothing else: the run
 the registry's settings, runs it in a child process (with a timeout, its output in a log file) and reads
 the table and checks it writes. The repro that drives parity's own TRL patch (trl_grpo_top_p)
 is a module: ``settings(small)``, ``run(ctx, cfg) -> Measured``, ``FINDING``, ``COLUMNS`` and
-``script_config(small)``; ``TAKES_MODEL = True`` where ``--model`` may replace its fixture. The runner names
+``script_config(small)`` (``settings(small, model)`` under ``--model``). The runner names
 the result after the registry entry, stores the settings, times it, turns an exception into a failed result,
 writes ``result.json``/``table.md`` and prints the Markdown.
 """
@@ -40,16 +40,11 @@ class Measured:
     data: dict[str, Any] = field(default_factory=dict)  # beside the settings, which the runner stores first
 
 
-def takes_model(entry: Entry) -> bool:
-    """Whether the repro can run on another model than its fixture (``parity repro NAME --model``)."""
-    return not entry.scripted and bool(getattr(entry.load(), "TAKES_MODEL", False))
-
-
 def settings_for(entry: Entry, module: Any, ctx: Context) -> dict[str, Any]:
     """The repro's settings for this invocation: ``settings(small)``, or ``settings(small, model)`` under ``--model``."""
     if ctx.model is None:
         return dict(module.settings(ctx.small))
-    if not getattr(module, "TAKES_MODEL", False):
+    if not entry.takes_model:
         raise UsageError(f"--model is not an option of repro {entry.name!r}: it runs on its own fixture")
     return dict(module.settings(ctx.small, model=ctx.model))
 

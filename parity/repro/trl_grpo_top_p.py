@@ -31,8 +31,6 @@ from parity.repro.runner import Measured, run_for_json
 FIXTURE = "qwen2-tiny"
 FIX = "replay"
 CONFIG_TIMEOUT_S = 420.0
-# ``parity repro trl_grpo_top_p --model NAME|PATH``: another fixture or a real checkpoint in place of FIXTURE.
-TAKES_MODEL = True
 MODEL_CONFIG_TIMEOUT_S = 900.0
 
 # label, sampling fields, TRL IS mode, extra phases. "off" is TRL with no parity patch at all: its

@@ -117,26 +117,21 @@ def score_capture(sequences: Sequence[dict[str, Any]], *, label: str = "trl", th
     """The report (report.json's schema) of every captured step, one scenario per step, built as an analysis of
     the capture's records builds it (:func:`parity.pipeline.build_report`)."""
     import json
-    from importlib.metadata import PackageNotFoundError, version
 
     from parity.pipeline import REPORT_FACTS, build_report
     from parity.records.accumulators import Summary
     from parity.records.columns import Options
-    from parity.report.schema import environment
+    from parity.report.schema import environment, installed_version
 
     steps = sorted({int(s["step"]) for s in sequences})
     scored = [score_step([s for s in sequences if int(s["step"]) == st], name=f"{label}-step{st}", thresholds=thresholds)
               for st in steps]
     th = scored[0]["thresholds"] if scored else (thresholds or Thresholds())
     dtype = scored[0]["dtype"] if scored else "unknown"
-    try:
-        trl_version: str | None = version("trl")
-    except PackageNotFoundError:  # TRL is optional for scoring a saved capture
-        trl_version = None
     facts = {
         "scenarios": {f"{label}-step{st}": x["facts"] for st, x in zip(steps, scored, strict=True)},
         "config": {"source": "TRL GRPOTrainer capture", "fix": scored[0]["facts"]["trl"]["fix"] if scored else None},
-        "environment": {"trl": trl_version},
+        "environment": {"trl": installed_version("trl")},  # None: TRL is optional for scoring a saved capture
     }
     env = environment("cpu", dtype, "float32")  # the capture ran here: these are its versions
     metadata = json.loads(json.dumps({"producer": "TRL GRPOTrainer capture", "sampler": "vLLM", "dtype": dtype,

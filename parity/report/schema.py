@@ -30,7 +30,8 @@ DETERMINISM_ENV = (
 )
 
 
-def _version(dist: str) -> str | None:
+def installed_version(dist: str) -> str | None:
+    """``dist``'s installed version (or its CPU build's, ``dist-cpu``), None when neither is installed."""
     for name in (dist, f"{dist}-cpu"):
         try:
             return metadata.version(name)
@@ -45,10 +46,10 @@ def environment(device: str, dtype: str, trainer_dtype: str) -> dict[str, Any]:
     it (3 s of its start), and reports the installed version with ``None`` for torch's knobs."""
     torch = sys.modules.get("torch")
     return {
-        "vllm": _version("vllm"),
-        "torch": torch.__version__ if torch is not None else _version("torch"),
-        "transformers": _version("transformers"),
-        "parity": _version("parity"),
+        "vllm": installed_version("vllm"),
+        "torch": torch.__version__ if torch is not None else installed_version("torch"),
+        "transformers": installed_version("transformers"),
+        "parity": installed_version("parity"),
         "python": platform.python_version(),
         "device": device,
         "dtype": dtype,

@@ -43,7 +43,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "vocabularies up to it are captured in full and get the raw-logits log S pass (default 4096)",
     )
     # Gone: top_p/min_p without top_k are captured adaptively now; the old flag gets an error that says so.
-    p.add_argument("--full-vocab-limit", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds any one engine call may take")
     p.add_argument("--plant", choices=sorted(FAULTS), default=None, help="plant a trainer-side fault (self-test of the gates)")
     p.add_argument("--prefix-caching", action="store_true", help="let vLLM reuse cached KV blocks across scenarios (off: order-independent results)")
@@ -96,11 +95,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    if args.full_vocab_limit is not None:
-        raise UsageError(
-            f"--full-vocab-limit={args.full_vocab_limit} is gone: top_p/min_p without top_k are captured with an "
-            f"adaptive top-K head now; --max-capture-head caps that head (default 4096)"
-        )
     if args.max_capture_head < 2:
         raise UsageError(f"--max-capture-head={args.max_capture_head} is invalid: allowed an integer >= 2")
     from parity.core.error_model import UNIT_ROUNDOFF

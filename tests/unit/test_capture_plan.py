@@ -415,12 +415,9 @@ def test_a_nan_in_a_head_bounds_nothing_beyond_it() -> None:
     assert support_lower_bound([-0.5, float("nan"), -2.0]) == 3
 
 
-def test_the_old_full_vocab_limit_flag_is_an_error_that_names_its_replacement(capsys) -> None:
+def test_a_capture_head_cap_below_two_is_a_readable_error(capsys) -> None:
     from parity.cli.main import main
 
-    assert main(["run", "--full-vocab-limit", "50000"]) == 2
-    err = capsys.readouterr().err
-    assert "--full-vocab-limit=50000 is gone" in err and "--max-capture-head" in err
     assert main(["run", "--max-capture-head", "1"]) == 2
     assert "--max-capture-head=1 is invalid: allowed an integer >= 2" in capsys.readouterr().err
 

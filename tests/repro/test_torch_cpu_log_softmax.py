@@ -109,7 +109,7 @@ def test_the_repro_runs_on_small_settings(tmp_path) -> None:
     per_path = len(cfg["vocabs"]) * len(cfg["scales"])
     assert [r["path"] for r in res.rows] == [src.LSM_IN_PROCESS] * per_path + [src.LSM_DEFAULT] * per_path
     assert res.checks[0].passed, res.checks[0].detail  # the subprocess ran torch's DEFAULT kernels
-    assert {c.key for c in res.columns} <= set(res.rows[0])
+    assert {key for key, _, _ in res.columns} <= set(res.rows[0])
     assert [c.passed for c in res.checks] == [ok for _, ok, _ in
                                                src.lsm_checks(res.rows, max(cfg["vocabs"]), cfg["verdict_scale"])]
     assert res.data["settings"] == cfg

@@ -1,6 +1,7 @@
 """nox sessions for parity.
 
     nox -s tests     the suite CI runs (unit, sampler-vs-vLLM, end-to-end on the CPU engine)
+    nox -s slow      the tests marked slow (the real checkpoint's long runs, TRL on it, most repro runs)
     nox -s parity    the main job: build the default fixture, run the default matrix, write a report
     nox -s lint      ruff on everything, strict mypy on all of parity, the workflows against GitHub's schema
     nox -s bench     pytest-benchmark suite (capture and replay overhead)
@@ -72,6 +73,13 @@ def tests(session: nox.Session) -> None:
     run_pytest(session, "-m", "not slow and not gpu", *common, env={"PARITY_ENGINES_REQUIRED": "1"})
     second = {"ATEN_CPU_CAPABILITY": "default", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}
     run_pytest(session, "-m", "kernel_path and not slow and not gpu", *common, env=second)
+
+
+@nox.session
+def slow(session: nox.Session) -> None:
+    """The tests ``nox -s tests`` leaves out for time (marked ``slow``; TRL on the real checkpoint alone takes minutes)."""
+    install(session, "cpu", "test", "report")
+    run_pytest(session, "-m", "slow and not gpu", "-p", "no:cacheprovider", "--benchmark-disable", "--durations=20")
 
 
 @nox.session

@@ -12,19 +12,7 @@ from typing import Any, TypeVar, Unpack, cast
 
 import torch
 
-from parity.core.capture import (
-    DEFAULT_MAX_HEAD,
-    CaptureHistory,
-    CapturePlan,
-    CaptureResult,
-    CaptureStats,
-    Heads,
-    compare_supports,
-    padded_ids,
-    plan_capture,
-    run_capture,
-    validate_native_mask,
-)
+from parity.core import capture as cap
 from parity.core.spec import SamplingSpec
 from parity.engines.rollout_base import RolloutBase, RolloutSettings, Support
 from parity.errors import EngineError, SetupError, TimedOut, UsageError
@@ -89,14 +77,14 @@ def capture_outputs(
     generate: Callable[[list[Any], list[Any]], Sequence[Any]],
     prompts: Sequence[Any],
     params: Sequence[Any],
-    plan: CapturePlan,
+    plan: cap.CapturePlan,
     *,
     spec: SamplingSpec,
     vocab_size: int,
-    history: CaptureHistory | None = None,
+    history: cap.CaptureHistory | None = None,
     deadline: float | None = None,
     nan_as_dropped: bool = False,
-) -> CaptureResult:
+) -> cap.CaptureResult:
     """``plan`` run over ``generate(prompts, params)`` (``LLM.generate`` or a wrapper of it).
 
     Each round asks its sequences with ``params[i]`` (seeded, ``n=1``) cloned and ``logprobs`` set to
@@ -105,7 +93,7 @@ def capture_outputs(
     (a ``time.monotonic()`` value) bounds the whole capture, widening included.
     """
 
-    def ask(indices: list[int], heads: list[int]) -> list[Heads]:
+    def ask(indices: list[int], heads: list[int]) -> list[cap.Heads]:
         batch = []
         for i, k in zip(indices, heads, strict=True):
             q = params[i].clone()
@@ -121,7 +109,7 @@ def capture_outputs(
                                 nan_as_dropped=nan_as_dropped, payload=(o, q))
                 for i, k, q, o in zip(indices, heads, batch, outs, strict=True)]
 
-    return run_capture(plan, len(prompts), ask, vocab_size=vocab_size, spec=spec, history=history)
+    return cap.run_capture(plan, len(prompts), ask, vocab_size=vocab_size, spec=spec, history=history)
 
 
 def generate_with_capture(
@@ -129,11 +117,11 @@ def generate_with_capture(
     prompts: Sequence[Any],
     params: Any,
     *,
-    max_head: int = DEFAULT_MAX_HEAD,
-    history: CaptureHistory | None = None,
+    max_head: int = cap.DEFAULT_MAX_HEAD,
+    history: cap.CaptureHistory | None = None,
     start: int | None = None,
     timeout_s: float | None = None,
-) -> tuple[list[Any], list[Any], CaptureStats]:
+) -> tuple[list[Any], list[Any], cap.CaptureStats]:
     """``llm.generate`` with the kept set captured: your engine, parity's capture plan.
 
     ``params``: one ``SamplingParams`` for every prompt, or one per prompt, each with ``n=1``; their
@@ -175,7 +163,7 @@ def generate_with_capture(
         raise UsageError("generate_with_capture: the prompts' SamplingParams differ in temperature/top_k/top_p/min_p: "
                          "allowed one sampling spec per call")
     spec = specs[0]
-    plan = plan_capture(spec, vocab, max_head=max_head, start=start,
+    plan = cap.plan_capture(spec, vocab, max_head=max_head, start=start,
                         suggested=history.start(spec) if history else None)
     result = capture_outputs(
         lambda ps, qs: llm.generate(ps, qs, use_tqdm=False), prompts, seeded, plan, spec=spec, vocab_size=vocab,
@@ -250,7 +238,7 @@ class VllmRollout(RolloutBase):
         The capture follows :meth:`plan`; adaptive plans (top_p/min_p without top_k) ask the sequences
         with an unproven position again, same seeds, wider heads (:func:`capture_outputs`);
         what the capture did is left in ``self.last_capture``. ``logprobs`` forces the head size
-        without :func:`plan_capture`'s checks and without widening (diagnostics only: the
+        without :func:`~parity.core.capture.plan_capture`'s checks and without widening (diagnostics only: the
         capture-head reproduction asks for a head smaller than top_k on purpose); positions it cannot
         capture completely are still flagged incomplete. The engine timeout bounds the whole call,
         widening rounds included.
@@ -258,11 +246,11 @@ class VllmRollout(RolloutBase):
         from vllm.inputs import TokensPrompt
 
         if self.capture != "topk":
-            validate_native_mask(spec)
+            cap.validate_native_mask(spec)
         if logprobs is None:
             plan = self.plan(spec)
         else:
-            plan = CapturePlan(logprobs if logprobs != 0 else None, f"top-{logprobs} (asked directly)")
+            plan = cap.CapturePlan(logprobs if logprobs != 0 else None, f"top-{logprobs} (asked directly)")
         params = [
             sampling_params(
                 spec,
@@ -284,7 +272,7 @@ class VllmRollout(RolloutBase):
         )
         return self.records(prompts, spec, seed, result)
 
-    def support(self, i: int, h: Heads, requested: int, spec: SamplingSpec) -> Support:
+    def support(self, i: int, h: cap.Heads, requested: int, spec: SamplingSpec) -> Support:
         """S_q from the top-K heads, or from vLLM's own sampling mask (``capture`` native or both)."""
         kept, kept_lp, incomplete, extras = super().support(i, h, requested, spec)
         if self.capture == "topk":
@@ -292,13 +280,13 @@ class VllmRollout(RolloutBase):
         native = getattr(h.payload[0].outputs[0], "sampling_mask", None)
         if native is None or len(native.token_ids) != len(h.completion_ids):
             raise EngineError(f"vLLM returned no sampling mask for prompt {i} although return_sampling_mask is on")
-        native_ids = padded_ids(native.token_ids)
+        native_ids = cap.padded_ids(native.token_ids)
         extras["native_kept_ids"] = native_ids
         if self.capture == "native":
             kept, incomplete = native_ids, torch.zeros(len(h.completion_ids), dtype=torch.bool)
             kept_lp = _logprobs_for(native_ids, h.head_ids, h.head_logprobs)
         elif kept is not None:
-            bad = compare_supports(native_ids, kept, skip=incomplete)
+            bad = cap.compare_supports(native_ids, kept, skip=incomplete)
             extras["native_vs_topk_mismatch"] = torch.tensor(bad, dtype=torch.long)
         return kept, kept_lp, incomplete, extras
 

@@ -68,7 +68,9 @@ def tests(session: nox.Session) -> None:
     # uncached: pyspark is a 456 MB sdist built here). Kept out of the test extra, which users' own CI installs
     # for the pytest plugin.
     install(session, "cpu", "test", "report", "ray", "spark")
-    common = ("-p", "no:cacheprovider", "--benchmark-disable", "--durations=20")
+    # Two worker processes, a test file each at a time (module-scoped engines stay in one process): the suite
+    # waits mostly on single-threaded work (imports, engine start-up, subprocesses), so two cores overlap it.
+    common = ("-p", "no:cacheprovider", "--benchmark-disable", "--durations=20", "-n", "2", "--dist", "loadfile")
     # The engine tests fail instead of skipping when ray, pyspark or Java is missing here.
     run_pytest(session, "-m", "not slow and not gpu", *common, env={"PARITY_ENGINES_REQUIRED": "1"})
     second = {"ATEN_CPU_CAPABILITY": "default", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}

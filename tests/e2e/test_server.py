@@ -144,7 +144,7 @@ def test_raw_mode_is_detected_and_a_server_killed_mid_run_is_an_error() -> None:
         killer.start()
         t0 = time.perf_counter()
         with pytest.raises(ServerDied, match=r"127\.0\.0\.1") as exc:
-            raw.generate(make_prompts(raw.tokenizer(), 8), SamplingSpec(1.0), max_tokens=400, seed=0)
+            raw.generate(make_prompts(raw.tokenizer(), 32), SamplingSpec(1.0), max_tokens=400, seed=0)
         assert killed.is_set(), f"the run ended before the kill: {exc.value}"
         assert time.perf_counter() - t0 < 60, "a dead server must end the run promptly, not at the timeout"
         print(f"\nkilled mid-run: {str(exc.value).splitlines()[0]}")

@@ -141,6 +141,7 @@ def batch_summarizer(metadata: dict[str, Any], file_index: int, options: Options
     metadata, the trainer's values re-scored with ``options.model`` when set (what every worker runs:
     local processes, Ray, Spark)."""
     dtypes = _dtypes(metadata, options)
+    stated = (str(metadata.get("dtype") or ""), options.dtype if options.model else str(metadata.get("trainer_dtype") or ""))
     vocab = metadata.get("vocab_size")
     columns: Callable[[Any], TokenColumns] | None = None
     if options.model:
@@ -151,7 +152,7 @@ def batch_summarizer(metadata: dict[str, Any], file_index: int, options: Options
 
     def summarize(rb: Any) -> Summary:
         return summarize_batch(rb, file_index=file_index, options=options, dtypes=dtypes,
-                               vocab_size=int(vocab) if vocab else None, columns=columns)
+                               vocab_size=int(vocab) if vocab else None, columns=columns, stated_dtypes=stated)
 
     return summarize
 
@@ -302,9 +303,22 @@ def _apply_facts(report: dict[str, Any], facts: Any) -> None:
     report["config"].update(facts.get("config") or {})
     report["environment"].update(facts.get("environment") or {})
     report.update(facts.get("top") or {})
+    set_verdict(report)
+
+
+def set_verdict(report: dict[str, Any]) -> None:
+    """The report's ``passed`` (every scenario passes every gate it could evaluate), ``verdict`` (``fail``
+    when a gate failed; ``none`` when nothing failed but a scenario has no mean-bias gate or no gate at all;
+    else ``pass``) and ``no_verdict`` (each such scenario's line: what it lacks and what supplies it)."""
+    scenarios = report["scenarios"]
     determinism = report.get("determinism")
-    report["passed"] = (all(s["verdict"] == "pass" for s in report["scenarios"]) and bool(report["scenarios"])
-                        and not (isinstance(determinism, dict) and determinism.get("violations")))
+    failed = (any(s["verdict"] == "fail" for s in scenarios)
+              or bool(isinstance(determinism, dict) and determinism.get("violations")))
+    report["passed"] = not failed and bool(scenarios) and all(s["verdict"] == "pass" for s in scenarios)
+    report["no_verdict"] = [s["no_verdict"] for s in scenarios if s.get("no_verdict")]
+    if not scenarios:
+        report["no_verdict"].append("the records hold no scenario")
+    report["verdict"] = "fail" if failed else ("none" if report["no_verdict"] else "pass")
 
 
 def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: Sequence[Path | str],
@@ -357,10 +371,13 @@ def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: S
         # passed: every scenario passes every gate it could evaluate (and has one). complete: every gate was
         # evaluated in every scenario; where not, not_evaluated lists each gate, why, and where.
         "passed": all(s["verdict"] == "pass" for s in scenarios) and bool(scenarios),
+        "verdict": "pass",
+        "no_verdict": [],
         "complete": not skipped,
         "not_evaluated": [{"gate": g, "reason": r, "scenarios": names} for (g, r), names in skipped.items()],
     }
     _apply_facts(report, _metadata_value(summary, REPORT_FACTS))
+    set_verdict(report)
     return report
 
 

@@ -55,7 +55,7 @@ def _scenario(name: str, spec: SamplingSpec, faults: TrainerFaults | None = None
 
 def _report(scenarios: list[dict]) -> dict:
     return {
-        "schema_version": 2,
+        "schema_version": 3,
         "environment": {"vllm": "x", "torch": "x", "transformers": "x", "device": "cpu", "dtype": "float32",
                         "trainer_dtype": "float32"},
         "config": {"thresholds": Thresholds().to_dict()},

@@ -7,7 +7,7 @@ What more than one command reads from its flags lives here, free of torch and of
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from parity.errors import UsageError
 
@@ -33,3 +33,18 @@ def thresholds_from_args(path: Path | None, gates: list[str], dtype: str) -> Thr
     if changes:
         th = th.override(**changes)
     return th
+
+
+# The exit code of a report that neither passes nor fails (README's exit-code table).
+NO_VERDICT = 4
+
+
+def verdict_exit_code(report: dict[str, Any], *, accept_partial: bool = False) -> int:
+    """0 pass, 1 a gate failed, :data:`NO_VERDICT` when no gate, or no mean-bias gate, could be evaluated in
+    a scenario. ``accept_partial``: 0 where every scenario judged some gate and none failed."""
+    if report["verdict"] == "fail":
+        return 1
+    if report["verdict"] == "none":
+        judged = bool(report["scenarios"]) and all(s["verdict"] == "pass" for s in report["scenarios"])
+        return 0 if accept_partial and judged else NO_VERDICT
+    return 0

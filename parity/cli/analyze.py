@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from parity.cli import thresholds_from_args
+from parity.cli import thresholds_from_args, verdict_exit_code
 from parity.errors import UsageError
 
 
@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "so memory grows with it, whatever the files' row groups")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds the whole analysis may take")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--accept-partial", action="store_true",
+                   help="exit 0 when the gates that could be evaluated pass, though a scenario has no mean-bias "
+                        "gate (default: exit 4, no verdict)")
 
 
 def _records_dtype(path: Path) -> str | None:
@@ -64,10 +67,10 @@ def main(args: argparse.Namespace) -> int:
         timeout_s=args.timeout, progress=lambda m: print(m, file=sys.stderr, flush=True), engine=args.engine,
     )
     sc = report["scenarios"]
-    n_fail = sum(s["verdict"] == "fail" for s in sc)
+    n_pass = sum(s["verdict"] == "pass" for s in sc)
     scope = "" if report["complete"] else f" on the gates evaluated ({len({g['gate'] for g in report['not_evaluated']})} not evaluated)"
     print(
-        f"parity analyze: {len(sc) - n_fail}/{len(sc)} scenarios pass{scope} over {report['records']['tokens']} tokens "
+        f"parity analyze: {n_pass}/{len(sc)} scenarios pass{scope} over {report['records']['tokens']} tokens "
         f"in {report['records']['files']} file(s); report in {args.out}/report.md"
     )
     for w in report["warnings"]:
@@ -81,4 +84,7 @@ def main(args: argparse.Namespace) -> int:
     for s in sc:
         for v in s["violations"]:
             print(f"FAIL {v['message']}")
-    return 0 if report["passed"] else 1
+    code = verdict_exit_code(report, accept_partial=args.accept_partial)
+    for line in report["no_verdict"]:
+        print(f"{'PARTIAL' if code == 0 else 'NO VERDICT'} {line}")
+    return code

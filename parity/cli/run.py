@@ -136,4 +136,6 @@ def main(args: argparse.Namespace) -> int:
         f"parity: {len(report['scenarios']) - n_fail}/{len(report['scenarios'])} scenarios pass; report in "
         f"{cfg.out}/report.md" + ("" if args.verbose else f", engine output in {cfg.out}/{LOG_NAME}")
     )
-    return 0 if report["passed"] else 1
+    from parity.cli import verdict_exit_code
+
+    return verdict_exit_code(report)

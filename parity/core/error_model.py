@@ -226,6 +226,67 @@ def mean_bias_entry(n: int, mean: float, systematic_mean: float, spread_sd: floa
     return out
 
 
+# -- the mean-bias gate on two log-prob columns -----------------------------------------------------
+# What a training run logs per token is the sampler's and the trainer's log-prob of the sampled token. The
+# gate on those alone (logprob_mean_bias): the log of the mean IS ratio, whose honest value is 0 whatever
+# the drift, against a systematic allowance from the records' stated facts plus MEAN_BIAS_Z standard errors
+# over sequences. The derivation: docs/error_model.md, section 8.
+
+# Below this many sequences a between-sequence standard error is not trusted: the token spread is used
+# with an effective n of one per sequence (every token of a sequence taken as perfectly correlated).
+MIN_SEQUENCES_FOR_SE = 8
+# The widest vocabulary in use (Gemma 3's 262,144), taken when the records do not state vocab_size.
+WIDEST_VOCAB = 262_144
+
+
+def normalisation_allowance(n: int, u: float) -> float:
+    """How far one side's normalisation (a float sum of ``n`` exponentials, then its log) may shift every
+    log-prob of a row one way: ``MEAN_BIAS_Z * sqrt(n) * u`` (the probabilistic bound of a sum of ``n``
+    terms, each addition rounded once)."""
+    return MEAN_BIAS_Z * math.sqrt(max(int(n), 1)) * u
+
+
+def ratio_bias_entry(
+    *, tokens: int, sequences: int, e_sum: float, e_sq: float, seq_e_sq: float, seq_ne: float, seq_n_sq: float,
+    d_sum: float, lp_abs_sum: float, sampler_support: int, trainer_support: int, accumulate_u: float,
+) -> dict[str, Any] | None:
+    """The mean-bias gate of two log-prob columns, from mergeable sums of ``e = expm1(d)``,
+    ``d = trainer - sampler`` over the finite tokens.
+
+    ``mean``: ``log(1 + mean e)``, the log of the mean IS ratio (0 for any honest trainer, ``log S`` for a
+    full-vocabulary one, ``b`` more under a per-token bias ``b``); ``mean_diff``: the plain mean of ``d``
+    (``mean - kl_estimate``). Per sequence ``i`` with ``n_i`` tokens and ``E_i = sum e``: ``seq_e_sq =
+    sum E_i^2``, ``seq_ne = sum n_i E_i``, ``seq_n_sq = sum n_i^2``. ``sampler_support`` /
+    ``trainer_support``: how many terms each side's normalisation sums (the vocabulary where unknown).
+    """
+    if tokens <= 0:
+        return None
+    n = tokens
+    ebar = e_sum / n
+    rbar = 1.0 + ebar
+    mean = math.log1p(ebar) if rbar > 0 else -math.inf
+    var = max(e_sq - n * ebar * ebar, 0.0) / (n - 1) if n > 1 else 0.0
+    se_tokens = math.sqrt(var / n)
+    if sequences >= MIN_SEQUENCES_FOR_SE:
+        ss = max(seq_e_sq - 2.0 * ebar * seq_ne + ebar * ebar * seq_n_sq, 0.0)
+        se = max(math.sqrt(sequences / (sequences - 1) * ss) / n, se_tokens)
+        method = f"between {sequences} sequences"
+    else:
+        se = math.sqrt(var / max(sequences, 1))
+        method = f"effective n = {max(sequences, 1)} (fewer than {MIN_SEQUENCES_FOR_SE} sequences: each counts once)"
+    effective_n = n * se_tokens**2 / se**2 if se > 0 else float(n)
+    se_b = se / rbar if rbar > 0 else math.inf
+    systematic = (normalisation_allowance(sampler_support, accumulate_u)
+                  + normalisation_allowance(trainer_support, accumulate_u)
+                  + 2.0 * UNIT_ROUNDOFF["float32"] * lp_abs_sum / n)
+    statistical = MEAN_BIAS_Z * se_b
+    return {"mean": mean, "limit": systematic + statistical, "systematic": systematic, "statistical": statistical,
+            "spread_sd": math.sqrt(var), "tokens": n, "sequences": sequences, "mean_diff": d_sum / n,
+            "kl_estimate": mean - d_sum / n, "standard_error": se_b, "effective_n": effective_n,
+            "standard_error_from": method, "sampler_support": int(sampler_support),
+            "trainer_support": int(trainer_support)}
+
+
 # -- the final-logit rounding bound -------------------------------------------------------------
 # A narrower model for a narrower question: how far a log-prob moves when one side only rounds its
 # final logits to a low-precision dtype (TRL's bfloat16 sampler against a float32 trainer), checked

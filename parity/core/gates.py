@@ -31,6 +31,7 @@ class Thresholds:
     max_incomplete_frac: float = 0.0
     max_sampled_outside: int = 0
     max_token_mismatch: int = 0
+    max_trainer_support_failures: int = 0
     max_violations_listed: int = 5
 
     def __post_init__(self) -> None:

@@ -28,7 +28,7 @@ from parity.core.violation import Position
 from parity.errors import UsageError
 from parity.records.steps import StepAcc, merge_steps
 
-SUMMARY_VERSION = 4  # 4: per-step accumulators (parity.records.steps) in every scenario
+SUMMARY_VERSION = 5  # 4: per-step accumulators (parity.records.steps); 5: the two-column mean-bias sums
 # Histogram of |diff|: bin 0 exact zeros, bin 1 below 1e-16, then 0.01-decade bins up to 1e4, then one
 # overflow bin; non-finite differences are counted apart.
 HIST_LO, HIST_HI, HIST_STEP = -16.0, 4.0, 0.01
@@ -362,10 +362,64 @@ class ViewMatch:
         return self.known > 0 and self.over == 0 and abs(self.diff_sum / self.known) <= mean_limit
 
 
+@dataclass
+class RatioStream:
+    """The mean-bias gate of the two log-prob columns (:func:`parity.core.error_model.ratio_bias_entry`):
+    sums of ``e = expm1(trainer - sampler)`` over finite tokens, per token and per sequence (a row is one
+    sequence and never spans batches), the sign count, and the tokens the trainer gives no probability."""
+
+    tokens: int = 0
+    sequences: int = 0
+    e_sum: float = 0.0
+    e_sq: float = 0.0
+    seq_e_sq: float = 0.0
+    seq_ne: float = 0.0
+    seq_n_sq: float = 0.0
+    d_sum: float = 0.0
+    lp_abs_sum: float = 0.0
+    negative: int = 0
+    outside: int = 0  # trainer -inf at a token the sampler gave probability: outside the trainer's support
+    nonfinite: int = 0  # any other non-finite pair (NaN, +inf, a sampler -inf)
+
+    def add(self, trainer: np.ndarray, sampler: np.ndarray, row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One batch's compared tokens; returns the masks (outside the support, other non-finite)."""
+        with np.errstate(invalid="ignore", over="ignore"):
+            d = trainer - sampler
+        fin = np.isfinite(d)
+        outside = np.isneginf(trainer) & np.isfinite(sampler)
+        other = ~fin & ~outside
+        self.outside += int(outside.sum())
+        self.nonfinite += int(other.sum())
+        if not fin.any():
+            return outside, other
+        d, r = d[fin], row[fin]
+        with np.errstate(over="ignore"):
+            e = np.expm1(d)
+        _, inv, n_i = np.unique(r, return_inverse=True, return_counts=True)
+        e_i = np.bincount(inv.reshape(-1), weights=e)
+        n_f = n_i.astype(np.float64)
+        self.tokens += int(d.size)
+        self.sequences += int(n_i.size)
+        with np.errstate(over="ignore", invalid="ignore"):
+            self.e_sum += float(e.sum())
+            self.e_sq += float((e * e).sum())
+            self.seq_e_sq += float((e_i * e_i).sum())
+            self.seq_ne += float((n_f * e_i).sum())
+        self.seq_n_sq += float((n_f * n_f).sum())
+        self.d_sum += float(d.sum())
+        self.lp_abs_sum += float(np.abs(sampler[fin]).sum())
+        self.negative += int((d < 0).sum())
+        return outside, other
+
+    def merge(self, o: RatioStream) -> None:
+        for k in self.__dataclass_fields__:
+            setattr(self, k, getattr(self, k) + getattr(o, k))
+
+
 NA = "n/a"  # a statistic whose inputs the records do not hold (the report says which and why)
 DIFFS = ("naive", "gap", "replay", "recompute", "user", "user_gap")
 BOUNDED = ("replay", "recompute", "user", "naive")
-FLAGS = ("replay_support", "recompute_support", "incomplete", "sampled_outside", "token_mismatch")
+FLAGS = ("replay_support", "recompute_support", "incomplete", "sampled_outside", "token_mismatch", "trainer_support")
 # Inputs a sequence may lack (parity.records.verdict names each and what it is for).
 INPUTS = ("kept", "replay", "recompute", "recompute_support", "full", "log_s", "user", "forced", "kl", "bound",
           "bound_full", "sampler_log_s")
@@ -423,6 +477,9 @@ class ScenarioAcc:
     drift_replay_max: float = -math.inf
     views: dict[str, ViewMatch] = field(default_factory=dict)
     first: dict[str, First] = field(default_factory=dict)
+    ratio: RatioStream = field(default_factory=RatioStream)  # the two log-prob columns' mean-bias gate
+    vocab_size: int = 0  # the records' stated vocabulary size (0: not stated)
+    dtypes: list[str] = field(default_factory=list)  # the stated dtypes of both sides ("" where not stated)
     unstepped: int = 0  # sequences without a training step (no step column, null or negative)
     steps: dict[int, StepAcc] = field(default_factory=dict)  # the training-log view, per step
 
@@ -460,6 +517,10 @@ class ScenarioAcc:
             self.ratios[k].merge(o.ratios[k])
         for k in FLAGS:
             self.first[k].merge(o.first[k])
+        self.ratio.merge(o.ratio)
+        self.vocab_size = max(self.vocab_size, o.vocab_size)
+        if self.dtypes != o.dtypes:  # files that state different dtypes: a side counts as not stated
+            self.dtypes = [a if a == b else "" for a, b in zip(self.dtypes or o.dtypes, o.dtypes or self.dtypes)]
         for k, v in o.views.items():
             self.views.setdefault(k, ViewMatch()).merge(v)
         merge_steps(self.steps, o.steps)
@@ -560,7 +621,7 @@ def _encode(s: Summary) -> dict[str, Any]:
         return {**plain, "worst": {"n": b.worst.n, "items": [[k, list(o), _pos(p)] for k, o, p in b.worst.items]},
                 "hist": [[int(i), int(b.hist[i])] for i in nz]}
 
-    nested = ("streams", "bounds", "ratios", "first", "lacking", "views", "steps")
+    nested = ("streams", "bounds", "ratios", "first", "lacking", "views", "steps", "ratio")
     groups = {}
     for k, a in s.groups.items():
         plain = {f: getattr(a, f) for f in a.__dataclass_fields__ if f not in nested}
@@ -574,6 +635,7 @@ def _encode(s: Summary) -> dict[str, Any]:
             "first": {n: {"n": f.n, "items": [[list(o), _pos(p)] for o, p in f.items]} for n, f in a.first.items()},
             "views": {n: [v.known, v.over, v.diff_sum] for n, v in a.views.items()},
             "steps": {str(step): acc.to_json() for step, acc in a.steps.items()},
+            "ratio": dict(a.ratio.__dict__),
         }
     return {
         "summary_version": SUMMARY_VERSION,
@@ -609,7 +671,7 @@ def _decode(data: dict[str, Any]) -> Summary:
                   columns=set(data["columns"]), ignored_columns=set(data["ignored_columns"]),
                   casts={k: CastNote(**c) for k, c in data.get("casts", {}).items()},
                   page_checksums=dict(data.get("page_checksums", {})))
-    nested = ("streams", "bounds", "ratios", "first", "lacking", "views", "steps")
+    nested = ("streams", "bounds", "ratios", "first", "lacking", "views", "steps", "ratio")
     for k, g in data["groups"].items():
         plain = {f: v for f, v in g.items() if f not in nested}
         plain["first_order"] = tuple(plain["first_order"])
@@ -622,5 +684,6 @@ def _decode(data: dict[str, Any]) -> Summary:
             first={n: First(f["n"], [(tuple(o), Position(**p)) for o, p in f["items"]]) for n, f in g["first"].items()},
             views={n: ViewMatch(*v) for n, v in g["views"].items()},
             steps={int(step): StepAcc.from_json(v) for step, v in g["steps"].items()},
+            ratio=RatioStream(**g["ratio"]),
         )
     return out

@@ -481,6 +481,7 @@ def summarize_batch(
     dtypes: tuple[str, str] = ("float32", "float32"),
     vocab_size: int | None = None,
     columns: Callable[[RecordsBatch], TokenColumns] | None = None,
+    stated_dtypes: tuple[str, str] | None = None,
 ) -> Summary:
     """The map step: one batch of records (a ``pyarrow.RecordBatch``/``Table`` or a validated
     :class:`~parity.records.format.RecordsBatch`) → its :class:`Summary`.
@@ -489,7 +490,8 @@ def summarize_batch(
     runs as-is on Ray Data (``map_batches(..., batch_format="pyarrow")``) or Spark (``mapInArrow``).
     ``dtypes``: the sampler's and the trainer's dtype (the mean-bias limit uses the looser roundoff);
     ``columns``: how the per-token values are obtained (default :func:`token_columns`; re-scoring with
-    a model passes its own, see :mod:`parity.pipeline`).
+    a model passes its own, see :mod:`parity.pipeline`); ``stated_dtypes``: the dtypes the records state
+    ("" where they do not; default ``dtypes``), for the two-column mean-bias gate's stated facts.
     """
     opts = options or Options()
     rb = batch if isinstance(batch, RecordsBatch) else validate_batch(batch, source=source, first_row=first_row)
@@ -510,6 +512,8 @@ def summarize_batch(
             first_order=(file_index, rb.first_row + int(rows[0]), 0),
             n_listed=opts.n_listed,
             roundoff=u,
+            vocab_size=int(vocab_size or 0),
+            dtypes=list(stated_dtypes if stated_dtypes is not None else dtypes),
         )
         _accumulate(acc, rb, cols, rows.astype(np.int64, copy=False), file_index)
         out.groups[gname] = acc
@@ -576,6 +580,13 @@ def _accumulate(acc: ScenarioAcc, rb: RecordsBatch, c: TokenColumns, rows: np.nd
         idx = np.flatnonzero(sel)
         diffs[name] = (idx, _finite_pair(a[idx], b[idx]))
         acc.streams[name].add(diffs[name][1])
+
+    # The two log-prob columns' mean-bias gate, and the sampled tokens outside the trainer's support.
+    idx = np.flatnonzero(usable & h["user"])
+    outside, other = acc.ratio.add(c.user[idx], c.vllm[idx], c.row[idx])
+    bad = idx[outside | other]
+    acc.first["trainer_support"].offer(np.ones(bad.size, dtype=bool), order(bad),
+                                       at(bad, values={"vllm": c.vllm, "trainer_under_test": c.user}))
 
     # The gated comparisons against the per-token bound (evaluate_summary).
     bsel = usable & h["bound"]

@@ -28,8 +28,11 @@ import numpy as np
 # rule's one home computes on tensors (the top_p bracket, replay from kept logits).
 from parity.core.error_model import (
     SUPPORT_MASS_TOL,
+    UNIT_ROUNDOFF,
+    WIDEST_VOCAB,
     log_s_signature,
     mean_bias_entry,
+    ratio_bias_entry,
 )
 from parity.core.gates import Thresholds, recompute_support_limit, split_verdict
 from parity.core.spec import SamplingSpec
@@ -62,6 +65,8 @@ GATE_INPUTS: dict[str, tuple[str, ...]] = {
     "recompute_mean_bias": ("recompute", "bound"),
     "trainer_under_test_drift": ("user", "bound"),
     "trainer_under_test_mean_bias": ("user", "bound"),
+    "logprob_mean_bias": ("user",),
+    "trainer_support": ("user",),
     "naive_vs_sampler_log_s": ("full", "bound", "bound_full", "sampler_log_s"),
     "replay_support": ("kept",),
     "recompute_support": ("recompute_support",),
@@ -70,6 +75,16 @@ GATE_INPUTS: dict[str, tuple[str, ...]] = {
     "token_mismatch": (),
 }
 GATES = tuple(GATE_INPUTS)
+# Gates of a trainer under test (the records' trainer_logprobs): where the records hold none they do not apply.
+USER_GATES = tuple(g for g, inputs in GATE_INPUTS.items() if "user" in inputs)
+# The mean-bias gates: a verdict is complete only with one of them (a log S bias moves only the mean).
+MEAN_GATES = ("replay_mean_bias", "recompute_mean_bias", "trainer_under_test_mean_bias", "logprob_mean_bias")
+# What supplies a mean-bias gate's inputs, for a scenario that has none (the no-verdict line).
+MEAN_GATE_SUPPLY = (
+    "trainer_logprobs (the trainer's log-prob of each sampled token, as a training run logs it: TRL's per-token "
+    "logps, verl's old_log_probs) for logprob_mean_bias; or parity analyze --model CKPT, which re-scores the tokens "
+    "for replay_mean_bias and recompute_mean_bias"
+)
 # Gates that judge the sequences that have their inputs (parity run gates the naive bias wherever a
 # sampler-side log S exists); the others need every sequence to have them.
 PARTIAL_OK = ("naive_vs_sampler_log_s",)
@@ -125,12 +140,95 @@ def diagnosis_text(close: Mapping[frozenset[str], bool], max_abs_diff: float, me
     return f"unexplained drift: max |diff| {max_abs_diff:.3g}, mean {mean_diff:.3g}"
 
 
-def _diagnosis(a: ScenarioAcc, mean_limit: float) -> str:
+def _diagnosis(a: ScenarioAcc, mean_limit: float, logprob: Mapping[str, Any] | None = None) -> str:
     u = a.streams["user"]
     if not a.views:
-        return "not diagnosed: " + REASONS["bound"]
+        if logprob is None:
+            return "not diagnosed: " + REASONS["bound"]
+        if abs(logprob["mean"]) > logprob["limit"]:
+            return logprob_bias_class(logprob, logprob["limit"])
+        return (f"no bias within the mean-bias resolution {logprob['limit']:.3g} per token (no per-token diagnosis: "
+                + REASONS["bound"] + ")")
     close = {frozenset(k.split("+")) if k else frozenset(): v.close(mean_limit) for k, v in a.views.items()}
     return diagnosis_text(close, u.max_abs if u.n else math.nan, u.total / u.n if u.n else math.nan)
+
+
+# "Nearly every token negative": the sign test's share that names a log S bias without the model. An
+# honest trainer's differences are negative at about half the tokens (a little more: their mean is -KL).
+NEARLY_ALL_NEGATIVE = 0.9
+
+
+def spec_log_s_range(spec: SamplingSpec, vocab: int) -> tuple[float, float]:
+    """The interval a position's log S (the log of the trainer's mass on the sampler's kept set) lies in
+    under ``spec``, from the filters alone: top_p keeps at least ``top_p`` of the mass, top_k at least
+    ``k / V``, min_p at least the top token's probability (at least ``1 / V``); 0 when nothing is filtered."""
+    e = spec.effective()
+    lo = 0.0
+    if e.uses_top_p:
+        lo += math.log(e.top_p)
+    if e.uses_top_k and e.top_k < vocab:
+        lo += math.log(e.top_k / vocab)
+    if e.uses_min_p:
+        lo += -math.log(vocab)
+    return lo, 0.0
+
+
+def _logprob_entry(a: ScenarioAcc) -> dict[str, Any] | None:
+    """The two-column mean-bias gate's numbers (:func:`parity.core.error_model.ratio_bias_entry`) with the
+    facts it assumed, the sign test and the count of tokens outside the trainer's support."""
+    r = a.ratio
+    sampler_dtype, trainer_dtype = (a.dtypes + ["", ""])[:2]
+    assumed = []
+    vocab = a.vocab_size
+    if not vocab:
+        vocab = WIDEST_VOCAB
+        assumed.append(f"vocab_size not stated: taken as {WIDEST_VOCAB:,} (the widest vocabulary in use); "
+                       f"records metadata vocab_size narrows the systematic allowance")
+    for side, dt in (("sampler", sampler_dtype), ("trainer", trainer_dtype)):
+        if not dt:
+            assumed.append(f"the {side}'s dtype not stated ({'dtype' if side == 'sampler' else 'trainer_dtype'} "
+                           f"metadata): its normalisation taken as a float32 sum, the widest in use")
+    spec = SamplingSpec(**a.spec)
+    e = spec.effective()
+    n_s = vocab
+    if e.uses_top_k:
+        n_s = min(e.top_k, vocab)
+    if a.captured and a.captured == a.tokens and not a.incomplete:
+        n_s = min(n_s, max(a.support_max, 1))
+    u = UNIT_ROUNDOFF["float64"] if sampler_dtype == trainer_dtype == "float64" else UNIT_ROUNDOFF["float32"]
+    out = ratio_bias_entry(tokens=r.tokens, sequences=r.sequences, e_sum=r.e_sum, e_sq=r.e_sq, seq_e_sq=r.seq_e_sq,
+                           seq_ne=r.seq_ne, seq_n_sq=r.seq_n_sq, d_sum=r.d_sum, lp_abs_sum=r.lp_abs_sum,
+                           sampler_support=n_s, trainer_support=vocab, accumulate_u=u)
+    if out is None:
+        return None
+    lo, hi = spec_log_s_range(spec, vocab)
+    source = "the spec's filters"
+    if a.s_n:
+        lo, hi, source = a.s_lo_sum / a.s_n, a.s_hi_sum / a.s_n, "the sampler-side log S"
+    out.update(negative_frac=r.negative / r.tokens, outside_support=r.outside, nonfinite=r.nonfinite,
+               log_s_range=[lo, hi], log_s_range_from=source, assumed=assumed,
+               stated={"vocab_size": a.vocab_size or None, "sampler_dtype": sampler_dtype or None,
+                       "trainer_dtype": trainer_dtype or None})
+    return out
+
+
+def logprob_bias_class(m: Mapping[str, Any], limit: float) -> str:
+    """The bug class of a failed two-column mean-bias gate, named without the model: a full-vocabulary
+    (log S) trainer when the bias sits in the log S range and nearly every token is negative."""
+    mean, neg = m["mean"], m["negative_frac"]
+    lo, hi = m["log_s_range"]
+    within = mean < 0 and lo - limit <= mean <= hi + limit
+    where = f"log S range [{lo:.3g}, {hi:.3g}] from {m['log_s_range_from']}"
+    if within and neg >= NEARLY_ALL_NEGATIVE:
+        return (f"a full-vocabulary (log S) trainer: the bias {mean:.3g} lies in the {where} and {neg:.1%} of tokens "
+                f"are negative; " + BUGS["full_vocabulary"])
+    if within:
+        return (f"consistent with a full-vocabulary (log S) trainer: the bias {mean:.3g} lies in the {where}, but only "
+                f"{neg:.1%} of tokens are negative (without the model another bias that lowers every token reads the "
+                f"same)")
+    side = "more" if mean > 0 else "less"
+    return (f"a per-token bias of {mean:.3g} that log S does not explain (outside the {where}): the trainer gives the "
+            f"sampled tokens {side} probability than the sampler ({neg:.1%} of tokens negative)")
 
 
 def _scenario_report(a: ScenarioAcc, name: str) -> dict[str, Any]:
@@ -179,6 +277,7 @@ def _scenario_report(a: ScenarioAcc, name: str) -> dict[str, Any]:
         headroom["trainer_under_test"] = b["user"].headroom if with_bound else None
         # The allowance for averaging comes from replay's spread, not the trainer's own.
         means["trainer_under_test"] = entry("user", "replay", "user")
+        means["logprob"] = _logprob_entry(a)
     limits: dict[str, Any] = {k: None if v is None else v["limit"] for k, v in means.items()}
     sources = [x for x in a.s_sources if x != "none"]
     out: dict[str, Any] = {
@@ -245,7 +344,7 @@ def _scenario_report(a: ScenarioAcc, name: str) -> dict[str, Any]:
             **u,
             "max_abs_gap_to_log_s": s["user_gap"].max_abs if s["user_gap"].n else NA,
             "diagnosis": _diagnosis(a, limits["trainer_under_test"] if limits["trainer_under_test"] is not None
-                                    else math.inf),
+                                    else math.inf, means["logprob"]),
         }
     out["captured_positions"] = a.captured
     out["max_support_size"] = a.support_max if a.captured else None
@@ -266,7 +365,7 @@ def _scenario_report(a: ScenarioAcc, name: str) -> dict[str, Any]:
         )
     not_eval = []
     for gate in GATES:
-        if gate.startswith("trainer_under_test") and not avail["user"]:
+        if gate in USER_GATES and not avail["user"]:
             continue  # no trainer under test in these records: its gates do not apply (nor pass)
         inputs = GATE_INPUTS[gate]
         have = (all(avail[k] for k in inputs) and a.s_n > 0) if gate in PARTIAL_OK else full_input(*inputs)
@@ -399,6 +498,7 @@ def evaluate_summary(sc: dict[str, Any], a: ScenarioAcc, th: Thresholds) -> list
         label = f"trainer {ut['name']!r} ({ut['diagnosis']})"
         drift_gate("trainer_under_test_drift", label, "user")
         mean_gate("trainer_under_test_mean_bias", label, "user")
+        logprob_gates(sc, a, th, out, skip)
     naive_h = head.get("naive_vs_sampler_log_s")
     if "naive_vs_sampler_log_s" not in skip and naive_h is not None and _over(naive_h, th.max_headroom):
         source = sc["sampler_log_s"]["source"]
@@ -447,6 +547,32 @@ def evaluate_summary(sc: dict[str, Any], a: ScenarioAcc, th: Thresholds) -> list
     return out
 
 
+def logprob_gates(sc: dict[str, Any], a: ScenarioAcc, th: Thresholds, out: list[Violation], skip: set[str]) -> None:
+    """The gates of the two log-prob columns alone: ``logprob_mean_bias`` (the log of the mean IS ratio
+    against its resolution) and ``trainer_support`` (sampled tokens the trainer gives no probability)."""
+    ut, m = sc["trainer_under_test"], sc["mean_bias"].get("logprob")
+    who = f"trainer {ut['name']!r}"
+    if "logprob_mean_bias" not in skip and m is not None:
+        allowed = th.mean_bias_headroom * m["limit"]
+        if _over(abs(m["mean"]), allowed):
+            out.append(Violation(
+                "logprob_mean_bias", sc["name"], abs(m["mean"]), allowed, f"{who} |log mean IS ratio|",
+                detail=(f"{logprob_bias_class(m, allowed)}. mean(trainer - sampler) = {m['mean_diff']:.3g}, log mean "
+                        f"exp(trainer - sampler) = {m['mean']:.3g} over {m['tokens']} tokens in {m['sequences']} "
+                        f"sequences; resolution {allowed:.3g} = systematic {m['systematic']:.3g} + "
+                        f"{m['statistical']:.3g} ({m['standard_error_from']})"),
+            ))
+    r = a.ratio
+    bad = r.outside + r.nonfinite
+    if "trainer_support" not in skip and _over(bad, th.max_trainer_support_failures):
+        extra = f"; {r.nonfinite} other non-finite pair(s) (NaN, +inf or a sampler -inf)" if r.nonfinite else ""
+        out.append(Violation(
+            "trainer_support", sc["name"], bad, th.max_trainer_support_failures, f"{who}: sampled tokens without a finite log-prob",
+            worst=a.first["trainer_support"].positions(th.max_violations_listed),
+            detail=f"sampled token outside the trainer's support: {r.outside} tokens (trainer -inf, sampler finite){extra}",
+        ))
+
+
 def trend_violation(sc: dict[str, Any], out: list[Violation], skip: set[str]) -> None:
     """``drift_trend``: the verdict :func:`parity.records.steps.drift_trend` gave, as a violation naming the
     first step above the band of the first steps."""
@@ -485,6 +611,15 @@ def drift_headroom_hist(a: ScenarioAcc) -> dict[str, Any]:
     return out
 
 
+def no_verdict_line(sc: Mapping[str, Any], judged: bool) -> str:
+    """Why a scenario has no mean-bias gate (and, when ``judged`` is false, no gate at all): the columns it
+    lacks and what supplies them."""
+    n_lack, n = sc["lacking_inputs"].get("user", 0), sc["sequences"]
+    which = "" if n_lack >= n else f" in {n_lack} of {n} sequences"
+    head = "no gate could be evaluated" if not judged else "no mean-bias gate could be evaluated"
+    return f"{head} on {sc['name']!r}: the records lack trainer_logprobs{which}; add " + MEAN_GATE_SUPPLY
+
+
 def finalize(
     summary: Summary, th: Thresholds, *, trainer_name: str | None = None
 ) -> list[dict[str, Any]]:
@@ -499,24 +634,19 @@ def finalize(
             sc["trainer_under_test"]["name"] = trainer_name or "trainer"
         violations = evaluate_summary(sc, a, th)
         skipped = {g["gate"] for g in sc["not_evaluated"]}
-        evaluated = [g for g in GATES if g not in skipped
-                     and ("trainer_under_test" in sc or not g.startswith("trainer_under_test"))]
+        evaluated = [g for g in GATES if g not in skipped and ("trainer_under_test" in sc or g not in USER_GATES)]
         if sc["trend"] is not None and sc["trend"]["evaluated"]:
             evaluated.append(TREND_GATE)
         # Support gates over no captured position hold by definition (S_q is the vocabulary), and the
         # token check holds by the format's definition unless trainer_token_ids says otherwise: they judge nothing.
         judged = [g for g in evaluated if g == TREND_GATE or GATE_INPUTS[g] not in (("kept",), ())
                   or (sc["captured_positions"] and g != "token_mismatch")]
-        if not judged:
-            violations.append(Violation(
-                "records_inputs", name, 0, 1, "gates the records could evaluate", "<",
-                detail="no gate could be evaluated on these records: " + "; ".join(
-                    f"{x['gate']}: {x['reason']}" for x in sc["not_evaluated"][:3]
-                ) + (" ..." if len(sc["not_evaluated"]) > 3 else ""),
-            ))
         sc["gates_evaluated"] = evaluated
+        sc["mean_bias_evaluated"] = any(g in evaluated for g in MEAN_GATES)
+        sc["no_verdict"] = None if sc["mean_bias_evaluated"] else no_verdict_line(sc, bool(judged))
         violations, reference = split_verdict(violations, trainer_under_test="trainer_under_test" in sc)
-        sc["verdict"] = "fail" if violations else "pass"
+        # Nothing judged: the scenario neither passes nor fails (its no_verdict line says what would judge it).
+        sc["verdict"] = "fail" if violations else ("pass" if judged else "none")
         sc["violations"] = violations
         sc["reference_violations"] = reference
         sc["drift_headroom"] = drift_headroom_hist(a)

@@ -112,13 +112,16 @@ def steps_section(report: dict[str, Any]) -> list[str]:
 def _headline(report: dict[str, Any]) -> str:
     """The verdict line; a records analysis that could not evaluate every gate says its PASS covers the others."""
     sc = report["scenarios"]
-    n_fail = sum(s["verdict"] == "fail" for s in sc)
+    n_pass = sum(s["verdict"] == "pass" for s in sc)
     skipped = sorted({g for s in sc for g in overview.not_evaluated(s)})
     where = sum(bool(overview.not_evaluated(s)) for s in sc)
+    if report.get("verdict") == "none":
+        return (f"**NO VERDICT** — nothing failed, but {len(report['no_verdict'])} scenario(s) had no mean-bias gate "
+                f"(exit 4): " + " ".join(report["no_verdict"][:2]))
     if not skipped:
-        return f"**{'PASS' if report['passed'] else 'FAIL'}** — {len(sc) - n_fail}/{len(sc)} scenarios pass."
+        return f"**{'PASS' if report['passed'] else 'FAIL'}** — {n_pass}/{len(sc)} scenarios pass."
     verdict = "PASS on the gates evaluated" if report["passed"] else "FAIL"
-    return (f"**{verdict}** — {len(sc) - n_fail}/{len(sc)} scenarios pass; {len(skipped)} gate(s) were not evaluated "
+    return (f"**{verdict}** — {n_pass}/{len(sc)} scenarios pass; {len(skipped)} gate(s) were not evaluated "
             f"in {where} scenario(s) and neither pass nor fail (see \"Gates not evaluated\").")
 
 

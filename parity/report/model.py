@@ -140,6 +140,8 @@ class Scenario:
     violations: list[Violation]
     reference_violations: list[Violation]
     trainer_under_test: Block | None = None
+    mean_bias_evaluated: bool = True  # a mean-bias gate was evaluated (without one the verdict is incomplete)
+    no_verdict: str | None = None  # why not: what the records lack and what supplies it
     # What the producer adds (parity.pipeline.REPORT_FACTS): the model, the capture, dtypes, the RL view.
     model: str | None = None
     capture_plan: CaptureStats | None = None
@@ -180,6 +182,8 @@ class Report:
     passed: bool
     complete: bool
     not_evaluated: list[Block]
+    verdict: str = "pass"  # pass, fail, or none (nothing failed, but a scenario had no mean-bias gate)
+    no_verdict: list[str] = field(default_factory=list)
     timings: Block = field(default_factory=dict)
     plots: list[str] | None = None
     determinism: Block | None = None  # parity run --invariance: the invariance checks

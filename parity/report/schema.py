@@ -19,7 +19,7 @@ from parity.report.markdown import render_markdown
 from parity.report.model import Report
 from parity.report.plots import write_plots
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 DETERMINISM_ENV = (
     "VLLM_BATCH_INVARIANT",
     "VLLM_ENABLE_V1_MULTIPROCESSING",
@@ -121,7 +121,9 @@ def report_schema() -> dict[str, Any]:
             "recompute": {**diff, "required": diff["required"] + ["forced_includes"]},
             "is_ratio": {"type": "object"},
             "incomplete_positions": {"type": "integer", "minimum": 0},
-            "verdict": {"enum": ["pass", "fail"]},
+            "verdict": {"enum": ["pass", "fail", "none"]},
+            "mean_bias_evaluated": {"type": "boolean"},
+            "no_verdict": {"type": ["string", "null"]},
             "violations": {"type": "array", "items": VIOLATION_SCHEMA},
             # With a trainer under test: parity's own estimators' violations, reported beside its verdict.
             "reference_violations": {"type": "array", "items": VIOLATION_SCHEMA},
@@ -168,6 +170,9 @@ def report_schema() -> dict[str, Any]:
             "environment": {"type": "object", "required": ["vllm", "torch", "transformers", "device", "dtype", "determinism"]},
             "scenarios": {"type": "array", "items": scenario},
             "passed": {"type": "boolean"},
+            # pass, fail, or none: nothing failed but a scenario had no mean-bias gate (exit 4)
+            "verdict": {"enum": ["pass", "fail", "none"]},
+            "no_verdict": {"type": "array", "items": {"type": "string"}},
             # parity analyze: passed covers the gates evaluated; complete says whether that was every gate.
             "complete": {"type": "boolean"},
             "not_evaluated": {

@@ -277,10 +277,11 @@ def test_sampler_and_trainer_log_probs_only(tmp_path: Path) -> None:
     assert plain["log_s"]["mean"] == 0.0 and "replay_support" in plain["gates_evaluated"]
 
 
-def test_nothing_to_judge_fails_with_the_reasons(tmp_path: Path) -> None:
+def test_nothing_to_judge_is_no_verdict_with_the_reasons(tmp_path: Path) -> None:
     side = run_side(FILTERED[:1])
     (sc,) = scenarios(rewrite(rows_of(side, tmp_path), tmp_path / "n.parquet", keep=set()))
-    assert sc["verdict"] == "fail" and "no gate could be evaluated" in sc["violations"][-1]["message"]
+    assert sc["verdict"] == "none" and not sc["violations"] and not sc["mean_bias_evaluated"]
+    assert "no gate could be evaluated" in sc["no_verdict"] and "trainer_logprobs" in sc["no_verdict"]
 
 
 def test_partly_missing_inputs_are_counted(tmp_path: Path) -> None:

@@ -55,6 +55,8 @@ def chunk(n_seq: int, length: int, k: int, vocab: int, rng: np.random.Generator,
         "trainer_full_logprobs": _lists(tok_off, sampled + log_s, pa.float32()),
         "trainer_replay_logprobs": _lists(tok_off, sampled, pa.float32()),
         "trainer_log_s": _lists(tok_off, log_s, pa.float32()),
+        # What a training run logs: the trainer's log-prob of each sampled token (here a correct one's).
+        "trainer_logprobs": _lists(tok_off, sampled.astype(np.float64), pa.float64()),
     }
     return pa.table(data)
 

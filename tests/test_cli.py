@@ -185,9 +185,7 @@ def test_analyze_without_a_model_imports_neither_torch_nor_pandas(plots: bool, t
     import records_synth
 
     path = records_synth.write_file(tmp_path / "r.parquet", 2048, k=8, vocab=512, length=64)
-    # The file holds kept sets and replay values without a bound (no mean-bias gate): --accept-partial takes the
-    # support gates' verdict (without it: exit 4, no verdict).
-    argv = ["analyze", str(path), "--out", str(tmp_path / "out"), "--accept-partial", *([] if plots else ["--no-plots"])]
+    argv = ["analyze", str(path), "--out", str(tmp_path / "out"), *([] if plots else ["--no-plots"])]
     proc = subprocess.run(
         [sys.executable, "-c", ANALYZE, json.dumps(argv)], cwd=Path(__file__).resolve().parents[1],
         capture_output=True, text=True, timeout=300,

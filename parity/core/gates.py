@@ -31,8 +31,8 @@ class Thresholds:
     max_incomplete_frac: float = 0.0
     max_sampled_outside: int = 0
     max_token_mismatch: int = 0
-    max_trainer_support_failures: int = 0
     max_violations_listed: int = 5
+    max_trainer_support_failures: int = 0  # sampled tokens the trainer gives no probability (-inf) or NaN
 
     def __post_init__(self) -> None:
         for f in fields(self):

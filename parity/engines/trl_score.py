@@ -157,3 +157,58 @@ def write_capture_report(sequences: Sequence[dict[str, Any]], out: str | Path, *
     report = score_capture(sequences, label=label)
     write_report(report, Path(out), plots=plots)
     return report
+
+
+def logged_columns(sequences: Sequence[dict[str, Any]]) -> tuple[Any, int]:
+    """The capture as a run's own logs: a pyarrow table of the records format's minimal columns (README, "judge
+    your run's logs"), the sampler's and TRL's IS numerator's log-prob of each token TRL's mask keeps, one
+    row per sequence with its step; and the count of masked-out tokens dropped."""
+    import json
+
+    import pyarrow as pa
+
+    rows, dropped = [], 0
+    for s in sequences:
+        if s.get("sampling_logps") is None:
+            raise UsageError(f"sequence {s['index']} of step {s['step']} has no sampler log-probs (TRL got none from vLLM)")
+        m = s["mask"].bool()
+        dropped += int((~m).sum())
+        if not bool(m.any()):
+            continue
+        spec = SamplingSpec.from_dict(s["spec"])
+        rows.append({"schema_version": 1, "prompt_ids": list(s["prompt_ids"]),
+                     "completion_ids": [int(t) for t, k in zip(s["completion_ids"], m.tolist(), strict=True) if k],
+                     "temperature": spec.temperature, "top_k": spec.top_k, "top_p": spec.top_p, "min_p": spec.min_p,
+                     "step": int(s["step"]), "sampler_logprobs": s["sampling_logps"][m].float().tolist(),
+                     "trainer_logprobs": s["is_logps"][m].double().tolist()})
+    vocab = next((int(s["logits"].shape[-1]) for s in sequences if s.get("logits") is not None), None)
+    meta = {"schema_version": 1, "sampler": "vLLM", "dtype": str(sequences[0]["sampler_dtype"]) if sequences else None,
+            "trainer_dtype": "float32", **({"vocab_size": vocab} if vocab else {})}
+    schema = pa.schema([("schema_version", pa.int32()), ("prompt_ids", pa.list_(pa.int32())),
+                        ("completion_ids", pa.list_(pa.int32())), ("temperature", pa.float64()), ("top_k", pa.int64()),
+                        ("top_p", pa.float64()), ("min_p", pa.float64()), ("step", pa.int64()),
+                        ("sampler_logprobs", pa.list_(pa.float32())), ("trainer_logprobs", pa.list_(pa.float64()))],
+                       metadata={"parity.records": json.dumps(meta)})
+    return pa.Table.from_pylist(rows, schema=schema), dropped
+
+
+def judge_logged(sequences: Sequence[dict[str, Any]], *, thresholds: Thresholds | None = None) -> dict[str, Any]:
+    """The verdict of TRL's logged per-token tensors alone (no logits, no kept set): the scenario entry of the
+    two-column gates (``logprob_mean_bias``, ``trainer_support``), as ``parity analyze`` gives it on those
+    logs, with ``masked_tokens``."""
+    import json
+
+    from parity.pipeline import batch_summarizer
+    from parity.records.accumulators import Summary
+    from parity.records.columns import Options
+    from parity.records.verdict import finalize
+
+    table, dropped = logged_columns(sequences)
+    meta = json.loads(table.schema.metadata[b"parity.records"])
+    dtype = meta.get("dtype") or "bfloat16"
+    th = thresholds or Thresholds.for_dtype(dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16")
+    summary = Summary().merge(batch_summarizer(meta, 0, Options(n_listed=th.max_violations_listed))(table))
+    (sc,) = finalize(summary, th, trainer_name=TRAINER_UNDER_TEST)
+    sc["violations"] = [v.to_dict() for v in sc["violations"]]
+    sc["masked_tokens"] = dropped
+    return sc

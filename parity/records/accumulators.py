@@ -419,7 +419,9 @@ class RatioStream:
 NA = "n/a"  # a statistic whose inputs the records do not hold (the report says which and why)
 DIFFS = ("naive", "gap", "replay", "recompute", "user", "user_gap")
 BOUNDED = ("replay", "recompute", "user", "naive")
-FLAGS = ("replay_support", "recompute_support", "incomplete", "sampled_outside", "token_mismatch", "trainer_support")
+FLAGS = ("replay_support", "recompute_support", "incomplete", "sampled_outside", "token_mismatch")
+# The first positions kept per flag, and per two-column gate (the tokens outside the trainer's support).
+FIRSTS = (*FLAGS, "trainer_support")
 # Inputs a sequence may lack (parity.records.verdict names each and what it is for).
 INPUTS = ("kept", "replay", "recompute", "recompute_support", "full", "log_s", "user", "forced", "kl", "bound",
           "bound_full", "sampler_log_s")
@@ -488,7 +490,7 @@ class ScenarioAcc:
             self.streams.setdefault(s, DiffStream())
         for s in BOUNDED:
             self.bounds.setdefault(s, BoundStream(worst=Worst(self.n_listed)))
-        for f in FLAGS:
+        for f in FIRSTS:
             self.first.setdefault(f, First(self.n_listed))
 
     SUMS = ("sequences", "tokens", "compared", "log_s_n", "replay_ok", "replay_n", "recompute_eq", "recompute_n", "forced",
@@ -515,7 +517,7 @@ class ScenarioAcc:
             self.bounds[k].merge(o.bounds[k])
         for k in self.ratios:
             self.ratios[k].merge(o.ratios[k])
-        for k in FLAGS:
+        for k in FIRSTS:
             self.first[k].merge(o.first[k])
         self.ratio.merge(o.ratio)
         self.vocab_size = max(self.vocab_size, o.vocab_size)

@@ -12,6 +12,7 @@ from parity.core.matrix import DEFAULT_PEAKED_FIXTURE, Matrix, Scenario, default
 from parity.core.spec import SamplingSpec
 from parity.core.table import TrainerFaults
 from parity.engines.session import EnginePool, check_same_vocabulary
+from parity.report.schema import SCHEMA_VERSION
 from parity.run import RunConfig, run, score_scenario
 
 pytestmark = pytest.mark.e2e
@@ -78,7 +79,7 @@ def test_report_files_and_schema(report) -> None:
     out = report["_out"]
     data = json.loads((out / "report.json").read_text())
     jsonschema.validate(data, report_schema())
-    assert data["schema_version"] == 2
+    assert data["schema_version"] == SCHEMA_VERSION
     md = (out / "report.md").read_text()
     assert md.startswith("# parity report") and "PASS" in md
     for png in ("drift_hist.png", "log_s_bias.png"):

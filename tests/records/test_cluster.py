@@ -54,7 +54,8 @@ def _with_values(table: pa.Table, column: str, at: list[tuple[int, int, float]],
 
 def shard_table(n_seq: int, k: int, seed: int, first_prompt: int, *, prompt_index: bool, extra: bool) -> pa.Table:
     rng = np.random.default_rng(seed)
-    t = records_synth.chunk(n_seq, LENGTH, k, VOCAB, rng, first_prompt=first_prompt)
+    # parity's own estimators judged (no trainer under test, whose verdict would set replay's gates aside)
+    t = records_synth.chunk(n_seq, LENGTH, k, VOCAB, rng, first_prompt=first_prompt).drop_columns(["trainer_logprobs"])
     offsets = pa.array(np.arange(n_seq + 1, dtype=np.int32) * LENGTH)
     for name in ("trainer_bound", "trainer_bound_full"):
         bound = pa.array(1e-6 * (1.0 + rng.random(n_seq * LENGTH)))

@@ -84,6 +84,9 @@ def relations_trl_grpo_top_p(res) -> None:
     for r in res.rows:
         assert r["err_steps_max"] <= 0 and r["after_steps_over"] <= 0
     assert any(r["filtered"] and r["trl_before"] > r["bound"] for r in res.rows)
+    # The verdict from TRL's logged tensors alone: the mean-bias gate fails TRL as shipped, passes it patched.
+    assert all(r["gate_before"] == "fail" for r in res.rows if r["filtered"])
+    assert all(r["gate_after"] == "pass" for r in res.rows)
 
 
 def relations_trl_weight_sync(res) -> None:

@@ -35,7 +35,7 @@ from parity.core.gates import (
 from parity.core.violation import Position, Violation
 from parity.records.accumulators import FLAGS, ScenarioAcc
 from parity.records.steps import TREND_GATE, DriftTrend
-from parity.records.verdict import GATES, _scaled, _scenario_report, evaluate_summary, trend_violation
+from parity.records.verdict import GATES, _logprob_entry, _scaled, _scenario_report, evaluate_summary, trend_violation
 
 NAN = math.nan
 SC = "scen"
@@ -104,6 +104,7 @@ def report(a: ScenarioAcc, **over: Any) -> dict[str, Any]:
                      "naive_vs_sampler_log_s": b["naive"].headroom if b["naive"].n else None,
                      "trainer_under_test": b["user"].headroom},
         "mean_bias_limit": {"replay": 1e-3, "recompute": 1e-3, "trainer_under_test": 1e-3},
+        "mean_bias": {"logprob": _logprob_entry(a)},
         "replay": {"support_equal_frac": a.replay_ok / a.replay_n if a.replay_n else 1.0},
         "recompute": {"support_equal_frac": a.recompute_eq / a.recompute_n if a.recompute_n else 1.0},
         "incomplete_positions": a.incomplete,
@@ -458,7 +459,7 @@ PER_STEP = [{"step": s, "mean_abs_diff": m}
             for s, m in enumerate([0.011, 0.0112, 0.0109, 0.0113, 0.0118, 0.0145, 0.0139, 0.0152])]
 ORDER = [
     "replay_drift", "recompute_drift", "replay_mean_bias", "recompute_mean_bias", "trainer_under_test_drift",
-    "trainer_under_test_mean_bias", "naive_vs_sampler_log_s", "replay_support", "recompute_support",
+    "trainer_under_test_mean_bias", "logprob_mean_bias", "trainer_support", "naive_vs_sampler_log_s", "replay_support", "recompute_support",
     "incomplete_capture", "sampled_outside", TREND_GATE, "token_mismatch",
 ]
 
@@ -473,6 +474,10 @@ def everything_over() -> ScenarioAcc:
     a.s_n = 4  # positions with a sampler-side log S, as _accumulate counts them
     for f in FLAGS:
         flag(a, f, [T, F, F, F])
+    # The two log-prob columns: the trainer 1.0 above the sampler at rows 1-3, outside its support at row 0.
+    trainer = np.concatenate([[-np.inf], v[1:] + 1.0])
+    outside, _ = a.ratio.add(trainer, v, np.zeros(4, dtype=np.int64))
+    a.first["trainer_support"].offer(outside, lambda i: (0, 0, i), lambda i: pos(i))
     return a
 
 
@@ -581,6 +586,7 @@ def test_override_messages() -> None:
     names = [
         "max_headroom", "mean_bias_headroom", "replay_support_equal_frac", "recompute_support_equal_frac",
         "max_incomplete_frac", "max_sampled_outside", "max_token_mismatch", "max_violations_listed",
+        "max_trainer_support_failures",
     ]
     assert str(info.value) == f"unknown threshold(s) ['aa', 'zz']: allowed {names}"
     assert list(Thresholds().to_dict()) == names

@@ -237,6 +237,8 @@ def mean_bias_entry(n: int, mean: float, systematic_mean: float, spread_sd: floa
 MIN_SEQUENCES_FOR_SE = 8
 # The widest vocabulary in use (Gemma 3's 262,144), taken when the records do not state vocab_size.
 WIDEST_VOCAB = 262_144
+# The sign test judges a one-signed shift only: "nearly every token" below its systematic allowance.
+NEARLY_ALL_NEGATIVE = 0.9
 
 
 def normalisation_allowance(n: int, u: float) -> float:
@@ -246,9 +248,53 @@ def normalisation_allowance(n: int, u: float) -> float:
     return MEAN_BIAS_Z * math.sqrt(max(int(n), 1)) * u
 
 
+def stated_facts(vocab_size: int, sampler_dtype: str, trainer_dtype: str, top_k: int) -> dict[str, Any]:
+    """What the two-column gate takes from the records' stated facts (``""`` / 0: not stated): the vocabulary
+    (the widest in use when not stated), each side's normalisation size, the accumulator's roundoff, the
+    per-token allowance of both normalisations, and what was assumed."""
+    assumed = []
+    vocab = vocab_size
+    if not vocab:
+        vocab = WIDEST_VOCAB
+        assumed.append(f"vocab_size not stated: taken as {WIDEST_VOCAB:,} (the widest vocabulary in use); "
+                       f"records metadata vocab_size narrows the systematic allowance")
+    for side, key, dt in (("sampler", "dtype", sampler_dtype), ("trainer", "trainer_dtype", trainer_dtype)):
+        if not dt:
+            assumed.append(f"the {side}'s dtype not stated ({key} metadata): its normalisation taken as a float32 "
+                           f"sum, the widest in use")
+    u = UNIT_ROUNDOFF["float64"] if sampler_dtype == trainer_dtype == "float64" else UNIT_ROUNDOFF["float32"]
+    n_s = min(top_k, vocab) if top_k > 0 else vocab
+    return {"vocab": vocab, "sampler_support": n_s, "u": u, "assumed": assumed,
+            "allowance": normalisation_allowance(n_s, u) + normalisation_allowance(vocab, u)}
+
+
+def sign_test(*, tokens: int, effective_n: float, d_sum: float, d_sq: float, negative: int,
+              positive: int) -> dict[str, Any]:
+    """The sign part of the two-column gate: of the tokens whose difference lies beyond its systematic
+    allowance, the share below it, against the share an honest drift gives.
+
+    An honest drift ``d ~ N(-s^2 / 2, s^2)`` (its mean is -KL) is negative with probability ``Phi(s / 2)``;
+    the part fails when the share is at least ``NEARLY_ALL_NEGATIVE`` and ``MEAN_BIAS_Z`` standard errors
+    above that, the standard error inflated by the mean part's design effect (tokens of a sequence are not
+    independent). A log S bias puts nearly every token below zero whatever log S's own spread.
+    """
+    m = negative + positive
+    n = max(tokens, 1)
+    sd = math.sqrt(max(d_sq / n - (d_sum / n) ** 2, 0.0))
+    honest = 0.5 * (1.0 + math.erf(sd / 2.0 / math.sqrt(2.0)))
+    deff = max(n / effective_n, 1.0) if effective_n > 0 else float(n)
+    se = math.sqrt(honest * (1.0 - honest) * deff / m) if m else math.inf
+    share = negative / m if m else 0.0
+    z = (share - honest) / se if m and se > 0 else (math.inf if m and share > honest else 0.0)
+    limit = max(NEARLY_ALL_NEGATIVE, honest + MEAN_BIAS_Z * se)
+    return {"beyond_allowance": m, "negative_share": share, "honest_share": honest, "z": z, "limit": limit,
+            "failed": bool(m and share >= NEARLY_ALL_NEGATIVE and z > MEAN_BIAS_Z)}
+
+
 def ratio_bias_entry(
     *, tokens: int, sequences: int, e_sum: float, e_sq: float, seq_e_sq: float, seq_ne: float, seq_n_sq: float,
     d_sum: float, lp_abs_sum: float, sampler_support: int, trainer_support: int, accumulate_u: float,
+    d_sq: float = 0.0, beyond_negative: int = 0, beyond_positive: int = 0,
 ) -> dict[str, Any] | None:
     """The mean-bias gate of two log-prob columns, from mergeable sums of ``e = expm1(d)``,
     ``d = trainer - sampler`` over the finite tokens.
@@ -280,7 +326,9 @@ def ratio_bias_entry(
                   + normalisation_allowance(trainer_support, accumulate_u)
                   + 2.0 * UNIT_ROUNDOFF["float32"] * lp_abs_sum / n)
     statistical = MEAN_BIAS_Z * se_b
-    return {"mean": mean, "limit": systematic + statistical, "systematic": systematic, "statistical": statistical,
+    sign = sign_test(tokens=n, effective_n=effective_n, d_sum=d_sum, d_sq=d_sq, negative=beyond_negative,
+                     positive=beyond_positive)
+    return {"sign_test": sign, "mean": mean, "limit": systematic + statistical, "systematic": systematic, "statistical": statistical,
             "spread_sd": math.sqrt(var), "tokens": n, "sequences": sequences, "mean_diff": d_sum / n,
             "kl_estimate": mean - d_sum / n, "standard_error": se_b, "effective_n": effective_n,
             "standard_error_from": method, "sampler_support": int(sampler_support),

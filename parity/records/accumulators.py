@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from parity.core.error_model import stated_facts
+from parity.core.spec import SamplingSpec
 from parity.core.violation import Position
 from parity.errors import UsageError
 from parity.records.steps import StepAcc, merge_steps
@@ -376,13 +378,19 @@ class RatioStream:
     seq_ne: float = 0.0
     seq_n_sq: float = 0.0
     d_sum: float = 0.0
+    d_sq: float = 0.0
     lp_abs_sum: float = 0.0
     negative: int = 0
+    beyond_negative: int = 0  # tokens below minus their systematic allowance (the sign test's counts)
+    beyond_positive: int = 0
     outside: int = 0  # trainer -inf at a token the sampler gave probability: outside the trainer's support
     nonfinite: int = 0  # any other non-finite pair (NaN, +inf, a sampler -inf)
 
-    def add(self, trainer: np.ndarray, sampler: np.ndarray, row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """One batch's compared tokens; returns the masks (outside the support, other non-finite)."""
+    def add(self, trainer: np.ndarray, sampler: np.ndarray, row: np.ndarray,
+            allowance: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+        """One batch's compared tokens; ``allowance``: the per-token systematic allowance beyond which a
+        difference counts for the sign test (plus ``2 u32 |lp|``). Returns the masks (outside the support,
+        other non-finite)."""
         with np.errstate(invalid="ignore", over="ignore"):
             d = trainer - sampler
         fin = np.isfinite(d)
@@ -407,8 +415,13 @@ class RatioStream:
             self.seq_ne += float((n_f * e_i).sum())
         self.seq_n_sq += float((n_f * n_f).sum())
         self.d_sum += float(d.sum())
-        self.lp_abs_sum += float(np.abs(sampler[fin]).sum())
+        self.d_sq += float((d * d).sum())
+        lp_abs = np.abs(sampler[fin])
+        self.lp_abs_sum += float(lp_abs.sum())
         self.negative += int((d < 0).sum())
+        a = allowance + 2.0 * 2.0**-24 * lp_abs
+        self.beyond_negative += int((d < -a).sum())
+        self.beyond_positive += int((d > a).sum())
         return outside, other
 
     def merge(self, o: RatioStream) -> None:
@@ -492,6 +505,12 @@ class ScenarioAcc:
             self.bounds.setdefault(s, BoundStream(worst=Worst(self.n_listed)))
         for f in FIRSTS:
             self.first.setdefault(f, First(self.n_listed))
+
+    def facts(self) -> dict[str, Any]:
+        """The stated facts the two-column gate uses (:func:`parity.core.error_model.stated_facts`)."""
+        e = SamplingSpec(**self.spec).effective()
+        sampler_dtype, trainer_dtype = (self.dtypes + ["", ""])[:2]
+        return stated_facts(self.vocab_size, sampler_dtype, trainer_dtype, e.top_k if e.uses_top_k else 0)
 
     SUMS = ("sequences", "tokens", "compared", "log_s_n", "replay_ok", "replay_n", "recompute_eq", "recompute_n", "forced",
             "kl_n", "incomplete", "sampled_outside", "token_mismatch", "captured", "support_sum", "mass_off", "bound_n",

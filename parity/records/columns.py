@@ -583,7 +583,7 @@ def _accumulate(acc: ScenarioAcc, rb: RecordsBatch, c: TokenColumns, rows: np.nd
 
     # The two log-prob columns' mean-bias gate, and the sampled tokens outside the trainer's support.
     idx = np.flatnonzero(usable & h["user"])
-    outside, other = acc.ratio.add(c.user[idx], c.vllm[idx], c.row[idx])
+    outside, other = acc.ratio.add(c.user[idx], c.vllm[idx], c.row[idx], acc.facts()["allowance"])
     bad = idx[outside | other]
     acc.first["trainer_support"].offer(np.ones(bad.size, dtype=bool), order(bad),
                                        at(bad, values={"vllm": c.vllm, "trainer_under_test": c.user}))

@@ -28,6 +28,7 @@ import numpy as np
 # rule's one home computes on tensors (the top_p bracket, replay from kept logits).
 from parity.core.error_model import (
     SUPPORT_MASS_TOL,
+    NEARLY_ALL_NEGATIVE,
     UNIT_ROUNDOFF,
     WIDEST_VOCAB,
     log_s_signature,
@@ -145,17 +146,12 @@ def _diagnosis(a: ScenarioAcc, mean_limit: float, logprob: Mapping[str, Any] | N
     if not a.views:
         if logprob is None:
             return "not diagnosed: " + REASONS["bound"]
-        if abs(logprob["mean"]) > logprob["limit"]:
+        if abs(logprob["mean"]) > logprob["limit"] or logprob["sign_test"]["failed"]:
             return logprob_bias_class(logprob, logprob["limit"])
         return (f"no bias within the mean-bias resolution {logprob['limit']:.3g} per token (no per-token diagnosis: "
                 + REASONS["bound"] + ")")
     close = {frozenset(k.split("+")) if k else frozenset(): v.close(mean_limit) for k, v in a.views.items()}
     return diagnosis_text(close, u.max_abs if u.n else math.nan, u.total / u.n if u.n else math.nan)
-
-
-# "Nearly every token negative": the sign test's share that names a log S bias without the model. An
-# honest trainer's differences are negative at about half the tokens (a little more: their mean is -KL).
-NEARLY_ALL_NEGATIVE = 0.9
 
 
 def spec_log_s_range(spec: SamplingSpec, vocab: int) -> tuple[float, float]:
@@ -177,28 +173,17 @@ def _logprob_entry(a: ScenarioAcc) -> dict[str, Any] | None:
     """The two-column mean-bias gate's numbers (:func:`parity.core.error_model.ratio_bias_entry`) with the
     facts it assumed, the sign test and the count of tokens outside the trainer's support."""
     r = a.ratio
-    sampler_dtype, trainer_dtype = (a.dtypes + ["", ""])[:2]
-    assumed = []
-    vocab = a.vocab_size
-    if not vocab:
-        vocab = WIDEST_VOCAB
-        assumed.append(f"vocab_size not stated: taken as {WIDEST_VOCAB:,} (the widest vocabulary in use); "
-                       f"records metadata vocab_size narrows the systematic allowance")
-    for side, dt in (("sampler", sampler_dtype), ("trainer", trainer_dtype)):
-        if not dt:
-            assumed.append(f"the {side}'s dtype not stated ({'dtype' if side == 'sampler' else 'trainer_dtype'} "
-                           f"metadata): its normalisation taken as a float32 sum, the widest in use")
     spec = SamplingSpec(**a.spec)
-    e = spec.effective()
-    n_s = vocab
-    if e.uses_top_k:
-        n_s = min(e.top_k, vocab)
+    facts = a.facts()
+    n_s = facts["sampler_support"]
     if a.captured and a.captured == a.tokens and not a.incomplete:
         n_s = min(n_s, max(a.support_max, 1))
-    u = UNIT_ROUNDOFF["float64"] if sampler_dtype == trainer_dtype == "float64" else UNIT_ROUNDOFF["float32"]
+    vocab, u, assumed = facts["vocab"], facts["u"], facts["assumed"]
+    sampler_dtype, trainer_dtype = (a.dtypes + ["", ""])[:2]
     out = ratio_bias_entry(tokens=r.tokens, sequences=r.sequences, e_sum=r.e_sum, e_sq=r.e_sq, seq_e_sq=r.seq_e_sq,
                            seq_ne=r.seq_ne, seq_n_sq=r.seq_n_sq, d_sum=r.d_sum, lp_abs_sum=r.lp_abs_sum,
-                           sampler_support=n_s, trainer_support=vocab, accumulate_u=u)
+                           sampler_support=n_s, trainer_support=vocab, accumulate_u=u, d_sq=r.d_sq,
+                           beyond_negative=r.beyond_negative, beyond_positive=r.beyond_positive)
     if out is None:
         return None
     lo, hi = spec_log_s_range(spec, vocab)
@@ -554,7 +539,18 @@ def logprob_gates(sc: dict[str, Any], a: ScenarioAcc, th: Thresholds, out: list[
     who = f"trainer {ut['name']!r}"
     if "logprob_mean_bias" not in skip and m is not None:
         allowed = th.mean_bias_headroom * m["limit"]
-        if _over(abs(m["mean"]), allowed):
+        sign = m["sign_test"]
+        if sign["failed"] and not _over(abs(m["mean"]), allowed):
+            out.append(Violation(
+                "logprob_mean_bias", sc["name"], sign["negative_share"], sign["limit"],
+                f"{who} share of tokens below their systematic allowance",
+                detail=(f"{logprob_bias_class(m, allowed)}. {sign['beyond_allowance']} of {m['tokens']} tokens lie "
+                        f"beyond their systematic allowance, {sign['negative_share']:.1%} of them negative where an "
+                        f"honest drift of spread {m['spread_sd']:.3g} gives {sign['honest_share']:.1%} "
+                        f"({sign['z']:.1f} standard errors); the mean alone (log mean IS ratio {m['mean']:.3g}, "
+                        f"resolution {allowed:.3g}) could not tell"),
+            ))
+        elif _over(abs(m["mean"]), allowed):
             out.append(Violation(
                 "logprob_mean_bias", sc["name"], abs(m["mean"]), allowed, f"{who} |log mean IS ratio|",
                 detail=(f"{logprob_bias_class(m, allowed)}. mean(trainer - sampler) = {m['mean_diff']:.3g}, log mean "

@@ -541,7 +541,7 @@ class ScenarioAcc:
         self.ratio.merge(o.ratio)
         self.vocab_size = max(self.vocab_size, o.vocab_size)
         if self.dtypes != o.dtypes:  # files that state different dtypes: a side counts as not stated
-            self.dtypes = [a if a == b else "" for a, b in zip(self.dtypes or o.dtypes, o.dtypes or self.dtypes)]
+            self.dtypes = [a if a == b else "" for a, b in zip(self.dtypes or o.dtypes, o.dtypes or self.dtypes, strict=False)]
         for k, v in o.views.items():
             self.views.setdefault(k, ViewMatch()).merge(v)
         merge_steps(self.steps, o.steps)

@@ -27,10 +27,8 @@ import numpy as np
 # No torch at import: records without --model are judged with numpy alone. torch is imported where a
 # rule's one home computes on tensors (the top_p bracket, replay from kept logits).
 from parity.core.error_model import (
-    SUPPORT_MASS_TOL,
     NEARLY_ALL_NEGATIVE,
-    UNIT_ROUNDOFF,
-    WIDEST_VOCAB,
+    SUPPORT_MASS_TOL,
     log_s_signature,
     mean_bias_entry,
     ratio_bias_entry,

@@ -58,3 +58,59 @@ def test_parity_report_of_the_trl_step(run) -> None:
     assert p["verdict"] == "pass", p["violations"]
     assert p["trainer_under_test"]["diagnosis"] == "matches the sampler's processed log-probs"
     assert s["tokens"] == p["tokens"] == sum(len(x["completion_ids"]) for x in phases["observe"][1])
+
+
+def trl_output(seqs) -> dict:
+    """TRL's per-token tensors of one generation batch, padded as ``_generate_and_score_completions`` returns
+    them (prompts left-padded, completions right-padded), from the captured sequences."""
+    import torch
+
+    n = len(seqs)
+    p_len = max(len(s["prompt_ids"]) for s in seqs)
+    c_len = max(len(s["completion_ids"]) for s in seqs)
+    out = {"prompt_ids": torch.zeros(n, p_len, dtype=torch.long), "prompt_mask": torch.zeros(n, p_len, dtype=torch.long),
+           "completion_ids": torch.zeros(n, c_len, dtype=torch.long),
+           "completion_mask": torch.zeros(n, c_len, dtype=torch.long),
+           "sampling_per_token_logps": torch.zeros(n, c_len), "old_per_token_logps": torch.zeros(n, c_len)}
+    for b, s in enumerate(seqs):
+        lp, lc = len(s["prompt_ids"]), len(s["completion_ids"])
+        out["prompt_ids"][b, p_len - lp:] = torch.tensor(s["prompt_ids"])
+        out["prompt_mask"][b, p_len - lp:] = 1
+        out["completion_ids"][b, :lc] = torch.tensor(s["completion_ids"])
+        out["completion_mask"][b, :lc] = s["mask"].long()
+        out["sampling_per_token_logps"][b, :lc] = s["sampling_logps"]
+        out["old_per_token_logps"][b, :lc] = s["is_logps"]  # what TRL's IS correction used
+    return out
+
+
+def test_trls_logged_tensors_alone_judge_the_run(run, tmp_path) -> None:
+    """The README's lines write TRL's per-token tensors as records; parity analyze judges them without the
+    model: as shipped the mean-bias gate fails, named a full-vocabulary (log S) trainer; patched it passes.
+    The repro's own verdict (judge_logged) is the same gate on the same tensors."""
+    import re
+    from pathlib import Path
+
+    from parity.engines.trl_score import judge_logged
+    from parity.pipeline import analyze
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    code = re.search(r"<!-- judge-logs:start -->\n```python\n(.*?)```\n<!-- judge-logs:end -->", text, re.S).group(1)
+    _, phases = run
+    for mode, fails in (("observe", True), ("replay", False)):
+        seqs = phases[mode][1]
+        ns: dict = {}
+        exec(code, ns)  # noqa: S102 - the README's own lines
+        ns["spec"].update(seqs[0]["spec"])
+        for step in sorted({s["step"] for s in seqs}):
+            ns["log_trl"](trl_output([s for s in seqs if s["step"] == step]), step)
+        path = tmp_path / f"{mode}.parquet"
+        ns["write"](str(path), {"schema_version": 1, "dtype": seqs[0]["sampler_dtype"], "trainer_dtype": "float32",
+                                "vocab_size": int(seqs[0]["logits"].shape[-1])})
+        (sc,) = analyze(path, plots=False)["scenarios"]
+        gates = [v["gate"] for v in sc["violations"]]
+        assert gates == (["logprob_mean_bias"] if fails else []), sc["violations"]
+        if fails:
+            assert "a full-vocabulary (log S) trainer" in sc["violations"][0]["message"]
+        own = judge_logged(seqs)
+        assert own["verdict"] == sc["verdict"] and own["mean_bias"]["logprob"]["mean"] == pytest.approx(
+            sc["mean_bias"]["logprob"]["mean"], abs=1e-6)

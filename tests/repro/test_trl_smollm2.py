@@ -77,3 +77,17 @@ def test_the_capture_is_proven_complete_at_every_position(run) -> None:
             proven += int((~s["incomplete"]).sum())
         assert proven == positions
         assert max(pl["largest_support"] for pl in plans) > 1  # a nucleus, not the argmax alone
+
+
+def test_trls_logged_tensors_judge_the_run_without_the_model(run) -> None:
+    """The repro's verdict: the mean-bias gate on TRL's own per-token tensors (no logits, no kept set)."""
+    from parity.engines.trl_score import judge_logged
+
+    cfg, phases = run
+    shipped, patched = judge_logged(phases["observe"][1]), judge_logged(phases[cfg["fix"]][1])
+    assert [v["gate"] for v in shipped["violations"]] == ["logprob_mean_bias"], shipped["violations"]
+    assert "a full-vocabulary (log S) trainer" in shipped["violations"][0]["message"]
+    assert patched["verdict"] == "pass", patched["violations"]
+    m = shipped["mean_bias"]["logprob"]
+    print(f"mean-bias gate as shipped: {m['mean']:.4f} vs resolution {m['limit']:.4f}; patched: "
+          f"{patched['mean_bias']['logprob']['mean']:.4f} vs {patched['mean_bias']['logprob']['limit']:.4f}")

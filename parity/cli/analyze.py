@@ -82,6 +82,13 @@ def main(args: argparse.Namespace) -> int:
     for what, names in skipped.items():
         print(f"NOT EVALUATED ({len(names)} of {len(sc)} scenarios) {what}")
     for s in sc:
+        m = (s.get("mean_bias") or {}).get("logprob")
+        if m:
+            print(f"MEAN BIAS [{s['name']}] log mean IS ratio {m['mean']:.3g} against a resolution of {m['limit']:.3g} "
+                  f"per token (systematic {m['systematic']:.2g} + statistical {m['statistical']:.2g}, "
+                  f"{m['standard_error_from']}) over {m['tokens']} tokens; mean(trainer - sampler) {m['mean_diff']:.3g}"
+                  + (f"; assumed: {'; '.join(m['assumed'])}" if m["assumed"] else ""))
+    for s in sc:
         for v in s["violations"]:
             print(f"FAIL {v['message']}")
     code = verdict_exit_code(report, accept_partial=args.accept_partial)

@@ -155,7 +155,8 @@ def _mean_cells(s: dict[str, Any]) -> dict[str, str]:
     """The deciding mean gate's use of its limit (|mean| / limit) and the limit itself: the verdict's
     resolution, the smallest per-token bias it would have detected (docs/error_model.md)."""
     means = s.get("mean_bias") or {}
-    entry = means.get("trainer_under_test") or means.get("replay") or means.get("recompute")
+    entry = (means.get("trainer_under_test") or means.get("logprob") or means.get("replay")
+             or means.get("recompute"))
     if not entry or not isinstance(entry.get("limit"), (int, float)):
         return {"mean/limit": NA, "resolution": NA}
     limit = float(entry["limit"])

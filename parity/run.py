@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 from parity.core.gates import Thresholds
 from parity.core.matrix import Matrix, Scenario, default_matrix, load_matrix
+from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.core.table import TokenTable, TrainerFaults, build_table
 from parity.core.violation import Violation
 from parity.engines.session import EnginePool, Rollout, Trainer, make_prompts
 from parity.engines.settings import EngineSettings
-from parity.records.sequence import SequenceRecord
 
 if TYPE_CHECKING:  # pragma: no cover
     import pyarrow as pa
@@ -340,12 +340,12 @@ def run_report(
     determinism: dict[str, Any] | None, vocab_size: int | None,
 ) -> dict[str, Any]:
     """The run's records (written with ``--records``) and their report, built as an analysis of them builds it
-    (:func:`parity.pipeline.build_report`): what the records do not hold travels in their metadata."""
+    (:func:`parity.analyze.report.build_report`): what the records do not hold travels in their metadata."""
     import json
 
+    from parity.analyze.report import REPORT_FACTS, build_report
     from parity.core.matrix import pair_coverage
     from parity.core.rl import catalogue as rl_catalogue
-    from parity.pipeline import REPORT_FACTS, build_report
     from parity.records.accumulators import Summary
     from parity.records.columns import Options
     from parity.records.format import RecordsWriter

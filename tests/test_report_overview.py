@@ -14,9 +14,9 @@ from judged import scenario_entry
 from parity.core.filters import reference_filter
 from parity.core.gates import Thresholds
 from parity.core.matrix import default_matrix
+from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.core.table import TrainerFaults, build_table
-from parity.records.sequence import SequenceRecord
 from parity.report import overview
 from parity.report.markdown import render_markdown
 from parity.report.plots import dense_drift_hist

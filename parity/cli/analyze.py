@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _records_dtype(path: Path) -> str | None:
-    import parity.pipeline  # noqa: F401  (refuses a missing pyarrow with what to install)
+    import parity.analyze.shards  # noqa: F401  (refuses a missing pyarrow with what to install)
     from parity.records import format as rf
 
     try:
@@ -49,15 +49,15 @@ def main(args: argparse.Namespace) -> int:
     if args.path is None:
         raise UsageError("parity analyze needs PATH: allowed a records file (Parquet) or a directory of *.parquet shards")
     # isort: off
-    from parity.pipeline import analyze  # first: it refuses a missing pyarrow with what to install
-    from parity.cluster import parse_engine
+    from parity.analyze.report import analyze  # first: it refuses a missing pyarrow with what to install
+    from parity.analyze.cluster import parse_engine
     from parity.records.columns import Options
     # isort: on
 
     parse_engine(args.engine)  # a bad --engine is refused before any file is read
     dtype = args.dtype or _records_dtype(args.path) or "float32"
     th = thresholds_from_args(args.thresholds, args.gate, dtype)
-    # parity.pipeline, imported above, refused a missing pyarrow
+    # parity.analyze, imported above, refused a missing pyarrow
     from parity.records.format import check_batch_rows
 
     check_batch_rows(args.batch_rows, "--batch-rows")

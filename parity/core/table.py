@@ -20,9 +20,9 @@ from parity.core.capture import support_mass
 from parity.core.error_model import SUPPORT_MASS_TOL, logprob_bound, systematic_bound, unit_roundoff
 from parity.core.log_s import top_p_bracket, top_p_bracket_applies
 from parity.core.metrics import kl_tv_over_support, support_equal
+from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.errors import UsageError
-from parity.records.sequence import SequenceRecord
 
 
 @dataclass

@@ -23,8 +23,8 @@ from parity.determinism.knobs import UNAVAILABLE
 from parity.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from parity.core.sequence import SequenceRecord
     from parity.core.spec import SamplingSpec
-    from parity.records.sequence import SequenceRecord
 
 
 class Generates(Protocol):

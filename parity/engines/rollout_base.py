@@ -26,9 +26,9 @@ from parity.core.capture import (
     plan_capture,
     support_from_heads,
 )
+from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.errors import PathNotFound
-from parity.records.sequence import SequenceRecord
 
 # What a sampler record carries of S_q: kept ids, their log-probs, incomplete positions, extras.
 Support = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, dict[str, torch.Tensor]]

@@ -15,10 +15,10 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from parity.core.capture import CaptureHistory, CaptureStats
+    from parity.core.sequence import SequenceRecord
     from parity.core.spec import SamplingSpec
     from parity.engines.rollout_base import RolloutSettings
     from parity.engines.vllm_offline import VllmRollout
-    from parity.records.sequence import SequenceRecord
 
 
 class Tokenizer(Protocol):

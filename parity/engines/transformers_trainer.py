@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
+from parity.core.sequence import SequenceRecord
 from parity.errors import PathNotFound, SetupError, UsageError
 from parity.records.batch import right_pad
-from parity.records.sequence import SequenceRecord
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

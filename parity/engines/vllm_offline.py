@@ -13,10 +13,10 @@ from typing import Any, TypeVar, Unpack, cast
 import torch
 
 from parity.core import capture as cap
+from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.engines.rollout_base import RolloutBase, RolloutSettings, Support
 from parity.errors import EngineError, SetupError, TimedOut, UsageError
-from parity.records.sequence import SequenceRecord
 from parity.records.vllm_outputs import heads_of_output, spec_of_params
 
 T = TypeVar("T")

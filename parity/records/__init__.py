@@ -1,2 +1,2 @@
-"""The record types every engine produces (:mod:`~parity.records.sequence`) and their batching into
+"""The record types every engine produces (:mod:`~parity.core.sequence`, in the core layer) and their batching into
 model input (:mod:`~parity.records.batch`)."""

@@ -490,7 +490,7 @@ def summarize_batch(
     runs as-is on Ray Data (``map_batches(..., batch_format="pyarrow")``) or Spark (``mapInArrow``).
     ``dtypes``: the sampler's and the trainer's dtype (the mean-bias limit uses the looser roundoff);
     ``columns``: how the per-token values are obtained (default :func:`token_columns`; re-scoring with
-    a model passes its own, see :mod:`parity.pipeline`); ``stated_dtypes``: the dtypes the records state
+    a model passes its own, see :mod:`parity.analyze`); ``stated_dtypes``: the dtypes the records state
     ("" where they do not; default ``dtypes``), for the two-column mean-bias gate's stated facts.
     """
     opts = options or Options()

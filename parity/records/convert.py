@@ -19,10 +19,10 @@ import pyarrow as pa
 import torch
 
 from parity.core.capture import Heads, support_from_heads
+from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.errors import UsageError
 from parity.records.format import RecordsError, records_table
-from parity.records.sequence import SequenceRecord
 from parity.records.vllm_outputs import heads_of_output, spec_of_params
 
 # A vocabulary no model reaches: with no vocab_size given, only logprobs=-1 counts as the full vocabulary.

@@ -3,7 +3,7 @@
 Every producer writes records (:mod:`parity.records.format`): ``parity run`` converts its sampled and
 scored tokens (:func:`parity.records.convert.from_sequence_records`), the TRL capture its steps, a user
 their own file. The streamed analysis of :mod:`parity.records.columns` and :mod:`parity.records.verdict` computes every statistic and
-every gate from them, and :func:`parity.pipeline.build_report` writes the one report, so ``parity run``
+every gate from them, and :func:`parity.analyze.report.build_report` writes the one report, so ``parity run``
 gives what ``parity run --records`` then ``parity analyze`` gives. The RL view needs every token at
 once; it is a second pass over the same values (:func:`rl_view`), not a second pipeline.
 """

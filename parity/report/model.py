@@ -19,6 +19,9 @@ from parity.core.spec import SamplingSpec
 from parity.core.violation import Position, Violation
 from parity.errors import UsageError
 
+# report.json's layout version (3: the verdict "none" and no_verdict; README, reading a report).
+SCHEMA_VERSION = 3
+
 if TYPE_CHECKING:
     from parity.core.capture import CaptureStats  # imports torch: loaded where a capture plan is read
 
@@ -142,7 +145,7 @@ class Scenario:
     trainer_under_test: Block | None = None
     mean_bias_evaluated: bool = True  # a mean-bias gate was evaluated (without one the verdict is incomplete)
     no_verdict: str | None = None  # why not: what the records lack and what supplies it
-    # What the producer adds (parity.pipeline.REPORT_FACTS): the model, the capture, dtypes, the RL view.
+    # What the producer adds (parity.analyze.report.REPORT_FACTS): the model, the capture, dtypes, the RL view.
     model: str | None = None
     capture_plan: CaptureStats | None = None
     dtypes: Block | None = None
@@ -192,8 +195,6 @@ class Report:
 
     @classmethod
     def from_json(cls, data: Any) -> Report:
-        from parity.report.schema import SCHEMA_VERSION
-
         d = _fields(cls, data, "report.json")
         if d["schema_version"] != SCHEMA_VERSION:
             raise UsageError(f"report.json schema_version {d['schema_version']!r}: this parity reads {SCHEMA_VERSION}")

@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from parity.report.markdown import render_markdown
-from parity.report.model import Report
+from parity.report.model import SCHEMA_VERSION, Report
 from parity.report.plots import write_plots
 
-SCHEMA_VERSION = 3
 DETERMINISM_ENV = (
     "VLLM_BATCH_INVARIANT",
     "VLLM_ENABLE_V1_MULTIPROCESSING",

@@ -270,7 +270,7 @@ def run(ctx: Context, cfg: dict[str, Any]) -> Measured:
             }
             row["err_before"] = abs(row["trl_before"] - row["abs_log_s"])
             # The verdict from TRL's logged per-token tensors alone, by parity's two-column mean-bias gate.
-            from parity.engines.trl_score import judge_logged
+            from parity.analyze.trl import judge_logged
 
             for phase, key in (("observe", "before"), (cfg["fix"], "after")):
                 g = judge_logged(captured[phase])

@@ -92,7 +92,7 @@ with open(sys.argv[1], "w") as f:
     f.write(str(hwm))
 sys.exit(code)
 """
-IMPORTS = "import parity.cli.main, parity.cli.analyze, parity.pipeline, parity.report.schema"
+IMPORTS = "import parity.cli.main, parity.cli.analyze, parity.analyze, parity.report.schema"
 IMPORTS_WITH_PLOTS = IMPORTS + ", matplotlib.pyplot"
 
 

@@ -28,13 +28,13 @@ import pytest
 import torch
 from ulp import nudge_one_ulp
 
+from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.determinism import kernels as cpu_kernels
 from parity.determinism.checks import check_rollout_invariance, check_trainer_invariance
 from parity.determinism.gate import determinism_section, invariance_gate
 from parity.determinism.knobs import CPU_ATTENTION, ON, UNAVAILABLE, batch_invariant_mode
 from parity.engines.session import EnginePool, make_prompts
-from parity.records.sequence import SequenceRecord
 from parity.run import RunConfig
 
 pytestmark = pytest.mark.e2e

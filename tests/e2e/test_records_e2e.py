@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from parity.analyze import analyze
 from parity.core.matrix import Matrix, Scenario
 from parity.core.spec import SamplingSpec
 from parity.core.table import TrainerFaults
 from parity.engines.session import EnginePool
-from parity.pipeline import analyze
 from parity.records.columns import Options
 from parity.records.format import validate_batch
 from parity.records.verdict import USER_GATES

@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 import records_synth
 
-from parity.cluster import ERROR_NOTE, parse_engine, records_error_in
-from parity.pipeline import analyze
+from parity.analyze import analyze
+from parity.analyze.cluster import ERROR_NOTE, parse_engine, records_error_in
 from parity.records.columns import Options
 from parity.records.format import RecordsError, RecordsWriter
 
@@ -178,7 +178,7 @@ def test_a_bad_shard_fails_with_the_local_message(engine, tmp_path: Path) -> Non
 def test_the_map_step_takes_rows_in_any_order_and_split(shards, local_reports, monkeypatch) -> None:
     """No cluster: what an engine hands the workers (rows of several files, shuffled, in uneven pieces,
     each with its file and row number) gives the local report, the planted positions included."""
-    import parity.cluster as engines
+    import parity.analyze.cluster as engines
 
     def shuffled(eng, targets, step, timeout_s, say):
         parts = []
@@ -221,7 +221,7 @@ def test_engine_forms_and_the_error_note() -> None:
 
 @pytest.mark.parametrize("engine, module", [("ray", "ray"), ("spark", "pyspark.sql")])
 def test_a_missing_engine_names_its_extra(engine, module, tmp_path: Path, monkeypatch) -> None:
-    import parity.cluster as engines
+    import parity.analyze.cluster as engines
 
     real = engines.importlib.import_module
 

@@ -48,7 +48,7 @@ def test_trl_metric_equals_abs_log_s_as_shipped_and_noise_under_the_patch(run) -
 
 
 def test_parity_report_of_the_trl_step(run) -> None:
-    from parity.engines.trl_score import score_capture
+    from parity.analyze.trl import score_capture
 
     _, phases = run
     shipped = score_capture(phases["observe"][1], label="trl-shipped")
@@ -90,8 +90,8 @@ def test_trls_logged_tensors_alone_judge_the_run(run, tmp_path) -> None:
     import re
     from pathlib import Path
 
-    from parity.engines.trl_score import judge_logged
-    from parity.pipeline import analyze
+    from parity.analyze import analyze
+    from parity.analyze.trl import judge_logged
 
     text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     code = re.search(r"<!-- judge-logs:start -->\n```python\n(.*?)```\n<!-- judge-logs:end -->", text, re.S).group(1)

@@ -81,7 +81,7 @@ def test_the_capture_is_proven_complete_at_every_position(run) -> None:
 
 def test_trls_logged_tensors_judge_the_run_without_the_model(run) -> None:
     """The repro's verdict: the mean-bias gate on TRL's own per-token tensors (no logits, no kept set)."""
-    from parity.engines.trl_score import judge_logged
+    from parity.analyze.trl import judge_logged
 
     cfg, phases = run
     shipped, patched = judge_logged(phases["observe"][1]), judge_logged(phases[cfg["fix"]][1])

@@ -15,9 +15,9 @@ import torch
 from judged import failed, judged
 
 from parity.core import estimators as E
+from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec as S
 from parity.core.table import TrainerFaults, build_table
-from parity.records.sequence import SequenceRecord
 
 pytestmark = pytest.mark.sampler
 

@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 from judged import judged
 from test_compare_gates import sampler_records
 
+from parity.analyze import analyze, summarize_paths
 from parity.core.gates import REFERENCE_GATES, Thresholds
 from parity.core.spec import SamplingSpec
 from parity.core.table import TrainerFaults, build_table
-from parity.pipeline import analyze, summarize_paths
 from parity.records.accumulators import NA, DiffStream, Summary
 from parity.records.columns import Options
 from parity.records.convert import from_sequence_records, to_sequence_records

@@ -20,8 +20,8 @@ import pyarrow as pa
 import pytest
 from test_analyze import FILTERED, rows_of, run_side
 
+from parity.analyze import analyze
 from parity.core.gates import Thresholds
-from parity.pipeline import analyze
 from parity.records.accumulators import SUMMARY_VERSION, Summary
 from parity.records.columns import summarize_batch
 from parity.records.format import records_table, write_records

@@ -19,9 +19,9 @@ from parity.core.capture import support_from_heads
 from parity.core.filters import reference_filter
 from parity.core.gates import Thresholds
 from parity.core.log_s import log_s_from_raw_logits
+from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.core.table import SUPPORT_MASS_TOL, TrainerFaults, build_table
-from parity.records.sequence import SequenceRecord
 
 V = 64
 

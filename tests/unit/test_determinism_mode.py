@@ -12,12 +12,12 @@ import pytest
 import torch
 from ulp import nudge_one_ulp
 
+from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.determinism import knobs as det
 from parity.determinism.checks import compare_records
 from parity.determinism.gate import determinism_section, invariance_gate
 from parity.determinism.knobs import CUDA_KNOBS, OFF, ON, UNAVAILABLE, batch_invariant_mode
-from parity.records.sequence import SequenceRecord
 
 
 def snapshot() -> dict:

@@ -22,9 +22,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from parity.analyze import analyze
 from parity.cli.main import main
 from parity.core.error_model import MIN_SEQUENCES_FOR_SE, WIDEST_VOCAB
-from parity.pipeline import analyze
 
 V = 512
 SPECS = {

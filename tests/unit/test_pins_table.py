@@ -17,6 +17,7 @@ from parity.core import estimators as E
 from parity.core.error_model import KERNEL_SIDES, kernel_offset, logprob_bound, unit_roundoff
 from parity.core.filters import reference_filter
 from parity.core.log_s import top_p_bracket
+from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec as S
 from parity.core.table import (
     SUPPORT_MASS_TOL,
@@ -27,7 +28,6 @@ from parity.core.table import (
     build_table,
 )
 from parity.records.judge import rl_view
-from parity.records.sequence import SequenceRecord
 
 V = 6
 NAN = math.nan

@@ -13,8 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from parity.analyze import analyze
 from parity.cli.main import main
-from parity.pipeline import analyze
 from parity.records.format import (
     MAX_BATCH_ROWS,
     METADATA_KEY,

@@ -15,9 +15,9 @@ import pytest
 import torch
 from test_server_parsing import payload, processed_topk3
 
+from parity.analyze import analyze
 from parity.core.spec import SamplingSpec
 from parity.engines.vllm_server.records import from_server_responses
-from parity.pipeline import analyze
 from parity.records.convert import from_request_outputs, from_trl
 from parity.records.format import RecordsError, validate_batch, write_records
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from test_records_byo import pyarrow_file, user_rows
 
+from parity.analyze import analyze
 from parity.core.violation import Position, Violation
 from parity.errors import UsageError
-from parity.pipeline import analyze
 from parity.report.model import Report, load_report, violation_from_json
 from parity.report.schema import SCHEMA_VERSION, write_report
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from parity.core.capture import support_from_heads
+from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.engines.vllm_server.client import _normalise_url
 from parity.engines.vllm_server.protocol import (
@@ -22,7 +23,6 @@ from parity.engines.vllm_server.protocol import (
     check_processed,
     parse_completion,
 )
-from parity.records.sequence import SequenceRecord
 
 V = 8
 URL = "http://127.0.0.1:9"

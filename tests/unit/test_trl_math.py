@@ -122,7 +122,7 @@ def test_fix_correction_matches_replay_and_recompute_estimators() -> None:
 
 
 def test_scoring_drops_and_counts_masked_tokens() -> None:
-    from parity.engines.trl_score import to_records
+    from parity.analyze.trl import to_records
 
     seqs = _sequences(5, 0.8, "observe")
     seqs[0]["mask"] = torch.tensor([True] * 10 + [False] * 6)

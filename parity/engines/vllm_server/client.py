@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Unpack
 
 from parity.core.capture import Heads, run_capture
+from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.engines.quiet import log_tail
 from parity.engines.rollout_base import RolloutBase, RolloutSettings, Support
@@ -49,7 +50,6 @@ from parity.engines.vllm_server.protocol import (
 )
 from parity.errors import TimedOut, UsageError
 from parity.fixtures import config_vocab_size
-from parity.records.sequence import SequenceRecord
 
 
 class _PortTaken(Exception):

@@ -24,10 +24,10 @@ import torch
 
 from parity.core.error_model import UNIT_ROUNDOFF, logprob_rounding_bound
 from parity.core.gates import Thresholds
+from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.core.table import build_table
 from parity.errors import UsageError
-from parity.records.sequence import SequenceRecord
 
 SOURCE = "vllm (TRL GRPOTrainer, colocate)"
 TRAINER_UNDER_TEST = "TRL GRPOTrainer IS numerator"
@@ -115,10 +115,10 @@ def score_step(sequences: Sequence[dict[str, Any]], *, name: str, thresholds: Th
 
 def score_capture(sequences: Sequence[dict[str, Any]], *, label: str = "trl", thresholds: Thresholds | None = None) -> dict[str, Any]:
     """The report (report.json's schema) of every captured step, one scenario per step, built as an analysis of
-    the capture's records builds it (:func:`parity.pipeline.build_report`)."""
+    the capture's records builds it (:func:`parity.analyze.report.build_report`)."""
     import json
 
-    from parity.pipeline import REPORT_FACTS, build_report
+    from parity.analyze.report import REPORT_FACTS, build_report
     from parity.records.accumulators import Summary
     from parity.records.columns import Options
     from parity.report.schema import environment, installed_version
@@ -198,7 +198,7 @@ def judge_logged(sequences: Sequence[dict[str, Any]], *, thresholds: Thresholds 
     logs, with ``masked_tokens``."""
     import json
 
-    from parity.pipeline import batch_summarizer
+    from parity.analyze.shards import batch_summarizer
     from parity.records.accumulators import Summary
     from parity.records.columns import Options
     from parity.records.verdict import finalize

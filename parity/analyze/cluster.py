@@ -29,8 +29,8 @@ from urllib.parse import unquote, urlparse
 import numpy as np
 import pyarrow as pa
 
+from parity.analyze.shards import batch_summarizer, file_header
 from parity.errors import EngineError, SetupError, TimedOut, UsageError
-from parity.pipeline import batch_summarizer, file_header
 from parity.records.accumulators import Summary
 from parity.records.columns import Options
 from parity.records.format import RecordsBatch, RecordsError, open_records, validate_batch

@@ -1,0 +1,206 @@
+"""The map step of ``parity analyze``: a records file, batch by batch, into a mergeable
+:class:`~parity.records.accumulators.Summary` (re-scored with a transformers model under ``--model``),
+and files or shards over local processes (``--jobs``). :mod:`parity.analyze.cluster` runs the same step on
+Ray or Spark; :mod:`parity.analyze.report` merges and judges."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from parity.errors import SetupError, TimedOut, UsageError
+
+try:  # the records format needs pyarrow (the records extra); say so instead of a traceback
+    import pyarrow  # noqa: F401
+except ModuleNotFoundError as _exc:
+    if _exc.name != "pyarrow":
+        raise
+    raise SetupError("records (Parquet) need pyarrow: pip install 'parity[records]'") from None
+
+from parity.records import format as rf
+from parity.records.accumulators import Summary
+from parity.records.columns import LOGIT_BUDGET, Options, TokenColumns, summarize_batch, token_columns
+from parity.records.format import open_records
+
+# ==================================================================================================
+# re-scoring with a transformers model (--model)
+# ==================================================================================================
+
+_TRAINERS: dict[tuple[str, str, str], Any] = {}
+
+
+def _trainer(model: str, dtype: str, device: str) -> Any:
+    key = (model, dtype, device)
+    if key not in _TRAINERS:
+        from parity.engines.transformers_trainer import TransformersTrainer
+        from parity.fixtures import resolve_model
+
+        _TRAINERS[key] = TransformersTrainer(resolve_model(model), dtype=dtype, device=device)
+    return _TRAINERS[key]
+
+
+def rescored_columns(batch: Any, trainer: Any, dtypes: tuple[str, str]) -> TokenColumns:
+    """Token columns with every trainer-side estimate and bound computed from ``trainer``'s logits (parity run's table)."""
+    import torch
+
+    from parity.core.table import build_table
+    from parity.engines.trainer_under_test import reference_views
+    from parity.records.convert import to_sequence_records
+
+    vocab = int(trainer.vocab_size)
+    cols = token_columns(batch, vocab_size=vocab)  # sampler-side flags and the trainer under test, if any
+    for name, rag in (("prompt_ids", batch.prompt), ("completion_ids", batch.completion), ("kept_ids", batch.kept)):
+        if rag is not None and rag.values.size and int(rag.values.max()) >= vocab:
+            flat = int(np.flatnonzero(rag.values >= vocab)[0])
+            r = int(np.searchsorted(rag.offsets, flat, side="right") - 1)
+            raise rf.RecordsError(
+                f"{batch.source} row {batch.first_row + r} column {name}: token id {int(rag.values[flat])} is outside the "
+                f"vocabulary of --model ({vocab} tokens): allowed ids < {vocab} (is this the model that sampled?)"
+            )
+    empty = np.flatnonzero(batch.prompt.lengths == 0)
+    if empty.size:
+        raise rf.RecordsError(
+            f"{batch.source} row {batch.first_row + int(empty[0])} column prompt_ids: empty: re-scoring with --model needs "
+            f"the prompt (its last position predicts completion token 0)"
+        )
+    records = to_sequence_records(batch)
+    filtered_spec = np.array([s.effective().filtered for s in batch.specs], dtype=bool)
+    view_parts: dict[frozenset[str], np.ndarray] = {}
+    has_user = cols.have["user"]
+    for j, spec in enumerate(batch.specs):
+        rows = np.flatnonzero(batch.spec_index == j)
+        start = 0
+        while start < rows.size:
+            # As many sequences as fit the logit budget (at least one).
+            stop, held = start, 0
+            while stop < rows.size and (stop == start or held + int(batch.completion.lengths[rows[stop]]) * vocab <= LOGIT_BUDGET):
+                held += int(batch.completion.lengths[rows[stop]]) * vocab
+                stop += 1
+            part = rows[start:stop]
+            start = stop
+            recs = [records[i] for i in part]
+            logits = trainer.logits(recs)
+            table = build_table(recs, logits, spec, dtype=dtypes)
+            tok = np.concatenate([np.arange(batch.token_offsets[i], batch.token_offsets[i + 1]) for i in part])
+            # A filtering spec without a kept set: build_table would take S_q as the whole vocabulary.
+            known = np.repeat(batch.kept_rows()[part] | ~filtered_spec[j], batch.completion.lengths[part])
+            for name in ("full", "recompute", "forced", "bound_full"):
+                getattr(cols, name)[tok] = getattr(table, name).numpy()
+                cols.have[name][tok] = True
+            cols.systematic[tok] = np.where(known, table.systematic.numpy(), cols.systematic[tok])
+            for name in ("replay", "log_s", "bound"):
+                getattr(cols, name)[tok] = np.where(known, getattr(table, name).numpy(), 0.0)
+                cols.have[name][tok] = known
+            cols.recompute_support_equal[tok] = table.recompute_support_equal.numpy()
+            cols.have["recompute_support"][tok] = known
+            cols.kl[tok] = np.where(known, table.kl.numpy(), 0.0)
+            cols.tv[tok] = np.where(known, table.tv.numpy(), 0.0)
+            cols.have["kl"][tok] = known
+            cols.logit_drift[tok] = np.where(known, table.logit_drift.numpy(), np.nan)
+            if bool(has_user[tok].any()):
+                ys = [torch.tensor(r.completion_ids, dtype=torch.long) for r in recs]
+                views = reference_views(logits, ys, spec, [r.kept_ids for r in recs])
+                for bugs, v in views.items():
+                    if bugs:
+                        view_parts.setdefault(bugs, np.full(batch.tokens, np.nan))[tok] = np.where(known, v.numpy(), np.nan)
+    cols.views = {frozenset(): cols.views[frozenset()], **view_parts}
+    return cols
+
+
+# ==================================================================================================
+# files, shards, processes
+# ==================================================================================================
+
+
+def _dtypes(meta: dict[str, Any], options: Options) -> tuple[str, str]:
+    sampler = meta.get("dtype") or "float32"
+    trainer = options.dtype if options.model else (meta.get("trainer_dtype") or sampler)
+    return str(sampler), str(trainer)
+
+
+def file_header(path: str, records: Any) -> Summary:
+    """What an open records file (:func:`parity.records.format.open_records`) adds to a summary before any
+    of its rows: its name, its metadata, whether its pages carry checksums."""
+    return Summary(files=[str(path)], metadata=[{"file": str(path), **records.metadata}],
+                   page_checksums={str(path): records.page_checksums})
+
+
+def batch_summarizer(metadata: dict[str, Any], file_index: int, options: Options) -> Callable[[Any], Summary]:
+    """The map step for the validated batches of one file: dtypes and vocabulary size from the file's
+    metadata, the trainer's values re-scored with ``options.model`` when set (what every worker runs:
+    local processes, Ray, Spark)."""
+    dtypes = _dtypes(metadata, options)
+    stated = (str(metadata.get("dtype") or ""), options.dtype if options.model else str(metadata.get("trainer_dtype") or ""))
+    vocab = metadata.get("vocab_size")
+    columns: Callable[[Any], TokenColumns] | None = None
+    if options.model:
+        trainer = _trainer(options.model, options.dtype, options.device)
+
+        def columns(b: Any) -> TokenColumns:
+            return rescored_columns(b, trainer, dtypes)
+
+    def summarize(rb: Any) -> Summary:
+        return summarize_batch(rb, file_index=file_index, options=options, dtypes=dtypes,
+                               vocab_size=int(vocab) if vocab else None, columns=columns, stated_dtypes=stated)
+
+    return summarize
+
+
+def summarize_file(path: str, file_index: int, options: Options) -> Summary:
+    """Summary of one records file, streamed batch by batch (what a worker process runs)."""
+    rf = open_records(path)
+    out = file_header(str(path), rf)
+    summarize = batch_summarizer(rf.metadata, file_index, options)
+    for rb in rf.batches(batch_rows=options.batch_rows):
+        out.merge(summarize(rb))
+    out.files = [str(path)]
+    return out
+
+
+def _worker_init(threads: int, model: bool) -> None:
+    if model:  # torch only where a model scores (importing it costs a worker seconds of its start)
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def summarize_paths(
+    paths: Sequence[Path], options: Options, *, jobs: int = 1, timeout_s: float = 3600.0,
+    progress: Callable[[str], None] | None = None,
+) -> Summary:
+    """Summaries of every file, merged; with ``jobs > 1`` in that many local processes (spawned)."""
+    if jobs < 1:
+        raise UsageError(f"--jobs {jobs} is invalid: allowed an integer >= 1")
+    total = Summary()
+    if jobs == 1 or len(paths) == 1:
+        for i, p in enumerate(paths):
+            total.merge(summarize_file(str(p), i, options))
+            if progress:
+                progress(f"parity analyze: [{i + 1}/{len(paths)}] {p}")
+        return total
+    import multiprocessing as mp
+
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    ctx = mp.get_context("spawn")
+    pool = ctx.Pool(processes=min(jobs, len(paths)), initializer=_worker_init, initargs=(threads, bool(options.model)))
+    try:
+        pending = [pool.apply_async(summarize_file, (str(p), i, options)) for i, p in enumerate(paths)]
+        deadline = time.monotonic() + timeout_s
+        for i, (p, res) in enumerate(zip(paths, pending, strict=True)):
+            left = deadline - time.monotonic()
+            try:
+                total.merge(res.get(timeout=max(left, 0.001)))
+            except mp.TimeoutError:
+                raise TimedOut(f"parity analyze: shard {p} did not finish within {timeout_s:.0f} s (raise --timeout)") from None
+            if progress:
+                progress(f"parity analyze: [{i + 1}/{len(paths)}] {p}")
+        pool.close()
+        pool.join()
+    finally:
+        pool.terminate()
+    return total

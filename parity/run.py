@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from parity.core.capture import DEFAULT_MAX_HEAD
 from parity.core.gates import Thresholds
 from parity.core.matrix import Matrix, Scenario, default_matrix, load_matrix
 from parity.core.sequence import SequenceRecord
@@ -46,7 +47,7 @@ class RunConfig:
     thresholds: Thresholds = field(default_factory=Thresholds)
     faults: TrainerFaults = field(default_factory=TrainerFaults)
     capture_head: int | None = None
-    max_capture_head: int = 4096  # widest top-K head asked per position (parity.core.capture.DEFAULT_MAX_HEAD)
+    max_capture_head: int | None = None  # cap of S_q capture (--max-capture-head); None: no cap offline
     timeout_s: float = 900.0
     prefix_caching: bool = False
     trainer: str | TrainerFn | None = None  # trainer under test: "full" | "recompute" | "replay" | "module:function"
@@ -104,7 +105,7 @@ def wants_sampler_log_s(rollout: Rollout, sc: Scenario, cfg: RunConfig) -> bool:
         cfg.sampler_log_s
         and not cfg.server
         and sc.spec.effective().filtered
-        and rollout.vocab_size <= (sc.max_capture_head or cfg.max_capture_head)
+        and rollout.vocab_size <= (sc.max_capture_head or cfg.max_capture_head or DEFAULT_MAX_HEAD)
     )
 
 
@@ -148,7 +149,8 @@ def preflight(matrix: Matrix, cfg: RunConfig) -> None:
         size_v = vocab[name]
         head = sc.capture_head if sc.capture_head is not None else cfg.capture_head
         try:
-            plan_capture(sc.spec, size_v, head=head, max_head=sc.max_capture_head or cfg.max_capture_head)
+            plan_capture(sc.spec, size_v, head=head,
+                         max_head=sc.max_capture_head or cfg.max_capture_head or DEFAULT_MAX_HEAD)
         except UsageError as exc:
             problems.append(f"scenario {sc.name!r} on {name} (V={size_v}): {exc}")
     if problems:

@@ -89,6 +89,9 @@ def main(args: argparse.Namespace) -> int:
                   f"{m['standard_error_from']}) over {m['tokens']} tokens; mean(trainer - sampler) {m['mean_diff']:.3g}"
                   + (f"; assumed: {'; '.join(m['assumed'])}" if m["assumed"] else ""))
     for s in sc:
+        if s.get("capture_limit"):
+            print(f"CAPTURE LIMIT {s['capture_limit']}")
+    for s in sc:
         for v in s["violations"]:
             print(f"FAIL {v['message']}")
     code = verdict_exit_code(report, accept_partial=args.accept_partial)

@@ -38,9 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-capture-head",
         type=int,
-        default=4096,
-        help="widest top-K head asked per position: the cap of adaptive captures (top_p/min_p without top_k); "
-        "vocabularies up to it are captured in full and get the raw-logits log S pass (default 4096)",
+        default=None,
+        help="cap of S_q capture: a kept set of this many tokens or more is left unproven and not evaluated "
+        "(default: no cap on the offline engine, which reads wide kept sets from its sampler; 4096, the widest "
+        "top-K head, on a server)",
     )
     # Gone: top_p/min_p without top_k are captured adaptively now; the old flag gets an error that says so.
     p.add_argument("--timeout", type=float, default=900.0, help="seconds any one engine call may take")
@@ -95,7 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    if args.max_capture_head < 2:
+    if args.max_capture_head is not None and args.max_capture_head < 2:
         raise UsageError(f"--max-capture-head={args.max_capture_head} is invalid: allowed an integer >= 2")
     from parity.core.error_model import UNIT_ROUNDOFF
 
@@ -127,6 +128,9 @@ def main(args: argparse.Namespace) -> int:
     print()
     print(render_terminal(report))
     print()
+    for s in report["scenarios"]:
+        if s.get("capture_limit"):
+            print(f"CAPTURE LIMIT {s['capture_limit']}")
     for s in report["scenarios"]:
         for v in s["violations"]:
             print(f"FAIL {v['message']}")

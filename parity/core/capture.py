@@ -12,7 +12,7 @@ filter applies. The derivation and measurements: docs/capture_plan.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -222,6 +222,9 @@ class Heads:
     head_ids: list[list[int]]
     head_logprobs: list[list[float]]
     payload: Any = None
+    # position -> (kept ids, their processed log-probs): S_q read whole from the sampler's row where
+    # the head could not prove it (parity.engines.sampler_rows); such a position is proven.
+    rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 # ask(indices, heads) -> one Heads per index: sample sequences ``indices`` again (same seeds) with
@@ -251,6 +254,9 @@ class CaptureStats:
     resampled_differently: int = 0  # sequences whose second draw differed (their first capture is kept)
     resampled_prompts: list[int] = field(default_factory=list)
     support_changed_positions: int = 0  # proven in both draws of the same tokens, with different kept sets
+    sampler_rows: str = ""  # "" where the head route alone ran; else how the sampler's rows were read
+    row_positions: int = 0  # positions proven by the sampler's own row (the head could not prove them)
+    row_mismatched: int = 0  # sampler rows that did not match the position's returned token and value
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -290,7 +296,11 @@ def _status(h: Heads, requested: int, vocab_size: int) -> tuple[list[bool], int]
     """Per position: proven complete; and the widest support proven in this sequence."""
     full = requested == FULL_VOCAB or requested >= vocab_size
     done, widest = [], 0
-    for vals in h.head_logprobs:
+    for t, vals in enumerate(h.head_logprobs):
+        if t in h.rows:
+            done.append(True)
+            widest = max(widest, int(h.rows[t][0].numel()))
+            continue
         ok = _head_complete(vals, full=full, vocab_size=vocab_size)
         done.append(ok)
         if ok:
@@ -298,8 +308,10 @@ def _status(h: Heads, requested: int, vocab_size: int) -> tuple[list[bool], int]
     return done, widest
 
 
-def _finite_ids(ids: Sequence[int], vals: Sequence[float]) -> set[int]:
-    return {int(i) for i, v in zip(ids, vals, strict=True) if v != NEG_INF}
+def _kept_set(h: Heads, t: int) -> set[int]:
+    if t in h.rows:
+        return {int(i) for i in h.rows[t][0].tolist()}
+    return {int(i) for i, v in zip(h.head_ids[t], h.head_logprobs[t], strict=True) if v != NEG_INF}
 
 
 def run_capture(
@@ -374,9 +386,7 @@ def run_capture(
                 new_status = _status(h, k, vocab_size)
                 old = heads[i]
                 for t, (was, now) in enumerate(zip(status[i][0], new_status[0], strict=True)):
-                    if was and now and _finite_ids(old.head_ids[t], old.head_logprobs[t]) != _finite_ids(
-                        h.head_ids[t], h.head_logprobs[t]
-                    ):
+                    if was and now and _kept_set(old, t) != _kept_set(h, t):
                         stats.support_changed_positions += 1
                 heads[i], requested[i], status[i] = h, k, new_status
         stats.widened_sequences = len(widened)
@@ -390,6 +400,7 @@ def run_capture(
     else:
         stats.unproven_positions = stats.incomplete_positions = sum(d.count(False) for d, _ in status)
     stats.largest_support = max((w for _, w in status), default=0)
+    stats.row_positions = sum(len(h.rows) for h in heads)
     if history is not None and spec is not None and plan.adaptive:
         history.record(spec, [_need(heads[i], status[i][0], requested[i], vocab_size) for i in range(n)])
     return CaptureResult(heads, requested, stats)
@@ -398,8 +409,10 @@ def run_capture(
 def _need(h: Heads, done: list[bool], requested: int, vocab_size: int) -> int:
     """The head that would have proven this sequence in one generation (as far as its capture shows)."""
     need = 2
-    for vals, ok in zip(h.head_logprobs, done, strict=True):
-        if ok:
+    for t, (vals, ok) in enumerate(zip(h.head_logprobs, done, strict=True)):
+        if t in h.rows:
+            need = max(need, int(h.rows[t][0].numel()) + 1)
+        elif ok:
             need = max(need, len(vals) - vals.count(NEG_INF) + 1)
         else:
             need = max(need, support_lower_bound(vals) + 1, _as_k(requested, vocab_size) + 1)
@@ -458,11 +471,47 @@ def support_from_heads(
     *,
     requested: int,
     vocab_size: int,
+    rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> CapturedSupport:
     """Build S_q from per-position heads (token ids and processed log-probs, sampled entry excluded).
 
-    ``requested`` is the K that was asked for (-1 = full vocabulary).
+    ``requested`` is the K that was asked for (-1 = full vocabulary); ``rows`` (``Heads.rows``) holds
+    whole kept sets read from the sampler where the head could not prove them: they replace the head there.
     """
+    base = _support_of_heads(sampled, head_ids, head_logprobs, requested=requested, vocab_size=vocab_size)
+    return _with_rows(base, sampled, rows) if rows else base
+
+
+def _with_rows(base: CapturedSupport, sampled: Sequence[int],
+               rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]]) -> CapturedSupport:
+    """``base`` with the positions of ``rows`` replaced by the sampler's whole kept set (proven complete)."""
+    import torch
+
+    n, w0 = base.kept_ids.shape
+    width = max([w0] + [int(ids.numel()) for ids, _ in rows.values()])
+    ids_t = torch.full((n, width), -1, dtype=torch.long)
+    lps_t = torch.full((n, width), NEG_INF, dtype=torch.float32)
+    ids_t[:, :w0], lps_t[:, :w0] = base.kept_ids, base.kept_logprobs
+    incomplete, missing = base.incomplete.clone(), base.sampled_missing.clone()
+    for t, (ids, vals) in rows.items():
+        if not 0 <= t < n or ids.numel() != vals.numel():
+            raise UsageError(f"a sampler row at position {t} of {n} holds {ids.numel()} ids and {vals.numel()} values")
+        k = int(ids.numel())
+        ids_t[t], lps_t[t] = -1, NEG_INF
+        ids_t[t, :k], lps_t[t, :k] = ids.long(), vals.float()
+        incomplete[t] = False
+        missing[t] = not bool((ids == int(sampled[t])).any())
+    return CapturedSupport(ids_t, lps_t, incomplete, missing)
+
+
+def _support_of_heads(
+    sampled: Sequence[int],
+    head_ids: Sequence[Sequence[int]],
+    head_logprobs: Sequence[Sequence[float]],
+    *,
+    requested: int,
+    vocab_size: int,
+) -> CapturedSupport:
     import torch
 
     if len(head_ids) != len(sampled) or len(head_logprobs) != len(sampled):

@@ -28,7 +28,7 @@ class Thresholds:
     mean_bias_headroom: float = 1.0
     replay_support_equal_frac: float = 1.0
     recompute_support_equal_frac: float = 0.99  # the boundary may move under numerics; force-include covers it
-    max_incomplete_frac: float = 0.0
+    max_incomplete_frac: float = 1.0  # opt-in: below 1 an unproven capture fails (else it is a stated limit)
     max_sampled_outside: int = 0
     max_token_mismatch: int = 0
     max_violations_listed: int = 5

@@ -19,6 +19,20 @@ def support_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a == b).all(dim=-1)
 
 
+def boundary_only(a: torch.Tensor, b: torch.Tensor, scaled_logits: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """Per row: do two kept masks ``[N, V]`` differ only by tokens that drift can move across the cutoff?
+
+    Each token's log-prob may move by ``bound`` (the row's per-token rounding bound), so a cumulative
+    mass moves by at most ``eps = expm1(2 * bound)``, and the tokens a top_p cutoff (or a min_p
+    threshold) can let in or out hold at most ``2 * eps`` of the mass plus the one token that straddles
+    it. A wrong filter moves far more. docs/error_model.md, section 9.
+    """
+    diff = a != b
+    p = torch.softmax(scaled_logits.double(), dim=-1).masked_fill(~diff, 0.0)
+    eps = torch.expm1(2.0 * bound.double())
+    return p.sum(dim=-1) <= 2.0 * eps + p.amax(dim=-1)
+
+
 def difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a - b`` in float64 under the one comparison rule of parity.
 

@@ -19,7 +19,7 @@ from parity.core import estimators
 from parity.core.capture import support_mass
 from parity.core.error_model import SUPPORT_MASS_TOL, logprob_bound, systematic_bound, unit_roundoff
 from parity.core.log_s import top_p_bracket, top_p_bracket_applies
-from parity.core.metrics import kl_tv_over_support, support_equal
+from parity.core.metrics import boundary_only, kl_tv_over_support, support_equal
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.errors import UsageError
@@ -214,7 +214,10 @@ def build_table(
         cols["replay_support_ok"].append(~incomplete & ~missing & mass_ok)
         cols["support_size"].append((kept >= 0).sum(dim=-1))
         q_mask = estimators.ids_to_mask(kept, vocab)
-        cols["recompute_support_equal"].append(support_equal(rec.kept, q_mask))
+        equal = support_equal(rec.kept, q_mask)
+        if not bool(equal.all()):  # a set that differs only at the cutoff, within drift, is the same filter
+            equal |= boundary_only(rec.kept, q_mask, zs, bound)
+        cols["recompute_support_equal"].append(equal)
         # KL / TV between the sampler's processed distribution and the trainer's replayed one, on S_q.
         vals = zs.gather(1, kept.clamp(min=0)).masked_fill(kept < 0, float("-inf")).double()
         t_lp = vals - torch.logsumexp(vals, dim=-1, keepdim=True)

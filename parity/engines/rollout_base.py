@@ -41,7 +41,7 @@ class RolloutSettings(TypedDict, total=False):
     device: str
     seed: int
     max_model_len: int
-    max_head: int
+    max_head: int | None
     start_head: int | None
     tie_margin: int
     head: int | None
@@ -63,7 +63,7 @@ class RolloutBase:
         device: str = "cpu",
         seed: int = 0,
         max_model_len: int = 512,
-        max_head: int = DEFAULT_MAX_HEAD,
+        max_head: int | None = None,
         start_head: int | None = None,
         tie_margin: int = 16,
         head: int | None = None,
@@ -82,7 +82,9 @@ class RolloutBase:
         self.device = device
         self.seed = seed
         self.max_model_len_arg = max_model_len
-        self.max_head = max_head  # the widest head an adaptive plan asks (top_p/min_p without top_k)
+        # --max-capture-head: None is no cap where the engine's sampler rows are read (the offline engine),
+        # and the widest head of the head route (DEFAULT_MAX_HEAD) elsewhere.
+        self.max_head = max_head
         self.start_head = start_head  # force the first head of adaptive plans (None: spec and history)
         self.capture_history = CaptureHistory()
         self.last_capture: CaptureStats | None = None  # what the latest generate() captured
@@ -100,8 +102,9 @@ class RolloutBase:
         suggests, else from the spec (:func:`~parity.core.capture.start_head`).
         """
         return plan_capture(
-            spec, self.vocab_size, head=self.head, tie_margin=self.tie_margin, max_head=self.max_head,
-            start=self.start_head, suggested=self.capture_history.start(spec),
+            spec, self.vocab_size, head=self.head, tie_margin=self.tie_margin,
+            max_head=self.max_head or DEFAULT_MAX_HEAD, start=self.start_head,
+            suggested=self.capture_history.start(spec),
         )
 
     def support(self, i: int, h: Heads, requested: int, spec: SamplingSpec) -> Support:
@@ -113,7 +116,8 @@ class RolloutBase:
         if requested == 0:
             return None, None, None, {}
         cap = support_from_heads(
-            h.completion_ids, h.head_ids, h.head_logprobs, requested=requested, vocab_size=self.vocab_size
+            h.completion_ids, h.head_ids, h.head_logprobs, requested=requested, vocab_size=self.vocab_size,
+            rows=h.rows,
         )
         return cap.kept_ids, cap.kept_logprobs, cap.incomplete, {"sampled_missing": cap.sampled_missing}
 

@@ -34,7 +34,7 @@ class Rollout(Protocol):
     :class:`~parity.engines.vllm_server.client.ServerRollout`) as a run uses it."""
 
     head: int | None  # the capture head of the next generate() (None: planned per spec)
-    max_head: int  # the widest head an adaptive plan of the next generate() asks
+    max_head: int | None  # the capture cap of the next generate() (None: no cap where sampler rows are read)
     capture_history: CaptureHistory
     last_capture: CaptureStats | None  # what the latest generate() captured
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from parity.core.capture import DEFAULT_MAX_HEAD
-
 
 @dataclass(frozen=True)
 class EngineSettings:
@@ -24,7 +22,7 @@ class EngineSettings:
     device: str = "cpu"
     seed: int = 0
     capture_head: int | None = None  # None: the capture plan's head
-    max_capture_head: int = DEFAULT_MAX_HEAD  # widest top-K head asked per position
+    max_capture_head: int | None = None  # cap of S_q capture (None: none offline, DEFAULT_MAX_HEAD's head elsewhere)
     timeout_s: float = 900.0
     prefix_caching: bool = False
     capture: str = "topk"  # "topk" | "native" | "both"

@@ -28,6 +28,7 @@ from parity.core import estimators
 from parity.core.capture import (
     DEFAULT_MAX_HEAD,
     FULL_VOCAB,
+    SMALL_VOCAB,
     CapturedSupport,
     CaptureHistory,
     CapturePlan,
@@ -36,7 +37,8 @@ from parity.core.capture import (
     support_from_heads,
 )
 from parity.core.spec import SamplingSpec
-from parity.engines.vllm_offline import capture_outputs
+from parity.engines.sampler_rows import SamplerRows
+from parity.engines.vllm_offline import ROWS_HEAD, capture_outputs
 from parity.errors import EngineError, UsageError
 from parity.records.vllm_outputs import spec_of_params
 
@@ -84,7 +86,7 @@ class GrpoCapture:
 
     mode: str
     head: int | None = None
-    max_head: int = DEFAULT_MAX_HEAD
+    max_head: int | None = None  # None: no cap where the sampler's rows are read, DEFAULT_MAX_HEAD elsewhere
     sequences: list[dict[str, Any]] = field(default_factory=list)
     capture_plans: list[dict[str, Any]] = field(default_factory=list)  # per generation batch: CaptureStats + step
     history: CaptureHistory = field(default_factory=CaptureHistory, repr=False)
@@ -158,7 +160,7 @@ def engine_dtype(gen: Any) -> str:
 
 
 def _split_heads(cap: GrpoCapture, completion_ids: list[list[int]], logprobs: list[Any], token_ids: list[Any],
-                 requested: int | list[int], vocab: int
+                 requested: int | list[int], vocab: int, rows: list[dict[int, Any]] | None = None,
                  ) -> tuple[list[list[list[float | None]]], list[list[list[int]]], list[CapturedSupport | None]]:
     """Per sequence: the sampled token's log-prob for TRL, and S_q for parity.
 
@@ -168,7 +170,9 @@ def _split_heads(cap: GrpoCapture, completion_ids: list[list[int]], logprobs: li
     ids_out: list[list[list[int]]] = []
     supports: list[CapturedSupport | None] = []
     per_seq = requested if isinstance(requested, list) else [requested] * len(completion_ids)
-    for seq_ids, seq_lps, seq_tok, requested in zip(completion_ids, logprobs, token_ids, per_seq, strict=True):
+    seq_rows = rows if rows is not None and len(rows) == len(completion_ids) else [{}] * len(completion_ids)
+    for seq_ids, seq_lps, seq_tok, requested, kept_rows in zip(completion_ids, logprobs, token_ids, per_seq, seq_rows,
+                                                                strict=True):
         lp_rows: list[list[float | None]] = []
         id_rows: list[list[int]] = []
         heads_ids: list[list[int]] = []
@@ -194,7 +198,8 @@ def _split_heads(cap: GrpoCapture, completion_ids: list[list[int]], logprobs: li
         else:
             # NaN entries are not kept (support_from_heads keeps finite values only once NaN is -inf).
             clean = [[(-math.inf if math.isnan(x) else x) for x in row] for row in heads_lps]
-            supports.append(support_from_heads(seq_ids, heads_ids, clean, requested=requested, vocab_size=vocab))
+            supports.append(support_from_heads(seq_ids, heads_ids, clean, requested=requested, vocab_size=vocab,
+                                               rows=kept_rows))
     return lp_out, ids_out, supports
 
 
@@ -238,7 +243,7 @@ def _log_mass_correction(cap: GrpoCapture, z: torch.Tensor, y: torch.Tensor, spe
 
 
 def _adaptive_generate(generate: Any, plan: CapturePlan, spec: SamplingSpec, vocab: int, history: CaptureHistory,
-                       seeds: random.Random, batch: dict[str, Any]) -> Any:
+                       seeds: random.Random, batch: dict[str, Any], rows: SamplerRows | None = None) -> Any:
     """``LLM.generate`` for one TRL batch under an adaptive plan: seeded requests, unproven ones asked again.
 
     TRL sends one ``SamplingParams`` (n=1) for all prompts and no seed: each request gets a seed of its
@@ -261,8 +266,9 @@ def _adaptive_generate(generate: Any, plan: CapturePlan, spec: SamplingSpec, voc
             p.seed = sp.seed if sp.seed is not None else base + i
             params.append(p)
         result = capture_outputs(lambda ps, qs: generate(ps, qs, **kwargs), prompts, params, plan, spec=spec,
-                                 vocab_size=vocab, history=history, nan_as_dropped=True)
+                                 vocab_size=vocab, history=history, nan_as_dropped=True, rows=rows)
         batch["stats"], batch["requested"] = result.stats, result.requested
+        batch["rows"] = [h.rows for h in result.heads]  # TRL's lists carry heads only: S_q rides here
         return [h.payload[0] for h in result.heads]
 
     return wrapped
@@ -287,7 +293,7 @@ def _fixed_stats(plan: CapturePlan, supports: list[CapturedSupport | None], comp
 
 @contextlib.contextmanager
 def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bool = True,
-               max_head: int = DEFAULT_MAX_HEAD) -> Iterator[GrpoCapture]:
+               max_head: int | None = None) -> Iterator[GrpoCapture]:
     """Patch TRL's GRPOTrainer/VLLMGeneration for capture (and a fix), restore on exit.
 
     * **capture** (every mode): vLLM is asked for a head of processed log-probs wide enough to hold
@@ -343,9 +349,14 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
     def generate(self: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         spec = _spec_of(self)
         vocab = _vocab_size(self)
-        plan = plan_capture(spec, vocab, head=head, max_head=max_head, suggested=cap.history.start(spec))
         # None (server mode) only with a plan made non-adaptive just below.
         llm: Any = getattr(self, "llm", None) if getattr(self, "mode", "colocate") == "colocate" else None
+        rows = SamplerRows(llm, cap=max_head) if llm is not None and head is None else None
+        if rows is not None and not rows.install():
+            rows = None
+        limit = max_head or DEFAULT_MAX_HEAD
+        plan = plan_capture(spec, vocab, head=head, max_head=limit, suggested=cap.history.start(spec),
+                            start=min(ROWS_HEAD, limit) if rows is not None and vocab > SMALL_VOCAB else None)
         if plan.adaptive and llm is None:
             # TRL's server client sends no per-request seed, so a sequence cannot be drawn again: one
             # generation at the cap, unproven positions flagged.
@@ -362,7 +373,7 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
         old = self.logprobs
         self.logprobs = requested
         if plan.adaptive:
-            llm.generate = _adaptive_generate(llm.generate, plan, spec, vocab, cap.history, seeds, batch)
+            llm.generate = _adaptive_generate(llm.generate, plan, spec, vocab, cap.history, seeds, batch, rows)
         try:
             prompt_ids, completion_ids, logprobs, token_ids = saved["generate"](self, *args, **kwargs)
         finally:
@@ -374,7 +385,7 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
                                  "dtype": engine_dtype(self), "capture": None})
             return prompt_ids, completion_ids, logprobs, token_ids
         per_seq = batch.get("requested", requested)
-        lps, ids, supports = _split_heads(cap, completion_ids, logprobs, token_ids, per_seq, vocab)
+        lps, ids, supports = _split_heads(cap, completion_ids, logprobs, token_ids, per_seq, vocab, batch.get("rows"))
         stats = batch.get("stats") or _fixed_stats(plan, supports, completion_ids)
         cap.counts["widened_sequences"] += stats.widened_sequences
         cap.counts["resampled_differently"] += stats.resampled_differently

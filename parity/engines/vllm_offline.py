@@ -7,6 +7,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, MutableMapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar, Unpack, cast
 
@@ -16,10 +17,12 @@ from parity.core import capture as cap
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.engines.rollout_base import RolloutBase, RolloutSettings, Support
+from parity.engines.sampler_rows import SamplerRows
 from parity.errors import EngineError, SetupError, TimedOut, UsageError
-from parity.records.vllm_outputs import heads_of_output, spec_of_params
+from parity.records.vllm_outputs import ROWS_ATTR, heads_of_output, spec_of_params
 
 T = TypeVar("T")
+ROWS_HEAD = 64  # the head asked where the sampler's rows prove what it cannot (docs/capture_plan.md, section 9)
 
 # Engine settings measured on CPU machines. The default KV cache grabs ~11 GiB and makes the first
 # generate 10x slower on fixture models; the in-process engine avoids the ``__main__`` guard that
@@ -84,14 +87,17 @@ def capture_outputs(
     history: cap.CaptureHistory | None = None,
     deadline: float | None = None,
     nan_as_dropped: bool = False,
+    rows: SamplerRows | None = None,
 ) -> cap.CaptureResult:
     """``plan`` run over ``generate(prompts, params)`` (``LLM.generate`` or a wrapper of it).
 
     Each round asks its sequences with ``params[i]`` (seeded, ``n=1``) cloned and ``logprobs`` set to
     the round's head; an adaptive plan asks unproven sequences again (:func:`~parity.core.capture.run_capture`).
     Every ``Heads.payload`` is ``(RequestOutput, the SamplingParams it was drawn with)``. ``deadline``
-    (a ``time.monotonic()`` value) bounds the whole capture, widening included.
+    (a ``time.monotonic()`` value) bounds the whole capture, widening included. ``rows`` (a hook
+    installed on the engine) proves, from the sampler's own row, each position its head could not.
     """
+    mismatched = [0]
 
     def ask(indices: list[int], heads: list[int]) -> list[cap.Heads]:
         batch = []
@@ -103,13 +109,24 @@ def capture_outputs(
         def run() -> Sequence[Any]:
             return generate([prompts[i] for i in indices], batch)
 
+        if rows is not None:
+            rows.take()  # what other calls left behind
         outs = run() if deadline is None else call_with_timeout(
             run, max(deadline - time.monotonic(), 1.0), f"vLLM generate ({spec.label()})")
-        return [heads_of_output(o.outputs[0], k, f"prompt {i} ({spec.label()})", error=EngineError,
-                                nan_as_dropped=nan_as_dropped, payload=(o, q))
-                for i, k, q, o in zip(indices, heads, batch, outs, strict=True)]
+        got = [heads_of_output(o.outputs[0], k, f"prompt {i} ({spec.label()})", error=EngineError,
+                               nan_as_dropped=nan_as_dropped, payload=(o, q))
+               for i, k, q, o in zip(indices, heads, batch, outs, strict=True)]
+        if rows is not None:
+            mismatched[0] += rows.attach(got, [str(o.request_id) for o in outs], rows.take())
+            for h, o in zip(got, outs, strict=True):
+                setattr(o.outputs[0], ROWS_ATTR, h.rows)  # from_request_outputs reads them back
+        return got
 
-    return cap.run_capture(plan, len(prompts), ask, vocab_size=vocab_size, spec=spec, history=history)
+    result = cap.run_capture(plan, len(prompts), ask, vocab_size=vocab_size, spec=spec, history=history)
+    if rows is not None:
+        result.stats.sampler_rows = rows.describe()
+        result.stats.row_mismatched = mismatched[0]
+    return result
 
 
 def generate_with_capture(
@@ -117,7 +134,7 @@ def generate_with_capture(
     prompts: Sequence[Any],
     params: Any,
     *,
-    max_head: int = cap.DEFAULT_MAX_HEAD,
+    max_head: int | None = None,
     history: cap.CaptureHistory | None = None,
     start: int | None = None,
     timeout_s: float | None = None,
@@ -146,6 +163,10 @@ def generate_with_capture(
     mc = llm.llm_engine.model_config
     vocab = int(mc.get_vocab_size())
     engine_max = int(mc.max_logprobs)
+    rows = SamplerRows(llm, cap=max_head, timeout_s=timeout_s or 60.0)
+    rows_on = rows.install()
+    if max_head is None:
+        max_head = cap.DEFAULT_MAX_HEAD
     if engine_max != -1 and engine_max < max_head:
         if engine_max < 2:
             raise UsageError(f"generate_with_capture: the engine allows max_logprobs={engine_max}: allowed -1 or >= 2 "
@@ -163,11 +184,14 @@ def generate_with_capture(
         raise UsageError("generate_with_capture: the prompts' SamplingParams differ in temperature/top_k/top_p/min_p: "
                          "allowed one sampling spec per call")
     spec = specs[0]
+    if rows_on and start is None:
+        start = min(ROWS_HEAD, max_head)
     plan = cap.plan_capture(spec, vocab, max_head=max_head, start=start,
                         suggested=history.start(spec) if history else None)
     result = capture_outputs(
         lambda ps, qs: llm.generate(ps, qs, use_tqdm=False), prompts, seeded, plan, spec=spec, vocab_size=vocab,
         history=history, deadline=None if timeout_s is None else time.monotonic() + timeout_s,
+        rows=rows if rows_on else None,
     )
     return [h.payload[0] for h in result.heads], [h.payload[1] for h in result.heads], result.stats
 
@@ -220,6 +244,24 @@ class VllmRollout(RolloutBase):
         kwargs.update(engine_kwargs or {})
         self.llm = call_with_timeout(lambda: LLM(**kwargs), self.timeout_s, "vLLM engine start-up")
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+        self.rows = SamplerRows(self.llm, cap=self.max_head, timeout_s=self.timeout_s)
+        if self.capture == "topk":
+            self.rows.install()
+
+    def plan(self, spec: SamplingSpec) -> cap.CapturePlan:
+        """The head route's plan; where the sampler's rows are read, adaptive plans start at ``ROWS_HEAD``
+        (the head proves the narrow positions, the rows the wide ones, in one generation)."""
+        if (not self.rows.active or self.start_head is not None or self.head is not None
+                or self.vocab_size <= cap.SMALL_VOCAB):
+            return super().plan(spec)
+        limit = self.max_head or cap.DEFAULT_MAX_HEAD
+        plan = cap.plan_capture(spec, self.vocab_size, tie_margin=self.tie_margin, max_head=limit,
+                                start=min(ROWS_HEAD, limit))
+        if not plan.adaptive:
+            return plan
+        wide = "no cap" if self.max_head is None else f"below {self.max_head} tokens (--max-capture-head)"
+        return replace(plan, reason=f"{plan.reason}; kept sets the head cannot prove read whole from the "
+                                    f"sampler's row ({wide})")
 
     def tokenizer(self) -> Any:
         return self.llm.get_tokenizer()
@@ -268,9 +310,19 @@ class VllmRollout(RolloutBase):
             lambda ps, qs: self.llm.generate(ps, qs, use_tqdm=False),
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, plan,
             spec=spec, vocab_size=self.vocab_size, history=self.capture_history if logprobs is None else None,
-            deadline=time.monotonic() + self.timeout_s,
+            deadline=time.monotonic() + self.timeout_s, rows=self._rows(logprobs),
         )
         return self.records(prompts, spec, seed, result)
+
+    def _rows(self, forced: int | None) -> SamplerRows | None:
+        """The sampler-row hook for the next generate, its cap brought to this scenario's; none for a
+        forced head (diagnostics ask for a head on purpose)."""
+        if not self.rows.active or forced is not None or self.head is not None:
+            return None
+        if self.rows.cap != self.max_head:
+            self.rows.cap = self.max_head
+            self.rows.install()
+        return self.rows
 
     def support(self, i: int, h: cap.Heads, requested: int, spec: SamplingSpec) -> Support:
         """S_q from the top-K heads, or from vLLM's own sampling mask (``capture`` native or both)."""

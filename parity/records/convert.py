@@ -72,7 +72,8 @@ def heads_row(
     }
     if requested != 0 and spec.effective().filtered:
         ids = h.completion_ids
-        cap = support_from_heads(ids, h.head_ids, h.head_logprobs, requested=requested, vocab_size=vocab_size)
+        cap = support_from_heads(ids, h.head_ids, h.head_logprobs, requested=requested, vocab_size=vocab_size,
+                                 rows=h.rows)
         row.update(_kept_columns(cap.kept_ids, cap.kept_logprobs, cap.incomplete))
     return row
 

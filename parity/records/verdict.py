@@ -506,11 +506,12 @@ def evaluate_summary(sc: dict[str, Any], a: ScenarioAcc, th: Thresholds) -> list
             worst=a.first["recompute_support"].positions(n), detail="trainer-side filters keep a different set",
         ))
     inc, tokens = sc["incomplete_positions"], sc["tokens"]
+    # Opt-in (max_incomplete_frac < 1): by default an unproven position is a limit of the capture, reported
+    # in capture_limit and left out of the kept-set gates, not a fault of either side.
     if "incomplete_capture" not in skip and tokens and _over(inc / tokens, th.max_incomplete_frac):
         out.append(Violation(
             "incomplete_capture", scenario, inc / tokens, th.max_incomplete_frac, "incomplete capture fraction",
-            worst=a.first["incomplete"].positions(n), detail=f"{inc} of {tokens} positions: the head is full and the "
-            "support may extend past it; raise --max-capture-head (or the scenario's max_capture_head)",
+            worst=a.first["incomplete"].positions(n), detail=f"{inc} of {tokens} positions: {CAPTURE_LIMIT_FIX}",
         ))
     outside = sc["sampled_outside_support"]
     if "sampled_outside" not in skip and _over(outside, th.max_sampled_outside):
@@ -605,6 +606,19 @@ def drift_headroom_hist(a: ScenarioAcc) -> dict[str, Any]:
     return out
 
 
+CAPTURE_LIMIT_FIX = ("their kept set was not proven complete; run without --max-capture-head (the offline engine "
+                     "then reads every kept set from its sampler) or raise it (or the scenario's max_capture_head)")
+
+
+def capture_limit_line(sc: Mapping[str, Any]) -> str | None:
+    """The capture's own limit, when it left positions unproven: counted, not evaluated, and not a FAIL."""
+    inc = int(sc.get("incomplete_positions") or 0)
+    if not inc:
+        return None
+    return (f"{inc} of {sc['tokens']} positions of {sc['name']!r} not evaluated by the kept-set gates: "
+            f"{CAPTURE_LIMIT_FIX}")
+
+
 def no_verdict_line(sc: Mapping[str, Any], judged: bool) -> str:
     """Why a scenario has no mean-bias gate (and, when ``judged`` is false, no gate at all): the columns it
     lacks and what supplies them."""
@@ -638,9 +652,13 @@ def finalize(
         sc["gates_evaluated"] = evaluated
         sc["mean_bias_evaluated"] = any(g in evaluated for g in MEAN_GATES)
         sc["no_verdict"] = None if sc["mean_bias_evaluated"] else no_verdict_line(sc, bool(judged))
+        sc["capture_limit"] = capture_limit_line(sc)
         violations, reference = split_verdict(violations, trainer_under_test="trainer_under_test" in sc)
         # Nothing judged: the scenario neither passes nor fails (its no_verdict line says what would judge it).
         sc["verdict"] = "fail" if violations else ("pass" if judged else "none")
+        if sc["verdict"] == "pass" and sc["tokens"] and sc["incomplete_positions"] == sc["tokens"]:
+            # Every kept set unproven: the capture's limit leaves nothing to pass.
+            sc["verdict"], sc["no_verdict"] = "none", sc["capture_limit"]
         sc["violations"] = violations
         sc["reference_violations"] = reference
         sc["drift_headroom"] = drift_headroom_hist(a)

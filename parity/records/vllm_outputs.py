@@ -9,6 +9,8 @@ from typing import Any
 from parity.core.capture import FULL_VOCAB, NEG_INF, Heads
 from parity.core.spec import SamplingSpec
 
+ROWS_ATTR = "parity_rows"  # CompletionOutput attribute: position -> (kept ids, log-probs) from the sampler
+
 
 def spec_of_params(params: Any) -> SamplingSpec:
     """The filters of a ``vllm.SamplingParams`` (top_k < 1 and a missing min_p mean off)."""
@@ -37,6 +39,7 @@ def heads_of_output(
     K entries when it is in the top-K and K + 1 when not (vllm/logprobs.py). ``requested``: the
     ``logprobs`` asked (-1: the vocabulary). ``nan_as_dropped`` reads a NaN head value as ``-inf`` (off
     the support). Log-probs missing for a token, or not led by the sampled one, raise ``error``.
+    The kept sets a capture read from the sampler's rows ride on the output as ``parity_rows``.
     """
     ids = [int(t) for t in comp.token_ids]
     logprobs = comp.logprobs
@@ -67,4 +70,7 @@ def heads_of_output(
             head_lps.append([float(v.logprob) for _, v in head])
     if nan_as_dropped:
         head_lps = [[NEG_INF if math.isnan(v) else v for v in row] for row in head_lps]
-    return Heads(ids, sampled, heads, head_lps, payload=payload)
+    h = Heads(ids, sampled, heads, head_lps, payload=payload)
+    # Kept sets that parity's capture read whole from the sampler's rows (parity.engines.sampler_rows).
+    h.rows = dict(getattr(comp, ROWS_ATTR, None) or {})
+    return h

@@ -156,6 +156,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         _environment(env),
         "",
     ]
+    limits = [s["capture_limit"] for s in sc if s.get("capture_limit")]
+    if limits:
+        lines += ["## Capture limits (not evaluated, not a FAIL)", ""] + [f"- {x}" for x in limits] + [""]
     if report.get("warnings"):
         lines += ["## Warnings", ""] + [f"- {w}" for w in report["warnings"]] + [""]
     lines += glance_table(report)

@@ -145,6 +145,7 @@ class Scenario:
     trainer_under_test: Block | None = None
     mean_bias_evaluated: bool = True  # a mean-bias gate was evaluated (without one the verdict is incomplete)
     no_verdict: str | None = None  # why not: what the records lack and what supplies it
+    capture_limit: str | None = None  # positions the capture left unproven (not evaluated, not a FAIL), and the fix
     # What the producer adds (parity.analyze.report.REPORT_FACTS): the model, the capture, dtypes, the RL view.
     model: str | None = None
     capture_plan: CaptureStats | None = None

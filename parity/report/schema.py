@@ -123,6 +123,7 @@ def report_schema() -> dict[str, Any]:
             "verdict": {"enum": ["pass", "fail", "none"]},
             "mean_bias_evaluated": {"type": "boolean"},
             "no_verdict": {"type": ["string", "null"]},
+            "capture_limit": {"type": ["string", "null"]},
             "violations": {"type": "array", "items": VIOLATION_SCHEMA},
             # With a trainer under test: parity's own estimators' violations, reported beside its verdict.
             "reference_violations": {"type": "array", "items": VIOLATION_SCHEMA},

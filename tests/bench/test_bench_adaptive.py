@@ -1,15 +1,17 @@
-"""Adaptive capture on a real vocabulary: top_p without top_k on smollm2-135m (V=49,152), against plain generation.
+"""Capture on real vocabularies: top_p and min_p without top_k on smollm2-135m (V=49,152) and on the
+qwen2-152k fixture (V=151,936), against plain generation.
 
 Each cell times ``VllmRollout.generate`` (the harness's whole capture: the adaptive plan, widening rounds,
 the kept sets as tensors) against ``LLM.generate`` of the same prompts and seeds with ``logprobs=20``
 (what an RL stack asks for anyway), rounds interleaved (conftest.paired), on the process's CPU time
 (the engine runs in this process). 8 prompts x 24 tokens, float32.
 
-Rows: top_p=0.9 at T=1 from a fresh history (the first call of a run: the start head comes from the
-spec, the costliest call), and top_k=50 (a fixed head of 66) for comparison. Peak RSS per row (VmHWM
-after a reset of the process's high-water mark) is compared with the top_k=50 row's. Targets: top_p=0.9
-within 1.5x the logprobs=20 generation, peak RSS within 1.2x that of top_k=50. Nothing here asserts a
-duration. (The later-step, forced-start and T=1.3 rows are cut: each took about a minute of the session.)
+Rows: top_p=0.9 at T=1 from a fresh history (the first call of a run), top_p=0.95 at T=1.3 and
+min_p=0.02 at T=1 (hot specs whose nuclei pass 4096 tokens: the sampler's rows prove them), the same
+top_p rows at V=151,936, and top_k=50 (a fixed head of 66) for comparison. Peak RSS per row (VmHWM
+after a reset of the process's high-water mark) is compared with the top_k=50 row's. Targets: every
+top_p/min_p row within 1.5x the logprobs=20 generation, peak RSS of top_p=0.9 within 1.2x that of
+top_k=50. Nothing here asserts a duration.
 """
 
 from __future__ import annotations
@@ -27,12 +29,18 @@ MODEL = "smollm2-135m"
 PROMPTS, TOKENS = 8, 24
 ROUNDS, WARMUP = 2, 1  # a round is 4-6 s of smollm2 generation per side
 BASE_LOGPROBS = 20
+WIDE = "qwen2-152k"
 CASES: dict[str, tuple[str, SamplingSpec, bool, int | None]] = {
-    # id -> (row label, spec, keep the history between rounds, forced start head)
+    # id -> (row label, spec, keep the history between rounds, forced start head); ids starting with
+    # "152k" run on the qwen2-152k fixture, the others on smollm2-135m.
     "top_k": ("top_k=50 T=1 (fixed head 66)", SamplingSpec(1.0, top_k=50), True, None),
     "top_p-cold": ("top_p=0.9 T=1, fresh history", SamplingSpec(1.0, top_p=0.9), False, None),
+    "top_p-hot": ("top_p=0.95 T=1.3", SamplingSpec(1.3, top_p=0.95), False, None),
+    "min_p": ("min_p=0.02 T=1", SamplingSpec(1.0, min_p=0.02), False, None),
+    "152k-top_p": ("V=151,936: top_p=0.9 T=1", SamplingSpec(1.0, top_p=0.9), False, None),
+    "152k-hot": ("V=151,936: top_p=0.95 T=1.3", SamplingSpec(1.3, top_p=0.95), False, None),
 }
-TIME_TARGET = ("adaptive capture of top_p=0.9 T=1 (no top_k) <= 1.5x generation with logprobs=20, smollm2-135m", 1.5)
+TIME_TARGET = ("capture of top_p / min_p without top_k <= 1.5x generation with logprobs=20 (each row)", 1.5)
 RSS_TARGET = ("peak RSS of top_p=0.9 T=1 capture <= 1.2x that of top_k=50, smollm2-135m", 1.2)
 TABLE = "adaptive-cpu-smollm2"
 COLS = ("CPU time ratio", "peak RSS", "peak RSS / top_k=50")
@@ -76,7 +84,8 @@ def run_cell(report: Any, timer: Callable[..., Any], rollout: Any, base: Callabl
              case: str) -> Any:
     """Time one row against ``base`` (generation with logprobs=20), measure its peak RSS, report both."""
     label, spec, keep, start = CASES[case]
-    table = report.table(TABLE, f"Adaptive capture: {MODEL} (V=49152), ratio to generation with logprobs={BASE_LOGPROBS}",
+    table = report.table(TABLE, f"Capture: {MODEL} (V=49,152) and {WIDE} (V=151,936), ratio to generation with "
+                         f"logprobs={BASE_LOGPROBS}",
                          "capture", __doc__.split("\n\n")[1].replace("\n", " "), rows=[c[0] for c in CASES.values()],
                          cols=list(COLS))
 
@@ -107,36 +116,47 @@ def run_cell(report: Any, timer: Callable[..., Any], rollout: Any, base: Callabl
             table.put(label, COLS[2], rss / _RSS["top_k"])
             if case == "top_p-cold":
                 report.check(*RSS_TARGET, "cold", rss / _RSS["top_k"])
-    if case == "top_p-cold":
-        report.check(*TIME_TARGET, case.split("-")[1], pair.ratio)
+    if case != "top_k":
+        report.check(*TIME_TARGET, case, pair.ratio)
     return pair, stats
 
 
 @pytest.fixture(scope="module")
-def smollm2(engine_pool, smollm2_dir):
-    """Its own engine (no trainer beside it); ``engine_pool`` only for its skip under --benchmark-disable."""
+def engines(engine_pool, smollm2_dir):
+    """One engine per model of the table, each on its own (no trainer beside it); ``engine_pool`` only for
+    its skip under --benchmark-disable."""
     from parity.engines.vllm_offline import VllmRollout, configure_cpu_env
+    from parity.fixtures import resolve_model
 
     configure_cpu_env()
-    rollout = VllmRollout(smollm2_dir)
-    yield rollout
-    rollout.close()
+    opened: dict[str, VllmRollout] = {}
+
+    def get(case: str) -> VllmRollout:
+        name = WIDE if case.startswith("152k") else MODEL
+        if name not in opened:
+            opened[name] = VllmRollout(smollm2_dir if name == MODEL else resolve_model(name))
+        return opened[name]
+
+    yield get
+    for r in opened.values():
+        r.close()
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_bench_adaptive_capture(timer, bench_report, smollm2, case) -> None:
+def test_bench_adaptive_capture(timer, bench_report, engines, case) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from parity.engines.session import make_prompts
 
-    prompts = make_prompts(smollm2.tokenizer(), PROMPTS)
+    rollout = engines(case)
+    prompts = make_prompts(rollout.tokenizer(), PROMPTS)
     spec = CASES[case][1]
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     params = [SamplingParams(**spec.sampling_params_kwargs(), max_tokens=TOKENS, seed=i, logprobs=BASE_LOGPROBS,
                              detokenize=False, flat_logprobs=True, ignore_eos=True) for i in range(PROMPTS)]
 
     def base() -> Any:
-        return smollm2.llm.generate(inputs, params, use_tqdm=False)
+        return rollout.llm.generate(inputs, params, use_tqdm=False)
 
-    run_cell(bench_report, timer, smollm2, base, prompts, case)
+    run_cell(bench_report, timer, rollout, base, prompts, case)

@@ -1,8 +1,10 @@
 """Adaptive capture on the real CPU engine, tiny vocabulary: widened heads give the full-vocabulary kept sets.
 
 qwen2-tiny (V=400) is read whole by default (a vocabulary that small costs nothing to read), so the
-start head is forced to 4 here: every sequence is widened, round by round, and its kept sets must equal
-those of a full-vocabulary capture of the same seeds, bit for bit. One engine for the module.
+start head is forced to 4 here. On the head route (the sampler-row hook off, as on a server) every
+sequence is widened, round by round; with the hook, the kept sets a head of 4 cannot prove come from
+the sampler's rows in one generation. Either way they must equal those of a full-vocabulary capture of
+the same seeds, bit for bit. One engine for the module.
 """
 
 from __future__ import annotations
@@ -28,26 +30,58 @@ def tiny():
     r.close()
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.label())
-def test_widened_kept_sets_equal_the_full_vocabulary_capture(tiny, spec) -> None:
-    prompts = make_prompts(tiny.tokenizer(), 4)
-    tiny.start_head = 4
-    try:
-        got = tiny.generate(prompts, spec, max_tokens=8, seed=3)
-        stats = tiny.last_capture
-    finally:
-        tiny.start_head = None
-    full = tiny.generate(prompts, spec, max_tokens=8, seed=3, logprobs=-1)
-    assert stats.adaptive and stats.logprobs == 4 and stats.rounds >= 1 and stats.widened_sequences >= 1
-    assert stats.incomplete_positions == 0 and stats.resampled_differently == 0
-    assert all(k == -1 or k > 4 for a in stats.asks for k in [a["head"]])
+def _same_as_full(got, full) -> None:
     for a, b in zip(got, full, strict=True):
         assert a.completion_ids == b.completion_ids and torch.equal(a.logprobs, b.logprobs)
         assert int(a.incomplete.sum()) == 0
         w = a.kept_ids.shape[1]
         assert torch.equal(a.kept_ids, b.kept_ids[:, :w]) and bool((b.kept_ids[:, w:] == -1).all())
         assert torch.equal(a.kept_logprobs, b.kept_logprobs[:, :w])
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.label())
+def test_widened_kept_sets_equal_the_full_vocabulary_capture(tiny, spec) -> None:
+    prompts = make_prompts(tiny.tokenizer(), 4)
+    tiny.start_head, tiny.rows.active = 4, False
+    try:
+        got = tiny.generate(prompts, spec, max_tokens=8, seed=3)
+        stats = tiny.last_capture
+    finally:
+        tiny.start_head, tiny.rows.active = None, True
+    full = tiny.generate(prompts, spec, max_tokens=8, seed=3, logprobs=-1)
+    assert stats.adaptive and stats.logprobs == 4 and stats.rounds >= 1 and stats.widened_sequences >= 1
+    assert stats.incomplete_positions == 0 and stats.resampled_differently == 0 and stats.row_positions == 0
+    assert all(k == -1 or k > 4 for a in stats.asks for k in [a["head"]])
+    _same_as_full(got, full)
     assert stats.largest_support == max(int((r.kept_ids >= 0).sum(-1).max()) for r in full)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.label())
+def test_sampler_rows_equal_the_full_vocabulary_capture(tiny, spec) -> None:
+    """The hook's kept sets, where a head of 4 proves nothing wider than 3 tokens: one generation, no
+    widening, every wide position from the sampler's row, bit for bit the full-vocabulary capture's."""
+    prompts = make_prompts(tiny.tokenizer(), 4)
+    assert tiny.rows.active, tiny.rows.reason
+    forced = tiny.generate(prompts, spec, max_tokens=8, seed=3, logprobs=4)  # a forced head reads no rows
+    assert tiny.last_capture.row_positions == 0 and any(bool(r.incomplete.any()) for r in forced)
+    from vllm.inputs import TokensPrompt
+
+    from parity.core.capture import CapturePlan
+    from parity.engines.vllm_offline import capture_outputs, sampling_params
+
+    params = [sampling_params(spec, max_tokens=8, seed=3 + i, detokenize=False, flat_logprobs=True, ignore_eos=True)
+              for i in range(len(prompts))]
+    plan = CapturePlan(4, "head of 4, rows beyond it", max_head=4)  # a cap of 4: no widening round can help
+    tiny.rows.cap = None
+    tiny.rows.install()
+    res = capture_outputs(lambda ps, qs: tiny.llm.generate(ps, qs, use_tqdm=False),
+                          [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, plan, spec=spec,
+                          vocab_size=tiny.vocab_size, rows=tiny.rows)
+    got = tiny.records(prompts, spec, 3, res)
+    stats = res.stats
+    assert stats.rounds == 0 and stats.incomplete_positions == 0 and stats.row_mismatched == 0
+    assert stats.unproven_positions == 0 and stats.row_positions > 0
+    _same_as_full(got, tiny.generate(prompts, spec, max_tokens=8, seed=3, logprobs=-1))
 
 
 def test_default_plan_reads_a_small_vocabulary_whole(tiny) -> None:
@@ -71,7 +105,9 @@ def test_generate_with_capture_on_your_own_engine_and_the_converter(tiny) -> Non
     prompts = ["Numbers: 1, 2, 3", "A kept set is", "In reinforcement learning"]
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=6)
     outputs, used, stats = generate_with_capture(tiny.llm, prompts, params, history=history, start=4, timeout_s=300)
-    assert stats.adaptive and stats.logprobs == 4 and stats.widened_sequences >= 1 and stats.incomplete_positions == 0
+    # What a head of 4 cannot prove comes from the sampler's rows, in the same generation.
+    assert stats.adaptive and stats.logprobs == 4 and stats.incomplete_positions == 0
+    assert stats.row_positions >= 1 and stats.rounds == 0
     assert history.start(SamplingSpec(0.8, top_p=0.9)) is not None  # the next call starts from what this one needed
     assert [p.seed for p in used] == sorted({p.seed for p in used})  # a seed of its own per prompt
     batch = validate_batch(from_request_outputs(outputs, used, vocab_size=tiny.vocab_size))

@@ -405,6 +405,7 @@ def test_every_count_of_the_capture_pinned_on_known_supports() -> None:
         "rounds": 1, "asks": [{"sequences": 3, "head": 64}], "unproven_positions": 4, "widened_sequences": 3,
         "widened_positions": 4, "largest_support": 40, "widest_head": 64, "incomplete_positions": 1,
         "beyond_cap_positions": 1, "resampled_differently": 0, "resampled_prompts": [], "support_changed_positions": 0,
+        "sampler_rows": "", "row_positions": 0, "row_mismatched": 0,
     }
     # The history keeps the widest need, 91 (the unproven position's bound + 1): the next start is 128.
     assert h.start(S(1.0, top_p=0.99)) == 128

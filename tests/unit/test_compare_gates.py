@@ -205,11 +205,14 @@ def test_incomplete_capture_is_counted_and_gated() -> None:
     table = build_table(records, logits, spec)
     summary = judged(records, logits, table, name="head")
     assert summary["incomplete_positions"] > 0
-    assert "incomplete_capture" in failed_gates(summary)
-    # Incomplete positions are excluded, not guessed: nothing else fails on them.
+    # By default the capture's own limit is no FAIL: counted, named with the flag that lifts it, and
+    # left out of the kept-set gates (excluded, not guessed: nothing else fails on them).
+    assert failed_gates(summary) == set()
+    assert summary["capture_limit"].startswith(f"{summary['incomplete_positions']} of {summary['tokens']} positions")
+    assert "--max-capture-head" in summary["capture_limit"]
     assert summary["compared_tokens"] == summary["tokens"] - summary["incomplete_positions"]
-    relaxed = Thresholds(max_incomplete_frac=1.0)
-    assert failed_gates(judged(records, logits, table, relaxed, name="head")) == set()
+    strict = Thresholds(max_incomplete_frac=0.0)  # the opt-in
+    assert "incomplete_capture" in failed_gates(judged(records, logits, table, strict, name="head"))
 
 
 def test_the_looser_dtype_sets_the_bound() -> None:

@@ -25,7 +25,7 @@ def boundary_only(a: torch.Tensor, b: torch.Tensor, scaled_logits: torch.Tensor,
     Each token's log-prob may move by ``bound`` (the row's per-token rounding bound), so a cumulative
     mass moves by at most ``eps = expm1(2 * bound)``, and the tokens a top_p cutoff (or a min_p
     threshold) can let in or out hold at most ``2 * eps`` of the mass plus the one token that straddles
-    it. A wrong filter moves far more. docs/error_model.md, section 9.
+    it. A wrong filter moves far more. docs/capture_plan.md, section 9.
     """
     diff = a != b
     p = torch.softmax(scaled_logits.double(), dim=-1).masked_fill(~diff, 0.0)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from parity.engines.quiet import MARK, log_tail
+from parity.engines.engine_log import MARK, log_tail
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,7 +46,7 @@ CHATTER_LINES = (
 
 
 def _run(body: str, tmp_path: Path, *, stderr: int | None = None) -> subprocess.CompletedProcess[str]:
-    script = "import sys\nfrom parity.engines.quiet import EngineOutput, waiting\n" + textwrap.dedent(body)
+    script = "import sys\nfrom parity.engines.engine_log import EngineOutput, waiting\n" + textwrap.dedent(body)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=stderr is None, text=True, timeout=120,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from parity.cli import thresholds_from_args
 from parity.core.table import TrainerFaults
-from parity.engines.quiet import LOG_NAME, EngineOutput
+from parity.engines.engine_log import LOG_NAME, EngineOutput
 from parity.errors import UsageError
 from parity.report.overview import render_terminal
 from parity.run import RunConfig, run

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from parity.engines.quiet import waiting
+from parity.engines.engine_log import waiting
 from parity.engines.settings import EngineSettings, HasEngineSettings, as_engine_settings
 from parity.errors import UsageError
 from parity.fixtures import resolve_model

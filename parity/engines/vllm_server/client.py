@@ -32,7 +32,7 @@ from typing import Any, Unpack
 from parity.core.capture import Heads, run_capture
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
-from parity.engines.quiet import log_tail
+from parity.engines.engine_log import log_tail
 from parity.engines.rollout_base import RolloutBase, RolloutSettings, Support
 from parity.engines.vllm_offline import configure_cpu_env
 from parity.engines.vllm_server.process import LAUNCHER, free_port, shutdown

@@ -57,7 +57,7 @@ class RunConfig:
     server: str | None = None  # None: offline engine; "spawn": a local vLLM server; or a URL to attach to
     plots: bool = True
     sampler_log_s: bool = True  # a raw-logits pass for a log S from the sampler's side (small vocabularies)
-    records: Path | None = None  # also write what was sampled and scored, per token (parity.records.format)
+    records: Path | None = None  # also write what was sampled and scored, per token (parity.records.write)
 
     def engine_settings(self) -> EngineSettings:
         """The part of this configuration the engines are started with (every EngineSettings field is one of ours)."""
@@ -350,7 +350,7 @@ def run_report(
     from parity.core.rl import catalogue as rl_catalogue
     from parity.records.accumulators import Summary
     from parity.records.columns import Options
-    from parity.records.format import RecordsWriter
+    from parity.records.write import RecordsWriter
     from parity.report.schema import environment
 
     env = environment(cfg.device, cfg.dtype, cfg.trainer_dtype or cfg.dtype)

@@ -13,7 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from parity.records.format import SCHEMA_VERSION, RecordsWriter, records_schema
+from parity.records.schema import SCHEMA_VERSION, records_schema
+from parity.records.write import RecordsWriter
 
 CHUNK_TOKENS = 65_536
 
@@ -67,7 +68,7 @@ def write_file(
 ) -> Path:
     """A records file of ``tokens`` tokens (rounded to whole sequences), written chunk by chunk.
 
-    Row groups are the writer's (:class:`~parity.records.format.RecordsWriter`, bounded in tokens);
+    Row groups are the writer's (:class:`~parity.records.write.RecordsWriter`, bounded in tokens);
     ``one_row_group`` writes the whole file as a single row group instead (a writer that never cuts
     one: the reader must still hold only a batch of rows at a time).
     """

@@ -6,7 +6,7 @@ each shard's metadata travels with the job); workers read rows with the engine's
 merges their :meth:`~parity.records.accumulators.Summary.to_json` summaries. README's "Scale" section
 says how rows keep their file and row number on each engine (Ray: a first pass over ``row_hash``).
 
-A worker's :class:`~parity.records.format.RecordsError` travels back as a JSON note in the engine's
+A worker's :class:`~parity.records.schema.RecordsError` travels back as a JSON note in the engine's
 traceback text, and the driver raises it again with the local message. ray and pyspark are imported
 only here, and only when asked for (the ``ray`` and ``spark`` extras).
 """
@@ -32,8 +32,11 @@ import pyarrow as pa
 from parity.analyze.shards import batch_summarizer, file_header
 from parity.errors import EngineError, SetupError, TimedOut, UsageError
 from parity.records.accumulators import Summary
+from parity.records.arrays import RecordsBatch
 from parity.records.columns import Options
-from parity.records.format import RecordsBatch, RecordsError, open_records, validate_batch
+from parity.records.read import open_records
+from parity.records.schema import RecordsError
+from parity.records.validate import validate_batch
 
 ENGINE_FORMS = ("local; ray (a local Ray cluster, or the one RAY_ADDRESS names); ray://HOST:PORT; spark (local[*], "
                 "or the active Spark session); spark://HOST:PORT; spark:MASTER (any Spark master URL, e.g. spark:local[4])")

@@ -16,9 +16,10 @@ from typing import Any
 from parity.analyze.shards import summarize_paths
 from parity.core.gates import Thresholds
 from parity.errors import UsageError
-from parity.records import format as rf
 from parity.records.accumulators import Summary
 from parity.records.columns import Options
+from parity.records.read import records_paths
+from parity.records.schema import RecordsError
 from parity.records.verdict import finalize
 
 # ==================================================================================================
@@ -81,9 +82,9 @@ def _checksum_state(states: list[bool | None]) -> str:
 def require_tokens(summary: Summary, where: str) -> None:
     """Refuse an analysis with nothing in it (a user error: no scenario, no verdict to give)."""
     if summary.rows == 0:
-        raise rf.RecordsError(f"no rows in {where}: allowed a records file with at least one row (sequence)")
+        raise RecordsError(f"no rows in {where}: allowed a records file with at least one row (sequence)")
     if summary.tokens == 0:
-        raise rf.RecordsError(
+        raise RecordsError(
             f"no completion tokens in {where}: its {summary.rows} row(s) all have empty completion_ids: allowed at "
             f"least one sampled token to judge"
         )
@@ -215,7 +216,7 @@ def analyze(
     th = thresholds or Thresholds.for_dtype(opts.dtype)
     opts.n_listed = th.max_violations_listed
     eng = parse_engine(engine)
-    paths = rf.records_paths(path)
+    paths = records_paths(path)
     t0 = time.perf_counter()
     if eng.kind == "local":
         summary = summarize_paths(paths, opts, jobs=jobs, timeout_s=timeout_s, progress=progress)

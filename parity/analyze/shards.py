@@ -22,10 +22,10 @@ except ModuleNotFoundError as _exc:
         raise
     raise SetupError("records (Parquet) need pyarrow: pip install 'parity[records]'") from None
 
-from parity.records import format as rf
 from parity.records.accumulators import Summary
 from parity.records.columns import LOGIT_BUDGET, Options, TokenColumns, summarize_batch, token_columns
-from parity.records.format import open_records
+from parity.records.read import open_records
+from parity.records.schema import RecordsError
 
 # ==================================================================================================
 # re-scoring with a transformers model (--model)
@@ -58,13 +58,13 @@ def rescored_columns(batch: Any, trainer: Any, dtypes: tuple[str, str]) -> Token
         if rag is not None and rag.values.size and int(rag.values.max()) >= vocab:
             flat = int(np.flatnonzero(rag.values >= vocab)[0])
             r = int(np.searchsorted(rag.offsets, flat, side="right") - 1)
-            raise rf.RecordsError(
+            raise RecordsError(
                 f"{batch.source} row {batch.first_row + r} column {name}: token id {int(rag.values[flat])} is outside the "
                 f"vocabulary of --model ({vocab} tokens): allowed ids < {vocab} (is this the model that sampled?)"
             )
     empty = np.flatnonzero(batch.prompt.lengths == 0)
     if empty.size:
-        raise rf.RecordsError(
+        raise RecordsError(
             f"{batch.source} row {batch.first_row + int(empty[0])} column prompt_ids: empty: re-scoring with --model needs "
             f"the prompt (its last position predicts completion token 0)"
         )
@@ -124,7 +124,7 @@ def _dtypes(meta: dict[str, Any], options: Options) -> tuple[str, str]:
 
 
 def file_header(path: str, records: Any) -> Summary:
-    """What an open records file (:func:`parity.records.format.open_records`) adds to a summary before any
+    """What an open records file (:func:`parity.records.read.open_records`) adds to a summary before any
     of its rows: its name, its metadata, whether its pages carry checksums."""
     return Summary(files=[str(path)], metadata=[{"file": str(path), **records.metadata}],
                    page_checksums={str(path): records.page_checksums})

@@ -37,11 +37,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _records_dtype(path: Path) -> str | None:
     import parity.analyze.shards  # noqa: F401  (refuses a missing pyarrow with what to install)
-    from parity.records import format as rf
+    from parity.records.read import open_records, records_paths
+    from parity.records.schema import RecordsError
 
     try:
-        return rf.open_records(rf.records_paths(path)[0]).metadata.get("trainer_dtype")
-    except (OSError, rf.RecordsError):
+        return open_records(records_paths(path)[0]).metadata.get("trainer_dtype")
+    except (OSError, RecordsError):
         return None
 
 
@@ -58,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
     dtype = args.dtype or _records_dtype(args.path) or "float32"
     th = thresholds_from_args(args.thresholds, args.gate, dtype)
     # parity.analyze, imported above, refused a missing pyarrow
-    from parity.records.format import check_batch_rows
+    from parity.records.read import check_batch_rows
 
     check_batch_rows(args.batch_rows, "--batch-rows")
     opts = Options(model=args.model, dtype=dtype, device=args.device, batch_rows=args.batch_rows)

@@ -549,7 +549,7 @@ class ScenarioAcc:
 
 @dataclass
 class CastNote:
-    """What reading one column's float64 values as float32 changed (:func:`parity.records.format.validate_batch`)."""
+    """What reading one column's float64 values as float32 changed (:func:`parity.records.validate.validate_batch`)."""
 
     column: str
     source_type: str

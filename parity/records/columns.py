@@ -30,13 +30,14 @@ from parity.records.accumulators import (
     ViewMatch,
     _finite_pair,
 )
-from parity.records.format import RecordsBatch, validate_batch
+from parity.records.arrays import RecordsBatch
 from parity.records.steps import (
     COMPARISONS,
     StepAcc,
     grouped_headroom,
     grouped_streams,
 )
+from parity.records.validate import validate_batch
 
 # Trainer logits held at once when computing from kept logits (floats): bounds memory on big heads.
 LOGIT_BUDGET = 1 << 26
@@ -484,7 +485,7 @@ def summarize_batch(
     stated_dtypes: tuple[str, str] | None = None,
 ) -> Summary:
     """The map step: one batch of records (a ``pyarrow.RecordBatch``/``Table`` or a validated
-    :class:`~parity.records.format.RecordsBatch`) → its :class:`Summary`.
+    :class:`~parity.records.arrays.RecordsBatch`) → its :class:`Summary`.
 
     Raw pyarrow batches are validated here (``source``/``first_row`` name them in errors), so the step
     runs as-is on Ray Data (``map_batches(..., batch_format="pyarrow")``) or Spark (``mapInArrow``).

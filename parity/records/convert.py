@@ -5,7 +5,7 @@ tensors of TRL's ``GRPOTrainer._generate_and_score_completions``) and :func:`fro
 (parity's own records and, from ``parity run --records``, the run's trainer-side estimates); server
 answers are converted by :func:`parity.engines.vllm_server.records.from_server_responses`, which shares
 :func:`heads_row`. Each returns a ``pyarrow.Table`` in the records schema
-(:func:`parity.records.format.write_records` writes it) and none imports vLLM.
+(:func:`parity.records.write.write_records` writes it) and none imports vLLM.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from parity.core.capture import Heads, support_from_heads
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.errors import UsageError
-from parity.records.format import RecordsError, records_table
+from parity.records.schema import RecordsError
 from parity.records.vllm_outputs import heads_of_output, spec_of_params
+from parity.records.write import records_table
 
 # A vocabulary no model reaches: with no vocab_size given, only logprobs=-1 counts as the full vocabulary.
 _UNKNOWN_VOCAB = 2**31 - 1
@@ -309,7 +310,7 @@ def _log_s_source(r: SequenceRecord) -> str:
 
 
 def to_sequence_records(batch: Any, rows: Sequence[int] | None = None, *, source: str = "records") -> list[SequenceRecord]:
-    """Rows of a validated :class:`parity.records.format.RecordsBatch` as sampler-side SequenceRecords.
+    """Rows of a validated :class:`parity.records.arrays.RecordsBatch` as sampler-side SequenceRecords.
 
     Kept sets come back padded ``[L, K]`` (-1) as capture produces them; ``prompt_index`` is the
     file's column when present, else the row number.

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
     from parity.core.table import TokenTable
     from parity.records.accumulators import Summary
+    from parity.records.arrays import RecordsBatch
     from parity.records.columns import TokenColumns
-    from parity.records.format import RecordsBatch
 
 
 def scenario_summary(

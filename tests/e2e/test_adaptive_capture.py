@@ -99,7 +99,7 @@ def test_generate_with_capture_on_your_own_engine_and_the_converter(tiny) -> Non
     from parity.core.capture import CaptureHistory
     from parity.engines.vllm_offline import generate_with_capture
     from parity.records.convert import from_request_outputs
-    from parity.records.format import validate_batch
+    from parity.records.validate import validate_batch
 
     history = CaptureHistory()
     prompts = ["Numbers: 1, 2, 3", "A kept set is", "In reinforcement learning"]

@@ -21,7 +21,7 @@ from parity.core.matrix import Matrix, Scenario
 from parity.core.spec import SamplingSpec
 from parity.engines.session import EnginePool
 from parity.records.convert import from_sequence_records
-from parity.records.format import write_records
+from parity.records.write import write_records
 from parity.run import RunConfig, run
 
 pytestmark = pytest.mark.e2e

@@ -117,7 +117,7 @@ GATES = [g for g in planted.GATES if g != "naive_vs_sampler_log_s"]
 
 @pytest.mark.parametrize("gate", GATES)
 def test_every_gate_fails_a_planted_fault_at_3x_and_passes_at_a_tenth(base, tmp_path, gate) -> None:
-    from parity.records.format import write_records
+    from parity.records.write import write_records
 
     rows, clean, positions = base
     big, small, th = planted.cases(positions, V, at=positions[len(positions) // 2])[gate]
@@ -134,7 +134,7 @@ def test_every_gate_fails_a_planted_fault_at_3x_and_passes_at_a_tenth(base, tmp_
 def test_the_naive_gate_fails_a_planted_fault_at_3x_and_passes_at_a_tenth(pool, smollm2_dir, tmp_path) -> None:
     """top_p alone (captured adaptively, every position proven) gives the top_p bracket of the sampler-side
     log S on the real vocabulary: the naive estimator is gated against it."""
-    from parity.records.format import write_records
+    from parity.records.write import write_records
 
     path = tmp_path / "top_p.parquet"
     sc = _run(pool, smollm2_dir, tmp_path, "replay", records=path, spec=SamplingSpec(temperature=1.0, top_p=0.9))

@@ -16,7 +16,7 @@ from parity.core.spec import SamplingSpec
 from parity.core.table import TrainerFaults
 from parity.engines.session import EnginePool
 from parity.records.columns import Options
-from parity.records.format import validate_batch
+from parity.records.validate import validate_batch
 from parity.records.verdict import USER_GATES
 from parity.run import RunConfig, run
 
@@ -164,7 +164,7 @@ def test_rescoring_fails_a_planted_fault_and_merges_shards(pool, tmp_path: Path)
     from vllm import SamplingParams
 
     from parity.records.convert import from_request_outputs
-    from parity.records.format import records_table, write_records
+    from parity.records.write import records_table, write_records
 
     rollout, _ = pool.get(MODEL, RunConfig(model=MODEL), lambda s: None)
     params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=12, logprobs=-1, seed=3, ignore_eos=True)

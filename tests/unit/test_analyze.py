@@ -30,8 +30,9 @@ from parity.core.table import TrainerFaults, build_table
 from parity.records.accumulators import NA, DiffStream, Summary
 from parity.records.columns import Options
 from parity.records.convert import from_sequence_records, to_sequence_records
-from parity.records.format import records_table, validate_batch, write_records
+from parity.records.validate import validate_batch
 from parity.records.verdict import finalize
+from parity.records.write import records_table, write_records
 
 V = 64
 FILTERED = [SamplingSpec(temperature=0.8, top_k=10), SamplingSpec(top_p=0.9), SamplingSpec(min_p=0.1),

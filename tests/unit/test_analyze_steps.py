@@ -24,7 +24,6 @@ from parity.analyze import analyze
 from parity.core.gates import Thresholds
 from parity.records.accumulators import SUMMARY_VERSION, Summary
 from parity.records.columns import summarize_batch
-from parity.records.format import records_table, write_records
 from parity.records.steps import (
     BAND_K,
     BASELINE_STEPS,
@@ -36,6 +35,7 @@ from parity.records.steps import (
     drift_trend,
 )
 from parity.records.verdict import finalize
+from parity.records.write import records_table, write_records
 
 TOL = Thresholds()
 N_SEQ, LENGTH = 8, 16
@@ -336,6 +336,6 @@ def test_report_has_the_per_step_table_plot_and_schema(flat, tmp_path: Path) -> 
 
 
 def test_columns_are_what_the_format_documents() -> None:
-    from parity.records.format import BY_NAME
+    from parity.records.schema import BY_NAME
 
     assert BY_NAME["step"].type == pa.int64() and not BY_NAME["step"].required and BY_NAME["step"].per == "sequence"

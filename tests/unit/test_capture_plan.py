@@ -342,7 +342,7 @@ def test_dense_and_per_position_support_agree_with_ties_in_any_order() -> None:
 
 def test_request_with_capture_widens_through_your_client_and_the_records_prove_every_position() -> None:
     from parity.engines.vllm_server.records import from_server_responses, request_with_capture
-    from parity.records.format import validate_batch
+    from parity.records.validate import validate_batch
 
     vocab, spec = 2000, S(1.0, top_p=0.9)
     rows = rows_for(spec, [3.0, 0.8], length=3, vocab=vocab)

@@ -21,7 +21,7 @@ from parity.engines.vllm_server.protocol import (
     ServerError,
     ServerUnreachable,
 )
-from parity.records.format import RecordsError
+from parity.records.schema import RecordsError
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,15 +15,9 @@ import pytest
 
 from parity.analyze import analyze
 from parity.cli.main import main
-from parity.records.format import (
-    MAX_BATCH_ROWS,
-    METADATA_KEY,
-    RecordsError,
-    check_batch_rows,
-    open_records,
-    page_checksums,
-    write_records,
-)
+from parity.records.read import MAX_BATCH_ROWS, check_batch_rows, open_records, page_checksums
+from parity.records.schema import METADATA_KEY, RecordsError
+from parity.records.write import write_records
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,7 +17,7 @@ import pytest
 
 from parity.core.error_model import SUPPORT_MASS_TOL
 from parity.records import columns as ra
-from parity.records.format import validate_batch
+from parity.records.validate import validate_batch
 
 
 def _exact_mass(klp: np.ndarray, kto: np.ndarray) -> np.ndarray:
@@ -57,7 +57,7 @@ def test_the_mass_screen_decides_as_the_float64_mass(seed: int) -> None:
 
 
 def _batch(rows: list[dict]) -> pa.Table:
-    from parity.records.format import records_table
+    from parity.records.write import records_table
 
     return records_table(rows)
 

@@ -19,7 +19,9 @@ from parity.analyze import analyze
 from parity.core.spec import SamplingSpec
 from parity.engines.vllm_server.records import from_server_responses
 from parity.records.convert import from_request_outputs, from_trl
-from parity.records.format import RecordsError, validate_batch, write_records
+from parity.records.schema import RecordsError
+from parity.records.validate import validate_batch
+from parity.records.write import write_records
 
 LN = math.log
 

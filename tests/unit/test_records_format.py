@@ -13,15 +13,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from parity.records.format import (
-    COLUMNS,
-    METADATA_KEY,
-    RecordsError,
-    open_records,
-    records_table,
-    validate_batch,
-    write_records,
-)
+from parity.records.read import open_records
+from parity.records.schema import COLUMNS, METADATA_KEY, RecordsError
+from parity.records.validate import validate_batch
+from parity.records.write import records_table, write_records
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -257,15 +252,15 @@ def test_unknown_schema_version_is_refused(tmp_path: Path) -> None:
 
 
 def _multi_group_file(tmp_path: Path) -> Path:
-    from parity.records import format as records_format
+    from parity.records import write as records_write
 
     rows = [good_row(prompt_index=i) for i in range(40)]
-    old = records_format.ROW_GROUP_TOKENS
-    records_format.ROW_GROUP_TOKENS = 30  # ten sequences (30 tokens) per row group
+    old = records_write.ROW_GROUP_TOKENS
+    records_write.ROW_GROUP_TOKENS = 30  # ten sequences (30 tokens) per row group
     try:
         path = write_records(tmp_path / "many.parquet", rows)
     finally:
-        records_format.ROW_GROUP_TOKENS = old
+        records_write.ROW_GROUP_TOKENS = old
     assert pq.ParquetFile(path).metadata.num_row_groups == 4
     return path
 
@@ -321,7 +316,7 @@ def test_kept_extras_need_a_kept_set(tmp_path: Path) -> None:
 
 
 def test_directory_of_shards(tmp_path: Path) -> None:
-    from parity.records.format import records_paths
+    from parity.records.read import records_paths
 
     for i in (2, 0, 1):
         write_records(tmp_path / "shards" / f"part-{i}.parquet", [good_row()])

@@ -24,7 +24,7 @@ from parity.core.spec import SamplingSpec
 from parity.engines.vllm_server.protocol import parse_completion
 from parity.errors import UsageError
 from parity.records.convert import heads_row
-from parity.records.format import records_table
+from parity.records.write import records_table
 
 
 def from_server_responses(

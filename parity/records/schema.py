@@ -1,0 +1,108 @@
+"""The records file format's schema (schema_version 1): the column table, the file metadata key and the Arrow types.
+
+One row per sampled sequence, list columns for per-token values: the sampler's side (required), its
+kept sets S_q in CSR layout, the trainer's side and a sampler-side log S (optional); README's "The
+records format" lists every column. ``schema_version`` is a column too, so a file rewritten by a tool
+that drops Parquet key-value metadata is still recognised. Reading is :mod:`parity.records.read`,
+validation :mod:`parity.records.validate`, writing :mod:`parity.records.write`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from parity.errors import UsageError
+
+SCHEMA_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+METADATA_KEY = b"parity.records"
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: pa.DataType
+    required: bool
+    per: str  # "sequence", "token" (one value per completion token), "kept" (aligned with kept_ids), "offsets"
+    doc: str
+
+
+_I32 = pa.list_(pa.int32())
+_F32 = pa.list_(pa.float32())
+_F64 = pa.list_(pa.float64())
+_BOOL = pa.list_(pa.bool_())
+
+COLUMNS: tuple[Column, ...] = (
+    Column("schema_version", pa.int32(), True, "sequence", "format version of this row; this parity reads 1"),
+    Column("prompt_ids", _I32, True, "sequence", "prompt token ids (may be empty unless re-scoring with --model)"),
+    Column("completion_ids", _I32, True, "sequence", "sampled token ids, L of them"),
+    Column("temperature", pa.float64(), True, "sequence", "sampling temperature in [0, 2]; 0 = greedy"),
+    Column("top_k", pa.int64(), True, "sequence", "0 or -1 = off, else >= 1"),
+    Column("top_p", pa.float64(), True, "sequence", "in (0, 1]; 1 = off"),
+    Column("min_p", pa.float64(), True, "sequence", "in [0, 1]; 0 = off"),
+    Column("sampler_logprobs", _F32, True, "token", "the sampler's processed log-prob of each sampled token"),
+    Column("scenario", pa.string(), False, "sequence", "group name in the report (default: the spec's label)"),
+    Column("prompt_index", pa.int64(), False, "sequence", "prompt number, used to name positions in verdicts"),
+    Column("seed", pa.int64(), False, "sequence", "per-request sampling seed"),
+    Column("step", pa.int64(), False, "sequence", "training step the rollout belongs to"),
+    Column("kept_ids", _I32, False, "kept", "the sampler's kept set S_q of every position, back to back"),
+    Column("kept_offsets", pa.list_(pa.int64()), False, "offsets", "L + 1 offsets into kept_ids: position t is [o[t], o[t+1])"),
+    Column("kept_logprobs", _F32, False, "kept", "the sampler's processed log-probs of kept_ids"),
+    Column("kept_incomplete", _BOOL, False, "token", "True where the captured head may not hold the whole support"),
+    Column("trainer_logprobs", _F64, False, "token", "the trainer under test's log-prob of each sampled token"),
+    Column("trainer_token_ids", _I32, False, "token", "the token the trainer scored at each position (absent: completion_ids)"),
+    Column("trainer_full_logprobs", _F64, False, "token", "log_softmax(z / T)[y] over the whole vocabulary"),
+    Column("trainer_replay_logprobs", _F64, False, "token", "trainer logits renormalised over S_q"),
+    Column("trainer_recompute_logprobs", _F64, False, "token", "trainer logits renormalised over the recomputed filters"),
+    Column("trainer_log_s", _F64, False, "token", "log S predicted from the trainer's logits: logsumexp over S_q - logsumexp"),
+    Column("trainer_recompute_forced", _BOOL, False, "token", "recompute had to force-include the sampled token"),
+    Column("trainer_recompute_support_equal", _BOOL, False, "token", "the recomputed support equals S_q"),
+    Column("trainer_bound", _F64, False, "token", "rounding bound on |trainer - sampler| over S_q, >= 0 "
+           "(parity.core.error_model.logprob_bound on the trainer's scaled logits)"),
+    Column("trainer_bound_full", _F64, False, "token", "the same bound over the whole vocabulary (the naive estimator's), >= 0"),
+    Column("trainer_systematic", _F64, False, "token", "what of |trainer - sampler| can point one way, >= 0 "
+           "(parity.core.error_model.systematic_bound); absent: the float32 storage term 2 u |lp| alone"),
+    Column("sampler_log_s_lo", _F64, False, "token", "log S from the sampler's side lies in [lo, hi] (raw-logits pass or the "
+           "top_p bracket); lo may be -inf"),
+    Column("sampler_log_s_hi", _F64, False, "token", "upper end of the sampler-side log S interval; may be +inf"),
+    Column("sampler_log_s_source", pa.string(), False, "sequence", "where the sampler-side log S comes from: raw_logits, "
+           "top_p_bracket or unfiltered"),
+    Column("trainer_kept_logits", _F32, False, "kept", "the trainer's raw logits (before temperature) at kept_ids"),
+)
+BY_NAME: dict[str, Column] = {c.name: c for c in COLUMNS}
+REQUIRED = tuple(c.name for c in COLUMNS if c.required)
+KEPT_GROUP = ("kept_ids", "kept_offsets", "kept_logprobs")  # present together or not at all
+TRAINER_TOKEN_COLUMNS = tuple(c.name for c in COLUMNS if c.name.startswith("trainer_") and c.per == "token")
+NONNEGATIVE_COLUMNS = ("trainer_bound", "trainer_bound_full", "trainer_systematic")  # finite and >= 0
+SAMPLER_LOG_S_SOURCES = ("raw_logits", "top_p_bracket", "unfiltered")
+
+
+def records_schema(metadata: Mapping[str, Any] | None = None) -> pa.Schema:
+    """The pyarrow schema of a records file (every column; optional ones nullable)."""
+    fields = [pa.field(c.name, c.type, nullable=not c.required) for c in COLUMNS]
+    return pa.schema(fields, metadata={METADATA_KEY: _meta_blob(metadata)})
+
+
+def _meta_blob(metadata: Mapping[str, Any] | None) -> bytes:
+    return json.dumps({"schema_version": SCHEMA_VERSION, "metadata": dict(metadata or {})}, sort_keys=True).encode()
+
+
+class RecordsError(UsageError):
+    """Bad records input. The message names the file, the row, the column, the value and what is allowed."""
+
+
+def _where(source: str, row: int | None = None, column: str | None = None, position: int | None = None) -> str:
+    out = source
+    if row is not None:
+        out += f" row {row}"
+    if column is not None:
+        out += f" column {column}"
+    if position is not None:
+        out += f" position {position}"
+    return out
+

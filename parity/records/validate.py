@@ -1,0 +1,366 @@
+"""Validating one batch of records rows (:func:`validate_batch`): every column checked, refused with the
+file, row, column, value and what is allowed; a good batch comes back as flat arrays (:class:`RecordsBatch`).
+
+Statistical problems of valid data are left to the analysis, which counts and gates them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from parity.core.spec import SamplingSpec
+from parity.records.accumulators import CastNote
+from parity.records.arrays import (
+    Ragged,
+    RecordsBatch,
+    _as_array,
+    _cast,
+    _first,
+    _ragged,
+    _scalar,
+    _token_position,
+    _valid,
+)
+from parity.records.schema import (
+    BY_NAME,
+    KEPT_GROUP,
+    NONNEGATIVE_COLUMNS,
+    REQUIRED,
+    SAMPLER_LOG_S_SOURCES,
+    SCHEMA_VERSION,
+    SUPPORTED_VERSIONS,
+    TRAINER_TOKEN_COLUMNS,
+    RecordsError,
+    _where,
+)
+
+
+def validate_batch(
+    batch: pa.RecordBatch | pa.Table,
+    *,
+    source: str = "batch",
+    first_row: int = 0,
+) -> RecordsBatch:
+    """Check one batch of records rows and return it as flat arrays; raise :class:`RecordsError` on bad input.
+
+    ``source`` and ``first_row`` name where the rows come from (a file and the row number of the batch's
+    first row), so an error points at the row to fix.
+    """
+    arrays, names, casts = _read_columns(batch, source, first_row)
+    b = _Batch(arrays, source, first_row)
+    _check_required(b)
+    prompt, completion = _token_ids(b)
+    b.lengths = completion.lengths
+    sampler = b.token_column("sampler_logprobs")
+    specs, spec_index = _specs(b, batch.num_rows)
+    n = batch.num_rows
+    out = RecordsBatch(
+        source=source,
+        first_row=first_row,
+        n_rows=n,
+        columns=tuple(sorted(names & set(BY_NAME))),
+        ignored_columns=tuple(sorted(names - set(BY_NAME))),
+        prompt=prompt,
+        completion=completion,
+        sampler_logprobs=sampler.values.astype(np.float32, copy=False),
+        specs=specs,
+        spec_index=spec_index,
+        scenario=arrays["scenario"].to_pylist() if "scenario" in arrays else [None] * n,
+        prompt_index=_scalar(arrays["prompt_index"], -1).astype(np.int64) if "prompt_index" in arrays else None,
+        seed=_scalar(arrays["seed"], -1).astype(np.int64) if "seed" in arrays else None,
+        step=_scalar(arrays["step"], -1).astype(np.int64) if "step" in arrays else None,
+        casts={k: v for k, v in casts.items() if k in arrays},
+    )
+    if "kept_ids" in arrays:
+        _kept_set(b, out)
+    else:
+        for name in ("kept_incomplete", "trainer_kept_logits"):
+            if name in arrays and bool(_valid(arrays[name]).any()):
+                raise RecordsError(f"{source}: column {name} is set but there is no kept set (kept_ids, kept_offsets, kept_logprobs)")
+    _trainer_columns(b, out)
+    _sampler_log_s(b, out)
+    return out
+
+
+@dataclass
+class _Batch:
+    """The cast columns of a batch being validated, and where its rows come from (for error messages)."""
+
+    arrays: dict[str, pa.Array]
+    source: str
+    first_row: int
+    lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # completion lengths per row
+
+    def row(self, i: int) -> int:
+        return self.first_row + int(i)
+
+    def ragged(self, name: str) -> Ragged:
+        return _ragged(self.arrays[name], name, self.source, self.first_row)
+
+    def token_column(self, name: str, *, allow_inf: bool = True) -> Ragged:
+        """A list column with one value per completion token (float values checked: no NaN, no +inf)."""
+        rag = self.ragged(name)
+        rag_len = rag.lengths
+        wrong = rag.valid & (rag_len != self.lengths)
+        if wrong.any():
+            i = _first(wrong)
+            raise RecordsError(
+                f"{_where(self.source, self.row(i), name)}: {int(rag_len[i])} values for {int(self.lengths[i])} completion_ids: "
+                f"allowed one value per completion token"
+            )
+        if rag.values.dtype.kind == "f":
+            self.check_floats(rag, name, allow_inf)
+        return rag
+
+    def check_floats(self, rag: Ragged, name: str, allow_inf: bool) -> None:
+        vals = rag.values
+        if not vals.size:
+            return
+        top = vals.max()  # NaN if any value is NaN: one pass where the values are good
+        if not np.isnan(top) and top != np.inf and (allow_inf or vals.min() != -np.inf):
+            return
+        nan = np.isnan(vals)
+        if nan.any():
+            r, t = _token_position(rag.offsets, _first(nan))
+            raise RecordsError(
+                f"{_where(self.source, self.row(r), name, t)}: value is NaN: allowed a finite number"
+                + (" or -inf" if allow_inf else "")
+            )
+        bad_inf = np.isposinf(vals) if allow_inf else ~np.isfinite(vals)
+        if bad_inf.any():
+            r, t = _token_position(rag.offsets, _first(bad_inf))
+            raise RecordsError(
+                f"{_where(self.source, self.row(r), name, t)}: value is {float(vals[_first(bad_inf)])}: allowed a finite number"
+                + (" or -inf" if allow_inf else "")
+            )
+
+    def nonnegative_ids(self, rag: Ragged, name: str) -> None:
+        if rag.values.size and int(rag.values.min()) < 0:
+            r, t = _token_position(rag.offsets, _first(rag.values < 0))
+            raise RecordsError(
+                f"{_where(self.source, self.row(r), name, t)}: token id {int(rag.row(r)[t])} is negative: allowed ids >= 0"
+            )
+
+
+def _read_columns(
+    batch: pa.RecordBatch | pa.Table, source: str, first_row: int
+) -> tuple[dict[str, pa.Array], set[str], dict[str, CastNote]]:
+    """The known columns cast to their types (optional ones with no value dropped), every column name
+    present, and what casting float64 to float32 changed; refuses a missing required column or a partial kept set."""
+    names = set(batch.schema.names)
+    missing = [c for c in REQUIRED if c not in names]
+    if missing:
+        raise RecordsError(
+            f"{source}: missing required column(s) {', '.join(missing)}: a records file (schema_version "
+            f"{SCHEMA_VERSION}) needs {', '.join(REQUIRED)}"
+        )
+    casts: dict[str, CastNote] = {}
+    arrays = {name: _cast(_as_array(batch, name), BY_NAME[name], source, first_row, casts) for name in names if name in BY_NAME}
+    # An optional column with no value in this batch is as good as absent (writers emit every column).
+    for name in [k for k, a in arrays.items() if not BY_NAME[k].required and a.null_count == len(a) and len(a)]:
+        del arrays[name]
+    names = set(arrays) | (names - set(BY_NAME))
+    partial = [c for c in KEPT_GROUP if c in names]
+    if partial and len(partial) != len(KEPT_GROUP):
+        absent = [c for c in KEPT_GROUP if c not in names]
+        raise RecordsError(
+            f"{source}: column(s) {', '.join(partial)} present without (or with no value in) {', '.join(absent)}: a kept set needs "
+            f"{', '.join(KEPT_GROUP)} together"
+        )
+    return arrays, names, casts
+
+
+def _check_required(b: _Batch) -> None:
+    """No null in a required column; every row's schema_version one this parity reads."""
+    for name in REQUIRED:
+        nulls = ~_valid(b.arrays[name])
+        if nulls.any():
+            raise RecordsError(f"{_where(b.source, b.row(_first(nulls)), name)}: value is null: allowed {BY_NAME[name].doc}")
+    version = _scalar(b.arrays["schema_version"], 0)
+    bad = ~np.isin(version, SUPPORTED_VERSIONS)
+    if bad.any():
+        i = _first(bad)
+        raise RecordsError(
+            f"{_where(b.source, b.row(i), 'schema_version')}: schema_version {int(version[i])} is not supported: this "
+            f"parity reads schema_version {', '.join(map(str, SUPPORTED_VERSIONS))} (a newer parity may read it)"
+        )
+
+
+def _token_ids(b: _Batch) -> tuple[Ragged, Ragged]:
+    """prompt_ids and completion_ids, every id >= 0."""
+    prompt = b.ragged("prompt_ids")
+    completion = b.ragged("completion_ids")
+    for name, rag in (("prompt_ids", prompt), ("completion_ids", completion)):
+        b.nonnegative_ids(rag, name)
+    return prompt, completion
+
+
+def _specs(b: _Batch, n: int) -> tuple[list[SamplingSpec], np.ndarray]:
+    """The batch's distinct sampling specs (each checked once, by SamplingSpec itself) and each row's index into them."""
+    spec_cols = [_scalar(b.arrays[c], 0) for c in ("temperature", "top_k", "top_p", "min_p")]
+    keys = np.stack([spec_cols[0].astype(np.float64), spec_cols[1].astype(np.float64),
+                     spec_cols[2].astype(np.float64), spec_cols[3].astype(np.float64)], axis=1)
+    uniq, spec_index = np.unique(keys, axis=0, return_inverse=True) if n else (np.zeros((0, 4)), np.zeros(0, np.int64))
+    specs: list[SamplingSpec] = []
+    for j, (t, k, p, m) in enumerate(uniq):
+        try:
+            specs.append(SamplingSpec(temperature=float(t), top_k=int(k), top_p=float(p), min_p=float(m)))
+        except ValueError as exc:
+            i = _first(np.asarray(spec_index).reshape(-1) == j)
+            raise RecordsError(f"{_where(b.source, b.row(i))}: {exc}") from None
+    return specs, np.asarray(spec_index, dtype=np.int64).reshape(-1)
+
+
+def _one_per_kept_id(b: _Batch, kept: Ragged, rag: Ragged, name: str, what: str) -> None:
+    wrong = rag.valid & (rag.lengths != kept.lengths)
+    if wrong.any():
+        i = _first(wrong)
+        raise RecordsError(
+            f"{_where(b.source, b.row(i), name)}: {int(rag.lengths[i])} values for {int(kept.lengths[i])} "
+            f"kept_ids: allowed one {what} per kept id"
+        )
+
+
+def _kept_set(b: _Batch, out: RecordsBatch) -> None:
+    """The kept set (CSR per row): kept_ids, kept_offsets and kept_logprobs on the same rows, consistent, into ``out``."""
+    kept, offs, klp = b.ragged("kept_ids"), b.ragged("kept_offsets"), b.ragged("kept_logprobs")
+    for name, rag in (("kept_offsets", offs), ("kept_logprobs", klp)):
+        mismatch = rag.valid != kept.valid
+        if mismatch.any():
+            i = _first(mismatch)
+            have, lack = ("kept_ids", name) if kept.valid[i] else (name, "kept_ids")
+            raise RecordsError(f"{_where(b.source, b.row(i))}: {have} is set but {lack} is null: allowed both or neither")
+    _one_per_kept_id(b, kept, klp, "kept_logprobs", "log-prob")  # klp.valid == kept.valid, checked above
+    lengths = b.lengths
+    wrong = kept.valid & (offs.lengths != lengths + 1)
+    if wrong.any():
+        i = _first(wrong)
+        raise RecordsError(
+            f"{_where(b.source, b.row(i), 'kept_offsets')}: {int(offs.lengths[i])} offsets for {int(lengths[i])} "
+            f"completion_ids: allowed L + 1 = {int(lengths[i]) + 1} (position t's ids are kept_ids[o[t]:o[t+1]])"
+        )
+    if kept.values.size and int(kept.values.min()) < 0:
+        r, t = _token_position(kept.offsets, _first(kept.values < 0))
+        raise RecordsError(f"{_where(b.source, b.row(r), 'kept_ids')} entry {t}: id {int(kept.row(r)[t])} is negative: allowed ids >= 0")
+    b.check_floats(klp, "kept_logprobs", True)
+    ov, ends = _check_kept_offsets(b, kept, offs)
+    # Token -> kept entries, in flat (batch) coordinates; rows without a kept set get empty ranges.
+    counts = np.zeros(out.tokens, dtype=np.int64)
+    tok_row = out.row_of_token()
+    per_tok = np.diff(ov)
+    per_tok = np.delete(per_tok, ends[:-1]) if int(kept.valid.sum()) > 1 else per_tok
+    have = kept.valid[tok_row]
+    counts[have] = per_tok
+    kto = np.zeros(out.tokens + 1, dtype=np.int64)
+    np.cumsum(counts, out=kto[1:])
+    out.kept = kept
+    out.kept_logprobs = klp.values.astype(np.float32, copy=False)
+    out.kept_token_offsets = kto
+    _kept_extras(b, out, kept)
+
+
+def _check_kept_offsets(b: _Batch, kept: Ragged, offs: Ragged) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets start at 0, never decrease and end at len(kept_ids) (null rows have none); returns the flat
+    offsets and the flat index of each kept row's last offset."""
+    ov = offs.values.astype(np.int64, copy=False)
+    starts = offs.offsets[:-1][kept.valid]
+    ends = offs.offsets[1:][kept.valid] - 1
+    rows_valid = np.flatnonzero(kept.valid)
+    if rows_valid.size:
+        bad0 = ov[starts] != 0
+        if bad0.any():
+            i = int(rows_valid[_first(bad0)])
+            raise RecordsError(f"{_where(b.source, b.row(i), 'kept_offsets')}: first offset {int(ov[starts[_first(bad0)]])}: allowed 0")
+        badn = ov[ends] != kept.lengths[kept.valid]
+        if badn.any():
+            j = _first(badn)
+            i = int(rows_valid[j])
+            raise RecordsError(
+                f"{_where(b.source, b.row(i), 'kept_offsets')}: last offset {int(ov[ends[j]])} for {int(kept.lengths[i])} "
+                f"kept_ids: allowed the number of kept ids"
+            )
+        steps = np.diff(ov)
+        inner = np.ones(steps.size, dtype=bool)
+        inner[ends[:-1]] = False  # the step from one row's last offset to the next row's first is not a step
+        dec = inner & (steps < 0)
+        if dec.any():
+            r, t = _token_position(offs.offsets, _first(dec))
+            raise RecordsError(f"{_where(b.source, b.row(r), 'kept_offsets', t)}: offsets decrease: allowed non-decreasing offsets")
+    return ov, ends
+
+
+def _kept_extras(b: _Batch, out: RecordsBatch, kept: Ragged) -> None:
+    """kept_incomplete and trainer_kept_logits: only on rows with a kept set."""
+    inc = np.zeros(out.tokens, dtype=bool)
+    if "kept_incomplete" in b.arrays:
+        rag = b.token_column("kept_incomplete")
+        stray = rag.valid & ~kept.valid
+        if stray.any():
+            raise RecordsError(
+                f"{_where(b.source, b.row(_first(stray)), 'kept_incomplete')}: set on a row without kept_ids: allowed only with a kept set"
+            )
+        inc[np.repeat(rag.valid, b.lengths)] = rag.values.astype(bool)
+    out.kept_incomplete = inc
+    if "trainer_kept_logits" in b.arrays:
+        tkl = b.ragged("trainer_kept_logits")
+        stray = tkl.valid & ~kept.valid
+        if stray.any():
+            raise RecordsError(f"{_where(b.source, b.row(_first(stray)), 'trainer_kept_logits')}: set on a row without kept_ids")
+        _one_per_kept_id(b, kept, tkl, "trainer_kept_logits", "logit")
+        b.check_floats(tkl, "trainer_kept_logits", True)
+        out.trainer_kept_logits = tkl
+
+
+def _trainer_columns(b: _Batch, out: RecordsBatch) -> None:
+    """The trainer's token columns: one value per token, ids >= 0, bounds finite and >= 0."""
+    for name in TRAINER_TOKEN_COLUMNS:
+        if name in b.arrays:
+            out.trainer[name] = b.token_column(name, allow_inf=name not in NONNEGATIVE_COLUMNS)
+    if "trainer_token_ids" in out.trainer:
+        b.nonnegative_ids(out.trainer["trainer_token_ids"], "trainer_token_ids")
+    for name in NONNEGATIVE_COLUMNS:
+        opt = out.trainer.get(name)
+        if opt is not None and opt.values.size and bool((opt.values < 0).any()):
+            r, t = _token_position(opt.offsets, _first(opt.values < 0))
+            raise RecordsError(
+                f"{_where(b.source, b.row(r), name, t)}: value {float(opt.row(r)[t])} is negative: allowed a finite bound >= 0"
+            )
+
+
+def _sampler_log_s(b: _Batch, out: RecordsBatch) -> None:
+    """The sampler-side log S interval: lo and hi together, lo <= hi, lo never +inf, hi never -inf; and its source."""
+    source, arrays = b.source, b.arrays
+    partial = [c for c in ("sampler_log_s_lo", "sampler_log_s_hi") if c in arrays]
+    if len(partial) == 1:
+        raise RecordsError(f"{source}: column {partial[0]} without its other end: allowed sampler_log_s_lo and "
+                           f"sampler_log_s_hi together")
+    if partial:
+        lo = b.token_column("sampler_log_s_lo")
+        hi = b.ragged("sampler_log_s_hi")
+        wrong = hi.valid != lo.valid
+        if wrong.any():
+            raise RecordsError(f"{_where(source, b.row(_first(wrong)))}: sampler_log_s_lo and sampler_log_s_hi are not set on "
+                               f"the same rows: allowed both or neither")
+        wrong = hi.valid & (hi.lengths != b.lengths)
+        if wrong.any():
+            i = _first(wrong)
+            raise RecordsError(f"{_where(source, b.row(i), 'sampler_log_s_hi')}: {int(hi.lengths[i])} values for "
+                               f"{int(b.lengths[i])} completion_ids: allowed one value per completion token")
+        bad = np.isnan(hi.values) | np.isneginf(hi.values) | (hi.values < lo.values)
+        if bad.any():
+            r, t = _token_position(hi.offsets, _first(bad))
+            raise RecordsError(
+                f"{_where(source, b.row(r), 'sampler_log_s_hi', t)}: value {float(hi.row(r)[t])} with sampler_log_s_lo "
+                f"{float(lo.row(r)[t])}: allowed hi >= lo (hi may be +inf)"
+            )
+        out.trainer["sampler_log_s_lo"], out.trainer["sampler_log_s_hi"] = lo, hi
+    if "sampler_log_s_source" in arrays:
+        src = arrays["sampler_log_s_source"].to_pylist()
+        for i, v in enumerate(src):
+            if v is not None and v not in SAMPLER_LOG_S_SOURCES:
+                raise RecordsError(f"{_where(source, b.row(i), 'sampler_log_s_source')}: {v!r} is not a source: allowed "
+                                   f"{', '.join(SAMPLER_LOG_S_SOURCES)}")
+        out.sampler_log_s_source = src

@@ -19,7 +19,7 @@ partial. A module is one of parity/core (``gates``) or, named with its package, 
 sample on the mutant numbers. The gates are computed in records/verdict.py, which holds the whole
 records pipeline besides: only the gate functions' mutants run there (evaluate_summary, trend_violation,
 _over, _scaled; ~530 mutants), on the fixed sample of mutants whose number ends in an even digit (about
-half of every function's), as for the largest module (table.py, ~1100 mutants). Measured on two shared
+half of every function's), as for the largest module (token_table.py, ~1100 mutants). Measured on two shared
 cores: records.verdict and gates together 16 minutes (records.verdict 13.5, with mutmut's generation and
 test statistics); ``--budget-s`` bounds the whole run, the gated modules first.
 
@@ -115,7 +115,7 @@ MODULES: dict[str, Selection] = {
     "error_model": Selection(),
     "log_s": Selection(),
     "violation": Selection(),
-    "table": Selection(sample="even"),
+    "token_table": Selection(sample="even"),
 }
 # Modules whose score gates the run (the others are reported); MODULES lists them first, so that the
 # budget cuts only reported modules.
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modules", default=",".join(MODULES), help=f"comma-separated, of {', '.join(MODULES)}")
     ap.add_argument("--sample", choices=sorted(SAMPLES), help="one sample for every module (of its selected "
-                    "functions): all, even (about 1/2) or tenth (numbers ending in 0); default: all, table.py even")
+                    "functions): all, even (about 1/2) or tenth (numbers ending in 0); default: all, token_table.py even")
     ap.add_argument("--max-children", type=int, default=2)
     ap.add_argument("--module-limit-s", type=float, default=1200.0, help="wall-clock limit per module")
     ap.add_argument("--budget-s", type=float, default=2700.0, help="wall-clock limit of the whole run")

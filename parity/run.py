@@ -17,7 +17,7 @@ from parity.core.gates import Thresholds
 from parity.core.matrix import Matrix, Scenario, default_matrix, load_matrix
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
-from parity.core.table import TokenTable, TrainerFaults, build_table
+from parity.core.token_table import TokenTable, TrainerFaults, build_table
 from parity.core.violation import Violation
 from parity.engines.session import EnginePool, Rollout, Trainer, make_prompts
 from parity.engines.settings import EngineSettings
@@ -162,12 +162,12 @@ def score_scenario(
 ) -> ScenarioResult:
     """Sample with vLLM, score with the trainer, then judge the scenario's records: one scenario.
 
-    The verdict is the records analysis's (:func:`parity.records.judge.scenario_summary`) on the rows
+    The verdict is the records analysis's (:func:`parity.records.scenario.scenario_summary`) on the rows
     ``--records`` writes, so a run and an analysis of its records agree by construction. ``raw``: the
     raw-logits engine for the sampler-side log S (see :func:`wants_sampler_log_s`).
     """
     from parity.records.convert import from_sequence_records
-    from parity.records.judge import rl_view, scenario_summary
+    from parity.records.scenario import rl_view, scenario_summary
     from parity.records.verdict import finalize
 
     t0 = time.perf_counter()
@@ -253,7 +253,7 @@ def run(cfg: RunConfig, progress: Callable[[str], None] = _progress, pool: Engin
     from parity.determinism.knobs import batch_invariant_mode
 
     matrix = resolve_matrix(cfg)
-    import parity.records.judge  # noqa: F401  (every verdict is judged on records: refuses a missing pyarrow before any engine starts)
+    import parity.records.scenario  # noqa: F401  (every verdict is judged on records: refuses a missing pyarrow before any engine starts)
     # Entered before any engine starts: on CUDA, VLLM_BATCH_INVARIANT is read at engine start-up.
     # With the mode off the context changes nothing and records the knobs as they are.
     with batch_invariant_mode(cfg.batch_invariant, device=cfg.device) as state:
@@ -349,7 +349,7 @@ def run_report(
     from parity.core.matrix import pair_coverage
     from parity.core.rl import catalogue as rl_catalogue
     from parity.records.accumulators import Summary
-    from parity.records.columns import Options
+    from parity.records.token_columns import Options
     from parity.records.write import RecordsWriter
     from parity.report.schema import environment
 

@@ -1,6 +1,6 @@
-"""A token table's verdict the way ``parity run`` gets it: the table's records through :func:`parity.records.judge.scenario_summary`.
+"""A token table's verdict the way ``parity run`` gets it: the table's records through :func:`parity.records.scenario.scenario_summary`.
 
-For tests that build a :class:`~parity.core.table.TokenTable` from synthetic sampler records and logits.
+For tests that build a :class:`~parity.core.token_table.TokenTable` from synthetic sampler records and logits.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 from parity.core.gates import Thresholds
 from parity.records.convert import from_sequence_records
-from parity.records.judge import scenario_summary
+from parity.records.scenario import scenario_summary
 from parity.records.verdict import finalize
 
 
@@ -31,7 +31,7 @@ def failed(entry: dict[str, Any]) -> set[str]:
 
 def scenario_entry(records, logits, table, name: str, th: Thresholds | None = None, *, faults=None) -> dict[str, Any]:
     """A report.json scenario as ``parity run`` writes it (the RL view included, violations as dicts)."""
-    from parity.records.judge import rl_view
+    from parity.records.scenario import rl_view
 
     e = judged(records, logits, table, th, faults=faults, name=name)
     return {**e, "model": "synthetic", "rl_view": rl_view(table),

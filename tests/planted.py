@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from parity.core.gates import Thresholds
-from parity.core.table import SUPPORT_MASS_TOL
+from parity.core.token_table import SUPPORT_MASS_TOL
 
 Rows = list[dict[str, Any]]
 Plant = Callable[..., Rows]

@@ -16,7 +16,7 @@ from parity.core.gates import Thresholds
 from parity.core.matrix import default_matrix
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
-from parity.core.table import TrainerFaults, build_table
+from parity.core.token_table import TrainerFaults, build_table
 from parity.report import overview
 from parity.report.markdown import render_markdown
 from parity.report.plots import dense_drift_hist

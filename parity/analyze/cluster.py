@@ -2,7 +2,7 @@
 
 The driver lists the shards and opens every footer (so a non-records file is refused as locally, and
 each shard's metadata travels with the job); workers read rows with the engine's Parquet reader and run
-:func:`parity.records.columns.summarize_batch` on each run of consecutive rows of one file; the driver
+:func:`parity.records.token_columns.summarize_batch` on each run of consecutive rows of one file; the driver
 merges their :meth:`~parity.records.accumulators.Summary.to_json` summaries. README's "Scale" section
 says how rows keep their file and row number on each engine (Ray: a first pass over ``row_hash``).
 
@@ -33,9 +33,9 @@ from parity.analyze.shards import batch_summarizer, file_header
 from parity.errors import EngineError, SetupError, TimedOut, UsageError
 from parity.records.accumulators import Summary
 from parity.records.arrays import RecordsBatch
-from parity.records.columns import Options
 from parity.records.read import open_records
 from parity.records.schema import RecordsError
+from parity.records.token_columns import Options
 from parity.records.validate import validate_batch
 
 ENGINE_FORMS = ("local; ray (a local Ray cluster, or the one RAY_ADDRESS names); ray://HOST:PORT; spark (local[*], "

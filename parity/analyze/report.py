@@ -17,9 +17,9 @@ from parity.analyze.shards import summarize_paths
 from parity.core.gates import Thresholds
 from parity.errors import UsageError
 from parity.records.accumulators import Summary
-from parity.records.columns import Options
 from parity.records.read import records_paths
 from parity.records.schema import RecordsError
+from parity.records.token_columns import Options
 from parity.records.verdict import finalize
 
 # ==================================================================================================

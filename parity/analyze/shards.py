@@ -23,9 +23,9 @@ except ModuleNotFoundError as _exc:
     raise SetupError("records (Parquet) need pyarrow: pip install 'parity[records]'") from None
 
 from parity.records.accumulators import Summary
-from parity.records.columns import LOGIT_BUDGET, Options, TokenColumns, summarize_batch, token_columns
 from parity.records.read import open_records
 from parity.records.schema import RecordsError
+from parity.records.token_columns import LOGIT_BUDGET, Options, TokenColumns, summarize_batch, token_columns
 
 # ==================================================================================================
 # re-scoring with a transformers model (--model)
@@ -48,7 +48,7 @@ def rescored_columns(batch: Any, trainer: Any, dtypes: tuple[str, str]) -> Token
     """Token columns with every trainer-side estimate and bound computed from ``trainer``'s logits (parity run's table)."""
     import torch
 
-    from parity.core.table import build_table
+    from parity.core.token_table import build_table
     from parity.engines.trainer_under_test import reference_views
     from parity.records.convert import to_sequence_records
 

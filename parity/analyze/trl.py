@@ -26,7 +26,7 @@ from parity.core.error_model import UNIT_ROUNDOFF, logprob_rounding_bound
 from parity.core.gates import Thresholds
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
-from parity.core.table import build_table
+from parity.core.token_table import build_table
 from parity.errors import UsageError
 
 SOURCE = "vllm (TRL GRPOTrainer, colocate)"
@@ -77,7 +77,7 @@ def score_step(sequences: Sequence[dict[str, Any]], *, name: str, thresholds: Th
     (:func:`score_capture` merges the steps into one report)."""
     from parity.engines.trainer_under_test import reference_views
     from parity.records.convert import from_sequence_records
-    from parity.records.judge import rl_view, scenario_summary
+    from parity.records.scenario import rl_view, scenario_summary
 
     if not sequences:
         raise UsageError(f"scenario {name!r}: no captured sequences")
@@ -120,7 +120,7 @@ def score_capture(sequences: Sequence[dict[str, Any]], *, label: str = "trl", th
 
     from parity.analyze.report import REPORT_FACTS, build_report
     from parity.records.accumulators import Summary
-    from parity.records.columns import Options
+    from parity.records.token_columns import Options
     from parity.report.schema import environment, installed_version
 
     steps = sorted({int(s["step"]) for s in sequences})
@@ -200,7 +200,7 @@ def judge_logged(sequences: Sequence[dict[str, Any]], *, thresholds: Thresholds 
 
     from parity.analyze.shards import batch_summarizer
     from parity.records.accumulators import Summary
-    from parity.records.columns import Options
+    from parity.records.token_columns import Options
     from parity.records.verdict import finalize
 
     table, dropped = logged_columns(sequences)

@@ -52,7 +52,7 @@ def main(args: argparse.Namespace) -> int:
     # isort: off
     from parity.analyze.report import analyze  # first: it refuses a missing pyarrow with what to install
     from parity.analyze.cluster import parse_engine
-    from parity.records.columns import Options
+    from parity.records.token_columns import Options
     # isort: on
 
     parse_engine(args.engine)  # a bad --engine is refused before any file is read

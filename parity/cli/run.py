@@ -7,7 +7,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from parity.cli import thresholds_from_args
-from parity.core.table import TrainerFaults
+from parity.core.token_table import TrainerFaults
 from parity.engines.engine_log import LOG_NAME, EngineOutput
 from parity.errors import UsageError
 from parity.report.overview import render_terminal

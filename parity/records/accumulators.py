@@ -1,4 +1,4 @@
-"""Mergeable summaries of records (:mod:`parity.records.columns` fills them, one batch at a time).
+"""Mergeable summaries of records (:mod:`parity.records.token_columns` fills them, one batch at a time).
 
 Everything a scenario's report and verdict need, as pieces that add up across batches, files and
 processes: counts, float64 sums, running mean and second moment (Chan's pairwise update), maxima,

@@ -237,18 +237,18 @@ def from_sequence_records(
 ) -> pa.Table:
     """Records of sampler-side :class:`SequenceRecord` s, with the trainer's estimates when ``table`` is given.
 
-    ``table`` is the :class:`parity.core.table.TokenTable` of these records (``parity run``): its full,
+    ``table`` is the :class:`parity.core.token_table.TokenTable` of these records (``parity run``): its full,
     replay, recompute, log S, forced and recomputed-support columns are written per token, with the
     per-token rounding bounds (``bound``, ``bound_full``), the sampler-side log S interval
     (``s_lo``, ``s_hi``), the tokens the trainer scored where they are not the sampled ones, the
     trainer under test's values (if any) as ``trainer_logprobs``, and with ``logits`` the trainer's raw
     logits at the kept ids. With planted ``faults`` (``--plant``), kept sets are written as the
-    trainer saw them (:func:`parity.core.table._plant`), so the file describes what the run scored.
+    trainer saw them (:func:`parity.core.token_table._plant`), so the file describes what the run scored.
     """
     rows = []
     planted = None
     if table is not None and logits is not None:
-        from parity.core.table import TrainerFaults, _plant
+        from parity.core.token_table import TrainerFaults, _plant
 
         vocab = int(logits[0].shape[-1]) if len(logits) else 0
         planted = _plant(records, list(logits), faults or TrainerFaults(), vocab)
@@ -303,7 +303,7 @@ def from_sequence_records(
 
 
 def _log_s_source(r: SequenceRecord) -> str:
-    """Which sampler-side source :func:`parity.core.table.build_table` used for this record."""
+    """Which sampler-side source :func:`parity.core.token_table.build_table` used for this record."""
     if not r.spec.effective().filtered:
         return "unfiltered"
     return "raw_logits" if r.extras and r.extras.get("sampler_log_s") is not None else "top_p_bracket"

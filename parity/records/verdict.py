@@ -1,6 +1,6 @@
 """The verdicts of the records analysis: the report entries of a merged
 :class:`~parity.records.accumulators.Summary`, and every gate as a :class:`~parity.core.violation.Violation`
-(for ``parity analyze``, ``parity run`` through :func:`parity.records.judge.scenario_summary`, and the TRL capture):
+(for ``parity analyze``, ``parity run`` through :func:`parity.records.scenario.scenario_summary`, and the TRL capture):
 
 * drift (``replay_drift``, ``recompute_drift``, ``trainer_under_test_drift``): the largest
   ``|trainer - sampler| / bound`` per token against ``max_headroom`` (the records' ``trainer_bound``,

@@ -13,9 +13,9 @@ import pytest
 from parity.analyze import analyze
 from parity.core.matrix import Matrix, Scenario
 from parity.core.spec import SamplingSpec
-from parity.core.table import TrainerFaults
+from parity.core.token_table import TrainerFaults
 from parity.engines.session import EnginePool
-from parity.records.columns import Options
+from parity.records.token_columns import Options
 from parity.records.validate import validate_batch
 from parity.records.verdict import USER_GATES
 from parity.run import RunConfig, run

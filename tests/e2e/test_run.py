@@ -10,7 +10,7 @@ import pytest
 from parity.core.gates import Thresholds
 from parity.core.matrix import DEFAULT_PEAKED_FIXTURE, Matrix, Scenario, default_matrix
 from parity.core.spec import SamplingSpec
-from parity.core.table import TrainerFaults
+from parity.core.token_table import TrainerFaults
 from parity.engines.session import EnginePool, check_same_vocabulary
 from parity.report.schema import SCHEMA_VERSION
 from parity.run import RunConfig, run, score_scenario

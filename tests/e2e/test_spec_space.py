@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from strategies import engine_specs
 
 from parity.core.matrix import Scenario
-from parity.core.table import TrainerFaults
+from parity.core.token_table import TrainerFaults
 from parity.engines.session import EnginePool
 from parity.run import RunConfig, score_scenario, wants_sampler_log_s
 

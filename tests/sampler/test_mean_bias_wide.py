@@ -17,7 +17,7 @@ from judged import failed, judged
 from parity.core import estimators as E
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec as S
-from parity.core.table import TrainerFaults, build_table
+from parity.core.token_table import TrainerFaults, build_table
 
 pytestmark = pytest.mark.sampler
 

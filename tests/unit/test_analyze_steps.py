@@ -23,7 +23,6 @@ from test_analyze import FILTERED, rows_of, run_side
 from parity.analyze import analyze
 from parity.core.gates import Thresholds
 from parity.records.accumulators import SUMMARY_VERSION, Summary
-from parity.records.columns import summarize_batch
 from parity.records.steps import (
     BAND_K,
     BASELINE_STEPS,
@@ -34,6 +33,7 @@ from parity.records.steps import (
     StepEntry,
     drift_trend,
 )
+from parity.records.token_columns import summarize_batch
 from parity.records.verdict import finalize
 from parity.records.write import records_table, write_records
 

@@ -21,7 +21,7 @@ from parity.core.gates import Thresholds
 from parity.core.log_s import log_s_from_raw_logits
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
-from parity.core.table import SUPPORT_MASS_TOL, TrainerFaults, build_table
+from parity.core.token_table import SUPPORT_MASS_TOL, TrainerFaults, build_table
 
 V = 64
 

@@ -19,7 +19,7 @@ from parity.core.filters import reference_filter
 from parity.core.log_s import top_p_bracket
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec as S
-from parity.core.table import (
+from parity.core.token_table import (
     SUPPORT_MASS_TOL,
     TrainerFaults,
     _engine_missing,
@@ -27,7 +27,7 @@ from parity.core.table import (
     _sampler_lp_of,
     build_table,
 )
-from parity.records.judge import rl_view
+from parity.records.scenario import rl_view
 
 V = 6
 NAN = math.nan

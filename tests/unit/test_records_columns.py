@@ -16,7 +16,7 @@ import pyarrow as pa
 import pytest
 
 from parity.core.error_model import SUPPORT_MASS_TOL
-from parity.records import columns as ra
+from parity.records import token_columns as ra
 from parity.records.validate import validate_batch
 
 

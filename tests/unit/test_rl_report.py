@@ -13,8 +13,8 @@ from parity.core.filters import reference_filter
 from parity.core.rl import METHODS, METRICS, catalogue
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
-from parity.core.table import build_table
-from parity.records.judge import rl_view
+from parity.core.token_table import build_table
+from parity.records.scenario import rl_view
 from parity.report.markdown import render_markdown
 from parity.report.rl_section import headline
 from parity.report.schema import SCHEMA_VERSION, environment, report_schema, write_report

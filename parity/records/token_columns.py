@@ -302,7 +302,7 @@ def _sampler_log_s(
     batch: RecordsBatch, row: np.ndarray, filtered: np.ndarray, captured: np.ndarray, incomplete: np.ndarray,
     min_kept_lp: Callable[[], np.ndarray], vocab_size: int | None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str | None]]:
-    """``(lo, hi, have, source per row)``: the sampler-side log S, as :func:`parity.core.table.build_table` takes it.
+    """``(lo, hi, have, source per row)``: the sampler-side log S, as :func:`parity.core.token_table.build_table` takes it.
 
     The records' interval where given; 0 where nothing is filtered; else the top_p bracket
     (:func:`parity.core.log_s.top_p_bracket`) from the smallest kept processed log-prob
@@ -345,7 +345,7 @@ def _sampler_log_s(
                 a, b = int(starts[i]), int(starts[i + 1])
                 if not bool(np.isfinite(mk[a:b]).all()):
                     continue
-                # One call per row, as parity.core.table calls it per sequence: the same tensors, the same bits.
+                # One call per row, as parity.core.token_table calls it per sequence: the same tensors, the same bits.
                 r_lo, r_hi = top_p_bracket(torch.from_numpy(mk[a:b].reshape(-1, 1)), batch.spec_of(int(i)).top_p, vocab_size)
                 lo[a:b], hi[a:b] = r_lo.numpy(), r_hi.numpy()
                 source[i] = "top_p_bracket"
@@ -367,7 +367,7 @@ def _from_kept_logits(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """KL/TV over S_q, replay and the logit drift, from the trainer's raw logits at the kept ids.
 
-    Mirrors :func:`parity.core.table.build_table`: the logits are scaled by the temperature in float32
+    Mirrors :func:`parity.core.token_table.build_table`: the logits are scaled by the temperature in float32
     (``estimators.scale``), the trainer's distribution over S_q is ``vals - logsumexp(vals)`` in float64,
     KL(sampler || trainer) and TV are summed over S_q; replay is ``estimators.replay`` itself, on the
     gathered logits. A sampled token outside S_q has no logit here: its replay is -inf.
@@ -400,7 +400,7 @@ def _from_kept_logits(
     tv = 0.5 * np.bincount(seg, weights=np.abs(p - np.exp(t_lp)), minlength=T)
     kl = np.where(with_logits, kl, 0.0)
     tv = np.where(with_logits, tv, 0.0)
-    # Logit drift (parity.core.table._logit_drift): the spread over S_q of (sampler lp - trainer lp).
+    # Logit drift (parity.core.token_table._logit_drift): the spread over S_q of (sampler lp - trainer lp).
     e = klp - t_lp
     fin = np.isfinite(e)
     drift = np.full(T, np.nan)

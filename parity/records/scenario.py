@@ -2,7 +2,7 @@
 
 Every producer writes records (:mod:`parity.records.format`): ``parity run`` converts its sampled and
 scored tokens (:func:`parity.records.convert.from_sequence_records`), the TRL capture its steps, a user
-their own file. The streamed analysis of :mod:`parity.records.columns` and :mod:`parity.records.verdict` computes every statistic and
+their own file. The streamed analysis of :mod:`parity.records.token_columns` and :mod:`parity.records.verdict` computes every statistic and
 every gate from them, and :func:`parity.analyze.report.build_report` writes the one report, so ``parity run``
 gives what ``parity run --records`` then ``parity analyze`` gives. The RL view needs every token at
 once; it is a second pass over the same values (:func:`rl_view`), not a second pipeline.
@@ -12,16 +12,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from parity.records.columns import Options, summarize_batch, token_columns
+from parity.records.token_columns import Options, summarize_batch, token_columns
 
 if TYPE_CHECKING:
     import pyarrow as pa
     import torch
 
-    from parity.core.table import TokenTable
+    from parity.core.token_table import TokenTable
     from parity.records.accumulators import Summary
     from parity.records.arrays import RecordsBatch
-    from parity.records.columns import TokenColumns
+    from parity.records.token_columns import TokenColumns
 
 
 def scenario_summary(

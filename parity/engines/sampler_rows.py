@@ -26,6 +26,7 @@ import torch
 from parity.core.capture import Heads
 
 ATTR = "_parity_sampler_rows"  # the stash on the worker's sampler: request id -> per-step rows
+ARMED = "_parity_rows_armed"  # rows are kept only between arm() and take()
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,8 @@ def _install(worker: Any, cap: int | None) -> str:
         me, run = sampler_ref(), runner_ref()
         out = original(me, logits, metadata, *args, **kwargs)
         sampled, processed = out
-        if processed is None or run is None:
-            return out
+        if processed is None or run is None or not getattr(me, ARMED, False):
+            return out  # only parity's own generate calls are read: other calls leave nothing behind
         batch = run.input_batch
         limit = getattr(me, "_parity_rows_cap", None)
         finite = torch.isfinite(processed)
@@ -86,8 +87,14 @@ def _install(worker: Any, cap: int | None) -> str:
     return ""
 
 
+def _arm(worker: Any) -> None:
+    setattr(worker.model_runner.sampler, ARMED, True)
+
+
 def _take(worker: Any) -> dict[str, list[Row]]:
-    store = getattr(worker.model_runner.sampler, ATTR, None)
+    sampler = worker.model_runner.sampler
+    setattr(sampler, ARMED, False)
+    store = getattr(sampler, ATTR, None)
     if store is None:
         return {}
     out = dict(store)
@@ -128,8 +135,13 @@ class SamplerRows:
         cap = "no cap" if self.cap is None else f"kept sets below {self.cap} tokens"
         return f"vLLM Sampler.sample hook (vllm 0.32, in-process V1 runner), {cap}"
 
+    def arm(self) -> None:
+        """Keep rows from now until the next :meth:`take` (one parity generate call)."""
+        if self.active:
+            self.llm.collective_rpc(_arm, timeout=self.timeout_s)
+
     def take(self) -> dict[str, list[Row]]:
-        """What the hook kept since the last call, by the caller's request id (and cleared there)."""
+        """What the hook kept since :meth:`arm`, by the caller's request id (cleared there, and disarmed)."""
         if not self.active:
             return {}
         [got] = self.llm.collective_rpc(_take, timeout=self.timeout_s)

@@ -110,7 +110,8 @@ def capture_outputs(
             return generate([prompts[i] for i in indices], batch)
 
         if rows is not None:
-            rows.take()  # what other calls left behind
+            rows.take()  # anything left behind
+            rows.arm()
         outs = run() if deadline is None else call_with_timeout(
             run, max(deadline - time.monotonic(), 1.0), f"vLLM generate ({spec.label()})")
         got = [heads_of_output(o.outputs[0], k, f"prompt {i} ({spec.label()})", error=EngineError,

@@ -108,6 +108,10 @@ def test_generate_with_capture_on_your_own_engine_and_the_converter(tiny) -> Non
     # What a head of 4 cannot prove comes from the sampler's rows, in the same generation.
     assert stats.adaptive and stats.logprobs == 4 and stats.incomplete_positions == 0
     assert stats.row_positions >= 1 and stats.rounds == 0
+    # The hook stays on the engine, but a generate call of your own afterwards leaves no rows behind.
+    tiny.llm.generate(prompts, SamplingParams(temperature=1.0, top_p=0.99, max_tokens=4, logprobs=2, seed=1),
+                      use_tqdm=False)
+    assert tiny.rows.take() == {}
     assert history.start(SamplingSpec(0.8, top_p=0.9)) is not None  # the next call starts from what this one needed
     assert [p.seed for p in used] == sorted({p.seed for p in used})  # a seed of its own per prompt
     batch = validate_batch(from_request_outputs(outputs, used, vocab_size=tiny.vocab_size))

@@ -28,7 +28,6 @@ from parity.core import estimators
 from parity.core.capture import (
     DEFAULT_MAX_HEAD,
     FULL_VOCAB,
-    SMALL_VOCAB,
     CapturedSupport,
     CaptureHistory,
     CapturePlan,
@@ -38,7 +37,7 @@ from parity.core.capture import (
 )
 from parity.core.spec import SamplingSpec
 from parity.engines.sampler_rows import SamplerRows
-from parity.engines.vllm_offline import ROWS_HEAD, capture_outputs
+from parity.engines.vllm_offline import capture_outputs, rows_start
 from parity.errors import EngineError, UsageError
 from parity.records.vllm_outputs import spec_of_params
 
@@ -356,7 +355,7 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
             rows = None
         limit = max_head or DEFAULT_MAX_HEAD
         plan = plan_capture(spec, vocab, head=head, max_head=limit, suggested=cap.history.start(spec),
-                            start=min(ROWS_HEAD, limit) if rows is not None and vocab > SMALL_VOCAB else None)
+                            start=rows_start(limit, vocab) if rows is not None else None)
         if plan.adaptive and llm is None:
             # TRL's server client sends no per-request seed, so a sequence cannot be drawn again: one
             # generation at the cap, unproven positions flagged.

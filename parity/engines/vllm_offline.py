@@ -24,6 +24,12 @@ from parity.records.vllm_outputs import ROWS_ATTR, heads_of_output, spec_of_para
 T = TypeVar("T")
 ROWS_HEAD = 64  # the head asked where the sampler's rows prove what it cannot (docs/capture_plan.md, section 9)
 
+
+def rows_start(limit: int, vocab_size: int) -> int | None:
+    """The start head of an adaptive plan where the sampler's rows are read: ``ROWS_HEAD`` (within the cap);
+    None for a vocabulary small enough to read whole (the plan's own rule)."""
+    return min(ROWS_HEAD, limit) if vocab_size > cap.SMALL_VOCAB else None
+
 # Engine settings measured on CPU machines. The default KV cache grabs ~11 GiB and makes the first
 # generate 10x slower on fixture models; the in-process engine avoids the ``__main__`` guard that
 # multiprocessing needs.
@@ -186,7 +192,7 @@ def generate_with_capture(
                          "allowed one sampling spec per call")
     spec = specs[0]
     if rows_on and start is None:
-        start = min(ROWS_HEAD, max_head)
+        start = rows_start(max_head, vocab)
     plan = cap.plan_capture(spec, vocab, max_head=max_head, start=start,
                         suggested=history.start(spec) if history else None)
     result = capture_outputs(
@@ -252,12 +258,11 @@ class VllmRollout(RolloutBase):
     def plan(self, spec: SamplingSpec) -> cap.CapturePlan:
         """The head route's plan; where the sampler's rows are read, adaptive plans start at ``ROWS_HEAD``
         (the head proves the narrow positions, the rows the wide ones, in one generation)."""
-        if (not self.rows.active or self.start_head is not None or self.head is not None
-                or self.vocab_size <= cap.SMALL_VOCAB):
-            return super().plan(spec)
         limit = self.max_head or cap.DEFAULT_MAX_HEAD
-        plan = cap.plan_capture(spec, self.vocab_size, tie_margin=self.tie_margin, max_head=limit,
-                                start=min(ROWS_HEAD, limit))
+        start = rows_start(limit, self.vocab_size)
+        if not self.rows.active or self.start_head is not None or self.head is not None or start is None:
+            return super().plan(spec)
+        plan = cap.plan_capture(spec, self.vocab_size, tie_margin=self.tie_margin, max_head=limit, start=start)
         if not plan.adaptive:
             return plan
         wide = "no cap" if self.max_head is None else f"below {self.max_head} tokens (--max-capture-head)"

@@ -18,7 +18,6 @@ from parity.core.matrix import Matrix, Scenario, default_matrix, load_matrix
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.core.token_table import TokenTable, TrainerFaults, build_table
-from parity.core.violation import Violation
 from parity.engines.session import EnginePool, Rollout, Trainer, make_prompts
 from parity.engines.settings import EngineSettings
 
@@ -30,6 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from parity.engines.trainer_under_test import TrainerFn
     from parity.engines.vllm_offline import VllmRollout
     from parity.records.accumulators import Summary
+    from parity.report.model import ScenarioVerdict
 
 
 @dataclass
@@ -90,13 +90,11 @@ class ScenarioResult:
     scenario: Scenario
     records: list[SequenceRecord]
     table: TokenTable
-    summary: dict[str, Any]  # the scenario's report entry as judged (its progress line; the report is rebuilt)
-    violations: list[Violation]
+    verdict: ScenarioVerdict  # the scenario as judged (its progress line and its report entry)
     seconds: float
     export: pa.Table  # the scenario's rows in the records format
     part: Summary  # their streamed summary (merged into the run's, in matrix order)
     facts: dict[str, Any]  # what the records do not hold: the capture plan, dtypes, the RL view (records metadata)
-    reference_violations: list[Violation] = field(default_factory=list)  # parity's own estimators, with --trainer
 
 
 def wants_sampler_log_s(rollout: Rollout, sc: Scenario, cfg: RunConfig) -> bool:
@@ -168,7 +166,7 @@ def score_scenario(
     """
     from parity.records.convert import from_sequence_records
     from parity.records.scenario import rl_view, scenario_summary
-    from parity.records.verdict import finalize
+    from parity.records.verdict import judge
 
     t0 = time.perf_counter()
     prompts = make_prompts(trainer.tokenizer(), sc.prompts)
@@ -184,7 +182,9 @@ def score_scenario(
     export = from_sequence_records(records, scenario=sc.name, table=table, logits=logits, faults=cfg.faults)
     part = scenario_summary(export, dtypes=dtypes, vocab_size=rollout.vocab_size, views=views,
                             n_listed=cfg.thresholds.max_violations_listed, source=str(cfg.records or "parity run"))
-    (entry,) = finalize(part, cfg.thresholds, trainer_name=table.user_name)
+    native = native_mismatches(records) if any("native_kept_ids" in r.extras for r in records) else None
+    (verdict,) = judge(part, cfg.thresholds, trainer_name=table.user_name,
+                       native=None if native is None else {sc.name: native})
     # What the capture did (parity.core.capture.CaptureStats): the head it started with, what it widened,
     # the largest |S_q| met, positions unproven at the cap, resamples that came back different.
     assert rollout.last_capture is not None  # set by generate()
@@ -192,31 +192,16 @@ def score_scenario(
                              "dtypes": {"sampler": dtypes[0], "trainer": dtypes[1]}}
     if raw_pass is not None:
         facts["raw_logits_pass"] = raw_pass
-    violations, reference = list(entry["violations"]), list(entry["reference_violations"])
-    if any("native_kept_ids" in r.extras for r in records):
-        facts["native_capture"], native = native_capture_gate(records, sc.name, cfg.capture, cfg.thresholds)
-        facts["native_violations"] = [v.to_dict() for v in native]
-        violations += native
-    return ScenarioResult(sc, records, table, entry, violations, time.perf_counter() - t0, export, part, facts, reference)
+    if native is not None:
+        facts["native_capture"] = {"mode": cfg.capture, "mismatched_positions": len(native),
+                                   "positions": [list(p) for p in native]}
+    return ScenarioResult(sc, records, table, verdict, time.perf_counter() - t0, export, part, facts)
 
 
-def native_capture_gate(
-    records: list[SequenceRecord], scenario: str, mode: str, th: Thresholds
-) -> tuple[dict[str, Any], list[Violation]]:
-    """vLLM's native sampling mask against the top-K capture, position by position (CUDA, ``--capture both``).
-
-    Both describe the same S_q, so any position where they differ fails (the engine adapter records
-    the positions in ``extras["native_vs_topk_mismatch"]``).
-    """
-    from parity.core.violation import Position
-
-    mism = [(r.prompt_index, int(t)) for r in records for t in r.extras.get("native_vs_topk_mismatch", [])]
-    summary = {"mode": mode, "mismatched_positions": len(mism)}
-    if not mism:
-        return summary, []
-    where = tuple(Position(prompt=p, position=t) for p, t in mism[: th.max_violations_listed])
-    return summary, [Violation("native_vs_topk", scenario, len(mism), 0, "positions where the native sampling mask "
-                               "and the top-K capture disagree on S_q", worst=where)]
+def native_mismatches(records: list[SequenceRecord]) -> list[tuple[int, int]]:
+    """(prompt, position) where vLLM's native sampling mask and the top-K capture differ on S_q (CUDA,
+    ``--capture both``; the engine adapter records them in ``extras["native_vs_topk_mismatch"]``)."""
+    return [(r.prompt_index, int(t)) for r in records for t in r.extras.get("native_vs_topk_mismatch", [])]
 
 
 def score_trainer_under_test(
@@ -295,12 +280,12 @@ def _run(
                 res = score_scenario(rollout, trainer, sc, cfg, raw)
             by_index[idx], vocab[idx] = res, rollout.vocab_size
             timings[f"scenario_s[{sc.name}]"] = res.seconds
-            s = res.summary
+            s = res.verdict
             progress(
-                f"[{done}/{len(matrix.scenarios)}] {sc.name:<28} {'FAIL' if res.violations else 'PASS'}  "
-                f"log S mean {s['log_s']['mean']:+.4f}  replay max|d| {s['replay']['max_abs_diff']:.1e} "
-                f"({s['headroom']['replay']:.2f} of its bound)  "
-                f"({s['tokens']} tokens, {res.seconds:.1f} s)"
+                f"[{done}/{len(matrix.scenarios)}] {sc.name:<28} {'FAIL' if s.violations else 'PASS'}  "
+                f"log S mean {s.log_s['mean']:+.4f}  replay max|d| {s.replay['max_abs_diff']:.1e} "
+                f"({s.headroom['replay']:.2f} of its bound)  "
+                f"({s.tokens} tokens, {res.seconds:.1f} s)"
             )
             if res.facts["capture_plan"].get("adaptive") and rollout.last_capture is not None:
                 progress(f"    {rollout.last_capture.summary()}")
@@ -314,7 +299,8 @@ def _run(
             with batch_invariant_mode(cfg.batch_invariant, device=cfg.device, models=[trainer.model]) as inner:
                 ro = check_rollout_invariance(rollout, prompts, spec, max_tokens=8, seed=cfg.seed)
                 tr = check_trainer_invariance(trainer, rollout.generate(prompts, spec, max_tokens=8, seed=cfg.seed))
-            replay_max = max((r.summary["replay"]["max_abs_diff"] for r in by_index.values()), default=None)
+            replay_max = max((d for r in by_index.values() if isinstance(d := r.verdict.replay["max_abs_diff"], float)),
+                             default=None)
             # The inner state: it also holds the trainer-side knobs (the CPU kernels and their calls).
             determinism = determinism_section(
                 inner, rollout=ro, trainer=tr, required=cfg.batch_invariant, replay_max_abs_diff=replay_max
@@ -400,4 +386,4 @@ def run_report(
         first_row += r.part.rows
         total.merge(r.part)
     return build_report(total, cfg.thresholds, options=Options(device=cfg.device, n_listed=cfg.thresholds.max_violations_listed),
-                        paths=[where] if cfg.records is not None else [])
+                        paths=[where] if cfg.records is not None else [], verdicts=[r.verdict for r in results])

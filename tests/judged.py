@@ -10,7 +10,7 @@ from typing import Any
 from parity.core.gates import Thresholds
 from parity.records.convert import from_sequence_records
 from parity.records.scenario import scenario_summary
-from parity.records.verdict import finalize
+from parity.records.verdict import judge
 
 
 def judged(records, logits, table, th: Thresholds | None = None, *, faults=None, name: str = "planted",
@@ -20,8 +20,9 @@ def judged(records, logits, table, th: Thresholds | None = None, *, faults=None,
     vocab = int(logits[0].shape[-1]) if len(logits) else None
     th = th or Thresholds()
     part = scenario_summary(export, dtypes=dtypes, vocab_size=vocab, n_listed=th.max_violations_listed, views=views)
-    (entry,) = finalize(part, th, trainer_name=table.user_name)
-    return entry
+    (verdict,) = judge(part, th, trainer_name=table.user_name)
+    # The report entry, its violations kept as Violation objects.
+    return {**verdict.to_json(), "violations": verdict.violations, "reference_violations": verdict.reference_violations}
 
 
 def failed(entry: dict[str, Any]) -> set[str]:

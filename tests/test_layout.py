@@ -16,9 +16,9 @@ SHARED = {"errors"}
 # layer -> the parity layers it may import (itself always allowed)
 ALLOWED = {
     "core": {"core"},
-    "records": {"core", "records"},
+    "records": {"core", "records", "report"},  # judge() returns the report's typed ScenarioVerdict
     "report": {"core"},  # renders what the core declares (the RL catalogue), never an engine
-    "determinism": {"core", "records"},
+    "determinism": {"core", "records", "report"},
 }
 
 

@@ -11,7 +11,7 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parity.analyze.shards import summarize_paths
 from parity.core.gates import Thresholds
@@ -20,7 +20,10 @@ from parity.records.accumulators import Summary
 from parity.records.read import records_paths
 from parity.records.schema import RecordsError
 from parity.records.token_columns import Options
-from parity.records.verdict import finalize
+from parity.records.verdict import judge
+
+if TYPE_CHECKING:
+    from parity.report.model import ScenarioVerdict
 
 # ==================================================================================================
 # the report
@@ -105,11 +108,7 @@ def _apply_facts(report: dict[str, Any], facts: Any) -> None:
         raw = extra.pop("raw_logits_pass", None)
         if raw is not None:
             sc["sampler_log_s"]["raw_logits_pass"] = raw
-        native = extra.pop("native_violations", None) or []
         sc.update(extra)
-        if native:
-            sc["violations"] = sc["violations"] + native
-            sc["verdict"] = "fail"
     report["config"].update(facts.get("config") or {})
     report["environment"].update(facts.get("environment") or {})
     report.update(facts.get("top") or {})
@@ -131,19 +130,29 @@ def set_verdict(report: dict[str, Any]) -> None:
     report["verdict"] = "fail" if failed else ("none" if report["no_verdict"] else "pass")
 
 
+def _native(facts: Any) -> dict[str, list[tuple[int, int]]] | None:
+    """The native-mask mismatches a producer stored (``parity run --capture both``), per scenario."""
+    per = facts.get("scenarios") if isinstance(facts, dict) else None
+    out = {name: [(int(p), int(t)) for p, t in f["native_capture"].get("positions", [])]
+           for name, f in (per or {}).items() if isinstance(f, dict) and isinstance(f.get("native_capture"), dict)}
+    return out or None
+
+
 def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: Sequence[Path | str],
-                 engine: str = "local") -> dict[str, Any]:
+                 engine: str = "local", verdicts: Sequence[ScenarioVerdict] | None = None) -> dict[str, Any]:
     """report.json of a records summary: the one report builder (``parity analyze``, ``parity run`` on its own
-    records, the TRL capture). A producer's facts stored under :data:`REPORT_FACTS` join the report."""
+    records, the TRL capture). A producer's facts stored under :data:`REPORT_FACTS` join the report.
+    ``verdicts``: the scenarios as the producer already judged them (:func:`parity.records.verdict.judge` on the
+    same statistics); without, they are judged here."""
     from parity.report.model import SCHEMA_VERSION
     from parity.report.schema import environment
 
     trainer_name = _metadata_value(summary, "trainer_under_test") or _metadata_value(summary, "trainer_name")
-    scenarios = finalize(summary, th, trainer_name=trainer_name)
+    if verdicts is None:
+        verdicts = judge(summary, th, trainer_name=trainer_name, native=_native(_metadata_value(summary, REPORT_FACTS)))
+    scenarios = [v.to_json() for v in verdicts]
     models = _metadata_value(summary, "scenario_models") or {}
     for sc in scenarios:
-        sc["violations"] = [v.to_dict() for v in sc["violations"]]
-        sc["reference_violations"] = [v.to_dict() for v in sc["reference_violations"]]
         if isinstance(models, dict) and sc["name"] in models:
             sc["model"] = models[sc["name"]]
     rollout_dtype = _metadata_value(summary, "dtype") or "unknown"

@@ -201,14 +201,14 @@ def judge_logged(sequences: Sequence[dict[str, Any]], *, thresholds: Thresholds 
     from parity.analyze.shards import batch_summarizer
     from parity.records.accumulators import Summary
     from parity.records.token_columns import Options
-    from parity.records.verdict import finalize
+    from parity.records.verdict import judge
 
     table, dropped = logged_columns(sequences)
     meta = json.loads(table.schema.metadata[b"parity.records"])
     dtype = meta.get("dtype") or "bfloat16"
     th = thresholds or Thresholds.for_dtype(dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16")
     summary = Summary().merge(batch_summarizer(meta, 0, Options(n_listed=th.max_violations_listed))(table))
-    (sc,) = finalize(summary, th, trainer_name=TRAINER_UNDER_TEST)
-    sc["violations"] = [v.to_dict() for v in sc["violations"]]
+    (verdict,) = judge(summary, th, trainer_name=TRAINER_UNDER_TEST)
+    sc = verdict.to_json()
     sc["masked_tokens"] = dropped
     return sc

@@ -1,6 +1,5 @@
-"""Gate thresholds per dtype, the split of a verdict into deciding and reference violations, and
-ci/thresholds.toml. The gates themselves are computed once, on streamed records statistics:
-:func:`parity.records.verdict.evaluate_summary`.
+"""Gate thresholds per dtype and ci/thresholds.toml. The gates themselves are one table:
+:data:`parity.records.gate_table.GATE_TABLE`.
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from parity.core.violation import Violation
 from parity.errors import PathNotFound, UsageError
 
 
@@ -87,26 +85,6 @@ class Thresholds:
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
-
-
-# With a trainer under test the verdict is that trainer's: parity's own estimators' gates are reported
-# beside it as references (facts about replay and recompute at this precision), not as its failure.
-REFERENCE_GATES = (
-    "replay_drift",
-    "recompute_drift",
-    "replay_mean_bias",
-    "recompute_mean_bias",
-    "recompute_support",
-    "naive_vs_sampler_log_s",
-)
-
-
-def split_verdict(violations: list[Violation], *, trainer_under_test: bool) -> tuple[list[Violation], list[Violation]]:
-    """``(deciding, reference)``: the violations that decide the verdict and those reported as references."""
-    if not trainer_under_test:
-        return list(violations), []
-    return ([v for v in violations if v.gate not in REFERENCE_GATES],
-            [v for v in violations if v.gate in REFERENCE_GATES])
 
 
 def recompute_support_limit(frac: float, n: int) -> float:

@@ -1,20 +1,15 @@
-"""The invariance gate and the report's ``determinism`` section.
-
-``invariance_gate`` turns a broken check (:mod:`parity.determinism.checks`) into readable violations
-when invariance is required; ``determinism_section`` puts knobs, both sides' checks and the gate into
-the report.
-"""
+"""The report's ``determinism`` section, and the invariance checks (:mod:`parity.determinism.checks`) through
+the gate table's ``invariance`` entry when invariance is required."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from parity.core.violation import Position, Violation
-from parity.determinism.knobs import ON, UNAVAILABLE, DeterminismState
+from parity.core.gates import Thresholds
+from parity.core.violation import Violation
+from parity.determinism.knobs import ON, DeterminismState
 from parity.errors import UsageError
-
-# -- gate and report section ---------------------------------------------------------------------
+from parity.records.gate_table import GateCase, evaluate
 
 
 def _results(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -22,33 +17,6 @@ def _results(result: dict[str, Any]) -> list[dict[str, Any]]:
     if "checks" in result:
         return [result]
     return [v for v in result.values() if isinstance(v, dict) and "checks" in v]
-
-
-def _describe(c: dict[str, Any]) -> str:
-    d = c.get("max_abs_diff")
-    diff = "n/a" if d is None else f"{d:.3e}"
-    if c.get("kind") == "run_to_run":
-        return (
-            f"determinism: {c['name']}: {c['unique_outputs']} unique outputs from {c['repeats']} identical "
-            f"requests (max |diff| {diff})"
-        )
-    where = (
-        f"batch size {c['batch_size']} (position {c['position']})"
-        if "batch_size" in c
-        else c.get("layout", "")
-    )
-    if c.get("tokens_equal") is False and c.get("first_token_mismatch") is not None:
-        return (
-            f"determinism: {c['name']}: tokens differ from the batch-size-1 reference at completion position "
-            f"{c['first_token_mismatch']} in {where} (max |diff| before it {diff})"
-        )
-    ref = "batch size 1" if c.get("side") == "rollout" else "the sequence alone"
-    extra = (
-        f", {c['records_not_bitwise']} record(s), worst record {c['worst_record']}"
-        if "records_not_bitwise" in c
-        else ""
-    )
-    return f"determinism: {c['name']}: not bitwise equal to {ref} in {where}: max |diff| {diff}{extra}"
 
 
 def invariance_gate(result: dict[str, Any], *, required: bool) -> list[Violation]:
@@ -60,18 +28,7 @@ def invariance_gate(result: dict[str, Any], *, required: bool) -> list[Violation
     """
     if not required:
         return []
-    out = []
-    for res in _results(result):
-        for c in res["checks"]:
-            if c.get("status") == UNAVAILABLE:
-                continue
-            if not c["bitwise"]:
-                d = c.get("max_abs_diff")
-                worst = (Position(prompt=int(c["worst_record"]), note="worst record"),) if c.get("worst_record") is not None else ()
-                out.append(Violation(
-                    "invariance", c["name"], math.inf if d is None else float(d), 0.0,
-                    "max |diff| against the reference layout", worst=worst, detail=_describe(c),
-                ))
+    out = evaluate(GateCase({}, None, Thresholds(), checks=[c for r in _results(result) for c in r["checks"]]), "run")
     if not out and not _results(result):
         raise UsageError(
             "invariance_gate: result has no 'checks' (pass a check_*_invariance result or a dict of them)"

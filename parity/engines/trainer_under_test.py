@@ -26,7 +26,7 @@ from parity.core import estimators
 from parity.core.spec import SamplingSpec
 from parity.errors import UsageError
 from parity.records.batch import right_pad
-from parity.records.verdict import BUGS
+from parity.records.diagnosis import BUGS
 
 
 @dataclass

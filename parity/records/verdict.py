@@ -19,23 +19,22 @@ A gate whose inputs are missing is listed with the input it lacks (``not_evaluat
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 # No torch at import: records without --model are judged with numpy alone. torch is imported where a
 # rule's one home computes on tensors (the top_p bracket, replay from kept logits).
 from parity.core.error_model import (
-    NEARLY_ALL_NEGATIVE,
     SUPPORT_MASS_TOL,
     log_s_signature,
     mean_bias_entry,
     ratio_bias_entry,
 )
-from parity.core.gates import Thresholds, recompute_support_limit, split_verdict
+from parity.core.gates import Thresholds
 from parity.core.spec import SamplingSpec
-from parity.core.violation import Position, Violation
+from parity.core.violation import Violation
 from parity.records.accumulators import (
     HEAD_BINS,
     HEAD_LO,
@@ -46,6 +45,11 @@ from parity.records.accumulators import (
     Summary,
     _na_ratios,
 )
+from parity.records.diagnosis import diagnosis_text, logprob_bias_class
+from parity.records.gate_table import CAPTURE_LIMIT_FIX, GATE_TABLE, GateCase, evaluate, split_verdict
+
+if TYPE_CHECKING:
+    from parity.report.model import ScenarioVerdict
 from parity.records.steps import (
     COMPARISONS,
     REPORT_NAMES,
@@ -56,22 +60,10 @@ from parity.records.steps import (
     drift_trend,
 )
 
-# What each gate reads (inputs named as in REASONS), in parity.core.gates' order.
+# What each records gate reads (inputs named as in REASONS), in the gate table's order (drift_trend aside:
+# its inputs are the steps, judged by _step_view).
 GATE_INPUTS: dict[str, tuple[str, ...]] = {
-    "replay_drift": ("replay", "bound"),
-    "recompute_drift": ("recompute", "bound"),
-    "replay_mean_bias": ("replay", "bound"),
-    "recompute_mean_bias": ("recompute", "bound"),
-    "trainer_under_test_drift": ("user", "bound"),
-    "trainer_under_test_mean_bias": ("user", "bound"),
-    "logprob_mean_bias": ("user",),
-    "trainer_support": ("user",),
-    "naive_vs_sampler_log_s": ("full", "bound", "bound_full", "sampler_log_s"),
-    "replay_support": ("kept",),
-    "recompute_support": ("recompute_support",),
-    "incomplete_capture": ("kept",),
-    "sampled_outside": ("kept",),
-    "token_mismatch": (),
+    g.name: g.needs for g in GATE_TABLE if g.scope == "records" and g.name != TREND_GATE
 }
 GATES = tuple(GATE_INPUTS)
 # Gates of a trainer under test (the records' trainer_logprobs): where the records hold none they do not apply.
@@ -111,32 +103,6 @@ assert set(REASONS) == set(INPUTS)
 # ==================================================================================================
 # the report entries and the verdicts
 # ==================================================================================================
-
-
-# The bug classes a trainer's log-probs are checked for, and how each is described. A view is the
-# trainer-side log-prob with a set of these bugs applied
-# (:func:`parity.engines.trainer_under_test.reference_views`); the diagnosis names the smallest set whose
-# view the trainer matches, so two bugs at once are named together.
-BUGS: dict[str, str] = {
-    "full_vocabulary": "it scores the full-vocabulary distribution while the sampler truncates (bias log S per "
-    "token; use replay over the captured kept set or recompute the filters)",
-    "forgets_temperature": "it forgets to divide the logits by the sampling temperature",
-    "off_by_one": "it reads each token's log-prob one position late (logits and labels not shifted against "
-    "each other)",
-}
-
-
-def diagnosis_text(close: Mapping[frozenset[str], bool], max_abs_diff: float, mean_diff: float) -> str:
-    """The diagnosis from which views the trainer matches (``close``: within the per-token bound everywhere
-    the view is known and its mean within the mean-bias limit; the empty set is the sampler's values).
-    Sets of fewer bugs are tried first."""
-    if close.get(frozenset()):
-        return "matches the sampler's processed log-probs"
-    for bugs in sorted((b for b, ok in close.items() if b and ok), key=lambda b: (len(b), sorted(b))):
-        ordered = [b for b in BUGS if b in bugs]
-        lead = "two bugs at once: " if len(ordered) == 2 else "three bugs at once: " if len(ordered) == 3 else ""
-        return lead + "; ".join(BUGS[b] for b in ordered)
-    return f"unexplained drift: max |diff| {max_abs_diff:.3g}, mean {mean_diff:.3g}"
 
 
 def _diagnosis(a: ScenarioAcc, mean_limit: float, logprob: Mapping[str, Any] | None = None) -> str:
@@ -193,25 +159,6 @@ def _logprob_entry(a: ScenarioAcc) -> dict[str, Any] | None:
                stated={"vocab_size": a.vocab_size or None, "sampler_dtype": sampler_dtype or None,
                        "trainer_dtype": trainer_dtype or None})
     return out
-
-
-def logprob_bias_class(m: Mapping[str, Any], limit: float) -> str:
-    """The bug class of a failed two-column mean-bias gate, named without the model: a full-vocabulary
-    (log S) trainer when the bias sits in the log S range and nearly every token is negative."""
-    mean, neg = m["mean"], m["negative_frac"]
-    lo, hi = m["log_s_range"]
-    within = mean < 0 and lo - limit <= mean <= hi + limit
-    where = f"log S range [{lo:.3g}, {hi:.3g}] from {m['log_s_range_from']}"
-    if within and neg >= NEARLY_ALL_NEGATIVE:
-        return (f"a full-vocabulary (log S) trainer: the bias {mean:.3g} lies in the {where} and {neg:.1%} of tokens "
-                f"are negative; " + BUGS["full_vocabulary"])
-    if within:
-        return (f"consistent with a full-vocabulary (log S) trainer: the bias {mean:.3g} lies in the {where}, but only "
-                f"{neg:.1%} of tokens are negative (without the model another bias that lowers every token reads the "
-                f"same)")
-    side = "more" if mean > 0 else "less"
-    return (f"a per-token bias of {mean:.3g} that log S does not explain (outside the {where}): the trainer gives the "
-            f"sampled tokens {side} probability than the sampler ({neg:.1%} of tokens negative)")
 
 
 def _scenario_report(a: ScenarioAcc, name: str) -> dict[str, Any]:
@@ -430,169 +377,10 @@ def _step_view(
     return entries, trend, trend.reason
 
 
-def _over(value: float, limit: float) -> bool:
-    return not (value <= limit)  # NaN fails
-
-
-def _scaled(ps: tuple[Position, ...], factor: float) -> tuple[Position, ...]:
-    from dataclasses import replace
-
-    return tuple(replace(p, bound=None if p.bound is None else p.bound * factor) for p in ps)
-
-
 def evaluate_summary(sc: dict[str, Any], a: ScenarioAcc, th: Thresholds) -> list[Violation]:
-    """Every gate, on a scenario's streamed statistics (thresholds: :class:`parity.core.gates.Thresholds`), and on a training
-    log ``drift_trend`` (:func:`trend_violation`).
-
-    ``sc``: the entry of :func:`_scenario_report` (its ``not_evaluated`` gates are left out).
-    """
-    out: list[Violation] = []
-    skip = {g["gate"] for g in sc["not_evaluated"]}
-    scenario, n = sc["name"], th.max_violations_listed
-    head, limits = sc["headroom"], sc["mean_bias_limit"]
-
-    def key(stream: str) -> str:
-        return "trainer_under_test" if stream == "user" else stream
-
-    def drift_gate(gate: str, label: str, stream: str) -> None:
-        if gate in skip:
-            return
-        stat = head[key(stream)]
-        if _over(stat, th.max_headroom):
-            worst = _scaled(a.bounds[stream].worst.positions(n), th.max_headroom)
-            out.append(Violation(gate, scenario, stat, th.max_headroom, f"{label} max |diff| / bound", worst=worst))
-
-    def mean_gate(gate: str, label: str, stream: str) -> None:
-        if gate in skip:
-            return
-        bs = a.bounds[stream]
-        bias = bs.mean if bs.n else 0.0
-        allowed = th.mean_bias_headroom * limits[key(stream)]
-        if _over(abs(bias), allowed):
-            out.append(Violation(gate, scenario, abs(bias), allowed, f"{label} |mean bias|",
-                                 detail=f"mean(trainer - vllm) = {bias:.3g} over {bs.n} tokens"))
-
-    drift_gate("replay_drift", "replay", "replay")
-    drift_gate("recompute_drift", "recompute", "recompute")
-    mean_gate("replay_mean_bias", "replay", "replay")
-    mean_gate("recompute_mean_bias", "recompute", "recompute")
-    if "trainer_under_test" in sc:
-        ut = sc["trainer_under_test"]
-        label = f"trainer {ut['name']!r} ({ut['diagnosis']})"
-        drift_gate("trainer_under_test_drift", label, "user")
-        mean_gate("trainer_under_test_mean_bias", label, "user")
-        logprob_gates(sc, a, th, out, skip)
-    naive_h = head.get("naive_vs_sampler_log_s")
-    if "naive_vs_sampler_log_s" not in skip and naive_h is not None and _over(naive_h, th.max_headroom):
-        source = sc["sampler_log_s"]["source"]
-        out.append(Violation(
-            "naive_vs_sampler_log_s", scenario, naive_h, th.max_headroom,
-            "naive bias outside the sampler-side log S, max gap / bound",
-            detail=f"log S from the sampler's {source.replace('_', ' ')}",
-            worst=_scaled(a.bounds["naive"].worst.positions(n), th.max_headroom),
-        ))
-    frac = sc["replay"]["support_equal_frac"]
-    if "replay_support" not in skip and _over(th.replay_support_equal_frac, frac):
-        out.append(Violation(
-            "replay_support", scenario, frac, th.replay_support_equal_frac, "replay support equality", "<",
-            worst=a.first["replay_support"].positions(n),
-            detail="captured S_q is not the sampler's whole support (mass != 1 or the sampled token missing)",
-        ))
-    frac = sc["recompute"]["support_equal_frac"]
-    limit = recompute_support_limit(th.recompute_support_equal_frac, a.recompute_n)
-    if "recompute_support" not in skip and _over(limit, frac):
-        out.append(Violation(
-            "recompute_support", scenario, frac, limit, "recompute support equality", "<",
-            worst=a.first["recompute_support"].positions(n), detail="trainer-side filters keep a different set",
-        ))
-    inc, tokens = sc["incomplete_positions"], sc["tokens"]
-    # Opt-in (max_incomplete_frac < 1): by default an unproven position is a limit of the capture, reported
-    # in capture_limit and left out of the kept-set gates, not a fault of either side.
-    if "incomplete_capture" not in skip and tokens and _over(inc / tokens, th.max_incomplete_frac):
-        out.append(Violation(
-            "incomplete_capture", scenario, inc / tokens, th.max_incomplete_frac, "incomplete capture fraction",
-            worst=a.first["incomplete"].positions(n), detail=f"{inc} of {tokens} positions: {CAPTURE_LIMIT_FIX}",
-        ))
-    outside = sc["sampled_outside_support"]
-    if "sampled_outside" not in skip and _over(outside, th.max_sampled_outside):
-        out.append(Violation(
-            "sampled_outside", scenario, outside, th.max_sampled_outside, "sampled tokens outside the captured S_q",
-            worst=a.first["sampled_outside"].positions(n),
-            detail="the engine reports a sampled token that its own kept set does not hold",
-        ))
-    trend_violation(sc, out, skip)
-    mismatch = sc["token_mismatch"]
-    if _over(mismatch, th.max_token_mismatch):
-        out.append(Violation(
-            "token_mismatch", scenario, mismatch, th.max_token_mismatch, "trainer scored other tokens than sampled",
-            worst=a.first["token_mismatch"].positions(n),
-            detail="the trainer's token ids are not the sampler's (an off-by-one or a re-tokenisation)",
-        ))
-    return out
-
-
-def logprob_gates(sc: dict[str, Any], a: ScenarioAcc, th: Thresholds, out: list[Violation], skip: set[str]) -> None:
-    """The gates of the two log-prob columns alone: ``logprob_mean_bias`` (the log of the mean IS ratio
-    against its resolution) and ``trainer_support`` (sampled tokens the trainer gives no probability)."""
-    ut, m = sc["trainer_under_test"], sc["mean_bias"].get("logprob")
-    who = f"trainer {ut['name']!r}"
-    if "logprob_mean_bias" not in skip and m is not None:
-        allowed = th.mean_bias_headroom * m["limit"]
-        sign = m["sign_test"]
-        if sign["failed"] and not _over(abs(m["mean"]), allowed):
-            out.append(Violation(
-                "logprob_mean_bias", sc["name"], sign["negative_share"], sign["limit"],
-                f"{who} share of tokens below their systematic allowance",
-                detail=(f"{logprob_bias_class(m, allowed)}. {sign['beyond_allowance']} of {m['tokens']} tokens lie "
-                        f"beyond their systematic allowance, {sign['negative_share']:.1%} of them negative where an "
-                        f"honest drift of spread {m['spread_sd']:.3g} gives {sign['honest_share']:.1%} "
-                        f"({sign['z']:.1f} standard errors); the mean alone (log mean IS ratio {m['mean']:.3g}, "
-                        f"resolution {allowed:.3g}) could not tell"),
-            ))
-        elif _over(abs(m["mean"]), allowed):
-            out.append(Violation(
-                "logprob_mean_bias", sc["name"], abs(m["mean"]), allowed, f"{who} |log mean IS ratio|",
-                detail=(f"{logprob_bias_class(m, allowed)}. mean(trainer - sampler) = {m['mean_diff']:.3g}, log mean "
-                        f"exp(trainer - sampler) = {m['mean']:.3g} over {m['tokens']} tokens in {m['sequences']} "
-                        f"sequences; resolution {allowed:.3g} = systematic {m['systematic']:.3g} + "
-                        f"{m['statistical']:.3g} ({m['standard_error_from']})"),
-            ))
-    r = a.ratio
-    bad = r.outside + r.nonfinite
-    if "trainer_support" not in skip and _over(bad, th.max_trainer_support_failures):
-        extra = f"; {r.nonfinite} other non-finite pair(s) (NaN, +inf or a sampler -inf)" if r.nonfinite else ""
-        out.append(Violation(
-            "trainer_support", sc["name"], bad, th.max_trainer_support_failures, f"{who}: sampled tokens without a finite log-prob",
-            worst=a.first["trainer_support"].positions(th.max_violations_listed),
-            detail=f"sampled token outside the trainer's support: {r.outside} tokens (trainer -inf, sampler finite){extra}",
-        ))
-
-
-def trend_violation(sc: dict[str, Any], out: list[Violation], skip: set[str]) -> None:
-    """``drift_trend``: the verdict :func:`parity.records.steps.drift_trend` gave, as a violation naming the
-    first step above the band of the first steps."""
-    tr = sc.get("trend")
-    if TREND_GATE in skip or not tr or not tr["evaluated"] or tr["passed"]:
-        return
-    who = tr["comparison"]
-    if who == "trainer_under_test":
-        who = f"trainer {sc['trainer_under_test']['name']!r}"
-    by_step = {e["step"]: e for e in sc["per_step"]}
-    s = tr["first_step_outside"]
-    at = by_step.get(s, {}).get("mean_abs_diff", NA)
-    if tr["slope"] is None:  # a step's mean |diff| is not finite
-        out.append(Violation(TREND_GATE, sc["name"], math.inf, 0.0, f"{who} mean |diff| per step",
-                             detail=f"{tr['reason']}: drift left every band at step {s}"))
-        return
-    first, last = by_step[tr["first_step"]]["mean_abs_diff"], by_step[tr["last_step"]]["mean_abs_diff"]
-    base = ", ".join(str(x) for x in tr["baseline_steps"])
-    out.append(Violation(
-        TREND_GATE, sc["name"], tr["slope"], tr["limit"], f"{who} slope of mean |diff| per step",
-        detail=(f"mean |diff| {first:.3g} at step {tr['first_step']} -> {last:.3g} at step {tr['last_step']} over "
-                f"{tr['steps']} steps, slope {tr['slope']:.3g} ± {tr['slope_se']:.3g} per step (limit {tr['z']:g} "
-                f"standard errors); first left the band {tr['baseline_mean']:.3g} ± {tr['band_k']:g} × "
-                f"{tr['noise']:.3g} of steps {base} at step {s} (mean |diff| {at:.3g})"),
-    ))
+    """Every records gate of the table on a scenario's streamed statistics; ``sc``: the entry of
+    :func:`_scenario_report` (its ``not_evaluated`` gates are left out)."""
+    return evaluate(GateCase(sc, a, th, skip=frozenset(g["gate"] for g in sc["not_evaluated"])))
 
 
 def drift_headroom_hist(a: ScenarioAcc) -> dict[str, Any]:
@@ -604,10 +392,6 @@ def drift_headroom_hist(a: ScenarioAcc) -> dict[str, Any]:
             h = a.bounds[k].hist
             out[k] = [[int(i), int(h[i])] for i in np.flatnonzero(h)]
     return out
-
-
-CAPTURE_LIMIT_FIX = ("their kept set was not proven complete; run without --max-capture-head (the offline engine "
-                     "then reads every kept set from its sampler) or raise it (or the scenario's max_capture_head)")
 
 
 def capture_limit_line(sc: Mapping[str, Any]) -> str | None:
@@ -628,10 +412,14 @@ def no_verdict_line(sc: Mapping[str, Any], judged: bool) -> str:
     return f"{head} on {sc['name']!r}: the records lack trainer_logprobs{which}; add " + MEAN_GATE_SUPPLY
 
 
-def finalize(
-    summary: Summary, th: Thresholds, *, trainer_name: str | None = None
-) -> list[dict[str, Any]]:
-    """Per-scenario report entries with verdicts (``violations``: :class:`Violation` objects)."""
+def judge(
+    summary: Summary, th: Thresholds, *, trainer_name: str | None = None,
+    native: Mapping[str, Sequence[tuple[int, int]]] | None = None,
+) -> list[ScenarioVerdict]:
+    """The one way from per-token statistics to verdicts: each scenario of ``summary`` through every gate of
+    the table (``native``: per scenario, the positions where vLLM's native mask and the top-K capture differ)."""
+    from parity.report.model import ScenarioVerdict
+
     accs = sorted(summary.groups.values(), key=lambda a: a.first_order)
     names = [a.name for a in accs]
     out = []
@@ -641,6 +429,8 @@ def finalize(
         if "trainer_under_test" in sc:
             sc["trainer_under_test"]["name"] = trainer_name or "trainer"
         violations = evaluate_summary(sc, a, th)
+        if native is not None and name in native:
+            violations += evaluate(GateCase(sc, a, th, native=native[name]), scope="native")
         skipped = {g["gate"] for g in sc["not_evaluated"]}
         evaluated = [g for g in GATES if g not in skipped and ("trainer_under_test" in sc or g not in USER_GATES)]
         if sc["trend"] is not None and sc["trend"]["evaluated"]:
@@ -662,5 +452,6 @@ def finalize(
         sc["violations"] = violations
         sc["reference_violations"] = reference
         sc["drift_headroom"] = drift_headroom_hist(a)
-        out.append(sc)
+        sc["spec"] = SamplingSpec(**sc["spec"])
+        out.append(ScenarioVerdict(**sc))
     return out

@@ -1,4 +1,4 @@
-"""report.json as types: :class:`Report`, its :class:`Scenario` entries and its :class:`Environment`.
+"""report.json as types: :class:`Report`, its :class:`ScenarioVerdict` entries and its :class:`Environment`.
 
 Every producer's report passes through :meth:`Report.from_json` before it is written, so a key that
 these types do not name is an error, not a silent extra; CI code reads a report with
@@ -13,11 +13,34 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from parity.core.spec import SamplingSpec
 from parity.core.violation import Position, Violation
 from parity.errors import UsageError
+from parity.report.blocks import (
+    Bound,
+    Diff,
+    DriftHeadroom,
+    DriftSplit,
+    Dtypes,
+    IsRatio,
+    JsonObject,
+    LogS,
+    MeanBiasEntries,
+    MeanMax,
+    Naive,
+    NativeCapture,
+    NotEvaluated,
+    PerEstimator,
+    Records,
+    RoundingBound,
+    SamplerLogS,
+    StepJson,
+    TrainerUnderTest,
+    TrendJson,
+    TrlFacts,
+)
 
 # report.json's layout version (3: the verdict "none" and no_verdict; README, reading a report).
 SCHEMA_VERSION = 3
@@ -26,7 +49,6 @@ if TYPE_CHECKING:
     from parity.core.capture import CaptureStats  # imports torch: loaded where a capture plan is read
 
 T = TypeVar("T")
-Block = dict[str, Any]  # a statistics block of the schema
 
 
 def _float(x: Any) -> float:
@@ -88,11 +110,11 @@ class Environment:
     device: str
     dtype: str
     trainer_dtype: str
-    determinism: Block
-    analysis_machine: Block | None = None
+    determinism: JsonObject
+    analysis_machine: JsonObject | None = None
     sampler: str | None = None
     sampler_version: str | None = None
-    batch_invariant_mode: Block | None = None  # parity run: what the batch-invariance knobs did
+    batch_invariant_mode: JsonObject | None = None  # parity run: what the batch-invariance knobs did
     trl: str | None = None  # the TRL capture: TRL's version
 
     @classmethod
@@ -104,7 +126,7 @@ class Environment:
 
 
 @dataclass
-class Scenario:
+class ScenarioVerdict:
     """One scenario's entry: what was compared, every statistic, the verdict and its violations."""
 
     name: str
@@ -112,52 +134,52 @@ class Scenario:
     tokens: int
     compared_tokens: int
     sequences: int
-    log_s: Block
-    naive: Block
-    replay: Block
-    recompute: Block
-    is_ratio: Block
-    kl_over_support: Block
-    tv_over_support: Block
+    log_s: LogS
+    naive: Naive
+    replay: Diff
+    recompute: Diff
+    is_ratio: IsRatio
+    kl_over_support: MeanMax
+    tv_over_support: MeanMax
     incomplete_positions: int
     sampled_outside_support: int
     token_mismatch: int
-    headroom: Block
-    mean_bias_limit: Block
-    mean_bias: Block
-    bound: Block | None
-    sampler_log_s: Block
-    drift_split: Block
+    headroom: PerEstimator
+    mean_bias_limit: PerEstimator
+    mean_bias: MeanBiasEntries
+    bound: Bound | None
+    sampler_log_s: SamplerLogS
+    drift_split: DriftSplit
     captured_positions: int
     max_support_size: int | None
     mean_support_size: float | None
     kept_mass_off_positions: int
-    per_step: list[Block]
-    trend: Block | None
-    not_evaluated: list[Block]
+    per_step: list[StepJson]
+    trend: TrendJson | None
+    not_evaluated: list[NotEvaluated]
     input_notes: list[str]
-    lacking_inputs: Block
-    drift_headroom: Block
+    lacking_inputs: dict[str, int]
+    drift_headroom: DriftHeadroom
     gates_evaluated: list[str]
-    verdict: str
+    verdict: Literal["pass", "fail", "none"]
     violations: list[Violation]
     reference_violations: list[Violation]
-    trainer_under_test: Block | None = None
-    mean_bias_evaluated: bool = True  # a mean-bias gate was evaluated (without one the verdict is incomplete)
-    no_verdict: str | None = None  # why not: what the records lack and what supplies it
-    capture_limit: str | None = None  # positions the capture left unproven (not evaluated, not a FAIL), and the fix
+    mean_bias_evaluated: bool  # a mean-bias gate was evaluated (without one the verdict is incomplete)
+    no_verdict: str | None  # why not: what the records lack and what supplies it
+    capture_limit: str | None  # positions the capture left unproven (not evaluated, not a FAIL), and the fix
+    trainer_under_test: TrainerUnderTest | None = None
     # What the producer adds (parity.analyze.report.REPORT_FACTS): the model, the capture, dtypes, the RL view.
     model: str | None = None
     capture_plan: CaptureStats | None = None
-    dtypes: Block | None = None
-    rl_view: Block | None = None
-    native_capture: Block | None = None
+    dtypes: Dtypes | None = None
+    rl_view: JsonObject | None = None
+    native_capture: NativeCapture | None = None
     masked_tokens: int | None = None  # the TRL capture: tokens its completion mask dropped
-    rounding_bound: Block | None = None  # the TRL capture: the sampler dtype's own per-token bound
-    trl: Block | None = None  # the TRL capture: its importance-sampling mode, fix and step
+    rounding_bound: RoundingBound | None = None  # the TRL capture: the sampler dtype's own per-token bound
+    trl: TrlFacts | None = None  # the TRL capture: its importance-sampling mode, fix and step
 
     @classmethod
-    def from_json(cls, data: Any) -> Scenario:
+    def from_json(cls, data: Any) -> ScenarioVerdict:
         d = _fields(cls, data, f"report.json scenario {data.get('name') if isinstance(data, dict) else '?'}")
         d["spec"] = SamplingSpec(**d["spec"])
         d["violations"] = [violation_from_json(v) for v in d["violations"]]
@@ -179,20 +201,20 @@ class Report:
     schema_version: int
     source: str
     environment: Environment
-    config: Block
-    records: Block
+    config: JsonObject
+    records: Records
     warnings: list[str]
-    scenarios: list[Scenario]
+    scenarios: list[ScenarioVerdict]
     passed: bool
     complete: bool
-    not_evaluated: list[Block]
-    verdict: str = "pass"  # pass, fail, or none (nothing failed, but a scenario had no mean-bias gate)
+    not_evaluated: list[NotEvaluated]
+    verdict: Literal["pass", "fail", "none"] = "pass"  # pass, fail, or none (nothing failed, but a scenario had no mean-bias gate)
     no_verdict: list[str] = field(default_factory=list)
-    timings: Block = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
     plots: list[str] | None = None
-    determinism: Block | None = None  # parity run --invariance: the invariance checks
-    matrix_pair_coverage: Block | None = None
-    rl_view: Block | None = None  # the RL catalogue the scenarios' rl_view entries refer to
+    determinism: JsonObject | None = None  # parity run --invariance: the invariance checks
+    matrix_pair_coverage: JsonObject | None = None
+    rl_view: JsonObject | None = None  # the RL catalogue the scenarios' rl_view entries refer to
 
     @classmethod
     def from_json(cls, data: Any) -> Report:
@@ -200,13 +222,13 @@ class Report:
         if d["schema_version"] != SCHEMA_VERSION:
             raise UsageError(f"report.json schema_version {d['schema_version']!r}: this parity reads {SCHEMA_VERSION}")
         d["environment"] = Environment.from_json(d["environment"])
-        d["scenarios"] = [Scenario.from_json(s) for s in d["scenarios"]]
+        d["scenarios"] = [ScenarioVerdict.from_json(s) for s in d["scenarios"]]
         return cls(**d)
 
     def to_json(self) -> dict[str, Any]:
         return _to_json(self)
 
-    def scenario(self, name: str) -> Scenario:
+    def scenario(self, name: str) -> ScenarioVerdict:
         for s in self.scenarios:
             if s.name == name:
                 return s

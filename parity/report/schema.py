@@ -15,6 +15,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from parity.core.violation import Violation
+from parity.report.blocks import JsonObject, schema_of
 from parity.report.markdown import render_markdown
 from parity.report.model import SCHEMA_VERSION, Report
 from parity.report.plots import write_plots
@@ -75,7 +77,7 @@ def json_safe(obj: Any) -> Any:
 
 
 # A violation object (parity.core.violation.Violation.to_dict), schema_version 2.
-VIOLATION_SCHEMA: dict[str, Any] = {
+VIOLATION_SCHEMA: JsonObject = {
     "type": "object",
     "required": ["gate", "scenario", "statistic", "limit", "label", "comparison", "worst", "message"],
     "properties": {
@@ -92,96 +94,19 @@ VIOLATION_SCHEMA: dict[str, Any] = {
 }
 
 
-def report_schema() -> dict[str, Any]:
-    """JSON Schema of report.json, schema_version 2 (violations became objects; see VIOLATION_SCHEMA)."""
-    num = {"type": ["number", "string"]}
-    diff: dict[str, Any] = {
-        "type": "object",
-        "required": ["max_abs_diff", "mean_diff", "p99_abs_diff", "support_equal_frac"],
-        "properties": {k: num for k in ("max_abs_diff", "mean_diff", "p99_abs_diff", "support_equal_frac")},
-    }
-    scenario = {
-        "type": "object",
-        "required": [
-            "name", "spec", "tokens", "log_s", "naive", "replay", "recompute", "is_ratio",
-            "incomplete_positions", "verdict", "violations",
-        ],
-        "properties": {
-            "name": {"type": "string"},
-            "spec": {
-                "type": "object",
-                "required": ["temperature", "top_k", "top_p", "min_p"],
-                "properties": {"temperature": num, "top_k": {"type": "integer"}, "top_p": num, "min_p": num},
-            },
-            "tokens": {"type": "integer", "minimum": 0},
-            "log_s": {"type": "object", "required": ["mean", "min"], "properties": {"mean": num, "min": num}},
-            "naive": {"type": "object", "required": ["bias_mean", "max_abs_gap_to_log_s"]},
-            "replay": diff,
-            "recompute": {**diff, "required": diff["required"] + ["forced_includes"]},
-            "is_ratio": {"type": "object"},
-            "incomplete_positions": {"type": "integer", "minimum": 0},
-            "verdict": {"enum": ["pass", "fail", "none"]},
-            "mean_bias_evaluated": {"type": "boolean"},
-            "no_verdict": {"type": ["string", "null"]},
-            "capture_limit": {"type": ["string", "null"]},
-            "violations": {"type": "array", "items": VIOLATION_SCHEMA},
-            # With a trainer under test: parity's own estimators' violations, reported beside its verdict.
-            "reference_violations": {"type": "array", "items": VIOLATION_SCHEMA},
-            # Per mean gate: the mean, its limit (the verdict's resolution) split into systematic and
-            # statistical parts (parity.core.error_model.mean_bias_entry); null where not evaluated.
-            "mean_bias": {
-                "type": "object",
-                "additionalProperties": {
-                    "anyOf": [
-                        {"type": "null"},
-                        {"type": "object",
-                         "required": ["mean", "limit", "systematic", "statistical", "spread_sd", "tokens"],
-                         "properties": {k: num for k in ("mean", "limit", "systematic", "statistical", "spread_sd")}},
-                    ],
-                },
-            },
-            # Per trainer, each framework's metric and each IS-correction method (parity.core.rl).
-            "rl_view": {"type": "object", "additionalProperties": {"type": "object", "required": ["metrics", "methods"]}},
-            # parity analyze on a training log (a step column): per step, and the trend drift_trend gates
-            # (parity.records.steps.StepEntry and DriftTrend).
-            "per_step": {"type": "array", "items": {
-                "type": "object",
-                "required": ["step", "tokens", "mean_bias", "mean_abs_diff", "max_headroom", "support_equal_frac"],
-                "properties": {"step": {"type": "integer"}, "tokens": {"type": "integer", "minimum": 0},
-                               "mean_bias": num, "mean_abs_diff": num, "max_headroom": {"type": ["number", "string", "null"]},
-                               "support_equal_frac": num, "by_comparison": {"type": "object"}},
-            }},
-            # The drift plot's histogram of log10(|diff| / bound) (parity.records.verdict.drift_headroom_hist).
-            "drift_headroom": {"type": "object", "required": ["log10_lo", "bin_width", "bins"], "properties": {
-                "log10_lo": {"type": "number"}, "bin_width": {"type": "number"}, "bins": {"type": "integer"},
-                **{k: {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 2,
-                                                     "maxItems": 2}} for k in ("replay", "recompute")}}},
-            "trend": {"type": ["object", "null"], "required": [
-                "comparison", "steps", "slope", "slope_se", "limit", "baseline_steps", "band_lo", "band_hi",
-                "first_step_outside", "evaluated", "passed"]},
-        },
-    }
-    return {
-        "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "type": "object",
-        "required": ["schema_version", "environment", "scenarios", "passed"],
-        "properties": {
-            "schema_version": {"const": SCHEMA_VERSION},
-            "environment": {"type": "object", "required": ["vllm", "torch", "transformers", "device", "dtype", "determinism"]},
-            "scenarios": {"type": "array", "items": scenario},
-            "passed": {"type": "boolean"},
-            # pass, fail, or none: nothing failed but a scenario had no mean-bias gate (exit 4)
-            "verdict": {"enum": ["pass", "fail", "none"]},
-            "no_verdict": {"type": "array", "items": {"type": "string"}},
-            # parity analyze: passed covers the gates evaluated; complete says whether that was every gate.
-            "complete": {"type": "boolean"},
-            "not_evaluated": {
-                "type": "array",
-                "items": {"type": "object", "required": ["gate", "reason", "scenarios"]},
-            },
-            "warnings": {"type": "array", "items": {"type": "string"}},
-        },
-    }
+class _CapturePlan:
+    """report.json's ``capture_plan``: :class:`parity.core.capture.CaptureStats` (its own to_dict)."""
+
+
+def report_schema() -> JsonObject:
+    """JSON Schema of report.json, generated from its types (:mod:`parity.report.model`,
+    :mod:`parity.report.blocks`); violations: :data:`VIOLATION_SCHEMA`."""
+    fixed: dict[object, JsonObject] = {Violation: VIOLATION_SCHEMA, _CapturePlan: {"type": "object"}}
+    out = schema_of(Report, fixed, localns={"CaptureStats": _CapturePlan})
+    properties = out["properties"]
+    assert isinstance(properties, dict)
+    properties["schema_version"] = {"const": SCHEMA_VERSION}
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **out}
 
 
 def write_report(report: dict[str, Any], out: Path, *, plots: bool = True) -> None:

@@ -54,9 +54,9 @@ def check_trainer(
     res = score_scenario(rollout, trainer, sc, cfg)
     # Only the trainer-under-test gate speaks for the user's function; the harness's own estimators
     # are reported but do not fail the user's test.
-    mine = [v for v in res.violations if v.gate.startswith("trainer_under_test")]
-    harness = [v for v in res.violations if v not in mine] + list(res.reference_violations)
-    return {**res.summary, "violations": mine, "harness_violations": harness}
+    mine = [v for v in res.verdict.violations if v.gate.startswith("trainer_under_test")]
+    harness = [v for v in res.verdict.violations if v not in mine] + list(res.verdict.reference_violations)
+    return {**res.verdict.to_json(), "violations": mine, "harness_violations": harness}
 
 
 def assert_trainer_parity(fn: TrainerFn | str, *, spec: SamplingSpec, **kwargs: Any) -> dict[str, Any]:

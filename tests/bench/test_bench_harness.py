@@ -97,7 +97,7 @@ def run_e2e_case(report: Any, timer: Callable[..., Any], rollout: Any, trainer: 
         warmup_rounds=WARMUP,
     )
     res = pair.result
-    assert not res.violations, res.violations
+    assert not res.verdict.violations, res.verdict.violations
     tokens = tokens_compared(res)
     report.table("harness", TITLE, "what", INTRO).put(
         f"end to end, {E2E_MODEL}",

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from parity.analyze import analyze
-from parity.core.gates import REFERENCE_GATES
 from parity.core.matrix import Matrix, Scenario
 from parity.core.spec import SamplingSpec
 from parity.engines.session import EnginePool
 from parity.engines.trainer_under_test import builtin_replay
+from parity.records.gate_table import REFERENCE_GATES
 from parity.run import RunConfig, run
 
 pytestmark = pytest.mark.e2e

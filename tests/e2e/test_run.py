@@ -150,9 +150,9 @@ def test_planted_faults_fail_the_gates(pool, fault, gate) -> None:
     raw = pool.raw(MODEL, cfg, lambda s: None)
     sc = Scenario("planted", SamplingSpec(temperature=0.7, top_k=20, top_p=0.9), prompts=4, max_tokens=8)
     res = score_scenario(rollout, trainer, sc, cfg, raw)
-    assert gate in {v.gate for v in res.violations}, [str(v) for v in res.violations]
+    assert gate in {v.gate for v in res.verdict.violations}, [str(v) for v in res.verdict.violations]
     clean = score_scenario(rollout, trainer, sc, RunConfig(model=MODEL), raw)
-    assert clean.violations == []
+    assert clean.verdict.violations == []
 
 
 def test_a_fault_at_a_tenth_of_the_bound_passes_on_the_real_engine(pool) -> None:
@@ -160,7 +160,7 @@ def test_a_fault_at_a_tenth_of_the_bound_passes_on_the_real_engine(pool) -> None
     rollout, trainer = pool.get(MODEL, cfg, lambda s: None)
     sc = Scenario("tenth", SamplingSpec(temperature=0.7, top_k=20, top_p=0.9), prompts=4, max_tokens=8)
     res = score_scenario(rollout, trainer, sc, cfg, pool.raw(MODEL, cfg, lambda s: None))
-    assert res.violations == [], [str(v) for v in res.violations]
+    assert res.verdict.violations == [], [str(v) for v in res.verdict.violations]
 
 
 def test_mismatched_tokenizer_is_an_error_before_comparison(pool, tmp_path) -> None:
@@ -207,7 +207,7 @@ def test_strict_thresholds_fail_and_name_the_token(pool) -> None:
     cfg = RunConfig(model=MODEL, thresholds=Thresholds(max_headroom=0.0))
     rollout, trainer = pool.get(MODEL, cfg, lambda s: None)
     res = score_scenario(rollout, trainer, Scenario("strict", SamplingSpec(1.0, 0, 0.9, 0.0), prompts=4, max_tokens=8), cfg)
-    v = next(v for v in res.violations if v.gate == "replay_drift")
+    v = next(v for v in res.verdict.violations if v.gate == "replay_drift")
     assert v.worst and v.worst[0].values["vllm"] != v.worst[0].values["trainer_replay"]
     line = v.message()
     assert "prompt " in line and "position " in line and "token " in line and "gap=" in line and "bound=" in line

@@ -47,14 +47,14 @@ SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[Healt
 @given(model=st.sampled_from(MODELS), spec=engine_specs(VOCAB))
 def test_no_gate_fails_on_a_correct_trainer_at_any_spec(pool, model, spec) -> None:
     res = _score(pool, model, spec)
-    assert res.violations == [], "\n".join(str(v) for v in res.violations)
+    assert res.verdict.violations == [], "\n".join(str(v) for v in res.verdict.violations)
 
 
 @SETTINGS
 @given(model=st.sampled_from(MODELS), spec=engine_specs(VOCAB))
 def test_a_trainer_off_by_four_bounds_fails_at_any_spec(pool, model, spec) -> None:
     res = _score(pool, model, spec, TrainerFaults(shift_bounds=4.0))
-    assert "replay_drift" in {v.gate for v in res.violations}, res.summary["headroom"]
+    assert "replay_drift" in {v.gate for v in res.verdict.violations}, res.verdict.headroom
 
 
 @pytest.mark.slow
@@ -63,4 +63,4 @@ def test_a_trainer_off_by_four_bounds_fails_at_any_spec(pool, model, spec) -> No
 def test_no_gate_fails_on_a_correct_trainer_at_any_spec_long(pool, model, spec) -> None:
     """The same property with ten times the examples (``nox -s tests -- -m slow``)."""
     res = _score(pool, model, spec)
-    assert res.violations == [], "\n".join(str(v) for v in res.violations)
+    assert res.verdict.violations == [], "\n".join(str(v) for v in res.verdict.violations)

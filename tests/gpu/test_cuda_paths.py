@@ -26,8 +26,8 @@ def test_native_sampling_mask_equals_top_k_capture(pool) -> None:
     rollout, trainer = pool.get(MODEL, cfg, lambda s: None)
     sc = Scenario("native", SamplingSpec(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05), prompts=8, max_tokens=16)
     res = score_scenario(rollout, trainer, sc, cfg)
-    assert res.summary["native_capture"]["mismatched_positions"] == 0, res.violations
-    assert res.violations == []
+    assert res.facts["native_capture"]["mismatched_positions"] == 0, res.verdict.violations
+    assert res.verdict.violations == []
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -24,14 +24,15 @@ from judged import judged
 from test_compare_gates import sampler_records
 
 from parity.analyze import analyze, summarize_paths
-from parity.core.gates import REFERENCE_GATES, Thresholds
+from parity.core.gates import Thresholds
 from parity.core.spec import SamplingSpec
 from parity.core.token_table import TrainerFaults, build_table
 from parity.records.accumulators import NA, DiffStream, Summary
 from parity.records.convert import from_sequence_records, to_sequence_records
+from parity.records.gate_table import REFERENCE_GATES
 from parity.records.token_columns import Options
 from parity.records.validate import validate_batch
-from parity.records.verdict import finalize
+from parity.records.verdict import judge
 from parity.records.write import records_table, write_records
 
 V = 64
@@ -366,11 +367,7 @@ def test_summary_survives_json(tmp_path: Path) -> None:
     s = summarize_paths([path], Options())
     back = Summary.from_json(s.to_json())
 
-    def plain(entries):
-        return [{k: (v if k != "violations" else [x.to_dict() for x in v]) for k, v in e.items()
-                 } for e in entries]
-
-    a, b = plain(finalize(s, TOL)), plain(finalize(back, TOL))
+    a, b = [v.to_json() for v in judge(s, TOL)], [v.to_json() for v in judge(back, TOL)]
     assert json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
 
 

@@ -34,7 +34,7 @@ from parity.records.steps import (
     drift_trend,
 )
 from parity.records.token_columns import summarize_batch
-from parity.records.verdict import finalize
+from parity.records.verdict import judge
 from parity.records.write import records_table, write_records
 
 TOL = Thresholds()
@@ -285,9 +285,9 @@ def test_merge_order_does_not_matter(flat, tmp_path: Path) -> None:
         got = [Summary.from_json(parts[i]) for i in order]
         while tree and len(got) > 1:
             got = [got[i].merge(got[i + 1]) if i + 1 < len(got) else got[i] for i in range(0, len(got), 2)]
-        (sc,) = finalize(got[0] if tree else functools.reduce(Summary.merge, got, Summary()), TOL)
-        return {"per_step": sc["per_step"], "trend": sc["trend"], "gates": [v.gate for v in sc["violations"]],
-                "first": sc["trend"]["first_step_outside"]}
+        (sc,) = judge(got[0] if tree else functools.reduce(Summary.merge, got, Summary()), TOL)
+        return {"per_step": sc.per_step, "trend": sc.trend, "gates": [v.gate for v in sc.violations],
+                "first": sc.trend["first_step_outside"] if sc.trend else None}
 
     want = result(list(range(len(parts))))
     assert want["gates"] == [TREND_GATE] and want["first"] is not None

@@ -262,7 +262,12 @@ def test_thresholds_validate_load_and_name_what_replaced_a_retired_key(tmp_path)
 
 def test_native_mask_gate_fails_on_one_planted_mismatch_and_passes_without() -> None:
     """The CUDA-only capture comparison, gated on records as the engine adapter leaves them."""
-    from parity.run import native_capture_gate
+    from parity.records.gate_table import GateCase, evaluate
+    from parity.run import native_mismatches
+
+    def native_capture_gate(records, name, _mode, th):  # the table's native entry on the adapter's positions
+        mism = native_mismatches(records)
+        return {"mismatched_positions": len(mism)}, evaluate(GateCase({"name": name}, None, th, native=mism), "native")
 
     spec = SamplingSpec(0.7, top_k=10)
     records, _ = sampler_records(spec)

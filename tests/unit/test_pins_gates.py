@@ -34,16 +34,9 @@ from parity.core.gates import (
 )
 from parity.core.violation import Position, Violation
 from parity.records.accumulators import FLAGS, ScenarioAcc
+from parity.records.gate_table import CAPTURE_LIMIT_FIX, _scaled, trend_violation
 from parity.records.steps import TREND_GATE, DriftTrend
-from parity.records.verdict import (
-    CAPTURE_LIMIT_FIX,
-    GATES,
-    _logprob_entry,
-    _scaled,
-    _scenario_report,
-    evaluate_summary,
-    trend_violation,
-)
+from parity.records.verdict import GATES, _logprob_entry, _scenario_report, evaluate_summary
 
 NAN = math.nan
 SC = "scen"

@@ -101,7 +101,7 @@ def test_report_md_and_json_carry_both_tables(tmp_path) -> None:
         "rl_view": catalogue(),
         "scenarios": [s1, s2],
         "passed": True,
-        "source": "records", "config": {}, "records": {}, "warnings": [], "complete": True, "not_evaluated": [],
+        "source": "records", "config": {}, "records": {"files": 0, "rows": 2, "tokens": 8, "page_checksums": "unknown", "files_without_page_checksums": []}, "warnings": [], "complete": True, "not_evaluated": [],
     }
     md = render_markdown(report)
     assert "## RL view: framework mismatch metrics and IS corrections" in md

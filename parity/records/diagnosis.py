@@ -1,0 +1,53 @@
+"""What a trainer's log-probs are diagnosed as: the bug classes (:data:`BUGS`), named from the views it matches
+(:func:`diagnosis_text`), or, from two log-prob columns alone, from where the bias lies (:func:`logprob_bias_class`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from parity.core.error_model import NEARLY_ALL_NEGATIVE
+
+# The bug classes a trainer's log-probs are checked for, and how each is described. A view is the
+# trainer-side log-prob with a set of these bugs applied
+# (:func:`parity.engines.trainer_under_test.reference_views`); the diagnosis names the smallest set whose
+# view the trainer matches, so two bugs at once are named together.
+BUGS: dict[str, str] = {
+    "full_vocabulary": "it scores the full-vocabulary distribution while the sampler truncates (bias log S per "
+    "token; use replay over the captured kept set or recompute the filters)",
+    "forgets_temperature": "it forgets to divide the logits by the sampling temperature",
+    "off_by_one": "it reads each token's log-prob one position late (logits and labels not shifted against "
+    "each other)",
+}
+
+
+def diagnosis_text(close: Mapping[frozenset[str], bool], max_abs_diff: float, mean_diff: float) -> str:
+    """The diagnosis from which views the trainer matches (``close``: within the per-token bound everywhere
+    the view is known and its mean within the mean-bias limit; the empty set is the sampler's values).
+    Sets of fewer bugs are tried first."""
+    if close.get(frozenset()):
+        return "matches the sampler's processed log-probs"
+    for bugs in sorted((b for b, ok in close.items() if b and ok), key=lambda b: (len(b), sorted(b))):
+        ordered = [b for b in BUGS if b in bugs]
+        lead = "two bugs at once: " if len(ordered) == 2 else "three bugs at once: " if len(ordered) == 3 else ""
+        return lead + "; ".join(BUGS[b] for b in ordered)
+    return f"unexplained drift: max |diff| {max_abs_diff:.3g}, mean {mean_diff:.3g}"
+
+
+def logprob_bias_class(m: Mapping[str, Any], limit: float) -> str:
+    """The bug class of a failed two-column mean-bias gate, named without the model: a full-vocabulary
+    (log S) trainer when the bias sits in the log S range and nearly every token is negative."""
+    mean, neg = m["mean"], m["negative_frac"]
+    lo, hi = m["log_s_range"]
+    within = mean < 0 and lo - limit <= mean <= hi + limit
+    where = f"log S range [{lo:.3g}, {hi:.3g}] from {m['log_s_range_from']}"
+    if within and neg >= NEARLY_ALL_NEGATIVE:
+        return (f"a full-vocabulary (log S) trainer: the bias {mean:.3g} lies in the {where} and {neg:.1%} of tokens "
+                f"are negative; " + BUGS["full_vocabulary"])
+    if within:
+        return (f"consistent with a full-vocabulary (log S) trainer: the bias {mean:.3g} lies in the {where}, but only "
+                f"{neg:.1%} of tokens are negative (without the model another bias that lowers every token reads the "
+                f"same)")
+    side = "more" if mean > 0 else "less"
+    return (f"a per-token bias of {mean:.3g} that log S does not explain (outside the {where}): the trainer gives the "
+            f"sampled tokens {side} probability than the sampler ({neg:.1%} of tokens negative)")

@@ -1,0 +1,300 @@
+"""The statistics blocks of report.json as types, and the JSON Schema generated from them (:func:`schema_of`).
+
+A ``Stat`` is a number, or ``"n/a"`` where the records lack its input (report.json also writes a non-finite
+float as ``"inf"``, ``"-inf"`` or ``"nan"``). ``Json`` is a value whose layout the producer chooses (its config,
+the determinism knobs, the RL catalogue): typed as JSON, checked as JSON.
+"""
+
+# No `from __future__ import annotations`: TypedDict reads NotRequired[...] only from evaluated annotations.
+import dataclasses
+import types
+import typing
+from typing import Literal, NotRequired, TypeAlias, TypedDict, Union
+
+Json: TypeAlias = float | int | str | bool | None | list["Json"] | dict[str, "Json"]
+JsonObject = dict[str, Json]
+Stat = float | str
+
+
+class LogS(TypedDict):
+    mean: Stat
+    min: Stat
+    mean_s: Stat
+
+
+class Naive(TypedDict):
+    bias_mean: Stat
+    max_abs_diff: Stat
+    max_abs_gap_to_log_s: Stat
+    mean_gap_to_log_s: Stat
+
+
+class Diff(TypedDict):
+    max_abs_diff: Stat
+    mean_diff: Stat
+    mean_abs_diff: Stat
+    p99_abs_diff: Stat
+    support_equal_frac: Stat
+    forced_includes: NotRequired[int | str]  # recompute: tokens force-included to keep the sampled one finite
+
+
+class Spread(TypedDict):
+    mean: Stat
+    min: Stat
+    max: Stat
+
+
+class Ratios(TypedDict):
+    token: Spread
+    sequence: Spread
+    sequence_identity_max_rel_err: NotRequired[Stat]
+
+
+class IsRatio(TypedDict):
+    naive: Ratios
+    replay: Ratios
+    recompute: Ratios
+    trainer_under_test: NotRequired[Ratios]
+
+
+class MeanMax(TypedDict):
+    mean: Stat
+    max: Stat
+
+
+class PerEstimator(TypedDict):
+    """One number per comparison (None: not evaluated)."""
+
+    replay: float | None
+    recompute: float | None
+    naive_vs_sampler_log_s: NotRequired[float | None]
+    trainer_under_test: NotRequired[float | None]
+    logprob: NotRequired[float | None]
+
+
+class Signature(TypedDict):
+    slope: float
+    slope_se: float
+
+
+class MeanBias(TypedDict):
+    """A mean gate's numbers: the mean and its limit (the verdict's resolution), systematic + statistical."""
+
+    mean: Stat
+    limit: Stat
+    systematic: Stat
+    statistical: Stat
+    spread_sd: Stat
+    tokens: int
+    log_s_signature: NotRequired[Signature]
+
+
+class SignTest(TypedDict):
+    failed: bool
+    beyond_allowance: int
+    negative_share: float
+    honest_share: float
+    limit: float
+    z: float
+
+
+class LogprobBias(MeanBias):
+    """The two-column gate (``logprob_mean_bias``): the log of the mean IS ratio, its resolution, the sign test."""
+
+    sign_test: SignTest
+    sequences: int
+    mean_diff: float
+    kl_estimate: float
+    standard_error: float
+    effective_n: float
+    standard_error_from: str
+    sampler_support: int
+    trainer_support: int
+    negative_frac: float
+    outside_support: int
+    nonfinite: int
+    log_s_range: list[float]
+    log_s_range_from: str
+    assumed: list[str]
+    stated: dict[str, str | int | None]
+
+
+class MeanBiasEntries(TypedDict):
+    replay: MeanBias | None
+    recompute: MeanBias | None
+    trainer_under_test: NotRequired[MeanBias | None]
+    logprob: NotRequired[LogprobBias | None]
+
+
+class Bound(TypedDict):
+    max: float
+    mean: float
+    roundoff: float
+
+
+class SamplerLogS(TypedDict):
+    source: str
+    positions: int
+    lo_mean: float | None
+    hi_mean: float | None
+    naive_max_gap: float | None
+    raw_logits_pass: NotRequired[JsonObject]
+
+
+class DriftSplit(TypedDict):
+    logit_drift_max: float | None
+    logit_drift_mean: float | None
+    replay_max_abs_diff: float | None
+
+
+class StepComparisonJson(TypedDict):
+    tokens: int
+    mean_bias: Stat
+    mean_abs_diff: Stat
+    max_headroom: float | None
+    support_equal_frac: Stat
+
+
+class StepJson(TypedDict):
+    """One step of ``per_step`` (:class:`parity.records.steps.StepEntry`)."""
+
+    step: int
+    sequences: int
+    tokens: int
+    comparison: str | None
+    compared_tokens: int
+    mean_bias: Stat
+    mean_abs_diff: Stat
+    max_headroom: float | None
+    support_equal_frac: Stat
+    by_comparison: dict[str, StepComparisonJson]
+
+
+class TrendJson(TypedDict):
+    """``drift_trend``'s fit and verdict (:class:`parity.records.steps.DriftTrend`)."""
+
+    comparison: str
+    steps: int
+    first_step: int | None
+    last_step: int | None
+    slope: float | None
+    intercept: float | None
+    slope_se: float | None
+    slope_se_residual: float | None
+    slope_se_tokens: float | None
+    z: float
+    limit: float | None
+    baseline_steps: list[int]
+    baseline_mean: float | None
+    noise: float | None
+    band_k: float
+    band_lo: float | None
+    band_hi: float | None
+    first_step_outside: int | None
+    evaluated: bool
+    passed: bool | None
+    reason: str
+
+
+class NotEvaluated(TypedDict):
+    gate: str
+    reason: str
+    scenarios: NotRequired[list[str]]  # the report's list: where
+
+
+class DriftHeadroom(TypedDict):
+    """Counts of log10(|diff| / bound) for the drift plot: [bin index, count] pairs per estimator."""
+
+    log10_lo: float
+    bin_width: float
+    bins: int
+    replay: NotRequired[list[list[int]]]
+    recompute: NotRequired[list[list[int]]]
+
+
+class TrainerUnderTest(TypedDict):
+    name: str | None
+    max_abs_diff: Stat
+    mean_diff: Stat
+    mean_abs_diff: Stat
+    p99_abs_diff: Stat
+    max_abs_gap_to_log_s: Stat
+    diagnosis: str
+
+
+class Dtypes(TypedDict):
+    sampler: str
+    trainer: str
+
+
+class NativeCapture(TypedDict):
+    mode: str
+    mismatched_positions: int
+    positions: list[list[int]]
+
+
+class RoundingBound(TypedDict):
+    dtype: str
+    mean: float
+    max: float
+
+
+class TrlFacts(TypedDict):
+    is_mode: str
+    fix: str | None
+    sampler_dtype: str
+    step: int
+
+
+class Records(TypedDict):
+    files: int
+    rows: int
+    tokens: int
+    page_checksums: Literal["all", "some", "none", "unknown"]
+    files_without_page_checksums: list[str]
+
+
+# -- the JSON Schema of a type ---------------------------------------------------------------------
+
+_NUMBER: JsonObject = {"type": ["number", "string"]}  # a float, or its JSON string ("inf", "nan"; "n/a")
+
+
+def schema_of(tp: object, fixed: typing.Mapping[object, JsonObject] | None = None,
+              localns: dict[str, object] | None = None) -> JsonObject:
+    """The JSON Schema of a field type: TypedDicts and dataclasses become objects with their required keys,
+    ``X | None`` adds null, ``Json`` accepts any JSON value; ``fixed``: types whose JSON is written by hand
+    (their schema), ``localns``: names their annotations use that their modules import only for type checking."""
+    fixed, localns = fixed or {}, {"Json": Json, **(localns or {})}
+    if tp in fixed:
+        return fixed[tp]
+    if tp is Json or (isinstance(tp, typing.ForwardRef) and tp.__forward_arg__ == "Json"):
+        return {}
+
+    def sub(t: object) -> JsonObject:
+        return schema_of(t, fixed, localns)
+
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        return {"anyOf": [sub(a) for a in args]}
+    if origin is Literal:
+        return {"enum": list(args)}
+    if origin is list:
+        return {"type": "array", "items": sub(args[0])}
+    if origin is dict:
+        return {"type": "object", "additionalProperties": sub(args[1])}
+    if tp is type(None):
+        return {"type": "null"}
+    simple: dict[type, JsonObject] = {bool: {"type": "boolean"}, int: {"type": "integer"}, float: _NUMBER, str: {"type": "string"}}
+    if isinstance(tp, type) and tp in simple:
+        return dict(simple[tp])
+    if typing.is_typeddict(tp):
+        hints = typing.get_type_hints(tp)
+        keys: list[Json] = sorted(getattr(tp, "__required_keys__", hints))
+        return {"type": "object", "required": keys, "properties": {k: sub(v) for k, v in hints.items()}}
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        hints = typing.get_type_hints(tp, localns=localns)
+        fs = dataclasses.fields(tp)
+        req: list[Json] = [f.name for f in fs if f.default is dataclasses.MISSING
+                           and f.default_factory is dataclasses.MISSING]
+        return {"type": "object", "required": req, "properties": {f.name: sub(hints[f.name]) for f in fs}}
+    raise TypeError(f"no JSON Schema for the type {tp!r}")

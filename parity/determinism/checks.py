@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from parity.core.metrics import max_abs_difference
-from parity.determinism.kernels import ATTENTION_NAME as CPU_ATTENTION
+from parity.determinism.attention_kernel import ATTENTION_NAME as CPU_ATTENTION
 from parity.determinism.knobs import UNAVAILABLE
 from parity.errors import UsageError
 

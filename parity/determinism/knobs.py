@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from parity.determinism.kernels import ATTENTION_NAME as CPU_ATTENTION
+from parity.determinism.attention_kernel import ATTENTION_KERNEL
+from parity.determinism.attention_kernel import ATTENTION_NAME as CPU_ATTENTION
 from parity.errors import SetupError, UsageError
 
 ON, OFF, UNAVAILABLE = "on", "off", "unavailable"
@@ -268,7 +269,7 @@ def _cpu_kernels(state: DeterminismState, undo: _Undo, enabled: bool, models: Se
         state.add(ker, UNAVAILABLE, None, str(exc))
         return
     undo.push(kernels.restore)
-    state.add(att, ON, CPU_ATTENTION, cpu_kernels.ATTENTION_KERNEL)
+    state.add(att, ON, CPU_ATTENTION, ATTENTION_KERNEL)
     # A live dict: the calls each forward made under the kernels are counted into it.
     state.add(ker, ON, kernels.report, "row-invariant CPU kernels on the trainer models' forward (parity.determinism.kernels)")
 

@@ -27,8 +27,6 @@ from parity.records.accumulators import (
     INPUTS,
     ScenarioAcc,
     Summary,
-    ViewMatch,
-    _finite_pair,
 )
 from parity.records.arrays import RecordsBatch
 from parity.records.steps import (
@@ -37,6 +35,7 @@ from parity.records.steps import (
     grouped_headroom,
     grouped_streams,
 )
+from parity.records.streams import ViewMatch, _finite_pair
 from parity.records.validate import validate_batch
 
 # Trainer logits held at once when computing from kept logits (floats): bounds memory on big heads.

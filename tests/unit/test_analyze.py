@@ -27,8 +27,9 @@ from parity.analyze import analyze, summarize_paths
 from parity.core.gates import REFERENCE_GATES, Thresholds
 from parity.core.spec import SamplingSpec
 from parity.core.token_table import TrainerFaults, build_table
-from parity.records.accumulators import NA, DiffStream, Summary
+from parity.records.accumulators import NA, Summary
 from parity.records.convert import from_sequence_records, to_sequence_records
+from parity.records.streams import DiffStream
 from parity.records.token_columns import Options
 from parity.records.validate import validate_batch
 from parity.records.verdict import finalize

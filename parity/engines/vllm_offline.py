@@ -14,6 +14,7 @@ from typing import Any, TypeVar, Unpack, cast
 import torch
 
 from parity.core import capture as cap
+from parity.core.capture_plan import SMALL_VOCAB
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.engines.rollout_base import RolloutBase, RolloutSettings, Support
@@ -28,7 +29,7 @@ ROWS_HEAD = 64  # the head asked where the sampler's rows prove what it cannot (
 def rows_start(limit: int, vocab_size: int) -> int | None:
     """The start head of an adaptive plan where the sampler's rows are read: ``ROWS_HEAD`` (within the cap);
     None for a vocabulary small enough to read whole (the plan's own rule)."""
-    return min(ROWS_HEAD, limit) if vocab_size > cap.SMALL_VOCAB else None
+    return min(ROWS_HEAD, limit) if vocab_size > SMALL_VOCAB else None
 
 # Engine settings measured on CPU machines. The default KV cache grabs ~11 GiB and makes the first
 # generate 10x slower on fixture models; the in-process engine avoids the ``__main__`` guard that

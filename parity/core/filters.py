@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from parity.core import tolerances
 from parity.core.spec import SAMPLING_EPS, SamplingSpec, per_row
+from parity.core.tolerances import MIN_P_FAST_MIN, min_p_band
 from parity.errors import UsageError
 
 NEG_INF = float("-inf")
@@ -133,13 +133,13 @@ def min_p_thresholds(row_max: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.
     """
     mp = min_p.to(dtype=torch.float64)
     log_mp = torch.log(mp)
-    width = tolerances.min_p_band(torch.where(mp > 0, log_mp, torch.zeros_like(log_mp)))
+    width = min_p_band(torch.where(mp > 0, log_mp, torch.zeros_like(log_mp)))
     at = row_max.to(dtype=torch.float64) + log_mp
     lo, hi = at - width, at + width
     lo32, hi32 = lo.to(row_max.dtype), hi.to(row_max.dtype)  # rounded outward: the float32 band covers [lo, hi)
     lo32 = torch.where(lo32.double() > lo, torch.nextafter(lo32, torch.full_like(lo32, NEG_INF)), lo32)
     hi32 = torch.where(hi32.double() < hi, torch.nextafter(hi32, torch.full_like(hi32, math.inf)), hi32)
-    return lo32, hi32, (mp > 0) & (mp < tolerances.MIN_P_FAST_MIN)
+    return lo32, hi32, (mp > 0) & (mp < MIN_P_FAST_MIN)
 
 
 def top_k_only(scaled: torch.Tensor, k: torch.Tensor, *, drop_ties: bool = False) -> torch.Tensor:

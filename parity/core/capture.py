@@ -1,11 +1,8 @@
 """Capturing the sampler's kept set S_q from top-K processed log-probs, with completeness proofs.
 
-:func:`run_capture` asks the engine for the heads a :class:`~parity.core.capture_plan.CapturePlan`
-names, proves each position by the sentinel (a head ending in ``-inf`` holds all of S_q) and, for an
-adaptive plan, asks unproven sequences again (same seed, wider heads, up to a cap); what is still
-unproven is flagged incomplete and counted, never guessed. The plan lives in
-:mod:`parity.core.capture_plan`, reading S_q from heads in :mod:`parity.core.support`; this module
-re-exports both for its callers. The derivation and measurements: docs/capture_plan.md.
+:func:`run_capture` proves each position by the sentinel (a head ending in ``-inf`` holds all of S_q) and asks
+unproven sequences again under an adaptive plan; what stays unproven is flagged, never guessed. It re-exports
+:mod:`parity.core.capture_plan` and :mod:`parity.core.support` for its callers. See docs/capture_plan.md.
 """
 
 from __future__ import annotations
@@ -59,12 +56,9 @@ def _head_complete(values: Sequence[float], *, full: bool, vocab_size: int) -> b
 
 
 def support_lower_bound(values: Sequence[float]) -> int:
-    """A lower bound on |S_q| at a position whose head of K processed log-probs is all finite.
-
-    Every token beyond the head has a processed probability no larger than the head's smallest, and
-    together they hold what the head misses of the mass 1: at least ``(1 - mass - MASS_SLACK) / p_min``
-    of them. The bound only lets a plan skip ahead (or stop before a head that cannot suffice); it
-    never proves a position complete.
+    """A lower bound on |S_q| where a head of K processed log-probs is all finite: at least
+    ``(1 - mass - MASS_SLACK) / p_min`` tokens beyond it. It only lets a plan skip ahead, never proves anything
+    (docs/capture_plan.md, section 3).
     """
     if not values:
         return 0
@@ -194,12 +188,8 @@ def run_capture(
 ) -> CaptureResult:
     """Generate ``n`` sequences under ``plan`` through ``ask``; widen adaptive plans until proven or capped.
 
-    A fixed plan asks once. An adaptive plan asks every sequence with its start head, proves each
-    position by the sentinel (:func:`_head_complete`), and asks the sequences with an unproven
-    position again (same seeds: ``ask`` owns them) with ``growth`` times the head, or more where the
-    head's mass shows more is needed (:func:`support_lower_bound`), until every position is proven or
-    the head reaches ``plan.max_head``. A sequence whose second draw differs from its first keeps its
-    first capture (its unproven positions stay flagged) and is counted: passes are never mixed.
+    A sequence whose second draw differs from its first keeps its first capture (unproven positions stay
+    flagged) and is counted: passes are never mixed. The rules: docs/capture_plan.md, section 4.
     """
     first = plan.logprobs if plan.logprobs is not None else 0
     stats = CaptureStats(plan.logprobs, plan.reason, adaptive=plan.adaptive, max_head=plan.max_head, sequences=n,

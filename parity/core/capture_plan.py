@@ -54,15 +54,8 @@ def _pow2_at_least(n: int) -> int:
 
 
 def start_head(spec: SamplingSpec) -> int:
-    """The head an adaptive plan starts with, from the spec alone (before any history).
-
-    min_p keeps tokens with p >= min_p * p_max, so a row keeps at most 1 / (min_p * p_max) of them:
-    4 / min_p covers rows whose top token has p_max >= 1/4. top_p has no such bound, and a sequence
-    needs the head of its widest position: on SmolLM2-135M at T=1, top_p=0.9 the nucleus was 25
-    tokens at the median position but 235 to 2,827 at each sequence's widest (192 positions), at
-    T=0.7 at most 271. A head entry costs about 0.5 us on CPU and a second generation about what the
-    first did, so top_p starts wide: 4096 at T >= 1, 1024 below, 64 for a narrow nucleus
-    (top_p <= 0.5); docs/capture_plan.md has the measurements.
+    """The head an adaptive plan starts with, from the spec alone: 4 / min_p for min_p; for top_p 4096 at
+    T >= 1, 1024 below, 64 for top_p <= 0.5 (why, with measurements: docs/capture_plan.md, sections 4 and 5).
     """
     spec = spec.effective()
     starts = []
@@ -98,12 +91,9 @@ def plan_capture(
 ) -> CapturePlan:
     """Choose the head size K for ``spec`` on a vocabulary of ``vocab_size``.
 
-    ``head`` forces K (validated: K >= top_k when top_k is set; a forced head is never widened).
-    ``max_head`` caps K: an adaptive plan widens up to it, and a top_k plan that needs more is
-    refused. ``start`` sets the head an adaptive plan starts with; without it the plan starts from
-    ``suggested`` (what a :class:`CaptureHistory` suggests) or :func:`start_head`, and a vocabulary of
-    at most ``SMALL_VOCAB`` tokens is read whole at once. Raises :class:`~parity.errors.UsageError` naming the field when
-    the spec cannot be captured within the allowed head.
+    ``head`` forces K (K >= top_k; never widened); ``max_head`` caps it (a top_k plan that needs more is refused);
+    ``start`` sets an adaptive plan's first head, else ``suggested`` (a :class:`CaptureHistory`) or
+    :func:`start_head`. Raises :class:`~parity.errors.UsageError` naming the field.
     """
     _check_max_head(max_head)
     spec = spec.effective()
@@ -171,12 +161,8 @@ def plan_capture(
 class CaptureHistory:
     """What earlier adaptive captures of one run needed: the start head of the next.
 
-    Keyed by the effective (temperature, top_p, min_p). A spec's support contains that of any
-    stricter spec at the same logits (lower temperature, lower top_p, higher min_p: the nucleus and
-    the min_p set only grow as the row flattens or the thresholds loosen), so the start for a spec is
-    the widest head that the latest capture of it, or of any stricter spec, needed per sequence
-    (rounded up to a power of two). TRL's steps reuse their spec; a run's scenarios reuse the stricter
-    ones'.
+    Keyed by the effective (temperature, top_p, min_p); a stricter spec's support is contained in a looser one's,
+    so a spec starts from the widest head it or any stricter spec needed (docs/capture_plan.md, section 4).
     """
 
     def __init__(self) -> None:

@@ -45,13 +45,10 @@ def _aligned_rows(x: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def rowwise_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` for ``x`` [M, K] and ``w`` [N, K]: row m is ``torch.mv(w, x[m])``.
+    """``x @ w.T`` for ``x`` [M, K] and ``w`` [N, K]: row m is ``torch.mv(w, x[m])`` on a 64-byte-aligned row.
 
-    Why per row: torch's GEMM (MKL here) chooses its kernel and blocking by M and by a row's place in
-    its micro-tile, so a row's bits change with the batch (measured). One matrix-vector product per
-    row is the same call — shape ``[N, K] x [K]``, the same ``w``, a 64-byte-aligned row (K is padded
-    with zero columns when a row is not a multiple of 64 bytes, decided by K alone), a 64-byte-aligned
-    output row — whatever M is and wherever the row sits.
+    torch's GEMM picks its blocking by M and a row's place in a micro-tile; one matrix-vector product per row is
+    the same call whatever M is (docs/batch_invariance.md, section 3).
     """
     m, k = x.shape
     n = w.shape[0]

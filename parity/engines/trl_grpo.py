@@ -1,14 +1,9 @@
 """TRL's ``GRPOTrainer`` under parity: capture what it computes, and optionally fix its IS correction.
 
-TRL 1.16 (``trl/trainer/grpo_trainer.py``, ``GRPOTrainer._generate_and_score_completions``) compares
-vLLM's processed log-prob of each sampled token (``sampling_per_token_logps``: ``log(p / S)``,
-renormalised over the kept set) with the trainer's full-vocabulary ``log_softmax(z / T)`` from its fused
-LM head (``old_per_token_logps``: ``log p``). Their difference is ``log S`` per token plus kernel noise,
-and TRL's ``importance_sampling_ratio`` is ``exp`` of it (per token, or summed over the sequence).
-:func:`patch_grpo` patches TRL's classes inside a ``with`` block: it captures S_q from vLLM's processed
-head and records each generation batch per sequence (:data:`SEQUENCE_FIELDS`); ``mode="replay"`` or
-``"recompute"`` renormalises the log-probs the IS correction reads, ``"observe"`` changes nothing. An
-example: the README's "TRL's GRPOTrainer under parity".
+TRL 1.16 compares vLLM's processed log-prob of each sampled token (``log(p / S)``) with the trainer's
+full-vocabulary ``log p``: their difference is ``log S`` plus noise, and TRL's IS ratio is its ``exp``.
+:func:`patch_grpo` captures S_q per generation batch and can renormalise what the IS correction reads.
+Example: README, "TRL's GRPOTrainer under parity".
 """
 
 from __future__ import annotations
@@ -245,11 +240,8 @@ def _adaptive_generate(generate: Any, plan: CapturePlan, spec: SamplingSpec, voc
                        seeds: random.Random, batch: dict[str, Any], rows: SamplerRows | None = None) -> Any:
     """``LLM.generate`` for one TRL batch under an adaptive plan: seeded requests, unproven ones asked again.
 
-    TRL sends one ``SamplingParams`` (n=1) for all prompts and no seed: each request gets a seed of its
-    own (so it can be drawn again) and candidate detokenization is turned off (TRL decodes completions
-    from their ids; the text of thousands of head candidates per position is what made wide captures
-    slow). The outputs TRL gets back are, per sequence, those of the capture that proved it (or of its
-    first draw); what the batch needed goes to ``batch``.
+    Each request gets its own seed (TRL sends none) and candidate detokenization off (TRL decodes from ids);
+    TRL gets back, per sequence, the capture that proved it (or its first draw); ``batch`` gets what it needed.
     """
 
     def wrapped(prompts: Any, sampling_params: Any = None, *args: Any, **kwargs: Any) -> Any:

@@ -205,15 +205,11 @@ def summarize_batch(
     columns: Callable[[RecordsBatch], TokenColumns] | None = None,
     stated_dtypes: tuple[str, str] | None = None,
 ) -> Summary:
-    """The map step: one batch of records (a ``pyarrow.RecordBatch``/``Table`` or a validated
-    :class:`~parity.records.arrays.RecordsBatch`) → its :class:`Summary`.
+    """The map step: one batch of records (pyarrow, or a validated ``RecordsBatch``) -> its :class:`Summary`.
 
-    Raw pyarrow batches are validated here (``source``/``first_row`` name them in errors), so the step
-    runs as-is on Ray Data (``map_batches(..., batch_format="pyarrow")``) or Spark (``mapInArrow``).
-    ``dtypes``: the sampler's and the trainer's dtype (the mean-bias limit uses the looser roundoff);
-    ``columns``: how the per-token values are obtained (default :func:`token_columns`; re-scoring with
-    a model passes its own, see :mod:`parity.analyze`); ``stated_dtypes``: the dtypes the records state
-    ("" where they do not; default ``dtypes``), for the two-column mean-bias gate's stated facts.
+    Raw pyarrow batches are validated here, so the step runs as-is on Ray Data or Spark. ``dtypes``: the two
+    sides' dtypes (the looser roundoff is used); ``columns``: how the per-token values are obtained (re-scoring
+    passes its own); ``stated_dtypes``: what the records state ("" where not), for the two-column gate.
     """
     opts = options or Options()
     rb = batch if isinstance(batch, RecordsBatch) else validate_batch(batch, source=source, first_row=first_row)

@@ -113,12 +113,10 @@ def sampler_log_s(
     batch: RecordsBatch, row: np.ndarray, filtered: np.ndarray, captured: np.ndarray, incomplete: np.ndarray,
     min_kept_lp: Callable[[], np.ndarray], vocab_size: int | None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str | None]]:
-    """``(lo, hi, have, source per row)``: the sampler-side log S, as :func:`parity.core.token_table.build_table` takes it.
+    """``(lo, hi, have, source per row)``: the sampler-side log S, as ``build_table`` takes it.
 
-    The records' interval where given; 0 where nothing is filtered; else the top_p bracket
-    (:func:`parity.core.log_s.top_p_bracket`) from the smallest kept processed log-prob
-    (``min_kept_lp()``, computed only here), when top_p is the only filter, the row's kept set is
-    complete and the vocabulary size is known.
+    The records' interval where given; 0 where nothing is filtered; else the top_p bracket from the smallest kept
+    log-prob (``min_kept_lp()``), where top_p is the only filter, the kept set is complete and V is known.
     """
     T = batch.tokens
     n = batch.n_rows
@@ -178,10 +176,8 @@ def from_kept_logits(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """KL/TV over S_q, replay and the logit drift, from the trainer's raw logits at the kept ids.
 
-    Mirrors :func:`parity.core.token_table.build_table`: the logits are scaled by the temperature in float32
-    (``estimators.scale``), the trainer's distribution over S_q is ``vals - logsumexp(vals)`` in float64,
-    KL(sampler || trainer) and TV are summed over S_q; replay is ``estimators.replay`` itself, on the
-    gathered logits. A sampled token outside S_q has no logit here: its replay is -inf.
+    Mirrors :func:`parity.core.token_table.build_table` (float32 scaling, float64 normalisation over S_q, replay
+    through ``estimators.replay``). A sampled token outside S_q has no logit here: its replay is -inf.
     """
     import torch
 

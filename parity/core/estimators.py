@@ -18,7 +18,6 @@ from parity.core.filters import (
     FilterFaults,
     apply_temperature,
     check_logits,
-    min_p_decide,
     min_p_mask,
     reference_filter,
     top_k_top_p_sorted,
@@ -143,12 +142,41 @@ def _candidates(work: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torc
     return vals.masked_fill(~surv, NEG_INF), ids
 
 
+
+def min_p_decide(vals: torch.Tensor, row_max: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`min_p_mask` on some of a row's values without the row's softmax: (dropped, rows to redo).
+
+    vLLM's ``p_i < min_p * max p`` is the exact ``z_i - m < log(min_p)`` except within
+    :func:`parity.core.tolerances.min_p_band`. ``vals`` float32 ``[R, C]``, ``row_max`` and ``min_p`` ``[R]``; a
+    row with a value in the band, or a tiny min_p, is flagged for the reference's :func:`min_p_mask`.
+    """
+    lo32, hi32, redo = min_p_thresholds(row_max.to(device=vals.device), min_p.to(device=vals.device))
+    dropped = vals < lo32.unsqueeze(1)  # certainly below the threshold (every -inf when min_p > 0)
+    near = ((vals >= lo32.unsqueeze(1)) & (vals < hi32.unsqueeze(1))).any(dim=1)
+    return dropped, near | redo
+
+
+def min_p_thresholds(row_max: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The float32 band of :func:`min_p_decide` per row: (lo, hi, redo). Below ``lo`` min_p drops, from ``hi``
+    it keeps, in between the reference decides; ``redo``: rows with ``0 < min_p < tolerances.MIN_P_FAST_MIN``.
+    """
+    mp = min_p.to(dtype=torch.float64)
+    log_mp = torch.log(mp)
+    width = tolerances.min_p_band(torch.where(mp > 0, log_mp, torch.zeros_like(log_mp)))
+    at = row_max.to(dtype=torch.float64) + log_mp
+    lo, hi = at - width, at + width
+    lo32, hi32 = lo.to(row_max.dtype), hi.to(row_max.dtype)  # rounded outward: the float32 band covers [lo, hi)
+    lo32 = torch.where(lo32.double() > lo, torch.nextafter(lo32, torch.full_like(lo32, NEG_INF)), lo32)
+    hi32 = torch.where(hi32.double() < hi, torch.nextafter(hi32, torch.full_like(hi32, float("inf"))), hi32)
+    return lo32, hi32, (mp > 0) & (mp < tolerances.MIN_P_FAST_MIN)
+
+
 def _top_k_candidates(
     z: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, mp: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_candidates` of ``rows`` of ``z`` after min_p (``mp``, or None), without min_p's full-row softmax.
 
-    min_p is decided on the candidates (:func:`parity.core.filters.min_p_decide`); a row with a candidate inside
+    min_p is decided on the candidates (:func:`min_p_decide`); a row with a candidate inside
     its band takes the reference's :func:`min_p_mask`. Returns (values, ids, redo [R]: rows the reference decided).
     """
     sub = z if rows.numel() == z.shape[0] else z[rows]

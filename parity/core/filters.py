@@ -7,14 +7,12 @@ included: greedy rows report ``log_softmax(z)``, and the top-k/top-p algorithm i
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from parity.core.spec import SAMPLING_EPS, SamplingSpec, per_row
-from parity.core.tolerances import MIN_P_FAST_MIN, min_p_band
 from parity.errors import UsageError
 
 NEG_INF = float("-inf")
@@ -95,34 +93,6 @@ def min_p_mask(scaled: torch.Tensor, min_p: torch.Tensor, *, log_space: bool = F
     probs = torch.softmax(scaled, dim=-1)
     threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
     return probs < threshold
-
-
-def min_p_decide(vals: torch.Tensor, row_max: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`min_p_mask` on some of a row's values without the row's softmax: (dropped, rows to redo).
-
-    vLLM's ``p_i < min_p * max p`` is the exact ``z_i - m < log(min_p)`` except within
-    :func:`parity.core.tolerances.min_p_band`. ``vals`` float32 ``[R, C]``, ``row_max`` and ``min_p`` ``[R]``; a
-    row with a value in the band, or a tiny min_p, is flagged for the reference's :func:`min_p_mask`.
-    """
-    lo32, hi32, redo = min_p_thresholds(row_max.to(device=vals.device), min_p.to(device=vals.device))
-    dropped = vals < lo32.unsqueeze(1)  # certainly below the threshold (every -inf when min_p > 0)
-    near = ((vals >= lo32.unsqueeze(1)) & (vals < hi32.unsqueeze(1))).any(dim=1)
-    return dropped, near | redo
-
-
-def min_p_thresholds(row_max: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The float32 band of :func:`min_p_decide` per row: (lo, hi, redo). Below ``lo`` min_p drops, from ``hi``
-    it keeps, in between the reference decides; ``redo``: rows with ``0 < min_p < MIN_P_FAST_MIN``.
-    """
-    mp = min_p.to(dtype=torch.float64)
-    log_mp = torch.log(mp)
-    width = min_p_band(torch.where(mp > 0, log_mp, torch.zeros_like(log_mp)))
-    at = row_max.to(dtype=torch.float64) + log_mp
-    lo, hi = at - width, at + width
-    lo32, hi32 = lo.to(row_max.dtype), hi.to(row_max.dtype)  # rounded outward: the float32 band covers [lo, hi)
-    lo32 = torch.where(lo32.double() > lo, torch.nextafter(lo32, torch.full_like(lo32, NEG_INF)), lo32)
-    hi32 = torch.where(hi32.double() < hi, torch.nextafter(hi32, torch.full_like(hi32, math.inf)), hi32)
-    return lo32, hi32, (mp > 0) & (mp < MIN_P_FAST_MIN)
 
 
 def top_k_only(scaled: torch.Tensor, k: torch.Tensor, *, drop_ties: bool = False) -> torch.Tensor:

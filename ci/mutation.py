@@ -107,6 +107,8 @@ def label(module: str) -> str:
 GATE_FUNCTIONS = ("x_evaluate_summary", "x_trend_violation", "x__over", "x__scaled")
 MODULES: dict[str, Selection] = {
     "capture": Selection(),
+    "capture_plan": Selection(),
+    "support": Selection(),
     "gates": Selection(),
     "records.verdict": Selection(GATE_FUNCTIONS, sample="even"),
     "estimators": Selection(),
@@ -119,7 +121,7 @@ MODULES: dict[str, Selection] = {
 }
 # Modules whose score gates the run (the others are reported); MODULES lists them first, so that the
 # budget cuts only reported modules.
-GATED = ("capture", "gates", "records.verdict", "estimators", "spec", "metrics")
+GATED = ("capture", "capture_plan", "support", "gates", "records.verdict", "estimators", "spec", "metrics")
 
 # mutmut's exit-code classes (mutmut/stats.py status_by_exit_code), read here so that a mutmut that is
 # not importable (the table of an earlier run) still renders.

@@ -1,13 +1,8 @@
 """``parity doctor``: what on this machine would stop or slow ``parity run``, each finding with its fix.
 
-Every check reads the machine through a :class:`Probe` (package metadata, the environment, the file
-system, a subprocess that imports a module) and returns :class:`Finding` objects; the text is drawn
-from them at the end. A ``fail`` finding is one that makes ``parity run`` fail, and the command then
-exits 1; ``warn`` slows a run or breaks something next to it; ``note`` and ``ok`` inform. Tests plant a
-problem by replacing one field of the probe.
-
-vLLM itself is never imported here (it takes many seconds and is one of the things that can be
-broken): its installed files and metadata are read instead.
+Checks read the machine through a :class:`Probe` (tests replace one of its fields to plant a problem) and
+return :class:`Finding` objects, rendered at the end; a ``fail`` finding makes the command exit 1. vLLM
+itself is never imported (slow, and possibly what is broken): its files and metadata are read instead.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """How far two engines' per-token log-probabilities may differ from rounding alone (engine-free).
 
-The bound on ``|lp_a - lp_b|`` for one token (:func:`logprob_bound`) is derived from the arithmetic
-both sides do, not fitted to one machine: each side's scaled logits within ``LOGIT_ULPS`` roundoffs of
-the row's largest ``|z'|``, the rounding of a log-sum-exp over the support, and the float32
-normalisation kernel's offset measured on the row (:func:`kernel_offset`), at the unit roundoff of the
-looser dtype of the two sides. A mean over many tokens is gated by :func:`mean_bias_limit`: what can
-point one way (:func:`systematic_bound`) plus ``MEAN_BIAS_Z`` standard errors of the measured spread.
-The derivations: docs/error_model.md.
+:func:`logprob_bound` bounds one token's ``|lp_a - lp_b|`` from the arithmetic both sides do, at the looser
+dtype's unit roundoff; :func:`mean_bias_limit` gates a mean: :func:`systematic_bound` plus ``MEAN_BIAS_Z``
+standard errors of the measured spread. The derivations: docs/error_model.md.
 """
 
 from __future__ import annotations
@@ -79,12 +75,9 @@ def logprob_bound_terms(
     support_size: Tensor,
     u: float,
 ) -> Tensor:
-    """The bound from its ingredients, each a float tensor of one value per token.
-
-    ``row_absmax``: ``max |z'|`` over the row's finite logits; ``lse``: ``logsumexp`` of ``z'`` over
-    the support; ``logprob``: the token's log-prob over that support; ``support_size``: ``|S|``.
-    Non-finite ingredients (a token outside the support, an empty row) give an infinite bound only
-    where the log-prob itself is non-finite; that comparison is the diff rule's, not the bound's.
+    """The bound from its ingredients, one value per token: ``row_absmax`` (max |z'| over finite logits),
+    ``lse`` (logsumexp over the support), ``logprob`` and ``support_size``. Non-finite ingredients give an
+    infinite bound only where the log-prob itself is non-finite.
     """
     import torch
 
@@ -156,15 +149,9 @@ def kernel_offset(scaled_logits: Tensor, support: Tensor | None = None) -> Tenso
 def systematic_bound(
     scaled_logits: Tensor, sampled: Tensor, support: Tensor | None = None, *, dtype: Dtypes = "float32"
 ) -> Tensor:
-    """Per token (float64 ``[N]``): what of ``lp_trainer - lp_sampler`` can have one sign over many tokens.
-
-    * the float32 normalisation kernel's offset (:func:`kernel_offset`), over the support and over the
-      whole row (full-vocabulary trainers), once per side;
-    * the last float32 operations on the log-prob (subtraction, storage): ``2 u32 |lp|``;
-    * when a side runs the model below float32, second-order rounding of the logits: with
-      ``z~ = z (1 + d)``, ``|d| <= u``, the log-sum-exp moves by ``E_p[d z'] + Var_p(d z') / 2 + ...``,
-      whose second-order part is one-signed and at most ``u^2 E_p[z'^2]`` (the mean of the first-order
-      part is zero and its spread is what the statistical allowance measures).
+    """Per token (float64 ``[N]``): what of ``lp_trainer - lp_sampler`` can have one sign over many tokens: the
+    float32 normalisation kernel's offset per side, ``2 u32 |lp|`` for the last float32 operations, and below
+    float32 the second-order rounding of the logits (docs/error_model.md, section 2).
     """
     import torch
 
@@ -194,11 +181,8 @@ def headroom(diff: Tensor, bound: Tensor) -> float:
 def mean_bias_limit(n: int, systematic_mean: float, spread_sd: float) -> float:
     """How far ``mean(diff)`` over ``n`` tokens may sit from 0 without a bias: the one rule of every mean gate.
 
-    ``systematic_mean``: the mean of :func:`systematic_bound` over the tokens (what can point one way);
-    ``spread_sd``: the sample standard deviation of a reference comparison's per-token differences
-    (the estimator's own for parity's estimators; replay's for a trainer under test, so a noisy trainer
-    gets no wider allowance). The rest averages out: ``MEAN_BIAS_Z`` standard errors. The limit is the
-    verdict's resolution: the smallest per-token bias it detects.
+    ``systematic_mean`` (mean :func:`systematic_bound`) plus ``MEAN_BIAS_Z`` standard errors of ``spread_sd`` (a
+    reference comparison's spread). The limit is the verdict's resolution (docs/error_model.md, section 2).
     """
     if n <= 0:
         return math.inf
@@ -270,13 +254,8 @@ def stated_facts(vocab_size: int, sampler_dtype: str, trainer_dtype: str, top_k:
 
 def sign_test(*, tokens: int, effective_n: float, d_sum: float, d_sq: float, negative: int,
               positive: int) -> dict[str, Any]:
-    """The sign part of the two-column gate: of the tokens whose difference lies beyond its systematic
-    allowance, the share below it, against the share an honest drift gives.
-
-    An honest drift ``d ~ N(-s^2 / 2, s^2)`` (its mean is -KL) is negative with probability ``Phi(s / 2)``;
-    the part fails when the share is at least ``NEARLY_ALL_NEGATIVE`` and ``MEAN_BIAS_Z`` standard errors
-    above that, the standard error inflated by the mean part's design effect (tokens of a sequence are not
-    independent). A log S bias puts nearly every token below zero whatever log S's own spread.
+    """The sign part of the two-column gate: of the tokens beyond their systematic allowance, the share below
+    it, against the ``Phi(s / 2)`` an honest drift gives (docs/error_model.md, section 8).
     """
     m = negative + positive
     n = max(tokens, 1)
@@ -296,14 +275,10 @@ def ratio_bias_entry(
     d_sum: float, lp_abs_sum: float, sampler_support: int, trainer_support: int, accumulate_u: float,
     d_sq: float = 0.0, beyond_negative: int = 0, beyond_positive: int = 0,
 ) -> dict[str, Any] | None:
-    """The mean-bias gate of two log-prob columns, from mergeable sums of ``e = expm1(d)``,
-    ``d = trainer - sampler`` over the finite tokens.
+    """The mean-bias gate of two log-prob columns, from mergeable sums of ``e = expm1(d)``, ``d = trainer - sampler``.
 
-    ``mean``: ``log(1 + mean e)``, the log of the mean IS ratio (0 for any honest trainer, ``log S`` for a
-    full-vocabulary one, ``b`` more under a per-token bias ``b``); ``mean_diff``: the plain mean of ``d``
-    (``mean - kl_estimate``). Per sequence ``i`` with ``n_i`` tokens and ``E_i = sum e``: ``seq_e_sq =
-    sum E_i^2``, ``seq_ne = sum n_i E_i``, ``seq_n_sq = sum n_i^2``. ``sampler_support`` /
-    ``trainer_support``: how many terms each side's normalisation sums (the vocabulary where unknown).
+    ``mean``: the log of the mean IS ratio; ``mean_diff``: the plain mean of ``d``; the per-sequence sums and the
+    two sides' support sizes are docs/error_model.md, section 8's.
     """
     if tokens <= 0:
         return None

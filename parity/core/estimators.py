@@ -1,15 +1,8 @@
-"""Trainer-side log-prob estimators on ``[N, V]`` logits and the sampled ids ``[N]``.
+"""Trainer-side log-prob estimators on ``[N, V]`` logits and the sampled ids ``[N]``, pure torch.
 
-* ``full``: ``log_softmax(z / T)[y]`` over the whole vocabulary. This is the biased baseline most RL
-  trainers use; under top_k/top_p/min_p it differs from the sampler's processed log-prob by log S.
-* ``recompute``: run the reference filters on the trainer's own logits, force-include the sampled
-  token (numerics can move the boundary), renormalise over that set.
-* ``replay``: renormalise the trainer's logits over the kept set S_q captured from the sampler.
-* ``predicted_log_s``: ``logsumexp(z'_{S_q}) - logsumexp(z')``, the bias the trainer should expect.
-
-All functions are pure torch. Kept sets come either as a dense bool mask ``[N, V]`` or as padded id
-lists ``[N, K]`` (``-1`` = padding); the id form is what capture produces and lets ``replay`` read K
-values per row instead of V.
+``full`` (``log_softmax(z / T)[y]``, the biased baseline), ``recompute`` (the reference filters on the
+trainer's logits, sampled token forced in), ``replay`` (renormalised over the captured S_q) and
+``predicted_log_s``. Kept sets are a bool mask ``[N, V]`` or padded ids ``[N, K]`` (``-1`` = padding).
 """
 
 from __future__ import annotations
@@ -25,7 +18,6 @@ from parity.core.filters import (
     FilterFaults,
     apply_temperature,
     check_logits,
-    min_p_decide,
     min_p_mask,
     reference_filter,
     top_k_top_p_sorted,
@@ -78,16 +70,11 @@ def recompute(
     force_include: bool = True,
     faults: FilterFaults | None = None,
 ) -> RecomputeResult:
-    """Reference filters on trainer logits → S_p; ``z'_y - logsumexp(z'_{S_p ∪ {y}})``.
+    """Reference filters on trainer logits -> S_p; ``z'_y - logsumexp(z'_{S_p ∪ {y}})``.
 
-    S_p is exactly the kept set of :func:`parity.core.filters.reference_filter` (ties included), but rows
-    with top_k set are filtered over their ``topk(k)`` candidates instead of a full-row sort (see
-    :func:`_kept_bounded`); the renormalisation then reads the kept ids, not the whole row. Rows without
-    top_k run the reference's sort-based filter, as vLLM's sampler sorts the row for top_p; so do the rows
-    the candidates cannot decide exactly (counted in ``fallback``) and planted ``faults``.
-
-    With ``force_include=False`` (only for negative controls) a sampled token outside S_p scores
-    ``-inf``, which is what a trainer that recomputes filters naively gets.
+    S_p is exactly :func:`parity.core.filters.reference_filter`'s kept set; top_k rows are filtered over their
+    ``topk(k)`` candidates (docs/capture_plan.md, section 8), the rest and undecided rows (``fallback``) by the
+    reference. ``force_include=False`` (negative controls only) scores a token outside S_p ``-inf``.
     """
     if faults is not None and faults != FilterFaults():
         return _recompute_reference(logits, sampled, specs, force_include=force_include, faults=faults)
@@ -155,17 +142,42 @@ def _candidates(work: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torc
     return vals.masked_fill(~surv, NEG_INF), ids
 
 
+
+def min_p_decide(vals: torch.Tensor, row_max: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`min_p_mask` on some of a row's values without the row's softmax: (dropped, rows to redo).
+
+    vLLM's ``p_i < min_p * max p`` is the exact ``z_i - m < log(min_p)`` except within
+    :func:`parity.core.tolerances.min_p_band`. ``vals`` float32 ``[R, C]``, ``row_max`` and ``min_p`` ``[R]``; a
+    row with a value in the band, or a tiny min_p, is flagged for the reference's :func:`min_p_mask`.
+    """
+    lo32, hi32, redo = min_p_thresholds(row_max.to(device=vals.device), min_p.to(device=vals.device))
+    dropped = vals < lo32.unsqueeze(1)  # certainly below the threshold (every -inf when min_p > 0)
+    near = ((vals >= lo32.unsqueeze(1)) & (vals < hi32.unsqueeze(1))).any(dim=1)
+    return dropped, near | redo
+
+
+def min_p_thresholds(row_max: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The float32 band of :func:`min_p_decide` per row: (lo, hi, redo). Below ``lo`` min_p drops, from ``hi``
+    it keeps, in between the reference decides; ``redo``: rows with ``0 < min_p < tolerances.MIN_P_FAST_MIN``.
+    """
+    mp = min_p.to(dtype=torch.float64)
+    log_mp = torch.log(mp)
+    width = tolerances.min_p_band(torch.where(mp > 0, log_mp, torch.zeros_like(log_mp)))
+    at = row_max.to(dtype=torch.float64) + log_mp
+    lo, hi = at - width, at + width
+    lo32, hi32 = lo.to(row_max.dtype), hi.to(row_max.dtype)  # rounded outward: the float32 band covers [lo, hi)
+    lo32 = torch.where(lo32.double() > lo, torch.nextafter(lo32, torch.full_like(lo32, NEG_INF)), lo32)
+    hi32 = torch.where(hi32.double() < hi, torch.nextafter(hi32, torch.full_like(hi32, float("inf"))), hi32)
+    return lo32, hi32, (mp > 0) & (mp < tolerances.MIN_P_FAST_MIN)
+
+
 def _top_k_candidates(
     z: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, mp: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_candidates` of ``rows`` of ``z`` after min_p (``mp``, or None), without min_p's full-row softmax.
 
-    min_p drops exactly the values below a threshold (outside :func:`parity.core.filters.min_p_decide`'s
-    band), so the top_k survivors of the masked row are the top_k candidates of the raw row that min_p
-    keeps: fewer than k survive only when min_p cuts into the candidates, and then every survivor is one.
-    min_p is decided on the candidates alone (the row max is the first); a row with a candidate inside
-    the band takes the reference's :func:`min_p_mask` on its whole row, then :func:`_candidates`.
-    Returns (values, ids, redo [R]: the rows min_p was decided for by the reference).
+    min_p is decided on the candidates (:func:`min_p_decide`); a row with a candidate inside
+    its band takes the reference's :func:`min_p_mask`. Returns (values, ids, redo [R]: rows the reference decided).
     """
     sub = z if rows.numel() == z.shape[0] else z[rows]
     vals, ids = _candidates(sub, k)
@@ -310,13 +322,8 @@ def _row_max(vals: torch.Tensor) -> torch.Tensor:
 
 
 def _log_sum_exp_shifted(vals: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """``log(sum(exp(vals - m)))`` per row, in float64 after the float32 shift.
-
-    Why the shift comes first: at small temperatures z' = z / T reaches thousands, where one float32
-    ulp is ~1e-4. ``z'_y - logsumexp(z'_S)`` subtracts two such numbers, each rounded, and loses the
-    1e-6 agreement with the sampler; ``log_softmax`` (what vLLM runs) computes ``(x - max) - log(sum)``
-    instead. Shifting by the same max in float32 reproduces vLLM's ``x - max`` exactly; the sum and log
-    then run in float64 so they add no error of their own.
+    """``log(sum(exp(vals - m)))`` per row, in float64 after the float32 shift by ``m``: the shift reproduces
+    vLLM's ``x - max`` exactly (at small T one float32 ulp of z' is ~1e-4), and the sum and log add no error.
     """
     return torch.log(torch.exp((vals - m).double()).sum(dim=-1))
 

@@ -1,25 +1,17 @@
 """The reference filter pipeline of vLLM 0.32's v1 ``Sampler`` (PyTorch/CPU path), in pure torch.
 
-Given float32 logits ``[N, V]`` and one :class:`~parity.core.spec.SamplingSpec` per row, return which
-tokens the sampler keeps (the support S_q) and the processed log-probabilities it reports with
-``logprobs_mode="processed_logprobs"``. Each step names the vLLM function whose semantics it follows;
-the code is written from those semantics, not copied. vLLM's batch-level behaviours are mirrored on
-purpose (the harness predicts the engine): a greedy row reports ``log_softmax(z)`` (in a mixed batch it
-runs the random path at T = 1 with no filters, the same values), and the top-k/top-p step picks its
-algorithm per batch: top-k-only when no row uses top_p, else sort + cumulative sum for every row, where
-top_p = 1 still drops tokens whose float32 probability underflowed to 0 (``-inf`` instead of a large
-negative log-prob).
+Float32 logits ``[N, V]`` and one spec per row in; the kept set S_q and the processed log-probs out. Each
+step names the vLLM function it follows (written from its semantics, not copied), batch-level behaviours
+included: greedy rows report ``log_softmax(z)``, and the top-k/top-p algorithm is chosen per batch.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from parity.core import tolerances
 from parity.core.spec import SAMPLING_EPS, SamplingSpec, per_row
 from parity.errors import UsageError
 
@@ -53,10 +45,8 @@ class FilterResult:
 def check_logits(logits: torch.Tensor, name: str = "logits") -> torch.Tensor:
     """Validate ``[N, V]`` logits: no NaN, no +inf, at least one finite value per row.
 
-    One reduction decides it: the row max is NaN if the row holds a NaN (``amax`` propagates NaN), +inf if
-    it holds +inf, -inf if every value is -inf, and finite exactly when the row is valid. Only a row that
-    fails is searched for the place to name. (``isfinite`` over the tensor, as this check did before, cost
-    four times the ``log_softmax`` it guards.)
+    One reduction decides it (the row max is finite exactly when the row is valid); only a failing row is
+    searched for the place to name.
     """
     if logits.dim() != 2:
         raise UsageError(f"{name} has shape {tuple(logits.shape)}: allowed a 2-D [N, V] tensor")
@@ -105,43 +95,6 @@ def min_p_mask(scaled: torch.Tensor, min_p: torch.Tensor, *, log_space: bool = F
     return probs < threshold
 
 
-def min_p_decide(vals: torch.Tensor, row_max: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`min_p_mask` on some of a row's values without the row's softmax: (dropped, rows to redo).
-
-    vLLM's float32 comparison ``p_i < min_p * max_j p_j`` is the exact ``z_i - m < log(min_p)`` (m the
-    row max) except within :func:`parity.core.tolerances.min_p_band` of it: both sides share the
-    softmax's denominator, so its rounding cancels. ``vals``: float32 ``[R, C]``, any of each row's
-    scaled logits (a top-k candidate list, say); ``row_max``: float32 ``[R]``, the max of the whole row;
-    ``min_p``: float32 ``[R]`` (0 drops nothing, as in vLLM). A value below the band is dropped and one
-    above it kept. A row with a value inside the band, or with ``0 < min_p <``
-    :data:`parity.core.tolerances.MIN_P_FAST_MIN`, is flagged in the second result: only the reference's
-    own :func:`min_p_mask` on the whole row decides it (its ``dropped`` entries are meaningless).
-    """
-    lo32, hi32, redo = min_p_thresholds(row_max.to(device=vals.device), min_p.to(device=vals.device))
-    dropped = vals < lo32.unsqueeze(1)  # certainly below the threshold (every -inf when min_p > 0)
-    near = ((vals >= lo32.unsqueeze(1)) & (vals < hi32.unsqueeze(1))).any(dim=1)
-    return dropped, near | redo
-
-
-def min_p_thresholds(row_max: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The float32 band of :func:`min_p_decide` per row: (lo, hi, redo).
-
-    A value ``< lo`` is dropped by vLLM's min_p, one ``>= hi`` kept; one in ``[lo, hi)`` may go either way
-    (the reference decides the row). ``redo``: rows with ``0 < min_p <`` :data:`parity.core.tolerances.MIN_P_FAST_MIN`,
-    which the band does not cover. ``row_max`` float32 ``[R]`` (the max of the whole row), ``min_p``
-    float32 ``[R]``; min_p = 0 gives lo = -inf (nothing dropped).
-    """
-    mp = min_p.to(dtype=torch.float64)
-    log_mp = torch.log(mp)
-    width = tolerances.min_p_band(torch.where(mp > 0, log_mp, torch.zeros_like(log_mp)))
-    at = row_max.to(dtype=torch.float64) + log_mp
-    lo, hi = at - width, at + width
-    lo32, hi32 = lo.to(row_max.dtype), hi.to(row_max.dtype)  # rounded outward: the float32 band covers [lo, hi)
-    lo32 = torch.where(lo32.double() > lo, torch.nextafter(lo32, torch.full_like(lo32, NEG_INF)), lo32)
-    hi32 = torch.where(hi32.double() < hi, torch.nextafter(hi32, torch.full_like(hi32, math.inf)), hi32)
-    return lo32, hi32, (mp > 0) & (mp < tolerances.MIN_P_FAST_MIN)
-
-
 def top_k_only(scaled: torch.Tensor, k: torch.Tensor, *, drop_ties: bool = False) -> torch.Tensor:
     """Drop ``z' < k-th largest z'``; every token tied with the k-th value is kept.
 
@@ -167,12 +120,9 @@ def top_k_top_p_sorted(
 ) -> torch.Tensor:
     """The sort-based top-k then top-p cut, used when any row of the batch sets top_p.
 
-    Mirrors ``apply_top_k_top_p`` (vllm/v1/sample/ops/topk_topp_sampler.py, PyTorch path):
-    * sort ascending; top_k drops values below the value at sorted position V - k (ties kept);
-    * top_p: softmax over the top_k-surviving sorted values, cumulative sum ascending, positions
-      with ``cumsum <= 1 - p`` dropped, the last (largest) position always kept. Ties at the top_p
-      boundary therefore fall on torch's sort order, which this function reproduces by using the
-      same sort.
+    Mirrors ``apply_top_k_top_p`` (vllm/v1/sample/ops/topk_topp_sampler.py): sort ascending, drop values below
+    position V - k (ties kept), then drop ``cumsum(softmax) <= 1 - p`` but the largest; ties at the top_p
+    boundary fall on the same sort order.
     """
     vocab = scaled.shape[1]
     vals, idx = scaled.sort(dim=-1, descending=False)

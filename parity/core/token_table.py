@@ -1,9 +1,5 @@
-"""Per-token comparison of the sampler's records against trainer logits (engine-free).
-
-The sampler side contributes its processed log-prob of each sampled token and the captured S_q; the
-trainer side contributes raw logits. Every estimator is evaluated at every position and laid out in
-one flat :class:`TokenTable` with locators (prompt, position, token) so a gate can name exactly where
-it failed.
+"""Per-token comparison of the sampler's records against trainer logits (engine-free): every estimator at
+every position, in one flat :class:`TokenTable` with locators (prompt, position, token) for the gates.
 """
 
 from __future__ import annotations
@@ -146,7 +142,6 @@ def build_table(
     scalar = ("seq_lengths", "user", "user_name", "roundoff", "s_source")
     cols: dict[str, list[torch.Tensor]] = {f.name: [] for f in fields(TokenTable) if f.name not in scalar}
     sources: set[str] = set()
-    nan = float("nan")
     lengths = []
     for r, (y, z, kept) in zip(records, _plant(records, list(logits), faults, vocab), strict=True):
         n = r.length
@@ -184,47 +179,9 @@ def build_table(
         cols["s_hi"].append(hi)
         sources.add(source)
         if kept is None:
-            # Unfiltered: S_q is the whole vocabulary, replay is the full log-softmax, log S = 0.
-            cols["replay"].append(full - shift_full + shift)
-            cols["log_s"].append(torch.zeros(n, dtype=torch.float64))
-            cols["captured"].append(torch.zeros(n, dtype=torch.bool))
-            cols["incomplete"].append(torch.zeros(n, dtype=torch.bool))
-            cols["sampled_outside"].append(_engine_missing(r, n))
-            cols["logit_drift"].append(torch.full((n,), nan, dtype=torch.float64))
-            cols["replay_support_ok"].append(torch.ones(n, dtype=torch.bool))
-            cols["recompute_support_equal"].append(rec.kept.all(dim=-1))
-            cols["support_size"].append(torch.full((n,), vocab, dtype=torch.long))
-            cols["kl"].append(torch.zeros(n, dtype=torch.float64))
-            cols["tv"].append(torch.zeros(n, dtype=torch.float64))
-            continue
-        rep = estimators.replay(z, y, kept, trainer_spec)
-        cols["replay"].append(rep.logprobs.double() + shift)
-        cols["log_s"].append(estimators.predicted_log_s(z, kept, trainer_spec).double())
-        incomplete = r.incomplete if r.incomplete is not None else torch.zeros(n, dtype=torch.bool)
-        cols["captured"].append(torch.ones(n, dtype=torch.bool))
-        cols["incomplete"].append(incomplete)
-        # The engine's own flag, about the token it sampled: a trainer scoring another token is the
-        # trainer's fault (token mismatch), not the capture's. Outside a complete capture only: beyond
-        # a full head the sampled token may simply be unlisted.
-        missing = _engine_missing(r, n, kept)
-        cols["sampled_outside"].append(missing & ~incomplete)
-        # Sampler mass over the captured ids; a dropped token leaves it short of 1.
-        sampler_lp = _sampler_lp_of(r, kept)
-        mass_ok = (support_mass(sampler_lp) - 1.0).abs() <= SUPPORT_MASS_TOL
-        cols["replay_support_ok"].append(~incomplete & ~missing & mass_ok)
-        cols["support_size"].append((kept >= 0).sum(dim=-1))
-        q_mask = estimators.ids_to_mask(kept, vocab)
-        equal = support_equal(rec.kept, q_mask)
-        if not bool(equal.all()):  # a set that differs only at the cutoff, within drift, is the same filter
-            equal |= boundary_only(rec.kept, q_mask, zs, bound)
-        cols["recompute_support_equal"].append(equal)
-        # KL / TV between the sampler's processed distribution and the trainer's replayed one, on S_q.
-        vals = zs.gather(1, kept.clamp(min=0)).masked_fill(kept < 0, float("-inf")).double()
-        t_lp = vals - torch.logsumexp(vals, dim=-1, keepdim=True)
-        kl, tv = kl_tv_over_support(sampler_lp, t_lp)
-        cols["kl"].append(kl)
-        cols["tv"].append(tv)
-        cols["logit_drift"].append(_logit_drift(sampler_lp, t_lp))
+            _add_unfiltered(cols, r, full - shift_full + shift, rec.kept, vocab)
+        else:
+            _add_captured(cols, r, z, y, zs, kept, rec.kept, shift, trainer_spec, bound)
     u = unit_roundoff(dtype)
     source = sources.pop() if len(sources) == 1 else ("mixed" if sources else "none")
     if not lengths:
@@ -232,6 +189,61 @@ def build_table(
         return TokenTable(**empty, seq_lengths=[], roundoff=u, s_source=source)
     joined: dict[str, Any] = {k: torch.cat(v) for k, v in cols.items()}
     return TokenTable(**joined, seq_lengths=lengths, roundoff=u, s_source=source)
+
+
+Columns = dict[str, list[torch.Tensor]]
+
+
+def _add_unfiltered(cols: Columns, r: SequenceRecord, replay: torch.Tensor, rec_kept: torch.Tensor, vocab: int) -> None:
+    """Unfiltered: S_q is the whole vocabulary, replay is the full log-softmax, log S = 0."""
+    n = r.length
+    nan = float("nan")
+    cols["replay"].append(replay)
+    cols["log_s"].append(torch.zeros(n, dtype=torch.float64))
+    cols["captured"].append(torch.zeros(n, dtype=torch.bool))
+    cols["incomplete"].append(torch.zeros(n, dtype=torch.bool))
+    cols["sampled_outside"].append(_engine_missing(r, n))
+    cols["logit_drift"].append(torch.full((n,), nan, dtype=torch.float64))
+    cols["replay_support_ok"].append(torch.ones(n, dtype=torch.bool))
+    cols["recompute_support_equal"].append(rec_kept.all(dim=-1))
+    cols["support_size"].append(torch.full((n,), vocab, dtype=torch.long))
+    cols["kl"].append(torch.zeros(n, dtype=torch.float64))
+    cols["tv"].append(torch.zeros(n, dtype=torch.float64))
+
+
+def _add_captured(cols: Columns, r: SequenceRecord, z: torch.Tensor, y: torch.Tensor, zs: torch.Tensor,
+                  kept: torch.Tensor, rec_kept: torch.Tensor, shift: torch.Tensor, trainer_spec: SamplingSpec,
+                  bound: torch.Tensor) -> None:
+    """A captured S_q: replay over it, predicted log S, the support checks, KL / TV and the logit drift."""
+    n, vocab = r.length, int(z.shape[-1])
+    rep = estimators.replay(z, y, kept, trainer_spec)
+    cols["replay"].append(rep.logprobs.double() + shift)
+    cols["log_s"].append(estimators.predicted_log_s(z, kept, trainer_spec).double())
+    incomplete = r.incomplete if r.incomplete is not None else torch.zeros(n, dtype=torch.bool)
+    cols["captured"].append(torch.ones(n, dtype=torch.bool))
+    cols["incomplete"].append(incomplete)
+    # The engine's own flag, about the token it sampled: a trainer scoring another token is the
+    # trainer's fault (token mismatch), not the capture's. Outside a complete capture only: beyond
+    # a full head the sampled token may simply be unlisted.
+    missing = _engine_missing(r, n, kept)
+    cols["sampled_outside"].append(missing & ~incomplete)
+    # Sampler mass over the captured ids; a dropped token leaves it short of 1.
+    sampler_lp = _sampler_lp_of(r, kept)
+    mass_ok = (support_mass(sampler_lp) - 1.0).abs() <= SUPPORT_MASS_TOL
+    cols["replay_support_ok"].append(~incomplete & ~missing & mass_ok)
+    cols["support_size"].append((kept >= 0).sum(dim=-1))
+    q_mask = estimators.ids_to_mask(kept, vocab)
+    equal = support_equal(rec_kept, q_mask)
+    if not bool(equal.all()):  # a set that differs only at the cutoff, within drift, is the same filter
+        equal |= boundary_only(rec_kept, q_mask, zs, bound)
+    cols["recompute_support_equal"].append(equal)
+    # KL / TV between the sampler's processed distribution and the trainer's replayed one, on S_q.
+    vals = zs.gather(1, kept.clamp(min=0)).masked_fill(kept < 0, float("-inf")).double()
+    t_lp = vals - torch.logsumexp(vals, dim=-1, keepdim=True)
+    kl, tv = kl_tv_over_support(sampler_lp, t_lp)
+    cols["kl"].append(kl)
+    cols["tv"].append(tv)
+    cols["logit_drift"].append(_logit_drift(sampler_lp, t_lp))
 
 
 def _engine_missing(r: SequenceRecord, n: int, kept: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,13 +1,7 @@
-"""The invariance checks: measured, not assumed, on both sides.
+"""The invariance checks, measured, never assumed: bitwise (``torch.equal``), with ``max_abs_diff`` for a failure.
 
-- ``check_rollout_invariance``: one target prompt alone (batch size 1) vs the same prompt inside
-  batches mixed with prompts of other lengths, greedy and seeded sampling, plus run-to-run repeats.
-- ``check_trainer_invariance``: one sequence alone vs inside a right-padded, a left-padded and a
-  packed batch, compared on the logits at the completion positions.
-
-Every comparison is bitwise (``torch.equal``); ``max_abs_diff`` says how far off a failure is. The
-knobs that should make them hold are :mod:`parity.determinism.knobs`; the gate and the report section
-are :mod:`parity.determinism.gate`.
+``check_rollout_invariance``: a target prompt alone vs inside mixed batches (greedy and seeded), plus repeats.
+``check_trainer_invariance``: a sequence alone vs right-padded, left-padded and packed batches.
 """
 
 from __future__ import annotations
@@ -18,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from parity.core.metrics import max_abs_difference
-from parity.determinism.kernels import ATTENTION_NAME as CPU_ATTENTION
+from parity.determinism.attention_kernel import ATTENTION_NAME as CPU_ATTENTION
 from parity.determinism.knobs import UNAVAILABLE
 from parity.errors import UsageError
 
@@ -115,15 +109,9 @@ def check_rollout_invariance(
 ) -> dict[str, Any]:
     """The rollout engine's answer for ``prompts[0]`` must not depend on what else is in the batch.
 
-    For greedy decoding and for seeded sampling with ``spec`` (T=1 if ``spec`` is greedy): the target
-    alone is the reference; then the target sits in the middle of a batch of each size, the rest
-    filled with ``prompts[1:]`` (other lengths). Tokens must be equal and log-probs (and the kept set,
-    when captured) bitwise equal. Run-to-run: ``repeats`` identical requests must give one unique
-    output. ``rollout.generate`` seeds prompt i with ``seed + i``, so each batch is sent with
-    ``seed - position`` and the target keeps its seed.
-
-    ``perturb(check_name, record) -> record`` is a test hook for negative controls: it is applied to
-    every record compared against a reference (never to the reference itself).
+    Greedy and seeded sampling (T=1 if ``spec`` is greedy): the target alone is the reference, then it sits in
+    the middle of each batch size among ``prompts[1:]``, seeded so it keeps its seed; ``repeats`` identical
+    requests must give one output. ``perturb(name, record)``: a negative-control hook on compared records.
     """
     if len(prompts) < 2:
         raise UsageError(
@@ -153,40 +141,13 @@ def check_rollout_invariance(
             name = f"rollout {mode} batch={b}"
             if perturb is not None:
                 got = perturb(name, got)
-            checks.append(
-                {
-                    "name": name,
-                    "side": "rollout",
-                    "mode": mode,
-                    "kind": "batch",
-                    "batch_size": b,
-                    "position": pos,
-                    "filler_lengths": sorted({len(p) for p in batch} - {len(target)}),
-                    **compare_records(ref, got),
-                }
-            )
-        runs = []
-        for r in range(repeats):
-            out = gen([target], mspec, seed)[0]
-            if perturb is not None and r:
-                out = perturb(f"rollout {mode} run-to-run #{r}", out)
-            runs.append(out)
-        per_run = [compare_records(runs[0], o) for o in runs[1:]]
-        unique = len({_fingerprint(o) for o in runs})
-        diffs = [c["max_abs_diff"] for c in per_run if c["max_abs_diff"] is not None]
-        checks.append(
-            {
-                "name": f"rollout {mode} run-to-run x{repeats}",
-                "side": "rollout",
-                "mode": mode,
-                "kind": "run_to_run",
-                "repeats": repeats,
-                "unique_outputs": unique,
-                "bitwise": unique == 1,
-                "tokens_equal": all(c["tokens_equal"] for c in per_run),
-                "max_abs_diff": max(diffs) if diffs else None,
-            }
-        )
+            checks.append({"name": name, "side": "rollout", "mode": mode, "kind": "batch", "batch_size": b,
+                           "position": pos, "filler_lengths": sorted({len(p) for p in batch} - {len(target)}),
+                           **compare_records(ref, got)})
+        runs = [gen([target], mspec, seed)[0] for _ in range(repeats)]
+        if perturb is not None:
+            runs = runs[:1] + [perturb(f"rollout {mode} run-to-run #{r}", o) for r, o in enumerate(runs[1:], 1)]
+        checks.append(_run_to_run(mode, runs))
     return {
         "side": "rollout",
         "engine": getattr(rollout, "name", type(rollout).__name__),
@@ -201,21 +162,25 @@ def check_rollout_invariance(
     }
 
 
+def _run_to_run(mode: str, runs: list[Any]) -> dict[str, Any]:
+    """One check of ``len(runs)`` identical requests: one unique output, compared against the first."""
+    per_run = [compare_records(runs[0], o) for o in runs[1:]]
+    unique = len({_fingerprint(o) for o in runs})
+    diffs = [c["max_abs_diff"] for c in per_run if c["max_abs_diff"] is not None]
+    return {"name": f"rollout {mode} run-to-run x{len(runs)}", "side": "rollout", "mode": mode, "kind": "run_to_run",
+            "repeats": len(runs), "unique_outputs": unique, "bitwise": unique == 1,
+            "tokens_equal": all(c["tokens_equal"] for c in per_run), "max_abs_diff": max(diffs) if diffs else None}
+
+
 # -- trainer side --------------------------------------------------------------------------------
 
 
 def _packed_mask(
     impl: str | None, seg: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor | None, str | None]:
-    """Block-diagonal causal mask for one packed row, in the form the attention implementation reads.
-
-    transformers passes a 4D mask through unchanged (masking_utils ``_preprocess_mask_arguments``):
-    sdpa and the CPU kernels' attention read a boolean mask (True = attend), eager adds the mask to
-    the scores, so it needs 0 / min.
-    Position ids alone do not isolate the sequences here: transformers derives the block-diagonal mask
-    from restarting position ids only when the forward has no KV cache (masking_utils
-    ``_preprocess_mask_arguments``), and a forward creates one by default (measured: logits off by >10
-    without it), so the mask is always explicit.
+    """Block-diagonal causal mask for one packed row, as the attention implementation reads it: boolean for sdpa
+    and the CPU kernels, additive 0 / min for eager. Always explicit: transformers derives it from restarting
+    position ids only without a KV cache, and a forward creates one by default.
     """
     t = seg.shape[0]
     allowed = (seg[:, None] == seg[None, :]) & torch.ones(t, t, dtype=torch.bool, device=seg.device).tril()
@@ -240,14 +205,9 @@ def check_trainer_invariance(
 ) -> dict[str, Any]:
     """The trainer's logits for a sequence must not depend on how it is batched.
 
-    Reference: each record's prompt + completion alone. Compared: the same sequences in one
-    right-padded batch, one left-padded batch (position ids from the mask) and one packed row
-    (sequences concatenated, position ids restarting per sequence, block-diagonal causal mask).
-    Compared on the logits rows that predict the completion tokens, bitwise. ``tokens_equal`` says
-    whether the argmax token at every compared row is the same (what greedy decoding would pick).
-
-    ``perturb(check_name, rows) -> rows`` is a test hook for negative controls, applied to the batched
-    rows (one ``[L, V]`` tensor per record) before the comparison.
+    Each record alone is the reference for the same sequences right-padded, left-padded and packed (restarting
+    position ids, block-diagonal mask), compared bitwise on the rows that predict the completion.
+    ``perturb(name, rows)``: a negative-control hook on the batched rows.
     """
     if not records:
         raise UsageError("check_trainer_invariance needs at least one record")
@@ -260,33 +220,56 @@ def check_trainer_invariance(
     dtype = next(model.parameters()).dtype
 
     def forward(ids: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor) -> torch.Tensor:
-        out = model(
-            input_ids=ids.to(device),
-            attention_mask=None if mask is None else mask.to(device),
-            position_ids=pos.to(device),
-        )
+        out = model(input_ids=ids.to(device), attention_mask=None if mask is None else mask.to(device),
+                    position_ids=pos.to(device))
         logits: torch.Tensor = out.logits.float().cpu()
         return logits
-
-    def rows(logits: torch.Tensor, offsets: list[int]) -> list[torch.Tensor]:
-        # Record i sits in batch row i (padded layouts) or at offset o of the single packed row.
-        row = (lambda i: 0) if logits.shape[0] == 1 else (lambda i: i)
-        return [
-            logits[row(i), o + s : o + s + n]
-            for i, ((s, n), o) in enumerate(zip(spans, offsets, strict=True))
-        ]
 
     alone = []
     for s, (start, n) in zip(seqs, spans, strict=True):
         ids = torch.tensor([s])
-        out = forward(ids, torch.ones_like(ids), torch.arange(len(s))[None])
-        alone.append(out[0, start : start + n])
+        alone.append(forward(ids, torch.ones_like(ids), torch.arange(len(s))[None])[0, start : start + n])
+    checks: list[dict[str, Any]] = []
+    for layout, build in _layouts(forward, seqs, spans, impl, dtype).items():
+        name = f"trainer {layout.replace('_', '-')}"
+        got, why = build()
+        if got is None:
+            checks.append({"name": name, "side": "trainer", "layout": layout, "status": UNAVAILABLE, "reason": why,
+                           "bitwise": None, "tokens_equal": None, "max_abs_diff": None})
+            continue
+        if perturb is not None:
+            got = perturb(name, got)
+        per = [max_abs_difference(a, g) for a, g in zip(alone, got, strict=True)]
+        equal = [torch.equal(a, g) for a, g in zip(alone, got, strict=True)]
+        worst = max(range(len(seqs)), key=lambda i: per[i])
+        checks.append({
+            "name": name, "side": "trainer", "layout": layout, "status": "measured", "bitwise": all(equal),
+            "tokens_equal": all(torch.equal(a.argmax(-1), g.argmax(-1)) for a, g in zip(alone, got, strict=True)),
+            "max_abs_diff": max(per), "records_not_bitwise": sum(not e for e in equal),
+            "worst_record": worst if per[worst] else None,
+        })
+    measured = [c for c in checks if c["status"] == "measured"]
+    return {"side": "trainer", "attention": impl, "dtype": str(dtype).removeprefix("torch."), "records": len(seqs),
+            "lengths": [len(s) for s in seqs], "checks": checks, "invariant": all(c["bitwise"] for c in measured)}
 
+
+Rows = tuple[list[torch.Tensor] | None, str | None]
+
+
+def _layouts(
+    forward: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor],
+    seqs: list[list[int]], spans: list[tuple[int, int]], impl: str | None, dtype: torch.dtype,
+) -> dict[str, Callable[[], Rows]]:
+    """Per layout, a call that runs the batch and returns each record's completion rows (or None and why)."""
     lens = [len(s) for s in seqs]
     width, count = max(lens), len(seqs)
-    layouts: dict[str, Callable[[], tuple[list[torch.Tensor] | None, str | None]]] = {}
 
-    def padded(left: bool) -> tuple[list[torch.Tensor] | None, str | None]:
+    def rows(logits: torch.Tensor, offsets: list[int]) -> list[torch.Tensor]:
+        # Record i sits in batch row i (padded layouts) or at offset o of the single packed row.
+        row = (lambda i: 0) if logits.shape[0] == 1 else (lambda i: i)
+        return [logits[row(i), o + s : o + s + n] for i, ((s, n), o) in enumerate(zip(spans, offsets, strict=True))]
+
+    def padded(left: bool) -> Rows:
         ids = torch.zeros(count, width, dtype=torch.long)
         mask = torch.zeros(count, width, dtype=torch.long)
         offsets = []
@@ -298,65 +281,13 @@ def check_trainer_invariance(
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         return rows(forward(ids, mask, pos), offsets), None
 
-    def packed() -> tuple[list[torch.Tensor] | None, str | None]:
+    def packed() -> Rows:
         seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
         mask, why = _packed_mask(impl, seg, dtype)
         if mask is None:
             return None, why
         ids = torch.tensor([t for s in seqs for t in s])[None]
         pos = torch.cat([torch.arange(n) for n in lens])[None]
-        offsets = [sum(lens[:i]) for i in range(count)]
-        return rows(forward(ids, mask, pos), offsets), None
+        return rows(forward(ids, mask, pos), [sum(lens[:i]) for i in range(count)]), None
 
-    layouts["right_padded"] = lambda: padded(left=False)
-    layouts["left_padded"] = lambda: padded(left=True)
-    layouts["packed"] = packed
-
-    checks: list[dict[str, Any]] = []
-    for layout, build in layouts.items():
-        name = f"trainer {layout.replace('_', '-')}"
-        got, why = build()
-        if got is None:
-            checks.append(
-                {
-                    "name": name,
-                    "side": "trainer",
-                    "layout": layout,
-                    "status": UNAVAILABLE,
-                    "reason": why,
-                    "bitwise": None,
-                    "tokens_equal": None,
-                    "max_abs_diff": None,
-                }
-            )
-            continue
-        if perturb is not None:
-            got = perturb(name, got)
-        per = [max_abs_difference(a, g) for a, g in zip(alone, got, strict=True)]
-        equal = [torch.equal(a, g) for a, g in zip(alone, got, strict=True)]
-        worst = max(range(count), key=lambda i: per[i])
-        checks.append(
-            {
-                "name": name,
-                "side": "trainer",
-                "layout": layout,
-                "status": "measured",
-                "bitwise": all(equal),
-                "tokens_equal": all(
-                    torch.equal(a.argmax(-1), g.argmax(-1)) for a, g in zip(alone, got, strict=True)
-                ),
-                "max_abs_diff": max(per),
-                "records_not_bitwise": sum(not e for e in equal),
-                "worst_record": worst if per[worst] else None,
-            }
-        )
-    measured = [c for c in checks if c["status"] == "measured"]
-    return {
-        "side": "trainer",
-        "attention": impl,
-        "dtype": str(dtype).removeprefix("torch."),
-        "records": count,
-        "lengths": lens,
-        "checks": checks,
-        "invariant": all(c["bitwise"] for c in measured),
-    }
+    return {"right_padded": lambda: padded(left=False), "left_padded": lambda: padded(left=True), "packed": packed}

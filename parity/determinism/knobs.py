@@ -1,12 +1,8 @@
 """Batch-invariant mode (the "fix"): the knobs that should make both sides batch-invariant.
 
-``batch_invariant_mode`` has the shape of batch_invariant_ops' ``set_batch_invariant_mode``: a context
-manager that turns knobs on and puts every one back on exit, exception or not. It yields a
-``DeterminismState`` that says, knob by knob, what is in force (``on``, ``off`` or ``unavailable`` with
-the reason); a knob that could not be turned on is never reported as on. On CPU no process-wide knob
-makes transformers batch-invariant, so the mode installs :mod:`parity.determinism.kernels` on the
-trainer models it is given. What was measured on each side: docs/batch_invariance.md; the checks that
-measure whether the mode holds: :mod:`parity.determinism.checks`.
+``batch_invariant_mode`` is a context manager in the shape of batch_invariant_ops' ``set_batch_invariant_mode``:
+knobs on, every one put back on exit. Its ``DeterminismState`` says what is in force, knob by knob; on CPU it
+installs :mod:`parity.determinism.kernels` on the trainer models. See docs/batch_invariance.md, section 2.
 """
 
 from __future__ import annotations
@@ -21,7 +17,8 @@ from typing import Any
 
 import torch
 
-from parity.determinism.kernels import ATTENTION_NAME as CPU_ATTENTION
+from parity.determinism.attention_kernel import ATTENTION_KERNEL
+from parity.determinism.attention_kernel import ATTENTION_NAME as CPU_ATTENTION
 from parity.errors import SetupError, UsageError
 
 ON, OFF, UNAVAILABLE = "on", "off", "unavailable"
@@ -268,7 +265,7 @@ def _cpu_kernels(state: DeterminismState, undo: _Undo, enabled: bool, models: Se
         state.add(ker, UNAVAILABLE, None, str(exc))
         return
     undo.push(kernels.restore)
-    state.add(att, ON, CPU_ATTENTION, cpu_kernels.ATTENTION_KERNEL)
+    state.add(att, ON, CPU_ATTENTION, ATTENTION_KERNEL)
     # A live dict: the calls each forward made under the kernels are counted into it.
     state.add(ker, ON, kernels.report, "row-invariant CPU kernels on the trainer models' forward (parity.determinism.kernels)")
 
@@ -421,23 +418,12 @@ def batch_invariant_mode(
     threads: int | None = None,
     models: Sequence[Any] = (),
 ) -> Iterator[DeterminismState]:
-    """Turn on every knob known to make results batch-invariant and deterministic on ``device``.
+    """Turn on every knob known to make results batch-invariant and deterministic on ``device``; restore on exit.
 
-    Restores the previous state of each knob on exit, exception or not. ``enabled=False`` changes
-    nothing and yields the state in force, so a run without the mode still reports its knobs.
-
-    Every device: ``torch.use_deterministic_algorithms``, oneDNN's deterministic flag and a fixed torch
-    thread count (``threads``, default: the current count). For the transformers ``models`` given (the
-    trainer's): on CPU the batch-invariant kernel set of ``parity.determinism.kernels`` (its attention
-    included; knobs ``trainer_attention`` and ``cpu_kernels``, whose value lists the replaced kernels
-    and counts their calls), on other devices eager attention.
-    CUDA only, and only here in code (not run on this project's CPU machines): TF32 off, cuDNN
-    deterministic and benchmark off, reduced-precision fp16/bf16 reductions off,
-    ``CUBLAS_WORKSPACE_CONFIG``, ``VLLM_BATCH_INVARIANT=1`` and vLLM's batch-invariant aten overrides
-    in this process. The environment variables are read when an engine or a cuBLAS handle starts:
-    **enter the mode before the vLLM engine starts** and keep the engine's lifetime inside it.
-    On CPU those knobs are reported ``unavailable`` with the reason; VLLM_BATCH_INVARIANT is never set
-    on CPU because vLLM's CPU backend crashes with it.
+    ``enabled=False`` changes nothing and yields the state in force. Every device: deterministic algorithms,
+    oneDNN's flag, a fixed thread count; the ``models`` given get the CPU kernel set (CPU) or eager attention.
+    CUDA also sets TF32/cuDNN/reduction knobs and ``VLLM_BATCH_INVARIANT=1``, read when an engine starts: enter
+    the mode before the vLLM engine starts. The knobs, device by device: docs/batch_invariance.md, section 2.
     """
     dev = _device_type(device)
     if enabled and dev == "cuda" and not torch.cuda.is_available():

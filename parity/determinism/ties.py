@@ -1,9 +1,7 @@
 """``parity ties``: how the engine treats ties at the k-th value, per batch size, measured not assumed.
 
-vLLM's PyTorch top-k path keeps every token tied with the k-th value, so |S_q| can exceed k. Fused
-GPU kernels may not (a report says ties are kept only when a step samples fewer than 8 rows). This
-runs the tie fixture at batch sizes 1..16 with top_k at a tie boundary and reports, per batch size,
-how often |S_q| > k.
+vLLM's PyTorch top-k path keeps every token tied with the k-th value; fused GPU kernels may not. This runs
+the tie fixture at batch sizes 1..16 with top_k at a tie boundary and reports how often |S_q| > k.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """The engines' output goes to ``engine.log``; parity's own lines and its wait indicators go to the terminal.
 
-vLLM logs through a handler bound to the ``sys.stdout`` of the moment it was imported, torch's C++
-warnings and vLLM's kernels write straight to file descriptor 2, transformers draws tqdm bars on
-``sys.stderr`` and libraries raise Python warnings. Swapping Python stream objects catches only
-some of it (and a handler created meanwhile keeps a stream that is closed later), so
-:class:`EngineOutput` points file descriptors 1 and 2 themselves at the log for as long as the engines
-live, and keeps a duplicate of the terminal's stderr for parity's own lines (:meth:`EngineOutput.say`)
-and for the elapsed-time indicator of long waits (:func:`waiting`). Processes started inside inherit
-the log as their stdout and stderr.
-
-On an exception the descriptors are restored first and the last lines of the log are shown with
-it. ``verbose=True`` leaves every descriptor alone (the engines print to the terminal as before);
-the log then holds parity's own lines only (each starts with ``MARK``).
+vLLM, torch's C++ code, tqdm and warnings write to several streams and straight to file descriptors, so
+:class:`EngineOutput` points descriptors 1 and 2 at the log while the engines live and keeps a duplicate
+of the terminal's stderr for :meth:`EngineOutput.say` and :func:`waiting`. On an exception the descriptors
+are restored first and the log's last lines shown; ``verbose=True`` leaves every descriptor alone.
 """
 
 from __future__ import annotations

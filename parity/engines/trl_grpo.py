@@ -1,14 +1,9 @@
 """TRL's ``GRPOTrainer`` under parity: capture what it computes, and optionally fix its IS correction.
 
-TRL 1.16 (``trl/trainer/grpo_trainer.py``, ``GRPOTrainer._generate_and_score_completions``) compares
-vLLM's processed log-prob of each sampled token (``sampling_per_token_logps``: ``log(p / S)``,
-renormalised over the kept set) with the trainer's full-vocabulary ``log_softmax(z / T)`` from its fused
-LM head (``old_per_token_logps``: ``log p``). Their difference is ``log S`` per token plus kernel noise,
-and TRL's ``importance_sampling_ratio`` is ``exp`` of it (per token, or summed over the sequence).
-:func:`patch_grpo` patches TRL's classes inside a ``with`` block: it captures S_q from vLLM's processed
-head and records each generation batch per sequence (:data:`SEQUENCE_FIELDS`); ``mode="replay"`` or
-``"recompute"`` renormalises the log-probs the IS correction reads, ``"observe"`` changes nothing. An
-example: the README's "TRL's GRPOTrainer under parity".
+TRL 1.16 compares vLLM's processed log-prob of each sampled token (``log(p / S)``) with the trainer's
+full-vocabulary ``log p``: their difference is ``log S`` plus noise, and TRL's IS ratio is its ``exp``.
+:func:`patch_grpo` captures S_q per generation batch and can renormalise what the IS correction reads.
+Example: README, "TRL's GRPOTrainer under parity".
 """
 
 from __future__ import annotations
@@ -245,11 +240,8 @@ def _adaptive_generate(generate: Any, plan: CapturePlan, spec: SamplingSpec, voc
                        seeds: random.Random, batch: dict[str, Any], rows: SamplerRows | None = None) -> Any:
     """``LLM.generate`` for one TRL batch under an adaptive plan: seeded requests, unproven ones asked again.
 
-    TRL sends one ``SamplingParams`` (n=1) for all prompts and no seed: each request gets a seed of its
-    own (so it can be drawn again) and candidate detokenization is turned off (TRL decodes completions
-    from their ids; the text of thousands of head candidates per position is what made wide captures
-    slow). The outputs TRL gets back are, per sequence, those of the capture that proved it (or of its
-    first draw); what the batch needed goes to ``batch``.
+    Each request gets its own seed (TRL sends none) and candidate detokenization off (TRL decodes from ids);
+    TRL gets back, per sequence, the capture that proved it (or its first draw); ``batch`` gets what it needed.
     """
 
     def wrapped(prompts: Any, sampling_params: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -295,33 +287,13 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
                max_head: int | None = None) -> Iterator[GrpoCapture]:
     """Patch TRL's GRPOTrainer/VLLMGeneration for capture (and a fix), restore on exit.
 
-    * **capture** (every mode): vLLM is asked for a head of processed log-probs wide enough to hold
-      the kept set S_q (:func:`parity.core.capture.plan_capture`; the engine is built with
-      ``max_logprobs=-1``), TRL still receives exactly the sampled token's log-prob it asked for, and
-      each generation batch is recorded per sequence (:data:`SEQUENCE_FIELDS`). Without top_k (TRL's default top_k=0
-      with top_p), the plan is adaptive: the colocated engine's ``generate`` is wrapped for the batch,
-      each request gets its own seed, and the sequences whose head does not prove S_q complete are
-      asked again with a wider head and the same seed (:func:`parity.core.capture.run_capture`); what
-      each batch needed is in :attr:`GrpoCapture.capture_plans`, and later steps start from it.
-    * ``mode="observe"``: nothing TRL computes changes.
-    * ``mode="replay"``: the trainer-side log-probs that TRL's IS correction (and its ``sampling/*``
-      metrics) read are renormalised over the captured S_q: ``old - log S_q`` with
-      ``log S_q = logsumexp(z'_{S_q}) - logsumexp(z')`` from the trainer's own logits. Positions whose
-      capture is incomplete fall back to recompute (counted).
-    * ``mode="recompute"``: the same, over parity's reference filters run on the trainer's logits
-      with the sampled token force-included (counted).
-
-    The fix touches only the tensor the IS correction consumes: after
-    ``_generate_and_score_completions`` returns, ``old_per_token_logps`` is put back to TRL's
-    full-vocabulary values, so the policy ratio ``per_token_logps - old_per_token_logps`` in
-    ``_compute_loss`` (full vocabulary on both sides) is unchanged. Enter the context before
-    constructing the trainer (the engine's ``max_logprobs`` is set at construction). Colocate and
-    server mode share the generate path; only colocate is exercised here.
-
-    ``head`` forces the number of processed log-probs requested per position (-1: the whole
-    vocabulary); by default :func:`parity.core.capture.plan_capture` picks it from the spec, and
-    ``max_head`` caps the adaptive plans of specs without top_k.
-    ``keep_logits`` keeps the trainer's ``[L, V]`` logits per sequence (what parity's full report needs).
+    Every mode captures S_q per generation batch (vLLM asked for a wide enough head, adaptive without
+    top_k); ``observe`` changes nothing TRL computes, ``replay`` and ``recompute`` renormalise the log-probs
+    TRL's IS correction reads (over the captured S_q, falling back to recompute where it is incomplete; or
+    parity's filters on the trainer's logits, the sampled token forced in). Enter it before constructing the
+    trainer; colocate and server mode share the generate path (only colocate is exercised). ``head`` forces the head per position (-1: the vocabulary), ``max_head``
+    caps adaptive plans, ``keep_logits`` keeps the trainer's ``[L, V]`` logits per sequence. What each mode
+    changes, and why the policy ratio is untouched: README, "TRL's GRPOTrainer under parity".
     """
     if mode not in MODES:
         raise UsageError(f"patch_grpo mode={mode!r} is invalid: allowed {', '.join(MODES)}")
@@ -337,13 +309,30 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
         "logps": Trainer._get_per_token_logps_and_entropies,
     }
     llm_cls = saved["LLM"]
-    # Per-request seeds of adaptive batches: their own stream, so TRL's torch RNG is left untouched.
-    seeds = random.Random(0x5EED)
 
     def make_llm(*args: Any, **kwargs: Any) -> Any:
         # vLLM refuses a head wider than max_logprobs (default 20); -1 allows the whole vocabulary.
         kwargs.setdefault("max_logprobs", -1)
         return llm_cls(*args, **kwargs)
+
+    vg.LLM = make_llm
+    Gen.generate = _patched_generate(cap, saved["generate"], head, max_head)
+    Trainer._generate_and_score_completions = _patched_score(cap, saved["score"])
+    Trainer._get_per_token_logps_and_entropies = _patched_logps(cap, saved["logps"], keep_logits)
+    try:
+        yield cap
+    finally:
+        vg.LLM = saved["LLM"]
+        Gen.generate = saved["generate"]
+        Trainer._generate_and_score_completions = saved["score"]
+        Trainer._get_per_token_logps_and_entropies = saved["logps"]
+
+
+def _patched_generate(cap: GrpoCapture, original: Any, head: int | None, max_head: int | None) -> Any:
+    """``VLLMGeneration.generate`` asking for the capture plan's head and recording S_q per sequence; TRL
+    still gets the sampled token's log-prob it asked for."""
+    # Per-request seeds of adaptive batches: their own stream, so TRL's torch RNG is left untouched.
+    seeds = random.Random(0x5EED)
 
     def generate(self: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         spec = _spec_of(self)
@@ -374,7 +363,7 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
         if plan.adaptive:
             llm.generate = _adaptive_generate(llm.generate, plan, spec, vocab, cap.history, seeds, batch, rows)
         try:
-            prompt_ids, completion_ids, logprobs, token_ids = saved["generate"](self, *args, **kwargs)
+            prompt_ids, completion_ids, logprobs, token_ids = original(self, *args, **kwargs)
         finally:
             self.logprobs = old
             if plan.adaptive:
@@ -392,9 +381,16 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
                              "spec": spec, "dtype": engine_dtype(self), "capture": stats})
         return prompt_ids, completion_ids, lps, ids
 
+    return generate
+
+
+def _patched_logps(cap: GrpoCapture, original: Any, keep_logits: bool) -> Any:
+    """``_get_per_token_logps_and_entropies``: its first call of a batch (``old_per_token_logps``) returns the
+    mode's log-probs (``old - log S_q`` for replay) and keeps TRL's full-vocabulary values for the record."""
+
     def logps(self: Any, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
               batch_size: int | None = None, **kwargs: Any) -> tuple[Any, ...]:
-        out: tuple[Any, ...] = saved["logps"](self, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **kwargs)
+        out: tuple[Any, ...] = original(self, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **kwargs)
         active = cap._active
         if active is None or active["old"] is not None or not cap._pending:
             return out
@@ -424,6 +420,13 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
         active["old"] = {"full": full_lp.detach().clone(), "used": used.detach().clone(), "rows": rows}
         return (used, *out[1:])
 
+    return logps
+
+
+def _patched_score(cap: GrpoCapture, original: Any) -> Any:
+    """``_generate_and_score_completions``: the batch's capture recorded, and ``old_per_token_logps`` put back
+    to TRL's full-vocabulary values so only the IS correction is fixed, never the policy ratio."""
+
     def score(self: Any, inputs: Any) -> Any:
         if not (getattr(self, "use_vllm", False) and getattr(self, "vllm_importance_sampling_correction", False)):
             if cap.mode != "observe":
@@ -433,13 +436,13 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
                     f"{getattr(self, 'use_vllm', None)!r}, vllm_importance_sampling_correction="
                     f"{getattr(self, 'vllm_importance_sampling_correction', None)!r})"
                 )
-            return saved["score"](self, inputs)
+            return original(self, inputs)
         cap._pending.clear()
         active: dict[str, Any] = {"old": None, "pending": None}
         cap._active = active
         step = int(self.state.global_step)
         try:
-            output = saved["score"](self, inputs)
+            output = original(self, inputs)
         finally:
             cap._active = None
         old = active["old"]
@@ -452,17 +455,7 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
         _record(cap, self, step, pend, old, output)
         return output
 
-    vg.LLM = make_llm
-    Gen.generate = generate
-    Trainer._generate_and_score_completions = score
-    Trainer._get_per_token_logps_and_entropies = logps
-    try:
-        yield cap
-    finally:
-        vg.LLM = saved["LLM"]
-        Gen.generate = saved["generate"]
-        Trainer._generate_and_score_completions = saved["score"]
-        Trainer._get_per_token_logps_and_entropies = saved["logps"]
+    return score
 
 
 def _record(cap: GrpoCapture, trainer: Any, step: int, pend: dict[str, Any], old: dict[str, Any],

@@ -14,6 +14,7 @@ from typing import Any, TypeVar, Unpack, cast
 import torch
 
 from parity.core import capture as cap
+from parity.core.capture_plan import SMALL_VOCAB
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.engines.rollout_base import RolloutBase, RolloutSettings, Support
@@ -28,7 +29,7 @@ ROWS_HEAD = 64  # the head asked where the sampler's rows prove what it cannot (
 def rows_start(limit: int, vocab_size: int) -> int | None:
     """The start head of an adaptive plan where the sampler's rows are read: ``ROWS_HEAD`` (within the cap);
     None for a vocabulary small enough to read whole (the plan's own rule)."""
-    return min(ROWS_HEAD, limit) if vocab_size > cap.SMALL_VOCAB else None
+    return min(ROWS_HEAD, limit) if vocab_size > SMALL_VOCAB else None
 
 # Engine settings measured on CPU machines. The default KV cache grabs ~11 GiB and makes the first
 # generate 10x slower on fixture models; the in-process engine avoids the ``__main__`` guard that
@@ -97,11 +98,9 @@ def capture_outputs(
 ) -> cap.CaptureResult:
     """``plan`` run over ``generate(prompts, params)`` (``LLM.generate`` or a wrapper of it).
 
-    Each round asks its sequences with ``params[i]`` (seeded, ``n=1``) cloned and ``logprobs`` set to
-    the round's head; an adaptive plan asks unproven sequences again (:func:`~parity.core.capture.run_capture`).
-    Every ``Heads.payload`` is ``(RequestOutput, the SamplingParams it was drawn with)``. ``deadline``
-    (a ``time.monotonic()`` value) bounds the whole capture, widening included. ``rows`` (a hook
-    installed on the engine) proves, from the sampler's own row, each position its head could not.
+    Each round clones ``params[i]`` (seeded, ``n=1``) with the round's head; ``Heads.payload`` is
+    ``(RequestOutput, SamplingParams)``. ``deadline`` bounds the whole capture; ``rows`` (a hook on the engine)
+    proves from the sampler's own row each position its head could not.
     """
     mismatched = [0]
 
@@ -148,16 +147,11 @@ def generate_with_capture(
 ) -> tuple[list[Any], list[Any], cap.CaptureStats]:
     """``llm.generate`` with the kept set captured: your engine, parity's capture plan.
 
-    ``params``: one ``SamplingParams`` for every prompt, or one per prompt, each with ``n=1``; their
-    ``logprobs`` is set from :func:`parity.core.capture.plan_capture` (adaptive for top_p/min_p
-    without top_k: unproven sequences are asked again, same seed, wider head, up to ``max_head`` or
-    the engine's ``max_logprobs``, whichever is smaller). A request without a seed gets one (a
-    sequence asked again must be drawn again). The engine must run with
-    ``logprobs_mode="processed_logprobs"``. Returns the outputs (per prompt, those of the capture
-    that proved it, else of its first draw), the ``SamplingParams`` each was generated with (pass
-    both to :func:`parity.records.convert.from_request_outputs`) and what the capture did.
-    ``history`` carries what earlier calls needed into the start head of this one; ``start`` forces it;
-    ``timeout_s`` bounds the whole call, widening included.
+    ``params``: one ``SamplingParams`` (``n=1``) or one per prompt; ``logprobs`` is set from the plan, widened up
+    to ``max_head`` or the engine's ``max_logprobs``; unseeded requests get a seed. The engine needs
+    ``logprobs_mode="processed_logprobs"``. Returns the outputs, the params each was drawn with (for
+    :func:`parity.records.convert.from_request_outputs`) and the stats; ``history``, ``start`` and ``timeout_s``
+    as :func:`parity.core.capture.plan_capture` and :func:`capture_outputs`.
     """
     prompts = list(prompts)
     plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
@@ -281,15 +275,11 @@ class VllmRollout(RolloutBase):
         seed: int,
         logprobs: int | None = None,
     ) -> list[SequenceRecord]:
-        """Sample one completion per prompt (seed ``seed + i``); record log-probs and S_q.
+        """Sample one completion per prompt (seed ``seed + i``); record log-probs and S_q under :meth:`plan`.
 
-        The capture follows :meth:`plan`; adaptive plans (top_p/min_p without top_k) ask the sequences
-        with an unproven position again, same seeds, wider heads (:func:`capture_outputs`);
-        what the capture did is left in ``self.last_capture``. ``logprobs`` forces the head size
-        without :func:`~parity.core.capture.plan_capture`'s checks and without widening (diagnostics only: the
-        capture-head reproduction asks for a head smaller than top_k on purpose); positions it cannot
-        capture completely are still flagged incomplete. The engine timeout bounds the whole call,
-        widening rounds included.
+        What the capture did is left in ``self.last_capture``. ``logprobs`` forces the head without the plan's
+        checks or widening (diagnostics: the capture-head repro asks for less than top_k); positions it cannot
+        capture are still flagged. The engine timeout bounds the whole call.
         """
         from vllm.inputs import TokensPrompt
 

@@ -1,12 +1,8 @@
 """The one runner every reproduction goes through.
 
-Most repros are their section of ``standalone_src.py`` and nothing else: the runner emits that script with
-the registry's settings, runs it in a child process (with a timeout, its output in a log file) and reads
-the table and checks it writes. The repro that drives parity's own TRL patch (trl_grpo_top_p)
-is a module: ``settings(small)``, ``run(ctx, cfg) -> Measured``, ``FINDING``, ``COLUMNS`` and
-``script_config(small)`` (``settings(small, model)`` under ``--model``). The runner names
-the result after the registry entry, stores the settings, times it, turns an exception into a failed result,
-writes ``result.json``/``table.md`` and prints the Markdown.
+A script repro is emitted with the registry's settings and run in a child process (timeout, log file), its
+table and checks read back; a module repro (trl_grpo_top_p) runs in-process. Either way the result is named,
+timed, written (``result.json``, ``table.md``) and printed; an exception becomes a failed result.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Emit a reproduction as one standalone Python script (torch, transformers and vLLM only).
 
-The script text is cut from ``standalone_src.py``: its ``prelude`` section (environment, a tiny
-Llama built from code, vLLM sampling, vLLM's filter rules written out in torch, table printing) plus
-the section named after the repro (either may ``# @inline`` a parity module), followed by the repro's settings as a ``CONFIG`` literal and a
-``__main__`` guard. ``standalone_src.py`` is ordinary Python that imports nothing from parity, so
-what is emitted runs anywhere vLLM does and can be pasted into an upstream issue.
+The script text is cut from ``standalone_src.py``: its ``prelude`` section (environment, a tiny Llama
+built from code, vLLM sampling, parity's filters and rounding bound, table printing) plus the repro's
+section, then its settings as a ``CONFIG`` literal and a ``__main__`` guard. Each ``# @inline`` parity
+import is replaced by that module's code, so the script runs anywhere vLLM does, without parity.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ def _module_body(module: str, seen: set[str] | None = None) -> str:
 def inline(text: str, seen: set[str] | None = None) -> str:
     """Replace every ``# @inline`` import with the module it names (once per script: ``seen``)."""
     seen = set() if seen is None else seen
-    return _INLINE.sub(lambda m: _module_body(m.group("module"), seen), text)
+    return _INLINE.sub(lambda m: "" if m.group("module") in seen else _module_body(m.group("module"), seen), text)
 
 
 def sections(source: Path = SOURCE) -> dict[str, str]:

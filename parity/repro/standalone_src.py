@@ -1,9 +1,9 @@
 # ruff: noqa: E402, B905, F811
 """Source of the standalone reproduction scripts that ``parity repro NAME --emit-script`` writes.
 
-Nothing here imports parity: each emitted script is the ``prelude`` section plus one repro's section
-(see ``parity/repro/standalone.py``). The file is valid Python on its own so that it is linted and
-imported by the tests like any module; run the emitted scripts, not this file.
+Each emitted script is the ``prelude`` section plus one repro's section (``parity/repro/standalone.py``).
+Every parity import here is marked ``# @inline``: the emitted script carries that module's own code
+instead, so it runs without parity. The file is valid Python, linted and imported by the tests.
 """
 
 # ==================== section: prelude ====================
@@ -11,12 +11,11 @@ from __future__ import annotations  # the inlined parity modules' annotations na
 
 import argparse
 import gc
-import math
 import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 # In-process vLLM engine with a small KV cache (CPU builds); ignored on GPU builds. Must precede the
@@ -43,132 +42,26 @@ def parse_args(cfg: dict[str, Any], title: str) -> argparse.Namespace:
     return p.parse_args()
 
 
-def build_model(vocab: int, *, hidden: int = 64, layers: int = 2, logit_scale: float = 1.0, seed: int = 0) -> Any:
-    """A tiny random Llama (float32). lm_head rows are N(0, 1/hidden): the final RMSNorm output has norm
-    ~sqrt(hidden), so the logits at a position are ~N(0, logit_scale^2) across the vocabulary
-    (logit_scale 1: near-uniform; 12: peaked)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=1, num_key_value_heads=1, head_dim=hidden, max_position_embeddings=1024,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=1,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float().eval()  # type: ignore[no-untyped-call]  # unannotated in transformers
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, logit_scale / math.sqrt(hidden))
-    return model
-
-
-def save(model: Any) -> str:
-    """Save to a fresh temporary folder (no tokenizer: vLLM runs with skip_tokenizer_init)."""
-    path = tempfile.mkdtemp(prefix="repro-model-")
-    model.save_pretrained(path)
-    return path
-
-
-def start_vllm(path: str, seed: int = 0) -> Any:
-    from vllm import LLM
-
-    return LLM(
-        model=path, skip_tokenizer_init=True, dtype="float32", seed=seed, logprobs_mode="processed_logprobs",
-        max_logprobs=-1, max_model_len=1024, enforce_eager=True, enable_prefix_caching=False,
-    )
-
-
-def random_prompts(n: int, vocab: int, seed: int, length: int = 8) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
-
-
-def setup(cfg: dict[str, Any], args: argparse.Namespace, logit_scale: float | None = None) -> tuple[Any, Any, list[list[int]]]:
-    """The tiny model (cfg's logit scale unless given), a vLLM engine on it, and the prompts."""
-    model = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"] if logit_scale is None else logit_scale,
-                        seed=args.seed)
-    llm = start_vllm(save(model), seed=args.seed)
-    return model, llm, random_prompts(args.prompts, cfg["vocab"], args.seed)
-
-
-class Sample:
-    def __init__(self, prompt: list[int], completion: list[int], logprobs: torch.Tensor, heads: list[dict[int, float]]) -> None:
-        self.prompt = prompt
-        self.completion = completion  # sampled ids
-        self.logprobs = logprobs  # float64 [L]: vLLM's processed log-prob of each sampled token
-        self.heads = heads  # per position {token id: processed log-prob} of the requested top-K
-
-
-def sample(llm: Any, prompts: list[list[int]], *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-           min_p: float = 0.0, tokens: int = 16, logprobs: int = 0, seed: int = 0) -> list[Sample]:
-    """One completion per prompt (seed + i), with the sampled token's processed log-prob and a top-K head
-    (logprobs=-1: the whole vocabulary)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    def params(i: int) -> Any:
-        kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, max_tokens=tokens,
-                  seed=seed + i, logprobs=logprobs, detokenize=False, ignore_eos=True)
-        try:
-            return SamplingParams(flat_logprobs=True, **kw)
-        except TypeError:  # an older vLLM: per-position dicts
-            return SamplingParams(**kw)
-
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                        [params(i) for i in range(len(prompts))], use_tqdm=False)
-    samples: list[Sample] = []
-    for prompt, out in zip(prompts, outs):
-        comp = out.outputs[0]
-        ids = list(comp.token_ids)
-        lp = comp.logprobs
-        lps: list[float] = []
-        heads: list[dict[int, float]] = []
-        if hasattr(lp, "start_indices"):  # flat: entry a is the sampled token, a+1..b the top-K
-            for a, b in zip(lp.start_indices, lp.end_indices):
-                lps.append(lp.logprobs[a])
-                heads.append({int(i): float(v) for i, v in zip(lp.token_ids[a + 1 : b], lp.logprobs[a + 1 : b])})
-        else:  # dicts: the top-K plus the sampled token when it is not among them
-            for t, d in enumerate(lp):
-                lps.append(d[ids[t]].logprob)
-                heads.append({int(i): float(v.logprob) for i, v in d.items()
-                              if logprobs < 0 or len(d) <= logprobs or i != ids[t]})
-        samples.append(Sample(prompt, ids, torch.tensor(lps, dtype=torch.float64), heads))
-    return samples
-
-
-@torch.no_grad()
-def trainer_logits(model: Any, prompt: Sequence[int], completion: Sequence[int]) -> torch.Tensor:
-    """float32 logits [L, V]: row t predicts completion token t (what an RL trainer scores)."""
-    ids = torch.tensor([list(prompt) + list(completion)])
-    z: torch.Tensor = model(input_ids=ids).logits[0].float()
-    return z[len(prompt) - 1 : len(prompt) - 1 + len(completion)]
+# The tiny model, vLLM sampling and the trainer's logits; emitted scripts carry their source here.
+# vLLM's sampling filters as parity applies them (reference_filter); emitted scripts carry its source here.
+from parity.core.filters import reference_filter  # @inline parity.core.filters
+from parity.core.spec import SamplingSpec  # @inline parity.core.spec
+from parity.repro.script_engines import (  # @inline parity.repro.script_engines
+    build_model,
+    random_prompts,
+    sample,
+    save,
+    setup,
+    start_vllm,
+    trainer_logits,
+)
 
 
 def vllm_filter(z: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                 min_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's sampling filters (v1 Sampler, PyTorch path) on logits [L, V] -> (z / T, kept mask).
-
-    Temperature; min_p on probabilities (softmax(z/T) < min_p * max prob dropped); top_k (values below
-    the k-th largest dropped: ties with it are KEPT); top_p over the ascending sort (cumulative
-    probability <= 1 - top_p dropped, the largest token always kept). With top_p set, the row is sorted
-    once and top_k cut in that order (apply_top_k_top_p): which of several tokens tied at the top_p
-    boundary are dropped follows that sort's permutation of the whole row."""
-    z = z.float() / temperature
-    work = z.clone()
-    vocab = z.shape[-1]
-    if min_p > 0:
-        probs = work.softmax(-1)
-        work = work.masked_fill(probs < probs.amax(-1, keepdim=True) * min_p, NEG_INF)
-    if top_p < 1.0:
-        vals, idx = work.sort(dim=-1)
-        if 0 < top_k < vocab:
-            vals = vals.masked_fill(vals < vals[:, vocab - top_k : vocab - top_k + 1], NEG_INF)
-        drop = vals.softmax(-1).cumsum(-1) <= 1 - top_p
-        drop[:, -1] = False
-        work = torch.empty_like(work).scatter_(1, idx, vals.masked_fill(drop, NEG_INF))
-    elif 0 < top_k < vocab:
-        kth = work.topk(top_k, dim=-1).values[:, -1:]
-        work = work.masked_fill(work < kth, NEG_INF)
-    return z, work > NEG_INF
+    """vLLM's sampling filters (v1 Sampler, PyTorch path) on logits [L, V] -> (z / T, kept mask)."""
+    out = reference_filter(z.float(), SamplingSpec(temperature, top_k, top_p, min_p))
+    return out.scaled, out.kept
 
 
 def score(model: Any, s: Any, **filters: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -626,121 +519,17 @@ def repro_cpu_capability_default(cfg: dict[str, Any], args: argparse.Namespace) 
 
 
 # ==================== section: torch_cpu_log_softmax ====================
+from parity.repro.log_softmax_offsets import (  # @inline parity.repro.log_softmax_offsets
+    LSM_CHILD,
+    LSM_COLUMNS,
+    LSM_DEFAULT,
+    LSM_IN_PROCESS,
+    lsm_checks,
+    lsm_measure,
+    lsm_parse,
+    lsm_print,
+)
 from parity.repro.standalone_child import run_child  # @inline parity.repro.standalone_child
-
-# torch reads ATEN_CPU_CAPABILITY once, when it is imported: the second kernel path runs in a child process,
-# which prints one "LSM_ROW<TAB>key=value<TAB>..." line per (V, sigma). The script is its own child (LSM_CHILD set).
-LSM_CHILD = "REPRO_LOG_SOFTMAX_CHILD"
-LSM_ROW = "LSM_ROW"
-LSM_IN_PROCESS = "in-process"
-LSM_DEFAULT = "ATEN_CPU_CAPABILITY=default"
-LSM_MIN_POSITIVE = 0.95  # "(nearly) every row": this share of the rows has a positive offset
-LSM_MIN_RATIO = 10.0  # log_softmax's mean offset over float32 logsumexp's mean |offset|
-LSM_CHUNK = 16  # rows per batch of the float64 reference (memory)
-LSM_COLUMNS = (("vocab", "V", ",d"), ("sigma", "σ", "g"), ("path", "kernel path", ""), ("capability", "torch capability", ""),
-               ("rows", "rows", ""), ("ls_mean", "log_softmax mean offset", "+.2e"), ("ls_max", "max offset", "+.2e"),
-               ("positive", "rows > 0", ".0%"), ("spread", "within-row spread", ".1e"),
-               ("rounding", "float32 rounding spread", ".1e"), ("lse_mean", "logsumexp mean offset", "+.1e"),
-               ("lse_abs", "logsumexp mean abs offset", ".1e"), ("written_mean", "max+exp+sum mean offset", "+.1e"))
-
-
-def lsm_base_rows(vocab: int, rows: int, seed: int) -> torch.Tensor:
-    """Standard normal rows [rows, vocab] in float32; the logits are sigma times these. Drawn in float64 and
-    rounded: torch's float32 normal sampler gives other numbers on the other kernel path."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + vocab)
-    return torch.randn(rows, vocab, generator=g, dtype=torch.float64).float()
-
-
-def lsm_fingerprint(z: torch.Tensor) -> int:
-    """An integer fingerprint of z's bits (exact integer sums, so both kernel paths agree on equal rows)."""
-    bits = z.contiguous().view(torch.int32).long()
-    weights = torch.arange(z.shape[-1]) % 1021 + 1  # per row |sum| < 2^31 * 1021 * V: no int64 overflow
-    return int(sum(int(s) * (i + 1) for i, s in enumerate((bits * weights).sum(-1).tolist())) % (1 << 61))
-
-
-def lsm_row_offsets(z: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per row of float32 logits z [R, V], each a float64 [R]: the offset (mean over the row's tokens of
-    float32 result - float64 log_softmax) of torch.log_softmax, of z - torch.logsumexp(z) and of a written-out
-    max + exp + sum; the within-row spread (std over tokens) of log_softmax's difference, and the spread of
-    the float64 values rounded to float32 (what any float32 result has). A row biased by one constant has
-    a mean far from 0 and a spread near that rounding spread."""
-    exact = torch.log_softmax(z.double(), dim=-1)
-    d = torch.log_softmax(z, dim=-1).double() - exact
-    lse = (z - torch.logsumexp(z, dim=-1, keepdim=True)).double() - exact
-    shifted = z - z.amax(dim=-1, keepdim=True)
-    written = (shifted - shifted.exp().sum(dim=-1, keepdim=True).log()).double() - exact
-    return {"log_softmax": d.mean(-1), "spread": d.std(-1), "rounding": (exact.float().double() - exact).std(-1),
-            "logsumexp": lse.mean(-1), "written_out": written.mean(-1)}
-
-
-def lsm_measure(vocabs: Iterable[int], scales: Iterable[float], rows: int, seed: int) -> list[dict[str, Any]]:
-    """One table row per (V, sigma) on this process's kernel path: the per-row statistics over `rows` rows."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    out = []
-    for vocab in vocabs:
-        base = lsm_base_rows(vocab, rows, seed)
-        fingerprint = lsm_fingerprint(base)
-        for sigma in scales:
-            parts = [lsm_row_offsets(base[i : i + LSM_CHUNK] * sigma) for i in range(0, rows, LSM_CHUNK)]
-            per = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-            ls = per["log_softmax"]
-            out.append({"vocab": int(vocab), "sigma": float(sigma), "capability": capability, "rows": int(rows),
-                        "ls_mean": float(ls.mean()), "ls_max": float(ls.max()), "ls_min": float(ls.min()),
-                        "positive": float((ls > 0).double().mean()), "spread": float(per["spread"].mean()),
-                        "rounding": float(per["rounding"].mean()), "lse_mean": float(per["logsumexp"].mean()),
-                        "lse_abs": float(per["logsumexp"].abs().mean()),
-                        "written_mean": float(per["written_out"].mean()), "fingerprint": fingerprint})
-    return out
-
-
-def lsm_print(rows: Iterable[Mapping[str, Any]]) -> None:
-    """The child's output: one tab-separated line per table row."""
-    for r in rows:
-        print("\t".join([LSM_ROW] + [f"{k}={v!r}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()]),
-              flush=True)
-
-
-def lsm_value(text: str) -> int | float | str:
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def lsm_parse(stdout: str) -> list[dict[str, Any]]:
-    """The table rows a child printed (lsm_print's lines; other output is ignored)."""
-    rows = []
-    for line in stdout.splitlines():
-        if line.startswith(LSM_ROW + "\t"):
-            rows.append({k: lsm_value(v) for k, v in (item.split("=", 1) for item in line.split("\t")[1:])})
-    return rows
-
-
-def lsm_checks(rows: Sequence[Mapping[str, Any]], vocab: int, scale: float, child_error: str = "") -> list[tuple[str, bool, str]]:
-    """The verdict's rule, as (statement, holds, detail): the default-path rows come from torch's DEFAULT
-    kernels; then on each kernel path, at V = `vocab` and logit scale `scale`, log_softmax's row offset is
-    positive on at least LSM_MIN_POSITIVE of the rows and its mean is positive and at least LSM_MIN_RATIO
-    times float32 logsumexp's mean |offset| over the same rows. A row that was not measured fails."""
-    child = [r for r in rows if r["path"] == LSM_DEFAULT]
-    caps = sorted({r["capability"] for r in child})
-    checks = [(f"the subprocess with {LSM_DEFAULT} ran torch's DEFAULT (non-vectorised) kernels",
-               bool(child) and caps == ["DEFAULT"],
-               f"capability {', '.join(caps)}" if child else f"no rows: {child_error or 'the subprocess printed none'}")]
-    for path in (LSM_IN_PROCESS, LSM_DEFAULT):
-        statement = (f"{path}, V={vocab:,}, sigma={scale:g}: log_softmax's offset is positive on >= "
-                     f"{LSM_MIN_POSITIVE:.0%} of rows and its mean is >= {LSM_MIN_RATIO:g}x float32 logsumexp's mean |offset|")
-        pick = [r for r in rows if r["path"] == path and r["vocab"] == vocab and r["sigma"] == scale]
-        if not pick:
-            checks.append((statement, False, "not measured"))
-            continue
-        r = pick[0]
-        ratio = r["ls_mean"] / r["lse_abs"] if r["lse_abs"] > 0 else math.inf
-        ok = r["positive"] >= LSM_MIN_POSITIVE and r["ls_mean"] > 0 and r["ls_mean"] >= LSM_MIN_RATIO * r["lse_abs"]
-        checks.append((statement, ok, f"{r['capability']}: mean {r['ls_mean']:+.2e}, positive on {r['positive']:.0%} of "
-                                      f"{r['rows']} rows; logsumexp mean |offset| {r['lse_abs']:.1e} (ratio {ratio:.1f})"))
-    return checks
 
 
 def repro_torch_cpu_log_softmax(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:

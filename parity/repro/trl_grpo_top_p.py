@@ -1,15 +1,9 @@
 """Repro 8: TRL's own GRPOTrainer and its own metrics show the top_p/top_k/min_p bias, and a patch removes it.
 
-Each configuration runs TRL's real ``GRPOTrainer`` (colocated vLLM on CPU, a fixture model) in a
-subprocess with a timeout (:mod:`parity.engines.trl_run`), twice: once as shipped with parity only
-recording (``observe``), once under the replay patch (:func:`parity.engines.trl_grpo.patch_grpo`).
-The table sets TRL's logged ``sampling/*`` metrics beside the closed form computed by parity from
-the same sampler: per token ``log S`` (the trainer's mass on the kept set vLLM reported), ``S^L``
-per sequence for TRL's ``sequence_*`` IS modes and ``S`` per token for its ``token_*`` modes.
-
-Error bound: vLLM runs the model in bfloat16 under TRL, the trainer in float32, so every relation is
-checked against :func:`parity.core.error_model.logprob_rounding_bound` — bfloat16's unit roundoff times the
-logits' magnitude, computed from this run's logits — never a stored number.
+Each configuration runs TRL's real ``GRPOTrainer`` in a subprocess twice: as shipped (``observe``) and under
+the replay patch. TRL's logged ``sampling/*`` metrics are set beside parity's closed form from the same
+sampler (log S per token, S^L per sequence, S per token), each relation checked against
+:func:`parity.core.error_model.logprob_rounding_bound` of this run's logits.
 """
 
 from __future__ import annotations

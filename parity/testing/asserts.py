@@ -3,9 +3,7 @@
     from parity.testing.asserts import assert_trainer_parity
     assert_trainer_parity(my_logprob_fn, spec=SamplingSpec(temperature=0.7, top_p=0.9))
 
-The check samples with the real vLLM engine on a fixture (or your checkpoint), hands the batch to the
-function (see :class:`parity.engines.trainer_under_test.TrainerBatch`), and fails with the same readable verdict as
-``parity run``: which gate, which prompt/position/token, both values, the gap, and the problem class.
+It samples with the real engine on a fixture (or your checkpoint) and fails with ``parity run``'s verdict.
 """
 
 from __future__ import annotations

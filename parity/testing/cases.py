@@ -1,10 +1,8 @@
 """Random test cases for the reference filters: plans, logits and the branches a case reaches.
 
-:class:`CasePlan` describes a batch (vocabulary size, per-row spec, logit scale and the hard features:
-exact ties at the top_k and top_p boundaries, ``-inf`` entries, rows with a single finite value,
-quantised logits with many ties); :func:`build_case` turns a plan into float32 logits
-deterministically. The Hypothesis strategies (:mod:`parity.testing.strategies`) and
-:func:`random_plan` both draw plans, so ``parity sampler`` and the test-suite exercise the same inputs.
+:class:`CasePlan` describes a batch (vocabulary, per-row spec, logit scale, planted ties and ``-inf``
+entries); :func:`build_case` turns it into float32 logits deterministically. The Hypothesis strategies and
+:func:`random_plan` draw the same plans, so ``parity sampler`` and the test-suite share their inputs.
 """
 
 from __future__ import annotations
@@ -74,13 +72,10 @@ def plant_top_k_tie(z: torch.Tensor, k: int, extra: int) -> None:
 def plant_top_p_tie(z: torch.Tensor, spec: SamplingSpec, size: int, gen: torch.Generator) -> SamplingSpec:
     """Tie a block of ``size`` surviving tokens and move top_p so the cut falls inside the block.
 
-    The survivors of min_p and top_k are taken from the reference with top_p off; tokens in the block
-    get the value of the block's top token (raising survivors keeps them surviving: min_p and top_k
-    compare against the max and the k-th value, which the block does not lower). Then
-    ``1 - top_p = mass below the block + (h + 0.5) * block token mass`` with 1 <= h < size, so vLLM's
-    ascending cumulative sum drops exactly h of the tied tokens: which ones is decided by the sort
-    order alone. Returns the spec with the new top_p, or the spec unchanged when no block with enough
-    mass (>= 1e-3 per token, far above float32 cumsum rounding) exists.
+    Tied tokens take the block's top value (survivors stay survivors), then
+    ``1 - top_p = mass below the block + (h + 0.5) * token mass`` with 1 <= h < size, so the ascending cumsum
+    drops exactly h of them, chosen by the sort order. The spec is returned unchanged without a block of
+    enough mass (>= 1e-3 per token).
     """
     eff = spec.effective()
     if size < 2 or eff.greedy:
@@ -182,6 +177,25 @@ def without_top_p(rows: Sequence[RowPlan]) -> tuple[RowPlan, ...]:
 # -- labels: which hard case a batch actually exercises, read from the data, not from the plan -----
 
 
+def _logit_labels(row: torch.Tensor, finite: torch.Tensor, vocab: int) -> set[str]:
+    """Labels of one row's raw logits: -inf entries, flat or peaked, ties."""
+    labels: set[str] = set()
+    nf = int(finite.sum())
+    if nf == 1:
+        labels.add("row with a single finite value")
+    elif nf < vocab:
+        labels.add("-inf entries")
+    if nf > 1:
+        std = float(row[finite].std())
+        if std <= 0.5:
+            labels.add("flat logits (std<=0.5)")
+        elif std >= 10:
+            labels.add("peaked logits (std>=10)")
+        if int(torch.unique(row[finite]).numel()) < nf:
+            labels.add("ties among the logits")
+    return labels
+
+
 def case_labels(case: Case, kept: torch.Tensor | None = None) -> set[str]:
     """Labels of the branches a case reaches; ``kept`` (vLLM's or the reference's) enables the tie labels."""
     logits = case.logits
@@ -204,45 +218,14 @@ def case_labels(case: Case, kept: torch.Tensor | None = None) -> set[str]:
     any_p = any(s.uses_top_p for s in eff)
     for r, (raw, s) in enumerate(zip(case.specs, eff, strict=True)):
         t = raw.temperature
-        labels.add(
-            "T=0"
-            if t == 0
-            else "0<T<1e-5 (vLLM raises it to 0.01)"
-            if t < 1e-5
-            else "1e-5<=T<0.01 (raised to 0.01)"
-            if t < 0.01
-            else "T<1"
-            if t < 1
-            else "T=1"
-            if t == 1
-            else "T>1"
-        )
-        row = logits[r]
-        finite = torch.isfinite(row)
-        nf = int(finite.sum())
-        if nf == 1:
-            labels.add("row with a single finite value")
-        elif nf < vocab:
-            labels.add("-inf entries")
-        if nf > 1:
-            std = float(row[finite].std())
-            if std <= 0.5:
-                labels.add("flat logits (std<=0.5)")
-            elif std >= 10:
-                labels.add("peaked logits (std>=10)")
-            if int(torch.unique(row[finite]).numel()) < nf:
-                labels.add("ties among the logits")
+        labels.add("T=0" if t == 0 else "0<T<1e-5 (vLLM raises it to 0.01)" if t < 1e-5
+                   else "1e-5<=T<0.01 (raised to 0.01)" if t < 0.01 else "T<1" if t < 1 else "T=1" if t == 1 else "T>1")
+        finite = torch.isfinite(logits[r])
+        labels |= _logit_labels(logits[r], finite, vocab)
         if s.greedy:
             continue
-        labels.add(
-            "top_k off"
-            if not s.uses_top_k
-            else "top_k=1"
-            if s.top_k == 1
-            else "top_k>=V"
-            if s.top_k >= vocab
-            else "1<top_k<V"
-        )
+        labels.add("top_k off" if not s.uses_top_k else "top_k=1" if s.top_k == 1
+                   else "top_k>=V" if s.top_k >= vocab else "1<top_k<V")
         labels.add("top_p off" if not s.uses_top_p else "top_p small (<=0.3)" if s.top_p <= 0.3 else "top_p typical")
         labels.add("min_p off" if not s.uses_min_p else "min_p=1" if s.min_p == 1 else "min_p typical")
         underflow = bool(((probs[r] == 0) & finite).any())

@@ -11,10 +11,7 @@ Needs ``hypothesis`` (the ``test`` extra). To check your own filters against vLL
     def test_my_case(case):
         run_properties(case, VllmSampler()(case.logits, case.specs))
 
-A strategy draws a :class:`parity.testing.cases.CasePlan` (the choices: vocabulary, logit scale, spec,
-planted ties and ``-inf`` entries, mixed per-row specs) and ``build_case`` turns it into float32 logits
-deterministically, so shrinking works on the choices; ``parity.testing.cases.case_labels`` names the
-branches a case reaches.
+A strategy draws a :class:`parity.testing.cases.CasePlan`, so shrinking works on the choices.
 """
 
 from __future__ import annotations

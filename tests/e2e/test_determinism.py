@@ -31,6 +31,7 @@ from ulp import nudge_one_ulp
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.determinism import kernels as cpu_kernels
+from parity.determinism import op_kernels
 from parity.determinism.checks import check_rollout_invariance, check_trainer_invariance
 from parity.determinism.gate import determinism_section, invariance_gate
 from parity.determinism.knobs import CPU_ATTENTION, ON, UNAVAILABLE, batch_invariant_mode
@@ -277,4 +278,4 @@ def test_report_section_puts_both_sides_next_to_each_other(rollout_run, trainer_
     assert sec["mode"]["device"] == "cpu"
     # The report says which kernels were replaced on the trainer side.
     kernels = sec["mode"]["knobs"]["cpu_kernels"]["value"]
-    assert kernels["replaced"]["mm.default"] == cpu_kernels.KERNELS[torch.ops.aten.mm.default][1]
+    assert kernels["replaced"]["mm.default"] == op_kernels.KERNELS[torch.ops.aten.mm.default][1]

@@ -1,6 +1,7 @@
-"""The standalone repro scripts carry their own copy of vLLM's rules (they must run without parity);
-this checks that copy against the core on the same hard cases the sampler properties use, so a rule
-changed in the core cannot silently diverge in an emitted script.
+"""The standalone repro scripts must run without parity: they carry the core's filters and rounding bound
+inlined at emit time (``# @inline``) and a few helpers of their own. This checks both against the core on
+the same hard cases the sampler properties use, the emitted code as well as its source, so a rule changed
+in the core cannot silently diverge in an emitted script.
 
 ``parity.repro.standalone_src`` is the text every emitted script is cut from, so checking its functions
 checks every script.
@@ -17,7 +18,7 @@ from parity.core import error_model, estimators
 from parity.core.capture import support_from_heads
 from parity.core.filters import reference_filter
 from parity.core.spec import SamplingSpec
-from parity.records.accumulators import Ratios
+from parity.records.streams import Ratios
 from parity.repro import standalone_src as src
 from parity.testing.cases import build_case, random_plan
 
@@ -58,6 +59,43 @@ def test_the_scripts_filters_are_the_core_reference_filter() -> None:
         reached |= {name for name, on in (("top_k", spec.uses_top_k), ("top_p", spec.uses_top_p),
                                           ("min_p", spec.uses_min_p)) if on}
     assert reached == {"top_k", "top_p", "min_p"}, f"the cases never exercised {sorted({'top_k', 'top_p', 'min_p'} - reached)}"
+
+
+def _emitted_prelude() -> dict:
+    from parity.repro import standalone
+
+    prelude = standalone.inline(standalone.sections()["prelude"])
+    assert "inlined from parity.core.filters" in prelude and "from parity" not in prelude.replace("inlined from parity", "")
+    ns: dict = {}
+    exec(compile(prelude, "prelude", "exec"), ns)  # noqa: S102 - the emitted prelude, run as the script would
+    return ns
+
+
+def _tied_rows(seed: int, n: int = 6, vocab: int = 64) -> torch.Tensor:
+    """Logits on a coarse grid: many tokens tie at the top_k and top_p boundaries."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-6, 7, (n, vocab), generator=g).float() * 0.5
+
+
+def test_the_emitted_filters_are_the_cores_on_random_ties_and_combinations() -> None:
+    """The emitted script's vllm_filter (parity's code, inlined) keeps what reference_filter keeps, with the
+    same z / T, on random and tie-heavy rows under every top_k / top_p / min_p combination."""
+    emitted = _emitted_prelude()["vllm_filter"]
+    g = torch.Generator().manual_seed(7)
+    ties = 0
+    for i, (temperature, top_k, top_p, min_p) in enumerate(
+        (t, k, p, m) for t in (0.7, 1.0, 1.3) for k in (0, 1, 5, 20) for p in (1.0, 0.9, 0.5) for m in (0.0, 0.05, 0.3)
+    ):
+        spec = SamplingSpec(temperature, top_k, top_p, min_p)
+        for z in (_tied_rows(i), torch.randn(4, 300, generator=g) * 3):
+            zs, kept = emitted(z, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+            ref = reference_filter(z, spec)
+            assert torch.equal(zs, ref.scaled) and torch.equal(kept, ref.kept), f"emitted vllm_filter differs for {spec.label()}"
+            ties += int(spec.uses_top_k and bool((ref.kept.sum(1) > top_k).any()))
+    for z, spec in ROWS:
+        zs, kept = emitted(z, temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p)
+        assert torch.equal(kept, reference_filter(z, spec).kept), f"emitted vllm_filter differs for {spec.label()}"
+    assert ties > 0, "no case kept more than top_k tokens (ties at the k-th value)"
 
 
 def test_the_scripts_estimators_are_the_cores() -> None:

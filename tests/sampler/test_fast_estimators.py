@@ -114,7 +114,7 @@ def _min_p_boundary_rows(seed: int, n: int = 48) -> tuple[torch.Tensor, list[Sam
 
 
 def test_min_p_on_candidates_keeps_vllms_kept_set_at_the_threshold(sampler, monkeypatch) -> None:
-    """top_k rows decide min_p on their candidates (filters.min_p_decide), not by the full-row softmax.
+    """top_k rows decide min_p on their candidates (estimators.min_p_decide), not by the full-row softmax.
     At the float32 threshold the exact rule is not vLLM's: those rows take the reference's min_p (and are
     counted in ``fallback``), and the kept set is vLLM's Sampler's. Negative control: with no band the
     exact rule decides them, and the kept set leaves the reference's."""
@@ -133,7 +133,8 @@ def test_min_p_on_candidates_keeps_vllms_kept_set_at_the_threshold(sampler, monk
 def test_min_p_decide_drops_what_min_p_mask_drops_away_from_the_threshold() -> None:
     """Generic rows (no planted values): min_p_decide agrees with min_p_mask on every row it does not flag,
     and flags few (a row is flagged only when a value lies within ~1e-4 nats of the threshold)."""
-    from parity.core.filters import min_p_decide, min_p_mask
+    from parity.core.estimators import min_p_decide
+    from parity.core.filters import min_p_mask
 
     g = torch.Generator().manual_seed(2)
     z = torch.randn(64, 5000, generator=g) * 2

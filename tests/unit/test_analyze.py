@@ -27,9 +27,10 @@ from parity.analyze import analyze, summarize_paths
 from parity.core.gates import Thresholds
 from parity.core.spec import SamplingSpec
 from parity.core.token_table import TrainerFaults, build_table
-from parity.records.accumulators import NA, DiffStream, Summary
+from parity.records.accumulators import NA, Summary
 from parity.records.convert import from_sequence_records, to_sequence_records
 from parity.records.gate_table import REFERENCE_GATES
+from parity.records.streams import DiffStream
 from parity.records.token_columns import Options
 from parity.records.validate import validate_batch
 from parity.records.verdict import judge

@@ -24,7 +24,7 @@ from layouts import BatchLayout, max_abs_diff, sequence_logits
 from strategies import batch_layout_cases
 from ulp import nudge_one_ulp
 
-from parity.determinism import kernels as cpu_kernels
+from parity.determinism import op_kernels
 from parity.determinism.knobs import batch_invariant_mode
 from parity.fixtures import resolve_model
 
@@ -189,13 +189,13 @@ def test_a_kernel_that_depends_on_the_batch_is_caught(models, monkeypatch) -> No
     has more rows than a sequence alone. The property must see it in a padded batch."""
     model = models["qwen2-tiny"]
     vocab = model.config.vocab_size
-    real = cpu_kernels.KERNELS[torch.ops.aten.mm.default]
+    real = op_kernels.KERNELS[torch.ops.aten.mm.default]
 
     def faulty(a, b):
         out = real[0](a, b)
         return nudge_one_ulp(out, 0) if b.shape[1] == vocab and a.shape[0] > 12 else out
 
-    monkeypatch.setitem(cpu_kernels.KERNELS, torch.ops.aten.mm.default, (faulty, real[1]))
+    monkeypatch.setitem(op_kernels.KERNELS, torch.ops.aten.mm.default, (faulty, real[1]))
     layout = BatchLayout(((0,), (1,)), side="right", mask="2d")
     with batch_invariant_mode(device="cpu", models=[model]):
         res = measure(model, [12, 10], 5, layout)

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from parity.determinism import attention_kernel, exact_math, op_kernels
 from parity.determinism import kernels as ck
 
 
@@ -51,37 +52,37 @@ def test_exp_log_sin_cos_match_torch_in_float64() -> None:
             torch.linspace(-700, 700, 5001, dtype=torch.float64),
         ]
     )
-    assert float(((ck.exp64(x) - torch.exp(x)) / torch.exp(x)).abs().max()) < 1e-13
+    assert float(((exact_math.exp64(x) - torch.exp(x)) / torch.exp(x)).abs().max()) < 1e-13
     pos = torch.cat(
         [
             torch.rand(20000, generator=g, dtype=torch.float64) * 1e6,
             torch.tensor([1e-310, 5e-324, 1.0, 2.0], dtype=torch.float64),
         ]
     )
-    assert float((ck.log64(pos) - torch.log(pos)).abs().max()) < 1e-12
+    assert float((exact_math.log64(pos) - torch.log(pos)).abs().max()) < 1e-12
     ang = torch.rand(20000, generator=g, dtype=torch.float64) * 2e4 - 1e4
-    s, c = ck.sincos64(ang)
+    s, c = exact_math.sincos64(ang)
     assert float((s - torch.sin(ang)).abs().max()) < 1e-13 and float((c - torch.cos(ang)).abs().max()) < 1e-13
 
 
 def test_special_values() -> None:
     inf, nan = math.inf, math.nan
-    e = ck.exp64(torch.tensor([-inf, inf, nan, 0.0, -800.0, 800.0], dtype=torch.float64))
+    e = exact_math.exp64(torch.tensor([-inf, inf, nan, 0.0, -800.0, 800.0], dtype=torch.float64))
     assert e[0] == 0 and e[1] == inf and math.isnan(e[2]) and e[3] == 1 and e[4] == 0 and e[5] == inf
-    lg = ck.log64(torch.tensor([0.0, -1.0, inf, nan, 1.0], dtype=torch.float64))
+    lg = exact_math.log64(torch.tensor([0.0, -1.0, inf, nan, 1.0], dtype=torch.float64))
     assert lg[0] == -inf and math.isnan(lg[1]) and lg[2] == inf and math.isnan(lg[3]) and lg[4] == 0
-    s, c = ck.sincos64(torch.tensor([inf, nan, 0.0], dtype=torch.float64))
+    s, c = exact_math.sincos64(torch.tensor([inf, nan, 0.0], dtype=torch.float64))
     assert math.isnan(s[0]) and math.isnan(c[1]) and s[2] == 0 and c[2] == 1
 
 
 @pytest.mark.parametrize(
     ("kernel", "truth", "scale"),
     [
-        (ck.exp, torch.exp, 20.0),
-        (ck.silu, lambda x: x / (1 + torch.exp(-x)), 12.0),
-        (ck.sigmoid, torch.sigmoid, 12.0),
-        (ck.cos, torch.cos, 1000.0),
-        (ck.sin, torch.sin, 1000.0),
+        (op_kernels.exp, torch.exp, 20.0),
+        (op_kernels.silu, lambda x: x / (1 + torch.exp(-x)), 12.0),
+        (op_kernels.sigmoid, torch.sigmoid, 12.0),
+        (op_kernels.cos, torch.cos, 1000.0),
+        (op_kernels.sin, torch.sin, 1000.0),
     ],
 )
 def test_float32_unary_kernels_are_within_one_ulp(kernel, truth, scale) -> None:
@@ -93,26 +94,26 @@ def test_rsqrt_pow_softmax_log_softmax_and_reductions_agree_with_torch() -> None
     g = torch.Generator().manual_seed(2)
     x = torch.randn(7, 300, generator=g)
     pos = x.abs() + 0.1
-    assert ulps(ck.rsqrt(pos), 1 / torch.sqrt(pos.double())) <= 1.0
-    assert torch.equal(ck.pow_scalar(x, 2), x * x)
-    assert ulps(ck.pow_scalar(pos, 0.5), torch.sqrt(pos.double())) <= 0.5  # correctly rounded here
-    assert ulps(ck.sqrt(pos), torch.sqrt(pos.double())) <= 0.5
-    assert ck.pow_scalar(x, 1.7) is NotImplemented  # left to torch, and reported as an other op
-    torch.testing.assert_close(ck.softmax(x, -1, False), torch.softmax(x, -1), rtol=3e-6, atol=1e-9)
-    torch.testing.assert_close(ck.log_softmax(x, 0, False), torch.log_softmax(x, 0), rtol=3e-6, atol=3e-6)
-    torch.testing.assert_close(ck.mean_dim(x, [-1], True), x.mean(-1, keepdim=True), rtol=2e-6, atol=1e-7)
-    torch.testing.assert_close(ck.sum_dim(x, [0, 1]), x.sum(), rtol=1e-5, atol=1e-5)
-    assert ck.sum_dim(torch.arange(6).view(2, 3), [1]) is NotImplemented  # integer sums are exact
+    assert ulps(op_kernels.rsqrt(pos), 1 / torch.sqrt(pos.double())) <= 1.0
+    assert torch.equal(op_kernels.pow_scalar(x, 2), x * x)
+    assert ulps(op_kernels.pow_scalar(pos, 0.5), torch.sqrt(pos.double())) <= 0.5  # correctly rounded here
+    assert ulps(op_kernels.sqrt(pos), torch.sqrt(pos.double())) <= 0.5
+    assert op_kernels.pow_scalar(x, 1.7) is NotImplemented  # left to torch, and reported as an other op
+    torch.testing.assert_close(op_kernels.softmax(x, -1, False), torch.softmax(x, -1), rtol=3e-6, atol=1e-9)
+    torch.testing.assert_close(op_kernels.log_softmax(x, 0, False), torch.log_softmax(x, 0), rtol=3e-6, atol=3e-6)
+    torch.testing.assert_close(op_kernels.mean_dim(x, [-1], True), x.mean(-1, keepdim=True), rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(op_kernels.sum_dim(x, [0, 1]), x.sum(), rtol=1e-5, atol=1e-5)
+    assert op_kernels.sum_dim(torch.arange(6).view(2, 3), [1]) is NotImplemented  # integer sums are exact
     half = x.to(torch.bfloat16)
-    assert ck.mean_dim(half, [1]).dtype == torch.bfloat16 and ck.softmax(half, 1, True).dtype == torch.float32
+    assert op_kernels.mean_dim(half, [1]).dtype == torch.bfloat16 and op_kernels.softmax(half, 1, True).dtype == torch.float32
 
 
 def test_tree_sum_is_accurate_and_handles_lengths() -> None:
     g = torch.Generator().manual_seed(3)
     for n in (1, 2, 3, 17, 64, 1000, 4097):
         x = torch.randn(n, generator=g, dtype=torch.float64)
-        assert abs(float(ck.tree_sum(x)) - math.fsum(x.tolist())) <= 1e-13 * n
-    assert ck.tree_sum(torch.zeros(3, 0)).shape == (3,) and ck.tree_sum(
+        assert abs(float(exact_math.tree_sum(x)) - math.fsum(x.tolist())) <= 1e-13 * n
+    assert exact_math.tree_sum(torch.zeros(3, 0)).shape == (3,) and exact_math.tree_sum(
         torch.zeros(3, 0), keepdim=True
     ).shape == (3, 1)
 
@@ -134,11 +135,11 @@ def test_matrix_products_give_a_row_the_same_bits_in_any_batch(k, n, m, pos, see
     p = pos.draw(st.integers(0, m - 1))
     batch = torch.randn(m + 1, k + 3, generator=g)[1:, 2 : 2 + k]  # an offset, strided view
     batch[p] = row[0]
-    assert torch.equal(ck.mm(batch, w.t())[p], ck.mm(row, w.t())[0])
-    assert torch.equal(ck.addmm(bias, batch, w.t())[p], ck.addmm(bias, row, w.t())[0])
+    assert torch.equal(op_kernels.mm(batch, w.t())[p], op_kernels.mm(row, w.t())[0])
+    assert torch.equal(op_kernels.addmm(bias, batch, w.t())[p], op_kernels.addmm(bias, row, w.t())[0])
     b3 = torch.stack([batch, batch.flip(0)])
-    assert torch.equal(ck.bmm(b3, torch.stack([w.t(), w.t()]))[0, p], ck.mm(row, w.t())[0])
-    assert torch.equal(ck.mv(batch, w[0])[p], ck.mv(row, w[0])[0])
+    assert torch.equal(op_kernels.bmm(b3, torch.stack([w.t(), w.t()]))[0, p], op_kernels.mm(row, w.t())[0])
+    assert torch.equal(op_kernels.mv(batch, w[0])[p], op_kernels.mv(row, w[0])[0])
 
 
 @settings(max_examples=40)
@@ -150,15 +151,15 @@ def test_row_reductions_and_nonlinearities_give_a_row_the_same_bits_in_any_batch
     batch = torch.randn(r, m, generator=g).t()  # column-major: rows are strided
     batch[p] = row[0]
     for name, fn in [
-        ("mean", lambda t: ck.mean_dim(t, [-1], False)),
-        ("sum", lambda t: ck.sum_dim(t, [1], True)),
-        ("softmax", lambda t: ck.softmax(t, -1, False)),
-        ("log_softmax", lambda t: ck.log_softmax(t, 1, False)),
-        ("silu", ck.silu),
-        ("sigmoid", ck.sigmoid),
-        ("exp", ck.exp),
-        ("cos", ck.cos),
-        ("rsqrt", lambda t: ck.rsqrt(t.abs() + 1)),
+        ("mean", lambda t: op_kernels.mean_dim(t, [-1], False)),
+        ("sum", lambda t: op_kernels.sum_dim(t, [1], True)),
+        ("softmax", lambda t: op_kernels.softmax(t, -1, False)),
+        ("log_softmax", lambda t: op_kernels.log_softmax(t, 1, False)),
+        ("silu", op_kernels.silu),
+        ("sigmoid", op_kernels.sigmoid),
+        ("exp", op_kernels.exp),
+        ("cos", op_kernels.cos),
+        ("rsqrt", lambda t: op_kernels.rsqrt(t.abs() + 1)),
     ]:
         assert torch.equal(fn(batch)[p], fn(row)[0]), name
 
@@ -178,8 +179,8 @@ def test_torch_kernels_on_the_same_rows_are_measured_and_reported(record_propert
         x = torch.randn(m * 37, generator=g) * 8
         one = torch.nn.functional.silu(x[-1:])
         differ["silu"] += not torch.equal(torch.nn.functional.silu(x)[-1:], one)
-        assert torch.equal(ck.mm(batch, w.t())[m - 1], ck.mm(row, w.t())[0])
-        assert torch.equal(ck.silu(x)[-1:], ck.silu(x[-1:]))
+        assert torch.equal(op_kernels.mm(batch, w.t())[m - 1], op_kernels.mm(row, w.t())[0])
+        assert torch.equal(op_kernels.silu(x)[-1:], op_kernels.silu(x[-1:]))
     record_property("torch_rows_not_bitwise", str(differ))
     print(f"[measured] torch kernels, {len(sizes)} batch sizes: rows not bitwise {differ}")
 
@@ -221,7 +222,7 @@ MODULE = torch.nn.Module().eval()
 def test_attention_matches_plain_attention_with_grouped_heads() -> None:
     q, k, v = qkv(2, 4, 2, 150)
     allowed = causal_padded([150, 97], 150)
-    out, weights = ck.attention_forward(MODULE, q, k, v, allowed[:, None], scaling=0.25)
+    out, weights = attention_kernel.attention_forward(MODULE, q, k, v, allowed[:, None], scaling=0.25)
     assert weights is None and out.shape == (2, 150, 4, 16)
     ref = eager(q, k, v, allowed, 0.25)
     torch.testing.assert_close(out[0].double(), ref[0], rtol=1e-5, atol=1e-6)
@@ -231,24 +232,24 @@ def test_attention_matches_plain_attention_with_grouped_heads() -> None:
 def test_attention_gives_a_sequence_the_same_bits_in_every_layout() -> None:
     q, k, v = qkv(1, 2, 1, 200, seed=5)
     n = 130
-    alone, _ = ck.attention_forward(MODULE, q[:, :, :n], k[:, :, :n], v[:, :, :n], None, scaling=0.3)
+    alone, _ = attention_kernel.attention_forward(MODULE, q[:, :, :n], k[:, :, :n], v[:, :, :n], None, scaling=0.3)
     # packed at offset 70 behind another sequence, boolean block-diagonal mask
     seg = torch.cat([torch.zeros(70), torch.ones(n)]).long()
     block = (seg[:, None] == seg[None, :]) & torch.ones(200, 200, dtype=torch.bool).tril()
     qp, kp, vp = (torch.cat([x[:, :, n:], x[:, :, :n]], 2) for x in (q, k, v))
-    packed, _ = ck.attention_forward(MODULE, qp, kp, vp, block[None, None], scaling=0.3)
+    packed, _ = attention_kernel.attention_forward(MODULE, qp, kp, vp, block[None, None], scaling=0.3)
     assert torch.equal(packed[0, 70:], alone[0])
     # the same as an additive mask, and right/left padded from a 2D mask
     additive = torch.zeros(200, 200).masked_fill(~block, torch.finfo(torch.float32).min)
     assert torch.equal(
-        ck.attention_forward(MODULE, qp, kp, vp, additive[None, None], scaling=0.3)[0][0, 70:], alone[0]
+        attention_kernel.attention_forward(MODULE, qp, kp, vp, additive[None, None], scaling=0.3)[0][0, 70:], alone[0]
     )
     pad2d = torch.zeros(1, 200, dtype=torch.long)
     pad2d[0, :n] = 1
-    assert torch.equal(ck.attention_forward(MODULE, q, k, v, pad2d, scaling=0.3)[0][0, :n], alone[0])
+    assert torch.equal(attention_kernel.attention_forward(MODULE, q, k, v, pad2d, scaling=0.3)[0][0, :n], alone[0])
     left = causal_padded([n], 200, left=True)
     ql, kl, vl = (torch.cat([x[:, :, n:], x[:, :, :n]], 2) for x in (q, k, v))
-    out_left, _ = ck.attention_forward(MODULE, ql, kl, vl, left[:, None], scaling=0.3)
+    out_left, _ = attention_kernel.attention_forward(MODULE, ql, kl, vl, left[:, None], scaling=0.3)
     assert torch.equal(out_left[0, 70:], alone[0])
     assert torch.equal(out_left[0, :70], torch.zeros(70, 2, 16))  # queries without keys
 
@@ -283,14 +284,14 @@ def _per_head() -> torch.Tensor:
 def test_attention_refuses_what_it_cannot_make_invariant(mask, kwargs, match) -> None:
     q, k, v = qkv(1, 2, 1, 8)
     with pytest.raises(ValueError, match=match):
-        ck.attention_forward(MODULE, q, k, v, mask, scaling=0.5, **kwargs)
+        attention_kernel.attention_forward(MODULE, q, k, v, mask, scaling=0.5, **kwargs)
 
 
 def test_attention_refuses_dropout_in_training() -> None:
     q, k, v = qkv(1, 2, 1, 8)
     mod = torch.nn.Module().train()
     with pytest.raises(ValueError, match="dropout=0.1 in training mode"):
-        ck.attention_forward(mod, q, k, v, None, scaling=0.5, dropout=0.1)
+        attention_kernel.attention_forward(mod, q, k, v, None, scaling=0.5, dropout=0.1)
 
 
 # -- installing, restoring, reporting -------------------------------------------------------------
@@ -318,8 +319,8 @@ def registry() -> tuple[bool, bool]:
     from transformers.masking_utils import AttentionMaskInterface
 
     return (
-        ck.ATTENTION_NAME in AttentionInterface._global_mapping,
-        ck.ATTENTION_NAME in AttentionMaskInterface._global_mapping,
+        attention_kernel.ATTENTION_NAME in AttentionInterface._global_mapping,
+        attention_kernel.ATTENTION_NAME in AttentionMaskInterface._global_mapping,
     )
 
 
@@ -346,7 +347,7 @@ def test_restore_after_a_forward_that_raised_and_nested_handles(model) -> None:
     with pytest.raises(IndexError):
         with torch.no_grad():
             model(input_ids=torch.tensor([[1, 99]]))  # token id outside the vocabulary
-    assert ck._TLS.active is None  # the forward's kernel scope ended with the exception
+    assert attention_kernel.TLS.active is None  # the forward's kernel scope ended with the exception
     inner.restore()
     assert ck.is_enabled(model) and registry() == (True, True)
     outer.restore()

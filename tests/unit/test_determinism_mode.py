@@ -58,7 +58,7 @@ def tiny_model():
 
 
 def test_cpu_mode_turns_knobs_on_and_restores_them(tiny_model) -> None:
-    from parity.determinism import kernels as cpu_kernels
+    from parity.determinism import attention_kernel
 
     before = snapshot()
     model = tiny_model
@@ -73,7 +73,7 @@ def test_cpu_mode_turns_knobs_on_and_restores_them(tiny_model) -> None:
         assert knobs["torch.use_deterministic_algorithms"]["status"] == ON
         assert knobs["torch.backends.mkldnn.deterministic"]["status"] == ON
         assert knobs["trainer_attention"] == {
-            "status": ON, "value": det.CPU_ATTENTION, "reason": cpu_kernels.ATTENTION_KERNEL
+            "status": ON, "value": det.CPU_ATTENTION, "reason": attention_kernel.ATTENTION_KERNEL
         }
         assert knobs["torch_num_threads"]["status"] == ON
         kernels = knobs["cpu_kernels"]

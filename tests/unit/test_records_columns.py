@@ -17,6 +17,7 @@ import pytest
 
 from parity.core.error_model import SUPPORT_MASS_TOL
 from parity.records import token_columns as ra
+from parity.records import token_values
 from parity.records.validate import validate_batch
 
 
@@ -43,7 +44,7 @@ def test_the_mass_screen_decides_as_the_float64_mass(seed: int) -> None:
     klp[rng.random(klp.size) < 0.02] = -np.inf
     klp[: min(3, klp.size)] = 120.0  # float32 exp overflows: the exact path
     nonempty = np.flatnonzero(counts > 0)
-    got = ra._kept_mass(klp, kto, counts, nonempty)
+    got = token_values.kept_mass(klp, kto, counts, nonempty)
     exact = _exact_mass(klp, kto)
     ok_got = np.abs(got - 1.0) <= SUPPORT_MASS_TOL
     ok_exact = np.abs(exact - 1.0) <= SUPPORT_MASS_TOL

@@ -1,13 +1,9 @@
 """Rollout side over HTTP: a vLLM OpenAI-compatible server, spawned on loopback or attached by URL.
 
-Many RL stacks (TRL's server mode, async trainers, verl) sample through ``vllm serve`` and launch it
-with their own log-prob settings. ``ServerRollout`` has the interface and record type of
-:class:`parity.engines.vllm_offline.VllmRollout` (source ``"vllm-server"``), so the same capture,
-comparison and gates run on the server path: one ``/v1/completions`` request per prompt
-(:meth:`ServerRollout._body`), sent concurrently, answers parsed by
-:mod:`parity.engines.vllm_server.protocol`. Faults end with an error that names the cause, never a
-hang; a server that does not return processed log-probs is refused at start-up and on every captured
-position. Only the standard library talks HTTP, proxies off: requests go to 127.0.0.1 or the given URL.
+``ServerRollout`` has :class:`parity.engines.vllm_offline.VllmRollout`'s interface and record type (source
+``"vllm-server"``): one ``/v1/completions`` request per prompt, sent concurrently, answers parsed by
+:mod:`parity.engines.vllm_server.protocol`. Faults end with an error naming the cause, never a hang; only
+the standard library talks HTTP, proxies off.
 """
 
 from __future__ import annotations
@@ -69,10 +65,9 @@ def _normalise_url(url: str) -> str:
 class ServerRollout(RolloutBase):
     """The sampler under test, behind vLLM's OpenAI-compatible HTTP server.
 
-    ``server="spawn"`` starts ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 at a free
-    port (the ``vllm`` console script of the CPU wheel crashes) and owns it: it is stopped by
-    :meth:`close`, on any start-up error, on Ctrl-C and at interpreter exit (its process group is
-    killed). Any other value is the URL of a running server to attach to; it is never stopped.
+    ``server="spawn"`` starts ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 (the CPU wheel's
+    ``vllm`` script crashes) and stops it on :meth:`close`, start-up errors, Ctrl-C and exit; any other value is
+    the URL of a running server, never stopped.
     """
 
     name = SOURCE
@@ -337,14 +332,8 @@ class ServerRollout(RolloutBase):
     def _body(
         self, prompt: Sequence[int], spec: SamplingSpec, *, max_tokens: int, seed: int, logprobs: int
     ) -> dict[str, Any]:
-        """One prompt's request: token ids (never text, so tokenization cannot drift), the seed, the
-        spec's filters, neutral penalties, ``ignore_eos`` with a fixed ``max_tokens``, and ``logprobs=K``
-        with ``return_tokens_as_token_ids`` so every entry is keyed ``token_id:N``.
-
-        Faults are caught three ways: every HTTP call has a timeout, a spawned server that exits is
-        noticed while waiting, and a server in vLLM's default ``--logprobs-mode raw_logprobs`` is found
-        by the start-up probe (:meth:`probe_logprobs_mode`) and by the kept mass of every captured
-        position (:func:`parity.core.capture.support_mass`).
+        """One prompt's request: token ids (never text), the seed, the spec's filters, neutral penalties,
+        ``ignore_eos`` with a fixed ``max_tokens``, and ``logprobs=K`` with ``return_tokens_as_token_ids``.
         """
         kw = spec.sampling_params_kwargs()
         return {
@@ -422,12 +411,9 @@ class ServerRollout(RolloutBase):
         return f"{self.url} completion for prompt {i} ({spec.label()})"
 
     def _send_all(self, bodies: list[dict[str, Any]], *, what: str, deadline: float | None = None) -> list[Any]:
-        """POST every body concurrently (the server batches them); fail fast on the first error.
+        """POST every body concurrently (the server batches them); fail fast on the first error, by ``deadline``.
 
-        ``deadline`` (a ``time.monotonic()`` value) bounds the call; default: ``timeout_s`` from now.
-
-        Daemon threads, not an executor: a worker blocked on a dead socket must not keep the
-        interpreter from exiting (executor threads are joined at exit, before atexit handlers run).
+        Daemon threads, not an executor: a worker blocked on a dead socket must not keep the interpreter from exiting.
         """
         results: list[Any] = [None] * len(bodies)
         errors: list[BaseException] = []

@@ -1,11 +1,8 @@
-"""The wire format of vLLM's OpenAI-compatible server: parsing and checking completions (pure: canned
-JSON in, lists out), and the errors of the server path.
+"""The wire format of vLLM's OpenAI-compatible server: parsing and checking completions (pure), and its errors.
 
-Response shape (vLLM 0.32, ``OpenAIServingCompletion._create_completion_logprobs``):
-``choices[0].logprobs`` holds ``tokens`` (the sampled ids), ``token_logprobs`` (their log-probs) and
-``top_logprobs`` — per position one dict whose first key is the sampled token followed by the top-K
-(the sampled token appears once: K entries when it is in the top-K, K + 1 when not). ``-inf`` is sent
-as ``-9999.0`` (JSON has no infinity), so ``-9999.0`` reads back as "off the support".
+vLLM 0.32 (``OpenAIServingCompletion._create_completion_logprobs``): ``choices[0].logprobs`` holds
+``tokens``, ``token_logprobs`` and per position a ``top_logprobs`` dict (the sampled token first, then the
+top-K: K entries when it is among them, K + 1 when not); ``-inf`` is sent as ``-9999.0``.
 """
 
 from __future__ import annotations
@@ -99,11 +96,8 @@ def parse_completion(
     vocab_size: int,
     where: str = "response",
 ) -> Heads:
-    """Parse one ``/v1/completions`` answer into sampled ids, their log-probs and the top-K heads
-    (the sampled entry removed when outside the top-K; ``-9999.0`` read back as ``-inf``), ``payload``
-    the answer itself.
+    """Parse one ``/v1/completions`` answer into a :class:`Heads` (``requested``: the ``logprobs`` sent, 0, -1 or K).
 
-    ``requested`` is the ``logprobs`` value sent (0: sampled token only; -1: full vocabulary; K).
     Raises :class:`MalformedResponse` naming the field and position of the first problem.
     """
     if not isinstance(payload, dict):
@@ -134,57 +128,55 @@ def parse_completion(
     full = requested == FULL_VOCAB or requested >= vocab_size
     out = Heads([], [], [], [], payload=payload)
     for t, (key, value, top) in enumerate(zip(tokens, token_lps, tops, strict=True)):
-        at = f"{where} position {t}"
-        y = _token_id(key, at)
-        if y >= vocab_size:
-            raise MalformedResponse(f"{at}: sampled token id {y} is outside the vocabulary of {vocab_size}")
-        if value is None:
-            raise MalformedResponse(
-                f"{at}: token_logprobs is null — the server returned no log-prob for the sampled token"
-            )
-        sampled_lp = _logprob(value, at)
-        if not isinstance(top, dict):
-            raise MalformedResponse(f"{at}: top_logprobs entry is {type(top).__name__}, allowed an object")
-        entries = [(_token_id(k, at), _logprob(v, at)) for k, v in top.items()]
-        ids = [i for i, _ in entries]
-        if any(i >= vocab_size for i in ids):
-            raise MalformedResponse(f"{at}: a top_logprobs id is outside the vocabulary of {vocab_size}")
-        if len(set(ids)) != len(ids):
-            raise MalformedResponse(f"{at}: top_logprobs repeats a token id")
-        if y not in ids:
-            raise MalformedResponse(f"{at}: the sampled token {y} is missing from top_logprobs")
-        if dict(entries)[y] != sampled_lp:
-            raise MalformedResponse(
-                f"{at}: token_logprobs says {sampled_lp!r} for token {y}, top_logprobs says {dict(entries)[y]!r}"
-            )
-        # Recover the top-K head the offline engine reports (its sampled entry comes separately).
-        if full:
-            if len(entries) != vocab_size:
-                raise MalformedResponse(
-                    f"{at}: {len(entries)} top_logprobs entries for a full-vocabulary request (V={vocab_size})"
-                )
-            head = entries
-        elif requested == 0:
-            if len(entries) != 1:
-                raise MalformedResponse(
-                    f"{at}: {len(entries)} top_logprobs entries for logprobs=0, allowed 1"
-                )
-            head = []
-        elif len(entries) == requested:  # the sampled token is one of the top-K
-            head = entries
-        elif len(entries) == requested + 1:  # it is not: drop its extra entry
-            head = [e for e in entries if e[0] != y]
-        else:
-            raise MalformedResponse(
-                f"{at}: {len(entries)} top_logprobs entries for logprobs={requested}, allowed {requested} or "
-                f"{requested + 1} (the server's --max-logprobs may be lower than the capture needs)"
-            )
+        y, sampled_lp, head = _position(key, value, top, f"{where} position {t}", full=full, requested=requested,
+                                        vocab_size=vocab_size)
         out.completion_ids.append(y)
         out.sampled_logprobs.append(sampled_lp)
         out.head_ids.append([i for i, _ in head])
         out.head_logprobs.append([v for _, v in head])
     return out
 
+
+def _position(key: Any, value: Any, top: Any, at: str, *, full: bool, requested: int,
+              vocab_size: int) -> tuple[int, float, list[tuple[int, float]]]:
+    """One position of a completion: the sampled id, its log-prob and the top-K head as the offline engine
+    reports it (the sampled entry comes separately)."""
+    y = _token_id(key, at)
+    if y >= vocab_size:
+        raise MalformedResponse(f"{at}: sampled token id {y} is outside the vocabulary of {vocab_size}")
+    if value is None:
+        raise MalformedResponse(f"{at}: token_logprobs is null — the server returned no log-prob for the sampled token")
+    sampled_lp = _logprob(value, at)
+    if not isinstance(top, dict):
+        raise MalformedResponse(f"{at}: top_logprobs entry is {type(top).__name__}, allowed an object")
+    entries = [(_token_id(k, at), _logprob(v, at)) for k, v in top.items()]
+    ids = [i for i, _ in entries]
+    if any(i >= vocab_size for i in ids):
+        raise MalformedResponse(f"{at}: a top_logprobs id is outside the vocabulary of {vocab_size}")
+    if len(set(ids)) != len(ids):
+        raise MalformedResponse(f"{at}: top_logprobs repeats a token id")
+    if y not in ids:
+        raise MalformedResponse(f"{at}: the sampled token {y} is missing from top_logprobs")
+    if dict(entries)[y] != sampled_lp:
+        raise MalformedResponse(
+            f"{at}: token_logprobs says {sampled_lp!r} for token {y}, top_logprobs says {dict(entries)[y]!r}"
+        )
+    if full:
+        if len(entries) != vocab_size:
+            raise MalformedResponse(f"{at}: {len(entries)} top_logprobs entries for a full-vocabulary request (V={vocab_size})")
+        return y, sampled_lp, entries
+    if requested == 0:
+        if len(entries) != 1:
+            raise MalformedResponse(f"{at}: {len(entries)} top_logprobs entries for logprobs=0, allowed 1")
+        return y, sampled_lp, []
+    if len(entries) == requested:  # the sampled token is one of the top-K
+        return y, sampled_lp, entries
+    if len(entries) == requested + 1:  # it is not: drop its extra entry
+        return y, sampled_lp, [e for e in entries if e[0] != y]
+    raise MalformedResponse(
+        f"{at}: {len(entries)} top_logprobs entries for logprobs={requested}, allowed {requested} or "
+        f"{requested + 1} (the server's --max-logprobs may be lower than the capture needs)"
+    )
 
 def check_processed(
     kept_logprobs: torch.Tensor,
@@ -197,20 +189,9 @@ def check_processed(
 ) -> None:
     """Raise :class:`LogprobsModeMismatch` when the captured values cannot be processed log-probs.
 
-    Under ``processed_logprobs`` the finite head entries are the filtered, renormalised distribution
-    (the support S_q and ``log(p_i / S)`` on it). Checks, each exact for that mode up to float rounding:
-
-    1. a complete kept set carries probability 1 (:func:`parity.core.capture.support_mass`);
-    2. top_k: a head that is full of finite values (incomplete) can only come from tokens tied with
-       the k-th value, so every value from rank k on equals the k-th;
-    3. min_p: kept tokens satisfy ``p_i >= min_p * p_max``; renormalising keeps ratios, so
-       ``max - min <= -log(min_p)`` over the kept values;
-    4. top_p: a support that is the whole vocabulary means top_p dropped nothing, so even the least
-       likely token has probability above ``1 - top_p``.
-
-    ``raw_logprobs`` (vLLM's default) reports the unfiltered ``log_softmax(z)``: heads are never
-    ``-inf``, so top-K captures look incomplete with untied tails (2) and full-vocabulary captures hold
-    every token (3, 4). The logits modes fail (1).
+    Exact checks for ``processed_logprobs``: a complete kept set has mass 1; a full top_k head has an untied tail
+    only from ties at the k-th value; min_p's kept values span at most ``-log(min_p)``; a whole-vocabulary top_p
+    support keeps every token above ``1 - top_p``. ``raw_logprobs`` (vLLM's default) fails them (docs/capture_plan.md, section 7).
     """
     mass = support_mass(kept_logprobs)
     bad = (~incomplete) & ((mass - 1.0).abs() > MASS_TOLERANCE)

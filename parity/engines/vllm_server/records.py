@@ -70,13 +70,9 @@ def request_with_capture(
 ) -> tuple[list[Any], list[int], CaptureStats]:
     """Send ``/v1/completions`` bodies with a capture plan for ``spec``; ask unproven ones again.
 
-    ``send`` is your own client: it POSTs a list of bodies and returns their JSON answers in order.
-    Each body must carry its ``seed`` (the sequences asked again must be drawn again), ``n=1`` and
-    ``return_tokens_as_token_ids``; its ``logprobs`` is set here, from
-    :func:`parity.core.capture.plan_capture` (adaptive for top_p/min_p without top_k, up to
-    ``max_head``: the server needs ``--max-logprobs`` at least that, or -1). Returns the answers (per
-    body, the one whose head proved it, else its first), the ``logprobs`` each was asked with (pass
-    them to :func:`from_server_responses` as ``requested``) and what the capture did.
+    ``send`` (your client) POSTs a list of bodies and returns their answers in order; each body carries its
+    ``seed``, ``n=1`` and ``return_tokens_as_token_ids``; ``logprobs`` is set here, up to ``max_head``. Returns
+    the answers, the ``logprobs`` each was asked with (``requested`` of :func:`from_server_responses`) and the stats.
     """
     for i, b in enumerate(bodies):
         if b.get("seed") is None or int(b.get("n", 1)) != 1:

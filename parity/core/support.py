@@ -1,0 +1,210 @@
+"""The sampler's kept set S_q read from captured heads (or whole sampler rows), and comparisons of supports.
+
+A head sorted by processed log-prob whose last entry is ``-inf`` holds all of S_q; a head of K finite
+entries on a partial vocabulary may not, and that position is flagged incomplete (docs/capture_plan.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from parity.core.capture_plan import FULL_VOCAB, NEG_INF
+from parity.core.spec import SamplingSpec
+from parity.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch  # imported where called: the capture plan and its stats need none
+
+@dataclass
+class CapturedSupport:
+    """S_q for each position of one sequence."""
+
+    kept_ids: torch.Tensor  # long [L, K] padded with -1 (K = widest captured support)
+    kept_logprobs: torch.Tensor  # float32 [L, K]: the sampler's processed log-probs of kept_ids (-inf pad)
+    incomplete: torch.Tensor  # bool [L]: the head was full, the support may extend beyond it
+    sampled_missing: torch.Tensor  # bool [L]: the sampled token is not among the kept ids (engine fault)
+
+
+def support_from_heads(
+    sampled: Sequence[int],
+    head_ids: Sequence[Sequence[int]],
+    head_logprobs: Sequence[Sequence[float]],
+    *,
+    requested: int,
+    vocab_size: int,
+    rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> CapturedSupport:
+    """Build S_q from per-position heads (token ids and processed log-probs, sampled entry excluded).
+
+    ``requested`` is the K that was asked for (-1 = full vocabulary); ``rows`` (``Heads.rows``) holds
+    whole kept sets read from the sampler where the head could not prove them: they replace the head there.
+    """
+    base = _support_of_heads(sampled, head_ids, head_logprobs, requested=requested, vocab_size=vocab_size)
+    return _with_rows(base, sampled, rows) if rows else base
+
+
+def _with_rows(base: CapturedSupport, sampled: Sequence[int],
+               rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]]) -> CapturedSupport:
+    """``base`` with the positions of ``rows`` replaced by the sampler's whole kept set (proven complete)."""
+    import torch
+
+    n, w0 = base.kept_ids.shape
+    width = max([w0] + [int(ids.numel()) for ids, _ in rows.values()])
+    ids_t = torch.full((n, width), -1, dtype=torch.long)
+    lps_t = torch.full((n, width), NEG_INF, dtype=torch.float32)
+    ids_t[:, :w0], lps_t[:, :w0] = base.kept_ids, base.kept_logprobs
+    incomplete, missing = base.incomplete.clone(), base.sampled_missing.clone()
+    for t, (ids, vals) in rows.items():
+        if not 0 <= t < n or ids.numel() != vals.numel():
+            raise UsageError(f"a sampler row at position {t} of {n} holds {ids.numel()} ids and {vals.numel()} values")
+        k = int(ids.numel())
+        ids_t[t], lps_t[t] = -1, NEG_INF
+        ids_t[t, :k], lps_t[t, :k] = ids.long(), vals.float()
+        incomplete[t] = False
+        missing[t] = not bool((ids == int(sampled[t])).any())
+    return CapturedSupport(ids_t, lps_t, incomplete, missing)
+
+
+def _support_of_heads(
+    sampled: Sequence[int],
+    head_ids: Sequence[Sequence[int]],
+    head_logprobs: Sequence[Sequence[float]],
+    *,
+    requested: int,
+    vocab_size: int,
+) -> CapturedSupport:
+    import torch
+
+    if len(head_ids) != len(sampled) or len(head_logprobs) != len(sampled):
+        raise UsageError(
+            f"capture has {len(head_ids)} heads and {len(head_logprobs)} log-prob rows for {len(sampled)} sampled tokens"
+        )
+    full = requested == FULL_VOCAB or requested >= vocab_size
+    lengths = {len(r) for r in head_ids} | {len(r) for r in head_logprobs}
+    if len(sampled) and len(lengths) == 1:
+        n, k = len(sampled), len(head_ids[0])
+        return _support_dense(
+            torch.tensor([int(v) for v in sampled], dtype=torch.long),
+            torch.tensor([list(r) for r in head_ids], dtype=torch.long).reshape(n, k),
+            torch.tensor([list(r) for r in head_logprobs], dtype=torch.float32).reshape(n, k),
+            partial=not full and k < vocab_size,
+        )
+    rows: list[list[tuple[int, float]]] = []
+    incomplete: list[bool] = []
+    missing: list[bool] = []
+    # The lengths are checked above, so this zip's strict= cannot change anything.
+    for y, ids, lps in zip(sampled, head_ids, head_logprobs, strict=True):  # pragma: no mutate
+        finite = [(int(i), float(v)) for i, v in zip(ids, lps, strict=True) if v != NEG_INF]
+        # One order whatever the head's order among equal values (torch.topk leaves ties unordered).
+        finite.sort(key=lambda iv: (-iv[1], iv[0]))
+        rows.append(finite)
+        # A full head of finite values on a partial vocabulary may hide more kept tokens.
+        incomplete.append(not full and len(finite) >= len(ids) and len(ids) < vocab_size)
+        missing.append(all(i != int(y) for i, _ in finite))
+    width = max([len(r) for r in rows] + [1])
+    # Int and bool values make long and bool tensors whatever torch's default dtype: the dtype= of the
+    # lines marked below is there for the reader, and its mutants are equivalent.
+    ids_t = torch.full((len(rows), width), -1, dtype=torch.long)  # pragma: no mutate
+    lps_t = torch.full((len(rows), width), NEG_INF, dtype=torch.float32)
+    for t, r in enumerate(rows):
+        if r:
+            ids_t[t, : len(r)] = torch.tensor([i for i, _ in r], dtype=torch.long)  # pragma: no mutate
+            lps_t[t, : len(r)] = torch.tensor([v for _, v in r], dtype=torch.float32)  # pragma: no mutate (cast on assignment)
+    incomplete_t = torch.tensor(incomplete, dtype=torch.bool)  # pragma: no mutate
+    missing_t = torch.tensor(missing, dtype=torch.bool)  # pragma: no mutate
+    return CapturedSupport(ids_t, lps_t, incomplete_t, missing_t)
+
+
+def _support_dense(y: torch.Tensor, ids: torch.Tensor, lps: torch.Tensor, *, partial: bool) -> CapturedSupport:
+    """:func:`support_from_heads` for heads of one length ``[L, K]``, as tensor operations (wide adaptive heads).
+
+    The same rules and the same output as the per-position loop: finite entries kept, ordered by
+    processed log-prob descending and then by id, padded with -1 / -inf to the widest support.
+    ``partial``: the heads are neither the vocabulary nor as wide as it.
+    """
+    import torch
+
+    n, k = ids.shape
+    finite = lps != NEG_INF
+    count = finite.sum(dim=1)
+    # A full head of finite values on a partial vocabulary may hide more kept tokens.
+    incomplete = count >= k if partial else torch.zeros(n, dtype=torch.bool)
+    # Order: by value descending, ties by id ascending (a stable sort by id, then a stable one by
+    # value); dropped entries (-inf) sort after every kept one.
+    by_id = torch.argsort(ids, dim=1, stable=True)
+    ids, lps = ids.gather(1, by_id), lps.gather(1, by_id)
+    by_value = torch.sort(lps, dim=1, descending=True, stable=True).indices
+    ids, lps = ids.gather(1, by_value), lps.gather(1, by_value)
+    width = max(int(count.max()), 1)
+    if k == 0:
+        kept_ids = torch.full((n, 1), -1, dtype=torch.long)
+        kept_lps = torch.full((n, 1), NEG_INF, dtype=torch.float32)
+    else:
+        keep = lps[:, :width] != NEG_INF
+        kept_ids = ids[:, :width].masked_fill(~keep, -1)
+        kept_lps = lps[:, :width].masked_fill(~keep, NEG_INF)
+    missing = ~(kept_ids == y[:, None]).any(dim=1)
+    return CapturedSupport(kept_ids.contiguous(), kept_lps.contiguous(), incomplete, missing)
+
+
+def support_mass(kept_logprobs: torch.Tensor) -> torch.Tensor:
+    """Sum of the sampler's processed probabilities over the captured support, per position.
+
+    1 (to float rounding) when the capture holds the whole support of a processed distribution; less
+    when tokens are missing; a server running ``raw_logprobs`` also fails this (its head is not
+    renormalised).
+    """
+    import torch
+
+    return torch.exp(kept_logprobs.double()).sum(dim=-1)
+
+
+def validate_native_mask(spec: SamplingSpec) -> None:
+    """vLLM's native kept-set return (``return_sampling_mask=True``) refuses some specs: say so first.
+
+    Mirrors the checks in ``InputProcessor`` (vllm/v1/engine/input_processor.py): temperature > 0
+    (no greedy rows) and top_k > 0 (to bound the mask's size).
+    """
+    if spec.temperature <= 0:
+        raise UsageError(
+            f"native sampling-mask capture needs temperature > 0, got temperature={spec.temperature!r}: "
+            f"use top-K capture (--capture topk) for greedy scenarios"
+        )
+    if spec.top_k <= 0:
+        raise UsageError(
+            f"native sampling-mask capture needs top_k > 0 to bound the mask, got top_k={spec.top_k!r}: "
+            f"set top_k or use top-K capture (--capture topk)"
+        )
+
+
+def padded_ids(rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Ragged per-position id lists → ``[L, K]`` sorted ascending, ``-1`` padded."""
+    import torch
+
+    width = max([len(r) for r in rows] + [1])
+    # An int fill and int ids make long tensors without the dtype: its mutants are equivalent.
+    out = torch.full((len(rows), width), -1, dtype=torch.long)  # pragma: no mutate
+    for t, r in enumerate(rows):
+        if len(r):
+            out[t, : len(r)] = torch.tensor(sorted(int(i) for i in r), dtype=torch.long)  # pragma: no mutate
+    return out
+
+
+def compare_supports(a: torch.Tensor, b: torch.Tensor, *, skip: torch.Tensor | None = None) -> list[int]:
+    """Positions where two captured supports (``[L, K]`` padded ids, any order) differ.
+
+    ``skip`` marks positions to leave out (for example top-K positions flagged incomplete).
+    """
+    if a.shape[0] != b.shape[0]:
+        raise UsageError(f"supports cover {a.shape[0]} and {b.shape[0]} positions")
+    bad = []
+    for t in range(a.shape[0]):
+        if skip is not None and bool(skip[t]):
+            continue
+        sa = {int(i) for i in a[t] if int(i) >= 0}
+        sb = {int(i) for i in b[t] if int(i) >= 0}
+        if sa != sb:
+            bad.append(t)
+    return bad

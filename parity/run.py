@@ -333,7 +333,7 @@ def run_report(
 
     from parity.analyze.report import REPORT_FACTS, build_report
     from parity.core.matrix import pair_coverage
-    from parity.core.rl import catalogue as rl_catalogue
+    from parity.core.rl_catalogue import catalogue as rl_catalogue
     from parity.records.accumulators import Summary
     from parity.records.token_columns import Options
     from parity.records.write import RecordsWriter

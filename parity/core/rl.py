@@ -4,25 +4,21 @@ Every RL framework's own mismatch metric under its dashboard name, reduced as th
 it, and what each importance-sampling correction would do to the same tokens with its frameworks'
 defaults: the fraction of units (tokens or sequences) it clips, masks, vetoes or drops, the mean weight
 it leaves and the effective sample size. The entries are data (parity/data/rl_catalogue.toml, read by
-:func:`load_catalogue`); this module holds the statistics they name. The methods assume the first
+:func:`parity.core.rl_catalogue.load_catalogue`); this module holds the statistics they name. The methods assume the first
 update after a rollout (:data:`ASSUMPTION`). A NaN δ is excluded and counted (``excluded_nan``); ±inf
 flows through (r = 0 or inf), a token the trainer cannot produce being a real, reportable mismatch.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import tomllib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from parity.errors import PathNotFound, UsageError
+from parity.errors import UsageError
 
 ASSUMPTION = (
     "First update after a rollout: the policy is still the trainer, so its own ratio is 1 and every ratio "
@@ -591,199 +587,3 @@ def effective_sample_size(w: torch.Tensor) -> float:
     v = torch.isinf(w).double() if math.isinf(top) else w / top
     # <= 1 by Cauchy-Schwarz; the min only absorbs the last bit of rounding.
     return min(1.0, float(v.sum() ** 2 / (w.numel() * (v * v).sum())))
-
-
-# ------------------------------------------------------------------------------------------ catalogue
-
-CATALOGUE = "rl_catalogue.toml"  # the packaged metrics and methods, in parity/data/
-
-
-class _Wrong(Exception):
-    """A catalogue value of the wrong type; the message is what is allowed."""
-
-
-def _text(v: Any) -> str:
-    if not isinstance(v, str):
-        raise _Wrong("a string")
-    return v
-
-
-def _number(v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise _Wrong("a number (inf and -inf included)")
-    return float(v)
-
-
-def _texts(v: Any) -> tuple[str, ...]:
-    if not isinstance(v, list) or not v or not all(isinstance(x, str) for x in v):
-        raise _Wrong("a non-empty list of strings")
-    return tuple(v)
-
-
-def _interval(v: Any) -> tuple[float, float]:
-    if not isinstance(v, list) or len(v) != 2:
-        raise _Wrong("[low, high], two numbers")
-    try:
-        return _number(v[0]), _number(v[1])
-    except _Wrong:
-        raise _Wrong("[low, high], two numbers") from None
-
-
-def _threshold(v: Any) -> Threshold:
-    allowed = "{ limit = <number>, op = '<=' or '<', source = <string> }"
-    if not isinstance(v, dict) or set(v) != {"limit", "op", "source"}:
-        raise _Wrong(allowed)
-    try:
-        return Threshold(_number(v["limit"]), _text(v["op"]), _text(v["source"]))
-    except _Wrong:
-        raise _Wrong(allowed) from None
-
-
-# Per table of the file: the entry type and how each key's value is read.
-_TABLES: dict[str, tuple[type[Metric] | type[Method], dict[str, Callable[[Any], Any]]]] = {
-    "metric": (
-        Metric,
-        {
-            "framework": _text,
-            "name": _text,
-            "level": _text,
-            "statistic": _text,
-            "source": _text,
-            "values": _text,
-            "reduce": _text,
-            "compute": _text,
-            "threshold": _threshold,
-        },
-    ),
-    "method": (
-        Method,
-        {
-            "name": _text,
-            "frameworks": _texts,
-            "level": _text,
-            "statistic": _text,
-            "interval": _interval,
-            "action": _text,
-            "source": _text,
-            "sign": _text,
-            "weight": _text,
-            "dual_clip": _number,
-            "note": _text,
-        },
-    ),
-}
-
-
-def _entries(doc: dict[str, Any], table: str, where: str) -> list[Any]:
-    kind, readers = _TABLES[table]
-    raw = doc.get(table, [])
-    if not isinstance(raw, list):
-        raise UsageError(f"{where}: {table}={raw!r} is invalid: allowed [[{table}]] tables")
-    required = [f.name for f in dataclasses.fields(kind) if f.default is dataclasses.MISSING]
-    out = []
-    for i, entry in enumerate(raw, 1):
-        what = f"{where}, [[{table}]] {i}"
-        if not isinstance(entry, dict):
-            raise UsageError(f"{what}: {entry!r} is invalid: allowed a table")
-        what += f" ({entry['name']!r})" if isinstance(entry.get("name"), str) else ""
-        missing = [k for k in required if k not in entry]
-        if missing:
-            raise UsageError(f"{what}: {', '.join(missing)} missing: required {', '.join(required)}")
-        kwargs = {}
-        for key, value in entry.items():
-            if key not in readers:
-                raise UsageError(f"{what}: {key}={value!r} is not a field: allowed {', '.join(readers)}")
-            try:
-                kwargs[key] = readers[key](value)
-            except _Wrong as e:
-                raise UsageError(f"{what}: {key}={value!r} is invalid: allowed {e}") from None
-            except UsageError as e:  # a threshold's own check
-                raise UsageError(f"{what}: {key}: {e}") from None
-        try:
-            out.append(kind(**kwargs))
-        except UsageError as e:
-            raise UsageError(f"{what}: {e}") from None
-    return out
-
-
-def load_catalogue(path: str | Path | None = None) -> tuple[tuple[Metric, ...], tuple[Method, ...]]:
-    """The ``[[metric]]`` and ``[[method]]`` entries of a catalogue file (TOML), each checked.
-
-    Default: the packaged parity/data/rl_catalogue.toml, whose header documents the fields. A file of
-    one's own in the same form adds metrics or methods: pass them to :func:`summarize`.
-    """
-    if path is None:
-        where = f"parity/data/{CATALOGUE}"
-        text = (resources.files("parity") / "data" / CATALOGUE).read_text(encoding="utf-8")
-    else:
-        where = str(path)
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise PathNotFound(f"catalogue file {where!r} does not exist: allowed a TOML file") from None
-    try:
-        doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise UsageError(f"{where}: not valid TOML: {e}") from None
-    for key in doc:
-        if key not in _TABLES:
-            raise UsageError(f"{where}: {key}={doc[key]!r} is not a table of the catalogue: allowed [[metric]], [[method]]")
-    metrics, methods = tuple(_entries(doc, "metric", where)), tuple(_entries(doc, "method", where))
-    _check_unique(metrics, f"{where}: metric")
-    _check_unique(methods, f"{where}: method")
-    return metrics, methods
-
-
-def _check_unique(entries: Sequence[Any], kind: str) -> None:
-    seen: set[str] = set()
-    for e in entries:
-        if e.name in seen:
-            raise UsageError(f"{kind} name {e.name!r} is used twice: allowed unique names")
-        seen.add(e.name)
-
-
-METRICS, METHODS = load_catalogue()
-
-
-# ------------------------------------------------------------------------------------------ summary
-
-
-def metric_values(m: Mismatch, metrics: Sequence[Metric] = METRICS) -> dict[str, float | None]:
-    return {e.name: e.value(m) for e in metrics}
-
-
-def method_results(m: Mismatch, methods: Sequence[Method] = METHODS) -> dict[str, dict[str, dict[str, Any]]]:
-    return {e.name: {s: e.apply(m, s).to_dict() for s in e.signs} for e in methods}
-
-
-def summarize(
-    m: Mismatch, *, metrics: Sequence[Metric] = METRICS, methods: Sequence[Method] = METHODS
-) -> dict[str, Any]:
-    """Every metric and every method on one trainer's tokens, as plain numbers (None = undefined)."""
-    values = metric_values(m, metrics)
-    over = [e.name for e in metrics if e.threshold is not None and e.threshold.holds(values[e.name]) is False]
-    return {
-        "tokens": m.tokens,
-        "sequences": m.sequences,
-        "empty_sequences": m.empty_sequences,
-        "excluded_nan": m.excluded_nan,
-        "metrics": values,
-        "over_threshold": over,
-        "methods": method_results(m, methods),
-    }
-
-
-def summarize_trainers(
-    sampler: torch.Tensor, trainers: Mapping[str, torch.Tensor], seq_lengths: Sequence[int]
-) -> dict[str, Any]:
-    """The RL view of several trainers scored against one sampler, on the flat token layout."""
-    return {name: summarize(Mismatch.from_flat(lp, sampler, seq_lengths)) for name, lp in trainers.items()}
-
-
-def catalogue() -> dict[str, Any]:
-    """What each entry is (for report.json): the assumption, the metrics and the methods."""
-    return {
-        "assumption": ASSUMPTION,
-        "metrics": [e.describe() for e in METRICS],
-        "methods": [e.describe() for e in METHODS],
-    }

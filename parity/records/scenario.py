@@ -56,8 +56,8 @@ def scenario_summary(
 
 def rl_view(table: TokenTable) -> dict[str, Any]:
     """Each framework's mismatch metric and each IS correction for the naive, the fixed and a trainer under
-    test (:func:`parity.core.rl.summarize_trainers`), over the positions the gates compare."""
-    from parity.core.rl import summarize_trainers
+    test (:func:`parity.core.rl_catalogue.summarize_trainers`), over the positions the gates compare."""
+    from parity.core.rl_catalogue import summarize_trainers
 
     t = table.select(~table.incomplete)
     trainers = {"naive": t.full, "replay": t.replay, "recompute": t.recompute}

@@ -79,7 +79,7 @@ def headline(scenario: dict[str, Any]) -> str | None:
     rl = scenario.get("rl_view")
     if not rl or "naive" not in rl:
         return None
-    from parity.core.rl import METHODS
+    from parity.core.rl_catalogue import METHODS
 
     by_name = {m.name: m for m in METHODS}
     methods = [by_name[n] for n in HEADLINE_METHODS]
@@ -102,7 +102,7 @@ def headline(scenario: dict[str, Any]) -> str | None:
 
 
 def _threshold_cell(metric_name: str) -> str:
-    from parity.core.rl import METRICS
+    from parity.core.rl_catalogue import METRICS
 
     e = next(e for e in METRICS if e.name == metric_name)
     return e.threshold.label() if e.threshold else "—"
@@ -113,7 +113,7 @@ def _trainers(rl: dict[str, Any]) -> list[str]:
 
 
 def metrics_table(rl: dict[str, Any]) -> list[str]:
-    from parity.core.rl import METRICS
+    from parity.core.rl_catalogue import METRICS
 
     trainers = _trainers(rl)
     lines = [
@@ -133,7 +133,7 @@ def metrics_table(rl: dict[str, Any]) -> list[str]:
 
 
 def methods_table(rl: dict[str, Any]) -> list[str]:
-    from parity.core.rl import METHODS
+    from parity.core.rl_catalogue import METHODS
 
     trainers = _trainers(rl)
     lines = [
@@ -171,7 +171,7 @@ def markdown(report: dict[str, Any]) -> list[str]:
         "ESS = (Σw)² / (n Σw²).",
         "",
     ]
-    from parity.core.rl import METHODS
+    from parity.core.rl_catalogue import METHODS
 
     quiet = []
     for s in scenarios:
@@ -213,7 +213,7 @@ def write_plot(report: dict[str, Any], out: Path, plt: Any) -> list[str]:
     scenarios = [s for s in report["scenarios"] if s.get("rl_view")]
     if not scenarios:
         return []
-    from parity.core.rl import METHODS
+    from parity.core.rl_catalogue import METHODS
 
     rows = [(m, s) for m in METHODS if m.action in ("mask", "drop", "veto") for s in m.signs]
     labels = [m.name + ("" if s == "any" else f" ({_sign_label(s)})") for m, s in rows]

@@ -92,7 +92,7 @@ def test_report_files_and_schema(report) -> None:
 
 def test_report_carries_the_rl_view(report) -> None:
     """Each framework's mismatch metric and each IS correction, per scenario and trainer, in both files."""
-    from parity.core.rl import METHODS, METRICS
+    from parity.core.rl_catalogue import METHODS, METRICS
 
     out = report["_out"]
     data = json.loads((out / "report.json").read_text())

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parity.core import rl
+from parity.core import rl, rl_catalogue
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,22 +48,22 @@ def deltas() -> rl.Mismatch:
 
 
 def test_the_packaged_catalogue_is_what_the_module_holds() -> None:
-    metrics, methods = rl.load_catalogue()
-    assert [e.describe() for e in metrics] == [e.describe() for e in rl.METRICS]
-    assert [e.describe() for e in methods] == [e.describe() for e in rl.METHODS]
+    metrics, methods = rl_catalogue.load_catalogue()
+    assert [e.describe() for e in metrics] == [e.describe() for e in rl_catalogue.METRICS]
+    assert [e.describe() for e in methods] == [e.describe() for e in rl_catalogue.METHODS]
     assert len(metrics) == 20 and len(methods) == 19
 
 
 def test_the_catalogue_ships_as_package_data() -> None:
     patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["parity"]
-    assert any(fnmatch.fnmatch(f"data/{rl.CATALOGUE}", p) for p in patterns)
-    assert (REPO / "parity" / "data" / rl.CATALOGUE).is_file()
+    assert any(fnmatch.fnmatch(f"data/{rl_catalogue.CATALOGUE}", p) for p in patterns)
+    assert (REPO / "parity" / "data" / rl_catalogue.CATALOGUE).is_file()
 
 
 def test_a_file_of_ones_own_adds_a_method_and_a_metric(tmp_path: Path) -> None:
-    metrics, methods = rl.load_catalogue(write(tmp_path, METRIC + "\n" + METHOD))
+    metrics, methods = rl_catalogue.load_catalogue(write(tmp_path, METRIC + "\n" + METHOD))
     assert [e.name for e in metrics] == ["mine/mean"] and [e.name for e in methods] == ["mine"]
-    out = rl.summarize(deltas(), metrics=rl.METRICS + metrics, methods=rl.METHODS + methods)
+    out = rl_catalogue.summarize(deltas(), metrics=rl_catalogue.METRICS + metrics, methods=rl_catalogue.METHODS + methods)
     assert out["metrics"]["mine/mean"] == pytest.approx(2 / 3)
     # e^1 > 2 and e^-1 < 0.5: two of the three tokens fall outside [0.5, 2] and are masked.
     assert out["methods"]["mine"]["any"]["affected"] == 2
@@ -71,7 +71,7 @@ def test_a_file_of_ones_own_adds_a_method_and_a_metric(tmp_path: Path) -> None:
 
 def test_compute_names_a_metric_that_is_no_reduction(tmp_path: Path) -> None:
     text = METRIC.replace('values = "abs_delta"\nreduce = "mean"\n', 'compute = "pearson_probs"\n')
-    (metric,), _ = rl.load_catalogue(write(tmp_path, text))
+    (metric,), _ = rl_catalogue.load_catalogue(write(tmp_path, text))
     assert metric.needs_probs and metric.value(deltas()) is None  # no sampler log-probs given
 
 
@@ -107,15 +107,15 @@ def test_a_bad_entry_names_the_file_the_entry_the_key_and_the_value(
 ) -> None:
     path = write(tmp_path, edit(text))
     with pytest.raises(ValueError) as err:
-        rl.load_catalogue(path)
+        rl_catalogue.load_catalogue(path)
     assert str(err.value).startswith(str(path)) and words in str(err.value), str(err.value)
 
 
 def test_a_missing_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="nowhere.toml"):
-        rl.load_catalogue(tmp_path / "nowhere.toml")
+        rl_catalogue.load_catalogue(tmp_path / "nowhere.toml")
 
 
 def test_infinite_bounds_read_as_floats(tmp_path: Path) -> None:
-    _, (method,) = rl.load_catalogue(write(tmp_path, METHOD.replace("[0.5, 2.0]", "[0, inf]")))
+    _, (method,) = rl_catalogue.load_catalogue(write(tmp_path, METHOD.replace("[0.5, 2.0]", "[0, inf]")))
     assert method.interval == (0.0, math.inf) and isinstance(method.interval[0], float)

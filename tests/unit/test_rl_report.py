@@ -10,7 +10,7 @@ import torch
 from judged import scenario_entry
 
 from parity.core.filters import reference_filter
-from parity.core.rl import METHODS, METRICS, catalogue
+from parity.core.rl_catalogue import METHODS, METRICS, catalogue
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.core.token_table import build_table

@@ -9,19 +9,8 @@ import statistics
 import pytest
 import torch
 
-from parity.core.rl import (
-    METHODS,
-    METRICS,
-    STATISTICS,
-    Method,
-    Mismatch,
-    Threshold,
-    catalogue,
-    effective_sample_size,
-    k3,
-    summarize,
-    summarize_trainers,
-)
+from parity.core.rl import STATISTICS, Method, Mismatch, Threshold, effective_sample_size, k3
+from parity.core.rl_catalogue import METHODS, METRICS, catalogue, summarize, summarize_trainers
 
 LOG09 = math.log(0.9)
 INF = math.inf

@@ -197,7 +197,21 @@ def score_scenario(
         facts["native_capture"], native = native_capture_gate(records, sc.name, cfg.capture, cfg.thresholds)
         facts["native_violations"] = [v.to_dict() for v in native]
         violations += native
+    if records and "routed_experts" in records[0].extras:  # MoE: routing agreement and replay, one section
+        violations += routing_facts(facts, records, table, trainer, rollout, sc, cfg, dtypes)
     return ScenarioResult(sc, records, table, entry, violations, time.perf_counter() - t0, export, part, facts, reference)
+
+
+def routing_facts(facts: dict[str, Any], records: list[SequenceRecord], table: TokenTable, trainer: Trainer,
+                  rollout: Rollout, sc: Scenario, cfg: RunConfig, dtypes: tuple[str, str]) -> list[Violation]:
+    """The routing section of a MoE scenario (:func:`parity.engines.routing_replay.routing_report`) into ``facts``."""
+    from parity.engines.routing_replay import routing_report
+
+    section, found = routing_report(records, table, trainer, sc.spec, dtypes, scenario=sc.name,
+                                    max_headroom=cfg.thresholds.max_headroom, n_listed=cfg.thresholds.max_violations_listed)
+    facts["routing"] = {**section, "capture": getattr(rollout, "last_routes", None)}
+    facts["routing_violations"] = [v.to_dict() for v in found]
+    return found
 
 
 def native_capture_gate(

@@ -105,7 +105,7 @@ def _apply_facts(report: dict[str, Any], facts: Any) -> None:
         raw = extra.pop("raw_logits_pass", None)
         if raw is not None:
             sc["sampler_log_s"]["raw_logits_pass"] = raw
-        native = extra.pop("native_violations", None) or []
+        native = (extra.pop("native_violations", None) or []) + (extra.pop("routing_violations", None) or [])
         sc.update(extra)
         if native:
             sc["violations"] = sc["violations"] + native

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import json
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 ATTR = "_parity_routes"
+ROUTED = "routed_experts"  # SequenceRecord.extras key: long [P + L - 1, layers, top_k], -1 where no forward ran
 NATIVE = "vLLM enable_return_routed_experts (CompletionOutput.routed_experts, Model Runner V2)"
 BINDER = "vLLM bind_routed_experts_capturer on the in-process V1 runner (vllm 0.32)"
 
@@ -78,7 +81,7 @@ def _install(worker: Any) -> str:
     if getattr(runner, ATTR, None) is not None:
         return ""
     rec = _Recorder()
-    bind_routed_experts_capturer(runner.get_model(), rec)  # type: ignore[arg-type]  # duck-typed: capture() only
+    bind_routed_experts_capturer(runner.get_model(), rec)  # duck-typed: capture(layer_id, topk_ids) only
     ref = weakref.ref(runner)  # no cycle through the wrappers: the engine must be collectable on close
     execute, forward = runner.execute_model, runner._model_forward
 
@@ -149,3 +152,20 @@ class RoutedExperts:
         for rid, steps in got.items():
             out.setdefault(rid.rsplit("-", 1)[0], []).extend(steps)
         return out
+
+
+def attach_routes(records: Sequence[Any], outputs: Sequence[Any], steps: dict[str, Any] | None) -> dict[str, Any]:
+    """Put each record's routed experts in ``extras[ROUTED]``: the native ``routed_experts`` of its output, or the
+    binder's ``steps`` (by request id). Positions no forward covered (a prefix-cache hit) stay -1, counted."""
+    uncovered, rows = 0, 0
+    for r, out in zip(records, outputs, strict=True):
+        length = len(r.prompt_ids) + r.length - 1
+        if steps is None:
+            arr = np.asarray(out.outputs[0].routed_experts, dtype=np.int32)[:length]
+            miss = length - arr.shape[0]
+            arr = np.concatenate([arr, np.full((miss, *arr.shape[1:]), -1, np.int32)]) if miss else arr
+        else:
+            arr, miss = assemble(steps.get(str(out.request_id), []), length)
+        r.extras[ROUTED] = torch.from_numpy(arr.astype(np.int64))
+        uncovered, rows = uncovered + miss, rows + length
+    return {"route": NATIVE if steps is None else BINDER, "rows": rows, "uncovered_rows": uncovered}

@@ -152,6 +152,7 @@ class Scenario:
     dtypes: Block | None = None
     rl_view: Block | None = None
     native_capture: Block | None = None
+    routing: Block | None = None  # MoE: routing agreement per layer and routing replay (parity.core.routing)
     masked_tokens: int | None = None  # the TRL capture: tokens its completion mask dropped
     rounding_bound: Block | None = None  # the TRL capture: the sampler dtype's own per-token bound
     trl: Block | None = None  # the TRL capture: its importance-sampling mode, fix and step

@@ -154,7 +154,9 @@ class RoutedExperts:
         return out
 
 
-def attach_routes(records: Sequence[Any], outputs: Sequence[Any], steps: dict[str, Any] | None) -> dict[str, Any]:
+def attach_routes(
+    records: Sequence[Any], outputs: Sequence[Any], steps: dict[str, Any] | None, experts: int
+) -> dict[str, Any]:
     """Put each record's routed experts in ``extras[ROUTED]``: the native ``routed_experts`` of its output, or the
     binder's ``steps`` (by request id). Positions no forward covered (a prefix-cache hit) stay -1, counted."""
     uncovered, rows = 0, 0
@@ -167,5 +169,6 @@ def attach_routes(records: Sequence[Any], outputs: Sequence[Any], steps: dict[st
         else:
             arr, miss = assemble(steps.get(str(out.request_id), []), length)
         r.extras[ROUTED] = torch.from_numpy(arr.astype(np.int64))
+        r.extras["routed_num_experts"] = torch.tensor(experts)
         uncovered, rows = uncovered + miss, rows + length
     return {"route": NATIVE if steps is None else BINDER, "rows": rows, "uncovered_rows": uncovered}

@@ -331,7 +331,7 @@ class VllmRollout(RolloutBase):
         records = self.records(prompts, spec, seed, result)
         if self.moe is not None:
             outs = [h.payload[0] for h in result.heads]
-            self.last_routes = attach_routes(records, outs, steps if self.routes.active else None)
+            self.last_routes = attach_routes(records, outs, steps if self.routes.active else None, self.moe[2])
         return records
 
     def _rows(self, forced: int | None) -> SamplerRows | None:

@@ -50,6 +50,7 @@ class RunConfig:
     max_capture_head: int | None = None  # cap of S_q capture (--max-capture-head); None: no cap offline
     timeout_s: float = 900.0
     prefix_caching: bool = False
+    max_num_batched_tokens: int | None = None  # chunked prefill at this step budget (scenarios may set their own)
     trainer: str | TrainerFn | None = None  # trainer under test: "full" | "recompute" | "replay" | "module:function"
     invariance: bool = False  # run the batch-invariance checks on both sides and report them
     batch_invariant: bool = False  # turn on every batch-invariance knob available on the device
@@ -99,6 +100,14 @@ class ScenarioResult:
     reference_violations: list[Violation] = field(default_factory=list)  # parity's own estimators, with --trainer
 
 
+def scenario_engines(engines: EngineSettings, sc: Scenario) -> EngineSettings:
+    """The run's engine settings with the scenario's own prefix caching and chunked-prefill budget."""
+    from dataclasses import replace
+
+    pc = engines.prefix_caching if sc.prefix_caching is None else sc.prefix_caching
+    return replace(engines, prefix_caching=pc, max_num_batched_tokens=sc.max_num_batched_tokens or engines.max_num_batched_tokens)
+
+
 def wants_sampler_log_s(rollout: Rollout, sc: Scenario, cfg: RunConfig) -> bool:
     """A raw-logits pass is run when it can give the whole row: offline engine, vocabulary within the capture cap."""
     return (
@@ -143,6 +152,11 @@ def preflight(matrix: Matrix, cfg: RunConfig) -> None:
     vocab: dict[str, int] = {}
     problems = []
     for sc in matrix.scenarios:
+        if cfg.device == "cpu" and (sc.max_num_batched_tokens or cfg.max_num_batched_tokens) and not sc.spec.greedy:
+            problems.append(f"scenario {sc.name!r}: max_num_batched_tokens (chunked prefill) at temperature "
+                            f"{sc.spec.temperature:g} on CPU: vLLM 0.32's CPU engine fails a seeded request whose prefill "
+                            f"is chunked ('CPU Generator does not use offset', GPUModelRunner._bookkeeping_sync); "
+                            f"allowed: temperature 0 on CPU")
         name = str(sc.model or cfg.model)
         if name not in vocab:
             vocab[name] = config_vocab_size(resolve_model(name))
@@ -171,10 +185,12 @@ def score_scenario(
     from parity.records.verdict import finalize
 
     t0 = time.perf_counter()
-    prompts = make_prompts(trainer.tokenizer(), sc.prompts)
+    prompts = make_prompts(trainer.tokenizer(), sc.prompts, shared_prefix=sc.shared_prefix)
     rollout.head = sc.capture_head if sc.capture_head is not None else cfg.capture_head
     rollout.max_head = sc.max_capture_head or cfg.max_capture_head
     seed = cfg.seed + sc.seed
+    if getattr(rollout, "prefix_caching", False):  # warm the cache: the scenario's prompts then hit it
+        rollout.generate(prompts, sc.spec, max_tokens=1, seed=seed)
     records = rollout.generate(prompts, sc.spec, max_tokens=sc.max_tokens, seed=seed)
     raw_pass = attach_sampler_log_s(records, raw, prompts, sc, seed) if raw is not None else None
     logits = trainer.logits(records)
@@ -298,7 +314,7 @@ def _run(
         for done, idx in enumerate(order, start=1):
             sc = matrix.scenarios[idx]
             model_name = sc.model or cfg.model
-            rollout, trainer = pool.get(model_name, engines, progress)
+            rollout, trainer = pool.get(model_name, scenario_engines(engines, sc), progress)
             if id(rollout) not in fresh:  # start heads learnt within this run only (the pool may outlive it)
                 rollout.capture_history = CaptureHistory()
                 fresh.add(id(rollout))
@@ -362,6 +378,7 @@ def run_report(
     from parity.analyze.report import REPORT_FACTS, build_report
     from parity.core.matrix import pair_coverage
     from parity.core.rl import catalogue as rl_catalogue
+    from parity.core.settings_effect import settings_effect
     from parity.records.accumulators import Summary
     from parity.records.token_columns import Options
     from parity.records.write import RecordsWriter
@@ -384,7 +401,9 @@ def run_report(
         "scenarios": {r.scenario.name: {"model": r.scenario.model or cfg.model, **r.facts} for r in results},
         "config": config,
         "environment": {"device": cfg.device, "batch_invariant_mode": state.to_dict()},
-        "top": {"matrix_pair_coverage": pair_coverage(matrix), "rl_view": rl_catalogue(), "determinism": determinism},
+        "top": {"matrix_pair_coverage": pair_coverage(matrix), "rl_view": rl_catalogue(), "determinism": determinism,
+                "engine_settings": settings_effect(matrix.scenarios, [r.records for r in results], cfg.model,
+                                                   cfg.prefix_caching) or None},
     }
     metadata = json.loads(json.dumps({
         "producer": "parity run",

@@ -246,6 +246,9 @@ class VllmRollout(RolloutBase):
             # --prefix-caching turns it on to test the production setting).
             enable_prefix_caching=self.prefix_caching,
         )
+        if self.max_num_batched_tokens is not None:  # a step's token budget: prompts longer than it are chunked
+            n = self.max_num_batched_tokens
+            kwargs.update(enable_chunked_prefill=True, max_num_batched_tokens=n, max_num_seqs=min(n, 256))
         self.moe = moe_shape(self.model)  # (layers, top_k, experts) of a MoE checkpoint, else None
         if self.moe is not None and device == "cuda":
             kwargs["enable_return_routed_experts"] = True  # Model Runner V2's own capture (routed_experts.NATIVE)
@@ -311,7 +314,9 @@ class VllmRollout(RolloutBase):
             sampling_params(
                 spec,
                 max_tokens=max_tokens,
-                seed=seed + i,
+                # Greedy draws use no generator: unseeded, as vLLM 0.32's CPU engine cannot rewind a seeded one
+                # under chunked prefill (parity.run.preflight refuses T > 0 there).
+                seed=None if spec.greedy and self.max_num_batched_tokens else seed + i,
                 # Candidate detokenization dominates capture cost (full-vocab capture did not finish
                 # in minutes with it on); ids are all the harness needs.
                 detokenize=False,

@@ -194,6 +194,7 @@ class Report:
     determinism: Block | None = None  # parity run --invariance: the invariance checks
     matrix_pair_coverage: Block | None = None
     rl_view: Block | None = None  # the RL catalogue the scenarios' rl_view entries refer to
+    engine_settings: list[Block] | None = None  # prefix caching / chunked prefill against the same scenario without
 
     @classmethod
     def from_json(cls, data: Any) -> Report:

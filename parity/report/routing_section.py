@@ -1,4 +1,5 @@
-"""The MoE routing view of a report: agreement per layer, the margin gate, routing replay's drift and IS weights."""
+"""The MoE routing view of a report (agreement per layer, the margin gate, routing replay's drift and IS weights)
+and the engine-settings view (prefix caching, chunked prefill against the same scenario without them)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ def _pct(x: float) -> str:
 
 
 def terminal_lines(report: dict[str, Any]) -> list[str]:
-    """One line per MoE scenario for the terminal summary."""
-    out = []
+    """One line per MoE scenario and per engine-setting scenario for the terminal summary."""
+    out = settings_lines(report)
     for s in report["scenarios"]:
         g = s.get("routing")
         if not g:
@@ -30,9 +31,11 @@ def terminal_lines(report: dict[str, Any]) -> list[str]:
 def markdown(report: dict[str, Any]) -> list[str]:
     """report.md's routing section: per scenario the per-layer table, then replay against no replay."""
     scenarios = [s for s in report["scenarios"] if s.get("routing")]
+    settings = settings_lines(report)
+    lines = ["", "## Engine settings: the same prompts and seeds with and without", ""] + [f"- {x}" for x in settings] if settings else []
     if not scenarios:
-        return []
-    lines = [
+        return lines
+    lines += [
         "", "## MoE routing: the sampler's experts against the trainer's router, and routing replay (R3)", "",
         "A flip (the two sides' top-k expert sets differ) is allowed only where the trainer's margin between its "
         "k-th and (k+1)-th router logits is within the margin's rounding bound (docs/routing.md). Under replay the "
@@ -63,3 +66,22 @@ def markdown(report: dict[str, Any]) -> list[str]:
                          f"{d['is_ratio_token_mean']:.6g} | {d['is_ratio_token_max']:.6g} | {d['is_ratio_seq_min']:.6g} | "
                          f"{d['is_ratio_seq_max']:.6g} |")
     return lines
+
+
+def _setting(e: dict[str, Any]) -> str:
+    st = e["settings"]
+    parts = (["prefix caching"] if st["prefix_caching"] else []) + (
+        [f"chunked prefill at {st['max_num_batched_tokens']} tokens"] if st["max_num_batched_tokens"] else [])
+    return " + ".join(parts)
+
+
+def settings_lines(report: dict[str, Any]) -> list[str]:
+    """One measured sentence per engine-setting scenario (terminal and report.md)."""
+    out = []
+    for e in report.get("engine_settings") or []:
+        routed = ("" if e["routed_rows_compared"] is None else
+                  f"; routed experts equal at {e['routed_rows_equal']}/{e['routed_rows_compared']} tokens")
+        out.append(f"engine setting [{e['scenario']}] ({_setting(e)}) against [{e['baseline']}]: same tokens in "
+                   f"{e['same_tokens']}/{e['sequences']} sequences, log-probs bitwise equal in "
+                   f"{e['logprobs_bitwise_equal']}, largest gap {e['max_abs_logprob_diff']:.3g}{routed} (measured)")
+    return out

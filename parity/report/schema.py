@@ -156,6 +156,11 @@ def report_schema() -> dict[str, Any]:
                 "log10_lo": {"type": "number"}, "bin_width": {"type": "number"}, "bins": {"type": "integer"},
                 **{k: {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 2,
                                                      "maxItems": 2}} for k in ("replay", "recompute")}}},
+            # MoE: the sampler's experts against the trainer's router, and routing replay (parity.core.routing).
+            "routing": {"type": ["object", "null"], "required": [
+                "rows", "layers", "top_k", "num_experts", "per_layer", "agreement", "rows_any_layer_differs", "flips",
+                "flips_above_bound", "uncovered_rows", "replay"], "properties": {"per_layer": {"type": "array", "items": {
+                    "type": "object", "required": ["layer", "agreement", "flips", "flips_above_bound"]}}}},
             "trend": {"type": ["object", "null"], "required": [
                 "comparison", "steps", "slope", "slope_se", "limit", "baseline_steps", "band_lo", "band_hi",
                 "first_step_outside", "evaluated", "passed"]},
@@ -180,6 +185,10 @@ def report_schema() -> dict[str, Any]:
                 "items": {"type": "object", "required": ["gate", "reason", "scenarios"]},
             },
             "warnings": {"type": "array", "items": {"type": "string"}},
+            # Prefix caching / chunked prefill against the same scenario without them (parity.core.settings_effect).
+            "engine_settings": {"type": ["array", "null"], "items": {"type": "object", "required": [
+                "scenario", "baseline", "settings", "sequences", "same_tokens", "logprobs_bitwise_equal",
+                "max_abs_logprob_diff"]}},
         },
     }
 

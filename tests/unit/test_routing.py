@@ -1,0 +1,147 @@
+"""MoE routing gates on arrays (parity.core.routing), the routed-experts records columns and the MoE recipes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from parity.core.routing import (
+    AGREEMENT_GATE,
+    FORCED_GATE,
+    margin_bound,
+    replay_forced,
+    routing_agreement,
+    topk_margin,
+)
+from parity.errors import UsageError
+from parity.records.read import open_records
+from parity.records.schema import RecordsError
+from parity.records.validate import validate_batch
+from parity.records.write import records_table, write_records
+
+ROWS, LAYERS, K, E, H = 12, 3, 2, 8, 64
+
+
+def _case(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(0, 0.25, size=(ROWS, LAYERS, E))
+    h_norm = np.full((ROWS, LAYERS), np.sqrt(H))
+    w_rms = np.full((LAYERS, E), 0.02)
+    margin, pair = topk_margin(logits, K)
+    ids = np.argsort(-logits, -1, kind="stable")[..., :K].astype(np.int32)
+    return {"logits": logits, "h": h_norm, "w": w_rms, "pair": pair, "margin": margin, "ids": ids,
+            "prompt": np.repeat(np.arange(3), ROWS // 3), "position": np.tile(np.arange(ROWS // 3), 3)}
+
+
+def _plant_flip(c: dict[str, np.ndarray], row: int, layer: int, margin: float) -> np.ndarray:
+    """Set the trainer's k-th/(k+1)-th margin at (row, layer) to ``margin`` and give the sampler the (k+1)-th."""
+    a, b = c["pair"][row, layer]
+    c["logits"][row, layer, b] = c["logits"][row, layer, a] - margin
+    sampler = c["ids"].copy()
+    sampler[row, layer][sampler[row, layer] == a] = b
+    return sampler
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_flip_at_a_few_times_the_bound_fails_and_at_a_tenth_passes(dtype: str) -> None:
+    c = _case()
+    bound = margin_bound(c["h"], c["w"], c["pair"], ("float32", dtype))
+    row, layer = 5, 1
+    for factor, fails in ((3.0, True), (0.1, False)):
+        case = _case()
+        sampler = _plant_flip(case, row, layer, factor * float(bound[row, layer]))
+        _, pair = topk_margin(case["logits"], K)
+        b = margin_bound(case["h"], case["w"], pair, ("float32", dtype))
+        res, viol = routing_agreement(sampler, case["ids"], case["logits"], b, case["prompt"], case["position"],
+                                      scenario="s")
+        assert res.flips == 1 and res.per_layer[layer]["flips"] == 1
+        assert res.rows_any_layer_differs == pytest.approx(1 / ROWS)
+        assert res.agreement == pytest.approx(1 - 1 / (ROWS * LAYERS))
+        assert bool(viol) is fails, (factor, viol)
+        if fails:
+            (v,) = viol
+            assert v.gate == AGREEMENT_GATE and v.statistic == 1
+            (p,) = v.worst
+            assert (p.prompt, p.position) == (int(case["prompt"][row]), int(case["position"][row]))
+            assert f"layer {layer}" in v.message() and p.gap == pytest.approx(factor * float(bound[row, layer]))
+        else:
+            assert res.flips_within_bound == 1 and res.worst_margin_over_bound == pytest.approx(0.1, rel=1e-6)
+
+
+def test_identical_routing_agrees_everywhere() -> None:
+    c = _case(1)
+    bound = margin_bound(c["h"], c["w"], c["pair"], "float32")
+    res, viol = routing_agreement(c["ids"][..., ::-1].copy(), c["ids"], c["logits"], bound, c["prompt"], c["position"],
+                                  scenario="s")  # rank order does not matter, the set does
+    assert (res.agreement, res.flips, viol) == (1.0, 0, [])
+
+
+def test_replay_off_by_one_position_fails_naming_the_first_position() -> None:
+    c = _case(2)
+    ok, none = replay_forced(c["ids"], c["ids"].copy(), c["prompt"], c["position"], scenario="s")
+    assert ok.forced_frac == 1.0 and none == []
+    shifted = np.roll(c["ids"], 1, axis=0)
+    check, (v,) = replay_forced(c["ids"], shifted, c["prompt"], c["position"], scenario="s")
+    differ = ~(np.sort(c["ids"], -1) == np.sort(shifted, -1)).all(-1)
+    assert v.gate == FORCED_GATE and check.mismatched == int(differ.sum()) > 0
+    assert check.forced_frac == pytest.approx(1 - differ.mean())
+    r, layer = np.argwhere(differ)[0]
+    assert (v.worst[0].prompt, v.worst[0].position) == (int(c["prompt"][r]), int(c["position"][r]))
+    assert f"layer {layer}" in v.worst[0].note
+
+
+def test_shapes_that_do_not_match_are_refused() -> None:
+    c = _case()
+    with pytest.raises(UsageError, match="allowed the same"):
+        routing_agreement(c["ids"][:, :2], c["ids"], c["logits"], c["margin"], c["prompt"], c["position"], scenario="s")
+
+
+# -- records -----------------------------------------------------------------------------------------
+
+
+def _row(prompt: int = 3, completion: int = 4, layers: int = 2, k: int = 2, experts: int = 8) -> dict[str, object]:
+    n = (prompt + completion - 1) * layers * k
+    return {"prompt_ids": list(range(prompt)), "completion_ids": list(range(completion)), "temperature": 1.0,
+            "top_k": 0, "top_p": 1.0, "min_p": 0.0, "sampler_logprobs": [-1.0] * completion,
+            "routed_experts": [i % experts for i in range(n)], "routed_layers": layers, "routed_top_k": k,
+            "routed_num_experts": experts}
+
+
+def test_routed_experts_round_trip(tmp_path) -> None:
+    rows = [_row(), _row(prompt=5, completion=2)]
+    rows[1]["routed_experts"][0] = -1  # a position no forward ran (a prefix-cache hit)
+    write_records(tmp_path / "r.parquet", records_table(rows))
+    (batch,) = open_records(tmp_path / "r.parquet").batches()
+    assert batch.routed is not None
+    rag, shape = batch.routed
+    assert shape.tolist() == [[2, 2, 8], [2, 2, 8]]
+    assert [rag.row(i).tolist() for i in range(2)] == [r["routed_experts"] for r in rows]
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda r: r["routed_experts"].__setitem__(9, 8), r"routed_experts position 2 layer 0: expert id 8: allowed -1 .* < routed_num_experts = 8"),
+    (lambda r: r.update(routed_layers=3), r"routed_experts: 24 ids: allowed .* = 6 x 3 x 2 = 36"),
+    (lambda r: r.update(routed_num_experts=2), r"routed_num_experts: value 2: allowed an integer > routed_top_k"),
+    (lambda r: r.pop("routed_top_k"), r"routed_experts, routed_layers, routed_num_experts without routed_top_k"),
+])
+def test_bad_routed_experts_are_refused_naming_field_value_and_allowed(edit, match) -> None:
+    row = _row()
+    edit(row)
+    with pytest.raises(RecordsError, match=match):
+        validate_batch(records_table([row]), source="f.parquet")
+
+
+# -- recipes -----------------------------------------------------------------------------------------
+
+
+def test_moe_recipes_are_checked() -> None:
+    from parity.fixtures import load_recipe, recipe_from_dict
+
+    base = {k: v for k, v in vars(load_recipe("qwen3-moe-tiny")).items() if k not in ("name", "tie_groups")}
+    assert recipe_from_dict(base, name="ok").num_experts == 8
+    with pytest.raises(UsageError, match="num_experts_per_tok=8: allowed num_experts >= 2 and 1 <= num_experts_per_tok < num_experts"):
+        recipe_from_dict({**base, "num_experts_per_tok": 8}, name="bad")
+    with pytest.raises(UsageError, match="num_experts=8 is invalid for the dense arch 'qwen3'"):
+        recipe_from_dict({**base, "arch": "qwen3"}, name="bad")
+    with pytest.raises(UsageError, match="missing field 'moe_intermediate_size'"):
+        recipe_from_dict({k: v for k, v in base.items() if k != "moe_intermediate_size"}, name="bad")

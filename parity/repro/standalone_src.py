@@ -588,7 +588,8 @@ def repro_prefix_cache_logprobs(cfg: dict[str, Any], args: argparse.Namespace) -
 
     def gen(prompts: list[list[int]], **kw: Any) -> list[Any]:
         sp = SamplingParams(temperature=0.0, max_tokens=cfg["tokens"], logprobs=0, detokenize=False, **kw)
-        return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        out: list[Any] = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        return out
 
     def fresh(prompts: list[list[int]], **kw: Any) -> list[Any]:
         llm.reset_prefix_cache()

@@ -190,7 +190,9 @@ def score_scenario(
     rollout.max_head = sc.max_capture_head or cfg.max_capture_head
     seed = cfg.seed + sc.seed
     if getattr(rollout, "prefix_caching", False):  # warm the cache: the scenario's prompts then hit it
+        history = rollout.capture_history
         rollout.generate(prompts, sc.spec, max_tokens=1, seed=seed)
+        rollout.capture_history = history
     records = rollout.generate(prompts, sc.spec, max_tokens=sc.max_tokens, seed=seed)
     raw_pass = attach_sampler_log_s(records, raw, prompts, sc, seed) if raw is not None else None
     logits = trainer.logits(records)

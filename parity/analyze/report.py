@@ -188,6 +188,11 @@ def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: S
         "not_evaluated": [{"gate": g, "reason": r, "scenarios": names} for (g, r), names in skipped.items()],
     }
     _apply_facts(report, _metadata_value(summary, REPORT_FACTS))
+    unjudged = [s["name"] for s in report["scenarios"] if "routing" not in s]
+    if "routed_experts" in summary.columns and unjudged:
+        report["warnings"].append(f"routed_experts is present but the routing gates were not evaluated in {len(unjudged)} "
+                                  f"scenario(s) ({', '.join(unjudged[:4])}): they need the trainer's router logits, which "
+                                  f"parity run computes (parity.engines.routing_replay.routing_report)")
     set_verdict(report)
     return report
 

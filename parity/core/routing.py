@@ -106,7 +106,8 @@ def routing_agreement(
         for i in worst)
     return result, [Violation(AGREEMENT_GATE, scenario, int(above.sum()), 0, "routing flips at a router margin above "
                               "its rounding bound", worst=where,
-                              detail=f"{int(above.sum())} of {int(flip.sum())} flips over {n} rows x {layers} layers")]
+                              detail=f"{int(above.sum())} of {int(flip.sum())} flips over {n} tokens x {layers} layers "
+                                     f"(positions count from the prompt's first token)")]
 
 
 @dataclass(frozen=True)

@@ -145,3 +145,12 @@ def test_moe_recipes_are_checked() -> None:
         recipe_from_dict({**base, "arch": "qwen3"}, name="bad")
     with pytest.raises(UsageError, match="missing field 'moe_intermediate_size'"):
         recipe_from_dict({k: v for k, v in base.items() if k != "moe_intermediate_size"}, name="bad")
+
+
+def test_analysis_of_records_with_routed_experts_says_the_routing_gates_were_not_evaluated(tmp_path) -> None:
+    from parity.analyze.report import analyze
+
+    write_records(tmp_path / "r.parquet", records_table([{**_row(), "trainer_logprobs": [-1.0] * 4}]))
+    report = analyze(tmp_path / "r.parquet", plots=False)
+    assert any("routed_experts is present but the routing gates were not evaluated in 1 scenario" in w
+               for w in report["warnings"]), report["warnings"]

@@ -57,14 +57,24 @@ def markdown(report: dict[str, Any]) -> list[str]:
         lines += [f"| {p['layer']} | {_pct(p['agreement'])} | {p['flips']} | {p['flips_above_bound']} | "
                   f"{p['median_margin']:.3g} | {p['median_bound']:.3g} |" for p in g["per_layer"]]
         r = g["replay"]
-        lines += ["", f"Replay forced {_pct(r['forced_frac'])} of (token, layer) expert sets ({r['mismatched']} differ).",
-                  "", "| trainer | max abs diff | mean abs diff | headroom | IS ratio token mean | token max | "
-                  "sequence min | sequence max |", "|---|---|---|---|---|---|---|---|"]
-        for name, key in (("own routing", "without_replay"), ("routing replay", "with_replay")):
-            d = r["drift"][key]
-            lines.append(f"| {name} | {d['max_abs_diff']:.3g} | {d['mean_abs_diff']:.3g} | {d['headroom']:.3g} | "
-                         f"{d['is_ratio_token_mean']:.6g} | {d['is_ratio_token_max']:.6g} | {d['is_ratio_seq_min']:.6g} | "
-                         f"{d['is_ratio_seq_max']:.6g} |")
+        lines += ["", f"Replay forced {_pct(r['forced_frac'])} of (token, layer) expert sets ({r['mismatched']} differ); "
+                      f"its drift and IS weights are in the RL view."]
+    return lines
+
+
+def replay_lines(s: dict[str, Any]) -> list[str]:
+    """The RL view's lines for a MoE scenario: log-prob drift and IS weights with and without routing replay."""
+    g = s.get("routing")
+    if not g:
+        return []
+    lines = ["", "Routing replay (R3): the trainer's log-probs (replay estimator) against vLLM's with its own routing "
+             "and with the sampler's experts forced.", "", "| trainer | max abs diff | mean abs diff | headroom | "
+             "IS ratio token mean | token max | sequence min | sequence max |", "|---|---|---|---|---|---|---|---|"]
+    for name, key in (("own routing", "without_replay"), ("routing replay", "with_replay")):
+        d = g["replay"]["drift"][key]
+        lines.append(f"| {name} | {d['max_abs_diff']:.3g} | {d['mean_abs_diff']:.3g} | {d['headroom']:.3g} | "
+                     f"{d['is_ratio_token_mean']:.6g} | {d['is_ratio_token_max']:.6g} | {d['is_ratio_seq_min']:.6g} | "
+                     f"{d['is_ratio_seq_max']:.6g} |")
     return lines
 
 

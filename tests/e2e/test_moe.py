@@ -46,7 +46,7 @@ def test_fp32_routing_agrees_everywhere_and_replay_is_exact(pool, tmp_path, mode
         assert g["replay"]["forced_frac"] == 1.0
         assert g["replay"]["drift"]["with_replay"]["headroom"] <= 1.0
     md = (tmp_path / "report.md").read_text()
-    assert "## MoE routing" in md and "| 3 | 100.0 % |" in md
+    assert "## MoE routing" in md and "| 3 | 100.0 % |" in md and "| routing replay |" in md
 
 
 def test_bf16_sampler_flips_only_within_the_margin_bound(pool, tmp_path) -> None:

@@ -171,4 +171,7 @@ def attach_routes(
         r.extras[ROUTED] = torch.from_numpy(arr.astype(np.int64))
         r.extras["routed_num_experts"] = torch.tensor(experts)
         uncovered, rows = uncovered + miss, rows + length
-    return {"route": NATIVE if steps is None else BINDER, "rows": rows, "uncovered_rows": uncovered}
+    import vllm
+
+    route = NATIVE if steps is None else BINDER
+    return {"route": route, "vllm": getattr(vllm, "__version__", None), "rows": rows, "uncovered_rows": uncovered}

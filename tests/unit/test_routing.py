@@ -154,3 +154,20 @@ def test_analysis_of_records_with_routed_experts_says_the_routing_gates_were_not
     report = analyze(tmp_path / "r.parquet", plots=False)
     assert any("routed_experts is present but the routing gates were not evaluated in 1 scenario" in w
                for w in report["warnings"]), report["warnings"]
+
+
+def test_batch_invariant_mode_makes_the_moe_trainer_bitwise_across_batches() -> None:
+    import torch
+
+    from parity.determinism.knobs import batch_invariant_mode
+    from parity.engines.transformers_trainer import TransformersTrainer
+    from parity.fixtures import resolve_model
+
+    model = TransformersTrainer(resolve_model("qwen3-moe-tiny")).model
+    before = model.config._experts_implementation
+    alone = torch.arange(5, 17)[None]
+    batch = torch.stack([alone[0], torch.arange(40, 52)])
+    with batch_invariant_mode(True, device="cpu", models=[model]) as state, torch.no_grad():
+        assert state.to_dict()["knobs"]["trainer_experts"]["status"] == "on"
+        assert torch.equal(model(input_ids=alone).logits[0], model(input_ids=batch).logits[0])
+    assert model.config._experts_implementation == before

@@ -171,3 +171,27 @@ def test_batch_invariant_mode_makes_the_moe_trainer_bitwise_across_batches() -> 
         assert state.to_dict()["knobs"]["trainer_experts"]["status"] == "on"
         assert torch.equal(model(input_ids=alone).logits[0], model(input_ids=batch).logits[0])
     assert model.config._experts_implementation == before
+
+
+def test_routes_assemble_by_position_from_either_route() -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    from parity.engines.routed_experts import BINDER, NATIVE, ROUTED, assemble, attach_routes
+
+    ids = np.arange(9 * 2 * 2, dtype=np.int32).reshape(9, 2, 2) % 8  # 9 routed positions, 2 layers, top-2
+    # The binder's steps: a chunked prefill (positions 0-3, then 4-6), then two decode steps, out of order.
+    steps = [(np.arange(4, 7), {0: ids[4:7, 0], 1: ids[4:7, 1]}), (np.arange(0, 4), {0: ids[:4, 0], 1: ids[:4, 1]}),
+             (np.array([7]), {0: ids[7:8, 0], 1: ids[7:8, 1]}), (np.array([8]), {0: ids[8:9, 0], 1: ids[8:9, 1]})]
+    got, missing = assemble(steps, 9)
+    assert missing == 0 and np.array_equal(got, ids)
+    got, missing = assemble(steps[1:], 9)  # positions 4-6 never ran a forward (a cache hit)
+    assert missing == 3 and (got[4:7] == -1).all() and np.array_equal(got[7:], ids[7:])
+    rec = SimpleNamespace(prompt_ids=[1, 2, 3, 4, 5], length=5, extras={})
+    native = SimpleNamespace(request_id="0", outputs=[SimpleNamespace(routed_experts=ids[:8])])  # one row short
+    facts = attach_routes([rec], [native], None, 8)
+    assert facts["route"] == NATIVE and facts["uncovered_rows"] == 1 and (rec.extras[ROUTED][8] == -1).all()
+    assert torch.equal(rec.extras[ROUTED][:8], torch.from_numpy(ids[:8]).long())
+    facts = attach_routes([rec], [native], {"0": steps}, 8)
+    assert facts["route"] == BINDER and facts["uncovered_rows"] == 0 and torch.equal(rec.extras[ROUTED], torch.from_numpy(ids).long())

@@ -65,23 +65,39 @@ class RoutingAgreement:
         return asdict(self)
 
 
-def routing_agreement(
-    sampler_ids: np.ndarray, trainer_ids: np.ndarray, trainer_logits: np.ndarray, bound: np.ndarray,
-    prompt: np.ndarray, position: np.ndarray, *, scenario: str, n_listed: int = 5,
-) -> tuple[RoutingAgreement, list[Violation]]:
-    """The expert sets of both sides per row and layer; a flip whose trainer margin exceeds ``bound`` fails.
+def _margins(sampler_ids: np.ndarray, trainer_ids: np.ndarray, z: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per row and layer: whether the sets differ, the trainer's margin that a flip must overcome and its two
+    experts. No flip: the k-th against the (k+1)-th. A flip: the best trainer-only expert against the worst
+    sampler-only one (every such pair must have swapped, so the widest pair decides)."""
+    experts = np.arange(z.shape[-1])
+    in_t = (trainer_ids[..., None] == experts).any(-2)
+    in_s = (sampler_ids[..., None] == experts).any(-2)
+    only_t, only_s = in_t & ~in_s, in_s & ~in_t
+    flip = only_t.any(-1)
+    e_t = np.where(only_t, z, -np.inf).argmax(-1)
+    e_s = np.where(only_s, z, np.inf).argmin(-1)
+    swap = np.take_along_axis(z, e_t[..., None], -1)[..., 0] - np.take_along_axis(z, e_s[..., None], -1)[..., 0]
+    margin, pair = topk_margin(z, sampler_ids.shape[-1])
+    return (flip, np.where(flip, swap, margin), np.where(flip[..., None], np.stack([e_t, e_s], -1), pair))
 
-    ``trainer_logits`` [N, layers, E] are the trainer's router logits (the margin); ``bound`` [N, layers]
-    is :func:`margin_bound`. ``prompt``/``position`` [N] name each row in the violations.
+
+def routing_agreement(
+    sampler_ids: np.ndarray, trainer_ids: np.ndarray, trainer_logits: np.ndarray, h_norm: np.ndarray,
+    w_rms: np.ndarray, dtypes: Dtypes, prompt: np.ndarray, position: np.ndarray, *, scenario: str, n_listed: int = 5,
+) -> tuple[RoutingAgreement, list[Violation]]:
+    """The expert sets of both sides per row and layer; a flip whose trainer margin exceeds its bound fails.
+
+    ``trainer_logits`` [N, layers, E] are the trainer's router logits; ``h_norm``, ``w_rms`` and ``dtypes``
+    give :func:`margin_bound`. ``prompt``/``position`` [N] name each row in the violations.
     """
     if sampler_ids.shape != trainer_ids.shape or sampler_ids.ndim != 3:
         raise UsageError(f"routed experts: sampler {sampler_ids.shape} vs trainer {trainer_ids.shape}: allowed the "
                          f"same [rows, layers, top_k] on both sides")
     n, layers, k = sampler_ids.shape
     experts = int(trainer_logits.shape[-1])
-    agree = (np.sort(sampler_ids, -1) == np.sort(trainer_ids, -1)).all(-1)  # [N, layers]
-    margin, _ = topk_margin(trainer_logits, k)
-    flip = ~agree
+    flip, margin, pair = _margins(sampler_ids, trainer_ids, trainer_logits)
+    agree = ~flip
+    bound = margin_bound(h_norm, w_rms, pair, dtypes)
     ratio = np.where(bound > 0, margin / np.maximum(bound, 1e-300), np.inf)
     above = flip & (margin > bound)
     per_layer = [{"layer": j, "agreement": float(agree[:, j].mean()) if n else 1.0, "flips": int(flip[:, j].sum()),

@@ -161,11 +161,9 @@ def routing_report(
         raise UsageError(f"routed experts of scenario {scenario!r}: expert id {int(recorded[covered][bad].max())} "
                          f"from the sampler: allowed ids < {experts} (the trainer's experts per layer)")
     logits, ids, h_norm = (_rows(records, mine, k)[covered] for k in ("logits", "ids", "h_norm"))
-    _, pair = core_routing.topk_margin(logits, recorded.shape[2])
-    bound = core_routing.margin_bound(h_norm, own.w_rms, pair, dtypes)
     args = (prompt[covered], position[covered])
-    agreement, violations = core_routing.routing_agreement(recorded[covered], ids, logits, bound, *args,
-                                                           scenario=scenario, n_listed=n_listed)
+    agreement, violations = core_routing.routing_agreement(recorded[covered], ids, logits, h_norm, own.w_rms, dtypes,
+                                                           *args, scenario=scenario, n_listed=n_listed)
     check, forced_v = core_routing.replay_forced(recorded[covered], _rows(records, replayed, "ids")[covered], *args,
                                                  scenario=scenario, n_listed=n_listed)
     table_r3 = build_table(records, logits_r3, spec, dtype=list(dtypes))
@@ -179,6 +177,5 @@ def routing_report(
                      float((table_r3.replay[i] - table_r3.vllm[i]).abs()), float(table_r3.bound[i])) if head.numel() else None
     drift_v = core_routing.replay_drift(without, with_r3, max_headroom, worst, scenario=scenario)
     replay = dataclasses.replace(check, drift={"without_replay": without, "with_replay": with_r3})
-    section = {**agreement.to_dict(), "uncovered_rows": int((~covered).sum()), "replay": replay.to_dict(),
-               "margin_bound_median": float(np.median(bound)) if bound.size else 0.0}
+    section = {**agreement.to_dict(), "uncovered_rows": int((~covered).sum()), "replay": replay.to_dict()}
     return section, violations + forced_v + drift_v

@@ -33,13 +33,20 @@ def _case(seed: int = 0) -> dict[str, np.ndarray]:
             "prompt": np.repeat(np.arange(3), ROWS // 3), "position": np.tile(np.arange(ROWS // 3), 3)}
 
 
-def _plant_flip(c: dict[str, np.ndarray], row: int, layer: int, margin: float) -> np.ndarray:
-    """Set the trainer's k-th/(k+1)-th margin at (row, layer) to ``margin`` and give the sampler the (k+1)-th."""
-    a, b = c["pair"][row, layer]
+def _plant_flip(c: dict[str, np.ndarray], row: int, layer: int, margin: float, rank: int = K) -> np.ndarray:
+    """Put the trainer's expert of ``rank`` (K: the (k+1)-th) ``margin`` below its k-th at (row, layer) and give
+    the sampler that expert in place of the k-th."""
+    order = np.argsort(-c["logits"][row, layer], kind="stable")
+    a, b = order[K - 1], order[rank]
     c["logits"][row, layer, b] = c["logits"][row, layer, a] - margin
     sampler = c["ids"].copy()
     sampler[row, layer][sampler[row, layer] == a] = b
     return sampler
+
+
+def _agreement(sampler: np.ndarray, case: dict[str, np.ndarray], dtypes: tuple[str, str]):
+    return routing_agreement(sampler, case["ids"], case["logits"], case["h"], case["w"], dtypes, case["prompt"],
+                             case["position"], scenario="s")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -50,10 +57,7 @@ def test_a_flip_at_a_few_times_the_bound_fails_and_at_a_tenth_passes(dtype: str)
     for factor, fails in ((3.0, True), (0.1, False)):
         case = _case()
         sampler = _plant_flip(case, row, layer, factor * float(bound[row, layer]))
-        _, pair = topk_margin(case["logits"], K)
-        b = margin_bound(case["h"], case["w"], pair, ("float32", dtype))
-        res, viol = routing_agreement(sampler, case["ids"], case["logits"], b, case["prompt"], case["position"],
-                                      scenario="s")
+        res, viol = _agreement(sampler, case, ("float32", dtype))
         assert res.flips == 1 and res.per_layer[layer]["flips"] == 1
         assert res.rows_any_layer_differs == pytest.approx(1 / ROWS)
         assert res.agreement == pytest.approx(1 - 1 / (ROWS * LAYERS))
@@ -68,11 +72,24 @@ def test_a_flip_at_a_few_times_the_bound_fails_and_at_a_tenth_passes(dtype: str)
             assert res.flips_within_bound == 1 and res.worst_margin_over_bound == pytest.approx(0.1, rel=1e-6)
 
 
+def test_a_flip_to_a_far_expert_is_judged_by_its_own_margin_not_the_kth_gap() -> None:
+    """The k-th/(k+1)-th margin is a tenth of the bound, but the sampler took the (k+2)-th, 3 bounds below."""
+    case = _case(3)
+    row, layer = 2, 0
+    order = np.argsort(-case["logits"][row, layer], kind="stable")
+    a, b, c = order[K - 1], order[K], order[K + 1]
+    bound = margin_bound(case["h"], case["w"], np.array([[[a, c]]]), "bfloat16")[0, 0]
+    case["logits"][row, layer, c] = case["logits"][row, layer, a] - 3 * bound
+    case["logits"][row, layer, b] = case["logits"][row, layer, a] - 0.1 * bound
+    sampler = case["ids"].copy()
+    sampler[row, layer][sampler[row, layer] == a] = c
+    res, (v,) = _agreement(sampler, case, ("float32", "bfloat16"))
+    assert res.flips_above_bound == 1 and v.worst[0].gap == pytest.approx(3 * bound)
+
+
 def test_identical_routing_agrees_everywhere() -> None:
     c = _case(1)
-    bound = margin_bound(c["h"], c["w"], c["pair"], "float32")
-    res, viol = routing_agreement(c["ids"][..., ::-1].copy(), c["ids"], c["logits"], bound, c["prompt"], c["position"],
-                                  scenario="s")  # rank order does not matter, the set does
+    res, viol = _agreement(c["ids"][..., ::-1].copy(), c, ("float32", "float32"))  # rank order does not matter
     assert (res.agreement, res.flips, viol) == (1.0, 0, [])
 
 
@@ -93,7 +110,8 @@ def test_replay_off_by_one_position_fails_naming_the_first_position() -> None:
 def test_shapes_that_do_not_match_are_refused() -> None:
     c = _case()
     with pytest.raises(UsageError, match="allowed the same"):
-        routing_agreement(c["ids"][:, :2], c["ids"], c["logits"], c["margin"], c["prompt"], c["position"], scenario="s")
+        routing_agreement(c["ids"][:, :2], c["ids"], c["logits"], c["h"], c["w"], "float32", c["prompt"], c["position"],
+                          scenario="s")
 
 
 # -- records -----------------------------------------------------------------------------------------

@@ -213,3 +213,22 @@ def test_routes_assemble_by_position_from_either_route() -> None:
     assert torch.equal(rec.extras[ROUTED][:8], torch.from_numpy(ids[:8]).long())
     facts = attach_routes([rec], [native], {"0": steps}, 8)
     assert facts["route"] == BINDER and facts["uncovered_rows"] == 0 and torch.equal(rec.extras[ROUTED], torch.from_numpy(ids).long())
+
+
+def test_engine_setting_fields_are_checked_and_chunked_sampling_is_refused_on_cpu(tmp_path) -> None:
+    from parity.core.matrix import Matrix, Scenario, load_matrix
+    from parity.core.spec import SamplingSpec
+    from parity.run import RunConfig, preflight
+
+    bad = tmp_path / "m.toml"
+    bad.write_text('[[scenario]]\nname = "x"\ntemperature = 0.0\nmax_num_batched_tokens = 4\n')
+    with pytest.raises(UsageError, match="max_num_batched_tokens=4 is invalid: allowed an integer >= 16"):
+        load_matrix(bad)
+    bad.write_text('[[scenario]]\nname = "x"\ntemperature = 0.0\nprefix_caching = "yes"\n')
+    with pytest.raises(UsageError, match="prefix_caching='yes' is invalid: allowed true or false"):
+        load_matrix(bad)
+    m = Matrix("m", (Scenario("chunked", SamplingSpec(temperature=1.0), max_num_batched_tokens=32),))
+    with pytest.raises(UsageError, match="CPU Generator does not use offset.*allowed: temperature 0 on CPU"):
+        preflight(m, RunConfig(model="qwen3-moe-tiny"))
+    preflight(Matrix("m", (Scenario("greedy", SamplingSpec(temperature=0.0), max_num_batched_tokens=32),)),
+              RunConfig(model="qwen3-moe-tiny"))

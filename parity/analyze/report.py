@@ -158,6 +158,7 @@ def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: S
     for sc in scenarios:
         for g in sc["not_evaluated"]:
             skipped.setdefault((g["gate"], g["reason"]), []).append(sc["name"])
+    warnings = records_warnings(summary)
     report = {
         "schema_version": SCHEMA_VERSION,
         "source": "records",
@@ -177,7 +178,7 @@ def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: S
             "page_checksums": _checksum_state(list(summary.page_checksums.values())),
             "files_without_page_checksums": [f for f, ok in summary.page_checksums.items() if ok is False],
         },
-        "warnings": records_warnings(summary),
+        "warnings": warnings,
         "scenarios": scenarios,
         # passed: every scenario passes every gate it could evaluate (and has one). complete: every gate was
         # evaluated in every scenario; where not, not_evaluated lists each gate, why, and where.
@@ -188,11 +189,11 @@ def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: S
         "not_evaluated": [{"gate": g, "reason": r, "scenarios": names} for (g, r), names in skipped.items()],
     }
     _apply_facts(report, _metadata_value(summary, REPORT_FACTS))
-    unjudged = [s["name"] for s in report["scenarios"] if "routing" not in s]
+    unjudged = [s["name"] for s in scenarios if "routing" not in s]
     if "routed_experts" in summary.columns and unjudged:
-        report["warnings"].append(f"routed_experts is present but the routing gates were not evaluated in {len(unjudged)} "
-                                  f"scenario(s) ({', '.join(unjudged[:4])}): they need the trainer's router logits, which "
-                                  f"parity run computes (parity.engines.routing_replay.routing_report)")
+        warnings.append(f"routed_experts is present but the routing gates were not evaluated in {len(unjudged)} "
+                        f"scenario(s) ({', '.join(unjudged[:4])}): they need the trainer's router logits, which "
+                        f"parity run computes (parity.engines.routing_replay.routing_report)")
     set_verdict(report)
     return report
 

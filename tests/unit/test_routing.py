@@ -232,3 +232,34 @@ def test_engine_setting_fields_are_checked_and_chunked_sampling_is_refused_on_cp
         preflight(m, RunConfig(model="qwen3-moe-tiny"))
     preflight(Matrix("m", (Scenario("greedy", SamplingSpec(temperature=0.0), max_num_batched_tokens=32),)),
               RunConfig(model="qwen3-moe-tiny"))
+
+
+def test_settings_effect_pairs_each_setting_with_the_same_scenario_without_it() -> None:
+    import torch
+
+    from parity.core.matrix import Scenario
+    from parity.core.sequence import SequenceRecord
+    from parity.core.settings_effect import settings_effect
+    from parity.core.spec import SamplingSpec
+
+    greedy = SamplingSpec(temperature=0.0)
+
+    def rec(i: int, tokens: list[int], lps: list[float], routed: list[int]) -> SequenceRecord:
+        r = SequenceRecord("vllm", i, [1, 2], tokens, greedy, 0, torch.tensor(lps, dtype=torch.float32))
+        r.extras["routed_experts"] = torch.tensor(routed).reshape(-1, 1, 1)  # 3 rows, 1 layer, top-1
+        return r
+
+    base = [rec(0, [5, 6], [-1.0, -2.0], [0, 1, 2]), rec(1, [7, 8], [-1.0, -2.0], [0, 1, 2])]
+    cached = [rec(0, [5, 6], [-1.0, -2.0], [-1, 1, 2]), rec(1, [7, 9], [-1.0, -2.5], [0, 1, 3])]
+    chunked = [rec(0, [5, 6], [-1.0, -2.0 + 1e-6], [0, 1, 2]), rec(1, [7, 8], [-1.0, -2.0], [0, 1, 2])]
+    other = [rec(0, [5, 6], [-1.0, -2.0], [0, 1, 2])]
+    scenarios = [Scenario("base", greedy, prompts=2), Scenario("cached", greedy, prompts=2, prefix_caching=True),
+                 Scenario("chunked", greedy, prompts=2, max_num_batched_tokens=32),
+                 Scenario("cold", SamplingSpec(temperature=1.0), prompts=1, prefix_caching=True)]
+    got = {e["scenario"]: e for e in settings_effect(scenarios, [base, cached, chunked, other], "m", False)}
+    assert set(got) == {"cached", "chunked"}  # "cold" has no scenario without the setting to compare with
+    c = got["cached"]
+    assert (c["baseline"], c["same_tokens"], c["logprobs_bitwise_equal"], c["routed_rows_compared"]) == ("base", 1, 1, 2)
+    h = got["chunked"]
+    assert (h["same_tokens"], h["logprobs_bitwise_equal"], h["routed_rows_equal"]) == (2, 1, 6)
+    assert h["max_abs_logprob_diff"] == pytest.approx(float(np.float32(-2.0 + 1e-6)) + 2.0)

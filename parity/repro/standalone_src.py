@@ -607,7 +607,8 @@ def repro_prefix_cache_logprobs(cfg: dict[str, Any], args: argparse.Namespace) -
                  "max_diff": max(abs(x - y) for p, q in ((ab[0], ba[1]), (ab[1], ba[0]))
                                  for x, y in zip(pc_logprobs(p), pc_logprobs(q)))})
     cold = fresh([a], prompt_logprobs=0)[0]
-    gen([b], prompt_logprobs=0)  # another request's prompt log-probs pass through the engine in between
+    # An unrelated prompt's log-probs pass through the engine in between (b shares a's prefix, and so its values).
+    gen(random_prompts(1, cfg["vocab"], args.seed + 2, len(a)), prompt_logprobs=0)
     forced = gen([a], prompt_logprobs=0, skip_reading_prefix_cache=False)[0]
     n = forced.num_cached_tokens
     gaps = [abs(x - y) for x, y in zip(pc_prompt_logprobs(cold), pc_prompt_logprobs(forced))]

@@ -139,6 +139,23 @@ ARCHS: dict[str, ArchSpec] = {
         head_dim_from_hidden=False,
         extra_config=(("attention_bias", False), ("use_sliding_window", False), ("sliding_window", None)),
     ),
+    # Mixture-of-experts: every layer's MLP is a top-k router over experts (the recipe's expert fields).
+    "qwen3_moe": dataclasses.replace(
+        _QWEN2, model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM", head_dim_from_hidden=False,
+        extra_config=(("attention_bias", False), ("use_sliding_window", False), ("sliding_window", None),
+                      ("decoder_sparse_step", 1), ("mlp_only_layers", []), ("norm_topk_prob", True)),
+    ),
+    "mixtral": ArchSpec(
+        model_type="mixtral", architecture="MixtralForCausalLM", special_tokens=_LLAMA_SPECIALS,
+        bos="<|begin_of_text|>", eos="<|end_of_text|>", pad="<|finetune_right_pad_id|>", add_bos=True,
+        head_dim_from_hidden=False, pretokenize_regex=_LLAMA_REGEX, nfc=False,
+        extra_config=(("sliding_window", None), ("router_jitter_noise", 0.0)),
+    ),
+}
+# The expert fields of a recipe under each MoE config's own names (num_experts, moe_intermediate_size).
+MOE_CONFIG_KEYS: dict[str, tuple[str, str]] = {
+    "qwen3_moe": ("num_experts", "moe_intermediate_size"),
+    "mixtral": ("num_local_experts", "intermediate_size"),
 }
 
 
@@ -175,6 +192,9 @@ class Recipe:
     init_std: float = 0.02
     tie_groups: tuple[TieGroup, ...] = ()
     description: str = ""
+    num_experts: int = 0  # MoE architectures (MOE_CONFIG_KEYS) only: experts per layer
+    num_experts_per_tok: int = 0  # the router's top-k
+    moe_intermediate_size: int = 0  # each expert's MLP width
 
     @property
     def spec(self) -> ArchSpec:
@@ -392,6 +412,7 @@ def recipe_from_dict(data: Mapping[str, Any], *, name: str | None = None) -> Any
             f"({BYTE_ALPHABET} byte-level symbols + {len(spec.special_tokens)} special tokens "
             f"{list(spec.special_tokens)}); allowed: >= {smallest}"
         )
+    _check_experts(name, arch, data)
     groups = _tie_groups(name, data.get("tie_groups", ()))
     regular = data["vocab_size"] - len(spec.special_tokens)
     if sum(g.size for g in groups) > regular:
@@ -409,6 +430,24 @@ def recipe_from_dict(data: Mapping[str, Any], *, name: str | None = None) -> Any
     if not isinstance(description, str):
         raise UsageError(f"recipe {name!r}: description={description!r} is invalid; allowed: a string")
     return Recipe(name=name, **data)
+
+
+def _check_experts(name: str, arch: str, data: Mapping[str, Any]) -> None:
+    """MoE recipes name 2+ experts, a top-k below that and the expert width; dense ones name none."""
+    fields = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+    if arch not in MOE_CONFIG_KEYS:
+        given = [f for f in fields if data.get(f)]
+        if given:
+            raise UsageError(f"recipe {name!r}: {given[0]}={data[given[0]]!r} is invalid for the dense arch {arch!r}; "
+                             f"allowed: expert fields only with arch {' | '.join(MOE_CONFIG_KEYS)}")
+        return
+    for f in fields:
+        if f not in data:
+            raise UsageError(f"recipe {name!r}: missing field {f!r}; required for arch {arch!r}: {', '.join(fields)}")
+        _positive_int(name, data[f], f)
+    if data["num_experts"] < 2 or data["num_experts_per_tok"] >= data["num_experts"]:
+        raise UsageError(f"recipe {name!r}: num_experts={data['num_experts']}, num_experts_per_tok="
+                         f"{data['num_experts_per_tok']}: allowed num_experts >= 2 and 1 <= num_experts_per_tok < num_experts")
 
 
 def _read_recipe_table() -> dict[str, dict[str, Any]]:
@@ -475,6 +514,9 @@ def recipe_hash(recipe: AnyRecipe) -> str:
     """
     fields = dataclasses.asdict(recipe)
     fields.pop("description")
+    for f in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):  # dense recipes keep their hash
+        if not fields.get(f, 1):
+            fields.pop(f)
     payload: dict[str, Any] = {
         "recipe": fields,
         "corpus_sha256": _sha256_file(_data_dir() / "corpus.txt"),
@@ -696,8 +738,12 @@ def _config_dict(recipe: Recipe, tok: Tokenizer) -> dict[str, Any]:
         "dtype": recipe.dtype,
     }
     cfg.update(dict(spec.extra_config))
-    if recipe.arch in ("qwen2", "qwen3"):
+    if recipe.arch in ("qwen2", "qwen3", "qwen3_moe"):
         cfg["max_window_layers"] = recipe.num_layers
+    if recipe.arch in MOE_CONFIG_KEYS:
+        experts, width = MOE_CONFIG_KEYS[recipe.arch]
+        cfg.update({experts: recipe.num_experts, width: recipe.moe_intermediate_size,
+                    "num_experts_per_tok": recipe.num_experts_per_tok, "output_router_logits": False})
     return cfg
 
 
@@ -743,6 +789,28 @@ def _init_weights(recipe: Recipe, cfg: dict[str, Any]) -> dict[str, Any]:
         else:
             tensors[name] = _normal(recipe.seed, name, shape, recipe.init_std)
     return tensors
+
+
+def _checkpoint_layout(arch: str, tensors: dict[str, Any]) -> dict[str, Any]:
+    """The tensors under the names the checkpoint stores. Mixtral: the per-expert layout (block_sparse_moe,
+    experts.J.w1/w3/w2) that vLLM 0.32's loader reads and transformers 5 converts on load
+    (transformers/conversion_mapping.py, "mixtral"); every other arch: as transformers names them."""
+    if arch != "mixtral":
+        return tensors
+    out: dict[str, Any] = {}
+    for name, t in tensors.items():
+        base = name.replace(".mlp.", ".block_sparse_moe.")
+        if name.endswith("experts.gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
+            gate, up = t.chunk(2, dim=1)
+            for j in range(t.shape[0]):
+                out[base.replace("gate_up_proj", f"{j}.w1.weight")] = gate[j]
+                out[base.replace("gate_up_proj", f"{j}.w3.weight")] = up[j]
+        elif name.endswith("experts.down_proj"):  # [E, H, I]
+            for j in range(t.shape[0]):
+                out[base.replace("down_proj", f"{j}.w2.weight")] = t[j]
+        else:
+            out[base] = t
+    return out
 
 
 def _probe_ids(recipe: Recipe, tok: Tokenizer, corpus: str) -> torch.Tensor:
@@ -876,7 +944,7 @@ def _build_into(recipe: Recipe, out: Path) -> None:
     torch_dtype = getattr(torch, recipe.dtype)
 
     def save(tensors: dict[str, Any]) -> None:
-        stored = {k: v.to(torch_dtype).contiguous() for k, v in tensors.items()}
+        stored = {k: v.to(torch_dtype).contiguous() for k, v in _checkpoint_layout(recipe.arch, tensors).items()}
         save_file(stored, str(out / "model.safetensors"), metadata={"format": "pt"})
 
     tensors = _init_weights(recipe, cfg)

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from parity.engines.trainer_under_test import TrainerFn
     from parity.engines.vllm_offline import VllmRollout
     from parity.records.accumulators import Summary
+    from parity.report.blocks import Routing
     from parity.report.model import ScenarioVerdict
 
 
@@ -50,6 +51,7 @@ class RunConfig:
     max_capture_head: int | None = None  # cap of S_q capture (--max-capture-head); None: no cap offline
     timeout_s: float = 900.0
     prefix_caching: bool = False
+    max_num_batched_tokens: int | None = None  # chunked prefill at this step budget (scenarios may set their own)
     trainer: str | TrainerFn | None = None  # trainer under test: "full" | "recompute" | "replay" | "module:function"
     invariance: bool = False  # run the batch-invariance checks on both sides and report them
     batch_invariant: bool = False  # turn on every batch-invariance knob available on the device
@@ -97,6 +99,14 @@ class ScenarioResult:
     facts: dict[str, Any]  # what the records do not hold: the capture plan, dtypes, the RL view (records metadata)
 
 
+def scenario_engines(engines: EngineSettings, sc: Scenario) -> EngineSettings:
+    """The run's engine settings with the scenario's own prefix caching and chunked-prefill budget."""
+    from dataclasses import replace
+
+    pc = engines.prefix_caching if sc.prefix_caching is None else sc.prefix_caching
+    return replace(engines, prefix_caching=pc, max_num_batched_tokens=sc.max_num_batched_tokens or engines.max_num_batched_tokens)
+
+
 def wants_sampler_log_s(rollout: Rollout, sc: Scenario, cfg: RunConfig) -> bool:
     """A raw-logits pass is run when it can give the whole row: offline engine, vocabulary within the capture cap."""
     return (
@@ -141,6 +151,11 @@ def preflight(matrix: Matrix, cfg: RunConfig) -> None:
     vocab: dict[str, int] = {}
     problems = []
     for sc in matrix.scenarios:
+        if cfg.device == "cpu" and (sc.max_num_batched_tokens or cfg.max_num_batched_tokens) and not sc.spec.greedy:
+            problems.append(f"scenario {sc.name!r}: max_num_batched_tokens (chunked prefill) at temperature "
+                            f"{sc.spec.temperature:g} on CPU: vLLM 0.32's CPU engine fails a seeded request whose prefill "
+                            f"is chunked ('CPU Generator does not use offset', GPUModelRunner._bookkeeping_sync); "
+                            f"allowed: temperature 0 on CPU")
         name = str(sc.model or cfg.model)
         if name not in vocab:
             vocab[name] = config_vocab_size(resolve_model(name))
@@ -169,10 +184,14 @@ def score_scenario(
     from parity.records.verdict import judge
 
     t0 = time.perf_counter()
-    prompts = make_prompts(trainer.tokenizer(), sc.prompts)
+    prompts = make_prompts(trainer.tokenizer(), sc.prompts, shared_prefix=sc.shared_prefix)
     rollout.head = sc.capture_head if sc.capture_head is not None else cfg.capture_head
     rollout.max_head = sc.max_capture_head or cfg.max_capture_head
     seed = cfg.seed + sc.seed
+    if getattr(rollout, "prefix_caching", False):  # warm the cache: the scenario's prompts then hit it
+        history = rollout.capture_history
+        rollout.generate(prompts, sc.spec, max_tokens=1, seed=seed)
+        rollout.capture_history = history
     records = rollout.generate(prompts, sc.spec, max_tokens=sc.max_tokens, seed=seed)
     raw_pass = attach_sampler_log_s(records, raw, prompts, sc, seed) if raw is not None else None
     logits = trainer.logits(records)
@@ -183,8 +202,12 @@ def score_scenario(
     part = scenario_summary(export, dtypes=dtypes, vocab_size=rollout.vocab_size, views=views,
                             n_listed=cfg.thresholds.max_violations_listed, source=str(cfg.records or "parity run"))
     native = native_mismatches(records) if any("native_kept_ids" in r.extras for r in records) else None
+    # MoE: routing agreement and replay (the trainer's routers run again, traced and then forced).
+    routing = (routing_section(records, table, trainer, rollout, sc, cfg, dtypes)
+               if records and "routed_experts" in records[0].extras else None)
     (verdict,) = judge(part, cfg.thresholds, trainer_name=table.user_name,
-                       native=None if native is None else {sc.name: native})
+                       native=None if native is None else {sc.name: native},
+                       routing=None if routing is None else {sc.name: routing})
     # What the capture did (parity.core.capture.CaptureStats): the head it started with, what it widened,
     # the largest |S_q| met, positions unproven at the cap, resamples that came back different.
     assert rollout.last_capture is not None  # set by generate()
@@ -195,6 +218,8 @@ def score_scenario(
     if native is not None:
         facts["native_capture"] = {"mode": cfg.capture, "mismatched_positions": len(native),
                                    "positions": [list(p) for p in native]}
+    if routing is not None:
+        facts["routing"] = routing
     return ScenarioResult(sc, records, table, verdict, time.perf_counter() - t0, export, part, facts)
 
 
@@ -202,6 +227,19 @@ def native_mismatches(records: list[SequenceRecord]) -> list[tuple[int, int]]:
     """(prompt, position) where vLLM's native sampling mask and the top-K capture differ on S_q (CUDA,
     ``--capture both``; the engine adapter records them in ``extras["native_vs_topk_mismatch"]``)."""
     return [(r.prompt_index, int(t)) for r in records for t in r.extras.get("native_vs_topk_mismatch", [])]
+
+
+def routing_section(records: list[SequenceRecord], table: TokenTable, trainer: Trainer, rollout: Rollout,
+                    sc: Scenario, cfg: RunConfig, dtypes: tuple[str, str]) -> Routing:
+    """A MoE scenario's routing section (:func:`parity.engines.routing_replay.routing_report`), with the positions
+    each failing routing gate names, for the gate table to judge."""
+    from parity.engines.routing_replay import routing_report
+
+    section, found = routing_report(records, table, trainer, sc.spec, dtypes, scenario=sc.name,
+                                    max_headroom=cfg.thresholds.max_headroom, n_listed=cfg.thresholds.max_violations_listed)
+    listed = {v.gate: {"worst": [p.to_dict() for p in v.worst], "detail": v.detail} for v in found}
+    out: Routing = {**section, "listed": listed, "capture": getattr(rollout, "last_routes", None)}  # type: ignore[typeddict-item]
+    return out
 
 
 def score_trainer_under_test(
@@ -269,7 +307,7 @@ def _run(
         for done, idx in enumerate(order, start=1):
             sc = matrix.scenarios[idx]
             model_name = sc.model or cfg.model
-            rollout, trainer = pool.get(model_name, engines, progress)
+            rollout, trainer = pool.get(model_name, scenario_engines(engines, sc), progress)
             if id(rollout) not in fresh:  # start heads learnt within this run only (the pool may outlive it)
                 rollout.capture_history = CaptureHistory()
                 fresh.add(id(rollout))
@@ -334,6 +372,7 @@ def run_report(
     from parity.analyze.report import REPORT_FACTS, build_report
     from parity.core.matrix import pair_coverage
     from parity.core.rl_catalogue import catalogue as rl_catalogue
+    from parity.core.settings_effect import settings_effect
     from parity.records.accumulators import Summary
     from parity.records.token_columns import Options
     from parity.records.write import RecordsWriter
@@ -356,7 +395,9 @@ def run_report(
         "scenarios": {r.scenario.name: {"model": r.scenario.model or cfg.model, **r.facts} for r in results},
         "config": config,
         "environment": {"device": cfg.device, "batch_invariant_mode": state.to_dict()},
-        "top": {"matrix_pair_coverage": pair_coverage(matrix), "rl_view": rl_catalogue(), "determinism": determinism},
+        "top": {"matrix_pair_coverage": pair_coverage(matrix), "rl_view": rl_catalogue(), "determinism": determinism,
+                "engine_settings": settings_effect(matrix.scenarios, [r.records for r in results], cfg.model,
+                                                   cfg.prefix_caching) or None},
     }
     metadata = json.loads(json.dumps({
         "producer": "parity run",

@@ -97,7 +97,7 @@ def test_recipe_hash_is_stable_and_covers_what_matters():
 @pytest.mark.parametrize(
     ("changes", "must_mention"),
     [
-        ({"arch": "gpt9"}, ["arch", "'gpt9'", "unknown architecture", "llama, qwen2, qwen3"]),
+        ({"arch": "gpt9"}, ["arch", "'gpt9'", "unknown architecture", "llama, mixtral, qwen2, qwen3, qwen3_moe"]),
         ({"head_dim": 16, "hidden_size": 32}, ["head_dim=16", "CPU attention", "64"]),
         ({"vocab_size": 2}, ["vocab_size=2", "special tokens", ">= 260"]),
         ({"vocab_size": 258}, ["vocab_size=258"]),

@@ -130,11 +130,15 @@ def set_verdict(report: dict[str, Any]) -> None:
     report["verdict"] = "fail" if failed else ("none" if report["no_verdict"] else "pass")
 
 
+def _stored(facts: Any, key: str) -> dict[str, Any]:
+    """Per scenario, a block a producer stored for the gate table (``native_capture``, ``routing``)."""
+    per = facts.get("scenarios") if isinstance(facts, dict) else None
+    return {name: f[key] for name, f in (per or {}).items() if isinstance(f, dict) and isinstance(f.get(key), dict)}
+
+
 def _native(facts: Any) -> dict[str, list[tuple[int, int]]] | None:
     """The native-mask mismatches a producer stored (``parity run --capture both``), per scenario."""
-    per = facts.get("scenarios") if isinstance(facts, dict) else None
-    out = {name: [(int(p), int(t)) for p, t in f["native_capture"].get("positions", [])]
-           for name, f in (per or {}).items() if isinstance(f, dict) and isinstance(f.get("native_capture"), dict)}
+    out = {name: [(int(p), int(t)) for p, t in n.get("positions", [])] for name, n in _stored(facts, "native_capture").items()}
     return out or None
 
 
@@ -149,7 +153,9 @@ def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: S
 
     trainer_name = _metadata_value(summary, "trainer_under_test") or _metadata_value(summary, "trainer_name")
     if verdicts is None:
-        verdicts = judge(summary, th, trainer_name=trainer_name, native=_native(_metadata_value(summary, REPORT_FACTS)))
+        facts = _metadata_value(summary, REPORT_FACTS)
+        verdicts = judge(summary, th, trainer_name=trainer_name, native=_native(facts),
+                         routing=_stored(facts, "routing") or None)
     scenarios = [v.to_json() for v in verdicts]
     models = _metadata_value(summary, "scenario_models") or {}
     for sc in scenarios:
@@ -167,6 +173,7 @@ def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: S
     for sc in scenarios:
         for g in sc["not_evaluated"]:
             skipped.setdefault((g["gate"], g["reason"]), []).append(sc["name"])
+    warnings = records_warnings(summary)
     report = {
         "schema_version": SCHEMA_VERSION,
         "source": "records",
@@ -186,7 +193,7 @@ def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: S
             "page_checksums": _checksum_state(list(summary.page_checksums.values())),
             "files_without_page_checksums": [f for f, ok in summary.page_checksums.items() if ok is False],
         },
-        "warnings": records_warnings(summary),
+        "warnings": warnings,
         "scenarios": scenarios,
         # passed: every scenario passes every gate it could evaluate (and has one). complete: every gate was
         # evaluated in every scenario; where not, not_evaluated lists each gate, why, and where.
@@ -197,6 +204,11 @@ def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: S
         "not_evaluated": [{"gate": g, "reason": r, "scenarios": names} for (g, r), names in skipped.items()],
     }
     _apply_facts(report, _metadata_value(summary, REPORT_FACTS))
+    unjudged = [s["name"] for s in scenarios if "routing" not in s]
+    if "routed_experts" in summary.columns and unjudged:
+        warnings.append(f"routed_experts is present but the routing gates were not evaluated in {len(unjudged)} "
+                        f"scenario(s) ({', '.join(unjudged[:4])}): they need the trainer's router logits, which "
+                        f"parity run computes (parity.engines.routing_replay.routing_report)")
     set_verdict(report)
     return report
 

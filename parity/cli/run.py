@@ -46,7 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # Gone: top_p/min_p without top_k are captured adaptively now; the old flag gets an error that says so.
     p.add_argument("--timeout", type=float, default=900.0, help="seconds any one engine call may take")
     p.add_argument("--plant", choices=sorted(FAULTS), default=None, help="plant a trainer-side fault (self-test of the gates)")
-    p.add_argument("--prefix-caching", action="store_true", help="let vLLM reuse cached KV blocks across scenarios (off: order-independent results)")
+    p.add_argument("--prefix-caching", action="store_true", help="let vLLM reuse cached KV blocks (each scenario's prompts are sent once first, so its requests hit "
+                   "the cache; off: order-independent results)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="vLLM's step token budget with chunked prefill on (prompts longer than it are chunked)")
     p.add_argument(
         "--batch-invariant",
         action="store_true",

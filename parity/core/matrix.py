@@ -29,6 +29,11 @@ class Scenario:
     seed: int = 0
     capture_head: int | None = None  # None: chosen by parity.core.capture.plan_capture
     max_capture_head: int | None = None  # cap of adaptive capture (top_p/min_p without top_k); None: the run's
+    # Engine settings RL turns on (None: the run's): prefix caching over a shared prompt prefix of
+    # ``shared_prefix`` tokens (warmed before the scenario samples), chunked prefill at a step budget.
+    prefix_caching: bool | None = None
+    max_num_batched_tokens: int | None = None
+    shared_prefix: int = 0
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -37,6 +42,12 @@ class Scenario:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise UsageError(f"scenario {self.name!r}: {f}={v!r} is invalid: allowed an integer >= 1")
+        for f, lo in (("max_num_batched_tokens", 16), ("shared_prefix", 0)):
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
+                raise UsageError(f"scenario {self.name!r}: {f}={v!r} is invalid: allowed an integer >= {lo}")
+        if self.prefix_caching is not None and not isinstance(self.prefix_caching, bool):
+            raise UsageError(f"scenario {self.name!r}: prefix_caching={self.prefix_caching!r} is invalid: allowed true or false")
         m = self.max_capture_head
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 2):
             raise UsageError(f"scenario {self.name!r}: max_capture_head={m!r} is invalid: allowed an integer >= 2")
@@ -133,7 +144,8 @@ def load_matrix(path: str | Path) -> Matrix:
 
     Each scenario takes ``name``, the spec fields (``temperature``, ``top_k``, ``top_p``, ``min_p``)
     and optionally ``model``, ``prompts``, ``max_tokens``, ``seed``, ``capture_head``,
-    ``max_capture_head`` (the cap of adaptive capture for that scenario). A name of
+    ``max_capture_head`` (the cap of adaptive capture for that scenario), and the engine settings
+    ``prefix_caching``, ``max_num_batched_tokens`` (chunked prefill) and ``shared_prefix``. A name of
     :data:`NAMED_MATRICES` loads the packaged file.
     """
     if str(path) in NAMED_MATRICES:
@@ -154,7 +166,8 @@ def load_matrix(path: str | Path) -> Matrix:
     if not isinstance(rows, list) or not rows:
         raise UsageError(f"matrix file {str(path)!r} has no [[scenario]] tables")
     spec_keys = {"temperature", "top_k", "top_p", "min_p"}
-    other = {"name", "model", "prompts", "max_tokens", "seed", "capture_head", "max_capture_head"}
+    other = {"name", "model", "prompts", "max_tokens", "seed", "capture_head", "max_capture_head", "prefix_caching",
+             "max_num_batched_tokens", "shared_prefix"}
     scenarios = []
     for i, row in enumerate(rows):
         unknown = set(row) - spec_keys - other

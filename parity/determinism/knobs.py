@@ -242,6 +242,28 @@ def _attention(state: DeterminismState, undo: _Undo, enabled: bool, models: Sequ
     state.add(name, ON, "eager", SDPA_NOTE)
 
 
+def _trainer_experts(state: DeterminismState, undo: _Undo, enabled: bool, models: Sequence[Any]) -> None:
+    """MoE trainers: transformers 5's per-expert loop ("eager": one F.linear per expert over its tokens, added
+    in expert order) in place of its grouped GEMM (``_grouped_mm``, whose reduction follows how many tokens
+    each expert got, so the batch); the CPU kernels cover the loop's matmuls. Dense models: nothing."""
+    moe = [m for m in models if getattr(getattr(m, "config", None), "num_experts", None)
+           or getattr(getattr(m, "config", None), "num_local_experts", None)]
+    if not moe:
+        return
+    impls = [getattr(m.config, "_experts_implementation", None) for m in moe]
+    if not enabled:
+        state.add("trainer_experts", ON if all(i == "eager" for i in impls) else OFF, impls)
+        return
+    for m, prev in zip(moe, impls, strict=True):
+        m.set_experts_implementation("eager")
+
+        def restore(m: Any = m, prev: Any = prev) -> None:
+            m.set_experts_implementation(prev)
+
+        undo.push(restore)
+    state.add("trainer_experts", ON, "eager", "per-expert F.linear loop instead of the grouped GEMM (_grouped_mm)")
+
+
 def _cpu_kernels(state: DeterminismState, undo: _Undo, enabled: bool, models: Sequence[Any]) -> None:
     """CPU: the batch-invariant kernel set (parity.determinism.kernels) on the trainer models, attention included."""
     from parity.determinism import kernels as cpu_kernels
@@ -434,6 +456,7 @@ def batch_invariant_mode(
         _deterministic_algorithms(state, undo, enabled, dev)
         _mkldnn_deterministic(state, undo, enabled)
         _threads(state, undo, enabled, threads)
+        _trainer_experts(state, undo, enabled, models)
         if dev == "cpu":
             _cpu_kernels(state, undo, enabled, models)
         else:

@@ -47,6 +47,7 @@ class RolloutSettings(TypedDict, total=False):
     head: int | None
     timeout_s: float
     prefix_caching: bool
+    max_num_batched_tokens: int | None
     capture: str
 
 
@@ -69,6 +70,7 @@ class RolloutBase:
         head: int | None = None,
         timeout_s: float = 900.0,
         prefix_caching: bool = False,
+        max_num_batched_tokens: int | None = None,
         capture: str = "topk",
     ) -> None:
         path = Path(model)
@@ -92,6 +94,7 @@ class RolloutBase:
         self.head = head
         self.timeout_s = timeout_s
         self.prefix_caching = prefix_caching
+        self.max_num_batched_tokens = max_num_batched_tokens  # None: the engine's; set: chunked prefill at that budget
         self.capture = capture
         self.vocab_size = 0  # set by the adapter once it knows the engine's vocabulary
 

@@ -110,7 +110,9 @@ def check_same_vocabulary(rollout: Rollout, trainer: Trainer) -> None:
         )
 
 
-def make_prompts(tokenizer: Tokenizer, n: int) -> list[list[int]]:
+def make_prompts(tokenizer: Tokenizer, n: int, *, shared_prefix: int = 0) -> list[list[int]]:
+    """``n`` prompts from PROMPT_TEXTS; ``shared_prefix`` > 0 puts the same that many tokens before each (the
+    texts tokenized back to back), so prefix caching has something to hit."""
     prompts = []
     for i in range(n):
         text = PROMPT_TEXTS[i % len(PROMPT_TEXTS)]
@@ -120,6 +122,10 @@ def make_prompts(tokenizer: Tokenizer, n: int) -> list[list[int]]:
         if not ids:
             raise UsageError(f"prompt {i} ({text!r}) tokenizes to no ids")
         prompts.append(ids)
+    if shared_prefix:
+        pool = [t for text in PROMPT_TEXTS for t in tokenizer.encode(text + ". ", add_special_tokens=False)]
+        prefix = (pool * (shared_prefix // len(pool) + 1))[:shared_prefix]
+        prompts = [prefix + p for p in prompts]
     return prompts
 
 
@@ -134,6 +140,7 @@ def _rollout_settings(cfg: EngineSettings) -> RolloutSettings:
         "head": cfg.capture_head,
         "timeout_s": cfg.timeout_s,
         "prefix_caching": cfg.prefix_caching,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens,
     }
     return settings
 
@@ -180,7 +187,8 @@ class EnginePool:
         cfg = as_engine_settings(settings)
         trainer_dtype = cfg.trainer_dtype or cfg.dtype
         trainer_name = cfg.trainer_model if cfg.trainer_model and model_name == cfg.model else model_name
-        key = (model_name, f"{trainer_name}|{cfg.dtype}|{trainer_dtype}|{cfg.device}|{cfg.server or 'offline'}|{cfg.capture}")
+        key = (model_name, f"{trainer_name}|{cfg.dtype}|{trainer_dtype}|{cfg.device}|{cfg.server or 'offline'}|{cfg.capture}|"
+                           f"{cfg.prefix_caching}|{cfg.max_num_batched_tokens}")
         if key not in self._engines:
             model_path = resolve_model(model_name)
             trainer_path = resolve_model(trainer_name)

@@ -25,6 +25,7 @@ class EngineSettings:
     max_capture_head: int | None = None  # cap of S_q capture (None: none offline, DEFAULT_MAX_HEAD's head elsewhere)
     timeout_s: float = 900.0
     prefix_caching: bool = False
+    max_num_batched_tokens: int | None = None  # chunked prefill at this step budget (None: the engine's default)
     capture: str = "topk"  # "topk" | "native" | "both"
     server: str | None = None  # None: offline engine; "spawn": a local vLLM server; or a URL to attach to
 

@@ -18,6 +18,7 @@ from parity.core.capture_plan import SMALL_VOCAB
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.engines.rollout_base import RolloutBase, RolloutSettings, Support
+from parity.engines.routed_experts import RoutedExperts, attach_routes, moe_shape
 from parity.engines.sampler_rows import SamplerRows
 from parity.errors import EngineError, SetupError, TimedOut, UsageError
 from parity.records.vllm_outputs import ROWS_ATTR, heads_of_output, spec_of_params
@@ -239,6 +240,12 @@ class VllmRollout(RolloutBase):
             # --prefix-caching turns it on to test the production setting).
             enable_prefix_caching=self.prefix_caching,
         )
+        if self.max_num_batched_tokens is not None:  # a step's token budget: prompts longer than it are chunked
+            n = self.max_num_batched_tokens
+            kwargs.update(enable_chunked_prefill=True, max_num_batched_tokens=n, max_num_seqs=min(n, 256))
+        self.moe = moe_shape(self.model)  # (layers, top_k, experts) of a MoE checkpoint, else None
+        if self.moe is not None and device == "cuda":
+            kwargs["enable_return_routed_experts"] = True  # Model Runner V2's own capture (routed_experts.NATIVE)
         if self.capture != "topk":
             kwargs["return_sampling_mask"] = True
             kwargs["max_logprobs"] = 4096  # the native path refuses unbounded (-1) log-prob requests
@@ -248,6 +255,10 @@ class VllmRollout(RolloutBase):
         self.rows = SamplerRows(self.llm, cap=self.max_head, timeout_s=self.timeout_s)
         if self.capture == "topk":
             self.rows.install()
+        self.routes = RoutedExperts(self.llm, timeout_s=self.timeout_s)
+        if self.moe is not None and device != "cuda" and not self.routes.install():
+            raise EngineError(f"routed-expert capture on {self.model}: {self.routes.reason}")
+        self.last_routes: dict[str, Any] | None = None
 
     def plan(self, spec: SamplingSpec) -> cap.CapturePlan:
         """The head route's plan; where the sampler's rows are read, adaptive plans start at ``ROWS_HEAD``
@@ -293,7 +304,9 @@ class VllmRollout(RolloutBase):
             sampling_params(
                 spec,
                 max_tokens=max_tokens,
-                seed=seed + i,
+                # Greedy draws use no generator: unseeded, as vLLM 0.32's CPU engine cannot rewind a seeded one
+                # under chunked prefill (parity.run.preflight refuses T > 0 there).
+                seed=None if spec.greedy and self.max_num_batched_tokens else seed + i,
                 # Candidate detokenization dominates capture cost (full-vocab capture did not finish
                 # in minutes with it on); ids are all the harness needs.
                 detokenize=False,
@@ -302,13 +315,19 @@ class VllmRollout(RolloutBase):
             )
             for i in range(len(prompts))
         ]
+        self.routes.arm()
         result = capture_outputs(
             lambda ps, qs: self.llm.generate(ps, qs, use_tqdm=False),
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, plan,
             spec=spec, vocab_size=self.vocab_size, history=self.capture_history if logprobs is None else None,
             deadline=time.monotonic() + self.timeout_s, rows=self._rows(logprobs),
         )
-        return self.records(prompts, spec, seed, result)
+        steps = self.routes.take()
+        records = self.records(prompts, spec, seed, result)
+        if self.moe is not None:
+            outs = [h.payload[0] for h in result.heads]
+            self.last_routes = attach_routes(records, outs, steps if self.routes.active else None, self.moe[2])
+        return records
 
     def _rows(self, forced: int | None) -> SamplerRows | None:
         """The sampler-row hook for the next generate, its cap brought to this scenario's; none for a

@@ -60,6 +60,7 @@ class RecordsBatch:
     sampler_log_s_source: list[str | None] | None = None
     trainer_kept_logits: Ragged | None = None  # aligned with kept.values; valid per row
     casts: dict[str, CastNote] = field(default_factory=dict)  # column -> what reading float64 as float32 changed
+    routed: tuple[Ragged, np.ndarray] | None = None  # MoE routed_experts and [n, 3] (layers, top_k, experts) per row
 
     @property
     def tokens(self) -> int:

@@ -288,6 +288,10 @@ def from_sequence_records(
             incomplete = r.incomplete if r.incomplete is not None else torch.zeros(r.length, dtype=torch.bool)
             logits_at = planted[i][1].gather(1, kept.clamp(min=0)).float() if planted is not None else None
             row.update(_kept_columns(kept, r.kept_logprobs.float(), incomplete, logits_at))
+        routed = r.extras.get("routed_experts")
+        if routed is not None:  # [P + L - 1, layers, top_k] (parity.engines.routed_experts)
+            row.update(routed_experts=routed.reshape(-1).tolist(), routed_layers=int(routed.shape[1]),
+                       routed_top_k=int(routed.shape[2]), routed_num_experts=int(r.extras["routed_num_experts"]))
         if split is not None:
             for k, parts in split.items():
                 v = parts[i]

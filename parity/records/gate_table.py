@@ -10,13 +10,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parity.core.gates import Thresholds, recompute_support_limit
 from parity.core.violation import Position, Violation
 from parity.records.accumulators import NA, ScenarioAcc
 from parity.records.diagnosis import logprob_bias_class
 from parity.records.steps import TREND_GATE
+
+if TYPE_CHECKING:
+    from parity.report.blocks import Routing
 
 # A check that could not be measured (the status word of parity.determinism.knobs): not a violation.
 UNAVAILABLE = "unavailable"
@@ -29,7 +32,8 @@ class GateCase:
     """What a rule reads: the scenario's report entry and streamed statistics, the thresholds, the gates the
     records cannot evaluate (``skip``), and the facts of the two gates that are not in records: vLLM's native
     mask against the top-K capture (``native``: (prompt, position) where they differ) and the invariance checks
-    of the sides whose invariance a knob in force guarantees (``checks``)."""
+    of the sides whose invariance a knob in force guarantees (``checks``), and a MoE scenario's routing section
+    (``routing``: :class:`parity.report.blocks.Routing`)."""
 
     sc: Mapping[str, Any]
     acc: ScenarioAcc | None
@@ -37,6 +41,7 @@ class GateCase:
     skip: frozenset[str] = frozenset()
     native: Sequence[tuple[int, int]] | None = None
     checks: Sequence[Mapping[str, Any]] = ()
+    routing: Routing | None = None
 
     @property
     def a(self) -> ScenarioAcc:
@@ -274,6 +279,40 @@ def _invariance(c: GateCase) -> list[Violation]:
     return out
 
 
+def _routing_violation(c: GateCase, gate: str, stat: float, limit: float, label: str, comparison: str = ">") -> Violation:
+    r = c.routing
+    assert r is not None
+    listed = r["listed"].get(gate) or {}
+    worst = listed.get("worst")
+    where = tuple(Position(**p) for p in worst if isinstance(p, dict)) if isinstance(worst, list) else ()  # type: ignore[arg-type]
+    return Violation(gate, c.name, stat, limit, label, comparison, worst=where, detail=str(listed.get("detail", "")))
+
+
+def _routing_agreement(c: GateCase) -> list[Violation]:
+    r = c.routing
+    if r is None or not r["flips_above_bound"]:
+        return []
+    return [_routing_violation(c, "routing_agreement", r["flips_above_bound"], 0,
+                               "routing flips at a router margin above its rounding bound")]
+
+
+def _routing_forced(c: GateCase) -> list[Violation]:
+    r = c.routing
+    if r is None or not _over(1.0, r["replay"]["forced_frac"]):
+        return []
+    return [_routing_violation(c, "routing_replay_forced", r["replay"]["forced_frac"], 1.0,
+                               "fraction of (row, layer) expert sets replay forced", "<")]
+
+
+def _routing_drift(c: GateCase) -> list[Violation]:
+    r = c.routing
+    head = r["replay"]["drift"]["with_replay"]["headroom"] if r is not None else 0.0
+    if r is None or not _over(head, c.th.max_headroom):
+        return []
+    return [_routing_violation(c, "routing_replay_drift", head, c.th.max_headroom,
+                               "log-prob max |diff| / bound under routing replay")]
+
+
 _BOUND = "max_headroom × the per-token bound from both dtypes, |z|/T and the support (docs/error_model.md §1)"
 _MEAN = ("mean_bias_headroom × (mean systematic bound + 4 standard errors of a reference spread / √N) "
          "(docs/error_model.md §2)")
@@ -308,6 +347,12 @@ GATE_TABLE: tuple[Gate, ...] = (
         "re-tokenisation)"), "max_token_mismatch (0)", skippable=False),
     Gate("native_vs_topk", (), _native, "0 positions where the two captures of S_q differ", scope="native"),
     Gate("invariance", (), _invariance, "bitwise (0) on every side a knob in force guarantees", scope="run"),
+    Gate("routing_agreement", (), _routing_agreement, "0 expert-set flips where the trainer's k-th to (k+1)-th router "
+         "margin exceeds the rounding bound of both dtypes, 2·8·u·‖h‖·(rms w_a + rms w_b) (docs/routing.md §2)",
+         scope="routing"),
+    Gate("routing_replay_forced", (), _routing_forced, "every (row, layer) expert set under replay is the recorded "
+         "one (1.0, checked on the experts that ran)", scope="routing"),
+    Gate("routing_replay_drift", (), _routing_drift, _BOUND + ", under routing replay", scope="routing"),
 )
 GATES_BY_NAME = {g.name: g for g in GATE_TABLE}
 REFERENCE_GATES = tuple(g.name for g in GATE_TABLE if g.reference)

@@ -28,7 +28,8 @@ class Column:
     name: str
     type: pa.DataType
     required: bool
-    per: str  # "sequence", "token" (one value per completion token), "kept" (aligned with kept_ids), "offsets"
+    per: str  # "sequence", "token" (one value per completion token), "kept" (aligned with kept_ids), "offsets",
+    # "routed" ((P + L - 1) x routed_layers x routed_top_k expert ids)
     doc: str
 
 
@@ -73,10 +74,17 @@ COLUMNS: tuple[Column, ...] = (
     Column("sampler_log_s_source", pa.string(), False, "sequence", "where the sampler-side log S comes from: raw_logits, "
            "top_p_bracket or unfiltered"),
     Column("trainer_kept_logits", _F32, False, "kept", "the trainer's raw logits (before temperature) at kept_ids"),
+    Column("routed_experts", _I32, False, "routed", "MoE: the sampler's top-k expert ids per position a forward ran "
+           "(prompt and completion but the last token), layer, rank: (P + L - 1) x routed_layers x routed_top_k; "
+           "-1 where no forward ran (a prefix-cache hit)"),
+    Column("routed_layers", pa.int32(), False, "sequence", "MoE layers in routed_experts, >= 1"),
+    Column("routed_top_k", pa.int32(), False, "sequence", "experts per token and layer in routed_experts, >= 1"),
+    Column("routed_num_experts", pa.int32(), False, "sequence", "experts per layer, > routed_top_k: ids are < it"),
 )
 BY_NAME: dict[str, Column] = {c.name: c for c in COLUMNS}
 REQUIRED = tuple(c.name for c in COLUMNS if c.required)
 KEPT_GROUP = ("kept_ids", "kept_offsets", "kept_logprobs")  # present together or not at all
+ROUTED_GROUP = ("routed_experts", "routed_layers", "routed_top_k", "routed_num_experts")  # the same
 TRAINER_TOKEN_COLUMNS = tuple(c.name for c in COLUMNS if c.name.startswith("trainer_") and c.per == "token")
 NONNEGATIVE_COLUMNS = ("trainer_bound", "trainer_bound_full", "trainer_systematic")  # finite and >= 0
 SAMPLER_LOG_S_SOURCES = ("raw_logits", "top_p_bracket", "unfiltered")

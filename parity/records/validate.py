@@ -24,6 +24,7 @@ from parity.records.arrays import (
     _token_position,
     _valid,
 )
+from parity.records.routed import validate_routed
 from parity.records.schema import (
     BY_NAME,
     KEPT_GROUP,
@@ -82,6 +83,7 @@ def validate_batch(
                 raise RecordsError(f"{source}: column {name} is set but there is no kept set (kept_ids, kept_offsets, kept_logprobs)")
     _trainer_columns(b, out)
     _sampler_log_s(b, out)
+    out.routed = validate_routed(arrays, prompt, completion.lengths, source, first_row)
     return out
 
 

@@ -49,6 +49,7 @@ from parity.records.diagnosis import diagnosis_text, logprob_bias_class
 from parity.records.gate_table import CAPTURE_LIMIT_FIX, GATE_TABLE, GateCase, evaluate, split_verdict
 
 if TYPE_CHECKING:
+    from parity.report.blocks import Routing
     from parity.report.model import ScenarioVerdict
 from parity.records.steps import (
     COMPARISONS,
@@ -414,10 +415,11 @@ def no_verdict_line(sc: Mapping[str, Any], judged: bool) -> str:
 
 def judge(
     summary: Summary, th: Thresholds, *, trainer_name: str | None = None,
-    native: Mapping[str, Sequence[tuple[int, int]]] | None = None,
+    native: Mapping[str, Sequence[tuple[int, int]]] | None = None, routing: Mapping[str, Routing] | None = None,
 ) -> list[ScenarioVerdict]:
     """The one way from per-token statistics to verdicts: each scenario of ``summary`` through every gate of
-    the table (``native``: per scenario, the positions where vLLM's native mask and the top-K capture differ)."""
+    the table (``native``: per scenario, the positions where vLLM's native mask and the top-K capture differ;
+    ``routing``: a MoE scenario's routing section, :func:`parity.run.routing_section`)."""
     from parity.report.model import ScenarioVerdict
 
     accs = sorted(summary.groups.values(), key=lambda a: a.first_order)
@@ -431,6 +433,9 @@ def judge(
         violations = evaluate_summary(sc, a, th)
         if native is not None and name in native:
             violations += evaluate(GateCase(sc, a, th, native=native[name]), scope="native")
+        if routing is not None and name in routing:
+            sc["routing"] = routing[name]
+            violations += evaluate(GateCase(sc, a, th, routing=routing[name]), scope="routing")
         skipped = {g["gate"] for g in sc["not_evaluated"]}
         evaluated = [g for g in GATES if g not in skipped and ("trainer_under_test" in sc or g not in USER_GATES)]
         if sc["trend"] is not None and sc["trend"]["evaluated"]:

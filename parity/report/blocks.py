@@ -254,6 +254,71 @@ class Records(TypedDict):
     files_without_page_checksums: list[str]
 
 
+class RoutingLayer(TypedDict):
+    layer: int
+    agreement: float
+    flips: int
+    flips_above_bound: int
+    median_margin: float
+    median_bound: float
+
+
+class ReplayDrift(TypedDict):
+    """|trainer - sampler| against the per-token bound, and the IS ratio exp(trainer - sampler)."""
+
+    tokens: int
+    max_abs_diff: float
+    mean_abs_diff: float
+    mean_diff: float
+    headroom: float
+    is_ratio_token_mean: float
+    is_ratio_token_max: float
+    is_ratio_seq_min: float
+    is_ratio_seq_max: float
+
+
+class RoutingReplay(TypedDict):
+    rows: int
+    forced_frac: float
+    mismatched: int
+    drift: dict[str, ReplayDrift]  # without_replay, with_replay
+
+
+class Routing(TypedDict):
+    """MoE: the sampler's experts against the trainer's router per layer, and routing replay (R3).
+    ``listed``: per routing gate, the positions its violation names (written where it failed)."""
+
+    rows: int
+    layers: int
+    top_k: int
+    num_experts: int
+    per_layer: list[RoutingLayer]
+    agreement: float
+    rows_any_layer_differs: float
+    flips: int
+    flips_within_bound: int
+    flips_above_bound: int
+    worst_margin_over_bound: float | None
+    uncovered_rows: int
+    replay: RoutingReplay
+    listed: dict[str, JsonObject]
+    capture: NotRequired[Json]
+
+
+class EngineSettingEffect(TypedDict):
+    """A scenario with prefix caching or chunked prefill against the same scenario without (core/settings_effect)."""
+
+    scenario: str
+    baseline: str
+    settings: JsonObject
+    sequences: int
+    same_tokens: int
+    logprobs_bitwise_equal: int
+    max_abs_logprob_diff: float
+    routed_rows_compared: int | None
+    routed_rows_equal: int | None
+
+
 # -- the JSON Schema of a type ---------------------------------------------------------------------
 
 _NUMBER: JsonObject = {"type": ["number", "string"]}  # a float, or its JSON string ("inf", "nan"; "n/a")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from parity.report import overview, rl_section
+from parity.report import overview, rl_section, routing_section
 
 
 def _fmt(x: Any) -> str:
@@ -234,6 +234,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", "![per-token drift of replay and recompute against its rounding bound](drift_hist.png)"]
     lines += steps_section(report)
     lines += rl_section.markdown(report)
+    lines += routing_section.markdown(report)
     det = report.get("determinism")
     if det:
         lines += ["", "## Determinism", ""]

@@ -24,6 +24,7 @@ from parity.report.blocks import (
     DriftHeadroom,
     DriftSplit,
     Dtypes,
+    EngineSettingEffect,
     IsRatio,
     JsonObject,
     LogS,
@@ -35,6 +36,7 @@ from parity.report.blocks import (
     PerEstimator,
     Records,
     RoundingBound,
+    Routing,
     SamplerLogS,
     StepJson,
     TrainerUnderTest,
@@ -174,6 +176,7 @@ class ScenarioVerdict:
     dtypes: Dtypes | None = None
     rl_view: JsonObject | None = None
     native_capture: NativeCapture | None = None
+    routing: Routing | None = None  # MoE: routing agreement per layer and routing replay (parity.core.routing)
     masked_tokens: int | None = None  # the TRL capture: tokens its completion mask dropped
     rounding_bound: RoundingBound | None = None  # the TRL capture: the sampler dtype's own per-token bound
     trl: TrlFacts | None = None  # the TRL capture: its importance-sampling mode, fix and step
@@ -215,6 +218,7 @@ class Report:
     determinism: JsonObject | None = None  # parity run --invariance: the invariance checks
     matrix_pair_coverage: JsonObject | None = None
     rl_view: JsonObject | None = None  # the RL catalogue the scenarios' rl_view entries refer to
+    engine_settings: list[EngineSettingEffect] | None = None  # prefix caching / chunked prefill against the same scenario without
 
     @classmethod
     def from_json(cls, data: Any) -> Report:

@@ -13,7 +13,7 @@ import textwrap
 from typing import Any
 
 from parity.core.spec import SamplingSpec
-from parity.report import rl_section
+from parity.report import rl_section, routing_section
 
 # Which gates belong to which side of the story (parity.core.gates names them).
 REPLAY_GATES = ("replay_drift", "replay_mean_bias", "replay_support")
@@ -379,4 +379,6 @@ def render_terminal(report: dict[str, Any], *, width: int = WIDTH) -> str:
     # "0 %" and "S = 0.91" stay on one line.
     text = paragraph(report).replace(" %", "\0%").replace(" = ", "\0=\0")
     lines += [ln.replace("\0", " ") for ln in textwrap.wrap(text, width=width)]
+    routing = [w for r in routing_section.terminal_lines(report) for w in textwrap.wrap(r, width=width)]
+    lines += ["", *routing] if routing else []
     return "\n".join(lines)

@@ -6,6 +6,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from parity.report import routing_section
+
 if TYPE_CHECKING:
     from parity.core.rl import Method
 
@@ -202,6 +204,7 @@ def markdown(report: dict[str, Any]) -> list[str]:
         lines += ["", f"### {s['name']}", ""]
         lines += metrics_table(rl)
         lines += [""] + methods_table(rl)
+        lines += routing_section.replay_lines(s)
     return lines
 
 

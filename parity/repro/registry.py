@@ -64,6 +64,7 @@ SCRIPT_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "torch_cpu_log_softmax": ({"vocabs": [4096, 32000, 49152, 152064], "scales": [1.0, 4.0, 8.0], "rows": 64,
                                "verdict_scale": 4.0, "timeout_s": 300.0},
                               {"vocabs": [4096, 152064], "scales": [1.0, 4.0], "rows": 8}),
+    "prefix_cache_logprobs": ({"vocab": 512, "shared": 300, "own": 20, "tokens": 8}, {}),
     "cpu_capability_default": ({"vocab": 512, "cases": ["torch", "vllm"], "timeout_s": 300.0}, {"cases": ["vllm"]}),
 }
 
@@ -101,6 +102,9 @@ _REPROS = (
     ("torch_cpu_log_softmax",
      "torch's float32 log_softmax on CPU: every log-prob of a wide, peaked row is high by one constant "
      "(its sum of exponentials drops small terms)"),
+    ("prefix_cache_logprobs",
+     "prefix caching: requests with prompt log-probs skip the cache (why vLLM #5543 and #42019 do not arise on "
+     "CPU); a forced cache read returns wrong prompt log-probs at the cached positions"),
 )
 REPROS: tuple[Entry, ...] = tuple(Entry(i, *row) for i, row in enumerate(_REPROS, start=1))
 

@@ -117,6 +117,12 @@ def relations_torch_cpu_log_softmax(res) -> None:
                                                lsm_checks(res.rows, max(cfg["vocabs"]), cfg["verdict_scale"])]
 
 
+def relations_prefix_cache_logprobs(res) -> None:
+    plain, again, order, forced, rest = res.rows
+    assert plain["cached"] == 0 and again["cached"] > 0 and order["cached"] > 0
+    assert forced["foreign"] > 0 and rest["foreign"] == 0 and rest["max_diff"] == 0.0
+
+
 RELATIONS = {name: globals()[f"relations_{name}"] for name in (e.name for e in REPROS)}
 # trl_grpo_top_p: tests/repro/test_trl_smoke.py runs its one-config smoke in CI; cpu_capability_default
 # needs a vector ISA for inductor to reproduce (its relations require the verdict where the control had one);
@@ -126,7 +132,7 @@ RELATIONS = {name: globals()[f"relations_{name}"] for name in (e.name for e in R
 # against parity's core in test_standalone_matches_core, torch_cpu_log_softmax's run in its own test), and
 # `nox -s slow` runs every one; `nox -s repro` runs them all at full size.
 SLOW = {"top_k_entropy", "temperature", "recompute_boundary", "capture_head", "batch_invariant_cpu",
-        "trl_grpo_top_p", "trl_weight_sync", "cpu_capability_default", "torch_cpu_log_softmax"}
+        "trl_grpo_top_p", "trl_weight_sync", "cpu_capability_default", "torch_cpu_log_softmax", "prefix_cache_logprobs"}
 MEASURED = {"cpu_capability_default", "torch_cpu_log_softmax"}
 
 

@@ -18,7 +18,7 @@ def test_every_gate_is_one_entry_with_known_inputs_and_a_stated_limit() -> None:
     assert len(names) == len(set(names))
     for g in GATE_TABLE:
         assert set(g.needs) <= set(REASONS), (g.name, g.needs)
-        assert g.limit.strip() and g.scope in ("records", "native", "run"), g.name
+        assert g.limit.strip() and g.scope in ("records", "native", "run", "routing"), g.name
     assert set(GATE_INPUTS) | {"drift_trend"} == {g.name for g in GATE_TABLE if g.scope == "records"}
     assert set(REFERENCE_GATES) < set(GATE_INPUTS)
 
@@ -57,3 +57,4 @@ def test_the_generated_schema_refuses_a_block_that_lacks_a_key() -> None:
     jsonschema.validate(ok, schema_of(Diff))
     with pytest.raises(jsonschema.ValidationError, match="p99_abs_diff"):
         jsonschema.validate({k: v for k, v in ok.items() if k != "p99_abs_diff"}, schema_of(Diff))
+

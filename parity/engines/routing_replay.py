@@ -1,0 +1,181 @@
+"""The trainer's MoE routers (transformers 5): their top-k per layer and token, and routing replay (R3).
+
+transformers 5.19's ``Qwen3MoeTopKRouter`` and ``MixtralTopKRouter`` (models/qwen3_moe, models/mixtral)
+return ``(router_logits, router_scores, router_indices)``: softmax in float32, ``topk`` of it, the
+top-k probabilities renormalised (Qwen3-MoE when ``norm_topk_prob``, Mixtral always; Qwen3-MoE casts
+them back to the logits' dtype). A forward hook on each router keeps its input norm and logits; under
+replay it replaces the indices with the recorded ones and recomputes the gate weights from the trainer's
+own logits the same way, as R3 prescribes. What the experts actually ran with is read from a pre-hook
+on the sibling ``experts`` module (its ``top_k_index``), so "forced" is checked, not assumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from parity.core import routing as core_routing
+from parity.core.sequence import SequenceRecord
+from parity.core.spec import SamplingSpec
+from parity.core.token_table import TokenTable, build_table
+from parity.core.violation import Position, Violation
+from parity.engines.routed_experts import ROUTED
+from parity.errors import UsageError
+
+
+def routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module, torch.nn.Module]]:
+    """(decoder layer, router, experts) of every MoE layer, in layer order."""
+    mods = dict(model.named_modules())
+    out = []
+    for name, mod in mods.items():
+        hit = re.search(r"layers\.(\d+)\.mlp\.gate$", name)
+        experts = mods.get(name.removesuffix(".gate") + ".experts")
+        if hit and experts is not None and hasattr(mod, "top_k") and getattr(mod, "weight", None) is not None:
+            out.append((int(hit.group(1)), mod, experts))
+    return sorted(out, key=lambda t: t[0])
+
+
+@dataclass
+class RouterTrace:
+    """Per forward call and MoE layer: ||h||, router logits, and the experts the expert MLPs ran with."""
+
+    layers: list[int]
+    w_rms: np.ndarray  # [layers, E]
+    calls: dict[int, list[dict[str, np.ndarray]]] = field(default_factory=dict)
+
+    def per_record(self, records: Sequence[SequenceRecord], batch_size: int) -> list[dict[str, np.ndarray]]:
+        """The trace cut back to each record's routed rows (positions 0 .. P + L - 2), right-padded batches undone."""
+        out = []
+        for i, r in enumerate(records):
+            b, j = divmod(i, batch_size)
+            chunk = records[b * batch_size : (b + 1) * batch_size]
+            width = max(len(c.prompt_ids) + c.length for c in chunk)
+            rows = slice(j * width, j * width + len(r.prompt_ids) + r.length - 1)
+            out.append({key: np.stack([self.calls[lyr][b][key][rows] for lyr in self.layers], 1)
+                        for key in ("h_norm", "logits", "ids")})
+        return out
+
+
+def _forced(records: Sequence[SequenceRecord], batch_size: int, layer: int, k: int) -> list[torch.Tensor]:
+    """The recorded experts of ``layer`` laid out as each forward call's flat rows (-1: the trainer's own)."""
+    out = []
+    for b in range(0, len(records), batch_size):
+        chunk = records[b : b + batch_size]
+        width = max(len(c.prompt_ids) + c.length for c in chunk)
+        flat = torch.full((len(chunk) * width, k), -1, dtype=torch.long)
+        for j, r in enumerate(chunk):
+            ids = r.extras.get(ROUTED)
+            if ids is None:
+                raise UsageError(f"routing replay: prompt {r.prompt_index} has no recorded experts: allowed records "
+                                 f"sampled from a MoE engine with routed-expert capture on")
+            flat[j * width : j * width + ids.shape[0]] = ids[:, layer]
+        out.append(flat)
+    return out
+
+
+def _top_k(router: torch.nn.Module) -> int:
+    k = router.top_k
+    assert isinstance(k, int)  # the router's config.num_experts_per_tok
+    return k
+
+
+def _regate(module: torch.nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Gate weights for ``idx`` from the router's own logits, as its forward computes them for its top-k."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    scores = probs.gather(1, idx)
+    if getattr(module, "norm_topk_prob", True):
+        scores = scores / scores.sum(dim=-1, keepdim=True)
+    return scores.to(logits.dtype) if hasattr(module, "norm_topk_prob") else scores
+
+
+@contextmanager
+def trace_routers(model: torch.nn.Module, records: Sequence[SequenceRecord] | None = None,
+                  batch_size: int = 8) -> Iterator[RouterTrace]:
+    """Record every MoE layer's routing over the forwards inside; with ``records``, replay their experts."""
+    found = routers(model)
+    if not found:
+        raise UsageError(f"{type(model).__name__} has no MoE router (layers.N.mlp.gate with experts): allowed a "
+                         f"Qwen3-MoE or Mixtral model of transformers")
+    weights: list[torch.Tensor] = [m.weight for _, m, _ in found]  # type: ignore[misc]  # [E, H] Parameters
+    w_rms = np.stack([w.detach().float().pow(2).mean(1).sqrt().cpu().numpy() for w in weights])
+    trace = RouterTrace([lyr for lyr, _, _ in found], w_rms)
+    handles = []
+    for j, (lyr, router, experts) in enumerate(found):
+        calls = trace.calls.setdefault(lyr, [])
+        forced = _forced(records, batch_size, j, _top_k(router)) if records is not None else None
+
+        def after(mod: Any, args: Any, out: Any, calls: list[dict[str, np.ndarray]] = calls,
+                  forced: list[torch.Tensor] | None = forced) -> Any:
+            h = args[0].reshape(-1, args[0].shape[-1])
+            calls.append({"h_norm": h.float().norm(dim=-1).cpu().numpy(), "logits": out[0].float().cpu().numpy()})
+            if forced is None:
+                return None
+            want = forced[len(calls) - 1].to(out[2].device)
+            idx = torch.where(want >= 0, want, out[2])
+            return out[0], _regate(mod, out[0], idx), idx
+
+        def used(mod: Any, args: Any, kwargs: Any, calls: list[dict[str, np.ndarray]] = calls) -> None:
+            top = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
+            calls[-1]["ids"] = top.detach().cpu().numpy().astype(np.int32)
+
+        handles.append(router.register_forward_hook(after))
+        handles.append(experts.register_forward_pre_hook(used, with_kwargs=True))
+    try:
+        yield trace
+    finally:
+        for hd in handles:
+            hd.remove()
+
+
+def _rows(records: Sequence[SequenceRecord], per: list[dict[str, np.ndarray]], key: str) -> np.ndarray:
+    return np.concatenate([p[key] for p in per]) if per else np.zeros(0)
+
+
+def routing_report(
+    records: Sequence[SequenceRecord], table: TokenTable, trainer: Any, spec: SamplingSpec, dtypes: Sequence[str],
+    *, scenario: str, max_headroom: float, n_listed: int = 5,
+) -> tuple[dict[str, Any], list[Violation]]:
+    """One scenario's routing section: agreement of the sampler's experts with the trainer's router (margin
+    gate), then the trainer again under replay of the sampler's experts (forced 100 %, drift in the dense bound)."""
+    bs = int(getattr(trainer, "batch_size", 8))
+    with trace_routers(trainer.model, batch_size=bs) as own:
+        trainer.logits(records)
+    mine = own.per_record(records, bs)
+    with trace_routers(trainer.model, records, bs) as forced:
+        logits_r3 = trainer.logits(records)
+    replayed = forced.per_record(records, bs)
+    recorded = np.concatenate([r.extras[ROUTED].numpy() for r in records]).astype(np.int32)
+    prompt = np.concatenate([np.full(len(r.prompt_ids) + r.length - 1, r.prompt_index) for r in records])
+    position = np.concatenate([np.arange(len(r.prompt_ids) + r.length - 1) for r in records])
+    covered = (recorded >= 0).all(axis=(1, 2))
+    experts = int(own.w_rms.shape[1])
+    bad = recorded[covered] >= experts
+    if bad.any():
+        raise UsageError(f"routed experts of scenario {scenario!r}: expert id {int(recorded[covered][bad].max())} "
+                         f"from the sampler: allowed ids < {experts} (the trainer's experts per layer)")
+    logits, ids, h_norm = (_rows(records, mine, k)[covered] for k in ("logits", "ids", "h_norm"))
+    args = (prompt[covered], position[covered])
+    agreement, violations = core_routing.routing_agreement(recorded[covered], ids, logits, h_norm, own.w_rms, dtypes,
+                                                           *args, scenario=scenario, n_listed=n_listed)
+    check, forced_v = core_routing.replay_forced(recorded[covered], _rows(records, replayed, "ids")[covered], *args,
+                                                 scenario=scenario, n_listed=n_listed)
+    table_r3 = build_table(records, logits_r3, spec, dtype=list(dtypes))
+    seq = table.prompt_index.numpy()
+    without, with_r3 = (core_routing.drift_stats(t.vllm.numpy(), t.replay.numpy(), t.bound.numpy(), seq)
+                        for t in (table, table_r3))
+    head = (table_r3.replay - table_r3.vllm).abs() / table_r3.bound.clamp(min=1e-300)
+    i = int(head.argmax()) if head.numel() else 0
+    worst = Position(int(table_r3.prompt_index[i]), int(table_r3.position[i]), int(table_r3.token[i]),
+                     {"vllm": float(table_r3.vllm[i]), "trainer_replay_r3": float(table_r3.replay[i])},
+                     float((table_r3.replay[i] - table_r3.vllm[i]).abs()), float(table_r3.bound[i])) if head.numel() else None
+    drift_v = core_routing.replay_drift(without, with_r3, max_headroom, worst, scenario=scenario)
+    replay = dataclasses.replace(check, drift={"without_replay": without, "with_replay": with_r3})
+    section = {**agreement.to_dict(), "uncovered_rows": int((~covered).sum()), "replay": replay.to_dict()}
+    return section, violations + forced_v + drift_v

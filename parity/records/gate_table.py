@@ -36,7 +36,7 @@ class GateCase:
     th: Thresholds
     skip: frozenset[str] = frozenset()
     native: Sequence[tuple[int, int]] | None = None
-    checks: Sequence[Mapping[str, Any]] = ()
+    checks: Sequence[Mapping[str, object]] = ()
 
     @property
     def a(self) -> ScenarioAcc:
@@ -244,7 +244,7 @@ def _native(c: GateCase) -> list[Violation]:
                       "top-K capture disagree on S_q", worst=where)]
 
 
-def describe_check(c: Mapping[str, Any]) -> str:
+def describe_check(c: Mapping[str, object]) -> str:
     """One invariance check in words: what differs from its reference layout, where, and by how much."""
     d = c.get("max_abs_diff")
     diff = "n/a" if d is None else f"{d:.3e}"
@@ -266,11 +266,10 @@ def _invariance(c: GateCase) -> list[Violation]:
     for check in c.checks:
         if check.get("status") == UNAVAILABLE or check["bitwise"]:
             continue
-        d = check.get("max_abs_diff")
-        worst = ((Position(prompt=int(check["worst_record"]), note="worst record"),)
-                 if check.get("worst_record") is not None else ())
-        out.append(Violation("invariance", check["name"], math.inf if d is None else float(d), 0.0,
-                             "max |diff| against the reference layout", worst=worst, detail=describe_check(check)))
+        d, w = check.get("max_abs_diff"), check.get("worst_record")
+        worst = (Position(prompt=int(w), note="worst record"),) if isinstance(w, int | float | str) else ()
+        out.append(Violation("invariance", str(check["name"]), float(d) if isinstance(d, int | float | str) else math.inf,
+                             0.0, "max |diff| against the reference layout", worst=worst, detail=describe_check(check)))
     return out
 
 

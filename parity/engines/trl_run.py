@@ -123,7 +123,7 @@ def configure_process(port: int | None = None) -> None:
 
 
 def _reward_length(completions: list[Sized], **_: object) -> list[float]:
-    """Any reward will do: the IS correction does not depend on it."""
+    """The reward is arbitrary: the IS correction does not depend on it."""
     return [float(len(c)) for c in completions]
 
 

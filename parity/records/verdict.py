@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, TypedDict, cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -32,6 +32,7 @@ from parity.core.spec import SamplingSpec
 from parity.core.violation import Violation
 from parity.records.accumulators import HEAD_BINS, HEAD_LO, HEAD_STEP, INPUTS, NA, ScenarioAcc, _na_ratios
 from parity.records.diagnosis import diagnosis_text, logprob_bias_class
+from parity.records.entry import ScenarioEntry
 from parity.records.gate_table import CAPTURE_LIMIT_FIX, GATE_TABLE, GateCase, evaluate, split_verdict
 from parity.report import blocks
 
@@ -48,30 +49,6 @@ from parity.records.steps import (
     StepEntry,
     drift_trend,
 )
-
-
-class ScenarioEntry(TypedDict, total=False):
-    """The keys of a scenario's entry (:func:`_scenario_report`) that the gates and :func:`judge` read."""
-
-    name: str
-    spec: Mapping[str, object]
-    tokens: int
-    sequences: int
-    replay: blocks.Diff
-    recompute: blocks.Diff
-    incomplete_positions: int
-    sampled_outside_support: int
-    token_mismatch: int
-    headroom: blocks.PerEstimator
-    mean_bias_limit: blocks.PerEstimator
-    mean_bias: blocks.MeanBiasEntries
-    sampler_log_s: blocks.SamplerLogS
-    trainer_under_test: blocks.TrainerUnderTest
-    captured_positions: int
-    per_step: list[blocks.StepJson]
-    trend: blocks.TrendJson | None
-    not_evaluated: list[blocks.NotEvaluated]
-    lacking_inputs: dict[str, int]
 
 # What each records gate reads (inputs named as in REASONS), in the gate table's order (drift_trend aside:
 # its inputs are the steps, judged by _step_view).

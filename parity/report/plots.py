@@ -7,6 +7,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
+
 from parity.report import rl_section
 from parity.report.blocks import DriftHeadroom
 from parity.report.overview import sampler_name
@@ -54,12 +56,10 @@ def write_steps_plot(report: dict[str, Any], out: Path, plt: ModuleType) -> bool
     return True
 
 
-def dense_drift_hist(h: DriftHeadroom) -> dict[str, Any]:
+def dense_drift_hist(h: DriftHeadroom) -> dict[str, list[float] | np.ndarray]:
     """A scenario's ``drift_headroom`` (filled bins only) as bin ``edges`` and a count array per estimator."""
-    import numpy as np
-
     n = int(h["bins"])
-    out: dict[str, Any] = {"edges": [h["log10_lo"] + i * h["bin_width"] for i in range(n + 1)]}
+    out: dict[str, list[float] | np.ndarray] = {"edges": [h["log10_lo"] + i * h["bin_width"] for i in range(n + 1)]}
     for est in ("replay", "recompute"):
         if est in h:
             counts = np.zeros(n, dtype=np.int64)
@@ -87,7 +87,7 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
         floor, ceiling = DRIFT_RANGE
         fig, ax = plt.subplots(figsize=(8, 4.5))
         for est in ("replay", "recompute"):
-            counts = [x[est] for x in hists if est in x]
+            counts = [c for x in hists if isinstance(c := x.get(est), np.ndarray)]
             if counts:
                 ax.stairs(sum(counts), hists[0]["edges"], fill=True, alpha=0.6, label=f"{est} − {who}")
         ax.axvline(math.log10(limit), color="black", linestyle="--", linewidth=1)

@@ -23,7 +23,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
 import numpy as np
@@ -37,6 +38,10 @@ from parity.records.read import open_records
 from parity.records.schema import RecordsError
 from parity.records.token_columns import Options
 from parity.records.validate import validate_batch
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+    from ray import ObjectRef
 
 ENGINE_FORMS = ("local; ray (a local Ray cluster, or the one RAY_ADDRESS names); ray://HOST:PORT; spark (local[*], "
                 "or the active Spark session); spark://HOST:PORT; spark:MASTER (any Spark master URL, e.g. spark:local[4])")
@@ -77,16 +82,14 @@ def parse_engine(text: str) -> Engine:
     raise UsageError(f"--engine {text!r} is invalid: allowed {ENGINE_FORMS}")
 
 
-def _require(module: str, extra: str) -> Any:
+def _require(module: str, extra: str) -> ModuleType:
     """Import an engine's package, or say which extra installs it."""
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.split(".")[0] == module.split(".")[0]:
-            raise SetupError(
-                f"parity analyze --engine {extra} needs {module.split('.')[0]}, which is not installed: "
-                f"pip install 'parity[{extra}]'"
-            ) from None
+            raise SetupError(f"parity analyze --engine {extra} needs {module.split('.')[0]}, which is not installed: "
+                             f"pip install 'parity[{extra}]'") from None
         raise
 
 
@@ -103,7 +106,7 @@ class Shard:
     index: int
     source: str
     columns: tuple[str, ...]
-    metadata: Mapping[str, Any]
+    metadata: Mapping[str, object]
     rows: int
 
 
@@ -122,8 +125,7 @@ class MapStep:
     """The worker's side: rows of any files, each with its file and row number, → one :class:`Summary`.
 
     Picklable (it holds the shards and the options); the per-file summarizers are built on first use in
-    each worker process.
-    """
+    each worker process."""
 
     def __init__(self, shards: Sequence[Shard], options: Options) -> None:
         self.shards = list(shards)
@@ -131,10 +133,10 @@ class MapStep:
         self.by_key = {k: i for i, s in enumerate(self.shards) for k in _file_keys(s.source)}
         self._summarizers: dict[int, Callable[[RecordsBatch], Summary]] = {}
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         return {"shards": self.shards, "options": self.options, "by_key": self.by_key}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
         self._summarizers = {}
 
@@ -186,7 +188,7 @@ class MapStep:
 def records_error_in(exc: BaseException) -> str | None:
     """The message of a worker's RecordsError, from the note it carries through an engine's exception text."""
     seen: set[int] = set()
-    todo: list[Any] = [exc]
+    todo: list[object] = [exc]
     while todo:
         e = todo.pop()
         if not isinstance(e, BaseException) or id(e) in seen:
@@ -240,10 +242,8 @@ def summarize_on_engine(
         total.merge(Summary.from_json(text))
     want = sum(s.rows for s in shards)
     if total.rows != want:
-        raise EngineError(
-            f"parity analyze --engine {eng.kind}: the engine delivered {total.rows} row(s) of the {want} the "
-            f"{len(shards)} file footer(s) hold: refusing a partial analysis"
-        )
+        raise EngineError(f"parity analyze --engine {eng.kind}: the engine delivered {total.rows} row(s) of the {want} the "
+                          f"{len(shards)} file footer(s) hold: refusing a partial analysis")
     say(f"parity analyze: {len(parts)} summaries merged from {eng.label} in {time.perf_counter() - t0:.1f} s")
     return total
 
@@ -273,10 +273,10 @@ def _timed_out(eng: Engine, timeout_s: float) -> TimedOut:
 
 # -- Ray Data ---------------------------------------------------------------------------------------
 
-_RAY_LOOKUPS: dict[str, Any] = {}
+_RAY_LOOKUPS: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
 
 
-def _ray_map(table: pa.Table, *, step: MapStep, lookup: Any) -> pa.Table:
+def _ray_map(table: pa.Table, *, step: MapStep, lookup: ObjectRef) -> pa.Table:
     """map_batches' function: row numbers from the row hashes, then the map step."""
     import ray
 
@@ -300,7 +300,7 @@ def _ray_map(table: pa.Table, *, step: MapStep, lookup: Any) -> pa.Table:
     return pa.table({"summary": [s.to_json()]})
 
 
-def _ray_row_numbers(ray: Any, targets: Sequence[str], step: MapStep) -> list[tuple[np.ndarray, np.ndarray]]:
+def _ray_row_numbers(ray: ModuleType, targets: Sequence[str], step: MapStep) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per shard: its rows' hashes sorted, and the row number of each, from a pass in file order."""
     ctx = ray.data.DataContext.get_current()
     saved = ctx.execution_options.preserve_order
@@ -369,7 +369,7 @@ def _on_ray(eng: Engine, targets: Sequence[str], step: MapStep, timeout_s: float
 # -- Spark ------------------------------------------------------------------------------------------
 
 
-def _spark_session(eng: Engine) -> tuple[Any, bool]:
+def _spark_session(eng: Engine) -> tuple[SparkSession, bool]:
     """The active session (for ``spark``), else a new one on the master asked for; whether it is ours to stop."""
     sql = _require("pyspark.sql", "spark")
     active = sql.SparkSession.getActiveSession()

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,20 +23,23 @@ except ModuleNotFoundError as _exc:
     raise SetupError("records (Parquet) need pyarrow: pip install 'parity[records]'") from None
 
 from parity.records.accumulators import Summary
-from parity.records.read import open_records
+from parity.records.read import RecordsFile, open_records
 from parity.records.schema import RecordsError
 from parity.records.token_columns import LOGIT_BUDGET, Options, TokenColumns, summarize_batch, token_columns
+
+if TYPE_CHECKING:
+    from parity.engines.transformers_trainer import TransformersTrainer
+    from parity.records.arrays import RecordsBatch
 
 # ==================================================================================================
 # re-scoring with a transformers model (--model)
 # ==================================================================================================
 
-_TRAINERS: dict[tuple[str, str, str], Any] = {}
+_TRAINERS: dict[tuple[str, str, str], TransformersTrainer] = {}
 
 
-def _trainer(model: str, dtype: str, device: str) -> Any:
-    key = (model, dtype, device)
-    if key not in _TRAINERS:
+def _trainer(model: str, dtype: str, device: str) -> TransformersTrainer:
+    if (key := (model, dtype, device)) not in _TRAINERS:
         from parity.engines.transformers_trainer import TransformersTrainer
         from parity.fixtures import resolve_model
 
@@ -44,7 +47,7 @@ def _trainer(model: str, dtype: str, device: str) -> Any:
     return _TRAINERS[key]
 
 
-def rescored_columns(batch: Any, trainer: Any, dtypes: tuple[str, str]) -> TokenColumns:
+def rescored_columns(batch: RecordsBatch, trainer: TransformersTrainer, dtypes: tuple[str, str]) -> TokenColumns:
     """Token columns with every trainer-side estimate and bound computed from ``trainer``'s logits (parity run's table)."""
     import torch
 
@@ -58,16 +61,12 @@ def rescored_columns(batch: Any, trainer: Any, dtypes: tuple[str, str]) -> Token
         if rag is not None and rag.values.size and int(rag.values.max()) >= vocab:
             flat = int(np.flatnonzero(rag.values >= vocab)[0])
             r = int(np.searchsorted(rag.offsets, flat, side="right") - 1)
-            raise RecordsError(
-                f"{batch.source} row {batch.first_row + r} column {name}: token id {int(rag.values[flat])} is outside the "
-                f"vocabulary of --model ({vocab} tokens): allowed ids < {vocab} (is this the model that sampled?)"
-            )
+            raise RecordsError(f"{batch.source} row {batch.first_row + r} column {name}: token id {int(rag.values[flat])} is "
+                               f"outside the vocabulary of --model ({vocab} tokens): allowed ids < {vocab} (is this the model that sampled?)")
     empty = np.flatnonzero(batch.prompt.lengths == 0)
     if empty.size:
-        raise RecordsError(
-            f"{batch.source} row {batch.first_row + int(empty[0])} column prompt_ids: empty: re-scoring with --model needs "
-            f"the prompt (its last position predicts completion token 0)"
-        )
+        raise RecordsError(f"{batch.source} row {batch.first_row + int(empty[0])} column prompt_ids: empty: re-scoring with "
+                           f"--model needs the prompt (its last position predicts completion token 0)")
     records = to_sequence_records(batch)
     filtered_spec = np.array([s.effective().filtered for s in batch.specs], dtype=bool)
     view_parts: dict[frozenset[str], np.ndarray] = {}
@@ -117,34 +116,34 @@ def rescored_columns(batch: Any, trainer: Any, dtypes: tuple[str, str]) -> Token
 # ==================================================================================================
 
 
-def _dtypes(meta: dict[str, Any], options: Options) -> tuple[str, str]:
+def _dtypes(meta: Mapping[str, object], options: Options) -> tuple[str, str]:
     sampler = meta.get("dtype") or "float32"
     trainer = options.dtype if options.model else (meta.get("trainer_dtype") or sampler)
     return str(sampler), str(trainer)
 
 
-def file_header(path: str, records: Any) -> Summary:
+def file_header(path: str, records: RecordsFile) -> Summary:
     """What an open records file (:func:`parity.records.read.open_records`) adds to a summary before any
     of its rows: its name, its metadata, whether its pages carry checksums."""
     return Summary(files=[str(path)], metadata=[{"file": str(path), **records.metadata}],
                    page_checksums={str(path): records.page_checksums})
 
 
-def batch_summarizer(metadata: dict[str, Any], file_index: int, options: Options) -> Callable[[Any], Summary]:
+def batch_summarizer(metadata: dict[str, Any], file_index: int, options: Options) -> Callable[[RecordsBatch], Summary]:
     """The map step for the validated batches of one file: dtypes and vocabulary size from the file's
     metadata, the trainer's values re-scored with ``options.model`` when set (what every worker runs:
     local processes, Ray, Spark)."""
     dtypes = _dtypes(metadata, options)
     stated = (str(metadata.get("dtype") or ""), options.dtype if options.model else str(metadata.get("trainer_dtype") or ""))
     vocab = metadata.get("vocab_size")
-    columns: Callable[[Any], TokenColumns] | None = None
+    columns: Callable[[RecordsBatch], TokenColumns] | None = None
     if options.model:
         trainer = _trainer(options.model, options.dtype, options.device)
 
-        def columns(b: Any) -> TokenColumns:
+        def columns(b: RecordsBatch) -> TokenColumns:
             return rescored_columns(b, trainer, dtypes)
 
-    def summarize(rb: Any) -> Summary:
+    def summarize(rb: RecordsBatch) -> Summary:
         return summarize_batch(rb, file_index=file_index, options=options, dtypes=dtypes,
                                vocab_size=int(vocab) if vocab else None, columns=columns, stated_dtypes=stated)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,9 @@ from parity.core.spec import SamplingSpec
 from parity.core.token_table import build_table
 from parity.errors import UsageError
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+
 SOURCE = "vllm (TRL GRPOTrainer, colocate)"
 TRAINER_UNDER_TEST = "TRL GRPOTrainer IS numerator"
 
@@ -37,8 +40,7 @@ def to_records(sequences: Sequence[dict[str, Any]]) -> tuple[list[SequenceRecord
     """Records (sampler side), trainer logits, TRL's IS numerator per sequence, and the masked-out count.
 
     The records writer plugs in here: a ``SequenceRecord`` per captured sequence is what the
-    records file format stores.
-    """
+    records file format stores."""
     records, logits, used = [], [], []
     dropped = 0
     for s in sequences:
@@ -113,7 +115,7 @@ def score_step(sequences: Sequence[dict[str, Any]], *, name: str, thresholds: Th
     return {"part": part, "facts": facts, "thresholds": th, "dtype": dtype}
 
 
-def score_capture(sequences: Sequence[dict[str, Any]], *, label: str = "trl", thresholds: Thresholds | None = None) -> dict[str, Any]:
+def score_capture(sequences: Sequence[dict[str, Any]], *, label: str = "trl", thresholds: Thresholds | None = None) -> dict[str, object]:
     """The report (report.json's schema) of every captured step, one scenario per step, built as an analysis of
     the capture's records builds it (:func:`parity.analyze.report.build_report`)."""
     import json
@@ -150,7 +152,7 @@ def score_capture(sequences: Sequence[dict[str, Any]], *, label: str = "trl", th
 
 
 def write_capture_report(sequences: Sequence[dict[str, Any]], out: str | Path, *, label: str = "trl",
-                         plots: bool = False) -> dict[str, Any]:
+                         plots: bool = False) -> dict[str, object]:
     """Score and write report.json / report.md under ``out``; returns the report."""
     from parity.report.schema import write_report
 
@@ -159,7 +161,7 @@ def write_capture_report(sequences: Sequence[dict[str, Any]], out: str | Path, *
     return report
 
 
-def logged_columns(sequences: Sequence[dict[str, Any]]) -> tuple[Any, int]:
+def logged_columns(sequences: Sequence[dict[str, Any]]) -> tuple[pa.Table, int]:
     """The capture as a run's own logs: a pyarrow table of the records format's minimal columns (README, "judge
     your run's logs"), the sampler's and TRL's IS numerator's log-prob of each token TRL's mask keeps, one
     row per sequence with its step; and the count of masked-out tokens dropped."""
@@ -209,6 +211,4 @@ def judge_logged(sequences: Sequence[dict[str, Any]], *, thresholds: Thresholds 
     th = thresholds or Thresholds.for_dtype(dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16")
     summary = Summary().merge(batch_summarizer(meta, 0, Options(n_listed=th.max_violations_listed))(table))
     (verdict,) = judge(summary, th, trainer_name=TRAINER_UNDER_TEST)
-    sc = verdict.to_json()
-    sc["masked_tokens"] = dropped
-    return sc
+    return {**verdict.to_json(), "masked_tokens": dropped}

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import math
 import tomllib
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
 
 from parity.errors import PathNotFound, UsageError
 
@@ -60,11 +59,11 @@ class Thresholds:
             return cls(recompute_support_equal_frac=0.0)
         raise UsageError(f"dtype={dtype!r} has no default thresholds: allowed float32, bfloat16, float16")
 
-    def override(self, **changes: Any) -> Thresholds:
+    def override(self, **changes: float) -> Thresholds:
         unknown = set(changes) - {f.name for f in fields(self)}
         if unknown:
             raise UsageError(f"unknown threshold(s) {sorted(unknown)}: allowed {[f.name for f in fields(self)]}")
-        return replace(self, **changes)
+        return type(self)(**{**asdict(self), **changes})  # as replace(): __post_init__ checks each value
 
     @classmethod
     def from_toml(cls, path: str | Path, dtype: str = "float32") -> Thresholds:

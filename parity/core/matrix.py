@@ -7,7 +7,6 @@ import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from parity.core.spec import SamplingSpec
 from parity.errors import PathNotFound, UsageError
@@ -57,7 +56,7 @@ class Scenario:
 class Matrix:
     name: str
     scenarios: tuple[Scenario, ...]
-    notes: dict[str, Any] = field(default_factory=dict)
+    notes: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.scenarios:
@@ -67,10 +66,6 @@ class Matrix:
             if s.name in seen:
                 raise UsageError(f"matrix {self.name!r}: scenario name {s.name!r} is used twice: allowed unique names")
             seen.add(s.name)
-
-
-def _s(name: str, t: float = 1.0, k: int = 0, p: float = 1.0, m: float = 0.0, **kw: Any) -> Scenario:
-    return Scenario(name=name, spec=SamplingSpec(temperature=t, top_k=k, top_p=p, min_p=m), **kw)
 
 
 def default_matrix(
@@ -87,33 +82,36 @@ def default_matrix(
     >= V}; min_p {0, 0.05, 0.1}. Every level of each filter appears; `pair_coverage` lists which
     level pairs of which factors appear together (report.md prints it).
     """
-    kw = dict(prompts=prompts, max_tokens=max_tokens, seed=seed)
+    def _s(name: str, t: float = 1.0, k: int = 0, p: float = 1.0, m: float = 0.0, model: str | None = None) -> Scenario:
+        spec = SamplingSpec(temperature=t, top_k=k, top_p=p, min_p=m)
+        return Scenario(name=name, spec=spec, model=model, prompts=prompts, max_tokens=max_tokens, seed=seed)
+
     rows = [
-        _s("baseline T=1", **kw),
-        _s("greedy T=0", t=0.0, **kw),
-        _s("T=0.7", t=0.7, **kw),
-        _s("T=1.3", t=1.3, **kw),
-        _s("top_p=0.95", p=0.95, **kw),
-        _s("top_p=0.9 T=0.7", t=0.7, p=0.9, **kw),
-        _s("top_p=0.8 T=1.3", t=1.3, p=0.8, **kw),
-        _s("top_p=0.05", p=0.05, **kw),
-        _s("top_k=1", k=1, **kw),
-        _s("top_k=20 T=1.3", t=1.3, k=20, **kw),
-        _s("top_k=50 T=0.7", t=0.7, k=50, **kw),
-        _s("top_k=40 T=0.3", t=0.3, k=40, **kw),
-        _s("top_k>=V", k=1_000_000, **kw),
-        _s("min_p=0.05", m=0.05, **kw),
-        _s("min_p=0.1 T=1.3", t=1.3, m=0.1, **kw),
-        _s("top_k=20 top_p=0.9", k=20, p=0.9, **kw),
-        _s("top_k=50 min_p=0.05 T=1.3", t=1.3, k=50, m=0.05, **kw),
-        _s("top_p=0.8 min_p=0.1 T=0.7", t=0.7, p=0.8, m=0.1, **kw),
-        _s("all filters T=0.7", t=0.7, k=50, p=0.95, m=0.05, **kw),
-        _s("all filters T=1.3", t=1.3, k=20, p=0.8, m=0.1, **kw),
-        _s("ties top_k=1", k=1, model=tie_fixture, **kw),
-        _s("ties top_k=2", k=2, model=tie_fixture, **kw),
-        _s("ties top_k=3 top_p=0.9", k=3, p=0.9, model=tie_fixture, **kw),
-        _s("peaked 32k top_k=40 T=0.3", t=0.3, k=40, model=peaked_fixture, **kw),
-        _s("peaked 32k top_k=100 top_p=0.9 T=0.5", t=0.5, k=100, p=0.9, model=peaked_fixture, **kw),
+        _s("baseline T=1"),
+        _s("greedy T=0", t=0.0),
+        _s("T=0.7", t=0.7),
+        _s("T=1.3", t=1.3),
+        _s("top_p=0.95", p=0.95),
+        _s("top_p=0.9 T=0.7", t=0.7, p=0.9),
+        _s("top_p=0.8 T=1.3", t=1.3, p=0.8),
+        _s("top_p=0.05", p=0.05),
+        _s("top_k=1", k=1),
+        _s("top_k=20 T=1.3", t=1.3, k=20),
+        _s("top_k=50 T=0.7", t=0.7, k=50),
+        _s("top_k=40 T=0.3", t=0.3, k=40),
+        _s("top_k>=V", k=1_000_000),
+        _s("min_p=0.05", m=0.05),
+        _s("min_p=0.1 T=1.3", t=1.3, m=0.1),
+        _s("top_k=20 top_p=0.9", k=20, p=0.9),
+        _s("top_k=50 min_p=0.05 T=1.3", t=1.3, k=50, m=0.05),
+        _s("top_p=0.8 min_p=0.1 T=0.7", t=0.7, p=0.8, m=0.1),
+        _s("all filters T=0.7", t=0.7, k=50, p=0.95, m=0.05),
+        _s("all filters T=1.3", t=1.3, k=20, p=0.8, m=0.1),
+        _s("ties top_k=1", k=1, model=tie_fixture),
+        _s("ties top_k=2", k=2, model=tie_fixture),
+        _s("ties top_k=3 top_p=0.9", k=3, p=0.9, model=tie_fixture),
+        _s("peaked 32k top_k=40 T=0.3", t=0.3, k=40, model=peaked_fixture),
+        _s("peaked 32k top_k=100 top_p=0.9 T=0.5", t=0.5, k=100, p=0.9, model=peaked_fixture),
     ]
     return Matrix("default", tuple(rows))
 

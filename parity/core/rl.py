@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -165,7 +164,7 @@ class Mismatch:
         return out[self._counts > 0]
 
 
-def _as_1d(x: Any, name: str) -> torch.Tensor:
+def _as_1d(x: object, name: str) -> torch.Tensor:
     t = torch.as_tensor(x, dtype=torch.float64)
     if t.dim() != 1:
         raise UsageError(f"{name} has shape {tuple(t.shape)}: allowed a 1-D tensor of per-token values")
@@ -246,7 +245,7 @@ class Metric:
     threshold: Threshold | None = None
 
     def __post_init__(self) -> None:
-        def bad(fieldname: str, value: Any, allowed: str) -> UsageError:
+        def bad(fieldname: str, value: object, allowed: str) -> UsageError:
             return UsageError(f"Metric {self.name!r}: {fieldname}={value!r} is invalid: allowed {allowed}")
 
         if self.compute is not None:
@@ -281,7 +280,7 @@ class Metric:
         assert self.values is not None and self.reduce is not None
         return _reduce(METRIC_VALUES[self.values].compute(m), self.reduce)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         return {
             "framework": self.framework,
             "name": self.name,
@@ -454,7 +453,7 @@ class Method:
     note: str = ""
 
     def __post_init__(self) -> None:
-        def bad(fieldname: str, value: Any, allowed: str) -> UsageError:
+        def bad(fieldname: str, value: object, allowed: str) -> UsageError:
             return UsageError(f"Method {self.name!r}: {fieldname}={value!r} is invalid: allowed {allowed}")
 
         if self.statistic not in STATISTICS:
@@ -490,7 +489,7 @@ class Method:
     def needs_probs(self) -> bool:
         return STATISTICS[self.statistic].needs_probs
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         return {
             "name": self.name,
             "frameworks": list(self.frameworks),
@@ -565,7 +564,7 @@ class MethodResult:
     mean_weight: float | None
     ess: float | None  # (Σw)² / (n Σw²), in [0, 1]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, float | None]:
         """The numbers (the method, sign, level and action are the keys this goes under)."""
         return {k: getattr(self, k) for k in ("units", "affected", "affected_frac", "mean_weight", "ess")}
 

@@ -8,7 +8,7 @@ import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TypedDict, TypeVar
 
 import torch
 
@@ -24,25 +24,25 @@ class _Wrong(Exception):
     """A catalogue value of the wrong type; the message is what is allowed."""
 
 
-def _text(v: Any) -> str:
+def _text(v: object) -> str:
     if not isinstance(v, str):
         raise _Wrong("a string")
     return v
 
 
-def _number(v: Any) -> float:
+def _number(v: object) -> float:
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise _Wrong("a number (inf and -inf included)")
     return float(v)
 
 
-def _texts(v: Any) -> tuple[str, ...]:
+def _texts(v: object) -> tuple[str, ...]:
     if not isinstance(v, list) or not v or not all(isinstance(x, str) for x in v):
         raise _Wrong("a non-empty list of strings")
     return tuple(v)
 
 
-def _interval(v: Any) -> tuple[float, float]:
+def _interval(v: object) -> tuple[float, float]:
     if not isinstance(v, list) or len(v) != 2:
         raise _Wrong("[low, high], two numbers")
     try:
@@ -51,7 +51,7 @@ def _interval(v: Any) -> tuple[float, float]:
         raise _Wrong("[low, high], two numbers") from None
 
 
-def _threshold(v: Any) -> Threshold:
+def _threshold(v: object) -> Threshold:
     allowed = "{ limit = <number>, op = '<=' or '<', source = <string> }"
     if not isinstance(v, dict) or set(v) != {"limit", "op", "source"}:
         raise _Wrong(allowed)
@@ -61,43 +61,31 @@ def _threshold(v: Any) -> Threshold:
         raise _Wrong(allowed) from None
 
 
-# Per table of the file: the entry type and how each key's value is read.
-_TABLES: dict[str, tuple[type[Metric] | type[Method], dict[str, Callable[[Any], Any]]]] = {
-    "metric": (
-        Metric,
-        {
-            "framework": _text,
-            "name": _text,
-            "level": _text,
-            "statistic": _text,
-            "source": _text,
-            "values": _text,
-            "reduce": _text,
-            "compute": _text,
-            "threshold": _threshold,
-        },
-    ),
-    "method": (
-        Method,
-        {
-            "name": _text,
-            "frameworks": _texts,
-            "level": _text,
-            "statistic": _text,
-            "interval": _interval,
-            "action": _text,
-            "source": _text,
-            "sign": _text,
-            "weight": _text,
-            "dual_clip": _number,
-            "note": _text,
-        },
-    ),
+# Per table of the file: how each key's value is read.
+_TABLES: dict[str, dict[str, Callable[[object], object]]] = {
+    "metric": {**dict.fromkeys(("framework", "name", "level", "statistic", "source", "values", "reduce", "compute"), _text),
+               "threshold": _threshold},
+    "method": {"name": _text, "frameworks": _texts, "level": _text, "statistic": _text, "interval": _interval,
+               "action": _text, "source": _text, "sign": _text, "weight": _text, "dual_clip": _number, "note": _text},
 }
+E = TypeVar("E", Metric, Method)
 
 
-def _entries(doc: dict[str, Any], table: str, where: str) -> list[Any]:
-    kind, readers = _TABLES[table]
+class TrainerSummary(TypedDict):
+    """:func:`summarize`'s numbers (None = undefined); ``methods``: per method and sign, its result's numbers."""
+
+    tokens: int
+    sequences: int
+    empty_sequences: int
+    excluded_nan: int
+    metrics: dict[str, float | None]
+    over_threshold: list[str]
+    methods: dict[str, dict[str, dict[str, float | None]]]
+
+
+def _entries(doc: Mapping[str, object], table: str, kind: type[E], where: str) -> list[E]:
+    readers = _TABLES[table]
+    make: Callable[..., E] = kind  # called with each key's value as its reader gives it
     raw = doc.get(table, [])
     if not isinstance(raw, list):
         raise UsageError(f"{where}: {table}={raw!r} is invalid: allowed [[{table}]] tables")
@@ -122,7 +110,7 @@ def _entries(doc: dict[str, Any], table: str, where: str) -> list[Any]:
             except UsageError as e:  # a threshold's own check
                 raise UsageError(f"{what}: {key}: {e}") from None
         try:
-            out.append(kind(**kwargs))
+            out.append(make(**kwargs))
         except UsageError as e:
             raise UsageError(f"{what}: {e}") from None
     return out
@@ -150,13 +138,13 @@ def load_catalogue(path: str | Path | None = None) -> tuple[tuple[Metric, ...], 
     for key in doc:
         if key not in _TABLES:
             raise UsageError(f"{where}: {key}={doc[key]!r} is not a table of the catalogue: allowed [[metric]], [[method]]")
-    metrics, methods = tuple(_entries(doc, "metric", where)), tuple(_entries(doc, "method", where))
+    metrics, methods = tuple(_entries(doc, "metric", Metric, where)), tuple(_entries(doc, "method", Method, where))
     _check_unique(metrics, f"{where}: metric")
     _check_unique(methods, f"{where}: method")
     return metrics, methods
 
 
-def _check_unique(entries: Sequence[Any], kind: str) -> None:
+def _check_unique(entries: Sequence[Metric] | Sequence[Method], kind: str) -> None:
     seen: set[str] = set()
     for e in entries:
         if e.name in seen:
@@ -174,13 +162,13 @@ def metric_values(m: Mismatch, metrics: Sequence[Metric] = METRICS) -> dict[str,
     return {e.name: e.value(m) for e in metrics}
 
 
-def method_results(m: Mismatch, methods: Sequence[Method] = METHODS) -> dict[str, dict[str, dict[str, Any]]]:
+def method_results(m: Mismatch, methods: Sequence[Method] = METHODS) -> dict[str, dict[str, dict[str, float | None]]]:
     return {e.name: {s: e.apply(m, s).to_dict() for s in e.signs} for e in methods}
 
 
 def summarize(
     m: Mismatch, *, metrics: Sequence[Metric] = METRICS, methods: Sequence[Method] = METHODS
-) -> dict[str, Any]:
+) -> TrainerSummary:
     """Every metric and every method on one trainer's tokens, as plain numbers (None = undefined)."""
     values = metric_values(m, metrics)
     over = [e.name for e in metrics if e.threshold is not None and e.threshold.holds(values[e.name]) is False]
@@ -197,12 +185,12 @@ def summarize(
 
 def summarize_trainers(
     sampler: torch.Tensor, trainers: Mapping[str, torch.Tensor], seq_lengths: Sequence[int]
-) -> dict[str, Any]:
+) -> dict[str, TrainerSummary]:
     """The RL view of several trainers scored against one sampler, on the flat token layout."""
     return {name: summarize(Mismatch.from_flat(lp, sampler, seq_lengths)) for name, lp in trainers.items()}
 
 
-def catalogue() -> dict[str, Any]:
+def catalogue() -> dict[str, object]:
     """What each entry is (for report.json): the assumption, the metrics and the methods."""
     return {
         "assumption": ASSUMPTION,

@@ -7,9 +7,8 @@ it directly. It imports no engine.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from parity.errors import UsageError
 
@@ -119,19 +118,20 @@ class SamplingSpec:
             parts.append(f"min_p={self.min_p:g}")
         return " ".join(parts)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, float]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SamplingSpec:
+    def from_dict(cls, data: Mapping[str, object]) -> SamplingSpec:
         unknown = set(data) - {"temperature", "top_k", "top_p", "min_p"}
         if unknown:
             raise UsageError(
                 f"SamplingSpec got unknown field(s) {sorted(unknown)}: allowed temperature, top_k, top_p, min_p"
             )
-        return cls(**data)
+        build: Callable[..., SamplingSpec] = cls  # __post_init__ checks each value's type
+        return build(**data)
 
-    def sampling_params_kwargs(self) -> dict[str, Any]:
+    def sampling_params_kwargs(self) -> dict[str, float]:
         """Keyword arguments for ``vllm.SamplingParams`` (no vLLM import needed).
 
         The temperature is passed already clamped, so vLLM does not log its clamp warning per request.

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any
 
 import torch
 
@@ -59,13 +58,10 @@ class TokenTable:
 
     def select(self, mask: torch.Tensor) -> TokenTable:
         """Rows where ``mask`` holds (sequence lengths are recomputed per prompt)."""
-        kw: dict[str, Any] = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            kw[f.name] = v[mask] if isinstance(v, torch.Tensor) else v
+        kw = {f.name: v[mask] for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
         counts = torch.bincount(kw["prompt_index"]) if mask.any() else torch.zeros(0, dtype=torch.long)
-        kw["seq_lengths"] = [int(c) for c in counts if int(c) > 0]
-        return TokenTable(**kw)
+        return TokenTable(**kw, seq_lengths=[int(c) for c in counts if int(c) > 0], roundoff=self.roundoff,
+                          s_source=self.s_source, user_name=self.user_name)
 
 
 @dataclass(frozen=True)
@@ -185,10 +181,10 @@ def build_table(
     u = unit_roundoff(dtype)
     source = sources.pop() if len(sources) == 1 else ("mixed" if sources else "none")
     if not lengths:
-        empty: dict[str, Any] = {k: torch.zeros(0) for k in cols}
-        return TokenTable(**empty, seq_lengths=[], roundoff=u, s_source=source)
-    joined: dict[str, Any] = {k: torch.cat(v) for k, v in cols.items()}
-    return TokenTable(**joined, seq_lengths=lengths, roundoff=u, s_source=source)
+        empty = {k: torch.zeros(0) for k in cols}
+        return TokenTable(**empty, seq_lengths=[], roundoff=u, s_source=source, user_name=None)
+    joined = {k: torch.cat(v) for k, v in cols.items()}
+    return TokenTable(**joined, seq_lengths=lengths, roundoff=u, s_source=source, user_name=None)
 
 
 Columns = dict[str, list[torch.Tensor]]

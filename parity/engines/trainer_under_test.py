@@ -18,11 +18,11 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from parity.core import estimators
+from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.errors import UsageError
 from parity.records.batch import right_pad
@@ -33,7 +33,7 @@ from parity.records.diagnosis import BUGS
 class TrainerBatch:
     """Everything a trainer's log-prob function sees for one batch of sampled sequences."""
 
-    model: Any  # the transformers model the harness loaded (None if the function loads its own)
+    model: torch.nn.Module | None  # the transformers model the harness loaded (None if the function loads its own)
     model_path: str
     input_ids: torch.Tensor  # long [B, S]: prompt + completion, right-padded with 0
     attention_mask: torch.Tensor  # long [B, S]
@@ -97,7 +97,7 @@ def load_trainer(name: str | TrainerFn) -> tuple[str, TrainerFn]:
     return name, fn
 
 
-def make_batch(records: Sequence[Any], logits: list[torch.Tensor] | None, spec: SamplingSpec, model: Any, model_path: str) -> TrainerBatch:
+def make_batch(records: Sequence[SequenceRecord], logits: list[torch.Tensor] | None, spec: SamplingSpec, model: torch.nn.Module | None, model_path: str) -> TrainerBatch:
     ids, mask = right_pad([list(r.prompt_ids) + list(r.completion_ids) for r in records])
     return TrainerBatch(
         model=model,

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from parity.core.sequence import SequenceRecord
 from parity.errors import PathNotFound, SetupError, UsageError
 from parity.records.batch import right_pad
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,7 +47,7 @@ class TransformersTrainer:
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])  # type: ignore[no-untyped-call]  # unannotated in transformers
 
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         return self._tokenizer
 
     @torch.no_grad()
@@ -55,8 +58,7 @@ class TransformersTrainer:
         batch-invariant with the default ``sdpa`` attention on CPU (measured up to ~5e-6 in float32,
         depending on where the padded width falls); ``parity run --invariance`` measures it, and
         batch-invariant mode installs ``parity.determinism.kernels`` on the model, under which every layout is
-        bitwise by construction.
-        """
+        bitwise by construction."""
         out: list[torch.Tensor] = []
         for b in range(0, len(records), self.batch_size):
             chunk = records[b : b + self.batch_size]
@@ -68,9 +70,7 @@ class TransformersTrainer:
                 rows = logits[i, p - 1 : p - 1 + n].float().cpu()
                 if torch.isnan(rows).any():
                     t = int(torch.isnan(rows).any(dim=-1).nonzero()[0])
-                    raise UsageError(
-                        f"trainer logits are NaN at prompt {r.prompt_index}, completion position {t}: "
-                        f"allowed finite logits (check the model weights and dtype={self.dtype})"
-                    )
+                    raise UsageError(f"trainer logits are NaN at prompt {r.prompt_index}, completion position {t}: "
+                                     f"allowed finite logits (check the model weights and dtype={self.dtype})")
                 out.append(rows)
         return out

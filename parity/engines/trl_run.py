@@ -14,17 +14,22 @@ capture counts; ``PHASE.pt`` the captured sequences (:func:`parity.engines.trl_g
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator, Mapping, Sized
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from parity.errors import UsageError
+
+if TYPE_CHECKING:
+    from trl import GRPOTrainer
 
 IS_MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
 # TRL's logged metrics this run reads back (GRPOTrainer._generate_and_score_completions).
@@ -63,7 +68,7 @@ class GrpoRunConfig:
     keep_logits: bool = True
     vllm_dtype: str | None = None  # None: what TRL does (no dtype); "float32" forces the engine's dtype
     keep_linear_weights: bool = True  # the CPU engine workaround; False reproduces the weight-sync crash
-    extra: dict[str, Any] = field(default_factory=dict)  # more GRPOConfig fields, passed through
+    extra: dict[str, object] = field(default_factory=dict)  # more GRPOConfig fields, passed through
 
     def __post_init__(self) -> None:
         from parity.core.spec import SamplingSpec
@@ -91,14 +96,13 @@ class GrpoRunConfig:
         object.__setattr__(self, "phases", tuple(self.phases))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> GrpoRunConfig:
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = set(data) - known
-        if unknown:
+    def from_dict(cls, data: Mapping[str, object]) -> GrpoRunConfig:
+        if unknown := set(data) - set(known := cls.__dataclass_fields__):
             raise UsageError(f"GrpoRunConfig got unknown field(s) {sorted(unknown)}: allowed {sorted(known)}")
-        return cls(**data)
+        build: Callable[..., GrpoRunConfig] = cls  # __post_init__ checks the values
+        return build(**data)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
     def label(self) -> str:
@@ -118,12 +122,12 @@ def configure_process(port: int | None = None) -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
 
-def _reward_length(completions: list[Any], **_: Any) -> list[float]:
-    """Any reward will do: the IS correction does not depend on it."""
+def _reward_length(completions: list[Sized], **_: object) -> list[float]:
+    """The reward is arbitrary: the IS correction does not depend on it."""
     return [float(len(c)) for c in completions]
 
 
-def _trainer(cfg: GrpoRunConfig, model_path: str, out_dir: str) -> Any:
+def _trainer(cfg: GrpoRunConfig, model_path: str, out_dir: str) -> GRPOTrainer:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -156,12 +160,10 @@ def _trainer(cfg: GrpoRunConfig, model_path: str, out_dir: str) -> Any:
                        train_dataset=Dataset.from_dict({"prompt": prompts}))
 
 
-def _force_dtype(dtype: str | None) -> Any:
+def _force_dtype(dtype: str | None) -> contextlib.AbstractContextManager[None]:
     """Context: build TRL's colocated engine with ``dtype`` (TRL itself passes none)."""
-    import contextlib
-
     @contextlib.contextmanager
-    def ctx() -> Any:
+    def ctx() -> Iterator[None]:
         if dtype is None:
             yield
             return
@@ -169,7 +171,7 @@ def _force_dtype(dtype: str | None) -> Any:
 
         original = vg.LLM
 
-        def make(*a: Any, **k: Any) -> Any:
+        def make(*a: object, **k: object) -> object:
             k["dtype"] = dtype
             return original(*a, **k)
 
@@ -182,7 +184,7 @@ def _force_dtype(dtype: str | None) -> Any:
     return ctx()
 
 
-def _shutdown(trainer: Any) -> None:
+def _shutdown(trainer: GRPOTrainer) -> None:
     gen = getattr(trainer, "vllm_generation", None)
     llm = getattr(gen, "llm", None)
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
@@ -190,10 +192,8 @@ def _shutdown(trainer: Any) -> None:
         core.shutdown()
 
 
-def run_phase(cfg: GrpoRunConfig, mode: str, model_path: str, out: Path) -> dict[str, Any]:
+def run_phase(cfg: GrpoRunConfig, mode: str, model_path: str, out: Path) -> dict[str, object]:
     """One fresh trainer, ``cfg.steps`` steps, under ``patch_grpo(mode)``; TRL's metrics and the capture."""
-    import contextlib
-
     from parity.engines.trl_grpo import engine_dtype, patch_grpo, save_sequences
     from parity.engines.vllm_cpu_linear import keep_linear_weights
 
@@ -233,7 +233,7 @@ def run_phase(cfg: GrpoRunConfig, mode: str, model_path: str, out: Path) -> dict
     }
 
 
-def run(cfg: GrpoRunConfig, out: Path) -> dict[str, Any]:
+def run(cfg: GrpoRunConfig, out: Path) -> dict[str, object]:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     configure_process()

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from parity.core.error_model import NEARLY_ALL_NEGATIVE
+from parity.report.blocks import LogprobBias
 
 # The bug classes a trainer's log-probs are checked for, and how each is described. A view is the
 # trainer-side log-prob with a set of these bugs applied
@@ -34,10 +34,10 @@ def diagnosis_text(close: Mapping[frozenset[str], bool], max_abs_diff: float, me
     return f"unexplained drift: max |diff| {max_abs_diff:.3g}, mean {mean_diff:.3g}"
 
 
-def logprob_bias_class(m: Mapping[str, Any], limit: float) -> str:
+def logprob_bias_class(m: LogprobBias, limit: float) -> str:
     """The bug class of a failed two-column mean-bias gate, named without the model: a full-vocabulary
     (log S) trainer when the bias sits in the log S range and nearly every token is negative."""
-    mean, neg = m["mean"], m["negative_frac"]
+    mean, neg = float(m["mean"]), m["negative_frac"]
     lo, hi = m["log_s_range"]
     within = mean < 0 and lo - limit <= mean <= hi + limit
     where = f"log S range [{lo:.3g}, {hi:.3g}] from {m['log_s_range_from']}"

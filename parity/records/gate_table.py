@@ -10,12 +10,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Literal
 
 from parity.core.gates import Thresholds, recompute_support_limit
 from parity.core.violation import Position, Violation
 from parity.records.accumulators import NA, ScenarioAcc
 from parity.records.diagnosis import logprob_bias_class
+from parity.records.entry import ScenarioEntry
 from parity.records.steps import TREND_GATE
 
 if TYPE_CHECKING:
@@ -35,12 +36,12 @@ class GateCase:
     of the sides whose invariance a knob in force guarantees (``checks``), and a MoE scenario's routing section
     (``routing``: :class:`parity.report.blocks.Routing`)."""
 
-    sc: Mapping[str, Any]
+    sc: ScenarioEntry
     acc: ScenarioAcc | None
     th: Thresholds
     skip: frozenset[str] = frozenset()
     native: Sequence[tuple[int, int]] | None = None
-    checks: Sequence[Mapping[str, Any]] = ()
+    checks: Sequence[Mapping[str, object]] = ()
     routing: Routing | None = None
 
     @property
@@ -80,20 +81,24 @@ def _scaled(ps: tuple[Position, ...], factor: float) -> tuple[Position, ...]:
     return tuple(replace(p, bound=None if p.bound is None else p.bound * factor) for p in ps)
 
 
-def _key(stream: str) -> str:
-    return "trainer_under_test" if stream == "user" else stream
+def _num(x: object) -> float:
+    assert isinstance(x, int | float), f"a gate read {x!r}"  # n/a and None: the gate is not evaluated
+    return x
+
+
+def _key(stream: str) -> Literal["replay", "recompute", "trainer_under_test"]:
+    return "trainer_under_test" if stream == "user" else "replay" if stream == "replay" else "recompute"
 
 
 def _who(c: GateCase, stream: str) -> str:
     if stream != "user":
         return stream
-    ut = c.sc["trainer_under_test"]
-    return f"trainer {ut['name']!r} ({ut['diagnosis']})"
+    return f"trainer {c.sc['trainer_under_test']['name']!r} ({c.sc['trainer_under_test']['diagnosis']})"
 
 
 def _drift(stream: str) -> Rule:
     def rule(c: GateCase) -> list[Violation]:
-        stat = c.sc["headroom"][_key(stream)]
+        stat = _num(c.sc["headroom"][_key(stream)])
         if not _over(stat, c.th.max_headroom):
             return []
         worst = _scaled(c.a.bounds[stream].worst.positions(c.th.max_violations_listed), c.th.max_headroom)
@@ -106,7 +111,7 @@ def _mean(stream: str) -> Rule:
     def rule(c: GateCase) -> list[Violation]:
         bs = c.a.bounds[stream]
         bias = bs.mean if bs.n else 0.0
-        allowed = c.th.mean_bias_headroom * c.sc["mean_bias_limit"][_key(stream)]
+        allowed = c.th.mean_bias_headroom * _num(c.sc["mean_bias_limit"][_key(stream)])
         if not _over(abs(bias), allowed):
             return []
         return [Violation(f"{_key(stream)}_mean_bias", c.name, abs(bias), allowed, f"{_who(c, stream)} |mean bias|",
@@ -119,9 +124,9 @@ def _logprob_mean_bias(c: GateCase) -> list[Violation]:
     if m is None:
         return []
     who = f"trainer {c.sc['trainer_under_test']['name']!r}"
-    allowed = c.th.mean_bias_headroom * m["limit"]
+    allowed, mean = c.th.mean_bias_headroom * _num(m["limit"]), _num(m["mean"])
     sign = m["sign_test"]
-    if sign["failed"] and not _over(abs(m["mean"]), allowed):
+    if sign["failed"] and not _over(abs(mean), allowed):
         return [Violation(
             "logprob_mean_bias", c.name, sign["negative_share"], sign["limit"],
             f"{who} share of tokens below their systematic allowance",
@@ -131,10 +136,10 @@ def _logprob_mean_bias(c: GateCase) -> list[Violation]:
                     f"({sign['z']:.1f} standard errors); the mean alone (log mean IS ratio {m['mean']:.3g}, "
                     f"resolution {allowed:.3g}) could not tell"),
         )]
-    if not _over(abs(m["mean"]), allowed):
+    if not _over(abs(mean), allowed):
         return []
     return [Violation(
-        "logprob_mean_bias", c.name, abs(m["mean"]), allowed, f"{who} |log mean IS ratio|",
+        "logprob_mean_bias", c.name, abs(mean), allowed, f"{who} |log mean IS ratio|",
         detail=(f"{logprob_bias_class(m, allowed)}. mean(trainer - sampler) = {m['mean_diff']:.3g}, log mean "
                 f"exp(trainer - sampler) = {m['mean']:.3g} over {m['tokens']} tokens in {m['sequences']} "
                 f"sequences; resolution {allowed:.3g} = systematic {m['systematic']:.3g} + "
@@ -152,8 +157,7 @@ def _trainer_support(c: GateCase) -> list[Violation]:
         "trainer_support", c.name, bad, c.th.max_trainer_support_failures,
         f"trainer {c.sc['trainer_under_test']['name']!r}: sampled tokens without a finite log-prob",
         worst=c.a.first["trainer_support"].positions(c.th.max_violations_listed),
-        detail=f"sampled token outside the trainer's support: {r.outside} tokens (trainer -inf, sampler finite){extra}",
-    )]
+        detail=f"sampled token outside the trainer's support: {r.outside} tokens (trainer -inf, sampler finite){extra}")]
 
 
 def _naive(c: GateCase) -> list[Violation]:
@@ -163,12 +167,11 @@ def _naive(c: GateCase) -> list[Violation]:
     return [Violation(
         "naive_vs_sampler_log_s", c.name, h, c.th.max_headroom, "naive bias outside the sampler-side log S, max gap / bound",
         detail=f"log S from the sampler's {c.sc['sampler_log_s']['source'].replace('_', ' ')}",
-        worst=_scaled(c.a.bounds["naive"].worst.positions(c.th.max_violations_listed), c.th.max_headroom),
-    )]
+        worst=_scaled(c.a.bounds["naive"].worst.positions(c.th.max_violations_listed), c.th.max_headroom))]
 
 
 def _replay_support(c: GateCase) -> list[Violation]:
-    frac, limit = c.sc["replay"]["support_equal_frac"], c.th.replay_support_equal_frac
+    frac, limit = _num(c.sc["replay"]["support_equal_frac"]), c.th.replay_support_equal_frac
     if not _over(limit, frac):
         return []
     return [Violation("replay_support", c.name, frac, limit, "replay support equality", "<",
@@ -177,7 +180,7 @@ def _replay_support(c: GateCase) -> list[Violation]:
 
 
 def _recompute_support(c: GateCase) -> list[Violation]:
-    frac = c.sc["recompute"]["support_equal_frac"]
+    frac = _num(c.sc["recompute"]["support_equal_frac"])
     limit = recompute_support_limit(c.th.recompute_support_equal_frac, c.a.recompute_n)
     if not _over(limit, frac):
         return []
@@ -197,7 +200,8 @@ def _incomplete(c: GateCase) -> list[Violation]:
                       detail=f"{inc} of {tokens} positions: {CAPTURE_LIMIT_FIX}")]
 
 
-def _count(gate: str, key: str, first: str, limit: Callable[[Thresholds], int], label: str, detail: str) -> Rule:
+def _count(gate: str, key: Literal["sampled_outside_support", "token_mismatch"], first: str,
+           limit: Callable[[Thresholds], int], label: str, detail: str) -> Rule:
     def rule(c: GateCase) -> list[Violation]:
         n = c.sc[key]
         if not _over(n, limit(c.th)):
@@ -207,7 +211,7 @@ def _count(gate: str, key: str, first: str, limit: Callable[[Thresholds], int], 
     return rule
 
 
-def trend_violation(sc: Mapping[str, Any], out: list[Violation], skip: set[str] | frozenset[str]) -> None:
+def trend_violation(sc: ScenarioEntry, out: list[Violation], skip: set[str] | frozenset[str]) -> None:
     """``drift_trend``: the verdict :func:`parity.records.steps.drift_trend` gave, as a violation naming the
     first step above the band of the first steps."""
     tr = sc.get("trend")
@@ -218,15 +222,15 @@ def trend_violation(sc: Mapping[str, Any], out: list[Violation], skip: set[str] 
         who = f"trainer {sc['trainer_under_test']['name']!r}"
     by_step = {e["step"]: e for e in sc["per_step"]}
     s = tr["first_step_outside"]
-    at = by_step.get(s, {}).get("mean_abs_diff", NA)
+    at = by_step[s]["mean_abs_diff"] if s is not None and s in by_step else NA
     if tr["slope"] is None:  # a step's mean |diff| is not finite
         out.append(Violation(TREND_GATE, sc["name"], math.inf, 0.0, f"{who} mean |diff| per step",
                              detail=f"{tr['reason']}: drift left every band at step {s}"))
         return
-    first, last = by_step[tr["first_step"]]["mean_abs_diff"], by_step[tr["last_step"]]["mean_abs_diff"]
+    first, last = (by_step[int(_num(tr[k]))]["mean_abs_diff"] for k in ("first_step", "last_step"))
     base = ", ".join(str(x) for x in tr["baseline_steps"])
     out.append(Violation(
-        TREND_GATE, sc["name"], tr["slope"], tr["limit"], f"{who} slope of mean |diff| per step",
+        TREND_GATE, sc["name"], tr["slope"], _num(tr["limit"]), f"{who} slope of mean |diff| per step",
         detail=(f"mean |diff| {first:.3g} at step {tr['first_step']} -> {last:.3g} at step {tr['last_step']} over "
                 f"{tr['steps']} steps, slope {tr['slope']:.3g} ± {tr['slope_se']:.3g} per step (limit {tr['z']:g} "
                 f"standard errors); first left the band {tr['baseline_mean']:.3g} ± {tr['band_k']:g} × "
@@ -249,7 +253,7 @@ def _native(c: GateCase) -> list[Violation]:
                       "top-K capture disagree on S_q", worst=where)]
 
 
-def describe_check(c: Mapping[str, Any]) -> str:
+def describe_check(c: Mapping[str, object]) -> str:
     """One invariance check in words: what differs from its reference layout, where, and by how much."""
     d = c.get("max_abs_diff")
     diff = "n/a" if d is None else f"{d:.3e}"
@@ -261,8 +265,7 @@ def describe_check(c: Mapping[str, Any]) -> str:
         return (f"determinism: {c['name']}: tokens differ from the batch-size-1 reference at completion position "
                 f"{c['first_token_mismatch']} in {where} (max |diff| before it {diff})")
     ref = "batch size 1" if c.get("side") == "rollout" else "the sequence alone"
-    extra = (f", {c['records_not_bitwise']} record(s), worst record {c['worst_record']}"
-             if "records_not_bitwise" in c else "")
+    extra = f", {c['records_not_bitwise']} record(s), worst record {c['worst_record']}" if "records_not_bitwise" in c else ""
     return f"determinism: {c['name']}: not bitwise equal to {ref} in {where}: max |diff| {diff}{extra}"
 
 
@@ -271,11 +274,10 @@ def _invariance(c: GateCase) -> list[Violation]:
     for check in c.checks:
         if check.get("status") == UNAVAILABLE or check["bitwise"]:
             continue
-        d = check.get("max_abs_diff")
-        worst = ((Position(prompt=int(check["worst_record"]), note="worst record"),)
-                 if check.get("worst_record") is not None else ())
-        out.append(Violation("invariance", check["name"], math.inf if d is None else float(d), 0.0,
-                             "max |diff| against the reference layout", worst=worst, detail=describe_check(check)))
+        d, w = check.get("max_abs_diff"), check.get("worst_record")
+        worst = (Position(prompt=int(w), note="worst record"),) if isinstance(w, int | float | str) else ()
+        out.append(Violation("invariance", str(check["name"]), float(d) if isinstance(d, int | float | str) else math.inf,
+                             0.0, "max |diff| against the reference layout", worst=worst, detail=describe_check(check)))
     return out
 
 
@@ -333,18 +335,16 @@ GATE_TABLE: tuple[Gate, ...] = (
     Gate("replay_support", ("kept",), _replay_support, "replay_support_equal_frac of positions (1: every one)"),
     Gate("recompute_support", ("recompute_support",), _recompute_support,
          "recompute_support_equal_frac less 3 binomial standard errors; sets that differ only at the cutoff count "
-         "as equal (docs/capture_plan.md §9)",
-         reference=True),
+         "as equal (docs/capture_plan.md §9)", reference=True),
     Gate("incomplete_capture", ("kept",), _incomplete, "max_incomplete_frac (1 by default: a stated capture limit)"),
-    Gate("sampled_outside", ("kept",), _count(
-        "sampled_outside", "sampled_outside_support", "sampled_outside", lambda th: th.max_sampled_outside,
-        "sampled tokens outside the captured S_q", "the engine reports a sampled token that its own kept set does not hold"),
-        "max_sampled_outside (0)"),
+    Gate("sampled_outside", ("kept",), _count("sampled_outside", "sampled_outside_support", "sampled_outside",
+                                              lambda th: th.max_sampled_outside, "sampled tokens outside the captured S_q",
+                                              "the engine reports a sampled token that its own kept set does not hold"),
+         "max_sampled_outside (0)"),
     Gate(TREND_GATE, (), _trend, "slope of mean |diff| per step within z standard errors, after a band of the first steps (docs/error_model.md §5)"),
-    Gate("token_mismatch", (), _count(
-        "token_mismatch", "token_mismatch", "token_mismatch", lambda th: th.max_token_mismatch,
-        "trainer scored other tokens than sampled", "the trainer's token ids are not the sampler's (an off-by-one or a "
-        "re-tokenisation)"), "max_token_mismatch (0)", skippable=False),
+    Gate("token_mismatch", (), _count("token_mismatch", "token_mismatch", "token_mismatch", lambda th: th.max_token_mismatch,
+                                      "trainer scored other tokens than sampled", "the trainer's token ids are not the sampler's "
+                                      "(an off-by-one or a re-tokenisation)"), "max_token_mismatch (0)", skippable=False),
     Gate("native_vs_topk", (), _native, "0 positions where the two captures of S_q differ", scope="native"),
     Gate("invariance", (), _invariance, "bitwise (0) on every side a knob in force guarantees", scope="run"),
     Gate("routing_agreement", (), _routing_agreement, "0 expert-set flips where the trainer's k-th to (k+1)-th router "

@@ -10,7 +10,7 @@ once; it is a second pass over the same values (:func:`rl_view`), not a second p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from parity.records.token_columns import Options, summarize_batch, token_columns
 
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
     import torch
 
+    from parity.core.rl_catalogue import TrainerSummary
     from parity.core.token_table import TokenTable
     from parity.records.accumulators import Summary
     from parity.records.arrays import RecordsBatch
@@ -54,13 +55,12 @@ def scenario_summary(
                            vocab_size=vocab_size, columns=columns)
 
 
-def rl_view(table: TokenTable) -> dict[str, Any]:
+def rl_view(table: TokenTable) -> dict[str, TrainerSummary]:
     """Each framework's mismatch metric and each IS correction for the naive, the fixed and a trainer under
     test (:func:`parity.core.rl_catalogue.summarize_trainers`), over the positions the gates compare."""
     from parity.core.rl_catalogue import summarize_trainers
 
     t = table.select(~table.incomplete)
     trainers = {"naive": t.full, "replay": t.replay, "recompute": t.recompute}
-    if t.user is not None:
-        trainers["trainer_under_test"] = t.user
+    trainers |= {} if t.user is None else {"trainer_under_test": t.user}
     return summarize_trainers(t.vllm, trainers, t.seq_lengths)

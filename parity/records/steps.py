@@ -15,13 +15,14 @@ names the first step above the band of the first steps. The derivation and the c
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import TypedDict, cast
 
 import numpy as np
 
 from parity.errors import UsageError
+from parity.report.blocks import StepComparisonJson, StepJson, TrendJson
 
 TREND_GATE = "drift_trend"
 # The slope must exceed TREND_Z standard errors, and some step after the baseline must sit more than
@@ -40,6 +41,16 @@ NA = "n/a"  # as parity.records.accumulators.NA: the records do not hold the sta
 EPS = float(np.finfo(np.float64).eps)
 
 
+class StepAccJson(TypedDict):
+    sequences: int
+    tokens: int
+    replay_ok: int
+    replay_n: int
+    recompute_eq: int
+    recompute_n: int
+    streams: dict[str, list[float]]
+
+
 # ==================================================================================================
 # the mergeable accumulators
 # ==================================================================================================
@@ -52,8 +63,7 @@ class StepStream:
     ``n``/``total``/``total_abs``: every compared token (as :class:`parity.records.accumulators.DiffStream`
     counts them: NaN as inf, equal infinities as 0); ``fin_*``: the count, mean and sum of squared
     deviations of the finite ``|d|`` (for the per-token standard error of the step's mean |diff|);
-    ``head_n``/``headroom``: the tokens with a bound and their largest ``|d| / bound``.
-    """
+    ``head_n``/``headroom``: the tokens with a bound and their largest ``|d| / bound``."""
 
     n: int = 0
     total: float = 0.0
@@ -96,11 +106,11 @@ class StepStream:
             return 0.0
         return math.sqrt(max(self.fin_m2, 0.0) / (self.fin_n - 1) / self.fin_n)
 
-    def to_json(self) -> list[Any]:
+    def to_json(self) -> list[float]:
         return [self.n, self.total, self.total_abs, self.fin_n, self.fin_mean, self.fin_m2, self.head_n, self.headroom]
 
     @classmethod
-    def from_json(cls, v: Sequence[Any]) -> StepStream:
+    def from_json(cls, v: Sequence[float]) -> StepStream:
         return cls(int(v[0]), float(v[1]), float(v[2]), int(v[3]), float(v[4]), float(v[5]), int(v[6]), float(v[7]))
 
 
@@ -128,30 +138,28 @@ class StepAcc:
     def support(self, which: str) -> tuple[int, int]:
         return (self.replay_ok, self.replay_n) if which == "replay" else (self.recompute_eq, self.recompute_n)
 
-    def to_json(self) -> dict[str, Any]:
-        return {**{k: getattr(self, k) for k in self.COUNTS},
+    def to_json(self) -> StepAccJson:
+        return {"sequences": self.sequences, "tokens": self.tokens, "replay_ok": self.replay_ok, "replay_n": self.replay_n,
+                "recompute_eq": self.recompute_eq, "recompute_n": self.recompute_n,
                 "streams": {k: s.to_json() for k, s in self.streams.items()}}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> StepAcc:
-        return cls(**{k: int(d[k]) for k in cls.COUNTS},
-                   streams={k: StepStream.from_json(v) for k, v in d["streams"].items()})
+    def from_json(cls, d: StepAccJson) -> StepAcc:
+        return cls(int(d["sequences"]), int(d["tokens"]), {k: StepStream.from_json(v) for k, v in d["streams"].items()},
+                   int(d["replay_ok"]), int(d["replay_n"]), int(d["recompute_eq"]), int(d["recompute_n"]))
 
 
 def merge_steps(into: dict[int, StepAcc], other: dict[int, StepAcc]) -> None:
     """Add ``other``'s per-step accumulators to ``into`` (steps it lacks are copied, never shared)."""
     for step, acc in other.items():
-        if step not in into:
-            into[step] = StepAcc()
-        into[step].merge(acc)
+        into.setdefault(step, StepAcc()).merge(acc)
 
 
 def grouped_streams(slot: np.ndarray, n_slots: int, d: np.ndarray) -> list[StepStream]:
     """One :class:`StepStream` per slot (step) from the differences ``d`` of tokens whose slot is ``slot``.
 
     ``d``: finite-pair differences (:func:`parity.records.streams._finite_pair`); a slot's sums are
-    float64 sums in token order.
-    """
+    float64 sums in token order."""
     n = np.bincount(slot, minlength=n_slots)
     ad = np.abs(d)
     with np.errstate(invalid="ignore"):
@@ -191,11 +199,11 @@ class StepComparison:
     max_headroom: float | None
     support_equal_frac: float | str
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_json(self) -> StepComparisonJson:
+        return cast("StepComparisonJson", asdict(self))
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> StepComparison:
+    def from_json(cls, d: StepComparisonJson) -> StepComparison:
         return cls(**d)
 
 
@@ -216,14 +224,13 @@ class StepEntry:
     support_equal_frac: float | str
     by_comparison: dict[str, StepComparison]
 
-    def to_json(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if k != "by_comparison"}
-        out["by_comparison"] = {k: v.to_json() for k, v in self.by_comparison.items()}
-        return out
+    def to_json(self) -> StepJson:
+        return cast("StepJson", {**asdict(self), "by_comparison": {k: v.to_json() for k, v in self.by_comparison.items()}})
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> StepEntry:
-        return cls(**{**d, "by_comparison": {k: StepComparison.from_json(v) for k, v in d["by_comparison"].items()}})
+    def from_json(cls, d: StepJson) -> StepEntry:
+        build: Callable[..., StepEntry] = cls  # the JSON's keys are the fields
+        return build(**{**d, "by_comparison": {k: StepComparison.from_json(v) for k, v in d["by_comparison"].items()}})
 
 
 @dataclass(frozen=True)
@@ -236,8 +243,7 @@ class DriftTrend:
     line through few steps nor correlated tokens claim more resolution than the data has. ``limit`` is
     ``z * slope_se``, the smallest slope the gate detects (its resolution). ``band_lo``/``band_hi`` are
     the baseline mean (``baseline_steps``) ± ``band_k * noise``; ``first_step_outside`` the first later
-    step whose mean |diff| is above it. ``passed`` is None when the gate was not evaluated (``reason``).
-    """
+    step whose mean |diff| is above it. ``passed`` is None when the gate was not evaluated (``reason``)."""
 
     comparison: str
     steps: int
@@ -265,14 +271,13 @@ class DriftTrend:
     def failed(self) -> bool:
         return self.evaluated and self.passed is False
 
-    def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["baseline_steps"] = list(self.baseline_steps)
-        return out
+    def to_json(self) -> TrendJson:
+        return cast("TrendJson", {**asdict(self), "baseline_steps": list(self.baseline_steps)})
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> DriftTrend:
-        return cls(**{**d, "baseline_steps": tuple(d["baseline_steps"])})
+    def from_json(cls, d: TrendJson) -> DriftTrend:
+        build: Callable[..., DriftTrend] = cls  # the JSON's keys are the fields
+        return build(**{**d, "baseline_steps": tuple(d["baseline_steps"])})
 
 
 def _over(value: float, limit: float) -> bool:
@@ -290,29 +295,25 @@ def drift_trend(
     (the float64 rounding floor of the noise). The gate fails when ``slope > z * slope_se`` and some step
     after the first ``baseline`` ones lies above ``baseline mean + band_k * noise``, ``noise`` being the
     larger of the residual sd about the line and the steps' rms per-token standard error. Evaluated only
-    with at least ``min_steps`` steps; with fewer, what can be fitted is still reported.
-    """
-    x = np.asarray(steps, dtype=np.float64)
-    y = np.asarray(means, dtype=np.float64)
-    se = np.asarray(token_se, dtype=np.float64)
+    with at least ``min_steps`` steps; with fewer, what can be fitted is still reported."""
+    x, y, se = (np.asarray(v, dtype=np.float64) for v in (steps, means, token_se))
     n = int(x.size)
     if not (baseline >= 1 and min_steps > baseline):
         raise UsageError(f"drift_trend: baseline={baseline}, min_steps={min_steps}: allowed 1 <= baseline < min_steps")
     if n and bool(np.any(np.diff(x) <= 0)):
         raise UsageError("drift_trend: steps must be strictly ascending")
     base_steps = tuple(int(s) for s in steps[:baseline]) if n > baseline else ()
-    empty: dict[str, Any] = dict(slope=None, intercept=None, slope_se=None, slope_se_residual=None, slope_se_tokens=None,
-                                 limit=None, baseline_mean=None, noise=None, band_lo=None, band_hi=None,
-                                 first_step_outside=None)
-    common: dict[str, Any] = dict(comparison=comparison, steps=n, z=z, band_k=band_k,
-                                  first_step=int(steps[0]) if n else None, last_step=int(steps[-1]) if n else None)
+    first, last = (int(steps[0]), int(steps[-1])) if n else (None, None)
+    fit = DriftTrend(comparison=comparison, steps=n, first_step=first, last_step=last, slope=None, intercept=None,
+                     slope_se=None, slope_se_residual=None, slope_se_tokens=None, z=z, limit=None, baseline_steps=base_steps,
+                     baseline_mean=None, noise=None, band_k=band_k, band_lo=None, band_hi=None, first_step_outside=None,
+                     evaluated=False, passed=None)
     bad = np.flatnonzero(~np.isfinite(y))
     if bad.size:
         # An infinite (or NaN) mean |diff| is drift beyond any band: the gate fails at that step.
         s = int(steps[int(bad[0])])
-        return DriftTrend(**common, **{**empty, "first_step_outside": s}, baseline_steps=base_steps, evaluated=True,
-                          passed=False, reason=f"mean |diff| is not finite at step {s}")
-    fit: dict[str, Any] = dict(empty)
+        return replace(fit, first_step_outside=s, evaluated=True, passed=False,
+                       reason=f"mean |diff| is not finite at step {s}")
     if n >= 2:
         xc = x - x.mean()
         sxx = float(xc @ xc)
@@ -326,20 +327,19 @@ def drift_trend(
         floor = EPS * max(most, 1) * float(np.max(np.abs(y)))
         noise = max(s_res if n > 2 else 0.0, math.sqrt(float(np.mean(se * se))), floor)
         slope_se = max(s_res / math.sqrt(sxx) if n > 2 else 0.0, se_tok, floor / math.sqrt(sxx))
-        fit.update(slope=slope, intercept=intercept, slope_se=slope_se,
-                   slope_se_residual=s_res / math.sqrt(sxx) if n > 2 else None, slope_se_tokens=se_tok,
-                   limit=z * slope_se, noise=noise)
+        fit = replace(fit, slope=slope, intercept=intercept, slope_se=slope_se, slope_se_residual=s_res / math.sqrt(sxx)
+                      if n > 2 else None, slope_se_tokens=se_tok, limit=z * slope_se, noise=noise)
         if n > baseline:
             mu0 = float(np.mean(y[:baseline]))
             hi = mu0 + band_k * noise
             out = [int(s) for s, m in zip(steps[baseline:], y[baseline:], strict=True) if _over(float(m), hi)]
-            fit.update(baseline_mean=mu0, band_lo=mu0 - band_k * noise, band_hi=hi,
-                       first_step_outside=out[0] if out else None)
+            fit = replace(fit, baseline_mean=mu0, band_lo=mu0 - band_k * noise, band_hi=hi,
+                          first_step_outside=out[0] if out else None)
     if n < min_steps:
         why = (f"{n} step(s) with {comparison} values"
                + (f" ({', '.join(str(int(s)) for s in steps[:8])}{' ...' if n > 8 else ''})" if n else "")
                + f": the trend gate needs at least {min_steps} (the first {baseline} are its baseline, and fewer "
                f"steps leave the residual spread under {min_steps - 2} degrees of freedom)")
-        return DriftTrend(**common, **fit, baseline_steps=base_steps, evaluated=False, passed=None, reason=why)
-    fails = _over(fit["slope"], fit["limit"]) and fit["first_step_outside"] is not None
-    return DriftTrend(**common, **fit, baseline_steps=base_steps, evaluated=True, passed=not fails)
+        return replace(fit, reason=why)
+    assert fit.slope is not None and fit.limit is not None  # fitted: min_steps > baseline >= 1
+    return replace(fit, evaluated=True, passed=not (_over(fit.slope, fit.limit) and fit.first_step_outside is not None))

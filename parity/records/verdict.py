@@ -20,35 +20,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 # No torch at import: records without --model are judged with numpy alone. torch is imported where a
 # rule's one home computes on tensors (the top_p bracket, replay from kept logits).
-from parity.core.error_model import (
-    SUPPORT_MASS_TOL,
-    log_s_signature,
-    mean_bias_entry,
-    ratio_bias_entry,
-)
+from parity.core.error_model import SUPPORT_MASS_TOL, log_s_signature, mean_bias_entry, ratio_bias_entry
 from parity.core.gates import Thresholds
 from parity.core.spec import SamplingSpec
 from parity.core.violation import Violation
-from parity.records.accumulators import (
-    HEAD_BINS,
-    HEAD_LO,
-    HEAD_STEP,
-    INPUTS,
-    NA,
-    ScenarioAcc,
-    Summary,
-    _na_ratios,
-)
+from parity.records.accumulators import HEAD_BINS, HEAD_LO, HEAD_STEP, INPUTS, NA, ScenarioAcc, _na_ratios
 from parity.records.diagnosis import diagnosis_text, logprob_bias_class
+from parity.records.entry import ScenarioEntry
 from parity.records.gate_table import CAPTURE_LIMIT_FIX, GATE_TABLE, GateCase, evaluate, split_verdict
+from parity.report import blocks
 
 if TYPE_CHECKING:
+    from parity.records.accumulators import Summary
+    from parity.records.steps import DriftTrend
     from parity.report.blocks import Routing
     from parity.report.model import ScenarioVerdict
 from parity.records.steps import (
@@ -106,13 +96,13 @@ assert set(REASONS) == set(INPUTS)
 # ==================================================================================================
 
 
-def _diagnosis(a: ScenarioAcc, mean_limit: float, logprob: Mapping[str, Any] | None = None) -> str:
+def _diagnosis(a: ScenarioAcc, mean_limit: float, logprob: blocks.LogprobBias | None = None) -> str:
     u = a.streams["user"]
     if not a.views:
         if logprob is None:
             return "not diagnosed: " + REASONS["bound"]
-        if abs(logprob["mean"]) > logprob["limit"] or logprob["sign_test"]["failed"]:
-            return logprob_bias_class(logprob, logprob["limit"])
+        if abs(float(logprob["mean"])) > float(logprob["limit"]) or logprob["sign_test"]["failed"]:
+            return logprob_bias_class(logprob, float(logprob["limit"]))
         return (f"no bias within the mean-bias resolution {logprob['limit']:.3g} per token (no per-token diagnosis: "
                 + REASONS["bound"] + ")")
     close = {frozenset(k.split("+")) if k else frozenset(): v.close(mean_limit) for k, v in a.views.items()}
@@ -134,7 +124,7 @@ def spec_log_s_range(spec: SamplingSpec, vocab: int) -> tuple[float, float]:
     return lo, 0.0
 
 
-def _logprob_entry(a: ScenarioAcc) -> dict[str, Any] | None:
+def _logprob_entry(a: ScenarioAcc) -> blocks.LogprobBias | None:
     """The two-column mean-bias gate's numbers (:func:`parity.core.error_model.ratio_bias_entry`) with the
     facts it assumed, the sign test and the count of tokens outside the trainer's support."""
     r = a.ratio
@@ -159,10 +149,10 @@ def _logprob_entry(a: ScenarioAcc) -> dict[str, Any] | None:
                log_s_range=[lo, hi], log_s_range_from=source, assumed=assumed,
                stated={"vocab_size": a.vocab_size or None, "sampler_dtype": sampler_dtype or None,
                        "trainer_dtype": trainer_dtype or None})
-    return out
+    return cast("blocks.LogprobBias", out)  # ratio_bias_entry's numbers and the facts above
 
 
-def _scenario_report(a: ScenarioAcc, name: str) -> dict[str, Any]:
+def _scenario_report(a: ScenarioAcc, name: str, trainer: str | None = None) -> ScenarioEntry:
     s = a.streams
     lack = {k: v for k, v in a.lacking.items() if v}
     avail = {k: a.lacking[k] < a.sequences or a.sequences == 0 for k in INPUTS}  # some sequence has it
@@ -170,10 +160,10 @@ def _scenario_report(a: ScenarioAcc, name: str) -> dict[str, Any]:
     def full_input(*inputs: str) -> bool:
         return all(a.lacking[k] == 0 for k in inputs)
 
-    def diff(stream: str, inp: str) -> dict[str, Any]:
+    def diff(stream: str, inp: str) -> Mapping[str, blocks.Stat]:
         return s[stream].stats() if avail[inp] else dict.fromkeys(("max_abs_diff", "mean_diff", "mean_abs_diff", "p99_abs_diff"), NA)
 
-    def frac(ok: int, n: int, inp: str) -> Any:
+    def frac(ok: int, n: int, inp: str) -> blocks.Stat:
         if not avail[inp]:
             return NA
         return ok / n if n else 1.0
@@ -191,41 +181,37 @@ def _scenario_report(a: ScenarioAcc, name: str) -> dict[str, Any]:
         ratios["trainer_under_test"] = a.ratios["user"].to_report()
     b = a.bounds
     with_bound = avail["bound"]
-    headroom: dict[str, Any] = {
+    headroom: dict[str, float | None] = {
         "replay": b["replay"].headroom if with_bound and avail["replay"] else None,
         "recompute": b["recompute"].headroom if with_bound and avail["recompute"] else None,
         "naive_vs_sampler_log_s": b["naive"].headroom if b["naive"].n else None,
     }
-    def entry(stream: str, ref: str, inp: str) -> dict[str, Any] | None:
+    def entry(stream: str, ref: str, inp: str) -> blocks.MeanBias | None:
         if not (with_bound and avail[inp]):
             return None
         bs, rs = b[stream], b[ref] if b[ref].n else b[stream]
         sig = log_s_signature(bs.n, bs.cross_log_s, bs.log_s_sq, rs.sd) if stream == "user" else None
-        return mean_bias_entry(bs.n, bs.mean if bs.n else 0.0, bs.systematic_mean, rs.sd, signature=sig)
+        return cast("blocks.MeanBias", mean_bias_entry(bs.n, bs.mean if bs.n else 0.0, bs.systematic_mean, rs.sd,
+                                                       signature=sig))
 
-    means = {"replay": entry("replay", "replay", "replay"), "recompute": entry("recompute", "recompute", "recompute")}
+    means: dict[str, blocks.MeanBias | None] = {"replay": entry("replay", "replay", "replay"),
+                                                "recompute": entry("recompute", "recompute", "recompute")}
     if avail["user"]:
         headroom["trainer_under_test"] = b["user"].headroom if with_bound else None
         # The allowance for averaging comes from replay's spread, not the trainer's own.
         means["trainer_under_test"] = entry("user", "replay", "user")
-        means["logprob"] = _logprob_entry(a)
-    limits: dict[str, Any] = {k: None if v is None else v["limit"] for k, v in means.items()}
+        means["logprob"] = lp = _logprob_entry(a)
+    limits = {k: None if v is None else float(v["limit"]) for k, v in means.items()}
     sources = [x for x in a.s_sources if x != "none"]
-    out: dict[str, Any] = {
+    out: dict[str, object] = {
         "name": name,
         "spec": a.spec,
         "tokens": a.tokens,
         "compared_tokens": a.compared,
         "sequences": a.sequences,
-        "log_s": (
-            {
-                "mean": a.log_s_sum / a.log_s_n if a.log_s_n else 0.0,
-                "min": a.log_s_min if a.log_s_n else 0.0,
-                "mean_s": a.log_s_sum_exp / a.log_s_n if a.log_s_n else 1.0,
-            }
-            if avail["log_s"]
-            else {"mean": NA, "min": NA, "mean_s": NA}
-        ),
+        "log_s": {"mean": a.log_s_sum / a.log_s_n if a.log_s_n else 0.0, "min": a.log_s_min if a.log_s_n else 0.0,
+                  "mean_s": a.log_s_sum_exp / a.log_s_n if a.log_s_n else 1.0}
+        if avail["log_s"] else {"mean": NA, "min": NA, "mean_s": NA},
         "naive": {
             "bias_mean": naive["mean_diff"] if naive else NA,
             "max_abs_diff": naive["max_abs_diff"] if naive else NA,
@@ -239,12 +225,8 @@ def _scenario_report(a: ScenarioAcc, name: str) -> dict[str, Any]:
             "forced_includes": a.forced if avail["forced"] else NA,
         },
         "is_ratio": ratios,
-        "kl_over_support": (
-            {"mean": a.kl_sum / a.kl_n if a.kl_n else 0.0, "max": a.kl_max} if avail["kl"] else {"mean": NA, "max": NA}
-        ),
-        "tv_over_support": (
-            {"mean": a.tv_sum / a.kl_n if a.kl_n else 0.0, "max": a.tv_max} if avail["kl"] else {"mean": NA, "max": NA}
-        ),
+        "kl_over_support": {"mean": a.kl_sum / a.kl_n if a.kl_n else 0.0, "max": a.kl_max} if avail["kl"] else {"mean": NA, "max": NA},
+        "tv_over_support": {"mean": a.tv_sum / a.kl_n if a.kl_n else 0.0, "max": a.tv_max} if avail["kl"] else {"mean": NA, "max": NA},
         "incomplete_positions": a.incomplete,
         "sampled_outside_support": a.sampled_outside,
         "token_mismatch": a.token_mismatch,
@@ -271,16 +253,14 @@ def _scenario_report(a: ScenarioAcc, name: str) -> dict[str, Any]:
     if avail["user"]:
         u = s["user"].stats()
         out["trainer_under_test"] = {
-            "name": None,  # filled by the caller from the file metadata
+            "name": trainer,  # the caller's, from the file metadata
             **u,
             "max_abs_gap_to_log_s": s["user_gap"].max_abs if s["user_gap"].n else NA,
             "diagnosis": _diagnosis(a, limits["trainer_under_test"] if limits["trainer_under_test"] is not None
-                                    else math.inf, means["logprob"]),
+                                    else math.inf, lp),
         }
-    out["captured_positions"] = a.captured
-    out["max_support_size"] = a.support_max if a.captured else None
-    out["mean_support_size"] = a.support_sum / a.captured if a.captured else None
-    out["kept_mass_off_positions"] = a.mass_off
+    out.update(captured_positions=a.captured, max_support_size=a.support_max if a.captured else None,
+               mean_support_size=a.support_sum / a.captured if a.captured else None, kept_mass_off_positions=a.mass_off)
     notes = []
     if a.mass_off:
         notes.append(
@@ -324,12 +304,12 @@ def _scenario_report(a: ScenarioAcc, name: str) -> dict[str, Any]:
     out["not_evaluated"] = not_eval
     out["input_notes"] = notes
     out["lacking_inputs"] = lack
-    return out
+    return cast("ScenarioEntry", out)  # the entry's blocks, as built above
 
 
 def _step_view(
     a: ScenarioAcc, avail: Mapping[str, bool], full_input: Callable[..., bool]
-) -> tuple[list[StepEntry], Any, str]:
+) -> tuple[list[StepEntry], DriftTrend | None, str]:
     """``(per_step, trend, why)``: the scenario's training-log view (empty without steps), the trend of the
     comparison it follows (:class:`parity.records.steps.DriftTrend`; None when there is nothing to follow)
     and, when the trend gate is not evaluated, why.
@@ -378,16 +358,16 @@ def _step_view(
     return entries, trend, trend.reason
 
 
-def evaluate_summary(sc: dict[str, Any], a: ScenarioAcc, th: Thresholds) -> list[Violation]:
+def evaluate_summary(sc: ScenarioEntry, a: ScenarioAcc, th: Thresholds) -> list[Violation]:
     """Every records gate of the table on a scenario's streamed statistics; ``sc``: the entry of
     :func:`_scenario_report` (its ``not_evaluated`` gates are left out)."""
     return evaluate(GateCase(sc, a, th, skip=frozenset(g["gate"] for g in sc["not_evaluated"])))
 
 
-def drift_headroom_hist(a: ScenarioAcc) -> dict[str, Any]:
+def drift_headroom_hist(a: ScenarioAcc) -> blocks.DriftHeadroom:
     """Counts of ``|diff| / bound`` per replay and recompute on log10 bins, for the report's drift plot:
     ``bins`` of width ``bin_width`` from ``log10_lo``; each estimator's filled bins as [index, count] pairs."""
-    out: dict[str, Any] = {"log10_lo": HEAD_LO, "bin_width": HEAD_STEP, "bins": HEAD_BINS}
+    out: blocks.DriftHeadroom = {"log10_lo": HEAD_LO, "bin_width": HEAD_STEP, "bins": HEAD_BINS}
     for k in ("replay", "recompute"):
         if a.bounds[k].n:
             h = a.bounds[k].hist
@@ -395,7 +375,7 @@ def drift_headroom_hist(a: ScenarioAcc) -> dict[str, Any]:
     return out
 
 
-def capture_limit_line(sc: Mapping[str, Any]) -> str | None:
+def capture_limit_line(sc: ScenarioEntry) -> str | None:
     """The capture's own limit, when it left positions unproven: counted, not evaluated, and not a FAIL."""
     inc = int(sc.get("incomplete_positions") or 0)
     if not inc:
@@ -404,7 +384,7 @@ def capture_limit_line(sc: Mapping[str, Any]) -> str | None:
             f"{CAPTURE_LIMIT_FIX}")
 
 
-def no_verdict_line(sc: Mapping[str, Any], judged: bool) -> str:
+def no_verdict_line(sc: ScenarioEntry, judged: bool) -> str:
     """Why a scenario has no mean-bias gate (and, when ``judged`` is false, no gate at all): the columns it
     lacks and what supplies them."""
     n_lack, n = sc["lacking_inputs"].get("user", 0), sc["sequences"]
@@ -427,9 +407,7 @@ def judge(
     out = []
     for a in accs:
         name = a.name if names.count(a.name) == 1 else f"{a.name} [{SamplingSpec(**a.spec).label()}]"
-        sc = _scenario_report(a, name)
-        if "trainer_under_test" in sc:
-            sc["trainer_under_test"]["name"] = trainer_name or "trainer"
+        sc = _scenario_report(a, name, trainer_name or "trainer")
         violations = evaluate_summary(sc, a, th)
         if native is not None and name in native:
             violations += evaluate(GateCase(sc, a, th, native=native[name]), scope="native")
@@ -444,19 +422,17 @@ def judge(
         # token check holds by the format's definition unless trainer_token_ids says otherwise: they judge nothing.
         judged = [g for g in evaluated if g == TREND_GATE or GATE_INPUTS[g] not in (("kept",), ())
                   or (sc["captured_positions"] and g != "token_mismatch")]
-        sc["gates_evaluated"] = evaluated
-        sc["mean_bias_evaluated"] = any(g in evaluated for g in MEAN_GATES)
-        sc["no_verdict"] = None if sc["mean_bias_evaluated"] else no_verdict_line(sc, bool(judged))
-        sc["capture_limit"] = capture_limit_line(sc)
+        mean_evaluated = any(g in evaluated for g in MEAN_GATES)
+        no_verdict = None if mean_evaluated else no_verdict_line(sc, bool(judged))
+        capture_limit = capture_limit_line(sc)
         violations, reference = split_verdict(violations, trainer_under_test="trainer_under_test" in sc)
         # Nothing judged: the scenario neither passes nor fails (its no_verdict line says what would judge it).
-        sc["verdict"] = "fail" if violations else ("pass" if judged else "none")
-        if sc["verdict"] == "pass" and sc["tokens"] and sc["incomplete_positions"] == sc["tokens"]:
+        verdict = "fail" if violations else ("pass" if judged else "none")
+        if verdict == "pass" and sc["tokens"] and sc["incomplete_positions"] == sc["tokens"]:
             # Every kept set unproven: the capture's limit leaves nothing to pass.
-            sc["verdict"], sc["no_verdict"] = "none", sc["capture_limit"]
-        sc["violations"] = violations
-        sc["reference_violations"] = reference
-        sc["drift_headroom"] = drift_headroom_hist(a)
-        sc["spec"] = SamplingSpec(**sc["spec"])
-        out.append(ScenarioVerdict(**sc))
+            verdict, no_verdict = "none", capture_limit
+        build: Callable[..., ScenarioVerdict] = ScenarioVerdict  # the entry's keys are its fields
+        out.append(build(**{**sc, "spec": SamplingSpec.from_dict(sc["spec"])}, gates_evaluated=evaluated, verdict=verdict,
+                         mean_bias_evaluated=mean_evaluated, no_verdict=no_verdict, capture_limit=capture_limit,
+                         violations=violations, reference_violations=reference, drift_headroom=drift_headroom_hist(a)))
     return out

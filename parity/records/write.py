@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -21,17 +20,19 @@ ROW_GROUP_TOKENS = 65_536
 ROW_GROUP_KEPT = 4_194_304
 
 
-def _listify(v: Any) -> Any:
+def _listify(v: object) -> list[object] | None:
     if v is None:
         return None
     if hasattr(v, "detach"):  # torch tensor
         v = v.detach().cpu().numpy()
     if isinstance(v, np.ndarray):
         return v.reshape(-1).tolist()
+    if not isinstance(v, Iterable):  # as list() refuses it
+        raise TypeError(f"{type(v).__name__!r} object is not iterable")
     return list(v)
 
 
-def records_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
+def records_table(rows: Sequence[Mapping[str, object]]) -> pa.Table:
     """Rows (dicts keyed by column name; lists, numpy arrays or tensors as values) → a records table.
 
     ``schema_version`` is filled in; unknown keys are refused (a typo would otherwise drop a column).
@@ -39,12 +40,11 @@ def records_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
     """
     present: list[str] = []
     for i, r in enumerate(rows):
-        unknown = set(r) - set(BY_NAME)
-        if unknown:
+        if unknown := set(r) - set(BY_NAME):
             raise RecordsError(f"row {i}: unknown column(s) {sorted(unknown)}: allowed {', '.join(BY_NAME)}")
         present += [k for k in r if k not in present]
     names = [c.name for c in COLUMNS if c.name in present or c.required]
-    data: dict[str, list[Any]] = {name: [] for name in names}
+    data: dict[str, list[object]] = {name: [] for name in names}
     for r in rows:
         for name in names:
             col = BY_NAME[name]
@@ -64,7 +64,7 @@ class RecordsWriter:
     key-value metadata next to the schema_version.
     """
 
-    def __init__(self, path: str | Path, *, metadata: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, path: str | Path, *, metadata: Mapping[str, object] | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.schema = records_schema(metadata)
@@ -72,7 +72,7 @@ class RecordsWriter:
         self.rows = 0
         self.tokens = 0
 
-    def write(self, data: pa.Table | pa.RecordBatch | Sequence[Mapping[str, Any]]) -> None:
+    def write(self, data: pa.Table | pa.RecordBatch | Sequence[Mapping[str, object]]) -> None:
         table = data if isinstance(data, pa.Table) else (
             pa.Table.from_batches([data]) if isinstance(data, pa.RecordBatch) else records_table(data)
         )
@@ -100,7 +100,7 @@ class RecordsWriter:
     def __enter__(self) -> RecordsWriter:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -121,9 +121,9 @@ def _row_groups(table: pa.Table) -> Iterator[pa.Table]:
 
 def write_records(
     path: str | Path,
-    data: pa.Table | pa.RecordBatch | Sequence[Mapping[str, Any]],
+    data: pa.Table | pa.RecordBatch | Sequence[Mapping[str, object]],
     *,
-    metadata: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, object] | None = None,
 ) -> Path:
     """Validate ``data`` and write it as one records file; returns the path."""
     with RecordsWriter(path, metadata=metadata) as w:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+import numpy as np
+
 from parity.report import rl_section
+from parity.report.blocks import DriftHeadroom
 from parity.report.overview import sampler_name
 
 # The histogram's range of |diff| / bound: below it (exact matches too) at the left edge, above it (NaN
@@ -14,12 +18,12 @@ from parity.report.overview import sampler_name
 DRIFT_RANGE = (1e-4, 1e4)
 
 
-def _number(x: Any) -> float:
+def _number(x: object) -> float:
     """A plotted value; statistics a records file could not support ("n/a") plot as gaps."""
     return float(x) if isinstance(x, (int, float)) else math.nan
 
 
-def write_steps_plot(report: dict[str, Any], out: Path, plt: Any) -> bool:
+def write_steps_plot(report: dict[str, Any], out: Path, plt: ModuleType) -> bool:
     """drift_steps.png: per scenario with a training-log view, mean |diff| per step, its least-squares line, the
     band of the baseline steps and the first step above it (``drift_trend``); False when no scenario has steps."""
     sc = [s for s in report["scenarios"] if s.get("per_step")]
@@ -35,8 +39,7 @@ def write_steps_plot(report: dict[str, Any], out: Path, plt: Any) -> bool:
                 label=f"{s['name']} ({tr.get('comparison') or s['per_step'][0].get('comparison') or 'n/a'})")
         slope, icpt = _number(tr.get("slope")), _number(tr.get("intercept"))
         if math.isfinite(slope) and math.isfinite(icpt):
-            ax.plot([steps[0], steps[-1]], [icpt + slope * steps[0], icpt + slope * steps[-1]], "--", color=color,
-                    linewidth=1)
+            ax.plot([steps[0], steps[-1]], [icpt + slope * steps[0], icpt + slope * steps[-1]], "--", color=color, linewidth=1)
         lo, hi = _number(tr.get("band_lo")), _number(tr.get("band_hi"))
         if math.isfinite(lo) and math.isfinite(hi):
             ax.fill_between([steps[0], steps[-1]], lo, hi, color=color, alpha=0.12, linewidth=0)
@@ -45,8 +48,7 @@ def write_steps_plot(report: dict[str, Any], out: Path, plt: Any) -> bool:
             ax.plot([first], [means[steps.index(first)]], "x", color="black", markersize=9)
     ax.set_xlabel("training step")
     ax.set_ylabel("mean |trainer − sampler| per token (nats)")
-    ax.set_title("Drift per training step: fitted line (dashed), baseline band (shaded), first step above it (x)",
-                 fontsize=9)
+    ax.set_title("Drift per training step: fitted line (dashed), baseline band (shaded), first step above it (x)", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "drift_steps.png", dpi=110)
@@ -54,12 +56,10 @@ def write_steps_plot(report: dict[str, Any], out: Path, plt: Any) -> bool:
     return True
 
 
-def dense_drift_hist(h: dict[str, Any]) -> dict[str, Any]:
+def dense_drift_hist(h: DriftHeadroom) -> dict[str, list[float] | np.ndarray]:
     """A scenario's ``drift_headroom`` (filled bins only) as bin ``edges`` and a count array per estimator."""
-    import numpy as np
-
     n = int(h["bins"])
-    out: dict[str, Any] = {"edges": [h["log10_lo"] + i * h["bin_width"] for i in range(n + 1)]}
+    out: dict[str, list[float] | np.ndarray] = {"edges": [h["log10_lo"] + i * h["bin_width"] for i in range(n + 1)]}
     for est in ("replay", "recompute"):
         if est in h:
             counts = np.zeros(n, dtype=np.int64)
@@ -87,7 +87,7 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
         floor, ceiling = DRIFT_RANGE
         fig, ax = plt.subplots(figsize=(8, 4.5))
         for est in ("replay", "recompute"):
-            counts = [x[est] for x in hists if est in x]
+            counts = [c for x in hists if isinstance(c := x.get(est), np.ndarray)]
             if counts:
                 ax.stairs(sum(counts), hists[0]["edges"], fill=True, alpha=0.6, label=f"{est} − {who}")
         ax.axvline(math.log10(limit), color="black", linestyle="--", linewidth=1)

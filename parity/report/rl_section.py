@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from parity.report import routing_section
 
 if TYPE_CHECKING:
     from parity.core.rl import Method
+    from parity.core.rl_catalogue import TrainerSummary
 
 # parity.core.rl (and torch with it) is imported where a scenario has an RL view: a records analysis has
 # none, and renders its report without torch.
@@ -30,7 +33,7 @@ STAT = {
 VERB = {"clip": "clips", "mask": "masks", "veto": "vetoes", "drop": "drops", "none": "touches"}
 
 
-def _num(x: Any) -> str:
+def _num(x: object) -> str:
     if x is None:
         return "—"
     if isinstance(x, str):
@@ -65,7 +68,7 @@ def _sign_label(s: str) -> str:
     return {"any": "any", "+": "A > 0", "-": "A < 0"}[s]
 
 
-def _worst(view: dict[str, Any], method: Method) -> tuple[float | None, str]:
+def _worst(view: TrainerSummary, method: Method) -> tuple[float | None, str]:
     """The largest affected fraction over the reported advantage signs, and which sign."""
     res = view["methods"][method.name]
     best: tuple[float | None, str] = (None, "any")
@@ -94,13 +97,7 @@ def headline(scenario: dict[str, Any]) -> str | None:
     for t in FIXED:
         if t in rl:
             after.append(f"after {t}, " + " and ".join(_pct(_worst(rl[t], m)[0]) for m in methods))
-    return (
-        f"under {scenario['name']} with the naive trainer, "
-        + " and ".join(parts)
-        + "; "
-        + "; ".join(after)
-        + "."
-    )
+    return f"under {scenario['name']} with the naive trainer, " + " and ".join(parts) + "; " + "; ".join(after) + "."
 
 
 def _threshold_cell(metric_name: str) -> str:
@@ -110,11 +107,11 @@ def _threshold_cell(metric_name: str) -> str:
     return e.threshold.label() if e.threshold else "—"
 
 
-def _trainers(rl: dict[str, Any]) -> list[str]:
+def _trainers(rl: Mapping[str, TrainerSummary]) -> list[str]:
     return [t for t in TRAINERS if t in rl] + [t for t in rl if t not in TRAINERS]
 
 
-def metrics_table(rl: dict[str, Any]) -> list[str]:
+def metrics_table(rl: Mapping[str, TrainerSummary]) -> list[str]:
     from parity.core.rl_catalogue import METRICS
 
     trainers = _trainers(rl)
@@ -134,7 +131,7 @@ def metrics_table(rl: dict[str, Any]) -> list[str]:
     return lines
 
 
-def methods_table(rl: dict[str, Any]) -> list[str]:
+def methods_table(rl: Mapping[str, TrainerSummary]) -> list[str]:
     from parity.core.rl_catalogue import METHODS
 
     trainers = _trainers(rl)
@@ -208,7 +205,7 @@ def markdown(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def write_plot(report: dict[str, Any], out: Path, plt: Any) -> list[str]:
+def write_plot(report: dict[str, Any], out: Path, plt: ModuleType) -> list[str]:
     """rl_methods.png: fraction dropped per method (rows) and scenario (columns), naive vs fixed.
 
     Only the methods that drop units (mask, drop, veto); clips change weights and are in the tables.

@@ -11,11 +11,11 @@ from __future__ import annotations
 import contextlib
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
@@ -35,6 +35,11 @@ from parity.engines.sampler_rows import SamplerRows
 from parity.engines.vllm_offline import capture_outputs, rows_start
 from parity.errors import EngineError, UsageError
 from parity.records.vllm_outputs import spec_of_params
+
+if TYPE_CHECKING:
+    from trl.generation.vllm_generation import VLLMGeneration
+    from trl.trainer.grpo_trainer import GRPOTrainer
+    from vllm import LLM, RequestOutput, SamplingParams
 
 MODES = ("observe", "replay", "recompute")
 CAPTURE_FORMAT = "parity-trl-grpo-capture"
@@ -74,6 +79,44 @@ _UNMODELLED_SAMPLING = ("repetition_penalty", "presence_penalty", "frequency_pen
                         "allowed_token_ids", "bad_words", "structured_outputs")
 
 
+Rows = dict[int, tuple[torch.Tensor, torch.Tensor]]  # position -> S_q read from the sampler's row
+# VLLMGeneration.generate: prompt ids, completion ids, per position the head's log-probs and ids.
+Generated = tuple[list[list[int]], list[list[int]], list[list[list[float | None]]] | None, list[list[list[int]]]]
+Logps = tuple[torch.Tensor, torch.Tensor | None]  # _get_per_token_logps_and_entropies: log-probs, entropies
+Output = dict[str, torch.Tensor]  # _generate_and_score_completions' batch (the tensors read here)
+
+
+class _Batch(TypedDict):  # one generation batch, as generate() leaves it for scoring
+    completion_ids: list[list[int]]
+    supports: list[CapturedSupport | None] | None
+    spec: SamplingSpec
+    dtype: str
+    capture: CaptureStats | None
+
+
+class _Row(TypedDict):
+    logits: torch.Tensor | None
+    log_s: torch.Tensor
+    support: CapturedSupport | None
+
+
+class _Old(TypedDict):  # the trainer's side of a batch: TRL's log-probs, those its IS correction read
+    full: torch.Tensor
+    used: torch.Tensor
+    rows: list[_Row]
+
+
+class _Active(TypedDict):
+    old: _Old | None
+    pending: _Batch | None
+
+
+class _Adaptive(TypedDict, total=False):
+    stats: CaptureStats
+    requested: list[int]
+    rows: list[Rows]
+
+
 @dataclass
 class GrpoCapture:
     """What one :func:`patch_grpo` context saw."""
@@ -81,8 +124,8 @@ class GrpoCapture:
     mode: str
     head: int | None = None
     max_head: int | None = None  # None: no cap where the sampler's rows are read, DEFAULT_MAX_HEAD elsewhere
-    sequences: list[dict[str, Any]] = field(default_factory=list)
-    capture_plans: list[dict[str, Any]] = field(default_factory=list)  # per generation batch: CaptureStats + step
+    sequences: list[dict[str, object]] = field(default_factory=list)  # SEQUENCE_FIELDS
+    capture_plans: list[dict[str, object]] = field(default_factory=list)  # per generation batch: CaptureStats + step
     history: CaptureHistory = field(default_factory=CaptureHistory, repr=False)
     counts: dict[str, int] = field(
         default_factory=lambda: {
@@ -98,11 +141,11 @@ class GrpoCapture:
             "resampled_differently": 0,  # adaptive capture: second draws that came back with other tokens
         }
     )
-    _pending: list[dict[str, Any]] = field(default_factory=list, repr=False)
-    _active: dict[str, Any] | None = field(default=None, repr=False)
+    _pending: list[_Batch] = field(default_factory=list, repr=False)
+    _active: _Active | None = field(default=None, repr=False)
 
 
-def save_sequences(sequences: list[dict[str, Any]], path: str | Path) -> Path:
+def save_sequences(sequences: list[dict[str, object]], path: str | Path) -> Path:
     """Write captured sequences as one ``torch.save`` file (plain dicts of CPU tensors and lists)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -111,7 +154,7 @@ def save_sequences(sequences: list[dict[str, Any]], path: str | Path) -> Path:
     return p
 
 
-def load_sequences(path: str | Path) -> list[dict[str, Any]]:
+def load_sequences(path: str | Path) -> list[dict[str, Any]]:  # SEQUENCE_FIELDS, as analyze.trl reads them
     data = torch.load(Path(path), weights_only=False)
     if not isinstance(data, dict) or data.get("format") != CAPTURE_FORMAT:
         raise UsageError(f"{path}: not a {CAPTURE_FORMAT} file (format={data.get('format') if isinstance(data, dict) else None!r})")
@@ -124,7 +167,7 @@ def load_sequences(path: str | Path) -> list[dict[str, Any]]:
 # the sampler's side
 
 
-def _spec_of(gen: Any) -> SamplingSpec:
+def _spec_of(gen: VLLMGeneration) -> SamplingSpec:
     """The distribution TRL's VLLMGeneration samples from (mirrors the kwargs built in ``generate``)."""
     kw = {"temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k,
           "min_p": 0.0 if gen.min_p is None else gen.min_p, "repetition_penalty": gen.repetition_penalty}
@@ -138,23 +181,22 @@ def _spec_of(gen: Any) -> SamplingSpec:
     return spec_of_params(SimpleNamespace(**kw))
 
 
-def _vocab_size(gen: Any) -> int:
+def _vocab_size(gen: VLLMGeneration) -> int:
     cfg = gen.model.config
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     return int(text.vocab_size)
 
 
-def engine_dtype(gen: Any) -> str:
+def engine_dtype(gen: VLLMGeneration) -> str:
     """The dtype TRL's colocated engine runs the model in (``gen``: its ``VLLMGeneration``), or 'unknown'."""
-    llm: Any = getattr(gen, "llm", None)  # None (server mode) raises the AttributeError below
-    try:
-        return str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
+    try:  # no colocated engine (server mode: llm is None) raises the AttributeError below
+        return str(gen.llm.llm_engine.model_config.dtype).removeprefix("torch.")
     except AttributeError:
         return "unknown"
 
 
-def _split_heads(cap: GrpoCapture, completion_ids: list[list[int]], logprobs: list[Any], token_ids: list[Any],
-                 requested: int | list[int], vocab: int, rows: list[dict[int, Any]] | None = None,
+def _split_heads(cap: GrpoCapture, completion_ids: list[list[int]], logprobs: list[list[list[float | None]]],
+                 token_ids: list[list[list[int]]], requested: int | list[int], vocab: int, rows: list[Rows] | None = None,
                  ) -> tuple[list[list[list[float | None]]], list[list[list[int]]], list[CapturedSupport | None]]:
     """Per sequence: the sampled token's log-prob for TRL, and S_q for parity.
 
@@ -201,7 +243,7 @@ def _split_heads(cap: GrpoCapture, completion_ids: list[list[int]], logprobs: li
 # the trainer's side
 
 
-def _forward_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+def _forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
                     batch_size: int) -> torch.Tensor:
     """float32 logits ``[B, logits_to_keep, V]``: row t predicts completion token t (a plain forward)."""
     out = []
@@ -214,7 +256,7 @@ def _forward_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
 
 
 def _log_mass_correction(cap: GrpoCapture, z: torch.Tensor, y: torch.Tensor, spec: SamplingSpec,
-                         support: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                         support: CapturedSupport | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log S over S_q — what parity measures —, the log-mass the fix subtracts) per position, float64."""
     n = y.shape[0]
     log_s_q = torch.zeros(n, dtype=torch.float64)
@@ -236,15 +278,17 @@ def _log_mass_correction(cap: GrpoCapture, z: torch.Tensor, y: torch.Tensor, spe
     return log_s_q, correction
 
 
-def _adaptive_generate(generate: Any, plan: CapturePlan, spec: SamplingSpec, vocab: int, history: CaptureHistory,
-                       seeds: random.Random, batch: dict[str, Any], rows: SamplerRows | None = None) -> Any:
+def _adaptive_generate(generate: Callable[..., list[RequestOutput]], plan: CapturePlan, spec: SamplingSpec, vocab: int,
+                       history: CaptureHistory, seeds: random.Random, batch: _Adaptive, rows: SamplerRows | None = None
+                       ) -> Callable[..., list[RequestOutput]]:
     """``LLM.generate`` for one TRL batch under an adaptive plan: seeded requests, unproven ones asked again.
 
     Each request gets its own seed (TRL sends none) and candidate detokenization off (TRL decodes from ids);
     TRL gets back, per sequence, the capture that proved it (or its first draw); ``batch`` gets what it needed.
     """
 
-    def wrapped(prompts: Any, sampling_params: Any = None, *args: Any, **kwargs: Any) -> Any:
+    def wrapped(prompts: list[object], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                *args: object, **kwargs: object) -> list[RequestOutput]:
         sp = sampling_params
         if sp is None or isinstance(sp, (list, tuple)) or getattr(sp, "n", 1) != 1 or args:
             return generate(prompts, sampling_params, *args, **kwargs)
@@ -265,7 +309,7 @@ def _adaptive_generate(generate: Any, plan: CapturePlan, spec: SamplingSpec, voc
     return wrapped
 
 
-def _fixed_stats(plan: CapturePlan, supports: list[CapturedSupport | None], completion_ids: list[Any]) -> CaptureStats:
+def _fixed_stats(plan: CapturePlan, supports: list[CapturedSupport | None], completion_ids: list[list[int]]) -> CaptureStats:
     """What a one-generation capture (top_k, forced head, no colocated engine) met."""
     stats = CaptureStats(plan.logprobs, plan.reason, sequences=len(completion_ids),
                          positions=sum(len(c) for c in completion_ids), widest_head=plan.logprobs or 0)
@@ -302,15 +346,11 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
 
     cap = GrpoCapture(mode=mode, head=head, max_head=max_head)
     Gen, Trainer = vg.VLLMGeneration, gt.GRPOTrainer
-    saved = {
-        "LLM": vg.LLM,
-        "generate": Gen.generate,
-        "score": Trainer._generate_and_score_completions,
-        "logps": Trainer._get_per_token_logps_and_entropies,
-    }
+    saved = {"LLM": vg.LLM, "generate": Gen.generate, "score": Trainer._generate_and_score_completions,
+             "logps": Trainer._get_per_token_logps_and_entropies}
     llm_cls = saved["LLM"]
 
-    def make_llm(*args: Any, **kwargs: Any) -> Any:
+    def make_llm(*args: object, **kwargs: object) -> LLM:
         # vLLM refuses a head wider than max_logprobs (default 20); -1 allows the whole vocabulary.
         kwargs.setdefault("max_logprobs", -1)
         return llm_cls(*args, **kwargs)
@@ -328,17 +368,18 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
         Trainer._get_per_token_logps_and_entropies = saved["logps"]
 
 
-def _patched_generate(cap: GrpoCapture, original: Any, head: int | None, max_head: int | None) -> Any:
+def _patched_generate(cap: GrpoCapture, original: Callable[..., Generated], head: int | None, max_head: int | None,
+                      ) -> Callable[..., Generated]:
     """``VLLMGeneration.generate`` asking for the capture plan's head and recording S_q per sequence; TRL
     still gets the sampled token's log-prob it asked for."""
     # Per-request seeds of adaptive batches: their own stream, so TRL's torch RNG is left untouched.
     seeds = random.Random(0x5EED)
 
-    def generate(self: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+    def generate(self: VLLMGeneration, *args: object, **kwargs: object) -> Generated:
         spec = _spec_of(self)
         vocab = _vocab_size(self)
         # None (server mode) only with a plan made non-adaptive just below.
-        llm: Any = getattr(self, "llm", None) if getattr(self, "mode", "colocate") == "colocate" else None
+        llm: LLM | None = getattr(self, "llm", None) if getattr(self, "mode", "colocate") == "colocate" else None
         rows = SamplerRows(llm, cap=max_head) if llm is not None and head is None else None
         if rows is not None and not rows.install():
             rows = None
@@ -357,17 +398,18 @@ def _patched_generate(cap: GrpoCapture, original: Any, head: int | None, max_hea
             # no patch) rather than seeds of their own.
             plan = CapturePlan(FULL_VOCAB, plan.reason)
         requested = plan.logprobs if plan.logprobs is not None and plan.captures_support else 0
-        batch: dict[str, Any] = {}
+        batch: _Adaptive = {}
         old = self.logprobs
         self.logprobs = requested
-        if plan.adaptive:
-            llm.generate = _adaptive_generate(llm.generate, plan, spec, vocab, cap.history, seeds, batch, rows)
+        engine = llm if plan.adaptive else None  # an adaptive plan has a colocated engine (see above)
+        if engine is not None:
+            engine.generate = _adaptive_generate(engine.generate, plan, spec, vocab, cap.history, seeds, batch, rows)
         try:
             prompt_ids, completion_ids, logprobs, token_ids = original(self, *args, **kwargs)
         finally:
             self.logprobs = old
-            if plan.adaptive:
-                del llm.generate  # the instance attribute: the class's method shows through again
+            if engine is not None:
+                del engine.generate  # the instance attribute: the class's method shows through again
         if logprobs is None:
             cap._pending.append({"completion_ids": completion_ids, "supports": None, "spec": spec,
                                  "dtype": engine_dtype(self), "capture": None})
@@ -384,29 +426,28 @@ def _patched_generate(cap: GrpoCapture, original: Any, head: int | None, max_hea
     return generate
 
 
-def _patched_logps(cap: GrpoCapture, original: Any, keep_logits: bool) -> Any:
+def _patched_logps(cap: GrpoCapture, original: Callable[..., Logps], keep_logits: bool) -> Callable[..., Logps]:
     """``_get_per_token_logps_and_entropies``: its first call of a batch (``old_per_token_logps``) returns the
     mode's log-probs (``old - log S_q`` for replay) and keeps TRL's full-vocabulary values for the record."""
 
-    def logps(self: Any, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-              batch_size: int | None = None, **kwargs: Any) -> tuple[Any, ...]:
-        out: tuple[Any, ...] = original(self, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **kwargs)
+    def logps(self: GRPOTrainer, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+              logits_to_keep: int, batch_size: int | None = None, **kwargs: object) -> Logps:
+        out = original(self, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **kwargs)
         active = cap._active
         if active is None or active["old"] is not None or not cap._pending:
             return out
         # generate() ran earlier in this _generate_and_score_completions call and left its batch here.
-        active["pending"] = cap._pending[-1]
+        pend = active["pending"] = cap._pending[-1]
         # The first scoring call inside _generate_and_score_completions is old_per_token_logps.
         extra = [k for k in _UNSUPPORTED_FORWARD_KWARGS if kwargs.get(k) is not None]
         if extra:
             raise UsageError(f"patch_grpo scores text-only batches: got {', '.join(extra)}")
-        pend = active["pending"]
         if pend["supports"] is None and pend["spec"].effective().filtered and cap.mode == "replay":
             raise EngineError("patch_grpo(mode='replay'): vLLM returned no log-probs, so S_q was not captured")
         full_lp = out[0]
         logits = _forward_logits(model, input_ids, attention_mask, logits_to_keep, batch_size or input_ids.shape[0])
         used = full_lp.clone()
-        rows = []
+        rows: list[_Row] = []
         for b, comp in enumerate(pend["completion_ids"]):
             n = len(comp)
             z = logits[b, :n]
@@ -423,11 +464,11 @@ def _patched_logps(cap: GrpoCapture, original: Any, keep_logits: bool) -> Any:
     return logps
 
 
-def _patched_score(cap: GrpoCapture, original: Any) -> Any:
+def _patched_score(cap: GrpoCapture, original: Callable[..., Output]) -> Callable[..., Output]:
     """``_generate_and_score_completions``: the batch's capture recorded, and ``old_per_token_logps`` put back
     to TRL's full-vocabulary values so only the IS correction is fixed, never the policy ratio."""
 
-    def score(self: Any, inputs: Any) -> Any:
+    def score(self: GRPOTrainer, inputs: object) -> Output:
         if not (getattr(self, "use_vllm", False) and getattr(self, "vllm_importance_sampling_correction", False)):
             if cap.mode != "observe":
                 raise UsageError(
@@ -438,7 +479,7 @@ def _patched_score(cap: GrpoCapture, original: Any) -> Any:
                 )
             return original(self, inputs)
         cap._pending.clear()
-        active: dict[str, Any] = {"old": None, "pending": None}
+        active: _Active = {"old": None, "pending": None}
         cap._active = active
         step = int(self.state.global_step)
         try:
@@ -458,8 +499,7 @@ def _patched_score(cap: GrpoCapture, original: Any) -> Any:
     return score
 
 
-def _record(cap: GrpoCapture, trainer: Any, step: int, pend: dict[str, Any], old: dict[str, Any],
-            output: dict[str, Any]) -> None:
+def _record(cap: GrpoCapture, trainer: GRPOTrainer, step: int, pend: _Batch, old: _Old, output: Output) -> None:
     mask = output["completion_mask"]
     if "tool_mask" in output:
         mask = mask * output["tool_mask"]
@@ -469,7 +509,7 @@ def _record(cap: GrpoCapture, trainer: Any, step: int, pend: dict[str, Any], old
     prompt_mask = output["prompt_mask"]
     spec = pend["spec"]
     cap.counts["generation_batches"] += 1
-    if pend.get("capture") is not None:
+    if pend["capture"] is not None:
         cap.capture_plans.append({"step": step, **pend["capture"].to_dict()})
     for b, comp in enumerate(pend["completion_ids"]):
         n = len(comp)
@@ -479,7 +519,8 @@ def _record(cap: GrpoCapture, trainer: Any, step: int, pend: dict[str, Any], old
         r = ratio[b].detach().float().cpu() if ratio is not None else None
         if r is not None and r.numel() > 1:
             r = r[:n]
-        seq = {
+        incomplete = support.incomplete if support is not None else torch.zeros(n, dtype=torch.bool)
+        seq: dict[str, object] = {
             "step": step,
             "index": b,
             "prompt_ids": prompts[b][prompt_mask[b].bool()].tolist(),
@@ -491,7 +532,7 @@ def _record(cap: GrpoCapture, trainer: Any, step: int, pend: dict[str, Any], old
             "log_s": row["log_s"],
             "kept_ids": support.kept_ids if support is not None else None,
             "kept_logprobs": support.kept_logprobs if support is not None else None,
-            "incomplete": support.incomplete if support is not None else torch.zeros(n, dtype=torch.bool),
+            "incomplete": incomplete,
             "is_ratio": r,
             "logits": row["logits"],
             "spec": spec.to_dict(),
@@ -504,4 +545,4 @@ def _record(cap: GrpoCapture, trainer: Any, step: int, pend: dict[str, Any], old
         cap.counts["sequences"] += 1
         cap.counts["tokens"] += n
         cap.counts["masked_tokens"] += int((~m).sum())
-        cap.counts["incomplete_positions"] += int(seq["incomplete"].sum())
+        cap.counts["incomplete_positions"] += int(incomplete.sum())

@@ -218,7 +218,7 @@ def run_phase(cfg: GrpoRunConfig, mode: str, model_path: str, out: Path) -> dict
     metrics = [{k: h[k] for k in TRL_METRICS if k in h} | {"step": h.get("step")} for h in history
                if any(k in h for k in TRL_METRICS)]
     path = save_sequences(cap.sequences, out / f"{mode}.pt") if cap is not None else None
-    dtypes = sorted({s["sampler_dtype"] for s in cap.sequences}) if cap is not None else []
+    dtypes = sorted({str(s["sampler_dtype"]) for s in cap.sequences}) if cap is not None else []
     return {
         "mode": mode,
         "metrics": metrics,

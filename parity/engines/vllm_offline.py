@@ -6,10 +6,10 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar, Unpack, cast
+from typing import TYPE_CHECKING, TypeVar, Unpack
 
 import torch
 
@@ -22,6 +22,10 @@ from parity.engines.routed_experts import RoutedExperts, attach_routes, moe_shap
 from parity.engines.sampler_rows import SamplerRows
 from parity.errors import EngineError, SetupError, TimedOut, UsageError
 from parity.records.vllm_outputs import ROWS_ATTR, heads_of_output, spec_of_params
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+    from vllm import LLM, RequestOutput, SamplingParams
 
 T = TypeVar("T")
 ROWS_HEAD = 64  # the head asked where the sampler's rows prove what it cannot (docs/capture_plan.md, section 9)
@@ -57,25 +61,26 @@ def call_with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:
     The offline engine has no timeout of its own; a stuck engine must end the run with an error, not
     hang it.
     """
-    box: dict[str, Any] = {}
+    value: list[T] = []
+    error: list[BaseException] = []
 
     def target() -> None:
         try:
-            box["value"] = fn()
+            value.append(fn())
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            box["error"] = exc
+            error.append(exc)
 
     worker = threading.Thread(target=target, name=f"parity-{what}", daemon=True)
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
         raise TimedOut(f"{what} did not finish within {timeout_s:.0f} s (raise --timeout if the model is large)")
-    if "error" in box:
-        raise box["error"]
-    return cast(T, box["value"])
+    if error:
+        raise error[0]
+    return value[0]
 
 
-def sampling_params(spec: SamplingSpec, **extra: Any) -> Any:
+def sampling_params(spec: SamplingSpec, **extra: object) -> SamplingParams:
     """A ``vllm.SamplingParams`` with ``spec``'s filters; ``extra`` adds e.g. max_tokens, seed."""
     try:
         from vllm import SamplingParams
@@ -85,9 +90,9 @@ def sampling_params(spec: SamplingSpec, **extra: Any) -> Any:
 
 
 def capture_outputs(
-    generate: Callable[[list[Any], list[Any]], Sequence[Any]],
-    prompts: Sequence[Any],
-    params: Sequence[Any],
+    generate: Callable[[list[object], list[SamplingParams]], Sequence[RequestOutput]],
+    prompts: Sequence[object],
+    params: Sequence[SamplingParams],
     plan: cap.CapturePlan,
     *,
     spec: SamplingSpec,
@@ -112,7 +117,7 @@ def capture_outputs(
             q.logprobs = k
             batch.append(q)
 
-        def run() -> Sequence[Any]:
+        def run() -> Sequence[RequestOutput]:
             return generate([prompts[i] for i in indices], batch)
 
         if rows is not None:
@@ -137,15 +142,15 @@ def capture_outputs(
 
 
 def generate_with_capture(
-    llm: Any,
-    prompts: Sequence[Any],
-    params: Any,
+    llm: LLM,
+    prompts: Sequence[object],
+    params: SamplingParams | Sequence[SamplingParams],
     *,
     max_head: int | None = None,
     history: cap.CaptureHistory | None = None,
     start: int | None = None,
     timeout_s: float | None = None,
-) -> tuple[list[Any], list[Any], cap.CaptureStats]:
+) -> tuple[list[RequestOutput], list[SamplingParams], cap.CaptureStats]:
     """``llm.generate`` with the kept set captured: your engine, parity's capture plan.
 
     ``params``: one ``SamplingParams`` (``n=1``) or one per prompt; ``logprobs`` is set from the plan, widened up
@@ -155,7 +160,7 @@ def generate_with_capture(
     as :func:`parity.core.capture.plan_capture` and :func:`capture_outputs`.
     """
     prompts = list(prompts)
-    plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    plist: list[SamplingParams] = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
     if len(plist) != len(prompts):
         raise UsageError(f"generate_with_capture: {len(plist)} SamplingParams for {len(prompts)} prompts: allowed one or one per prompt")
     for i, p in enumerate(plist):
@@ -203,7 +208,7 @@ class VllmRollout(RolloutBase):
 
     name = "vllm"
 
-    def __init__(self, model: str | Path, *, engine_kwargs: dict[str, Any] | None = None,
+    def __init__(self, model: str | Path, *, engine_kwargs: Mapping[str, object] | None = None,
                  **settings: Unpack[RolloutSettings]) -> None:
         """``settings``: those of :class:`~parity.engines.rollout_base.RolloutBase`; ``engine_kwargs``
         go to ``vllm.LLM`` last (they override)."""
@@ -227,7 +232,7 @@ class VllmRollout(RolloutBase):
             from vllm import LLM
         except ImportError as exc:
             raise SetupError("the rollout engine needs vLLM: install parity[cpu] (or parity[gpu] on CUDA)") from exc
-        kwargs: dict[str, Any] = dict(
+        kwargs: dict[str, object] = dict(
             model=self.model,
             dtype=self.dtype,
             seed=self.seed,
@@ -258,7 +263,7 @@ class VllmRollout(RolloutBase):
         self.routes = RoutedExperts(self.llm, timeout_s=self.timeout_s)
         if self.moe is not None and device != "cuda" and not self.routes.install():
             raise EngineError(f"routed-expert capture on {self.model}: {self.routes.reason}")
-        self.last_routes: dict[str, Any] | None = None
+        self.last_routes: dict[str, object] | None = None
 
     def plan(self, spec: SamplingSpec) -> cap.CapturePlan:
         """The head route's plan; where the sampler's rows are read, adaptive plans start at ``ROWS_HEAD``
@@ -274,8 +279,9 @@ class VllmRollout(RolloutBase):
         return replace(plan, reason=f"{plan.reason}; kept sets the head cannot prove read whole from the "
                                     f"sampler's row ({wide})")
 
-    def tokenizer(self) -> Any:
-        return self.llm.get_tokenizer()
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        tok: PreTrainedTokenizerBase = self.llm.get_tokenizer()
+        return tok
 
     def generate(
         self,

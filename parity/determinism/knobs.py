@@ -13,13 +13,14 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
 from parity.determinism.attention_kernel import ATTENTION_KERNEL
 from parity.determinism.attention_kernel import ATTENTION_NAME as CPU_ATTENTION
 from parity.errors import SetupError, UsageError
+from parity.report.blocks import Json, JsonObject
 
 ON, OFF, UNAVAILABLE = "on", "off", "unavailable"
 
@@ -54,11 +55,19 @@ class Knob:
 
     name: str
     status: str  # ON | OFF | UNAVAILABLE
-    value: Any = None
+    value: Json = None
     reason: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"status": self.status, "value": self.value, "reason": self.reason}
+
+
+class ModeJson(TypedDict):  # report.json's batch_invariant_mode (DeterminismState.to_dict)
+    enabled: bool
+    device: str
+    knobs: dict[str, JsonObject]
+    on: list[str]
+    unavailable: list[str]
 
 
 @dataclass
@@ -69,13 +78,13 @@ class DeterminismState:
     device: str
     knobs: dict[str, Knob] = field(default_factory=dict)
 
-    def add(self, name: str, status: str, value: Any = None, reason: str | None = None) -> None:
+    def add(self, name: str, status: str, value: Json = None, reason: str | None = None) -> None:
         self.knobs[name] = Knob(name, status, value, reason)
 
     def names(self, status: str) -> list[str]:
         return [k.name for k in self.knobs.values() if k.status == status]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> ModeJson:
         return {
             "enabled": self.enabled,
             "device": self.device,
@@ -118,7 +127,7 @@ def _set_env(undo: _Undo, name: str, value: str) -> None:
     undo.push(restore)
 
 
-def _set_attrs(undo: _Undo, *settings: tuple[Any, str, Any]) -> None:
+def _set_attrs(undo: _Undo, *settings: tuple[object, str, object]) -> None:
     """Set each ``(obj, attr, value)`` in order; one undo action puts the previous values back, in the same order."""
     prev = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in settings]
     for obj, attr, value in settings:
@@ -235,7 +244,7 @@ def _attention(state: DeterminismState, undo: _Undo, enabled: bool, models: Sequ
         if prev != "eager":
             m.set_attn_implementation("eager")
 
-            def restore(m: Any = m, prev: Any = prev) -> None:
+            def restore(m: Any = m, prev: str | None = prev) -> None:
                 m.set_attn_implementation(prev)
 
             undo.push(restore)
@@ -257,7 +266,7 @@ def _trainer_experts(state: DeterminismState, undo: _Undo, enabled: bool, models
     for m, prev in zip(moe, impls, strict=True):
         m.set_experts_implementation("eager")
 
-        def restore(m: Any = m, prev: Any = prev) -> None:
+        def restore(m: Any = m, prev: str | None = prev) -> None:
             m.set_experts_implementation(prev)
 
         undo.push(restore)
@@ -371,7 +380,7 @@ def _vllm_env(state: DeterminismState, undo: _Undo, enabled: bool) -> None:
     state.add(name, ON, "1", reason)
 
 
-def _enable_vllm_overrides() -> tuple[str, Any, str | None, Callable[[], None] | None]:
+def _enable_vllm_overrides() -> tuple[str, Json, str | None, Callable[[], None] | None]:
     """Install vLLM's batch-invariant aten overrides in this process (the trainer side).
 
     Returns (status, value, reason, undo). Kept apart so that unit tests can stand in for it: the real

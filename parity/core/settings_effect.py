@@ -5,7 +5,6 @@ outputs are bitwise equal is a property of the engine build and the machine (doc
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -13,12 +12,12 @@ from parity.core.matrix import Scenario
 from parity.core.sequence import SequenceRecord
 
 
-def settings_of(sc: Scenario, run_prefix_caching: bool) -> dict[str, Any]:
+def settings_of(sc: Scenario, run_prefix_caching: bool) -> dict[str, bool | int | None]:
     pc = run_prefix_caching if sc.prefix_caching is None else sc.prefix_caching
     return {"prefix_caching": pc, "max_num_batched_tokens": sc.max_num_batched_tokens}
 
 
-def compare_records(base: Sequence[SequenceRecord], other: Sequence[SequenceRecord]) -> dict[str, Any]:
+def compare_records(base: Sequence[SequenceRecord], other: Sequence[SequenceRecord]) -> dict[str, int | float | None]:
     """Sequences with the same tokens, bitwise-equal sampler log-probs, their largest gap, routed experts equal."""
     same_tokens = [a.completion_ids == b.completion_ids for a, b in zip(base, other, strict=True)]
     pairs = [(a, b) for a, b, s in zip(base, other, same_tokens, strict=True) if s]
@@ -40,12 +39,12 @@ def compare_records(base: Sequence[SequenceRecord], other: Sequence[SequenceReco
 
 def settings_effect(
     scenarios: Sequence[Scenario], records: Sequence[Sequence[SequenceRecord]], run_model: str, run_prefix_caching: bool
-) -> list[dict[str, Any]]:
+) -> list[dict[str, object]]:  # report.json's engine_settings (report.blocks.EngineSettingEffect)
     """Each scenario that differs from another only in engine settings, against the one without them."""
-    def key(sc: Scenario) -> tuple[Any, ...]:
+    def key(sc: Scenario) -> tuple[object, ...]:
         return (sc.model or run_model, sc.spec, sc.prompts, sc.max_tokens, sc.seed, sc.shared_prefix)
 
-    out = []
+    out: list[dict[str, object]] = []
     for i, sc in enumerate(scenarios):
         mine = settings_of(sc, run_prefix_caching)
         if not mine["prefix_caching"] and mine["max_num_batched_tokens"] is None:

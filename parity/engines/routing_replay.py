@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,6 +28,9 @@ from parity.core.token_table import TokenTable, build_table
 from parity.core.violation import Position, Violation
 from parity.engines.routed_experts import ROUTED
 from parity.errors import UsageError
+
+if TYPE_CHECKING:
+    from parity.engines.session import Trainer
 
 
 def routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module, torch.nn.Module]]:
@@ -111,8 +114,9 @@ def trace_routers(model: torch.nn.Module, records: Sequence[SequenceRecord] | No
         calls = trace.calls.setdefault(lyr, [])
         forced = _forced(records, batch_size, j, _top_k(router)) if records is not None else None
 
-        def after(mod: Any, args: Any, out: Any, calls: list[dict[str, np.ndarray]] = calls,
-                  forced: list[torch.Tensor] | None = forced) -> Any:
+        def after(mod: torch.nn.Module, args: tuple[torch.Tensor, ...], out: tuple[torch.Tensor, ...],
+                  calls: list[dict[str, np.ndarray]] = calls, forced: list[torch.Tensor] | None = forced,
+                  ) -> tuple[torch.Tensor, ...] | None:
             h = args[0].reshape(-1, args[0].shape[-1])
             calls.append({"h_norm": h.float().norm(dim=-1).cpu().numpy(), "logits": out[0].float().cpu().numpy()})
             if forced is None:
@@ -121,8 +125,8 @@ def trace_routers(model: torch.nn.Module, records: Sequence[SequenceRecord] | No
             idx = torch.where(want >= 0, want, out[2])
             return out[0], _regate(mod, out[0], idx), idx
 
-        def used(mod: Any, args: Any, kwargs: Any, calls: list[dict[str, np.ndarray]] = calls) -> None:
-            top = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
+        def used(mod: torch.nn.Module, args: tuple[torch.Tensor, ...], kwargs: dict[str, torch.Tensor], calls: list[dict[str, np.ndarray]] = calls) -> None:
+            top = kwargs["top_k_index"] if "top_k_index" in kwargs else args[1]
             calls[-1]["ids"] = top.detach().cpu().numpy().astype(np.int32)
 
         handles.append(router.register_forward_hook(after))
@@ -139,9 +143,9 @@ def _rows(records: Sequence[SequenceRecord], per: list[dict[str, np.ndarray]], k
 
 
 def routing_report(
-    records: Sequence[SequenceRecord], table: TokenTable, trainer: Any, spec: SamplingSpec, dtypes: Sequence[str],
+    records: Sequence[SequenceRecord], table: TokenTable, trainer: Trainer, spec: SamplingSpec, dtypes: Sequence[str],
     *, scenario: str, max_headroom: float, n_listed: int = 5,
-) -> tuple[dict[str, Any], list[Violation]]:
+) -> tuple[dict[str, object], list[Violation]]:
     """One scenario's routing section: agreement of the sampler's experts with the trainer's router (margin
     gate), then the trainer again under replay of the sampler's experts (forced 100 %, drift in the dense bound)."""
     bs = int(getattr(trainer, "batch_size", 8))

@@ -9,7 +9,7 @@ allowed only where the trainer's margin between its k-th and (k+1)-th router log
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -53,7 +53,7 @@ class RoutingAgreement:
     layers: int
     top_k: int
     num_experts: int
-    per_layer: list[dict[str, Any]]
+    per_layer: list[dict[str, float]]  # layer, agreement, flips, flips_above_bound, median margin and bound
     agreement: float  # over every (row, layer)
     rows_any_layer_differs: float  # Megatron's figure: rows with >= 1 layer whose set differs
     flips: int
@@ -61,7 +61,7 @@ class RoutingAgreement:
     flips_above_bound: int
     worst_margin_over_bound: float | None  # the largest margin / bound among flips (None: no flip)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -133,9 +133,9 @@ class ReplayCheck:
     rows: int
     forced_frac: float
     mismatched: int
-    drift: dict[str, Any] = field(default_factory=dict)  # with and without replay: |diff|, headroom, IS ratio
+    drift: dict[str, dict[str, float]] = field(default_factory=dict)  # with and without replay: |diff|, headroom, IS ratio
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -159,7 +159,7 @@ def replay_forced(
                              detail=f"{check.mismatched} of {same.size} sets differ from the recorded ones")]
 
 
-def drift_stats(sampler: np.ndarray, trainer: np.ndarray, bound: np.ndarray, seq: np.ndarray) -> dict[str, Any]:
+def drift_stats(sampler: np.ndarray, trainer: np.ndarray, bound: np.ndarray, seq: np.ndarray) -> dict[str, float]:
     """|trainer - sampler| against its per-token bound, and the IS ratio exp(trainer - sampler), token and sequence."""
     d = trainer - sampler
     head = np.abs(d) / np.maximum(bound, 1e-300)
@@ -174,7 +174,7 @@ def drift_stats(sampler: np.ndarray, trainer: np.ndarray, bound: np.ndarray, seq
 
 
 def replay_drift(
-    without: dict[str, Any], replay: dict[str, Any], max_headroom: float, worst: Position | None, *, scenario: str
+    without: dict[str, float], replay: dict[str, float], max_headroom: float, worst: Position | None, *, scenario: str
 ) -> list[Violation]:
     """Under replay the log-prob drift is held to the dense model's bound: max |diff| / bound <= ``max_headroom``."""
     if replay["headroom"] <= max_headroom:

@@ -17,15 +17,23 @@ import json
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from vllm import LLM, RequestOutput
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    from parity.core.sequence import SequenceRecord
 
 ATTR = "_parity_routes"
 ROUTED = "routed_experts"  # SequenceRecord.extras key: long [P + L - 1, layers, top_k], -1 where no forward ran
 NATIVE = "vLLM enable_return_routed_experts (CompletionOutput.routed_experts, Model Runner V2)"
 BINDER = "vLLM bind_routed_experts_capturer on the in-process V1 runner (vllm 0.32)"
+Steps = dict[str, list[tuple[np.ndarray, dict[int, np.ndarray]]]]  # request id -> (positions, ids per layer) per forward
 
 
 def moe_shape(checkpoint: str | Path) -> tuple[int, int, int] | None:
@@ -48,9 +56,9 @@ class _Recorder:
         self.armed = False
         self.schedule: dict[str, int] | None = None
         self.layers: dict[int, np.ndarray] = {}
-        self.store: dict[str, list[tuple[np.ndarray, dict[int, np.ndarray]]]] = {}
+        self.store: Steps = {}
 
-    def capture(self, layer_id: int, topk_ids: Any) -> None:
+    def capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
         if self.armed and self.schedule is not None:
             self.layers[int(layer_id)] = topk_ids.detach().to("cpu").numpy().astype(np.int32, copy=True)
 
@@ -72,7 +80,7 @@ class _Recorder:
             start += n
 
 
-def _install(worker: Any) -> str:
+def _install(worker: WorkerBase) -> str:
     from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
 
     runner = getattr(worker, "model_runner", None)
@@ -85,14 +93,14 @@ def _install(worker: Any) -> str:
     ref = weakref.ref(runner)  # no cycle through the wrappers: the engine must be collectable on close
     execute, forward = runner.execute_model, runner._model_forward
 
-    def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+    def execute_model(scheduler_output: SchedulerOutput, *args: object, **kwargs: object) -> object:
         rec.schedule = dict(scheduler_output.num_scheduled_tokens) if rec.armed else None
         return execute(scheduler_output, *args, **kwargs)
 
-    def model_forward(*args: Any, **kwargs: Any) -> Any:
+    def model_forward(*args: object, **kwargs: object) -> object:
         out = forward(*args, **kwargs)
         run, positions = ref(), kwargs.get("positions")
-        if run is not None and rec.schedule is not None and positions is not None:
+        if run is not None and rec.schedule is not None and isinstance(positions, torch.Tensor):
             rec.flush(list(run.input_batch.req_ids), positions.detach().to("cpu").numpy())
         return out
 
@@ -101,7 +109,7 @@ def _install(worker: Any) -> str:
     return ""
 
 
-def _arm(worker: Any, on: bool) -> dict[str, list[tuple[np.ndarray, dict[int, np.ndarray]]]]:
+def _arm(worker: WorkerBase, on: bool) -> Steps:
     rec: _Recorder = getattr(worker.model_runner, ATTR)
     rec.armed, out = on, dict(rec.store)
     rec.store.clear()
@@ -124,7 +132,7 @@ def assemble(steps: list[tuple[np.ndarray, dict[int, np.ndarray]]], length: int)
 class RoutedExperts:
     """The binder on one ``vllm.LLM``: :meth:`install` once; :meth:`arm`, generate, :meth:`take`."""
 
-    def __init__(self, llm: Any, *, timeout_s: float = 60.0) -> None:
+    def __init__(self, llm: LLM, *, timeout_s: float = 60.0) -> None:
         self.llm, self.timeout_s, self.reason, self.active = llm, timeout_s, "", False
 
     def install(self) -> bool:
@@ -143,20 +151,20 @@ class RoutedExperts:
         if self.active:
             self.llm.collective_rpc(_arm, timeout=self.timeout_s, args=(True,))
 
-    def take(self) -> dict[str, list[tuple[np.ndarray, dict[int, np.ndarray]]]]:
+    def take(self) -> Steps:
         """The steps recorded since :meth:`arm`, by the caller's request id (vLLM appends ``-`` and 8 characters)."""
         if not self.active:
             return {}
         [got] = self.llm.collective_rpc(_arm, timeout=self.timeout_s, args=(False,))
-        out: dict[str, list[tuple[np.ndarray, dict[int, np.ndarray]]]] = {}
+        out: Steps = {}
         for rid, steps in got.items():
             out.setdefault(rid.rsplit("-", 1)[0], []).extend(steps)
         return out
 
 
 def attach_routes(
-    records: Sequence[Any], outputs: Sequence[Any], steps: dict[str, Any] | None, experts: int
-) -> dict[str, Any]:
+    records: Sequence[SequenceRecord], outputs: Sequence[RequestOutput], steps: Steps | None, experts: int
+) -> dict[str, object]:
     """Put each record's routed experts in ``extras[ROUTED]``: the native ``routed_experts`` of its output, or the
     binder's ``steps`` (by request id). Positions no forward covered (a prefix-cache hit) stay -1, counted."""
     uncovered, rows = 0, 0

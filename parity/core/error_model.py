@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, TypeAlias, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, TypedDict, TypeGuard, cast
 
 from parity.errors import UsageError
 
@@ -52,7 +52,7 @@ def _name(dtype: str | torch.dtype) -> str:
     return name
 
 
-def _is_torch_dtype(x: Any) -> bool:
+def _is_torch_dtype(x: object) -> TypeGuard[torch.dtype]:
     torch_module = sys.modules.get("torch")  # a torch.dtype exists only once torch is imported
     return torch_module is not None and isinstance(x, torch_module.dtype)
 
@@ -60,7 +60,7 @@ def _is_torch_dtype(x: Any) -> bool:
 def unit_roundoff(dtypes: Dtypes) -> float:
     """The unit roundoff of the looser of the given dtypes (both sides of a comparison)."""
     if isinstance(dtypes, str) or _is_torch_dtype(dtypes):
-        items: list[Any] = [dtypes]
+        items: list[str | torch.dtype] = [dtypes]
     else:
         items = list(cast("Iterable[str | torch.dtype]", dtypes))
     if not items:
@@ -190,7 +190,7 @@ def mean_bias_limit(n: int, systematic_mean: float, spread_sd: float) -> float:
     return systematic_mean + MEAN_BIAS_Z * sd / math.sqrt(n)
 
 
-def log_s_signature(n: int, cross: float, log_s_sq: float, spread_sd: float) -> dict[str, Any] | None:
+def log_s_signature(n: int, cross: float, log_s_sq: float, spread_sd: float) -> dict[str, float] | None:
     """The least-squares slope of ``d`` on log S through 0 (1 = a full-vocabulary trainer, 0 = none of
     log S), from ``sum(d * log S)`` and ``sum(log S^2)``, with its standard error from the reference spread."""
     if n == 0 or log_s_sq <= 0.0:
@@ -199,11 +199,11 @@ def log_s_signature(n: int, cross: float, log_s_sq: float, spread_sd: float) -> 
 
 
 def mean_bias_entry(n: int, mean: float, systematic_mean: float, spread_sd: float,
-                    signature: dict[str, Any] | None = None) -> dict[str, Any]:
+                    signature: dict[str, float] | None = None) -> dict[str, object]:
     """One mean gate's numbers: the mean, its limit split into systematic and statistical parts (the
     limit is the gate's resolution: the smallest per-token bias it detects)."""
     limit = mean_bias_limit(n, systematic_mean, spread_sd)
-    out: dict[str, Any] = {"mean": mean, "limit": limit, "systematic": systematic_mean,
+    out: dict[str, object] = {"mean": mean, "limit": limit, "systematic": systematic_mean,
                            "statistical": limit - systematic_mean, "spread_sd": spread_sd, "tokens": n}
     if signature is not None:
         out["log_s_signature"] = signature
@@ -232,7 +232,15 @@ def normalisation_allowance(n: int, u: float) -> float:
     return MEAN_BIAS_Z * math.sqrt(max(int(n), 1)) * u
 
 
-def stated_facts(vocab_size: int, sampler_dtype: str, trainer_dtype: str, top_k: int) -> dict[str, Any]:
+class StatedFacts(TypedDict):
+    vocab: int
+    sampler_support: int
+    u: float
+    assumed: list[str]
+    allowance: float
+
+
+def stated_facts(vocab_size: int, sampler_dtype: str, trainer_dtype: str, top_k: int) -> StatedFacts:
     """What the two-column gate takes from the records' stated facts (``""`` / 0: not stated): the vocabulary
     (the widest in use when not stated), each side's normalisation size, the accumulator's roundoff, the
     per-token allowance of both normalisations, and what was assumed."""
@@ -253,7 +261,7 @@ def stated_facts(vocab_size: int, sampler_dtype: str, trainer_dtype: str, top_k:
 
 
 def sign_test(*, tokens: int, effective_n: float, d_sum: float, d_sq: float, negative: int,
-              positive: int) -> dict[str, Any]:
+              positive: int) -> dict[str, object]:
     """The sign part of the two-column gate: of the tokens beyond their systematic allowance, the share below
     it, against the ``Phi(s / 2)`` an honest drift gives (docs/error_model.md, section 8).
     """
@@ -274,7 +282,7 @@ def ratio_bias_entry(
     *, tokens: int, sequences: int, e_sum: float, e_sq: float, seq_e_sq: float, seq_ne: float, seq_n_sq: float,
     d_sum: float, lp_abs_sum: float, sampler_support: int, trainer_support: int, accumulate_u: float,
     d_sq: float = 0.0, beyond_negative: int = 0, beyond_positive: int = 0,
-) -> dict[str, Any] | None:
+) -> dict[str, object] | None:
     """The mean-bias gate of two log-prob columns, from mergeable sums of ``e = expm1(d)``, ``d = trainer - sampler``.
 
     ``mean``: the log of the mean IS ratio; ``mean_diff``: the plain mean of ``d``; the per-sequence sums and the
@@ -319,7 +327,7 @@ def ratio_bias_entry(
 def logprob_rounding_bound(
     logits: Tensor,
     sampled: Tensor,
-    spec: Any,  # a parity.core.spec.SamplingSpec (not imported: emitted scripts inline this module)
+    spec: Any,  # a SamplingSpec, or the emitted scripts' stand-in (they inline this module): duck-typed
     dtype: str | torch.dtype,
     kept: Tensor | None = None,
 ) -> Tensor:

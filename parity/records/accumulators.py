@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.core.error_model import stated_facts
+from parity.core.error_model import StatedFacts, stated_facts
 from parity.core.spec import SamplingSpec
 from parity.core.violation import Position
 from parity.errors import UsageError
@@ -114,7 +114,7 @@ class ScenarioAcc:
         for f in FIRSTS:
             self.first.setdefault(f, First(self.n_listed))
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self) -> StatedFacts:
         """The stated facts the two-column gate uses (:func:`parity.core.error_model.stated_facts`)."""
         e = SamplingSpec(**self.spec).effective()
         sampler_dtype, trainer_dtype = (self.dtypes + ["", ""])[:2]

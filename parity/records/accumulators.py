@@ -232,18 +232,18 @@ class Summary:
         return _decode(data)
 
 
-def _pos(p: Position) -> dict[str, Any]:
+def _pos(p: Position) -> dict[str, object]:
     return {"prompt": p.prompt, "position": p.position, "token": p.token, "values": dict(p.values), "gap": p.gap,
             "bound": p.bound, "note": p.note}
 
 
-def _encode(s: Summary) -> dict[str, Any]:
-    def stream(d: DiffStream) -> dict[str, Any]:
+def _encode(s: Summary) -> dict[str, object]:
+    def stream(d: DiffStream) -> dict[str, object]:
         nz = np.flatnonzero(d.hist)
         return {"n": d.n, "total": d.total, "total_abs": d.total_abs, "max_abs": d.max_abs, "nonfinite": d.nonfinite,
                 "hist": [[int(i), int(d.hist[i])] for i in nz]}
 
-    def bounded(b: BoundStream) -> dict[str, Any]:
+    def bounded(b: BoundStream) -> dict[str, object]:
         plain = {k: getattr(b, k) for k in ("n", "mean", "m2", "bound_sum", "systematic_sum", "headroom",
                                             "cross_log_s", "log_s_sq")}
         nz = np.flatnonzero(b.hist)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -26,6 +26,9 @@ from parity.records.schema import RecordsError
 from parity.records.vllm_outputs import heads_of_output, spec_of_params
 from parity.records.write import records_table
 
+if TYPE_CHECKING:
+    from parity.core.token_table import TokenTable, TrainerFaults
+
 # A vocabulary no model reaches: with no vocab_size given, only logprobs=-1 counts as the full vocabulary.
 _UNKNOWN_VOCAB = 2**31 - 1
 
@@ -35,11 +38,11 @@ def _kept_columns(
     logprobs: torch.Tensor,
     incomplete: torch.Tensor | None = None,
     logits: torch.Tensor | None = None,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Padded kept ids ``[L, K]`` (-1 = none), their aligned log-probs (and the trainer's logits at them)
     as the records' kept-set columns: the ids back to back, L + 1 offsets, the values alike."""
     mask = kept >= 0
-    out = {
+    out: dict[str, object] = {
         "kept_ids": kept[mask].tolist(),
         "kept_offsets": [0] + torch.cumsum(mask.sum(dim=1), 0).tolist(),
         "kept_logprobs": logprobs[mask].tolist(),
@@ -51,13 +54,13 @@ def _kept_columns(
     return out
 
 
-def spec_row(spec: SamplingSpec) -> dict[str, Any]:
+def spec_row(spec: SamplingSpec) -> dict[str, float]:
     return {"temperature": spec.temperature, "top_k": spec.top_k, "top_p": spec.top_p, "min_p": spec.min_p}
 
 
 def heads_row(
-    h: Heads, prompt: Sequence[int], spec: SamplingSpec, *, requested: int, vocab_size: int, **fields: Any
-) -> dict[str, Any]:
+    h: Heads, prompt: Sequence[int], spec: SamplingSpec, *, requested: int, vocab_size: int, **fields: object
+) -> dict[str, object]:
     """The record row of one sequence as the engine returned it (``fields``: scenario, prompt_index, seed).
 
     Its kept-set columns come from the per-position top-K heads
@@ -85,8 +88,8 @@ def heads_row(
 
 
 def from_request_outputs(
-    outputs: Sequence[Any],
-    params: Any,
+    outputs: Sequence[Any],  # vLLM's RequestOutputs (records import no engine, not even for types)
+    params: Any,  # one SamplingParams or one per output
     *,
     vocab_size: int | None = None,
     scenario: str | None = None,
@@ -203,7 +206,7 @@ def from_trl(
             prompt = prompt_ids[i][keep].tolist()
         else:
             prompt = []
-        row: dict[str, Any] = {
+        row: dict[str, object] = {
             "scenario": scenario,
             "prompt_index": i,
             "step": step,
@@ -231,9 +234,9 @@ def from_sequence_records(
     records: Sequence[SequenceRecord],
     *,
     scenario: str | None = None,
-    table: Any = None,
+    table: TokenTable | None = None,
     logits: Sequence[torch.Tensor] | None = None,
-    faults: Any = None,
+    faults: TrainerFaults | None = None,
 ) -> pa.Table:
     """Records of sampler-side :class:`SequenceRecord` s, with the trainer's estimates when ``table`` is given.
 
@@ -274,7 +277,7 @@ def from_sequence_records(
         tokens = torch.split(table.token, lengths)
         s_lo, s_hi = torch.split(table.s_lo, lengths), torch.split(table.s_hi, lengths)
     for i, r in enumerate(records):
-        row: dict[str, Any] = {
+        row: dict[str, object] = {
             "scenario": scenario,
             "prompt_index": r.prompt_index,
             "seed": r.seed,

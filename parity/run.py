@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from parity.determinism.knobs import DeterminismState
+    from parity.engines.routing_replay import RouterTrace
     from parity.engines.trainer_under_test import TrainerFn
     from parity.engines.vllm_offline import VllmRollout
     from parity.records.accumulators import Summary
@@ -194,7 +196,9 @@ def score_scenario(
         rollout.capture_history = history
     records = rollout.generate(prompts, sc.spec, max_tokens=sc.max_tokens, seed=seed)
     raw_pass = attach_sampler_log_s(records, raw, prompts, sc, seed) if raw is not None else None
-    logits = trainer.logits(records)
+    moe = bool(records) and "routed_experts" in records[0].extras
+    with _routers_traced(trainer, moe) as own:  # MoE: the scoring pass's routing is the trainer's side of the gates
+        logits = trainer.logits(records)
     dtypes = (cfg.dtype, cfg.trainer_dtype or cfg.dtype)
     table = build_table(records, logits, sc.spec, faults=cfg.faults, dtype=dtypes)
     views = score_trainer_under_test(table, records, logits, sc, cfg.trainer, trainer) if cfg.trainer else None
@@ -203,8 +207,7 @@ def score_scenario(
                             n_listed=cfg.thresholds.max_violations_listed, source=str(cfg.records or "parity run"))
     native = native_mismatches(records) if any("native_kept_ids" in r.extras for r in records) else None
     # MoE: routing agreement and replay (the trainer's routers run again, traced and then forced).
-    routing = (routing_section(records, table, trainer, rollout, sc, cfg, dtypes)
-               if records and "routed_experts" in records[0].extras else None)
+    routing = routing_section(records, table, trainer, rollout, sc, cfg, dtypes, own) if own is not None else None
     (verdict,) = judge(part, cfg.thresholds, trainer_name=table.user_name,
                        native=None if native is None else {sc.name: native},
                        routing=None if routing is None else {sc.name: routing})
@@ -229,14 +232,24 @@ def native_mismatches(records: list[SequenceRecord]) -> list[tuple[int, int]]:
     return [(r.prompt_index, int(t)) for r in records for t in r.extras.get("native_vs_topk_mismatch", [])]
 
 
+def _routers_traced(trainer: Trainer, moe: bool) -> AbstractContextManager[RouterTrace | None]:
+    """Around the scoring pass: on a MoE scenario, trace the trainer's routers (read again by routing_section)."""
+    if not moe:
+        return nullcontext(None)
+    from parity.engines.routing_replay import trace_routers
+
+    return trace_routers(trainer.model, batch_size=int(getattr(trainer, "batch_size", 8)))
+
+
 def routing_section(records: list[SequenceRecord], table: TokenTable, trainer: Trainer, rollout: Rollout,
-                    sc: Scenario, cfg: RunConfig, dtypes: tuple[str, str]) -> Routing:
+                    sc: Scenario, cfg: RunConfig, dtypes: tuple[str, str], own: RouterTrace) -> Routing:
     """A MoE scenario's routing section (:func:`parity.engines.routing_replay.routing_report`), with the positions
     each failing routing gate names, for the gate table to judge."""
     from parity.engines.routing_replay import routing_report
 
     section, found = routing_report(records, table, trainer, sc.spec, dtypes, scenario=sc.name,
-                                    max_headroom=cfg.thresholds.max_headroom, n_listed=cfg.thresholds.max_violations_listed)
+                                    max_headroom=cfg.thresholds.max_headroom, n_listed=cfg.thresholds.max_violations_listed,
+                                    own=own)
     listed = {v.gate: {"worst": [p.to_dict() for p in v.worst], "detail": v.detail} for v in found}
     out: Routing = {**section, "listed": listed, "capture": getattr(rollout, "last_routes", None)}  # type: ignore[typeddict-item]
     return out

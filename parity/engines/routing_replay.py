@@ -144,13 +144,15 @@ def _rows(records: Sequence[SequenceRecord], per: list[dict[str, np.ndarray]], k
 
 def routing_report(
     records: Sequence[SequenceRecord], table: TokenTable, trainer: Trainer, spec: SamplingSpec, dtypes: Sequence[str],
-    *, scenario: str, max_headroom: float, n_listed: int = 5,
+    *, scenario: str, max_headroom: float, n_listed: int = 5, own: RouterTrace | None = None,
 ) -> tuple[dict[str, object], list[Violation]]:
     """One scenario's routing section: agreement of the sampler's experts with the trainer's router (margin
-    gate), then the trainer again under replay of the sampler's experts (forced 100 %, drift in the dense bound)."""
+    gate), then the trainer again under replay of the sampler's experts (forced 100 %, drift in the dense bound).
+    ``own``: the trace of the trainer's scoring pass over ``records``, where the caller traced it (else traced here)."""
     bs = int(getattr(trainer, "batch_size", 8))
-    with trace_routers(trainer.model, batch_size=bs) as own:
-        trainer.logits(records)
+    if own is None:
+        with trace_routers(trainer.model, batch_size=bs) as own:
+            trainer.logits(records)
     mine = own.per_record(records, bs)
     with trace_routers(trainer.model, records, bs) as forced:
         logits_r3 = trainer.logits(records)

@@ -23,6 +23,7 @@ from parity.core.capture_plan import (
     plan_capture,
     start_head,
 )
+from parity.core.json_types import JsonObject
 from parity.core.spec import SamplingSpec
 from parity.core.support import (
     CapturedSupport,
@@ -84,7 +85,7 @@ class Heads:
     sampled_logprobs: list[float]
     head_ids: list[list[int]]
     head_logprobs: list[list[float]]
-    payload: Any = None
+    payload: Any = None  # the adapter's own object, handed back untouched
     # position -> (kept ids, their processed log-probs): S_q read whole from the sampler's row where
     # the head could not prove it (parity.engines.sampler_rows); such a position is proven.
     rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -121,7 +122,7 @@ class CaptureStats:
     row_positions: int = 0  # positions proven by the sampler's own row (the head could not prove them)
     row_mismatched: int = 0  # sampler rows that did not match the position's returned token and value
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return asdict(self)
 
     @classmethod

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, TypeAlias, TypedDict, TypeGuard, cast
+from typing import TYPE_CHECKING, Protocol, TypeAlias, TypedDict, TypeGuard, cast
 
 from parity.errors import UsageError
 
@@ -324,10 +324,20 @@ def ratio_bias_entry(
 # against means over many tokens. The derivation: docs/error_model.md, section 6.
 
 
+class TemperatureSpec(Protocol):
+    """What the rounding bound reads of a sampling spec."""
+
+    @property
+    def greedy(self) -> bool: ...
+
+    @property
+    def effective_temperature(self) -> float: ...
+
+
 def logprob_rounding_bound(
     logits: Tensor,
     sampled: Tensor,
-    spec: Any,  # a SamplingSpec, or the emitted scripts' stand-in (they inline this module): duck-typed
+    spec: TemperatureSpec,  # a SamplingSpec, or the emitted scripts' stand-in (they inline this module)
     dtype: str | torch.dtype,
     kept: Tensor | None = None,
 ) -> Tensor:

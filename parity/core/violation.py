@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+
+from parity.core.json_types import JsonObject
 
 
 def _num(x: float | None) -> float | str | None:
@@ -49,7 +50,7 @@ class Position:
             text += f" ({self.note})"
         return text
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {
             "prompt": self.prompt,
             "position": self.position,
@@ -85,7 +86,7 @@ class Violation:
     def __str__(self) -> str:
         return self.message()
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {
             "gate": self.gate,
             "scenario": self.scenario,

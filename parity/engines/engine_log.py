@@ -15,7 +15,8 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from types import TracebackType
+from typing import IO
 
 from parity.errors import SetupError
 
@@ -25,14 +26,14 @@ MARK = "=== "  # parity's own lines in the log start with this
 _ACTIVE: list[EngineOutput] = []  # innermost last
 
 
-def _fileno(stream: Any) -> int | None:
+def _fileno(stream: IO[str]) -> int | None:
     try:
         return int(stream.fileno())
     except (AttributeError, OSError, ValueError):
         return None
 
 
-def _columns(stream: Any) -> int:
+def _columns(stream: IO[str]) -> int:
     """The terminal's width; 80 where it reports none (a new pseudo-terminal says 0, and tqdm then draws nothing)."""
     fd = _fileno(stream)
     try:
@@ -110,7 +111,8 @@ class EngineOutput:
         _ACTIVE.append(self)
         return self
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         _flush_std()
         if _ACTIVE and _ACTIVE[-1] is self:
             _ACTIVE.pop()

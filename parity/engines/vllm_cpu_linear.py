@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
-def _linear_on_current_weight(x: Any, weight: Any, bias: Any) -> Any:
+def _linear_on_current_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     import torch
 
     return torch.nn.functional.linear(x, weight, bias)
@@ -35,7 +38,7 @@ def keep_linear_weights() -> Iterator[dict[str, int]]:
     original = vllm_layer_utils.dispatch_cpu_unquantized_gemm
     counts = {"kept": 0, "delegated": 0}
 
-    def dispatch(layer: Any, remove_weight: bool) -> None:
+    def dispatch(layer: Any, remove_weight: bool) -> None:  # a vLLM linear layer
         weight = getattr(layer, "weight", None)
         if weight is None or weight.is_meta or weight.ndim != 2:
             counts["delegated"] += 1

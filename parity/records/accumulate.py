@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -55,8 +54,9 @@ class _Where:
             note=extra or self.note,
         )
 
-    def at(self, idx: np.ndarray, **kw: Any) -> Callable[[int], Position]:
-        return lambda i: self.position(int(idx[i]), **kw)
+    def at(self, idx: np.ndarray, values: Mapping[str, np.ndarray] | None = None, gap: np.ndarray | None = None,
+           bound: np.ndarray | None = None, extra: str = "") -> Callable[[int], Position]:
+        return lambda i: self.position(int(idx[i]), values, gap, bound, extra)
 
 
 def accumulate(acc: ScenarioAcc, rb: RecordsBatch, c: TokenColumns, rows: np.ndarray, file_index: int) -> None:

@@ -53,7 +53,7 @@ class ScenarioAcc:
     """Everything one scenario's report and verdict need, as mergeable sums."""
 
     name: str
-    spec: dict[str, Any]
+    spec: dict[str, float]  # SamplingSpec.to_dict
     first_order: tuple[int, int, int]
     n_listed: int
     sequences: int = 0
@@ -116,7 +116,7 @@ class ScenarioAcc:
 
     def facts(self) -> StatedFacts:
         """The stated facts the two-column gate uses (:func:`parity.core.error_model.stated_facts`)."""
-        e = SamplingSpec(**self.spec).effective()
+        e = SamplingSpec.from_dict(self.spec).effective()
         sampler_dtype, trainer_dtype = (self.dtypes + ["", ""])[:2]
         return stated_facts(self.vocab_size, sampler_dtype, trainer_dtype, e.top_k if e.uses_top_k else 0)
 

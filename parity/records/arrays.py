@@ -4,7 +4,6 @@ Arrow-to-numpy conversions the validator reads columns through (casts, null mask
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -145,7 +144,7 @@ def _valid(arr: pa.Array) -> np.ndarray:
 
 
 # Arrow types whose value buffer has numpy's layout.
-_NUMPY_LAYOUT: dict[pa.DataType, np.dtype[Any]] = {
+_NUMPY_LAYOUT: dict[pa.DataType, np.dtype[np.generic]] = {
     t: np.dtype(d)
     for t, d in ((pa.int8(), np.int8), (pa.int16(), np.int16), (pa.int32(), np.int32), (pa.int64(), np.int64),
                  (pa.uint8(), np.uint8), (pa.uint16(), np.uint16), (pa.uint32(), np.uint32), (pa.uint64(), np.uint64),
@@ -191,7 +190,7 @@ def _ragged(arr: pa.Array, name: str, source: str, first_row: int) -> Ragged:
     return Ragged(offsets, _np(values), valid)
 
 
-def _scalar(arr: pa.Array, fill: Any) -> np.ndarray:
+def _scalar(arr: pa.Array, fill: float) -> np.ndarray:
     raw = _raw(arr)
     if raw is None:
         return np.asarray(arr.fill_null(fill).to_numpy(zero_copy_only=False))

@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from parity.core.violation import Position
+from parity.report import blocks
 
 NA = "n/a"  # a statistic whose inputs the records do not hold (the report says which and why)
 # Histogram of |diff|: bin 0 exact zeros, bin 1 below 1e-16, then 0.01-decade bins up to 1e4, then one
@@ -178,10 +178,10 @@ class DiffStream:
         }
 
 
-def _fold(acc: tuple[int, float, float, float], n: int, total: Any, lo: Any, hi: Any) -> tuple[int, float, float, float]:
+def _fold(acc: tuple[int, float, float, float], n: int, total: float, lo: float, hi: float) -> tuple[int, float, float, float]:
     """A running (count, sum, min, max) after ``n`` more values whose sum, min and max are given."""
     count, run_sum, run_min, run_max = acc
-    return count + n, run_sum + float(total), float(np.minimum(run_min, lo)), float(np.maximum(run_max, hi))
+    return count + n, run_sum + total, float(np.minimum(run_min, lo)), float(np.maximum(run_max, hi))
 
 
 @dataclass
@@ -198,11 +198,11 @@ class Ratios:
     seq_max: float = -math.inf
     rel_err: float = 0.0  # max |seq ratio - prod S| / prod S (naive estimator)
 
-    def _add_tok(self, n: int, total: Any, lo: Any, hi: Any) -> None:
+    def _add_tok(self, n: int, total: float, lo: float, hi: float) -> None:
         self.tok_n, self.tok_sum, self.tok_min, self.tok_max = _fold(
             (self.tok_n, self.tok_sum, self.tok_min, self.tok_max), n, total, lo, hi)
 
-    def _add_seq(self, n: int, total: Any, lo: Any, hi: Any) -> None:
+    def _add_seq(self, n: int, total: float, lo: float, hi: float) -> None:
         self.seq_n, self.seq_sum, self.seq_min, self.seq_max = _fold(
             (self.seq_n, self.seq_sum, self.seq_min, self.seq_max), n, total, lo, hi)
 
@@ -210,10 +210,10 @@ class Ratios:
         with np.errstate(over="ignore", invalid="ignore"):
             if d.size:
                 r = np.exp(d)
-                self._add_tok(int(r.size), np.sum(r), np.min(r), np.max(r))
+                self._add_tok(int(r.size), float(np.sum(r)), float(np.min(r)), float(np.max(r)))
             if seq_d.size:
                 s = np.exp(seq_d)
-                self._add_seq(int(s.size), np.sum(s), np.min(s), np.max(s))
+                self._add_seq(int(s.size), float(np.sum(s)), float(np.min(s)), float(np.max(s)))
                 if seq_log_s is not None:
                     pred = np.exp(seq_log_s)
                     self.rel_err = float(np.maximum(self.rel_err, np.max(np.abs(s - pred) / pred)))
@@ -223,11 +223,11 @@ class Ratios:
         self._add_seq(o.seq_n, o.seq_sum, o.seq_min, o.seq_max)
         self.rel_err = float(np.maximum(self.rel_err, o.rel_err))
 
-    def to_report(self, identity: bool = False) -> dict[str, Any]:
+    def to_report(self, identity: bool = False) -> blocks.Ratios:
         def m(total: float, n: int) -> float:
             return total / n if n else 1.0
 
-        out: dict[str, Any] = {
+        out: blocks.Ratios = {
             "token": {"mean": m(self.tok_sum, self.tok_n), "min": self.tok_min if self.tok_n else 1.0, "max": self.tok_max if self.tok_n else 1.0},
             "sequence": {"mean": m(self.seq_sum, self.seq_n), "min": self.seq_min if self.seq_n else 1.0, "max": self.seq_max if self.seq_n else 1.0},
         }
@@ -236,8 +236,8 @@ class Ratios:
         return out
 
 
-def _na_ratios(identity: bool = False) -> dict[str, Any]:
-    out: dict[str, Any] = {"token": {"mean": NA, "min": NA, "max": NA}, "sequence": {"mean": NA, "min": NA, "max": NA}}
+def _na_ratios(identity: bool = False) -> blocks.Ratios:
+    out: blocks.Ratios = {"token": {"mean": NA, "min": NA, "max": NA}, "sequence": {"mean": NA, "min": NA, "max": NA}}
     if identity:
         out["sequence_identity_max_rel_err"] = NA
     return out

@@ -128,7 +128,7 @@ def _logprob_entry(a: ScenarioAcc) -> blocks.LogprobBias | None:
     """The two-column mean-bias gate's numbers (:func:`parity.core.error_model.ratio_bias_entry`) with the
     facts it assumed, the sign test and the count of tokens outside the trainer's support."""
     r = a.ratio
-    spec = SamplingSpec(**a.spec)
+    spec = SamplingSpec.from_dict(a.spec)
     facts = a.facts()
     n_s = facts["sampler_support"]
     if a.captured and a.captured == a.tokens and not a.incomplete:
@@ -406,7 +406,7 @@ def judge(
     names = [a.name for a in accs]
     out = []
     for a in accs:
-        name = a.name if names.count(a.name) == 1 else f"{a.name} [{SamplingSpec(**a.spec).label()}]"
+        name = a.name if names.count(a.name) == 1 else f"{a.name} [{SamplingSpec.from_dict(a.spec).label()}]"
         sc = _scenario_report(a, name, trainer_name or "trainer")
         violations = evaluate_summary(sc, a, th)
         if native is not None and name in native:

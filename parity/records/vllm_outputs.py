@@ -12,11 +12,11 @@ from parity.core.spec import SamplingSpec
 ROWS_ATTR = "parity_rows"  # CompletionOutput attribute: position -> (kept ids, log-probs) from the sampler
 
 
-def spec_of_params(params: Any) -> SamplingSpec:
+def spec_of_params(params: object) -> SamplingSpec:
     """The filters of a ``vllm.SamplingParams`` (top_k < 1 and a missing min_p mean off)."""
     top_k = int(getattr(params, "top_k", 0) or 0)
     return SamplingSpec(
-        temperature=float(params.temperature),
+        temperature=float(getattr(params, "temperature")),  # noqa: B009 (params is any object)
         top_k=top_k if top_k >= 1 else 0,
         top_p=float(getattr(params, "top_p", 1.0)),
         min_p=float(getattr(params, "min_p", 0.0) or 0.0),

@@ -23,9 +23,10 @@ import uuid
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Unpack
+from typing import TYPE_CHECKING, Unpack
 
 from parity.core.capture import Heads, run_capture
+from parity.core.json_types import JsonObject
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.engines.engine_log import log_tail
@@ -46,6 +47,9 @@ from parity.engines.vllm_server.protocol import (
 )
 from parity.errors import TimedOut, UsageError
 from parity.fixtures import config_vocab_size
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class _PortTaken(Exception):
@@ -264,8 +268,8 @@ class ServerRollout(RolloutBase):
     # -- HTTP ---------------------------------------------------------------------------------
 
     def _request(
-        self, method: str, route: str, body: dict[str, Any] | None, *, timeout: float, what: str
-    ) -> Any:
+        self, method: str, route: str, body: JsonObject | None, *, timeout: float, what: str
+    ) -> object:
         """One HTTP exchange; every failure becomes a :class:`ServerError` or :class:`~parity.errors.TimedOut` naming the URL."""
         assert self.url is not None  # set before the first request
         url = self.url + route
@@ -326,12 +330,12 @@ class ServerRollout(RolloutBase):
 
     # -- the rollout interface ----------------------------------------------------------------
 
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         return self._tokenizer
 
     def _body(
         self, prompt: Sequence[int], spec: SamplingSpec, *, max_tokens: int, seed: int, logprobs: int
-    ) -> dict[str, Any]:
+    ) -> JsonObject:
         """One prompt's request: token ids (never text), the seed, the spec's filters, neutral penalties,
         ``ignore_eos`` with a fixed ``max_tokens``, and ``logprobs=K`` with ``return_tokens_as_token_ids``.
         """
@@ -410,12 +414,12 @@ class ServerRollout(RolloutBase):
     def _where(self, i: int, spec: SamplingSpec) -> str:
         return f"{self.url} completion for prompt {i} ({spec.label()})"
 
-    def _send_all(self, bodies: list[dict[str, Any]], *, what: str, deadline: float | None = None) -> list[Any]:
+    def _send_all(self, bodies: list[JsonObject], *, what: str, deadline: float | None = None) -> list[object]:
         """POST every body concurrently (the server batches them); fail fast on the first error, by ``deadline``.
 
         Daemon threads, not an executor: a worker blocked on a dead socket must not keep the interpreter from exiting.
         """
-        results: list[Any] = [None] * len(bodies)
+        results: list[object] = [None] * len(bodies)
         errors: list[BaseException] = []
         done = threading.Semaphore(0)
         next_index = iter(range(len(bodies)))

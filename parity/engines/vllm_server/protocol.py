@@ -8,7 +8,6 @@ top-K: K entries when it is among them, K + 1 when not); ``-inf`` is sent as ``-
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
@@ -57,7 +56,7 @@ def _mode_hint(url: str) -> str:
 # -- parsing (pure: canned JSON in, lists out) ------------------------------------------------------
 
 
-def _token_id(key: Any, where: str) -> int:
+def _token_id(key: object, where: str) -> int:
     if not isinstance(key, str) or not key.startswith(TOKEN_PREFIX):
         raise MalformedResponse(
             f"{where}: token {key!r} is not of the form 'token_id:N' — the server ignored "
@@ -72,7 +71,7 @@ def _token_id(key: Any, where: str) -> int:
     return tid
 
 
-def _logprob(value: Any, where: str) -> float:
+def _logprob(value: object, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise MalformedResponse(f"{where}: log-prob {value!r} is not a number")
     v = float(value)
@@ -81,7 +80,7 @@ def _logprob(value: Any, where: str) -> float:
     return float("-inf") if v <= JSON_NEG_INF else v
 
 
-def _list_field(lp: dict[str, Any], name: str, where: str) -> list[Any]:
+def _list_field(lp: dict[str, object], name: str, where: str) -> list[object]:
     val = lp.get(name)
     if not isinstance(val, list):
         raise MalformedResponse(f"{where}: 'logprobs.{name}' is {type(val).__name__}, allowed a list")
@@ -89,7 +88,7 @@ def _list_field(lp: dict[str, Any], name: str, where: str) -> list[Any]:
 
 
 def parse_completion(
-    payload: Any,
+    payload: object,  # the decoded JSON answer
     *,
     max_tokens: int,
     requested: int,
@@ -137,7 +136,7 @@ def parse_completion(
     return out
 
 
-def _position(key: Any, value: Any, top: Any, at: str, *, full: bool, requested: int,
+def _position(key: object, value: object, top: object, at: str, *, full: bool, requested: int,
               vocab_size: int) -> tuple[int, float, list[tuple[int, float]]]:
     """One position of a completion: the sampled id, its log-prob and the top-K head as the offline engine
     reports it (the sampled entry comes separately)."""
@@ -238,7 +237,7 @@ def check_processed(
             raise LogprobsModeMismatch(f"{where} position {t}: {problem} — " + _mode_hint(url))
 
 
-def check_probe(payload: Any, *, url: str, vocab_size: int, max_tokens: int) -> None:
+def check_probe(payload: object, *, url: str, vocab_size: int, max_tokens: int) -> None:
     """Judge the start-up probe (``top_k=1``, ``logprobs=2``).
 
     Processed log-probs under top_k=1 keep one token at log-prob 0 (or tied tokens sharing the mass

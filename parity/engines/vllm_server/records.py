@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import pyarrow as pa
 
@@ -20,6 +19,7 @@ from parity.core.capture import (
     plan_capture,
     run_capture,
 )
+from parity.core.json_types import JsonObject
 from parity.core.spec import SamplingSpec
 from parity.engines.vllm_server.protocol import parse_completion
 from parity.errors import UsageError
@@ -28,7 +28,7 @@ from parity.records.write import records_table
 
 
 def from_server_responses(
-    payloads: Sequence[Any],
+    payloads: Sequence[object],  # decoded JSON answers
     prompts: Sequence[Sequence[int]],
     spec: SamplingSpec | Sequence[SamplingSpec],
     *,
@@ -59,15 +59,15 @@ def from_server_responses(
 
 
 def request_with_capture(
-    send: Callable[[list[dict[str, Any]]], list[Any]],
-    bodies: Sequence[dict[str, Any]],
+    send: Callable[[list[JsonObject]], list[object]],
+    bodies: Sequence[JsonObject],
     spec: SamplingSpec,
     *,
     vocab_size: int,
     max_tokens: int,
     max_head: int = DEFAULT_MAX_HEAD,
     history: CaptureHistory | None = None,
-) -> tuple[list[Any], list[int], CaptureStats]:
+) -> tuple[list[object], list[int], CaptureStats]:
     """Send ``/v1/completions`` bodies with a capture plan for ``spec``; ask unproven ones again.
 
     ``send`` (your client) POSTs a list of bodies and returns their answers in order; each body carries its
@@ -75,7 +75,7 @@ def request_with_capture(
     the answers, the ``logprobs`` each was asked with (``requested`` of :func:`from_server_responses`) and the stats.
     """
     for i, b in enumerate(bodies):
-        if b.get("seed") is None or int(b.get("n", 1)) != 1:
+        if b.get("seed") is None or b.get("n", 1) != 1:
             raise UsageError(
                 f"request_with_capture: body {i} has seed={b.get('seed')!r}, n={b.get('n', 1)!r}: allowed a seed per "
                 f"body and n=1 (a sequence asked again with a wider head must be drawn again with its own seed)"

@@ -18,6 +18,7 @@ A gate whose inputs are missing is listed with the input it lacks (``not_evaluat
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, cast
@@ -152,13 +153,61 @@ def _logprob_entry(a: ScenarioAcc) -> blocks.LogprobBias | None:
     return cast("blocks.LogprobBias", out)  # ratio_bias_entry's numbers and the facts above
 
 
-def _scenario_report(a: ScenarioAcc, name: str, trainer: str | None = None) -> ScenarioEntry:
-    s = a.streams
-    lack = {k: v for k, v in a.lacking.items() if v}
-    avail = {k: a.lacking[k] < a.sequences or a.sequences == 0 for k in INPUTS}  # some sequence has it
+def _full(a: ScenarioAcc, *inputs: str) -> bool:
+    """Every sequence of the scenario has each of ``inputs``."""
+    return all(a.lacking[k] == 0 for k in inputs)
 
-    def full_input(*inputs: str) -> bool:
-        return all(a.lacking[k] == 0 for k in inputs)
+
+def _ratios(a: ScenarioAcc, avail: dict[str, bool]) -> dict[str, blocks.Ratios]:
+    ratios = {
+        "naive": a.ratios["naive"].to_report(identity=True) if avail["full"] else _na_ratios(identity=True),
+        "replay": a.ratios["replay"].to_report() if avail["replay"] else _na_ratios(),
+        "recompute": a.ratios["recompute"].to_report() if avail["recompute"] else _na_ratios(),
+    }
+    if avail["full"] and not avail["log_s"]:
+        ratios["naive"]["sequence_identity_max_rel_err"] = NA
+    if avail["user"]:
+        ratios["trainer_under_test"] = a.ratios["user"].to_report()
+    return ratios
+
+
+_Bias = tuple[dict[str, float | None], dict[str, "blocks.MeanBias | None"], dict[str, float | None],
+              "blocks.LogprobBias | None"]
+
+
+def _bias(a: ScenarioAcc, avail: dict[str, bool]) -> _Bias:
+    """Headroom against the per-token bound, the mean-bias entries and their limits, per estimator."""
+    b = a.bounds
+    with_bound = avail["bound"]
+    headroom: dict[str, float | None] = {
+        "replay": b["replay"].headroom if with_bound and avail["replay"] else None,
+        "recompute": b["recompute"].headroom if with_bound and avail["recompute"] else None,
+        "naive_vs_sampler_log_s": b["naive"].headroom if b["naive"].n else None,
+    }
+
+    def entry(stream: str, ref: str, inp: str) -> blocks.MeanBias | None:
+        if not (with_bound and avail[inp]):
+            return None
+        bs, rs = b[stream], b[ref] if b[ref].n else b[stream]
+        sig = log_s_signature(bs.n, bs.cross_log_s, bs.log_s_sq, rs.sd) if stream == "user" else None
+        return cast("blocks.MeanBias", mean_bias_entry(bs.n, bs.mean if bs.n else 0.0, bs.systematic_mean, rs.sd,
+                                                       signature=sig))
+
+    means: dict[str, blocks.MeanBias | None] = {"replay": entry("replay", "replay", "replay"),
+                                                "recompute": entry("recompute", "recompute", "recompute")}
+    lp = None
+    if avail["user"]:
+        headroom["trainer_under_test"] = b["user"].headroom if with_bound else None
+        # The allowance for averaging comes from replay's spread, not the trainer's own.
+        means["trainer_under_test"] = entry("user", "replay", "user")
+        means["logprob"] = lp = _logprob_entry(a)
+    limits = {k: None if v is None else float(v["limit"]) for k, v in means.items()}
+    return headroom, means, limits, lp
+
+
+def _stat_blocks(a: ScenarioAcc, avail: dict[str, bool]) -> dict[str, object]:
+    """The scenario's statistics that no gate limit enters: log S, the naive view, diffs, KL/TV, S_q sources."""
+    s = a.streams
 
     def diff(stream: str, inp: str) -> Mapping[str, blocks.Stat]:
         return s[stream].stats() if avail[inp] else dict.fromkeys(("max_abs_diff", "mean_diff", "mean_abs_diff", "p99_abs_diff"), NA)
@@ -170,45 +219,8 @@ def _scenario_report(a: ScenarioAcc, name: str, trainer: str | None = None) -> S
 
     naive = s["naive"].stats() if avail["full"] else None
     gap = s["gap"].stats() if avail["full"] and avail["log_s"] else None
-    ratios = {
-        "naive": a.ratios["naive"].to_report(identity=True) if avail["full"] else _na_ratios(identity=True),
-        "replay": a.ratios["replay"].to_report() if avail["replay"] else _na_ratios(),
-        "recompute": a.ratios["recompute"].to_report() if avail["recompute"] else _na_ratios(),
-    }
-    if avail["full"] and not avail["log_s"]:
-        ratios["naive"]["sequence_identity_max_rel_err"] = NA
-    if avail["user"]:
-        ratios["trainer_under_test"] = a.ratios["user"].to_report()
-    b = a.bounds
-    with_bound = avail["bound"]
-    headroom: dict[str, float | None] = {
-        "replay": b["replay"].headroom if with_bound and avail["replay"] else None,
-        "recompute": b["recompute"].headroom if with_bound and avail["recompute"] else None,
-        "naive_vs_sampler_log_s": b["naive"].headroom if b["naive"].n else None,
-    }
-    def entry(stream: str, ref: str, inp: str) -> blocks.MeanBias | None:
-        if not (with_bound and avail[inp]):
-            return None
-        bs, rs = b[stream], b[ref] if b[ref].n else b[stream]
-        sig = log_s_signature(bs.n, bs.cross_log_s, bs.log_s_sq, rs.sd) if stream == "user" else None
-        return cast("blocks.MeanBias", mean_bias_entry(bs.n, bs.mean if bs.n else 0.0, bs.systematic_mean, rs.sd,
-                                                       signature=sig))
-
-    means: dict[str, blocks.MeanBias | None] = {"replay": entry("replay", "replay", "replay"),
-                                                "recompute": entry("recompute", "recompute", "recompute")}
-    if avail["user"]:
-        headroom["trainer_under_test"] = b["user"].headroom if with_bound else None
-        # The allowance for averaging comes from replay's spread, not the trainer's own.
-        means["trainer_under_test"] = entry("user", "replay", "user")
-        means["logprob"] = lp = _logprob_entry(a)
-    limits = {k: None if v is None else float(v["limit"]) for k, v in means.items()}
-    sources = [x for x in a.s_sources if x != "none"]
-    out: dict[str, object] = {
-        "name": name,
-        "spec": a.spec,
-        "tokens": a.tokens,
-        "compared_tokens": a.compared,
-        "sequences": a.sequences,
+    mean_max = {"mean": NA, "max": NA}
+    return {
         "log_s": {"mean": a.log_s_sum / a.log_s_n if a.log_s_n else 0.0, "min": a.log_s_min if a.log_s_n else 0.0,
                   "mean_s": a.log_s_sum_exp / a.log_s_n if a.log_s_n else 1.0}
         if avail["log_s"] else {"mean": NA, "min": NA, "mean_s": NA},
@@ -224,9 +236,62 @@ def _scenario_report(a: ScenarioAcc, name: str, trainer: str | None = None) -> S
             "support_equal_frac": frac(a.recompute_eq, a.recompute_n, "recompute_support"),
             "forced_includes": a.forced if avail["forced"] else NA,
         },
-        "is_ratio": ratios,
-        "kl_over_support": {"mean": a.kl_sum / a.kl_n if a.kl_n else 0.0, "max": a.kl_max} if avail["kl"] else {"mean": NA, "max": NA},
-        "tv_over_support": {"mean": a.tv_sum / a.kl_n if a.kl_n else 0.0, "max": a.tv_max} if avail["kl"] else {"mean": NA, "max": NA},
+        "kl_over_support": {"mean": a.kl_sum / a.kl_n if a.kl_n else 0.0, "max": a.kl_max} if avail["kl"] else mean_max,
+        "tv_over_support": {"mean": a.tv_sum / a.kl_n if a.kl_n else 0.0, "max": a.tv_max} if avail["kl"] else mean_max,
+    }
+
+
+def _input_notes(a: ScenarioAcc) -> list[str]:
+    notes = []
+    if a.mass_off:
+        notes.append(
+            f"{a.mass_off} position(s) with a kept set that claims to be complete carry sampler probability "
+            f"{a.mass_off_worst:.6g} at worst, not 1 (|mass - 1| > {SUPPORT_MASS_TOL:g}): tokens are missing from "
+            f"kept_ids, or the log-probs are not processed log-probs (vLLM's default logprobs_mode is raw_logprobs; "
+            f"the sampler must run with logprobs_mode='processed_logprobs')"
+        )
+    if a.sampled_outside:
+        notes.append(
+            f"{a.sampled_outside} sampled token(s) are missing from a kept set that claims to be complete "
+            f"(kept_incomplete False): an engine or capture fault, or a head too small with kept_incomplete unset"
+        )
+    return notes
+
+
+def _not_evaluated(a: ScenarioAcc, avail: dict[str, bool], notes: list[str]) -> list[blocks.NotEvaluated]:
+    """The gates whose inputs the records lack, with the reason; a gate judged on part of them adds a note."""
+    not_eval: list[blocks.NotEvaluated] = []
+    for gate in GATES:
+        if gate in USER_GATES and not avail["user"]:
+            continue  # no trainer under test in these records: its gates do not apply (nor pass)
+        inputs = GATE_INPUTS[gate]
+        have = (all(avail[k] for k in inputs) and a.s_n > 0) if gate in PARTIAL_OK else _full(a, *inputs)
+        if have:
+            if gate in PARTIAL_OK and not _full(a, *inputs):
+                missing = [k for k in inputs if a.lacking[k]]
+                notes.append(f"{gate} judged {a.s_n} of {a.compared} compared positions; the others lack: "
+                             + "; ".join(REASONS[k] for k in missing))
+            continue
+        missing = [k for k in inputs if not _full(a, k)] or ["sampler_log_s"]
+        why = "; ".join(
+            REASONS[k] + ("" if a.lacking[k] >= a.sequences else f" ({a.lacking[k]} of {a.sequences} sequences lack it; "
+                          f"the statistics cover the others)")
+            for k in missing
+        )
+        not_eval.append({"gate": gate, "reason": why})
+    return not_eval
+
+
+def _scenario_report(a: ScenarioAcc, name: str, trainer: str | None = None) -> ScenarioEntry:
+    avail = {k: a.lacking[k] < a.sequences or a.sequences == 0 for k in INPUTS}  # some sequence has it
+    headroom, means, limits, lp = _bias(a, avail)
+    stats = _stat_blocks(a, avail)
+    sources = [x for x in a.s_sources if x != "none"]
+    out: dict[str, object] = {
+        "name": name, "spec": a.spec, "tokens": a.tokens, "compared_tokens": a.compared, "sequences": a.sequences,
+        **{k: stats[k] for k in ("log_s", "naive", "replay", "recompute")},
+        "is_ratio": _ratios(a, avail),
+        **{k: stats[k] for k in ("kl_over_support", "tv_over_support")},
         "incomplete_positions": a.incomplete,
         "sampled_outside_support": a.sampled_outside,
         "token_mismatch": a.token_mismatch,
@@ -235,7 +300,7 @@ def _scenario_report(a: ScenarioAcc, name: str, trainer: str | None = None) -> S
         "mean_bias": means,
         "bound": (
             {"max": a.bound_max if a.bound_n else 0.0, "mean": a.bound_sum / a.bound_n if a.bound_n else 0.0,
-             "roundoff": a.roundoff} if with_bound else None
+             "roundoff": a.roundoff} if avail["bound"] else None
         ),
         "sampler_log_s": {
             "source": sources[0] if len(sources) == 1 else ("mixed" if sources else "none"),
@@ -251,49 +316,19 @@ def _scenario_report(a: ScenarioAcc, name: str, trainer: str | None = None) -> S
         },
     }
     if avail["user"]:
-        u = s["user"].stats()
+        s = a.streams
         out["trainer_under_test"] = {
             "name": trainer,  # the caller's, from the file metadata
-            **u,
+            **s["user"].stats(),
             "max_abs_gap_to_log_s": s["user_gap"].max_abs if s["user_gap"].n else NA,
             "diagnosis": _diagnosis(a, limits["trainer_under_test"] if limits["trainer_under_test"] is not None
                                     else math.inf, lp),
         }
     out.update(captured_positions=a.captured, max_support_size=a.support_max if a.captured else None,
                mean_support_size=a.support_sum / a.captured if a.captured else None, kept_mass_off_positions=a.mass_off)
-    notes = []
-    if a.mass_off:
-        notes.append(
-            f"{a.mass_off} position(s) with a kept set that claims to be complete carry sampler probability "
-            f"{a.mass_off_worst:.6g} at worst, not 1 (|mass - 1| > {SUPPORT_MASS_TOL:g}): tokens are missing from "
-            f"kept_ids, or the log-probs are not processed log-probs (vLLM's default logprobs_mode is raw_logprobs; "
-            f"the sampler must run with logprobs_mode='processed_logprobs')"
-        )
-    if a.sampled_outside:
-        notes.append(
-            f"{a.sampled_outside} sampled token(s) are missing from a kept set that claims to be complete "
-            f"(kept_incomplete False): an engine or capture fault, or a head too small with kept_incomplete unset"
-        )
-    not_eval = []
-    for gate in GATES:
-        if gate in USER_GATES and not avail["user"]:
-            continue  # no trainer under test in these records: its gates do not apply (nor pass)
-        inputs = GATE_INPUTS[gate]
-        have = (all(avail[k] for k in inputs) and a.s_n > 0) if gate in PARTIAL_OK else full_input(*inputs)
-        if have:
-            if gate in PARTIAL_OK and not full_input(*inputs):
-                missing = [k for k in inputs if a.lacking[k]]
-                notes.append(f"{gate} judged {a.s_n} of {a.compared} compared positions; the others lack: "
-                             + "; ".join(REASONS[k] for k in missing))
-            continue
-        missing = [k for k in inputs if not full_input(k)] or ["sampler_log_s"]
-        why = "; ".join(
-            REASONS[k] + ("" if a.lacking[k] >= a.sequences else f" ({a.lacking[k]} of {a.sequences} sequences lack it; "
-                          f"the statistics cover the others)")
-            for k in missing
-        )
-        not_eval.append({"gate": gate, "reason": why})
-    per_step, trend, trend_why = _step_view(a, avail, full_input)
+    notes = _input_notes(a)
+    not_eval = _not_evaluated(a, avail, notes)
+    per_step, trend, trend_why = _step_view(a, avail, functools.partial(_full, a))
     out["per_step"] = [e.to_json() for e in per_step]
     out["trend"] = None if trend is None else trend.to_json()
     if a.steps and not (trend is not None and trend.evaluated):
@@ -303,7 +338,7 @@ def _scenario_report(a: ScenarioAcc, name: str, trainer: str | None = None) -> S
                      f"of the per-step view and of {TREND_GATE}")
     out["not_evaluated"] = not_eval
     out["input_notes"] = notes
-    out["lacking_inputs"] = lack
+    out["lacking_inputs"] = {k: v for k, v in a.lacking.items() if v}
     return cast("ScenarioEntry", out)  # the entry's blocks, as built above
 
 

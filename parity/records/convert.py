@@ -141,6 +141,26 @@ def _prefix_length(mask_row: torch.Tensor, where: str) -> int:
     return n
 
 
+def _check_trl_shapes(
+    b: int, width: int, completion_mask: torch.Tensor, old_per_token_logps: torch.Tensor,
+    sampling_per_token_logps: torch.Tensor, kept_ids: torch.Tensor | None, kept_logprobs: torch.Tensor | None,
+    kept_logits: torch.Tensor | None, kept_incomplete: torch.Tensor | None,
+) -> None:
+    """from_trl's tensors: every [B, L] one of completion_ids' shape, the kept-set ones [B, L, K] and together."""
+    for name, t in (("completion_mask", completion_mask), ("old_per_token_logps", old_per_token_logps),
+                    ("sampling_per_token_logps", sampling_per_token_logps)):
+        if tuple(t.shape) != (b, width):
+            raise RecordsError(f"from_trl: {name} has shape {tuple(t.shape)}: allowed completion_ids' shape {(b, width)}")
+    if (kept_ids is None) != (kept_logprobs is None):
+        raise RecordsError("from_trl: kept_ids and kept_logprobs come together: allowed both or neither")
+    if kept_ids is not None:
+        for name, kt in (("kept_ids", kept_ids), ("kept_logprobs", kept_logprobs), ("kept_logits", kept_logits)):
+            if kt is not None and (kt.dim() != 3 or tuple(kt.shape[:2]) != (b, width) or kt.shape[2] != kept_ids.shape[2]):
+                raise RecordsError(f"from_trl: {name} has shape {tuple(kt.shape)}: allowed [B, L, K] = [{b}, {width}, K]")
+    elif kept_logits is not None or kept_incomplete is not None:
+        raise RecordsError("from_trl: kept_logits/kept_incomplete need kept_ids and kept_logprobs")
+
+
 def from_trl(
     *,
     completion_ids: torch.Tensor,
@@ -177,18 +197,8 @@ def from_trl(
     if trainer_column not in TRL_TRAINER_COLUMNS:
         raise UsageError(f"trainer_column={trainer_column!r} is invalid: allowed {', '.join(TRL_TRAINER_COLUMNS)}")
     b, width = completion_ids.shape
-    for name, t in (("completion_mask", completion_mask), ("old_per_token_logps", old_per_token_logps),
-                    ("sampling_per_token_logps", sampling_per_token_logps)):
-        if tuple(t.shape) != (b, width):
-            raise RecordsError(f"from_trl: {name} has shape {tuple(t.shape)}: allowed completion_ids' shape {(b, width)}")
-    if (kept_ids is None) != (kept_logprobs is None):
-        raise RecordsError("from_trl: kept_ids and kept_logprobs come together: allowed both or neither")
-    if kept_ids is not None:
-        for name, kt in (("kept_ids", kept_ids), ("kept_logprobs", kept_logprobs), ("kept_logits", kept_logits)):
-            if kt is not None and (kt.dim() != 3 or tuple(kt.shape[:2]) != (b, width) or kt.shape[2] != kept_ids.shape[2]):
-                raise RecordsError(f"from_trl: {name} has shape {tuple(kt.shape)}: allowed [B, L, K] = [{b}, {width}, K]")
-    elif kept_logits is not None or kept_incomplete is not None:
-        raise RecordsError("from_trl: kept_logits/kept_incomplete need kept_ids and kept_logprobs")
+    _check_trl_shapes(b, width, completion_mask, old_per_token_logps, sampling_per_token_logps, kept_ids,
+                      kept_logprobs, kept_logits, kept_incomplete)
     rows = []
     for i in range(b):
         n = _prefix_length(completion_mask[i], f"from_trl: completion_mask row {i}")

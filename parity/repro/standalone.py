@@ -69,10 +69,12 @@ def source_of(name: str) -> Path:
 
 
 def finding(name: str) -> str:
-    """What a repro shows when its checks hold: its section's ``repro_NAME`` docstring."""
+    """What a repro shows when its checks hold: its section's ``repro_NAME`` docstring (the section inlined: a
+    repro may live in a module of its own that the section imports)."""
     import ast
 
-    fn = next(n for n in ast.parse(sections(source_of(name))[name]).body if isinstance(n, ast.FunctionDef) and n.name == f"repro_{name}")
+    tree = ast.parse(inline(sections(source_of(name))[name]))
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == f"repro_{name}")
     return " ".join((ast.get_docstring(fn) or "").split())
 
 

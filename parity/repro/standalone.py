@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pprint
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 SOURCE = Path(__file__).with_name("standalone_src.py")
 # The reproductions that run TRL's trainer: their own prelude (TRL, datasets and a tokenizer built from code).
@@ -78,7 +78,7 @@ def finding(name: str) -> str:
     return " ".join((ast.get_docstring(fn) or "").split())
 
 
-def emit(name: str, title: str, *, config: dict[str, Any], about: str | None = None) -> str:
+def emit(name: str, title: str, *, config: Mapping[str, object], about: str | None = None) -> str:
     """The script text; ``about`` replaces the docstring's paragraph on what it needs and does (and its usage line)."""
     source = source_of(name)
     parts = sections(source)

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from parity.report.schema import json_safe
 from parity.repro.standalone_report import markdown
@@ -34,10 +33,10 @@ class ReproResult:
     title: str
     finding: str  # one sentence: what the table shows when the checks hold
     columns: list[tuple[str, str, str]]  # (key, title, format spec for floats)
-    rows: list[dict[str, Any]]
+    rows: Sequence[Mapping[str, object]]
     checks: list[Check]
     notes: list[str] = field(default_factory=list)
-    data: dict[str, Any] = field(default_factory=dict)  # everything else worth keeping (JSON only)
+    data: dict[str, object] = field(default_factory=dict)  # everything else worth keeping (JSON only)
     seconds: float = 0.0
 
     @property
@@ -64,8 +63,8 @@ class ReproResult:
             lines.extend(f"> {n}" for n in self.notes)
         return "\n".join(lines) + "\n"
 
-    def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = json_safe(
+    def to_json(self) -> dict[str, object]:
+        data: dict[str, object] = json_safe(
             {
                 "schema_version": 1,
                 "name": self.name,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 import torch
 
@@ -20,6 +19,9 @@ LSM_DEFAULT = "ATEN_CPU_CAPABILITY=default"
 LSM_MIN_POSITIVE = 0.95  # "(nearly) every row": this share of the rows has a positive offset
 LSM_MIN_RATIO = 10.0  # log_softmax's mean offset over float32 logsumexp's mean |offset|
 LSM_CHUNK = 16  # rows per batch of the float64 reference (memory)
+# One table row: the measured numbers, V and sigma, the capability and the fingerprint (and the script's kernel
+# path); as a child prints it and the parent reads it back (lsm_value: int, then float, else the text).
+LsmRow = dict[str, int | float | str]
 LSM_COLUMNS = (("vocab", "V", ",d"), ("sigma", "σ", "g"), ("path", "kernel path", ""), ("capability", "torch capability", ""),
                ("rows", "rows", ""), ("ls_mean", "log_softmax mean offset", "+.2e"), ("ls_max", "max offset", "+.2e"),
                ("positive", "rows > 0", ".0%"), ("spread", "within-row spread", ".1e"),
@@ -56,10 +58,10 @@ def lsm_row_offsets(z: torch.Tensor) -> dict[str, torch.Tensor]:
             "logsumexp": lse.mean(-1), "written_out": written.mean(-1)}
 
 
-def lsm_measure(vocabs: Iterable[int], scales: Iterable[float], rows: int, seed: int) -> list[dict[str, Any]]:
+def lsm_measure(vocabs: Iterable[int], scales: Iterable[float], rows: int, seed: int) -> list[LsmRow]:
     """One table row per (V, sigma) on this process's kernel path: the per-row statistics over `rows` rows."""
     capability = torch.backends.cpu.get_cpu_capability()
-    out = []
+    out: list[LsmRow] = []
     for vocab in vocabs:
         base = lsm_base_rows(vocab, rows, seed)
         fingerprint = lsm_fingerprint(base)
@@ -76,7 +78,7 @@ def lsm_measure(vocabs: Iterable[int], scales: Iterable[float], rows: int, seed:
     return out
 
 
-def lsm_print(rows: Iterable[Mapping[str, Any]]) -> None:
+def lsm_print(rows: Iterable[Mapping[str, object]]) -> None:
     """The child's output: one tab-separated line per table row."""
     for r in rows:
         print("\t".join([LSM_ROW] + [f"{k}={v!r}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()]),
@@ -92,22 +94,29 @@ def lsm_value(text: str) -> int | float | str:
     return text
 
 
-def lsm_parse(stdout: str) -> list[dict[str, Any]]:
+def lsm_parse(stdout: str) -> list[LsmRow]:
     """The table rows a child printed (lsm_print's lines; other output is ignored)."""
-    rows = []
+    rows: list[LsmRow] = []
     for line in stdout.splitlines():
         if line.startswith(LSM_ROW + "\t"):
             rows.append({k: lsm_value(v) for k, v in (item.split("=", 1) for item in line.split("\t")[1:])})
     return rows
 
 
-def lsm_checks(rows: Sequence[Mapping[str, Any]], vocab: int, scale: float, child_error: str = "") -> list[tuple[str, bool, str]]:
+def _number(v: object) -> float:
+    """A measured number of a row (an int or a float, from lsm_measure or read back as JSON or by lsm_parse)."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise TypeError(f"not a measured number: {v!r}")
+    return v
+
+
+def lsm_checks(rows: Sequence[Mapping[str, object]], vocab: int, scale: float, child_error: str = "") -> list[tuple[str, bool, str]]:
     """The verdict's rule, as (statement, holds, detail): the default-path rows come from torch's DEFAULT
     kernels; then on each kernel path, at V = `vocab` and logit scale `scale`, log_softmax's row offset is
     positive on at least LSM_MIN_POSITIVE of the rows and its mean is positive and at least LSM_MIN_RATIO
     times float32 logsumexp's mean |offset| over the same rows. A row that was not measured fails."""
     child = [r for r in rows if r["path"] == LSM_DEFAULT]
-    caps = sorted({r["capability"] for r in child})
+    caps = sorted({str(r["capability"]) for r in child})
     checks = [(f"the subprocess with {LSM_DEFAULT} ran torch's DEFAULT (non-vectorised) kernels",
                bool(child) and caps == ["DEFAULT"],
                f"capability {', '.join(caps)}" if child else f"no rows: {child_error or 'the subprocess printed none'}")]
@@ -119,8 +128,9 @@ def lsm_checks(rows: Sequence[Mapping[str, Any]], vocab: int, scale: float, chil
             checks.append((statement, False, "not measured"))
             continue
         r = pick[0]
-        ratio = r["ls_mean"] / r["lse_abs"] if r["lse_abs"] > 0 else math.inf
-        ok = r["positive"] >= LSM_MIN_POSITIVE and r["ls_mean"] > 0 and r["ls_mean"] >= LSM_MIN_RATIO * r["lse_abs"]
-        checks.append((statement, ok, f"{r['capability']}: mean {r['ls_mean']:+.2e}, positive on {r['positive']:.0%} of "
-                                      f"{r['rows']} rows; logsumexp mean |offset| {r['lse_abs']:.1e} (ratio {ratio:.1f})"))
+        ls_mean, lse_abs, positive = (_number(r[k]) for k in ("ls_mean", "lse_abs", "positive"))
+        ratio = ls_mean / lse_abs if lse_abs > 0 else math.inf
+        ok = positive >= LSM_MIN_POSITIVE and ls_mean > 0 and ls_mean >= LSM_MIN_RATIO * lse_abs
+        checks.append((statement, ok, f"{r['capability']}: mean {ls_mean:+.2e}, positive on {positive:.0%} of "
+                                      f"{r['rows']} rows; logsumexp mean |offset| {lse_abs:.1e} (ratio {ratio:.1f})"))
     return checks

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
 
 from parity.errors import UsageError
 
@@ -45,7 +44,7 @@ MODEL_REPROS = ("trl_grpo_top_p",)  # ``--model``: another fixture or a real che
 # The repros whose one implementation is their section of standalone_src.py: ``parity repro NAME`` runs the
 # emitted script. Their settings (the script's CONFIG), and what ``--small`` changes.
 _VOCAB_32K = {"vocab": 32768, "logit_scale": 1.0}
-SCRIPT_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+SCRIPT_CONFIGS: dict[str, tuple[dict[str, object], dict[str, object]]] = {
     "top_p_bias": ({**_VOCAB_32K, "top_ps": [1.0, 0.95, 0.9, 0.8], "tokens": 16, "prompts": 16}, {"prompts": 4}),
     "top_k_entropy": ({"vocab": 32768, "scales": [1, 2, 4, 6, 8, 12], "tokens": 16, "prompts": 16,
                        "settings": [("top_p=0.9", {"top_p": 0.9}), ("top_k=50", {"top_k": 50}), ("top_k=20", {"top_k": 20})]},
@@ -76,7 +75,7 @@ SCRIPT_ABOUT = {"torch_cpu_log_softmax": (
     "    python torch_cpu_log_softmax.py [--seed S]\n")}
 
 
-def script_config(name: str, small: bool) -> dict[str, Any]:
+def script_config(name: str, small: bool) -> dict[str, object]:
     full, small_changes = SCRIPT_CONFIGS[name]
     return {**full, **small_changes} if small else dict(full)
 

@@ -11,9 +11,10 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from parity.errors import UsageError
@@ -30,13 +31,13 @@ if TYPE_CHECKING:  # pragma: no cover
 class Measured:
     """What one repro's ``run`` returns: its table and verdicts, before the runner names and writes them."""
 
-    rows: list[dict[str, Any]]
+    rows: Sequence[Mapping[str, object]]
     checks: list[Check]
     notes: list[str] = field(default_factory=list)
-    data: dict[str, Any] = field(default_factory=dict)  # beside the settings, which the runner stores first
+    data: dict[str, object] = field(default_factory=dict)  # beside the settings, which the runner stores first
 
 
-def settings_for(entry: Entry, module: Any, ctx: Context) -> dict[str, Any]:
+def settings_for(entry: Entry, module: ModuleType, ctx: Context) -> dict[str, object]:
     """The repro's settings for this invocation: ``settings(small)``, or ``settings(small, model)`` under ``--model``."""
     if ctx.model is None:
         return dict(module.settings(ctx.small))
@@ -109,7 +110,7 @@ def emit_script(entry: Entry, small: bool) -> str:
 
 def run_for_json(cmd: list[str], result: Path, timeout_s: float) -> tuple[dict[str, Any] | None, ChildRun]:
     """``cmd`` in a child process (:func:`child_env`, a timeout): the JSON it wrote to ``result`` (None: it wrote
-    none), and the child."""
+    none), and the child. The JSON stays Any: decoded, whatever the child (a script, trl_run) wrote."""
     result.unlink(missing_ok=True)
     p = run_child(cmd, child_env(), timeout_s)
     return (json.loads(result.read_text(encoding="utf-8")) if result.is_file() else None), p

@@ -10,12 +10,16 @@ import argparse
 import math
 import tempfile
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM, PreTrainedModel
+    from vllm import LLM, SamplingParams
 
-def build_model(vocab: int, *, hidden: int = 64, layers: int = 2, logit_scale: float = 1.0, seed: int = 0) -> Any:
+
+def build_model(vocab: int, *, hidden: int = 64, layers: int = 2, logit_scale: float = 1.0, seed: int = 0) -> LlamaForCausalLM:
     """A tiny random Llama (float32). lm_head rows are N(0, 1/hidden): the final RMSNorm output has norm
     ~sqrt(hidden), so the logits at a position are ~N(0, logit_scale^2) across the vocabulary
     (logit_scale 1: near-uniform; 12: peaked)."""
@@ -27,20 +31,20 @@ def build_model(vocab: int, *, hidden: int = 64, layers: int = 2, logit_scale: f
         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=1,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float().eval()  # type: ignore[no-untyped-call]  # unannotated in transformers
+    model: LlamaForCausalLM = LlamaForCausalLM(config).float().eval()  # type: ignore[no-untyped-call]  # unannotated in transformers
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, logit_scale / math.sqrt(hidden))
     return model
 
 
-def save(model: Any) -> str:
+def save(model: PreTrainedModel) -> str:
     """Save to a fresh temporary folder (no tokenizer: vLLM runs with skip_tokenizer_init)."""
     path = tempfile.mkdtemp(prefix="repro-model-")
     model.save_pretrained(path)
     return path
 
 
-def start_vllm(path: str, seed: int = 0) -> Any:
+def start_vllm(path: str, seed: int = 0) -> LLM:
     from vllm import LLM
 
     return LLM(
@@ -54,12 +58,11 @@ def random_prompts(n: int, vocab: int, seed: int, length: int = 8) -> list[list[
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def setup(cfg: dict[str, Any], args: argparse.Namespace, logit_scale: float | None = None) -> tuple[Any, Any, list[list[int]]]:
-    """The tiny model (cfg's logit scale unless given), a vLLM engine on it, and the prompts."""
-    model = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"] if logit_scale is None else logit_scale,
-                        seed=args.seed)
+def setup(vocab: int, logit_scale: float, args: argparse.Namespace) -> tuple[LlamaForCausalLM, LLM, list[list[int]]]:
+    """The tiny model, a vLLM engine on it, and the prompts."""
+    model = build_model(vocab, logit_scale=logit_scale, seed=args.seed)
     llm = start_vllm(save(model), seed=args.seed)
-    return model, llm, random_prompts(args.prompts, cfg["vocab"], args.seed)
+    return model, llm, random_prompts(args.prompts, vocab, args.seed)
 
 
 class Sample:
@@ -70,14 +73,14 @@ class Sample:
         self.heads = heads  # per position {token id: processed log-prob} of the requested top-K
 
 
-def sample(llm: Any, prompts: list[list[int]], *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+def sample(llm: LLM, prompts: list[list[int]], *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
            min_p: float = 0.0, tokens: int = 16, logprobs: int = 0, seed: int = 0) -> list[Sample]:
     """One completion per prompt (seed + i), with the sampled token's processed log-prob and a top-K head
     (logprobs=-1: the whole vocabulary)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    def params(i: int) -> Any:
+    def params(i: int) -> SamplingParams:
         kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, max_tokens=tokens,
                   seed=seed + i, logprobs=logprobs, detokenize=False, ignore_eos=True)
         try:
@@ -108,7 +111,7 @@ def sample(llm: Any, prompts: list[list[int]], *, temperature: float = 1.0, top_
 
 
 @torch.no_grad()
-def trainer_logits(model: Any, prompt: Sequence[int], completion: Sequence[int]) -> torch.Tensor:
+def trainer_logits(model: torch.nn.Module, prompt: Sequence[int], completion: Sequence[int]) -> torch.Tensor:
     """float32 logits [L, V]: row t predicts completion token t (what an RL trainer scores)."""
     ids = torch.tensor([list(prompt) + list(completion)])
     z: torch.Tensor = model(input_ids=ids).logits[0].float()

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pprint
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 SOURCE = Path(__file__).with_name("standalone_src.py")
 # The reproductions that run TRL's trainer: their own prelude (TRL, datasets and a tokenizer built from code).
@@ -69,14 +69,16 @@ def source_of(name: str) -> Path:
 
 
 def finding(name: str) -> str:
-    """What a repro shows when its checks hold: its section's ``repro_NAME`` docstring."""
+    """What a repro shows when its checks hold: its section's ``repro_NAME`` docstring (the section inlined: a
+    repro may live in a module of its own that the section imports)."""
     import ast
 
-    fn = next(n for n in ast.parse(sections(source_of(name))[name]).body if isinstance(n, ast.FunctionDef) and n.name == f"repro_{name}")
+    tree = ast.parse(inline(sections(source_of(name))[name]))
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == f"repro_{name}")
     return " ".join((ast.get_docstring(fn) or "").split())
 
 
-def emit(name: str, title: str, *, config: dict[str, Any], about: str | None = None) -> str:
+def emit(name: str, title: str, *, config: Mapping[str, object], about: str | None = None) -> str:
     """The script text; ``about`` replaces the docstring's paragraph on what it needs and does (and its usage line)."""
     source = source_of(name)
     parts = sections(source)

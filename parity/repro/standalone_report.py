@@ -10,18 +10,17 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
-# What a repro section returns: its table's columns ``(key, title, format)``, its rows, and its checks
-# ``(statement, holds[, detail])``.
-Outcome = tuple[Sequence[tuple[str, str, str]], list[dict[str, Any]], list[tuple[Any, ...]]]
+# What a repro section returns: its table's columns ``(key, title, format)``, its rows (values printed by
+# ``markdown``, written as JSON), and its checks ``(statement, holds[, detail])``, each read with str and bool.
+Outcome = tuple[Sequence[tuple[str, str, str]], Sequence[Mapping[str, object]], Sequence[tuple[object, ...]]]
 
 
-def markdown(columns: Sequence[tuple[str, str, str]], rows: Iterable[Mapping[str, Any]]) -> str:
+def markdown(columns: Sequence[tuple[str, str, str]], rows: Iterable[Mapping[str, object]]) -> str:
     """A Markdown table; ``columns`` are ``(key, title, format)``, floats use the format ("" = "g"), a missing
     value or None shows as "–" and a bool as yes/no."""
 
-    def cell(v: Any, f: str) -> str:
+    def cell(v: object, f: str) -> str:
         if isinstance(v, float):
             return str(v) if not math.isfinite(v) else format(v, f or "g")
         return "–" if v is None else ("yes" if v else "no") if isinstance(v, bool) else str(v)
@@ -33,11 +32,11 @@ def markdown(columns: Sequence[tuple[str, str, str]], rows: Iterable[Mapping[str
 
 def report(outcome: Outcome, json_path: str | None = None) -> int:
     """Print the table and the checks (and write them to ``json_path``); 0 when all hold (REPRODUCED), 1 otherwise."""
-    columns, rows, checks = outcome
-    checks = [(str(c[0]), bool(c[1]), *map(str, c[2:])) for c in checks]
+    columns, rows, stated = outcome
+    checks = [(str(c[0]), bool(c[1]), *map(str, c[2:])) for c in stated]
     print(markdown(columns, rows) + "\n")
-    for statement, ok, *detail in checks:
-        print(f"- [{'x' if ok else ' '}] {statement}" + (f" ({detail[0]})" if detail else ""))
+    for statement, holds, *detail in checks:
+        print(f"- [{'x' if holds else ' '}] {statement}" + (f" ({detail[0]})" if detail else ""))
     ok = bool(checks) and all(c[1] for c in checks)
     print("\nREPRODUCED" if ok else "\nNOT REPRODUCED")
     if json_path:

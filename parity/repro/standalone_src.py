@@ -4,6 +4,10 @@
 Each emitted script is the ``prelude`` section plus one repro's section (``parity/repro/standalone.py``).
 Every parity import here is marked ``# @inline``: the emitted script carries that module's own code
 instead, so it runs without parity. The file is valid Python, linted and imported by the tests.
+
+The repros that are a module of their own (a section of one ``# @inline`` import) come last, in module
+order: the import sorter treats consecutive import-only sections as one block and would move an import
+out of its section otherwise.
 """
 
 # ==================== section: prelude ====================
@@ -12,11 +16,9 @@ from __future__ import annotations  # the inlined parity modules' annotations na
 import argparse
 import gc
 import os
-import re
 import sys
-import tempfile
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, TypedDict, Unpack
 
 # In-process vLLM engine with a small KV cache (CPU builds); ignored on GPU builds. Must precede the
 # vLLM import.
@@ -33,7 +35,7 @@ NEG_INF = float("-inf")
 from parity.core.error_model import logprob_bound  # @inline parity.core.error_model
 
 
-def parse_args(cfg: dict[str, Any], title: str) -> argparse.Namespace:
+def parse_args(cfg: Mapping[str, object], title: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=title)
     p.add_argument("--prompts", type=int, default=cfg.get("prompts", 8), help="prompts (one completion each)")
     p.add_argument("--tokens", type=int, default=cfg.get("tokens", 16), help="completion length")
@@ -47,6 +49,7 @@ def parse_args(cfg: dict[str, Any], title: str) -> argparse.Namespace:
 from parity.core.filters import reference_filter  # @inline parity.core.filters
 from parity.core.spec import SamplingSpec  # @inline parity.core.spec
 from parity.repro.script_engines import (  # @inline parity.repro.script_engines
+    Sample,
     build_model,
     random_prompts,
     sample,
@@ -57,6 +60,15 @@ from parity.repro.script_engines import (  # @inline parity.repro.script_engines
 )
 
 
+class Filters(TypedDict, total=False):
+    """vLLM's sampling filters as a repro's settings name them: keyword arguments of sample, score and vllm_filter."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+
+
 def vllm_filter(z: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                 min_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's sampling filters (v1 Sampler, PyTorch path) on logits [L, V] -> (z / T, kept mask)."""
@@ -64,7 +76,7 @@ def vllm_filter(z: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0, to
     return out.scaled, out.kept
 
 
-def score(model: Any, s: Any, **filters: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def score(model: torch.nn.Module, s: Sample, **filters: Unpack[Filters]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One sample on the trainer: its sampled ids, the trainer's z / T and kept mask under ``filters``."""
     zs, kept = vllm_filter(trainer_logits(model, s.prompt, s.completion), **filters)
     return torch.tensor(s.completion), zs, kept
@@ -128,11 +140,19 @@ from parity.repro.standalone_report import Outcome, report  # noqa: F401 (the em
 
 
 # ==================== section: top_p_bias ====================
-def repro_top_p_bias(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
+class TopPBiasConfig(TypedDict):
+    vocab: int
+    logit_scale: float
+    top_ps: list[float]
+    tokens: int
+    prompts: int
+
+
+def repro_top_p_bias(cfg: TopPBiasConfig, args: argparse.Namespace) -> Outcome:
     """Under top_p < 1 the trainer's full-vocabulary log-prob is below vLLM's processed log-prob by exactly log S
     per token; the sequence IS ratio is the product of S; replay and recompute remove the bias."""
-    model, llm, prompts = setup(cfg, args)
-    rows = []
+    model, llm, prompts = setup(cfg["vocab"], cfg["logit_scale"], args)
+    rows: list[dict[str, float]] = []
     for top_p in cfg["top_ps"]:
         filtered = top_p < 1.0
         # The whole vocabulary per position when filtered, so that replay knows S_q exactly.
@@ -184,14 +204,22 @@ def repro_top_p_bias(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
 
 
 # ==================== section: top_k_entropy ====================
-def repro_top_k_entropy(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
+class TopKEntropyConfig(TypedDict):
+    vocab: int
+    scales: list[float]
+    tokens: int
+    prompts: int
+    settings: list[tuple[str, Filters]]
+
+
+def repro_top_k_entropy(cfg: TopKEntropyConfig, args: argparse.Namespace) -> Outcome:
     """top_p keeps the surviving mass S near top_p whatever the entropy; top_k's S collapses on flat (uncertain)
     distributions and approaches 1 on peaked ones."""
-    rows = []
+    rows: list[dict[str, float]] = []
     for scale in cfg["scales"]:
-        model, llm, prompts = setup(cfg, args, logit_scale=scale)
+        model, llm, prompts = setup(cfg["vocab"], scale, args)
         row = {"scale": scale, "gap": 0.0, "ratio": 0.0}
-        entropies = []
+        entropies: list[torch.Tensor] = []
         for label, kw in cfg["settings"]:
             samples = sample(llm, prompts, tokens=args.tokens, seed=args.seed, **kw)
             pred_seq: list[torch.Tensor] = []
@@ -232,11 +260,19 @@ def repro_top_k_entropy(cfg: dict[str, Any], args: argparse.Namespace) -> Outcom
 
 
 # ==================== section: temperature ====================
-def repro_temperature(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
+class TemperatureConfig(TypedDict):
+    vocab: int
+    logit_scale: float
+    temperatures: list[float]
+    tokens: int
+    prompts: int
+
+
+def repro_temperature(cfg: TemperatureConfig, args: argparse.Namespace) -> Outcome:
     """A trainer scoring log_softmax(z) while vLLM sampled from softmax(z / T) is biased by exactly
     log_softmax(z)[y] - log_softmax(z / T)[y] per token, non-zero for every T != 1; dividing by T removes it."""
-    model, llm, prompts = setup(cfg, args)
-    rows = []
+    model, llm, prompts = setup(cfg["vocab"], cfg["logit_scale"], args)
+    rows: list[dict[str, float]] = []
     for temp in cfg["temperatures"]:
         samples = sample(llm, prompts, temperature=temp, tokens=args.tokens, seed=args.seed)
         right_seq: list[torch.Tensor] = []
@@ -273,13 +309,32 @@ def repro_temperature(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
 
 
 # ==================== section: recompute_boundary ====================
-def repro_recompute_boundary(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
+class RecomputeBoundaryConfig(TypedDict):
+    vocab: int
+    logit_scale: float
+    settings: list[Filters]
+    tokens: int
+    prompts: int
+
+
+class RecomputeBoundaryRow(TypedDict):
+    setting: str
+    trainer: str  # its dtype
+    tokens: int
+    differ: int  # positions where the recomputed support is not vLLM's
+    lost: int  # -inf without force-include
+    forced: int  # -inf with force-include
+    replay: int  # -inf under replay
+
+
+def repro_recompute_boundary(cfg: RecomputeBoundaryConfig, args: argparse.Namespace) -> Outcome:
     """With a bf16 trainer, recomputing the filters on its own logits moves the boundary: the sampled token
     sometimes falls outside the recomputed support and scores -inf; force-include removes every -inf and replay
     never produces one."""
-    model, llm, prompts = setup(cfg, args)
-    bf16 = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"], seed=args.seed).to(torch.bfloat16)
-    rows: list[dict[str, Any]] = []
+    model, llm, prompts = setup(cfg["vocab"], cfg["logit_scale"], args)
+    # transformers wraps nn.Module.to with functools.wraps, which mypy reads as unbound (self: the dtype)
+    bf16 = build_model(cfg["vocab"], logit_scale=cfg["logit_scale"], seed=args.seed).to(torch.bfloat16)  # type: ignore[arg-type]
+    rows: list[RecomputeBoundaryRow] = []
     for kw in cfg["settings"]:
         k = kw["top_k"]
         samples = sample(llm, prompts, tokens=args.tokens, logprobs=k + 16, seed=args.seed, **kw)
@@ -307,7 +362,21 @@ def repro_recompute_boundary(cfg: dict[str, Any], args: argparse.Namespace) -> O
 
 
 # ==================== section: top_k_ties ====================
-def plant_ties(model: Any, prompts: list[list[int]], sizes: Sequence[int], rank_top: int = 4) -> list[list[int]]:
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
+
+
+class TopKTiesConfig(TypedDict):
+    vocab: int
+    logit_scale: float
+    tie_sizes: list[int]
+    top_ks: list[int]
+    margin: int
+    tokens: int
+    prompts: int
+
+
+def plant_ties(model: LlamaForCausalLM, prompts: list[list[int]], sizes: Sequence[int], rank_top: int = 4) -> list[list[int]]:
     """Make groups of lm_head rows identical, so those tokens' logits are bitwise equal everywhere. Each
     group copies the token most often among the rank_top largest logits (so ties sit where top_k
     boundaries fall) into size - 1 other tokens."""
@@ -316,7 +385,8 @@ def plant_ties(model: Any, prompts: list[list[int]], sizes: Sequence[int], rank_
         counts = torch.bincount(z.topk(rank_top, dim=-1).indices.flatten(), minlength=z.shape[-1])
         order = [int(i) for i in counts.argsort(descending=True, stable=True) if int(i) > 2]
         g = torch.Generator().manual_seed(1)
-        used, groups = set(), []
+        used: set[int] = set()
+        groups: list[list[int]] = []
         for size in sizes:
             source = next(i for i in order if i not in used)
             free = [i for i in range(3, z.shape[-1]) if i not in used and i != source]
@@ -328,7 +398,7 @@ def plant_ties(model: Any, prompts: list[list[int]], sizes: Sequence[int], rank_
     return groups
 
 
-def repro_top_k_ties(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
+def repro_top_k_ties(cfg: TopKTiesConfig, args: argparse.Namespace) -> Outcome:
     """vLLM keeps every token tied with the k-th logit, so len(S_q) > k at tie positions; a trainer that
     recomputes with a strict torch.topk disagrees on the support exactly there; replay and a tie-aware
     recompute agree."""
@@ -337,11 +407,11 @@ def repro_top_k_ties(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
     groups = plant_ties(model, prompts, cfg["tie_sizes"])
     print(f"tie groups (token ids with identical lm_head rows): {groups}")
     llm = start_vllm(save(model), seed=args.seed)
-    rows = []
+    rows: list[dict[str, float]] = []  # counts and the k as ints, the errors as floats
     for k in cfg["top_ks"]:
         head = k + cfg["margin"]
         samples = sample(llm, prompts, top_k=k, tokens=args.tokens, logprobs=head, seed=args.seed)
-        r = {"k": k, "tokens": 0, "over": 0, "max": 0, "pred": 0, "agree": 0, "strict": 0, "lost": 0,
+        r: dict[str, float] = {"k": k, "tokens": 0, "over": 0, "max": 0, "pred": 0, "agree": 0, "strict": 0, "lost": 0,
              "strict_err": 0.0, "replay": 0.0, "replay_h": 0.0, "incomplete": 0}
         for s in samples:
             y, zs, kept_p = score(model, s, top_k=k)
@@ -378,15 +448,34 @@ def repro_top_k_ties(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
 
 
 # ==================== section: capture_head ====================
-def repro_capture_head(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
+class CaptureHeadConfig(TypedDict):
+    vocab: int
+    logit_scale: float
+    tokens: int
+    prompts: int
+    cases: list[tuple[int, Filters]]
+
+
+class CaptureHeadRow(TypedDict):
+    setting: str
+    head: int
+    tokens: int
+    pred: int  # positions whose support (trainer logits) fills the head
+    flag: int  # heads full of finite values
+    wrong: int  # mis-scored by replay over the head
+    unflagged: int  # mis-scored and not flagged
+    err: float
+
+
+def repro_capture_head(cfg: CaptureHeadConfig, args: argparse.Namespace) -> Outcome:
     """vLLM silently returns a top-K head smaller than the support when asked; replay over it mis-scores the
     positions whose support does not fit, and a completeness check (a head full of finite values) flags every
     one of them."""
-    model, llm, prompts = setup(cfg, args)
-    rows = []
+    model, llm, prompts = setup(cfg["vocab"], cfg["logit_scale"], args)
+    rows: list[CaptureHeadRow] = []
     for head, kw in cfg["cases"]:
         samples = sample(llm, prompts, tokens=args.tokens, logprobs=head, seed=args.seed, **kw)
-        r = {"setting": " ".join(f"{a}={b}" for a, b in kw.items()), "head": head, "tokens": 0, "pred": 0,
+        r: CaptureHeadRow = {"setting": " ".join(f"{a}={b}" for a, b in kw.items()), "head": head, "tokens": 0, "pred": 0,
              "flag": 0, "wrong": 0, "unflagged": 0, "err": 0.0}
         for s in samples:
             y, zs, kept_p = score(model, s, **kw)
@@ -411,186 +500,13 @@ def repro_capture_head(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome
     ])
 
 
-# ==================== section: batch_invariant_cpu ====================
-from parity.repro.standalone_child import (  # @inline parity.repro.standalone_child
-    frames,
-    output_lines,
-    run_child,
-)
-
-# The child starts vLLM on argv[1] (float32, eager) and asks one greedy request of two tokens for the prompt ids
-# argv[2:]; it prints "STARTED" once the engine is up and "GENERATED <ids>" when the request got through.
-BI_CHILD = r'''
-import sys
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True, seed=0,
-          enable_prefix_caching=False)
-print("STARTED", flush=True)
-out = llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in sys.argv[2:]])],
-                   SamplingParams(temperature=0, max_tokens=2, detokenize=False), use_tqdm=False)
-print("GENERATED", list(out[0].outputs[0].token_ids), flush=True)
-'''
-
-
-def repro_batch_invariant_cpu(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
-    """VLLM_BATCH_INVARIANT=1 crashes vLLM's CPU engine at the first forward with a TypeError raised in its
-    batch_invariant.py (no Triton on CPU); without the knob the same request generates. Each run is a fresh
-    process: the knob is read when vLLM is imported."""
-    path = save(build_model(cfg["vocab"], seed=args.seed))
-    rows: list[dict[str, Any]] = []
-    for knob in ("0", "1"):
-        p = run_child([sys.executable, "-c", BI_CHILD, path, "5", "6", "7"], dict(os.environ, VLLM_BATCH_INVARIANT=knob),
-                      cfg["timeout_s"])
-        where = [f"{os.path.basename(f['file'])}:{f['line']} in {f['func']}" for f in frames(output_lines(p.text))
-                 if f["file"].endswith("batch_invariant.py")]
-        rows.append({"knob": knob, "rc": p.rc, "generated": "GENERATED" in p.stdout, "error": p.error,
-                     "where": where[-1] if where else ""})
-    off, on = rows
-    return ([("knob", "VLLM_BATCH_INVARIANT", ""), ("rc", "exit code", ""), ("generated", "generated", ""),
-                    ("error", "last error", ""), ("where", "last batch_invariant.py frame", "")], rows, [
-        ("without the knob the CPU engine generates", off["generated"]),
-        ("with VLLM_BATCH_INVARIANT=1 it crashes with a TypeError", not on["generated"] and on["error"].startswith("TypeError")),
-        ("raised inside vLLM's batch_invariant.py", bool(on["where"])),
-    ])
-
-
-# ==================== section: prefix_cache_logprobs ====================
-def pc_logprobs(out: Any) -> list[float]:
-    return [next(iter(d.values())).logprob for d in out.outputs[0].logprobs]
-
-
-def pc_prompt_logprobs(out: Any) -> list[float]:
-    return [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
-
-
-def repro_prefix_cache_logprobs(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
-    """Prefix caching on vLLM's CPU engine. vLLM #5543 (a cache hit recomputes the last block in another order)
-    and #42019 (prompt log-probs depend on request order) need a cached prompt scored: vLLM 0.32 skips reading
-    the cache for every request that asks prompt log-probs (SamplingParams.skip_reading_prefix_cache defaults to
-    prompt_logprobs is not None), so prompt log-probs never see it. Completion log-probs with a cache hit are
-    compared with a cold run and across request orders (measured). Forcing the cache read with prompt log-probs
-    returns entries at the cached positions that are not the cold run's."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    llm = LLM(model=save(build_model(cfg["vocab"], seed=args.seed)), skip_tokenizer_init=True, dtype="float32",
-              seed=args.seed, max_model_len=1024, enforce_eager=True, enable_prefix_caching=True, max_logprobs=-1)
-    shared = random_prompts(1, cfg["vocab"], args.seed, cfg["shared"])[0]
-    a, b = (shared + p for p in random_prompts(2, cfg["vocab"], args.seed + 1, cfg["own"]))
-
-    def gen(prompts: list[list[int]], **kw: Any) -> list[Any]:
-        sp = SamplingParams(temperature=0.0, max_tokens=cfg["tokens"], logprobs=0, detokenize=False, **kw)
-        out: list[Any] = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-        return out
-
-    def fresh(prompts: list[list[int]], **kw: Any) -> list[Any]:
-        llm.reset_prefix_cache()
-        return gen(prompts, **kw)
-
-    rows = []
-    cold, warm = fresh([a], prompt_logprobs=0)[0], gen([a], prompt_logprobs=0)[0]
-    rows.append({"case": "prompt log-probs, asked again", "cached": warm.num_cached_tokens,
-                 "max_diff": max(abs(x - y) for x, y in zip(pc_prompt_logprobs(cold), pc_prompt_logprobs(warm)))})
-    cold, warm = fresh([a])[0], gen([a])[0]
-    rows.append({"case": "completion log-probs, asked again", "cached": warm.num_cached_tokens,
-                 "max_diff": max(abs(x - y) for x, y in zip(pc_logprobs(cold), pc_logprobs(warm)))})
-    ab, ba = fresh([a, b]), fresh([b, a])
-    rows.append({"case": "completion log-probs, order a,b vs b,a", "cached": ab[1].num_cached_tokens,
-                 "max_diff": max(abs(x - y) for p, q in ((ab[0], ba[1]), (ab[1], ba[0]))
-                                 for x, y in zip(pc_logprobs(p), pc_logprobs(q)))})
-    cold = fresh([a], prompt_logprobs=0)[0]
-    # An unrelated prompt's log-probs pass through the engine in between (b shares a's prefix, and so its values).
-    gen(random_prompts(1, cfg["vocab"], args.seed + 2, len(a)), prompt_logprobs=0)
-    forced = gen([a], prompt_logprobs=0, skip_reading_prefix_cache=False)[0]
-    n = forced.num_cached_tokens
-    gaps = [abs(x - y) for x, y in zip(pc_prompt_logprobs(cold), pc_prompt_logprobs(forced))]
-    foreign = [next(iter(d)) != t for d, t in zip(forced.prompt_logprobs[1:], a[1:])]  # an entry for another token
-    # Entry t scores prompt token t + 1 from position t's logits: the first n come from cached positions.
-    for case, part in (("cached positions", slice(0, n)), ("the rest", slice(n, None))):
-        rows.append({"case": f"prompt log-probs, cache read forced: {case}", "cached": n,
-                     "max_diff": max(gaps[part], default=0.0), "foreign": sum(foreign[part])})
-    for r in rows:
-        r.setdefault("foreign", 0)
-    return ([("case", "case", ""), ("cached", "cached tokens", ""), ("max_diff", "max |diff| vs a cold run", ".3g"),
-             ("foreign", "entries not for the prompt's token", "")], rows, [
-        ("a request with prompt log-probs reads no cached block (so #5543 and #42019 cannot arise)", rows[0]["cached"] == 0),
-        ("completion log-probs after a cache hit were measured", rows[1]["cached"] > 0 and rows[2]["cached"] > 0),
-        ("forcing the cache read returns prompt log-probs at cached positions that are not the cold run's",
-         rows[3]["cached"] > 0 and rows[3]["max_diff"] > 1e-3),
-        ("the positions computed in that request equal the cold run", rows[4]["max_diff"] == 0.0),
-    ])
-
-
-# ==================== section: cpu_capability_default ====================
-from parity.repro.standalone_child import run_child  # @inline parity.repro.standalone_child
-
-# The children print "ISA <inductor's vector ISA>" first and "GENERATED <ids>" when they got through.
-CAP_ISA = "from torch._inductor import cpu_vec_isa\nprint('ISA', str(cpu_vec_isa.pick_vec_isa()), flush=True)\n"
-CAP_TORCH = CAP_ISA + r"""
-import torch
-@torch.compile(dynamic=True)
-def count_ge(x, v):
-    return (x >= v).sum(-1)
-print("GENERATED", count_ge(torch.arange(12.0).reshape(3, 4), torch.tensor([[1.0], [5.0], [20.0]])).tolist(), flush=True)
-"""
-CAP_VLLM = CAP_ISA + r"""
-import sys
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype=sys.argv[2], max_model_len=256, seed=0, enforce_eager=True,
-          enable_prefix_caching=False)
-out = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])],
-                   SamplingParams(temperature=0, max_tokens=2, logprobs=1, detokenize=False), use_tqdm=False)
-print("GENERATED", list(out[0].outputs[0].token_ids), flush=True)
-"""
-# g++ quotes the name with typographic quotes under a UTF-8 locale, ASCII ones otherwise.
-CAP_SYMPTOM = re.compile("[\u2018']at::vec[\u2019'] has not been declared")
-
-
-def repro_cpu_capability_default(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
-    """torch inductor's FX graph cache ignores ATEN_CPU_CAPABILITY: after a vectorised run fills the cache, a run
-    under ATEN_CPU_CAPABILITY=default gets the vectorised graph back, g++ builds it against the scalar header and
-    stops with 'at::vec' has not been declared; TORCHINDUCTOR_FX_GRAPH_CACHE=0 works around it. Shown on torch
-    alone and on vLLM's CPU engine (log-probs on, so its sampler compiles a rank count), each in three processes
-    over one fresh inductor cache."""
-    path = save(build_model(cfg["vocab"], seed=args.seed))
-    steps = (("control", None, None), ("stale cache", "default", None), ("FX graph cache off", "default", "0"))
-    rows = []
-    for case, code, argv in (("torch", CAP_TORCH, []), ("vllm", CAP_VLLM, [path, "bfloat16"])):
-        if case not in cfg["cases"]:
-            continue
-        cache = tempfile.mkdtemp(prefix="repro-cache-")
-        for step, knob, fx in steps:
-            env = dict(os.environ, VLLM_CACHE_ROOT=os.path.join(cache, "vllm"), TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "ind"))
-            for key, value in (("ATEN_CPU_CAPABILITY", knob), ("TORCHINDUCTOR_FX_GRAPH_CACHE", fx)):
-                env.pop(key, None)
-                if value:
-                    env[key] = value
-            p = run_child([sys.executable, "-c", code, *argv], env, cfg["timeout_s"])
-            isa = [ln.split(" ", 1)[1] for ln in p.stdout.splitlines() if ln.startswith("ISA ")]
-            rows.append({"case": case, "step": step, "knob": knob or "unset", "isa": isa[0] if isa else "?",
-                         "generated": any(ln.startswith("GENERATED ") for ln in p.stdout.splitlines()),
-                         "symptom": bool(CAP_SYMPTOM.search(p.text))})
-    pick = {s: [r for r in rows if r["step"] == s] for s, _, _ in steps}
-    return ([("case", "case", ""), ("step", "step", ""), ("knob", "ATEN_CPU_CAPABILITY", ""),
-                    ("isa", "inductor vector ISA", ""), ("generated", "generated", ""),
-                    ("symptom", "'at::vec' has not been declared", "")], rows, [
-        ("control: without the variable every case generates", all(r["generated"] for r in pick["control"])),
-        ("the control compiled for a vectorised ISA (without one nothing can go stale)",
-         all(r["isa"] not in ("INVALID_VEC_ISA", "?") for r in pick["control"])),
-        ("ATEN_CPU_CAPABILITY=default over the same cache fails with 'at::vec' has not been declared",
-         all(not r["generated"] and r["symptom"] for r in pick["stale cache"])),
-        ("the same with TORCHINDUCTOR_FX_GRAPH_CACHE=0 generates", all(r["generated"] for r in pick["FX graph cache off"])),
-    ])
-
-
 # ==================== section: torch_cpu_log_softmax ====================
 from parity.repro.log_softmax_offsets import (  # @inline parity.repro.log_softmax_offsets
     LSM_CHILD,
     LSM_COLUMNS,
     LSM_DEFAULT,
     LSM_IN_PROCESS,
+    LsmRow,
     lsm_checks,
     lsm_measure,
     lsm_parse,
@@ -599,13 +515,21 @@ from parity.repro.log_softmax_offsets import (  # @inline parity.repro.log_softm
 from parity.repro.standalone_child import run_child  # @inline parity.repro.standalone_child
 
 
-def repro_torch_cpu_log_softmax(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
+class LogSoftmaxConfig(TypedDict):
+    vocabs: list[int]
+    scales: list[float]
+    rows: int
+    verdict_scale: float
+    timeout_s: float
+
+
+def repro_torch_cpu_log_softmax(cfg: LogSoftmaxConfig, args: argparse.Namespace) -> Outcome:
     """At the largest V on N(0, 4^2) logits, every float32 torch.log_softmax log-prob of a row is high by one
     constant on both CPU kernel paths (this process's native kernels, and this script again under
     ATEN_CPU_CAPABILITY=default): its sum of exponentials drops small terms. Per seeded row and (V, sigma): the
     offset (mean over the row's tokens of float32 - float64 log_softmax), its within-row spread beside float32
     rounding's, and the same offset for z - logsumexp(z) (the control) and a written-out max + exp + sum."""
-    def measure() -> list[dict[str, Any]]:
+    def measure() -> list[LsmRow]:
         return lsm_measure(cfg["vocabs"], cfg["scales"], cfg["rows"], args.seed)
 
     if os.environ.get(LSM_CHILD):
@@ -618,3 +542,16 @@ def repro_torch_cpu_log_softmax(cfg: dict[str, Any], args: argparse.Namespace) -
     rows += [dict(r, path=LSM_DEFAULT) for r in child]
     error = "" if child else p.error
     return (LSM_COLUMNS, rows, lsm_checks(rows, max(cfg["vocabs"]), cfg["verdict_scale"], error))
+
+
+# ==================== section: batch_invariant_cpu ====================
+# The repro's own module; emitted scripts carry its source here.
+from parity.repro.batch_invariant import repro_batch_invariant_cpu  # noqa: F401 (the emitted main calls it)  # @inline parity.repro.batch_invariant
+
+# ==================== section: cpu_capability_default ====================
+# The repro's own module; emitted scripts carry its source here.
+from parity.repro.cpu_capability import repro_cpu_capability_default  # noqa: F401 (the emitted main calls it)  # @inline parity.repro.cpu_capability
+
+# ==================== section: prefix_cache_logprobs ====================
+# The repro's own module; emitted scripts carry its source here.
+from parity.repro.prefix_cache import repro_prefix_cache_logprobs  # noqa: F401 (the emitted main calls it)  # @inline parity.repro.prefix_cache

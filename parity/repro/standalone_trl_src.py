@@ -20,8 +20,8 @@ import socket
 import sys
 import tempfile
 import types
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -29,6 +29,11 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
+
+if TYPE_CHECKING:
+    from trl.generation.vllm_generation import VLLMGeneration
+    from trl.trainer.grpo_trainer import GRPOTrainer
+    from vllm import LLM
 
 from parity.core.error_model import logprob_rounding_bound  # @inline parity.core.error_model
 
@@ -47,7 +52,7 @@ PROMPTS = ["the sampler and the trainer must agree", "once upon a time in a smal
            "importance sampling corrects for the gap", "the policy is updated from rollouts"]
 
 
-def parse_args(cfg: dict[str, Any], title: str) -> argparse.Namespace:
+def parse_args(cfg: Mapping[str, object], title: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=title)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -81,6 +86,12 @@ def build_model(path: str, vocab: int = 400, hidden: int = 128, logit_scale: flo
     return path
 
 
+class CpuLinearLayer(Protocol):
+    """A linear layer of vLLM's CPU build, as its gemm dispatch leaves it: cpu_linear(x, weight, bias)."""
+
+    cpu_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
 @contextlib.contextmanager
 def keep_linear_weights() -> Iterator[None]:
     """vLLM's CPU build packs each linear weight and replaces layer.weight by an empty Parameter without a
@@ -90,10 +101,11 @@ def keep_linear_weights() -> Iterator[None]:
 
     original = U.dispatch_cpu_unquantized_gemm
 
-    def dispatch(layer: Any, remove_weight: bool) -> Any:
+    def dispatch(layer: CpuLinearLayer, remove_weight: bool) -> None:
         w = getattr(layer, "weight", None)
-        if w is None or w.is_meta or w.ndim != 2:
-            return original(layer, remove_weight)
+        if not isinstance(w, torch.Tensor) or w.is_meta or w.ndim != 2:
+            original(layer, remove_weight)
+            return
         layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
 
     U.dispatch_cpu_unquantized_gemm = dispatch
@@ -103,8 +115,27 @@ def keep_linear_weights() -> Iterator[None]:
         U.dispatch_cpu_unquantized_gemm = original
 
 
+class LogSRecord(TypedDict):
+    seq: tuple[int, int]  # (generation batch, row)
+    log_s: float  # trainer logits over S_q
+    bound: float  # parity's bfloat16 rounding bound of the token's log-prob
+
+
+class ReplayState(TypedDict):
+    kept: list[list[list[int]]] | None  # per sequence, per position: the token ids of S_q
+    first: torch.Tensor | None  # TRL's full-vocabulary old_per_token_logps of the batch
+    active: bool  # inside _generate_and_score_completions
+    batch: int  # generation batches so far
+    fix: bool  # renormalise over S_q (the caller sets it)
+
+
+# VLLMGeneration.generate: prompt ids, completion ids, per position the head's log-probs and ids.
+Generated = tuple[list[list[int]], list[list[int]], list[list[list[float | None]]], list[list[list[int]]]]
+Logps = tuple[torch.Tensor, torch.Tensor | None]  # _get_per_token_logps_and_entropies: log-probs, entropies
+
+
 @contextlib.contextmanager
-def replay_patch(record: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+def replay_patch(record: list[LogSRecord]) -> Iterator[ReplayState]:
     """Renormalise the trainer log-probs that TRL's vLLM IS correction reads over the kept set vLLM sampled
     from (captured from its full-vocabulary processed log-probs); the policy ratio keeps TRL's values.
     ``record`` collects per-token log S (trainer logits over S_q) for the closed form."""
@@ -113,13 +144,13 @@ def replay_patch(record: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
 
     Gen, Tr = vg.VLLMGeneration, gt.GRPOTrainer
     saved = (vg.LLM, Gen.generate, Tr._generate_and_score_completions, Tr._get_per_token_logps_and_entropies)
-    state: dict[str, Any] = {"kept": None, "first": None, "active": False, "batch": 0}
+    state: ReplayState = {"kept": None, "first": None, "active": False, "batch": 0, "fix": False}
 
-    def llm(*a: Any, **k: Any) -> Any:
+    def llm(*a: object, **k: object) -> LLM:
         k.setdefault("max_logprobs", -1)
         return saved[0](*a, **k)
 
-    def generate(self: Any, *a: Any, **k: Any) -> tuple[Any, ...]:
+    def generate(self: VLLMGeneration, *a: object, **k: object) -> Generated:
         old, self.logprobs = self.logprobs, -1
         try:
             p, c, lps, ids = saved[1](self, *a, **k)
@@ -138,9 +169,9 @@ def replay_patch(record: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         state["kept"] = kept
         return p, c, lp_out, [[[y] for y in seq] for seq in c]
 
-    def logps(self: Any, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-              batch_size: int | None = None, **k: Any) -> tuple[Any, ...]:
-        out: tuple[Any, ...] = saved[3](self, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **k)
+    def logps(self: GRPOTrainer, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+              logits_to_keep: int, batch_size: int | None = None, **k: object) -> Logps:
+        out: Logps = saved[3](self, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **k)
         if not state["active"] or state["first"] is not None or state["kept"] is None:
             return out
         with torch.no_grad():
@@ -164,10 +195,10 @@ def replay_patch(record: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         state["first"] = out[0]
         return (used, *out[1:])
 
-    def score(self: Any, inputs: Any) -> Any:
-        state.update(first=None, active=True, batch=state["batch"] + 1)
+    def score(self: GRPOTrainer, inputs: object) -> dict[str, object]:
+        state["first"], state["active"], state["batch"] = None, True, state["batch"] + 1
         try:
-            output = saved[2](self, inputs)
+            output: dict[str, object] = saved[2](self, inputs)
         finally:
             state["active"] = False
         if state["fix"]:
@@ -189,7 +220,25 @@ def free_port() -> int:
         return port
 
 
-def train(path: str, cfg: dict[str, Any], seed: int) -> list[dict[str, Any]]:
+class GrpoRun(TypedDict, total=False):
+    """One configuration of the sweep: the sampler's filters and TRL's IS mode (``off``: the module repro's
+    extra phase, unused here)."""
+
+    top_p: float
+    top_k: int
+    min_p: float
+    is_mode: str
+    off: bool
+
+
+class TrainConfig(GrpoRun):
+    steps: int
+    batch: int
+    num_generations: int
+    tokens: int  # max_completion_length
+
+
+def train(path: str, cfg: TrainConfig, seed: int) -> list[dict[str, float]]:
     """TRL's GRPOTrainer, colocated vLLM on CPU, one process; returns TRL's logged sampling/* metrics."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     from datasets import Dataset
@@ -211,8 +260,9 @@ def train(path: str, cfg: dict[str, Any], seed: int) -> list[dict[str, Any]]:
             if "sampling/sampling_logp_difference/mean" in h]
 
 
-def run_self(payload: dict[str, Any], timeout_s: float) -> tuple[Any, ChildRun]:
-    """This script in a fresh process on one configuration: (its parsed JSON result or None, the child)."""
+def run_self(payload: Mapping[str, object], timeout_s: float) -> tuple[Any, ChildRun]:
+    """This script in a fresh process on one configuration: (its parsed JSON result or None, the child). The
+    result is the child's RESULT line as json.loads gives it (Any: decoded JSON, whichever repro's it is)."""
     p = run_child([sys.executable, __file__, "--child", json.dumps(payload)], None, timeout_s)
     m = re.search(r"^RESULT (.*)$", p.stdout, re.MULTILINE)
     return (json.loads(m.group(1)) if m and p.rc == 0 else None), p
@@ -223,8 +273,46 @@ from parity.repro.standalone_report import Outcome, report  # noqa: F401 (the em
 
 
 # ==================== section: trl_grpo_top_p ====================
-def child_trl_grpo_top_p(payload: dict[str, Any]) -> dict[str, Any]:
-    record: list[dict[str, Any]] = []
+class GrpoPayload(TypedDict):
+    path: str
+    cfg: TrainConfig
+    seed: int
+    fix: bool
+
+
+class GrpoChildResult(TypedDict):
+    metrics: list[dict[str, float]]  # TRL's logged sampling/* metrics, one per step
+    abs_log_s: float
+    mean_s: float
+    seq_s: float  # mean over sequences of S^L
+    bound: float
+
+
+class GrpoConfig(TypedDict):
+    configs: list[GrpoRun]
+    steps: int
+    batch: int
+    num_generations: int
+    tokens: int
+    timeout_s: float  # per child
+
+
+class GrpoRow(TypedDict):
+    config: str
+    mode: str
+    control: bool  # unfiltered
+    S: float
+    abs_log_s: float
+    bound: float
+    before: float
+    after: float
+    closed_is: float
+    is_before: float
+    is_after: float
+
+
+def child_trl_grpo_top_p(payload: GrpoPayload) -> GrpoChildResult:
+    record: list[LogSRecord] = []
     with keep_linear_weights(), replay_patch(record) as state:
         state["fix"] = payload["fix"]
         metrics = train(payload["path"], payload["cfg"], payload["seed"])
@@ -237,18 +325,18 @@ def child_trl_grpo_top_p(payload: dict[str, Any]) -> dict[str, Any]:
             "bound": sum(r["bound"] for r in record) / len(record)}
 
 
-def repro_trl_grpo_top_p(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
+def repro_trl_grpo_top_p(cfg: GrpoConfig, args: argparse.Namespace) -> Outcome:
     """TRL's own sampling/* metrics as shipped and under the replay patch, beside the closed form log S / S^L."""
     if args.child:
         payload = json.loads(args.child)
         print("RESULT " + json.dumps(child_trl_grpo_top_p(payload)), flush=True)
         sys.exit(0)
     path = build_model(tempfile.mkdtemp(prefix="repro-qwen2-"))
-    rows: list[dict[str, Any]] = []
+    rows: list[GrpoRow] = []
     for c in cfg["configs"]:
-        run = {**c, "steps": cfg["steps"], "batch": cfg["batch"], "num_generations": cfg["num_generations"],
+        run: TrainConfig = {**c, "steps": cfg["steps"], "batch": cfg["batch"], "num_generations": cfg["num_generations"],
                "tokens": cfg["tokens"]}
-        res: dict[bool, Any] = {}
+        res: dict[bool, GrpoChildResult] = {}
         for fix in (False, True):
             out, p = run_self({"path": path, "cfg": run, "seed": args.seed, "fix": fix}, cfg["timeout_s"])
             if out is None:
@@ -288,7 +376,27 @@ def repro_trl_grpo_top_p(cfg: dict[str, Any], args: argparse.Namespace) -> Outco
 
 
 # ==================== section: trl_weight_sync ====================
-def child_trl_weight_sync(payload: dict[str, Any]) -> dict[str, Any]:
+class WeightSyncPayload(TypedDict):
+    path: str
+    seed: int
+    keep: bool  # keep_linear_weights
+    dtype: str | None  # None: TRL's default
+
+
+class WeightSyncConfig(TypedDict):
+    timeout_s: float  # per child
+    default_dtype_row: bool  # also run with TRL's default dtype (reported, not checked)
+
+
+class WeightSyncRow(TypedDict):
+    dtype: str
+    keep: bool
+    trained: bool
+    error: str
+    where: str  # the last frame in vLLM's layers/linear.py
+
+
+def child_trl_weight_sync(payload: WeightSyncPayload) -> dict[str, bool]:
     from trl.generation import vllm_generation as vg
 
     original = vg.LLM
@@ -299,7 +407,7 @@ def child_trl_weight_sync(payload: dict[str, Any]) -> dict[str, Any]:
     return {"trained": True}
 
 
-def repro_trl_weight_sync(cfg: dict[str, Any], args: argparse.Namespace) -> Outcome:
+def repro_trl_weight_sync(cfg: WeightSyncConfig, args: argparse.Namespace) -> Outcome:
     """TRL's colocated weight sync on vLLM's CPU engine forced to float32: the first sync fails in vLLM's linear.py
     load_weights ('Parameter' object has no attribute 'weight_loader'), because the CPU build replaced each packed
     linear weight by an empty Parameter; keeping the weights lets the same run train. With TRL's default dtype the
@@ -308,7 +416,7 @@ def repro_trl_weight_sync(cfg: dict[str, Any], args: argparse.Namespace) -> Outc
         print("RESULT " + json.dumps(child_trl_weight_sync(json.loads(args.child))), flush=True)
         sys.exit(0)
     path = build_model(tempfile.mkdtemp(prefix="repro-qwen2-"))
-    rows: list[dict[str, Any]] = []
+    rows: list[WeightSyncRow] = []
     for keep, dtype in ((False, "float32"), (True, "float32"), (False, None))[: 3 if cfg["default_dtype_row"] else 2]:
         out, p = run_self({"path": path, "seed": args.seed, "keep": keep, "dtype": dtype}, cfg["timeout_s"])
         lines = output_lines(p.text)

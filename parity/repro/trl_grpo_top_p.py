@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Required, TypedDict
 
 import torch
 
@@ -27,9 +27,56 @@ FIX = "replay"
 CONFIG_TIMEOUT_S = 420.0
 MODEL_CONFIG_TIMEOUT_S = 900.0
 
+class TrlConfig(TypedDict, total=False):
+    """One configuration: the sampler's filters, TRL's IS mode, and ``off`` (also run TRL with no patch)."""
+
+    top_p: float
+    top_k: int
+    min_p: float
+    is_mode: Required[str]
+    off: bool
+
+
+class TrlSettings(TypedDict):
+    fixture: str  # a fixture name or checkpoint directory
+    steps: int
+    batch: int
+    num_generations: int
+    max_completion_length: int
+    fix: str  # the patched phase's mode
+    configs: list[TrlConfig]
+    timeout_s: float  # per configuration
+
+
+class StepStats(TypedDict):
+    tokens: int
+    mean_s: float
+    abs_log_s: float
+    is_closed: float
+    bound: float
+    is_dev_mean: float
+    is_dev_max: float
+    is_dev_over_bound: float
+    is_excluded: int
+    seq_len_mean: float | None
+
+
+class PhaseStep(StepStats):
+    step: int
+    trl_logp_diff: float
+    trl_is_mean: float
+
+
+class Relation(TypedDict):
+    target: float
+    err: float
+    bound: float
+    holds: bool
+
+
 # label, sampling fields, TRL IS mode, extra phases. "off" is TRL with no parity patch at all: its
 # metrics must equal the observe phase's bitwise (recording changes nothing TRL computes).
-CONFIGS: tuple[dict[str, Any], ...] = (
+CONFIGS: tuple[TrlConfig, ...] = (
     {"top_p": 1.0, "is_mode": "sequence_mask"},
     {"top_p": 0.9, "is_mode": "sequence_mask"},
     {"top_p": 0.8, "is_mode": "sequence_mask", "off": True},
@@ -60,14 +107,14 @@ CAPTION = (
 # carry no seed, so a run with no parity patch draws other tokens and is compared bitwise only where the
 # capture asks nothing of the engine (top_p=1). Each phase is a fresh trainer and engine: about 40 s of
 # training for 2 steps on an idle 2-core machine, minutes per phase on a loaded one.
-MODEL_CONFIGS: tuple[dict[str, Any], ...] = (
+MODEL_CONFIGS: tuple[TrlConfig, ...] = (
     {"top_p": 1.0, "is_mode": "sequence_mask", "off": True},
     {"top_p": 0.9, "is_mode": "sequence_mask"},
     {"top_p": 0.8, "is_mode": "sequence_mask"},
 )
 
 
-def settings(small: bool, model: str | None = None) -> dict[str, Any]:
+def settings(small: bool, model: str | None = None) -> TrlSettings:
     """The run's settings: the fixture's configs, or under ``model`` (another fixture or checkpoint) MODEL_CONFIGS."""
     if model is None or model == FIXTURE:
         configs = [c for c in CONFIGS if c.get("top_p") in (1.0, 0.8) and not c.get("top_k") and not c.get("min_p")] \
@@ -80,15 +127,15 @@ def settings(small: bool, model: str | None = None) -> dict[str, Any]:
             "max_completion_length": 16, "fix": FIX, "configs": configs, "timeout_s": timeout}
 
 
-def label(c: dict[str, Any]) -> str:
+def label(c: TrlConfig) -> str:
     parts = [f"top_p={c['top_p']:g}"] if "top_p" in c else []
     parts += [f"top_k={c['top_k']}"] if c.get("top_k") else []
     parts += [f"min_p={c['min_p']:g}"] if c.get("min_p") else []
     return " ".join(parts)
 
 
-def run_config(run_cfg: dict[str, Any], out: Path, timeout_s: float) -> dict[str, Any]:
-    """``python -m parity.engines.trl_run`` in a subprocess; its result.json, or the failure."""
+def run_config(run_cfg: dict[str, object], out: Path, timeout_s: float) -> dict[str, Any]:
+    """``python -m parity.engines.trl_run`` in a subprocess; its result.json, or the failure (Any: decoded JSON)."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "parity.engines.trl_run", "--config", json.dumps(run_cfg), "--out", str(out)]
     t0 = time.perf_counter()
@@ -112,7 +159,7 @@ def _clip(r: torch.Tensor, mode: str, lo: float | None, hi: float | None) -> tor
     return r.masked_fill((r < lo_v) | (r > hi_v), 0.0)
 
 
-def step_stats(seqs: list[dict[str, Any]]) -> dict[str, Any]:
+def step_stats(seqs: list[dict[str, Any]]) -> StepStats:  # seqs: load_sequences' records, untyped there
     """Parity's closed form and bound for one generation batch, on TRL's mask.
 
     ``is_dev_*``: how far log of TRL's own IS ratio is from what it should be — the sum of log S over
@@ -178,7 +225,7 @@ def step_stats(seqs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def logp_relation(trl_metric: float, stats: dict[str, Any], *, expect_log_s: bool = True) -> dict[str, Any]:
+def logp_relation(trl_metric: float, stats: StepStats, *, expect_log_s: bool = True) -> Relation:
     """TRL's ``sampling_logp_difference/mean`` for one step against parity's closed form for the same batch.
 
     As shipped the metric is mean |log S + e| over TRL's mask, e the sampler's rounding noise, so it
@@ -190,13 +237,14 @@ def logp_relation(trl_metric: float, stats: dict[str, Any], *, expect_log_s: boo
     return {"target": target, "err": err, "bound": stats["bound"], "holds": err <= stats["bound"]}
 
 
-def phase_table(phase: dict[str, Any], seqs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per step: TRL's logged metrics beside parity's numbers for the same generation batch."""
+def phase_table(phase: dict[str, Any], seqs: list[dict[str, Any]]) -> dict[str, list[PhaseStep]]:
+    """Per step: TRL's logged metrics beside parity's numbers for the same generation batch (``phase``:
+    trl_run's decoded JSON, ``seqs``: load_sequences' records, both untyped)."""
     steps = sorted({int(s["step"]) for s in seqs})
     metrics = phase["metrics"]
     if len(metrics) != len(steps):
         raise RuntimeError(f"{phase['mode']}: {len(metrics)} logged metric rows for {len(steps)} generation batches")
-    rows = []
+    rows: list[PhaseStep] = []
     for st, m in zip(steps, metrics, strict=True):
         stats = step_stats([s for s in seqs if int(s["step"]) == st])
         rows.append({"step": st, "trl_logp_diff": m["sampling/sampling_logp_difference/mean"],
@@ -204,7 +252,8 @@ def phase_table(phase: dict[str, Any], seqs: list[dict[str, Any]]) -> dict[str, 
     return {"steps": rows}
 
 
-def _mean(rows: list[dict[str, Any]], key: str) -> float:
+def _mean(rows: list[PhaseStep], key: Literal["mean_s", "abs_log_s", "bound", "is_closed", "trl_logp_diff",
+                                               "trl_is_mean"]) -> float:
     return sum(float(r[key]) for r in rows) / len(rows)
 
 
@@ -225,15 +274,19 @@ FINDING = ("TRL's own sampling_logp_difference/mean equals abs(log S) per token 
            "both fall to the top_p=1 noise floor.")
 
 
-def run(ctx: Context, cfg: dict[str, Any]) -> Measured:
+def run(ctx: Context, cfg: TrlSettings) -> Measured:
     timeout = min(ctx.timeout_s, cfg["timeout_s"])
     tmp = Path(tempfile.mkdtemp(prefix="parity-trl-repro-"))
-    rows, per_config, failures = [], {}, []
+    # A row's values come from trl_run's decoded JSON and judge_logged's gate dict (both untyped) as well as
+    # from the tables here: Any.
+    rows: list[dict[str, Any]] = []
+    per_config: dict[str, object] = {}
+    failures: list[str] = []
     try:
         for c in cfg["configs"]:
             name = label(c)
             phases = (["off"] if c.get("off") else []) + ["observe", cfg["fix"]]
-            run_cfg = {"model": cfg["fixture"], "top_p": c.get("top_p", 1.0), "top_k": c.get("top_k", 0),
+            run_cfg: dict[str, object] = {"model": cfg["fixture"], "top_p": c.get("top_p", 1.0), "top_k": c.get("top_k", 0),
                        "min_p": c.get("min_p", 0.0), "is_mode": c["is_mode"], "steps": cfg["steps"],
                        "batch": cfg["batch"], "num_generations": cfg["num_generations"],
                        "max_completion_length": cfg["max_completion_length"], "seed": ctx.seed,
@@ -251,7 +304,7 @@ def run(ctx: Context, cfg: dict[str, Any]) -> Measured:
             captured = {m: load_sequences(out / p["capture"]) for m, p in by_mode.items() if p.get("capture")}
             tables = {m: phase_table(by_mode[m], seqs) for m, seqs in captured.items()}
             before, after = tables["observe"]["steps"], tables[cfg["fix"]]["steps"]
-            row = {
+            row: dict[str, Any] = {  # see rows
                 "config": name, "is_mode": c["is_mode"], "filtered": name != "top_p=1",
                 "tokens": sum(r["tokens"] for r in before),
                 "mean_s": _mean(before, "mean_s"), "abs_log_s": _mean(before, "abs_log_s"),
@@ -303,7 +356,7 @@ def run(ctx: Context, cfg: dict[str, Any]) -> Measured:
     return _result(cfg, rows, per_config, failures)
 
 
-def _result(cfg: dict[str, Any], rows: list[dict[str, Any]], per_config: dict[str, Any], failures: list[str]) -> Measured:
+def _result(cfg: TrlSettings, rows: list[dict[str, Any]], per_config: dict[str, object], failures: list[str]) -> Measured:
     filtered = [r for r in rows if r["filtered"]]
     control = [r for r in rows if not r["filtered"]]
     off = [r for r in rows if "off_equals_observe" in r]
@@ -385,7 +438,7 @@ def _result(cfg: dict[str, Any], rows: list[dict[str, Any]], per_config: dict[st
     return Measured(rows, checks, notes, data={"per_config": per_config})
 
 
-def script_config(small: bool) -> dict[str, Any]:
+def script_config(small: bool) -> dict[str, object]:
     cfg = settings(small)
     return {"configs": cfg["configs"], "steps": cfg["steps"], "batch": cfg["batch"],
             "num_generations": cfg["num_generations"], "tokens": cfg["max_completion_length"],

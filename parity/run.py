@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from parity.engines.trainer_under_test import TrainerFn
     from parity.engines.vllm_offline import VllmRollout
     from parity.records.accumulators import Summary
-    from parity.report.blocks import Routing
+    from parity.report.blocks import Json, JsonObject, ReportJson, Routing, ScenarioFacts
     from parity.report.model import ScenarioVerdict
 
 
@@ -98,7 +98,7 @@ class ScenarioResult:
     seconds: float
     export: pa.Table  # the scenario's rows in the records format
     part: Summary  # their streamed summary (merged into the run's, in matrix order)
-    facts: dict[str, Any]  # what the records do not hold: the capture plan, dtypes, the RL view (records metadata)
+    facts: ScenarioFacts  # what the records do not hold: the capture plan, dtypes, the RL view (records metadata)
 
 
 def scenario_engines(engines: EngineSettings, sc: Scenario) -> EngineSettings:
@@ -121,7 +121,7 @@ def wants_sampler_log_s(rollout: Rollout, sc: Scenario, cfg: RunConfig) -> bool:
 
 def attach_sampler_log_s(
     records: list[SequenceRecord], raw: VllmRollout, prompts: list[list[int]], sc: Scenario, seed: int
-) -> dict[str, Any]:
+) -> JsonObject:
     """Sample again with the raw-logits engine (same seeds) and put the sampler-side log S on each record.
 
     A record whose second draw differs from the first gets none (counted, never guessed).
@@ -131,7 +131,7 @@ def attach_sampler_log_s(
     from parity.core.log_s import log_s_from_raw_logits
 
     again = raw.generate(prompts, sc.spec, max_tokens=sc.max_tokens, seed=seed, logprobs=-1)
-    mismatched = []
+    mismatched: list[Json] = []
     for r, a in zip(records, again, strict=True):
         if list(a.completion_ids) != list(r.completion_ids) or r.kept_ids is None or a.kept_ids is None:
             mismatched.append(r.prompt_index)
@@ -214,7 +214,7 @@ def score_scenario(
     # What the capture did (parity.core.capture.CaptureStats): the head it started with, what it widened,
     # the largest |S_q| met, positions unproven at the cap, resamples that came back different.
     assert rollout.last_capture is not None  # set by generate()
-    facts: dict[str, Any] = {"rl_view": rl_view(table), "capture_plan": rollout.last_capture.to_dict(),
+    facts: ScenarioFacts = {"rl_view": rl_view(table), "capture_plan": rollout.last_capture.to_dict(),
                              "dtypes": {"sampler": dtypes[0], "trainer": dtypes[1]}}
     if raw_pass is not None:
         facts["raw_logits_pass"] = raw_pass
@@ -250,9 +250,9 @@ def routing_section(records: list[SequenceRecord], table: TokenTable, trainer: T
     section, found = routing_report(records, table, trainer, sc.spec, dtypes, scenario=sc.name,
                                     max_headroom=cfg.thresholds.max_headroom, n_listed=cfg.thresholds.max_violations_listed,
                                     own=own)
-    listed = {v.gate: {"worst": [p.to_dict() for p in v.worst], "detail": v.detail} for v in found}
-    out: Routing = {**section, "listed": listed, "capture": getattr(rollout, "last_routes", None)}  # type: ignore[typeddict-item]
-    return out
+    listed: dict[str, JsonObject] = {v.gate: {"worst": [p.to_dict() for p in v.worst], "detail": v.detail} for v in found}
+    capture: Json = getattr(rollout, "last_routes", None)  # the engine adapter's record of the capture route (JSON)
+    return {**section, "listed": listed, "capture": capture}
 
 
 def score_trainer_under_test(
@@ -282,6 +282,7 @@ def _progress(msg: str) -> None:
 
 
 def run(cfg: RunConfig, progress: Callable[[str], None] = _progress, pool: EnginePool | None = None) -> dict[str, Any]:
+    # dict[str, Any]: parity.cli reads the report as JSON, untyped (it is a parity.report.blocks.ReportJson)
     """Run the matrix; return the report dict (also written under ``cfg.out``).
 
     With ``pool`` the engines outlive the run (tests share them); without, they are closed at the end.
@@ -293,12 +294,12 @@ def run(cfg: RunConfig, progress: Callable[[str], None] = _progress, pool: Engin
     # Entered before any engine starts: on CUDA, VLLM_BATCH_INVARIANT is read at engine start-up.
     # With the mode off the context changes nothing and records the knobs as they are.
     with batch_invariant_mode(cfg.batch_invariant, device=cfg.device) as state:
-        return _run(cfg, matrix, progress, pool, state)
+        return dict(_run(cfg, matrix, progress, pool, state))
 
 
 def _run(
     cfg: RunConfig, matrix: Matrix, progress: Callable[[str], None], pool: EnginePool | None, state: DeterminismState
-) -> dict[str, Any]:
+) -> ReportJson:
     from parity.core.capture import CaptureHistory
     from parity.determinism.checks import check_rollout_invariance, check_trainer_invariance
     from parity.determinism.gate import determinism_section
@@ -340,7 +341,7 @@ def _run(
             )
             if res.facts["capture_plan"].get("adaptive") and rollout.last_capture is not None:
                 progress(f"    {rollout.last_capture.summary()}")
-        determinism = None
+        determinism: JsonObject | None = None
         if cfg.invariance:
             rollout, trainer = pool.get(cfg.model, engines, progress)
             progress("parity: invariance checks (rollout batch sizes 2..32, trainer padding and packing)")
@@ -376,8 +377,8 @@ def _run(
 
 def run_report(
     cfg: RunConfig, matrix: Matrix, results: list[ScenarioResult], state: DeterminismState,
-    determinism: dict[str, Any] | None, vocab_size: int | None,
-) -> dict[str, Any]:
+    determinism: JsonObject | None, vocab_size: int | None,
+) -> ReportJson:
     """The run's records (written with ``--records``) and their report, built as an analysis of them builds it
     (:func:`parity.analyze.report.build_report`): what the records do not hold travels in their metadata."""
     import json
@@ -393,7 +394,7 @@ def run_report(
 
     env = environment(cfg.device, cfg.dtype, cfg.trainer_dtype or cfg.dtype)
     users = {r.table.user_name for r in results if r.table.user_name}
-    config = {
+    config: dict[str, object] = {
         "model": cfg.model,
         "trainer_model": cfg.trainer_model or cfg.model,
         "matrix": matrix.name,
@@ -404,7 +405,7 @@ def run_report(
         else getattr(cfg.trainer, "__qualname__", "callable"),
         "planted_faults": {k: v for k, v in cfg.faults.__dict__.items() if v},
     }
-    facts = {
+    facts: dict[str, object] = {
         "scenarios": {r.scenario.name: {"model": r.scenario.model or cfg.model, **r.facts} for r in results},
         "config": config,
         "environment": {"device": cfg.device, "batch_invariant_mode": state.to_dict()},

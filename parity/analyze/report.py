@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from parity.analyze.shards import summarize_paths
 from parity.core.gates import Thresholds
@@ -21,6 +21,7 @@ from parity.records.read import records_paths
 from parity.records.schema import RecordsError
 from parity.records.token_columns import Options
 from parity.records.verdict import judge
+from parity.report.blocks import Json, ReportJson, Routing
 
 if TYPE_CHECKING:
     from parity.report.model import ScenarioVerdict
@@ -30,10 +31,12 @@ if TYPE_CHECKING:
 # ==================================================================================================
 
 
-def _metadata_value(summary: Summary, key: str) -> Any:
+def _metadata_value(summary: Summary, key: str) -> Json:
+    """``key``'s value in the records metadata where every file that names it agrees (decoded JSON), else None."""
     values = {json.dumps(m.get(key), sort_keys=True) for m in summary.metadata if key in m}
     if len(values) == 1:
-        return json.loads(values.pop())
+        value: Json = json.loads(values.pop())
+        return value
     return None
 
 
@@ -75,7 +78,7 @@ def records_warnings(summary: Summary) -> list[str]:
     return out
 
 
-def _checksum_state(states: list[bool | None]) -> str:
+def _checksum_state(states: list[bool | None]) -> Literal["all", "some", "none", "unknown"]:
     """Files with page checksums: all, some, none (of those that could be checked), or unknown."""
     if states and all(s is True for s in states):
         return "all"
@@ -99,23 +102,34 @@ def require_tokens(summary: Summary, where: str) -> None:
 REPORT_FACTS = "report"
 
 
-def _apply_facts(report: dict[str, Any], facts: Any) -> None:
+def _written_as_found(block: Mapping[str, object]) -> dict[str, Json]:
+    """A report block, to merge values decoded from the records metadata into: they are written as the files
+    hold them, unchecked here (:meth:`parity.report.model.Report.from_json` checks their keys when the report
+    is written; the producer, :data:`REPORT_FACTS`, chose their layout)."""
+    return cast("dict[str, Json]", block)
+
+
+def _object(x: Json) -> dict[str, Json]:
+    return x if isinstance(x, dict) else {}
+
+
+def _apply_facts(report: ReportJson, facts: Json) -> None:
     if not isinstance(facts, dict):
         return
-    per = facts.get("scenarios") or {}
+    per = _object(facts.get("scenarios"))
     for sc in report["scenarios"]:
-        extra = dict(per.get(sc["name"]) or {})
+        extra = dict(_object(per.get(sc["name"])))
         raw = extra.pop("raw_logits_pass", None)
         if raw is not None:
-            sc["sampler_log_s"]["raw_logits_pass"] = raw
-        sc.update(extra)
-    report["config"].update(facts.get("config") or {})
-    report["environment"].update(facts.get("environment") or {})
-    report.update(facts.get("top") or {})
+            _written_as_found(sc["sampler_log_s"])["raw_logits_pass"] = raw
+        _written_as_found(sc).update(extra)
+    report["config"].update(_object(facts.get("config")))
+    _written_as_found(report["environment"]).update(_object(facts.get("environment")))
+    _written_as_found(report).update(_object(facts.get("top")))
     set_verdict(report)
 
 
-def set_verdict(report: dict[str, Any]) -> None:
+def set_verdict(report: ReportJson) -> None:
     """The report's ``passed`` (every scenario passes every gate it could evaluate), ``verdict`` (``fail``
     when a gate failed; ``none`` when nothing failed but a scenario has no mean-bias gate or no gate at all;
     else ``pass``) and ``no_verdict`` (each such scenario's line: what it lacks and what supplies it)."""
@@ -124,26 +138,50 @@ def set_verdict(report: dict[str, Any]) -> None:
     failed = (any(s["verdict"] == "fail" for s in scenarios)
               or bool(isinstance(determinism, dict) and determinism.get("violations")))
     report["passed"] = not failed and bool(scenarios) and all(s["verdict"] == "pass" for s in scenarios)
-    report["no_verdict"] = [s["no_verdict"] for s in scenarios if s.get("no_verdict")]
+    report["no_verdict"] = [why for s in scenarios if (why := s.get("no_verdict"))]
     if not scenarios:
         report["no_verdict"].append("the records hold no scenario")
     report["verdict"] = "fail" if failed else ("none" if report["no_verdict"] else "pass")
 
 
-def _stored(facts: Any, key: str) -> dict[str, Any]:
+def _stored(facts: Json, key: str) -> dict[str, dict[str, Json]]:
     """Per scenario, a block a producer stored for the gate table (``native_capture``, ``routing``)."""
     per = facts.get("scenarios") if isinstance(facts, dict) else None
-    return {name: f[key] for name, f in (per or {}).items() if isinstance(f, dict) and isinstance(f.get(key), dict)}
+    return {name: block for name, f in _object(per).items() if isinstance(f, dict) and isinstance(block := f.get(key), dict)}
 
 
-def _native(facts: Any) -> dict[str, list[tuple[int, int]]] | None:
+def _routing(facts: Json) -> dict[str, Routing] | None:
+    """The routing sections a producer stored (``parity run`` on a MoE scenario: :func:`parity.run.routing_section`,
+    its :class:`~parity.report.blocks.Routing` as JSON), per scenario."""
+    return {name: cast("Routing", block) for name, block in _stored(facts, "routing").items()} or None
+
+
+def _int(x: Json) -> int:
+    if isinstance(x, (int, float, str)):
+        return int(x)
+    raise TypeError(f"int() argument must be a string or a real number, not '{type(x).__name__}'")
+
+
+def _pair(x: Json) -> tuple[int, int]:
+    if not isinstance(x, list):
+        raise TypeError(f"a stored position: expected [prompt, position], got {type(x).__name__}")
+    p, t = x
+    return _int(p), _int(t)
+
+
+def _native(facts: Json) -> dict[str, list[tuple[int, int]]] | None:
     """The native-mask mismatches a producer stored (``parity run --capture both``), per scenario."""
-    out = {name: [(int(p), int(t)) for p, t in n.get("positions", [])] for name, n in _stored(facts, "native_capture").items()}
+    out = {}
+    for name, n in _stored(facts, "native_capture").items():
+        positions = n.get("positions", [])
+        if not isinstance(positions, list):
+            raise TypeError(f"native_capture positions of {name!r}: expected a list, got {type(positions).__name__}")
+        out[name] = [_pair(x) for x in positions]
     return out or None
 
 
 def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: Sequence[Path | str],
-                 engine: str = "local", verdicts: Sequence[ScenarioVerdict] | None = None) -> dict[str, Any]:
+                 engine: str = "local", verdicts: Sequence[ScenarioVerdict] | None = None) -> ReportJson:
     """report.json of a records summary: the one report builder (``parity analyze``, ``parity run`` on its own
     records, the TRL capture). A producer's facts stored under :data:`REPORT_FACTS` join the report.
     ``verdicts``: the scenarios as the producer already judged them (:func:`parity.records.verdict.judge` on the
@@ -151,30 +189,31 @@ def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: S
     from parity.report.model import SCHEMA_VERSION
     from parity.report.schema import environment
 
-    trainer_name = _metadata_value(summary, "trainer_under_test") or _metadata_value(summary, "trainer_name")
+    named = _metadata_value(summary, "trainer_under_test") or _metadata_value(summary, "trainer_name")
+    trainer_name = None if named is None else str(named)
     if verdicts is None:
         facts = _metadata_value(summary, REPORT_FACTS)
-        verdicts = judge(summary, th, trainer_name=trainer_name, native=_native(facts),
-                         routing=_stored(facts, "routing") or None)
+        verdicts = judge(summary, th, trainer_name=trainer_name, native=_native(facts), routing=_routing(facts))
     scenarios = [v.to_json() for v in verdicts]
     models = _metadata_value(summary, "scenario_models") or {}
     for sc in scenarios:
         if isinstance(models, dict) and sc["name"] in models:
-            sc["model"] = models[sc["name"]]
-    rollout_dtype = _metadata_value(summary, "dtype") or "unknown"
-    trainer_dtype = options.dtype if options.model else (_metadata_value(summary, "trainer_dtype") or "unknown")
+            _written_as_found(sc)["model"] = models[sc["name"]]
+    rollout_dtype = str(_metadata_value(summary, "dtype") or "unknown")
+    trainer_dtype = options.dtype if options.model else str(_metadata_value(summary, "trainer_dtype") or "unknown")
     env = environment(options.device, rollout_dtype, trainer_dtype)
     recorded = {k: _metadata_value(summary, k) for k in ("vllm", "torch", "transformers")}
-    env["analysis_machine"] = {k: env.get(k) for k in ("vllm", "torch", "transformers", "parity", "python")}
+    env["analysis_machine"] = {"vllm": env["vllm"], "torch": env["torch"], "transformers": env["transformers"],
+                               "parity": env["parity"], "python": env["python"]}
     for k, v in recorded.items():
-        env[k] = v  # the versions that produced the records (None when the files do not say)
+        _written_as_found(env)[k] = v  # the versions that produced the records (None when the files do not say)
     env["sampler"], env["sampler_version"] = _sampler(summary)
     skipped: dict[tuple[str, str], list[str]] = {}
     for sc in scenarios:
         for g in sc["not_evaluated"]:
             skipped.setdefault((g["gate"], g["reason"]), []).append(sc["name"])
     warnings = records_warnings(summary)
-    report = {
+    report: ReportJson = {
         "schema_version": SCHEMA_VERSION,
         "source": "records",
         "environment": env,
@@ -182,9 +221,9 @@ def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: S
             "records": [str(p) for p in paths],
             "model": options.model or _metadata_value(summary, "model"),
             "analysis": "re-scored with --model" if options.model else "records",
-            "thresholds": th.to_dict(),
-            "columns": sorted(summary.columns),
-            "ignored_columns": sorted(summary.ignored_columns),
+            "thresholds": {k: v for k, v in th.to_dict().items()},
+            "columns": [c for c in sorted(summary.columns)],
+            "ignored_columns": [c for c in sorted(summary.ignored_columns)],
             "records_metadata": [{k: v for k, v in m.items() if k != REPORT_FACTS} for m in summary.metadata],
             "engine": engine,
         },
@@ -224,7 +263,7 @@ def analyze(
     timeout_s: float = 3600.0,
     progress: Callable[[str], None] | None = None,
     engine: str = "local",
-) -> dict[str, Any]:
+) -> dict[str, Any]:  # dict[str, Any]: parity.cli reads the report as JSON, untyped (it is a ReportJson)
     """Analyse a records file or a directory of shards; write report.json/report.md/plots under ``out``.
 
     ``engine``: where the map step runs: ``local`` (this process, or ``jobs`` local processes), or Ray
@@ -250,4 +289,4 @@ def analyze(
     report["timings"] = {"total_s": time.perf_counter() - t0}
     if out is not None:
         write_report(report, Path(out), plots=plots)
-    return report
+    return dict(report)

@@ -9,7 +9,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -129,13 +129,18 @@ def file_header(path: str, records: RecordsFile) -> Summary:
                    page_checksums={str(path): records.page_checksums})
 
 
-def batch_summarizer(metadata: dict[str, Any], file_index: int, options: Options) -> Callable[[RecordsBatch], Summary]:
+def batch_summarizer(metadata: Mapping[str, object], file_index: int, options: Options) -> Callable[[RecordsBatch], Summary]:
     """The map step for the validated batches of one file: dtypes and vocabulary size from the file's
     metadata, the trainer's values re-scored with ``options.model`` when set (what every worker runs:
     local processes, Ray, Spark)."""
     dtypes = _dtypes(metadata, options)
     stated = (str(metadata.get("dtype") or ""), options.dtype if options.model else str(metadata.get("trainer_dtype") or ""))
-    vocab = metadata.get("vocab_size")
+    stated_vocab = metadata.get("vocab_size")  # user metadata: checked here
+    vocab = None
+    if stated_vocab:
+        if not isinstance(stated_vocab, (int, float, str)):
+            raise TypeError(f"int() argument must be a string or a real number, not '{type(stated_vocab).__name__}'")
+        vocab = int(stated_vocab)
     columns: Callable[[RecordsBatch], TokenColumns] | None = None
     if options.model:
         trainer = _trainer(options.model, options.dtype, options.device)
@@ -145,7 +150,7 @@ def batch_summarizer(metadata: dict[str, Any], file_index: int, options: Options
 
     def summarize(rb: RecordsBatch) -> Summary:
         return summarize_batch(rb, file_index=file_index, options=options, dtypes=dtypes,
-                               vocab_size=int(vocab) if vocab else None, columns=columns, stated_dtypes=stated)
+                               vocab_size=vocab, columns=columns, stated_dtypes=stated)
 
     return summarize
 

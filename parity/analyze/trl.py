@@ -16,9 +16,9 @@ TRL's defaults), since the trainer side is float32.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
@@ -28,15 +28,58 @@ from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.core.token_table import build_table
 from parity.errors import UsageError
+from parity.report.blocks import ReportJson, ScenarioFacts
 
 if TYPE_CHECKING:
     import pyarrow as pa
+
+    from parity.records.accumulators import Summary
+
+# A captured sequence (parity.engines.trl_grpo.SEQUENCE_FIELDS) as torch.load gives it back: its values are
+# read with the checks below.
+Captured = Mapping[str, object]
 
 SOURCE = "vllm (TRL GRPOTrainer, colocate)"
 TRAINER_UNDER_TEST = "TRL GRPOTrainer IS numerator"
 
 
-def to_records(sequences: Sequence[dict[str, Any]]) -> tuple[list[SequenceRecord], list[torch.Tensor], list[torch.Tensor], int]:
+def _where(s: Captured) -> str:
+    return f"sequence {s['index']} of step {s['step']}"
+
+
+def _tensor(s: Captured, key: str) -> torch.Tensor:
+    x = s[key]
+    if not isinstance(x, torch.Tensor):
+        raise UsageError(f"{_where(s)}: {key} is {type(x).__name__}, allowed a tensor (SEQUENCE_FIELDS)")
+    return x
+
+
+def _maybe_tensor(s: Captured, key: str) -> torch.Tensor | None:
+    return None if s.get(key) is None else _tensor(s, key)
+
+
+def _int(s: Captured, key: str) -> int:
+    x = s[key]
+    if not isinstance(x, (int, float, str, torch.Tensor)):
+        raise UsageError(f"{_where(s)}: {key} is {type(x).__name__}, allowed an integer (SEQUENCE_FIELDS)")
+    return int(x)
+
+
+def _ints(s: Captured, key: str) -> list[int]:
+    x = s[key]
+    if not isinstance(x, (list, tuple, torch.Tensor)):
+        raise UsageError(f"{_where(s)}: {key} is {type(x).__name__}, allowed a list of token ids (SEQUENCE_FIELDS)")
+    return [int(t) for t in x]
+
+
+def _spec(s: Captured) -> Mapping[str, object]:
+    x = s["spec"]
+    if not isinstance(x, dict):
+        raise UsageError(f"{_where(s)}: spec is {type(x).__name__}, allowed a dict (SEQUENCE_FIELDS)")
+    return x
+
+
+def to_records(sequences: Sequence[Captured]) -> tuple[list[SequenceRecord], list[torch.Tensor], list[torch.Tensor], int]:
     """Records (sampler side), trainer logits, TRL's IS numerator per sequence, and the masked-out count.
 
     The records writer plugs in here: a ``SequenceRecord`` per captured sequence is what the
@@ -48,33 +91,43 @@ def to_records(sequences: Sequence[dict[str, Any]]) -> tuple[list[SequenceRecord
             raise UsageError(f"sequence {s['index']} of step {s['step']} has no logits: capture with keep_logits=True")
         if s.get("sampling_logps") is None:
             raise UsageError(f"sequence {s['index']} of step {s['step']} has no sampler log-probs (TRL got none from vLLM)")
-        m = s["mask"]
+        m = _tensor(s, "mask")
         dropped += int((~m).sum())
         if not bool(m.any()):
             continue
         idx = m.nonzero().squeeze(1)
-        comp = [int(t) for t, keep in zip(s["completion_ids"], m.tolist(), strict=True) if keep]
-        kept = s["kept_ids"][idx] if s["kept_ids"] is not None else None
+        comp = [t for t, keep in zip(_ints(s, "completion_ids"), m.tolist(), strict=True) if keep]
+        kept_ids = _maybe_tensor(s, "kept_ids")
+        kept = kept_ids[idx] if kept_ids is not None else None
         records.append(
             SequenceRecord(
                 source=SOURCE,
-                prompt_index=int(s["index"]),
-                prompt_ids=list(s["prompt_ids"]),
+                prompt_index=_int(s, "index"),
+                prompt_ids=_ints(s, "prompt_ids"),
                 completion_ids=comp,
-                spec=SamplingSpec.from_dict(s["spec"]),
+                spec=SamplingSpec.from_dict(_spec(s)),
                 seed=-1,  # TRL's engine seed; not per request
-                logprobs=s["sampling_logps"][idx].float(),
+                logprobs=_tensor(s, "sampling_logps")[idx].float(),
                 kept_ids=kept,
-                kept_logprobs=s["kept_logprobs"][idx] if kept is not None else None,
-                incomplete=s["incomplete"][idx] if kept is not None else None,
+                kept_logprobs=_tensor(s, "kept_logprobs")[idx] if kept is not None else None,
+                incomplete=_tensor(s, "incomplete")[idx] if kept is not None else None,
             )
         )
-        logits.append(s["logits"][idx].float())
-        used.append(s["is_logps"][idx].double())
+        logits.append(_tensor(s, "logits")[idx].float())
+        used.append(_tensor(s, "is_logps")[idx].double())
     return records, logits, used, dropped
 
 
-def score_step(sequences: Sequence[dict[str, Any]], *, name: str, thresholds: Thresholds | None = None) -> dict[str, Any]:
+class ScoredStep(TypedDict):
+    """One generation batch judged as records (:func:`score_step`)."""
+
+    part: Summary
+    facts: ScenarioFacts
+    thresholds: Thresholds
+    dtype: str
+
+
+def score_step(sequences: Sequence[Captured], *, name: str, thresholds: Thresholds | None = None) -> ScoredStep:
     """One generation batch judged as records: ``{"part": Summary, "facts": ..., "thresholds": ..., "dtype": ...}``
     (:func:`score_capture` merges the steps into one report)."""
     from parity.engines.trainer_under_test import reference_views
@@ -83,10 +136,10 @@ def score_step(sequences: Sequence[dict[str, Any]], *, name: str, thresholds: Th
 
     if not sequences:
         raise UsageError(f"scenario {name!r}: no captured sequences")
-    specs = {tuple(sorted(s["spec"].items())) for s in sequences}
+    specs = {tuple(sorted(_spec(s).items())) for s in sequences}
     if len(specs) != 1:
         raise UsageError(f"scenario {name!r}: sequences were sampled with {len(specs)} different specs; allowed one")
-    spec = SamplingSpec.from_dict(sequences[0]["spec"])
+    spec = SamplingSpec.from_dict(_spec(sequences[0]))
     dtype = str(sequences[0]["sampler_dtype"])
     gate_dtype = dtype if dtype in UNIT_ROUNDOFF else "bfloat16"
     th = thresholds or Thresholds.for_dtype(dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16")
@@ -103,19 +156,20 @@ def score_step(sequences: Sequence[dict[str, Any]], *, name: str, thresholds: Th
     # The sampler dtype's own per-token rounding bound, as a fact beside the gates' (which also carry the trainer's).
     bound = torch.cat([logprob_rounding_bound(z, y, spec, gate_dtype, kept=r.kept_ids)
                        for z, y, r in zip(logits, ys, records, strict=True)]) if ys else torch.zeros(0, dtype=torch.float64)
-    facts = {
+    first = sequences[0]
+    facts: ScenarioFacts = {
         "model": "TRL GRPOTrainer",
         "rl_view": rl_view(table),
         "masked_tokens": dropped,
         "rounding_bound": {"dtype": dtype, "mean": float(bound.mean()) if bound.numel() else 0.0,
                            "max": float(bound.max()) if bound.numel() else 0.0},
-        "trl": {"is_mode": sequences[0]["is_mode"], "fix": sequences[0]["fix"], "sampler_dtype": dtype,
-                "step": int(sequences[0]["step"])},
+        "trl": {"is_mode": str(first["is_mode"]), "fix": None if first["fix"] is None else str(first["fix"]),
+                "sampler_dtype": dtype, "step": _int(first, "step")},
     }
     return {"part": part, "facts": facts, "thresholds": th, "dtype": dtype}
 
 
-def score_capture(sequences: Sequence[dict[str, Any]], *, label: str = "trl", thresholds: Thresholds | None = None) -> dict[str, object]:
+def score_capture(sequences: Sequence[Captured], *, label: str = "trl", thresholds: Thresholds | None = None) -> ReportJson:
     """The report (report.json's schema) of every captured step, one scenario per step, built as an analysis of
     the capture's records builds it (:func:`parity.analyze.report.build_report`)."""
     import json
@@ -125,8 +179,8 @@ def score_capture(sequences: Sequence[dict[str, Any]], *, label: str = "trl", th
     from parity.records.token_columns import Options
     from parity.report.schema import environment, installed_version
 
-    steps = sorted({int(s["step"]) for s in sequences})
-    scored = [score_step([s for s in sequences if int(s["step"]) == st], name=f"{label}-step{st}", thresholds=thresholds)
+    steps = sorted({_int(s, "step") for s in sequences})
+    scored = [score_step([s for s in sequences if _int(s, "step") == st], name=f"{label}-step{st}", thresholds=thresholds)
               for st in steps]
     th = scored[0]["thresholds"] if scored else (thresholds or Thresholds())
     dtype = scored[0]["dtype"] if scored else "unknown"
@@ -151,8 +205,8 @@ def score_capture(sequences: Sequence[dict[str, Any]], *, label: str = "trl", th
     return build_report(total, th, options=Options(n_listed=th.max_violations_listed), paths=[])
 
 
-def write_capture_report(sequences: Sequence[dict[str, Any]], out: str | Path, *, label: str = "trl",
-                         plots: bool = False) -> dict[str, object]:
+def write_capture_report(sequences: Sequence[Captured], out: str | Path, *, label: str = "trl",
+                         plots: bool = False) -> ReportJson:
     """Score and write report.json / report.md under ``out``; returns the report."""
     from parity.report.schema import write_report
 
@@ -161,7 +215,7 @@ def write_capture_report(sequences: Sequence[dict[str, Any]], out: str | Path, *
     return report
 
 
-def logged_columns(sequences: Sequence[dict[str, Any]]) -> tuple[pa.Table, int]:
+def logged_columns(sequences: Sequence[Captured]) -> tuple[pa.Table, int]:
     """The capture as a run's own logs: a pyarrow table of the records format's minimal columns (README, "judge
     your run's logs"), the sampler's and TRL's IS numerator's log-prob of each token TRL's mask keeps, one
     row per sequence with its step; and the count of masked-out tokens dropped."""
@@ -173,17 +227,17 @@ def logged_columns(sequences: Sequence[dict[str, Any]]) -> tuple[pa.Table, int]:
     for s in sequences:
         if s.get("sampling_logps") is None:
             raise UsageError(f"sequence {s['index']} of step {s['step']} has no sampler log-probs (TRL got none from vLLM)")
-        m = s["mask"].bool()
+        m = _tensor(s, "mask").bool()
         dropped += int((~m).sum())
         if not bool(m.any()):
             continue
-        spec = SamplingSpec.from_dict(s["spec"])
-        rows.append({"schema_version": 1, "prompt_ids": list(s["prompt_ids"]),
-                     "completion_ids": [int(t) for t, k in zip(s["completion_ids"], m.tolist(), strict=True) if k],
+        spec = SamplingSpec.from_dict(_spec(s))
+        rows.append({"schema_version": 1, "prompt_ids": _ints(s, "prompt_ids"),
+                     "completion_ids": [t for t, k in zip(_ints(s, "completion_ids"), m.tolist(), strict=True) if k],
                      "temperature": spec.temperature, "top_k": spec.top_k, "top_p": spec.top_p, "min_p": spec.min_p,
-                     "step": int(s["step"]), "sampler_logprobs": s["sampling_logps"][m].float().tolist(),
-                     "trainer_logprobs": s["is_logps"][m].double().tolist()})
-    vocab = next((int(s["logits"].shape[-1]) for s in sequences if s.get("logits") is not None), None)
+                     "step": _int(s, "step"), "sampler_logprobs": _tensor(s, "sampling_logps")[m].float().tolist(),
+                     "trainer_logprobs": _tensor(s, "is_logps")[m].double().tolist()})
+    vocab = next((int(_tensor(s, "logits").shape[-1]) for s in sequences if s.get("logits") is not None), None)
     meta = {"schema_version": 1, "sampler": "vLLM", "dtype": str(sequences[0]["sampler_dtype"]) if sequences else None,
             "trainer_dtype": "float32", **({"vocab_size": vocab} if vocab else {})}
     schema = pa.schema([("schema_version", pa.int32()), ("prompt_ids", pa.list_(pa.int32())),
@@ -194,7 +248,7 @@ def logged_columns(sequences: Sequence[dict[str, Any]]) -> tuple[pa.Table, int]:
     return pa.Table.from_pylist(rows, schema=schema), dropped
 
 
-def judge_logged(sequences: Sequence[dict[str, Any]], *, thresholds: Thresholds | None = None) -> dict[str, Any]:
+def judge_logged(sequences: Sequence[Captured], *, thresholds: Thresholds | None = None) -> dict[str, Any]:
     """The verdict of TRL's logged per-token tensors alone (no logits, no kept set): the scenario entry of the
     two-column gates (``logprob_mean_bias``, ``trainer_support``), as ``parity analyze`` gives it on those
     logs, with ``masked_tokens``."""
@@ -211,4 +265,7 @@ def judge_logged(sequences: Sequence[dict[str, Any]], *, thresholds: Thresholds 
     th = thresholds or Thresholds.for_dtype(dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16")
     summary = Summary().merge(batch_summarizer(meta, 0, Options(n_listed=th.max_violations_listed))(table))
     (verdict,) = judge(summary, th, trainer_name=TRAINER_UNDER_TEST)
-    return {**verdict.to_json(), "masked_tokens": dropped}
+    entry = verdict.to_json()
+    entry["masked_tokens"] = dropped
+    # dict[str, Any]: parity.repro reads the entry as JSON, untyped (a ScenarioJson, read through its optional blocks)
+    return dict(entry)

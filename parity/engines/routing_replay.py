@@ -11,7 +11,6 @@ on the sibling ``experts`` module (its ``top_k_index``), so "forced" is checked,
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -28,6 +27,7 @@ from parity.core.token_table import TokenTable, build_table
 from parity.core.violation import Position, Violation
 from parity.engines.routed_experts import ROUTED
 from parity.errors import UsageError
+from parity.report.blocks import ReplayDrift, RoutingLayer, RoutingSection
 
 if TYPE_CHECKING:
     from parity.engines.session import Trainer
@@ -145,7 +145,7 @@ def _rows(records: Sequence[SequenceRecord], per: list[dict[str, np.ndarray]], k
 def routing_report(
     records: Sequence[SequenceRecord], table: TokenTable, trainer: Trainer, spec: SamplingSpec, dtypes: Sequence[str],
     *, scenario: str, max_headroom: float, n_listed: int = 5, own: RouterTrace | None = None,
-) -> tuple[dict[str, object], list[Violation]]:
+) -> tuple[RoutingSection, list[Violation]]:
     """One scenario's routing section: agreement of the sampler's experts with the trainer's router (margin
     gate), then the trainer again under replay of the sampler's experts (forced 100 %, drift in the dense bound).
     ``own``: the trace of the trainer's scoring pass over ``records``, where the caller traced it (else traced here)."""
@@ -182,6 +182,28 @@ def routing_report(
                      {"vllm": float(table_r3.vllm[i]), "trainer_replay_r3": float(table_r3.replay[i])},
                      float((table_r3.replay[i] - table_r3.vllm[i]).abs()), float(table_r3.bound[i])) if head.numel() else None
     drift_v = core_routing.replay_drift(without, with_r3, max_headroom, worst, scenario=scenario)
-    replay = dataclasses.replace(check, drift={"without_replay": without, "with_replay": with_r3})
-    section = {**agreement.to_dict(), "uncovered_rows": int((~covered).sum()), "replay": replay.to_dict()}
+    section: RoutingSection = {
+        "rows": agreement.rows, "layers": agreement.layers, "top_k": agreement.top_k, "num_experts": agreement.num_experts,
+        "per_layer": [_layer(p) for p in agreement.per_layer], "agreement": agreement.agreement,
+        "rows_any_layer_differs": agreement.rows_any_layer_differs, "flips": agreement.flips,
+        "flips_within_bound": agreement.flips_within_bound, "flips_above_bound": agreement.flips_above_bound,
+        "worst_margin_over_bound": agreement.worst_margin_over_bound, "uncovered_rows": int((~covered).sum()),
+        "replay": {"rows": check.rows, "forced_frac": check.forced_frac, "mismatched": check.mismatched,
+                   "drift": {"without_replay": _drift(without), "with_replay": _drift(with_r3)}},
+    }
     return section, violations + forced_v + drift_v
+
+
+def _layer(p: dict[str, float]) -> RoutingLayer:
+    """A per-layer row of :func:`parity.core.routing.routing_agreement` (its counts are integers)."""
+    return {"layer": int(p["layer"]), "agreement": p["agreement"], "flips": int(p["flips"]),
+            "flips_above_bound": int(p["flips_above_bound"]), "median_margin": p["median_margin"],
+            "median_bound": p["median_bound"]}
+
+
+def _drift(d: dict[str, float]) -> ReplayDrift:
+    """:func:`parity.core.routing.drift_stats` (its token count is an integer)."""
+    return {"tokens": int(d["tokens"]), "max_abs_diff": d["max_abs_diff"], "mean_abs_diff": d["mean_abs_diff"],
+            "mean_diff": d["mean_diff"], "headroom": d["headroom"], "is_ratio_token_mean": d["is_ratio_token_mean"],
+            "is_ratio_token_max": d["is_ratio_token_max"], "is_ratio_seq_min": d["is_ratio_seq_min"],
+            "is_ratio_seq_max": d["is_ratio_seq_max"]}

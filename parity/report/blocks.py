@@ -9,7 +9,11 @@ the determinism knobs, the RL catalogue): typed as JSON, checked as JSON.
 import dataclasses
 import types
 import typing
-from typing import Literal, NotRequired, TypeAlias, TypedDict, Union
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Literal, NotRequired, TypeAlias, TypedDict, Union, cast
+
+if TYPE_CHECKING:
+    from parity.core.rl_catalogue import TrainerSummary  # imports torch: named in a string annotation
 
 Json: TypeAlias = float | int | str | bool | None | list["Json"] | dict[str, "Json"]
 JsonObject = dict[str, Json]
@@ -284,9 +288,9 @@ class RoutingReplay(TypedDict):
     drift: dict[str, ReplayDrift]  # without_replay, with_replay
 
 
-class Routing(TypedDict):
-    """MoE: the sampler's experts against the trainer's router per layer, and routing replay (R3).
-    ``listed``: per routing gate, the positions its violation names (written where it failed)."""
+class RoutingSection(TypedDict):
+    """MoE: the sampler's experts against the trainer's router per layer, and routing replay (R3), as
+    :func:`parity.engines.routing_replay.routing_report` measures them."""
 
     rows: int
     layers: int
@@ -301,6 +305,12 @@ class Routing(TypedDict):
     worst_margin_over_bound: float | None
     uncovered_rows: int
     replay: RoutingReplay
+
+
+class Routing(RoutingSection):
+    """A scenario's ``routing``: the measured section, and ``listed``: per routing gate, the positions its
+    violation names (written where it failed); ``capture``: how the sampler's experts were captured."""
+
     listed: dict[str, JsonObject]
     capture: NotRequired[Json]
 
@@ -317,6 +327,158 @@ class EngineSettingEffect(TypedDict):
     max_abs_logprob_diff: float
     routed_rows_compared: int | None
     routed_rows_equal: int | None
+
+
+class PositionJson(TypedDict):
+    """One of a violation's worst positions (:meth:`parity.core.violation.Position.to_dict`)."""
+
+    prompt: int | None
+    position: int | None
+    token: int | None
+    values: dict[str, Stat | None]
+    gap: NotRequired[Stat | None]
+    bound: NotRequired[Stat | None]
+    note: NotRequired[str]
+
+
+class ViolationJson(TypedDict):
+    """A failed gate (:meth:`parity.core.violation.Violation.to_dict`; its schema: parity.report.schema)."""
+
+    gate: str
+    scenario: str
+    statistic: Stat
+    limit: Stat
+    label: str
+    comparison: str
+    worst: list[PositionJson]
+    detail: NotRequired[str]
+    message: str
+
+
+class ScenarioFacts(TypedDict):
+    """What a producer adds to a scenario's entry that its records do not hold (stored in the records metadata
+    under :data:`parity.analyze.report.REPORT_FACTS`): parity run's capture plan, dtypes, RL view, native
+    capture and routing; the TRL capture's model, masked tokens, rounding bound and TRL facts."""
+
+    model: NotRequired[str]
+    rl_view: NotRequired["dict[str, TrainerSummary]"]
+    capture_plan: NotRequired[JsonObject]
+    dtypes: NotRequired[Dtypes]
+    raw_logits_pass: NotRequired[JsonObject]  # moved into the scenario's sampler_log_s
+    native_capture: NotRequired[NativeCapture]
+    routing: NotRequired[Routing]
+    masked_tokens: NotRequired[int]
+    rounding_bound: NotRequired[RoundingBound]
+    trl: NotRequired[TrlFacts]
+
+
+class EnvironmentJson(TypedDict):
+    """report.json's ``environment`` (:class:`parity.report.model.Environment`; :func:`parity.report.schema.environment`
+    gives the first nine keys, a records analysis the next three)."""
+
+    vllm: str | None
+    torch: str | None
+    transformers: str | None
+    parity: str | None
+    python: str
+    device: str
+    dtype: str
+    trainer_dtype: str
+    determinism: JsonObject
+    analysis_machine: NotRequired[JsonObject | None]
+    sampler: NotRequired[str | None]
+    sampler_version: NotRequired[str | None]
+    batch_invariant_mode: NotRequired[JsonObject | None]
+    trl: NotRequired[str | None]
+
+
+class ScenarioJson(TypedDict):
+    """One scenario of report.json as a dict (:meth:`parity.report.model.ScenarioVerdict.to_json`, the same keys):
+    a block the producer did not give is left out."""
+
+    name: str
+    spec: dict[str, float]
+    tokens: int
+    compared_tokens: int
+    sequences: int
+    log_s: LogS
+    naive: Naive
+    replay: Diff
+    recompute: Diff
+    is_ratio: IsRatio
+    kl_over_support: MeanMax
+    tv_over_support: MeanMax
+    incomplete_positions: int
+    sampled_outside_support: int
+    token_mismatch: int
+    headroom: PerEstimator
+    mean_bias_limit: PerEstimator
+    mean_bias: MeanBiasEntries
+    bound: Bound | None
+    sampler_log_s: SamplerLogS
+    drift_split: DriftSplit
+    captured_positions: int
+    max_support_size: int | None
+    mean_support_size: float | None
+    kept_mass_off_positions: int
+    per_step: list[StepJson]
+    trend: TrendJson | None
+    not_evaluated: list[NotEvaluated]
+    input_notes: list[str]
+    lacking_inputs: dict[str, int]
+    drift_headroom: DriftHeadroom
+    gates_evaluated: list[str]
+    verdict: Literal["pass", "fail", "none"]
+    violations: list[ViolationJson]
+    reference_violations: list[ViolationJson]
+    mean_bias_evaluated: bool
+    no_verdict: str | None
+    capture_limit: str | None
+    trainer_under_test: NotRequired[TrainerUnderTest]
+    model: NotRequired[str]
+    capture_plan: NotRequired[JsonObject]
+    dtypes: NotRequired[Dtypes]
+    rl_view: NotRequired["dict[str, TrainerSummary]"]
+    native_capture: NotRequired[NativeCapture]
+    routing: NotRequired[Routing]
+    masked_tokens: NotRequired[int]
+    rounding_bound: NotRequired[RoundingBound]
+    trl: NotRequired[TrlFacts]
+
+
+class ReportJson(TypedDict):
+    """report.json as a dict (:meth:`parity.report.model.Report.to_json`, the same keys). A report builder's dict
+    (:func:`parity.analyze.report.build_report`) has no ``timings`` or ``plots`` yet, and may hold the optional
+    blocks as None."""
+
+    schema_version: int
+    source: str
+    environment: EnvironmentJson
+    config: JsonObject
+    records: Records
+    warnings: list[str]
+    scenarios: list[ScenarioJson]
+    passed: bool
+    complete: bool
+    not_evaluated: list[NotEvaluated]
+    verdict: Literal["pass", "fail", "none"]
+    no_verdict: list[str]
+    timings: NotRequired[dict[str, float]]
+    plots: NotRequired[list[str]]
+    determinism: NotRequired[JsonObject | None]
+    matrix_pair_coverage: NotRequired[JsonObject | None]
+    rl_view: NotRequired[JsonObject | None]
+    engine_settings: NotRequired[list[EngineSettingEffect] | None]
+
+
+def report_json(report: Mapping[str, object]) -> ReportJson:
+    """A report dict handed over untyped (``parity run``'s return value, report.json loaded back) read as
+    :class:`ReportJson`: checked to be an object whose ``scenarios`` are objects; the blocks are taken as their
+    producer wrote them (:meth:`parity.report.model.Report.from_json` checks the keys before one is written)."""
+    scenarios = report.get("scenarios")
+    if not isinstance(scenarios, list) or not all(isinstance(s, dict) for s in scenarios):
+        raise TypeError(f"a report's scenarios: expected a list of objects, got {type(scenarios).__name__}")
+    return cast("ReportJson", report)
 
 
 # -- the JSON Schema of a type ---------------------------------------------------------------------

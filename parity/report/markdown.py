@@ -3,12 +3,22 @@ determinism, matrix coverage and thresholds."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 from parity.report import overview, rl_section, routing_section
+from parity.report.blocks import EnvironmentJson, ReportJson, StepJson, TrendJson
 
 
-def _fmt(x: Any) -> str:
+def _obj(x: object) -> Mapping[str, object]:
+    """A JSON object of a block whose layout its producer chooses (determinism, coverage, thresholds); else empty."""
+    return x if isinstance(x, dict) else {}
+
+
+def _items(x: object) -> list[object]:
+    return x if isinstance(x, list) else []
+
+
+def _fmt(x: object) -> str:
     if x is None:
         return "—"
     if isinstance(x, float):
@@ -29,7 +39,7 @@ GLANCE_COLUMNS = (
 )
 
 
-def glance_table(report: dict[str, Any]) -> list[str]:
+def glance_table(report: ReportJson) -> list[str]:
     """The narrow table under the verdict: one row per scenario (cells from parity.report.overview)."""
     who = overview.sampler_name(report)
     lines = [
@@ -56,13 +66,13 @@ def glance_table(report: dict[str, Any]) -> list[str]:
 MAX_STEP_ROWS = 60
 
 
-def _trend_verdict(tr: dict[str, Any]) -> str:
+def _trend_verdict(tr: TrendJson) -> str:
     if not tr.get("evaluated"):
         return "not evaluated"
     return "PASS" if tr.get("passed") else "FAIL"
 
 
-def steps_section(report: dict[str, Any]) -> list[str]:
+def steps_section(report: ReportJson) -> list[str]:
     """The training-log view (records with a ``step`` column): each scenario's trend of mean |diff| over steps
     with the ``drift_trend`` verdict, then its per-step table. Empty when no scenario has steps."""
     sc = [s for s in report["scenarios"] if s.get("per_step")]
@@ -80,14 +90,16 @@ def steps_section(report: dict[str, Any]) -> list[str]:
         "|---|---|---:|---:|---:|---:|---|---:|---|",
     ]
     for s in sc:
-        tr = s.get("trend") or {}
+        trend = s.get("trend")
+        tr: Mapping[str, object] = trend or {}
         band = "—"
-        if isinstance(tr.get("baseline_mean"), (int, float)) and isinstance(tr.get("noise"), (int, float)):
-            base = ", ".join(str(x) for x in tr.get("baseline_steps", []))
-            band = f"{_fmt(tr['baseline_mean'])} ± {_fmt(tr['band_k'] * tr['noise'])} ({base})"
+        mean, noise = tr.get("baseline_mean"), tr.get("noise")
+        if trend and isinstance(mean, (int, float)) and isinstance(noise, (int, float)):
+            base = ", ".join(str(x) for x in trend.get("baseline_steps", []))
+            band = f"{_fmt(mean)} ± {_fmt(trend['band_k'] * noise)} ({base})"
         lines.append("| " + " | ".join(_fmt(x) for x in (
             s["name"], tr.get("comparison"), tr.get("steps", 0), tr.get("slope"), tr.get("slope_se"), tr.get("limit"),
-            band, tr.get("first_step_outside"), _trend_verdict(tr) if tr else "not evaluated",
+            band, tr.get("first_step_outside"), _trend_verdict(trend) if trend else "not evaluated",
         )) + " |")
     if "drift_steps.png" in set(report.get("plots") or []):
         lines += ["", "![mean |diff| per training step, its fitted line and band](drift_steps.png)"]
@@ -97,7 +109,9 @@ def steps_section(report: dict[str, Any]) -> list[str]:
         lines += ["", f"### {s['name']}: per step ({who})", "",
                   "| step | sequences | tokens | mean bias | mean abs diff | max headroom | support equal |",
                   "|---:|---:|---:|---:|---:|---:|---:|"]
-        shown = steps if len(steps) <= MAX_STEP_ROWS else steps[: MAX_STEP_ROWS // 2] + [None] + steps[-MAX_STEP_ROWS // 2:]
+        shown: list[StepJson | None] = list(steps)
+        if len(steps) > MAX_STEP_ROWS:
+            shown = [*steps[: MAX_STEP_ROWS // 2], None, *steps[-MAX_STEP_ROWS // 2:]]
         for e in shown:
             if e is None:
                 lines.append(f"| … | | | | | | ({len(steps) - MAX_STEP_ROWS} more steps in report.json) |")
@@ -109,7 +123,7 @@ def steps_section(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _headline(report: dict[str, Any]) -> str:
+def _headline(report: ReportJson) -> str:
     """The verdict line; a records analysis that could not evaluate every gate says its PASS covers the others."""
     sc = report["scenarios"]
     n_pass = sum(s["verdict"] == "pass" for s in sc)
@@ -125,13 +139,13 @@ def _headline(report: dict[str, Any]) -> str:
             f"in {where} scenario(s) and neither pass nor fail (see \"Gates not evaluated\").")
 
 
-def _environment(env: dict[str, Any]) -> str:
+def _environment(env: EnvironmentJson) -> str:
     """Who produced the numbers: for records, the sampler the files name (not assumed to be vLLM)."""
     if "sampler" not in env:
         return (f"vLLM {env['vllm']}, torch {env['torch']}, transformers {env['transformers']}, device {env['device']}, "
                 f"dtype {env['dtype']} (trainer {env['trainer_dtype']}).")
 
-    def said(x: Any) -> str:
+    def said(x: object) -> str:
         return "not recorded" if x in (None, "unknown") else str(x)
 
     sampler = env["sampler"] or "sampler"
@@ -142,7 +156,7 @@ def _environment(env: dict[str, Any]) -> str:
             f"{said(machine.get('parity'))}, torch {said(machine.get('torch'))}, device {env['device']}.")
 
 
-def render_markdown(report: dict[str, Any]) -> str:
+def render_markdown(report: ReportJson) -> str:
     sc = report["scenarios"]
     env = report["environment"]
     plots = set(report.get("plots") or [])
@@ -241,36 +255,38 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"Invariance {'required (batch-invariant mode on)' if det['required'] else 'reported, not required'}; "
             f"overall {'bitwise invariant' if det['invariant'] else 'NOT invariant'}. Largest batching difference "
-            f"{_fmt(det['cross_side']['kernel_noise_max_abs_diff'])} vs end-to-end replay max |diff| "
-            f"{_fmt(det['cross_side']['replay_max_abs_diff'])}."
+            f"{_fmt(_obj(det['cross_side'])['kernel_noise_max_abs_diff'])} vs end-to-end replay max |diff| "
+            f"{_fmt(_obj(det['cross_side'])['replay_max_abs_diff'])}."
         )
         lines += ["", "| side | check | bitwise | max abs diff |", "|---|---|---|---|"]
         for side in ("rollout", "trainer"):
-            for c in (det.get(side) or {}).get("checks", []):
+            for check in _items(_obj(det.get(side)).get("checks", [])):
+                c = _obj(check)
                 lines.append(f"| {side} | {c.get('name')} | {c.get('bitwise')} | {_fmt(c.get('max_abs_diff'))} |")
-        mode = det.get("mode") or {}
-        if mode.get("knobs"):
-            lines += ["", "Knobs: " + "; ".join(f"{k}: {v.get('status')}" for k, v in mode["knobs"].items())]
-            kernels = mode["knobs"].get("cpu_kernels", {})
-            if kernels.get("status") == "on" and isinstance(kernels.get("value"), dict):
-                calls = kernels["value"].get("calls", {})
+        knobs = _obj(_obj(det.get("mode")).get("knobs"))
+        if knobs:
+            lines += ["", "Knobs: " + "; ".join(f"{k}: {_obj(v).get('status')}" for k, v in knobs.items())]
+            kernels = _obj(knobs.get("cpu_kernels", {}))
+            value = kernels.get("value")
+            if kernels.get("status") == "on" and isinstance(value, dict):
+                calls = _obj(value.get("calls", {}))
                 lines += [
                     "",
                     "CPU kernels replaced on the trainer: "
-                    + ", ".join(f"{k} ({calls.get(k, 0)} calls)" for k in kernels["value"].get("replaced", {})),
+                    + ", ".join(f"{k} ({calls.get(k, 0)} calls)" for k in _obj(value.get("replaced", {}))),
                 ]
-                other = kernels["value"].get("other_ops") or {}
+                other = _obj(value.get("other_ops"))
                 if other:
                     lines.append(
                         "Operations no kernel covers (measured by the checks): "
                         + ", ".join(f"{k} x{n}" for k, n in other.items())
                     )
-        lines += [f"- {v['message']}" for v in det["violations"]]
+        lines += [f"- {_obj(v)['message']}" for v in _items(det["violations"])]
     cov = report.get("matrix_pair_coverage")
     if cov:
         lines += ["", "## Matrix pair coverage", ""]
-        lines += [f"- {k}: {', '.join(v)}" for k, v in cov.items()]
-    th = report.get("config", {}).get("thresholds")
+        lines += [f"- {k}: {', '.join(str(x) for x in _items(v))}" for k, v in cov.items()]
+    th = _obj(report.get("config", {}).get("thresholds"))
     if th:
         lines += ["", "## Thresholds", ""] + [f"- {k}: {v}" for k, v in th.items()]
     return "\n".join(lines) + "\n"

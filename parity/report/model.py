@@ -9,11 +9,13 @@ are the JSON Schema's (:func:`parity.report.schema.report_schema`). The capture 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, cast
 
 from parity.core.spec import SamplingSpec
 from parity.core.violation import Position, Violation
@@ -25,6 +27,7 @@ from parity.report.blocks import (
     DriftSplit,
     Dtypes,
     EngineSettingEffect,
+    EnvironmentJson,
     IsRatio,
     JsonObject,
     LogS,
@@ -35,9 +38,11 @@ from parity.report.blocks import (
     NotEvaluated,
     PerEstimator,
     Records,
+    ReportJson,
     RoundingBound,
     Routing,
     SamplerLogS,
+    ScenarioJson,
     StepJson,
     TrainerUnderTest,
     TrendJson,
@@ -48,24 +53,31 @@ from parity.report.blocks import (
 SCHEMA_VERSION = 3
 
 if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
     from parity.core.capture import CaptureStats  # imports torch: loaded where a capture plan is read
 
-T = TypeVar("T")
+def _float(x: object) -> float:
+    if isinstance(x, (int, float, str)):
+        return float(x)  # JSON's "inf" / "-inf" / "nan" strings back to floats
+    raise TypeError(f"float() argument must be a string or a real number, not '{type(x).__name__}'")
 
 
-def _float(x: Any) -> float:
-    return float(x)  # JSON's "inf" / "-inf" / "nan" strings back to floats
+def _list(x: object, where: str) -> list[object]:
+    if not isinstance(x, list):
+        raise UsageError(f"{where}: expected a list, got {type(x).__name__}")
+    return x
 
 
-def _fields(cls: type[T], data: Any, where: str) -> dict[str, Any]:
+def _fields(cls: type[DataclassInstance], data: object, where: str) -> dict[str, object]:
     """``data``'s keys checked against ``cls``'s fields: an unknown key or a missing required one is an error."""
     if not isinstance(data, dict):
         raise UsageError(f"{where}: expected an object, got {type(data).__name__}")
-    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(data) - set(names))
     if unknown:
         raise UsageError(f"{where}: unknown key(s) {', '.join(unknown)}: allowed {', '.join(names)}")
-    required = [f.name for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+    required = [f.name for f in dataclasses.fields(cls)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     missing = [k for k in required if k not in data]
     if missing:
@@ -73,30 +85,40 @@ def _fields(cls: type[T], data: Any, where: str) -> dict[str, Any]:
     return dict(data)
 
 
-def _to_json(obj: Any) -> dict[str, Any]:
+def _to_json(obj: DataclassInstance) -> dict[str, object]:
     """A report type's JSON: each field's own ``to_json``/``to_dict`` (lists element-wise); an optional block
     the producer did not give (None, with a None default) is left out."""
 
-    def value(v: Any) -> Any:
+    def value(v: object) -> object:
         if isinstance(v, list):
             return [value(x) for x in v]
-        return v.to_json() if hasattr(v, "to_json") else v.to_dict() if hasattr(v, "to_dict") else v
+        as_json = getattr(v, "to_json", None) or getattr(v, "to_dict", None)
+        return as_json() if callable(as_json) else v
 
     return {f.name: value(getattr(obj, f.name)) for f in dataclasses.fields(obj)
             if not (getattr(obj, f.name) is None and f.default is None)}
 
 
-def violation_from_json(d: dict[str, Any]) -> Violation:
-    """The inverse of :meth:`Violation.to_dict` (``message`` is derived, so it is read back, not stored)."""
-    worst = tuple(
-        Position(p.get("prompt"), p.get("position"), p.get("token"),
-                 {k: _float(v) for k, v in (p.get("values") or {}).items()},
-                 None if p.get("gap") is None else _float(p["gap"]),
-                 None if p.get("bound") is None else _float(p["bound"]), p.get("note", ""))
-        for p in d.get("worst", ())
-    )
-    return Violation(d["gate"], d["scenario"], _float(d["statistic"]), _float(d["limit"]), d["label"],
-                     d.get("comparison", ">"), worst, d.get("detail", ""))
+def _mapping(x: object, where: str) -> Mapping[str, object]:
+    if not isinstance(x, dict):
+        raise UsageError(f"{where}: expected an object, got {type(x).__name__}")
+    return x
+
+
+def violation_from_json(d: Mapping[str, object]) -> Violation:
+    """The inverse of :meth:`Violation.to_dict` (``message`` is derived, so it is read back, not stored).
+    Strings and integers are passed on as written (the dataclasses do not check them)."""
+    position: Callable[..., Position] = Position
+    violation: Callable[..., Violation] = Violation
+    worst = []
+    for item in _list(d.get("worst", []), "report.json violation worst"):
+        p = _mapping(item, "report.json violation position")
+        worst.append(position(p.get("prompt"), p.get("position"), p.get("token"),
+                              {k: _float(v) for k, v in _mapping(p.get("values") or {}, "position values").items()},
+                              None if p.get("gap") is None else _float(p["gap"]),
+                              None if p.get("bound") is None else _float(p["bound"]), p.get("note", "")))
+    return violation(d["gate"], d["scenario"], _float(d["statistic"]), _float(d["limit"]), d["label"],
+                     d.get("comparison", ">"), tuple(worst), d.get("detail", ""))
 
 
 @dataclass
@@ -120,11 +142,17 @@ class Environment:
     trl: str | None = None  # the TRL capture: TRL's version
 
     @classmethod
-    def from_json(cls, data: Any) -> Environment:
-        return cls(**_fields(cls, data, "report.json environment"))
+    def from_json(cls, data: object) -> Environment:
+        build: Callable[..., Environment] = cls  # the values as written (JSON: strings and objects)
+        return build(**_fields(cls, data, "report.json environment"))
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def to_json(self) -> EnvironmentJson:
+        return {"vllm": self.vllm, "torch": self.torch, "transformers": self.transformers, "parity": self.parity,
+                "python": self.python, "device": self.device, "dtype": self.dtype, "trainer_dtype": self.trainer_dtype,
+                "determinism": copy.deepcopy(self.determinism),
+                "analysis_machine": copy.deepcopy(self.analysis_machine), "sampler": self.sampler,
+                "sampler_version": self.sampler_version, "batch_invariant_mode": copy.deepcopy(self.batch_invariant_mode),
+                "trl": self.trl}
 
 
 @dataclass
@@ -182,19 +210,23 @@ class ScenarioVerdict:
     trl: TrlFacts | None = None  # the TRL capture: its importance-sampling mode, fix and step
 
     @classmethod
-    def from_json(cls, data: Any) -> ScenarioVerdict:
-        d = _fields(cls, data, f"report.json scenario {data.get('name') if isinstance(data, dict) else '?'}")
-        d["spec"] = SamplingSpec(**d["spec"])
-        d["violations"] = [violation_from_json(v) for v in d["violations"]]
-        d["reference_violations"] = [violation_from_json(v) for v in d["reference_violations"]]
+    def from_json(cls, data: object) -> ScenarioVerdict:
+        where = f"report.json scenario {data.get('name') if isinstance(data, dict) else '?'}"
+        d = _fields(cls, data, where)
+        spec: Callable[..., SamplingSpec] = SamplingSpec  # __post_init__ checks each value's type
+        d["spec"] = spec(**_mapping(d["spec"], f"{where} spec"))
+        for key in ("violations", "reference_violations"):
+            d[key] = [violation_from_json(_mapping(v, f"{where} {key}")) for v in _list(d[key], f"{where} {key}")]
         if d.get("capture_plan") is not None:
             from parity.core.capture import CaptureStats
 
-            d["capture_plan"] = CaptureStats.from_dict(d["capture_plan"])
-        return cls(**d)
+            d["capture_plan"] = CaptureStats.from_dict(dict(_mapping(d["capture_plan"], f"{where} capture_plan")))
+        build: Callable[..., ScenarioVerdict] = cls  # the blocks as written (their keys: the JSON Schema's)
+        return build(**d)
 
-    def to_json(self) -> dict[str, Any]:
-        return _to_json(self)
+    def to_json(self) -> ScenarioJson:
+        # The fields are ScenarioJson's keys (tests/unit/test_report_model.py checks), each field's JSON its value.
+        return cast("ScenarioJson", _to_json(self))
 
 
 @dataclass
@@ -221,16 +253,18 @@ class Report:
     engine_settings: list[EngineSettingEffect] | None = None  # prefix caching / chunked prefill against the same scenario without
 
     @classmethod
-    def from_json(cls, data: Any) -> Report:
+    def from_json(cls, data: object) -> Report:
         d = _fields(cls, data, "report.json")
         if d["schema_version"] != SCHEMA_VERSION:
             raise UsageError(f"report.json schema_version {d['schema_version']!r}: this parity reads {SCHEMA_VERSION}")
         d["environment"] = Environment.from_json(d["environment"])
-        d["scenarios"] = [ScenarioVerdict.from_json(s) for s in d["scenarios"]]
-        return cls(**d)
+        d["scenarios"] = [ScenarioVerdict.from_json(s) for s in _list(d["scenarios"], "report.json scenarios")]
+        build: Callable[..., Report] = cls  # the blocks as written (their keys: the JSON Schema's)
+        return build(**d)
 
-    def to_json(self) -> dict[str, Any]:
-        return _to_json(self)
+    def to_json(self) -> ReportJson:
+        # The fields are ReportJson's keys (tests/unit/test_report_model.py checks), each field's JSON its value.
+        return cast("ReportJson", _to_json(self))
 
     def scenario(self, name: str) -> ScenarioVerdict:
         for s in self.scenarios:

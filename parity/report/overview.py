@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 import textwrap
-from typing import Any
+from collections.abc import Mapping
+from typing import SupportsFloat
 
 from parity.core.spec import SamplingSpec
 from parity.report import rl_section, routing_section
+from parity.report.blocks import Diff, ReportJson, ScenarioJson, report_json
 
 # Which gates belong to which side of the story (parity.core.gates names them).
 REPLAY_GATES = ("replay_drift", "replay_mean_bias", "replay_support")
@@ -24,20 +26,20 @@ WIDTH = 100
 NA = "n/a"  # a statistic whose inputs the records do not hold (parity.records.accumulators.NA); shown as such
 
 
-def sampler_name(report: dict[str, Any]) -> str:
+def sampler_name(report: ReportJson) -> str:
     """Who sampled: vLLM for ``parity run``; for records, the ``sampler`` the files name, else "the sampler"."""
-    env = report.get("environment") or {}
-    if "sampler" not in env:
+    env = report.get("environment")
+    if not env or "sampler" not in env:
         return "vLLM"
     return str(env["sampler"] or "the sampler")
 
 
-def not_evaluated(s: dict[str, Any]) -> set[str]:
+def not_evaluated(s: ScenarioJson) -> set[str]:
     """The gates a scenario could not evaluate (a records analysis lists them with the input they lack)."""
     return {g["gate"] for g in s.get("not_evaluated", [])}
 
 
-def _f(x: Any) -> float | None:
+def _f(x: object) -> float | None:
     """A report number as a float (report.json writes non-finite floats as strings)."""
     if x is None or x == NA:
         return None
@@ -46,10 +48,12 @@ def _f(x: Any) -> float | None:
             return float(x)
         except ValueError:
             return None
+    if not isinstance(x, SupportsFloat):
+        raise TypeError(f"a report number: expected a number or its string, got {type(x).__name__}")
     return float(x)
 
 
-def _signed(x: Any) -> str:
+def _signed(x: object) -> str:
     v = _f(x)
     if v is None:
         return NA if x == NA else "—"
@@ -60,7 +64,7 @@ def _signed(x: Any) -> str:
     return f"{v:+.4f}" if abs(v) >= 1e-3 else f"{v:+.1e}"
 
 
-def _ratio(x: Any) -> str:
+def _ratio(x: object) -> str:
     v = _f(x)
     if v is None:
         return NA if x == NA else "—"
@@ -69,18 +73,19 @@ def _ratio(x: Any) -> str:
     return f"{v:.2f}" if v < 100 else f"{v:.3g}"
 
 
-def _pct(x: Any) -> str:
+def _pct(x: object) -> str:
     v = _f(x)
     if v is None:
         return NA if x == NA else "—"
     return "100 %" if v == 1.0 else f"{100 * v:.1f} %"
 
 
-def headroom_limit(report: dict[str, Any]) -> float:
-    return _f((report.get("config") or {}).get("thresholds", {}).get("max_headroom")) or 1.0
+def headroom_limit(report: ReportJson) -> float:
+    thresholds = (report.get("config") or {}).get("thresholds")
+    return _f(thresholds.get("max_headroom") if isinstance(thresholds, dict) else None) or 1.0
 
 
-def _gates(s: dict[str, Any]) -> list[str]:
+def _gates(s: ScenarioJson) -> list[str]:
     out: list[str] = []
     for v in s.get("violations", []):
         g = v.get("gate", "?") if isinstance(v, dict) else "?"
@@ -89,7 +94,7 @@ def _gates(s: dict[str, Any]) -> list[str]:
     return out
 
 
-def truncates(s: dict[str, Any]) -> bool:
+def truncates(s: ScenarioJson) -> bool:
     """The filters removed mass that rounding cannot explain: the mean ``-log S`` above what rounding can
     move a mean log-prob by (the replay mean-bias limit, :func:`parity.core.error_model.mean_bias_limit`;
     the mean per-token bound where a report has no limit). A per-token bound is the wrong yardstick for a
@@ -98,24 +103,25 @@ def truncates(s: dict[str, Any]) -> bool:
     if log_s_unknown(s):
         return False
     log_s = _f(s["log_s"]["mean"]) or 0.0
-    limit = _f((s.get("mean_bias_limit") or {}).get("replay"))
+    limits, bound = s.get("mean_bias_limit"), s.get("bound")
+    limit = _f(limits.get("replay") if limits else None)
     if limit is None:
-        limit = _f((s.get("bound") or {}).get("mean")) or 0.0
+        limit = _f(bound.get("mean") if bound else None) or 0.0
     return spec.filtered and -log_s > limit
 
 
-def log_s_unknown(s: dict[str, Any]) -> bool:
+def log_s_unknown(s: ScenarioJson) -> bool:
     """A filtering scenario whose log S the records could not give: whether its filters truncated is unknown."""
     return SamplingSpec.from_dict(s["spec"]).effective().filtered and _f(s["log_s"]["mean"]) is None
 
 
-def _token_s(s: dict[str, Any]) -> float:
+def _token_s(s: ScenarioJson) -> float:
     """S per token: the naive IS ratio's mean, else the mean of exp(log S) (records without full log-probs)."""
     v = _f(s["is_ratio"]["naive"]["token"]["mean"])
     return v if v is not None else (_f(s["log_s"].get("mean_s")) or 1.0)
 
 
-def support_cell(s: dict[str, Any]) -> str:
+def support_cell(s: ScenarioJson) -> str:
     """Support equality, replay then recompute; the full vocabulary where no filter was captured."""
     if not s.get("captured_positions"):
         cell = NA if SamplingSpec.from_dict(s["spec"]).effective().filtered and "replay_support" in not_evaluated(s) else "full V"
@@ -127,11 +133,11 @@ def support_cell(s: dict[str, Any]) -> str:
     return cell
 
 
-def glance_rows(report: dict[str, Any]) -> list[dict[str, str]]:
+def glance_rows(report: ReportJson) -> list[dict[str, str]]:
     """One row per scenario, in matrix order: the cells of the terminal table and of report.md's first table."""
     rows = []
     for s in report["scenarios"]:
-        head = s.get("headroom") or {}
+        head: Mapping[str, object] = s.get("headroom") or {}
         rows.append({
             "scenario": s["name"],
             "verdict": s["verdict"].upper(),
@@ -147,27 +153,32 @@ def glance_rows(report: dict[str, Any]) -> list[dict[str, str]]:
     return rows
 
 
-def _cell_of(s: dict[str, Any], name: str) -> str:
-    return NA if f"{name}_drift" in not_evaluated(s) else _ratio((s.get("headroom") or {}).get(name))
+def _headroom(s: ScenarioJson, name: str) -> object:
+    head: Mapping[str, object] = s.get("headroom") or {}
+    return head.get(name)
 
 
-def _mean_cells(s: dict[str, Any]) -> dict[str, str]:
+def _cell_of(s: ScenarioJson, name: str) -> str:
+    return NA if f"{name}_drift" in not_evaluated(s) else _ratio(_headroom(s, name))
+
+
+def _mean_cells(s: ScenarioJson) -> dict[str, str]:
     """The deciding mean gate's use of its limit (|mean| / limit) and the limit itself: the verdict's
     resolution, the smallest per-token bias it would have detected (docs/error_model.md)."""
-    means = s.get("mean_bias") or {}
-    entry = (means.get("trainer_under_test") or means.get("logprob") or means.get("replay")
-             or means.get("recompute"))
-    if not entry or not isinstance(entry.get("limit"), (int, float)):
+    means = s.get("mean_bias")
+    entry = means and (means.get("trainer_under_test") or means.get("logprob") or means.get("replay")
+                       or means.get("recompute"))
+    if not entry or not isinstance(entry["limit"], (int, float)):
         return {"mean/limit": NA, "resolution": NA}
     limit = float(entry["limit"])
     ratio = abs(float(entry["mean"])) / limit if limit > 0 else float("inf")
     return {"mean/limit": _ratio(ratio), "resolution": f"{limit:.1e}"}
 
 
-def _example(truncating: list[dict[str, Any]]) -> dict[str, Any]:
+def _example(truncating: list[ScenarioJson]) -> ScenarioJson:
     """The scenario the paragraph speaks of: top_p alone nearest 0.9 at T nearest 1 (the common RL setting)."""
 
-    def key(s: dict[str, Any]) -> tuple[bool, float, float]:
+    def key(s: ScenarioJson) -> tuple[bool, float, float]:
         spec = SamplingSpec.from_dict(s["spec"])
         pure_top_p = spec.uses_top_p and not spec.uses_top_k and not spec.uses_min_p
         return (not pure_top_p, abs(spec.top_p - 0.9), abs(spec.temperature - 1.0))
@@ -180,16 +191,16 @@ def _article(n: int) -> str:
     return "an" if str(n).startswith("8") or n in (11, 18) or 11_000 <= n < 12_000 or 18_000 <= n < 19_000 else "a"
 
 
-def _names(items: list[dict[str, Any]], most: int = 3) -> str:
+def _names(items: list[ScenarioJson], most: int = 3) -> str:
     names = [s["name"] for s in items]
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-def _failing(scenarios: list[dict[str, Any]], gates: tuple[str, ...]) -> list[dict[str, Any]]:
+def _failing(scenarios: list[ScenarioJson], gates: tuple[str, ...]) -> list[ScenarioJson]:
     return [s for s in scenarios if any(g in gates for g in _gates(s))]
 
 
-def paragraph(report: dict[str, Any]) -> str:
+def paragraph(report: ReportJson) -> str:
     """What the numbers mean for a training run, in plain words, computed from the report."""
     sc = report["scenarios"]
     limit = headroom_limit(report)
@@ -224,7 +235,7 @@ def paragraph(report: dict[str, Any]) -> str:
                 f"Over the {len(truncating)} scenarios whose filters truncate, S per token runs from "
                 f"{_token_s(lo):.2f} ({lo['name']}) to {_token_s(hi):.2f} ({hi['name']})."
             )
-        checked = [s for s in truncating if _f((s.get("headroom") or {}).get("naive_vs_sampler_log_s")) is not None]
+        checked = [s for s in truncating if _f(_headroom(s, "naive_vs_sampler_log_s")) is not None]
         naive_bad = _failing(sc, NAIVE_GATES)
         if naive_bad:
             parts.append(
@@ -250,7 +261,7 @@ def paragraph(report: dict[str, Any]) -> str:
                 parts.append(f"{name} fails in {len(bad)} scenario(s): {_names(bad)}.")
     heads = [
         (h, s) for s in sc for k in ("replay", "recompute")
-        if (h := _f((s.get("headroom") or {}).get(k))) is not None
+        if (h := _f(_headroom(s, k))) is not None
     ]
     if heads:
         h, s = max(heads, key=lambda t: t[0] if math.isfinite(t[0]) else math.inf)
@@ -272,7 +283,7 @@ def paragraph(report: dict[str, Any]) -> str:
         )
     tested = [s for s in sc if s.get("trainer_under_test")]
     if tested:
-        name = tested[0]["trainer_under_test"].get("name")
+        tester = tested[0]["trainer_under_test"].get("name")
         bad = _failing(tested, TRAINER_GATES)
         ungated = [s for s in tested if set(TRAINER_GATES) <= not_evaluated(s)]
         worst = bad[0] if bad else tested[0]
@@ -287,7 +298,7 @@ def paragraph(report: dict[str, Any]) -> str:
         else:
             verdict = "passes every scenario"
         parts.append(
-            f"The trainer under test ({name}) {verdict}; diagnosis at {worst['name']}: "
+            f"The trainer under test ({tester}) {verdict}; diagnosis at {worst['name']}: "
             f"{worst['trainer_under_test'].get('diagnosis') or 'none'}."
         )
     other = sorted({g for s in sc for g in _gates(s)} - set(REPLAY_GATES + RECOMPUTE_GATES + NAIVE_GATES + TRAINER_GATES))
@@ -297,8 +308,8 @@ def paragraph(report: dict[str, Any]) -> str:
     if det:
         sides = []
         for side in ("rollout", "trainer"):
-            d = det.get(side) or {}
-            if "invariant" in d:
+            d = det.get(side)
+            if isinstance(d, dict) and "invariant" in d:
                 sides.append(f"{side} {'bitwise' if d['invariant'] else 'not bitwise'}")
         if sides:
             parts.append(
@@ -318,14 +329,18 @@ def paragraph(report: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def _estimators_sentences(sc: list[dict[str, Any]], who: str, truncating: bool) -> list[str]:
+def _diff(s: ScenarioJson, name: str) -> Diff:
+    return s["replay"] if name == "replay" else s["recompute"]
+
+
+def _estimators_sentences(sc: list[ScenarioJson], who: str, truncating: bool) -> list[str]:
     """Replay's and recompute's gap to the sampler where no gate of theirs failed: measured where the records
     hold them, named as not gated where their drift gate was not evaluated, as missing where neither."""
-    measured = {k: [s for s in sc if _f(s[k]["max_abs_diff"]) is not None] for k in ("replay", "recompute")}
+    measured = {k: [s for s in sc if _f(_diff(s, k)["max_abs_diff"]) is not None] for k in ("replay", "recompute")}
     names = [k for k, v in measured.items() if v]
     if not names:
         return ["Neither replay nor recompute could be measured on these records (see the gates not evaluated)."]
-    worst = max(_f(s[k]["max_abs_diff"]) or 0.0 for k in names for s in measured[k])
+    worst = max(_f(_diff(s, k)["max_abs_diff"]) or 0.0 for k in names for s in measured[k])
     subject = " and ".join(names).capitalize()
     ungated = sorted({s["name"] for k in names for s in measured[k] if f"{k}_drift" in not_evaluated(s)})
     if ungated:
@@ -353,15 +368,17 @@ TERMINAL_COLUMNS = (
 )
 
 
-def render_terminal(report: dict[str, Any], *, width: int = WIDTH) -> str:
+def render_terminal(report: Mapping[str, object], *, width: int = WIDTH) -> str:
     """The block ``parity run`` prints last: a one-line-per-scenario table, then the paragraph.
 
     The drift column is replay's / recompute's headroom (max |trainer - sampler| / its per-token
     rounding bound; a gate fails above 1); support is S_q equality for replay / recompute ("full V"
     where nothing was filtered); mean is the deciding mean gate's |mean diff| over its limit, and
     resolution that limit in nats (the trainer under test's when there is one, else replay's). The
-    naive bias is in report.md's table and the paragraph.
+    naive bias is in report.md's table and the paragraph. ``report``: as ``parity run`` returns it, or
+    report.json loaded back (:func:`parity.report.blocks.report_json`).
     """
+    report = report_json(report)
     rows = glance_rows(report)
     widths = {k: max(len(title), *(len(r[k]) for r in rows)) for k, title in TERMINAL_COLUMNS}
     right = {"log S", "drift", "mean/limit", "resolution"}

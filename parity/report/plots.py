@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import numpy as np
 
 from parity.report import rl_section
-from parity.report.blocks import DriftHeadroom
-from parity.report.overview import sampler_name
+from parity.report.blocks import DriftHeadroom, ReportJson
+from parity.report.overview import headroom_limit, sampler_name
 
 # The histogram's range of |diff| / bound: below it (exact matches too) at the left edge, above it (NaN
 # and inf too) at the right edge, so every compared token is drawn.
@@ -23,7 +23,7 @@ def _number(x: object) -> float:
     return float(x) if isinstance(x, (int, float)) else math.nan
 
 
-def write_steps_plot(report: dict[str, Any], out: Path, plt: ModuleType) -> bool:
+def write_steps_plot(report: ReportJson, out: Path, plt: ModuleType) -> bool:
     """drift_steps.png: per scenario with a training-log view, mean |diff| per step, its least-squares line, the
     band of the baseline steps and the first step above it (``drift_trend``); False when no scenario has steps."""
     sc = [s for s in report["scenarios"] if s.get("per_step")]
@@ -34,7 +34,7 @@ def write_steps_plot(report: dict[str, Any], out: Path, plt: ModuleType) -> bool
         color = f"C{i % 10}"
         steps = [e["step"] for e in s["per_step"]]
         means = [_number(e["mean_abs_diff"]) for e in s["per_step"]]
-        tr = s.get("trend") or {}
+        tr: Mapping[str, object] = s.get("trend") or {}
         ax.plot(steps, means, "o-", color=color, markersize=3, linewidth=1,
                 label=f"{s['name']} ({tr.get('comparison') or s['per_step'][0].get('comparison') or 'n/a'})")
         slope, icpt = _number(tr.get("slope")), _number(tr.get("intercept"))
@@ -44,7 +44,7 @@ def write_steps_plot(report: dict[str, Any], out: Path, plt: ModuleType) -> bool
         if math.isfinite(lo) and math.isfinite(hi):
             ax.fill_between([steps[0], steps[-1]], lo, hi, color=color, alpha=0.12, linewidth=0)
         first = tr.get("first_step_outside")
-        if first is not None and first in steps:
+        if isinstance(first, int) and first in steps:
             ax.plot([first], [means[steps.index(first)]], "x", color="black", markersize=9)
     ax.set_xlabel("training step")
     ax.set_ylabel("mean |trainer − sampler| per token (nats)")
@@ -69,7 +69,7 @@ def dense_drift_hist(h: DriftHeadroom) -> dict[str, list[float] | np.ndarray]:
     return out
 
 
-def write_plots(report: dict[str, Any], out: Path) -> list[str]:
+def write_plots(report: ReportJson, out: Path) -> list[str]:
     try:
         import matplotlib
 
@@ -83,7 +83,7 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     # the streamed histograms, of the scenarios that compared a token against its bound
     hists = [dense_drift_hist(h) for s in sc if (h := s.get("drift_headroom")) and ("replay" in h or "recompute" in h)]
     if hists:
-        limit = float((report.get("config") or {}).get("thresholds", {}).get("max_headroom") or 1.0)
+        limit = headroom_limit(report)
         floor, ceiling = DRIFT_RANGE
         fig, ax = plt.subplots(figsize=(8, 4.5))
         for est in ("replay", "recompute"):

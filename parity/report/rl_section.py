@@ -6,9 +6,10 @@ import math
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from parity.report import routing_section
+from parity.report.blocks import ReportJson, ScenarioJson
 
 if TYPE_CHECKING:
     from parity.core.rl import Method
@@ -79,7 +80,7 @@ def _worst(view: TrainerSummary, method: Method) -> tuple[float | None, str]:
     return best
 
 
-def headline(scenario: dict[str, Any]) -> str | None:
+def headline(scenario: ScenarioJson) -> str | None:
     """'under <scenario> with the naive trainer, GSPO drops X % of sequences and IcePop masks Y % of tokens; after replay, ...'."""
     rl = scenario.get("rl_view")
     if not rl or "naive" not in rl:
@@ -154,7 +155,7 @@ def methods_table(rl: Mapping[str, TrainerSummary]) -> list[str]:
     return lines
 
 
-def markdown(report: dict[str, Any]) -> list[str]:
+def markdown(report: ReportJson) -> list[str]:
     """The report.md lines of the RL view: assumption, headlines, then both tables per scenario."""
     scenarios = [s for s in report["scenarios"] if s.get("rl_view")]
     if not scenarios:
@@ -205,7 +206,7 @@ def markdown(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def write_plot(report: dict[str, Any], out: Path, plt: ModuleType) -> list[str]:
+def write_plot(report: ReportJson, out: Path, plt: ModuleType) -> list[str]:
     """rl_methods.png: fraction dropped per method (rows) and scenario (columns), naive vs fixed.
 
     Only the methods that drop units (mask, drop, veto); clips change weights and are in the tables.

@@ -3,14 +3,14 @@ and the engine-settings view (prefix caching, chunked prefill against the same s
 
 from __future__ import annotations
 
-from typing import Any
+from parity.report.blocks import EngineSettingEffect, ReportJson, ScenarioJson
 
 
 def _pct(x: float) -> str:
     return f"{100 * x:.1f} %"
 
 
-def terminal_lines(report: dict[str, Any]) -> list[str]:
+def terminal_lines(report: ReportJson) -> list[str]:
     """One line per MoE scenario and per engine-setting scenario for the terminal summary."""
     out = settings_lines(report)
     for s in report["scenarios"]:
@@ -28,7 +28,7 @@ def terminal_lines(report: dict[str, Any]) -> list[str]:
     return out
 
 
-def markdown(report: dict[str, Any]) -> list[str]:
+def markdown(report: ReportJson) -> list[str]:
     """report.md's routing section: per scenario the per-layer table, then replay against no replay."""
     scenarios = [s for s in report["scenarios"] if s.get("routing")]
     settings = settings_lines(report)
@@ -43,14 +43,15 @@ def markdown(report: dict[str, Any]) -> list[str]:
     ]
     for s in scenarios:
         g = s["routing"]
-        cap = g.get("capture") or {}
+        cap = g.get("capture")
+        route = cap.get("route", "n/a") if isinstance(cap, dict) else "n/a"
         worst = g["worst_margin_over_bound"]
         lines += [
             "", f"### {s['name']}", "",
             f"{g['rows']} tokens x {g['layers']} layers (top-{g['top_k']} of {g['num_experts']}); agreement "
             f"{_pct(g['agreement'])}; tokens with >= 1 layer different {_pct(g['rows_any_layer_differs'])}; flips "
             f"{g['flips']} ({g['flips_within_bound']} within the bound, {g['flips_above_bound']} above"
-            f"{'' if worst is None else f'; largest margin / bound {worst:.3g}'}); capture: {cap.get('route', 'n/a')}, "
+            f"{'' if worst is None else f'; largest margin / bound {worst:.3g}'}); capture: {route}, "
             f"{g['uncovered_rows']} tokens no forward covered (not compared).",
             "", "| layer | agreement | flips | above bound | median margin | median bound |", "|---|---|---|---|---|---|",
         ]
@@ -62,7 +63,7 @@ def markdown(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def replay_lines(s: dict[str, Any]) -> list[str]:
+def replay_lines(s: ScenarioJson) -> list[str]:
     """The RL view's lines for a MoE scenario: log-prob drift and IS weights with and without routing replay."""
     g = s.get("routing")
     if not g:
@@ -78,14 +79,14 @@ def replay_lines(s: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _setting(e: dict[str, Any]) -> str:
+def _setting(e: EngineSettingEffect) -> str:
     st = e["settings"]
     parts = (["prefix caching"] if st["prefix_caching"] else []) + (
         [f"chunked prefill at {st['max_num_batched_tokens']} tokens"] if st["max_num_batched_tokens"] else [])
     return " + ".join(parts)
 
 
-def settings_lines(report: dict[str, Any]) -> list[str]:
+def settings_lines(report: ReportJson) -> list[str]:
     """One measured sentence per engine-setting scenario (terminal and report.md)."""
     out = []
     for e in report.get("engine_settings") or []:

@@ -11,12 +11,13 @@ import math
 import os
 import platform
 import sys
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import overload
 
 from parity.core.violation import Violation
-from parity.report.blocks import JsonObject, schema_of
+from parity.report.blocks import EnvironmentJson, JsonObject, ReportJson, schema_of
 from parity.report.markdown import render_markdown
 from parity.report.model import SCHEMA_VERSION, Report
 from parity.report.plots import write_plots
@@ -41,7 +42,7 @@ def installed_version(dist: str) -> str | None:
     return None
 
 
-def environment(device: str, dtype: str, trainer_dtype: str) -> dict[str, Any]:
+def environment(device: str, dtype: str, trainer_dtype: str) -> EnvironmentJson:
     """Versions, device, dtypes and the determinism knobs in force. torch's own state is read where this
     process has loaded torch (a run, a re-scoring); an analysis of records without a model never imports
     it (3 s of its start), and reports the installed version with ``None`` for torch's knobs."""
@@ -63,16 +64,26 @@ def environment(device: str, dtype: str, trainer_dtype: str) -> dict[str, Any]:
     }
 
 
-def json_safe(obj: Any) -> Any:
-    """JSON-safe: non-finite floats become strings ('inf', '-inf', 'nan'), tensors and arrays lists, paths strings."""
+@overload
+def json_safe(obj: Mapping[str, object]) -> dict[str, object]: ...
+
+
+@overload
+def json_safe(obj: object) -> object: ...
+
+
+def json_safe(obj: object) -> object:
+    """JSON-safe: non-finite floats become strings ('inf', '-inf', 'nan'), tensors and arrays lists, paths strings
+    (anything else is returned as it is, for json.dumps to write or refuse)."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return str(obj)
-    if isinstance(obj, dict):
+    if isinstance(obj, Mapping):
         return {str(k): json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
-    if hasattr(obj, "tolist"):
-        return json_safe(obj.tolist())
+    tolist = getattr(obj, "tolist", None)
+    if tolist is not None:
+        return json_safe(tolist())
     return str(obj) if isinstance(obj, Path) else obj
 
 
@@ -109,7 +120,7 @@ def report_schema() -> JsonObject:
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **out}
 
 
-def write_report(report: dict[str, Any], out: Path, *, plots: bool = True) -> None:
+def write_report(report: ReportJson, out: Path, *, plots: bool = True) -> None:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if plots:

@@ -75,3 +75,14 @@ def test_load_report_names_a_missing_or_broken_file(tmp_path: Path) -> None:
     (tmp_path / "report.json").write_text("{")
     with pytest.raises(UsageError, match="not JSON"):
         load_report(tmp_path)
+
+
+def test_the_json_typeddicts_name_the_report_types_fields() -> None:
+    """ScenarioVerdict/Report/Environment.to_json are typed as ScenarioJson/ReportJson/EnvironmentJson: same keys."""
+    import dataclasses
+
+    from parity.report import blocks, model
+
+    for cls, td in ((model.ScenarioVerdict, blocks.ScenarioJson), (model.Report, blocks.ReportJson),
+                    (model.Environment, blocks.EnvironmentJson)):
+        assert [f.name for f in dataclasses.fields(cls)] == list(td.__annotations__), cls.__name__

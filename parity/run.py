@@ -11,7 +11,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from parity.core.capture import DEFAULT_MAX_HEAD
 from parity.core.gates import Thresholds
@@ -281,8 +281,7 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run(cfg: RunConfig, progress: Callable[[str], None] = _progress, pool: EnginePool | None = None) -> dict[str, Any]:
-    # dict[str, Any]: parity.cli reads the report as JSON, untyped (it is a parity.report.blocks.ReportJson)
+def run(cfg: RunConfig, progress: Callable[[str], None] = _progress, pool: EnginePool | None = None) -> ReportJson:
     """Run the matrix; return the report dict (also written under ``cfg.out``).
 
     With ``pool`` the engines outlive the run (tests share them); without, they are closed at the end.
@@ -294,7 +293,7 @@ def run(cfg: RunConfig, progress: Callable[[str], None] = _progress, pool: Engin
     # Entered before any engine starts: on CUDA, VLLM_BATCH_INVARIANT is read at engine start-up.
     # With the mode off the context changes nothing and records the knobs as they are.
     with batch_invariant_mode(cfg.batch_invariant, device=cfg.device) as state:
-        return dict(_run(cfg, matrix, progress, pool, state))
+        return _run(cfg, matrix, progress, pool, state)
 
 
 def _run(

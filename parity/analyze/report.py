@@ -11,7 +11,7 @@ import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 from parity.analyze.shards import summarize_paths
 from parity.core.gates import Thresholds
@@ -263,7 +263,7 @@ def analyze(
     timeout_s: float = 3600.0,
     progress: Callable[[str], None] | None = None,
     engine: str = "local",
-) -> dict[str, Any]:  # dict[str, Any]: parity.cli reads the report as JSON, untyped (it is a ReportJson)
+) -> ReportJson:
     """Analyse a records file or a directory of shards; write report.json/report.md/plots under ``out``.
 
     ``engine``: where the map step runs: ``local`` (this process, or ``jobs`` local processes), or Ray
@@ -289,4 +289,4 @@ def analyze(
     report["timings"] = {"total_s": time.perf_counter() - t0}
     if out is not None:
         write_report(report, Path(out), plots=plots)
-    return dict(report)
+    return report

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
@@ -28,7 +28,7 @@ from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.core.token_table import build_table
 from parity.errors import UsageError
-from parity.report.blocks import ReportJson, ScenarioFacts
+from parity.report.blocks import ReportJson, ScenarioFacts, ScenarioJson
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -248,7 +248,7 @@ def logged_columns(sequences: Sequence[Captured]) -> tuple[pa.Table, int]:
     return pa.Table.from_pylist(rows, schema=schema), dropped
 
 
-def judge_logged(sequences: Sequence[Captured], *, thresholds: Thresholds | None = None) -> dict[str, Any]:
+def judge_logged(sequences: Sequence[Captured], *, thresholds: Thresholds | None = None) -> ScenarioJson:
     """The verdict of TRL's logged per-token tensors alone (no logits, no kept set): the scenario entry of the
     two-column gates (``logprob_mean_bias``, ``trainer_support``), as ``parity analyze`` gives it on those
     logs, with ``masked_tokens``."""
@@ -267,5 +267,4 @@ def judge_logged(sequences: Sequence[Captured], *, thresholds: Thresholds | None
     (verdict,) = judge(summary, th, trainer_name=TRAINER_UNDER_TEST)
     entry = verdict.to_json()
     entry["masked_tokens"] = dropped
-    # dict[str, Any]: parity.repro reads the entry as JSON, untyped (a ScenarioJson, read through its optional blocks)
-    return dict(entry)
+    return entry

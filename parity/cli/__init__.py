@@ -7,12 +7,13 @@ What more than one command reads from its flags lives here, free of torch and of
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from parity.errors import UsageError
 
 if TYPE_CHECKING:
     from parity.core.gates import Thresholds
+    from parity.report.blocks import ReportJson
 
 
 def thresholds_from_args(path: Path | None, gates: list[str], dtype: str) -> Thresholds:
@@ -39,7 +40,7 @@ def thresholds_from_args(path: Path | None, gates: list[str], dtype: str) -> Thr
 NO_VERDICT = 4
 
 
-def verdict_exit_code(report: dict[str, Any], *, accept_partial: bool = False) -> int:
+def verdict_exit_code(report: ReportJson, *, accept_partial: bool = False) -> int:
     """0 pass, 1 a gate failed, :data:`NO_VERDICT` when no gate, or no mean-bias gate, could be evaluated in
     a scenario. ``accept_partial``: 0 where every scenario judged some gate and none failed."""
     if report["verdict"] == "fail":

@@ -137,8 +137,10 @@ def main(args: argparse.Namespace) -> int:
     for s in report["scenarios"]:
         for v in s["violations"]:
             print(f"FAIL {v['message']}")
-    for v in (report.get("determinism") or {}).get("violations", []):
-        print(f"FAIL [determinism] {v['message']}")
+    det_violations = (report.get("determinism") or {}).get("violations")
+    for dv in det_violations if isinstance(det_violations, list) else []:
+        if isinstance(dv, dict):
+            print(f"FAIL [determinism] {dv['message']}")
     print(
         f"parity: {len(report['scenarios']) - n_fail}/{len(report['scenarios'])} scenarios pass; report in "
         f"{cfg.out}/report.md" + ("" if args.verbose else f", engine output in {cfg.out}/{LOG_NAME}")

@@ -321,11 +321,11 @@ def run(ctx: Context, cfg: TrlSettings) -> Measured:
 
             for phase, key in (("observe", "before"), (cfg["fix"], "after")):
                 g = judge_logged(captured[phase])
-                m = g["mean_bias"]["logprob"]
+                m, tut = (g.get("mean_bias") or {}).get("logprob"), g.get("trainer_under_test")
                 row[f"gate_{key}"] = g["verdict"]
-                row[f"gate_bias_{key}"], row[f"gate_limit_{key}"] = m["mean"], m["limit"]
+                row[f"gate_bias_{key}"], row[f"gate_limit_{key}"] = (m["mean"], m["limit"]) if m else (None, None)
                 row[f"gate_failed_{key}"] = sorted({v["gate"] for v in g["violations"]})
-                row[f"gate_class_{key}"] = g["trainer_under_test"]["diagnosis"]
+                row[f"gate_class_{key}"] = tut["diagnosis"] if tut else None
             row["err_steps_max"] = max(logp_relation(r["trl_logp_diff"], r)["err"] - r["bound"] for r in before)
             row["is_dev_before"] = max(r["is_dev_over_bound"] for r in before)
             row["after_steps_over"] = max(logp_relation(r["trl_logp_diff"], r, expect_log_s=False)["err"] - r["bound"]

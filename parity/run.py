@@ -244,15 +244,13 @@ def _routers_traced(trainer: Trainer, moe: bool) -> AbstractContextManager[Route
 def routing_section(records: list[SequenceRecord], table: TokenTable, trainer: Trainer, rollout: Rollout,
                     sc: Scenario, cfg: RunConfig, dtypes: tuple[str, str], own: RouterTrace) -> Routing:
     """A MoE scenario's routing section (:func:`parity.engines.routing_replay.routing_report`), with the positions
-    each failing routing gate names, for the gate table to judge."""
+    each routing gate names, for the gate table to judge (in :func:`parity.records.verdict.judge`)."""
     from parity.engines.routing_replay import routing_report
 
-    section, found = routing_report(records, table, trainer, sc.spec, dtypes, scenario=sc.name,
-                                    max_headroom=cfg.thresholds.max_headroom, n_listed=cfg.thresholds.max_violations_listed,
-                                    own=own)
-    listed: dict[str, JsonObject] = {v.gate: {"worst": [p.to_dict() for p in v.worst], "detail": v.detail} for v in found}
-    capture: Json = getattr(rollout, "last_routes", None)  # the engine adapter's record of the capture route (JSON)
-    return {**section, "listed": listed, "capture": capture}
+    section, _ = routing_report(records, table, trainer, sc.spec, dtypes, scenario=sc.name, thresholds=cfg.thresholds,
+                                own=own)
+    section["capture"] = getattr(rollout, "last_routes", None)  # the engine adapter's record of the capture route
+    return section
 
 
 def score_trainer_under_test(

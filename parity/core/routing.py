@@ -1,6 +1,7 @@
 """MoE routing parity (engine-free): the sampler's experts against the trainer's router, and routing replay.
 
-Arrays in, a typed result and :class:`~parity.core.violation.Violation` entries out. A routing row is one
+Arrays in, a typed result and the positions a failing gate would name out (:data:`Listed`); the gates
+themselves decide in :mod:`parity.records.gate_table`. A routing row is one
 (sequence, position) a forward ran; ``ids`` are ``[N, layers, top_k]`` expert ids. A disagreement is
 allowed only where the trainer's margin between its k-th and (k+1)-th router logits is within
 :func:`margin_bound`, the rounding of a hidden . W dot product on both sides (docs/routing.md, section 2).
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from parity.core.error_model import LOGIT_ULPS, unit_roundoff
-from parity.core.violation import Position, Violation
+from parity.core.violation import Position
 from parity.errors import UsageError
 
 if TYPE_CHECKING:
@@ -23,6 +24,9 @@ if TYPE_CHECKING:
 AGREEMENT_GATE = "routing_agreement"
 FORCED_GATE = "routing_replay_forced"
 DRIFT_GATE = "routing_replay_drift"
+
+# The worst positions a routing gate names where it fails, and a line of detail.
+Listed = tuple[tuple[Position, ...], str]
 
 
 def margin_bound(h_norm: np.ndarray, w_rms: np.ndarray, pair: np.ndarray, dtypes: Dtypes) -> np.ndarray:
@@ -83,12 +87,13 @@ def _margins(sampler_ids: np.ndarray, trainer_ids: np.ndarray, z: np.ndarray) ->
 
 def routing_agreement(
     sampler_ids: np.ndarray, trainer_ids: np.ndarray, trainer_logits: np.ndarray, h_norm: np.ndarray,
-    w_rms: np.ndarray, dtypes: Dtypes, prompt: np.ndarray, position: np.ndarray, *, scenario: str, n_listed: int = 5,
-) -> tuple[RoutingAgreement, list[Violation]]:
-    """The expert sets of both sides per row and layer; a flip whose trainer margin exceeds its bound fails.
+    w_rms: np.ndarray, dtypes: Dtypes, prompt: np.ndarray, position: np.ndarray, *, n_listed: int = 5,
+) -> tuple[RoutingAgreement, Listed]:
+    """The expert sets of both sides per row and layer, and the flips whose trainer margin exceeds its bound
+    (widest first; none listed where there are none).
 
     ``trainer_logits`` [N, layers, E] are the trainer's router logits; ``h_norm``, ``w_rms`` and ``dtypes``
-    give :func:`margin_bound`. ``prompt``/``position`` [N] name each row in the violations.
+    give :func:`margin_bound`. ``prompt``/``position`` [N] name each row in the listed positions.
     """
     if sampler_ids.shape != trainer_ids.shape or sampler_ids.ndim != 3:
         raise UsageError(f"routed experts: sampler {sampler_ids.shape} vs trainer {trainer_ids.shape}: allowed the "
@@ -111,7 +116,7 @@ def routing_agreement(
         worst_margin_over_bound=float(ratio[flip].max()) if flip.any() else None,
     )
     if not above.any():
-        return result, []
+        return result, ((), "")
     rows, cols = np.nonzero(above)
     worst = np.argsort(-ratio[rows, cols], kind="stable")[:n_listed]
     where = tuple(
@@ -120,10 +125,8 @@ def routing_agreement(
                  note=f"layer {cols[i]}: sampler experts {sorted(sampler_ids[rows[i], cols[i]].tolist())}, trainer "
                       f"{sorted(trainer_ids[rows[i], cols[i]].tolist())}, margin {margin[rows[i], cols[i]]:.3g}")
         for i in worst)
-    return result, [Violation(AGREEMENT_GATE, scenario, int(above.sum()), 0, "routing flips at a router margin above "
-                              "its rounding bound", worst=where,
-                              detail=f"{int(above.sum())} of {int(flip.sum())} flips over {n} tokens x {layers} layers "
-                                     f"(positions count from the prompt's first token)")]
+    return result, (where, f"{int(above.sum())} of {int(flip.sum())} flips over {n} tokens x {layers} layers "
+                           f"(positions count from the prompt's first token)")
 
 
 @dataclass(frozen=True)
@@ -140,9 +143,9 @@ class ReplayCheck:
 
 
 def replay_forced(
-    recorded: np.ndarray, used: np.ndarray, prompt: np.ndarray, position: np.ndarray, *, scenario: str, n_listed: int = 5
-) -> tuple[ReplayCheck, list[Violation]]:
-    """Every (row, layer) the trainer ran under replay must use exactly the recorded expert set (checked)."""
+    recorded: np.ndarray, used: np.ndarray, prompt: np.ndarray, position: np.ndarray, *, n_listed: int = 5
+) -> tuple[ReplayCheck, Listed]:
+    """How many (row, layer) sets the trainer ran under replay equal the recorded ones, and the first that do not."""
     if recorded.shape != used.shape:
         raise UsageError(f"routing replay: recorded {recorded.shape} vs used {used.shape}: allowed equal shapes")
     same = (np.sort(recorded, -1) == np.sort(used, -1)).all(-1)
@@ -150,13 +153,11 @@ def replay_forced(
     check = ReplayCheck(rows=int(recorded.shape[0]), forced_frac=float(same.mean()) if same.size else 1.0,
                         mismatched=int((~same).sum()))
     if not check.mismatched:
-        return check, []
+        return check, ((), "")
     where = tuple(Position(prompt=int(prompt[r]), position=int(position[r]),
                            note=f"layer {c}: recorded {sorted(recorded[r, c].tolist())}, used {sorted(used[r, c].tolist())}")
                   for r, c in list(zip(bad_rows, bad_layers, strict=True))[:n_listed])
-    return check, [Violation(FORCED_GATE, scenario, check.forced_frac, 1.0, "fraction of (row, layer) expert sets "
-                             "replay forced", comparison="<", worst=where,
-                             detail=f"{check.mismatched} of {same.size} sets differ from the recorded ones")]
+    return check, (where, f"{check.mismatched} of {same.size} sets differ from the recorded ones")
 
 
 def drift_stats(sampler: np.ndarray, trainer: np.ndarray, bound: np.ndarray, seq: np.ndarray) -> dict[str, float]:
@@ -171,14 +172,3 @@ def drift_stats(sampler: np.ndarray, trainer: np.ndarray, bound: np.ndarray, seq
             "is_ratio_token_max": float(np.exp(d).max()) if d.size else 1.0,
             "is_ratio_seq_min": float(np.exp(seq_sum).min()) if seq_sum.size else 1.0,
             "is_ratio_seq_max": float(np.exp(seq_sum).max()) if seq_sum.size else 1.0}
-
-
-def replay_drift(
-    without: dict[str, float], replay: dict[str, float], max_headroom: float, worst: Position | None, *, scenario: str
-) -> list[Violation]:
-    """Under replay the log-prob drift is held to the dense model's bound: max |diff| / bound <= ``max_headroom``."""
-    if replay["headroom"] <= max_headroom:
-        return []
-    return [Violation(DRIFT_GATE, scenario, replay["headroom"], max_headroom, "log-prob max |diff| / bound under "
-                      "routing replay", worst=(worst,) if worst else (),
-                      detail=f"without replay {without['headroom']:.3g}")]

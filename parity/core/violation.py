@@ -8,6 +8,7 @@ worst positions with both sides' values. ``report.json`` carries it as an object
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from parity.core.json_types import JsonObject
@@ -49,6 +50,20 @@ class Position:
         if self.note:
             text += f" ({self.note})"
         return text
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object]) -> Position:
+        """A position as :meth:`to_dict` wrote it (a non-finite number written as a string comes back a float)."""
+        def index(x: object) -> int | None:
+            return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+        def num(x: object) -> float | None:
+            return float(x) if isinstance(x, int | float | str) and not isinstance(x, bool) else None
+
+        vals = d.get("values")
+        values = {str(k): float(v) for k, v in vals.items() if num(v) is not None} if isinstance(vals, dict) else {}
+        return cls(index(d.get("prompt")), index(d.get("position")), index(d.get("token")), values, num(d.get("gap")),
+                   num(d.get("bound")), str(d.get("note") or ""))
 
     def to_dict(self) -> JsonObject:
         return {

@@ -27,9 +27,11 @@ from parity.core.token_table import TokenTable, build_table
 from parity.core.violation import Position, Violation
 from parity.engines.routed_experts import ROUTED
 from parity.errors import UsageError
-from parity.report.blocks import ReplayDrift, RoutingLayer, RoutingSection
+from parity.records.gate_table import GateCase, evaluate
+from parity.report.blocks import JsonObject, ReplayDrift, Routing, RoutingLayer
 
 if TYPE_CHECKING:
+    from parity.core.gates import Thresholds
     from parity.engines.session import Trainer
 
 
@@ -144,11 +146,12 @@ def _rows(records: Sequence[SequenceRecord], per: list[dict[str, np.ndarray]], k
 
 def routing_report(
     records: Sequence[SequenceRecord], table: TokenTable, trainer: Trainer, spec: SamplingSpec, dtypes: Sequence[str],
-    *, scenario: str, max_headroom: float, n_listed: int = 5, own: RouterTrace | None = None,
-) -> tuple[RoutingSection, list[Violation]]:
-    """One scenario's routing section: agreement of the sampler's experts with the trainer's router (margin
-    gate), then the trainer again under replay of the sampler's experts (forced 100 %, drift in the dense bound).
-    ``own``: the trace of the trainer's scoring pass over ``records``, where the caller traced it (else traced here)."""
+    *, scenario: str, thresholds: Thresholds, own: RouterTrace | None = None,
+) -> tuple[Routing, list[Violation]]:
+    """One scenario's routing section: agreement of the sampler's experts with the trainer's router, then the
+    trainer again under replay of the sampler's experts; with the positions each routing gate would name, and the
+    violations the gate table's routing entries find in it. ``own``: the trace of the trainer's scoring pass over
+    ``records``, where the caller traced it (else traced here)."""
     bs = int(getattr(trainer, "batch_size", 8))
     if own is None:
         with trace_routers(trainer.model, batch_size=bs) as own:
@@ -167,11 +170,11 @@ def routing_report(
         raise UsageError(f"routed experts of scenario {scenario!r}: expert id {int(recorded[covered][bad].max())} "
                          f"from the sampler: allowed ids < {experts} (the trainer's experts per layer)")
     logits, ids, h_norm = (_rows(records, mine, k)[covered] for k in ("logits", "ids", "h_norm"))
-    args = (prompt[covered], position[covered])
-    agreement, violations = core_routing.routing_agreement(recorded[covered], ids, logits, h_norm, own.w_rms, dtypes,
-                                                           *args, scenario=scenario, n_listed=n_listed)
-    check, forced_v = core_routing.replay_forced(recorded[covered], _rows(records, replayed, "ids")[covered], *args,
-                                                 scenario=scenario, n_listed=n_listed)
+    args, n_listed = (prompt[covered], position[covered]), thresholds.max_violations_listed
+    agreement, flips = core_routing.routing_agreement(recorded[covered], ids, logits, h_norm, own.w_rms, dtypes, *args,
+                                                      n_listed=n_listed)
+    check, unforced = core_routing.replay_forced(recorded[covered], _rows(records, replayed, "ids")[covered], *args,
+                                                 n_listed=n_listed)
     table_r3 = build_table(records, logits_r3, spec, dtype=list(dtypes))
     seq = table.prompt_index.numpy()
     without, with_r3 = (core_routing.drift_stats(t.vllm.numpy(), t.replay.numpy(), t.bound.numpy(), seq)
@@ -181,8 +184,11 @@ def routing_report(
     worst = Position(int(table_r3.prompt_index[i]), int(table_r3.position[i]), int(table_r3.token[i]),
                      {"vllm": float(table_r3.vllm[i]), "trainer_replay_r3": float(table_r3.replay[i])},
                      float((table_r3.replay[i] - table_r3.vllm[i]).abs()), float(table_r3.bound[i])) if head.numel() else None
-    drift_v = core_routing.replay_drift(without, with_r3, max_headroom, worst, scenario=scenario)
-    section: RoutingSection = {
+    drifted: core_routing.Listed = ((worst,) if worst else (), f"without replay {without['headroom']:.3g}")
+    listed: dict[str, JsonObject] = {gate: {"worst": [p.to_dict() for p in where], "detail": detail}
+              for gate, (where, detail) in ((core_routing.AGREEMENT_GATE, flips), (core_routing.FORCED_GATE, unforced),
+                                            (core_routing.DRIFT_GATE, drifted)) if where}
+    section: Routing = {
         "rows": agreement.rows, "layers": agreement.layers, "top_k": agreement.top_k, "num_experts": agreement.num_experts,
         "per_layer": [_layer(p) for p in agreement.per_layer], "agreement": agreement.agreement,
         "rows_any_layer_differs": agreement.rows_any_layer_differs, "flips": agreement.flips,
@@ -190,8 +196,9 @@ def routing_report(
         "worst_margin_over_bound": agreement.worst_margin_over_bound, "uncovered_rows": int((~covered).sum()),
         "replay": {"rows": check.rows, "forced_frac": check.forced_frac, "mismatched": check.mismatched,
                    "drift": {"without_replay": _drift(without), "with_replay": _drift(with_r3)}},
+        "listed": listed,
     }
-    return section, violations + forced_v + drift_v
+    return section, evaluate(GateCase({"name": scenario}, None, thresholds, routing=section), "routing")
 
 
 def _layer(p: dict[str, float]) -> RoutingLayer:

@@ -286,7 +286,7 @@ def _routing_violation(c: GateCase, gate: str, stat: float, limit: float, label:
     assert r is not None
     listed = r["listed"].get(gate) or {}
     worst = listed.get("worst")
-    where = tuple(Position(**p) for p in worst if isinstance(p, dict)) if isinstance(worst, list) else ()  # type: ignore[arg-type]
+    where = tuple(Position.from_dict(p) for p in worst if isinstance(p, dict)) if isinstance(worst, list) else ()
     return Violation(gate, c.name, stat, limit, label, comparison, worst=where, detail=str(listed.get("detail", "")))
 
 

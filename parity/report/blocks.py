@@ -309,7 +309,8 @@ class RoutingSection(TypedDict):
 
 class Routing(RoutingSection):
     """A scenario's ``routing``: the measured section, and ``listed``: per routing gate, the positions its
-    violation names (written where it failed); ``capture``: how the sampler's experts were captured."""
+    violation names where it fails (written where there are any); ``capture``: how the sampler's experts were
+    captured."""
 
     listed: dict[str, JsonObject]
     capture: NotRequired[Json]

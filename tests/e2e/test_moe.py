@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from parity.core.gates import Thresholds
 from parity.core.matrix import Matrix, Scenario
 from parity.core.spec import SamplingSpec
 from parity.core.token_table import build_table
@@ -18,6 +19,7 @@ from parity.run import RunConfig, run
 pytestmark = pytest.mark.e2e
 
 T1 = SamplingSpec(temperature=1.0)
+_TH = Thresholds(max_headroom=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +88,7 @@ def test_a_swapped_expert_at_a_large_margin_fails_naming_it(sampled) -> None:
     records[i].extras["routed_experts"] = planted
     try:
         section, found = routing_report(records, table, trainer, T1, ("float32", "float32"), scenario="planted",
-                                        max_headroom=1.0)
+                                        thresholds=_TH)
     finally:
         records[i].extras["routed_experts"] = ids
     agreement = [v for v in found if v.gate == "routing_agreement"]
@@ -98,11 +100,11 @@ def test_a_swapped_expert_at_a_large_margin_fails_naming_it(sampled) -> None:
 
 def test_replay_planted_off_by_one_position_fails(sampled, monkeypatch) -> None:
     trainer, records, table = sampled
-    exact, none = routing_report(records, table, trainer, T1, ("float32", "float32"), scenario="r3", max_headroom=1.0)
+    exact, none = routing_report(records, table, trainer, T1, ("float32", "float32"), scenario="r3", thresholds=_TH)
     assert none == [] and exact["replay"]["forced_frac"] == 1.0
     forced = routing_replay._forced
     monkeypatch.setattr(routing_replay, "_forced", lambda *a: [torch.roll(f, 1, 0) for f in forced(*a)])
-    section, found = routing_report(records, table, trainer, T1, ("float32", "float32"), scenario="r3", max_headroom=1.0)
+    section, found = routing_report(records, table, trainer, T1, ("float32", "float32"), scenario="r3", thresholds=_TH)
     gates = {v.gate for v in found}
     assert "routing_replay_forced" in gates and section["replay"]["forced_frac"] < 1.0
     assert section["replay"]["drift"]["with_replay"]["max_abs_diff"] > exact["replay"]["drift"]["with_replay"]["max_abs_diff"]

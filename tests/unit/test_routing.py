@@ -6,8 +6,6 @@ import numpy as np
 import pytest
 
 from parity.core.routing import (
-    AGREEMENT_GATE,
-    FORCED_GATE,
     margin_bound,
     replay_forced,
     routing_agreement,
@@ -46,7 +44,7 @@ def _plant_flip(c: dict[str, np.ndarray], row: int, layer: int, margin: float, r
 
 def _agreement(sampler: np.ndarray, case: dict[str, np.ndarray], dtypes: tuple[str, str]):
     return routing_agreement(sampler, case["ids"], case["logits"], case["h"], case["w"], dtypes, case["prompt"],
-                             case["position"], scenario="s")
+                             case["position"])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -57,17 +55,16 @@ def test_a_flip_at_a_few_times_the_bound_fails_and_at_a_tenth_passes(dtype: str)
     for factor, fails in ((3.0, True), (0.1, False)):
         case = _case()
         sampler = _plant_flip(case, row, layer, factor * float(bound[row, layer]))
-        res, viol = _agreement(sampler, case, ("float32", dtype))
+        res, (where, detail) = _agreement(sampler, case, ("float32", dtype))
         assert res.flips == 1 and res.per_layer[layer]["flips"] == 1
         assert res.rows_any_layer_differs == pytest.approx(1 / ROWS)
         assert res.agreement == pytest.approx(1 - 1 / (ROWS * LAYERS))
-        assert bool(viol) is fails, (factor, viol)
+        assert res.flips_above_bound == int(fails) and bool(where) is fails, (factor, where)
         if fails:
-            (v,) = viol
-            assert v.gate == AGREEMENT_GATE and v.statistic == 1
-            (p,) = v.worst
+            (p,) = where
             assert (p.prompt, p.position) == (int(case["prompt"][row]), int(case["position"][row]))
-            assert f"layer {layer}" in v.message() and p.gap == pytest.approx(factor * float(bound[row, layer]))
+            assert f"layer {layer}" in p.note and p.gap == pytest.approx(factor * float(bound[row, layer]))
+            assert detail.startswith("1 of 1 flips")
         else:
             assert res.flips_within_bound == 1 and res.worst_margin_over_bound == pytest.approx(0.1, rel=1e-6)
 
@@ -83,35 +80,34 @@ def test_a_flip_to_a_far_expert_is_judged_by_its_own_margin_not_the_kth_gap() ->
     case["logits"][row, layer, b] = case["logits"][row, layer, a] - 0.1 * bound
     sampler = case["ids"].copy()
     sampler[row, layer][sampler[row, layer] == a] = c
-    res, (v,) = _agreement(sampler, case, ("float32", "bfloat16"))
-    assert res.flips_above_bound == 1 and v.worst[0].gap == pytest.approx(3 * bound)
+    res, ((p,), _) = _agreement(sampler, case, ("float32", "bfloat16"))
+    assert res.flips_above_bound == 1 and p.gap == pytest.approx(3 * bound)
 
 
 def test_identical_routing_agrees_everywhere() -> None:
     c = _case(1)
-    res, viol = _agreement(c["ids"][..., ::-1].copy(), c, ("float32", "float32"))  # rank order does not matter
-    assert (res.agreement, res.flips, viol) == (1.0, 0, [])
+    res, listed = _agreement(c["ids"][..., ::-1].copy(), c, ("float32", "float32"))  # rank order does not matter
+    assert (res.agreement, res.flips, listed) == (1.0, 0, ((), ""))
 
 
 def test_replay_off_by_one_position_fails_naming_the_first_position() -> None:
     c = _case(2)
-    ok, none = replay_forced(c["ids"], c["ids"].copy(), c["prompt"], c["position"], scenario="s")
-    assert ok.forced_frac == 1.0 and none == []
+    ok, none = replay_forced(c["ids"], c["ids"].copy(), c["prompt"], c["position"])
+    assert ok.forced_frac == 1.0 and none == ((), "")
     shifted = np.roll(c["ids"], 1, axis=0)
-    check, (v,) = replay_forced(c["ids"], shifted, c["prompt"], c["position"], scenario="s")
+    check, (where, _) = replay_forced(c["ids"], shifted, c["prompt"], c["position"])
     differ = ~(np.sort(c["ids"], -1) == np.sort(shifted, -1)).all(-1)
-    assert v.gate == FORCED_GATE and check.mismatched == int(differ.sum()) > 0
+    assert check.mismatched == int(differ.sum()) > 0
     assert check.forced_frac == pytest.approx(1 - differ.mean())
     r, layer = np.argwhere(differ)[0]
-    assert (v.worst[0].prompt, v.worst[0].position) == (int(c["prompt"][r]), int(c["position"][r]))
-    assert f"layer {layer}" in v.worst[0].note
+    assert (where[0].prompt, where[0].position) == (int(c["prompt"][r]), int(c["position"][r]))
+    assert f"layer {layer}" in where[0].note
 
 
 def test_shapes_that_do_not_match_are_refused() -> None:
     c = _case()
     with pytest.raises(UsageError, match="allowed the same"):
-        routing_agreement(c["ids"][:, :2], c["ids"], c["logits"], c["h"], c["w"], "float32", c["prompt"], c["position"],
-                          scenario="s")
+        routing_agreement(c["ids"][:, :2], c["ids"], c["logits"], c["h"], c["w"], "float32", c["prompt"], c["position"])
 
 
 # -- records -----------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ def invariance_gate(result: dict[str, Any], *, required: bool) -> list[Violation
     """
     if not required:
         return []
-    out = evaluate(GateCase({}, None, Thresholds(), checks=[c for r in _results(result) for c in r["checks"]]), "run")
+    out = evaluate(GateCase("", None, None, Thresholds(), checks=[c for r in _results(result) for c in r["checks"]]), "run")
     if not out and not _results(result):
         raise UsageError(
             "invariance_gate: result has no 'checks' (pass a check_*_invariance result or a dict of them)"

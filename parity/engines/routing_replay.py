@@ -198,7 +198,7 @@ def routing_report(
                    "drift": {"without_replay": _drift(without), "with_replay": _drift(with_r3)}},
         "listed": listed,
     }
-    return section, evaluate(GateCase({"name": scenario}, None, thresholds, routing=section), "routing")
+    return section, evaluate(GateCase(scenario, None, None, thresholds, routing=section), "routing")
 
 
 def _layer(p: dict[str, float]) -> RoutingLayer:

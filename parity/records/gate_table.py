@@ -16,11 +16,10 @@ from parity.core.gates import Thresholds, recompute_support_limit
 from parity.core.violation import Position, Violation
 from parity.records.accumulators import NA, ScenarioAcc
 from parity.records.diagnosis import logprob_bias_class
-from parity.records.entry import ScenarioEntry
 from parity.records.steps import TREND_GATE
 
 if TYPE_CHECKING:
-    from parity.report.blocks import Routing
+    from parity.report.blocks import Routing, ScenarioStats
 
 # A check that could not be measured (the status word of parity.determinism.knobs): not a violation.
 UNAVAILABLE = "unavailable"
@@ -30,13 +29,14 @@ CAPTURE_LIMIT_FIX = ("their kept set was not proven complete; run without --max-
 
 @dataclass(frozen=True)
 class GateCase:
-    """What a rule reads: the scenario's report entry and streamed statistics, the thresholds, the gates the
+    """What a rule reads: the scenario's name, report entry and streamed statistics, the thresholds, the gates the
     records cannot evaluate (``skip``), and the facts of the two gates that are not in records: vLLM's native
     mask against the top-K capture (``native``: (prompt, position) where they differ) and the invariance checks
     of the sides whose invariance a knob in force guarantees (``checks``), and a MoE scenario's routing section
     (``routing``: :class:`parity.report.blocks.Routing`)."""
 
-    sc: ScenarioEntry
+    name: str
+    stats: ScenarioStats | None
     acc: ScenarioAcc | None
     th: Thresholds
     skip: frozenset[str] = frozenset()
@@ -45,13 +45,14 @@ class GateCase:
     routing: Routing | None = None
 
     @property
+    def sc(self) -> ScenarioStats:
+        assert self.stats is not None, "a records gate needs the scenario's report entry"
+        return self.stats
+
+    @property
     def a(self) -> ScenarioAcc:
         assert self.acc is not None, "a records gate needs the scenario's statistics"
         return self.acc
-
-    @property
-    def name(self) -> str:
-        return str(self.sc.get("name", ""))
 
 
 Rule = Callable[[GateCase], list[Violation]]
@@ -211,7 +212,7 @@ def _count(gate: str, key: Literal["sampled_outside_support", "token_mismatch"],
     return rule
 
 
-def trend_violation(sc: ScenarioEntry, out: list[Violation], skip: set[str] | frozenset[str]) -> None:
+def trend_violation(sc: ScenarioStats, out: list[Violation], skip: set[str] | frozenset[str]) -> None:
     """``drift_trend``: the verdict :func:`parity.records.steps.drift_trend` gave, as a violation naming the
     first step above the band of the first steps."""
     tr = sc.get("trend")
@@ -365,7 +366,7 @@ def evaluate(case: GateCase, scope: str = "records") -> list[Violation]:
     for g in GATE_TABLE:
         if g.scope != scope or (g.skippable and g.name in case.skip):
             continue
-        if "user" in g.needs and "trainer_under_test" not in case.sc:
+        if "user" in g.needs and (case.stats is None or "trainer_under_test" not in case.stats):
             continue
         out += g.rule(case)
     return out

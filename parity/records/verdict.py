@@ -33,7 +33,6 @@ from parity.core.spec import SamplingSpec
 from parity.core.violation import Violation
 from parity.records.accumulators import HEAD_BINS, HEAD_LO, HEAD_STEP, INPUTS, NA, ScenarioAcc, _na_ratios
 from parity.records.diagnosis import diagnosis_text, logprob_bias_class
-from parity.records.entry import ScenarioEntry
 from parity.records.gate_table import CAPTURE_LIMIT_FIX, GATE_TABLE, GateCase, evaluate, split_verdict
 from parity.report import blocks
 
@@ -282,7 +281,7 @@ def _not_evaluated(a: ScenarioAcc, avail: dict[str, bool], notes: list[str]) -> 
     return not_eval
 
 
-def _scenario_report(a: ScenarioAcc, name: str, trainer: str | None = None) -> ScenarioEntry:
+def _scenario_report(a: ScenarioAcc, name: str, trainer: str | None = None) -> blocks.ScenarioStats:
     avail = {k: a.lacking[k] < a.sequences or a.sequences == 0 for k in INPUTS}  # some sequence has it
     headroom, means, limits, lp = _bias(a, avail)
     stats = _stat_blocks(a, avail)
@@ -339,7 +338,7 @@ def _scenario_report(a: ScenarioAcc, name: str, trainer: str | None = None) -> S
     out["not_evaluated"] = not_eval
     out["input_notes"] = notes
     out["lacking_inputs"] = {k: v for k, v in a.lacking.items() if v}
-    return cast("ScenarioEntry", out)  # the entry's blocks, as built above
+    return cast("blocks.ScenarioStats", out)  # the entry's blocks, as built above
 
 
 def _step_view(
@@ -393,10 +392,10 @@ def _step_view(
     return entries, trend, trend.reason
 
 
-def evaluate_summary(sc: ScenarioEntry, a: ScenarioAcc, th: Thresholds) -> list[Violation]:
+def evaluate_summary(sc: blocks.ScenarioStats, a: ScenarioAcc, th: Thresholds) -> list[Violation]:
     """Every records gate of the table on a scenario's streamed statistics; ``sc``: the entry of
     :func:`_scenario_report` (its ``not_evaluated`` gates are left out)."""
-    return evaluate(GateCase(sc, a, th, skip=frozenset(g["gate"] for g in sc["not_evaluated"])))
+    return evaluate(GateCase(sc["name"], sc, a, th, skip=frozenset(g["gate"] for g in sc["not_evaluated"])))
 
 
 def drift_headroom_hist(a: ScenarioAcc) -> blocks.DriftHeadroom:
@@ -410,7 +409,7 @@ def drift_headroom_hist(a: ScenarioAcc) -> blocks.DriftHeadroom:
     return out
 
 
-def capture_limit_line(sc: ScenarioEntry) -> str | None:
+def capture_limit_line(sc: blocks.ScenarioStats) -> str | None:
     """The capture's own limit, when it left positions unproven: counted, not evaluated, and not a FAIL."""
     inc = int(sc.get("incomplete_positions") or 0)
     if not inc:
@@ -419,7 +418,7 @@ def capture_limit_line(sc: ScenarioEntry) -> str | None:
             f"{CAPTURE_LIMIT_FIX}")
 
 
-def no_verdict_line(sc: ScenarioEntry, judged: bool) -> str:
+def no_verdict_line(sc: blocks.ScenarioStats, judged: bool) -> str:
     """Why a scenario has no mean-bias gate (and, when ``judged`` is false, no gate at all): the columns it
     lacks and what supplies them."""
     n_lack, n = sc["lacking_inputs"].get("user", 0), sc["sequences"]
@@ -445,10 +444,9 @@ def judge(
         sc = _scenario_report(a, name, trainer_name or "trainer")
         violations = evaluate_summary(sc, a, th)
         if native is not None and name in native:
-            violations += evaluate(GateCase(sc, a, th, native=native[name]), scope="native")
+            violations += evaluate(GateCase(name, sc, a, th, native=native[name]), scope="native")
         if routing is not None and name in routing:
-            sc["routing"] = routing[name]
-            violations += evaluate(GateCase(sc, a, th, routing=routing[name]), scope="routing")
+            violations += evaluate(GateCase(name, sc, a, th, routing=routing[name]), scope="routing")
         skipped = {g["gate"] for g in sc["not_evaluated"]}
         evaluated = [g for g in GATES if g not in skipped and ("trainer_under_test" in sc or g not in USER_GATES)]
         if sc["trend"] is not None and sc["trend"]["evaluated"]:
@@ -467,7 +465,8 @@ def judge(
             # Every kept set unproven: the capture's limit leaves nothing to pass.
             verdict, no_verdict = "none", capture_limit
         build: Callable[..., ScenarioVerdict] = ScenarioVerdict  # the entry's keys are its fields
-        out.append(build(**{**sc, "spec": SamplingSpec.from_dict(sc["spec"])}, gates_evaluated=evaluated, verdict=verdict,
+        extra = {"routing": routing[name]} if routing is not None and name in routing else {}
+        out.append(build(**{**sc, **extra, "spec": SamplingSpec.from_dict(sc["spec"])}, gates_evaluated=evaluated, verdict=verdict,
                          mean_bias_evaluated=mean_evaluated, no_verdict=no_verdict, capture_limit=capture_limit,
                          violations=violations, reference_violations=reference, drift_headroom=drift_headroom_hist(a)))
     return out

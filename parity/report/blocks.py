@@ -393,9 +393,9 @@ class EnvironmentJson(TypedDict):
     trl: NotRequired[str | None]
 
 
-class ScenarioJson(TypedDict):
-    """One scenario of report.json as a dict (:meth:`parity.report.model.ScenarioVerdict.to_json`, the same keys):
-    a block the producer did not give is left out."""
+class ScenarioStats(TypedDict):
+    """A scenario's statistics, as the records analysis builds them (:func:`parity.records.verdict._scenario_report`)
+    and the gates read them (:mod:`parity.records.gate_table`): the first keys of :class:`ScenarioJson`."""
 
     name: str
     spec: dict[str, float]
@@ -427,6 +427,13 @@ class ScenarioJson(TypedDict):
     not_evaluated: list[NotEvaluated]
     input_notes: list[str]
     lacking_inputs: dict[str, int]
+    trainer_under_test: NotRequired[TrainerUnderTest]
+
+
+class ScenarioJson(ScenarioStats):
+    """One scenario of report.json as a dict (:meth:`parity.report.model.ScenarioVerdict.to_json`, the same keys):
+    a block the producer did not give is left out."""
+
     drift_headroom: DriftHeadroom
     gates_evaluated: list[str]
     verdict: Literal["pass", "fail", "none"]
@@ -435,7 +442,6 @@ class ScenarioJson(TypedDict):
     mean_bias_evaluated: bool
     no_verdict: str | None
     capture_limit: str | None
-    trainer_under_test: NotRequired[TrainerUnderTest]
     model: NotRequired[str]
     capture_plan: NotRequired[JsonObject]
     dtypes: NotRequired[Dtypes]

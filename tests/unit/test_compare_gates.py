@@ -267,7 +267,7 @@ def test_native_mask_gate_fails_on_one_planted_mismatch_and_passes_without() -> 
 
     def native_capture_gate(records, name, _mode, th):  # the table's native entry on the adapter's positions
         mism = native_mismatches(records)
-        return {"mismatched_positions": len(mism)}, evaluate(GateCase({"name": name}, None, th, native=mism), "native")
+        return {"mismatched_positions": len(mism)}, evaluate(GateCase(name, None, None, th, native=mism), "native")
 
     spec = SamplingSpec(0.7, top_k=10)
     records, _ = sampler_records(spec)

@@ -281,7 +281,7 @@ def test_the_routing_entries_fail_a_planted_fault_near_their_limits() -> None:
     from parity.records.gate_table import GateCase, evaluate
 
     def gates(section: dict) -> list:
-        return evaluate(GateCase({"name": "moe"}, None, Thresholds(), routing=section), "routing")  # type: ignore[arg-type]
+        return evaluate(GateCase("moe", None, None, Thresholds(), routing=section), "routing")  # type: ignore[arg-type]
 
     assert gates(_section(headroom=0.1)) == []
     [drift] = gates(_section(headroom=3.0))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from parity.report import overview, rl_section, routing_section
-from parity.report.blocks import EnvironmentJson, ReportJson, StepJson, TrendJson
+from parity.report.blocks import EnvironmentJson, JsonObject, ReportJson, ScenarioJson, StepJson, TrendJson
 
 
 def _obj(x: object) -> Mapping[str, object]:
@@ -156,29 +156,9 @@ def _environment(env: EnvironmentJson) -> str:
             f"{said(machine.get('parity'))}, torch {said(machine.get('torch'))}, device {env['device']}.")
 
 
-def render_markdown(report: ReportJson) -> str:
-    sc = report["scenarios"]
-    env = report["environment"]
-    plots = set(report.get("plots") or [])
-    lines = [
-        "# parity report",
-        "",
-        _headline(report),
-        "",
-        overview.paragraph(report),
-        "",
-        _environment(env),
-        "",
-    ]
-    limits = [s["capture_limit"] for s in sc if s.get("capture_limit")]
-    if limits:
-        lines += ["## Capture limits (not evaluated, not a FAIL)", ""] + [f"- {x}" for x in limits] + [""]
-    if report.get("warnings"):
-        lines += ["## Warnings", ""] + [f"- {w}" for w in report["warnings"]] + [""]
-    lines += glance_table(report)
-    if "log_s_bias.png" in plots:
-        lines += ["", "![log S against the naive trainer's bias, per scenario](log_s_bias.png)"]
-    lines.append("")
+def _verdict_lists(sc: list[ScenarioJson]) -> list[str]:
+    """Violations, the reference estimators' findings, the gates not evaluated and the input problems."""
+    lines: list[str] = []
     failures = [v for s in sc for v in s["violations"]]
     if failures:
         lines += ["## Violations", ""] + [f"- {v['message']}" for v in failures] + [""]
@@ -200,6 +180,12 @@ def render_markdown(report: ReportJson) -> str:
     notes = [f"[{s['name']}] {n}" for s in sc for n in s.get("input_notes", [])]
     if notes:
         lines += ["## Input problems", ""] + [f"- {n}" for n in notes] + [""]
+    return lines
+
+
+def _detail_table(sc: list[ScenarioJson]) -> list[str]:
+    """One row per scenario, failures first."""
+    lines: list[str] = []
     lines += [
         "## Detail per scenario",
         "",
@@ -244,6 +230,70 @@ def render_markdown(report: ReportJson) -> str:
             )
             + " |"
         )
+    return lines
+
+
+def _determinism(det: JsonObject) -> list[str]:
+    lines: list[str] = []
+    lines += ["", "## Determinism", ""]
+    lines.append(
+        f"Invariance {'required (batch-invariant mode on)' if det['required'] else 'reported, not required'}; "
+        f"overall {'bitwise invariant' if det['invariant'] else 'NOT invariant'}. Largest batching difference "
+        f"{_fmt(_obj(det['cross_side'])['kernel_noise_max_abs_diff'])} vs end-to-end replay max |diff| "
+        f"{_fmt(_obj(det['cross_side'])['replay_max_abs_diff'])}."
+    )
+    lines += ["", "| side | check | bitwise | max abs diff |", "|---|---|---|---|"]
+    for side in ("rollout", "trainer"):
+        for check in _items(_obj(det.get(side)).get("checks", [])):
+            c = _obj(check)
+            lines.append(f"| {side} | {c.get('name')} | {c.get('bitwise')} | {_fmt(c.get('max_abs_diff'))} |")
+    knobs = _obj(_obj(det.get("mode")).get("knobs"))
+    if knobs:
+        lines += ["", "Knobs: " + "; ".join(f"{k}: {_obj(v).get('status')}" for k, v in knobs.items())]
+        kernels = _obj(knobs.get("cpu_kernels", {}))
+        value = kernels.get("value")
+        if kernels.get("status") == "on" and isinstance(value, dict):
+            calls = _obj(value.get("calls", {}))
+            lines += [
+                "",
+                "CPU kernels replaced on the trainer: "
+                + ", ".join(f"{k} ({calls.get(k, 0)} calls)" for k in _obj(value.get("replaced", {}))),
+            ]
+            other = _obj(value.get("other_ops"))
+            if other:
+                lines.append(
+                    "Operations no kernel covers (measured by the checks): "
+                    + ", ".join(f"{k} x{n}" for k, n in other.items())
+                )
+    lines += [f"- {_obj(v)['message']}" for v in _items(det["violations"])]
+    return lines
+
+
+def render_markdown(report: ReportJson) -> str:
+    sc = report["scenarios"]
+    env = report["environment"]
+    plots = set(report.get("plots") or [])
+    lines = [
+        "# parity report",
+        "",
+        _headline(report),
+        "",
+        overview.paragraph(report),
+        "",
+        _environment(env),
+        "",
+    ]
+    limits = [s["capture_limit"] for s in sc if s.get("capture_limit")]
+    if limits:
+        lines += ["## Capture limits (not evaluated, not a FAIL)", ""] + [f"- {x}" for x in limits] + [""]
+    if report.get("warnings"):
+        lines += ["## Warnings", ""] + [f"- {w}" for w in report["warnings"]] + [""]
+    lines += glance_table(report)
+    if "log_s_bias.png" in plots:
+        lines += ["", "![log S against the naive trainer's bias, per scenario](log_s_bias.png)"]
+    lines.append("")
+    lines += _verdict_lists(sc)
+    lines += _detail_table(sc)
     if "drift_hist.png" in plots:
         lines += ["", "![per-token drift of replay and recompute against its rounding bound](drift_hist.png)"]
     lines += steps_section(report)
@@ -251,37 +301,7 @@ def render_markdown(report: ReportJson) -> str:
     lines += routing_section.markdown(report)
     det = report.get("determinism")
     if det:
-        lines += ["", "## Determinism", ""]
-        lines.append(
-            f"Invariance {'required (batch-invariant mode on)' if det['required'] else 'reported, not required'}; "
-            f"overall {'bitwise invariant' if det['invariant'] else 'NOT invariant'}. Largest batching difference "
-            f"{_fmt(_obj(det['cross_side'])['kernel_noise_max_abs_diff'])} vs end-to-end replay max |diff| "
-            f"{_fmt(_obj(det['cross_side'])['replay_max_abs_diff'])}."
-        )
-        lines += ["", "| side | check | bitwise | max abs diff |", "|---|---|---|---|"]
-        for side in ("rollout", "trainer"):
-            for check in _items(_obj(det.get(side)).get("checks", [])):
-                c = _obj(check)
-                lines.append(f"| {side} | {c.get('name')} | {c.get('bitwise')} | {_fmt(c.get('max_abs_diff'))} |")
-        knobs = _obj(_obj(det.get("mode")).get("knobs"))
-        if knobs:
-            lines += ["", "Knobs: " + "; ".join(f"{k}: {_obj(v).get('status')}" for k, v in knobs.items())]
-            kernels = _obj(knobs.get("cpu_kernels", {}))
-            value = kernels.get("value")
-            if kernels.get("status") == "on" and isinstance(value, dict):
-                calls = _obj(value.get("calls", {}))
-                lines += [
-                    "",
-                    "CPU kernels replaced on the trainer: "
-                    + ", ".join(f"{k} ({calls.get(k, 0)} calls)" for k in _obj(value.get("replaced", {}))),
-                ]
-                other = _obj(value.get("other_ops"))
-                if other:
-                    lines.append(
-                        "Operations no kernel covers (measured by the checks): "
-                        + ", ".join(f"{k} x{n}" for k, n in other.items())
-                    )
-        lines += [f"- {_obj(v)['message']}" for v in _items(det["violations"])]
+        lines += _determinism(det)
     cov = report.get("matrix_pair_coverage")
     if cov:
         lines += ["", "## Matrix pair coverage", ""]

@@ -200,11 +200,8 @@ def _failing(scenarios: list[ScenarioJson], gates: tuple[str, ...]) -> list[Scen
     return [s for s in scenarios if any(g in gates for g in _gates(s))]
 
 
-def paragraph(report: ReportJson) -> str:
-    """What the numbers mean for a training run, in plain words, computed from the report."""
-    sc = report["scenarios"]
-    limit = headroom_limit(report)
-    who = sampler_name(report)
+def _truncation_sentences(sc: list[ScenarioJson], who: str) -> list[str]:
+    """Whether the filters removed mass, by how much, and whether the naive bias is log S."""
     parts: list[str] = []
     truncating = [s for s in sc if truncates(s)]
     unknown = [s for s in sc if log_s_unknown(s)]
@@ -252,9 +249,15 @@ def paragraph(report: ReportJson) -> str:
                 "That bias is log S itself: it matches the log S taken from the sampler's side within the rounding "
                 f"bound{where}."
             )
+    return parts
+
+
+def _drift_sentences(sc: list[ScenarioJson], who: str, limit: float, truncating: bool) -> list[str]:
+    """Replay and recompute: which fail, the worst kernel drift against its bound, forced includes."""
+    parts: list[str] = []
     rep_bad, rec_bad = _failing(sc, REPLAY_GATES), _failing(sc, RECOMPUTE_GATES)
     if not rep_bad and not rec_bad:
-        parts += _estimators_sentences(sc, who, bool(truncating))
+        parts += _estimators_sentences(sc, who, truncating)
     else:
         for name, bad in (("Replay", rep_bad), ("Recompute", rec_bad)):
             if bad:
@@ -281,6 +284,12 @@ def paragraph(report: ReportJson) -> str:
             f"Recompute had to force-include the sampled token at {forced} position(s): the trainer's numerics moved "
             "the filter boundary there."
         )
+    return parts
+
+
+def _trainer_sentences(sc: list[ScenarioJson], who: str) -> list[str]:
+    """The trainer under test's verdict and diagnosis, and the other failed gates."""
+    parts: list[str] = []
     tested = [s for s in sc if s.get("trainer_under_test")]
     if tested:
         tester = tested[0]["trainer_under_test"].get("name")
@@ -304,6 +313,11 @@ def paragraph(report: ReportJson) -> str:
     other = sorted({g for s in sc for g in _gates(s)} - set(REPLAY_GATES + RECOMPUTE_GATES + NAIVE_GATES + TRAINER_GATES))
     if other:
         parts.append("Other failed gates: " + ", ".join(other) + ".")
+    return parts
+
+
+def _determinism_sentences(report: ReportJson) -> list[str]:
+    parts: list[str] = []
     det = report.get("determinism")
     if det:
         sides = []
@@ -316,6 +330,18 @@ def paragraph(report: ReportJson) -> str:
                 "Across batch sizes and layouts: " + ", ".join(sides)
                 + (" (required under batch-invariant mode)." if det.get("required") else " (reported, not required).")
             )
+    return parts
+
+
+def paragraph(report: ReportJson) -> str:
+    """What the numbers mean for a training run, in plain words, computed from the report."""
+    sc = report["scenarios"]
+    who = sampler_name(report)
+    truncating = [s for s in sc if truncates(s)]
+    parts = _truncation_sentences(sc, who)
+    parts += _drift_sentences(sc, who, headroom_limit(report), bool(truncating))
+    parts += _trainer_sentences(sc, who)
+    parts += _determinism_sentences(report)
     if truncating:
         headline = rl_section.headline(_example(truncating))
         if headline:

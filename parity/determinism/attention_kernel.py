@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -38,13 +38,34 @@ class _State(threading.local):
 TLS = _State()
 
 
+class _AttentionConfig(Protocol):
+    _attn_implementation: str | None
+
+
+@runtime_checkable
+class SwitchesAttention(Protocol):
+    """A model whose attention implementation can be switched: a transformers ``PreTrainedModel``, as read here
+    (its config's implementation, and the setter, which also puts a previous value back)."""
+
+    config: _AttentionConfig
+
+    def set_attn_implementation(self, attn_implementation: str | None) -> object: ...
+
+
+def implementation(config: object, attr: str = "_attn_implementation") -> str | None:
+    """A transformers config's implementation name (``_attn_implementation``, ``_experts_implementation``);
+    None where ``config`` has none (or is None)."""
+    value: object = getattr(config, attr, None)
+    return value if isinstance(value, str) else None
+
+
 class bypass:
     """Inside the attention kernel: its chunk products and sums are its own; do not re-route them."""
 
     def __enter__(self) -> None:
         TLS.bypass += 1
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         TLS.bypass -= 1
 
 
@@ -151,7 +172,7 @@ def attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    **kwargs: Any,
+    **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function (the ``AttentionInterface`` signature of ``eager_attention_forward``):
     query ``[B, H, Q, D]``, key and value ``[B, Hkv, KV, D]``, returns ``([B, Q, H, D], None)``. Each causal

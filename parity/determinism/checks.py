@@ -7,12 +7,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, NotRequired, Protocol, TypedDict
 
 import torch
 
 from parity.core.metrics import max_abs_difference
 from parity.determinism.attention_kernel import ATTENTION_NAME as CPU_ATTENTION
+from parity.determinism.attention_kernel import implementation
 from parity.determinism.knobs import UNAVAILABLE
 from parity.errors import UsageError
 
@@ -35,10 +36,99 @@ class HasModel(Protocol):
     @property
     def model(self) -> torch.nn.Module: ...
 
+
+# -- what the checks return (report.json's determinism section) ----------------------------------
+
+
+class RecordComparison(TypedDict):
+    """Two records of the same prompt compared (:func:`compare_records`)."""
+
+    bitwise: bool
+    tokens_equal: bool
+    first_token_mismatch: int | None
+    support_equal: bool | None
+    max_abs_diff: float | None
+
+
+class RolloutBatchCheck(TypedDict):
+    """The target prompt inside a batch of ``batch_size`` against the target alone."""
+
+    name: str
+    side: str
+    mode: str
+    kind: str  # "batch"
+    batch_size: int
+    position: int
+    filler_lengths: list[int]
+    bitwise: bool
+    tokens_equal: bool
+    first_token_mismatch: int | None
+    support_equal: bool | None
+    max_abs_diff: float | None
+
+
+class RunToRunCheck(TypedDict):
+    """``repeats`` identical requests of the target alone: one unique output."""
+
+    name: str
+    side: str
+    mode: str
+    kind: str  # "run_to_run"
+    repeats: int
+    unique_outputs: int
+    bitwise: bool
+    tokens_equal: bool
+    max_abs_diff: float | None
+
+
+class TrainerCheck(TypedDict):
+    """One batch layout against each sequence alone (``status`` unavailable: not measured, and why)."""
+
+    name: str
+    side: str
+    layout: str
+    status: str
+    reason: NotRequired[str | None]
+    bitwise: bool | None
+    tokens_equal: bool | None
+    max_abs_diff: float | None
+    records_not_bitwise: NotRequired[int]
+    worst_record: NotRequired[int | None]
+
+
+class RolloutInvariance(TypedDict):
+    side: str
+    engine: str
+    modes: dict[str, dict[str, float]]
+    target_prompt_tokens: int
+    max_tokens: int
+    seed: int
+    batch_sizes: list[int]
+    repeats: int
+    checks: list[RolloutBatchCheck | RunToRunCheck]
+    invariant: bool
+
+
+class TrainerInvariance(TypedDict):
+    side: str
+    attention: str | None
+    dtype: str
+    records: int
+    lengths: list[int]
+    checks: list[TrainerCheck]
+    invariant: bool
+
+
 # -- comparisons ---------------------------------------------------------------------------------
 
 
-def compare_records(ref: Any, got: Any) -> dict[str, Any]:
+def _kept_logprobs(rec: SequenceRecord) -> torch.Tensor:
+    if rec.kept_logprobs is None:
+        raise UsageError(f"{rec.source} record {rec.prompt_index} has kept_ids but no kept_logprobs")
+    return rec.kept_logprobs
+
+
+def compare_records(ref: SequenceRecord, got: SequenceRecord) -> RecordComparison:
     """Bitwise comparison of two records of the same prompt: tokens, log-probs, kept set.
 
     Log-probs are compared up to the first token that differs (after it the contexts differ);
@@ -50,15 +140,16 @@ def compare_records(ref: Any, got: Any) -> dict[str, Any]:
     diffs = [max_abs_difference(ref.logprobs[:n], got.logprobs[:n])] if n else []
     support_equal = None
     bitwise = tokens_equal and torch.equal(ref.logprobs, got.logprobs)
-    if ref.kept_ids is not None or got.kept_ids is not None:
-        same_shape = (
-            ref.kept_ids is not None and got.kept_ids is not None and ref.kept_ids.shape == got.kept_ids.shape
-        )
-        support_equal = bool(same_shape and torch.equal(ref.kept_ids, got.kept_ids))
-        bitwise = bitwise and support_equal and torch.equal(ref.kept_logprobs, got.kept_logprobs)
-        if same_shape and n:
-            rows = (ref.kept_ids[:n] == got.kept_ids[:n]).all(dim=-1)
-            diffs.append(max_abs_difference(ref.kept_logprobs[:n][rows], got.kept_logprobs[:n][rows]))
+    rk, gk = ref.kept_ids, got.kept_ids
+    if rk is not None or gk is not None:
+        support_equal = False
+        if rk is not None and gk is not None and rk.shape == gk.shape:
+            support_equal = torch.equal(rk, gk)
+            bitwise = bitwise and support_equal and torch.equal(_kept_logprobs(ref), _kept_logprobs(got))
+            if n:
+                rows = (rk[:n] == gk[:n]).all(dim=-1)
+                diffs.append(max_abs_difference(_kept_logprobs(ref)[:n][rows], _kept_logprobs(got)[:n][rows]))
+        bitwise = bitwise and support_equal
     return {
         "bitwise": bool(bitwise),
         "tokens_equal": tokens_equal,
@@ -68,10 +159,10 @@ def compare_records(ref: Any, got: Any) -> dict[str, Any]:
     }
 
 
-def _fingerprint(rec: Any) -> tuple[Any, ...]:
-    parts: list[Any] = [tuple(rec.completion_ids), rec.logprobs.numpy().tobytes()]
+def _fingerprint(rec: SequenceRecord) -> tuple[tuple[int, ...] | bytes, ...]:
+    parts: list[tuple[int, ...] | bytes] = [tuple(rec.completion_ids), rec.logprobs.numpy().tobytes()]
     if rec.kept_ids is not None:
-        parts += [rec.kept_ids.numpy().tobytes(), rec.kept_logprobs.numpy().tobytes()]
+        parts += [rec.kept_ids.numpy().tobytes(), _kept_logprobs(rec).numpy().tobytes()]
     return tuple(parts)
 
 
@@ -106,7 +197,7 @@ def check_rollout_invariance(
     batch_sizes: Sequence[int] = (2, 4, 8, 16, 32),
     repeats: int = 4,
     perturb: Callable[[str, SequenceRecord], SequenceRecord] | None = None,
-) -> dict[str, Any]:
+) -> RolloutInvariance:
     """The rollout engine's answer for ``prompts[0]`` must not depend on what else is in the batch.
 
     Greedy and seeded sampling (T=1 if ``spec`` is greedy): the target alone is the reference, then it sits in
@@ -128,8 +219,8 @@ def check_rollout_invariance(
     def gen(batch: list[list[int]], s: SamplingSpec, base_seed: int) -> list[SequenceRecord]:
         return rollout.generate(batch, s, max_tokens=max_tokens, seed=base_seed)
 
-    checks: list[dict[str, Any]] = []
-    modes: dict[str, dict[str, Any]] = {}
+    checks: list[RolloutBatchCheck | RunToRunCheck] = []
+    modes: dict[str, dict[str, float]] = {}
     for mode, mspec in _modes(spec):
         modes[mode] = mspec.to_dict()
         ref = gen([target], mspec, seed)[0]
@@ -150,7 +241,7 @@ def check_rollout_invariance(
         checks.append(_run_to_run(mode, runs))
     return {
         "side": "rollout",
-        "engine": getattr(rollout, "name", type(rollout).__name__),
+        "engine": str(getattr(rollout, "name", type(rollout).__name__)),
         "modes": modes,
         "target_prompt_tokens": len(target),
         "max_tokens": max_tokens,
@@ -162,7 +253,7 @@ def check_rollout_invariance(
     }
 
 
-def _run_to_run(mode: str, runs: list[Any]) -> dict[str, Any]:
+def _run_to_run(mode: str, runs: list[SequenceRecord]) -> RunToRunCheck:
     """One check of ``len(runs)`` identical requests: one unique output, compared against the first."""
     per_run = [compare_records(runs[0], o) for o in runs[1:]]
     unique = len({_fingerprint(o) for o in runs})
@@ -202,7 +293,7 @@ def check_trainer_invariance(
     records: Sequence[SequenceRecord],
     *,
     perturb: Callable[[str, list[torch.Tensor]], list[torch.Tensor]] | None = None,
-) -> dict[str, Any]:
+) -> TrainerInvariance:
     """The trainer's logits for a sequence must not depend on how it is batched.
 
     Each record alone is the reference for the same sequences right-padded, left-padded and packed (restarting
@@ -213,7 +304,7 @@ def check_trainer_invariance(
         raise UsageError("check_trainer_invariance needs at least one record")
     model = trainer.model
     device = getattr(trainer, "device", None) or next(model.parameters()).device
-    impl = getattr(model.config, "_attn_implementation", None)
+    impl = implementation(model.config)
     seqs = [list(r.prompt_ids) + list(r.completion_ids) for r in records]
     # Row p - 1 + t predicts completion token t (as TransformersTrainer.logits reads them).
     spans = [(len(r.prompt_ids) - 1, r.length) for r in records]
@@ -229,7 +320,7 @@ def check_trainer_invariance(
     for s, (start, n) in zip(seqs, spans, strict=True):
         ids = torch.tensor([s])
         alone.append(forward(ids, torch.ones_like(ids), torch.arange(len(s))[None])[0, start : start + n])
-    checks: list[dict[str, Any]] = []
+    checks: list[TrainerCheck] = []
     for layout, build in _layouts(forward, seqs, spans, impl, dtype).items():
         name = f"trainer {layout.replace('_', '-')}"
         got, why = build()

@@ -3,23 +3,34 @@ the gate table's ``invariance`` entry when invariance is required."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TypeGuard
 
 from parity.core.gates import Thresholds
 from parity.core.violation import Violation
+from parity.determinism.checks import RolloutInvariance, TrainerInvariance
 from parity.determinism.knobs import ON, DeterminismState
 from parity.errors import UsageError
 from parity.records.gate_table import GateCase, evaluate
+from parity.report.blocks import Json, JsonObject
 
 
-def _results(result: dict[str, Any]) -> list[dict[str, Any]]:
+def _results(result: Mapping[str, object]) -> list[Mapping[str, object]]:
     """A check result, or a dict of them (``{"rollout": ..., "trainer": ...}``)."""
     if "checks" in result:
         return [result]
     return [v for v in result.values() if isinstance(v, dict) and "checks" in v]
 
 
-def invariance_gate(result: dict[str, Any], *, required: bool) -> list[Violation]:
+def _checks(result: Mapping[str, object]) -> list[Mapping[str, object]]:
+    """A result's checks: a list of dicts (as ``check_*_invariance`` writes them)."""
+    checks = result["checks"]
+    if not isinstance(checks, list) or not all(isinstance(c, Mapping) for c in checks):
+        raise UsageError(f"invariance_gate: 'checks' is {checks!r}: allowed a list of dicts (one per check)")
+    return [c for c in checks if isinstance(c, Mapping)]
+
+
+def invariance_gate(result: Mapping[str, object], *, required: bool) -> list[Violation]:
     """Violations when invariance is required and a measured check is not bitwise.
 
     A check reported unavailable (with its reason) is not a violation: it was not measured. The
@@ -28,7 +39,7 @@ def invariance_gate(result: dict[str, Any], *, required: bool) -> list[Violation
     """
     if not required:
         return []
-    out = evaluate(GateCase("", None, None, Thresholds(), checks=[c for r in _results(result) for c in r["checks"]]), "run")
+    out = evaluate(GateCase("", None, None, Thresholds(), checks=[c for r in _results(result) for c in _checks(r)]), "run")
     if not out and not _results(result):
         raise UsageError(
             "invariance_gate: result has no 'checks' (pass a check_*_invariance result or a dict of them)"
@@ -51,19 +62,36 @@ def guaranteed_sides(state: DeterminismState | None) -> dict[str, bool]:
     return {"rollout": "VLLM_BATCH_INVARIANT" in on, "trainer": trainer}
 
 
-def _largest(res: dict[str, Any]) -> float | None:
-    d = [c["max_abs_diff"] for c in res["checks"] if c.get("max_abs_diff") is not None]
+def _largest(res: RolloutInvariance | TrainerInvariance) -> float | None:
+    d = [x for c in res["checks"] if (x := c.get("max_abs_diff")) is not None]
     return max(d) if d else None
+
+
+def _is_json(value: object) -> TypeGuard[Json]:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, list):
+        return all(_is_json(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_json(v) for k, v in value.items())
+    return False
+
+
+def _json(value: object) -> Json:
+    """``value`` itself, checked to be JSON (dicts with str keys, lists, str, numbers, bools, None)."""
+    if not _is_json(value):
+        raise TypeError(f"determinism section: {value!r} is not a JSON value")
+    return value
 
 
 def determinism_section(
     state: DeterminismState | None,
     *,
-    rollout: dict[str, Any] | None = None,
-    trainer: dict[str, Any] | None = None,
+    rollout: RolloutInvariance | None = None,
+    trainer: TrainerInvariance | None = None,
     required: bool | None = None,
     replay_max_abs_diff: float | None = None,
-) -> dict[str, Any]:
+) -> JsonObject:
     """The report's ``determinism`` section: knobs, both sides' checks, the gate, and the cross-side view.
 
     ``required`` defaults to "batch-invariant mode is on". ``replay_max_abs_diff`` (from the end-to-end
@@ -72,18 +100,18 @@ def determinism_section(
     """
     if required is None:
         required = bool(state and state.enabled)
-    results = {k: v for k, v in (("rollout", rollout), ("trainer", trainer)) if v is not None}
+    results: dict[str, RolloutInvariance | TrainerInvariance] = {
+        k: v for k, v in (("rollout", rollout), ("trainer", trainer)) if v is not None
+    }
     sides = guaranteed_sides(state) if required else {"rollout": False, "trainer": False}
     violations = [v for side, res in results.items() for v in invariance_gate(res, required=sides[side])]
-    noise = [
-        c["max_abs_diff"] for r in results.values() for c in r["checks"] if c.get("max_abs_diff") is not None
-    ]
+    noise = [x for r in results.values() for c in r["checks"] if (x := c.get("max_abs_diff")) is not None]
     return {
-        "mode": state.to_dict() if state is not None else None,
-        **results,
+        "mode": _json(state.to_dict()) if state is not None else None,
+        **{side: _json(res) for side, res in results.items()},
         "required": required,
         # Only what a knob in force guarantees is required; the other side is measured and reported.
-        "required_sides": sides,
+        "required_sides": _json(sides),
         "not_required": {
             side: {"invariant": res["invariant"], "max_abs_diff": _largest(res)}
             for side, res in results.items() if not sides[side]
@@ -93,5 +121,5 @@ def determinism_section(
             "kernel_noise_max_abs_diff": max(noise) if noise else None,
             "replay_max_abs_diff": replay_max_abs_diff,
         },
-        "violations": [v.to_dict() for v in violations],
+        "violations": [_json(v.to_dict()) for v in violations],
     }

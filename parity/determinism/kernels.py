@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import ParamSpec, TypeVar
 
 import torch
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parity.determinism.attention_kernel import (
@@ -21,14 +22,17 @@ from parity.determinism.attention_kernel import (
     ATTENTION_NAME,
     CHUNK,
     TLS,
+    SwitchesAttention,
     attention_forward,
+    implementation,
 )
 from parity.determinism.op_kernels import KERNELS
 from parity.errors import UsageError
+from parity.report.blocks import Json, JsonObject
 
 # Floating-point operations whose result is exact (data movement, comparisons, IEEE + - * /,
 # max/min, rounding casts) and so cannot depend on the layout; sqrt is not among them (see rsqrt64).
-# Any other floating-point operation seen in a forward is counted in ``other_ops``.
+# Every other floating-point operation seen in a forward is counted in ``other_ops``.
 EXACT_OPS = frozenset(
     """
     view _unsafe_view reshape t transpose permute expand unsqueeze squeeze slice select index index_select
@@ -44,7 +48,7 @@ EXACT_OPS = frozenset(
 )
 
 
-def _has_float(args: Any) -> bool:
+def _has_float(args: Iterable[object]) -> bool:
     stack = list(args)
     while stack:
         a = stack.pop()
@@ -56,7 +60,7 @@ def _has_float(args: Any) -> bool:
     return False
 
 
-def _all_cpu(args: Any) -> bool:
+def _all_cpu(args: Iterable[object]) -> bool:
     return all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor))
 
 
@@ -67,7 +71,13 @@ class _KernelMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch 
         super().__init__()  # type: ignore[no-untyped-call]  # torch leaves TorchDispatchMode.__init__ unannotated
         self.kernels = kernels
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self,
+        func: OpOverload,
+        types: Sequence[type],
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> object:
         kwargs = kwargs or {}
         if TLS.bypass:
             return func(*args, **kwargs)
@@ -89,30 +99,34 @@ class CpuKernels:
     ``other_ops`` counts floating-point operations neither replaced nor exact, by name.
     """
 
-    def __init__(self, models: Sequence[Any]) -> None:
+    def __init__(self, models: Sequence[torch.nn.Module]) -> None:
         self.models = list(models)
         self.calls: Counter[str] = Counter()
         self.other: Counter[str] = Counter()
         self.exact = 0
-        self.report: dict[str, Any] = {
-            "replaced": {
-                f"{op.overloadpacket.__name__}.{op._overloadname}": how for op, (_, how) in KERNELS.items()
-            }
-            | {"attention": ATTENTION_KERNEL},
+        replaced: JsonObject = {
+            f"{op.overloadpacket.__name__}.{op._overloadname}": how for op, (_, how) in KERNELS.items()
+        }
+        # report["calls"] and report["other_ops"]: counted into as the forwards run.
+        self._calls_json: JsonObject = {}
+        self._other_json: JsonObject = {}
+        models_json: list[Json] = [type(m).__name__ for m in self.models]
+        self.report: JsonObject = {
+            "replaced": replaced | {"attention": ATTENTION_KERNEL},
             "attention_implementation": ATTENTION_NAME,
             "attention_chunk": CHUNK,
-            "models": [type(m).__name__ for m in self.models],
-            "calls": {},
+            "models": models_json,
+            "calls": self._calls_json,
             "exact_ops": 0,
-            "other_ops": {},
+            "other_ops": self._other_json,
         }
         self._undo: list[Callable[[], None]] = []
 
     def count_call(self, name: str) -> None:
         self.calls[name] += 1
-        self.report["calls"][name] = self.calls[name]
+        self._calls_json[name] = self.calls[name]
 
-    def count_op(self, func: Any, args: Any) -> None:
+    def count_op(self, func: OpOverload, args: Iterable[object]) -> None:
         name = func.overloadpacket.__name__
         if name in EXACT_OPS or not _has_float(args):
             self.exact += 1
@@ -120,7 +134,7 @@ class CpuKernels:
             return
         key = f"{name}.{func._overloadname}"
         self.other[key] += 1
-        self.report["other_ops"][key] = self.other[key]
+        self._other_json[key] = self.other[key]
 
     # -- install / restore -------------------------------------------------------------------------
 
@@ -129,7 +143,7 @@ class CpuKernels:
         inner = model.forward
         kernels = self
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
+        def forward(*args: object, **kwargs: object) -> object:
             if TLS.active is not None:  # already inside a model under the kernels (a nested call)
                 return inner(*args, **kwargs)
             TLS.active = kernels
@@ -149,11 +163,17 @@ class CpuKernels:
 
         self._undo.append(restore)
 
-    def _switch_attention(self, model: Any) -> None:
+    def _switch_attention(self, model: torch.nn.Module) -> None:
+        if not isinstance(model, SwitchesAttention):
+            raise UnsupportedModel(f"{type(model).__name__} has no set_attn_implementation")
         prev = model.config._attn_implementation
         if prev != ATTENTION_NAME:
             model.set_attn_implementation(ATTENTION_NAME)
-            self._undo.append(lambda: model.set_attn_implementation(prev))
+
+            def restore() -> None:
+                model.set_attn_implementation(prev)
+
+            self._undo.append(restore)
 
     def enable(self) -> CpuKernels:
         try:
@@ -183,25 +203,31 @@ _REGISTERED = {"count": 0, "added": False}
 _LOCK = threading.Lock()
 
 
-def _mask_function(**kwargs: Any) -> Any:
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _materialised(mask_function: Callable[_P, _R]) -> Callable[_P, _R]:
     """Boolean 4D masks (transformers' ``sdpa_mask``), always materialised: the kernel reads each
     query's key range from the mask, so a plain causal batch must not come as None plus is_causal."""
-    from transformers.masking_utils import sdpa_mask
 
-    kwargs["allow_is_causal_skip"] = False
-    return sdpa_mask(**kwargs)
+    def mask(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        kwargs["allow_is_causal_skip"] = False
+        return mask_function(*args, **kwargs)
+
+    return mask
 
 
 def _register() -> None:
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     with _LOCK:
         if _REGISTERED["count"] == 0:
             present = ATTENTION_NAME in AttentionInterface._global_mapping
             if not present:
                 AttentionInterface.register(ATTENTION_NAME, attention_forward)
-                AttentionMaskInterface.register(ATTENTION_NAME, _mask_function)
+                AttentionMaskInterface.register(ATTENTION_NAME, _materialised(sdpa_mask))
             _REGISTERED["added"] = not present
         _REGISTERED["count"] += 1
 
@@ -222,7 +248,8 @@ class UnsupportedModel(UsageError):
     """A model the kernel set cannot be installed on (the reason names what is missing)."""
 
 
-def check_model(model: Any) -> None:
+def check_model(model: object) -> torch.nn.Module:
+    """``model``, checked: a transformers model with its parameters on CPU (else UnsupportedModel)."""
     if not isinstance(model, torch.nn.Module):
         raise UnsupportedModel(
             f"{type(model).__name__} is not a torch.nn.Module: allowed a transformers model"
@@ -230,7 +257,7 @@ def check_model(model: Any) -> None:
     config = getattr(model, "config", None)
     if (
         config is None
-        or not hasattr(model, "set_attn_implementation")
+        or not isinstance(model, SwitchesAttention)
         or not hasattr(config, "_attn_implementation")
     ):
         raise UnsupportedModel(
@@ -242,18 +269,16 @@ def check_model(model: Any) -> None:
         raise UnsupportedModel(
             f"{type(model).__name__} has parameters on {sorted(dev)}: the CPU kernels allow 'cpu'"
         )
+    return model
 
 
-def enable(models: Sequence[Any]) -> CpuKernels:
+def enable(models: Sequence[object]) -> CpuKernels:
     """Install the kernel set on ``models`` (checked first); ``restore()`` on the result undoes it."""
-    for m in models:
-        check_model(m)
-    return CpuKernels(models).enable()
+    return CpuKernels([check_model(m) for m in models]).enable()
 
 
-def is_enabled(model: Any) -> bool:
+def is_enabled(model: object) -> bool:
     """Whether ``model`` currently runs under a kernel set (its attention is this module's)."""
-    cfg = getattr(model, "config", None)
-    return getattr(cfg, "_attn_implementation", None) == ATTENTION_NAME and "forward" in getattr(
-        model, "__dict__", {}
-    )
+    attrs: object = getattr(model, "__dict__", {})
+    switched = implementation(getattr(model, "config", None)) == ATTENTION_NAME
+    return switched and isinstance(attrs, Mapping) and "forward" in attrs

@@ -13,11 +13,11 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Protocol, TypedDict, runtime_checkable
 
 import torch
 
-from parity.determinism.attention_kernel import ATTENTION_KERNEL
+from parity.determinism.attention_kernel import ATTENTION_KERNEL, SwitchesAttention, implementation
 from parity.determinism.attention_kernel import ATTENTION_NAME as CPU_ATTENTION
 from parity.errors import SetupError, UsageError
 from parity.report.blocks import Json, JsonObject
@@ -225,33 +225,46 @@ def _threads(state: DeterminismState, undo: _Undo, enabled: bool, threads: int |
     state.add(name, ON, torch.get_num_threads())
 
 
-def _attention(state: DeterminismState, undo: _Undo, enabled: bool, models: Sequence[Any]) -> None:
+@runtime_checkable
+class _SwitchesExperts(Protocol):
+    """A transformers MoE model whose experts implementation can be switched (transformers 5)."""
+
+    def set_experts_implementation(self, experts_implementation: str | None) -> object: ...
+
+
+def _implementations(models: Sequence[object], attr: str = "_attn_implementation") -> list[str | None]:
+    return [implementation(getattr(m, "config", None), attr) for m in models]
+
+
+def _attention(state: DeterminismState, undo: _Undo, enabled: bool, models: Sequence[object]) -> None:
     name = "trainer_attention"
-    impls = [getattr(getattr(m, "config", None), "_attn_implementation", None) for m in models]
+    impls = _implementations(models)
     if not models:
         state.add(
             name, OFF, None, "no trainer model given (pass models=[trainer.model] to switch it to eager)"
         )
         return
     if not enabled:
-        state.add(name, ON if all(i == "eager" for i in impls) else OFF, impls)
+        state.add(name, ON if all(i == "eager" for i in impls) else OFF, list[Json](impls))
         return
+    switch: list[tuple[SwitchesAttention, str]] = []
     for m, prev in zip(models, impls, strict=True):
-        if not hasattr(m, "set_attn_implementation") or prev is None:
-            state.add(name, UNAVAILABLE, impls, f"{type(m).__name__} has no set_attn_implementation")
+        if not isinstance(m, SwitchesAttention) or prev is None:
+            state.add(name, UNAVAILABLE, list[Json](impls), f"{type(m).__name__} has no set_attn_implementation")
             return
-    for m, prev in zip(models, impls, strict=True):
+        switch.append((m, prev))
+    for m, prev in switch:
         if prev != "eager":
             m.set_attn_implementation("eager")
 
-            def restore(m: Any = m, prev: str | None = prev) -> None:
+            def restore(m: SwitchesAttention = m, prev: str = prev) -> None:
                 m.set_attn_implementation(prev)
 
             undo.push(restore)
     state.add(name, ON, "eager", SDPA_NOTE)
 
 
-def _trainer_experts(state: DeterminismState, undo: _Undo, enabled: bool, models: Sequence[Any]) -> None:
+def _trainer_experts(state: DeterminismState, undo: _Undo, enabled: bool, models: Sequence[object]) -> None:
     """MoE trainers: transformers 5's per-expert loop ("eager": one F.linear per expert over its tokens, added
     in expert order) in place of its grouped GEMM (``_grouped_mm``, whose reduction follows how many tokens
     each expert got, so the batch); the CPU kernels cover the loop's matmuls. Dense models: nothing."""
@@ -259,26 +272,28 @@ def _trainer_experts(state: DeterminismState, undo: _Undo, enabled: bool, models
            or getattr(getattr(m, "config", None), "num_local_experts", None)]
     if not moe:
         return
-    impls = [getattr(m.config, "_experts_implementation", None) for m in moe]
+    impls = _implementations(moe, "_experts_implementation")
     if not enabled:
-        state.add("trainer_experts", ON if all(i == "eager" for i in impls) else OFF, impls)
+        state.add("trainer_experts", ON if all(i == "eager" for i in impls) else OFF, list[Json](impls))
         return
     for m, prev in zip(moe, impls, strict=True):
+        if not isinstance(m, _SwitchesExperts):
+            raise AttributeError(f"{type(m).__name__!r} object has no attribute 'set_experts_implementation'")
         m.set_experts_implementation("eager")
 
-        def restore(m: Any = m, prev: str | None = prev) -> None:
+        def restore(m: _SwitchesExperts = m, prev: str | None = prev) -> None:
             m.set_experts_implementation(prev)
 
         undo.push(restore)
     state.add("trainer_experts", ON, "eager", "per-expert F.linear loop instead of the grouped GEMM (_grouped_mm)")
 
 
-def _cpu_kernels(state: DeterminismState, undo: _Undo, enabled: bool, models: Sequence[Any]) -> None:
+def _cpu_kernels(state: DeterminismState, undo: _Undo, enabled: bool, models: Sequence[object]) -> None:
     """CPU: the batch-invariant kernel set (parity.determinism.kernels) on the trainer models, attention included."""
     from parity.determinism import kernels as cpu_kernels
 
     att, ker = "trainer_attention", "cpu_kernels"
-    impls = [getattr(getattr(m, "config", None), "_attn_implementation", None) for m in models]
+    impls: list[Json] = list(_implementations(models))
     if not models:
         why = "no trainer model given (pass models=[trainer.model] to install the batch-invariant CPU kernels)"
         state.add(att, OFF, None, why)
@@ -447,7 +462,7 @@ def batch_invariant_mode(
     *,
     device: str = "cpu",
     threads: int | None = None,
-    models: Sequence[Any] = (),
+    models: Sequence[object] = (),
 ) -> Iterator[DeterminismState]:
     """Turn on every knob known to make results batch-invariant and deterministic on ``device``; restore on exit.
 

@@ -7,10 +7,11 @@ functions. Returning ``NotImplemented`` hands a call back to torch. See docs/bat
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from types import NotImplementedType
 
 import torch
+from torch._ops import OpOverload
 
 from parity.determinism.exact_math import (
     ALIGN_BYTES,
@@ -26,6 +27,12 @@ from parity.determinism.exact_math import (
 )
 
 aten = torch.ops.aten
+
+Scalar = float | int | bool  # an aten Scalar argument (alpha, beta, an exponent)
+# A kernel's result: its tensor, or NotImplemented to hand the call back to torch.
+Result = torch.Tensor | NotImplementedType
+# NotImplemented typed as a Result: outside binary dunders mypy (warn_return_any) flags a bare `return NotImplemented`.
+DECLINE: Result = NotImplemented
 
 
 def _aligned_rows(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -78,9 +85,7 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return rowwise_linear(a, b.t())
 
 
-def _scaled_sum(
-    product: torch.Tensor, bias: torch.Tensor, beta: float | int | bool, alpha: float | int | bool
-) -> torch.Tensor:
+def _scaled_sum(product: torch.Tensor, bias: torch.Tensor, beta: Scalar, alpha: Scalar) -> torch.Tensor:
     """``beta * bias + alpha * product`` as separate rounded operations (no fused multiply-add)."""
     if alpha != 1:
         product = product * alpha
@@ -90,7 +95,7 @@ def _scaled_sum(
 
 
 def addmm(
-    bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
+    bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Scalar = 1, alpha: Scalar = 1
 ) -> torch.Tensor:
     return _scaled_sum(mm(a, b), bias, beta, alpha)
 
@@ -103,7 +108,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def baddbmm(
-    bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
+    bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Scalar = 1, alpha: Scalar = 1
 ) -> torch.Tensor:
     return _scaled_sum(bmm(a, b), bias, beta, alpha)
 
@@ -118,14 +123,16 @@ def mv(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 # ==================================================================================================
 
 
-def _reduce(x: torch.Tensor, dims: Any, keepdim: bool, dtype: torch.dtype | None, mean: bool) -> torch.Tensor:
+Dims = int | Sequence[int] | None  # aten's dim argument: one, several, or None / [] for all
+
+
+def _reduce(x: torch.Tensor, dims: Dims, keepdim: bool, dtype: torch.dtype | None, mean: bool) -> torch.Tensor:
     """Sum (or mean) over ``dims`` with a halving tree over the reduced elements of each output."""
     nd = x.dim()
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
         dims = list(range(nd))
-    if isinstance(dims, int):
-        dims = [dims]
-    red = sorted({d % nd for d in dims}) if nd else []
+    listed = [dims] if isinstance(dims, int) else dims
+    red = sorted({d % nd for d in listed}) if nd else []
     kept = [d for d in range(nd) if d not in red]
     acc = dtype if dtype is not None else acc_dtype(x.dtype)
     count = 1
@@ -140,15 +147,15 @@ def _reduce(x: torch.Tensor, dims: Any, keepdim: bool, dtype: torch.dtype | None
     return s.to(dtype if dtype is not None else x.dtype)
 
 
-def sum_dim(x: torch.Tensor, dim: Any, keepdim: bool = False, *, dtype: torch.dtype | None = None) -> Any:
+def sum_dim(x: torch.Tensor, dim: Dims, keepdim: bool = False, *, dtype: torch.dtype | None = None) -> Result:
     if x.dim() == 0 or not (x.is_floating_point() or (dtype is not None and dtype.is_floating_point)):
-        return NotImplemented  # integer sums are exact in any order; a 0-d sum adds nothing
+        return DECLINE  # integer sums are exact in any order; a 0-d sum adds nothing
     return _reduce(x, dim, keepdim, dtype, mean=False)
 
 
-def mean_dim(x: torch.Tensor, dim: Any, keepdim: bool = False, *, dtype: torch.dtype | None = None) -> Any:
+def mean_dim(x: torch.Tensor, dim: Dims, keepdim: bool = False, *, dtype: torch.dtype | None = None) -> Result:
     if x.dim() == 0 or not (x.is_floating_point() or (dtype is not None and dtype.is_floating_point)):
-        return NotImplemented
+        return DECLINE
     return _reduce(x, dim, keepdim, dtype, mean=True)
 
 
@@ -177,10 +184,10 @@ def log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
     return (out.movedim(-1, d) if x.dim() else out.reshape(())).to(out_dtype)
 
 
-def _float64_unary(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], Any]:
-    def kernel(x: torch.Tensor) -> Any:
+def _float64_unary(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], Result]:
+    def kernel(x: torch.Tensor) -> Result:
         if not x.is_floating_point():
-            return NotImplemented
+            return DECLINE
         return fn(x.to(torch.float64)).to(x.dtype)
 
     kernel.__name__ = fn.__name__
@@ -212,7 +219,7 @@ sin = _float64_unary(_sin)
 cos = _float64_unary(_cos)
 
 # Exponents with an exact or correctly rounded form; any other exponent is left to torch (reported).
-_POW = {
+_POW: dict[float, Callable[[torch.Tensor], torch.Tensor]] = {
     1: lambda x: x.clone(),
     2: lambda x: x * x,
     3: lambda x: (x * x) * x,
@@ -222,26 +229,27 @@ _POW = {
 }
 
 
-def pow_scalar(x: torch.Tensor, exponent: Any) -> Any:
+def pow_scalar(x: torch.Tensor, exponent: Scalar) -> Result:
     fn = _POW.get(exponent) if not isinstance(exponent, bool) else None
     if fn is None or not x.is_floating_point():
-        return NotImplemented
+        return DECLINE
     if exponent in (1, 2, 3):
         return fn(x)
     return fn(x.to(torch.float64)).to(x.dtype)
 
 
-def _add_alpha(sign: int) -> Callable[..., Any]:
-    def kernel(a: Any, b: Any, *, alpha: Any = 1) -> Any:
+def _add_alpha(sign: int) -> Callable[..., Result]:
+    def kernel(a: torch.Tensor, b: torch.Tensor, *, alpha: Scalar = 1) -> Result:
         if alpha == 1:
-            return NotImplemented
+            return DECLINE
         scaled = b * alpha
         return a + scaled if sign > 0 else a - scaled
 
     return kernel
 
 
-KERNELS: dict[Any, tuple[Callable[..., Any], str]] = {
+# Each kernel takes its aten operation's arguments (signatures differ from one operation to the next).
+KERNELS: dict[OpOverload, tuple[Callable[..., Result], str]] = {
     aten.mm.default: (mm, "one torch.mv per output row on an aligned row copy"),
     aten.addmm.default: (addmm, "mm per row, then bias added as a separate rounding"),
     aten.bmm.default: (bmm, "mm per batch item, one torch.mv per row"),

@@ -6,14 +6,46 @@ the tie fixture at batch sizes 1..16 with top_k at a tie boundary and reports ho
 
 from __future__ import annotations
 
-from typing import Any
+from typing import NotRequired, TypedDict
 
+import torch
+
+from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
+from parity.determinism.checks import Generates
 from parity.errors import UsageError
 
 
+class TiesRow(TypedDict):
+    batch_size: int
+    positions: int
+    support_gt_k: int
+    support_lt_k: int
+    ties_dropped: int
+    max_support: int
+    incomplete: int
+
+
+class TiesResult(TypedDict):
+    """ties.json (``device``: added by ``parity ties``)."""
+
+    top_k: int
+    temperature: float
+    tie_groups_known: bool
+    rows: list[TiesRow]
+    boundary_ties_seen: int
+    batch_sizes_dropping_ties: list[int]
+    device: NotRequired[str]
+
+
+def _kept_ids(rec: SequenceRecord) -> torch.Tensor:
+    if rec.kept_ids is None:
+        raise UsageError(f"{rec.source} record {rec.prompt_index} has no kept_ids: allowed a top-k sampled record")
+    return rec.kept_ids
+
+
 def characterize_ties(
-    rollout: Any,
+    rollout: Generates,
     prompts: list[list[int]],
     *,
     top_k: int,
@@ -22,7 +54,7 @@ def characterize_ties(
     seed: int = 0,
     temperature: float = 1.0,
     tie_groups: list[list[int]] | None = None,
-) -> dict[str, Any]:
+) -> TiesResult:
     """Sample each batch size with the same seeds; count positions whose kept set exceeds k.
 
     ``tie_groups`` (the fixture's duplicated lm_head rows: bitwise-equal logits) lets a dropped tie
@@ -33,15 +65,15 @@ def characterize_ties(
         for t in group:
             mates[int(t)] = {int(u) for u in group if u != t}
     spec = SamplingSpec(temperature=temperature, top_k=top_k)
-    rows = []
+    rows: list[TiesRow] = []
     for bs in batch_sizes:
         if bs > len(prompts):
             raise UsageError(f"batch size {bs} exceeds the {len(prompts)} prompts given")
         records = rollout.generate(prompts[:bs], spec, max_tokens=max_tokens, seed=seed)
-        sizes = [int(s) for r in records for s in (r.kept_ids >= 0).sum(dim=-1)]
+        sizes = [int(s) for r in records for s in (_kept_ids(r) >= 0).sum(dim=-1)]
         dropped = 0
         for r in records:
-            for row in r.kept_ids.tolist():
+            for row in _kept_ids(r).tolist():
                 kept = {i for i in row if i >= 0}
                 dropped += any(mates.get(i, set()) - kept for i in kept)
         incomplete = sum(int(r.incomplete.sum()) for r in records if r.incomplete is not None)
@@ -67,7 +99,7 @@ def characterize_ties(
     }
 
 
-def render(result: dict[str, Any]) -> str:
+def render(result: TiesResult) -> str:
     lines = [
         f"Ties at top_k={result['top_k']} (T={result['temperature']:g}): positions with |S_q| > k per batch size",
         "",

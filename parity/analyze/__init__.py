@@ -1,9 +1,7 @@
 """``parity analyze``: records recorded anywhere, judged by the gates of ``parity run``.
 
-:mod:`~parity.analyze.shards` is the map step (a file, batch by batch, into a mergeable summary; local
-processes), :mod:`~parity.analyze.cluster` runs it on Ray or Spark, :mod:`~parity.analyze.report` merges,
-judges and writes the report, and :mod:`~parity.analyze.trl` scores a TRL GRPOTrainer capture the same way.
-"""
+:mod:`~parity.analyze.shards`: the map step; :mod:`~parity.analyze.cluster`: it on Ray or Spark;
+:mod:`~parity.analyze.report`: merge, judge, report; :mod:`~parity.analyze.trl`: a TRL capture (docs/records.md)."""
 
 from parity.analyze.report import REPORT_FACTS, analyze, build_report, set_verdict
 from parity.analyze.shards import (

@@ -1,14 +1,6 @@
 """``parity analyze --engine ray|spark``: the records map step on a cluster's workers, the merge and the report here.
 
-The driver lists the shards and opens every footer (so a non-records file is refused as locally, and
-each shard's metadata travels with the job); workers read rows with the engine's Parquet reader and run
-:func:`parity.records.token_columns.summarize_batch` on each run of consecutive rows of one file; the driver
-merges their :meth:`~parity.records.accumulators.Summary.to_json` summaries. README's "Scale" section
-says how rows keep their file and row number on each engine (Ray: a first pass over ``row_hash``).
-
-A worker's :class:`~parity.records.schema.RecordsError` travels back as a JSON note in the engine's
-traceback text, and the driver raises it again with the local message. ray and pyspark are imported
-only here, and only when asked for (the ``ray`` and ``spark`` extras).
+Driver, workers, errors and imports: docs/records.md, section 8; row numbering per engine: README, "Scale".
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """``parity analyze``: the gates and report of ``parity run`` on records recorded anywhere (:mod:`parity.records`).
 
-The map step (:mod:`parity.analyze.shards`) and the verdicts (:mod:`parity.records.verdict`) are composed
-here with the report writer (:mod:`parity.report.schema`); :mod:`parity.analyze.cluster` runs the map step
-on Ray or Spark. The command line is :mod:`parity.cli.analyze`.
-"""
+Composes the map step, the verdicts and the report writer (docs/records.md, section 1); the command line
+is :mod:`parity.cli.analyze`."""
 
 from __future__ import annotations
 
@@ -265,10 +263,8 @@ def analyze(
     engine: str = "local",
 ) -> ReportJson:
     """Analyse a records file or a directory of shards; write report.json/report.md/plots under ``out``.
-
-    ``engine``: where the map step runs: ``local`` (this process, or ``jobs`` local processes), or Ray
-    or Spark (:func:`parity.analyze.cluster.parse_engine` lists the forms), merged here either way.
-    """
+    ``engine``: where the map step runs: ``local`` (this process, or ``jobs`` local processes), or Ray or Spark
+    (:func:`parity.analyze.cluster.parse_engine` lists the forms), merged here either way."""
     from parity.analyze.cluster import parse_engine, summarize_on_engine
     from parity.report.schema import write_report
 

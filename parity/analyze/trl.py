@@ -1,17 +1,6 @@
 """Score a TRL GRPO run with parity: captured sequences -> records -> the full report (gates included).
 
-Input: the per-sequence dicts :func:`parity.engines.trl_grpo.patch_grpo` records
-(:data:`parity.engines.trl_grpo.SEQUENCE_FIELDS`), in memory or loaded with
-:func:`parity.engines.trl_grpo.load_sequences`. Each generation batch (one TRL step) becomes one
-report scenario: the sampler side is vLLM's processed log-probs and kept sets as TRL's engine
-returned them, the trainer side the trainer's float32 logits at the same positions, and TRL's own
-IS numerator (``is_logps``: full-vocabulary as shipped, renormalised under the patch) is scored as
-the *trainer under test*, so the report says what TRL's numbers are (for TRL as shipped: "bias
-equals log S").
-
-Tokens TRL's mask leaves out are dropped from the records and counted (``masked_tokens``).
-Thresholds follow the sampler's dtype (:meth:`parity.core.gates.Thresholds.for_dtype`; bfloat16 under
-TRL's defaults), since the trainer side is float32.
+Input, scenarios, the two sides, masked tokens and thresholds: docs/records.md, section 9.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Mergeable summaries of records (:mod:`parity.records.token_columns` fills them, one batch at a time).
+"""Mergeable summaries of records, filled one batch at a time by :mod:`parity.records.token_columns`.
 
-A scenario's accumulator holds everything its report and verdict need as pieces that add up across
-batches, files and processes (the streams of :mod:`parity.records.streams`, and per training step those
-of :mod:`parity.records.steps`). :meth:`Summary.merge` is the reduce step; :meth:`Summary.to_json` /
-:meth:`Summary.from_json` carry a map step's output between machines.
-"""
+:meth:`Summary.merge` is the reduce step; :meth:`Summary.to_json` / :meth:`Summary.from_json` carry a
+map step's output between machines (docs/records.md, sections 1 and 5)."""
 
 from __future__ import annotations
 
@@ -183,11 +180,9 @@ class CastNote:
 
 @dataclass
 class Summary:
-    """Mergeable summary of any number of record batches: per-scenario accumulators plus provenance.
-
-    ``casts``: per file and column (key ``source\x1fcolumn``), what reading float64 as float32 changed;
-    ``page_checksums``: per file, whether its pages carry checksums (None: could not be told).
-    """
+    """Mergeable summary of any number of record batches: per-scenario accumulators plus provenance
+    (``casts``: what reading float64 as float32 changed, per ``source\x1fcolumn``; ``page_checksums``: per
+    file, None where it could not be told)."""
 
     groups: dict[str, ScenarioAcc] = field(default_factory=dict)
     rows: int = 0

@@ -31,11 +31,7 @@ class Ragged:
 
 @dataclass
 class RecordsBatch:
-    """Rows of a records file after validation, as flat numpy arrays.
-
-    Token arrays are aligned with ``completion.values`` (``token_offsets`` maps rows to tokens); kept
-    arrays with ``kept.values``, and ``kept_token_offsets`` maps tokens to their kept entries.
-    """
+    """Rows of a records file after validation, as flat numpy arrays (their layout: docs/records.md, section 2)."""
 
     source: str
     first_row: int

@@ -1,11 +1,6 @@
-"""Converters into the records format (:mod:`parity.records.format`) from what engines and trainers hand out.
-
-:func:`from_request_outputs` (the offline vLLM API's ``RequestOutput``), :func:`from_trl` (the per-token
-tensors of TRL's ``GRPOTrainer._generate_and_score_completions``) and :func:`from_sequence_records`
-(parity's own records and, from ``parity run --records``, the run's trainer-side estimates); server
-answers are converted by :func:`parity.engines.vllm_server.records.from_server_responses`, which shares
-:func:`heads_row`. Each returns a ``pyarrow.Table`` in the records schema
-(:func:`parity.records.write.write_records` writes it) and none imports vLLM.
+"""Converters into the records format from what engines and trainers hand out: vLLM's offline outputs,
+TRL's ``GRPOTrainer`` tensors and parity's own records. Each returns a ``pyarrow.Table`` in the records
+schema and none imports vLLM (docs/records.md, section 4).
 """
 
 from __future__ import annotations
@@ -61,12 +56,9 @@ def spec_row(spec: SamplingSpec) -> dict[str, float]:
 def heads_row(
     h: Heads, prompt: Sequence[int], spec: SamplingSpec, *, requested: int, vocab_size: int, **fields: object
 ) -> dict[str, object]:
-    """The record row of one sequence as the engine returned it (``fields``: scenario, prompt_index, seed).
-
-    Its kept-set columns come from the per-position top-K heads
-    (:func:`parity.core.capture.support_from_heads`), none for an unfiltered (or greedy) spec or
-    ``requested=0``: S_q is then the whole vocabulary, and a top-K head is not a kept set.
-    """
+    """The record row of one sequence as the engine returned it (``fields``: scenario, prompt_index, seed);
+    kept-set columns from its top-K heads, none for an unfiltered spec or ``requested=0``
+    (docs/records.md, section 4)."""
     row = {
         **fields,
         "prompt_ids": [int(t) for t in prompt],
@@ -96,13 +88,8 @@ def from_request_outputs(
 ) -> pa.Table:
     """Records from ``LLM.generate`` outputs (one row per completion; ``n > 1`` gives several rows).
 
-    ``params`` is the ``SamplingParams`` the outputs were generated with (one, or one per output). The
-    engine must run with ``logprobs_mode="processed_logprobs"``; ask for ``logprobs=K`` with K >= top_k
-    (plus a margin for ties) to record the kept set. For top_p/min_p without top_k, generate with
-    :func:`parity.engines.vllm_offline.generate_with_capture` and pass the ``SamplingParams`` it
-    returns (one per output, each with the head that proved it). ``vocab_size`` tells when K covers
-    the vocabulary; a position whose head is full of finite values is recorded as incomplete.
-    """
+    ``params``: the ``SamplingParams`` used, one or one per output (those ``generate_with_capture`` returns);
+    ``vocab_size`` tells when K covers the vocabulary. Engine setup: README, "Records from your own vLLM engine"."""
     outs = list(outputs)
     plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(outs)
     if len(plist) != len(outs):
@@ -178,22 +165,10 @@ def from_trl(
     scenario: str | None = None,
     step: int | None = None,
 ) -> pa.Table:
-    """Records from the tensors of one TRL ``GRPOTrainer`` batch (``_generate_and_score_completions``).
-
-    Shapes follow TRL: ``completion_ids``, ``completion_mask``, ``old_per_token_logps`` and
-    ``sampling_per_token_logps`` are ``[B, L]`` right-padded (mask 1 up to and including EOS);
-    ``prompt_ids``/``prompt_mask`` are ``[B, P]`` left-padded. ``old_per_token_logps`` is what the
-    trainer scores; TRL computes ``log_softmax(logits / temperature)`` over the whole vocabulary, so
-    it goes to ``trainer_column`` (``trainer_logprobs``: the trainer under test, which parity diagnoses;
-    ``trainer_full_logprobs`` when you know it is the full-vocabulary value; ``trainer_replay_logprobs``
-    for a trainer patched to renormalise over the kept set). ``sampling_per_token_logps`` is vLLM's
-    processed log-prob of each sampled token. A captured kept set comes as ``kept_ids`` ``[B, L, K]``
-    (-1 padded) with ``kept_logprobs`` (and optionally ``kept_incomplete`` ``[B, L]`` and the trainer's
-    ``kept_logits`` ``[B, L, K]`` at those ids).
-
-    TRL turns a log-prob vLLM did not return into NaN (``extract_logprobs``); NaN inside the mask is
-    refused here with the sequence and position, never dropped.
-    """
+    """Records from one TRL ``GRPOTrainer`` batch: ``[B, L]`` right-padded completion ids, mask and log-probs,
+    ``[B, P]`` left-padded prompts, an optional kept set ``[B, L, K]`` (-1 padded; ``kept_incomplete`` ``[B, L]``).
+    ``old_per_token_logps`` is written as ``trainer_column`` (one of :data:`TRL_TRAINER_COLUMNS`); NaN inside the
+    mask raises :class:`RecordsError` (shapes and columns: docs/records.md, section 4)."""
     if trainer_column not in TRL_TRAINER_COLUMNS:
         raise UsageError(f"trainer_column={trainer_column!r} is invalid: allowed {', '.join(TRL_TRAINER_COLUMNS)}")
     b, width = completion_ids.shape
@@ -248,16 +223,9 @@ def from_sequence_records(
     logits: Sequence[torch.Tensor] | None = None,
     faults: TrainerFaults | None = None,
 ) -> pa.Table:
-    """Records of sampler-side :class:`SequenceRecord` s, with the trainer's estimates when ``table`` is given.
-
-    ``table`` is the :class:`parity.core.token_table.TokenTable` of these records (``parity run``): its full,
-    replay, recompute, log S, forced and recomputed-support columns are written per token, with the
-    per-token rounding bounds (``bound``, ``bound_full``), the sampler-side log S interval
-    (``s_lo``, ``s_hi``), the tokens the trainer scored where they are not the sampled ones, the
-    trainer under test's values (if any) as ``trainer_logprobs``, and with ``logits`` the trainer's raw
-    logits at the kept ids. With planted ``faults`` (``--plant``), kept sets are written as the
-    trainer saw them (:func:`parity.core.token_table._plant`), so the file describes what the run scored.
-    """
+    """Records of sampler-side :class:`SequenceRecord` s, with the trainer's estimates when ``table`` (the run's
+    :class:`parity.core.token_table.TokenTable` of these records) is given; ``logits``: the trainer's, for its raw
+    logits at the kept ids; ``faults``: kept sets as the planted trainer saw them (docs/records.md, section 4)."""
     rows = []
     planted = None
     if table is not None and logits is not None:
@@ -327,11 +295,8 @@ def _log_s_source(r: SequenceRecord) -> str:
 
 
 def to_sequence_records(batch: Any, rows: Sequence[int] | None = None, *, source: str = "records") -> list[SequenceRecord]:
-    """Rows of a validated :class:`parity.records.arrays.RecordsBatch` as sampler-side SequenceRecords.
-
-    Kept sets come back padded ``[L, K]`` (-1) as capture produces them; ``prompt_index`` is the
-    file's column when present, else the row number.
-    """
+    """Rows of a validated :class:`parity.records.arrays.RecordsBatch` as sampler-side SequenceRecords (kept sets
+    padded ``[L, K]`` with -1; ``prompt_index`` from the file's column when present, else the row number)."""
     out = []
     idx = range(batch.n_rows) if rows is None else rows
     for i in idx:

@@ -1,9 +1,7 @@
 """The records file format (schema_version 1), as README documents it: ``from parity.records.format import ...``.
 
-A thin module over where each part lives: the column table and metadata (:mod:`parity.records.schema`),
-a validated batch (:mod:`parity.records.arrays`), validation (:mod:`parity.records.validate`), reading
-(:mod:`parity.records.read`) and writing (:mod:`parity.records.write`). parity itself imports those.
-"""
+A thin module over :mod:`parity.records.schema`, ``arrays``, ``validate``, ``read`` and ``write``, which parity
+itself imports (docs/records.md, section 1)."""
 
 from __future__ import annotations
 

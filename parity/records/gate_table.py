@@ -1,9 +1,7 @@
-"""Every gate parity applies, in one table (:data:`GATE_TABLE`): its name, the inputs it reads, its rule and
-where its limit comes from. A rule reads a :class:`GateCase` and returns its violations (none: it passed).
+"""Every gate parity applies, in one table (:data:`GATE_TABLE`): name, inputs, rule and where its limit comes from.
 
-A new gate is one :class:`Gate` entry here plus its planted-fault test (a fault at a few times the limit
-fails, one at a tenth passes). The limits' derivations: docs/error_model.md.
-"""
+A rule reads a :class:`GateCase` and returns its violations (none: it passed). Adding a gate: docs/records.md,
+section 6; the limits' derivations: docs/error_model.md."""
 
 from __future__ import annotations
 
@@ -29,11 +27,9 @@ CAPTURE_LIMIT_FIX = ("their kept set was not proven complete; run without --max-
 
 @dataclass(frozen=True)
 class GateCase:
-    """What a rule reads: the scenario's name, report entry and streamed statistics, the thresholds, the gates the
-    records cannot evaluate (``skip``), and the facts of the two gates that are not in records: vLLM's native
-    mask against the top-K capture (``native``: (prompt, position) where they differ) and the invariance checks
-    of the sides whose invariance a knob in force guarantees (``checks``), and a MoE scenario's routing section
-    (``routing``: :class:`parity.report.blocks.Routing`)."""
+    """What a rule reads: the scenario's name, entry and streamed statistics, the thresholds, the gates the
+    records cannot evaluate (``skip``) and the facts not in records (``native``, ``checks``, ``routing``;
+    docs/records.md, section 6)."""
 
     name: str
     stats: ScenarioStats | None

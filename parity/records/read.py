@@ -1,8 +1,6 @@
 """Reading records: files, shard directories and their key-value metadata; rows stream as validated batches.
 
-The reader validates each batch as it streams (:func:`parity.records.validate.validate_batch`) and
-refuses bad input with the file, row, column, value and what is allowed; statistical problems of valid
-data are left to the analysis, which counts and gates them.
+Bad input is refused with the file, row, column, value and what is allowed (docs/records.md, section 3).
 """
 
 from __future__ import annotations
@@ -32,8 +30,7 @@ READ_BUFFER_BYTES = 1 << 20
 class RecordsFile:
     """An open records file: checked footer, schema and version; rows are streamed by :meth:`batches`.
 
-    ``page_checksums``: whether the file's pages carry CRC checksums (:func:`page_checksums`); without
-    them a corrupt page may read as data, and the analysis cannot tell it from a sampler or trainer fault.
+    ``page_checksums``: whether its pages carry CRC checksums (:func:`page_checksums`; docs/records.md, section 3).
     """
 
     path: Path
@@ -50,12 +47,8 @@ class RecordsFile:
         return list(self.parquet.schema_arrow.names)
 
     def batches(self, *, columns: Sequence[str] | None = None, batch_rows: int = 1024) -> Iterator[RecordsBatch]:
-        """Validated batches of at most ``batch_rows`` whole rows (sequences), never spanning a row group.
-
-        The file is read through a buffer of :data:`READ_BUFFER_BYTES` (page by page), so one batch's
-        memory follows ``batch_rows`` (at most :data:`MAX_BATCH_ROWS`), not the writer's row-group size.
-        ``columns`` limits what is read (required columns are always read).
-        """
+        """Validated batches of at most ``batch_rows`` whole rows (sequences), never spanning a row group; ``columns``
+        limits what is read, the required columns always included (memory: docs/records.md, section 3)."""
         check_batch_rows(batch_rows, "batch_rows")
         names = self.columns
         wanted = names if columns is None else [c for c in names if c in set(columns) | set(REQUIRED)]
@@ -119,12 +112,8 @@ def _first_page_has_crc(f: BinaryIO, offset: int) -> bool | None:
 
 
 def page_checksums(path: str | Path, md: pq.FileMetaData) -> bool | None:
-    """Whether the pages of ``path`` carry CRC checksums (pyarrow writes them with ``write_page_checksum=True``).
-
-    Read from the first page header of every column chunk of the first row group (a writer checksums
-    every page or none): False if any lacks one, None if the file has no row group or a header cannot
-    be read.
-    """
+    """Whether the pages of ``path`` carry CRC checksums (pyarrow's ``write_page_checksum=True``); None when it
+    cannot be told (how it is read: docs/records.md, section 3)."""
     if md.num_row_groups == 0:
         return None
     rg = md.row_group(0)

@@ -1,9 +1,5 @@
-"""Validating the MoE routed-experts columns of a records batch (README, "The records format").
-
-``routed_experts`` holds, per row, ``(P + L - 1) x routed_layers x routed_top_k`` expert ids (position,
-then layer, then rank): the experts the sampler's routers chose at every position a forward ran. The
-four columns come together; a bad length or id is refused naming the row, column, position, layer and
-what is allowed.
+"""Validating the four MoE routed-experts columns of a records batch: a bad length or id is refused naming the
+row, column, position, layer and what is allowed (layout: README, "The records format"; docs/records.md, section 2).
 """
 
 from __future__ import annotations

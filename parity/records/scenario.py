@@ -1,11 +1,6 @@
 """The one road from a producer to a verdict: a scenario's records in, their streamed summary out.
 
-Every producer writes records (:mod:`parity.records.format`): ``parity run`` converts its sampled and
-scored tokens (:func:`parity.records.convert.from_sequence_records`), the TRL capture its steps, a user
-their own file. The streamed analysis of :mod:`parity.records.token_columns` and :mod:`parity.records.verdict` computes every statistic and
-every gate from them, and :func:`parity.analyze.report.build_report` writes the one report, so ``parity run``
-gives what ``parity run --records`` then ``parity analyze`` gives. The RL view needs every token at
-once; it is a second pass over the same values (:func:`rl_view`), not a second pipeline.
+Why one road, and the RL view's second pass over the same values (:func:`rl_view`): docs/records.md, section 1.
 """
 
 from __future__ import annotations
@@ -34,14 +29,10 @@ def scenario_summary(
     views: dict[frozenset[str], torch.Tensor] | None = None,
     source: str = "run",
 ) -> Summary:
-    """The streamed summary of one scenario's records (``export``), as a file's analysis gets it (``source``
-    names the file in messages).
-
-    ``views``: the trainer-side reference views of a trainer under test, by bug set
-    (:func:`parity.engines.trainer_under_test.reference_views`; the producer has the logits), for its
-    diagnosis; without them the records' own views are used (the sampler's values, and the
-    full-vocabulary view where the records hold it).
-    """
+    """The streamed summary of one scenario's records (``export``); ``source`` names the file in messages.
+    ``views``: a trainer under test's reference views by bug set, from the producer's logits
+    (:func:`parity.engines.trainer_under_test.reference_views`), for its diagnosis; without them the records' own
+    views are used (the sampler's values, and the full-vocabulary view where the records hold it)."""
     import numpy as np
 
     def columns(rb: RecordsBatch) -> TokenColumns:

@@ -1,10 +1,6 @@
 """The records file format's schema (schema_version 1): the column table, the file metadata key and the Arrow types.
 
-One row per sampled sequence, list columns for per-token values: the sampler's side (required), its
-kept sets S_q in CSR layout, the trainer's side and a sampler-side log S (optional); README's "The
-records format" lists every column. ``schema_version`` is a column too, so a file rewritten by a tool
-that drops Parquet key-value metadata is still recognised. Reading is :mod:`parity.records.read`,
-validation :mod:`parity.records.validate`, writing :mod:`parity.records.write`.
+README's "The records format" lists every column; docs/records.md, section 2, describes the layout.
 """
 
 from __future__ import annotations

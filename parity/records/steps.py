@@ -1,16 +1,7 @@
 """The training-log view of a records analysis: drift per training step, its trend, and the ``drift_trend`` gate.
 
-A rollout log spans many training steps (the records' ``step`` column). Per scenario and per step the
-analysis keeps, for each comparison the records hold (replay, recompute, the trainer under test), a
-few mergeable numbers (:class:`StepStream`, :class:`StepAcc`: counts, sums, the spread of ``|d|``, the
-largest headroom, the support counts), so the per-step state is a dict step -> small accumulators and
-the summary stays mergeable across batches, files and workers.
-
-From them :func:`drift_trend` fits the least-squares slope of mean ``|diff|`` against step and gates
-it: drift whose mean ``|diff|`` grows by more than its noise across steps fails, and the violation
-names the first step above the band of the first steps. The derivation and the choice of
-:data:`TREND_Z`, :data:`BAND_K` and :data:`MIN_STEPS` are in docs/error_model.md, section 5.
-"""
+The per-step state is small mergeable accumulators (docs/records.md, section 7); the gate and the choice of
+:data:`TREND_Z`, :data:`BAND_K` and :data:`MIN_STEPS`: docs/error_model.md, section 5."""
 
 from __future__ import annotations
 
@@ -58,12 +49,8 @@ class StepAccJson(TypedDict):
 
 @dataclass
 class StepStream:
-    """One comparison's differences ``d = trainer - sampler`` at one step.
-
-    ``n``/``total``/``total_abs``: every compared token (as :class:`parity.records.accumulators.DiffStream`
-    counts them: NaN as inf, equal infinities as 0); ``fin_*``: the count, mean and sum of squared
-    deviations of the finite ``|d|`` (for the per-token standard error of the step's mean |diff|);
-    ``head_n``/``headroom``: the tokens with a bound and their largest ``|d| / bound``."""
+    """One comparison's differences ``d = trainer - sampler`` at one step: every compared token (``n``, ``total``,
+    ``total_abs``), the finite ``|d|``'s moments (``fin_*``) and the largest headroom (docs/records.md, section 7)."""
 
     n: int = 0
     total: float = 0.0
@@ -235,15 +222,10 @@ class StepEntry:
 
 @dataclass(frozen=True)
 class DriftTrend:
-    """The least-squares trend of a comparison's mean |diff| over steps, and the ``drift_trend`` verdict.
-
-    ``slope`` is in nats per token per training step (the unit of the records' step numbers);
-    ``slope_se`` is the larger of ``slope_se_residual`` (from the per-step values' scatter about the
-    fitted line) and ``slope_se_tokens`` (from each step's per-token spread of |d|), so neither a lucky
-    line through few steps nor correlated tokens claim more resolution than the data has. ``limit`` is
-    ``z * slope_se``, the smallest slope the gate detects (its resolution). ``band_lo``/``band_hi`` are
-    the baseline mean (``baseline_steps``) ± ``band_k * noise``; ``first_step_outside`` the first later
-    step whose mean |diff| is above it. ``passed`` is None when the gate was not evaluated (``reason``)."""
+    """The least-squares trend of a comparison's mean |diff| over steps, and the ``drift_trend`` verdict (``passed``
+    None when not evaluated: ``reason``). ``slope`` is in nats per token per training step, ``slope_se`` the larger of
+    ``slope_se_residual`` and ``slope_se_tokens``, ``limit`` ``z * slope_se`` (docs/error_model.md, section 5; the
+    fields: docs/records.md, section 7)."""
 
     comparison: str
     steps: int
@@ -291,11 +273,8 @@ def drift_trend(
 ) -> DriftTrend:
     """Fit mean |diff| (``means``, one per step, ascending ``steps``) against step and judge its growth.
 
-    ``token_se``: each step's per-token standard error of its mean; ``tokens``: each step's token count
-    (the float64 rounding floor of the noise). The gate fails when ``slope > z * slope_se`` and some step
-    after the first ``baseline`` ones lies above ``baseline mean + band_k * noise``, ``noise`` being the
-    larger of the residual sd about the line and the steps' rms per-token standard error. Evaluated only
-    with at least ``min_steps`` steps; with fewer, what can be fitted is still reported."""
+    ``token_se``: each step's per-token standard error of its mean; ``tokens``: each step's token count (for the
+    float64 rounding floor of the noise). The rule and its parameters: docs/error_model.md, section 5."""
     x, y, se = (np.asarray(v, dtype=np.float64) for v in (steps, means, token_se))
     n = int(x.size)
     if not (baseline >= 1 and min_steps > baseline):

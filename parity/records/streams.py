@@ -1,7 +1,5 @@
-"""Mergeable streams of per-token differences: counts, float64 sums, running mean and second moment
-(Chan's pairwise update), maxima, fixed-bin histograms of ``log10 |diff|`` for quantiles, and the worst
-and first positions a violation names. The gates' statistics are kept exactly (a maximum of
-``|diff| / bound``; the mean-bias sums of :func:`parity.core.error_model.mean_bias_limit`).
+"""Mergeable streams of per-token differences: counts, sums, moments, maxima, histograms and the positions a
+violation names; the gates' statistics are kept exactly (docs/records.md, section 5).
 """
 
 from __future__ import annotations
@@ -255,11 +253,7 @@ def headroom_key(d: np.ndarray, bound: np.ndarray) -> np.ndarray:
 @dataclass
 class BoundStream:
     """One gated comparison against the per-token bound: headroom (max ``|d| / bound``) and the mean-bias pieces.
-
-    ``d`` is the plain difference ``trainer - sampler`` (as the gates take it); ``mean``/``m2`` are
-    its running mean and sum of squared deviations, merged pairwise, so ``sd`` is the sample standard
-    deviation ``torch.std`` gives.
-    """
+    ``d = trainer - sampler``; ``mean``/``m2`` merge pairwise, so ``sd`` is the sample sd ``torch.std`` gives."""
 
     n: int = 0
     mean: float = 0.0

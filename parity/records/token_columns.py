@@ -1,7 +1,5 @@
 """The map step of the records analysis: one validated batch of records in, its mergeable
-:class:`~parity.records.accumulators.Summary` out. No torch at import: records without ``--model`` are
-summarised with numpy alone; the gates and report entries are computed from the merged summary by
-:mod:`parity.records.verdict`.
+:class:`~parity.records.accumulators.Summary` out, with numpy alone (no torch at import; docs/records.md, section 5).
 """
 
 from __future__ import annotations
@@ -97,11 +95,8 @@ def _trainer_values(
 
 
 def token_columns(batch: RecordsBatch, *, vocab_size: int | None = None) -> TokenColumns:
-    """Sampler-side flags and the trainer's values read (or derived) from the records themselves.
-
-    ``vocab_size`` (records metadata, or the re-scoring model) lets the top_p bracket be derived; the
-    smallest kept log-prob is computed only where that bracket may apply.
-    """
+    """Sampler-side flags and the trainer's values read (or derived) from the records themselves; ``vocab_size``
+    (records metadata, or the re-scoring model) lets the top_p bracket be derived (docs/records.md, section 5)."""
     T = batch.tokens
     row = batch.row_of_token()
     lengths = batch.completion.lengths
@@ -205,12 +200,10 @@ def summarize_batch(
     columns: Callable[[RecordsBatch], TokenColumns] | None = None,
     stated_dtypes: tuple[str, str] | None = None,
 ) -> Summary:
-    """The map step: one batch of records (pyarrow, or a validated ``RecordsBatch``) -> its :class:`Summary`.
+    """The map step: one batch of records (pyarrow, validated here, or a ``RecordsBatch``) -> its :class:`Summary`.
 
-    Raw pyarrow batches are validated here, so the step runs as-is on Ray Data or Spark. ``dtypes``: the two
-    sides' dtypes (the looser roundoff is used); ``columns``: how the per-token values are obtained (re-scoring
-    passes its own); ``stated_dtypes``: what the records state ("" where not), for the two-column gate.
-    """
+    ``dtypes``: the two sides' dtypes; ``columns``: how the per-token values are obtained (re-scoring passes its own);
+    ``stated_dtypes``: what the records state ("" where not). How each is used: docs/records.md, section 5."""
     opts = options or Options()
     rb = batch if isinstance(batch, RecordsBatch) else validate_batch(batch, source=source, first_row=first_row)
     out = Summary()

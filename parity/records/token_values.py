@@ -66,12 +66,8 @@ _SCREEN_ULPS = 2.0**-23
 
 
 def kept_mass(klp: np.ndarray, kto: np.ndarray, counts: np.ndarray, nonempty: np.ndarray) -> np.ndarray:
-    """Per position, the mass of its kept set: the sum of exp(kept log-prob), 0 for none.
-
-    Exact (float64 exp, summed in entry order) where the mass may be judged off 1 (``|mass - 1| >
-    SUPPORT_MASS_TOL``: the only way a mass enters a result); elsewhere a float32 screen, which
-    proves ``|mass - 1| <= SUPPORT_MASS_TOL`` without the float64 pass over every entry.
-    """
+    """Per position, the mass of its kept set: the sum of exp(kept log-prob), 0 for none; exact where it may be
+    judged off 1, a float32 screen elsewhere (docs/records.md, section 5)."""
     mass = np.zeros(counts.size, dtype=np.float64)
     if not nonempty.size:
         return mass
@@ -113,11 +109,8 @@ def sampler_log_s(
     batch: RecordsBatch, row: np.ndarray, filtered: np.ndarray, captured: np.ndarray, incomplete: np.ndarray,
     min_kept_lp: Callable[[], np.ndarray], vocab_size: int | None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str | None]]:
-    """``(lo, hi, have, source per row)``: the sampler-side log S, as ``build_table`` takes it.
-
-    The records' interval where given; 0 where nothing is filtered; else the top_p bracket from the smallest kept
-    log-prob (``min_kept_lp()``), where top_p is the only filter, the kept set is complete and V is known.
-    """
+    """``(lo, hi, have, source per row)``: the sampler-side log S, as ``build_table`` takes it; the top_p bracket
+    comes from ``min_kept_lp()`` (the rules: README, "What records can be judged on")."""
     T = batch.tokens
     n = batch.n_rows
     lengths = batch.completion.lengths
@@ -174,11 +167,8 @@ def _top_p_bracket_applies(spec: SamplingSpec, vocab: int) -> bool:
 def from_kept_logits(
     batch: RecordsBatch, seg: np.ndarray, match: np.ndarray, p: np.ndarray, klp: np.ndarray, row: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """KL/TV over S_q, replay and the logit drift, from the trainer's raw logits at the kept ids.
-
-    Mirrors :func:`parity.core.token_table.build_table` (float32 scaling, float64 normalisation over S_q, replay
-    through ``estimators.replay``). A sampled token outside S_q has no logit here: its replay is -inf.
-    """
+    """KL/TV over S_q, replay and the logit drift, from the trainer's raw logits at the kept ids, as
+    :func:`parity.core.token_table.build_table` computes them (docs/records.md, section 5)."""
     import torch
 
     from parity.core import estimators

@@ -1,7 +1,5 @@
-"""Validating one batch of records rows (:func:`validate_batch`): every column checked, refused with the
-file, row, column, value and what is allowed; a good batch comes back as flat arrays (:class:`RecordsBatch`).
-
-Statistical problems of valid data are left to the analysis, which counts and gates them.
+"""Validating one batch of records rows (:func:`validate_batch`): bad input is refused with the file, row,
+column, value and what is allowed; a good batch comes back as flat arrays (:class:`RecordsBatch`).
 """
 
 from __future__ import annotations
@@ -46,10 +44,8 @@ def validate_batch(
     first_row: int = 0,
 ) -> RecordsBatch:
     """Check one batch of records rows and return it as flat arrays; raise :class:`RecordsError` on bad input.
-
-    ``source`` and ``first_row`` name where the rows come from (a file and the row number of the batch's
-    first row), so an error points at the row to fix.
-    """
+    ``source`` and ``first_row`` (the file, the row number of the batch's first row) let an error name the
+    row to fix."""
     arrays, names, casts = _read_columns(batch, source, first_row)
     b = _Batch(arrays, source, first_row)
     _check_required(b)

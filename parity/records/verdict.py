@@ -1,19 +1,6 @@
 """The verdicts of the records analysis: the report entries of a merged
-:class:`~parity.records.accumulators.Summary`, and every gate as a :class:`~parity.core.violation.Violation`
-(for ``parity analyze``, ``parity run`` through :func:`parity.records.scenario.scenario_summary`, and the TRL capture):
-
-* drift (``replay_drift``, ``recompute_drift``, ``trainer_under_test_drift``): the largest
-  ``|trainer - sampler| / bound`` per token against ``max_headroom`` (the records' ``trainer_bound``,
-  or with a model, the bound of its own logits);
-* mean bias (``*_mean_bias``): ``|mean diff|`` against ``mean_bias_headroom`` times
-  :func:`parity.core.error_model.mean_bias_limit` (from the records' ``trainer_systematic``, else the
-  float32 storage term);
-* ``naive_vs_sampler_log_s``: the naive bias outside the sampler-side log S interval (the records', 0
-  when unfiltered, or the top_p bracket of :mod:`parity.core.log_s`);
-* ``replay_support``, ``recompute_support``, ``incomplete_capture``, ``sampled_outside``, ``token_mismatch``;
-* ``drift_trend`` on records with a ``step`` column (:mod:`parity.records.steps`).
-
-A gate whose inputs are missing is listed with the input it lacks (``not_evaluated``).
+:class:`~parity.records.accumulators.Summary`, and every gate as a :class:`~parity.core.violation.Violation`.
+The gates and their inputs: docs/records.md, section 6.
 """
 
 from __future__ import annotations
@@ -345,12 +332,8 @@ def _step_view(
     a: ScenarioAcc, avail: Mapping[str, bool], full_input: Callable[..., bool]
 ) -> tuple[list[StepEntry], DriftTrend | None, str]:
     """``(per_step, trend, why)``: the scenario's training-log view (empty without steps), the trend of the
-    comparison it follows (:class:`parity.records.steps.DriftTrend`; None when there is nothing to follow)
-    and, when the trend gate is not evaluated, why.
-
-    The trend follows the trainer under test where the records hold one, else replay, else recompute:
-    the comparison whose verdict the scenario gives.
-    """
+    comparison whose verdict the scenario gives (None when there is none; docs/error_model.md, section 5) and,
+    when the trend gate is not evaluated, why."""
     from dataclasses import replace
 
     if not a.steps:

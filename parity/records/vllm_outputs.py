@@ -32,15 +32,9 @@ def heads_of_output(
     nan_as_dropped: bool = False,
     payload: Any = None,
 ) -> Heads:
-    """One ``CompletionOutput`` as sampled tokens and per-position heads (the sampled entry excluded).
-
-    ``FlatLogprobs`` (``flat_logprobs=True``): per position the sampled entry (``Sampler.gather_logprobs``
-    puts it first), then the top-K. ``list[dict]``: the same keyed by id, the sampled token first, so
-    K entries when it is in the top-K and K + 1 when not (vllm/logprobs.py). ``requested``: the
-    ``logprobs`` asked (-1: the vocabulary). ``nan_as_dropped`` reads a NaN head value as ``-inf`` (off
-    the support). Log-probs missing for a token, or not led by the sampled one, raise ``error``.
-    The kept sets a capture read from the sampler's rows ride on the output as ``parity_rows``.
-    """
+    """One ``CompletionOutput`` as sampled tokens and per-position heads (the sampled entry excluded); ``requested``:
+    the ``logprobs`` asked (-1: the vocabulary); ``nan_as_dropped`` reads NaN as ``-inf``. Missing log-probs, or ones
+    not led by the sampled token, raise ``error`` (the two layouts: docs/records.md, section 4)."""
     ids = [int(t) for t in comp.token_ids]
     logprobs = comp.logprobs
     if logprobs is None or len(logprobs) != len(ids):

@@ -34,10 +34,8 @@ def _listify(v: object) -> list[object] | None:
 
 def records_table(rows: Sequence[Mapping[str, object]]) -> pa.Table:
     """Rows (dicts keyed by column name; lists, numpy arrays or tensors as values) → a records table.
-
-    ``schema_version`` is filled in; unknown keys are refused (a typo would otherwise drop a column).
-    Only the columns some row sets are kept.
-    """
+    ``schema_version`` is filled in; unknown keys are refused (a typo would otherwise drop a column), and only
+    the columns some row sets are kept."""
     present: list[str] = []
     for i, r in enumerate(rows):
         if unknown := set(r) - set(BY_NAME):
@@ -59,10 +57,7 @@ def records_table(rows: Sequence[Mapping[str, object]]) -> pa.Table:
 
 class RecordsWriter:
     """Write records to one Parquet file, row groups bounded in tokens, every batch validated first.
-
-    ``metadata``: free-form JSON-able facts (model, engine versions, step) stored in the file's
-    key-value metadata next to the schema_version.
-    """
+    ``metadata``: free-form JSON-able facts (model, engine versions, step) for the file's key-value metadata."""
 
     def __init__(self, path: str | Path, *, metadata: Mapping[str, object] | None = None) -> None:
         self.path = Path(path)

@@ -1,8 +1,7 @@
 """parity: does the trainer score the exact distribution the vLLM sampler drew from?
 
-The top-level package holds only the engine-free math core, imported on first use: ``import parity``
-(and so ``parity --help``) does not import torch until one of these names is read.
-"""
+The package holds the engine-free math core, imported on first use: ``import parity`` (and so
+``parity --help``) does not import torch until one of these names is read."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""The errors parity raises on purpose, told apart from its bugs.
-
-A :class:`ParityError` is something the user can fix: the input (a flag, a spec, a matrix, thresholds or
-records file, a recipe), the machine (a missing package, no CUDA, no Java), or an engine parity drives
-(a server that cannot be reached, an answer outside vLLM's contract, a step past ``--timeout``). Its
-message says what is wrong and what is allowed; the CLI prints it as one line and exits 2. Any other
-exception, an ``assert`` on parity's own invariants included, is a bug in parity: the CLI prints the
-traceback and exits 3.
-
-Each class also derives from the built-in exception that parity raised before it existed
-(:class:`UsageError` is a ``ValueError``, :class:`PathNotFound` a ``FileNotFoundError``,
-:class:`SetupError` and :class:`EngineError` are ``RuntimeError`` subclasses, :class:`TimedOut` a ``TimeoutError``),
-so code that catches the built-in keeps working. The converse does not hold: a bare ``ValueError``
-from parity or a library is not a user error.
+"""The errors parity raises on purpose, told apart from its bugs: a :class:`ParityError` is something the
+user can fix (exit 2, one line); any other exception is a bug in parity (exit 3). Each class also derives
+from the built-in exception parity raised before it (docs/internals.md, section 7).
 """
 
 from __future__ import annotations

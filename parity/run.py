@@ -175,12 +175,10 @@ def preflight(matrix: Matrix, cfg: RunConfig) -> None:
 def score_scenario(
     rollout: Rollout, trainer: Trainer, sc: Scenario, cfg: RunConfig, raw: VllmRollout | None = None
 ) -> ScenarioResult:
-    """Sample with vLLM, score with the trainer, then judge the scenario's records: one scenario.
-
-    The verdict is the records analysis's (:func:`parity.records.scenario.scenario_summary`) on the rows
-    ``--records`` writes, so a run and an analysis of its records agree by construction. ``raw``: the
-    raw-logits engine for the sampler-side log S (see :func:`wants_sampler_log_s`).
-    """
+    """Sample with vLLM, score with the trainer, then judge the scenario's records: one scenario. The verdict is
+    the records analysis's (:func:`parity.records.scenario.scenario_summary`) on the rows ``--records`` writes, so
+    a run and an analysis of its records agree by construction. ``raw``: the raw-logits engine for the
+    sampler-side log S (see :func:`wants_sampler_log_s`)."""
     from parity.records.convert import from_sequence_records
     from parity.records.scenario import rl_view, scenario_summary
     from parity.records.verdict import judge

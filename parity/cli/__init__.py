@@ -1,6 +1,5 @@
-"""The ``parity`` command line: :mod:`parity.cli.main` builds the parser; one module per command.
-
-What more than one command reads from its flags lives here, free of torch and of any engine, so that
+"""The ``parity`` command line: :mod:`parity.cli.main` builds the parser; one module per command. What more
+than one command reads from its flags lives here, free of torch and of any engine, so that
 ``parity analyze`` without ``--model`` starts without importing torch.
 """
 

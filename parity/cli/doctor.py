@@ -1,8 +1,6 @@
 """``parity doctor``: what on this machine would stop or slow ``parity run``, each finding with its fix.
-
-Checks read the machine through a :class:`Probe` (tests replace one of its fields to plant a problem) and
-return :class:`Finding` objects, rendered at the end; a ``fail`` finding makes the command exit 1. vLLM
-itself is never imported (slow, and possibly what is broken): its files and metadata are read instead.
+Checks read the machine through a :class:`Probe` (tests replace a field to plant a problem) and return
+:class:`Finding` objects; a ``fail`` finding exits 1. vLLM is never imported (slow, and possibly what is broken).
 """
 
 from __future__ import annotations
@@ -188,11 +186,8 @@ class Probe:
 
 # -- helpers -------------------------------------------------------------------------------------
 def _reqs(lines: list[str], *, extras: bool = False) -> dict[str, Requirement]:
-    """Requirement strings -> {canonical name: requirement} for this machine's markers.
-
-    ``extras``: also those of every extra (parity's supported set spans its cpu and gpu extras);
-    otherwise requirements of an extra are left out.
-    """
+    """Requirement strings -> {canonical name: requirement} for this machine's markers. ``extras``: also those of
+    every extra (parity's supported set spans its cpu and gpu extras); otherwise an extra's are left out."""
     out: dict[str, Requirement] = {}
     for line in lines:
         try:

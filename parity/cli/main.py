@@ -1,12 +1,6 @@
-"""The ``parity`` console script.
-
-Each subcommand lives in its own module of :mod:`parity.cli` exposing ``add_arguments(parser)`` and
-``main(args) -> int``. Only the module of the command being run is imported (``--help`` and
-``--version`` import none, so not torch), and none imports vLLM at import time. Exit codes (the
-README's table): 0 passed, 1 a gate failed (or ``doctor`` found a blocker), 2 a user error (a :class:`~parity.errors.ParityError`, one
-readable line; ``--debug`` adds its traceback), 3 a bug in parity (the traceback and how to report it),
-4 no verdict (``run``/``analyze``: a scenario without a mean-bias gate; :func:`parity.cli.verdict_exit_code`),
-130 interrupted.
+"""The ``parity`` console script: each subcommand is a module of :mod:`parity.cli` with ``add_arguments(parser)``
+and ``main(args) -> int``, imported only when it runs (docs/internals.md, section 6). Exit codes: the README's
+table (:func:`parity.cli.verdict_exit_code` for 4, no verdict).
 """
 
 from __future__ import annotations

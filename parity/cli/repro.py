@@ -1,15 +1,6 @@
-"""``parity repro``: minimal, convincing reproductions of upstream bugs.
+"""``parity repro``: minimal, convincing reproductions of upstream bugs (``list``, ``NAME|NUMBER``, ``all``).
 
-    parity repro list
-    parity repro NAME|NUMBER [--out DIR] [--small] [--emit-script PATH] [--model NAME|PATH]
-    parity repro all [--out DIR] [--small] [--emit-script DIR]
-
-Each reproduction samples with the real vLLM engine, scores the same tokens with a transformers
-trainer, prints a Markdown table, writes ``result.json`` and ``table.md`` (under ``--out``, default
-``reports/repro/NAME``; ``all`` adds ``summary.json``/``summary.md``), and exits non-zero when the table
-does not show the expected relation. ``--emit-script`` writes standalone scripts instead (torch,
-transformers and vLLM only); ``--small`` runs a smaller setting; ``--model`` runs a repro that takes it
-on another fixture or checkpoint (``parity repro list`` marks them).
+The command line, outputs and flags: docs/internals.md, section 6.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""``parity sampler``: the reference filters against vLLM's own ``Sampler``, on random logits.
-
-N seeded random batches (:mod:`parity.testing.cases`) through the reference and
-:class:`~parity.engines.vllm_sampler.VllmSampler`, every property of :mod:`parity.testing.properties`,
-cases/s, a verdict line, exit 1 on any mismatch. vLLM is imported only inside :func:`main`.
-"""
+"""``parity sampler``: the reference filters against vLLM's own ``Sampler``, on random logits: N seeded
+batches (:mod:`parity.testing.cases`) through both (:class:`~parity.engines.vllm_sampler.VllmSampler`), every
+property of :mod:`parity.testing.properties`, cases/s, a verdict line, exit 1 on any mismatch.
+vLLM is imported only inside :func:`main`."""
 
 from __future__ import annotations
 

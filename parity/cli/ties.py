@@ -1,7 +1,5 @@
-"""``parity ties``: how the engine keeps ties at the k-th value, per batch size (measured, not assumed).
-
-The measurement is :func:`parity.determinism.ties.characterize_ties`; this module runs it on the tie
-fixture and writes ``ties.json`` and ``ties.md``.
+"""``parity ties``: how the engine keeps ties at the k-th value, per batch size (measured, not assumed), by
+:func:`parity.determinism.ties.characterize_ties` on the tie fixture; writes ``ties.json`` and ``ties.md``.
 """
 
 from __future__ import annotations

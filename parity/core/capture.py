@@ -1,9 +1,7 @@
 """Capturing the sampler's kept set S_q from top-K processed log-probs, with completeness proofs.
 
-:func:`run_capture` proves each position by the sentinel (a head ending in ``-inf`` holds all of S_q) and asks
-unproven sequences again under an adaptive plan; what stays unproven is flagged, never guessed. It re-exports
-:mod:`parity.core.capture_plan` and :mod:`parity.core.support` for its callers. See docs/capture_plan.md.
-"""
+:func:`run_capture` proves each position by the sentinel, asks unproven sequences again and flags what stays
+unproven; it re-exports capture_plan and support for its callers (docs/capture_plan.md, sections 2 and 4)."""
 
 from __future__ import annotations
 
@@ -75,11 +73,9 @@ def support_lower_bound(values: Sequence[float]) -> int:
 
 @dataclass
 class Heads:
-    """One sequence as the engine returned it: sampled tokens and, per position, the top-K head.
-
-    ``head_ids`` / ``head_logprobs`` exclude the sampled entry; ``payload`` is the engine's own object
-    for the sequence (a ``CompletionOutput``, a JSON answer), handed back to the adapter untouched.
-    """
+    """One sequence as the engine returned it: sampled tokens and, per position, the top-K head
+    (``head_ids`` / ``head_logprobs``, sampled entry excluded); ``payload`` is the engine's own object for the
+    sequence (a ``CompletionOutput``, a JSON answer), handed back to the adapter untouched."""
 
     completion_ids: list[int]
     sampled_logprobs: list[float]
@@ -188,10 +184,7 @@ def run_capture(
     history: CaptureHistory | None = None,
 ) -> CaptureResult:
     """Generate ``n`` sequences under ``plan`` through ``ask``; widen adaptive plans until proven or capped.
-
-    A sequence whose second draw differs from its first keeps its first capture (unproven positions stay
-    flagged) and is counted: passes are never mixed. The rules: docs/capture_plan.md, section 4.
-    """
+    A sequence whose second draw differs keeps its first capture and is counted (docs/capture_plan.md, section 4)."""
     first = plan.logprobs if plan.logprobs is not None else 0
     stats = CaptureStats(plan.logprobs, plan.reason, adaptive=plan.adaptive, max_head=plan.max_head, sequences=n,
                          widest_head=first)

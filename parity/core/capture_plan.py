@@ -1,8 +1,6 @@
-"""How many processed log-probs (the head, K) to ask vLLM for per position, and why.
-
-top_k + a tie margin when top_k is set; an adaptive plan for top_p or min_p alone (its start from the
-spec, or from what a :class:`CaptureHistory` of earlier captures needed); nothing when no filter
-applies. The derivation and measurements: docs/capture_plan.md.
+"""How many processed log-probs (the head, K) to ask vLLM for per position: top_k plus a tie margin, an
+adaptive plan for top_p or min_p alone (started from the spec or a :class:`CaptureHistory`), or nothing when
+no filter applies. The derivation and measurements: docs/capture_plan.md.
 """
 
 from __future__ import annotations
@@ -28,12 +26,9 @@ MIN_P_START_CAP = 1 << 20  # min_p's start head never exceeds this (a head is ca
 
 @dataclass(frozen=True)
 class CapturePlan:
-    """How many processed log-probs to request per position, and why.
-
-    ``max_head`` marks an adaptive plan (top_p or min_p without top_k): ``logprobs`` is the head it
-    starts with, and unproven sequences are asked again up to ``max_head`` (``FULL_VOCAB`` when the cap
-    is the whole vocabulary).
-    """
+    """How many processed log-probs to request per position, and why. ``max_head`` marks an adaptive plan
+    (top_p or min_p without top_k): ``logprobs`` is its first head, widened for unproven sequences up to
+    ``max_head`` (``FULL_VOCAB`` when the cap is the whole vocabulary)."""
 
     logprobs: int | None  # None: sampled token only (logprobs=0); -1: full vocabulary; K: top-K
     reason: str
@@ -89,12 +84,10 @@ def plan_capture(
     start: int | None = None,
     suggested: int | None = None,
 ) -> CapturePlan:
-    """Choose the head size K for ``spec`` on a vocabulary of ``vocab_size``.
-
-    ``head`` forces K (K >= top_k; never widened); ``max_head`` caps it (a top_k plan that needs more is refused);
-    ``start`` sets an adaptive plan's first head, else ``suggested`` (a :class:`CaptureHistory`) or
-    :func:`start_head`. Raises :class:`~parity.errors.UsageError` naming the field.
-    """
+    """Choose the head size K for ``spec`` on a vocabulary of ``vocab_size``. ``head`` forces K (K >= top_k;
+    never widened); ``max_head`` caps it (a top_k plan that needs more is refused); ``start`` sets an adaptive
+    plan's first head, else ``suggested`` (a :class:`CaptureHistory`) or :func:`start_head`.
+    Raises :class:`~parity.errors.UsageError` naming the field."""
     _check_max_head(max_head)
     spec = spec.effective()
     if not spec.filtered:
@@ -159,11 +152,8 @@ def plan_capture(
 
 
 class CaptureHistory:
-    """What earlier adaptive captures of one run needed: the start head of the next.
-
-    Keyed by the effective (temperature, top_p, min_p); a stricter spec's support is contained in a looser one's,
-    so a spec starts from the widest head it or any stricter spec needed (docs/capture_plan.md, section 4).
-    """
+    """What earlier adaptive captures of one run needed, keyed by the effective (temperature, top_p, min_p):
+    a spec starts from the widest head it or any stricter spec needed (docs/capture_plan.md, section 4)."""
 
     def __init__(self) -> None:
         self._needs: dict[tuple[float, float, float], int] = {}

@@ -1,9 +1,7 @@
-"""How far two engines' per-token log-probabilities may differ from rounding alone (engine-free).
+"""How far two engines' per-token log-probs may differ from rounding alone (engine-free).
 
-:func:`logprob_bound` bounds one token's ``|lp_a - lp_b|`` from the arithmetic both sides do, at the looser
-dtype's unit roundoff; :func:`mean_bias_limit` gates a mean: :func:`systematic_bound` plus ``MEAN_BIAS_Z``
-standard errors of the measured spread. The derivations: docs/error_model.md.
-"""
+:func:`logprob_bound` bounds one token, :func:`mean_bias_limit` a mean (:func:`systematic_bound` plus
+``MEAN_BIAS_Z`` standard errors of the measured spread). The derivations: docs/error_model.md."""
 
 from __future__ import annotations
 
@@ -98,12 +96,9 @@ def _finite_abs(x: Tensor) -> Tensor:
 def logprob_bound(
     scaled_logits: Tensor, sampled: Tensor, support: Tensor | None = None, *, dtype: Dtypes = "float32"
 ) -> Tensor:
-    """Per-token bound on ``|lp_sampler - lp_trainer|`` for float64 ``[N]``.
-
-    ``scaled_logits``: ``[N, V]`` logits already divided by the temperature (``-inf`` allowed);
-    ``sampled``: ``[N]`` token ids; ``support``: bool ``[N, V]`` (``None`` = the whole vocabulary);
-    ``dtype``: the two sides' dtypes (the looser one counts).
-    """
+    """Per-token bound on ``|lp_sampler - lp_trainer|``, float64 ``[N]`` (docs/error_model.md, section 1).
+    ``scaled_logits``: ``[N, V]`` logits divided by the temperature (``-inf`` allowed); ``sampled``: ``[N]`` ids;
+    ``support``: bool ``[N, V]`` (``None`` = the whole vocabulary); ``dtype``: both sides' (the looser counts)."""
     z, _, sup, lse, lp = _rows(scaled_logits, sampled, support)
     bound = logprob_bound_terms(_finite_abs(z).amax(dim=-1), lse, lp, sup.sum(dim=-1), unit_roundoff(dtype))
     return bound + KERNEL_SIDES * kernel_offset(scaled_logits, support).abs()
@@ -127,12 +122,8 @@ def _rows(
 
 
 def kernel_offset(scaled_logits: Tensor, support: Tensor | None = None) -> Tensor:
-    """Per row (float64 ``[N]``): how far torch's float32 ``log_softmax`` over the support lies above exact.
-
-    The sampler normalises with that kernel over its kept set (``-inf`` elsewhere, as vLLM's
-    ``Sampler.compute_logprobs`` does after the filters), and so do trainers. The offset is the same
-    for every token of a row, so one token (the row's largest logit) measures it.
-    """
+    """Per row (float64 ``[N]``): how far torch's float32 ``log_softmax`` over the support lies above exact,
+    measured at the row's largest logit (docs/error_model.md, section 1)."""
     import torch
 
     z = scaled_logits.to(torch.float32)
@@ -179,11 +170,9 @@ def headroom(diff: Tensor, bound: Tensor) -> float:
 
 
 def mean_bias_limit(n: int, systematic_mean: float, spread_sd: float) -> float:
-    """How far ``mean(diff)`` over ``n`` tokens may sit from 0 without a bias: the one rule of every mean gate.
-
-    ``systematic_mean`` (mean :func:`systematic_bound`) plus ``MEAN_BIAS_Z`` standard errors of ``spread_sd`` (a
-    reference comparison's spread). The limit is the verdict's resolution (docs/error_model.md, section 2).
-    """
+    """How far ``mean(diff)`` over ``n`` tokens may sit from 0 without a bias, the rule of every mean gate:
+    ``systematic_mean`` (mean :func:`systematic_bound`) plus ``MEAN_BIAS_Z`` standard errors of ``spread_sd``
+    (a reference comparison's spread). It is the verdict's resolution (docs/error_model.md, section 2)."""
     if n <= 0:
         return math.inf
     sd = spread_sd if n > 1 else 0.0
@@ -283,11 +272,9 @@ def ratio_bias_entry(
     d_sum: float, lp_abs_sum: float, sampler_support: int, trainer_support: int, accumulate_u: float,
     d_sq: float = 0.0, beyond_negative: int = 0, beyond_positive: int = 0,
 ) -> dict[str, object] | None:
-    """The mean-bias gate of two log-prob columns, from mergeable sums of ``e = expm1(d)``, ``d = trainer - sampler``.
-
-    ``mean``: the log of the mean IS ratio; ``mean_diff``: the plain mean of ``d``; the per-sequence sums and the
-    two sides' support sizes are docs/error_model.md, section 8's.
-    """
+    """The mean-bias gate of two log-prob columns from mergeable sums of ``e = expm1(d)``, ``d = trainer - sampler``:
+    ``mean`` the log of the mean IS ratio, ``mean_diff`` the plain mean of ``d``; the per-sequence sums and the
+    two sides' support sizes: docs/error_model.md, section 8."""
     if tokens <= 0:
         return None
     n = tokens
@@ -341,11 +328,9 @@ def logprob_rounding_bound(
     dtype: str | torch.dtype,
     kept: Tensor | None = None,
 ) -> Tensor:
-    """Per-token bound ``u (|z_y| + E|z|) / T + u^2 E[z^2] / T^2`` (float64 ``[N]``) for logits ``[N, V]``.
-
-    ``E`` is the larger of the expectations under ``softmax(z / T)`` and, when ``kept`` (padded ids
-    ``[N, K]``, ``-1`` = padding) is given, under the distribution renormalised over the kept set.
-    """
+    """Per-token bound ``u (|z_y| + E|z|) / T + u^2 E[z^2] / T^2`` (float64 ``[N]``) for logits ``[N, V]``; ``E`` is
+    the larger of the expectations under ``softmax(z / T)`` and, given ``kept`` (padded ids ``[N, K]``, ``-1`` =
+    padding), under its renormalisation over the kept set (docs/error_model.md, section 6)."""
     import torch
 
     if logits.dim() != 2 or sampled.dim() != 1 or sampled.shape[0] != logits.shape[0]:

@@ -1,9 +1,7 @@
-"""Trainer-side log-prob estimators on ``[N, V]`` logits and the sampled ids ``[N]``, pure torch.
-
-``full`` (``log_softmax(z / T)[y]``, the biased baseline), ``recompute`` (the reference filters on the
-trainer's logits, sampled token forced in), ``replay`` (renormalised over the captured S_q) and
-``predicted_log_s``. Kept sets are a bool mask ``[N, V]`` or padded ids ``[N, K]`` (``-1`` = padding).
-"""
+"""Trainer-side log-prob estimators on ``[N, V]`` logits and sampled ids ``[N]``, pure torch: ``full``
+(``log_softmax(z / T)[y]``, the biased baseline), ``recompute`` (the reference filters on the trainer's logits,
+sampled token forced in), ``replay`` (renormalised over the captured S_q) and ``predicted_log_s``. Kept sets
+are a bool mask ``[N, V]`` or padded ids ``[N, K]`` (``-1`` = padding)."""
 
 from __future__ import annotations
 
@@ -70,12 +68,10 @@ def recompute(
     force_include: bool = True,
     faults: FilterFaults | None = None,
 ) -> RecomputeResult:
-    """Reference filters on trainer logits -> S_p; ``z'_y - logsumexp(z'_{S_p ∪ {y}})``.
-
-    S_p is exactly :func:`parity.core.filters.reference_filter`'s kept set; top_k rows are filtered over their
-    ``topk(k)`` candidates (docs/capture_plan.md, section 8), the rest and undecided rows (``fallback``) by the
-    reference. ``force_include=False`` (negative controls only) scores a token outside S_p ``-inf``.
-    """
+    """Reference filters on trainer logits -> S_p; ``z'_y - logsumexp(z'_{S_p ∪ {y}})``. S_p is exactly
+    :func:`parity.core.filters.reference_filter`'s kept set (top_k rows from their ``topk(k)`` candidates, the
+    rest and undecided rows by the reference: docs/capture_plan.md, section 8). ``force_include=False``
+    (negative controls only) scores a token outside S_p ``-inf``."""
     if faults is not None and faults != FilterFaults():
         return _recompute_reference(logits, sampled, specs, force_include=force_include, faults=faults)
     z = scale(logits, specs)
@@ -123,12 +119,9 @@ def _recompute_reference(
 # runs the reference sort itself. The proof: docs/capture_plan.md, section 8.
 
 def _candidates(work: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top_k survivors of each row, descending: values (-inf past the survivors) and ids.
-
-    Survivors are the finite values >= the k-th largest (ties with it kept, as ``apply_top_k_only``
-    and ``apply_top_k_top_p`` keep them). The list is ``topk(k + 1)``, widened to every token tied
-    with the k-th value when the extra entry shows a tie may continue past it.
-    """
+    """The top_k survivors of each row, descending: values (-inf past the survivors) and ids; survivors are
+    the finite values >= the k-th largest, ties kept. The list is ``topk(k + 1)``, widened to every token tied
+    with the k-th value when the extra entry shows a tie may continue (docs/capture_plan.md, section 8)."""
     vocab = work.shape[1]
     width = min(int(k.max()) + 1, vocab)
     vals, ids = work.topk(width, dim=1)
@@ -145,11 +138,8 @@ def _candidates(work: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torc
 
 def min_p_decide(vals: torch.Tensor, row_max: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`min_p_mask` on some of a row's values without the row's softmax: (dropped, rows to redo).
-
-    vLLM's ``p_i < min_p * max p`` is the exact ``z_i - m < log(min_p)`` except within
-    :func:`parity.core.tolerances.min_p_band`. ``vals`` float32 ``[R, C]``, ``row_max`` and ``min_p`` ``[R]``; a
-    row with a value in the band, or a tiny min_p, is flagged for the reference's :func:`min_p_mask`.
-    """
+    ``vals`` float32 ``[R, C]``, ``row_max`` and ``min_p`` ``[R]``; a row with a value inside
+    :func:`parity.core.tolerances.min_p_band`, or a tiny min_p, is redone by the reference (docs/capture_plan.md, section 8)."""
     lo32, hi32, redo = min_p_thresholds(row_max.to(device=vals.device), min_p.to(device=vals.device))
     dropped = vals < lo32.unsqueeze(1)  # certainly below the threshold (every -inf when min_p > 0)
     near = ((vals >= lo32.unsqueeze(1)) & (vals < hi32.unsqueeze(1))).any(dim=1)
@@ -174,11 +164,9 @@ def min_p_thresholds(row_max: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.
 def _top_k_candidates(
     z: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, mp: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_candidates` of ``rows`` of ``z`` after min_p (``mp``, or None), without min_p's full-row softmax.
-
-    min_p is decided on the candidates (:func:`min_p_decide`); a row with a candidate inside
-    its band takes the reference's :func:`min_p_mask`. Returns (values, ids, redo [R]: rows the reference decided).
-    """
+    """:func:`_candidates` of ``rows`` of ``z`` after min_p (``mp``, or None), min_p decided on the candidates
+    (:func:`min_p_decide`) instead of a full-row softmax. Returns (values, ids, redo [R]: the rows whose min_p
+    the reference's :func:`min_p_mask` decided)."""
     sub = z if rows.numel() == z.shape[0] else z[rows]
     vals, ids = _candidates(sub, k)
     if mp is None or not bool((mp > 0).any()):
@@ -198,11 +186,8 @@ def _top_k_candidates(
 
 
 def _top_p_on_candidates(vals: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The nucleus cut of ``apply_top_k_top_p`` over descending survivor values ``[n, W]``.
-
-    Returns (keep ``[n, W]`` in the same descending order, fallback ``[n]``): fallback rows had a
-    decision inside the rounding band or a tie group split by the cut (see the note above).
-    """
+    """The nucleus cut of ``apply_top_k_top_p`` over descending survivor values ``[n, W]``: (keep ``[n, W]`` in
+    the same order, fallback ``[n]``: rows with a decision inside the rounding band or a tie group split by the cut)."""
     thr = 1 - p  # float32, as the reference computes it
     asc = vals.flip(1)
     surv = asc > NEG_INF
@@ -237,12 +222,8 @@ class _Bounded(NamedTuple):
 
 
 def _kept_bounded(z: torch.Tensor, specs: list[SamplingSpec]) -> _Bounded:
-    """reference_filter's kept mask for a not-all-greedy batch of scaled logits ``z``.
-
-    Rows with top_k are filtered from their candidates (the ids are the whole kept set on those listed
-    rows); rows without top_k, and the rows the candidates cannot decide exactly (``fallback``), run the
-    reference.
-    """
+    """reference_filter's kept mask for a not-all-greedy batch of scaled logits ``z``: top_k rows from their
+    candidates (the ids are the whole kept set on those rows), other rows and ``fallback`` rows by the reference."""
     n, vocab = z.shape
     dev = z.device
     use_min_p = any(s.uses_min_p for s in specs)
@@ -354,12 +335,9 @@ def replay(
     kept: torch.Tensor,
     specs: SamplingSpec | Sequence[SamplingSpec],
 ) -> ReplayResult:
-    """Renormalise trainer logits over the sampler's kept set: ``z'_y - logsumexp(z'_{S_q})``.
-
-    With padded ids ``[N, K]`` only the K kept logits and y's are read, validated and scaled: O(K) per
-    row, not O(V) (scaling and checking the whole row first cost 0.7x of the full log-softmax). Scaling the gathered values is the same float32 division as scaling the row, so
-    the result is bitwise the same. A dense mask reads the whole row by construction.
-    """
+    """Renormalise trainer logits over the sampler's kept set: ``z'_y - logsumexp(z'_{S_q})``. With padded ids
+    ``[N, K]`` only the K kept logits and y's are read, validated and scaled (O(K) per row, bitwise the same
+    result); a dense mask reads the whole row (docs/capture_plan.md, section 8)."""
     if kept.dtype == torch.bool:
         z = scale(logits, specs)
         y = _check_ids(sampled, z)

@@ -1,9 +1,7 @@
 """The reference filter pipeline of vLLM 0.32's v1 ``Sampler`` (PyTorch/CPU path), in pure torch.
 
-Float32 logits ``[N, V]`` and one spec per row in; the kept set S_q and the processed log-probs out. Each
-step names the vLLM function it follows (written from its semantics, not copied), batch-level behaviours
-included: greedy rows report ``log_softmax(z)``, and the top-k/top-p algorithm is chosen per batch.
-"""
+Float32 logits ``[N, V]`` and one spec per row in; the kept set S_q and the processed log-probs out
+(docs/internals.md, section 2)."""
 
 from __future__ import annotations
 
@@ -43,11 +41,8 @@ class FilterResult:
 
 
 def check_logits(logits: torch.Tensor, name: str = "logits") -> torch.Tensor:
-    """Validate ``[N, V]`` logits: no NaN, no +inf, at least one finite value per row.
-
-    One reduction decides it (the row max is finite exactly when the row is valid); only a failing row is
-    searched for the place to name.
-    """
+    """Validate ``[N, V]`` logits: no NaN, no +inf, at least one finite value per row (one reduction, the
+    row max, decides; only a failing row is searched for the place to name)."""
     if logits.dim() != 2:
         raise UsageError(f"{name} has shape {tuple(logits.shape)}: allowed a 2-D [N, V] tensor")
     if logits.shape[1] < 1:
@@ -68,11 +63,8 @@ def check_logits(logits: torch.Tensor, name: str = "logits") -> torch.Tensor:
 
 
 def apply_temperature(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
-    """z / T per row; greedy rows divide by 1.
-
-    Mirrors ``Sampler.apply_temperature`` (vllm/v1/sample/sampler.py): in a batch that is not all
-    random, temperatures below _SAMPLING_EPS are replaced by 1.0 before the division.
-    """
+    """z / T per row, greedy rows divided by 1, as ``Sampler.apply_temperature`` (vllm/v1/sample/sampler.py):
+    in a batch that is not all random, temperatures below _SAMPLING_EPS become 1.0 before the division."""
     return logits / temperatures(specs, logits.dtype, logits.device).unsqueeze(1)
 
 
@@ -82,11 +74,9 @@ def temperatures(specs: list[SamplingSpec], dtype: torch.dtype, device: torch.de
 
 
 def min_p_mask(scaled: torch.Tensor, min_p: torch.Tensor, *, log_space: bool = False) -> torch.Tensor:
-    """Tokens min_p drops: probability below ``min_p * max probability`` under softmax(z / T).
-
-    Mirrors ``MinPLogitsProcessor.apply`` (vllm/v1/sample/logits_processor/builtin.py): the comparison
-    is made on probabilities (not log-probs), so the boundary rounds as the engine rounds.
-    """
+    """Tokens min_p drops: probability below ``min_p * max probability`` under softmax(z / T), compared on
+    probabilities (not log-probs) as ``MinPLogitsProcessor.apply`` (vllm/v1/sample/logits_processor/builtin.py)
+    does, so the boundary rounds as the engine rounds."""
     if log_space:  # planted fault: the algebraically equal log-space rule
         logp = torch.log_softmax(scaled, dim=-1)
         return logp < (logp.amax(dim=-1, keepdim=True) + torch.log(min_p).unsqueeze(1))
@@ -96,11 +86,8 @@ def min_p_mask(scaled: torch.Tensor, min_p: torch.Tensor, *, log_space: bool = F
 
 
 def top_k_only(scaled: torch.Tensor, k: torch.Tensor, *, drop_ties: bool = False) -> torch.Tensor:
-    """Drop ``z' < k-th largest z'``; every token tied with the k-th value is kept.
-
-    Mirrors ``apply_top_k_only`` (vllm/v1/sample/ops/topk_topp_sampler.py), used when no row of the
-    batch sets top_p. Rows with k == V keep everything.
-    """
+    """Drop ``z' < k-th largest z'``, keeping every token tied with the k-th value (rows with k == V keep all);
+    ``apply_top_k_only`` (vllm/v1/sample/ops/topk_topp_sampler.py), used when no row of the batch sets top_p."""
     vocab = scaled.shape[1]
     kmax = int(k.max())
     kth = scaled.topk(kmax, dim=1).values.gather(1, (k - 1).unsqueeze(1))
@@ -118,12 +105,9 @@ def top_k_only(scaled: torch.Tensor, k: torch.Tensor, *, drop_ties: bool = False
 def top_k_top_p_sorted(
     scaled: torch.Tensor, k: torch.Tensor, p: torch.Tensor, *, drop_ties: bool = False, p_first: bool = False
 ) -> torch.Tensor:
-    """The sort-based top-k then top-p cut, used when any row of the batch sets top_p.
-
-    Mirrors ``apply_top_k_top_p`` (vllm/v1/sample/ops/topk_topp_sampler.py): sort ascending, drop values below
-    position V - k (ties kept), then drop ``cumsum(softmax) <= 1 - p`` but the largest; ties at the top_p
-    boundary fall on the same sort order.
-    """
+    """The sort-based top-k then top-p cut of ``apply_top_k_top_p`` (vllm/v1/sample/ops/topk_topp_sampler.py),
+    used when any row of the batch sets top_p: sort ascending, drop values below position V - k (ties kept),
+    then drop ``cumsum(softmax) <= 1 - p`` but the largest; ties at the top_p boundary fall on the same sort order."""
     vocab = scaled.shape[1]
     vals, idx = scaled.sort(dim=-1, descending=False)
 
@@ -150,11 +134,9 @@ def reference_filter(
     *,
     faults: FilterFaults | None = None,
 ) -> FilterResult:
-    """Run vLLM 0.32's sampling filters on float32 logits ``[N, V]``.
-
-    Order (``Sampler.sample`` in vllm/v1/sample/sampler.py): greedy rows → temperature → argmax-
-    invariant logits processors (min_p) → top_k/top_p → ``log_softmax`` over what survived.
-    """
+    """Run vLLM 0.32's sampling filters on float32 logits ``[N, V]``, in ``Sampler.sample``'s order
+    (vllm/v1/sample/sampler.py): greedy rows → temperature → argmax-invariant logits processors (min_p) →
+    top_k/top_p → ``log_softmax`` over what survived."""
     faults = faults or FilterFaults()
     logits = check_logits(logits).to(torch.float32)
     n, vocab = logits.shape

@@ -14,12 +14,10 @@ from parity.errors import PathNotFound, UsageError
 
 @dataclass(frozen=True)
 class Thresholds:
-    """Gate limits. Drift is gated against the error model (:mod:`parity.core.error_model`), not a constant.
-
-    ``max_headroom``: every per-token comparison passes when ``|diff| <= max_headroom * bound``, the
-    bound derived from both sides' dtype, the token's scaled logits and the support size.
-    ``mean_bias_headroom``: the same for ``|mean diff|`` against :func:`mean_bias_limit`.
-    """
+    """Gate limits; drift is gated against the error model (docs/error_model.md), not a constant.
+    ``max_headroom``: a per-token comparison passes when ``|diff| <= max_headroom * bound``, the bound from
+    both sides' dtype, the token's scaled logits and the support size; ``mean_bias_headroom``: the same for
+    ``|mean diff|`` against :func:`mean_bias_limit`."""
 
     max_headroom: float = 1.0
     mean_bias_headroom: float = 1.0
@@ -42,17 +40,9 @@ class Thresholds:
 
     @classmethod
     def for_dtype(cls, dtype: str) -> Thresholds:
-        """Defaults per dtype (the looser of the two sides').
-
-        The drift limits scale with the dtype through the error model, so they are the same numbers
-        (headroom 1) for every dtype. Recompute's support is the one dtype-specific limit: when a side
-        runs below float32 its logits move by far more than the gap between neighbouring tokens at a
-        top_k or top_p boundary, so the recomputed set is not S_q (measured on smollm2-135m with a
-        bfloat16 sampler and a float32 trainer: equal at 15 % of positions under top_k=50 T=0.7, 46 %
-        under top_k=200 top_p=0.9, 77 % under top_k=100 min_p=0.1). It is reported, not gated, there;
-        recompute's values are still gated (force-include keeps them finite) and replay, which does not
-        recompute the boundary, stays exact.
-        """
+        """Defaults per dtype (the looser of the two sides'): headroom 1 for every drift limit, as the error model
+        scales with the dtype; below float32 recompute's support is reported, not gated (docs/error_model.md,
+        section 4)."""
         if dtype == "float32":
             return cls()
         if dtype in ("bfloat16", "float16"):

@@ -1,11 +1,5 @@
-"""log S from the sampler's side, so the naive bias can be gated against something the trainer did not compute.
-
-The trainer-side log S and the trainer's full-vocabulary log-prob come from the same logits, so
-checking one against the other re-checks replay by algebra. Two sources do not go through the
-trainer: the sampler's raw logits (a second pass with ``logprobs_mode="raw_logits"`` and the same
-seeds, :func:`log_s_from_raw_logits`), and, for top_p alone, the nucleus rule itself, which bounds S
-from the processed log-probs (``p <= S < p / (1 - r)``, :func:`top_p_bracket`). The derivation:
-docs/error_model.md, section 7.
+"""log S from the sampler's side (its raw logits, or the nucleus rule for top_p alone), so the naive bias
+is gated against something the trainer did not compute. The derivation: docs/error_model.md, section 7.
 """
 
 from __future__ import annotations
@@ -23,11 +17,9 @@ NEG_INF = float("-inf")
 
 
 def log_s_from_raw_logits(raw_logits: torch.Tensor, kept_ids: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
-    """Sampler-side ``log S`` per position (float64 ``[N]``) from its raw logits ``[N, V]``.
-
-    ``kept_ids``: the captured S_q, ``[N, K]`` padded with -1. Temperature as the sampler applies it
-    (:func:`parity.core.estimators.scale`: float32 division, greedy rows unscaled).
-    """
+    """Sampler-side ``log S`` per position (float64 ``[N]``) from raw logits ``[N, V]`` and the captured S_q
+    ``kept_ids`` (``[N, K]``, -1 padded); temperature as the sampler applies it
+    (:func:`parity.core.estimators.scale`: float32 division, greedy rows unscaled)."""
     if raw_logits.dim() != 2 or kept_ids.dim() != 2 or raw_logits.shape[0] != kept_ids.shape[0]:
         raise UsageError(
             f"raw_logits {tuple(raw_logits.shape)} and kept_ids {tuple(kept_ids.shape)}: allowed [N, V] and [N, K]"
@@ -46,13 +38,9 @@ def top_p_bracket_applies(spec: SamplingSpec, vocab: int) -> bool:
 def top_p_bracket(
     kept_logprobs: torch.Tensor, top_p: float, vocab: int, dtype: str = "float32"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(lo, hi)`` float64 ``[N]``: ``log S`` lies in ``[lo, hi]`` by the nucleus rule, from processed log-probs.
-
-    ``kept_logprobs``: the sampler's processed log-probs of S_q, ``[N, K]`` (``-inf`` = padding).
-    ``lo = log p - slack``, ``hi = log p - log(1 - r) + slack`` with ``r`` the smallest kept token's
-    processed probability; ``slack`` covers the float32 cumulative sum over ``vocab`` terms. A row
-    holding a single token has ``r = 1`` and no upper end.
-    """
+    """``(lo, hi)`` float64 ``[N]`` with ``log S`` in ``[lo, hi]`` by the nucleus rule, from ``kept_logprobs`` (the
+    sampler's processed log-probs of S_q, ``[N, K]``, ``-inf`` = padding) and ``vocab`` (the float32 cumsum's
+    terms); a single-token row has no upper end (docs/error_model.md, section 7)."""
     lp = kept_logprobs.double()
     finite = torch.isfinite(lp)
     if not bool(finite.any(dim=-1).all()):

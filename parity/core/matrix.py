@@ -76,12 +76,9 @@ def default_matrix(
     tie_fixture: str = DEFAULT_TIE_FIXTURE,
     peaked_fixture: str = DEFAULT_PEAKED_FIXTURE,
 ) -> Matrix:
-    """Every filter alone at each level, the filters in pairs across temperatures, all at once, ties.
-
-    Levels: temperature {0, 0.7, 1.0, 1.3}; top_p {1, 0.95, 0.9, 0.8, 0.05}; top_k {off, 1, 20, 50,
-    >= V}; min_p {0, 0.05, 0.1}. Every level of each filter appears; `pair_coverage` lists which
-    level pairs of which factors appear together (report.md prints it).
-    """
+    """Every filter alone at each level, the filters in pairs across temperatures, all at once, ties. Levels:
+    temperature {0, 0.7, 1.0, 1.3}, top_p {1, 0.95, 0.9, 0.8, 0.05}, top_k {off, 1, 20, 50, >= V}, min_p
+    {0, 0.05, 0.1}; `pair_coverage` lists which level pairs of which factors appear together (report.md prints it)."""
     def _s(name: str, t: float = 1.0, k: int = 0, p: float = 1.0, m: float = 0.0, model: str | None = None) -> Scenario:
         spec = SamplingSpec(temperature=t, top_k=k, top_p=p, min_p=m)
         return Scenario(name=name, spec=spec, model=model, prompts=prompts, max_tokens=max_tokens, seed=seed)
@@ -138,14 +135,8 @@ NAMED_MATRICES = {"real": "real_checkpoint.toml", "real-bf16": "real_checkpoint_
 
 
 def load_matrix(path: str | Path) -> Matrix:
-    """A TOML matrix: optional ``[defaults]`` (prompts, max_tokens, seed, model) and ``[[scenario]]`` tables.
-
-    Each scenario takes ``name``, the spec fields (``temperature``, ``top_k``, ``top_p``, ``min_p``)
-    and optionally ``model``, ``prompts``, ``max_tokens``, ``seed``, ``capture_head``,
-    ``max_capture_head`` (the cap of adaptive capture for that scenario), and the engine settings
-    ``prefix_caching``, ``max_num_batched_tokens`` (chunked prefill) and ``shared_prefix``. A name of
-    :data:`NAMED_MATRICES` loads the packaged file.
-    """
+    """A TOML matrix (``[defaults]`` and ``[[scenario]]`` tables: docs/internals.md, section 3), or the packaged
+    file of a name of :data:`NAMED_MATRICES`."""
     if str(path) in NAMED_MATRICES:
         return load_matrix(Path(__file__).resolve().parent.parent / "data" / NAMED_MATRICES[str(path)])
     p = Path(path)

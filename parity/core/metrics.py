@@ -20,13 +20,8 @@ def support_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def boundary_only(a: torch.Tensor, b: torch.Tensor, scaled_logits: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
-    """Per row: do two kept masks ``[N, V]`` differ only by tokens that drift can move across the cutoff?
-
-    Each token's log-prob may move by ``bound`` (the row's per-token rounding bound), so a cumulative
-    mass moves by at most ``eps = expm1(2 * bound)``, and the tokens a top_p cutoff (or a min_p
-    threshold) can let in or out hold at most ``2 * eps`` of the mass plus the one token that straddles
-    it. A wrong filter moves far more. docs/capture_plan.md, section 9.
-    """
+    """Per row: do two kept masks ``[N, V]`` differ only by tokens that a drift of ``bound`` (the row's per-token
+    rounding bound) can move across a top_p cutoff or min_p threshold? (docs/capture_plan.md, section 9)"""
     diff = a != b
     p = torch.softmax(scaled_logits.double(), dim=-1).masked_fill(~diff, 0.0)
     eps = torch.expm1(2.0 * bound.double())
@@ -34,12 +29,9 @@ def boundary_only(a: torch.Tensor, b: torch.Tensor, scaled_logits: torch.Tensor,
 
 
 def difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a - b`` in float64 under the one comparison rule of parity.
-
-    Equal entries count 0 (equal infinities included: -inf on both sides is agreement, off the
-    support on both). A one-sided infinity is a gap of +-inf, and a NaN on either side (NaN vs NaN
-    included) is +inf: a NaN never agrees with anything.
-    """
+    """``a - b`` in float64 under parity's one comparison rule: equal entries count 0 (-inf on both sides is
+    agreement, off the support on both), a one-sided infinity is a gap of +-inf, and a NaN on either side (NaN
+    vs NaN included) is +inf: a NaN never agrees with anything."""
     a = a.double()
     b = b.double()
     diff = torch.where(a == b, torch.zeros_like(a), a - b)
@@ -59,11 +51,8 @@ def max_abs_difference(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def kl_tv_over_support(logp: torch.Tensor, logq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row KL(p || q) and TV(p, q) between two processed distributions ``[N, V]`` (-inf = 0 mass).
-
-    Mass that p puts where q has none makes KL infinite, which is the right answer for a support
-    mismatch.
-    """
+    """Per row KL(p || q) and TV(p, q) between two processed distributions ``[N, V]`` (-inf = 0 mass); mass p
+    puts where q has none makes KL infinite, the right answer for a support mismatch."""
     p = logp.double().exp()
     q = logq.double().exp()
     on_p = p > 0

@@ -1,13 +1,7 @@
 """The RL view of a sampler/trainer mismatch (engine-free): δ = log p_trainer − log q_sampler in, statistics out.
 
-Every RL framework's own mismatch metric under its dashboard name, reduced as that framework reduces
-it, and what each importance-sampling correction would do to the same tokens with its frameworks'
-defaults: the fraction of units (tokens or sequences) it clips, masks, vetoes or drops, the mean weight
-it leaves and the effective sample size. The entries are data (parity/data/rl_catalogue.toml, read by
-:func:`parity.core.rl_catalogue.load_catalogue`); this module holds the statistics they name. The methods assume the first
-update after a rollout (:data:`ASSUMPTION`). A NaN δ is excluded and counted (``excluded_nan``); ±inf
-flows through (r = 0 or inf), a token the trainer cannot produce being a real, reportable mismatch.
-"""
+Each framework's mismatch metric, and what each importance-sampling correction would do to the same tokens
+(docs/internals.md, section 4)."""
 
 from __future__ import annotations
 
@@ -39,11 +33,8 @@ WEIGHTS = ("statistic", "ratio", "one")
 
 @dataclass(frozen=True, eq=False)
 class Mismatch:
-    """Per-sequence δ (and, when known, the sampler's log-probs, for probability-space statistics).
-
-    Build it with :meth:`from_logprobs` or :meth:`from_flat`, or from δ alone as ``Mismatch(deltas)``
-    (the probability-space entries then report None).
-    """
+    """Per-sequence δ (and, when known, the sampler's log-probs, for probability-space statistics): build it
+    with :meth:`from_logprobs` or :meth:`from_flat`, or as ``Mismatch(deltas)`` (probability-space entries None)."""
 
     deltas: tuple[torch.Tensor, ...]
     sampler: tuple[torch.Tensor, ...] | None = None
@@ -228,11 +219,9 @@ class Aggregate:
 
 @dataclass(frozen=True)
 class Metric:
-    """One framework's mismatch metric under its dashboard name.
-
-    Its number is ``reduce`` over the per-unit ``values`` (:data:`METRIC_VALUES`, :data:`REDUCTIONS`),
-    or ``compute`` (:data:`METRIC_FUNCTIONS`) for a metric that is no such reduction.
-    """
+    """One framework's mismatch metric under its dashboard name: ``reduce`` over the per-unit ``values``
+    (:data:`METRIC_VALUES`, :data:`REDUCTIONS`), or ``compute`` (:data:`METRIC_FUNCTIONS`) for a metric that is
+    no such reduction."""
 
     framework: str
     name: str
@@ -430,15 +419,9 @@ STATISTICS: dict[str, Statistic] = {
 
 @dataclass(frozen=True)
 class Method:
-    """One importance-sampling correction with its frameworks' default parameters.
-
-    A unit (token or sequence) is outside when its statistic is below ``interval[0]`` or above
-    ``interval[1]`` (the interval itself is kept, as every framework here compares strictly). ``action``
-    says what happens to an outside unit: ``clip`` caps the weight to the interval, ``mask`` / ``drop`` /
-    ``veto`` zero it (the names follow each framework's own word), ``none`` leaves it. ``sign`` says
-    which advantage signs the rule binds for (see :data:`SIGNS`), ``weight`` what a kept unit is
-    weighted by: the statistic itself, the token ratio r, or 1 (rejection without reweighting).
-    """
+    """One importance-sampling correction with its frameworks' default parameters: a unit outside ``interval``
+    (strictly) gets ``action``; ``sign`` (:data:`SIGNS`) says which advantage signs it binds for, ``weight`` what
+    a kept unit is weighted by (docs/internals.md, section 4)."""
 
     name: str
     frameworks: tuple[str, ...]
@@ -570,11 +553,8 @@ class MethodResult:
 
 
 def effective_sample_size(w: torch.Tensor) -> float:
-    """(Σw)² / Σw², normalised by the count: 1 for equal weights, 1/n for one weight carrying all.
-
-    Scaled by the largest weight first so huge ratios do not overflow; weights at +inf share the mass
-    equally among themselves (the limit of the formula). All-zero weights (everything dropped) give 0.
-    """
+    """(Σw)² / Σw², normalised by the count: 1 for equal weights, 1/n for one weight carrying all; weights at
+    +inf share the mass equally, all-zero weights give 0 (docs/internals.md, section 4)."""
     w = w.double().flatten()
     if w.numel() == 0:
         raise UsageError("effective_sample_size of no weights: allowed at least one weight")

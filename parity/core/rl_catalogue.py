@@ -117,11 +117,9 @@ def _entries(doc: Mapping[str, object], table: str, kind: type[E], where: str) -
 
 
 def load_catalogue(path: str | Path | None = None) -> tuple[tuple[Metric, ...], tuple[Method, ...]]:
-    """The ``[[metric]]`` and ``[[method]]`` entries of a catalogue file (TOML), each checked.
-
-    Default: the packaged parity/data/rl_catalogue.toml, whose header documents the fields. A file of
-    one's own in the same form adds metrics or methods: pass them to :func:`summarize`.
-    """
+    """The ``[[metric]]`` and ``[[method]]`` entries of a catalogue file (TOML), each checked; by default the
+    packaged parity/data/rl_catalogue.toml, whose header documents the fields. Entries of one's own in the same
+    form go to :func:`summarize`."""
     if path is None:
         where = f"parity/data/{CATALOGUE}"
         text = (resources.files("parity") / "data" / CATALOGUE).read_text(encoding="utf-8")

@@ -1,11 +1,7 @@
 """MoE routing parity (engine-free): the sampler's experts against the trainer's router, and routing replay.
-
-Arrays in, a typed result and the positions a failing gate would name out (:data:`Listed`); the gates
-themselves decide in :mod:`parity.records.gate_table`. A routing row is one
-(sequence, position) a forward ran; ``ids`` are ``[N, layers, top_k]`` expert ids. A disagreement is
-allowed only where the trainer's margin between its k-th and (k+1)-th router logits is within
-:func:`margin_bound`, the rounding of a hidden . W dot product on both sides (docs/routing.md, section 2).
-"""
+Arrays in (``ids`` ``[N, layers, top_k]`` per (sequence, position) a forward ran), a typed result and the
+positions a failing gate would name (:data:`Listed`) out; the gates decide in :mod:`parity.records.gate_table`.
+A flip is allowed within :func:`margin_bound` (docs/routing.md, section 2)."""
 
 from __future__ import annotations
 
@@ -30,12 +26,9 @@ Listed = tuple[tuple[Position, ...], str]
 
 
 def margin_bound(h_norm: np.ndarray, w_rms: np.ndarray, pair: np.ndarray, dtypes: Dtypes) -> np.ndarray:
-    """Bound on |margin_sampler - margin_trainer| per row and layer (docs/routing.md, section 2).
-
-    ``h_norm`` [N, layers]: ||h||_2 of the router's input; ``w_rms`` [layers, E]: each expert row's RMS;
-    ``pair`` [N, layers, 2]: the trainer's k-th and (k+1)-th experts. Each side's logit e is within
-    ``LOGIT_ULPS * u * ||h|| * rms(w_e)``; a margin is two logits, and two sides err.
-    """
+    """Bound on |margin_sampler - margin_trainer| per row and layer (docs/routing.md, section 2). ``h_norm``
+    [N, layers]: ||h||_2 of the router's input; ``w_rms`` [layers, E]: each expert row's RMS; ``pair``
+    [N, layers, 2]: the trainer's k-th and (k+1)-th experts."""
     u = unit_roundoff(dtypes)
     layer = np.arange(w_rms.shape[0])[None, :, None]
     w = w_rms[layer, pair].sum(-1)
@@ -90,11 +83,8 @@ def routing_agreement(
     w_rms: np.ndarray, dtypes: Dtypes, prompt: np.ndarray, position: np.ndarray, *, n_listed: int = 5,
 ) -> tuple[RoutingAgreement, Listed]:
     """The expert sets of both sides per row and layer, and the flips whose trainer margin exceeds its bound
-    (widest first; none listed where there are none).
-
-    ``trainer_logits`` [N, layers, E] are the trainer's router logits; ``h_norm``, ``w_rms`` and ``dtypes``
-    give :func:`margin_bound`. ``prompt``/``position`` [N] name each row in the listed positions.
-    """
+    (widest first; none listed where there are none). ``trainer_logits`` [N, layers, E]: the trainer's router
+    logits; ``h_norm``, ``w_rms``, ``dtypes`` as :func:`margin_bound`; ``prompt``/``position`` [N] name each row."""
     if sampler_ids.shape != trainer_ids.shape or sampler_ids.ndim != 3:
         raise UsageError(f"routed experts: sampler {sampler_ids.shape} vs trainer {trainer_ids.shape}: allowed the "
                          f"same [rows, layers, top_k] on both sides")

@@ -12,11 +12,8 @@ from parity.errors import UsageError
 
 @dataclass
 class SequenceRecord:
-    """One sampled sequence as one side saw it.
-
-    ``logprobs[t]`` is this side's log-prob of ``completion_ids[t]``. ``kept_ids`` is the support the
-    side used at each position (``[L, K]``, ``-1`` padded) or ``None`` when it is the whole vocabulary.
-    """
+    """One sampled sequence as one side saw it: ``logprobs[t]`` is this side's log-prob of ``completion_ids[t]``;
+    ``kept_ids`` the support it used per position (``[L, K]``, ``-1`` padded; ``None`` = the whole vocabulary)."""
 
     source: str  # "vllm", "vllm-server", "trainer:full", "trainer:replay", "trainer:recompute", ...
     prompt_index: int

@@ -1,8 +1,6 @@
-"""SamplingSpec: the filter settings one request is sampled with, validated up front.
-
-The spec is the single description of "what the sampler did" that both sides share: the rollout
-engine turns it into vLLM ``SamplingParams``; the reference filters and the trainer estimators read
-it directly. It imports no engine.
+"""SamplingSpec: the filter settings one request is sampled with, validated up front; the one description
+of what the sampler did that both sides share (the rollout engine's ``SamplingParams``, the reference
+filters and the estimators read it). It imports no engine.
 """
 
 from __future__ import annotations
@@ -28,14 +26,10 @@ def _fail(field: str, value: object, allowed: str) -> UsageError:
 
 @dataclass(frozen=True)
 class SamplingSpec:
-    """Filter settings of one request.
-
-    temperature: in [0, 2]; 0 means greedy (vLLM then ignores top_k/top_p/min_p); values in (0, 0.01)
-        are raised to 0.01, as vLLM's SamplingParams does, so they are *not* greedy.
-    top_k: 0 or -1 = off, otherwise >= 1 (ties with the k-th value are kept, so |S| may exceed k).
-    top_p: in (0, 1]; 1 = off.
-    min_p: in [0, 1]; 0 = off.
-    """
+    """Filter settings of one request. ``temperature`` in [0, 2], 0 = greedy (vLLM then ignores top_k/top_p/min_p);
+    values in (0, 0.01) are raised to 0.01, as vLLM's SamplingParams does, so they are *not* greedy. ``top_k``: 0
+    or -1 = off, else >= 1 (ties with the k-th value are kept, so |S| may exceed k). ``top_p`` in (0, 1], 1 = off.
+    ``min_p`` in [0, 1], 0 = off."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -90,11 +84,8 @@ class SamplingSpec:
         return self.uses_top_k or self.uses_top_p or self.uses_min_p
 
     def effective(self) -> SamplingSpec:
-        """The spec as vLLM applies it: greedy requests drop every filter.
-
-        Mirrors ``SamplingParams.__post_init__`` (vllm/sampling_params.py), which raises temperatures in
-        (0, 0.01) to 0.01 and resets top_p, top_k and min_p when temperature < _SAMPLING_EPS.
-        """
+        """The spec as vLLM applies it, as ``SamplingParams.__post_init__`` (vllm/sampling_params.py): temperatures in
+        (0, 0.01) become 0.01, and greedy requests (temperature < _SAMPLING_EPS) drop top_p, top_k and min_p."""
         if self.greedy:
             return SamplingSpec(temperature=0.0)  # every filter at its default: off
         t = self.effective_temperature

@@ -1,7 +1,5 @@
-"""The sampler's kept set S_q read from captured heads (or whole sampler rows), and comparisons of supports.
-
-A head sorted by processed log-prob whose last entry is ``-inf`` holds all of S_q; a head of K finite
-entries on a partial vocabulary may not, and that position is flagged incomplete (docs/capture_plan.md).
+"""The sampler's kept set S_q read from captured heads (or whole sampler rows), and comparisons of supports;
+a position whose head cannot prove S_q is flagged incomplete (docs/capture_plan.md, section 2).
 """
 
 from __future__ import annotations
@@ -36,11 +34,9 @@ def support_from_heads(
     vocab_size: int,
     rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> CapturedSupport:
-    """Build S_q from per-position heads (token ids and processed log-probs, sampled entry excluded).
-
-    ``requested`` is the K that was asked for (-1 = full vocabulary); ``rows`` (``Heads.rows``) holds
-    whole kept sets read from the sampler where the head could not prove them: they replace the head there.
-    """
+    """Build S_q from per-position heads (token ids and processed log-probs, sampled entry excluded). ``requested``
+    is the K asked for (-1 = full vocabulary); ``rows`` (``Heads.rows``) holds whole kept sets read from the
+    sampler, which replace the head where it could not prove them."""
     base = _support_of_heads(sampled, head_ids, head_logprobs, requested=requested, vocab_size=vocab_size)
     return _with_rows(base, sampled, rows) if rows else base
 
@@ -118,12 +114,9 @@ def _support_of_heads(
 
 
 def _support_dense(y: torch.Tensor, ids: torch.Tensor, lps: torch.Tensor, *, partial: bool) -> CapturedSupport:
-    """:func:`support_from_heads` for heads of one length ``[L, K]``, as tensor operations (wide adaptive heads).
-
-    The same rules and the same output as the per-position loop: finite entries kept, ordered by
-    processed log-prob descending and then by id, padded with -1 / -inf to the widest support.
-    ``partial``: the heads are neither the vocabulary nor as wide as it.
-    """
+    """:func:`support_from_heads` for heads of one length ``[L, K]`` as tensor operations (wide adaptive heads):
+    the same rules and output (finite entries, processed log-prob descending then id, padded with -1 / -inf to
+    the widest support). ``partial``: the heads are neither the vocabulary nor as wide as it."""
     import torch
 
     n, k = ids.shape
@@ -150,23 +143,18 @@ def _support_dense(y: torch.Tensor, ids: torch.Tensor, lps: torch.Tensor, *, par
 
 
 def support_mass(kept_logprobs: torch.Tensor) -> torch.Tensor:
-    """Sum of the sampler's processed probabilities over the captured support, per position.
-
-    1 (to float rounding) when the capture holds the whole support of a processed distribution; less
-    when tokens are missing; a server running ``raw_logprobs`` also fails this (its head is not
-    renormalised).
-    """
+    """Sum of the sampler's processed probabilities over the captured support, per position: 1 (to float
+    rounding) when the capture holds a processed distribution's whole support; less when tokens are missing,
+    or when a server runs ``raw_logprobs`` (its head is not renormalised)."""
     import torch
 
     return torch.exp(kept_logprobs.double()).sum(dim=-1)
 
 
 def validate_native_mask(spec: SamplingSpec) -> None:
-    """vLLM's native kept-set return (``return_sampling_mask=True``) refuses some specs: say so first.
-
-    Mirrors the checks in ``InputProcessor`` (vllm/v1/engine/input_processor.py): temperature > 0
-    (no greedy rows) and top_k > 0 (to bound the mask's size).
-    """
+    """vLLM's native kept-set return (``return_sampling_mask=True``) refuses some specs: say so first. As in
+    ``InputProcessor`` (vllm/v1/engine/input_processor.py): temperature > 0 (no greedy rows) and top_k > 0
+    (to bound the mask's size)."""
     if spec.temperature <= 0:
         raise UsageError(
             f"native sampling-mask capture needs temperature > 0, got temperature={spec.temperature!r}: "

@@ -275,11 +275,8 @@ def _sampler_log_s(
 
 
 def _logit_drift(sampler_lp: torch.Tensor, trainer_lp: torch.Tensor) -> torch.Tensor:
-    """Per position, max - min over S_q of (sampler lp - trainer lp).
-
-    Over one support, ``lp_i - lp_j = z'_i - z'_j`` on each side, so the normalisation cancels and
-    what spreads these differences is the two engines' logits disagreeing (kernels), not the support.
-    """
+    """Per position, max - min over S_q of (sampler lp - trainer lp): over one support the normalisation cancels
+    (``lp_i - lp_j = z'_i - z'_j``), so what spreads it is the engines' logits disagreeing, not the support."""
     e = sampler_lp.double() - trainer_lp.double()
     finite = torch.isfinite(e)
     hi = torch.where(finite, e, torch.full_like(e, -math.inf)).amax(dim=-1)

@@ -1,9 +1,6 @@
-"""Float32 rounding bands of vLLM's filters: where an exact-arithmetic decision may differ from vLLM's.
-
-The top_k candidate path of :func:`parity.core.estimators.recompute` decides top_p from an exact
-(float64) cumulative mass instead of vLLM's float32 ``cumsum(softmax)``, and min_p from the exact
-``z - m < log(min_p)``. Outside these bands the exact decision is vLLM's; inside, the row falls back
-to the reference filter itself.
+"""Float32 rounding bands of vLLM's filters: where an exact-arithmetic decision (recompute's top_k candidate
+path) may differ from vLLM's; inside a band the row falls back to the reference filter itself
+(docs/capture_plan.md, section 8).
 """
 
 from __future__ import annotations
@@ -25,25 +22,17 @@ UNDERFLOW_BAND = (-120.0, -80.0)
 
 
 def top_p_band(mass: torch.Tensor, count: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
-    """Half-width around ``1 - p`` inside which vLLM's float32 cumsum may fall on either side.
-
-    Against the exact cumulative mass C of c survivors spanning D nats: the float32 argument
-    ``x - m`` carries u|x - m| relative error into each exp (at most u * min(D C, c / e) in total,
-    twice: numerator and denominator), exp itself ~2u, the float32 sum of the denominator in any
-    order (c - 1)u, reciprocal and product 2u, a float32 cumsum (c - 1)u worst case and its final
-    rounding u: (2c + 16)u relative is a safe envelope. The absolute terms cover the float64
-    evaluation of C and underflowed float32 terms. ``mass`` is ``max(C, 1 - p)`` where the band is
-    placed around a cumulative mass, ``1 - p`` where it bounds the mass left outside.
-    """
+    """Half-width around ``1 - p`` inside which vLLM's float32 cumsum may fall on either side of the exact
+    cumulative mass: ``(2c + 16)u`` relative for c survivors, plus absolute terms. ``mass`` is ``max(C, 1 - p)``
+    around a cumulative mass C, ``1 - p`` where the band bounds the mass left outside
+    (docs/capture_plan.md, section 8)."""
     return mass * (U32 * (2.0 * count + 16.0)) + 2 * U32 * torch.minimum(mass * span, 0.37 * count) + count * 2.0**-50 + 2.0**-40
 
 
 def underflow_decision(log_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For p = 1 rows on the sort path: (dropped, ambiguous) from the exact log-probability ``log q``.
-
-    ``dropped``: the float32 probability rounds to 0 (the best exact-arithmetic answer);
-    ``ambiguous``: ``log q`` lies in :data:`UNDERFLOW_BAND`, where float32 rounding decides.
-    """
+    """For p = 1 rows on the sort path: (dropped, ambiguous) from the exact ``log q``. ``dropped``: the float32
+    probability rounds to 0 (the best exact-arithmetic answer); ``ambiguous``: ``log q`` lies in
+    :data:`UNDERFLOW_BAND`, where float32 rounding decides."""
     lo, hi = UNDERFLOW_BAND
     return log_q <= LOG_ZERO_PROB, (log_q >= lo) & (log_q <= hi)
 

@@ -1,8 +1,6 @@
-"""One type for every failed gate: data first, the message is rendered from it (engine-free).
-
-A :class:`Violation` names the gate, the scenario, the statistic that failed and its limit, and the
-worst positions with both sides' values. ``report.json`` carries it as an object
-(:meth:`Violation.to_dict`); code that consumes a verdict reads its fields, never parses the message.
+"""One type for every failed gate (engine-free): a :class:`Violation` names the gate, the scenario, the
+failing statistic and its limit, and the worst positions with both sides' values; the message is rendered
+from it. report.json carries it as an object (:meth:`Violation.to_dict`): read its fields, never the message.
 """
 
 from __future__ import annotations

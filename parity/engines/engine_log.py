@@ -1,10 +1,7 @@
 """The engines' output goes to ``engine.log``; parity's own lines and its wait indicators go to the terminal.
 
-vLLM, torch's C++ code, tqdm and warnings write to several streams and straight to file descriptors, so
-:class:`EngineOutput` points descriptors 1 and 2 at the log while the engines live and keeps a duplicate
-of the terminal's stderr for :meth:`EngineOutput.say` and :func:`waiting`. On an exception the descriptors
-are restored first and the log's last lines shown; ``verbose=True`` leaves every descriptor alone.
-"""
+:class:`EngineOutput` redirects descriptors 1 and 2 while the engines live and restores them first on an
+exception, showing the log's last lines (docs/internals.md, section 5)."""
 
 from __future__ import annotations
 

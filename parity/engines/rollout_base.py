@@ -1,12 +1,7 @@
-"""What the two vLLM rollout adapters share: the checkpoint, the engine settings and the capture plan.
-
-:class:`~parity.engines.vllm_offline.VllmRollout` (in-process engine) and
-:class:`~parity.engines.vllm_server.client.ServerRollout` (OpenAI-compatible server) take the same
-settings with the same defaults, validate the checkpoint the same way and plan the capture of S_q
-with the same :func:`~parity.core.capture.plan_capture` call, remember what earlier captures
-needed (:class:`~parity.core.capture.CaptureHistory`) and turn a capture's heads into records the same
-way (:meth:`RolloutBase.records`); both inherit them from here.
-"""
+"""What the two vLLM rollout adapters (:class:`~parity.engines.vllm_offline.VllmRollout`,
+:class:`~parity.engines.vllm_server.client.ServerRollout`) share: settings and defaults, the checkpoint check,
+the capture plan (:func:`~parity.core.capture.plan_capture`) and its :class:`~parity.core.capture.CaptureHistory`,
+and how a capture's heads become records (:meth:`RolloutBase.records`)."""
 
 from __future__ import annotations
 
@@ -99,11 +94,8 @@ class RolloutBase:
         self.vocab_size = 0  # set by the adapter once it knows the engine's vocabulary
 
     def plan(self, spec: SamplingSpec) -> CapturePlan:
-        """The top-K head that captures S_q for ``spec`` under this adapter's capture settings.
-
-        Adaptive plans start from ``start_head`` when set, else from what this adapter's history
-        suggests, else from the spec (:func:`~parity.core.capture.start_head`).
-        """
+        """The top-K head that captures S_q for ``spec`` under this adapter's capture settings; adaptive plans start
+        from ``start_head`` when set, else this adapter's history, else the spec (:func:`~parity.core.capture.start_head`)."""
         return plan_capture(
             spec, self.vocab_size, head=self.head, tie_margin=self.tie_margin,
             max_head=self.max_head or DEFAULT_MAX_HEAD, start=self.start_head,
@@ -111,11 +103,8 @@ class RolloutBase:
         )
 
     def support(self, i: int, h: Heads, requested: int, spec: SamplingSpec) -> Support:
-        """S_q of sequence ``i`` from its top-K heads (``None`` and no extras when none was asked, 0).
-
-        Adapters extend it: the offline engine with vLLM's native sampling mask, the server client
-        with the check that the values are processed log-probs.
-        """
+        """S_q of sequence ``i`` from its top-K heads (``None`` and no extras when none was asked, 0). The offline
+        engine adds vLLM's native sampling mask, the server client the check that the values are processed log-probs."""
         if requested == 0:
             return None, None, None, {}
         cap = support_from_heads(

@@ -1,14 +1,6 @@
-"""The experts vLLM's MoE routers chose: top-k ids per layer for every position a forward ran (vLLM 0.32).
-
-Two routes, both vLLM's own. Native: ``LLM(enable_return_routed_experts=True)`` fills each
-``CompletionOutput.routed_experts`` (``[seq_len, layers, top_k]``, vllm/outputs.py); it needs Model
-Runner V2 (CUDA: refused on CPU with "AuxOutput Connector requires Model Runner V2", and V2 "requires
-Triton"). Binder: ``bind_routed_experts_capturer`` (vllm/model_executor/layers/fused_moe/
-routed_experts_capturer.py) applied through ``LLM.collective_rpc`` to the in-process V1 runner's model
-with a recorder whose ``capture(layer_id, topk_ids)`` keeps each forward's ids. A wrapper on the
-runner's ``execute_model`` keeps the step's ``num_scheduled_tokens`` and one on ``_model_forward`` its
-``positions``; rows follow ``InputBatch.req_ids`` (vllm/v1/worker/gpu_model_runner.py), so every row is
-a (request, position). docs/routing.md, section 1.
+"""The experts vLLM's MoE routers chose (vLLM 0.32): top-k ids per layer for every (request, position) a
+forward ran, natively (Model Runner V2) or through vLLM's ``bind_routed_experts_capturer`` on the
+in-process V1 runner. docs/routing.md, section 1.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""The trainer's MoE routers (transformers 5): their top-k per layer and token, and routing replay (R3).
-
-transformers 5.19's ``Qwen3MoeTopKRouter`` and ``MixtralTopKRouter`` (models/qwen3_moe, models/mixtral)
-return ``(router_logits, router_scores, router_indices)``: softmax in float32, ``topk`` of it, the
-top-k probabilities renormalised (Qwen3-MoE when ``norm_topk_prob``, Mixtral always; Qwen3-MoE casts
-them back to the logits' dtype). A forward hook on each router keeps its input norm and logits; under
-replay it replaces the indices with the recorded ones and recomputes the gate weights from the trainer's
-own logits the same way, as R3 prescribes. What the experts actually ran with is read from a pre-hook
-on the sibling ``experts`` module (its ``top_k_index``), so "forced" is checked, not assumed.
+"""The trainer's MoE routers (transformers 5): their top-k per layer and token, and routing replay (R3):
+router hooks force the recorded experts and recompute the gate weights, and a pre-hook on ``experts``
+checks what ran. docs/routing.md, section 3.
 """
 
 from __future__ import annotations

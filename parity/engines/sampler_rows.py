@@ -1,17 +1,6 @@
-"""The sampler's own kept sets, read where a top-K head cannot prove them: a hook in the in-process engine.
-
-vLLM 0.32's ``Sampler.sample`` (vllm/v1/sample/sampler.py) returns the sampled ids and, under
-``logprobs_mode="processed_logprobs"``, the processed row it sampled from: a dropped token is ``-inf``,
-so the row's finite entries are S_q itself. The hook wraps that method on the worker's sampler
-(reached with ``LLM.collective_rpc``) and keeps, for each row whose kept set the request's head of K
-cannot prove (K or more finite entries), the finite ids sorted by value descending then id, as
-tensors: the cost follows |S_q|, never V Python objects. Rows are matched to requests by
-``InputBatch.req_ids`` and ``num_logprobs`` (vllm/v1/worker/gpu_input_batch.py); vLLM's internal id
-is the caller's request id plus ``-`` and eight characters (``InputProcessor``,
-vllm/v1/engine/input_processor.py). A row is attached to a position only when its sampled token and
-its value there equal, bitwise, what the engine returned for that position; anything else leaves
-the position unproven, counted. Model Runner V2 and the HTTP server are out of reach of the hook:
-there the head route alone runs (docs/capture_plan.md, section 9).
+"""The sampler's own kept sets, read where a top-K head cannot prove them: a hook on vLLM 0.32's
+``Sampler.sample`` in the in-process engine keeps those rows' finite ids and values as tensors; a row proves
+a position only when it matches it bitwise (docs/capture_plan.md, section 9).
 """
 
 from __future__ import annotations
@@ -103,11 +92,9 @@ def _take(worker: Any) -> dict[str, list[Row]]:
 
 
 class SamplerRows:
-    """The hook on one ``vllm.LLM``: :meth:`install` once, :meth:`attach` after each ``generate``.
-
-    ``cap`` (``--max-capture-head``): a kept set of ``cap`` or more tokens is not kept, and its position
-    stays unproven (None: no cap).
-    """
+    """The hook on one ``vllm.LLM``: :meth:`install` once, :meth:`attach` after each ``generate``. ``cap``
+    (``--max-capture-head``): a kept set of ``cap`` or more tokens is not kept and its position stays unproven
+    (None: no cap)."""
 
     def __init__(self, llm: Any, *, cap: int | None = None, timeout_s: float = 60.0) -> None:
         self.llm, self.cap, self.timeout_s = llm, cap, timeout_s
@@ -152,11 +139,8 @@ class SamplerRows:
 
     @staticmethod
     def attach(heads: Sequence[Heads], request_ids: Sequence[str], rows: dict[str, list[Row]]) -> int:
-        """Put each kept row on its position (``Heads.rows``); the count of wide rows that did not match.
-
-        A request's rows are its sampling steps in order; the last ``len(completion)`` of them are the
-        completion's (a chunked prefill samples and discards before its last chunk).
-        """
+        """Put each kept row on its position (``Heads.rows``); returns the count of wide rows that did not match.
+        A completion's rows are the last ``len(completion)`` of its request's sampling steps (docs/capture_plan.md, section 9)."""
         mismatched = 0
         for h, rid in zip(heads, request_ids, strict=True):
             steps = rows.get(rid, [])

@@ -155,12 +155,9 @@ class EnginePool:
     def raw(
         self, model_name: str, settings: EngineSettings | HasEngineSettings, progress: Callable[[str], None]
     ) -> VllmRollout:
-        """A second offline engine on the same model with ``logprobs_mode="raw_logits"``.
-
-        Sampling does not depend on the log-prob mode, so with the same seeds it draws the same tokens
-        (the caller checks) and hands back the sampler's own logits: the source of a log S that the
-        trainer did not compute (:mod:`parity.core.log_s`).
-        """
+        """A second offline engine on the same model with ``logprobs_mode="raw_logits"``: with the same seeds it
+        draws the same tokens (the caller checks) and hands back the sampler's own logits, the source of a log S
+        the trainer did not compute (:mod:`parity.core.log_s`; docs/error_model.md, section 7)."""
         from parity.engines.vllm_offline import VllmRollout
 
         cfg = as_engine_settings(settings)
@@ -176,11 +173,8 @@ class EnginePool:
     def get(
         self, model_name: str, settings: EngineSettings | HasEngineSettings, progress: Callable[[str], None]
     ) -> tuple[Rollout, Trainer]:
-        """The rollout engine and trainer for ``model_name``, started on first use.
-
-        ``settings``: :class:`~parity.engines.settings.EngineSettings`, or a configuration that carries
-        them (``parity run``'s ``RunConfig``).
-        """
+        """The rollout engine and trainer for ``model_name``, started on first use. ``settings``:
+        :class:`~parity.engines.settings.EngineSettings`, or a configuration that carries them (``parity run``'s ``RunConfig``)."""
         from parity.engines.transformers_trainer import TransformersTrainer
         from parity.engines.vllm_offline import VllmRollout
 

@@ -1,8 +1,6 @@
 """What the engines of a run are started with: the settings :class:`~parity.engines.session.EnginePool` reads.
-
-``parity run``'s :class:`~parity.run.RunConfig` holds these and more (the matrix, thresholds, report
-options); :meth:`~parity.run.RunConfig.engine_settings` hands the engines only their part, so the
-engines never import the run layer above them.
+:meth:`~parity.run.RunConfig.engine_settings` hands them out of ``parity run``'s :class:`~parity.run.RunConfig`
+(which holds more), so the engines never import the run layer above them.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""Trainer under test: a pluggable function that scores sampled completions the way *your* trainer does.
-
-A trainer function receives a :class:`TrainerBatch` and returns, for each sequence, a float tensor
-``[L]`` of log-probs of its completion tokens. parity compares those values with the sampler's
-processed log-probs and explains any gap: equal to log S (the function scores the full vocabulary
-while the sampler truncates), a temperature mismatch, an off-by-one position shift, or unexplained.
-
-Built-ins (``parity run --trainer NAME``): ``full`` (TRL/verl-style ``log_softmax(logits / T)``),
-``recompute`` and ``replay``. A user function is named ``module:function`` (``module`` importable,
-e.g. from the current directory).
+"""Trainer under test: a function that scores sampled completions the way *your* trainer does. Given a
+:class:`TrainerBatch`, it returns per sequence a float tensor ``[L]`` of its completion tokens' log-probs.
+Built-ins ``full``, ``recompute``, ``replay``, or ``module:function`` (docs/internals.md, section 5).
 """
 
 from __future__ import annotations
@@ -134,12 +127,9 @@ def call_trainer(fn: TrainerFn, name: str, batch: TrainerBatch) -> torch.Tensor:
 def reference_views(
     logits: list[torch.Tensor], ys: list[torch.Tensor], spec: SamplingSpec, kept: Sequence[torch.Tensor | None]
 ) -> dict[frozenset[str], torch.Tensor]:
-    """The trainer-side log-probs under every combination of :data:`BUGS` (the empty set is correct).
-
-    ``kept``: the sampler's S_q per sequence (``None`` = unfiltered: then ``full_vocabulary`` changes
-    nothing and is left out). ``off_by_one`` scores token t with row t + 1; the last token has no late
-    row among the completion rows, so that entry is NaN and left out of the comparison.
-    """
+    """The trainer-side log-probs under every combination of :data:`BUGS` (the empty set is correct). ``kept``: the
+    sampler's S_q per sequence (``None`` = unfiltered: ``full_vocabulary`` then changes nothing and is left out).
+    ``off_by_one`` scores token t with row t + 1, so the last token's entry is NaN, left out of the comparison."""
     filtered = any(k is not None for k in kept)
     names = [b for b in BUGS if b != "full_vocabulary" or filtered]
     one = SamplingSpec(1.0, spec.top_k, spec.top_p, spec.min_p)

@@ -52,13 +52,9 @@ class TransformersTrainer:
 
     @torch.no_grad()
     def logits(self, records: Sequence[SequenceRecord]) -> list[torch.Tensor]:
-        """float32 logits ``[L, V]`` predicting each completion token, one tensor per record.
-
-        Sequences are right-padded into batches (as most trainers do). Right padding is not bitwise
-        batch-invariant with the default ``sdpa`` attention on CPU (measured up to ~5e-6 in float32,
-        depending on where the padded width falls); ``parity run --invariance`` measures it, and
-        batch-invariant mode installs ``parity.determinism.kernels`` on the model, under which every layout is
-        bitwise by construction."""
+        """float32 logits ``[L, V]`` predicting each completion token, one tensor per record. Sequences are
+        right-padded into batches, which the default ``sdpa`` attention on CPU does not keep bitwise
+        (docs/batch_invariance.md, section 1)."""
         out: list[torch.Tensor] = []
         for b in range(0, len(records), self.batch_size):
             chunk = records[b : b + self.batch_size]

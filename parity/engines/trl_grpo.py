@@ -1,10 +1,7 @@
 """TRL's ``GRPOTrainer`` under parity: capture what it computes, and optionally fix its IS correction.
 
-TRL 1.16 compares vLLM's processed log-prob of each sampled token (``log(p / S)``) with the trainer's
-full-vocabulary ``log p``: their difference is ``log S`` plus noise, and TRL's IS ratio is its ``exp``.
-:func:`patch_grpo` captures S_q per generation batch and can renormalise what the IS correction reads.
-Example: README, "TRL's GRPOTrainer under parity".
-"""
+TRL 1.16 compares vLLM's processed ``log(p / S)`` with the trainer's full ``log p``: the difference is
+``log S`` plus noise, and TRL's IS ratio its exp. Example: README, "TRL's GRPOTrainer under parity"."""
 
 from __future__ import annotations
 
@@ -281,11 +278,9 @@ def _log_mass_correction(cap: GrpoCapture, z: torch.Tensor, y: torch.Tensor, spe
 def _adaptive_generate(generate: Callable[..., list[RequestOutput]], plan: CapturePlan, spec: SamplingSpec, vocab: int,
                        history: CaptureHistory, seeds: random.Random, batch: _Adaptive, rows: SamplerRows | None = None
                        ) -> Callable[..., list[RequestOutput]]:
-    """``LLM.generate`` for one TRL batch under an adaptive plan: seeded requests, unproven ones asked again.
-
-    Each request gets its own seed (TRL sends none) and candidate detokenization off (TRL decodes from ids);
-    TRL gets back, per sequence, the capture that proved it (or its first draw); ``batch`` gets what it needed.
-    """
+    """``LLM.generate`` for one TRL batch under an adaptive plan, unproven requests asked again; each request is
+    seeded (TRL sends none), candidate detokenization off (TRL decodes from ids). TRL gets per sequence the
+    capture that proved it (or its first draw); ``batch`` gets what it needed."""
 
     def wrapped(prompts: list[object], sampling_params: SamplingParams | list[SamplingParams] | None = None,
                 *args: object, **kwargs: object) -> list[RequestOutput]:
@@ -329,16 +324,10 @@ def _fixed_stats(plan: CapturePlan, supports: list[CapturedSupport | None], comp
 @contextlib.contextmanager
 def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bool = True,
                max_head: int | None = None) -> Iterator[GrpoCapture]:
-    """Patch TRL's GRPOTrainer/VLLMGeneration for capture (and a fix), restore on exit.
-
-    Every mode captures S_q per generation batch (vLLM asked for a wide enough head, adaptive without
-    top_k); ``observe`` changes nothing TRL computes, ``replay`` and ``recompute`` renormalise the log-probs
-    TRL's IS correction reads (over the captured S_q, falling back to recompute where it is incomplete; or
-    parity's filters on the trainer's logits, the sampled token forced in). Enter it before constructing the
-    trainer; colocate and server mode share the generate path (only colocate is exercised). ``head`` forces the head per position (-1: the vocabulary), ``max_head``
-    caps adaptive plans, ``keep_logits`` keeps the trainer's ``[L, V]`` logits per sequence. What each mode
-    changes, and why the policy ratio is untouched: README, "TRL's GRPOTrainer under parity".
-    """
+    """Patch TRL's GRPOTrainer/VLLMGeneration to capture S_q per generation batch; restore on exit. Enter it before
+    constructing the trainer. ``mode``: ``observe`` changes nothing TRL computes, ``replay`` / ``recompute``
+    renormalise what its IS correction reads; ``head`` forces the head (-1: the vocabulary), ``max_head`` caps
+    adaptive plans, ``keep_logits`` keeps the trainer's ``[L, V]`` logits (docs/internals.md, section 5)."""
     if mode not in MODES:
         raise UsageError(f"patch_grpo mode={mode!r} is invalid: allowed {', '.join(MODES)}")
     from trl.generation import vllm_generation as vg

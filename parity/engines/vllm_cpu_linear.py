@@ -1,14 +1,7 @@
 """Keep vLLM's CPU linear layers reading their own ``weight`` so that in-place weight updates take effect.
 
-On CPU, vLLM 0.32 packs dense linear weights after loading (``dispatch_cpu_unquantized_gemm`` in
-``vllm/model_executor/layers/utils.py``, with ``remove_weight=True``) and leaves an empty ``weight``
-without a ``weight_loader``, so a colocated weight sync (``model.load_weights``, as TRL's
-``VLLMGeneration.sync_weights`` calls it) fails with ``AttributeError: 'Parameter' object has no
-attribute 'weight_loader'``. Which CPUs and dtypes pack is the CPU's business; the ``trl_weight_sync``
-reproduction measures it. :func:`keep_linear_weights` swaps that dispatch, for 2-D weights, for vLLM's
-own fallback (``F.linear`` on the current ``weight``) and restores it on exit; enter it before the
-engine is built.
-"""
+Without :func:`keep_linear_weights` (entered before the engine is built) a colocated weight sync fails on
+``weight_loader`` (docs/internals.md, section 5)."""
 
 from __future__ import annotations
 
@@ -28,11 +21,9 @@ def _linear_on_current_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch
 
 @contextlib.contextmanager
 def keep_linear_weights() -> Iterator[dict[str, int]]:
-    """Patch ``dispatch_cpu_unquantized_gemm`` so 2-D linear layers keep and read their ``weight``.
-
-    Yields a counter ``{"kept": N, "delegated": M}``: layers given the plain fallback, and layers
-    (non-2-D weights: conv, MoE experts) left to vLLM's own dispatch.
-    """
+    """Patch ``dispatch_cpu_unquantized_gemm`` so 2-D linear layers keep and read their ``weight``; yields a counter
+    ``{"kept": N, "delegated": M}``: layers given the plain fallback, and layers (non-2-D weights: conv, MoE
+    experts) left to vLLM's own dispatch."""
     from vllm.model_executor.layers import utils as vllm_layer_utils
 
     original = vllm_layer_utils.dispatch_cpu_unquantized_gemm

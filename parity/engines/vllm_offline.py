@@ -56,11 +56,8 @@ def configure_cpu_env(env: MutableMapping[str, str] | None = None) -> None:
 
 
 def call_with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:
-    """Run ``fn`` in a worker thread; raise :class:`~parity.errors.TimedOut` naming ``what`` if it does not finish.
-
-    The offline engine has no timeout of its own; a stuck engine must end the run with an error, not
-    hang it.
-    """
+    """Run ``fn`` in a worker thread; raise :class:`~parity.errors.TimedOut` naming ``what`` if it does not finish
+    (the offline engine has no timeout of its own, and a stuck engine must end the run, not hang it)."""
     value: list[T] = []
     error: list[BaseException] = []
 
@@ -102,12 +99,9 @@ def capture_outputs(
     nan_as_dropped: bool = False,
     rows: SamplerRows | None = None,
 ) -> cap.CaptureResult:
-    """``plan`` run over ``generate(prompts, params)`` (``LLM.generate`` or a wrapper of it).
-
-    Each round clones ``params[i]`` (seeded, ``n=1``) with the round's head; ``Heads.payload`` is
-    ``(RequestOutput, SamplingParams)``. ``deadline`` bounds the whole capture; ``rows`` (a hook on the engine)
-    proves from the sampler's own row each position its head could not.
-    """
+    """``plan`` run over ``generate(prompts, params)`` (``LLM.generate`` or a wrapper): each round clones ``params[i]``
+    (seeded, ``n=1``) with its head; ``Heads.payload`` is ``(RequestOutput, SamplingParams)``; ``deadline`` bounds
+    the whole capture; ``rows`` (a hook on the engine) proves from the sampler's row what a head could not."""
     mismatched = [0]
 
     def ask(indices: list[int], heads: list[int]) -> list[cap.Heads]:
@@ -151,14 +145,10 @@ def generate_with_capture(
     start: int | None = None,
     timeout_s: float | None = None,
 ) -> tuple[list[RequestOutput], list[SamplingParams], cap.CaptureStats]:
-    """``llm.generate`` with the kept set captured: your engine, parity's capture plan.
-
-    ``params``: one ``SamplingParams`` (``n=1``) or one per prompt; ``logprobs`` is set from the plan, widened up
-    to ``max_head`` or the engine's ``max_logprobs``; unseeded requests get a seed. The engine needs
-    ``logprobs_mode="processed_logprobs"``. Returns the outputs, the params each was drawn with (for
-    :func:`parity.records.convert.from_request_outputs`) and the stats; ``history``, ``start`` and ``timeout_s``
-    as :func:`parity.core.capture.plan_capture` and :func:`capture_outputs`.
-    """
+    """``llm.generate`` with the kept set captured (engine: ``logprobs_mode="processed_logprobs"``). ``params``: one
+    ``SamplingParams`` (``n=1``) or one per prompt; ``logprobs`` from the plan, widened up to ``max_head`` or the engine's
+    ``max_logprobs``; unseeded requests seeded; the rest as :func:`parity.core.capture.plan_capture` / :func:`capture_outputs`.
+    Returns the outputs, the params each was drawn with (for :func:`parity.records.convert.from_request_outputs`), the stats."""
     prompts = list(prompts)
     plist: list[SamplingParams] = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
     if len(plist) != len(prompts):
@@ -292,12 +282,10 @@ class VllmRollout(RolloutBase):
         seed: int,
         logprobs: int | None = None,
     ) -> list[SequenceRecord]:
-        """Sample one completion per prompt (seed ``seed + i``); record log-probs and S_q under :meth:`plan`.
-
-        What the capture did is left in ``self.last_capture``. ``logprobs`` forces the head without the plan's
-        checks or widening (diagnostics: the capture-head repro asks for less than top_k); positions it cannot
-        capture are still flagged. The engine timeout bounds the whole call.
-        """
+        """Sample one completion per prompt (seed ``seed + i``); record log-probs and S_q under :meth:`plan`, what the
+        capture did in ``self.last_capture``. ``logprobs`` forces the head without the plan's checks or widening (the
+        capture-head repro asks less than top_k); positions it cannot capture are still flagged. The engine timeout
+        bounds the whole call."""
         from vllm.inputs import TokensPrompt
 
         if self.capture != "topk":

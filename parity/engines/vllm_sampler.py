@@ -1,8 +1,6 @@
-"""vLLM's own v1 ``Sampler``, called in-process on a logits tensor (no model, no engine).
-
-This is the ground truth the reference filters are checked against: the same ``Sampler`` object the
-engine runs, fed a hand-built ``SamplingMetadata`` with one row per spec. min_p goes through vLLM's
-own ``MinPLogitsProcessor``, driven by the same ``BatchUpdate`` protocol the engine uses.
+"""vLLM's own v1 ``Sampler``, called in-process on a logits tensor (no model, no engine): the ground truth of
+the reference filters, fed a hand-built ``SamplingMetadata`` with one row per spec; min_p goes through
+vLLM's ``MinPLogitsProcessor``, driven by the engine's ``BatchUpdate`` protocol.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """The statistics blocks of report.json as types, and the JSON Schema generated from them (:func:`schema_of`).
-
-A ``Stat`` is a number, or ``"n/a"`` where the records lack its input (report.json also writes a non-finite
-float as ``"inf"``, ``"-inf"`` or ``"nan"``). ``Json`` is a value whose layout the producer chooses (its config,
-the determinism knobs, the RL catalogue): typed as JSON, checked as JSON.
+A ``Stat`` is a number, or ``"n/a"`` where the records lack its input; ``Json`` is a value whose layout the
+producer chooses, checked as JSON (docs/internals.md, section 9).
 """
 
 # No `from __future__ import annotations`: TypedDict reads NotRequired[...] only from evaluated annotations.

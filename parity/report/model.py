@@ -1,10 +1,6 @@
 """report.json as types: :class:`Report`, its :class:`ScenarioVerdict` entries and its :class:`Environment`.
-
-Every producer's report passes through :meth:`Report.from_json` before it is written, so a key that
-these types do not name is an error, not a silent extra; CI code reads a report with
-:func:`load_report`. The statistics blocks (``replay``, ``is_ratio``, ...) stay mappings: their keys
-are the JSON Schema's (:func:`parity.report.schema.report_schema`). The capture plan is
-:class:`parity.core.capture.CaptureStats`; violations are :class:`parity.core.violation.Violation`.
+Every producer's report passes :meth:`Report.from_json` before it is written, so a key these types do not
+name is an error; CI code reads a report with :func:`load_report` (docs/internals.md, section 9).
 """
 
 from __future__ import annotations

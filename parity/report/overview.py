@@ -1,9 +1,6 @@
-"""The run at a glance: one row per scenario and one plain-language paragraph, computed from a report.
-
-Read from the report dict alone (the in-memory one or report.json loaded back: non-finite numbers may
-be the strings ``"inf"``/``"nan"``, and a statistic a records analysis could not compute is ``"n/a"``),
-so ``parity run`` and anything that re-reads a report draw the same text. :func:`render_terminal` is the terminal block; :func:`paragraph` and :func:`glance_rows`
-feed the head of report.md (:mod:`parity.report.markdown`).
+"""The run at a glance: one row per scenario and one plain-language paragraph, computed from the report
+dict alone (docs/internals.md, section 9). :func:`render_terminal` is the terminal block; :func:`paragraph`
+and :func:`glance_rows` feed the head of report.md (:mod:`parity.report.markdown`).
 """
 
 from __future__ import annotations
@@ -395,15 +392,9 @@ TERMINAL_COLUMNS = (
 
 
 def render_terminal(report: Mapping[str, object], *, width: int = WIDTH) -> str:
-    """The block ``parity run`` prints last: a one-line-per-scenario table, then the paragraph.
-
-    The drift column is replay's / recompute's headroom (max |trainer - sampler| / its per-token
-    rounding bound; a gate fails above 1); support is S_q equality for replay / recompute ("full V"
-    where nothing was filtered); mean is the deciding mean gate's |mean diff| over its limit, and
-    resolution that limit in nats (the trainer under test's when there is one, else replay's). The
-    naive bias is in report.md's table and the paragraph. ``report``: as ``parity run`` returns it, or
-    report.json loaded back (:func:`parity.report.blocks.report_json`).
-    """
+    """The block ``parity run`` prints last: a one-line-per-scenario table, then the paragraph (the columns:
+    docs/internals.md, section 9). ``report``: as ``parity run`` returns it, or report.json loaded back
+    (:func:`parity.report.blocks.report_json`)."""
     report = report_json(report)
     rows = glance_rows(report)
     widths = {k: max(len(title), *(len(r[k]) for r in rows)) for k, title in TERMINAL_COLUMNS}

@@ -1,7 +1,5 @@
-"""report.json: its versioned schema, the environment block, and the writer of the report folder.
-
-:func:`write_report` writes report.json, report.md (:mod:`parity.report.markdown`) and the PNG plots
-(:mod:`parity.report.plots`).
+"""report.json: its versioned schema, the environment block, and the writer of the report folder
+(:func:`write_report`: report.json, report.md by :mod:`parity.report.markdown`, the PNG plots by :mod:`parity.report.plots`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Assert that a trainer's log-prob function scores what the vLLM sampler drew from.
-
-    from parity.testing.asserts import assert_trainer_parity
-    assert_trainer_parity(my_logprob_fn, spec=SamplingSpec(temperature=0.7, top_p=0.9))
-
-It samples with the real engine on a fixture (or your checkpoint) and fails with ``parity run``'s verdict.
+"""Assert that a trainer's log-prob function scores what the vLLM sampler drew from:
+``assert_trainer_parity(my_logprob_fn, spec=SamplingSpec(temperature=0.7, top_p=0.9))`` samples with the
+real engine on a fixture (or your checkpoint) and fails with ``parity run``'s verdict.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Random test cases for the reference filters: plans, logits and the branches a case reaches.
-
-:class:`CasePlan` describes a batch (vocabulary, per-row spec, logit scale, planted ties and ``-inf``
-entries); :func:`build_case` turns it into float32 logits deterministically. The Hypothesis strategies and
-:func:`random_plan` draw the same plans, so ``parity sampler`` and the test-suite share their inputs.
-"""
+:class:`CasePlan` describes a batch (vocabulary, per-row spec, logit scale, planted ties and ``-inf`` entries);
+:func:`build_case` makes its float32 logits deterministically. The Hypothesis strategies and
+:func:`random_plan` draw the same plans, so ``parity sampler`` and the test-suite share their inputs."""
 
 from __future__ import annotations
 
@@ -55,12 +53,9 @@ class Case:
 
 
 def plant_top_k_tie(z: torch.Tensor, k: int, extra: int) -> None:
-    """Give the ``extra`` tokens ranked just below the k-th the k-th value (in place, 1-D row).
-
-    vLLM keeps every token tied with the k-th value (``apply_top_k_only`` / ``apply_top_k_top_p``
-    compare ``< kth``), so |S| becomes k + extra. Skipped when the row has fewer than k + 1 finite
-    values (the k-th value is then -inf or has no neighbour below).
-    """
+    """Give the ``extra`` tokens ranked just below the k-th the k-th value (in place, 1-D row): vLLM keeps every
+    token tied with it (``apply_top_k_only`` / ``apply_top_k_top_p`` compare ``< kth``), so |S| becomes k + extra.
+    Skipped when the row has fewer than k + 1 finite values (the k-th is then -inf or has no neighbour below)."""
     finite = int(torch.isfinite(z).sum())
     if extra < 1 or k >= finite:
         return
@@ -70,13 +65,9 @@ def plant_top_k_tie(z: torch.Tensor, k: int, extra: int) -> None:
 
 
 def plant_top_p_tie(z: torch.Tensor, spec: SamplingSpec, size: int, gen: torch.Generator) -> SamplingSpec:
-    """Tie a block of ``size`` surviving tokens and move top_p so the cut falls inside the block.
-
-    Tied tokens take the block's top value (survivors stay survivors), then
-    ``1 - top_p = mass below the block + (h + 0.5) * token mass`` with 1 <= h < size, so the ascending cumsum
-    drops exactly h of them, chosen by the sort order. The spec is returned unchanged without a block of
-    enough mass (>= 1e-3 per token).
-    """
+    """Tie a block of ``size`` surviving tokens and move top_p so that the ascending cumsum drops exactly h of
+    them (1 <= h < size), chosen by the sort order (the construction: docs/internals.md, section 10). The spec
+    is returned unchanged without a block of enough mass (>= 1e-3 per token)."""
     eff = spec.effective()
     if size < 2 or eff.greedy:
         return spec

@@ -1,9 +1,7 @@
-"""Properties of the reference filters against vLLM's own ``Sampler`` on one case.
-
-``check_*`` functions raise ``AssertionError`` naming the row, token, both values and the gap. They
-take tensors, so the planted-fault tests can hand them a faulty side; :func:`run_properties` runs
-them all on one case (:mod:`parity.testing.cases`). vLLM is never imported here.
-"""
+"""Properties of the reference filters against vLLM's own ``Sampler`` on one case. ``check_*`` functions
+take tensors (so the planted-fault tests can hand them a faulty side) and raise ``AssertionError`` naming
+the row, token, both values and the gap; :func:`run_properties` runs them all on one case
+(:mod:`parity.testing.cases`). vLLM is never imported here."""
 
 from __future__ import annotations
 
@@ -118,12 +116,9 @@ def check_log_s_identity(
     *,
     show: int = 5,
 ) -> None:
-    """``full - processed == log S`` on every kept token, log S = ``predicted_log_s`` over ``kept``.
-
-    ``kept`` and ``processed`` are the sampler's (vLLM's) support and processed log-probs. ``full`` is
-    ``log_softmax(z / T)``; when ``sampled`` is given, the ``full`` estimator itself is checked to
-    equal it at the sampled tokens. Tolerance: see ``LOG_S_ATOL``.
-    """
+    """``full - processed == log S`` on every kept token, log S = ``predicted_log_s`` over ``kept`` (tolerance:
+    ``LOG_S_ATOL``). ``kept`` / ``processed``: the sampler's (vLLM's) support and processed log-probs; ``full``:
+    ``log_softmax(z / T)``, also checked against the ``full`` estimator at ``sampled`` when given."""
     full_all = torch.log_softmax(scale(logits, specs), dim=-1)
     if sampled is not None:
         est = full(logits, sampled, specs)
@@ -195,12 +190,8 @@ def check_recompute_finite(
 
 
 def check_top_p_mass(logits: torch.Tensor, specs: Sequence[SamplingSpec], kept: torch.Tensor, *, show: int = 5) -> None:
-    """S >= top_p on rows where top_p is the only filter.
-
-    vLLM drops an ascending prefix whose float32 cumulative sum is <= 1 - p, so the kept mass is >= p
-    up to that cumsum's rounding: a float32 running sum over V terms is off by at most about
-    V * 2**-24 (Higham's bound), which is the tolerance.
-    """
+    """S >= top_p on rows where top_p is the only filter, to about V * 2**-24: the float32 cumsum's rounding
+    over V terms (docs/error_model.md, section 7)."""
     vocab = logits.shape[1]
     log_s = predicted_log_s(logits, kept, specs).double()
     lines: list[str] = []
@@ -254,11 +245,9 @@ def run_properties(
     force_include: bool = True,
     trainer_noise: float = 1e-3,
 ) -> PropertyRun:
-    """Every property on one case; ``faults`` / ``force_include=False`` plant a deliberate error.
-
-    recompute runs on *trainer* logits: the sampler's logits plus small noise (``trainer_noise`` x
-    N(0, 1), seeded by the case), so the recomputed boundary can move and force-include matters.
-    """
+    """Every property on one case; ``faults`` / ``force_include=False`` plant a deliberate error. recompute runs
+    on *trainer* logits: the sampler's plus ``trainer_noise`` x N(0, 1), seeded by the case, so the recomputed
+    boundary can move and force-include matters."""
     logits, specs = case.logits, case.specs
     ref = reference_filter(logits, specs, faults=faults)
     gen = torch.Generator().manual_seed(case.seed ^ 0x5EED)

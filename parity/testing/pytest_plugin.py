@@ -1,8 +1,6 @@
-"""pytest plugin (entry point ``pytest11``): fixtures for testing your own trainer against vLLM.
-
-Opt-in: nothing happens unless a test requests a fixture. ``parity_model`` (override with
-``--parity-model``) names the fixture model or checkpoint; ``parity_pool`` shares one vLLM engine per
-test session; ``trainer_parity`` is :func:`parity.testing.asserts.assert_trainer_parity` bound to both.
+"""pytest plugin (entry point ``pytest11``): opt-in fixtures for testing your own trainer against vLLM.
+``parity_model`` (``--parity-model``) names the fixture model or checkpoint; ``parity_pool`` shares one
+vLLM engine per test session; ``trainer_parity`` is :func:`parity.testing.asserts.assert_trainer_parity` bound to both.
 """
 
 from __future__ import annotations

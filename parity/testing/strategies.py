@@ -1,18 +1,7 @@
 """Hypothesis strategies for logits batches and sampling specs, exported for users' property tests.
 
-Needs ``hypothesis`` (the ``test`` extra). To check your own filters against vLLM's real Sampler::
-
-    from hypothesis import given
-    from parity.engines.vllm_sampler import VllmSampler
-    from parity.testing.properties import run_properties
-    from parity.testing.strategies import cases
-
-    @given(cases())
-    def test_my_case(case):
-        run_properties(case, VllmSampler()(case.logits, case.specs))
-
-A strategy draws a :class:`parity.testing.cases.CasePlan`, so shrinking works on the choices.
-"""
+Needs ``hypothesis`` (the ``test`` extra). A strategy draws a :class:`parity.testing.cases.CasePlan`, so
+shrinking works on the choices; checking your own filters with them: docs/internals.md, section 10."""
 
 from __future__ import annotations
 

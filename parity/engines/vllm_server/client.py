@@ -1,10 +1,7 @@
 """Rollout side over HTTP: a vLLM OpenAI-compatible server, spawned on loopback or attached by URL.
-
-``ServerRollout`` has :class:`parity.engines.vllm_offline.VllmRollout`'s interface and record type (source
-``"vllm-server"``): one ``/v1/completions`` request per prompt, sent concurrently, answers parsed by
-:mod:`parity.engines.vllm_server.protocol`. Faults end with an error naming the cause, never a hang; only
-the standard library talks HTTP, proxies off.
-"""
+``ServerRollout`` has ``VllmRollout``'s interface and record type (source ``"vllm-server"``): one concurrent
+``/v1/completions`` request per prompt, parsed by :mod:`parity.engines.vllm_server.protocol`. Faults end with
+an error naming the cause, never a hang; only the standard library talks HTTP, proxies off."""
 
 from __future__ import annotations
 
@@ -67,12 +64,9 @@ def _normalise_url(url: str) -> str:
 
 
 class ServerRollout(RolloutBase):
-    """The sampler under test, behind vLLM's OpenAI-compatible HTTP server.
-
-    ``server="spawn"`` starts ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 (the CPU wheel's
-    ``vllm`` script crashes) and stops it on :meth:`close`, start-up errors, Ctrl-C and exit; any other value is
-    the URL of a running server, never stopped.
-    """
+    """The sampler under test, behind vLLM's OpenAI-compatible HTTP server. ``server="spawn"`` starts
+    ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 (the CPU wheel's ``vllm`` script crashes) and
+    stops it on :meth:`close`, start-up errors, Ctrl-C and exit; any other value is a running server's URL, never stopped."""
 
     name = SOURCE
 

@@ -1,8 +1,5 @@
-"""The wire format of vLLM's OpenAI-compatible server: parsing and checking completions (pure), and its errors.
-
-vLLM 0.32 (``OpenAIServingCompletion._create_completion_logprobs``): ``choices[0].logprobs`` holds
-``tokens``, ``token_logprobs`` and per position a ``top_logprobs`` dict (the sampled token first, then the
-top-K: K entries when it is among them, K + 1 when not); ``-inf`` is sent as ``-9999.0``.
+"""The wire format of vLLM's OpenAI-compatible server: parsing and checking completions (pure), and its
+errors. The answer's layout (vLLM 0.32): docs/capture_plan.md, section 1.
 """
 
 from __future__ import annotations
@@ -186,12 +183,8 @@ def check_processed(
     spec: SamplingSpec | None = None,
     vocab_size: int | None = None,
 ) -> None:
-    """Raise :class:`LogprobsModeMismatch` when the captured values cannot be processed log-probs.
-
-    Exact checks for ``processed_logprobs``: a complete kept set has mass 1; a full top_k head has an untied tail
-    only from ties at the k-th value; min_p's kept values span at most ``-log(min_p)``; a whole-vocabulary top_p
-    support keeps every token above ``1 - top_p``. ``raw_logprobs`` (vLLM's default) fails them (docs/capture_plan.md, section 7).
-    """
+    """Raise :class:`LogprobsModeMismatch` when the captured values cannot be processed log-probs, by the exact
+    checks of docs/capture_plan.md, section 7 (``raw_logprobs``, vLLM's default, fails them)."""
     mass = support_mass(kept_logprobs)
     bad = (~incomplete) & ((mass - 1.0).abs() > MASS_TOLERANCE)
     if bool(bad.any()):
@@ -238,12 +231,9 @@ def check_processed(
 
 
 def check_probe(payload: object, *, url: str, vocab_size: int, max_tokens: int) -> None:
-    """Judge the start-up probe (``top_k=1``, ``logprobs=2``).
-
-    Processed log-probs under top_k=1 keep one token at log-prob 0 (or tied tokens sharing the mass
-    equally) and report ``-inf`` for the rest. Raw log-probs report the unfiltered distribution:
-    more than one finite entry, mass below 1.
-    """
+    """Judge the start-up probe (``top_k=1``, ``logprobs=2``): processed log-probs keep one token at log-prob 0
+    (or tied tokens sharing the mass equally) and report ``-inf`` for the rest; raw log-probs report the
+    unfiltered distribution, more than one finite entry and mass below 1."""
     parsed = parse_completion(
         payload, max_tokens=max_tokens, requested=2, vocab_size=vocab_size, where="probe"
     )

@@ -1,7 +1,5 @@
-"""Records (:mod:`parity.records.format`) from an OpenAI-compatible vLLM server's ``/v1/completions`` answers.
-
-The answers are parsed by the server rollout's own parser (:func:`parity.engines.vllm_server.protocol.parse_completion`),
-so what a user records from their server is read exactly as ``parity run --server`` reads it.
+"""Records (:mod:`parity.records.format`) from an OpenAI-compatible vLLM server's ``/v1/completions`` answers,
+parsed by :func:`parity.engines.vllm_server.protocol.parse_completion`, exactly as ``parity run --server`` reads them.
 """
 
 from __future__ import annotations
@@ -39,11 +37,8 @@ def from_server_responses(
     scenario: str | None = None,
 ) -> pa.Table:
     """Records from ``/v1/completions`` JSON answers, one per prompt, parsed as the server rollout parses them.
-
-    The requests must have asked for ``logprobs=requested`` (one value, or one per answer, as
-    :func:`request_with_capture` returns them) with ``return_tokens_as_token_ids`` (see
-    :mod:`parity.engines.vllm_server.protocol` for the request shape).
-    """
+    The requests must have asked ``logprobs=requested`` (one value, or one per answer as :func:`request_with_capture`
+    returns them) with ``return_tokens_as_token_ids`` (the request shape: :mod:`parity.engines.vllm_server.protocol`)."""
 
     specs = list(spec) if not isinstance(spec, SamplingSpec) else [spec] * len(payloads)
     heads = [int(requested)] * len(payloads) if isinstance(requested, int) else [int(k) for k in requested]
@@ -68,12 +63,10 @@ def request_with_capture(
     max_head: int = DEFAULT_MAX_HEAD,
     history: CaptureHistory | None = None,
 ) -> tuple[list[object], list[int], CaptureStats]:
-    """Send ``/v1/completions`` bodies with a capture plan for ``spec``; ask unproven ones again.
-
-    ``send`` (your client) POSTs a list of bodies and returns their answers in order; each body carries its
-    ``seed``, ``n=1`` and ``return_tokens_as_token_ids``; ``logprobs`` is set here, up to ``max_head``. Returns
-    the answers, the ``logprobs`` each was asked with (``requested`` of :func:`from_server_responses`) and the stats.
-    """
+    """Send ``/v1/completions`` bodies with a capture plan for ``spec``; ask unproven ones again. ``send`` (your
+    client) POSTs a list of bodies and returns their answers in order; each body carries its ``seed``, ``n=1`` and
+    ``return_tokens_as_token_ids``; ``logprobs`` is set here, up to ``max_head``. Returns the answers, the
+    ``logprobs`` each was asked with (``requested`` of :func:`from_server_responses`) and the stats."""
     for i, b in enumerate(bodies):
         if b.get("seed") is None or b.get("n", 1) != 1:
             raise UsageError(

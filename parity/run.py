@@ -245,8 +245,8 @@ def routing_section(records: list[SequenceRecord], table: TokenTable, trainer: T
     each routing gate names, for the gate table to judge (in :func:`parity.records.verdict.judge`)."""
     from parity.engines.routing_replay import routing_report
 
-    section, _ = routing_report(records, table, trainer, sc.spec, dtypes, scenario=sc.name, thresholds=cfg.thresholds,
-                                own=own)
+    section = routing_report(records, table, trainer, sc.spec, dtypes, scenario=sc.name,
+                             n_listed=cfg.thresholds.max_violations_listed, own=own)
     section["capture"] = getattr(rollout, "last_routes", None)  # the engine adapter's record of the capture route
     return section
 

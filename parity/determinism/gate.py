@@ -4,7 +4,7 @@ the gate table's ``invariance`` entry when invariance is required."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TypeGuard
+from typing import cast
 
 from parity.core.gates import Thresholds
 from parity.core.violation import Violation
@@ -12,7 +12,7 @@ from parity.determinism.checks import RolloutInvariance, TrainerInvariance
 from parity.determinism.knobs import ON, DeterminismState
 from parity.errors import UsageError
 from parity.records.gate_table import GateCase, evaluate
-from parity.report.blocks import Json, JsonObject
+from parity.report.blocks import JsonObject
 
 
 def _results(result: Mapping[str, object]) -> list[Mapping[str, object]]:
@@ -67,23 +67,6 @@ def _largest(res: RolloutInvariance | TrainerInvariance) -> float | None:
     return max(d) if d else None
 
 
-def _is_json(value: object) -> TypeGuard[Json]:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return True
-    if isinstance(value, list):
-        return all(_is_json(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _is_json(v) for k, v in value.items())
-    return False
-
-
-def _json(value: object) -> Json:
-    """``value`` itself, checked to be JSON (dicts with str keys, lists, str, numbers, bools, None)."""
-    if not _is_json(value):
-        raise TypeError(f"determinism section: {value!r} is not a JSON value")
-    return value
-
-
 def determinism_section(
     state: DeterminismState | None,
     *,
@@ -106,12 +89,12 @@ def determinism_section(
     sides = guaranteed_sides(state) if required else {"rollout": False, "trainer": False}
     violations = [v for side, res in results.items() for v in invariance_gate(res, required=sides[side])]
     noise = [x for r in results.values() for c in r["checks"] if (x := c.get("max_abs_diff")) is not None]
-    return {
-        "mode": _json(state.to_dict()) if state is not None else None,
-        **{side: _json(res) for side, res in results.items()},
+    section = {
+        "mode": state.to_dict() if state is not None else None,
+        **results,
         "required": required,
         # Only what a knob in force guarantees is required; the other side is measured and reported.
-        "required_sides": _json(sides),
+        "required_sides": sides,
         "not_required": {
             side: {"invariant": res["invariant"], "max_abs_diff": _largest(res)}
             for side, res in results.items() if not sides[side]
@@ -121,5 +104,6 @@ def determinism_section(
             "kernel_noise_max_abs_diff": max(noise) if noise else None,
             "replay_max_abs_diff": replay_max_abs_diff,
         },
-        "violations": [_json(v.to_dict()) for v in violations],
+        "violations": [v.to_dict() for v in violations],
     }
+    return cast("JsonObject", section)  # TypedDicts of JSON values (ModeJson, the checks' results)

@@ -18,14 +18,12 @@ from parity.core import routing as core_routing
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.core.token_table import TokenTable, build_table
-from parity.core.violation import Position, Violation
+from parity.core.violation import Position
 from parity.engines.routed_experts import ROUTED
 from parity.errors import UsageError
-from parity.records.gate_table import GateCase, evaluate
 from parity.report.blocks import JsonObject, ReplayDrift, Routing, RoutingLayer
 
 if TYPE_CHECKING:
-    from parity.core.gates import Thresholds
     from parity.engines.session import Trainer
 
 
@@ -140,12 +138,12 @@ def _rows(records: Sequence[SequenceRecord], per: list[dict[str, np.ndarray]], k
 
 def routing_report(
     records: Sequence[SequenceRecord], table: TokenTable, trainer: Trainer, spec: SamplingSpec, dtypes: Sequence[str],
-    *, scenario: str, thresholds: Thresholds, own: RouterTrace | None = None,
-) -> tuple[Routing, list[Violation]]:
+    *, scenario: str, n_listed: int = 5, own: RouterTrace | None = None,
+) -> Routing:
     """One scenario's routing section: agreement of the sampler's experts with the trainer's router, then the
-    trainer again under replay of the sampler's experts; with the positions each routing gate would name, and the
-    violations the gate table's routing entries find in it. ``own``: the trace of the trainer's scoring pass over
-    ``records``, where the caller traced it (else traced here)."""
+    trainer again under replay of the sampler's experts, with the positions each routing gate would name (the
+    gate table's routing entries judge it). ``own``: the trace of the trainer's scoring pass, where the caller
+    traced it (else traced here)."""
     bs = int(getattr(trainer, "batch_size", 8))
     if own is None:
         with trace_routers(trainer.model, batch_size=bs) as own:
@@ -164,7 +162,7 @@ def routing_report(
         raise UsageError(f"routed experts of scenario {scenario!r}: expert id {int(recorded[covered][bad].max())} "
                          f"from the sampler: allowed ids < {experts} (the trainer's experts per layer)")
     logits, ids, h_norm = (_rows(records, mine, k)[covered] for k in ("logits", "ids", "h_norm"))
-    args, n_listed = (prompt[covered], position[covered]), thresholds.max_violations_listed
+    args = (prompt[covered], position[covered])
     agreement, flips = core_routing.routing_agreement(recorded[covered], ids, logits, h_norm, own.w_rms, dtypes, *args,
                                                       n_listed=n_listed)
     check, unforced = core_routing.replay_forced(recorded[covered], _rows(records, replayed, "ids")[covered], *args,
@@ -192,7 +190,7 @@ def routing_report(
                    "drift": {"without_replay": _drift(without), "with_replay": _drift(with_r3)}},
         "listed": listed,
     }
-    return section, evaluate(GateCase(scenario, None, None, thresholds, routing=section), "routing")
+    return section
 
 
 def _layer(p: dict[str, float]) -> RoutingLayer:

@@ -11,15 +11,23 @@ from parity.core.gates import Thresholds
 from parity.core.matrix import Matrix, Scenario
 from parity.core.spec import SamplingSpec
 from parity.core.token_table import build_table
+from parity.core.violation import Violation
 from parity.engines import routing_replay
 from parity.engines.routing_replay import routing_report, trace_routers
 from parity.engines.session import EnginePool, make_prompts
+from parity.records.gate_table import GateCase, evaluate
+from parity.report.blocks import Routing
 from parity.run import RunConfig, run
 
 pytestmark = pytest.mark.e2e
 
 T1 = SamplingSpec(temperature=1.0)
 _TH = Thresholds(max_headroom=1.0)
+
+
+def _judged(section: Routing) -> list[Violation]:
+    """The gate table's routing entries on a routing section, as parity run's verdict applies them."""
+    return evaluate(GateCase("moe", None, None, _TH, routing=section), "routing")
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +95,8 @@ def test_a_swapped_expert_at_a_large_margin_fails_naming_it(sampled) -> None:
     planted[t, layer][planted[t, layer] == int(order[1])] = int(order[2])
     records[i].extras["routed_experts"] = planted
     try:
-        section, found = routing_report(records, table, trainer, T1, ("float32", "float32"), scenario="planted",
-                                        thresholds=_TH)
+        section = routing_report(records, table, trainer, T1, ("float32", "float32"), scenario="planted")
+        found = _judged(section)
     finally:
         records[i].extras["routed_experts"] = ids
     agreement = [v for v in found if v.gate == "routing_agreement"]
@@ -100,11 +108,13 @@ def test_a_swapped_expert_at_a_large_margin_fails_naming_it(sampled) -> None:
 
 def test_replay_planted_off_by_one_position_fails(sampled, monkeypatch) -> None:
     trainer, records, table = sampled
-    exact, none = routing_report(records, table, trainer, T1, ("float32", "float32"), scenario="r3", thresholds=_TH)
+    exact = routing_report(records, table, trainer, T1, ("float32", "float32"), scenario="r3")
+    none = _judged(exact)
     assert none == [] and exact["replay"]["forced_frac"] == 1.0
     forced = routing_replay._forced
     monkeypatch.setattr(routing_replay, "_forced", lambda *a: [torch.roll(f, 1, 0) for f in forced(*a)])
-    section, found = routing_report(records, table, trainer, T1, ("float32", "float32"), scenario="r3", thresholds=_TH)
+    section = routing_report(records, table, trainer, T1, ("float32", "float32"), scenario="r3")
+    found = _judged(section)
     gates = {v.gate for v in found}
     assert "routing_replay_forced" in gates and section["replay"]["forced_frac"] < 1.0
     assert section["replay"]["drift"]["with_replay"]["max_abs_diff"] > exact["replay"]["drift"]["with_replay"]["max_abs_diff"]

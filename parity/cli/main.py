@@ -12,7 +12,7 @@ import traceback
 from collections.abc import Collection, Sequence
 
 import parity
-from parity.errors import ParityError
+from parity.errors import MissingPackage, ParityError
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -84,7 +84,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args._main(args) or 0)
+        try:
+            return int(args._main(args) or 0)
+        except ModuleNotFoundError as exc:
+            # A package outside parity that a command imports and this install lacks: the user's to fix.
+            if not exc.name or exc.name.split(".")[0] == "parity":
+                raise
+            raise MissingPackage(exc.name, f"`parity {args.command}` imports it") from exc
+    except BrokenPipeError:
+        return _closed_pipe()
     except ParityError as exc:
         # Something the user can fix: one readable line that names it.
         if args.debug:
@@ -102,6 +110,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exc()
         print(_bug_report(argv), file=sys.stderr)
         return INTERNAL_ERROR
+
+
+def _closed_pipe() -> int:
+    """stdout's reader went away (``parity matrix | head``): end quietly, as Unix tools do on SIGPIPE."""
+    import os
+
+    try:
+        # Python flushes stdout again at exit, which would raise into "Exception ignored" noise.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 128 + 13  # the shell's status for a process ended by SIGPIPE
 
 
 def _bug_report(argv: Sequence[str]) -> str:

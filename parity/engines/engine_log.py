@@ -151,8 +151,7 @@ class EngineOutput:
         lines = lines[-self.tail_lines :]
         out = stream or sys.stderr
         if not lines:
-            print(f"parity: the engines wrote nothing (log: {self.log_path})", file=out, flush=True)
-            return
+            return  # nothing of the engines' to show: the error that follows says it all
         print(f"parity: last {len(lines)} lines of the engines' output ({self.log_path}):", file=out)
         for ln in lines:
             print(f"    {ln}", file=out)

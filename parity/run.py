@@ -147,8 +147,8 @@ def preflight(matrix: Matrix, cfg: RunConfig) -> None:
     """Check every scenario's capture plan against its model's vocabulary before any engine starts (an
     engine start costs tens of seconds, and a spec the plan refuses would stop the run after it)."""
     from parity.core.capture import plan_capture
-    from parity.errors import UsageError
     from parity.engines.engine_log import waiting
+    from parity.errors import UsageError
     from parity.fixtures import config_vocab_size, resolve_model
 
     vocab: dict[str, int] = {}

@@ -24,8 +24,8 @@ import torch
 
 from parity import fixtures as fx
 from parity.cli import fixtures as fixtures_cli
-from parity.fixtures import convert as fx_convert
 from parity.errors import MissingPackage
+from parity.fixtures import convert as fx_convert
 from parity.fixtures import recipes as fx_recipes
 
 REPO = Path(__file__).resolve().parents[1]

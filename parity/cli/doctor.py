@@ -192,7 +192,7 @@ def _lock_pins() -> dict[str, str] | None:
     """{canonical name: version} of the lock file, or None outside a source checkout."""
     if not LOCK_FILE.is_file():
         return None
-    pins = {}
+    pins: dict[str, str] = {}
     for line in LOCK_FILE.read_text(encoding="utf-8").splitlines():
         line = line.split("#")[0].strip()
         if "==" in line and not line.startswith("-"):

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PARITY = ROOT / "parity"
@@ -74,7 +77,7 @@ def test_the_layers_contract_holds_and_no_module_imports_itself_in_a_circle() ->
 
 
 def test_readme_tree_matches_the_packages() -> None:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "layout.md").read_text(encoding="utf-8")
     section = text.split("## How the code is laid out", 1)[1]
     tree = section.split("```", 2)[1]
     listed = set(re.findall(r"^parity/([a-z_]+)/", tree, re.M))
@@ -162,3 +165,36 @@ def test_dotted_name_check_tells_a_stale_name_from_a_live_one() -> None:
     assert _resolves("parity.core.sequence.SequenceRecord")
     assert not _resolves("parity.rounding")  # a module that moved
     assert not _resolves("parity.records.SequenceRecord")  # an attribute the package does not export
+
+
+README = ROOT / "README.md"
+
+
+def test_readme_is_a_front_door() -> None:
+    """Short, a runnable example early, and every module it names is the public API."""
+    text = README.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    assert len(lines) <= 300, f"README is {len(lines)} lines: deep topics belong in docs/"
+    first = next(i for i, ln in enumerate(lines, 1) if ln.startswith("```python"))
+    assert first <= 60, f"README's first runnable example starts at line {first}"
+    import parity.api
+
+    unquoted = re.sub(r'"[^"\n]*"', '""', text)  # a metadata key such as "parity.records" is not a module
+    named = set(re.findall(r"\bparity(?:\.[A-Za-z_]\w*)+", unquoted))
+    for dotted in sorted(named):
+        parts = dotted.split(".")
+        assert parts[1] == "api", f"README names {dotted}: only parity.api is public"
+        assert len(parts) == 2 or parts[2] in parity.api.__all__, f"README names {dotted}, not in parity.api"
+    for module in re.findall(r"^\s*(?:from|import) (parity[\w.]*)", text, re.M):
+        assert module == "parity.api", f"README imports {module}"
+
+
+def test_the_public_api_resolves_every_name() -> None:
+    import parity.api
+
+    for name in parity.api.__all__:
+        if name == "patch_grpo" and importlib.util.find_spec("trl") is None:
+            continue
+        assert getattr(parity.api, name) is not None, name
+    with pytest.raises(AttributeError, match="the public names"):
+        parity.api.no_such_name  # noqa: B018

@@ -115,7 +115,7 @@ def test_run_records_then_analyze_gives_the_same_report(pool, tmp_path: Path, fa
 
 
 def readme_block() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "records_format.md").read_text()
     block = re.search(r"<!-- own-vllm:start -->\s*```python\n(.*?)```\s*<!-- own-vllm:end -->", text, re.S)
     assert block, "README lost its own-vLLM records example"
     return block.group(1)
@@ -125,7 +125,7 @@ def test_readme_records_from_your_own_engine(pool, tmp_path: Path, monkeypatch) 
     rollout, _ = pool.get(MODEL, RunConfig(model=MODEL), lambda s: None)
     prompts = ["The sampler and the trainer must agree", "Once upon a time", "def log_softmax(logits):"]
     monkeypatch.chdir(tmp_path)
-    exec(compile(readme_block(), "README.md", "exec"), {"llm": rollout.llm, "prompts": prompts})
+    exec(compile(readme_block(), "docs/records_format.md", "exec"), {"llm": rollout.llm, "prompts": prompts})
     path = tmp_path / "rollouts.parquet"
     ana = analyze(path, options=Options(model=MODEL), out=tmp_path / "report", plots=False)
     (sc,) = ana["scenarios"]

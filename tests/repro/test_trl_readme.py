@@ -20,14 +20,14 @@ pytest.importorskip("trl")
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "trl.md"
 TIMEOUT_S = 1200
 
 
 def readme_block() -> str:
     text = README.read_text(encoding="utf-8")
     m = re.search(r"<!-- trl-grpo:start -->\s*```python\n(.*?)```\s*<!-- trl-grpo:end -->", text, re.S)
-    assert m, "README has no <!-- trl-grpo:start --> ... <!-- trl-grpo:end --> python block"
+    assert m, "docs/trl.md has no <!-- trl-grpo:start --> ... <!-- trl-grpo:end --> python block"
     return m.group(1)
 
 

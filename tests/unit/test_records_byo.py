@@ -244,11 +244,11 @@ def test_kept_sets_without_kept_incomplete_are_said_to_be_taken_as_complete(tmp_
 
 
 def test_readme_pyarrow_snippet_writes_a_checksummed_file_with_its_facts(tmp_path: Path, monkeypatch) -> None:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "records_format.md").read_text()
     block = re.search(r"<!-- pyarrow-records:start -->\s*```python\n(.*?)```\s*<!-- pyarrow-records:end -->", text, re.S)
-    assert block, "README lost its pyarrow records snippet"
+    assert block, "docs/records_format.md lost its pyarrow records snippet"
     monkeypatch.chdir(tmp_path)
-    exec(compile(block.group(1), "README.md", "exec"), {})
+    exec(compile(block.group(1), "docs/records_format.md", "exec"), {})
     rf = open_records(tmp_path / "rollouts.parquet")
     assert rf.page_checksums is True and rf.metadata["sampler"] == "my-engine"
     assert not [w for w in analyze(rf.path, out=None)["warnings"] if "checksum" in w or "read as" in w]

@@ -130,9 +130,9 @@ def describe_columns() -> str:
 
 
 def test_readme_documents_every_column() -> None:
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "records_format.md").read_text()
     assert describe_columns() in readme, (
-        "README's records table is out of date: paste describe_columns() of tests/unit/test_records_format.py")
+        "docs/records_format.md's records table is out of date: paste describe_columns() of tests/unit/test_records_format.py")
     for c in COLUMNS:
         assert f"`{c.name}`" in readme
 

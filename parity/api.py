@@ -1,0 +1,41 @@
+"""parity's public API: the names README's examples use. Every other module is internal and may move.
+
+Each name imports its module when first read, so ``import parity.api`` costs nothing until then (TRL, vLLM
+and matplotlib are imported only by the names that need them)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    pass
+
+# name -> the module that defines it
+_NAMES = {
+    "run": "parity.run",
+    "RunConfig": "parity.run",
+    "analyze": "parity.analyze.report",
+    "load_report": "parity.report.model",
+    "write_records": "parity.records.write",
+    "patch_grpo": "parity.engines.trl_grpo",
+    "SamplingSpec": "parity.core.spec",
+    "TrainerBatch": "parity.engines.trainer_under_test",
+    "trace_routers": "parity.engines.routing_replay",
+    **{e: "parity.errors" for e in ("ParityError", "UsageError", "PathNotFound", "SetupError", "MissingPackage",
+                                    "EngineError", "TimedOut")},
+}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _NAMES:
+        raise AttributeError(f"module 'parity.api' has no attribute {name!r}; the public names: {', '.join(__all__)}")
+    value = getattr(importlib.import_module(_NAMES[name]), name)
+    globals()[name] = value  # later reads skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_NAMES))

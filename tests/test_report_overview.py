@@ -18,7 +18,7 @@ from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.core.token_table import TrainerFaults, build_table
 from parity.report import overview
-from parity.report.markdown import render_markdown
+from parity.report.markdown import render_details, render_markdown
 from parity.report.plots import dense_drift_hist
 from parity.report.schema import json_safe
 
@@ -171,15 +171,17 @@ def test_report_md_opens_with_the_verdict_the_paragraph_and_a_narrow_table(mixed
                         "nor fail (see \"Gates not evaluated\").")
     assert lines[4] == overview.paragraph(mixed)
     header = next(i for i, line in enumerate(lines) if line.startswith("| scenario |"))
-    assert header < lines.index("## Detail per scenario")
     assert [c.strip() for c in lines[header].strip("|").split("|")] == [
         "scenario", "verdict", "log S", "naive bias", "replay headroom", "recompute headroom", "support equal",
         "mean bias / limit", "resolution (nats)"]
     body = lines[header + 2 : header + 5]
     assert [row.split("|")[1].strip() for row in body] == [s["name"] for s in mixed["scenarios"]]
     assert "FAIL (replay_drift" in body[2]
-    # The plots sit by the table they explain: log S vs bias under the narrow table, drift after the details.
-    assert md.index("](log_s_bias.png)") < md.index("## Detail per scenario") < md.index("](drift_hist.png)")
+    # The plots sit by what they explain: log S vs bias under the narrow table, drift after the verdict's reasons;
+    # the per-scenario detail is a second file, linked at the end.
+    assert md.index("| scenario |") < md.index("](log_s_bias.png)") < md.index("](drift_hist.png)")
+    assert "## Detail per scenario" not in md and md.rstrip().endswith("[details.md](details.md).")
+    assert "## Detail per scenario" in render_details(mixed)
     assert "](log_s_bias.png)" not in render_markdown(mixed)
 
 

@@ -269,7 +269,12 @@ def _determinism(det: JsonObject) -> list[str]:
     return lines
 
 
+DETAILS = "details.md"
+
+
 def render_markdown(report: ReportJson) -> str:
+    """report.md: one screen first (the verdict, the paragraph, the table, its plot), then what failed and why;
+    the per-scenario detail is :func:`render_details`' (details.md, linked)."""
     sc = report["scenarios"]
     env = report["environment"]
     plots = set(report.get("plots") or [])
@@ -293,15 +298,22 @@ def render_markdown(report: ReportJson) -> str:
         lines += ["", "![log S against the naive trainer's bias, per scenario](log_s_bias.png)"]
     lines.append("")
     lines += _verdict_lists(sc)
-    lines += _detail_table(sc)
     if "drift_hist.png" in plots:
         lines += ["", "![per-token drift of replay and recompute against its rounding bound](drift_hist.png)"]
     lines += steps_section(report)
-    lines += rl_section.markdown(report)
-    lines += routing_section.markdown(report)
     det = report.get("determinism")
     if det:
         lines += _determinism(det)
+    lines += ["", f"Per-scenario detail (estimators, the RL view, routing, matrix coverage, thresholds): [{DETAILS}]({DETAILS})."]
+    return "\n".join(lines) + "\n"
+
+
+def render_details(report: ReportJson) -> str:
+    """details.md: each scenario's numbers, the RL view per scenario, routing, matrix coverage and thresholds."""
+    lines = ["# parity report: detail per scenario", "", "The verdict and its reasons: [report.md](report.md).", ""]
+    lines += _detail_table(report["scenarios"])
+    lines += rl_section.markdown(report)
+    lines += routing_section.markdown(report)
     cov = report.get("matrix_pair_coverage")
     if cov:
         lines += ["", "## Matrix pair coverage", ""]

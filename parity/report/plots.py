@@ -103,10 +103,16 @@ def write_plots(report: ReportJson, out: Path) -> list[str]:
         written.append("drift_hist.png")
     if write_steps_plot(report, out, plt):
         written.append("drift_steps.png")
+    log_s = [_number(s["log_s"]["mean"]) for s in sc]
+    naive = [_number(s["naive"]["bias_mean"]) for s in sc]
+    if not any(math.isfinite(v) for v in (*log_s, *naive)):
+        # Logs alone carry neither a trainer-side log S nor a full-vocabulary trainer: no bars to draw.
+        written += rl_section.write_plot(report, out, plt)
+        return written
     fig, ax = plt.subplots(figsize=(max(8, len(sc) * 0.45), 4.5))
     x = range(len(sc))
-    ax.bar([i - 0.2 for i in x], [_number(s["log_s"]["mean"]) for s in sc], width=0.4, label="predicted log S (mean)")
-    ax.bar([i + 0.2 for i in x], [_number(s["naive"]["bias_mean"]) for s in sc], width=0.4, label=f"naive bias full − {who} (mean)")
+    ax.bar([i - 0.2 for i in x], log_s, width=0.4, label="predicted log S (mean)")
+    ax.bar([i + 0.2 for i in x], naive, width=0.4, label=f"naive bias full − {who} (mean)")
     ax.set_xticks(list(x))
     ax.set_xticklabels([s["name"] for s in sc], rotation=70, ha="right", fontsize=7)
     ax.set_ylabel("nats per token")

@@ -218,7 +218,13 @@ def write_plot(report: ReportJson, out: Path, plt: ModuleType) -> list[str]:
 
     rows = [(m, s) for m in METHODS if m.action in ("mask", "drop", "veto") for s in m.signs]
     labels = [m.name + ("" if s == "any" else f" ({_sign_label(s)})") for m, s in rows]
-    trainers = [t for t in TRAINERS if all(t in sc["rl_view"] for sc in scenarios)]
+    # A trainer's panel is drawn only where some method drops something: an all-zero panel is an empty plot
+    # (after replay or recompute nothing is dropped on a correct run; the tables in details.md say so).
+    trainers = [t for t in TRAINERS if all(t in sc["rl_view"] for sc in scenarios) and any(
+        (sc["rl_view"][t]["methods"][m.name][sign]["affected_frac"] or 0) > 0
+        for sc in scenarios for m, sign in rows)]
+    if not trainers:
+        return []
     fig, axes = plt.subplots(
         len(trainers),
         1,

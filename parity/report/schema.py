@@ -16,7 +16,7 @@ from typing import overload
 
 from parity.core.violation import Violation
 from parity.report.blocks import EnvironmentJson, JsonObject, ReportJson, schema_of
-from parity.report.markdown import render_markdown
+from parity.report.markdown import DETAILS, render_details, render_markdown
 from parity.report.model import SCHEMA_VERSION, Report
 from parity.report.plots import write_plots
 
@@ -127,5 +127,7 @@ def write_report(report: ReportJson, out: Path, *, plots: bool = True) -> None:
     # Both texts are rendered before either is written: a report is never left half written.
     text = json.dumps(json_safe(Report.from_json(report).to_json()), indent=2, sort_keys=False) + "\n"
     md = render_markdown(report)
+    details = render_details(report)
     (out / "report.json").write_text(text)
     (out / "report.md").write_text(md)
+    (out / DETAILS).write_text(details)

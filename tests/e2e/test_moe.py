@@ -55,7 +55,7 @@ def test_fp32_routing_agrees_everywhere_and_replay_is_exact(pool, tmp_path, mode
         assert g["agreement"] == 1.0 and [p["agreement"] for p in g["per_layer"]] == [1.0] * 4
         assert g["replay"]["forced_frac"] == 1.0
         assert g["replay"]["drift"]["with_replay"]["headroom"] <= 1.0
-    md = (tmp_path / "report.md").read_text()
+    md = (tmp_path / "details.md").read_text()
     assert "## MoE routing" in md and "| 3 | 100.0 % |" in md and "| routing replay |" in md
 
 

@@ -15,7 +15,7 @@ from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.core.token_table import build_table
 from parity.records.scenario import rl_view
-from parity.report.markdown import render_markdown
+from parity.report.markdown import render_details, render_markdown
 from parity.report.rl_section import headline
 from parity.report.schema import SCHEMA_VERSION, environment, report_schema, write_report
 
@@ -103,7 +103,8 @@ def test_report_md_and_json_carry_both_tables(tmp_path) -> None:
         "passed": True,
         "source": "records", "config": {}, "records": {"files": 0, "rows": 2, "tokens": 8, "page_checksums": "unknown", "files_without_page_checksums": []}, "warnings": [], "complete": True, "not_evaluated": [],
     }
-    md = render_markdown(report)
+    assert "## RL view" not in render_markdown(report)  # per-scenario detail lives in details.md
+    md = render_details(report)
     assert "## RL view: framework mismatch metrics and IS corrections" in md
     assert "Assumption: First update after a rollout" in md
     h = headline(s1)

@@ -6,6 +6,7 @@ The package holds the engine-free math core, imported on first use: ``import par
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -38,13 +39,22 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'parity' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value  # later reads skip this function
-    return value
+def lazy_module(owner: str, names: dict[str, str], namespace: dict[str, Any]) -> tuple[
+        Callable[[str], Any], Callable[[], list[str]]]:
+    """A module's ``__getattr__`` and ``__dir__`` that import each of ``names`` (name -> defining module) on
+    first read and keep it in ``namespace``, so ``import`` of ``owner`` costs nothing until then."""
+
+    def getattr_(name: str) -> Any:
+        if name not in names:
+            raise AttributeError(f"module {owner!r} has no attribute {name!r}; its names: {', '.join(sorted(names))}")
+        value = getattr(importlib.import_module(names[name]), name)
+        namespace[name] = value  # later reads skip this function
+        return value
+
+    def dir_() -> list[str]:
+        return sorted(set(namespace) | set(names))
+
+    return getattr_, dir_
 
 
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_module("parity", _LAZY, globals())

@@ -5,8 +5,9 @@ and matplotlib are imported only by the names that need them)."""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from parity import lazy_module
 
 if TYPE_CHECKING:
     pass
@@ -29,13 +30,4 @@ _NAMES = {
 __all__ = sorted(_NAMES)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _NAMES:
-        raise AttributeError(f"module 'parity.api' has no attribute {name!r}; the public names: {', '.join(__all__)}")
-    value = getattr(importlib.import_module(_NAMES[name]), name)
-    globals()[name] = value  # later reads skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_NAMES))
+__getattr__, __dir__ = lazy_module("parity.api", _NAMES, globals())

@@ -291,3 +291,19 @@ def test_doctor_exit_code_follows_its_findings(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setenv("PARITY_FIXTURE_CACHE", os.devnull + "/cache")  # under a file: not writable
     assert cli.main(["doctor"]) == 1
     assert "fixture cache" in capsys.readouterr().out
+
+
+def test_the_lock_is_found_from_the_checkout_folder_when_parity_runs_from_site_packages(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    site = tmp_path / "venv" / "lib" / "site-packages" / "parity" / "cli"
+    site.mkdir(parents=True)
+    monkeypatch.setattr(doctor, "__file__", str(site / "doctor.py"))
+    checkout = tmp_path / "checkout"
+    (checkout / "ci").mkdir(parents=True)
+    (checkout / "sub").mkdir()
+    (checkout / "pyproject.toml").write_text('[project]\nname = "parity"\n')
+    (checkout / "ci" / "requirements-lock.txt").write_text("torch==2.13.0+cpu\n    # via parity\nNumPy==2.3.5 ; python_version >= '3.11'\n")
+    monkeypatch.chdir(checkout / "sub")
+    assert doctor._lock_pins() == {"torch": "2.13.0+cpu", "numpy": "2.3.5"}
+    (checkout / "pyproject.toml").write_text('[project]\nname = "another"\n')
+    assert doctor._lock_pins() is None

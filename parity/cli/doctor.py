@@ -6,6 +6,7 @@ Checks read the machine through a :class:`Probe` (tests replace a field to plant
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes.util
 import glob
 import importlib.util
@@ -32,7 +33,7 @@ COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 # What the main job (`nox -s parity`) builds: the default matrix's fixtures, then the real checkpoint.
 MAIN_JOB_FIXTURES = ("qwen2-tiny", "qwen2-tiny-ties", "smollm2-135m")
 # The lock the nox sessions install from (`nox -s lock` writes it), in a source checkout.
-LOCK_FILE = Path(__file__).resolve().parents[2] / "ci" / "requirements-lock.txt"
+LOCK_NAME = Path("ci") / "requirements-lock.txt"
 FETCH_TIMEOUT_S = 300.0
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
@@ -188,12 +189,25 @@ def _fetch_wheel(name: str) -> str | None:
     return f"`pip download {recipe.package}=={recipe.version}` exited {proc.returncode}: " + (tail[-1] if tail else "")
 
 
+def _lock_file() -> Path | None:
+    """The lock of parity's source checkout: the one this code runs from, else the one the current folder is in
+    (an install into a nox session's environment runs from site-packages, in the checkout's folder)."""
+    for root in (Path(__file__).resolve().parents[2], *(p for p in (Path.cwd(), *Path.cwd().parents))):
+        pyproject = root / "pyproject.toml"
+        if (root / LOCK_NAME).is_file() and pyproject.is_file():
+            with contextlib.suppress(tomllib.TOMLDecodeError, OSError):
+                if tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {}).get("name") == "parity":
+                    return root / LOCK_NAME
+    return None
+
+
 def _lock_pins() -> dict[str, str] | None:
     """{canonical name: version} of the lock file, or None outside a source checkout."""
-    if not LOCK_FILE.is_file():
+    lock = _lock_file()
+    if lock is None:
         return None
     pins: dict[str, str] = {}
-    for line in LOCK_FILE.read_text(encoding="utf-8").splitlines():
+    for line in lock.read_text(encoding="utf-8").splitlines():
         line = line.split("#")[0].strip()
         if "==" in line and not line.startswith("-"):
             name, _, version = line.partition("==")
@@ -532,11 +546,11 @@ def check_lock(probe: Probe) -> list[Finding]:
               if (v := probe.version(n)) is not None and v != pinned]
     if not differ:
         return [Finding("lock", "ok", f"every installed package the lock pins is at its locked version "
-                        f"({LOCK_FILE.name}, {len(pins)} pins)")]
+                        f"({LOCK_NAME}, {len(pins)} pins)")]
     shown = ", ".join(f"{n} {v} (lock {p})" for n, v, p in differ[:8]) + (" …" if len(differ) > 8 else "")
     return [Finding("lock", "warn", f"{len(differ)} installed package(s) differ from the lock: {shown}; the "
                     "nox sessions run with the locked versions",
-                    f"pip install -c {LOCK_FILE.relative_to(LOCK_FILE.parents[1])} '.[cpu,report,real]' "
+                    f"pip install -c {LOCK_NAME} '.[cpu,report,real]' "
                     "(or run through nox)")]
 
 

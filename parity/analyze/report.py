@@ -263,7 +263,7 @@ def analyze(
     engine: str = "local",
 ) -> ReportJson:
     """Analyse a records file or a directory of shards; write report.json/report.md/plots under ``out``.
-    ``engine``: where the map step runs: ``local`` (this process, or ``jobs`` local processes), or Ray or Spark
+    ``engine``: where the map step runs: ``local`` (this process, or ``jobs`` local processes), or Ray
     (:func:`parity.analyze.cluster.parse_engine` lists the forms), merged here either way."""
     from parity.analyze.cluster import parse_engine, summarize_on_engine
     from parity.report.schema import write_report

@@ -1,7 +1,7 @@
 """The map step of ``parity analyze``: a records file, batch by batch, into a mergeable
 :class:`~parity.records.accumulators.Summary` (re-scored with a transformers model under ``--model``),
 and files or shards over local processes (``--jobs``). :mod:`parity.analyze.cluster` runs the same step on
-Ray or Spark; :mod:`parity.analyze.report` merges and judges."""
+Ray; :mod:`parity.analyze.report` merges and judges."""
 
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def file_header(path: str, records: RecordsFile) -> Summary:
 def batch_summarizer(metadata: Mapping[str, object], file_index: int, options: Options) -> Callable[[RecordsBatch], Summary]:
     """The map step for the validated batches of one file: dtypes and vocabulary size from the file's
     metadata, the trainer's values re-scored with ``options.model`` when set (what every worker runs:
-    local processes, Ray, Spark)."""
+    local processes, Ray)."""
     dtypes = _dtypes(metadata, options)
     stated = (str(metadata.get("dtype") or ""), options.dtype if options.model else str(metadata.get("trainer_dtype") or ""))
     stated_vocab = metadata.get("vocab_size")  # user metadata: checked here

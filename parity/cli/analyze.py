@@ -16,8 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=int, default=1, help="analyse shards in N local processes and merge (default 1)")
     p.add_argument("--engine", default="local", metavar="ENGINE",
                    help="where the per-batch map step runs (default local): ray (a local cluster, or RAY_ADDRESS's), "
-                        "ray://HOST:PORT, spark (local[*]), spark://HOST:PORT or spark:MASTER; the summaries merge here "
-                        "(needs parity[ray] or parity[spark])")
+                        "or ray://HOST:PORT; the summaries merge here (needs parity[ray])")
     p.add_argument("--out", type=Path, default=Path("reports/analyze"), help="report folder (default: reports/analyze)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="trainer dtype: picks the default thresholds (and the --model dtype); default: the records' "

@@ -1,4 +1,4 @@
-"""``parity analyze --engine ray|spark`` on local clusters: the same report as the local analysis of the
+"""``parity analyze --engine ray`` on a local cluster: the same report as the local analysis of the
 same shards, the planted fault's positions named by its shard and row, a bad shard refused with the
 local message.
 
@@ -10,6 +10,7 @@ without ``prompt_index`` (its positions are named by file and row), one with a c
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ import records_synth
 
 from parity.analyze import analyze
 from parity.analyze.cluster import ERROR_NOTE, parse_engine, records_error_in
+from parity.errors import SetupError, UsageError
 from parity.records.schema import RecordsError
 from parity.records.token_columns import Options
 from parity.records.write import RecordsWriter
@@ -37,7 +39,7 @@ SHARDS = [
 ]
 FAULTY = "part-1.parquet"
 # (row, position, shift of trainer_replay_logprobs in nats): the larger one is the worst position; the two
-# rows fall in different Spark splits of the file (tests/records/conftest.py).
+# rows fall in different row groups of the file.
 PLANTED = [(16, 4, 0.5), (2, 1, 0.2)]
 BATCH_ROWS = 7  # local batches cut across the engines' splits
 
@@ -143,10 +145,9 @@ def check_planted(report: dict, folder: Path) -> None:
     assert source in v["message"]
 
 
-@pytest.fixture(params=["ray", "spark"])
-def engine(request):
-    request.getfixturevalue("ray_cluster" if request.param == "ray" else "spark_session")
-    return request.param
+@pytest.fixture
+def engine(ray_cluster):
+    return "ray"
 
 
 @pytest.mark.parametrize("which", ["clean", "fault"])
@@ -206,32 +207,41 @@ def test_the_map_step_takes_rows_in_any_order_and_split(shards, local_reports, m
 def test_engine_forms_and_the_error_note() -> None:
     assert parse_engine("ray").kind == "ray"
     assert parse_engine("ray://head:10001").address == "ray://head:10001"
-    assert parse_engine("spark").address is None
-    assert parse_engine("spark://m:7077").address == "spark://m:7077"
-    assert parse_engine("spark:local[3]").address == "local[3]"
-    with pytest.raises(ValueError, match="allowed local; ray"):
-        parse_engine("dask")
+    assert parse_engine("local").kind == "local"
+    for bad in ("dask", "spark", "spark://m:7077", "spark:local[3]", "ray://"):
+        with pytest.raises(UsageError, match=rf"--engine '{re.escape(bad)}' is invalid: allowed local; ray .*; ray://HOST:PORT$"):
+            parse_engine(bad)
     # An engine hands a worker's exception back as text: the note carries the message through.
     err = RecordsError("f.parquet row 3 column x: value is NaN: allowed a finite number")
     err.add_note(ERROR_NOTE + '"f.parquet row 3 column x: value is NaN: allowed a finite number"')
     wrapped = RuntimeError("Traceback (most recent call last):\n  ...\nRecordsError: ...\n"
-                           + "\n".join(err.__notes__) + "\n\tat org.apache.spark...")
+                           + "\n".join(err.__notes__) + "\n(at the worker)")
     assert records_error_in(wrapped) == str(err)
     assert records_error_in(RuntimeError("no note here")) is None
 
 
-@pytest.mark.parametrize("engine, module", [("ray", "ray"), ("spark", "pyspark.sql")])
-def test_a_missing_engine_names_its_extra(engine, module, tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("engine", ["spark", "spark://m:7077"])
+def test_the_command_refuses_an_engine_it_does_not_run(engine, shards, tmp_path: Path, capsys) -> None:
+    from parity.cli.main import main
+
+    out = tmp_path / "out"
+    assert main(["analyze", str(shards["clean"]), "--engine", engine, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--engine {engine!r} is invalid: allowed local; ray" in err and "ray://HOST:PORT" in err, err
+    assert not out.exists()
+
+
+def test_a_missing_engine_names_its_extra(tmp_path: Path, monkeypatch) -> None:
     import parity.analyze.cluster as engines
 
     real = engines.importlib.import_module
 
     def hidden(name, *a):
-        if name.split(".")[0] == module.split(".")[0]:
+        if name.split(".")[0] == "ray":
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         return real(name, *a)
 
     monkeypatch.setattr(engines.importlib, "import_module", hidden)
     folder = write_shards(tmp_path / "s", fault=False)
-    with pytest.raises(RuntimeError, match=rf"--engine {engine} needs .*pip install 'parity\[{engine}\]'"):
-        run(folder, engine)
+    with pytest.raises(SetupError, match=r"--engine ray needs ray, which is not installed: pip install 'parity\[ray\]'"):
+        run(folder, "ray")

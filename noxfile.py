@@ -88,9 +88,10 @@ def run_pytest(session: nox.Session, *args: str, profile: str = "ci", env: dict[
 def tests(session: nox.Session) -> None:
     """Unit, sampler and end-to-end tests on the CPU engine (what CI runs), then the kernel-dependent ones again.
 
-    The second pass runs the tests marked ``kernel_path`` (no vLLM engine; see tests/conftest.py) under
-    ``ATEN_CPU_CAPABILITY=default``, torch's non-vectorised CPU kernels: the bits of fp32 ``mm`` and
-    ``log_softmax`` change, so a test that holds only on one machine's kernels fails here too. Inductor's
+    The next passes run the tests marked ``kernel_path`` (no vLLM engine; see tests/conftest.py) under each
+    ``ATEN_CPU_CAPABILITY`` below the machine's own (``default``, torch's non-vectorised kernels, and ``avx2`` on
+    an AVX-512 machine): the bits of fp32 ``mm`` and ``log_softmax`` change, so a test that holds only on one
+    kernel's summation order fails here too. Inductor's
     FX graph cache is off there: it would hand back graphs the first pass compiled for the native ISA
     (``parity repro cpu_capability_default``).
     """
@@ -102,8 +103,20 @@ def tests(session: nox.Session) -> None:
     common = ("-p", "no:cacheprovider", "--benchmark-disable", "--durations=20", "-n", "2", "--dist", "loadfile")
     # The engine tests fail instead of skipping when ray is missing here.
     run_pytest(session, "-m", "not slow and not gpu", *common, env={"PARITY_ENGINES_REQUIRED": "1"})
-    second = {"ATEN_CPU_CAPABILITY": "default", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}
-    run_pytest(session, "-m", "kernel_path and not slow and not gpu", *common, env=second)
+    for capability in other_kernel_paths():
+        again = {"ATEN_CPU_CAPABILITY": capability, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}
+        run_pytest(session, "-m", "kernel_path and not slow and not gpu", *common, env=again)
+
+
+def other_kernel_paths() -> list[str]:
+    """The ATEN_CPU_CAPABILITY levels below this CPU's own that torch can run here: ``default`` (scalar kernels)
+    everywhere, and ``avx2`` on an AVX-512 machine. The first pass ran the native level."""
+    try:
+        flags = set(next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split())
+    except (OSError, StopIteration):
+        flags = set()
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+    return ["default", "avx2"] if avx512 and "avx2" in flags else ["default"]
 
 
 @nox.session

@@ -25,8 +25,8 @@ HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
 # Folders whose numbers depend on torch's CPU kernels and that start no vLLM engine (the reference
 # filters against vLLM's own Sampler, the estimators, the gates on recorded tables). ``nox -s tests``
-# runs them a second time under ATEN_CPU_CAPABILITY=default, torch's non-vectorised kernels, so one
-# machine checks two kernel paths. vLLM's CPU engine does not start on that path (its compiled kernels
+# runs them again under each ATEN_CPU_CAPABILITY below the machine's own (default, torch's non-vectorised
+# kernels; avx2 on an AVX-512 machine), so one machine checks every kernel path it can run. vLLM's CPU engine does not start on that path (its compiled kernels
 # need torch's vector types), so end-to-end tests run on the native path only. A test elsewhere that
 # starts no engine joins with ``@pytest.mark.kernel_path``.
 KERNEL_PATH_DIRS = ("unit", "sampler")

@@ -31,6 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trainer-dtype", choices=["float32", "bfloat16", "float16"], default=None, help="override the trainer's dtype")
     p.add_argument("--prompts", type=int, default=None, help="prompts per scenario (overrides the matrix)")
     p.add_argument("--max-tokens", type=int, default=None, help="completion length (overrides the matrix)")
+    p.add_argument("--max-prompts", type=int, default=None, metavar="N",
+                   help="sample a scenario again with up to N prompts when its mean-bias verdict cannot resolve the "
+                        "scenario's log S (default 64; a scenario's own prompts when larger); a verdict still without "
+                        "that power is no verdict (exit 4), naming the tokens it needs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--thresholds", type=Path, default=None, help="TOML file with a [thresholds] table")
     p.add_argument("--gate", action="append", default=[], metavar="NAME=VALUE", help="override one threshold")
@@ -99,6 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
+    if args.max_prompts is not None and args.max_prompts < 1:
+        raise UsageError(f"--max-prompts={args.max_prompts} is invalid: allowed an integer >= 1")
     if args.max_capture_head is not None and args.max_capture_head < 2:
         raise UsageError(f"--max-capture-head={args.max_capture_head} is invalid: allowed an integer >= 2")
     from parity.core.error_model import UNIT_ROUNDOFF

@@ -16,6 +16,7 @@ import numpy as np
 # rule's one home computes on tensors (the top_p bracket, replay from kept logits).
 from parity.core.error_model import SUPPORT_MASS_TOL, log_s_signature, mean_bias_entry, ratio_bias_entry
 from parity.core.gates import Thresholds
+from parity.core.power import Power, power_of, power_sentence
 from parity.core.spec import SamplingSpec
 from parity.core.violation import Violation
 from parity.records.accumulators import HEAD_BINS, HEAD_LO, HEAD_STEP, INPUTS, NA, ScenarioAcc, _na_ratios
@@ -410,6 +411,39 @@ def no_verdict_line(sc: blocks.ScenarioStats, judged: bool) -> str:
     return f"{head} on {sc['name']!r}: the records lack trainer_logprobs{which}; add " + MEAN_GATE_SUPPLY
 
 
+def class_bias(sc: blocks.ScenarioStats) -> float | None:
+    """The bias a mean-bias gate exists to catch, as a magnitude: the scenario's |mean log S| (a full-vocabulary
+    trainer's bias), else the sampler-side log S nearest 0; 0 where nothing is filtered; None when unknown."""
+    if not SamplingSpec.from_dict(sc["spec"]).effective().filtered:
+        return 0.0
+    mean = sc["log_s"]["mean"]
+    if isinstance(mean, int | float) and math.isfinite(mean):
+        return abs(float(mean))
+    hi = sc["sampler_log_s"]["hi_mean"]
+    if sc["sampler_log_s"]["positions"] and hi is not None and math.isfinite(hi):
+        return abs(float(hi))
+    return None
+
+
+def verdict_power(sc: blocks.ScenarioStats, evaluated: Sequence[str], th: Thresholds) -> Power | None:
+    """The power of the scenario's verdict: its finest deciding mean-bias gate against the class bias
+    (:mod:`parity.core.power`); None where no such gate was evaluated, nothing is filtered or log S is unknown."""
+    bias = class_bias(sc)
+    if not bias:
+        return None
+    user = "trainer_under_test" in sc
+    entries = (("trainer_under_test_mean_bias", "trainer_under_test"), ("logprob_mean_bias", "logprob")) if user \
+        else (("replay_mean_bias", "replay"), ("recompute_mean_bias", "recompute"))
+    out = []
+    for gate, key in entries:
+        m = sc["mean_bias"].get(key)
+        if gate not in evaluated or m is None or not isinstance(m["limit"], int | float):
+            continue
+        out.append(power_of(gate, bias, float(m["limit"]), float(m["systematic"]), th.mean_bias_headroom,
+                            int(m["tokens"])))
+    return min(out, key=lambda p: p.resolution, default=None)
+
+
 def judge(
     summary: Summary, th: Thresholds, *, trainer_name: str | None = None,
     native: Mapping[str, Sequence[tuple[int, int]]] | None = None, routing: Mapping[str, Routing] | None = None,
@@ -447,9 +481,14 @@ def judge(
         if verdict == "pass" and sc["tokens"] and sc["incomplete_positions"] == sc["tokens"]:
             # Every kept set unproven: the capture's limit leaves nothing to pass.
             verdict, no_verdict = "none", capture_limit
+        power = verdict_power(sc, evaluated, th)
+        if verdict == "pass" and power is not None and not power.resolved:
+            # A PASS only where the gate could have failed the bias it exists to catch.
+            verdict, no_verdict = "none", power_sentence(power, name)
         build: Callable[..., ScenarioVerdict] = ScenarioVerdict  # the entry's keys are its fields
         extra = {"routing": routing[name]} if routing is not None and name in routing else {}
         out.append(build(**{**sc, **extra, "spec": SamplingSpec.from_dict(sc["spec"])}, gates_evaluated=evaluated, verdict=verdict,
                          mean_bias_evaluated=mean_evaluated, no_verdict=no_verdict, capture_limit=capture_limit,
-                         violations=violations, reference_violations=reference, drift_headroom=drift_headroom_hist(a)))
+                         violations=violations, reference_violations=reference, drift_headroom=drift_headroom_hist(a),
+                         power=None if power is None else power.to_json()))
     return out

@@ -129,6 +129,19 @@ class MeanBiasEntries(TypedDict):
     logprob: NotRequired[LogprobBias | None]
 
 
+class PowerJson(TypedDict):
+    """A verdict's power (:class:`parity.core.power.Power`): its finest deciding mean-bias gate's resolution against
+    the class bias it exists to catch (|log S|), and the tokens that would resolve it (None: no count would)."""
+
+    gate: str
+    class_bias: float
+    resolution: float
+    systematic: float
+    tokens: int
+    tokens_needed: int | None
+    resolved: bool
+
+
 class Bound(TypedDict):
     max: float
     mean: float
@@ -441,6 +454,7 @@ class ScenarioJson(ScenarioStats):
     mean_bias_evaluated: bool
     no_verdict: str | None
     capture_limit: str | None
+    power: NotRequired[PowerJson]
     model: NotRequired[str]
     capture_plan: NotRequired[JsonObject]
     dtypes: NotRequired[Dtypes]

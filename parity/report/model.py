@@ -35,6 +35,7 @@ from parity.report.blocks import (
     PerEstimator,
     Records,
     ReportJson,
+    PowerJson,
     RoundingBound,
     Routing,
     SamplerLogS,
@@ -194,6 +195,7 @@ class ScenarioVerdict:
     no_verdict: str | None  # why not: what the records lack and what supplies it
     capture_limit: str | None  # positions the capture left unproven (not evaluated, not a FAIL), and the fix
     trainer_under_test: TrainerUnderTest | None = None
+    power: PowerJson | None = None  # the verdict's power: resolution against |log S| (parity.core.power)
     # What the producer adds (parity.analyze.report.REPORT_FACTS): the model, the capture, dtypes, the RL view.
     model: str | None = None
     capture_plan: CaptureStats | None = None

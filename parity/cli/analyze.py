@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from parity.cli import thresholds_from_args, verdict_exit_code
+from parity.cli import thresholds_from_args, verdict_exit_code, verdict_line
 from parity.errors import UsageError
 
 
@@ -52,6 +52,7 @@ def main(args: argparse.Namespace) -> int:
     # isort: off
     from parity.analyze.report import analyze  # first: it refuses a missing pyarrow with what to install
     from parity.analyze.cluster import parse_engine
+    from parity.core.display import ordered
     from parity.records.token_columns import Options
     # isort: on
 
@@ -80,12 +81,20 @@ def main(args: argparse.Namespace) -> int:
     for s in sc:
         for g in s["not_evaluated"]:
             skipped.setdefault(f"{g['gate']}: {g['reason']}", []).append(s["name"])
-    for what, names in skipped.items():
-        print(f"NOT EVALUATED ({len(names)} of {len(sc)} scenarios) {what}")
+    if sc and all(s["mean_bias_evaluated"] for s in sc):
+        # The mean-bias gate decided: the gates the records could not feed are one line (report.md names each).
+        gates = sorted({g["gate"] for s in sc for g in s["not_evaluated"]})
+        if gates:
+            print(f"NOT EVALUATED {len(gates)} gate(s) whose inputs the records lack (each with what supplies it in "
+                  f"{args.out}/report.md): {', '.join(gates)}")
+    else:
+        for what, names in skipped.items():
+            print(f"NOT EVALUATED ({len(names)} of {len(sc)} scenarios) {what}")
     for s in sc:
         m = (s.get("mean_bias") or {}).get("logprob")
         if m:
-            print(f"MEAN BIAS [{s['name']}] log mean IS ratio {m['mean']:.3g} against a resolution of {m['limit']:.3g} "
+            mean, limit = ordered(float(m["mean"]), float(m["limit"]))
+            print(f"MEAN BIAS [{s['name']}] log mean IS ratio {mean} against a resolution of {limit} "
                   f"per token (systematic {m['systematic']:.2g} + statistical {m['statistical']:.2g}, "
                   f"{m['standard_error_from']}) over {m['tokens']} tokens; mean(trainer - sampler) {m['mean_diff']:.3g}"
                   + (f"; assumed: {'; '.join(m['assumed'])}" if m["assumed"] else ""))
@@ -98,4 +107,5 @@ def main(args: argparse.Namespace) -> int:
     code = verdict_exit_code(report, accept_partial=args.accept_partial)
     for line in report["no_verdict"]:
         print(f"{'PARTIAL' if code == 0 else 'NO VERDICT'} {line}")
+    print(verdict_line(report, code))
     return code

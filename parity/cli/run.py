@@ -133,7 +133,6 @@ def main(args: argparse.Namespace) -> int:
     # own progress lines and the wait indicators go to the terminal.
     with EngineOutput(Path(cfg.out) / LOG_NAME, verbose=args.verbose) as out:
         report = run(cfg, progress=out.say)
-    n_fail = sum(s["verdict"] == "fail" for s in report["scenarios"])
     print()
     print(render_terminal(report))
     print()
@@ -147,10 +146,15 @@ def main(args: argparse.Namespace) -> int:
     for dv in det_violations if isinstance(det_violations, list) else []:
         if isinstance(dv, dict):
             print(f"FAIL [determinism] {dv['message']}")
+    for line in report["no_verdict"]:
+        print(f"NO VERDICT {line}")
+    n_pass = sum(s["verdict"] == "pass" for s in report["scenarios"])
     print(
-        f"parity: {len(report['scenarios']) - n_fail}/{len(report['scenarios'])} scenarios pass; report in "
+        f"parity: {n_pass}/{len(report['scenarios'])} scenarios pass; report in "
         f"{cfg.out}/report.md" + ("" if args.verbose else f", engine output in {cfg.out}/{LOG_NAME}")
     )
-    from parity.cli import verdict_exit_code
+    from parity.cli import verdict_exit_code, verdict_line
 
-    return verdict_exit_code(report)
+    code = verdict_exit_code(report)
+    print(verdict_line(report, code))
+    return code

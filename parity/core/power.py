@@ -47,8 +47,12 @@ def tokens_needed(class_bias: float, systematic: float, statistical: float, toke
         return None
     if statistical < room:
         return tokens
-    # statistical * sqrt(n / n') < room  <=>  n' > n * (statistical / room)^2; one more than the bound.
-    return math.floor(tokens * (statistical / room) ** 2) + 1
+    # statistical * sqrt(n / n') < room  <=>  n' > n * (statistical / room)^2; one more than the bound, then
+    # past it where float rounding left the bound itself.
+    need = math.floor(tokens * (statistical / room) ** 2) + 1
+    while statistical * math.sqrt(tokens / need) >= room:
+        need += max(1, need >> 30)
+    return need
 
 
 def power_of(gate: str, class_bias: float, limit: float, systematic: float, headroom: float, tokens: int) -> Power:

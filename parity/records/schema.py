@@ -6,7 +6,7 @@ README's "The records format" lists every column; docs/records.md, section 2, de
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +94,35 @@ def records_schema(metadata: Mapping[str, Any] | None = None) -> pa.Schema:
 
 def _meta_blob(metadata: Mapping[str, Any] | None) -> bytes:
     return json.dumps({"schema_version": SCHEMA_VERSION, "metadata": dict(metadata or {})}, sort_keys=True).encode()
+
+
+def closest_column(name: str, present: Iterable[str]) -> str | None:
+    """The column of ``present`` nearest ``name`` (a misspelling: ``trainer_logps`` for ``trainer_logprobs``), or
+    None when none is near (difflib's ratio below 0.6)."""
+    import difflib
+
+    near = difflib.get_close_matches(name, [c for c in present if c != name], n=1, cutoff=0.6)
+    return near[0] if near else None
+
+
+def nearest_note(name: str, present: Iterable[str]) -> str:
+    """`` (the records have X: misspelt?)`` where a present column is near ``name``, else ``""``."""
+    near = closest_column(name, present)
+    return "" if near is None else f" (the records have a column {near!r}, the closest present: a misspelling of {name}?)"
+
+
+def require_columns(names: Iterable[str], source: str) -> None:
+    """Refuse a file or batch without every required column, naming each missing one and, where a column
+    present is near it, that column (a misspelling)."""
+    present = set(names)
+    missing = [c for c in REQUIRED if c not in present]
+    if missing:
+        unknown = present - set(BY_NAME)
+        raise RecordsError(
+            f"{source}: missing required column(s) {', '.join(missing)}"
+            + "".join(nearest_note(c, unknown) for c in missing)
+            + f": a records file (schema_version {SCHEMA_VERSION}) needs {', '.join(REQUIRED)}"
+        )
 
 
 class RecordsError(UsageError):

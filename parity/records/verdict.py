@@ -402,13 +402,13 @@ def capture_limit_line(sc: blocks.ScenarioStats) -> str | None:
             f"{CAPTURE_LIMIT_FIX}")
 
 
-def no_verdict_line(sc: blocks.ScenarioStats, judged: bool) -> str:
+def no_verdict_line(sc: blocks.ScenarioStats, judged: bool, near: str = "") -> str:
     """Why a scenario has no mean-bias gate (and, when ``judged`` is false, no gate at all): the columns it
-    lacks and what supplies them."""
+    lacks and what supplies them; ``near``: the note naming a present column close to trainer_logprobs."""
     n_lack, n = sc["lacking_inputs"].get("user", 0), sc["sequences"]
     which = "" if n_lack >= n else f" in {n_lack} of {n} sequences"
     head = "no gate could be evaluated" if not judged else "no mean-bias gate could be evaluated"
-    return f"{head} on {sc['name']!r}: the records lack trainer_logprobs{which}; add " + MEAN_GATE_SUPPLY
+    return f"{head} on {sc['name']!r}: the records lack trainer_logprobs{which}{near}; add " + MEAN_GATE_SUPPLY
 
 
 def class_bias(sc: blocks.ScenarioStats) -> float | None:
@@ -451,8 +451,10 @@ def judge(
     """The one way from per-token statistics to verdicts: each scenario of ``summary`` through every gate of
     the table (``native``: per scenario, the positions where vLLM's native mask and the top-K capture differ;
     ``routing``: a MoE scenario's routing section, :func:`parity.run.routing_section`)."""
+    from parity.records.schema import nearest_note
     from parity.report.model import ScenarioVerdict
 
+    near = nearest_note("trainer_logprobs", summary.ignored_columns)
     accs = sorted(summary.groups.values(), key=lambda a: a.first_order)
     names = [a.name for a in accs]
     out = []
@@ -473,7 +475,7 @@ def judge(
         judged = [g for g in evaluated if g == TREND_GATE or GATE_INPUTS[g] not in (("kept",), ())
                   or (sc["captured_positions"] and g != "token_mismatch")]
         mean_evaluated = any(g in evaluated for g in MEAN_GATES)
-        no_verdict = None if mean_evaluated else no_verdict_line(sc, bool(judged))
+        no_verdict = None if mean_evaluated else no_verdict_line(sc, bool(judged), near)
         capture_limit = capture_limit_line(sc)
         violations, reference = split_verdict(violations, trainer_under_test="trainer_under_test" in sc)
         # Nothing judged: the scenario neither passes nor fails (its no_verdict line says what would judge it).

@@ -66,6 +66,7 @@ class RunConfig:
     sampler_log_s: bool = True  # a raw-logits pass for a log S from the sampler's side (small vocabularies)
     records: Path | None = None  # also write what was sampled and scored, per token (parity.records.write)
     max_prompts: int | None = None  # cap of the prompts sampled for a mean-bias verdict's power (None: the default)
+    recompute_precision: str = "trainer"  # "sampler": recompute chooses its kept set on logits rounded to the sampler's dtype
 
     def engine_settings(self) -> EngineSettings:
         """The part of this configuration the engines are started with (every EngineSettings field is one of ours)."""
@@ -202,7 +203,8 @@ def score_scenario(
     with _routers_traced(trainer, moe) as own:  # MoE: the scoring pass's routing is the trainer's side of the gates
         logits = trainer.logits(records)
     dtypes = (cfg.dtype, cfg.trainer_dtype or cfg.dtype)
-    table = build_table(records, logits, sc.spec, faults=cfg.faults, dtype=dtypes)
+    table = build_table(records, logits, sc.spec, faults=cfg.faults, dtype=dtypes,
+                        recompute_dtype=dtypes[0] if cfg.recompute_precision == "sampler" else None)
     views = score_trainer_under_test(table, records, logits, sc, cfg.trainer, trainer) if cfg.trainer else None
     export = from_sequence_records(records, scenario=sc.name, table=table, logits=logits, faults=cfg.faults)
     part = scenario_summary(export, dtypes=dtypes, vocab_size=rollout.vocab_size, views=views,

@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sample a scenario again with up to N prompts when its mean-bias verdict cannot resolve the "
                         "scenario's log S (default 64; a scenario's own prompts when larger); a verdict still without "
                         "that power is no verdict (exit 4), naming the tokens it needs")
+    p.add_argument("--recompute-precision", choices=["trainer", "sampler"], default="trainer",
+                   help="where recompute chooses its kept set: on the trainer's logits (default), or on them rounded to "
+                        "the sampler's dtype, whose ties at the k-th value vLLM's top_k keeps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--thresholds", type=Path, default=None, help="TOML file with a [thresholds] table")
     p.add_argument("--gate", action="append", default=[], metavar="NAME=VALUE", help="override one threshold")

@@ -28,6 +28,15 @@ def boundary_only(a: torch.Tensor, b: torch.Tensor, scaled_logits: torch.Tensor,
     return p.sum(dim=-1) <= 2.0 * eps + p.amax(dim=-1)
 
 
+def one_sided(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per row: does one kept mask ``[N, V]`` hold two or more tokens the other lacks, while the other holds none
+    the first lacks (S_q ⊋ S_p or S_p ⊋ S_q beyond one straddling token)? Such a difference is not a cutoff
+    that drift moved: it is a different filter (docs/capture_plan.md, section 9)."""
+    only_a = (a & ~b).sum(dim=-1)
+    only_b = (b & ~a).sum(dim=-1)
+    return ((only_a >= 2) & (only_b == 0)) | ((only_b >= 2) & (only_a == 0))
+
+
 def difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a - b`` in float64 under parity's one comparison rule: equal entries count 0 (-inf on both sides is
     agreement, off the support on both), a one-sided infinity is a gap of +-inf, and a NaN on either side (NaN

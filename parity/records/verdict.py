@@ -311,6 +311,14 @@ def _scenario_report(a: ScenarioAcc, name: str, trainer: str | None = None) -> b
             "diagnosis": _diagnosis(a, limits["trainer_under_test"] if limits["trainer_under_test"] is not None
                                     else math.inf, lp),
         }
+    e = SamplingSpec.from_dict(a.spec).effective()
+    sized = a.recompute_sized > 0
+    out["support_sides"] = {
+        "top_k": e.top_k if e.uses_top_k else None, "ties_at_k_positions": a.ties_at_k,
+        "ties_dropped_positions": a.ties_dropped if sized else None,
+        "smaller_positions": a.recompute_smaller if sized else None,
+        "larger_positions": a.recompute_larger if sized else None,
+    }
     out.update(captured_positions=a.captured, max_support_size=a.support_max if a.captured else None,
                mean_support_size=a.support_sum / a.captured if a.captured else None, kept_mass_off_positions=a.mass_off)
     notes = _input_notes(a)

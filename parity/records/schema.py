@@ -59,8 +59,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("trainer_log_s", _F64, False, "token", "log S predicted from the trainer's logits: logsumexp over S_q - logsumexp"),
     Column("trainer_recompute_forced", _BOOL, False, "token", "recompute had to force-include the sampled token"),
     Column("trainer_recompute_support_equal", _BOOL, False, "token", "the recomputed support equals S_q"),
-    Column("trainer_recompute_support_size", _I32, False, "token", "how many tokens recompute normalised over: "
-           "|S_p ∪ {y}|, >= 1"),
+    Column("trainer_recompute_support_size", _I32, False, "token", "how many tokens recompute normalised over "
+           "(S_p with the sampled token), >= 1"),
     Column("trainer_bound", _F64, False, "token", "rounding bound on |trainer - sampler| over S_q, >= 0 "
            "(parity.core.error_model.logprob_bound on the trainer's scaled logits)"),
     Column("trainer_bound_full", _F64, False, "token", "the same bound over the whole vocabulary (the naive estimator's), >= 0"),

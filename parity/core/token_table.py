@@ -14,7 +14,7 @@ from parity.core import estimators
 from parity.core.capture import support_mass
 from parity.core.error_model import SUPPORT_MASS_TOL, logprob_bound, systematic_bound, unit_roundoff
 from parity.core.log_s import top_p_bracket, top_p_bracket_applies
-from parity.core.metrics import boundary_only, kl_tv_over_support, one_sided, support_equal
+from parity.core.metrics import boundary_only, kl_tv_over_support, support_equal, top_k_count_differs
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.errors import UsageError
@@ -235,9 +235,10 @@ def _add_captured(cols: Columns, r: SequenceRecord, z: torch.Tensor, y: torch.Te
     q_mask = estimators.ids_to_mask(kept, vocab)
     equal = support_equal(rec_kept, q_mask)
     if not bool(equal.all()):
-        # A set that differs only at the cutoff, within drift, is the same filter; one side keeping several
-        # tokens the other lacks (ties at the k-th value one precision keeps) is a different one.
-        equal |= boundary_only(rec_kept, q_mask, zs, bound) & ~one_sided(rec_kept, q_mask)
+        # A set that differs only at the cutoff, within drift, is the same filter; one keeping ties at the
+        # k-th value that the other does not (a coarser precision ties more tokens there) is a different one.
+        k = trainer_spec.top_k_for_vocab(vocab) if trainer_spec.effective().uses_top_k else 0
+        equal |= boundary_only(rec_kept, q_mask, zs, bound) & ~top_k_count_differs(rec_kept, q_mask, k)
     cols["recompute_support_equal"].append(equal)
     # KL / TV between the sampler's processed distribution and the trainer's replayed one, on S_q.
     vals = zs.gather(1, kept.clamp(min=0)).masked_fill(kept < 0, float("-inf")).double()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 import numpy as np
 
@@ -440,11 +440,12 @@ def verdict_power(sc: blocks.ScenarioStats, evaluated: Sequence[str], th: Thresh
     if not bias:
         return None
     user = "trainer_under_test" in sc
-    entries = (("trainer_under_test_mean_bias", "trainer_under_test"), ("logprob_mean_bias", "logprob")) if user \
-        else (("replay_mean_bias", "replay"), ("recompute_mean_bias", "recompute"))
+    entries: tuple[tuple[str, Literal["trainer_under_test", "logprob", "replay", "recompute"]], ...] = (
+        (("trainer_under_test_mean_bias", "trainer_under_test"), ("logprob_mean_bias", "logprob")) if user
+        else (("replay_mean_bias", "replay"), ("recompute_mean_bias", "recompute")))
     out = []
     for gate, key in entries:
-        m = sc["mean_bias"].get(key)
+        m: blocks.MeanBias | None = sc["mean_bias"].get(key)
         if gate not in evaluated or m is None or not isinstance(m["limit"], int | float):
             continue
         out.append(power_of(gate, bias, float(m["limit"]), float(m["systematic"]), th.mean_bias_headroom,

@@ -289,10 +289,9 @@ def _drift_sentences(sc: list[ScenarioJson], who: str, limit: float, truncating:
                 f"The trainer's gap to {who} reaches {_ratio(h)} times its rounding bound in {s['name']} (the gate "
                 f"allows {limit:g})."
             )
-    ties = [s for s in sc if (s.get("support_sides") or {}).get("ties_dropped_positions")]
+    ties = [(s, sd) for s in sc if (sd := s.get("support_sides")) is not None and sd["ties_dropped_positions"]]
     if ties:
-        e = ties[0]
-        sd = e["support_sides"]
+        e, sd = ties[0]
         parts.append(
             f"At {e['name']} the sampler's kept set holds tokens tied at the k-th value (top_k={sd['top_k']}) at "
             f"{sd['ties_at_k_positions']} position(s); recompute, at the trainer's precision, kept fewer tokens at "

@@ -3,7 +3,7 @@
 A mean-bias gate's resolution (``headroom × limit``) is a systematic part plus a statistical part that shrinks
 as ``1 / sqrt(tokens)``. A verdict has power when that resolution lies below the class bias (the scenario's
 ``|log S|``: what a full-vocabulary trainer is off by). Where it does not, the tokens that would resolve it
-follow from the measured spread (docs/error_model.md, section 9).
+follow from the measured spread (docs/power.md).
 """
 
 from __future__ import annotations

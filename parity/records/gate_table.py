@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
+from parity.core.display import apart
 from parity.core.gates import Thresholds, recompute_support_limit
 from parity.core.violation import Position, Violation
 from parity.records.accumulators import NA, ScenarioAcc
@@ -152,8 +153,9 @@ def _logprob_mean_bias(c: GateCase) -> list[Violation]:
             detail=(f"{logprob_bias_class(m, allowed)}. {sign['beyond_allowance']} of {m['tokens']} tokens lie "
                     f"beyond their systematic allowance, {sign['negative_share']:.1%} of them negative where an "
                     f"honest drift of spread {m['spread_sd']:.3g} gives {sign['honest_share']:.1%} "
-                    f"({sign['z']:.1f} standard errors); the mean alone (log mean IS ratio {m['mean']:.3g}, "
-                    f"resolution {allowed:.3g}) could not tell"),
+                    f"({sign['z']:.1f} standard errors); the mean alone (log mean IS ratio "
+                    f"{apart(abs(_num(m['mean'])), allowed)} in magnitude, resolution {apart(allowed, abs(mean))}) "
+                    f"could not tell"),
         )]
     if not _over(abs(mean), allowed):
         return []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -53,6 +54,7 @@ def main(args: argparse.Namespace) -> int:
     from parity.analyze.report import analyze  # first: it refuses a missing pyarrow with what to install
     from parity.analyze.cluster import parse_engine
     from parity.core.display import ordered
+    from parity.core.power import Power, unassessed_sentence
     from parity.records.token_columns import Options
     # isort: on
 
@@ -98,6 +100,11 @@ def main(args: argparse.Namespace) -> int:
                   f"per token (systematic {m['systematic']:.2g} + statistical {m['statistical']:.2g}, "
                   f"{m['standard_error_from']}) over {m['tokens']} tokens; mean(trainer - sampler) {m['mean_diff']:.3g}"
                   + (f"; assumed: {'; '.join(m['assumed'])}" if m["assumed"] else ""))
+    for s in sc:
+        p = s.get("power")
+        if p is not None and p["resolved"] is None:
+            power = Power(p["gate"], math.nan, float(p["resolution"]), float(p["systematic"]), int(p["tokens"]), None)
+            print(f"POWER NOT ASSESSED {unassessed_sentence(power, s['name'])}")
     for s in sc:
         if s.get("capture_limit"):
             print(f"CAPTURE LIMIT {s['capture_limit']}")

@@ -23,18 +23,20 @@ class Power:
     """One mean-bias gate's resolution against the class bias it exists to catch."""
 
     gate: str
-    class_bias: float  # |log S| (mean over the scenario's tokens)
+    class_bias: float  # |log S| (mean over the scenario's tokens); NaN where the records hold no log S
     resolution: float  # headroom × the gate's limit: the smallest |mean bias| it fails
     systematic: float  # headroom × the limit's systematic part (no count of tokens lowers it)
     tokens: int  # tokens the resolution was measured over
     tokens_needed: int | None  # tokens at which the resolution would lie below the class bias (None: none)
 
     @property
-    def resolved(self) -> bool:
-        return self.resolution < self.class_bias
+    def resolved(self) -> bool | None:
+        """None: the class bias is unknown (NaN), so is the power."""
+        return None if math.isnan(self.class_bias) else self.resolution < self.class_bias
 
     def to_json(self) -> dict[str, object]:
-        return {"gate": self.gate, "class_bias": self.class_bias, "resolution": self.resolution,
+        known = not math.isnan(self.class_bias)
+        return {"gate": self.gate, "class_bias": self.class_bias if known else None, "resolution": self.resolution,
                 "systematic": self.systematic, "tokens": self.tokens, "tokens_needed": self.tokens_needed,
                 "resolved": self.resolved}
 
@@ -43,14 +45,14 @@ def tokens_needed(class_bias: float, systematic: float, statistical: float, toke
     """Tokens at which ``systematic + statistical * sqrt(tokens / n)`` falls below ``class_bias`` (both parts
     already times the headroom); None when the systematic part alone reaches it (more tokens cannot help)."""
     room = class_bias - systematic
-    if room <= 0.0 or not math.isfinite(statistical) or tokens <= 0:
+    if not room > 0.0 or not math.isfinite(statistical) or tokens <= 0:
         return None
     if statistical < room:
         return tokens
     # statistical * sqrt(n / n') < room  <=>  n' > n * (statistical / room)^2; one more than the bound, then
     # past it where float rounding left the bound itself.
     need = math.floor(tokens * (statistical / room) ** 2) + 1
-    while statistical * math.sqrt(tokens / need) >= room:
+    while systematic + statistical * math.sqrt(tokens / need) >= class_bias:
         need += max(1, need >> 30)
     return need
 
@@ -80,3 +82,10 @@ def about(n: int) -> str:
         return str(n)
     step = 10 ** (len(str(n)) - 2)
     return f"{-(-n // step) * step:,}"
+
+
+def unassessed_sentence(p: Power, name: str) -> str:
+    """The line of a verdict whose power is unknown: the records hold no log S to compare the resolution with."""
+    return (f"{name}: power not assessed: the records hold no log S (the bias of a full-vocabulary trainer), so "
+            f"whether {p.gate} at resolution {p.resolution:.3g} over {p.tokens} tokens could fail one is unknown; "
+            f"trainer_log_s, or kept sets with trainer_kept_logits and trainer_full_logprobs, or --model CKPT give it")

@@ -435,10 +435,13 @@ def class_bias(sc: blocks.ScenarioStats) -> float | None:
 
 def verdict_power(sc: blocks.ScenarioStats, evaluated: Sequence[str], th: Thresholds) -> Power | None:
     """The power of the scenario's verdict: its finest deciding mean-bias gate against the class bias
-    (:mod:`parity.core.power`); None where no such gate was evaluated, nothing is filtered or log S is unknown."""
+    (:mod:`parity.core.power`; a class bias of NaN where log S is unknown); None where no such gate was evaluated
+    or nothing is filtered."""
     bias = class_bias(sc)
-    if not bias:
+    if bias == 0.0:
         return None
+    if bias is None:
+        bias = math.nan
     user = "trainer_under_test" in sc
     entries: tuple[tuple[str, Literal["trainer_under_test", "logprob", "replay", "recompute"]], ...] = (
         (("trainer_under_test_mean_bias", "trainer_under_test"), ("logprob_mean_bias", "logprob")) if user
@@ -493,7 +496,7 @@ def judge(
             # Every kept set unproven: the capture's limit leaves nothing to pass.
             verdict, no_verdict = "none", capture_limit
         power = verdict_power(sc, evaluated, th)
-        if verdict == "pass" and power is not None and not power.resolved:
+        if verdict == "pass" and power is not None and power.resolved is False:
             # A PASS only where the gate could have failed the bias it exists to catch.
             verdict, no_verdict = "none", power_sentence(power, name)
         build: Callable[..., ScenarioVerdict] = ScenarioVerdict  # the entry's keys are its fields

@@ -143,15 +143,16 @@ class SupportSides(TypedDict):
 
 class PowerJson(TypedDict):
     """A verdict's power (:class:`parity.core.power.Power`): its finest deciding mean-bias gate's resolution against
-    the class bias it exists to catch (|log S|), and the tokens that would resolve it (None: no count would)."""
+    the class bias it exists to catch (|log S|), and the tokens that would resolve it (None: no count would).
+    ``class_bias`` and ``resolved`` None: the records hold no log S, so power was not assessed."""
 
     gate: str
-    class_bias: float
+    class_bias: float | None
     resolution: float
     systematic: float
     tokens: int
     tokens_needed: int | None
-    resolved: bool
+    resolved: bool | None
 
 
 class Bound(TypedDict):

@@ -92,3 +92,16 @@ def test_with_the_tokens_it_named_the_full_vocabulary_trainer_fails_and_a_correc
 def test_an_unfiltered_scenario_has_no_class_bias_to_resolve(tmp_path) -> None:
     sc = judged(tmp_path, "t1", 4, bias=0.0, spec={"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0})
     assert sc["verdict"] == "pass" and sc.get("power") is None
+
+
+def test_logs_without_log_s_say_their_power_was_not_assessed(tmp_path, capsys) -> None:
+    """Two log-prob columns alone hold no log S: the gate's verdict stands, and the output says its power is
+    unknown and what would give it."""
+    data = [{k: v for k, v in r.items() if k in ("prompt_ids", "completion_ids", "temperature", "top_k", "top_p",
+                                                  "min_p", "sampler_logprobs", "trainer_logprobs")} for r in rows(4)]
+    path = write_records(tmp_path / "logs.parquet", data, metadata={"dtype": "float32", "trainer_dtype": "float32"})
+    (sc,) = analyze(path, plots=False)["scenarios"]
+    assert sc["power"]["resolved"] is None and sc["power"]["class_bias"] is None and sc["power"]["gate"] == "logprob_mean_bias"
+    main(["analyze", str(path), "--out", str(tmp_path / "out"), "--no-plots"])
+    out = capsys.readouterr().out
+    assert "POWER NOT ASSESSED T=0.7 top_k=50: power not assessed: the records hold no log S" in out, out

@@ -243,7 +243,8 @@ def score_with_power(rollout: Rollout, trainer: Trainer, sc: Scenario, cfg: RunC
     import math
     from dataclasses import replace
 
-    from parity.core.power import SAMPLING_MARGIN
+    from parity.core.display import ordered
+    from parity.core.power import SAMPLING_MARGIN, about
 
     res = score_scenario(rollout, trainer, sc, cfg, raw)
     cap, spent = max_prompts(cfg, sc), res.seconds
@@ -254,10 +255,11 @@ def score_with_power(rollout: Rollout, trainer: Trainer, sc: Scenario, cfg: RunC
             res.seconds = spent
             return res
         want = max(math.ceil(sc.prompts * p["tokens_needed"] * SAMPLING_MARGIN / max(p["tokens"], 1)), sc.prompts + 1)
-        head = (f"    power: resolution {p['resolution']:.2g} of {p['gate']} is not below |log S| {p['class_bias']:.2g} "
-                f"over {p['tokens']} tokens; about {p['tokens_needed']} would resolve it")
+        res_s, bias_s = ordered(float(p["resolution"]), float(p["class_bias"] or 0.0))
+        head = (f"    power: resolution {res_s} of {p['gate']} is not below |log S| {bias_s} over {p['tokens']} "
+                f"tokens; about {about(p['tokens_needed'])} would resolve it")
         if want > cap:  # the cap cannot reach it: the verdict says what would
-            progress(f"{head}: {want} prompts, above the cap of {cap} (--max-prompts)")
+            progress(f"{head}: {about(want)} prompts, above the cap of {cap} (--max-prompts)")
             res.seconds = spent
             return res
         progress(f"{head}: sampling {sc.name!r} again with {want} prompts (cap {cap}, --max-prompts)")

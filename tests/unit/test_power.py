@@ -105,3 +105,32 @@ def test_logs_without_log_s_say_their_power_was_not_assessed(tmp_path, capsys) -
     main(["analyze", str(path), "--out", str(tmp_path / "out"), "--no-plots"])
     out = capsys.readouterr().out
     assert "POWER NOT ASSESSED T=0.7 top_k=50: power not assessed: the records hold no log S" in out, out
+
+
+def test_parity_run_samples_again_until_resolved_within_the_cap(monkeypatch) -> None:
+    """The resampling loop of parity run (:func:`parity.run.score_with_power`), its scoring replaced by the
+    resolution the error model gives at each prompt count (spread 0.06, systematic 0.004, log S -0.016)."""
+    from types import SimpleNamespace
+
+    import parity.run as run_mod
+    from parity.core.matrix import Scenario
+    from parity.core.spec import SamplingSpec
+
+    asked: list[int] = []
+
+    def score(rollout, trainer, sc, cfg, raw):
+        asked.append(sc.prompts)
+        n = 16 * sc.prompts
+        p = power_of("replay_mean_bias", 0.016, 0.004 + 4 * SPREAD / math.sqrt(n), 0.004, 1.0, n)
+        verdict = "pass" if p.resolved else "none"
+        return SimpleNamespace(verdict=SimpleNamespace(verdict=verdict, violations=[], power=p.to_json()), seconds=1.0)
+
+    monkeypatch.setattr(run_mod, "score_scenario", score)
+    sc = Scenario("s", SamplingSpec(temperature=0.7, top_k=50), prompts=4, max_tokens=16)
+    lines: list[str] = []
+    res = run_mod.score_with_power(None, None, sc, run_mod.RunConfig(model="m"), None, lines.append)
+    assert res.verdict.verdict == "pass" and asked[0] == 4 and len(asked) == 2 and 4 < asked[1] <= 64
+    assert "sampling 's' again with" in lines[0] and res.seconds == 2.0
+    asked.clear()
+    res = run_mod.score_with_power(None, None, sc, run_mod.RunConfig(model="m", max_prompts=8), None, lines.append)
+    assert res.verdict.verdict == "none" and asked == [4] and "above the cap of 8" in lines[-1]

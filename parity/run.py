@@ -22,6 +22,9 @@ from parity.core.token_table import TokenTable, TrainerFaults, build_table
 from parity.engines.session import EnginePool, Rollout, Trainer, make_prompts
 from parity.engines.settings import EngineSettings
 
+# The default cap of prompts per scenario when a verdict needs more tokens to resolve |log S| (--max-prompts).
+DEFAULT_MAX_PROMPTS = 64
+
 if TYPE_CHECKING:  # pragma: no cover
     import pyarrow as pa
     import torch
@@ -62,6 +65,8 @@ class RunConfig:
     plots: bool = True
     sampler_log_s: bool = True  # a raw-logits pass for a log S from the sampler's side (small vocabularies)
     records: Path | None = None  # also write what was sampled and scored, per token (parity.records.write)
+    max_prompts: int | None = None  # cap of the prompts sampled for a mean-bias verdict's power (None: the default)
+    recompute_precision: str = "trainer"  # "sampler": recompute chooses its kept set on logits rounded to the sampler's dtype
 
     def engine_settings(self) -> EngineSettings:
         """The part of this configuration the engines are started with (every EngineSettings field is one of ours)."""
@@ -199,7 +204,8 @@ def score_scenario(
     with _routers_traced(trainer, moe) as own:  # MoE: the scoring pass's routing is the trainer's side of the gates
         logits = trainer.logits(records)
     dtypes = (cfg.dtype, cfg.trainer_dtype or cfg.dtype)
-    table = build_table(records, logits, sc.spec, faults=cfg.faults, dtype=dtypes)
+    table = build_table(records, logits, sc.spec, faults=cfg.faults, dtype=dtypes,
+                        recompute_dtype=dtypes[0] if cfg.recompute_precision == "sampler" else None)
     views = score_trainer_under_test(table, records, logits, sc, cfg.trainer, trainer) if cfg.trainer else None
     export = from_sequence_records(records, scenario=sc.name, table=table, logits=logits, faults=cfg.faults)
     part = scenario_summary(export, dtypes=dtypes, vocab_size=rollout.vocab_size, views=views,
@@ -223,6 +229,44 @@ def score_scenario(
     if routing is not None:
         facts["routing"] = routing
     return ScenarioResult(sc, records, table, verdict, time.perf_counter() - t0, export, part, facts)
+
+
+def max_prompts(cfg: RunConfig, sc: Scenario) -> int:
+    """The most prompts a scenario is sampled with to give its mean-bias verdict power (``--max-prompts``)."""
+    return max(sc.prompts, DEFAULT_MAX_PROMPTS if cfg.max_prompts is None else cfg.max_prompts)
+
+
+def score_with_power(rollout: Rollout, trainer: Trainer, sc: Scenario, cfg: RunConfig, raw: VllmRollout | None,
+                     progress: Callable[[str], None]) -> ScenarioResult:
+    """:func:`score_scenario`, sampled again with more prompts while its verdict lacks the power to fail the
+    bias it exists to catch (:mod:`parity.core.power`) and more tokens would give it, up to :func:`max_prompts`;
+    as adaptive capture widens a head the first batch could not prove."""
+    import math
+    from dataclasses import replace
+
+    from parity.core.display import ordered
+    from parity.core.power import SAMPLING_MARGIN, about
+
+    res = score_scenario(rollout, trainer, sc, cfg, raw)
+    cap, spent = max_prompts(cfg, sc), res.seconds
+    while True:
+        v, p = res.verdict, res.verdict.power
+        if (v.verdict != "none" or v.violations or p is None or p["resolved"] or p["tokens_needed"] is None
+                or sc.prompts >= cap):
+            res.seconds = spent
+            return res
+        want = max(math.ceil(sc.prompts * p["tokens_needed"] * SAMPLING_MARGIN / max(p["tokens"], 1)), sc.prompts + 1)
+        res_s, bias_s = ordered(float(p["resolution"]), float(p["class_bias"] or 0.0))
+        head = (f"    power: resolution {res_s} of {p['gate']} is not below |log S| {bias_s} over {p['tokens']} "
+                f"tokens; about {about(p['tokens_needed'])} would resolve it")
+        if want > cap:  # the cap cannot reach it: the verdict says what would
+            progress(f"{head}: {about(want)} prompts, above the cap of {cap} (--max-prompts)")
+            res.seconds = spent
+            return res
+        progress(f"{head}: sampling {sc.name!r} again with {want} prompts (cap {cap}, --max-prompts)")
+        sc = replace(sc, prompts=want)
+        res = score_scenario(rollout, trainer, sc, cfg, raw)
+        spent += res.seconds
 
 
 def native_mismatches(records: list[SequenceRecord]) -> list[tuple[int, int]]:
@@ -325,12 +369,13 @@ def _run(
             # The trainer-side knobs (the CPU kernels; eager attention elsewhere) need the model, so they nest
             # around scoring.
             with batch_invariant_mode(cfg.batch_invariant, device=cfg.device, models=[trainer.model]):
-                res = score_scenario(rollout, trainer, sc, cfg, raw)
+                res = score_with_power(rollout, trainer, sc, cfg, raw, progress)
             by_index[idx], vocab[idx] = res, rollout.vocab_size
             timings[f"scenario_s[{sc.name}]"] = res.seconds
             s = res.verdict
+            word = {"pass": "PASS", "fail": "FAIL", "none": "NO VERDICT"}[s.verdict]
             progress(
-                f"[{done}/{len(matrix.scenarios)}] {sc.name:<28} {'FAIL' if s.violations else 'PASS'}  "
+                f"[{done}/{len(matrix.scenarios)}] {sc.name:<28} {word}  "
                 f"log S mean {s.log_s['mean']:+.4f}  replay max|d| {s.replay['max_abs_diff']:.1e} "
                 f"({s.headroom['replay']:.2f} of its bound)  "
                 f"({s.tokens} tokens, {res.seconds:.1f} s)"

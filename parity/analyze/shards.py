@@ -96,6 +96,7 @@ def rescored_columns(batch: RecordsBatch, trainer: TransformersTrainer, dtypes: 
                 getattr(cols, name)[tok] = np.where(known, getattr(table, name).numpy(), 0.0)
                 cols.have[name][tok] = known
             cols.recompute_support_equal[tok] = table.recompute_support_equal.numpy()
+            cols.recompute_support_size[tok] = np.where(known, table.recompute_support_size.numpy(), -1)
             cols.have["recompute_support"][tok] = known
             cols.kl[tok] = np.where(known, table.kl.numpy(), 0.0)
             cols.tv[tok] = np.where(known, table.tv.numpy(), 0.0)

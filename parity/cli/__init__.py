@@ -48,3 +48,14 @@ def verdict_exit_code(report: ReportJson, *, accept_partial: bool = False) -> in
         judged = bool(report["scenarios"]) and all(s["verdict"] == "pass" for s in report["scenarios"])
         return 0 if accept_partial and judged else NO_VERDICT
     return 0
+
+
+def verdict_line(report: ReportJson, code: int) -> str:
+    """The one line a run ends with: PASS, FAIL or NO VERDICT, the scenarios behind it and the exit code."""
+    sc = report["scenarios"]
+    n = {v: sum(s["verdict"] == v for s in sc) for v in ("pass", "fail", "none")}
+    counts = f"{n['pass']} pass, {n['fail']} fail, {n['none']} without a verdict, of {len(sc)} scenario(s)"
+    word = "FAIL" if code == 1 else "PASS" if code == 0 else "NO VERDICT"
+    if code == 0 and report["verdict"] == "none":
+        word = "PASS (partial: --accept-partial)"
+    return f"verdict: {word} (exit {code}): {counts}"

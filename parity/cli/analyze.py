@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
-from parity.cli import thresholds_from_args, verdict_exit_code
+from parity.cli import thresholds_from_args, verdict_exit_code, verdict_line
 from parity.errors import UsageError
 
 
@@ -51,6 +52,8 @@ def main(args: argparse.Namespace) -> int:
     # isort: off
     from parity.analyze.report import analyze  # first: it refuses a missing pyarrow with what to install
     from parity.analyze.cluster import parse_engine
+    from parity.core.display import ordered
+    from parity.core.power import Power, unassessed_sentence
     from parity.records.token_columns import Options
     # isort: on
 
@@ -79,15 +82,28 @@ def main(args: argparse.Namespace) -> int:
     for s in sc:
         for g in s["not_evaluated"]:
             skipped.setdefault(f"{g['gate']}: {g['reason']}", []).append(s["name"])
-    for what, names in skipped.items():
-        print(f"NOT EVALUATED ({len(names)} of {len(sc)} scenarios) {what}")
+    if sc and all(s["mean_bias_evaluated"] for s in sc):
+        # The mean-bias gate decided: the gates the records could not feed are one line (report.md names each).
+        gates = sorted({g["gate"] for s in sc for g in s["not_evaluated"]})
+        if gates:
+            print(f"NOT EVALUATED {len(gates)} gate(s) whose inputs the records lack (each with what supplies it in "
+                  f"{args.out}/report.md): {', '.join(gates)}")
+    else:
+        for what, names in skipped.items():
+            print(f"NOT EVALUATED ({len(names)} of {len(sc)} scenarios) {what}")
     for s in sc:
         m = (s.get("mean_bias") or {}).get("logprob")
         if m:
-            print(f"MEAN BIAS [{s['name']}] log mean IS ratio {m['mean']:.3g} against a resolution of {m['limit']:.3g} "
+            mean, limit = ordered(float(m["mean"]), float(m["limit"]))
+            print(f"MEAN BIAS [{s['name']}] log mean IS ratio {mean} against a resolution of {limit} "
                   f"per token (systematic {m['systematic']:.2g} + statistical {m['statistical']:.2g}, "
                   f"{m['standard_error_from']}) over {m['tokens']} tokens; mean(trainer - sampler) {m['mean_diff']:.3g}"
                   + (f"; assumed: {'; '.join(m['assumed'])}" if m["assumed"] else ""))
+    for s in sc:
+        p = s.get("power")
+        if p is not None and p["resolved"] is None:
+            power = Power(p["gate"], math.nan, float(p["resolution"]), float(p["systematic"]), int(p["tokens"]), None)
+            print(f"POWER NOT ASSESSED {unassessed_sentence(power, s['name'])}")
     for s in sc:
         if s.get("capture_limit"):
             print(f"CAPTURE LIMIT {s['capture_limit']}")
@@ -97,4 +113,5 @@ def main(args: argparse.Namespace) -> int:
     code = verdict_exit_code(report, accept_partial=args.accept_partial)
     for line in report["no_verdict"]:
         print(f"{'PARTIAL' if code == 0 else 'NO VERDICT'} {line}")
+    print(verdict_line(report, code))
     return code

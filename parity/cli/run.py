@@ -31,6 +31,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trainer-dtype", choices=["float32", "bfloat16", "float16"], default=None, help="override the trainer's dtype")
     p.add_argument("--prompts", type=int, default=None, help="prompts per scenario (overrides the matrix)")
     p.add_argument("--max-tokens", type=int, default=None, help="completion length (overrides the matrix)")
+    p.add_argument("--max-prompts", type=int, default=None, metavar="N",
+                   help="sample a scenario again with up to N prompts when its mean-bias verdict cannot resolve the "
+                        "scenario's log S (default 64; a scenario's own prompts when larger); a verdict still without "
+                        "that power is no verdict (exit 4), naming the tokens it needs")
+    p.add_argument("--recompute-precision", choices=["trainer", "sampler"], default="trainer",
+                   help="where recompute chooses its kept set: on the trainer's logits (default), or on them rounded to "
+                        "the sampler's dtype, whose ties at the k-th value vLLM's top_k keeps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--thresholds", type=Path, default=None, help="TOML file with a [thresholds] table")
     p.add_argument("--gate", action="append", default=[], metavar="NAME=VALUE", help="override one threshold")
@@ -99,6 +106,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
+    if args.max_prompts is not None and args.max_prompts < 1:
+        raise UsageError(f"--max-prompts={args.max_prompts} is invalid: allowed an integer >= 1")
     if args.max_capture_head is not None and args.max_capture_head < 2:
         raise UsageError(f"--max-capture-head={args.max_capture_head} is invalid: allowed an integer >= 2")
     from parity.core.error_model import UNIT_ROUNDOFF
@@ -127,7 +136,6 @@ def main(args: argparse.Namespace) -> int:
     # own progress lines and the wait indicators go to the terminal.
     with EngineOutput(Path(cfg.out) / LOG_NAME, verbose=args.verbose) as out:
         report = run(cfg, progress=out.say)
-    n_fail = sum(s["verdict"] == "fail" for s in report["scenarios"])
     print()
     print(render_terminal(report))
     print()
@@ -141,10 +149,15 @@ def main(args: argparse.Namespace) -> int:
     for dv in det_violations if isinstance(det_violations, list) else []:
         if isinstance(dv, dict):
             print(f"FAIL [determinism] {dv['message']}")
+    for line in report["no_verdict"]:
+        print(f"NO VERDICT {line}")
+    n_pass = sum(s["verdict"] == "pass" for s in report["scenarios"])
     print(
-        f"parity: {len(report['scenarios']) - n_fail}/{len(report['scenarios'])} scenarios pass; report in "
+        f"parity: {n_pass}/{len(report['scenarios'])} scenarios pass; report in "
         f"{cfg.out}/report.md" + ("" if args.verbose else f", engine output in {cfg.out}/{LOG_NAME}")
     )
-    from parity.cli import verdict_exit_code
+    from parity.cli import verdict_exit_code, verdict_line
 
-    return verdict_exit_code(report)
+    code = verdict_exit_code(report)
+    print(verdict_line(report, code))
+    return code

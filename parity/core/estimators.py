@@ -24,6 +24,7 @@ from parity.core.spec import SamplingSpec, per_row
 from parity.errors import UsageError
 
 NEG_INF = float("-inf")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def _check_ids(sampled: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -67,11 +68,13 @@ def recompute(
     *,
     force_include: bool = True,
     faults: FilterFaults | None = None,
+    select_dtype: str | None = None,
 ) -> RecomputeResult:
     """Reference filters on trainer logits -> S_p; ``z'_y - logsumexp(z'_{S_p ∪ {y}})``. S_p is exactly
     :func:`parity.core.filters.reference_filter`'s kept set (top_k rows from their ``topk(k)`` candidates, the
     rest and undecided rows by the reference: docs/capture_plan.md, section 8). ``force_include=False``
-    (negative controls only) scores a token outside S_p ``-inf``."""
+    (negative controls only) scores a token outside S_p ``-inf``. ``select_dtype``: choose S_p on the logits
+    rounded to that dtype (the sampler's: its ties at the k-th value then recur), score in the logits' own."""
     if faults is not None and faults != FilterFaults():
         return _recompute_reference(logits, sampled, specs, force_include=force_include, faults=faults)
     z = scale(logits, specs)
@@ -79,7 +82,8 @@ def recompute(
     row_specs = per_row(specs, z.shape[0])
     if all(s.greedy for s in row_specs):  # reference_filter's all-greedy path: nothing to bound
         return _recompute_reference(logits, sampled, specs, force_include=force_include)
-    kept, ids, listed, fallback = _kept_bounded(z, row_specs)
+    z_select = z if select_dtype is None else scale(logits.to(DTYPES[select_dtype]), specs)
+    kept, ids, listed, fallback = _kept_bounded(z_select, row_specs)
     forced = ~kept.gather(1, y.unsqueeze(1)).squeeze(1)
     lp = torch.empty(z.shape[0], dtype=z.dtype, device=z.device)
     if bool(listed.any()):

@@ -28,6 +28,17 @@ def boundary_only(a: torch.Tensor, b: torch.Tensor, scaled_logits: torch.Tensor,
     return p.sum(dim=-1) <= 2.0 * eps + p.amax(dim=-1)
 
 
+def top_k_count_differs(a: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row: does one kept mask ``[N, V]`` hold more than ``k`` tokens (ties at the k-th value kept, as vLLM's
+    top_k keeps them) while the other holds another count? A top_k cutoff keeps a count: drift swaps tokens
+    across it but does not change how many, so such a one-sided difference is a different filter, not a moved
+    cutoff (docs/capture_plan.md, section 9). ``k`` <= 0: no top_k, never."""
+    if k <= 0:
+        return torch.zeros(a.shape[0], dtype=torch.bool, device=a.device)
+    na, nb = a.sum(dim=-1), b.sum(dim=-1)
+    return ((na > k) | (nb > k)) & (na != nb)
+
+
 def difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a - b`` in float64 under parity's one comparison rule: equal entries count 0 (-inf on both sides is
     agreement, off the support on both), a one-sided infinity is a gap of +-inf, and a NaN on either side (NaN

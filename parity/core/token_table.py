@@ -14,7 +14,7 @@ from parity.core import estimators
 from parity.core.capture import support_mass
 from parity.core.error_model import SUPPORT_MASS_TOL, logprob_bound, systematic_bound, unit_roundoff
 from parity.core.log_s import top_p_bracket, top_p_bracket_applies
-from parity.core.metrics import boundary_only, kl_tv_over_support, support_equal
+from parity.core.metrics import boundary_only, kl_tv_over_support, support_equal, top_k_count_differs
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.errors import UsageError
@@ -35,7 +35,8 @@ class TokenTable:
     incomplete: torch.Tensor  # bool [T]: the captured head may not hold the whole support
     sampled_outside: torch.Tensor  # bool [T]: the engine's sampled token is not in S_q (engine or capture fault)
     replay_support_ok: torch.Tensor  # bool [T]: S_q complete, holds y, sampler mass sums to 1
-    recompute_support_equal: torch.Tensor  # bool [T]: recomputed S_p == S_q
+    recompute_support_equal: torch.Tensor  # bool [T]: recomputed S_p == S_q (or differs only at the cutoff)
+    recompute_support_size: torch.Tensor  # long [T]: |S_p ∪ {y}|, the tokens recompute normalised over
     support_size: torch.Tensor  # long [T]: |S_q| (V when not captured)
     kl: torch.Tensor  # float64 [T]: KL(sampler || trainer replay) over S_q (0 when not captured)
     tv: torch.Tensor  # float64 [T]: total variation over S_q
@@ -125,10 +126,12 @@ def build_table(
     *,
     faults: TrainerFaults | None = None,
     dtype: str | Sequence[str] = "float32",
+    recompute_dtype: str | None = None,
 ) -> TokenTable:
     """Evaluate full / replay / recompute / log S for every sampled token.
 
-    ``dtype``: the two sides' dtypes; the per-token rounding bound uses the looser one.
+    ``dtype``: the two sides' dtypes; the per-token rounding bound uses the looser one. ``recompute_dtype``:
+    recompute chooses its kept set on the logits rounded to it (the sampler's dtype reproduces its ties).
     """
     if len(records) != len(logits):
         raise UsageError(f"{len(records)} sampler records but {len(logits)} trainer logit tensors")
@@ -167,9 +170,10 @@ def build_table(
             shift_full[n // 2] += faults.shift_bounds * float(naive_bound[n // 2])
         full = estimators.full(z, y, trainer_spec).double() + shift_full
         cols["full"].append(full)
-        rec = estimators.recompute(z, y, trainer_spec)
+        rec = estimators.recompute(z, y, trainer_spec, select_dtype=recompute_dtype)
         cols["recompute"].append(rec.logprobs.double() + shift)
         cols["forced"].append(rec.forced)
+        cols["recompute_support_size"].append(rec.kept.sum(dim=-1) + rec.forced.long())
         lo, hi, source = _sampler_log_s(r, kept, spec, vocab)
         cols["s_lo"].append(lo)
         cols["s_hi"].append(hi)
@@ -230,8 +234,11 @@ def _add_captured(cols: Columns, r: SequenceRecord, z: torch.Tensor, y: torch.Te
     cols["support_size"].append((kept >= 0).sum(dim=-1))
     q_mask = estimators.ids_to_mask(kept, vocab)
     equal = support_equal(rec_kept, q_mask)
-    if not bool(equal.all()):  # a set that differs only at the cutoff, within drift, is the same filter
-        equal |= boundary_only(rec_kept, q_mask, zs, bound)
+    if not bool(equal.all()):
+        # A set that differs only at the cutoff, within drift, is the same filter; one keeping ties at the
+        # k-th value that the other does not (a coarser precision ties more tokens there) is a different one.
+        k = trainer_spec.top_k_for_vocab(vocab) if trainer_spec.effective().uses_top_k else 0
+        equal |= boundary_only(rec_kept, q_mask, zs, bound) & ~top_k_count_differs(rec_kept, q_mask, k)
     cols["recompute_support_equal"].append(equal)
     # KL / TV between the sampler's processed distribution and the trainer's replayed one, on S_q.
     vals = zs.gather(1, kept.clamp(min=0)).masked_fill(kept < 0, float("-inf")).double()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from parity.core.error_model import SUPPORT_MASS_TOL
+from parity.core.spec import SamplingSpec
 from parity.core.violation import Position
 from parity.records.accumulators import INPUTS, ScenarioAcc
 from parity.records.arrays import RecordsBatch
@@ -194,6 +195,23 @@ def _add_sums(acc: ScenarioAcc, c: TokenColumns, usable: np.ndarray, where: _Whe
     idx = np.flatnonzero(req)
     acc.first["recompute_support"].offer(~c.recompute_support_equal[idx], where.order(idx), where.at(idx))
     acc.forced += int(c.forced[usable & h["forced"]].sum())
+    _add_support_sides(acc, c, usable)
+
+
+def _add_support_sides(acc: ScenarioAcc, c: TokenColumns, usable: np.ndarray) -> None:
+    """Where S_q holds ties at the k-th value (|S_q| > top_k: vLLM keeps every token tied with the k-th), and where
+    recompute's set is smaller or larger than S_q while not equal to it (a one-sided difference, not a moved cutoff)."""
+    spec = SamplingSpec.from_dict(acc.spec).effective()
+    proven = usable & c.captured & ~c.incomplete
+    ties = proven & (c.support_size > spec.top_k) if spec.uses_top_k else np.zeros_like(proven)
+    acc.ties_at_k += int(ties.sum())
+    known = usable & c.have["recompute_support"] & (c.recompute_support_size >= 0) & c.captured & ~c.incomplete
+    acc.recompute_sized += int(known.sum())
+    differ = known & ~c.recompute_support_equal
+    smaller = differ & (c.recompute_support_size < c.support_size)
+    acc.recompute_smaller += int(smaller.sum())
+    acc.recompute_larger += int((differ & (c.recompute_support_size > c.support_size)).sum())
+    acc.ties_dropped += int((ties & known & (c.recompute_support_size < c.support_size)).sum())
 
 
 def _add_ratios(acc: ScenarioAcc, c: TokenColumns, usable: np.ndarray, n_rows: int) -> None:

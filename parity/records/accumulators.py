@@ -33,7 +33,7 @@ from parity.records.streams import (
 from parity.records.streams import NA as NA
 from parity.records.streams import _na_ratios as _na_ratios
 
-SUMMARY_VERSION = 5  # 4: per-step accumulators (parity.records.steps); 5: the two-column mean-bias sums
+SUMMARY_VERSION = 6  # 4: per-step accumulators (parity.records.steps); 5: the two-column mean-bias sums; 6: ties and one-sided supports
 
 DIFFS = ("naive", "gap", "replay", "recompute", "user", "user_gap")
 BOUNDED = ("replay", "recompute", "user", "naive")
@@ -69,6 +69,11 @@ class ScenarioAcc:
     recompute_eq: int = 0
     recompute_n: int = 0
     forced: int = 0
+    ties_at_k: int = 0  # proven positions where |S_q| > top_k: the sampler kept tokens tied at the k-th value
+    ties_dropped: int = 0  # of those, where recompute normalised over fewer tokens than S_q
+    recompute_smaller: int = 0  # positions where recompute's set differs from S_q and is smaller
+    recompute_larger: int = 0  # ... and is larger
+    recompute_sized: int = 0  # proven positions whose recompute set size the records hold
     ratios: dict[str, Ratios] = field(default_factory=lambda: {k: Ratios() for k in ("naive", "replay", "recompute", "user")})
     kl_n: int = 0
     kl_sum: float = 0.0
@@ -120,7 +125,7 @@ class ScenarioAcc:
     SUMS = ("sequences", "tokens", "compared", "log_s_n", "replay_ok", "replay_n", "recompute_eq", "recompute_n", "forced",
             "kl_n", "incomplete", "sampled_outside", "token_mismatch", "captured", "support_sum", "mass_off", "bound_n",
             "s_n", "drift_n", "log_s_sum", "log_s_sum_exp", "kl_sum", "tv_sum", "bound_sum", "s_lo_sum", "s_hi_sum",
-            "drift_sum", "unstepped")
+            "drift_sum", "unstepped", "ties_at_k", "ties_dropped", "recompute_smaller", "recompute_larger", "recompute_sized")
     MAXES = ("kl_max", "tv_max", "support_max", "bound_max", "naive_gap_max", "drift_max", "drift_replay_max", "roundoff")
 
     def merge(self, o: ScenarioAcc) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from parity.core.display import apart, ordered
 from parity.core.error_model import NEARLY_ALL_NEGATIVE
 from parity.report.blocks import LogprobBias
 
@@ -36,18 +37,23 @@ def diagnosis_text(close: Mapping[frozenset[str], bool], max_abs_diff: float, me
 
 def logprob_bias_class(m: LogprobBias, limit: float) -> str:
     """The bug class of a failed two-column mean-bias gate, named without the model: a full-vocabulary
-    (log S) trainer when the bias sits in the log S range and nearly every token is negative."""
+    (log S) trainer when the bias sits in the log S range (to within ``limit``) and nearly every token is
+    negative. The numbers are written with the digits that keep the sentence true."""
     mean, neg = float(m["mean"]), m["negative_frac"]
-    lo, hi = m["log_s_range"]
+    lo, hi = (float(x) for x in m["log_s_range"])
     within = mean < 0 and lo - limit <= mean <= hi + limit
-    where = f"log S range [{lo:.3g}, {hi:.3g}] from {m['log_s_range_from']}"
+    b, lo_s, hi_s = ordered(mean, lo, hi)
+    inside = lo <= mean <= hi
+    where = f"log S range [{lo_s}, {hi_s}] from {m['log_s_range_from']}"
+    lies = (f"lies in the {where}" if inside else
+            f"lies within the resolution {apart(limit, abs(mean - (lo if mean < lo else hi)))} of the {where}")
     if within and neg >= NEARLY_ALL_NEGATIVE:
-        return (f"a full-vocabulary (log S) trainer: the bias {mean:.3g} lies in the {where} and {neg:.1%} of tokens "
-                f"are negative; " + BUGS["full_vocabulary"])
+        return (f"a full-vocabulary (log S) trainer: the bias {b} {lies} and {neg:.1%} of tokens are negative; "
+                + BUGS["full_vocabulary"])
     if within:
-        return (f"consistent with a full-vocabulary (log S) trainer: the bias {mean:.3g} lies in the {where}, but only "
+        return (f"consistent with a full-vocabulary (log S) trainer: the bias {b} {lies}, but only "
                 f"{neg:.1%} of tokens are negative (without the model another bias that lowers every token reads the "
                 f"same)")
     side = "more" if mean > 0 else "less"
-    return (f"a per-token bias of {mean:.3g} that log S does not explain (outside the {where}): the trainer gives the "
+    return (f"a per-token bias of {b} that log S does not explain (outside the {where}): the trainer gives the "
             f"sampled tokens {side} probability than the sampler ({neg:.1%} of tokens negative)")

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
+from parity.core.display import apart
 from parity.core.gates import Thresholds, recompute_support_limit
 from parity.core.violation import Position, Violation
 from parity.records.accumulators import NA, ScenarioAcc
@@ -93,6 +94,28 @@ def _who(c: GateCase, stream: str) -> str:
     return f"trainer {c.sc['trainer_under_test']['name']!r} ({c.sc['trainer_under_test']['diagnosis']})"
 
 
+def ties_cause(c: GateCase) -> str:
+    """Why recompute differs from the sampler where the sampler's kept set holds ties at the k-th value that
+    recompute dropped (vLLM's top_k keeps every token equal to the k-th value, ``apply_top_k_only``; at a coarser
+    sampler dtype many tokens are equal there, at the trainer's finer one few are): "" where none did."""
+    a = c.acc
+    if a is None or not a.ties_dropped:
+        return ""
+    sides = c.sc.get("support_sides")
+    k = sides["top_k"] if sides else None
+    proven = a.captured - a.incomplete
+    return (f"cause: the sampler's kept set holds tokens tied at the k-th value (top_k={k}; every token equal to the "
+            f"k-th is kept, |S_q| up to {a.support_max}) at {a.ties_at_k} of {proven} positions, ties the trainer's "
+            f"precision does not reproduce: recompute normalised over fewer tokens than S_q at {a.ties_dropped} of "
+            f"them, so its log-probs sit higher there. Remedies: replay the captured kept set (--trainer replay), "
+            f"or recompute at the sampler's precision (--recompute-precision sampler)")
+
+
+def _with_cause(stream: str, c: GateCase, detail: str) -> str:
+    cause = ties_cause(c) if stream == "recompute" else ""
+    return "; ".join(x for x in (detail, cause) if x)
+
+
 def _drift(stream: str) -> Rule:
     def rule(c: GateCase) -> list[Violation]:
         stat = _num(c.sc["headroom"][_key(stream)])
@@ -100,7 +123,7 @@ def _drift(stream: str) -> Rule:
             return []
         worst = _scaled(c.a.bounds[stream].worst.positions(c.th.max_violations_listed), c.th.max_headroom)
         return [Violation(f"{_key(stream)}_drift", c.name, stat, c.th.max_headroom,
-                          f"{_who(c, stream)} max |diff| / bound", worst=worst)]
+                          f"{_who(c, stream)} max |diff| / bound", worst=worst, detail=_with_cause(stream, c, ""))]
     return rule
 
 
@@ -112,7 +135,7 @@ def _mean(stream: str) -> Rule:
         if not _over(abs(bias), allowed):
             return []
         return [Violation(f"{_key(stream)}_mean_bias", c.name, abs(bias), allowed, f"{_who(c, stream)} |mean bias|",
-                          detail=f"mean(trainer - vllm) = {bias:.3g} over {bs.n} tokens")]
+                          detail=_with_cause(stream, c, f"mean(trainer - vllm) = {bias:.3g} over {bs.n} tokens"))]
     return rule
 
 
@@ -130,8 +153,9 @@ def _logprob_mean_bias(c: GateCase) -> list[Violation]:
             detail=(f"{logprob_bias_class(m, allowed)}. {sign['beyond_allowance']} of {m['tokens']} tokens lie "
                     f"beyond their systematic allowance, {sign['negative_share']:.1%} of them negative where an "
                     f"honest drift of spread {m['spread_sd']:.3g} gives {sign['honest_share']:.1%} "
-                    f"({sign['z']:.1f} standard errors); the mean alone (log mean IS ratio {m['mean']:.3g}, "
-                    f"resolution {allowed:.3g}) could not tell"),
+                    f"({sign['z']:.1f} standard errors); the mean alone (log mean IS ratio "
+                    f"{apart(abs(_num(m['mean'])), allowed)} in magnitude, resolution {apart(allowed, abs(mean))}) "
+                    f"could not tell"),
         )]
     if not _over(abs(mean), allowed):
         return []
@@ -181,9 +205,14 @@ def _recompute_support(c: GateCase) -> list[Violation]:
     limit = recompute_support_limit(c.th.recompute_support_equal_frac, c.a.recompute_n)
     if not _over(limit, frac):
         return []
+    sides = c.sc.get("support_sides")
+    where = ""
+    if sides and sides["smaller_positions"] is not None:
+        where = (f": smaller than S_q (S_q ⊋ S_p) at {sides['smaller_positions']} positions, larger at "
+                 f"{sides['larger_positions']}")
     return [Violation("recompute_support", c.name, frac, limit, "recompute support equality", "<",
                       worst=c.a.first["recompute_support"].positions(c.th.max_violations_listed),
-                      detail="trainer-side filters keep a different set")]
+                      detail=_with_cause("recompute", c, "trainer-side filters keep a different set" + where))]
 
 
 def _incomplete(c: GateCase) -> list[Violation]:

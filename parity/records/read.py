@@ -16,7 +16,13 @@ import pyarrow.parquet as pq
 
 from parity.errors import PathNotFound, UsageError
 from parity.records.arrays import RecordsBatch
-from parity.records.schema import METADATA_KEY, REQUIRED, SCHEMA_VERSION, SUPPORTED_VERSIONS, RecordsError
+from parity.records.schema import (
+    METADATA_KEY,
+    REQUIRED,
+    SUPPORTED_VERSIONS,
+    RecordsError,
+    require_columns,
+)
 from parity.records.validate import validate_batch
 
 # Reading: rows per validated batch (the analysis holds one batch at a time, so memory grows with it),
@@ -181,12 +187,7 @@ def open_records(path: str | Path) -> RecordsFile:
     raw = (pf.schema_arrow.metadata or {}).get(METADATA_KEY)
     if raw is not None:
         meta = file_metadata(raw, str(p))
-    missing = [c for c in REQUIRED if c not in pf.schema_arrow.names]
-    if missing:
-        raise RecordsError(
-            f"{p}: missing required column(s) {', '.join(missing)}: a records file (schema_version {SCHEMA_VERSION}) "
-            f"needs {', '.join(REQUIRED)}"
-        )
+    require_columns(pf.schema_arrow.names, str(p))
     return RecordsFile(p, pf, meta, page_checksums(p, pf.metadata))
 
 

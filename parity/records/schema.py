@@ -6,7 +6,7 @@ README's "The records format" lists every column; docs/records.md, section 2, de
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +59,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("trainer_log_s", _F64, False, "token", "log S predicted from the trainer's logits: logsumexp over S_q - logsumexp"),
     Column("trainer_recompute_forced", _BOOL, False, "token", "recompute had to force-include the sampled token"),
     Column("trainer_recompute_support_equal", _BOOL, False, "token", "the recomputed support equals S_q"),
+    Column("trainer_recompute_support_size", _I32, False, "token", "how many tokens recompute normalised over "
+           "(S_p with the sampled token), >= 1"),
     Column("trainer_bound", _F64, False, "token", "rounding bound on |trainer - sampler| over S_q, >= 0 "
            "(parity.core.error_model.logprob_bound on the trainer's scaled logits)"),
     Column("trainer_bound_full", _F64, False, "token", "the same bound over the whole vocabulary (the naive estimator's), >= 0"),
@@ -94,6 +96,35 @@ def records_schema(metadata: Mapping[str, Any] | None = None) -> pa.Schema:
 
 def _meta_blob(metadata: Mapping[str, Any] | None) -> bytes:
     return json.dumps({"schema_version": SCHEMA_VERSION, "metadata": dict(metadata or {})}, sort_keys=True).encode()
+
+
+def closest_column(name: str, present: Iterable[str]) -> str | None:
+    """The column of ``present`` nearest ``name`` (a misspelling: ``trainer_logps`` for ``trainer_logprobs``), or
+    None when none is near (difflib's ratio below 0.6)."""
+    import difflib
+
+    near = difflib.get_close_matches(name, [c for c in present if c != name], n=1, cutoff=0.6)
+    return near[0] if near else None
+
+
+def nearest_note(name: str, present: Iterable[str]) -> str:
+    """`` (the records have X: misspelt?)`` where a present column is near ``name``, else ``""``."""
+    near = closest_column(name, present)
+    return "" if near is None else f" (the records have a column {near!r}, the closest present: a misspelling of {name}?)"
+
+
+def require_columns(names: Iterable[str], source: str) -> None:
+    """Refuse a file or batch without every required column, naming each missing one and, where a column
+    present is near it, that column (a misspelling)."""
+    present = set(names)
+    missing = [c for c in REQUIRED if c not in present]
+    if missing:
+        unknown = present - set(BY_NAME)
+        raise RecordsError(
+            f"{source}: missing required column(s) {', '.join(missing)}"
+            + "".join(nearest_note(c, unknown) for c in missing)
+            + f": a records file (schema_version {SCHEMA_VERSION}) needs {', '.join(REQUIRED)}"
+        )
 
 
 class RecordsError(UsageError):

@@ -88,6 +88,8 @@ def _trainer_values(
     v["user"], have["user"] = _row_float(batch, "trainer_logprobs")
     v["forced"], have["forced"] = _row_bool(batch, "trainer_recompute_forced")
     v["rec_eq"], have["recompute_support"] = _row_bool(batch, "trainer_recompute_support_equal")
+    size, have_size = _row_float(batch, "trainer_recompute_support_size")
+    v["rec_size"] = np.where(have_size, size, -1).astype(np.int64)
     have["kl"] = kept.with_logits | (unfilt & ~captured)
     v["bound"], have["bound"] = _row_float(batch, "trainer_bound")
     v["bound_full"], have["bound_full"] = _row_float(batch, "trainer_bound_full")
@@ -140,6 +142,7 @@ def token_columns(batch: RecordsBatch, *, vocab_size: int | None = None) -> Toke
         user=v["user"],
         forced=v["forced"],
         recompute_support_equal=v["rec_eq"],
+        recompute_support_size=v["rec_size"],
         captured=captured,
         incomplete=incomplete,
         sampled_outside=captured & ~kept.contains & ~incomplete,

@@ -36,6 +36,7 @@ class TokenColumns:
     user: np.ndarray
     forced: np.ndarray  # bool
     recompute_support_equal: np.ndarray
+    recompute_support_size: np.ndarray  # int64: |S_p ∪ {y}| (trainer_recompute_support_size), -1 where unknown
     captured: np.ndarray
     incomplete: np.ndarray
     sampled_outside: np.ndarray

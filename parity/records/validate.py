@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from parity.core.error_model import UNIT_ROUNDOFF, WIDEST_VOCAB, normalisation_allowance
 from parity.core.spec import SamplingSpec
 from parity.records.accumulators import CastNote
 from parity.records.arrays import (
@@ -29,12 +30,18 @@ from parity.records.schema import (
     NONNEGATIVE_COLUMNS,
     REQUIRED,
     SAMPLER_LOG_S_SOURCES,
-    SCHEMA_VERSION,
     SUPPORTED_VERSIONS,
     TRAINER_TOKEN_COLUMNS,
     RecordsError,
     _where,
+    require_columns,
 )
+
+# Log-probabilities and log S are <= 0; a value above 0 beyond the rounding of a float32 normalisation over the
+# widest vocabulary in use is refused (a sign flipped, a probability logged as its log, a raw logit).
+LOGPROB_COLUMNS = ("trainer_logprobs", "trainer_full_logprobs", "trainer_replay_logprobs", "trainer_recompute_logprobs",
+                   "trainer_log_s")
+LOGPROB_ROUNDING = normalisation_allowance(WIDEST_VOCAB, UNIT_ROUNDOFF["float32"])
 
 
 def validate_batch(
@@ -52,6 +59,7 @@ def validate_batch(
     prompt, completion = _token_ids(b)
     b.lengths = completion.lengths
     sampler = b.token_column("sampler_logprobs")
+    b.at_most_zero(sampler, "sampler_logprobs")
     specs, spec_index = _specs(b, batch.num_rows)
     n = batch.num_rows
     out = RecordsBatch(
@@ -135,6 +143,20 @@ class _Batch:
                 + (" or -inf" if allow_inf else "")
             )
 
+    def at_most_zero(self, rag: Ragged, name: str) -> None:
+        """A log-probability (or log S) column: no value above 0 beyond :data:`LOGPROB_ROUNDING`."""
+        vals = rag.values
+        if not vals.size or not (vals.max() > LOGPROB_ROUNDING):
+            return
+        i = _first(vals > LOGPROB_ROUNDING)
+        r, t = _token_position(rag.offsets, i)
+        what = "a log S (the log of a probability mass)" if name == "trainer_log_s" else "a log-probability"
+        raise RecordsError(
+            f"{_where(self.source, self.row(r), name, t)}: value {float(vals[i]):+.6g} is above 0: {what} is <= 0; "
+            f"allowed values up to {LOGPROB_ROUNDING:.3g} above 0 (how far a float32 normalisation over "
+            f"{WIDEST_VOCAB:,} tokens may move it up; parity.core.error_model.normalisation_allowance)"
+        )
+
     def nonnegative_ids(self, rag: Ragged, name: str) -> None:
         if rag.values.size and int(rag.values.min()) < 0:
             r, t = _token_position(rag.offsets, _first(rag.values < 0))
@@ -149,12 +171,7 @@ def _read_columns(
     """The known columns cast to their types (optional ones with no value dropped), every column name
     present, and what casting float64 to float32 changed; refuses a missing required column or a partial kept set."""
     names = set(batch.schema.names)
-    missing = [c for c in REQUIRED if c not in names]
-    if missing:
-        raise RecordsError(
-            f"{source}: missing required column(s) {', '.join(missing)}: a records file (schema_version "
-            f"{SCHEMA_VERSION}) needs {', '.join(REQUIRED)}"
-        )
+    require_columns(names, source)
     casts: dict[str, CastNote] = {}
     arrays = {name: _cast(_as_array(batch, name), BY_NAME[name], source, first_row, casts) for name in names if name in BY_NAME}
     # An optional column with no value in this batch is as good as absent (writers emit every column).
@@ -244,6 +261,7 @@ def _kept_set(b: _Batch, out: RecordsBatch) -> None:
         r, t = _token_position(kept.offsets, _first(kept.values < 0))
         raise RecordsError(f"{_where(b.source, b.row(r), 'kept_ids')} entry {t}: id {int(kept.row(r)[t])} is negative: allowed ids >= 0")
     b.check_floats(klp, "kept_logprobs", True)
+    b.at_most_zero(klp, "kept_logprobs")
     ov, ends = _check_kept_offsets(b, kept, offs)
     # Token -> kept entries, in flat (batch) coordinates; rows without a kept set get empty ranges.
     counts = np.zeros(out.tokens, dtype=np.int64)
@@ -319,6 +337,9 @@ def _trainer_columns(b: _Batch, out: RecordsBatch) -> None:
             out.trainer[name] = b.token_column(name, allow_inf=name not in NONNEGATIVE_COLUMNS)
     if "trainer_token_ids" in out.trainer:
         b.nonnegative_ids(out.trainer["trainer_token_ids"], "trainer_token_ids")
+    for name in LOGPROB_COLUMNS:
+        if name in out.trainer:
+            b.at_most_zero(out.trainer[name], name)
     for name in NONNEGATIVE_COLUMNS:
         opt = out.trainer.get(name)
         if opt is not None and opt.values.size and bool((opt.values < 0).any()):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 import numpy as np
 
@@ -16,6 +16,7 @@ import numpy as np
 # rule's one home computes on tensors (the top_p bracket, replay from kept logits).
 from parity.core.error_model import SUPPORT_MASS_TOL, log_s_signature, mean_bias_entry, ratio_bias_entry
 from parity.core.gates import Thresholds
+from parity.core.power import Power, power_of, power_sentence
 from parity.core.spec import SamplingSpec
 from parity.core.violation import Violation
 from parity.records.accumulators import HEAD_BINS, HEAD_LO, HEAD_STEP, INPUTS, NA, ScenarioAcc, _na_ratios
@@ -310,6 +311,14 @@ def _scenario_report(a: ScenarioAcc, name: str, trainer: str | None = None) -> b
             "diagnosis": _diagnosis(a, limits["trainer_under_test"] if limits["trainer_under_test"] is not None
                                     else math.inf, lp),
         }
+    e = SamplingSpec.from_dict(a.spec).effective()
+    sized = a.recompute_sized > 0
+    out["support_sides"] = {
+        "top_k": e.top_k if e.uses_top_k else None, "ties_at_k_positions": a.ties_at_k,
+        "ties_dropped_positions": a.ties_dropped if sized else None,
+        "smaller_positions": a.recompute_smaller if sized else None,
+        "larger_positions": a.recompute_larger if sized else None,
+    }
     out.update(captured_positions=a.captured, max_support_size=a.support_max if a.captured else None,
                mean_support_size=a.support_sum / a.captured if a.captured else None, kept_mass_off_positions=a.mass_off)
     notes = _input_notes(a)
@@ -401,13 +410,50 @@ def capture_limit_line(sc: blocks.ScenarioStats) -> str | None:
             f"{CAPTURE_LIMIT_FIX}")
 
 
-def no_verdict_line(sc: blocks.ScenarioStats, judged: bool) -> str:
+def no_verdict_line(sc: blocks.ScenarioStats, judged: bool, near: str = "") -> str:
     """Why a scenario has no mean-bias gate (and, when ``judged`` is false, no gate at all): the columns it
-    lacks and what supplies them."""
+    lacks and what supplies them; ``near``: the note naming a present column close to trainer_logprobs."""
     n_lack, n = sc["lacking_inputs"].get("user", 0), sc["sequences"]
     which = "" if n_lack >= n else f" in {n_lack} of {n} sequences"
     head = "no gate could be evaluated" if not judged else "no mean-bias gate could be evaluated"
-    return f"{head} on {sc['name']!r}: the records lack trainer_logprobs{which}; add " + MEAN_GATE_SUPPLY
+    return f"{head} on {sc['name']!r}: the records lack trainer_logprobs{which}{near}; add " + MEAN_GATE_SUPPLY
+
+
+def class_bias(sc: blocks.ScenarioStats) -> float | None:
+    """The bias a mean-bias gate exists to catch, as a magnitude: the scenario's |mean log S| (a full-vocabulary
+    trainer's bias), else the sampler-side log S nearest 0; 0 where nothing is filtered; None when unknown."""
+    if not SamplingSpec.from_dict(sc["spec"]).effective().filtered:
+        return 0.0
+    mean = sc["log_s"]["mean"]
+    if isinstance(mean, int | float) and math.isfinite(mean):
+        return abs(float(mean))
+    hi = sc["sampler_log_s"]["hi_mean"]
+    if sc["sampler_log_s"]["positions"] and hi is not None and math.isfinite(hi):
+        return abs(float(hi))
+    return None
+
+
+def verdict_power(sc: blocks.ScenarioStats, evaluated: Sequence[str], th: Thresholds) -> Power | None:
+    """The power of the scenario's verdict: its finest deciding mean-bias gate against the class bias
+    (:mod:`parity.core.power`; a class bias of NaN where log S is unknown); None where no such gate was evaluated
+    or nothing is filtered."""
+    bias = class_bias(sc)
+    if bias == 0.0:
+        return None
+    if bias is None:
+        bias = math.nan
+    user = "trainer_under_test" in sc
+    entries: tuple[tuple[str, Literal["trainer_under_test", "logprob", "replay", "recompute"]], ...] = (
+        (("trainer_under_test_mean_bias", "trainer_under_test"), ("logprob_mean_bias", "logprob")) if user
+        else (("replay_mean_bias", "replay"), ("recompute_mean_bias", "recompute")))
+    out = []
+    for gate, key in entries:
+        m: blocks.MeanBias | None = sc["mean_bias"].get(key)
+        if gate not in evaluated or m is None or not isinstance(m["limit"], int | float):
+            continue
+        out.append(power_of(gate, bias, float(m["limit"]), float(m["systematic"]), th.mean_bias_headroom,
+                            int(m["tokens"])))
+    return min(out, key=lambda p: p.resolution, default=None)
 
 
 def judge(
@@ -417,8 +463,10 @@ def judge(
     """The one way from per-token statistics to verdicts: each scenario of ``summary`` through every gate of
     the table (``native``: per scenario, the positions where vLLM's native mask and the top-K capture differ;
     ``routing``: a MoE scenario's routing section, :func:`parity.run.routing_section`)."""
+    from parity.records.schema import nearest_note
     from parity.report.model import ScenarioVerdict
 
+    near = nearest_note("trainer_logprobs", summary.ignored_columns)
     accs = sorted(summary.groups.values(), key=lambda a: a.first_order)
     names = [a.name for a in accs]
     out = []
@@ -439,7 +487,7 @@ def judge(
         judged = [g for g in evaluated if g == TREND_GATE or GATE_INPUTS[g] not in (("kept",), ())
                   or (sc["captured_positions"] and g != "token_mismatch")]
         mean_evaluated = any(g in evaluated for g in MEAN_GATES)
-        no_verdict = None if mean_evaluated else no_verdict_line(sc, bool(judged))
+        no_verdict = None if mean_evaluated else no_verdict_line(sc, bool(judged), near)
         capture_limit = capture_limit_line(sc)
         violations, reference = split_verdict(violations, trainer_under_test="trainer_under_test" in sc)
         # Nothing judged: the scenario neither passes nor fails (its no_verdict line says what would judge it).
@@ -447,9 +495,14 @@ def judge(
         if verdict == "pass" and sc["tokens"] and sc["incomplete_positions"] == sc["tokens"]:
             # Every kept set unproven: the capture's limit leaves nothing to pass.
             verdict, no_verdict = "none", capture_limit
+        power = verdict_power(sc, evaluated, th)
+        if verdict == "pass" and power is not None and power.resolved is False:
+            # A PASS only where the gate could have failed the bias it exists to catch.
+            verdict, no_verdict = "none", power_sentence(power, name)
         build: Callable[..., ScenarioVerdict] = ScenarioVerdict  # the entry's keys are its fields
         extra = {"routing": routing[name]} if routing is not None and name in routing else {}
         out.append(build(**{**sc, **extra, "spec": SamplingSpec.from_dict(sc["spec"])}, gates_evaluated=evaluated, verdict=verdict,
                          mean_bias_evaluated=mean_evaluated, no_verdict=no_verdict, capture_limit=capture_limit,
-                         violations=violations, reference_violations=reference, drift_headroom=drift_headroom_hist(a)))
+                         violations=violations, reference_violations=reference, drift_headroom=drift_headroom_hist(a),
+                         power=None if power is None else power.to_json()))
     return out

@@ -129,6 +129,32 @@ class MeanBiasEntries(TypedDict):
     logprob: NotRequired[LogprobBias | None]
 
 
+class SupportSides(TypedDict):
+    """Where recompute's kept set S_p and the sampler's S_q differ one way: positions where S_q holds ties at the
+    k-th value (|S_q| > top_k), those where recompute normalised over fewer tokens there, and every position where
+    S_p differs from S_q and is smaller or larger (None: the records hold no trainer_recompute_support_size)."""
+
+    top_k: int | None
+    ties_at_k_positions: int
+    ties_dropped_positions: int | None
+    smaller_positions: int | None
+    larger_positions: int | None
+
+
+class PowerJson(TypedDict):
+    """A verdict's power (:class:`parity.core.power.Power`): its finest deciding mean-bias gate's resolution against
+    the class bias it exists to catch (|log S|), and the tokens that would resolve it (None: no count would).
+    ``class_bias`` and ``resolved`` None: the records hold no log S, so power was not assessed."""
+
+    gate: str
+    class_bias: float | None
+    resolution: float
+    systematic: float
+    tokens: int
+    tokens_needed: int | None
+    resolved: bool | None
+
+
 class Bound(TypedDict):
     max: float
     mean: float
@@ -427,6 +453,7 @@ class ScenarioStats(TypedDict):
     input_notes: list[str]
     lacking_inputs: dict[str, int]
     trainer_under_test: NotRequired[TrainerUnderTest]
+    support_sides: NotRequired[SupportSides]
 
 
 class ScenarioJson(ScenarioStats):
@@ -441,6 +468,7 @@ class ScenarioJson(ScenarioStats):
     mean_bias_evaluated: bool
     no_verdict: str | None
     capture_limit: str | None
+    power: NotRequired[PowerJson]
     model: NotRequired[str]
     capture_plan: NotRequired[JsonObject]
     dtypes: NotRequired[Dtypes]

@@ -33,6 +33,7 @@ from parity.report.blocks import (
     NativeCapture,
     NotEvaluated,
     PerEstimator,
+    PowerJson,
     Records,
     ReportJson,
     RoundingBound,
@@ -40,6 +41,7 @@ from parity.report.blocks import (
     SamplerLogS,
     ScenarioJson,
     StepJson,
+    SupportSides,
     TrainerUnderTest,
     TrendJson,
     TrlFacts,
@@ -194,6 +196,8 @@ class ScenarioVerdict:
     no_verdict: str | None  # why not: what the records lack and what supplies it
     capture_limit: str | None  # positions the capture left unproven (not evaluated, not a FAIL), and the fix
     trainer_under_test: TrainerUnderTest | None = None
+    power: PowerJson | None = None  # the verdict's power: resolution against |log S| (parity.core.power)
+    support_sides: SupportSides | None = None  # ties at the k-th value and one-sided kept-set differences
     # What the producer adds (parity.analyze.report.REPORT_FACTS): the model, the capture, dtypes, the RL view.
     model: str | None = None
     capture_plan: CaptureStats | None = None

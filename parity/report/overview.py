@@ -10,6 +10,7 @@ import textwrap
 from collections.abc import Mapping
 from typing import SupportsFloat
 
+from parity.core.display import apart
 from parity.core.spec import SamplingSpec
 from parity.report import rl_section, routing_section
 from parity.report.blocks import Diff, ReportJson, ScenarioJson, report_json
@@ -18,7 +19,7 @@ from parity.report.blocks import Diff, ReportJson, ScenarioJson, report_json
 REPLAY_GATES = ("replay_drift", "replay_mean_bias", "replay_support")
 RECOMPUTE_GATES = ("recompute_drift", "recompute_mean_bias", "recompute_support")
 NAIVE_GATES = ("naive_vs_sampler_log_s",)
-TRAINER_GATES = ("trainer_under_test_drift", "trainer_under_test_mean_bias")
+TRAINER_GATES = ("trainer_under_test_drift", "trainer_under_test_mean_bias", "logprob_mean_bias", "trainer_support")
 WIDTH = 100
 NA = "n/a"  # a statistic whose inputs the records do not hold (parity.records.accumulators.NA); shown as such
 
@@ -100,11 +101,14 @@ def truncates(s: ScenarioJson) -> bool:
     if log_s_unknown(s):
         return False
     log_s = _f(s["log_s"]["mean"]) or 0.0
+    return spec.filtered and -log_s > _resolution(s)
+
+
+def _resolution(s: ScenarioJson) -> float:
+    """The replay mean-bias limit :func:`truncates` compares log S with (the mean bound where there is none)."""
     limits, bound = s.get("mean_bias_limit"), s.get("bound")
     limit = _f(limits.get("replay") if limits else None)
-    if limit is None:
-        limit = _f(bound.get("mean") if bound else None) or 0.0
-    return spec.filtered and -log_s > limit
+    return limit if limit is not None else (_f(bound.get("mean") if bound else None) or 0.0)
 
 
 def log_s_unknown(s: ScenarioJson) -> bool:
@@ -207,7 +211,17 @@ def _truncation_sentences(sc: list[ScenarioJson], who: str) -> list[str]:
             f"Whether the filters removed probability mass is unknown in {len(unknown)} scenario(s) ({_names(unknown)}): "
             "the records hold no log S and nothing to derive it from."
         )
-    if not truncating and not unknown:
+    faint = [s for s in sc if s not in truncating and s not in unknown and (_f(s["log_s"]["mean"]) or 0.0) < 0.0
+             and SamplingSpec.from_dict(s["spec"]).effective().filtered]
+    if faint:
+        e = faint[0]
+        log_s, limit = -(_f(e["log_s"]["mean"]) or 0.0), _resolution(e)
+        parts.append(
+            f"The filters removed probability mass in {len(faint)} scenario(s) ({_names(faint)}; log S = "
+            f"{apart(-log_s, -limit)} nats per token at {e['name']}), but less than the mean-bias resolution "
+            f"{apart(limit, log_s)}: there a full-vocabulary trainer cannot be told from a correct one."
+        )
+    if not truncating and not unknown and not faint:
         parts.append(
             "No scenario's filters removed any probability mass (S = 1 throughout), so a trainer that takes the "
             f"full-vocabulary log-softmax scores what {who} sampled here."
@@ -275,6 +289,15 @@ def _drift_sentences(sc: list[ScenarioJson], who: str, limit: float, truncating:
                 f"The trainer's gap to {who} reaches {_ratio(h)} times its rounding bound in {s['name']} (the gate "
                 f"allows {limit:g})."
             )
+    ties = [(s, sd) for s in sc if (sd := s.get("support_sides")) is not None and sd["ties_dropped_positions"]]
+    if ties:
+        e, sd = ties[0]
+        parts.append(
+            f"At {e['name']} the sampler's kept set holds tokens tied at the k-th value (top_k={sd['top_k']}) at "
+            f"{sd['ties_at_k_positions']} position(s); recompute, at the trainer's precision, kept fewer tokens at "
+            f"{sd['ties_dropped_positions']} of them (S_q ⊋ S_p): replay, or recompute at the sampler's precision "
+            f"(--recompute-precision sampler), keeps them."
+        )
     forced = sum(int(_f(s["recompute"].get("forced_includes")) or 0) for s in sc)
     if forced:
         parts.append(
@@ -291,7 +314,9 @@ def _trainer_sentences(sc: list[ScenarioJson], who: str) -> list[str]:
     if tested:
         tester = tested[0]["trainer_under_test"].get("name")
         bad = _failing(tested, TRAINER_GATES)
-        ungated = [s for s in tested if set(TRAINER_GATES) <= not_evaluated(s)]
+        # Not gated: none of the trainer's gates was evaluated (a failed gate was evaluated, so never both).
+        ungated = [s for s in tested if s not in bad and set(TRAINER_GATES) <= not_evaluated(s)]
+        powerless = [s for s in tested if s not in bad and s not in ungated and s["verdict"] == "none"]
         worst = bad[0] if bad else tested[0]
         if bad:
             verdict = f"fails in {len(bad)} of {len(tested)} scenario(s) ({_names(bad)})"
@@ -299,14 +324,18 @@ def _trainer_sentences(sc: list[ScenarioJson], who: str) -> list[str]:
             mean = _signed(tested[0]["trainer_under_test"].get("mean_diff"))
             verdict = (f"was not gated: its drift and mean-bias gates were not evaluated (see the gates not evaluated); "
                        f"its mean gap to {who} is {mean} nats per token at {tested[0]['name']}")
+        elif powerless:
+            verdict = (f"has no verdict in {len(powerless)} of {len(tested)} scenario(s) ({_names(powerless)}): its "
+                       f"mean-bias gate could not have failed a full-vocabulary trainer there (see NO VERDICT)")
+            worst = powerless[0]
         elif ungated:
             verdict = f"passes the {len(tested) - len(ungated)} scenario(s) where it was gated (not gated in {_names(ungated)})"
         else:
             verdict = "passes every scenario"
-        parts.append(
-            f"The trainer under test ({tester}) {verdict}; diagnosis at {worst['name']}: "
-            f"{worst['trainer_under_test'].get('diagnosis') or 'none'}."
-        )
+        diagnosis = worst["trainer_under_test"].get("diagnosis") or "none"
+        if worst in powerless:
+            diagnosis += ", within a resolution too coarse to tell"
+        parts.append(f"The trainer under test ({tester}) {verdict}; diagnosis at {worst['name']}: {diagnosis}.")
     other = sorted({g for s in sc for g in _gates(s)} - set(REPLAY_GATES + RECOMPUTE_GATES + NAIVE_GATES + TRAINER_GATES))
     if other:
         parts.append("Other failed gates: " + ", ".join(other) + ".")

@@ -133,3 +133,24 @@ def test_prefix_caching_and_chunked_prefill_run_as_scenarios(pool, tmp_path) -> 
         assert e["baseline"] == "greedy" and e["sequences"] == 4 and 0 <= e["logprobs_bitwise_equal"] <= e["same_tokens"]
     cached = next(s for s in report["scenarios"] if s["name"] == "greedy, prefix caching")
     assert cached["routing"]["uncovered_rows"] > 0  # cache hits ran no forward: counted, not compared
+
+
+def test_a_16_expert_bf16_sampler_with_top_k_fails_recompute_naming_the_ties(pool, tmp_path) -> None:
+    """The case met on a 16-expert checkpoint: a bf16 sampler keeps every token tied at the k-th value, which a
+    float32 recompute cannot see. Recompute's FAIL names those ties (not a forced include), its support is not
+    "equal", and replay, over the captured kept set, has no such FAIL."""
+    spec = SamplingSpec(temperature=1.0, top_k=50)
+    report = _run(pool, tmp_path, "qwen3-moe-16x", dtype="bfloat16",
+                  scenarios=(Scenario("T=1 top_k=50", spec, prompts=4, max_tokens=16),))
+    (s,) = report["scenarios"]
+    assert s["routing"]["num_experts"] == 16 and s["routing"]["flips_above_bound"] == 0
+    sides = s["support_sides"]
+    assert s["max_support_size"] > 50 and sides["ties_at_k_positions"] > 0 and sides["ties_dropped_positions"] > 0
+    assert s["recompute"]["support_equal_frac"] < 1.0
+    recompute = [v for v in s["violations"] if v["gate"].startswith("recompute")]
+    assert recompute, [v["message"] for v in s["violations"]]
+    for v in recompute:
+        assert "tied at the k-th value" in v["message"] and f"at {sides['ties_at_k_positions']} of " in v["message"]
+    assert not [v for v in s["violations"] if v["gate"].startswith("replay")], [v["message"] for v in s["violations"]]
+    md = (tmp_path / "report.md").read_text()
+    assert "tied at the k-th value" in md

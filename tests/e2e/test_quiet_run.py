@@ -31,7 +31,7 @@ top_p = 0.9
 name = "baseline T=1"
 """
 # parity's own lines on stderr: progress, wait indicators, per-scenario lines.
-OWN = re.compile(r"^(parity: |\[\d+/\d+\] |    capture: )")  # the scenario line, its capture-plan line
+OWN = re.compile(r"^(parity: |\[\d+/\d+\] |    capture: |    power: )")  # the scenario line, its capture-plan and power lines
 VLLM_LINE = re.compile(r"\b(INFO|WARNING)\b.*\[[\w./]+\.py:\d+\]")  # vLLM's log format: LEVEL date [file.py:line]
 
 
@@ -64,7 +64,8 @@ def test_the_terminal_holds_only_paritys_lines_and_the_summary(quiet_run) -> Non
     assert block in proc.stdout
     rest = proc.stdout.replace(block, "").splitlines()
     assert [line for line in rest if line.strip()] == [
-        f"parity: 2/2 scenarios pass; report in {out}/report.md, engine output in {out}/engine.log"
+        f"parity: 2/2 scenarios pass; report in {out}/report.md, engine output in {out}/engine.log",
+        "verdict: PASS (exit 0): 2 pass, 0 fail, 0 without a verdict, of 2 scenario(s)",
     ]
     stray = [line for line in proc.stderr.splitlines() if not OWN.match(line)]
     assert stray == [], "\n".join(stray)

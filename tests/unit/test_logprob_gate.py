@@ -83,11 +83,16 @@ def write(path: Path, seqs: list[dict], spec: dict, trainer: str | None = "repla
           meta: dict | None = None, edit=None) -> Path:
     """The README's minimal columns, written by pyarrow from Python lists."""
     rows = []
+    # A bias > 0 lowers the sampler's side instead, so no log-prob passes 0; the float64 trainer column takes
+    # back the float32 rounding of that shift, so trainer - sampler moves by the bias exactly.
+    up = max(bias, 0.0)
     for s in seqs:
+        sampler = (s["sampler"].astype(np.float64) - up).astype(np.float32)
         r = {"schema_version": 1, "prompt_ids": [1, 2, 3], "completion_ids": s["completion_ids"], **spec,
-             "sampler_logprobs": s["sampler"].tolist()}
+             "sampler_logprobs": sampler.tolist()}
         if trainer is not None:
-            r["trainer_logprobs"] = (s[trainer] + bias).tolist()
+            back = bias - (s["sampler"].astype(np.float64) - sampler.astype(np.float64))
+            r["trainer_logprobs"] = (s[trainer] + back).tolist()
         rows.append(r)
     if edit is not None:
         edit(rows)

@@ -348,7 +348,7 @@ def test_the_trainer_under_test_in_a_judged_table() -> None:
     from parity.core.error_model import mean_bias_limit
 
     z, r, t = one()
-    t.user = t.vllm + torch.tensor([0.0, 0.5, 0.0, 0.0], dtype=torch.float64)
+    t.user = t.vllm + torch.tensor([0.0, -0.5, 0.0, 0.0], dtype=torch.float64)  # a log-prob stays <= 0
     t.user_name = "mine"
     s = judged([r], [z], t)
     d = t.user - t.vllm

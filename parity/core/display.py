@@ -1,0 +1,30 @@
+"""Numbers in a sentence, rounded so that the sentence stays true: "the bias -0.106 lies in [-0.105, 0]" must not
+be printed for a bias of -0.10551 and a range from -0.10549 (docs/internals.md, section 9)."""
+
+from __future__ import annotations
+
+import math
+from itertools import combinations
+
+
+def _sign(a: float, b: float) -> int:
+    return (a > b) - (a < b)
+
+
+def ordered(*values: float, least: int = 3) -> list[str]:
+    """``values`` each written with the fewest significant digits (at least ``least``, the same for all) that keep
+    every pair's order: two numbers print equal only where they are equal, and never in the wrong order."""
+    finite = [v for v in values if math.isfinite(v)]
+    for digits in range(least, 18):
+        shown = [f"{v:.{digits}g}" for v in values]
+        back = [float(s) for s in shown]
+        if all(_sign(back[i], back[j]) == _sign(values[i], values[j])
+               for i, j in combinations(range(len(values)), 2)
+               if math.isfinite(values[i]) and math.isfinite(values[j])):
+            return shown
+    return [repr(v) for v in values] if finite else [str(v) for v in values]
+
+
+def apart(x: float, *others: float, least: int = 3) -> str:
+    """``x`` as :func:`ordered` writes it beside ``others``."""
+    return ordered(x, *others, least=least)[0]

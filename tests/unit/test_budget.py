@@ -4,6 +4,7 @@ against its noise, order dependence, and the rows of causes that do not apply.""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,9 @@ from parity.core.budget import (
     HEADLINE,
     PPO_INTERVAL,
     Cause,
+    Row,
     Stage,
+    Waterfall,
     check_order,
     measures,
     order_notes,
@@ -62,7 +65,7 @@ def test_measures_follow_their_definitions() -> None:
         assert got[k] == pytest.approx(v, rel=1e-12, abs=1e-15), k
 
 
-def _planted(mean: float, sd: float = 0.02) -> object:
+def _planted(mean: float, sd: float = 0.02) -> Waterfall:
     """Batch composition as the one cause: the trainer in its batch adds per-sequence offsets."""
     sampler, trainer = _base()
     fault = _per_sequence_offsets(mean, sd)
@@ -74,8 +77,8 @@ def _planted(mean: float, sd: float = 0.02) -> object:
     return waterfall(stage, _only({"batch_composition": Cause()}))
 
 
-def _row(wf: object, cause: str):  # type: ignore[no-untyped-def]
-    return next(r for r in wf.rows if r.cause == cause)  # type: ignore[attr-defined]
+def _row(wf: Waterfall, cause: str) -> Row:
+    return next(r for r in wf.rows if r.cause == cause)
 
 
 def test_a_planted_shift_at_three_times_its_noise_is_attributed_and_at_a_third_is_within_noise() -> None:
@@ -155,3 +158,11 @@ def test_nan_columns_are_refused() -> None:
     trainer[3] = math.nan
     with pytest.raises(UsageError, match="NaN"):
         measures(Stage(trainer, sampler, LENGTHS))
+
+
+def test_an_unknown_cause_in_order_is_a_one_line_user_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from parity.cli.main import main
+
+    assert main(["budget", "--order", "truncation,nope", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--order names 'nope': allowed truncation, filter_boundary" in err

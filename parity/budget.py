@@ -407,8 +407,8 @@ def _user_columns(
     pick = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in keep])
     ys = [torch.tensor(r.completion_ids, dtype=torch.long) for r in records]
     views = reference_views(z_b, ys, spec, [r.kept_ids for r in records])
-    dist = {b: float((batched - v).abs().nan_to_num(float("inf")).mean()) if b and "off_by_one" in b
-            else float((batched - v).abs().mean()) for b, v in views.items()}
+    # off_by_one's view has no value at each sequence's last token (NaN): compared where it has one.
+    dist = {b: float((batched - v).abs().nanmean()) for b, v in views.items()}
     bugs = min(dist, key=lambda b: (dist[b], len(b)))
     return label, {False: batched[pick], True: alone[pick]}, bugs
 

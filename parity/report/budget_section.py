@@ -48,9 +48,10 @@ def _lines(s: BudgetScenario, headline: str, sep: str, md: bool) -> list[str]:
     rows.append([rem["label"], pct(share)] + [_num(rem["after"][m]) for m in AFTER]
                 + [bound])
     if md:
-        out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * 7 + "---|"]
-        out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
-        return out
+        def cells(row: list[str]) -> str:
+            return "| " + " | ".join(c.replace("|", "\\|") for c in row) + " |"
+
+        return [cells(head), "|---|" + "---:|" * 7 + "---|"] + [cells(row) for row in rows]
     widths = [max(len(row[j]) for row in [head, *rows]) for j in range(len(head) - 1)]
     return [sep.join(c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)) + sep + row[-1] for row in [head, *rows]]
 

@@ -144,3 +144,18 @@ def test_a_planted_fault_at_three_times_its_noise_is_attributed_and_at_a_third_i
     assert not big["within_noise"]["mean_delta"] and big["drop"]["mean_delta"] == pytest.approx(3 * noise, rel=1e-3)
     small = row(0.3 * noise)
     assert small["within_noise"]["mean_delta"], small
+
+
+def forgets_temperature(batch):
+    """A trainer under test that scores log_softmax(z) whatever the sampler's temperature."""
+    return [torch.log_softmax(z.double(), -1).gather(1, y[:, None]).squeeze(1)
+            for z, y in zip(batch.logits, batch.completion_ids, strict=True)]
+
+
+def test_a_trainer_that_forgets_temperature_has_that_row_largest(engines, tmp_path) -> None:
+    cold = Scenario("T=0.7 top_p=1", SamplingSpec(0.7), prompts=8, max_tokens=16)
+    _, block = _budget(engines, tmp_path, cold, trainer=forgets_temperature)
+    row = _row(block, "logits_processors")
+    assert row["status"] == "measured" and "penalties" in row["reason"]
+    assert block["largest_fixable"] == "logits_processors", block["fix_first"]
+    assert block["fix_first"].startswith("fix first: temperature forgotten (")

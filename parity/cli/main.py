@@ -17,6 +17,7 @@ from parity.errors import MissingPackage, ParityError
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("parity.cli.run", "run a scenario matrix: vLLM rollout vs transformers trainer, report and gates"),
+    "budget": ("parity.cli.budget", "split the sampler–trainer mismatch into its causes, one measured fix at a time"),
     "analyze": ("parity.cli.analyze", "judge records recorded anywhere (Parquet): the gates and report of run, on your data"),
     "matrix": ("parity.cli.matrix", "show the default scenario matrix, or validate a TOML matrix file"),
     "sampler": ("parity.cli.sampler", "check the reference filters against vLLM's own Sampler on random logits"),

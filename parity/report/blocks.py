@@ -480,6 +480,71 @@ class ScenarioJson(ScenarioStats):
     trl: NotRequired[TrlFacts]
 
 
+class BudgetRow(TypedDict):
+    """One cause of ``parity budget``'s waterfall (:class:`parity.core.budget.Row`): each measure before and after
+    its fix, the drop, its share of the starting value and its noise."""
+
+    cause: str
+    label: str
+    fix: str
+    status: Literal["measured", "not_applicable", "not_measured"]
+    reason: str | None
+    cost: str | None
+    before: dict[str, float]
+    after: dict[str, float]
+    drop: dict[str, float | None]
+    share: dict[str, float | None]
+    noise: dict[str, float | None]
+    within_noise: dict[str, bool]
+
+
+class BudgetBound(TypedDict):
+    headroom: float  # max |δ| / per-token rounding bound after every fix
+    mean_abs_delta: float
+    mean_bound: float
+
+
+class BudgetRemainder(TypedDict):
+    cause: str
+    label: str
+    fix: str
+    after: dict[str, float]
+    share: dict[str, float | None]
+    bound: BudgetBound | None
+
+
+class TokenMatch(TypedDict):
+    sequences_differ: int
+    tokens_differ: int
+
+
+class BudgetScenario(TypedDict):
+    scenario: str
+    spec: dict[str, float]
+    trainer: str
+    sequences: int
+    sequences_sampled: int
+    tokens: int
+    order: list[str]
+    start: dict[str, float]
+    rows: list[BudgetRow]
+    remainder: BudgetRemainder
+    largest_fixable: str | None
+    fix_first: str
+    token_match: dict[str, TokenMatch]
+    notes: list[str]
+
+
+class BudgetBlock(TypedDict):
+    """``parity budget``: per scenario, the mismatch split into its causes (docs/budget.md)."""
+
+    order: list[str]
+    headline: str
+    measures: dict[str, str]
+    noise_method: str
+    scenarios: list[BudgetScenario]
+
+
 class ReportJson(TypedDict):
     """report.json as a dict (:meth:`parity.report.model.Report.to_json`, the same keys). A report builder's dict
     (:func:`parity.analyze.report.build_report`) has no ``timings`` or ``plots`` yet, and may hold the optional
@@ -503,6 +568,7 @@ class ReportJson(TypedDict):
     matrix_pair_coverage: NotRequired[JsonObject | None]
     rl_view: NotRequired[JsonObject | None]
     engine_settings: NotRequired[list[EngineSettingEffect] | None]
+    budget: NotRequired[BudgetBlock | None]
 
 
 def report_json(report: Mapping[str, object]) -> ReportJson:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from parity.report import overview, rl_section, routing_section
+from parity.report import budget_section, overview, rl_section, routing_section
 from parity.report.blocks import EnvironmentJson, JsonObject, ReportJson, ScenarioJson, StepJson, TrendJson
 
 
@@ -301,6 +301,7 @@ def render_markdown(report: ReportJson) -> str:
     if "drift_hist.png" in plots:
         lines += ["", "![per-token drift of replay and recompute against its rounding bound](drift_hist.png)"]
     lines += steps_section(report)
+    lines += budget_section.markdown(report, plots)
     det = report.get("determinism")
     if det:
         lines += _determinism(det)

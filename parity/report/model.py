@@ -18,6 +18,7 @@ from parity.core.violation import Position, Violation
 from parity.errors import UsageError
 from parity.report.blocks import (
     Bound,
+    BudgetBlock,
     Diff,
     DriftHeadroom,
     DriftSplit,
@@ -251,6 +252,7 @@ class Report:
     matrix_pair_coverage: JsonObject | None = None
     rl_view: JsonObject | None = None  # the RL catalogue the scenarios' rl_view entries refer to
     engine_settings: list[EngineSettingEffect] | None = None  # prefix caching / chunked prefill against the same scenario without
+    budget: BudgetBlock | None = None  # parity budget: the mismatch split into its causes
 
     @classmethod
     def from_json(cls, data: object) -> Report:

@@ -9,7 +9,7 @@ from types import ModuleType
 
 import numpy as np
 
-from parity.report import rl_section
+from parity.report import budget_section, rl_section
 from parity.report.blocks import DriftHeadroom, ReportJson
 from parity.report.overview import headroom_limit, sampler_name
 
@@ -103,6 +103,7 @@ def write_plots(report: ReportJson, out: Path) -> list[str]:
         written.append("drift_hist.png")
     if write_steps_plot(report, out, plt):
         written.append("drift_steps.png")
+    written += budget_section.write_plots(report, out, plt)
     log_s = [_number(s["log_s"]["mean"]) for s in sc]
     naive = [_number(s["naive"]["bias_mean"]) for s in sc]
     if not any(math.isfinite(v) for v in (*log_s, *naive)):

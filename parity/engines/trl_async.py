@@ -13,6 +13,7 @@ Derivation and the repro: docs/trl_async.md.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import queue
 import time
 from collections import defaultdict
@@ -112,7 +113,7 @@ def load_policy(model: str | Path, *, temperature: float, dtype: torch.dtype = t
 
     register_tree_sdpa()
     m = AutoModelForCausalLM.from_pretrained(str(model), attn_implementation=TREE_SDPA, dtype=dtype)
-    m.eval()
+    torch.nn.Module.eval(m)
     add_fused_lm_head(m, temperature=temperature, outputs=("log_probs", "entropy"))
     return m
 
@@ -218,7 +219,7 @@ def trl_compute_loss(model: Any, inputs: dict[str, torch.Tensor], *, epsilon: fl
 
     host = LossHost(epsilon=epsilon, epsilon_high=epsilon_high)
     with torch.no_grad():
-        loss = AsyncGRPOTrainer.compute_loss(host, model, inputs)  # type: ignore[arg-type]
+        loss = AsyncGRPOTrainer.compute_loss(host, model, inputs)
     metrics = {k: float(v[-1]) for k, v in host._metrics["train"].items()}
     return float(loss), metrics
 
@@ -254,11 +255,10 @@ def collect_rollouts(*, url: str, served_model: str, tokenizer: Any, prompts: Se
                      num_generations: int, max_tokens: int, timeout_s: float) -> list[Any]:
     """Run TRL's ``AsyncRolloutWorker`` against ``url`` until every prompt's group is scored; its ``RolloutSample``s
     of the first ``len(prompts)`` groups. The worker is stopped on return and on error."""
-    from accelerate.state import PartialState
     from datasets import Dataset
     from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
 
-    PartialState()  # TRL's logger needs accelerate's state in the parent
+    importlib.import_module("accelerate.state").PartialState()  # TRL's logger needs accelerate's state here
     ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in prompts]})
     want = len(prompts) * num_generations
     worker = AsyncRolloutWorker(

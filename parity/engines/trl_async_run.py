@@ -60,14 +60,14 @@ def _records(samples: list[Any], inputs: dict[str, Any], trainer: Any, spec: Any
     write_records(path, rows, metadata=meta)
     report = analyze(path, plots=False, out=None)
     (scenario,) = report["scenarios"]
-    tut = scenario.get("trainer_under_test") or {}
-    mb = (scenario.get("mean_bias") or {}).get("logprob") or {}
+    tut: dict[str, Any] = dict(scenario.get("trainer_under_test") or {})
+    mb: dict[str, Any] = dict((scenario.get("mean_bias") or {}).get("logprob") or {})
     failed = sorted({v["gate"] for v in scenario.get("violations", [])})
     return {"verdict": scenario["verdict"], "diagnosis": tut.get("diagnosis"), "failed": failed,
             "mean_bias": mb.get("mean"), "limit": mb.get("limit")}
 
 
-def _widening_unchanged(proxy: Any, n: int) -> dict[str, int]:
+def _widening_unchanged(proxy: Any, n: int) -> dict[str, float]:
     """Send up to ``n`` of TRL's own request bodies again, unwidened, straight to the server: the same seed must
     draw the same tokens with the same log-probs as the widened answer TRL received."""
     import urllib.request

@@ -120,10 +120,14 @@ class CaptureProxy:
                     payload, record = proxy.rollout.capture_request(body, spec_of_request(body))
                     proxy.sets.add(record)
                     proxy.bodies.append((body, record))
-                    self._answer(200, json.dumps(payload).encode())
+                    code, data = 200, json.dumps(payload).encode()
                 except Exception as exc:  # noqa: BLE001 - answered to the client and kept for the caller
                     proxy.errors.append(f"{type(exc).__name__}: {exc}")
-                    self._answer(502, json.dumps({"error": {"message": str(exc)}}).encode())
+                    code, data = 502, json.dumps({"error": {"message": str(exc)}}).encode()
+                try:
+                    self._answer(code, data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client went away (a worker stopped with requests in flight): nothing to answer
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True

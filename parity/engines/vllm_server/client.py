@@ -401,7 +401,8 @@ class ServerRollout(RolloutBase):
         (its own seed, so every widening draws the same tokens); return the answer to hand back to that client
         and its record (S_q from the head). The body must carry token-id ``prompt`` and an integer ``seed``."""
         prompt, seed = body.get("prompt"), body.get("seed")
-        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+        ids = [t for t in prompt if isinstance(t, int) and not isinstance(t, bool)] if isinstance(prompt, list) else []
+        if not isinstance(prompt, list) or not ids or len(ids) != len(prompt):
             raise UsageError(f"capture_request: prompt is {str(prompt)[:80]!r}: allowed a list of token ids")
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise UsageError(f"capture_request: seed is {seed!r}: allowed an integer (a widened head must draw the same tokens)")
@@ -423,7 +424,7 @@ class ServerRollout(RolloutBase):
 
         result = run_capture(self.plan(spec), 1, ask, vocab_size=self.vocab_size, spec=spec,
                              history=self.capture_history)
-        (record,) = self.records([prompt], spec, seed, result)
+        (record,) = self.records([ids], spec, seed, result)
         return result.heads[0].payload, record
 
     def support(self, i: int, h: Heads, requested: int, spec: SamplingSpec) -> Support:

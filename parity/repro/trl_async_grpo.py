@@ -1,6 +1,6 @@
 """Repro: TRL's asynchronous GRPO trainer takes vLLM's processed log-probs as the PPO ratio's denominator.
 
-One subprocess (``python -m parity.engines.trl_async_run``) runs, per sampling setting, TRL's own rollout worker
+One subprocess (``python -m parity.repro.trl_async_run``) runs, per sampling setting, TRL's own rollout worker
 against a vLLM server started with TRL's log-prob flags, and TRL's own ``compute_loss`` at step 0 on the batch TRL's
 collator packs: as shipped, under parity's replay patch, and under a replay of the wrong step's kept sets (the
 negative control). What each substitution is, and why: docs/trl_async.md.
@@ -107,7 +107,7 @@ def run(ctx: Context, cfg: AsyncSettings) -> Measured:
     ctx.progress(f"parity repro: TRL AsyncGRPOTrainer step 0 on {cfg['model']}, {len(cfg['settings'])} settings, "
                  f"subprocess, timeout {timeout:.0f} s")
     try:
-        cmd = [sys.executable, "-m", "parity.engines.trl_async_run", "--config", json.dumps(run_cfg), "--out", str(tmp)]
+        cmd = [sys.executable, "-m", "parity.repro.trl_async_run", "--config", json.dumps(run_cfg), "--out", str(tmp)]
         res, p = run_for_json(cmd, tmp / "result.json", timeout)
         error = None if p.rc == 0 and res is not None and res.get("done") else (
             (p.error or "no result") + ": " + ((tmp / "error.txt").read_text() if (tmp / "error.txt").is_file()

@@ -1,5 +1,5 @@
 """One run of TRL's asynchronous trainer at step 0, every sampling setting, in its own process:
-``python -m parity.engines.trl_async_run --config JSON --out DIR`` writes DIR/result.json.
+``python -m parity.repro.trl_async_run --config JSON --out DIR`` writes DIR/result.json.
 
 Per setting: TRL's rollout worker through parity's capture proxy, TRL's collator, and TRL's ``compute_loss``
 twice on the same batch, as shipped and under the replay patch (and, with ``plant``, under a replay of the wrong

@@ -21,7 +21,7 @@ from parity.repro.runner import Measured, run_for_json
 FIXTURE = "qwen2-tiny"
 TIMEOUT_S = 1500.0
 MODEL_TIMEOUT_S = 2400.0
-# The settings: the control, two nucleus sizes, the top_k of common recipes, and min_p.
+# The settings: the control, two nucleus sizes, the top_k of common recipes, and min_p.
 SETTINGS: tuple[dict[str, float], ...] = ({"top_p": 1.0}, {"top_p": 0.9}, {"top_p": 0.8}, {"top_k": 50},
                                           {"min_p": 0.1})
 SMALL = ({"top_p": 1.0}, {"top_k": 50})

@@ -171,9 +171,9 @@ def _result(cfg: AsyncSettings, res: dict[str, Any], rows: list[dict[str, Any]],
         "top-K processed log-probs. resolution = mean over tokens of expm1(per-token drift bound, "
         "parity.core.error_model.logprob_bound, float32) + tokens x 2^-24 (TRL sums the ratios in float32).",
         "Substitutions (CPU): tree attention runs through transformers' SDPA with the tree's mask "
-        "(parity.engines.trl_async.tree_sdpa_attention) instead of the CUDA-only FlashAttention-3 kernel; no trainer "
-        "is built, so no weight sync runs (step 0 needs none; a no-op WeightTransferProtocol stands in for NCCL in "
-        "the GPU test's counterpart); compute_loss runs unbound on a host object with one process's accelerator; "
+        "(parity.engines.trl_async.tree_sdpa_attention) instead of the CUDA-only FlashAttention-3 kernel; no "
+        "AsyncGRPOTrainer object is built, so no weight transfer runs at all (step 0 needs none: the server serves the "
+        "checkpoint's weights; TRL's NCCL transfer runs in tests/gpu/test_trl_async_gpu.py); compute_loss runs unbound on a host object with one process's accelerator; "
         "TRL's worker reaches the server through parity's capture proxy, which widens each request's head "
         "(same seed, same draw: checked); vLLM and the trainer run float32.",
         f"Model {cfg['model']}; {cfg['prompts']} prompts x {cfg['num_generations']} generations x up to "

@@ -154,11 +154,12 @@ class KeptSetReplay:
         logits = self.policy(input_ids=input_ids, position_ids=position_ids, **tree).logits[0]
         labels = shift_labels[0]
         pos = torch.nonzero(labels != -100).squeeze(1)
-        mask = tree_mask(input_ids.shape[1], tree["tree_kv_index"], tree["tree_cu_seqlens_q"], tree["tree_cu_seqlens_k"])
-        ids = input_ids[0]
+        mask = tree_mask(input_ids.shape[1], tree["tree_kv_index"].cpu(), tree["tree_cu_seqlens_q"].cpu(),
+                         tree["tree_cu_seqlens_k"].cpu())
+        ids = input_ids[0].cpu()
         rows = [self.sets.lookup(ids[mask[int(q)]].tolist()) for q in pos]
         z = logits[pos].float()
-        log_s = torch.zeros(pos.numel(), dtype=torch.float32)
+        log_s = torch.zeros(pos.numel(), dtype=torch.float32, device=z.device)
         kept = None
         if any(r is not None for r in rows):
             if any(r is None for r in rows):
@@ -168,10 +169,12 @@ class KeptSetReplay:
             for i, r in enumerate(rows):
                 assert r is not None
                 kept[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-            log_s = predicted_log_s(z, kept, self.spec).float()
+            kept = kept.to(z.device)
+            log_s = predicted_log_s(z, kept, self.spec).float()  # differentiable: the replay's gradient
         t = self.spec.effective_temperature
         full = out.log_probs[0, pos].detach().float().clone()
-        self.last = Scored(pos, labels[pos], log_s, (z / t).detach(), kept, full)
+        self.last = Scored(pos.cpu(), labels[pos].cpu(), log_s.detach().cpu(), (z / t).detach().cpu(),
+                           None if kept is None else kept.cpu(), full.cpu())
         if self.mode == "replay":
             correction = torch.zeros_like(out.log_probs)
             correction[0, pos] = log_s.to(out.log_probs.dtype)

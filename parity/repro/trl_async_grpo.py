@@ -19,8 +19,10 @@ from parity.repro.common import Check, Context
 from parity.repro.runner import Measured, run_for_json
 
 FIXTURE = "qwen2-tiny"
-TIMEOUT_S = 1500.0
-MODEL_TIMEOUT_S = 2400.0
+TIMEOUT_S = 1800.0
+MODEL_TIMEOUT_S = 5400.0
+# Each step of one setting (TRL's worker start, its rollouts, one capture request) waits at most this long.
+STEP_TIMEOUT_S = 1200.0
 # The settings: the control, two nucleus sizes, the top_k of common recipes, and min_p.
 SETTINGS: tuple[dict[str, float], ...] = ({"top_p": 1.0}, {"top_p": 0.9}, {"top_p": 0.8}, {"top_k": 50},
                                           {"min_p": 0.1})
@@ -103,7 +105,7 @@ def _row(s: dict[str, Any]) -> dict[str, Any]:
 def run(ctx: Context, cfg: AsyncSettings) -> Measured:
     timeout = min(ctx.timeout_s, cfg["timeout_s"]) if ctx.timeout_s else cfg["timeout_s"]
     tmp = Path(tempfile.mkdtemp(prefix="parity-trl-async-"))
-    run_cfg = {**cfg, "seed": ctx.seed, "timeout_s": min(600.0, timeout)}
+    run_cfg = {**cfg, "seed": ctx.seed, "timeout_s": min(STEP_TIMEOUT_S, timeout)}
     ctx.progress(f"parity repro: TRL AsyncGRPOTrainer step 0 on {cfg['model']}, {len(cfg['settings'])} settings, "
                  f"subprocess, timeout {timeout:.0f} s")
     try:

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -92,12 +93,10 @@ def _widening_unchanged(proxy: Any, n: int) -> dict[str, float]:
     return {"checked": checked, "same_tokens": same, "max_logprob_diff": worst}
 
 
-def run_setting(rollout: Any, policy: Any, tokenizer: Any, setting: dict[str, Any], cfg: dict[str, Any],
-                out: Path) -> dict[str, Any]:
-    import torch
-
+def collect_setting(rollout: Any, tokenizer: Any, setting: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """TRL's rollout worker for one setting, through its own capture proxy: the samples and the kept sets."""
     from parity.core.spec import SamplingSpec
-    from parity.engines.trl_async import KeptSetReplay, at_tokens, collect_rollouts, pack, trl_compute_loss
+    from parity.engines.trl_async import collect_rollouts
     from parity.engines.vllm_server.capture_proxy import CaptureProxy, KeptSets
 
     t0 = time.perf_counter()
@@ -110,6 +109,20 @@ def run_setting(rollout: Any, policy: Any, tokenizer: Any, setting: dict[str, An
         if proxy.errors:
             raise RuntimeError(f"capture proxy: {proxy.errors[0]}")
         widening = _widening_unchanged(proxy, cfg["widening_checks"])
+    return {"setting": setting, "spec": spec, "sets": sets, "samples": samples, "widening": widening,
+            "seconds": time.perf_counter() - t0}
+
+
+def run_setting(policy: Any, tokenizer: Any, got: dict[str, Any], cfg: dict[str, Any], out: Path) -> dict[str, Any]:
+    """TRL's collator and compute_loss on one setting's samples: shipped, replayed, and (``plant``) replayed with
+    the wrong step's kept sets; the drift bound, and the logs judged as records."""
+    import torch
+
+    from parity.engines.trl_async import KeptSetReplay, at_tokens, pack, trl_compute_loss
+    from parity.engines.vllm_server.capture_proxy import KeptSets
+
+    t0 = time.perf_counter()
+    setting, spec, sets, samples, widening = (got[k] for k in ("setting", "spec", "sets", "samples", "widening"))
     inputs = pack(samples, tokenizer.pad_token_id)
     eps = {"epsilon": cfg["epsilon"], "epsilon_high": cfg["epsilon_high"]}
     sel = inputs["token_index"][0] >= 0
@@ -157,7 +170,7 @@ def run_setting(rollout: Any, policy: Any, tokenizer: Any, setting: dict[str, An
     res["records"] = {"shipped": _records(samples, inputs, tok["full"], spec, meta, out / f"{name}_shipped.parquet"),
                       "fixed": _records(samples, inputs, tok["full"] - tok["log_s"], spec, meta,
                                         out / f"{name}_fixed.parquet")}
-    res["seconds"] = round(time.perf_counter() - t0, 1)
+    res["seconds"] = round(time.perf_counter() - t0 + got["seconds"], 1)
     return res
 
 
@@ -180,9 +193,15 @@ def main(cfg: dict[str, Any], out: Path) -> dict[str, Any]:
                             timeout_s=cfg["timeout_s"], max_model_len=cfg["max_model_len"], server_args=server_args)
     try:
         result["server_command"] = list(rollout.proc.args) if rollout.proc is not None else None  # type: ignore[arg-type]
-        for setting in cfg["settings"]:
-            print(f"trl_async_run: {setting}", file=sys.stderr, flush=True)
-            result["settings"].append(run_setting(rollout, policy, tokenizer, setting, cfg, out))
+        # Every setting's worker runs at once (each its own proxy and process; the server batches them): on a
+        # loaded machine the rollouts, not the loss, take the time.
+        print(f"trl_async_run: rollouts for {cfg['settings']}", file=sys.stderr, flush=True)
+        with ThreadPoolExecutor(max_workers=max(1, len(cfg["settings"]))) as pool:
+            futures = [pool.submit(collect_setting, rollout, tokenizer, s, cfg) for s in cfg["settings"]]
+            collected = [f.result() for f in futures]
+        for got in collected:
+            print(f"trl_async_run: compute_loss for {got['setting']}", file=sys.stderr, flush=True)
+            result["settings"].append(run_setting(policy, tokenizer, got, cfg, out))
             (out / "result.json").write_text(json.dumps(result, indent=1, default=str))
     finally:
         rollout.close()

@@ -52,7 +52,7 @@ def _trl(log_s: list[list[float]], advantages: list[float]) -> dict[str, float]:
 ADV = [1.0, -1.0, 0.5, -0.5]
 
 
-def test_defaults_are_the_issue_s() -> None:
+def test_defaults_epsilon_and_temperature() -> None:
     d = config_defaults()
     assert d["epsilon"] == 0.2 and d["epsilon_high"] is None and d["temperature"] == 1.0
 

@@ -64,10 +64,13 @@ def _check_model(args: argparse.Namespace, entries: list[Entry], single: bool) -
 
 def _emit(entries: list[Entry], path: Path, small: bool, single: bool) -> int:
     if single:
+        if not entries[0].has_script:
+            raise UsageError(f"repro {entries[0].name!r} has no standalone script: it needs parity at run time; "
+                             f"run it with: parity repro {entries[0].name}")
         targets = [(entries[0], path)]
     else:
         path.mkdir(parents=True, exist_ok=True)
-        targets = [(e, path / f"{e.name}.py") for e in entries]
+        targets = [(e, path / f"{e.name}.py") for e in entries if e.has_script]
     for entry, dest in targets:
         text = emit_script(entry, small)
         dest.parent.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,11 @@ class Entry:
         return self.name in MODEL_REPROS
 
     @property
+    def has_script(self) -> bool:
+        """Whether ``--emit-script`` can write the repro as a standalone script (see ``NO_SCRIPT``)."""
+        return self.name not in NO_SCRIPT
+
+    @property
     def scripted(self) -> bool:
         """Whether ``parity repro`` runs the repro's emitted script itself (it has no module of its own)."""
         return self.name in SCRIPT_CONFIGS
@@ -39,7 +44,10 @@ class Entry:
         return importlib.import_module(self.module)
 
 
-MODEL_REPROS = ("trl_grpo_top_p",)  # ``--model``: another fixture or a real checkpoint in place of its own
+MODEL_REPROS = ("trl_grpo_top_p", "trl_async_grpo")  # ``--model``: another fixture or a real checkpoint in place of its own
+# Repros with no standalone script: they need parity's own machinery at run time (trl_async_grpo: the capture
+# proxy between TRL's rollout worker and the server), so ``--emit-script`` refuses them and ``all`` skips them.
+NO_SCRIPT = ("trl_async_grpo",)
 
 # The repros whose one implementation is their section of standalone_src.py: ``parity repro NAME`` runs the
 # emitted script. Their settings (the script's CONFIG), and what ``--small`` changes.
@@ -104,6 +112,8 @@ _REPROS = (
     ("prefix_cache_logprobs",
      "prefix caching: requests with prompt log-probs skip the cache (why vLLM #5543 and #42019 do not arise on "
      "CPU); a forced cache read returns wrong prompt log-probs at the cached positions"),
+    ("trl_async_grpo", "TRL AsyncGRPOTrainer's own compute_loss: ratio = S at step 0 (processed log-probs as "
+     "old_log_probs), top_k clips every negative-advantage token; a replay patch removes it"),
 )
 REPROS: tuple[Entry, ...] = tuple(Entry(i, *row) for i, row in enumerate(_REPROS, start=1))
 

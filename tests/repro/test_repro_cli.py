@@ -30,7 +30,7 @@ def test_unknown_repro_is_one_readable_error(capsys: pytest.CaptureFixture[str])
     assert "unknown reproduction 'nope'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("entry", REPROS, ids=lambda e: e.name)
+@pytest.mark.parametrize("entry", [e for e in REPROS if e.has_script], ids=lambda e: e.name)
 def test_every_repro_emits_a_standalone_script(entry, tmp_path) -> None:
     path = tmp_path / f"{entry.name}.py"
     assert cli_main(["repro", entry.name, "--small", "--emit-script", str(path)]) == 0
@@ -93,7 +93,15 @@ def test_trl_scripts_carry_the_cores_bfloat16_rounding_bound() -> None:
 
 def test_emit_all_writes_one_script_per_repro(tmp_path) -> None:
     assert cli_main(["repro", "all", "--emit-script", str(tmp_path / "scripts")]) == 0
-    assert sorted(p.stem for p in (tmp_path / "scripts").glob("*.py")) == sorted(e.name for e in REPROS)
+    assert sorted(p.stem for p in (tmp_path / "scripts").glob("*.py")) == sorted(e.name for e in REPROS if e.has_script)
+
+
+def test_a_repro_without_a_script_refuses_to_emit_one(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    (entry,) = [e for e in REPROS if e.name == "trl_async_grpo"]
+    assert not entry.has_script
+    assert cli_main(["repro", entry.name, "--emit-script", str(tmp_path / "x.py")]) == 2
+    assert "has no standalone script" in capsys.readouterr().err
+    assert not (tmp_path / "x.py").exists()
 
 
 def test_standalone_sections_cover_every_repro() -> None:
@@ -101,7 +109,7 @@ def test_standalone_sections_cover_every_repro() -> None:
     trl_parts = standalone.sections(standalone.TRL_SOURCE)
     assert "prelude" in parts and "prelude" in trl_parts
     names = (set(parts) | set(trl_parts)) - {"prelude"}
-    assert names == {e.name for e in REPROS}
+    assert names == {e.name for e in REPROS if e.has_script}
     assert not (set(parts) & set(trl_parts)) - {"prelude"}, "each repro has one standalone section"
 
 

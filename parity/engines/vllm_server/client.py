@@ -396,6 +396,37 @@ class ServerRollout(RolloutBase):
                              history=self.capture_history)
         return self.records(prompts, spec, seed, result)
 
+    def capture_request(self, body: JsonObject, spec: SamplingSpec) -> tuple[object, SequenceRecord]:
+        """Send another client's ``/v1/completions`` body with its head widened to this rollout's capture plan
+        (its own seed, so every widening draws the same tokens); return the answer to hand back to that client
+        and its record (S_q from the head). The body must carry token-id ``prompt`` and an integer ``seed``."""
+        prompt, seed = body.get("prompt"), body.get("seed")
+        ids = [t for t in prompt if isinstance(t, int) and not isinstance(t, bool)] if isinstance(prompt, list) else []
+        if not isinstance(prompt, list) or not ids or len(ids) != len(prompt):
+            raise UsageError(f"capture_request: prompt is {str(prompt)[:80]!r}: allowed a list of token ids")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise UsageError(f"capture_request: seed is {seed!r}: allowed an integer (a widened head must draw the same tokens)")
+        if self._closed or self.url is None:
+            raise ServerError("the server rollout is closed")
+        deadline = time.monotonic() + self.timeout_s
+
+        def ask(indices: list[int], heads: list[int]) -> list[Heads]:
+            out = []
+            for k in heads:
+                if time.monotonic() > deadline:
+                    raise TimedOut(f"capture of a client request at {self.url}: not done after {self.timeout_s:.0f} s")
+                wide: JsonObject = {**body, "logprobs": int(k), "return_tokens_as_token_ids": True}
+                payload = self._request("POST", "/v1/completions", wide, timeout=self.request_timeout_s,
+                                        what=f"client request ({spec.label()}, logprobs={k})")
+                out.append(parse_completion(payload, max_tokens=_completion_length(payload), requested=k,
+                                            vocab_size=self.vocab_size, where=f"{self.url} client request"))
+            return out
+
+        result = run_capture(self.plan(spec), 1, ask, vocab_size=self.vocab_size, spec=spec,
+                             history=self.capture_history)
+        (record,) = self.records([ids], spec, seed, result)
+        return result.heads[0].payload, record
+
     def support(self, i: int, h: Heads, requested: int, spec: SamplingSpec) -> Support:
         """S_q from the top-K heads, refused unless it reads as processed log-probs (:func:`check_processed`)."""
         kept, kept_lp, incomplete, extras = super().support(i, h, requested, spec)
@@ -485,3 +516,14 @@ class ServerRollout(RolloutBase):
     def pid(self) -> int | None:
         """The spawned server's pid (also its process group id); None when attached."""
         return None if self.proc is None else self.proc.pid
+
+
+def _completion_length(payload: object) -> int:
+    """How many tokens an answer returned (a client's request may stop at EOS; :func:`parse_completion` checks the rest)."""
+    try:
+        tokens = payload["choices"][0]["logprobs"]["tokens"]  # type: ignore[index]
+    except (KeyError, IndexError, TypeError):
+        raise MalformedResponse(f"the answer has no choices[0].logprobs.tokens: {str(payload)[:200]}") from None
+    if not isinstance(tokens, list):
+        raise MalformedResponse(f"choices[0].logprobs.tokens is {type(tokens).__name__}, allowed a list")
+    return len(tokens)

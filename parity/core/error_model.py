@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol, TypeAlias, TypedDict, TypeGuard, cas
 from parity.errors import UsageError
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
     from torch import Tensor
 
@@ -35,8 +36,7 @@ LOGIT_ULPS = 8.0
 # Standard errors of the measured spread a mean may sit from its systematic bound (about 6e-5 two-sided
 # for Gaussian noise; each scenario has a handful of mean gates).
 MEAN_BIAS_Z = 4.0
-# The measured kernel offset counts once per side: the sampler runs the same float32 kernel over a row
-# that differs from the trainer's only by drift.
+# The float32 normalisation counts once per side: each side sums its own row, in its own kernel's order.
 KERNEL_SIDES = 2.0
 # A captured kept set's mass (a float32 sum of up to V probabilities) counts as 1 within this: far above
 # rounding, far below one missing token of any mass the filters would keep.
@@ -101,7 +101,7 @@ def logprob_bound(
     ``support``: bool ``[N, V]`` (``None`` = the whole vocabulary); ``dtype``: both sides' (the looser counts)."""
     z, _, sup, lse, lp = _rows(scaled_logits, sampled, support)
     bound = logprob_bound_terms(_finite_abs(z).amax(dim=-1), lse, lp, sup.sum(dim=-1), unit_roundoff(dtype))
-    return bound + KERNEL_SIDES * kernel_offset(scaled_logits, support).abs()
+    return bound + KERNEL_SIDES * normalisation_errors(scaled_logits, support)["bound"]
 
 
 def _rows(
@@ -122,19 +122,9 @@ def _rows(
 
 
 def kernel_offset(scaled_logits: Tensor, support: Tensor | None = None) -> Tensor:
-    """Per row (float64 ``[N]``): how far torch's float32 ``log_softmax`` over the support lies above exact,
-    measured at the row's largest logit (docs/error_model.md, section 1)."""
-    import torch
-
-    z = scaled_logits.to(torch.float32)
-    if support is not None:
-        z = z.masked_fill(~support, -math.inf)
-    top = z.argmax(dim=-1, keepdim=True)
-    fast = torch.log_softmax(z, dim=-1).gather(1, top).squeeze(1).double()
-    zd = z.double()
-    exact = zd.gather(1, top).squeeze(1) - torch.logsumexp(zd, dim=-1)
-    out = fast - exact
-    return torch.where(torch.isfinite(out), out, torch.zeros_like(out))
+    """Per row (float64 ``[N]``, >= 0): the largest offset of a float32 ``log_softmax`` over the support from exact,
+    measured on the row in every order of ``REDUCTION_ORDERS`` (docs/error_model.md, section 1)."""
+    return normalisation_errors(scaled_logits, support)["offset"]
 
 
 def systematic_bound(
@@ -147,9 +137,9 @@ def systematic_bound(
     import torch
 
     z, finite, _, _, lp = _rows(scaled_logits, sampled, support)
-    kernel = kernel_offset(scaled_logits, support).abs()
+    kernel = kernel_offset(scaled_logits, support)
     if support is not None:
-        kernel = torch.maximum(kernel, kernel_offset(scaled_logits, None).abs())
+        kernel = torch.maximum(kernel, kernel_offset(scaled_logits, None))
     out = KERNEL_SIDES * kernel + 2.0 * UNIT_ROUNDOFF["float32"] * _finite_abs(lp)
     u = unit_roundoff(dtype)
     if u > UNIT_ROUNDOFF["float32"]:
@@ -157,6 +147,172 @@ def systematic_bound(
         e2 = (p * torch.where(finite, z * z, torch.zeros_like(z))).sum(dim=-1)
         out = out + u * u * e2
     return out
+
+
+# -- the float32 normalisation in every reduction order ---------------------------------------------
+# A float32 log_softmax or logsumexp sums exp(z' - m) over the support. The order of that sum is the
+# kernel's: torch's generic CPU path (ATEN_CPU_CAPABILITY=default) and its AVX2 path keep 8 lane
+# accumulators, its AVX-512 path 16, a scalar loop one, numpy and cascade sums a blocked pairwise tree.
+# Each order is evaluated on the row itself (docs/error_model.md, section 1), never the one this machine
+# happens to run.
+
+# (name, lanes): lanes > 0 sums each lane sequentially over the row in index order (ATen's
+# vec::map_reduce_all), then combines the lane sums, sequentially (the generic vec_reduce_all) or as a tree
+# of halves (the AVX shuffles); lanes == 0 is a pairwise tree over the row in index order.
+REDUCTION_ORDERS: tuple[tuple[str, int], ...] = (("sequential", 1), ("8-lane", 8), ("16-lane", 16), ("pairwise", 0))
+# exp and log of a float32 kernel, in ulps of their result: libm's expf is below 1, Sleef's u10 1.0, ATen's
+# exp_u20 2.0; twice the largest.
+EXP_ULPS = 4.0
+# Rows per block when the orders are evaluated (memory: a few float32 copies of a block of rows).
+_BLOCK_ELEMENTS = 1 << 22
+
+
+def _half_ulp(v: np.ndarray) -> np.ndarray:
+    """float64 half an ulp of float32 values: the largest rounding error of a result of that size."""
+    import numpy as np
+
+    return np.spacing(np.abs(v)).astype(np.float64) / 2.0
+
+
+def _addition_bound(a: np.ndarray, b: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """Per float32 addition ``s = fl(a + b)`` of non-negative terms: its error is at most half an ulp of ``s``
+    and at most the smaller operand (round to nearest never moves past ``a`` or ``b``)."""
+    import numpy as np
+
+    return np.minimum(_half_ulp(s), np.minimum(a, b).astype(np.float64))
+
+
+def _lane_sum(x: np.ndarray, lanes: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Float32 sums of the non-negative ``x`` ``[N, n]`` with ``lanes`` sequential accumulators, combined
+    sequentially and as a tree: ``[(sum, running bound)]`` per combine, float32 and float64 ``[N]``."""
+    import numpy as np
+
+    rows, n = x.shape
+    k = max(1, -(-n // lanes))
+    padded = np.zeros((rows, k * lanes), dtype=np.float32)  # adding 0.0 is exact: the padding changes nothing
+    padded[:, :n] = x
+    x3 = padded.reshape(rows, k, lanes)
+    part = np.add.accumulate(x3, axis=1, dtype=np.float32)
+    bound = _addition_bound(part[:, :-1], x3[:, 1:], part[:, 1:]).sum(axis=(1, 2))
+    acc = part[:, -1, :]
+    if lanes == 1:
+        return [(acc[:, 0], bound)]
+    seq = np.add.accumulate(acc, axis=1, dtype=np.float32)
+    out = [(seq[:, -1], bound + _addition_bound(seq[:, :-1], acc[:, 1:], seq[:, 1:]).sum(axis=1))]
+    tree, tree_bound = acc, bound.copy()
+    while tree.shape[1] > 1:
+        h = tree.shape[1] // 2
+        s = tree[:, :h] + tree[:, h:]
+        tree_bound += _addition_bound(tree[:, :h], tree[:, h:], s).sum(axis=1)
+        tree = s
+    out.append((tree[:, 0], tree_bound))
+    return out
+
+
+def _pairwise_sum(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Float32 pairwise sum of ``x`` ``[N, n]`` over neighbours in index order, with its running bound."""
+    import numpy as np
+
+    rows, n = x.shape
+    width = 1 << max(0, (n - 1).bit_length())
+    cur = np.zeros((rows, width), dtype=np.float32)
+    cur[:, :n] = x
+    bound = np.zeros(rows, dtype=np.float64)
+    while cur.shape[1] > 1:
+        a, b = cur[:, 0::2], cur[:, 1::2]
+        s = a + b
+        bound += _addition_bound(a, b, s).sum(axis=1)
+        cur = s
+    return cur[:, 0], bound
+
+
+def order_sums(x: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """For float32 terms ``x >= 0`` ``[N, n]``: per reduction order (``REDUCTION_ORDERS``, lane orders once per
+    combine), the float32 sum in that order and a bound on its error (the running error bound: per addition
+    the smaller of half an ulp of the result and the smaller operand, summed)."""
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for name, lanes in REDUCTION_ORDERS:
+        if lanes == 0:
+            out[name] = _pairwise_sum(x)
+            continue
+        sums = _lane_sum(x, lanes)
+        for combine, val in zip(("", " tree") if lanes > 1 else ("",), sums, strict=True):
+            out[name + combine] = val
+    return out
+
+
+class NormalisationErrors(TypedDict):
+    offset: Tensor  # float64 [N]: the largest |float32 log-sum - exact| over the orders, measured on the row
+    bound: Tensor  # float64 [N]: a bound on it for every order, the exp and log included
+    log_sum: Tensor  # float64 [N]: log sum exp(z' - m) over the support (exact)
+    row_max: Tensor  # float64 [N]: m, the largest scaled logit of the support
+
+
+def normalisation_errors(scaled_logits: Tensor, support: Tensor | None = None) -> NormalisationErrors:
+    """How far a float32 ``log sum exp(z' - m)`` over the support may lie from exact, per row, in every order of
+    ``REDUCTION_ORDERS`` (docs/error_model.md, section 1): the measured worst offset and a bound."""
+    import numpy as np
+    import torch
+
+    z32 = scaled_logits.to(torch.float32)
+    if support is not None:
+        z32 = z32.masked_fill(~support, -math.inf)
+    rows, n = z32.shape
+    offset = torch.zeros(rows, dtype=torch.float64)
+    bound = torch.zeros(rows, dtype=torch.float64)
+    log_sum = torch.zeros(rows, dtype=torch.float64)
+    row_max = torch.zeros(rows, dtype=torch.float64)
+    u = UNIT_ROUNDOFF["float32"]
+    step = max(1, _BLOCK_ELEMENTS // max(n, 1))
+    for lo in range(0, rows, step):
+        z = z32[lo : lo + step]
+        finite = torch.isfinite(z)
+        m = torch.where(finite, z, torch.full_like(z, -math.inf)).amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        arg = torch.where(finite, z - m, torch.full_like(z, -math.inf))  # float32, as the kernels shift
+        x = torch.exp(arg).numpy()
+        exact_terms = torch.exp(torch.where(finite, z.double() - m.double(), torch.full_like(z, -math.inf, dtype=torch.float64)))
+        s = exact_terms.sum(dim=-1)
+        ok = s > 0
+        s_safe = torch.where(ok, s, torch.ones_like(s))
+        p = exact_terms / s_safe.unsqueeze(1)
+        spread = (p * torch.where(finite, (z.double() - m.double()).abs(), torch.zeros_like(s_safe).unsqueeze(1))).sum(-1)
+        # Each term's relative error: its float32 argument (u |z' - m|) and exp itself (EXP_ULPS ulps); a term
+        # below float32's normal range carries an absolute 2**-149 instead.
+        term_rel = u * (spread + 2.0 * EXP_ULPS) + n * 2.0**-149 / s_safe
+        worst_off = torch.zeros_like(s)
+        worst_rel = torch.zeros_like(s)
+        for val, run in order_sums(x).values():
+            got = torch.from_numpy(val.astype(np.float64))
+            err = torch.from_numpy(run) + term_rel * s_safe  # |got - s| is at most this
+            worst_off = torch.maximum(worst_off, (torch.log(got.clamp(min=1.0)) - torch.log(s_safe)).abs())
+            floor = (got - err).clamp(min=torch.finfo(torch.float64).tiny)
+            worst_rel = torch.maximum(worst_rel, err / torch.minimum(floor, s_safe))
+        log_s = torch.log(s_safe)
+        # The log of the sum, rounded: EXP_ULPS ulps of its own value.
+        log_err = 2.0 * EXP_ULPS * u * log_s.abs()
+        sl = slice(lo, lo + z.shape[0])
+        offset[sl] = torch.where(ok, worst_off, torch.zeros_like(s))
+        bound[sl] = torch.where(ok, worst_rel + log_err, torch.zeros_like(s))
+        log_sum[sl] = torch.where(ok, log_s, torch.zeros_like(s))
+        row_max[sl] = m.squeeze(1).double()
+    return {"offset": offset, "bound": bound, "log_sum": log_sum, "row_max": row_max}
+
+
+def log_softmax_bound(scaled_logits: Tensor, support: Tensor | None = None) -> Tensor:
+    """Per token (float64 ``[N, V]``): how far a float32 ``log_softmax`` over the support may lie from exact in
+    any order of ``REDUCTION_ORDERS``: the row's normalisation bound, the float32 ``z' - m`` and the final
+    subtraction (docs/error_model.md, section 1). 0 off the support (``-inf`` on every side)."""
+    import torch
+
+    ne = normalisation_errors(scaled_logits, support)
+    z = scaled_logits.double()
+    inside = torch.isfinite(z) if support is None else (support & torch.isfinite(z))
+    shifted = (z - ne["row_max"].unsqueeze(1)).abs()
+    lp = (shifted + ne["log_sum"].unsqueeze(1)).abs()  # |z' - m - log S| >= |lp| up to the sign of z' - m
+    u = UNIT_ROUNDOFF["float32"]
+    out = ne["bound"].unsqueeze(1) + u * (shifted + lp)
+    return torch.where(inside, out, torch.zeros_like(out))
 
 
 def headroom(diff: Tensor, bound: Tensor) -> float:

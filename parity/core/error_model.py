@@ -150,107 +150,95 @@ def systematic_bound(
 
 
 # -- the float32 normalisation in every reduction order ---------------------------------------------
-# A float32 log_softmax or logsumexp sums exp(z' - m) over the support. The order of that sum is the
-# kernel's: torch's generic CPU path (ATEN_CPU_CAPABILITY=default) and its AVX2 path keep 8 lane
-# accumulators, its AVX-512 path 16, a scalar loop one, numpy and cascade sums a blocked pairwise tree.
-# Each order is evaluated on the row itself (docs/error_model.md, section 1), never the one this machine
-# happens to run.
+# A float32 log_softmax or logsumexp sums exp(z' - m) over the support, in its kernel's order: torch's generic
+# CPU path (ATEN_CPU_CAPABILITY=default) and its AVX2 path keep 8 lane accumulators, its AVX-512 path 16, a
+# scalar loop one, numpy and cascade sums a pairwise tree. Each order is evaluated on the row itself, never
+# only the one this machine runs (docs/error_model.md, section 1).
 
 # (name, lanes): lanes > 0 sums each lane sequentially over the row in index order (ATen's
-# vec::map_reduce_all), then combines the lane sums, sequentially (the generic vec_reduce_all) or as a tree
-# of halves (the AVX shuffles); lanes == 0 is a pairwise tree over the row in index order.
+# vec::map_reduce_all), then combines the lane sums sequentially (the generic vec_reduce_all) and as a tree of
+# halves (the AVX shuffles); lanes == 0 is a pairwise tree over neighbours in index order.
 REDUCTION_ORDERS: tuple[tuple[str, int], ...] = (("sequential", 1), ("8-lane", 8), ("16-lane", 16), ("pairwise", 0))
 # exp and log of a float32 kernel, in ulps of their result: libm's expf is below 1, Sleef's u10 1.0, ATen's
 # exp_u20 2.0; twice the largest.
 EXP_ULPS = 4.0
-# Rows per block when the orders are evaluated (memory: a few float32 copies of a block of rows).
+# Standard deviations of a fresh draw of rounding errors (an order between the listed ones, another exp): the
+# mean gates' MEAN_BIAS_Z.
+ORDER_Z = 4.0
+# Elements per block when the orders are evaluated (memory: a few float32 copies of a block of rows).
 _BLOCK_ELEMENTS = 1 << 22
 
 
-def _half_ulp(v: np.ndarray) -> np.ndarray:
-    """float64 half an ulp of float32 values: the largest rounding error of a result of that size."""
-    import numpy as np
-
-    return np.spacing(np.abs(v)).astype(np.float64) / 2.0
-
-
-def _addition_bound(a: np.ndarray, b: np.ndarray, s: np.ndarray) -> np.ndarray:
-    """Per float32 addition ``s = fl(a + b)`` of non-negative terms: its error is at most half an ulp of ``s``
-    and at most the smaller operand (round to nearest never moves past ``a`` or ``b``)."""
-    import numpy as np
-
-    return np.minimum(_half_ulp(s), np.minimum(a, b).astype(np.float64))
-
-
-def _lane_sum(x: np.ndarray, lanes: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Float32 sums of the non-negative ``x`` ``[N, n]`` with ``lanes`` sequential accumulators, combined
-    sequentially and as a tree: ``[(sum, running bound)]`` per combine, float32 and float64 ``[N]``."""
+def _lane_sums(x: np.ndarray, lanes: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """Float32 sums of ``x`` ``[N, n]`` with ``lanes`` sequential accumulators in index order (the lane sums
+    combined sequentially, then as a tree of halves), and the lane partial sums ``[N, k, lanes]``."""
     import numpy as np
 
     rows, n = x.shape
     k = max(1, -(-n // lanes))
     padded = np.zeros((rows, k * lanes), dtype=np.float32)  # adding 0.0 is exact: the padding changes nothing
     padded[:, :n] = x
-    x3 = padded.reshape(rows, k, lanes)
-    part = np.add.accumulate(x3, axis=1, dtype=np.float32)
-    bound = _addition_bound(part[:, :-1], x3[:, 1:], part[:, 1:]).sum(axis=(1, 2))
+    part = np.add.accumulate(padded.reshape(rows, k, lanes), axis=1, dtype=np.float32)
     acc = part[:, -1, :]
     if lanes == 1:
-        return [(acc[:, 0], bound)]
-    seq = np.add.accumulate(acc, axis=1, dtype=np.float32)
-    out = [(seq[:, -1], bound + _addition_bound(seq[:, :-1], acc[:, 1:], seq[:, 1:]).sum(axis=1))]
-    tree, tree_bound = acc, bound.copy()
+        return [acc[:, 0]], part
+    seq = np.add.accumulate(acc, axis=1, dtype=np.float32)[:, -1]
+    tree = acc
     while tree.shape[1] > 1:
         h = tree.shape[1] // 2
-        s = tree[:, :h] + tree[:, h:]
-        tree_bound += _addition_bound(tree[:, :h], tree[:, h:], s).sum(axis=1)
-        tree = s
-    out.append((tree[:, 0], tree_bound))
-    return out
+        tree = tree[:, :h] + tree[:, h:]
+    return [seq, tree[:, 0]], part
 
 
-def _pairwise_sum(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Float32 pairwise sum of ``x`` ``[N, n]`` over neighbours in index order, with its running bound."""
+def _pairwise_sum(x: np.ndarray) -> np.ndarray:
+    """Float32 pairwise sum of ``x`` ``[N, n]`` over neighbours in index order."""
     import numpy as np
 
     rows, n = x.shape
     width = 1 << max(0, (n - 1).bit_length())
     cur = np.zeros((rows, width), dtype=np.float32)
     cur[:, :n] = x
-    bound = np.zeros(rows, dtype=np.float64)
     while cur.shape[1] > 1:
-        a, b = cur[:, 0::2], cur[:, 1::2]
-        s = a + b
-        bound += _addition_bound(a, b, s).sum(axis=1)
-        cur = s
-    return cur[:, 0], bound
+        cur = cur[:, 0::2] + cur[:, 1::2]
+    return cur[:, 0]
 
 
-def order_sums(x: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """For float32 terms ``x >= 0`` ``[N, n]``: per reduction order (``REDUCTION_ORDERS``, lane orders once per
-    combine), the float32 sum in that order and a bound on its error (the running error bound: per addition
-    the smaller of half an ulp of the result and the smaller operand, summed)."""
-    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+def order_sums(x: np.ndarray) -> dict[str, np.ndarray]:
+    """The float32 sum of the terms ``x >= 0`` ``[N, n]`` in every order of ``REDUCTION_ORDERS`` (a lane order once
+    per combine: ``"8-lane"`` sequential, ``"8-lane tree"``)."""
+    out: dict[str, np.ndarray] = {}
     for name, lanes in REDUCTION_ORDERS:
         if lanes == 0:
             out[name] = _pairwise_sum(x)
             continue
-        sums = _lane_sum(x, lanes)
-        for combine, val in zip(("", " tree") if lanes > 1 else ("",), sums, strict=True):
-            out[name + combine] = val
+        sums, _ = _lane_sums(x, lanes)
+        for suffix, val in zip(("", " tree"), sums, strict=False):
+            out[name + suffix] = val
     return out
+
+
+def _walk_scale(x: np.ndarray) -> np.ndarray:
+    """float64 ``[N]``: ``u * sqrt(sum_k s_k^2)`` over the partial sums of a sequential float32 sum, the standard
+    deviation of its rounding errors when each addition rounds independently (the longest chain, so the largest of
+    the orders')."""
+    import numpy as np
+
+    _, part = _lane_sums(x, 1)
+    s = np.where(x[:, 1:] > 0, part[:, 1:, 0], 0.0).astype(np.float64)  # adding 0 (off the support) is exact
+    return UNIT_ROUNDOFF["float32"] * np.sqrt((s * s).sum(axis=1))
 
 
 class NormalisationErrors(TypedDict):
     offset: Tensor  # float64 [N]: the largest |float32 log-sum - exact| over the orders, measured on the row
-    bound: Tensor  # float64 [N]: a bound on it for every order, the exp and log included
+    bound: Tensor  # float64 [N]: what a float32 log-sum may lie from exact in any of them, the exp and log included
     log_sum: Tensor  # float64 [N]: log sum exp(z' - m) over the support (exact)
     row_max: Tensor  # float64 [N]: m, the largest scaled logit of the support
 
 
 def normalisation_errors(scaled_logits: Tensor, support: Tensor | None = None) -> NormalisationErrors:
-    """How far a float32 ``log sum exp(z' - m)`` over the support may lie from exact, per row, in every order of
-    ``REDUCTION_ORDERS`` (docs/error_model.md, section 1): the measured worst offset and a bound."""
+    """How far a float32 ``log sum exp(z' - m)`` over the support lies from exact, per row, in every order of
+    ``REDUCTION_ORDERS`` with this machine's float32 exp and a correctly rounded one (``offset``), and the bound
+    a kernel's result is held to (``bound``; docs/error_model.md, section 1)."""
     import numpy as np
     import torch
 
@@ -258,10 +246,7 @@ def normalisation_errors(scaled_logits: Tensor, support: Tensor | None = None) -
     if support is not None:
         z32 = z32.masked_fill(~support, -math.inf)
     rows, n = z32.shape
-    offset = torch.zeros(rows, dtype=torch.float64)
-    bound = torch.zeros(rows, dtype=torch.float64)
-    log_sum = torch.zeros(rows, dtype=torch.float64)
-    row_max = torch.zeros(rows, dtype=torch.float64)
+    out = {k: torch.zeros(rows, dtype=torch.float64) for k in ("offset", "bound", "log_sum", "row_max")}
     u = UNIT_ROUNDOFF["float32"]
     step = max(1, _BLOCK_ELEMENTS // max(n, 1))
     for lo in range(0, rows, step):
@@ -269,34 +254,32 @@ def normalisation_errors(scaled_logits: Tensor, support: Tensor | None = None) -
         finite = torch.isfinite(z)
         m = torch.where(finite, z, torch.full_like(z, -math.inf)).amax(dim=-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        arg = torch.where(finite, z - m, torch.full_like(z, -math.inf))  # float32, as the kernels shift
-        x = torch.exp(arg).numpy()
+        arg = torch.where(finite, z - m, torch.full_like(z, -math.inf))  # float32, as every kernel shifts
         exact_terms = torch.exp(torch.where(finite, z.double() - m.double(), torch.full_like(z, -math.inf, dtype=torch.float64)))
         s = exact_terms.sum(dim=-1)
         ok = s > 0
-        s_safe = torch.where(ok, s, torch.ones_like(s))
-        p = exact_terms / s_safe.unsqueeze(1)
-        spread = (p * torch.where(finite, (z.double() - m.double()).abs(), torch.zeros_like(s_safe).unsqueeze(1))).sum(-1)
-        # Each term's relative error: its float32 argument (u |z' - m|) and exp itself (EXP_ULPS ulps); a term
-        # below float32's normal range carries an absolute 2**-149 instead.
-        term_rel = u * (spread + 2.0 * EXP_ULPS) + n * 2.0**-149 / s_safe
-        worst_off = torch.zeros_like(s)
-        worst_rel = torch.zeros_like(s)
-        for val, run in order_sums(x).values():
-            got = torch.from_numpy(val.astype(np.float64))
-            err = torch.from_numpy(run) + term_rel * s_safe  # |got - s| is at most this
-            worst_off = torch.maximum(worst_off, (torch.log(got.clamp(min=1.0)) - torch.log(s_safe)).abs())
-            floor = (got - err).clamp(min=torch.finfo(torch.float64).tiny)
-            worst_rel = torch.maximum(worst_rel, err / torch.minimum(floor, s_safe))
-        log_s = torch.log(s_safe)
+        s = torch.where(ok, s, torch.ones_like(s))
+        log_s = torch.log(s)
+        offset = torch.zeros_like(s)
+        terms = (torch.exp(arg).numpy(), torch.exp(arg.double()).float().numpy())  # this machine's exp, exact exp
+        for x in terms:
+            for val in order_sums(x).values():
+                got = torch.from_numpy(val.astype(np.float64)).clamp(min=1.0)  # the largest term is exp(0) = 1
+                offset = torch.maximum(offset, (torch.log(got) - log_s).abs())
+        walk = torch.from_numpy(_walk_scale(terms[0])) / s
+        # Each term's relative error beyond this machine's: another exp (EXP_ULPS ulps) and another rounding of
+        # its argument (u |z' - m|); a term below float32's normal range carries an absolute 2**-149.
+        spread = (exact_terms / s.unsqueeze(1) * torch.where(finite, (z.double() - m.double()).abs(), 0.0)).sum(-1)
+        term_rel = u * (2.0 * EXP_ULPS + spread) + n * 2.0**-149 / s
         # The log of the sum, rounded: EXP_ULPS ulps of its own value.
-        log_err = 2.0 * EXP_ULPS * u * log_s.abs()
+        bound = offset + ORDER_Z * walk + term_rel + 2.0 * EXP_ULPS * u * log_s.abs()
         sl = slice(lo, lo + z.shape[0])
-        offset[sl] = torch.where(ok, worst_off, torch.zeros_like(s))
-        bound[sl] = torch.where(ok, worst_rel + log_err, torch.zeros_like(s))
-        log_sum[sl] = torch.where(ok, log_s, torch.zeros_like(s))
-        row_max[sl] = m.squeeze(1).double()
-    return {"offset": offset, "bound": bound, "log_sum": log_sum, "row_max": row_max}
+        zero = torch.zeros_like(s)
+        out["offset"][sl] = torch.where(ok, offset, zero)
+        out["bound"][sl] = torch.where(ok, bound, zero)
+        out["log_sum"][sl] = torch.where(ok, log_s, zero)
+        out["row_max"][sl] = m.squeeze(1).double()
+    return {"offset": out["offset"], "bound": out["bound"], "log_sum": out["log_sum"], "row_max": out["row_max"]}
 
 
 def log_softmax_bound(scaled_logits: Tensor, support: Tensor | None = None) -> Tensor:

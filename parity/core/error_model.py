@@ -225,7 +225,8 @@ def _walk_scale(x: np.ndarray) -> np.ndarray:
 
     _, part = _lane_sums(x, 1)
     s = np.where(x[:, 1:] > 0, part[:, 1:, 0], 0.0).astype(np.float64)  # adding 0 (off the support) is exact
-    return UNIT_ROUNDOFF["float32"] * np.sqrt((s * s).sum(axis=1))
+    out: np.ndarray = UNIT_ROUNDOFF["float32"] * np.sqrt((s * s).sum(axis=1))
+    return out
 
 
 class NormalisationErrors(TypedDict):

@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from parity.testing.cases import Case, build_case, random_plan
-from parity.testing.properties import check_log_s_identity, check_processed_close, check_replay, run_properties
+from parity.testing.properties import (
+    check_log_s_identity,
+    check_processed_close,
+    check_replay,
+    run_properties,
+)
 
 pytestmark = pytest.mark.sampler
 

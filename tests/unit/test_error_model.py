@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from parity.core.error_model import (
+    KERNEL_SIDES,
     LOGIT_ULPS,
     UNIT_ROUNDOFF,
     headroom,
-    KERNEL_SIDES,
     kernel_offset,
     log_softmax_bound,
     logprob_bound,

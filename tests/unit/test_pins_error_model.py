@@ -13,12 +13,12 @@ from parity.core.error_model import (
     MEAN_BIAS_Z,
     UNIT_ROUNDOFF,
     headroom,
-    normalisation_errors,
     log_s_signature,
     logprob_bound,
     logprob_bound_terms,
     mean_bias_entry,
     mean_bias_limit,
+    normalisation_errors,
     unit_roundoff,
 )
 

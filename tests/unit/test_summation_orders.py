@@ -78,7 +78,7 @@ def test_a_float32_sum_in_any_order_lies_within_the_bound(row: tuple[torch.Tenso
     ne = normalisation_errors(z, support)
     m = zm.amax(dim=-1, keepdim=True)
     arg = zm - m  # float32, as every kernel shifts
-    exact = torch.log(torch.exp((zm.double() - m.double())).sum(-1))
+    exact = torch.log(torch.exp(zm.double() - m.double()).sum(-1))
     for exp_name, terms in (("torch", torch.exp(arg).numpy()), ("numpy", np.exp(arg.numpy())),
                             ("exact", torch.exp(arg.double()).float().numpy())):
         for order, got in sums_in_many_orders(terms).items():

@@ -123,7 +123,7 @@ def _rows(
 
 def kernel_offset(scaled_logits: Tensor, support: Tensor | None = None) -> Tensor:
     """Per row (float64 ``[N]``, >= 0): the largest offset of a float32 ``log_softmax`` over the support from exact,
-    measured on the row in every order of ``REDUCTION_ORDERS`` (docs/error_model.md, section 1)."""
+    measured on the row in every order of ``REDUCTION_ORDERS`` (docs/error_model.md, section 9)."""
     return normalisation_errors(scaled_logits, support)["offset"]
 
 
@@ -153,7 +153,7 @@ def systematic_bound(
 # A float32 log_softmax or logsumexp sums exp(z' - m) over the support, in its kernel's order: torch's generic
 # CPU path (ATEN_CPU_CAPABILITY=default) and its AVX2 path keep 8 lane accumulators, its AVX-512 path 16, a
 # scalar loop one, numpy and cascade sums a pairwise tree. Each order is evaluated on the row itself, never
-# only the one this machine runs (docs/error_model.md, section 1).
+# only the one this machine runs (docs/error_model.md, section 9).
 
 # (name, lanes): lanes > 0 sums each lane sequentially over the row in index order (ATen's
 # vec::map_reduce_all), then combines the lane sums sequentially (the generic vec_reduce_all) and as a tree of
@@ -239,7 +239,7 @@ class NormalisationErrors(TypedDict):
 def normalisation_errors(scaled_logits: Tensor, support: Tensor | None = None) -> NormalisationErrors:
     """How far a float32 ``log sum exp(z' - m)`` over the support lies from exact, per row, in every order of
     ``REDUCTION_ORDERS`` with this machine's float32 exp and a correctly rounded one (``offset``), and the bound
-    a kernel's result is held to (``bound``; docs/error_model.md, section 1)."""
+    a kernel's result is held to (``bound``; docs/error_model.md, section 9)."""
     import numpy as np
     import torch
 
@@ -286,7 +286,7 @@ def normalisation_errors(scaled_logits: Tensor, support: Tensor | None = None) -
 def log_softmax_bound(scaled_logits: Tensor, support: Tensor | None = None) -> Tensor:
     """Per token (float64 ``[N, V]``): how far a float32 ``log_softmax`` over the support may lie from exact in
     any order of ``REDUCTION_ORDERS``: the row's normalisation bound, the float32 ``z' - m`` and the final
-    subtraction (docs/error_model.md, section 1). 0 off the support (``-inf`` on every side)."""
+    subtraction (docs/error_model.md, section 9). 0 off the support (``-inf`` on every side)."""
     import torch
 
     ne = normalisation_errors(scaled_logits, support)

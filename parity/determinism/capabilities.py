@@ -1,6 +1,6 @@
 """Which torch CPU kernel paths (``ATEN_CPU_CAPABILITY`` values) this machine can run, from its CPU flags
 alone: nothing here imports torch, so nox can ask while it builds its sessions. Each path sums a row in
-its own order (docs/error_model.md, section 1); the kernel-dependent tests run under every one."""
+its own order (docs/error_model.md, section 9); the kernel-dependent tests run under every one."""
 
 from __future__ import annotations
 

@@ -60,8 +60,9 @@ COLUMNS: tuple[Column, ...] = (
     Column("trainer_recompute_forced", _BOOL, False, "token", "recompute had to force-include the sampled token"),
     Column("trainer_recompute_support_equal", _BOOL, False, "token", "the recomputed support equals S_q"),
     Column("trainer_recompute_boundary", _F64, False, "token", "where the recomputed support differs from S_q only "
-           "at the cutoff: |logsumexp over S_q - logsumexp over it| (the boundary tokens' mass), else 0; >= 0. "
-           "Recompute's drift bound is trainer_bound plus this"),
+           "at the cutoff, how far the boundary tokens' mass moves recompute (logsumexp over S_q less logsumexp over "
+           "the recomputed set with the sampled token, in absolute value), else 0; >= 0. Recompute's drift bound is "
+           "trainer_bound plus this"),
     Column("trainer_bound", _F64, False, "token", "rounding bound on |trainer - sampler| over S_q, >= 0 "
            "(parity.core.error_model.logprob_bound on the trainer's scaled logits)"),
     Column("trainer_bound_full", _F64, False, "token", "the same bound over the whole vocabulary (the naive estimator's), >= 0"),

@@ -37,7 +37,7 @@ U32 = 2.0**-24  # float32 unit roundoff
 # -- tolerances -------------------------------------------------------------------------------------
 # Each tolerance is the error model's bound on the float32 log_softmax of the side(s) involved, per token,
 # in whichever order the kernel sums (parity.core.error_model.log_softmax_bound; docs/error_model.md,
-# section 9): never a constant that fits one machine's kernel.
+# section 10): never a constant that fits one machine's kernel.
 
 
 _MEMO: OrderedDict[bytes, torch.Tensor] = OrderedDict()

@@ -1,7 +1,7 @@
 """The 14 cases of ``parity sampler --cases 4000 --seed 7 --max-rows 12 --max-vocab 20000`` that failed on an AVX2
 machine (and here under ATEN_CPU_CAPABILITY=avx2 and default) on tolerance alone, the kept sets all equal: every
 property holds on them against vLLM's Sampler, on whichever kernel path this pass runs. Their tolerances are the
-error model's for every summation order (docs/error_model.md, section 9), not the constants that fitted one."""
+error model's for every summation order (docs/error_model.md, section 10), not the constants that fitted one."""
 
 from __future__ import annotations
 

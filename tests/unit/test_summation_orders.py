@@ -1,5 +1,5 @@
 """The float32 normalisation's bound holds in every summation order a kernel may take (docs/error_model.md,
-section 1). The sums here are written independently of parity.core.error_model (a loop of float32 vector
+section 9). The sums here are written independently of parity.core.error_model (a loop of float32 vector
 additions), and most of their orders are not among those the bound evaluates: 2, 4, 32, 64 and 1024 lanes
 (a GPU block), numpy's blocked pairwise sum, torch's own logsumexp and log_softmax on this kernel path, and
 three float32 exps (torch's, numpy's, a correctly rounded one)."""

@@ -70,7 +70,7 @@ def rows(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor | None]:
     return z, support
 
 
-@settings(deadline=None)
+@settings(max_examples=50, deadline=None)  # each example sums up to 8,192 terms in 17 orders, one addition at a time
 @given(rows())
 def test_a_float32_sum_in_any_order_lies_within_the_bound(row: tuple[torch.Tensor, torch.Tensor | None]) -> None:
     z, support = row

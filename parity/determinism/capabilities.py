@@ -42,3 +42,10 @@ def supported_capabilities(cpuinfo: Path = CPUINFO) -> tuple[str, ...]:
     """Every ``ATEN_CPU_CAPABILITY`` this machine runs: ``("default",)`` at least, then ``avx2`` and ``avx512``
     where the CPU has them (the last is the path torch picks by itself)."""
     return capabilities_from_flags(cpu_flags(cpuinfo))
+
+
+def other_capabilities(cpuinfo: Path = CPUINFO) -> tuple[str, ...]:
+    """The paths to run again after a native pass: every supported one but the native, ``default`` at least (on a
+    CPU whose flags name no x86 vector path, such as ARM, torch's native path is not ``default`` either)."""
+    caps = supported_capabilities(cpuinfo)
+    return caps[:-1] or ("default",)

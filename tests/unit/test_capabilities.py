@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from parity.determinism.capabilities import capabilities_from_flags, cpu_flags, supported_capabilities
+from parity.determinism.capabilities import (
+    capabilities_from_flags,
+    cpu_flags,
+    other_capabilities,
+    supported_capabilities,
+)
 
 AVX512_XEON = "fpu sse sse2 avx avx2 fma avx512f avx512dq avx512bw avx512vl avx512cd"
 AVX2_EPYC = "fpu sse sse2 avx avx2 fma bmi2"
@@ -33,6 +38,13 @@ def test_cpuinfo_is_read_from_the_flags_line(tmp_path: Path) -> None:
     assert cpu_flags(info) == frozenset(AVX2_EPYC.split())
     assert supported_capabilities(info) == ("default", "avx2")
     assert supported_capabilities(tmp_path / "missing") == ("default",)
+
+
+@pytest.mark.parametrize(("flags", "want"), [(AVX512_XEON, ("default", "avx2")), (AVX2_EPYC, ("default",)), ("", ("default",))])
+def test_the_paths_run_again_after_the_native_pass(tmp_path: Path, flags: str, want: tuple[str, ...]) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"flags\t: {flags}\n")
+    assert other_capabilities(info) == want
 
 
 def test_the_module_imports_no_torch() -> None:

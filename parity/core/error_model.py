@@ -218,14 +218,24 @@ def order_sums(x: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def _walk_scale(x: np.ndarray) -> np.ndarray:
-    """float64 ``[N]``: ``u * sqrt(sum_k s_k^2)`` over the partial sums of a sequential float32 sum, the standard
-    deviation of its rounding errors when each addition rounds independently (the longest chain, so the largest of
-    the orders')."""
+    """float64 ``[N]``: the standard deviation of a sequential float32 sum's rounding errors (the longest chain, so
+    the largest of the orders'), each addition erring by up to ``u s_k`` at partial sum ``s_k``: independent between
+    distinct terms, and alike for tied ones (they round the same way within a binade), so each group of equal terms
+    counts as one draw of ``u * sum_k s_k``: ``u sqrt(sum over groups of (sum_k s_k)^2)``."""
     import numpy as np
 
+    rows, n = x.shape
     _, part = _lane_sums(x, 1)
-    s = np.where(x[:, 1:] > 0, part[:, 1:, 0], 0.0).astype(np.float64)  # adding 0 (off the support) is exact
-    out: np.ndarray = UNIT_ROUNDOFF["float32"] * np.sqrt((s * s).sum(axis=1))
+    s = np.zeros((rows, n), dtype=np.float64)
+    s[:, 1:] = np.where(x[:, 1:] > 0, part[:, 1:, 0], 0.0)  # the first term and adding 0 (off the support): exact
+    order = np.argsort(x, axis=1, kind="stable")
+    xs = np.take_along_axis(x, order, axis=1)
+    ss = np.take_along_axis(s, order, axis=1)
+    new = np.ones((rows, n), dtype=bool)
+    new[:, 1:] = xs[:, 1:] != xs[:, :-1]
+    group = np.cumsum(new, axis=1) - 1 + (np.arange(rows) * n)[:, None]
+    sums = np.bincount(group.ravel(), weights=ss.ravel(), minlength=rows * n).reshape(rows, n)
+    out: np.ndarray = UNIT_ROUNDOFF["float32"] * np.sqrt((sums * sums).sum(axis=1))
     return out
 
 

@@ -244,14 +244,14 @@ def chat_tokenizer(model: str | Path) -> tuple[Any, str | None]:
     from trl.chat_template_utils import add_response_schema, qwen2_5_chat_template
 
     tok = AutoTokenizer.from_pretrained(str(model))
-    try:
-        if not tok.chat_template:
-            raise ValueError("no chat template")
-        add_response_schema(AutoTokenizer.from_pretrained(str(model)))
-        return tok, None
-    except ValueError:
-        tok.chat_template = qwen2_5_chat_template
-        return tok, "prompts rendered with TRL's Qwen2.5 chat template (TRL's worker cannot parse the model's own)"
+    if tok.chat_template:
+        try:
+            add_response_schema(AutoTokenizer.from_pretrained(str(model)))
+            return tok, None
+        except ValueError:  # TRL's own refusal of a template it cannot parse
+            pass
+    tok.chat_template = qwen2_5_chat_template
+    return tok, "prompts rendered with TRL's Qwen2.5 chat template (TRL's worker cannot parse the model's own)"
 
 
 def collect_rollouts(*, url: str, served_model: str, tokenizer: Any, prompts: Sequence[str], spec: SamplingSpec,

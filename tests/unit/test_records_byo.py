@@ -75,7 +75,7 @@ def test_a_partial_analysis_writes_both_reports_and_names_what_it_did_not_evalua
     code, out, err = cli(path, tmp_path / "out", capsys=capsys)
     assert code in (0, 1), err
     data = json.loads((tmp_path / "out" / "report.json").read_text())
-    md = (tmp_path / "out" / "report.md").read_text()
+    md = (tmp_path / "out" / "report.md").read_text() + (tmp_path / "out" / "details.md").read_text()
     # Gates without inputs are listed, never passed: report-wide and per scenario, with the reason.
     assert data["complete"] is False
     listed = {g["gate"]: g for g in data["not_evaluated"]}

@@ -28,6 +28,8 @@ FAULTS = {
     "drop_top_k_ties": ({"drop_top_k_ties": True}, True),
     "top_p_before_top_k": ({"top_p_before_top_k": True}, True),
     "no_force_include": ({}, False),
+    "penalty_ignores_prompt": ({"penalty_ignores_prompt": True}, True),
+    "penalty_after_temperature": ({"penalty_after_temperature": True}, True),
 }
 
 
@@ -73,7 +75,8 @@ def main(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     for _ in range(args.cases):
         case = build_case(random_plan(rng, max_vocab=args.max_vocab, max_rows=args.max_rows))
-        out = sampler(case.logits, case.specs, seed=case.seed)
+        prompts, outputs = case.histories
+        out = sampler(case.logits, case.specs, seed=case.seed, prompt_ids=prompts, output_ids=outputs)
         run = run_properties(case, out, faults=faults, force_include=force_include)
         rows += case.logits.shape[0]
         labels.update(case_labels(case, out.kept))

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parity.core.spec import SamplingSpec
+from parity.core.spec import SPEC_FIELDS, SamplingSpec
 from parity.errors import PathNotFound, UsageError
 
 DEFAULT_TIE_FIXTURE = "qwen2-tiny-ties"
@@ -154,7 +154,7 @@ def load_matrix(path: str | Path) -> Matrix:
     rows = data.get("scenario")
     if not isinstance(rows, list) or not rows:
         raise UsageError(f"matrix file {str(path)!r} has no [[scenario]] tables")
-    spec_keys = {"temperature", "top_k", "top_p", "min_p"}
+    spec_keys = set(SPEC_FIELDS)
     other = {"name", "model", "prompts", "max_tokens", "seed", "capture_head", "max_capture_head", "prefix_caching",
              "max_num_batched_tokens", "shared_prefix"}
     scenarios = []

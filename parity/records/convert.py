@@ -50,7 +50,9 @@ def _kept_columns(
 
 
 def spec_row(spec: SamplingSpec) -> dict[str, float]:
-    return {"temperature": spec.temperature, "top_k": spec.top_k, "top_p": spec.top_p, "min_p": spec.min_p}
+    return {"temperature": spec.temperature, "top_k": spec.top_k, "top_p": spec.top_p, "min_p": spec.min_p,
+            "repetition_penalty": spec.repetition_penalty, "presence_penalty": spec.presence_penalty,
+            "frequency_penalty": spec.frequency_penalty}
 
 
 def heads_row(

@@ -13,7 +13,7 @@ import numpy as np
 
 from parity.core.error_model import SUPPORT_MASS_TOL, UNIT_ROUNDOFF, unit_roundoff
 from parity.core.gates import Thresholds
-from parity.core.spec import SamplingSpec
+from parity.core.spec import SPEC_FIELDS, SamplingSpec
 from parity.records.accumulate import accumulate
 from parity.records.accumulators import ScenarioAcc, Summary
 from parity.records.arrays import RecordsBatch
@@ -174,17 +174,17 @@ def _row_groups(batch: RecordsBatch) -> list[tuple[str, tuple[str, tuple[float, 
     pair = code * n_specs + batch.spec_index
     uniq, first, inverse = np.unique(pair, return_index=True, return_inverse=True)
     inverse = inverse.reshape(-1)
-    groups: dict[str, tuple[tuple[str, tuple[float, int, float, float]], list[np.ndarray]]] = {}
+    groups: dict[str, tuple[tuple[str, tuple[float, ...]], list[np.ndarray]]] = {}
     for u in np.argsort(first, kind="stable"):
         c, j = divmod(int(uniq[u]), n_specs)
         spec = batch.specs[j]
-        key = (label_of[c] if c else spec.label(), (spec.temperature, spec.top_k, spec.top_p, spec.min_p))
+        key = (label_of[c] if c else spec.label(), tuple(spec.to_dict().values()))
         groups.setdefault(_key_name(key), (key, []))[1].append(np.flatnonzero(inverse == u))
     return [(g, key, parts[0] if len(parts) == 1 else np.sort(np.concatenate(parts)))
             for g, (key, parts) in groups.items()]
 
 
-def _key_name(key: tuple[str, tuple[float, int, float, float]]) -> str:
+def _key_name(key: tuple[str, tuple[float, ...]]) -> str:
     return f"{key[0]}\x1f{json.dumps(key[1])}"
 
 
@@ -219,7 +219,7 @@ def summarize_batch(
     for gname, (label, spec), rows in _row_groups(rb):
         acc = ScenarioAcc(
             name=label,
-            spec=SamplingSpec(spec[0], int(spec[1]), spec[2], spec[3]).to_dict(),
+            spec=SamplingSpec.from_dict(dict(zip(SPEC_FIELDS, spec, strict=True))).to_dict(),
             first_order=(file_index, rb.first_row + int(rows[0]), 0),
             n_listed=opts.n_listed,
             roundoff=u,

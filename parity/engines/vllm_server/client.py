@@ -330,7 +330,8 @@ class ServerRollout(RolloutBase):
     def _body(
         self, prompt: Sequence[int], spec: SamplingSpec, *, max_tokens: int, seed: int, logprobs: int
     ) -> JsonObject:
-        """One prompt's request: token ids (never text), the seed, the spec's filters, neutral penalties,
+        """One prompt's request: token ids (never text), the seed, the spec's filters and penalties (sent even when
+        neutral: a server fills an omitted field from the checkpoint's generation_config),
         ``ignore_eos`` with a fixed ``max_tokens``, and ``logprobs=K`` with ``return_tokens_as_token_ids``.
         """
         kw = spec.sampling_params_kwargs()
@@ -345,11 +346,10 @@ class ServerRollout(RolloutBase):
             "top_k": kw["top_k"],
             "top_p": kw["top_p"],
             "min_p": kw["min_p"],
-            # A server fills omitted fields from the checkpoint's generation_config; pin them neutral,
-            # as the offline SamplingParams are.
-            "repetition_penalty": 1.0,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
+            # Always sent: a server fills omitted fields from the checkpoint's generation_config.
+            "repetition_penalty": kw["repetition_penalty"],
+            "presence_penalty": kw["presence_penalty"],
+            "frequency_penalty": kw["frequency_penalty"],
             "ignore_eos": True,
             "logprobs": int(logprobs),
             "return_tokens_as_token_ids": True,

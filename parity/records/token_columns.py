@@ -160,7 +160,7 @@ def token_columns(batch: RecordsBatch, *, vocab_size: int | None = None) -> Toke
     )
 
 
-def _row_groups(batch: RecordsBatch) -> list[tuple[str, tuple[str, tuple[float, int, float, float]], np.ndarray]]:
+def _row_groups(batch: RecordsBatch) -> list[tuple[str, tuple[str, tuple[float, ...]], np.ndarray]]:
     """The batch's scenarios: ``(name, (label, spec values), rows)``, rows ascending, in the order of each
     scenario's first row. A row's label is its ``scenario``, else its spec's label."""
     n, n_specs = batch.n_rows, max(len(batch.specs), 1)

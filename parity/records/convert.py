@@ -245,6 +245,7 @@ def from_sequence_records(
             "trainer_replay_logprobs": table.replay,
             "trainer_recompute_logprobs": table.recompute,
             "trainer_log_s": table.log_s,
+            "trainer_penalty_term": table.penalty,
             "trainer_recompute_forced": table.forced,
             "trainer_recompute_support_equal": table.recompute_support_equal,
             "trainer_bound": table.bound,

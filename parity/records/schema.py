@@ -60,6 +60,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("trainer_replay_logprobs", _F64, False, "token", "trainer logits renormalised over S_q"),
     Column("trainer_recompute_logprobs", _F64, False, "token", "trainer logits renormalised over the recomputed filters"),
     Column("trainer_log_s", _F64, False, "token", "log S predicted from the trainer's logits: logsumexp over S_q - logsumexp"),
+    Column("trainer_penalty_term", _F64, False, "token", "full(penalised z)[y] - full(z)[y]: the penalties' part of a "
+           "naive trainer's bias, beside log S (0 when no penalty is set)"),
     Column("trainer_recompute_forced", _BOOL, False, "token", "recompute had to force-include the sampled token"),
     Column("trainer_recompute_support_equal", _BOOL, False, "token", "the recomputed support equals S_q"),
     Column("trainer_bound", _F64, False, "token", "rounding bound on |trainer - sampler| over S_q, >= 0 "

@@ -91,6 +91,7 @@ def _trainer_values(
     have["kl"] = kept.with_logits | (unfilt & ~captured)
     v["bound"], have["bound"] = _row_float(batch, "trainer_bound")
     v["bound_full"], have["bound_full"] = _row_float(batch, "trainer_bound_full")
+    v["penalty"], have["penalty"] = _row_float(batch, "trainer_penalty_term")
     return v
 
 
@@ -157,6 +158,7 @@ def token_columns(batch: RecordsBatch, *, vocab_size: int | None = None) -> Toke
         logit_drift=kept.drift,
         trainer_token=trainer_token,
         views=views,
+        penalty=v["penalty"],
     )
 
 

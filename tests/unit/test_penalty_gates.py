@@ -134,3 +134,7 @@ def test_the_naive_bias_splits_into_log_s_and_the_penalty_term() -> None:
     parts = table.vllm + table.log_s - table.penalty
     assert float((naive - parts).abs().max()) < 1e-5
     assert float(table.penalty.abs().mean()) > 1e-2 and float(table.log_s.abs().mean()) > 1e-2
+    # report.json states both parts: log S and the penalty term (the records carry it per token)
+    s = judged(records, logits, table)
+    assert s["naive"]["penalty_term_mean"] == pytest.approx(float(table.penalty.mean()), abs=1e-9)
+    assert s["log_s"]["mean"] == pytest.approx(float(table.log_s.mean()), abs=1e-9)

@@ -74,7 +74,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("sampler_log_s_hi", _F64, False, "token", "upper end of the sampler-side log S interval; may be +inf"),
     Column("sampler_log_s_source", pa.string(), False, "sequence", "where the sampler-side log S comes from: raw_logits, "
            "top_p_bracket or unfiltered"),
-    Column("trainer_kept_logits", _F32, False, "kept", "the trainer's raw logits (before temperature) at kept_ids"),
+    Column("trainer_kept_logits", _F32, False, "kept", "the trainer's logits (after any penalties, before temperature) at kept_ids"),
     Column("routed_experts", _I32, False, "routed", "MoE: the sampler's top-k expert ids per position a forward ran "
            "(prompt and completion but the last token), layer, rank: (P + L - 1) x routed_layers x routed_top_k; "
            "-1 where no forward ran (a prefix-cache hit)"),

@@ -16,7 +16,11 @@ from parity.records.verdict import judge
 def judged(records, logits, table, th: Thresholds | None = None, *, faults=None, name: str = "planted",
            dtypes: tuple[str, str] = ("float32", "float32"), views=None) -> dict[str, Any]:
     """The scenario's report entry; ``faults``: the ones ``table`` was built with (planted kept sets go to the records)."""
-    export = from_sequence_records(records, scenario=name, table=table, logits=logits, faults=faults)
+    from parity.core.token_table import scored_logits
+
+    spec = records[0].spec if records else None
+    scored = scored_logits(records, logits, spec, faults) if spec is not None else logits
+    export = from_sequence_records(records, scenario=name, table=table, logits=scored, faults=faults)
     vocab = int(logits[0].shape[-1]) if len(logits) else None
     th = th or Thresholds()
     part = scenario_summary(export, dtypes=dtypes, vocab_size=vocab, n_listed=th.max_violations_listed, views=views)

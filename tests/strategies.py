@@ -23,12 +23,15 @@ from parity.testing.strategies import (  # noqa: F401
 @st.composite
 def engine_specs(draw: st.DrawFn, vocab: int) -> SamplingSpec:
     """Specs for end-to-end runs on a real engine: T in [0.05, 2], top_k off or 1..V, top_p in (0, 1],
-    min_p in [0, 1), alone and combined (each filter is off half the time)."""
+    min_p in [0, 1), alone and combined (each filter is off half the time); a third of them with penalties
+    (repetition in [0.5, 2], presence and frequency in [-2, 2])."""
     t = draw(st.floats(0.05, 2.0))
     k = draw(st.one_of(st.just(0), st.integers(1, vocab)))
     p = draw(st.one_of(st.just(1.0), st.floats(0.01, 1.0)))
     m = draw(st.one_of(st.just(0.0), st.floats(0.0, 0.99)))
-    return SamplingSpec(t, k, p, m)
+    if draw(st.integers(0, 2)):
+        return SamplingSpec(t, k, p, m)
+    return SamplingSpec(t, k, p, m, draw(st.floats(0.5, 2.0)), draw(st.floats(-2.0, 2.0)), draw(st.floats(-2.0, 2.0)))
 
 
 def example_case(vocab: int, *rows: RowPlan, seed: int = 0) -> Case:

@@ -32,16 +32,25 @@ def _records(spec: SamplingSpec, n_seq: int = 4, seed: int = 0) -> tuple[list[Se
     records, logits = [], []
     for i in range(n_seq):
         z = torch.randn(LENGTH, V, generator=g) * 3
-        ref = reference_filter(z, spec)
-        y = torch.multinomial(ref.logprobs.exp(), 1, generator=g).squeeze(1)
+        if spec.penalised:  # position t is penalised from the prompt and the tokens before it
+            ys: list[int] = []
+            for t in range(LENGTH):
+                row = reference_filter(z[t : t + 1], spec, prompt_ids=[[1]], output_ids=[list(ys)]).logprobs
+                ys.append(int(torch.multinomial(row.exp(), 1, generator=g)))
+            lp = torch.cat([reference_filter(z[t : t + 1], spec, prompt_ids=[[1]], output_ids=[ys[:t]]).logprobs
+                            for t in range(LENGTH)])
+            y = torch.tensor(ys)
+        else:
+            lp = reference_filter(z, spec).logprobs
+            y = torch.multinomial(lp.exp(), 1, generator=g).squeeze(1)
         kept = kept_lp = None
         if spec.effective().filtered:
-            order = torch.argsort(ref.logprobs, dim=-1, descending=True)
-            kept_lp = ref.logprobs.gather(1, order)
+            order = torch.argsort(lp, dim=-1, descending=True)
+            kept_lp = lp.gather(1, order)
             kept = order.masked_fill(torch.isinf(kept_lp), -1)
         records.append(SequenceRecord(
             source="sampler", prompt_index=i, prompt_ids=[1], completion_ids=y.tolist(), spec=spec, seed=i,
-            logprobs=ref.logprobs.gather(1, y.unsqueeze(1)).squeeze(1), kept_ids=kept, kept_logprobs=kept_lp,
+            logprobs=lp.gather(1, y.unsqueeze(1)).squeeze(1), kept_ids=kept, kept_logprobs=kept_lp,
         ))
         logits.append(z)
     return records, logits

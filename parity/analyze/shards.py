@@ -105,7 +105,7 @@ def rescored_columns(batch: RecordsBatch, trainer: TransformersTrainer, dtypes: 
             cols.logit_drift[tok] = np.where(known, table.logit_drift.numpy(), np.nan)
             if bool(has_user[tok].any()):
                 ys = [torch.tensor(r.completion_ids, dtype=torch.long) for r in recs]
-                views = reference_views(logits, ys, spec, [r.kept_ids for r in recs])
+                views = reference_views(logits, ys, spec, [r.kept_ids for r in recs], [r.prompt_ids for r in recs])
                 for bugs, v in views.items():
                     if bugs:
                         view_parts.setdefault(bugs, np.full(batch.tokens, np.nan))[tok] = np.where(known, v.numpy(), np.nan)

@@ -137,7 +137,7 @@ def score_step(sequences: Sequence[Captured], *, name: str, thresholds: Threshol
     table.user = torch.cat(used) if used else torch.zeros(0, dtype=torch.float64)
     table.user_name = TRAINER_UNDER_TEST
     ys = [torch.tensor(r.completion_ids, dtype=torch.long) for r in records]
-    views = reference_views(logits, ys, spec, [r.kept_ids for r in records])
+    views = reference_views(logits, ys, spec, [r.kept_ids for r in records], [r.prompt_ids for r in records])
     export = from_sequence_records(records, scenario=name, table=table, logits=logits)
     vocab = int(logits[0].shape[-1]) if logits else None
     part = scenario_summary(export, dtypes=(gate_dtype, "float32"), vocab_size=vocab, views=views,
@@ -223,7 +223,7 @@ def logged_columns(sequences: Sequence[Captured]) -> tuple[pa.Table, int]:
         spec = SamplingSpec.from_dict(_spec(s))
         rows.append({"schema_version": 1, "prompt_ids": _ints(s, "prompt_ids"),
                      "completion_ids": [t for t, k in zip(_ints(s, "completion_ids"), m.tolist(), strict=True) if k],
-                     "temperature": spec.temperature, "top_k": spec.top_k, "top_p": spec.top_p, "min_p": spec.min_p,
+                     **spec.to_dict(),
                      "step": _int(s, "step"), "sampler_logprobs": _tensor(s, "sampling_logps")[m].float().tolist(),
                      "trainer_logprobs": _tensor(s, "is_logps")[m].double().tolist()})
     vocab = next((int(_tensor(s, "logits").shape[-1]) for s in sequences if s.get("logits") is not None), None)
@@ -231,7 +231,8 @@ def logged_columns(sequences: Sequence[Captured]) -> tuple[pa.Table, int]:
             "trainer_dtype": "float32", **({"vocab_size": vocab} if vocab else {})}
     schema = pa.schema([("schema_version", pa.int32()), ("prompt_ids", pa.list_(pa.int32())),
                         ("completion_ids", pa.list_(pa.int32())), ("temperature", pa.float64()), ("top_k", pa.int64()),
-                        ("top_p", pa.float64()), ("min_p", pa.float64()), ("step", pa.int64()),
+                        ("top_p", pa.float64()), ("min_p", pa.float64()), ("repetition_penalty", pa.float64()),
+                        ("presence_penalty", pa.float64()), ("frequency_penalty", pa.float64()), ("step", pa.int64()),
                         ("sampler_logprobs", pa.list_(pa.float32())), ("trainer_logprobs", pa.list_(pa.float64()))],
                        metadata={"parity.records": json.dumps(meta)})
     return pa.Table.from_pylist(rows, schema=schema), dropped

@@ -598,10 +598,34 @@ def render(findings: list[Finding], shown: list[Finding] | None = None) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="show only the WARN and FAIL lines")
+    p.add_argument("--server", default=None, metavar="URL",
+                   help="also ask a running vLLM server which sampling fields it fills from the model's "
+                        "generation_config when a request omits them (needs --model for the tokenizer)")
+    p.add_argument("--model", default="qwen2-tiny", help="the served model's fixture name or checkpoint directory "
+                   "(with --server; default: qwen2-tiny)")
+
+
+def check_server_defaults(url: str, model: str) -> list[Finding]:
+    """The fields a server fills from generation_config.json, probed by omitting them (what frameworks send)."""
+    from parity.engines.vllm_server.client import ServerRollout, describe_generation_defaults
+    from parity.fixtures import resolve_model
+
+    server = ServerRollout(resolve_model(model), server=url, timeout_s=120)
+    try:
+        filled = server.probe_generation_defaults()
+    finally:
+        server.close()
+    line = describe_generation_defaults(filled).removeprefix("server defaults: ")
+    if not filled:
+        return [Finding("server defaults", "ok", line)]
+    return [Finding("server defaults", "warn", line, "send these fields in every request, or serve with "
+                    "--generation-config vllm to ignore the checkpoint's defaults")]
 
 
 def main(args: argparse.Namespace) -> int:
     findings = diagnose()
+    if getattr(args, "server", None):
+        findings += check_server_defaults(args.server, args.model)
     shown = [f for f in findings if f.level in ("warn", "fail")] if args.quiet else findings
     print(render(findings, shown))
     return 1 if any(f.level == "fail" for f in findings) else 0

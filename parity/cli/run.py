@@ -18,6 +18,7 @@ FAULTS = {
     "forget-temperature": TrainerFaults(forget_temperature=True),
     "swap-token": TrainerFaults(swap_token=True),
     "drop-kept": TrainerFaults(drop_kept=True),
+    "ignore-penalty": TrainerFaults(ignore_penalty=True),
 }
 
 

@@ -1,7 +1,8 @@
 """Trainer-side log-prob estimators on ``[N, V]`` logits and sampled ids ``[N]``, pure torch: ``full``
 (``log_softmax(z / T)[y]``, the biased baseline), ``recompute`` (the reference filters on the trainer's logits,
 sampled token forced in), ``replay`` (renormalised over the captured S_q) and ``predicted_log_s``. Kept sets
-are a bool mask ``[N, V]`` or padded ids ``[N, K]`` (``-1`` = padding)."""
+are a bool mask ``[N, V]`` or padded ids ``[N, K]`` (``-1`` = padding). The logits are those after the penalties
+(:func:`parity.core.penalties.penalise_sequence`); a spec's penalty fields are not applied here."""
 
 from __future__ import annotations
 
@@ -105,8 +106,11 @@ def _recompute_reference(
     logits: torch.Tensor, sampled: torch.Tensor, specs: SamplingSpec | Sequence[SamplingSpec], *,
     force_include: bool = True, faults: FilterFaults | None = None,
 ) -> RecomputeResult:
-    """recompute straight from :func:`reference_filter` (full-row sort, dense renormalisation)."""
-    res = reference_filter(logits, specs, faults=faults)
+    """recompute straight from :func:`reference_filter` (full-row sort, dense renormalisation). The logits are
+    already penalised (every estimator reads the logits after the penalties), so the penalties are not run again."""
+    check_logits(logits)
+    bare = [s.without_penalties() for s in per_row(specs, logits.shape[0])]
+    res = reference_filter(logits, bare, faults=faults)
     y = _check_ids(sampled, res.scaled)
     kept = res.kept
     forced = ~kept.gather(1, y.unsqueeze(1)).squeeze(1)
@@ -363,6 +367,14 @@ def replay(
     pos = torch.arange(width, device=kept.device).expand_as(kept)
     lp = _log_renormalised(z, torch.full_like(y, width), torch.where(kept < 0, -1, pos))
     return ReplayResult(lp, ~_contains(kept, y))
+
+
+def penalty_term(
+    raw: torch.Tensor, penalised: torch.Tensor, sampled: torch.Tensor, specs: SamplingSpec | Sequence[SamplingSpec]
+) -> torch.Tensor:
+    """``full(pen(z))[y] - full(z)[y]``, float64 ``[N]``: the part of a penalty-ignoring trainer's gap to the sampler
+    that is not log S (that trainer reads ``processed - log S - penalty_term``; docs/penalties.md)."""
+    return full(penalised, sampled, specs).double() - full(raw, sampled, specs).double()
 
 
 def predicted_log_s(

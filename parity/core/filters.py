@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from parity.core.penalties import penalise
 from parity.core.spec import SAMPLING_EPS, SamplingSpec, per_row
 from parity.errors import UsageError
 
@@ -23,6 +24,8 @@ class FilterFaults:
     drop_top_k_ties: bool = False  # keep exactly k tokens instead of every token tied with the k-th
     top_p_before_top_k: bool = False  # apply the nucleus cut on the unfiltered row, then top_k
     min_p_in_log_space: bool = False  # compare log-probs (rounds differently at the boundary)
+    penalty_ignores_prompt: bool = False  # the repetition penalty reads the output's tokens only
+    penalty_after_temperature: bool = False  # penalise z / T instead of z
 
 
 @dataclass
@@ -133,15 +136,28 @@ def reference_filter(
     specs: SamplingSpec | Sequence[SamplingSpec],
     *,
     faults: FilterFaults | None = None,
+    prompt_ids: Sequence[Sequence[int]] | None = None,
+    output_ids: Sequence[Sequence[int]] | None = None,
 ) -> FilterResult:
-    """Run vLLM 0.32's sampling filters on float32 logits ``[N, V]``, in ``Sampler.sample``'s order
-    (vllm/v1/sample/sampler.py): greedy rows → temperature → argmax-invariant logits processors (min_p) →
-    top_k/top_p → ``log_softmax`` over what survived."""
+    """Run vLLM 0.32's sampling pipeline on float32 logits ``[N, V]``, in ``Sampler.forward``'s order
+    (vllm/v1/sample/sampler.py): penalties (``apply_logits_processors``; each row's ``prompt_ids`` and
+    ``output_ids``, needed only when a row is penalised) → greedy rows → temperature → argmax-invariant logits
+    processors (min_p) → top_k/top_p → ``log_softmax`` over what survived."""
     faults = faults or FilterFaults()
     logits = check_logits(logits).to(torch.float32)
     n, vocab = logits.shape
     row_specs = per_row(specs, n)
     device = logits.device
+    if any(s.penalised for s in row_specs):
+        if prompt_ids is None or output_ids is None:
+            raise UsageError("reference_filter: a spec sets a penalty but prompt_ids/output_ids were not given: "
+                             "allowed both, one token history per row")
+        prompts = [[] for _ in row_specs] if faults.penalty_ignores_prompt else prompt_ids
+        if not faults.penalty_after_temperature:
+            logits = penalise(logits, row_specs, prompts, output_ids)
+        else:  # planted fault: the penalties on the scaled logits, then back to the logits' scale
+            t = temperatures(row_specs, logits.dtype, device).unsqueeze(1)
+            logits = penalise(logits / t, row_specs, prompts, output_ids) * t
 
     # Sampler.sample: an all-greedy batch reports log_softmax of the raw logits (compute_logprobs).
     if all(s.greedy for s in row_specs):

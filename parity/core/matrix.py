@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parity.core.spec import SamplingSpec
+from parity.core.spec import SPEC_FIELDS, SamplingSpec
 from parity.errors import PathNotFound, UsageError
 
 DEFAULT_TIE_FIXTURE = "qwen2-tiny-ties"
@@ -76,11 +76,12 @@ def default_matrix(
     tie_fixture: str = DEFAULT_TIE_FIXTURE,
     peaked_fixture: str = DEFAULT_PEAKED_FIXTURE,
 ) -> Matrix:
-    """Every filter alone at each level, the filters in pairs across temperatures, all at once, ties. Levels:
+    """Every filter alone at each level, the filters in pairs across temperatures, all at once, ties, penalties. Levels:
     temperature {0, 0.7, 1.0, 1.3}, top_p {1, 0.95, 0.9, 0.8, 0.05}, top_k {off, 1, 20, 50, >= V}, min_p
     {0, 0.05, 0.1}; `pair_coverage` lists which level pairs of which factors appear together (report.md prints it)."""
-    def _s(name: str, t: float = 1.0, k: int = 0, p: float = 1.0, m: float = 0.0, model: str | None = None) -> Scenario:
-        spec = SamplingSpec(temperature=t, top_k=k, top_p=p, min_p=m)
+    def _s(name: str, t: float = 1.0, k: int = 0, p: float = 1.0, m: float = 0.0, model: str | None = None,
+           **penalties: float) -> Scenario:
+        spec = SamplingSpec(temperature=t, top_k=k, top_p=p, min_p=m, **penalties)
         return Scenario(name=name, spec=spec, model=model, prompts=prompts, max_tokens=max_tokens, seed=seed)
 
     rows = [
@@ -104,6 +105,9 @@ def default_matrix(
         _s("top_p=0.8 min_p=0.1 T=0.7", t=0.7, p=0.8, m=0.1),
         _s("all filters T=0.7", t=0.7, k=50, p=0.95, m=0.05),
         _s("all filters T=1.3", t=1.3, k=20, p=0.8, m=0.1),
+        # Penalties: vLLM applies them before temperature and the filters, from each sequence's own history.
+        _s("repetition_penalty=1.3 top_p=0.9 T=0.7", t=0.7, p=0.9, repetition_penalty=1.3),
+        _s("presence=0.5 frequency=0.3 top_k=50", k=50, presence_penalty=0.5, frequency_penalty=0.3),
         _s("ties top_k=1", k=1, model=tie_fixture),
         _s("ties top_k=2", k=2, model=tie_fixture),
         _s("ties top_k=3 top_p=0.9", k=3, p=0.9, model=tie_fixture),
@@ -118,6 +122,7 @@ FACTORS: dict[str, Callable[[SamplingSpec], str]] = {
     "top_k": lambda s: "off" if not s.uses_top_k else str(s.top_k) if s.top_k < 1_000_000 else ">=V",
     "top_p": lambda s: "1" if not s.uses_top_p else f"{s.top_p:g}",
     "min_p": lambda s: "0" if not s.uses_min_p else f"{s.min_p:g}",
+    "penalties": lambda s: "off" if not s.penalised else "on",
 }
 
 
@@ -131,7 +136,7 @@ def pair_coverage(matrix: Matrix) -> dict[str, list[str]]:
 
 
 # Matrices shipped with the package, by name (parity/data/): the real-checkpoint scenarios of the main job.
-NAMED_MATRICES = {"real": "real_checkpoint.toml", "real-bf16": "real_checkpoint_bf16.toml"}
+NAMED_MATRICES = {"real": "real_checkpoint.toml", "real-bf16": "real_checkpoint_bf16.toml", "penalties": "penalties.toml"}
 
 
 def load_matrix(path: str | Path) -> Matrix:
@@ -154,7 +159,7 @@ def load_matrix(path: str | Path) -> Matrix:
     rows = data.get("scenario")
     if not isinstance(rows, list) or not rows:
         raise UsageError(f"matrix file {str(path)!r} has no [[scenario]] tables")
-    spec_keys = {"temperature", "top_k", "top_p", "min_p"}
+    spec_keys = set(SPEC_FIELDS)
     other = {"name", "model", "prompts", "max_tokens", "seed", "capture_head", "max_capture_head", "prefix_caching",
              "max_num_batched_tokens", "shared_prefix"}
     scenarios = []

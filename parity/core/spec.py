@@ -5,8 +5,9 @@ filters and the estimators read it). It imports no engine.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from parity.errors import UsageError
 
@@ -18,6 +19,10 @@ SAMPLING_EPS = 1e-5
 # at T = 0.01 with every filter active. ``_verify_args`` refuses T > 2.
 MIN_RANDOM_TEMPERATURE = 1e-2
 MAX_TEMPERATURE = 2.0
+# ``SamplingParams._verify_args``: presence and frequency penalties in [-2, 2]; repetition penalty finite, > 0.
+MAX_ABS_ADDITIVE_PENALTY = 2.0
+PENALTY_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+SPEC_FIELDS = ("temperature", "top_k", "top_p", "min_p", *PENALTY_FIELDS)
 
 
 def _fail(field: str, value: object, allowed: str) -> UsageError:
@@ -29,12 +34,17 @@ class SamplingSpec:
     """Filter settings of one request. ``temperature`` in [0, 2], 0 = greedy (vLLM then ignores top_k/top_p/min_p);
     values in (0, 0.01) are raised to 0.01, as vLLM's SamplingParams does, so they are *not* greedy. ``top_k``: 0
     or -1 = off, else >= 1 (ties with the k-th value are kept, so |S| may exceed k). ``top_p`` in (0, 1], 1 = off.
-    ``min_p`` in [0, 1], 0 = off."""
+    ``min_p`` in [0, 1], 0 = off. Penalties under vLLM's ``SamplingParams`` names, applied before temperature and
+    kept on greedy rows: ``repetition_penalty`` > 0 (1 = off), ``presence_penalty`` and ``frequency_penalty`` in
+    [-2, 2] (0 = off); :mod:`parity.core.penalties`."""
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         t, k, p, m = self.temperature, self.top_k, self.top_p, self.min_p
@@ -47,6 +57,15 @@ class SamplingSpec:
             raise _fail("top_p", p, "a number in (0, 1]")
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not (0.0 <= m <= 1.0):
             raise _fail("min_p", m, "a number in [0, 1]")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.0 < r < math.inf):
+            raise _fail("repetition_penalty", r, "a finite number > 0 (1 means off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (-MAX_ABS_ADDITIVE_PENALTY <= v <= MAX_ABS_ADDITIVE_PENALTY):
+                raise _fail(name, v, "a number in [-2, 2] (0 means off)")
+            object.__setattr__(self, name, float(v))
+        object.__setattr__(self, "repetition_penalty", float(r))
         # Normalise ints to floats so equal specs compare and hash equal.
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_p", float(p))
@@ -79,6 +98,11 @@ class SamplingSpec:
         return not self.greedy and self.min_p > 0.0
 
     @property
+    def penalised(self) -> bool:
+        """True when some penalty is on (vLLM then runs ``apply_penalties``, greedy rows included)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def filtered(self) -> bool:
         """True when the processed distribution can differ from ``softmax(z / T)``."""
         return self.uses_top_k or self.uses_top_p or self.uses_min_p
@@ -86,12 +110,16 @@ class SamplingSpec:
     def effective(self) -> SamplingSpec:
         """The spec as vLLM applies it, as ``SamplingParams.__post_init__`` (vllm/sampling_params.py): temperatures in
         (0, 0.01) become 0.01, and greedy requests (temperature < _SAMPLING_EPS) drop top_p, top_k and min_p."""
-        if self.greedy:
-            return SamplingSpec(temperature=0.0)  # every filter at its default: off
+        if self.greedy:  # every filter at its default: off; the penalties stay (vLLM keeps them)
+            return replace(self, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
         t = self.effective_temperature
         if self.top_k == -1 or t != self.temperature:
-            return SamplingSpec(t, 0 if self.top_k == -1 else self.top_k, self.top_p, self.min_p)
+            return replace(self, temperature=t, top_k=0 if self.top_k == -1 else self.top_k)
         return self
+
+    def without_penalties(self) -> SamplingSpec:
+        """The same filters with every penalty off: what a trainer that ignores the penalties applies."""
+        return replace(self, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
 
     def top_k_for_vocab(self, vocab_size: int) -> int:
         """k as a row filter: the vocabulary size when top_k is off or k >= V."""
@@ -107,6 +135,12 @@ class SamplingSpec:
             parts.append(f"top_p={self.top_p:g}")
         if self.uses_min_p:
             parts.append(f"min_p={self.min_p:g}")
+        if self.repetition_penalty != 1.0:
+            parts.append(f"rep={self.repetition_penalty:g}")
+        if self.presence_penalty != 0.0:
+            parts.append(f"presence={self.presence_penalty:g}")
+        if self.frequency_penalty != 0.0:
+            parts.append(f"freq={self.frequency_penalty:g}")
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, float]:
@@ -114,11 +148,9 @@ class SamplingSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> SamplingSpec:
-        unknown = set(data) - {"temperature", "top_k", "top_p", "min_p"}
+        unknown = set(data) - set(SPEC_FIELDS)
         if unknown:
-            raise UsageError(
-                f"SamplingSpec got unknown field(s) {sorted(unknown)}: allowed temperature, top_k, top_p, min_p"
-            )
+            raise UsageError(f"SamplingSpec got unknown field(s) {sorted(unknown)}: allowed {', '.join(SPEC_FIELDS)}")
         build: Callable[..., SamplingSpec] = cls  # __post_init__ checks each value's type
         return build(**data)
 
@@ -132,6 +164,9 @@ class SamplingSpec:
             "top_k": self.top_k if self.top_k >= 1 else 0,
             "top_p": self.top_p,
             "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
         }
 
 

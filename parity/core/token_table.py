@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -15,6 +15,7 @@ from parity.core.capture import support_mass
 from parity.core.error_model import SUPPORT_MASS_TOL, logprob_bound, systematic_bound, unit_roundoff
 from parity.core.log_s import top_p_bracket, top_p_bracket_applies
 from parity.core.metrics import boundary_only, kl_tv_over_support, support_equal, top_k_count_differs
+from parity.core.penalties import penalise_sequence
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.errors import UsageError
@@ -50,6 +51,9 @@ class TokenTable:
     s_lo: torch.Tensor  # float64 [T]: sampler-side log S lies in [s_lo, s_hi]; NaN where no source has it
     s_hi: torch.Tensor  # float64 [T]
     logit_drift: torch.Tensor  # float64 [T]: spread over S_q of (sampler lp - trainer replay lp); NaN uncaptured
+    # float64 [T]: full(penalised z)[y] - full(z)[y], the penalties' part of a naive trainer's bias (0 unpenalised):
+    # a trainer that ignores the penalties and the filters reads vllm + log S - penalty (docs/penalties.md)
+    penalty: torch.Tensor
     seq_lengths: list[int]
     roundoff: float = 2.0**-24  # unit roundoff of the looser side
     s_source: str = "none"  # where s_lo/s_hi come from: unfiltered, raw_logits, top_p_bracket, none
@@ -81,6 +85,7 @@ class TrainerFaults:
     bias_logprob: float = 0.0  # every trainer log-prob shifted by this many nats (a systematic bias)
     move_boundary_every: int = 0  # every N-th position: the best token outside S_q rises to the max logit
     drop_kept_mass: float = 0.0  # drop the kept token whose sampler probability is nearest this, at L // 2
+    ignore_penalty: bool = False  # score the raw logits: the sampler's repetition/presence/frequency penalties left out
 
 
 def _plant(
@@ -122,6 +127,23 @@ def _plant(
     return out
 
 
+def penalised_logits(records: Sequence[SequenceRecord], logits: Sequence[torch.Tensor], spec: SamplingSpec) -> list[torch.Tensor]:
+    """Each sequence's logits as the sampler saw them: position t penalised from the prompt and the tokens
+    before it (:func:`parity.core.penalties.penalise_sequence`); unchanged when ``spec`` sets no penalty."""
+    if not spec.penalised:
+        return list(logits)
+    return [penalise_sequence(z, spec, r.prompt_ids, r.completion_ids) if z.dim() == 2 and z.shape[0] == r.length else z
+            for r, z in zip(records, logits, strict=True)]
+
+
+def scored_logits(records: Sequence[SequenceRecord], logits: Sequence[torch.Tensor], spec: SamplingSpec,
+                  faults: TrainerFaults | None = None, penalised: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The logits the (possibly planted) trainer scores: penalised, or raw under ``TrainerFaults.ignore_penalty``."""
+    if faults is not None and faults.ignore_penalty:
+        return list(logits)
+    return penalised if penalised is not None else penalised_logits(records, logits, spec)
+
+
 def build_table(
     records: Sequence[SequenceRecord],
     logits: Sequence[torch.Tensor],
@@ -140,12 +162,15 @@ def build_table(
         raise UsageError(f"{len(records)} sampler records but {len(logits)} trainer logit tensors")
     faults = faults or TrainerFaults()
     vocab = int(logits[0].shape[-1]) if logits else 0
-    trainer_spec = SamplingSpec(1.0, spec.top_k, spec.top_p, spec.min_p) if faults.forget_temperature and not spec.greedy else spec
+    trainer_spec = replace(spec, temperature=1.0) if faults.forget_temperature and not spec.greedy else spec
+    raw = list(logits)
+    penalised = penalised_logits(records, raw, spec)
     scalar = ("seq_lengths", "user", "user_name", "roundoff", "s_source")
     cols: dict[str, list[torch.Tensor]] = {f.name: [] for f in fields(TokenTable) if f.name not in scalar}
     sources: set[str] = set()
     lengths = []
-    for r, (y, z, kept) in zip(records, _plant(records, list(logits), faults, vocab), strict=True):
+    scored = scored_logits(records, raw, spec, faults, penalised)
+    for r, (y, z, kept), z_raw, z_pen in zip(records, _plant(records, scored, faults, vocab), raw, penalised, strict=True):
         n = r.length
         if z.shape != (n, vocab):
             raise UsageError(f"trainer logits for prompt {r.prompt_index} have shape {tuple(z.shape)}, allowed ({n}, {vocab})")
@@ -173,6 +198,8 @@ def build_table(
             shift_full[n // 2] += faults.shift_bounds * float(naive_bound[n // 2])
         full = estimators.full(z, y, trainer_spec).double() + shift_full
         cols["full"].append(full)
+        cols["penalty"].append(estimators.penalty_term(z_raw, z_pen, y, trainer_spec) if spec.penalised
+                               else torch.zeros(n, dtype=torch.float64))
         rec = estimators.recompute(z, y, trainer_spec, select_dtype=recompute_dtype)
         cols["recompute"].append(rec.logprobs.double() + shift)
         cols["forced"].append(rec.forced)

@@ -196,8 +196,16 @@ class EnginePool:
                 from parity.engines.vllm_server.client import ServerRollout
 
                 rollout: Rollout
+                from parity.engines.vllm_server.client import describe_generation_defaults
+
                 with waiting("vLLM server start-up and ready" if cfg.server == "spawn" else "vLLM server connection"):
                     rollout = ServerRollout(model_path, server=cfg.server, **common)
+                try:  # what a framework that omits a field would sample with (parity sends every field)
+                    rollout.generation_defaults = rollout.probe_generation_defaults()
+                except Exception:
+                    rollout.close()
+                    raise
+                progress("parity: " + describe_generation_defaults(rollout.generation_defaults))
             else:
                 with waiting("vLLM engine start-up"):
                     rollout = VllmRollout(model_path, **common)

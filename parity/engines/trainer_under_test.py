@@ -9,12 +9,13 @@ import importlib
 import math
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from parity.core import estimators
+from parity.core.penalties import penalise_sequence
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.errors import UsageError
@@ -32,13 +33,22 @@ class TrainerBatch:
     attention_mask: torch.Tensor  # long [B, S]
     prompt_lengths: list[int]
     completion_lengths: list[int]
-    spec: SamplingSpec  # what the sampler applied (temperature, top_k, top_p, min_p)
+    spec: SamplingSpec  # what the sampler applied (temperature, top_k, top_p, min_p, the penalties)
     kept_ids: list[torch.Tensor | None]  # per sequence [L, K] (-1 padded) or None (= whole vocabulary)
     logits: list[torch.Tensor] | None = None  # the harness's float32 logits [L, V] per sequence, if computed
 
     @property
     def completion_ids(self) -> list[torch.Tensor]:
         return [self.input_ids[i, p : p + n] for i, (p, n) in enumerate(zip(self.prompt_lengths, self.completion_lengths, strict=True))]
+
+    @property
+    def prompt_ids(self) -> list[list[int]]:
+        return [self.input_ids[i, :p].tolist() for i, p in enumerate(self.prompt_lengths)]
+
+    def penalised_logits(self) -> list[torch.Tensor]:
+        """The harness's logits with the sampler's penalties applied per position (parity.core.penalties)."""
+        return [penalise_sequence(z, self.spec, p, y.tolist())
+                for z, p, y in zip(_needs_logits(self), self.prompt_ids, self.completion_ids, strict=True)]
 
 
 TrainerFn = Callable[[TrainerBatch], Sequence[torch.Tensor]]
@@ -51,22 +61,32 @@ def _needs_logits(batch: TrainerBatch) -> list[torch.Tensor]:
 
 
 def builtin_full(batch: TrainerBatch) -> list[torch.Tensor]:
-    """Full-vocabulary log-softmax of logits / T: what TRL and verl compute."""
+    """Full-vocabulary log-softmax of logits / T, no penalties: what TRL and verl compute."""
     return [estimators.full(z, y, batch.spec) for z, y in zip(_needs_logits(batch), batch.completion_ids, strict=True)]
 
 
 def builtin_recompute(batch: TrainerBatch) -> list[torch.Tensor]:
-    return [estimators.recompute(z, y, batch.spec).logprobs for z, y in zip(_needs_logits(batch), batch.completion_ids, strict=True)]
+    return [estimators.recompute(z, y, batch.spec).logprobs for z, y in zip(batch.penalised_logits(), batch.completion_ids, strict=True)]
 
 
-def builtin_replay(batch: TrainerBatch) -> list[torch.Tensor]:
+def _replay(logits: list[torch.Tensor], batch: TrainerBatch) -> list[torch.Tensor]:
     out = []
-    for z, y, kept in zip(_needs_logits(batch), batch.completion_ids, batch.kept_ids, strict=True):
+    for z, y, kept in zip(logits, batch.completion_ids, batch.kept_ids, strict=True):
         out.append(estimators.full(z, y, batch.spec) if kept is None else estimators.replay(z, y, kept, batch.spec).logprobs)
     return out
 
 
-BUILTINS: dict[str, TrainerFn] = {"full": builtin_full, "recompute": builtin_recompute, "replay": builtin_replay}
+def builtin_replay(batch: TrainerBatch) -> list[torch.Tensor]:
+    return _replay(batch.penalised_logits(), batch)
+
+
+def builtin_replay_ignoring_penalties(batch: TrainerBatch) -> list[torch.Tensor]:
+    """replay over the kept set on logits without the sampler's penalties (a negative control)."""
+    return _replay(_needs_logits(batch), batch)
+
+
+BUILTINS: dict[str, TrainerFn] = {"full": builtin_full, "recompute": builtin_recompute, "replay": builtin_replay,
+                                  "replay-ignoring-penalties": builtin_replay_ignoring_penalties}
 
 
 def load_trainer(name: str | TrainerFn) -> tuple[str, TrainerFn]:
@@ -125,20 +145,27 @@ def call_trainer(fn: TrainerFn, name: str, batch: TrainerBatch) -> torch.Tensor:
 
 
 def reference_views(
-    logits: list[torch.Tensor], ys: list[torch.Tensor], spec: SamplingSpec, kept: Sequence[torch.Tensor | None]
+    logits: list[torch.Tensor], ys: list[torch.Tensor], spec: SamplingSpec, kept: Sequence[torch.Tensor | None],
+    prompts: Sequence[Sequence[int]] | None = None,
 ) -> dict[frozenset[str], torch.Tensor]:
     """The trainer-side log-probs under every combination of :data:`BUGS` (the empty set is correct). ``kept``: the
     sampler's S_q per sequence (``None`` = unfiltered: ``full_vocabulary`` then changes nothing and is left out).
-    ``off_by_one`` scores token t with row t + 1, so the last token's entry is NaN, left out of the comparison."""
+    ``off_by_one`` scores token t with row t + 1, so the last token's entry is NaN, left out of the comparison.
+    ``logits`` are the model's; the correct view penalises them from ``prompts`` and the earlier tokens, and
+    ``ignores_penalty`` (offered when ``spec`` sets a penalty) leaves that out."""
     filtered = any(k is not None for k in kept)
-    names = [b for b in BUGS if b != "full_vocabulary" or filtered]
-    one = SamplingSpec(1.0, spec.top_k, spec.top_p, spec.min_p)
+    names = [b for b in BUGS if (b != "full_vocabulary" or filtered) and (b != "ignores_penalty" or spec.penalised)]
+    if spec.penalised and prompts is None:
+        raise UsageError("reference_views: the spec sets a penalty, so the prompts are needed: allowed one prompt per sequence")
+    penalised = logits if not spec.penalised else [
+        penalise_sequence(z, spec, p, y.tolist()) for z, p, y in zip(logits, prompts or [], ys, strict=True)]
+    one = replace(spec, temperature=1.0)
     views: dict[frozenset[str], torch.Tensor] = {}
     for mask in range(1 << len(names)):
         bugs = frozenset(n for j, n in enumerate(names) if mask >> j & 1)
         s = one if "forgets_temperature" in bugs and not spec.greedy else spec
         parts = []
-        for z, y, k in zip(logits, ys, kept, strict=True):
+        for z, y, k in zip(logits if "ignores_penalty" in bugs else penalised, ys, kept, strict=True):
             rows, labels = (z[1:], y[:-1]) if "off_by_one" in bugs else (z, y)
             if k is None or "full_vocabulary" in bugs:
                 v = estimators.full(rows, labels, s).double()

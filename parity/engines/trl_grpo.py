@@ -27,6 +27,7 @@ from parity.core.capture import (
     plan_capture,
     support_from_heads,
 )
+from parity.core.penalties import penalise_sequence
 from parity.core.spec import SamplingSpec
 from parity.engines.sampler_rows import SamplerRows
 from parity.engines.vllm_offline import capture_outputs, rows_start
@@ -71,9 +72,8 @@ _UNSUPPORTED_FORWARD_KWARGS = (
     "pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
     "token_type_ids", "mm_token_type_ids", "image_position_ids",
 )
-# Sampling parameters that change vLLM's distribution beyond temperature/top_k/top_p/min_p.
-_UNMODELLED_SAMPLING = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
-                        "allowed_token_ids", "bad_words", "structured_outputs")
+# Sampling parameters that change vLLM's distribution beyond temperature, the filters and the penalties.
+_UNMODELLED_SAMPLING = ("logit_bias", "allowed_token_ids", "bad_words", "structured_outputs")
 
 
 Rows = dict[int, tuple[torch.Tensor, torch.Tensor]]  # position -> S_q read from the sampler's row
@@ -169,10 +169,9 @@ def _spec_of(gen: VLLMGeneration) -> SamplingSpec:
     kw = {"temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k,
           "min_p": 0.0 if gen.min_p is None else gen.min_p, "repetition_penalty": gen.repetition_penalty}
     kw.update(gen.generation_kwargs or {})
-    rp = kw.get("repetition_penalty")
-    if rp not in (None, 1, 1.0):
-        raise UsageError(f"repetition_penalty={rp!r} is not modelled by parity's filters: allowed 1.0 under patch_grpo")
-    for name in _UNMODELLED_SAMPLING[1:]:
+    if kw.get("repetition_penalty") is None:
+        kw["repetition_penalty"] = 1.0
+    for name in _UNMODELLED_SAMPLING:
         if kw.get(name) not in (None, 0, 0.0, {}, []):
             raise UsageError(f"generation_kwargs[{name!r}]={kw[name]!r} is not modelled by parity's filters: allowed unset")
     return spec_of_params(SimpleNamespace(**kw))
@@ -253,22 +252,26 @@ def _forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
 
 
 def _log_mass_correction(cap: GrpoCapture, z: torch.Tensor, y: torch.Tensor, spec: SamplingSpec,
-                         support: CapturedSupport | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log S over S_q — what parity measures —, the log-mass the fix subtracts) per position, float64."""
+                         support: CapturedSupport | None, prompt: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log S over S_q — what parity measures —, what the fix subtracts from TRL's full-vocabulary log-prob) per
+    position, float64. ``z``: the model's logits; with a penalty the sampler's are ``penalise_sequence(z)`` (from
+    ``prompt`` and the earlier tokens), and the fix also subtracts the penalty term TRL leaves out."""
     n = y.shape[0]
+    zp = penalise_sequence(z, spec, prompt or [], y.tolist()) if spec.penalised else z
     log_s_q = torch.zeros(n, dtype=torch.float64)
     if support is not None:
-        log_s_q = estimators.predicted_log_s(z, support.kept_ids, spec).double()
+        log_s_q = estimators.predicted_log_s(zp, support.kept_ids, spec).double()
     if cap.mode == "observe":
         return log_s_q, torch.zeros(n, dtype=torch.float64)
-    full = estimators.full(z, y, spec).double()
+    full = estimators.full(z, y, spec).double()  # TRL's own value: no penalty, no filter
+    full_p = estimators.full(zp, y, spec).double() if spec.penalised else full
     if cap.mode == "recompute" or support is None and spec.effective().filtered:
-        rec = estimators.recompute(z, y, spec)
+        rec = estimators.recompute(zp, y, spec)
         cap.counts["forced_includes"] += int(rec.forced.sum())
         return log_s_q, full - rec.logprobs.double()
-    correction = log_s_q.clone()
+    correction = log_s_q + (full - full_p)  # replay = full_p - log S_q
     if support is not None and bool(support.incomplete.any()):
-        rec = estimators.recompute(z, y, spec)
+        rec = estimators.recompute(zp, y, spec)
         bad = support.incomplete
         correction[bad] = (full - rec.logprobs.double())[bad]
         cap.counts["replay_fallbacks"] += int(bad.sum())
@@ -444,7 +447,9 @@ def _patched_logps(cap: GrpoCapture, original: Callable[..., Logps], keep_logits
             if y.tolist() != list(comp):
                 raise EngineError(f"row {b}: the scored completion differs from what vLLM sampled")
             support = pend["supports"][b] if pend["supports"] is not None else None
-            log_s_q, correction = _log_mass_correction(cap, z.cpu(), y, pend["spec"], support)
+            cut = input_ids.shape[1] - logits_to_keep  # the prompt part (left-padded by TRL)
+            prompt = input_ids[b, :cut][attention_mask[b, :cut].bool()].tolist()
+            log_s_q, correction = _log_mass_correction(cap, z.cpu(), y, pend["spec"], support, prompt)
             used[b, :n] = full_lp[b, :n] - correction.to(full_lp.dtype).to(full_lp.device)
             rows.append({"logits": z.cpu() if keep_logits else None, "log_s": log_s_q, "support": support})
         active["old"] = {"full": full_lp.detach().clone(), "used": used.detach().clone(), "rows": rows}

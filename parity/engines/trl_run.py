@@ -49,6 +49,7 @@ class GrpoRunConfig:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0  # GRPOConfig.repetition_penalty: vLLM applies it, TRL's trainer side does not
     is_mode: str = "sequence_mask"
     steps: int = 2
     batch: int = 8  # completions per step (per_device_train_batch_size)
@@ -66,7 +67,7 @@ class GrpoRunConfig:
         from parity.core.spec import SamplingSpec
         from parity.engines.trl_grpo import MODES
 
-        SamplingSpec(self.temperature, self.top_k, self.top_p, self.min_p)  # raises naming the field
+        SamplingSpec(self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty)  # raises naming the field
         if self.is_mode not in IS_MODES:
             raise UsageError(f"GrpoRunConfig.is_mode={self.is_mode!r} is invalid: allowed {', '.join(IS_MODES)}")
         for name in ("steps", "batch", "max_completion_length"):
@@ -100,7 +101,7 @@ class GrpoRunConfig:
     def label(self) -> str:
         from parity.core.spec import SamplingSpec
 
-        return SamplingSpec(self.temperature, self.top_k, self.top_p, self.min_p).label()
+        return SamplingSpec(self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty).label()
 
 
 def configure_process(port: int | None = None) -> None:
@@ -142,6 +143,7 @@ def _trainer(cfg: GrpoRunConfig, model_path: str, out_dir: str) -> GRPOTrainer:
         top_p=cfg.top_p,
         top_k=cfg.top_k,
         min_p=cfg.min_p if cfg.min_p > 0 else None,
+        repetition_penalty=cfg.repetition_penalty,
         vllm_importance_sampling_correction=True,
         vllm_importance_sampling_mode=cfg.is_mode,
         vllm_max_model_length=256,

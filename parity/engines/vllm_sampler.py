@@ -41,8 +41,16 @@ class VllmSampler:
         self.logprobs_mode = logprobs_mode
 
     def __call__(
-        self, logits: torch.Tensor, specs: SamplingSpec | Sequence[SamplingSpec], *, seed: int = 0
+        self,
+        logits: torch.Tensor,
+        specs: SamplingSpec | Sequence[SamplingSpec],
+        *,
+        seed: int = 0,
+        prompt_ids: Sequence[Sequence[int]] | None = None,
+        output_ids: Sequence[Sequence[int]] | None = None,
     ) -> SamplerOutput:
+        """``prompt_ids`` / ``output_ids``: each row's prompt and the tokens generated before this step (needed
+        when a row sets a penalty; vLLM reads them only then)."""
         from vllm.sampling_params import SamplingType
         from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessors
         from vllm.v1.sample.metadata import SamplingMetadata
@@ -66,6 +74,15 @@ class VllmSampler:
         top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         any_k = any(0 < p.top_k < vocab for p in params)
         any_p = any(p.top_p < 1 for p in params)
+        no_penalties = not any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                                   for p in params)  # InputBatch.no_penalties: every row's request at neutral
+        prompts = [list(x) for x in prompt_ids] if prompt_ids is not None else [[] for _ in range(n)]
+        outputs = [list(x) for x in output_ids] if output_ids is not None else [[] for _ in range(n)]
+        if not no_penalties and (prompt_ids is None or output_ids is None or len(prompts) != n or len(outputs) != n):
+            raise UsageError(f"a row sets a penalty: allowed prompt_ids and output_ids with one history per row ({n})")
+        # InputBatch._make_prompt_token_ids_cpu_tensor: prompts right-padded with the id V (no token has it).
+        width = max((len(x) for x in prompts), default=0)
+        prompt_t = torch.tensor([x + [vocab] * (width - len(x)) for x in prompts], dtype=torch.int64).reshape(n, width)
         generators = {}
         for i in range(n):
             g = torch.Generator()
@@ -79,12 +96,12 @@ class VllmSampler:
             top_k=torch.tensor(top_ks, dtype=torch.int32) if any_k else None,
             generators=generators,
             max_num_logprobs=-1,
-            no_penalties=True,
-            prompt_token_ids=None,
-            frequency_penalties=torch.zeros(n),
-            presence_penalties=torch.zeros(n),
-            repetition_penalties=torch.ones(n),
-            output_token_ids=[[] for _ in range(n)],
+            no_penalties=no_penalties,
+            prompt_token_ids=None if no_penalties else prompt_t,
+            frequency_penalties=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32),
+            presence_penalties=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32),
+            repetition_penalties=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
+            output_token_ids=[] if no_penalties else outputs,
             allowed_token_ids_mask=None,
             bad_words_token_ids={},
             logitsprocs=LogitsProcessors([min_p]),

@@ -35,7 +35,7 @@ from parity.records.streams import _na_ratios as _na_ratios
 
 SUMMARY_VERSION = 6  # 4: per-step accumulators (parity.records.steps); 5: the two-column mean-bias sums; 6: ties and one-sided supports
 
-DIFFS = ("naive", "gap", "replay", "recompute", "user", "user_gap")
+DIFFS = ("naive", "gap", "replay", "recompute", "user", "user_gap", "penalty")
 BOUNDED = ("replay", "recompute", "user", "naive")
 FLAGS = ("replay_support", "recompute_support", "incomplete", "sampled_outside", "token_mismatch")
 # The first positions kept per flag, and per two-column gate (the tokens outside the trainer's support).

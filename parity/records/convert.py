@@ -50,7 +50,9 @@ def _kept_columns(
 
 
 def spec_row(spec: SamplingSpec) -> dict[str, float]:
-    return {"temperature": spec.temperature, "top_k": spec.top_k, "top_p": spec.top_p, "min_p": spec.min_p}
+    return {"temperature": spec.temperature, "top_k": spec.top_k, "top_p": spec.top_p, "min_p": spec.min_p,
+            "repetition_penalty": spec.repetition_penalty, "presence_penalty": spec.presence_penalty,
+            "frequency_penalty": spec.frequency_penalty}
 
 
 def heads_row(
@@ -243,6 +245,7 @@ def from_sequence_records(
             "trainer_replay_logprobs": table.replay,
             "trainer_recompute_logprobs": table.recompute,
             "trainer_log_s": table.log_s,
+            "trainer_penalty_term": table.penalty,
             "trainer_recompute_forced": table.forced,
             "trainer_recompute_support_equal": table.recompute_support_equal,
             "trainer_recompute_support_size": table.recompute_support_size,

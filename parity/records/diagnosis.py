@@ -19,6 +19,8 @@ BUGS: dict[str, str] = {
     "forgets_temperature": "it forgets to divide the logits by the sampling temperature",
     "off_by_one": "it reads each token's log-prob one position late (logits and labels not shifted against "
     "each other)",
+    "ignores_penalty": "it ignores the repetition penalty (and the presence/frequency penalties) the sampler applied "
+    "before temperature; apply them from the prompt and the earlier tokens (parity.core.penalties.penalise_sequence)",
 }
 
 

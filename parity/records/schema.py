@@ -43,6 +43,9 @@ COLUMNS: tuple[Column, ...] = (
     Column("top_p", pa.float64(), True, "sequence", "in (0, 1]; 1 = off"),
     Column("min_p", pa.float64(), True, "sequence", "in [0, 1]; 0 = off"),
     Column("sampler_logprobs", _F32, True, "token", "the sampler's processed log-prob of each sampled token"),
+    Column("repetition_penalty", pa.float64(), False, "sequence", "> 0; 1 = off (absent: 1); over prompt and output tokens"),
+    Column("presence_penalty", pa.float64(), False, "sequence", "in [-2, 2]; 0 = off (absent: 0)"),
+    Column("frequency_penalty", pa.float64(), False, "sequence", "in [-2, 2]; 0 = off (absent: 0)"),
     Column("scenario", pa.string(), False, "sequence", "group name in the report (default: the spec's label)"),
     Column("prompt_index", pa.int64(), False, "sequence", "prompt number, used to name positions in verdicts"),
     Column("seed", pa.int64(), False, "sequence", "per-request sampling seed"),
@@ -57,6 +60,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("trainer_replay_logprobs", _F64, False, "token", "trainer logits renormalised over S_q"),
     Column("trainer_recompute_logprobs", _F64, False, "token", "trainer logits renormalised over the recomputed filters"),
     Column("trainer_log_s", _F64, False, "token", "log S predicted from the trainer's logits: logsumexp over S_q - logsumexp"),
+    Column("trainer_penalty_term", _F64, False, "token", "full(penalised z)[y] - full(z)[y]: the penalties' part of a "
+           "naive trainer's bias, beside log S (0 when no penalty is set)"),
     Column("trainer_recompute_forced", _BOOL, False, "token", "recompute had to force-include the sampled token"),
     Column("trainer_recompute_support_equal", _BOOL, False, "token", "the recomputed support equals S_q"),
     Column("trainer_recompute_support_size", _I32, False, "token", "how many tokens recompute normalised over "
@@ -75,7 +80,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("sampler_log_s_hi", _F64, False, "token", "upper end of the sampler-side log S interval; may be +inf"),
     Column("sampler_log_s_source", pa.string(), False, "sequence", "where the sampler-side log S comes from: raw_logits, "
            "top_p_bracket or unfiltered"),
-    Column("trainer_kept_logits", _F32, False, "kept", "the trainer's raw logits (before temperature) at kept_ids"),
+    Column("trainer_kept_logits", _F32, False, "kept", "the trainer's logits (after any penalties, before temperature) at kept_ids"),
     Column("routed_experts", _I32, False, "routed", "MoE: the sampler's top-k expert ids per position a forward ran "
            "(prompt and completion but the last token), layer, rank: (P + L - 1) x routed_layers x routed_top_k; "
            "-1 where no forward ran (a prefix-cache hit)"),

@@ -13,7 +13,7 @@ import numpy as np
 
 from parity.core.error_model import SUPPORT_MASS_TOL, UNIT_ROUNDOFF, unit_roundoff
 from parity.core.gates import Thresholds
-from parity.core.spec import SamplingSpec
+from parity.core.spec import SPEC_FIELDS, SamplingSpec
 from parity.records.accumulate import accumulate
 from parity.records.accumulators import ScenarioAcc, Summary
 from parity.records.arrays import RecordsBatch
@@ -95,6 +95,7 @@ def _trainer_values(
     v["bound_full"], have["bound_full"] = _row_float(batch, "trainer_bound_full")
     # Absent: 0, the sets taken as equal where trainer_recompute_support_equal says so (older records).
     v["recompute_boundary"], _ = _row_float(batch, "trainer_recompute_boundary")
+    v["penalty"], have["penalty"] = _row_float(batch, "trainer_penalty_term")
     return v
 
 
@@ -163,10 +164,11 @@ def token_columns(batch: RecordsBatch, *, vocab_size: int | None = None) -> Toke
         logit_drift=kept.drift,
         trainer_token=trainer_token,
         views=views,
+        penalty=v["penalty"],
     )
 
 
-def _row_groups(batch: RecordsBatch) -> list[tuple[str, tuple[str, tuple[float, int, float, float]], np.ndarray]]:
+def _row_groups(batch: RecordsBatch) -> list[tuple[str, tuple[str, tuple[float, ...]], np.ndarray]]:
     """The batch's scenarios: ``(name, (label, spec values), rows)``, rows ascending, in the order of each
     scenario's first row. A row's label is its ``scenario``, else its spec's label."""
     n, n_specs = batch.n_rows, max(len(batch.specs), 1)
@@ -180,17 +182,17 @@ def _row_groups(batch: RecordsBatch) -> list[tuple[str, tuple[str, tuple[float, 
     pair = code * n_specs + batch.spec_index
     uniq, first, inverse = np.unique(pair, return_index=True, return_inverse=True)
     inverse = inverse.reshape(-1)
-    groups: dict[str, tuple[tuple[str, tuple[float, int, float, float]], list[np.ndarray]]] = {}
+    groups: dict[str, tuple[tuple[str, tuple[float, ...]], list[np.ndarray]]] = {}
     for u in np.argsort(first, kind="stable"):
         c, j = divmod(int(uniq[u]), n_specs)
         spec = batch.specs[j]
-        key = (label_of[c] if c else spec.label(), (spec.temperature, spec.top_k, spec.top_p, spec.min_p))
+        key = (label_of[c] if c else spec.label(), tuple(spec.to_dict().values()))
         groups.setdefault(_key_name(key), (key, []))[1].append(np.flatnonzero(inverse == u))
     return [(g, key, parts[0] if len(parts) == 1 else np.sort(np.concatenate(parts)))
             for g, (key, parts) in groups.items()]
 
 
-def _key_name(key: tuple[str, tuple[float, int, float, float]]) -> str:
+def _key_name(key: tuple[str, tuple[float, ...]]) -> str:
     return f"{key[0]}\x1f{json.dumps(key[1])}"
 
 
@@ -225,7 +227,7 @@ def summarize_batch(
     for gname, (label, spec), rows in _row_groups(rb):
         acc = ScenarioAcc(
             name=label,
-            spec=SamplingSpec(spec[0], int(spec[1]), spec[2], spec[3]).to_dict(),
+            spec=SamplingSpec.from_dict(dict(zip(SPEC_FIELDS, spec, strict=True))).to_dict(),
             first_order=(file_index, rb.first_row + int(rows[0]), 0),
             n_listed=opts.n_listed,
             roundoff=u,

@@ -55,6 +55,7 @@ class TokenColumns:
     logit_drift: np.ndarray  # NaN where unknown
     # Reference views for the trainer-under-test diagnosis, by bug set ("" = correct); NaN = unknown there.
     views: dict[frozenset[str], np.ndarray] = field(default_factory=dict)
+    penalty: np.ndarray | None = None  # trainer_penalty_term where recorded (have["penalty"]); None: not read
 
 
 def segments(kto: np.ndarray) -> np.ndarray:

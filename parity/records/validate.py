@@ -216,13 +216,16 @@ def _token_ids(b: _Batch) -> tuple[Ragged, Ragged]:
 def _specs(b: _Batch, n: int) -> tuple[list[SamplingSpec], np.ndarray]:
     """The batch's distinct sampling specs (each checked once, by SamplingSpec itself) and each row's index into them."""
     spec_cols = [_scalar(b.arrays[c], 0) for c in ("temperature", "top_k", "top_p", "min_p")]
-    keys = np.stack([spec_cols[0].astype(np.float64), spec_cols[1].astype(np.float64),
-                     spec_cols[2].astype(np.float64), spec_cols[3].astype(np.float64)], axis=1)
-    uniq, spec_index = np.unique(keys, axis=0, return_inverse=True) if n else (np.zeros((0, 4)), np.zeros(0, np.int64))
+    # The penalty columns are optional: absent (or null) means off, as in vLLM's SamplingParams.
+    spec_cols += [_scalar(b.arrays[c], off) if c in b.arrays else np.full(n, off, dtype=np.float64)
+                  for c, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0))]
+    keys = np.stack([c.astype(np.float64) for c in spec_cols], axis=1)
+    uniq, spec_index = np.unique(keys, axis=0, return_inverse=True) if n else (np.zeros((0, 7)), np.zeros(0, np.int64))
     specs: list[SamplingSpec] = []
-    for j, (t, k, p, m) in enumerate(uniq):
+    for j, (t, k, p, m, r, pres, freq) in enumerate(uniq):
         try:
-            specs.append(SamplingSpec(temperature=float(t), top_k=int(k), top_p=float(p), min_p=float(m)))
+            specs.append(SamplingSpec(temperature=float(t), top_k=int(k), top_p=float(p), min_p=float(m),
+                                      repetition_penalty=float(r), presence_penalty=float(pres), frequency_penalty=float(freq)))
         except ValueError as exc:
             i = _first(np.asarray(spec_index).reshape(-1) == j)
             raise RecordsError(f"{_where(b.source, b.row(i))}: {exc}") from None

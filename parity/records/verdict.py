@@ -216,6 +216,7 @@ def _stat_blocks(a: ScenarioAcc, avail: dict[str, bool]) -> dict[str, object]:
             "max_abs_diff": naive["max_abs_diff"] if naive else NA,
             "max_abs_gap_to_log_s": gap["max_abs_diff"] if gap else NA,
             "mean_gap_to_log_s": gap["mean_diff"] if gap else NA,
+            **({"penalty_term_mean": s["penalty"].stats()["mean_diff"]} if s["penalty"].n else {}),
         },
         "replay": {**diff("replay", "replay"), "support_equal_frac": frac(a.replay_ok, a.replay_n, "kept")},
         "recompute": {

@@ -20,6 +20,9 @@ def spec_of_params(params: object) -> SamplingSpec:
         top_k=top_k if top_k >= 1 else 0,
         top_p=float(getattr(params, "top_p", 1.0)),
         min_p=float(getattr(params, "min_p", 0.0) or 0.0),
+        repetition_penalty=float(getattr(params, "repetition_penalty", 1.0)),
+        presence_penalty=float(getattr(params, "presence_penalty", 0.0) or 0.0),
+        frequency_penalty=float(getattr(params, "frequency_penalty", 0.0) or 0.0),
     )
 
 

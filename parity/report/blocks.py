@@ -30,6 +30,9 @@ class Naive(TypedDict):
     max_abs_diff: Stat
     max_abs_gap_to_log_s: Stat
     mean_gap_to_log_s: Stat
+    # The penalties' part of the bias of a trainer that ignores filters and penalties (mean of
+    # full(penalised z) - full(z) at the sampled token): that trainer's bias is log S minus it.
+    penalty_term_mean: NotRequired[Stat]
 
 
 class Diff(TypedDict):

@@ -13,6 +13,7 @@ import torch
 
 from parity.core.estimators import scale
 from parity.core.filters import reference_filter
+from parity.core.penalties import penalise
 from parity.core.spec import SamplingSpec
 
 NEG_INF = float("-inf")
@@ -29,6 +30,9 @@ class RowPlan:
     single_finite: bool = False  # every token -inf but one
     top_k_tie: int = 0  # this many tokens below the k-th get the k-th value (needs 1 <= top_k < V)
     top_p_tie: int = 0  # >= 2: a block of this many tied tokens with the top_p cut placed inside it
+    prompt_len: int = 1  # tokens of the row's prompt (the repetition penalty reads them)
+    output_len: int = 0  # tokens generated before this step (every penalty reads them)
+    history_top: float = 0.5  # fraction of the history drawn from the row's ten largest logits (moves the filters)
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,20 @@ class Case:
     seed: int
     plan: CasePlan | None = None
     source: str = "drawn"  # "drawn" by a generator, or "example" for hand-picked cases
+    prompt_ids: list[list[int]] | None = None  # per row: the prompt (None: every row's is empty)
+    output_ids: list[list[int]] | None = None  # per row: the tokens generated before this step
+
+    @property
+    def histories(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(prompt_ids, output_ids), one (possibly empty) list per row."""
+        n = self.logits.shape[0]
+        empty: list[list[int]] = [[] for _ in range(n)]
+        return self.prompt_ids or empty, self.output_ids or [list(x) for x in empty]
+
+    def penalised_logits(self) -> torch.Tensor:
+        """The logits after the penalties: what temperature and the filters see (the estimators' input)."""
+        prompts, outputs = self.histories
+        return penalise(self.logits, self.specs, prompts, outputs)
 
     def __repr__(self) -> str:
         n, v = self.logits.shape
@@ -71,7 +89,8 @@ def plant_top_p_tie(z: torch.Tensor, spec: SamplingSpec, size: int, gen: torch.G
     eff = spec.effective()
     if size < 2 or eff.greedy:
         return spec
-    pre = reference_filter(z.unsqueeze(0), replace(eff, top_p=1.0)).kept[0]
+    # The tie is planted in the raw logits, before any penalty (a penalty may then move it: that case is drawn too).
+    pre = reference_filter(z.unsqueeze(0), replace(eff.without_penalties(), top_p=1.0)).kept[0]
     surv = pre.nonzero().squeeze(1)
     if surv.numel() < size:
         return spec
@@ -96,6 +115,8 @@ def build_case(plan: CasePlan) -> Case:
     vocab = plan.vocab
     rows: list[torch.Tensor] = []
     specs: list[SamplingSpec] = []
+    prompts: list[list[int]] = []
+    outputs: list[list[int]] = []
     for rp in plan.rows:
         z = torch.randn(vocab, generator=gen, dtype=torch.float32) * rp.std
         if rp.quantum > 0:
@@ -117,7 +138,22 @@ def build_case(plan: CasePlan) -> Case:
             spec = plant_top_p_tie(z, spec, rp.top_p_tie, gen)
         rows.append(z)
         specs.append(spec)
-    return Case(torch.stack(rows), specs, plan.seed, plan)
+        prompts.append(_history(z, rp.prompt_len, rp.history_top, gen))
+        outputs.append(_history(z, rp.output_len, rp.history_top, gen))
+    return Case(torch.stack(rows), specs, plan.seed, plan, prompt_ids=prompts, output_ids=outputs)
+
+
+def _history(z: torch.Tensor, length: int, top: float, gen: torch.Generator) -> list[int]:
+    """``length`` token ids for a penalty history: a ``top`` share from the row's ten largest logits (so the
+    penalties move kept sets), the rest uniform over the vocabulary; repeats are likely (frequency counts > 1)."""
+    vocab = z.shape[0]
+    if length < 1:
+        return []
+    best = z.topk(min(10, vocab)).indices
+    pick_top = torch.rand(length, generator=gen) < top
+    from_top = best[torch.randint(0, best.numel(), (length,), generator=gen)]
+    uniform = torch.randint(0, vocab, (length,), generator=gen)
+    return torch.where(pick_top, from_top, uniform).tolist()
 
 
 # -- random plans (the CLI's generator; parity.testing.strategies draws the same shapes with Hypothesis)
@@ -132,7 +168,17 @@ def random_spec(rng: random.Random, vocab: int) -> SamplingSpec:
     top_k = rng.choice([0, -1, 1, rng.randint(2, max(2, vocab - 1)), vocab, vocab + rng.randint(1, 100)])
     top_p = rng.choice([1.0, rng.uniform(0.01, 0.3), rng.uniform(0.6, 0.99)])
     min_p = rng.choice([0.0, rng.uniform(0.01, 0.3), 1.0])
-    return SamplingSpec(temperature, top_k, top_p, min_p)
+    if rng.random() < 0.5:
+        return SamplingSpec(temperature, top_k, top_p, min_p)
+    return SamplingSpec(temperature, top_k, top_p, min_p, *random_penalties(rng))
+
+
+def random_penalties(rng: random.Random) -> tuple[float, float, float]:
+    """(repetition, presence, frequency) over vLLM's allowed ranges, each often at its neutral value."""
+    rep = rng.choice([1.0, rng.uniform(1.0, 1.3), rng.uniform(0.5, 2.0), rng.uniform(0.05, 5.0)])
+    presence = rng.choice([0.0, 0.0, rng.uniform(-2.0, 2.0)])
+    frequency = rng.choice([0.0, 0.0, rng.uniform(-2.0, 2.0)])
+    return rep, presence, frequency
 
 
 def random_row(rng: random.Random, vocab: int, spec: SamplingSpec | None = None) -> RowPlan:
@@ -144,6 +190,9 @@ def random_row(rng: random.Random, vocab: int, spec: SamplingSpec | None = None)
         single_finite=rng.random() < 0.05,
         top_k_tie=rng.choice([0, 0, 1, rng.randint(2, 4)]),
         top_p_tie=rng.choice([0, 0, rng.randint(2, 5)]),
+        prompt_len=rng.choice([1, rng.randint(2, 40)]),
+        output_len=rng.choice([0, rng.randint(1, 10), rng.randint(11, 60)]),
+        history_top=rng.choice([0.0, 0.5, 0.9]),
     )
 
 
@@ -204,7 +253,25 @@ def case_labels(case: Case, kept: torch.Tensor | None = None) -> set[str]:
         labels.add("batch: sort path (some row uses top_p)")
     elif any(s.uses_top_k and s.top_k < vocab for s in eff):
         labels.add("batch: top_k-only path")
-    z_scaled = scale(logits, case.specs)
+    pen = [s for s in eff if s.penalised]
+    if pen:
+        labels.add("batch: penalties (some row penalised)")
+        if len(pen) < len(eff):
+            labels.add("batch: penalised rows among unpenalised rows")
+        if any(s.greedy for s in pen):
+            labels.add("penalised greedy row")
+        if any(s.repetition_penalty > 1.0 for s in pen):
+            labels.add("repetition_penalty > 1")
+        if any(s.repetition_penalty < 1.0 for s in pen):
+            labels.add("repetition_penalty < 1")
+        if any(s.presence_penalty != 0.0 for s in pen):
+            labels.add("presence_penalty on")
+        if any(s.frequency_penalty != 0.0 for s in pen):
+            labels.add("frequency_penalty on")
+        raw_top = logits.argmax(dim=-1)
+        if bool((case.penalised_logits().argmax(dim=-1) != raw_top).any()):
+            labels.add("a penalty moved the argmax")
+    z_scaled = scale(case.penalised_logits(), case.specs)
     probs = torch.softmax(z_scaled, dim=-1)
     any_p = any(s.uses_top_p for s in eff)
     for r, (raw, s) in enumerate(zip(case.specs, eff, strict=True)):
@@ -276,6 +343,14 @@ REQUIRED_LABELS = frozenset(
         "tie at the top_k boundary (|S|>k)",
         "tie at the top_k boundary on the top_k-only path",
         "split tie at the top_p boundary",
+        "batch: penalties (some row penalised)",
+        "batch: penalised rows among unpenalised rows",
+        "penalised greedy row",
+        "repetition_penalty > 1",
+        "repetition_penalty < 1",
+        "presence_penalty on",
+        "frequency_penalty on",
+        "a penalty moved the argmax",
     }
 )
 

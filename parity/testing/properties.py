@@ -273,9 +273,12 @@ def run_properties(
 ) -> PropertyRun:
     """Every property on one case; ``faults`` / ``force_include=False`` plant a deliberate error. recompute runs
     on *trainer* logits: the sampler's plus ``trainer_noise`` x N(0, 1), seeded by the case, so the recomputed
-    boundary can move and force-include matters."""
-    logits, specs = case.logits, case.specs
-    ref = reference_filter(logits, specs, faults=faults)
+    boundary can move and force-include matters. The estimators read the penalised logits (the penalties come
+    first in vLLM's sampler: the trainer applies them from the same histories)."""
+    specs = case.specs
+    prompts, outputs = case.histories
+    ref = reference_filter(case.logits, specs, faults=faults, prompt_ids=prompts, output_ids=outputs)
+    logits = case.penalised_logits()
     gen = torch.Generator().manual_seed(case.seed ^ 0x5EED)
     trainer = logits + trainer_noise * torch.randn(logits.shape, generator=gen)
     checks: dict[str, Callable[[], None]] = {

@@ -38,9 +38,16 @@ def top_ks(vocab: int) -> st.SearchStrategy[int]:
     )
 
 
+repetition_penalties = st.one_of(st.just(1.0), st.floats(1.0, 1.3), st.floats(0.5, 2.0), st.floats(0.05, 5.0))
+additive_penalties = st.one_of(st.just(0.0), st.floats(-2.0, 2.0))  # presence / frequency: vLLM allows [-2, 2]
+
+
 @st.composite
 def specs(draw: st.DrawFn, vocab: int) -> SamplingSpec:
-    return SamplingSpec(draw(temperatures), draw(top_ks(vocab)), draw(top_ps), draw(min_ps))
+    base = (draw(temperatures), draw(top_ks(vocab)), draw(top_ps), draw(min_ps))
+    if not draw(st.booleans()):
+        return SamplingSpec(*base)
+    return SamplingSpec(*base, draw(repetition_penalties), draw(additive_penalties), draw(additive_penalties))
 
 
 @st.composite
@@ -53,6 +60,9 @@ def row_plans(draw: st.DrawFn, vocab: int, spec: SamplingSpec | None = None) -> 
         single_finite=draw(st.integers(0, 9)) == 0,
         top_k_tie=draw(st.sampled_from([0, 1, 2, 4])),
         top_p_tie=draw(st.sampled_from([0, 0, 2, 3, 5])),
+        prompt_len=draw(st.one_of(st.just(1), st.integers(2, 40))),
+        output_len=draw(st.one_of(st.just(0), st.integers(1, 10), st.integers(11, 60))),
+        history_top=draw(st.sampled_from([0.0, 0.5, 0.9])),
     )
 
 

@@ -45,14 +45,16 @@ def property_loop(sampler: Callable[..., Any], cases: list[Any]) -> int:
     """The ``parity sampler`` loop body over pre-drawn cases; returns the failing-case count."""
     failed = 0
     for case in cases:
-        out = sampler(case.logits, case.specs, seed=case.seed)
+        prompts, outputs = case.histories
+        out = sampler(case.logits, case.specs, seed=case.seed, prompt_ids=prompts, output_ids=outputs)
         failed += not run_properties(case, out).ok
     return failed
 
 
 def sampler_loop(sampler: Callable[..., Any], cases: list[Any]) -> None:
     for case in cases:
-        sampler(case.logits, case.specs, seed=case.seed)
+        prompts, outputs = case.histories
+        sampler(case.logits, case.specs, seed=case.seed, prompt_ids=prompts, output_ids=outputs)
 
 
 def run_property_case(report: Any, timer: Callable[..., Any], sampler: Callable[..., Any], *, n: int = CASES_PER_ROUND) -> Any:

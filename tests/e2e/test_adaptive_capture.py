@@ -18,7 +18,10 @@ from parity.fixtures import resolve_model
 
 pytestmark = pytest.mark.e2e
 
-SPECS = (SamplingSpec(1.0, top_p=0.9), SamplingSpec(0.7, min_p=0.1))
+SPECS = (SamplingSpec(1.0, top_p=0.9), SamplingSpec(0.7, min_p=0.1),
+         # Penalties move the logits before the filters: the processed log-probs carry them, and capture is unchanged.
+         SamplingSpec(1.0, top_p=0.9, repetition_penalty=1.3),
+         SamplingSpec(0.7, min_p=0.1, presence_penalty=0.5, frequency_penalty=0.5))
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +119,36 @@ def test_generate_with_capture_on_your_own_engine_and_the_converter(tiny) -> Non
     assert [p.seed for p in used] == sorted({p.seed for p in used})  # a seed of its own per prompt
     batch = validate_batch(from_request_outputs(outputs, used, vocab_size=tiny.vocab_size))
     assert not bool(batch.kept_incomplete.any())
+
+
+def test_penalised_kept_sets_are_the_penalised_filters(tiny) -> None:
+    """The captured S_q of a penalised request is the reference pipeline's kept set on the trainer's logits with
+    the penalty applied from each position's own history (bit for bit away from float32 boundary drift), and the
+    penalty did change it: the same pipeline without the penalty keeps other sets at some positions."""
+    from parity.core.error_model import logprob_bound
+    from parity.core.estimators import ids_to_mask
+    from parity.core.filters import reference_filter
+    from parity.core.metrics import boundary_only
+    from parity.core.penalties import penalise_sequence
+    from parity.engines.transformers_trainer import TransformersTrainer
+
+    spec = SamplingSpec(1.0, top_p=0.9, repetition_penalty=1.5, frequency_penalty=0.3)
+    prompts = make_prompts(tiny.tokenizer(), 4)
+    got = tiny.generate(prompts, spec, max_tokens=12, seed=5, logprobs=-1)
+    logits = TransformersTrainer(resolve_model("qwen2-tiny")).logits(got)
+    equal = differs_unpenalised = positions = 0
+    for r, z in zip(got, logits, strict=True):
+        zp = penalise_sequence(z, spec, r.prompt_ids, r.completion_ids)
+        bare = spec.without_penalties()
+        want = reference_filter(zp, bare).kept
+        q = ids_to_mask(r.kept_ids, z.shape[-1])
+        same = (want == q).all(dim=-1)
+        # A set that differs only at the cutoff, within the two engines' logit drift, is the same filter.
+        zs = zp / spec.temperature
+        bound = logprob_bound(zs, torch.tensor(r.completion_ids), q, dtype="float32")
+        same |= boundary_only(want, q, zs, bound)
+        equal += int(same.sum())
+        differs_unpenalised += int((reference_filter(z, bare).kept != q).any(dim=-1).sum())
+        positions += r.length
+    assert equal == positions, f"{positions - equal} of {positions} captured kept sets are not the penalised filters'"
+    assert differs_unpenalised >= 1, "the penalty should change the kept set somewhere"

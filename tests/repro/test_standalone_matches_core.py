@@ -33,7 +33,7 @@ def _rows() -> list[tuple[torch.Tensor, SamplingSpec]]:
         case = build_case(random_plan(rng, max_vocab=2048, max_rows=3))
         for z, spec in zip(case.logits, case.specs, strict=True):
             if not spec.greedy and spec.temperature >= 0.01 and int(torch.isfinite(z).sum()) >= 1:
-                out.append((z.unsqueeze(0), spec))
+                out.append((z.unsqueeze(0), spec.without_penalties()))  # the scripts model no penalty
     return out
 
 

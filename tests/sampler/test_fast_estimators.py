@@ -29,7 +29,7 @@ NEG_INF = float("-inf")
 
 def _moved(case: Case) -> torch.Tensor:
     gen = torch.Generator().manual_seed(case.seed ^ 0x5EED)
-    return case.logits + 1e-3 * torch.randn(case.logits.shape, generator=gen)
+    return case.penalised_logits() + 1e-3 * torch.randn(case.logits.shape, generator=gen)
 
 
 @given(case=cases())
@@ -37,14 +37,16 @@ def _moved(case: Case) -> torch.Tensor:
 @example(case=example_case(2048, RowPlan(S(0.7, top_k=40, top_p=0.8), std=2.0, top_p_tie=4), RowPlan(S(1.0, top_k=40), std=2.0)))
 @example(case=example_case(1000, RowPlan(S(0.05, top_k=30), std=20.0), RowPlan(S(1.0, top_p=0.9), std=20.0)))  # p = 1 row, underflow
 def test_recompute_kept_is_vllms_kept(sampler, case: Case) -> None:
-    out = sampler(case.logits, case.specs, seed=case.seed)
-    same = E.recompute(case.logits, out.sampled, case.specs)
+    prompts, outputs = case.histories
+    out = sampler(case.logits, case.specs, seed=case.seed, prompt_ids=prompts, output_ids=outputs)
+    same = E.recompute(case.penalised_logits(), out.sampled, case.specs)
     mism = (same.kept != out.kept).any(dim=1).nonzero().squeeze(1).tolist()
     assert not mism, f"recompute's kept set differs from vLLM's Sampler in rows {mism} of {case!r}"
     moved = _moved(case)
     fast = E.recompute(moved, out.sampled, case.specs)
     ref = E._recompute_reference(moved, out.sampled, case.specs)
-    assert torch.equal(fast.kept, reference_filter(moved, case.specs).kept), f"moved logits: kept sets differ, {case!r}"
+    bare = [s.without_penalties() for s in case.specs]  # moved logits are already penalised
+    assert torch.equal(fast.kept, reference_filter(moved, bare).kept), f"moved logits: kept sets differ, {case!r}"
     assert torch.equal(fast.forced, ref.forced)
     finite = torch.isfinite(ref.logprobs)
     assert torch.equal(torch.isfinite(fast.logprobs), finite)

@@ -153,9 +153,9 @@ def test_hypothesis_finds_a_case_that_exposes_dropped_ties(sampler) -> None:
     """Without hand-picking: the drawn cases expose the dropped-ties fault on their own."""
 
     def exposes(case) -> bool:
-        out = sampler(case.logits, case.specs, seed=case.seed)
+        out = _vllm(sampler, case)
         try:
-            check_kept_equal(reference_filter(case.logits, case.specs, faults=DROP_TIES), out)
+            check_kept_equal(_ref(case, DROP_TIES), out)
         except AssertionError:
             return True
         return False
@@ -163,5 +163,65 @@ def test_hypothesis_finds_a_case_that_exposes_dropped_ties(sampler) -> None:
     # No shrinking: the first exposing case is enough, and shrinking would cost hundreds of Sampler calls.
     quick = settings(max_examples=300, database=None, deadline=None, phases=[Phase.generate])
     case = find(cases(max_rows=4), exposes, settings=quick)
-    out = sampler(case.logits, case.specs, seed=case.seed)
-    check_kept_equal(reference_filter(case.logits, case.specs), out)  # the correct reference agrees
+    out = _vllm(sampler, case)
+    check_kept_equal(_ref(case), out)  # the correct reference agrees
+
+
+def _vllm(sampler, case):
+    prompts, outputs = case.histories
+    return sampler(case.logits, case.specs, seed=case.seed, prompt_ids=prompts, output_ids=outputs)
+
+
+def _ref(case, faults=None):
+    prompts, outputs = case.histories
+    return reference_filter(case.logits, case.specs, faults=faults, prompt_ids=prompts, output_ids=outputs)
+
+
+# A penalised row: token 0 (logit 2) was in the prompt, token 2 (logit 0.5) in the output twice.
+PEN_Z = logits([2.0, 1.9, 0.5, -1.0, -3.0])
+PEN_PROMPT, PEN_OUTPUT = [[0, 3]], [[2, 2]]
+
+
+@pytest.mark.parametrize(
+    ("spec", "fault"),
+    [
+        pytest.param(S(1.0, top_k=1, repetition_penalty=1.5), FilterFaults(penalty_ignores_prompt=True), id="rep ignores the prompt"),
+        # The repetition factor commutes with 1/T (up to rounding): only the additive terms expose the order.
+        pytest.param(S(0.5, top_p=0.99, repetition_penalty=1.3, frequency_penalty=0.5), FilterFaults(penalty_after_temperature=True), id="rep+freq after temperature"),
+        pytest.param(S(0.5, presence_penalty=0.4, frequency_penalty=0.3), FilterFaults(penalty_after_temperature=True), id="additive after temperature"),
+    ],
+)
+def test_penalty_faults_fail_kept_or_processed(sampler, spec: SamplingSpec, fault: FilterFaults) -> None:
+    out = sampler(PEN_Z, [spec], prompt_ids=PEN_PROMPT, output_ids=PEN_OUTPUT)
+    good = reference_filter(PEN_Z, spec, prompt_ids=PEN_PROMPT, output_ids=PEN_OUTPUT)
+    check_kept_equal(good, out)
+    check_processed_close(good, out)
+    bad = reference_filter(PEN_Z, spec, faults=fault, prompt_ids=PEN_PROMPT, output_ids=PEN_OUTPUT)
+    with pytest.raises(AssertionError, match=r"kept sets differ|processed log-probs differ"):
+        check_kept_equal(bad, out)
+        check_processed_close(bad, out)
+
+
+def test_penalty_ignored_fails_processed(sampler) -> None:
+    """A reference without the penalty step (the spec's penalty dropped) disagrees with vLLM's processed log-probs."""
+    spec = S(1.0, repetition_penalty=1.2, presence_penalty=0.5)
+    out = sampler(PEN_Z, [spec], prompt_ids=PEN_PROMPT, output_ids=PEN_OUTPUT)
+    with pytest.raises(AssertionError, match=r"processed log-probs differ"):
+        check_processed_close(reference_filter(PEN_Z, spec.without_penalties()), out)
+
+
+def test_hypothesis_finds_a_case_that_exposes_a_prompt_blind_penalty(sampler) -> None:
+    """The drawn penalties and histories expose a repetition penalty that ignores the prompt on their own."""
+    fault = FilterFaults(penalty_ignores_prompt=True)
+
+    def exposes(case) -> bool:
+        out = _vllm(sampler, case)
+        try:
+            check_processed_close(_ref(case, fault), out)
+        except AssertionError:
+            return True
+        return False
+
+    quick = settings(max_examples=300, database=None, deadline=None, phases=[Phase.generate])
+    case = find(cases(max_rows=4), exposes, settings=quick)
+    check_processed_close(_ref(case), _vllm(sampler, case))  # the correct reference agrees

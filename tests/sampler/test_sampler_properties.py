@@ -40,10 +40,10 @@ SEEN: dict[str, Counter[str]] = {"drawn": Counter(), "example": Counter()}
 RUNS = Counter()
 
 
-def trainer_logits(case: Case, noise: float = 1e-3) -> torch.Tensor:
-    """The sampler's logits plus small seeded noise: a trainer whose numerics moved the boundaries."""
+def trainer_logits(case: Case, z: torch.Tensor, noise: float = 1e-3) -> torch.Tensor:
+    """The sampler's (penalised) logits ``z`` plus small seeded noise: a trainer whose numerics moved the boundaries."""
     gen = torch.Generator().manual_seed(case.seed ^ 0x5EED)
-    return case.logits + noise * torch.randn(case.logits.shape, generator=gen)
+    return z + noise * torch.randn(case.logits.shape, generator=gen)
 
 
 @given(case=cases())
@@ -60,9 +60,17 @@ def trainer_logits(case: Case, noise: float = 1e-3) -> torch.Tensor:
 @example(case=example_case(64, RowPlan(S(0.05, top_p=0.95), std=20.0), RowPlan(S(1.0), std=20.0)))  # underflow, p=1 row on the sort path
 @example(case=example_logits([[3.0, 1.0, 0.0], [100.0, 0.0, -100.0]], S(1.0, top_p=0.9), S(1.0)))  # exp(-200) underflows: certain
 @example(case=example_case(4096, RowPlan(S(1.0, top_k=50, top_p=0.9, min_p=0.05), std=0.1, top_k_tie=3, top_p_tie=3)))
+# Penalties: a greedy row whose argmax the repetition penalty moves, r < 1 with additive terms, mixed with an
+# unpenalised row on the sort path.
+@example(case=example_case(64, RowPlan(S(0.0, repetition_penalty=3.0), std=1.0, prompt_len=5, output_len=3, history_top=0.9),
+                           RowPlan(S(0.8, top_p=0.9, repetition_penalty=0.6, presence_penalty=0.5, frequency_penalty=-0.3),
+                                   std=2.0, prompt_len=10, output_len=20, history_top=0.5),
+                           RowPlan(S(1.0, top_k=5, top_p=0.95), std=2.0)))
 def test_reference_matches_vllm(sampler, case: Case) -> None:
-    out = sampler(case.logits, case.specs, seed=case.seed)
-    ref = reference_filter(case.logits, case.specs)
+    prompts, outputs = case.histories
+    out = sampler(case.logits, case.specs, seed=case.seed, prompt_ids=prompts, output_ids=outputs)
+    ref = reference_filter(case.logits, case.specs, prompt_ids=prompts, output_ids=outputs)
+    z = case.penalised_logits()  # what the estimators read: the logits after the penalties
     labels = case_labels(case, out.kept)
     for label in sorted(labels):
         event(label)
@@ -72,15 +80,15 @@ def test_reference_matches_vllm(sampler, case: Case) -> None:
     check_sampled_in_kept(out, case.specs)
     check_kept_equal(ref, out)
     check_processed_close(ref, out)
-    check_log_s_identity(case.logits, case.specs, out.kept, out.logprobs, out.sampled)
-    check_replay(case.logits, case.specs, out.kept, out.logprobs, out.sampled)
-    check_top_p_mass(case.logits, case.specs, out.kept)
+    check_log_s_identity(z, case.specs, out.kept, out.logprobs, out.sampled)
+    check_replay(z, case.specs, out.kept, out.logprobs, out.sampled)
+    check_top_p_mass(z, case.specs, out.kept)
     # recompute on the sampler's own logits gives the sampler's support and value; on moved (trainer)
     # logits it may have to force-include the token vLLM actually sampled, and must stay finite.
-    same = recompute(case.logits, out.sampled, case.specs)
+    same = recompute(z, out.sampled, case.specs)
     assert not bool(same.forced.any()), f"recompute on the sampler's own logits force-included rows {same.forced.nonzero().squeeze(1).tolist()}"
     check_recompute_finite(same, out.sampled, case.specs)
-    moved = recompute(trainer_logits(case), out.sampled, case.specs)
+    moved = recompute(trainer_logits(case, z), out.sampled, case.specs)
     check_recompute_finite(moved, out.sampled, case.specs)
 
 

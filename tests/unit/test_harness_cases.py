@@ -65,7 +65,9 @@ def test_drawn_cases_are_valid_inputs(plan: CasePlan) -> None:
     assert case.logits.dtype == torch.float32
     assert case.logits.shape == (len(plan.rows), plan.vocab)
     assert bool(torch.isfinite(case.logits).any(dim=-1).all())
-    reference_filter(case.logits, case.specs)  # refuses NaN, +inf and all -inf rows
+    prompts, outputs = case.histories
+    assert len(prompts) == len(outputs) == len(plan.rows) and all(len(p) >= 1 for p in prompts)
+    reference_filter(case.logits, case.specs, prompt_ids=prompts, output_ids=outputs)  # refuses NaN, +inf, all -inf rows
 
 
 def _out(kept: torch.Tensor, logprobs: torch.Tensor) -> SamplerOutput:

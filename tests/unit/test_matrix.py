@@ -16,6 +16,9 @@ def test_default_matrix_has_every_level_of_every_filter() -> None:
     assert {"0", "0.05", "0.1"} <= levels["min_p"]
     assert any(s.spec.uses_top_k and s.spec.uses_top_p and s.spec.uses_min_p for s in m.scenarios)
     assert any(s.model and "ties" in s.model for s in m.scenarios)
+    assert {"off", "on"} <= levels["penalties"]
+    assert any(s.spec.repetition_penalty != 1.0 and s.spec.uses_top_p for s in m.scenarios)
+    assert any(s.spec.presence_penalty and s.spec.frequency_penalty for s in m.scenarios)
     cov = pair_coverage(m)
     assert "20/0.9" in cov["top_k x top_p"]
 

@@ -41,7 +41,9 @@ def test_every_numeric_field_is_stored_as_float() -> None:
     spec = SamplingSpec(1, top_k=3, top_p=1, min_p=0)
     assert [type(v) for v in (spec.temperature, spec.top_p, spec.min_p)] == [float, float, float]
     assert type(spec.top_k) is int
-    assert repr(spec) == "SamplingSpec(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0)"
+    assert repr(spec) == (
+        "SamplingSpec(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)"
+    )
 
 
 def test_greedy_effective_is_the_all_default_spec() -> None:
@@ -66,7 +68,8 @@ def test_effective_returns_itself_when_nothing_changes() -> None:
     ],
 )
 def test_sampling_params_kwargs_exactly(spec: SamplingSpec, expected: dict) -> None:
-    assert spec.sampling_params_kwargs() == expected
+    neutral = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    assert spec.sampling_params_kwargs() == {**expected, **neutral}
 
 
 @pytest.mark.parametrize(

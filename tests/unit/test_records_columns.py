@@ -95,10 +95,25 @@ def test_membership_and_groups_match_the_per_row_formulas() -> None:
     for i in range(rb.n_rows):
         spec = rb.spec_of(i)
         label = str(rb.scenario[i]) if rb.scenario[i] else spec.label()
-        plain.setdefault(f"{label}\x1f{json.dumps((spec.temperature, spec.top_k, spec.top_p, spec.min_p))}", []).append(i)
+        plain.setdefault(f"{label}\x1f{json.dumps(tuple(spec.to_dict().values()))}", []).append(i)
     assert [(g, list(r)) for g, _, r in groups] == list(plain.items())  # the scenario named like a spec joins it
     summary = ra.summarize_batch(rb)
     for gname, acc in summary.groups.items():
         member = np.isin(cols.row, plain[gname])
         for k in acc.lacking:
             assert acc.lacking[k] == np.unique(cols.row[member & ~cols.have[k]]).size, (gname, k)
+
+
+def test_penalty_columns_are_optional_validated_and_group_by_spec() -> None:
+    from parity.records.schema import RecordsError
+
+    rng = np.random.default_rng(5)
+    plain = _row(0, 3, 4, rng)
+    rep = {**_row(1, 3, 4, rng), "repetition_penalty": 1.2, "presence_penalty": 0.0, "frequency_penalty": 0.5}
+    rb = validate_batch(_batch([{**plain, "repetition_penalty": None, "presence_penalty": None, "frequency_penalty": None}, rep]))
+    assert rb.spec_of(0).penalised is False  # a null penalty is off, as an absent column is
+    assert (rb.spec_of(1).repetition_penalty, rb.spec_of(1).frequency_penalty) == (1.2, 0.5)
+    assert len({g for g, _, _ in ra._row_groups(rb)}) == 2
+    assert not validate_batch(_batch([plain])).spec_of(0).penalised
+    with pytest.raises(RecordsError, match=r"repetition_penalty=-1\.0.*allowed a finite number > 0"):
+        validate_batch(_batch([{**plain, "repetition_penalty": -1.0}]))

@@ -121,6 +121,34 @@ def test_fix_correction_matches_replay_and_recompute_estimators() -> None:
     assert bool((corr == 0).all()) and bool((log_s < 0).all())
 
 
+@pytest.mark.parametrize("spec", [SamplingSpec(top_p=0.85, top_k=40, repetition_penalty=1.3),
+                                  SamplingSpec(0.7, presence_penalty=0.5, frequency_penalty=0.4)], ids=SamplingSpec.label)
+def test_fix_correction_applies_the_penalty_trl_leaves_out(spec: SamplingSpec) -> None:
+    """Under a penalty, TRL's value is the unpenalised full log-prob; the fix turns it into replay / recompute on
+    the logits penalised from the prompt and the earlier tokens."""
+    from parity.core.capture import support_from_heads
+    from parity.core.penalties import penalise_sequence
+    from parity.engines.trl_grpo import GrpoCapture, _log_mass_correction
+
+    z, y = _case(12, 3.0, n=32)
+    prompt = y[:8].tolist() + [0, 1, 2]
+    zp = penalise_sequence(z, spec, prompt, y.tolist())
+    full = estimators.full(z, y, spec).double()
+    support = None
+    if spec.effective().filtered:
+        kept = estimators.recompute(zp, y, spec).kept | torch.nn.functional.one_hot(y, z.shape[1]).bool()
+        ids = [row.nonzero().squeeze(1).tolist() for row in kept]
+        support = support_from_heads(y.tolist(), ids, [[0.0] * len(r) for r in ids], requested=-1, vocab_size=z.shape[1])
+        want = estimators.replay(zp, y, support.kept_ids, spec).logprobs.double()
+    else:
+        want = estimators.full(zp, y, spec).double()
+    _, corr = _log_mass_correction(GrpoCapture("replay"), z, y, spec, support, prompt)
+    assert torch.allclose(full - corr, want, atol=1e-6)
+    assert float((full - want).abs().max()) > 1e-2  # the penalty does move TRL's value
+    _, corr = _log_mass_correction(GrpoCapture("recompute"), z, y, spec, support, prompt)
+    assert torch.allclose(full - corr, estimators.recompute(zp, y, spec).logprobs.double(), atol=1e-6)
+
+
 def test_scoring_drops_and_counts_masked_tokens() -> None:
     from parity.analyze.trl import to_records
 

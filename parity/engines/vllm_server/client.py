@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
 import subprocess
 import sys
@@ -63,6 +64,29 @@ def _normalise_url(url: str) -> str:
     return urllib.parse.urlunsplit((parsed.scheme, parsed.netloc, path, "", ""))
 
 
+# The request fields vLLM's server fills from generation_config.json when a request omits them
+# (ModelConfig.get_diff_sampling_param), with the neutral value parity pins them to.
+GENERATION_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty")
+
+
+def _heads_differ(a: Heads, b: Heads) -> bool:
+    """Two answers to one seeded prompt differ beyond float32 noise: other tokens, or a head log-prob moved by more
+    than 1e-4 nats (a filled default moves them by orders more; the same request repeats bit for bit)."""
+    if a.completion_ids != b.completion_ids or a.head_ids != b.head_ids:
+        return True
+    return any(abs(x - y) > 1e-4 for ra, rb in zip(a.head_logprobs, b.head_logprobs, strict=True)
+               for x, y in zip(ra, rb, strict=True) if math.isfinite(x) or math.isfinite(y))
+
+
+def describe_generation_defaults(filled: Sequence[str]) -> str:
+    """The one line parity prints about a server's generation-config defaults."""
+    if not filled:
+        return "server defaults: none: a request that omits a sampling field gets vLLM's neutral value"
+    return (f"server defaults: the server fills {', '.join(filled)} from the model's generation_config when a request "
+            "omits them; a framework that omits them samples with them (parity sends every field)")
+
+
 class ServerRollout(RolloutBase):
     """The sampler under test, behind vLLM's OpenAI-compatible HTTP server. ``server="spawn"`` starts
     ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 (the CPU wheel's ``vllm`` script crashes) and
@@ -105,6 +129,7 @@ class ServerRollout(RolloutBase):
         self.log_path: Path | None = None
         self._finalizer: weakref.finalize[[subprocess.Popen[bytes], Path, dict[str, bool]], ServerRollout] | None = None
         self._spawn_name: str | None = None
+        self.generation_defaults: list[str] | None = None  # probe_generation_defaults(), once asked
         # No proxies, ever: the harness talks to loopback or to the URL it was given, directly.
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         attach_url = None if self.spawned else _normalise_url(server)
@@ -330,7 +355,8 @@ class ServerRollout(RolloutBase):
     def _body(
         self, prompt: Sequence[int], spec: SamplingSpec, *, max_tokens: int, seed: int, logprobs: int
     ) -> JsonObject:
-        """One prompt's request: token ids (never text), the seed, the spec's filters, neutral penalties,
+        """One prompt's request: token ids (never text), the seed, the spec's filters and penalties (sent even when
+        neutral: a server fills an omitted field from the checkpoint's generation_config),
         ``ignore_eos`` with a fixed ``max_tokens``, and ``logprobs=K`` with ``return_tokens_as_token_ids``.
         """
         kw = spec.sampling_params_kwargs()
@@ -345,15 +371,36 @@ class ServerRollout(RolloutBase):
             "top_k": kw["top_k"],
             "top_p": kw["top_p"],
             "min_p": kw["min_p"],
-            # A server fills omitted fields from the checkpoint's generation_config; pin them neutral,
-            # as the offline SamplingParams are.
-            "repetition_penalty": 1.0,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
+            # Always sent: a server fills omitted fields from the checkpoint's generation_config.
+            "repetition_penalty": kw["repetition_penalty"],
+            "presence_penalty": kw["presence_penalty"],
+            "frequency_penalty": kw["frequency_penalty"],
             "ignore_eos": True,
             "logprobs": int(logprobs),
             "return_tokens_as_token_ids": True,
         }
+
+    def probe_generation_defaults(self) -> list[str]:
+        """The sampling fields this server fills from the model's generation config when a request omits them,
+        found the way a framework meets them: by omitting one field at a time (every other field pinned neutral)
+        and comparing the head log-probs with those of the all-pinned request. The server's files are not read."""
+        ids = list(self._tokenizer.encode(PROBE_SENTENCE, add_special_tokens=False))[:8] or [0]
+        ids = [i for i in ids if i < self.vocab_size] or [0]
+        ids = ids * 2  # repeated tokens: a repetition penalty moves them
+        max_tokens, k = 4, 8
+
+        def ask(body: JsonObject, what: str) -> Heads:
+            data = self._request("POST", "/v1/completions", body, timeout=self.request_timeout_s, what=what)
+            return parse_completion(data, max_tokens=max_tokens, requested=k, vocab_size=self.vocab_size, where=what)
+
+        pinned = self._body(ids, SamplingSpec(temperature=1.0), max_tokens=max_tokens, seed=self.seed, logprobs=k)
+        base = ask(pinned, "generation-defaults probe")
+        filled = []
+        for field in GENERATION_FIELDS:
+            body = {key: v for key, v in pinned.items() if key != field}
+            if _heads_differ(base, ask(body, f"generation-defaults probe without {field}")):
+                filled.append(field)
+        return filled
 
     def probe_logprobs_mode(self) -> None:
         """Ask for top_k=1 with two log-probs; refuse a server whose kept mass is not 1 (raw mode)."""

@@ -161,14 +161,14 @@ def _history(z: torch.Tensor, length: int, top: float, gen: torch.Generator) -> 
 VOCAB_CHOICES = (2, 3, 5, 8, 16, 50, 128, 257, 1000, 2048, 4096)
 
 
-def random_spec(rng: random.Random, vocab: int) -> SamplingSpec:
+def random_spec(rng: random.Random, vocab: int, *, penalties: bool = True) -> SamplingSpec:
     temperature = rng.choice(
         [0.0, rng.uniform(1e-7, 9.9e-6), rng.uniform(1e-5, 0.0099), rng.uniform(0.01, 0.99), 1.0, rng.uniform(1.01, 2.0)]
     )
     top_k = rng.choice([0, -1, 1, rng.randint(2, max(2, vocab - 1)), vocab, vocab + rng.randint(1, 100)])
     top_p = rng.choice([1.0, rng.uniform(0.01, 0.3), rng.uniform(0.6, 0.99)])
     min_p = rng.choice([0.0, rng.uniform(0.01, 0.3), 1.0])
-    if rng.random() < 0.5:
+    if not penalties or rng.random() < 0.5:
         return SamplingSpec(temperature, top_k, top_p, min_p)
     return SamplingSpec(temperature, top_k, top_p, min_p, *random_penalties(rng))
 
@@ -181,29 +181,33 @@ def random_penalties(rng: random.Random) -> tuple[float, float, float]:
     return rep, presence, frequency
 
 
-def random_row(rng: random.Random, vocab: int, spec: SamplingSpec | None = None) -> RowPlan:
-    return RowPlan(
-        spec=spec or random_spec(rng, vocab),
+def random_row(rng: random.Random, vocab: int, spec: SamplingSpec | None = None, *, penalties: bool = True) -> RowPlan:
+    """``penalties=False``: no penalty and no history, drawing nothing for them (the stream of the plans drawn
+    before penalties were, so a case recorded then is drawn again)."""
+    row = RowPlan(
+        spec=spec or random_spec(rng, vocab, penalties=penalties),
         std=rng.choice([0.1, rng.uniform(0.5, 5.0), 20.0]),
         quantum=rng.choice([0.0, 0.0, 0.0, 0.25, 1.0]),
         neg_inf=rng.choice([0.0, 0.0, 0.0, rng.uniform(0.1, 0.9)]),
         single_finite=rng.random() < 0.05,
         top_k_tie=rng.choice([0, 0, 1, rng.randint(2, 4)]),
         top_p_tie=rng.choice([0, 0, rng.randint(2, 5)]),
-        prompt_len=rng.choice([1, rng.randint(2, 40)]),
-        output_len=rng.choice([0, rng.randint(1, 10), rng.randint(11, 60)]),
-        history_top=rng.choice([0.0, 0.5, 0.9]),
     )
+    if not penalties:
+        return replace(row, prompt_len=0, output_len=0)
+    return replace(row, prompt_len=rng.choice([1, rng.randint(2, 40)]),
+                   output_len=rng.choice([0, rng.randint(1, 10), rng.randint(11, 60)]),
+                   history_top=rng.choice([0.0, 0.5, 0.9]))
 
 
-def random_plan(rng: random.Random, *, max_vocab: int = 4096, max_rows: int = 6) -> CasePlan:
+def random_plan(rng: random.Random, *, max_vocab: int = 4096, max_rows: int = 6, penalties: bool = True) -> CasePlan:
     vocab = rng.choice([v for v in VOCAB_CHOICES if v <= max_vocab] or [max_vocab])
     n = rng.randint(1, max_rows)
     if rng.random() < 0.6:  # mixed per-row specs, as vLLM batches requests with different settings
-        rows = tuple(random_row(rng, vocab) for _ in range(n))
+        rows = tuple(random_row(rng, vocab, penalties=penalties) for _ in range(n))
     else:
-        spec = random_spec(rng, vocab)
-        rows = tuple(random_row(rng, vocab, spec) for _ in range(n))
+        spec = random_spec(rng, vocab, penalties=penalties)
+        rows = tuple(random_row(rng, vocab, spec, penalties=penalties) for _ in range(n))
     if rng.random() < 0.25:
         rows = without_top_p(rows)
     return CasePlan(vocab, rows, rng.randrange(2**31))

@@ -29,7 +29,7 @@ def seed_7_cases() -> dict[int, Case]:
     rng = random.Random(7)
     found = {}
     for _ in range(4000):
-        plan = random_plan(rng, max_vocab=20000, max_rows=12)
+        plan = random_plan(rng, max_vocab=20000, max_rows=12, penalties=False)  # as drawn when they failed
         if plan.seed in FAILED_ON_AVX2:
             found[plan.seed] = build_case(plan)
     assert sorted(found) == sorted(FAILED_ON_AVX2)

@@ -134,7 +134,7 @@ def seed_7_cases(seeds: set[int]) -> dict[int, object]:
     rng = random.Random(7)
     found = {}
     for _ in range(4000):
-        plan = random_plan(rng, max_vocab=20000, max_rows=12)
+        plan = random_plan(rng, max_vocab=20000, max_rows=12, penalties=False)  # as drawn when they failed
         if plan.seed in seeds:
             found[plan.seed] = build_case(plan)
     assert set(found) == seeds

@@ -94,6 +94,19 @@ def test_an_unfiltered_scenario_has_no_class_bias_to_resolve(tmp_path) -> None:
     assert sc["verdict"] == "pass" and sc.get("power") is None
 
 
+@pytest.mark.parametrize(("log_s", "has_power_check"), [(-1e-12, False), (-1.7e-17, False), (-1e-3, True)])
+def test_a_filter_that_removed_less_than_float32_resolves_has_no_bias_to_resolve(tmp_path, log_s, has_power_check) -> None:
+    """top_k >= V (log S a rounding -1.7e-17) or a 1e-12 tail of a peaked row: a full-vocabulary trainer computes the
+    same float32 numbers as the exact one, so the scenario is judged as unfiltered; a log S of 1e-3 is not."""
+    data = [{**r, "trainer_log_s": [log_s] * 16, "trainer_logprobs": r["trainer_replay_logprobs"]} for r in rows(4)]
+    path = write_records(tmp_path / "tiny.parquet", data,
+                         metadata={"dtype": "float32", "trainer_dtype": "float32", "vocab_size": 400})
+    (sc,) = analyze(path, plots=False)["scenarios"]
+    assert (sc.get("power") is not None) is has_power_check
+    if not has_power_check:
+        assert sc["verdict"] == "pass", sc["violations"]
+
+
 def test_logs_without_log_s_say_their_power_was_not_assessed(tmp_path, capsys) -> None:
     """Two log-prob columns alone hold no log S: the gate's verdict stands, and the output says its power is
     unknown and what would give it."""

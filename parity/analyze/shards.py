@@ -88,6 +88,7 @@ def rescored_columns(batch: RecordsBatch, trainer: TransformersTrainer, dtypes: 
             tok = np.concatenate([np.arange(batch.token_offsets[i], batch.token_offsets[i + 1]) for i in part])
             # A filtering spec without a kept set: build_table would take S_q as the whole vocabulary.
             known = np.repeat(batch.kept_rows()[part] | ~filtered_spec[j], batch.completion.lengths[part])
+            cols.recompute_boundary[tok] = table.recompute_boundary.numpy()
             for name in ("full", "recompute", "forced", "bound_full"):
                 getattr(cols, name)[tok] = getattr(table, name).numpy()
                 cols.have[name][tok] = True

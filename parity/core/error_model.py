@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol, TypeAlias, TypedDict, TypeGuard, cas
 from parity.errors import UsageError
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
     from torch import Tensor
 
@@ -35,8 +36,7 @@ LOGIT_ULPS = 8.0
 # Standard errors of the measured spread a mean may sit from its systematic bound (about 6e-5 two-sided
 # for Gaussian noise; each scenario has a handful of mean gates).
 MEAN_BIAS_Z = 4.0
-# The measured kernel offset counts once per side: the sampler runs the same float32 kernel over a row
-# that differs from the trainer's only by drift.
+# The float32 normalisation counts once per side: each side sums its own row, in its own kernel's order.
 KERNEL_SIDES = 2.0
 # A captured kept set's mass (a float32 sum of up to V probabilities) counts as 1 within this: far above
 # rounding, far below one missing token of any mass the filters would keep.
@@ -101,7 +101,7 @@ def logprob_bound(
     ``support``: bool ``[N, V]`` (``None`` = the whole vocabulary); ``dtype``: both sides' (the looser counts)."""
     z, _, sup, lse, lp = _rows(scaled_logits, sampled, support)
     bound = logprob_bound_terms(_finite_abs(z).amax(dim=-1), lse, lp, sup.sum(dim=-1), unit_roundoff(dtype))
-    return bound + KERNEL_SIDES * kernel_offset(scaled_logits, support).abs()
+    return bound + KERNEL_SIDES * normalisation_errors(scaled_logits, support)["bound"]
 
 
 def _rows(
@@ -122,19 +122,9 @@ def _rows(
 
 
 def kernel_offset(scaled_logits: Tensor, support: Tensor | None = None) -> Tensor:
-    """Per row (float64 ``[N]``): how far torch's float32 ``log_softmax`` over the support lies above exact,
-    measured at the row's largest logit (docs/error_model.md, section 1)."""
-    import torch
-
-    z = scaled_logits.to(torch.float32)
-    if support is not None:
-        z = z.masked_fill(~support, -math.inf)
-    top = z.argmax(dim=-1, keepdim=True)
-    fast = torch.log_softmax(z, dim=-1).gather(1, top).squeeze(1).double()
-    zd = z.double()
-    exact = zd.gather(1, top).squeeze(1) - torch.logsumexp(zd, dim=-1)
-    out = fast - exact
-    return torch.where(torch.isfinite(out), out, torch.zeros_like(out))
+    """Per row (float64 ``[N]``, >= 0): the largest offset of a float32 ``log_softmax`` over the support from exact,
+    measured on the row in every order of ``REDUCTION_ORDERS`` (docs/error_model.md, section 9)."""
+    return normalisation_errors(scaled_logits, support)["offset"]
 
 
 def systematic_bound(
@@ -147,9 +137,9 @@ def systematic_bound(
     import torch
 
     z, finite, _, _, lp = _rows(scaled_logits, sampled, support)
-    kernel = kernel_offset(scaled_logits, support).abs()
+    kernel = kernel_offset(scaled_logits, support)
     if support is not None:
-        kernel = torch.maximum(kernel, kernel_offset(scaled_logits, None).abs())
+        kernel = torch.maximum(kernel, kernel_offset(scaled_logits, None))
     out = KERNEL_SIDES * kernel + 2.0 * UNIT_ROUNDOFF["float32"] * _finite_abs(lp)
     u = unit_roundoff(dtype)
     if u > UNIT_ROUNDOFF["float32"]:
@@ -157,6 +147,166 @@ def systematic_bound(
         e2 = (p * torch.where(finite, z * z, torch.zeros_like(z))).sum(dim=-1)
         out = out + u * u * e2
     return out
+
+
+# -- the float32 normalisation in every reduction order ---------------------------------------------
+# A float32 log_softmax or logsumexp sums exp(z' - m) over the support, in its kernel's order: torch's generic
+# CPU path (ATEN_CPU_CAPABILITY=default) and its AVX2 path keep 8 lane accumulators, its AVX-512 path 16, a
+# scalar loop one, numpy and cascade sums a pairwise tree. Each order is evaluated on the row itself, never
+# only the one this machine runs (docs/error_model.md, section 9).
+
+# (name, lanes): lanes > 0 sums each lane sequentially over the row in index order (ATen's
+# vec::map_reduce_all), then combines the lane sums sequentially (the generic vec_reduce_all) and as a tree of
+# halves (the AVX shuffles); lanes == 0 is a pairwise tree over neighbours in index order.
+REDUCTION_ORDERS: tuple[tuple[str, int], ...] = (("sequential", 1), ("8-lane", 8), ("16-lane", 16), ("pairwise", 0))
+# exp and log of a float32 kernel, in ulps of their result: libm's expf is below 1, Sleef's u10 1.0, ATen's
+# exp_u20 2.0; twice the largest.
+EXP_ULPS = 4.0
+# Standard deviations of a fresh draw of rounding errors (an order between the listed ones, another exp): the
+# mean gates' MEAN_BIAS_Z.
+ORDER_Z = 4.0
+# Elements per block when the orders are evaluated (memory: a few float32 copies of a block of rows).
+_BLOCK_ELEMENTS = 1 << 22
+
+
+def _lane_sums(x: np.ndarray, lanes: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """Float32 sums of ``x`` ``[N, n]`` with ``lanes`` sequential accumulators in index order (the lane sums
+    combined sequentially, then as a tree of halves), and the lane partial sums ``[N, k, lanes]``."""
+    import numpy as np
+
+    rows, n = x.shape
+    k = max(1, -(-n // lanes))
+    padded = np.zeros((rows, k * lanes), dtype=np.float32)  # adding 0.0 is exact: the padding changes nothing
+    padded[:, :n] = x
+    part = np.add.accumulate(padded.reshape(rows, k, lanes), axis=1, dtype=np.float32)
+    acc = part[:, -1, :]
+    if lanes == 1:
+        return [acc[:, 0]], part
+    seq = np.add.accumulate(acc, axis=1, dtype=np.float32)[:, -1]
+    tree = acc
+    while tree.shape[1] > 1:
+        h = tree.shape[1] // 2
+        tree = tree[:, :h] + tree[:, h:]
+    return [seq, tree[:, 0]], part
+
+
+def _pairwise_sum(x: np.ndarray) -> np.ndarray:
+    """Float32 pairwise sum of ``x`` ``[N, n]`` over neighbours in index order."""
+    import numpy as np
+
+    rows, n = x.shape
+    width = 1 << max(0, (n - 1).bit_length())
+    cur = np.zeros((rows, width), dtype=np.float32)
+    cur[:, :n] = x
+    while cur.shape[1] > 1:
+        cur = cur[:, 0::2] + cur[:, 1::2]
+    return cur[:, 0]
+
+
+def order_sums(x: np.ndarray) -> dict[str, np.ndarray]:
+    """The float32 sum of the terms ``x >= 0`` ``[N, n]`` in every order of ``REDUCTION_ORDERS`` (a lane order once
+    per combine: ``"8-lane"`` sequential, ``"8-lane tree"``)."""
+    out: dict[str, np.ndarray] = {}
+    for name, lanes in REDUCTION_ORDERS:
+        if lanes == 0:
+            out[name] = _pairwise_sum(x)
+            continue
+        sums, _ = _lane_sums(x, lanes)
+        for suffix, val in zip(("", " tree"), sums, strict=False):
+            out[name + suffix] = val
+    return out
+
+
+def _walk_scale(x: np.ndarray) -> np.ndarray:
+    """float64 ``[N]``: the standard deviation of a sequential float32 sum's rounding errors (the longest chain, so
+    the largest of the orders'), each addition erring by up to ``u s_k`` at partial sum ``s_k``: independent between
+    distinct terms, and alike for tied ones (they round the same way within a binade), so each group of equal terms
+    counts as one draw of ``u * sum_k s_k``: ``u sqrt(sum over groups of (sum_k s_k)^2)``."""
+    import numpy as np
+
+    rows, n = x.shape
+    _, part = _lane_sums(x, 1)
+    s = np.zeros((rows, n), dtype=np.float64)
+    s[:, 1:] = np.where(x[:, 1:] > 0, part[:, 1:, 0], 0.0)  # the first term and adding 0 (off the support): exact
+    order = np.argsort(x, axis=1, kind="stable")
+    xs = np.take_along_axis(x, order, axis=1)
+    ss = np.take_along_axis(s, order, axis=1)
+    new = np.ones((rows, n), dtype=bool)
+    new[:, 1:] = xs[:, 1:] != xs[:, :-1]
+    group = np.cumsum(new, axis=1) - 1 + (np.arange(rows) * n)[:, None]
+    sums = np.bincount(group.ravel(), weights=ss.ravel(), minlength=rows * n).reshape(rows, n)
+    out: np.ndarray = UNIT_ROUNDOFF["float32"] * np.sqrt((sums * sums).sum(axis=1))
+    return out
+
+
+class NormalisationErrors(TypedDict):
+    offset: Tensor  # float64 [N]: the largest |float32 log-sum - exact| over the orders, measured on the row
+    bound: Tensor  # float64 [N]: what a float32 log-sum may lie from exact in any of them, the exp and log included
+    log_sum: Tensor  # float64 [N]: log sum exp(z' - m) over the support (exact)
+    row_max: Tensor  # float64 [N]: m, the largest scaled logit of the support
+
+
+def normalisation_errors(scaled_logits: Tensor, support: Tensor | None = None) -> NormalisationErrors:
+    """How far a float32 ``log sum exp(z' - m)`` over the support lies from exact, per row, in every order of
+    ``REDUCTION_ORDERS`` with this machine's float32 exp and a correctly rounded one (``offset``), and the bound
+    a kernel's result is held to (``bound``; docs/error_model.md, section 9)."""
+    import numpy as np
+    import torch
+
+    z32 = scaled_logits.to(torch.float32)
+    if support is not None:
+        z32 = z32.masked_fill(~support, -math.inf)
+    rows, n = z32.shape
+    out = {k: torch.zeros(rows, dtype=torch.float64) for k in ("offset", "bound", "log_sum", "row_max")}
+    u = UNIT_ROUNDOFF["float32"]
+    step = max(1, _BLOCK_ELEMENTS // max(n, 1))
+    for lo in range(0, rows, step):
+        z = z32[lo : lo + step]
+        finite = torch.isfinite(z)
+        m = torch.where(finite, z, torch.full_like(z, -math.inf)).amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        arg = torch.where(finite, z - m, torch.full_like(z, -math.inf))  # float32, as every kernel shifts
+        exact_terms = torch.exp(torch.where(finite, z.double() - m.double(), torch.full_like(z, -math.inf, dtype=torch.float64)))
+        s = exact_terms.sum(dim=-1)
+        ok = s > 0
+        s = torch.where(ok, s, torch.ones_like(s))
+        log_s = torch.log(s)
+        offset = torch.zeros_like(s)
+        terms = (torch.exp(arg).numpy(), torch.exp(arg.double()).float().numpy())  # this machine's exp, exact exp
+        for x in terms:
+            for val in order_sums(x).values():
+                got = torch.from_numpy(val.astype(np.float64)).clamp(min=1.0)  # the largest term is exp(0) = 1
+                offset = torch.maximum(offset, (torch.log(got) - log_s).abs())
+        walk = torch.from_numpy(_walk_scale(terms[0])) / s
+        # Each term's relative error beyond this machine's: another exp (EXP_ULPS ulps) and another rounding of
+        # its argument (u |z' - m|); a term below float32's normal range carries an absolute 2**-149.
+        spread = (exact_terms / s.unsqueeze(1) * torch.where(finite, (z.double() - m.double()).abs(), 0.0)).sum(-1)
+        term_rel = u * (2.0 * EXP_ULPS + spread) + n * 2.0**-149 / s
+        # The log of the sum, rounded: EXP_ULPS ulps of its own value.
+        bound = offset + ORDER_Z * walk + term_rel + 2.0 * EXP_ULPS * u * log_s.abs()
+        sl = slice(lo, lo + z.shape[0])
+        zero = torch.zeros_like(s)
+        out["offset"][sl] = torch.where(ok, offset, zero)
+        out["bound"][sl] = torch.where(ok, bound, zero)
+        out["log_sum"][sl] = torch.where(ok, log_s, zero)
+        out["row_max"][sl] = m.squeeze(1).double()
+    return {"offset": out["offset"], "bound": out["bound"], "log_sum": out["log_sum"], "row_max": out["row_max"]}
+
+
+def log_softmax_bound(scaled_logits: Tensor, support: Tensor | None = None) -> Tensor:
+    """Per token (float64 ``[N, V]``): how far a float32 ``log_softmax`` over the support may lie from exact in
+    any order of ``REDUCTION_ORDERS``: the row's normalisation bound, the float32 ``z' - m`` and the final
+    subtraction (docs/error_model.md, section 9). 0 off the support (``-inf`` on every side)."""
+    import torch
+
+    ne = normalisation_errors(scaled_logits, support)
+    z = scaled_logits.double()
+    inside = torch.isfinite(z) if support is None else (support & torch.isfinite(z))
+    shifted = (z - ne["row_max"].unsqueeze(1)).abs()
+    lp = (shifted + ne["log_sum"].unsqueeze(1)).abs()  # |z' - m - log S| >= |lp| up to the sign of z' - m
+    u = UNIT_ROUNDOFF["float32"]
+    out = ne["bound"].unsqueeze(1) + u * (shifted + lp)
+    return torch.where(inside, out, torch.zeros_like(out))
 
 
 def headroom(diff: Tensor, bound: Tensor) -> float:

@@ -35,7 +35,10 @@ class TokenTable:
     incomplete: torch.Tensor  # bool [T]: the captured head may not hold the whole support
     sampled_outside: torch.Tensor  # bool [T]: the engine's sampled token is not in S_q (engine or capture fault)
     replay_support_ok: torch.Tensor  # bool [T]: S_q complete, holds y, sampler mass sums to 1
-    recompute_support_equal: torch.Tensor  # bool [T]: recomputed S_p == S_q
+    recompute_support_equal: torch.Tensor  # bool [T]: recomputed S_p == S_q (or differs only at the cutoff)
+    # float64 [T]: where S_p differs from S_q only at the cutoff, how far that moves recompute: |logsumexp over
+    # S_q - logsumexp over S_p with the sampled token| (0 where the sets are equal); recompute's drift bound adds it
+    recompute_boundary: torch.Tensor
     support_size: torch.Tensor  # long [T]: |S_q| (V when not captured)
     kl: torch.Tensor  # float64 [T]: KL(sampler || trainer replay) over S_q (0 when not captured)
     tv: torch.Tensor  # float64 [T]: total variation over S_q
@@ -202,6 +205,7 @@ def _add_unfiltered(cols: Columns, r: SequenceRecord, replay: torch.Tensor, rec_
     cols["logit_drift"].append(torch.full((n,), nan, dtype=torch.float64))
     cols["replay_support_ok"].append(torch.ones(n, dtype=torch.bool))
     cols["recompute_support_equal"].append(rec_kept.all(dim=-1))
+    cols["recompute_boundary"].append(torch.zeros(n, dtype=torch.float64))
     cols["support_size"].append(torch.full((n,), vocab, dtype=torch.long))
     cols["kl"].append(torch.zeros(n, dtype=torch.float64))
     cols["tv"].append(torch.zeros(n, dtype=torch.float64))
@@ -229,10 +233,12 @@ def _add_captured(cols: Columns, r: SequenceRecord, z: torch.Tensor, y: torch.Te
     cols["replay_support_ok"].append(~incomplete & ~missing & mass_ok)
     cols["support_size"].append((kept >= 0).sum(dim=-1))
     q_mask = estimators.ids_to_mask(kept, vocab)
-    equal = support_equal(rec_kept, q_mask)
+    exact = support_equal(rec_kept, q_mask)
+    equal = exact.clone()
     if not bool(equal.all()):  # a set that differs only at the cutoff, within drift, is the same filter
         equal |= boundary_only(rec_kept, q_mask, zs, bound)
     cols["recompute_support_equal"].append(equal)
+    cols["recompute_boundary"].append(boundary_shift(zs, y, q_mask, rec_kept, equal & ~exact))
     # KL / TV between the sampler's processed distribution and the trainer's replayed one, on S_q.
     vals = zs.gather(1, kept.clamp(min=0)).masked_fill(kept < 0, float("-inf")).double()
     t_lp = vals - torch.logsumexp(vals, dim=-1, keepdim=True)
@@ -240,6 +246,24 @@ def _add_captured(cols: Columns, r: SequenceRecord, z: torch.Tensor, y: torch.Te
     cols["kl"].append(kl)
     cols["tv"].append(tv)
     cols["logit_drift"].append(_logit_drift(sampler_lp, t_lp))
+
+
+def boundary_shift(zs: torch.Tensor, y: torch.Tensor, q_mask: torch.Tensor, rec_kept: torch.Tensor,
+                   straddle: torch.Tensor) -> torch.Tensor:
+    """Per position (float64): where ``straddle`` holds (the recomputed set differs from S_q only at the cutoff),
+    ``|logsumexp(z' over S_q) - logsumexp(z' over S_p and y)|``, the exact amount by which the boundary tokens'
+    mass moves recompute off the sampler's renormalisation; 0 elsewhere (docs/error_model.md, section 1)."""
+    out = torch.zeros(zs.shape[0], dtype=torch.float64)
+    if not bool(straddle.any()):
+        return out
+    z = zs[straddle].double()
+    sp = rec_kept[straddle].clone()
+    sp.scatter_(1, y[straddle].long().unsqueeze(1), True)  # recompute force-includes the sampled token
+    neg = torch.full_like(z, -math.inf)
+    lse_q = torch.logsumexp(torch.where(q_mask[straddle], z, neg), dim=-1)
+    lse_p = torch.logsumexp(torch.where(sp, z, neg), dim=-1)
+    out[straddle] = (lse_q - lse_p).abs()
+    return out
 
 
 def _engine_missing(r: SequenceRecord, n: int, kept: torch.Tensor | None = None) -> torch.Tensor:

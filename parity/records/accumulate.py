@@ -113,17 +113,21 @@ def _add_streams(acc: ScenarioAcc, c: TokenColumns, usable: np.ndarray, where: _
 
     # The gated comparisons against the per-token bound (evaluate_summary).
     bsel = usable & h["bound"]
-    for name, est, side in (("replay", c.replay, "trainer_replay"), ("recompute", c.recompute, "trainer_recompute"),
-                            ("user", c.user, "trainer_under_test")):
+    # Recompute's bound adds the boundary tokens' shift where its set differs from S_q only at the cutoff: the
+    # drift gate then agrees with the support gate, which counts those sets as the same filter.
+    rec_bound = c.bound + c.recompute_boundary
+    for name, est, side, bound in (("replay", c.replay, "trainer_replay", c.bound),
+                                   ("recompute", c.recompute, "trainer_recompute", rec_bound),
+                                   ("user", c.user, "trainer_under_test", c.bound)):
         idx = np.flatnonzero(bsel & h[name])
         with np.errstate(invalid="ignore"):
             d = est - c.vllm
         s = acc.bounds[name]
-        key = s.add(d[idx], c.bound[idx], c.systematic[idx],
+        key = s.add(d[idx], bound[idx], c.systematic[idx],
                     c.log_s[idx] if name == "user" and bool(h["log_s"][idx].all()) else None)
         heads[name] = (idx, key)
         s.worst.offer(key, where.order(idx), where.at(idx, values={"vllm": c.vllm, side: est}, gap=d,
-                                                      bound=c.bound * 1.0))
+                                                      bound=bound * 1.0))
     if bsel.any():
         acc.bound_n += int(bsel.sum())
         acc.bound_sum += float(c.bound[bsel].sum())

@@ -245,6 +245,7 @@ def from_sequence_records(
             "trainer_log_s": table.log_s,
             "trainer_recompute_forced": table.forced,
             "trainer_recompute_support_equal": table.recompute_support_equal,
+            "trainer_recompute_boundary": table.recompute_boundary,
             "trainer_bound": table.bound,
             "trainer_bound_full": table.bound_full,
             "trainer_systematic": table.systematic,

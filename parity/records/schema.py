@@ -59,6 +59,10 @@ COLUMNS: tuple[Column, ...] = (
     Column("trainer_log_s", _F64, False, "token", "log S predicted from the trainer's logits: logsumexp over S_q - logsumexp"),
     Column("trainer_recompute_forced", _BOOL, False, "token", "recompute had to force-include the sampled token"),
     Column("trainer_recompute_support_equal", _BOOL, False, "token", "the recomputed support equals S_q"),
+    Column("trainer_recompute_boundary", _F64, False, "token", "where the recomputed support differs from S_q only "
+           "at the cutoff, how far the boundary tokens' mass moves recompute (logsumexp over S_q less logsumexp over "
+           "the recomputed set with the sampled token, in absolute value), else 0; >= 0. Recompute's drift bound is "
+           "trainer_bound plus this"),
     Column("trainer_bound", _F64, False, "token", "rounding bound on |trainer - sampler| over S_q, >= 0 "
            "(parity.core.error_model.logprob_bound on the trainer's scaled logits)"),
     Column("trainer_bound_full", _F64, False, "token", "the same bound over the whole vocabulary (the naive estimator's), >= 0"),
@@ -82,7 +86,7 @@ REQUIRED = tuple(c.name for c in COLUMNS if c.required)
 KEPT_GROUP = ("kept_ids", "kept_offsets", "kept_logprobs")  # present together or not at all
 ROUTED_GROUP = ("routed_experts", "routed_layers", "routed_top_k", "routed_num_experts")  # the same
 TRAINER_TOKEN_COLUMNS = tuple(c.name for c in COLUMNS if c.name.startswith("trainer_") and c.per == "token")
-NONNEGATIVE_COLUMNS = ("trainer_bound", "trainer_bound_full", "trainer_systematic")  # finite and >= 0
+NONNEGATIVE_COLUMNS = ("trainer_bound", "trainer_bound_full", "trainer_systematic", "trainer_recompute_boundary")  # finite and >= 0
 SAMPLER_LOG_S_SOURCES = ("raw_logits", "top_p_bracket", "unfiltered")
 
 

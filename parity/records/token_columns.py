@@ -91,6 +91,8 @@ def _trainer_values(
     have["kl"] = kept.with_logits | (unfilt & ~captured)
     v["bound"], have["bound"] = _row_float(batch, "trainer_bound")
     v["bound_full"], have["bound_full"] = _row_float(batch, "trainer_bound_full")
+    # Absent: 0, the sets taken as equal where trainer_recompute_support_equal says so (older records).
+    v["recompute_boundary"], _ = _row_float(batch, "trainer_recompute_boundary")
     return v
 
 
@@ -150,6 +152,7 @@ def token_columns(batch: RecordsBatch, *, vocab_size: int | None = None) -> Toke
         tv=kept.tv,
         bound=v["bound"],
         bound_full=v["bound_full"],
+        recompute_boundary=v["recompute_boundary"],
         systematic=np.where(have_sys, sys_v, storage),
         s_lo=s_lo,
         s_hi=s_hi,

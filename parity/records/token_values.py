@@ -46,6 +46,7 @@ class TokenColumns:
     tv: np.ndarray
     bound: np.ndarray
     bound_full: np.ndarray
+    recompute_boundary: np.ndarray  # >= 0: the boundary tokens' shift of recompute (0 where S_p == S_q)
     systematic: np.ndarray  # per-token systematic bound (trainer_systematic, else the float32 storage term alone)
     s_lo: np.ndarray  # NaN where no sampler-side log S
     s_hi: np.ndarray

@@ -13,12 +13,12 @@ from parity.core.error_model import (
     MEAN_BIAS_Z,
     UNIT_ROUNDOFF,
     headroom,
-    kernel_offset,
     log_s_signature,
     logprob_bound,
     logprob_bound_terms,
     mean_bias_entry,
     mean_bias_limit,
+    normalisation_errors,
     unit_roundoff,
 )
 
@@ -68,8 +68,8 @@ def test_bound_from_logits_by_hand() -> None:
         4 * 8 * U * 3 + 2 * U * (lse0 + abs(1 - lse0) + math.log2(3) + 2),
         4 * 8 * U * 2 + 2 * U * (lse1 + abs(2 - lse1) + 2 + 2),
     ]
-    # Each bound also carries the float32 kernel's measured offset, once per side (kernel_offset).
-    want = [w + KERNEL_SIDES * float(o) for w, o in zip(want, kernel_offset(z).abs(), strict=True)]
+    # Each bound also carries the float32 normalisation's bound in every order, once per side.
+    want = [w + KERNEL_SIDES * float(o) for w, o in zip(want, normalisation_errors(z)["bound"], strict=True)]
     assert logprob_bound(z, y).tolist() == pytest.approx(want, rel=1e-9)
     support = torch.tensor([[True, False, True, True], [False, False, True, True]])
     lse0s = math.log(math.e + 1)
@@ -78,7 +78,7 @@ def test_bound_from_logits_by_hand() -> None:
         4 * 8 * U * 3 + 2 * U * (lse0s + abs(1 - lse0s) + 1 + 2),
         4 * 8 * U * 2 + 2 * U * (lse1s + abs(2 - lse1s) + 1 + 2),
     ]
-    off = [KERNEL_SIDES * float(o) for o in kernel_offset(z, support).abs()]
+    off = [KERNEL_SIDES * float(o) for o in normalisation_errors(z, support)["bound"]]
     assert logprob_bound(z, y, support).tolist() == pytest.approx([w + o for w, o in zip(want_s, off, strict=True)], rel=1e-9)
     b16 = logprob_bound(z, y, support, dtype=("float32", "bfloat16"))
     assert b16.tolist() == pytest.approx([w * 2.0**16 + o for w, o in zip(want_s, off, strict=True)], rel=1e-9)

@@ -14,7 +14,7 @@ import torch
 from judged import judged
 
 from parity.core import estimators as E
-from parity.core.error_model import KERNEL_SIDES, kernel_offset, logprob_bound, unit_roundoff
+from parity.core.error_model import KERNEL_SIDES, logprob_bound, normalisation_errors, unit_roundoff
 from parity.core.filters import reference_filter
 from parity.core.log_s import top_p_bracket
 from parity.core.sequence import SequenceRecord
@@ -159,10 +159,10 @@ def test_the_looser_dtype_is_the_roundoff_and_the_bound() -> None:
     z, r, t32 = one()
     t = build_table([r], [z], SPEC, dtype=("float32", "bfloat16"))
     assert t.roundoff == unit_roundoff("bfloat16")
-    # The rounding terms scale with the roundoff; the measured float32 kernel offset does not.
+    # The rounding terms scale with the roundoff; the float32 normalisation's bound does not.
     zs = E.scale(z, SPEC)
     kept = E.ids_to_mask(r.kept_ids, V)
-    off = KERNEL_SIDES * kernel_offset(zs, kept).abs()
+    off = KERNEL_SIDES * normalisation_errors(zs, kept)["bound"]
     assert (t.bound - off).tolist() == pytest.approx(((t32.bound - off) * 2.0**16).tolist(), rel=1e-9)
 
 

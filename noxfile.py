@@ -108,15 +108,17 @@ def tests(session: nox.Session) -> None:
         run_pytest(session, "-m", "kernel_path and not slow and not gpu", *common, env=again)
 
 
-def other_kernel_paths() -> list[str]:
+def other_kernel_paths() -> tuple[str, ...]:
     """The ATEN_CPU_CAPABILITY levels below this CPU's own that torch can run here: ``default`` (scalar kernels)
-    everywhere, and ``avx2`` on an AVX-512 machine. The first pass ran the native level."""
-    try:
-        flags = set(next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split())
-    except (OSError, StopIteration):
-        flags = set()
-    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
-    return ["default", "avx2"] if avx512 and "avx2" in flags else ["default"]
+    everywhere, and ``avx2`` on an AVX-512 machine (parity/determinism/capabilities.py, read from the CPU's flags
+    without importing parity's package or torch). The first pass ran the native level."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("capabilities", Path("parity/determinism/capabilities.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return tuple(module.other_capabilities())
 
 
 @nox.session

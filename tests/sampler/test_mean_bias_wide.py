@@ -70,5 +70,6 @@ def test_the_kernel_offset_is_held_and_a_bias_near_the_limit_is_caught(sampler, 
         _, small = _gates(records, logits, spec, TrainerFaults(bias_logprob=0.1 * limit))
         assert f"{gate}_mean_bias" in big, (gate, limit, big)
         assert small == [], (gate, limit, small)
-    # A trainer 1e-4 nats off on every token is far outside the float32 limit.
-    assert mb["replay"]["limit"] < 1e-4  # the size of the limit (the CPU kernel offset is in it) is reported, not pinned
+    # The limit (every summation order's offset is in it) stays far below the bias the gate exists for: a
+    # mild filter's log S (top_p=0.95 on a trained model: about -0.05) is fifty times the limit.
+    assert mb["replay"]["limit"] < 1e-3

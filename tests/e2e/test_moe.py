@@ -133,3 +133,19 @@ def test_prefix_caching_and_chunked_prefill_run_as_scenarios(pool, tmp_path) -> 
         assert e["baseline"] == "greedy" and e["sequences"] == 4 and 0 <= e["logprobs_bitwise_equal"] <= e["same_tokens"]
     cached = next(s for s in report["scenarios"] if s["name"] == "greedy, prefix caching")
     assert cached["routing"]["uncovered_rows"] > 0  # cache hits ran no forward: counted, not compared
+
+
+def test_a_moe_engine_starts_after_a_dense_one_in_the_same_process() -> None:
+    """vLLM's CPU engine keeps its parallel groups in this process; a MoE start after a dense one needs an
+    expert-parallel group the dense start did not make. Both engines then still generate."""
+    from parity.engines.settings import EngineSettings
+
+    p = EnginePool()
+    try:
+        dense, _ = p.get("qwen2-tiny", EngineSettings(model="qwen2-tiny"), lambda s: None)
+        moe, _ = p.get("qwen3-moe-tiny", EngineSettings(model="qwen3-moe-tiny"), lambda s: None)
+        for engine in (moe, dense):
+            recs = engine.generate([[1, 2, 3]], T1, max_tokens=4, seed=0)
+            assert len(recs) == 1 and len(recs[0].completion_ids) == 4
+    finally:
+        p.close()

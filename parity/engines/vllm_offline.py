@@ -47,6 +47,20 @@ CPU_ENV = {
 }
 
 
+def fresh_parallel_groups() -> None:
+    """Drop the model-parallel groups an earlier in-process engine left, so the next start makes its own.
+
+    On CPU the engine runs in this process and keeps its groups in ``vllm.distributed.parallel_state``'s
+    globals. ``ensure_model_parallel_initialized`` reuses groups that exist, and the expert-parallel group is
+    made only when the first model is a MoE, so a MoE engine started after a dense one fails in
+    ``get_ep_group``. With one rank every group has size 1: engines still open get the new ones.
+    """
+    from vllm.distributed import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+
+
 def configure_cpu_env(env: MutableMapping[str, str] | None = None) -> None:
     """Default :data:`CPU_ENV` into ``env`` (this process's environment: before vLLM is imported; or a
     spawned server's); values already set are kept."""
@@ -245,6 +259,8 @@ class VllmRollout(RolloutBase):
             kwargs["return_sampling_mask"] = True
             kwargs["max_logprobs"] = 4096  # the native path refuses unbounded (-1) log-prob requests
         kwargs.update(engine_kwargs or {})
+        if device == "cpu":
+            fresh_parallel_groups()
         self.llm = call_with_timeout(lambda: LLM(**kwargs), self.timeout_s, "vLLM engine start-up")
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self.rows = SamplerRows(self.llm, cap=self.max_head, timeout_s=self.timeout_s)

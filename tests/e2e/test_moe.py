@@ -154,3 +154,19 @@ def test_a_16_expert_bf16_sampler_with_top_k_fails_recompute_naming_the_ties(poo
     assert not [v for v in s["violations"] if v["gate"].startswith("replay")], [v["message"] for v in s["violations"]]
     md = (tmp_path / "report.md").read_text()
     assert "tied at the k-th value" in md
+
+
+def test_a_moe_engine_starts_after_a_dense_one_in_the_same_process() -> None:
+    """vLLM's CPU engine keeps its parallel groups in this process; a MoE start after a dense one needs an
+    expert-parallel group the dense start did not make. Both engines then still generate."""
+    from parity.engines.settings import EngineSettings
+
+    p = EnginePool()
+    try:
+        dense, _ = p.get("qwen2-tiny", EngineSettings(model="qwen2-tiny"), lambda s: None)
+        moe, _ = p.get("qwen3-moe-tiny", EngineSettings(model="qwen3-moe-tiny"), lambda s: None)
+        for engine in (moe, dense):
+            recs = engine.generate([[1, 2, 3]], T1, max_tokens=4, seed=0)
+            assert len(recs) == 1 and len(recs[0].completion_ids) == 4
+    finally:
+        p.close()

@@ -29,9 +29,10 @@ TOP_P = SamplingSpec(temperature=1.0, top_k=200, top_p=0.9)
 PROMPTS, TOKENS = 6, 16
 
 
-def off_by_1e4(batch):
-    """A correct replay trainer whose log-probs are 1e-4 nats off on every token."""
-    return [v.double() + 1e-4 for v in builtin_replay(batch)]
+def off_by_1e3(batch):
+    """A correct replay trainer whose log-probs are 1e-3 nats off on every token (a few times the float32 limit,
+    whose systematic part holds every summation order's normalisation offset on a 49k row)."""
+    return [v.double() - 1e-3 for v in builtin_replay(batch)]
 
 
 def replay_float64(batch):
@@ -106,13 +107,13 @@ def test_a_float64_replay_trainer_passes(pool, smollm2_dir, tmp_path) -> None:
     assert sc["verdict"] == "pass", sc["violations"]
 
 
-def test_a_trainer_1e4_off_fails_at_float32(pool, smollm2_dir, tmp_path) -> None:
-    sc = _run(pool, smollm2_dir, tmp_path, off_by_1e4)
+def test_a_trainer_1e3_off_fails_at_float32(pool, smollm2_dir, tmp_path) -> None:
+    sc = _run(pool, smollm2_dir, tmp_path, off_by_1e3)
     assert "trainer_under_test_mean_bias" in [v["gate"] for v in sc["violations"]]
     # The gate measures the planted offset to within its resolution (the limit: the CPU's measured float32
     # kernel offset is part of it, so its size is reported, not asserted).
     mb = sc["mean_bias"]["trainer_under_test"]
-    assert abs(mb["mean"] - 1e-4) <= mb["limit"] < 1e-4, mb
+    assert abs(mb["mean"] + 1e-3) <= mb["limit"] < 1e-3, mb
 
 
 @pytest.fixture(scope="module")

@@ -29,22 +29,24 @@ def _copy(rows: Rows) -> Rows:
 
 
 def _bump_bounds(column: str, times: float, where: Sequence[tuple[int, int]], bound=("trainer_bound",)) -> Plant:
-    """Move ``column`` away from the sampler by ``times`` the position's bound (the gate's own unit)."""
+    """Move ``column`` away from the sampler by ``times`` the position's bound (the gate's own unit), downwards:
+    a log-prob stays <= 0, as records must hold it."""
     def plant(rows: Rows) -> Rows:
         out = _copy(rows)
         for i, t in where:
             r = out[i]
             b = sum(r[c][t] for c in bound)
-            r[column][t] = r["sampler_logprobs"][t] + (r[column][t] - r["sampler_logprobs"][t]) + times * b
+            r[column][t] = r["sampler_logprobs"][t] + (r[column][t] - r["sampler_logprobs"][t]) - times * b
         return out
     return plant
 
 
 def _bias(column: str, times: float, limit_key: str) -> Plant:
-    """Shift ``column`` at every position by ``times`` its mean-bias limit (from the base analysis)."""
+    """Shift ``column`` at every position down by ``times`` its mean-bias limit (from the base analysis), as a
+    trainer biased by log S < 0 is; a log-prob stays <= 0, as records must hold it."""
     def plant(rows: Rows, sc: dict[str, Any]) -> Rows:
         out = _copy(rows)
-        delta = times * sc["mean_bias_limit"][limit_key]
+        delta = -times * sc["mean_bias_limit"][limit_key]
         for r in out:
             r[column] = [v + delta for v in r[column]]
         return out

@@ -250,11 +250,13 @@ def test_sampling_kwargs_match_the_variant(rollout) -> None:
 # -- harness ---------------------------------------------------------------------------------------
 
 
-def reference_sampler(logits: torch.Tensor, specs: Any, *, seed: int = 0) -> Any:
-    """Stands in for vLLM's Sampler: the reference's kept set and log-probs, a draw from the kept set."""
+def reference_sampler(logits: torch.Tensor, specs: Any, *, seed: int = 0, prompt_ids: Any = None,
+                      output_ids: Any = None) -> Any:
+    """Stands in for vLLM's Sampler in this smoke test of the benchmark's plumbing (the real comparison is
+    ``parity sampler``): the reference's kept set and log-probs after the penalties, a draw from the kept set."""
     from parity.engines.vllm_sampler import SamplerOutput
 
-    ref = reference_filter(logits, specs)
+    ref = reference_filter(logits, specs, prompt_ids=prompt_ids, output_ids=output_ids)
     g = torch.Generator().manual_seed(seed)
     sampled = torch.multinomial(ref.kept.float(), 1, generator=g).squeeze(1)
     return SamplerOutput(kept=ref.kept, logprobs=ref.logprobs, sampled=sampled)

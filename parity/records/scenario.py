@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from parity.records.token_columns import Options, summarize_batch, token_columns
+from parity.records.validate import validate_batch
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -42,7 +43,9 @@ def scenario_summary(
                           **{b: v.double().numpy().astype(np.float64) for b, v in views.items() if b}}
         return cols
 
-    return summarize_batch(export, options=Options(n_listed=n_listed), source=source, dtypes=dtypes,
+    # parity's own scores: a value above 0 (a planted fault, a trainer under test) is for the gates to judge.
+    checked = validate_batch(export, source=source, signs=False)
+    return summarize_batch(checked, options=Options(n_listed=n_listed), source=source, dtypes=dtypes,
                            vocab_size=vocab_size, columns=columns)
 
 

@@ -49,10 +49,12 @@ def validate_batch(
     *,
     source: str = "batch",
     first_row: int = 0,
+    signs: bool = True,
 ) -> RecordsBatch:
     """Check one batch of records rows and return it as flat arrays; raise :class:`RecordsError` on bad input.
     ``source`` and ``first_row`` (the file, the row number of the batch's first row) let an error name the
-    row to fix."""
+    row to fix. ``signs``: refuse trainer log-probs above 0 (:data:`LOGPROB_COLUMNS`); off where parity judges
+    what it scored itself (a planted fault or a trainer under test may go above 0, and its gates judge that)."""
     arrays, names, casts = _read_columns(batch, source, first_row)
     b = _Batch(arrays, source, first_row)
     _check_required(b)
@@ -85,7 +87,7 @@ def validate_batch(
         for name in ("kept_incomplete", "trainer_kept_logits"):
             if name in arrays and bool(_valid(arrays[name]).any()):
                 raise RecordsError(f"{source}: column {name} is set but there is no kept set (kept_ids, kept_offsets, kept_logprobs)")
-    _trainer_columns(b, out)
+    _trainer_columns(b, out, signs)
     _sampler_log_s(b, out)
     out.routed = validate_routed(arrays, prompt, completion.lengths, source, first_row)
     return out
@@ -333,14 +335,14 @@ def _kept_extras(b: _Batch, out: RecordsBatch, kept: Ragged) -> None:
         out.trainer_kept_logits = tkl
 
 
-def _trainer_columns(b: _Batch, out: RecordsBatch) -> None:
+def _trainer_columns(b: _Batch, out: RecordsBatch, signs: bool) -> None:
     """The trainer's token columns: one value per token, ids >= 0, bounds finite and >= 0."""
     for name in TRAINER_TOKEN_COLUMNS:
         if name in b.arrays:
             out.trainer[name] = b.token_column(name, allow_inf=name not in NONNEGATIVE_COLUMNS)
     if "trainer_token_ids" in out.trainer:
         b.nonnegative_ids(out.trainer["trainer_token_ids"], "trainer_token_ids")
-    for name in LOGPROB_COLUMNS:
+    for name in LOGPROB_COLUMNS if signs else ():
         if name in out.trainer:
             b.at_most_zero(out.trainer[name], name)
     for name in NONNEGATIVE_COLUMNS:

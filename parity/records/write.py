@@ -60,12 +60,15 @@ class RecordsWriter:
     ``metadata``: free-form JSON-able facts (model, engine versions, step) for the file's key-value metadata."""
 
     def __init__(self, path: str | Path, *, metadata: Mapping[str, object] | None = None) -> None:
+        """Rows are validated as they are written; trainer log-probs above 0 are refused unless ``metadata``
+        names ``planted_faults`` (what ``parity run --plant-*`` writes)."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.schema = records_schema(metadata)
         self._writer = pq.ParquetWriter(self.path, self.schema, compression="zstd", write_page_checksum=True)
         self.rows = 0
         self.tokens = 0
+        self.planted = bool((metadata or {}).get("planted_faults"))
 
     def write(self, data: pa.Table | pa.RecordBatch | Sequence[Mapping[str, object]]) -> None:
         table = data if isinstance(data, pa.Table) else (
@@ -73,7 +76,8 @@ class RecordsWriter:
         )
         if table.num_rows == 0:
             return
-        checked = validate_batch(table, source=f"{self.path} (being written)", first_row=self.rows)
+        checked = validate_batch(table, source=f"{self.path} (being written)", first_row=self.rows,
+                                 signs=not self.planted)
         if checked.ignored_columns:
             raise RecordsError(
                 f"{self.path} (being written): unknown column(s) {list(checked.ignored_columns)}: allowed "

@@ -44,10 +44,11 @@ class Entry:
         return importlib.import_module(self.module)
 
 
-MODEL_REPROS = ("trl_grpo_top_p", "trl_async_grpo")  # ``--model``: another fixture or a real checkpoint in place of its own
+MODEL_REPROS = ("trl_grpo_top_p", "trl_async_grpo", "trl_repetition_penalty")  # ``--model``: another fixture or a real checkpoint in place of its own
 # Repros with no standalone script: they need parity's own machinery at run time (trl_async_grpo: the capture
-# proxy between TRL's rollout worker and the server), so ``--emit-script`` refuses them and ``all`` skips them.
-NO_SCRIPT = ("trl_async_grpo",)
+# proxy between TRL's rollout worker and the server; trl_repetition_penalty: parity's penalty model in the patched
+# trainer), so ``--emit-script`` refuses them and ``all`` skips them.
+NO_SCRIPT = ("trl_async_grpo", "trl_repetition_penalty")
 
 # The repros whose one implementation is their section of standalone_src.py: ``parity repro NAME`` runs the
 # emitted script. Their settings (the script's CONFIG), and what ``--small`` changes.
@@ -113,7 +114,9 @@ _REPROS = (
      "prefix caching: requests with prompt log-probs skip the cache (why vLLM #5543 and #42019 do not arise on "
      "CPU); a forced cache read returns wrong prompt log-probs at the cached positions"),
     ("trl_async_grpo", "TRL AsyncGRPOTrainer's own compute_loss: ratio = S at step 0 (processed log-probs as "
-     "old_log_probs), top_k clips every negative-advantage token; a replay patch removes it"),
+     "old_log_probs), negative-advantage tokens below the clip edge get no gradient; a replay patch removes it"),
+    ("trl_repetition_penalty", "TRL GRPOTrainer's own metrics under repetition_penalty: vLLM penalises before the "
+     "filters, TRL's trainer side does not; a replay patch that applies the penalty removes it"),
 )
 REPROS: tuple[Entry, ...] = tuple(Entry(i, *row) for i, row in enumerate(_REPROS, start=1))
 

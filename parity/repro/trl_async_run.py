@@ -158,6 +158,10 @@ def run_setting(policy: Any, tokenizer: Any, got: dict[str, Any], cfg: dict[str,
         "mean_s": float(s.mean()), "min_s": float(s.min()), "max_s": float(s.max()),
         "mean_log_s": float(tok["log_s"].double().mean()),
         "tokens_below_clip": int((s < 1 - cfg["epsilon"]).sum()),
+        # The shipped ratio is S e^d with |d| <= the drift bound: a negative-advantage token is clipped for sure
+        # where S e^bound < 1 - epsilon, and may be where S e^-bound < 1 - epsilon (rounding decides at the edge).
+        "clipped_surely": int(((s * bound.double().exp()) < 1 - cfg["epsilon"]).logical_and(adv < 0).sum()),
+        "clipped_possibly": int(((s * (-bound.double()).exp()) < 1 - cfg["epsilon"]).logical_and(adv < 0).sum()),
         # |mean exp(d) - mean exp(log S + d')|: each token moves by at most expm1(bound); TRL sums M float32 ratios.
         "resolution": float(torch.expm1(bound).mean()) + m * FLOAT32_U,
         "shipped_headroom": float((d_shipped.abs() / bound).max()),

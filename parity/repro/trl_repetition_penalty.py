@@ -66,6 +66,10 @@ def settings(small: bool, model: str | None = None) -> dict[str, Any]:
             "max_completion_length": 16, "fix": FIX, "configs": configs, "timeout_s": CONFIG_TIMEOUT_S}
 
 
+def script_config(small: bool) -> dict[str, Any]:
+    return settings(small)
+
+
 def run(ctx: Context, cfg: dict[str, Any]) -> Measured:
     from parity.analyze.trl import judge_logged
     from parity.engines.trl_grpo import load_sequences

@@ -56,6 +56,10 @@ def test_naive_trainer_is_biased_by_the_samplers_log_s(report) -> None:
         if s["model"] == DEFAULT_PEAKED_FIXTURE:  # 32k vocabulary under top_k: no sampler-side log S exists
             assert s["sampler_log_s"]["source"] == "none" and s["headroom"]["naive_vs_sampler_log_s"] is None
             continue
+        if any(s["spec"].get(k, neutral) != neutral for k, neutral in PENALTIES):
+            # vLLM's raw log-probs come before the penalties: no raw pass can rebuild the penalised row.
+            assert "raw_logits_pass" not in s["sampler_log_s"] and s["sampler_log_s"]["source"] != "raw_logits", s["name"]
+            continue
         assert s["sampler_log_s"]["source"] in ("raw_logits", "top_p_bracket"), s["name"]
         assert s["sampler_log_s"]["raw_logits_pass"]["redrawn_differently"] == [], s["name"]
         assert s["headroom"]["naive_vs_sampler_log_s"] <= 1.0, s["name"]
@@ -63,6 +67,9 @@ def test_naive_trainer_is_biased_by_the_samplers_log_s(report) -> None:
     unfiltered = [s for s in report["scenarios"] if s["name"] in ("baseline T=1", "greedy T=0", "T=0.7", "T=1.3")]
     for s in unfiltered:
         assert s["log_s"]["mean"] == 0.0 and abs(s["naive"]["bias_mean"]) <= 1e-5
+
+
+PENALTIES = (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0))
 
 
 def test_tie_fixture_reaches_the_top_k_boundary(report) -> None:

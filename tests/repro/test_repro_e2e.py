@@ -123,6 +123,20 @@ def relations_prefix_cache_logprobs(res) -> None:
     assert forced["foreign"] > 0 and rest["foreign"] == 0 and rest["max_diff"] == 0.0
 
 
+def relations_trl_async_grpo(res) -> None:
+    # tests/repro/test_trl_async_e2e.py checks each claim on its own; here, the rows agree with the checks.
+    for r in res.rows:
+        assert r["err_shipped"] <= r["resolution"] and r["err_fixed"] <= r["resolution"]
+        assert r["clipped_surely"] <= round(r["low_shipped"] * r["tokens"]) <= r["clipped_possibly"]
+
+
+def relations_trl_repetition_penalty(res) -> None:
+    control = [r for r in res.rows if not r["penalised"]]
+    assert control and all(r["trl_before"] - control[0]["trl_before"] > control[0]["bound"]
+                           for r in res.rows if r["penalised"])
+    assert all(r["gate_after"] == "pass" for r in res.rows)
+
+
 RELATIONS = {name: globals()[f"relations_{name}"] for name in (e.name for e in REPROS)}
 # trl_grpo_top_p: tests/repro/test_trl_smoke.py runs its one-config smoke in CI; cpu_capability_default
 # needs a vector ISA for inductor to reproduce (its relations require the verdict where the control had one);
@@ -132,7 +146,7 @@ RELATIONS = {name: globals()[f"relations_{name}"] for name in (e.name for e in R
 # against parity's core in test_standalone_matches_core, torch_cpu_log_softmax's run in its own test), and
 # `nox -s slow` runs every one; `nox -s repro` runs them all at full size.
 SLOW = {"top_k_entropy", "temperature", "recompute_boundary", "capture_head", "batch_invariant_cpu",
-        "trl_grpo_top_p", "trl_weight_sync", "cpu_capability_default", "torch_cpu_log_softmax", "prefix_cache_logprobs"}
+        "trl_grpo_top_p", "trl_weight_sync", "trl_async_grpo", "trl_repetition_penalty", "cpu_capability_default", "torch_cpu_log_softmax", "prefix_cache_logprobs"}
 MEASURED = {"cpu_capability_default", "torch_cpu_log_softmax"}
 
 

@@ -39,6 +39,28 @@ def test_a_logprob_above_zero_is_refused_naming_column_row_value_and_what_is_all
     assert "a log-probability is <= 0" in err and f"{LOGPROB_ROUNDING:.3g} above 0" in err
 
 
+def test_a_file_parity_run_wrote_with_planted_faults_is_judged_not_refused(tmp_path) -> None:
+    """``parity run --plant-*`` moves trainer log-probs on purpose (a few may pass 0): the gates judge them. The
+    sampler's column is still checked."""
+    from parity.records.write import RecordsWriter
+
+    spec = SPECS["top_p"]
+    meta = {"planted_faults": {"trainer_logprob_offset": 0.3}}
+    path = write(tmp_path / "planted.parquet", simulate(3, spec), spec, edit=_poke("trainer_logprobs", 0.3), meta=meta)
+    (sc,) = analyze(path, plots=False)["scenarios"]
+    assert sc["compared_tokens"] == sc["tokens"] > 0  # every token judged, the planted one included
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(path).to_pylist()
+    with RecordsWriter(tmp_path / "again.parquet", metadata={"vocab_size": 1000, **meta}) as w:
+        w.write(rows)  # accepted: the metadata names the planted fault
+    with pytest.raises(Exception, match="value \\+0.3 is above 0"), RecordsWriter(tmp_path / "plain.parquet") as w:
+        w.write(rows)
+    sampler = write(tmp_path / "sampler.parquet", simulate(3, spec), spec, edit=_poke("sampler_logprobs", 0.3), meta=meta)
+    with pytest.raises(Exception, match="column sampler_logprobs position 5: value \\+0.3 is above 0"):
+        analyze(sampler, plots=False)
+
+
 def test_a_logprob_above_zero_within_rounding_is_accepted(tmp_path) -> None:
     spec = SPECS["top_p"]
     path = write(tmp_path / "round.parquet", simulate(3, spec), spec, edit=_poke("trainer_logprobs", LOGPROB_ROUNDING / 2))

@@ -20,7 +20,6 @@ from parity.core.budget import (
     HEADLINE,
     LABELS,
     MEASURE_LABELS,
-    PENALTIES_NOTE,
     Cause,
     Stage,
     Waterfall,
@@ -30,6 +29,7 @@ from parity.core.budget import (
 )
 from parity.core.error_model import MEAN_BIAS_Z
 from parity.core.matrix import Matrix, Scenario
+from parity.core.penalties import penalise_sequence
 from parity.core.spec import SamplingSpec
 from parity.engines.session import EnginePool, Rollout, Trainer, make_prompts
 from parity.engines.settings import EngineSettings
@@ -234,12 +234,15 @@ def scenario_budget(
 
     # -- what the trainer under test does (its own function), diagnosed against the reference views
     user_name = None
-    base_renorm, base_temperature = False, True
+    # The starting trainer is the full-vocabulary one TRL's and verl's compute: log_softmax(z / T), the sampler's
+    # penalties left out (TRL's trainer side applies the temperature alone).
+    base_renorm, base_temperature, base_penalty = False, True, False
     user: dict[bool, torch.Tensor] = {}
     if cfg.trainer is not None:
         user_name, user, bugs = _user_columns(cfg.trainer, res.records, keep, logits, spec, trainer, costs)
         base_renorm = spec.filtered and "full_vocabulary" not in bugs
         base_temperature = "forgets_temperature" not in bugs
+        base_penalty = "ignores_penalty" not in bugs
         notes.append(f"the trainer under test {user_name!r} is closest to the reference with "
                      f"{', '.join(sorted(bugs)) or 'no bug'}: its other causes are measured on the reference")
         if "off_by_one" in bugs:
@@ -253,9 +256,12 @@ def scenario_budget(
         renorm = base_renorm or (trainer_math and "truncation" in fixed)
         own_set = not (base_renorm or (trainer_math and "filter_boundary" in fixed))
         temp = base_temperature or (trainer_math and "logits_processors" in fixed)
-        s = spec if temp or spec.greedy else SamplingSpec(1.0, spec.top_k, spec.top_p, spec.min_p)
+        pen = spec.penalised and (base_penalty or (trainer_math and "logits_processors" in fixed))
+        s = spec if temp or spec.greedy else replace(spec, temperature=1.0)
         cols = []
         for zi, y, r in zip(z, ys, recs, strict=True):
+            if pen:
+                zi = penalise_sequence(zi, spec, r.prompt_ids, r.completion_ids)
             if not renorm or r.kept_ids is None:
                 cols.append(estimators.full(zi, y, s).double())
             elif own_set:
@@ -284,13 +290,7 @@ def scenario_budget(
     else:
         causes["truncation"] = Cause("measured", None, _est_cost(sel(logits(False, None)), ys, spec, recs0))
         causes["filter_boundary"] = Cause("measured")
-    if spec.greedy or spec.effective_temperature == 1.0:
-        causes["logits_processors"] = Cause("not_applicable", f"T = {spec.effective_temperature:g}: nothing to divide by; "
-                                            f"{PENALTIES_NOTE}")
-    elif base_temperature:
-        causes["logits_processors"] = Cause("not_applicable", f"the trainer divides the logits by T; {PENALTIES_NOTE}")
-    else:
-        causes["logits_processors"] = Cause("measured", PENALTIES_NOTE, "none: one division")
+    causes["logits_processors"] = _processors_cause(spec, base_temperature, base_penalty)
     if precision:
         causes["sampler_precision"] = Cause("measured", None, f"sampling at {trainer_dtype}: "
                                             f"{costs[f'sample{(True, False)}']:.2f} s for this scenario")
@@ -315,6 +315,8 @@ def scenario_budget(
     final_key = ("sampler_precision" in measured and precision, "engine_settings" in measured and engine_on)
     zf = sel(logits("batch_composition" in measured, final_key if "moe_routing" in measured and routed else None))
     recs_f = [draws[final_key][i] for i in keep]
+    if spec.penalised:  # the bound of the final stage, whose trainer applies the penalties
+        zf = [penalise_sequence(z, spec, r.prompt_ids, r.completion_ids) for z, r in zip(zf, recs_f, strict=True)]
     bound = torch.cat([
         logprob_bound(estimators.scale(z, spec), y, None if r.kept_ids is None else estimators.ids_to_mask(r.kept_ids, z.shape[-1]),
                       dtype=(trainer_dtype if final_key[0] else cfg.dtype, trainer_dtype))
@@ -323,6 +325,23 @@ def scenario_budget(
     other = waterfall(stage, causes, CAUSES if tuple(order) != CAUSES else tuple(reversed(CAUSES)), bound=None)
     notes += order_notes(wf, other)
     return _block(sc, wf, notes, token_match, keep, res.records, user_name)
+
+
+def _processors_cause(spec: SamplingSpec, divides: bool, penalises: bool) -> Cause:
+    """The logits processors the starting trainer skips: the temperature (T != 1) and the penalties (docs/penalties.md)."""
+    skipped: list[str] = []
+    kept: list[str] = []
+    if not spec.greedy and spec.effective_temperature != 1.0:
+        (kept if divides else skipped).append(f"the division by T = {spec.effective_temperature:g}")
+    if spec.penalised:
+        named = [f"{n}={v:g}" for n, v, off in (("repetition_penalty", spec.repetition_penalty, 1.0),
+                 ("presence_penalty", spec.presence_penalty, 0.0), ("frequency_penalty", spec.frequency_penalty, 0.0)) if v != off]
+        (kept if penalises else skipped).append(f"the penalties ({', '.join(named)})")
+    if skipped:
+        return Cause("measured", "skipped: " + " and ".join(skipped), "none: elementwise on the logits")
+    if kept:
+        return Cause("not_applicable", "the trainer applies " + " and ".join(kept))
+    return Cause("not_applicable", "T = 1 and no penalty: no logits processor to apply")
 
 
 def _differs(a: Sequence[SequenceRecord], b: Sequence[SequenceRecord]) -> tuple[set[int], int]:
@@ -406,7 +425,7 @@ def _user_columns(
         starts.append(starts[-1] + r.length)
     pick = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in keep])
     ys = [torch.tensor(r.completion_ids, dtype=torch.long) for r in records]
-    views = reference_views(z_b, ys, spec, [r.kept_ids for r in records])
+    views = reference_views(z_b, ys, spec, [r.kept_ids for r in records], [r.prompt_ids for r in records])
     # off_by_one's view has no value at each sequence's last token (NaN): compared where it has one.
     dist = {b: float((batched - v).abs().nanmean()) for b, v in views.items()}
     bugs = min(dist, key=lambda b: (dist[b], len(b)))

@@ -99,6 +99,12 @@ def main(args: argparse.Namespace) -> int:
                   f"per token (systematic {m['systematic']:.2g} + statistical {m['statistical']:.2g}, "
                   f"{m['standard_error_from']}) over {m['tokens']} tokens; mean(trainer - sampler) {m['mean_diff']:.3g}"
                   + (f"; assumed: {'; '.join(m['assumed'])}" if m["assumed"] else ""))
+    from parity.report.budget_section import split_line
+
+    for s in sc:
+        sp = s.get("mismatch_split")
+        if sp is not None:
+            print("SPLIT " + split_line(s["name"], sp))
     for s in sc:
         p = s.get("power")
         if p is not None and p["resolved"] is None:

@@ -332,6 +332,9 @@ def _scenario_report(a: ScenarioAcc, name: str, trainer: str | None = None) -> b
     not_eval = _not_evaluated(a, avail, notes)
     per_step, trend, trend_why = _step_view(a, avail, functools.partial(_full, a))
     out["per_step"] = [e.to_json() for e in per_step]
+    split = _mismatch_split(a, avail, limits, lp, per_step)
+    if split is not None:
+        out["mismatch_split"] = split
     out["trend"] = None if trend is None else trend.to_json()
     if a.steps and not (trend is not None and trend.evaluated):
         not_eval.append({"gate": TREND_GATE, "reason": trend_why})
@@ -389,6 +392,26 @@ def _step_view(
                f"cover the others)")
         trend = replace(trend, evaluated=False, passed=None, reason=why)
     return entries, trend, trend.reason
+
+
+def _mismatch_split(a: ScenarioAcc, avail: Mapping[str, bool], limits: Mapping[str, float | None],
+                    lp: blocks.LogprobBias | None, per_step: Sequence[StepEntry]) -> blocks.MismatchSplit | None:
+    """The part of ``parity budget`` that records alone support (:func:`parity.core.budget.records_split`), on the
+    comparison the verdict follows: the trainer under test, else replay, else recompute."""
+    from parity.core.budget import records_split
+
+    follow = next((k for k in ("user", "replay", "recompute") if avail[k] and a.streams[k].n), None)
+    if follow is None:
+        return None
+    st = a.streams[follow].stats()
+    name = REPORT_NAMES[follow]
+    limit = limits.get(name)
+    if limit is None and follow == "user" and lp is not None:
+        limit = float(lp["limit"])
+    steps = [(e.step, float(v)) for e in per_step
+             if (c := e.by_comparison.get(name)) is not None and isinstance(v := c.mean_abs_diff, float)]
+    return cast("blocks.MismatchSplit", records_split(name, a.streams[follow].n, st["mean_diff"], st["mean_abs_diff"],
+                                                      limit, steps))
 
 
 def evaluate_summary(sc: blocks.ScenarioStats, a: ScenarioAcc, th: Thresholds) -> list[Violation]:

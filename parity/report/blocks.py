@@ -421,6 +421,30 @@ class EnvironmentJson(TypedDict):
     trl: NotRequired[str | None]
 
 
+class SplitStep(TypedDict):
+    step: int
+    mean_abs_delta: float
+    share_of_growth: float | None  # this step's rise over the step before, of the first-to-last growth
+
+
+class MismatchSplit(TypedDict):
+    """What two log-prob columns alone say about a gap (:func:`parity.core.budget.records_split`): mean |δ| as the
+    systematic shift |mean δ| plus the symmetric spread, each step's share of a growing gap, and what needs the model."""
+
+    comparison: str
+    tokens: int
+    mean_delta: float
+    mean_abs_delta: float
+    systematic: float
+    spread: float
+    systematic_share: float | None
+    limit: float | None
+    resolved: bool | None
+    growth: float | None
+    per_step: list[SplitStep]
+    needs_the_model: list[str]
+
+
 class ScenarioStats(TypedDict):
     """A scenario's statistics, as the records analysis builds them (:func:`parity.records.verdict._scenario_report`)
     and the gates read them (:mod:`parity.records.gate_table`): the first keys of :class:`ScenarioJson`."""
@@ -457,6 +481,7 @@ class ScenarioStats(TypedDict):
     lacking_inputs: dict[str, int]
     trainer_under_test: NotRequired[TrainerUnderTest]
     support_sides: NotRequired[SupportSides]
+    mismatch_split: NotRequired[MismatchSplit]
 
 
 class ScenarioJson(ScenarioStats):

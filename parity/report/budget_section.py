@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import ModuleType
 
-from parity.report.blocks import BudgetBlock, BudgetRow, BudgetScenario, ReportJson
+from parity.report.blocks import BudgetBlock, BudgetRow, BudgetScenario, MismatchSplit, ReportJson
 
 AFTER = ("mean_abs_delta", "mean_delta", "k3_kl", "outside_ppo", "seq_ratio_sd")
 
@@ -83,6 +83,42 @@ def markdown(report: ReportJson, plots: set[str]) -> list[str]:
         name = plot_name(s)
         if name in plots:
             lines += [f"![waterfall of mean |δ|, {s['scenario']}]({name})", ""]
+    return lines
+
+
+def split_line(name: str, sp: MismatchSplit) -> str:
+    """One line for ``parity analyze``: the records-alone split of mean |δ| (docs/budget.md, section 6)."""
+    res = ("" if sp["resolved"] is None or sp["limit"] is None else
+           f", {'beyond' if sp['resolved'] else 'within'} its resolution {sp['limit']:.2g}")
+    text = (f"[{name}] mean |δ| {sp['mean_abs_delta']:.3g} ({sp['comparison']}, {sp['tokens']} tokens) = systematic "
+            f"shift {sp['systematic']:.3g} ({pct(sp['systematic_share'])}{res}) + symmetric spread {sp['spread']:.3g}")
+    steps = sp["per_step"]
+    growth = sp["growth"]
+    if growth is not None and growth > 0:
+        top = max((e for e in steps if e["share_of_growth"] is not None), key=lambda e: e["share_of_growth"] or 0.0)
+        text += (f"; it grew {growth:.3g} from step {steps[0]['step']} to {steps[-1]['step']}, most at step "
+                 f"{top['step']} ({pct(top['share_of_growth'])})")
+    elif growth is not None:
+        text += f"; no growth from step {steps[0]['step']} to {steps[-1]['step']}"
+    return text + "; needs the model (parity budget --model M): " + ", ".join(
+        x.split(":")[0].split(" (")[0] for x in sp["needs_the_model"])
+
+
+def split_markdown(report: ReportJson) -> list[str]:
+    """details.md's records-alone split, one row per scenario that has one."""
+    sc = [(s["name"], sp) for s in report["scenarios"] if (sp := s.get("mismatch_split")) is not None]
+    if not sc:
+        return []
+    lines = ["", "## Where the gap comes from, on records alone", "",
+             "mean |δ| = the systematic shift |mean δ| (a bias class: every token moved one way) + the symmetric spread "
+             "(rounding, precision, layout). The split into causes needs the model: `parity budget` (docs/budget.md).",
+             "", "| scenario | comparison | tokens | mean abs δ | systematic shift | share | resolution | spread | growth "
+             "over steps |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, sp in sc:
+        lines.append("| " + " | ".join([name, sp["comparison"], str(sp["tokens"]), _num(sp["mean_abs_delta"]),
+                                         _num(sp["systematic"]), pct(sp["systematic_share"]), _num(sp["limit"]),
+                                         _num(sp["spread"]), _num(sp["growth"])]) + " |")
+    lines += ["", "Needs the model: " + "; ".join(sc[0][1]["needs_the_model"]) + "."]
     return lines
 
 

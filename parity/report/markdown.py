@@ -313,6 +313,7 @@ def render_details(report: ReportJson) -> str:
     """details.md: each scenario's numbers, the RL view per scenario, routing, matrix coverage and thresholds."""
     lines = ["# parity report: detail per scenario", "", "The verdict and its reasons: [report.md](report.md).", ""]
     lines += _detail_table(report["scenarios"])
+    lines += budget_section.split_markdown(report)
     lines += rl_section.markdown(report)
     lines += routing_section.markdown(report)
     cov = report.get("matrix_pair_coverage")

@@ -30,6 +30,7 @@ from parity.report.blocks import (
     LogS,
     MeanBiasEntries,
     MeanMax,
+    MismatchSplit,
     Naive,
     NativeCapture,
     NotEvaluated,
@@ -199,6 +200,7 @@ class ScenarioVerdict:
     trainer_under_test: TrainerUnderTest | None = None
     power: PowerJson | None = None  # the verdict's power: resolution against |log S| (parity.core.power)
     support_sides: SupportSides | None = None  # ties at the k-th value and one-sided kept-set differences
+    mismatch_split: MismatchSplit | None = None  # records alone: systematic shift against spread, per-step growth
     # What the producer adds (parity.analyze.report.REPORT_FACTS): the model, the capture, dtypes, the RL view.
     model: str | None = None
     capture_plan: CaptureStats | None = None

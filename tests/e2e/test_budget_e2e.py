@@ -156,6 +156,20 @@ def test_a_trainer_that_forgets_temperature_has_that_row_largest(engines, tmp_pa
     cold = Scenario("T=0.7 top_p=1", SamplingSpec(0.7), prompts=8, max_tokens=16)
     _, block = _budget(engines, tmp_path, cold, trainer=forgets_temperature)
     row = _row(block, "logits_processors")
-    assert row["status"] == "measured" and "penalties" in row["reason"]
+    assert row["status"] == "measured" and row["reason"] == "skipped: the division by T = 0.7", row
     assert block["largest_fixable"] == "logits_processors", block["fix_first"]
-    assert block["fix_first"].startswith("fix first: temperature forgotten (")
+    assert block["fix_first"].startswith("fix first: logits processors skipped (")
+
+
+def test_a_repetition_penalty_the_trainer_skips_is_the_largest_row_and_applying_it_leaves_drift_in_its_bound(
+        engines, tmp_path) -> None:
+    """TRL's trainer side under GRPOConfig.repetition_penalty: the full-vocabulary trainer scores the unpenalised
+    logits. Unfiltered, so truncation has nothing to remove; the penalty row carries the gap."""
+    pen = Scenario("T=1 rep=1.3", SamplingSpec(1.0, repetition_penalty=1.3), prompts=8, max_tokens=16)
+    _, block = _budget(engines, tmp_path, pen)
+    row = _row(block, "logits_processors")
+    assert row["status"] == "measured" and row["reason"] == "skipped: the penalties (repetition_penalty=1.3)", row
+    assert _row(block, "truncation")["status"] == "not_applicable"
+    assert block["largest_fixable"] == "logits_processors", block["fix_first"]
+    bound = block["remainder"]["bound"]
+    assert bound is not None and bound["headroom"] <= 1.0, bound

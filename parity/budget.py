@@ -132,7 +132,7 @@ class SamplerCache:
 
     def get(self, model: str, settings: EngineSettings) -> Rollout:
         from parity.engines.engine_log import waiting
-        from parity.engines.session import _rollout_settings
+        from parity.engines.session import rollout_settings
         from parity.engines.vllm_offline import VllmRollout
         from parity.fixtures import resolve_model
 
@@ -140,7 +140,7 @@ class SamplerCache:
             self.say(f"parity: starting vLLM ({settings.device}, {settings.dtype}, prefix caching "
                      f"{'on' if settings.prefix_caching else 'off'}) on {model} for the budget")
             with waiting("vLLM engine start-up"):
-                self._engines[settings] = VllmRollout(resolve_model(model), **_rollout_settings(settings))
+                self._engines[settings] = VllmRollout(resolve_model(model), **rollout_settings(settings))
         return self._engines[settings]
 
     def close(self) -> None:

@@ -511,7 +511,7 @@ def test_recipes_are_found_outside_a_checkout():
     if data is None:
         pytest.skip("running from a checkout: parity.fixture_data exists only in an installed package")
     assert (Path(str(data)) / fx.RECIPES_FILE).is_file()
-    assert fx_recipes._data_dir() == Path(str(data))
+    assert fx_recipes.data_dir() == Path(str(data))
 
 
 def _installed() -> bool:

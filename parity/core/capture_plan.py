@@ -44,7 +44,7 @@ class CapturePlan:
         return self.max_head is not None
 
 
-def _pow2_at_least(n: int) -> int:
+def pow2_at_least(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
@@ -62,7 +62,7 @@ def start_head(spec: SamplingSpec) -> int:
     if spec.uses_min_p:
         # A vanishing min_p keeps nearly every token: its bound is no tighter than the largest head.
         want = MIN_P_START_FACTOR / spec.min_p
-        starts.append(_pow2_at_least(math.ceil(want)) if want < MIN_P_START_CAP else MIN_P_START_CAP)
+        starts.append(pow2_at_least(math.ceil(want)) if want < MIN_P_START_CAP else MIN_P_START_CAP)
     return max(MIN_HEAD, min(starts)) if starts else MIN_HEAD
 
 
@@ -172,8 +172,8 @@ class CaptureHistory:
         t, p, m = self._key(spec)
         exact = self._needs.get((t, p, m))
         if exact is not None:
-            return max(MIN_HEAD, _pow2_at_least(exact))
+            return max(MIN_HEAD, pow2_at_least(exact))
         stricter = [need for (tt, pp, mm), need in self._needs.items() if tt <= t and pp <= p and mm >= m]
         if not stricter:
             return None
-        return max(start_head(spec), _pow2_at_least(max(stricter)))
+        return max(start_head(spec), pow2_at_least(max(stricter)))

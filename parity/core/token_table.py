@@ -88,7 +88,7 @@ class TrainerFaults:
     ignore_penalty: bool = False  # score the raw logits: the sampler's repetition/presence/frequency penalties left out
 
 
-def _plant(
+def plant_faults(
     records: Sequence[SequenceRecord], logits: list[torch.Tensor], faults: TrainerFaults, vocab: int
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """Apply planted faults at position L // 2 of each sequence; returns (tokens, logits, kept) per record."""
@@ -170,7 +170,7 @@ def build_table(
     sources: set[str] = set()
     lengths = []
     scored = scored_logits(records, raw, spec, faults, penalised)
-    for r, (y, z, kept), z_raw, z_pen in zip(records, _plant(records, scored, faults, vocab), raw, penalised, strict=True):
+    for r, (y, z, kept), z_raw, z_pen in zip(records, plant_faults(records, scored, faults, vocab), raw, penalised, strict=True):
         n = r.length
         if z.shape != (n, vocab):
             raise UsageError(f"trainer logits for prompt {r.prompt_index} have shape {tuple(z.shape)}, allowed ({n}, {vocab})")

@@ -129,7 +129,7 @@ def make_prompts(tokenizer: Tokenizer, n: int, *, shared_prefix: int = 0) -> lis
     return prompts
 
 
-def _rollout_settings(cfg: EngineSettings) -> RolloutSettings:
+def rollout_settings(cfg: EngineSettings) -> RolloutSettings:
     """The settings every rollout engine of a run starts with (the raw-logits engine included; only
     the run's own rollout takes ``capture``)."""
     settings: RolloutSettings = {
@@ -166,7 +166,7 @@ class EnginePool:
             progress(f"parity: starting a raw-logits vLLM engine on {model_name} (sampler-side log S)")
             with waiting("raw-logits vLLM engine start-up"):
                 self._raw[key] = VllmRollout(
-                    resolve_model(model_name), **_rollout_settings(cfg), engine_kwargs={"logprobs_mode": "raw_logits"}
+                    resolve_model(model_name), **rollout_settings(cfg), engine_kwargs={"logprobs_mode": "raw_logits"}
                 )
         return self._raw[key]
 
@@ -189,7 +189,7 @@ class EnginePool:
             progress(f"parity: starting vLLM ({cfg.device}, {cfg.dtype}) and transformers ({trainer_dtype}) on {model_name}")
             with waiting("transformers model load"):
                 trainer = TransformersTrainer(trainer_path, dtype=trainer_dtype, device=cfg.device)
-            common = _rollout_settings(cfg)
+            common = rollout_settings(cfg)
             if cfg.capture != "topk":
                 common["capture"] = cfg.capture
             if cfg.server:

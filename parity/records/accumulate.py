@@ -13,7 +13,7 @@ from parity.core.violation import Position
 from parity.records.accumulators import INPUTS, ScenarioAcc
 from parity.records.arrays import RecordsBatch
 from parity.records.steps import COMPARISONS, StepAcc, grouped_headroom, grouped_streams
-from parity.records.streams import ViewMatch, _finite_pair
+from parity.records.streams import ViewMatch, finite_pair
 from parity.records.token_values import TokenColumns
 
 Pairs = dict[str, tuple[np.ndarray, np.ndarray]]
@@ -105,7 +105,7 @@ def _add_streams(acc: ScenarioAcc, c: TokenColumns, usable: np.ndarray, where: _
          c.penalty if c.penalty is not None else np.zeros_like(c.vllm), np.zeros_like(c.vllm)),
     ):
         idx = np.flatnonzero(sel)
-        diffs[name] = (idx, _finite_pair(a[idx], b[idx]))
+        diffs[name] = (idx, finite_pair(a[idx], b[idx]))
         acc.streams[name].add(diffs[name][1])
 
     # The two log-prob columns' mean-bias gate, and the sampled tokens outside the trainer's support.

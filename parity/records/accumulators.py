@@ -31,7 +31,7 @@ from parity.records.streams import (
     Worst,
 )
 from parity.records.streams import NA as NA
-from parity.records.streams import _na_ratios as _na_ratios
+from parity.records.streams import na_ratios as na_ratios
 
 SUMMARY_VERSION = 6  # 4: per-step accumulators (parity.records.steps); 5: the two-column mean-bias sums; 6: ties and one-sided supports
 

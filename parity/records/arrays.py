@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from parity.core.spec import SamplingSpec
 from parity.records.accumulators import CastNote
-from parity.records.schema import BY_NAME, Column, RecordsError, _where
+from parity.records.schema import BY_NAME, Column, RecordsError, where_in
 
 
 @dataclass
@@ -75,14 +75,14 @@ class RecordsBatch:
         return self.kept.valid if self.kept is not None else np.zeros(self.n_rows, dtype=bool)
 
 
-def _as_array(batch: pa.RecordBatch | pa.Table, name: str) -> pa.Array:
+def column_array(batch: pa.RecordBatch | pa.Table, name: str) -> pa.Array:
     col = batch.column(name)
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks()
     return col
 
 
-def _cast(arr: pa.Array, col: Column, source: str, first_row: int, notes: dict[str, CastNote] | None = None) -> pa.Array:
+def cast_column(arr: pa.Array, col: Column, source: str, first_row: int, notes: dict[str, CastNote] | None = None) -> pa.Array:
     """``arr`` as the column's type: other integer and float widths are cast (an integer out of range and
     a float that is not a whole number where an integer is wanted are refused); a float64 column read as
     float32 is rounded, and what that changed is noted in ``notes``."""
@@ -102,7 +102,7 @@ def _cast(arr: pa.Array, col: Column, source: str, first_row: int, notes: dict[s
         out = arr.cast(target, safe=True)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
         raise RecordsError(
-            f"{_where(source, column=col.name)}: type {arr.type} cannot be read as {target} ({exc}): allowed {target} "
+            f"{where_in(source, column=col.name)}: type {arr.type} cannot be read as {target} ({exc}): allowed {target} "
             f"({col.doc}), rows {first_row}..{first_row + len(arr) - 1}"
         ) from None
     if notes is not None:
@@ -133,7 +133,7 @@ def _narrowing(arr: pa.Array, out: pa.Array, name: str) -> CastNote | None:
                     changed=int(changed.sum()), overflowed=int(overflow.sum()), max_change=max_change)
 
 
-def _valid(arr: pa.Array) -> np.ndarray:
+def valid_rows(arr: pa.Array) -> np.ndarray:
     if arr.null_count == 0:
         return np.ones(len(arr), dtype=bool)
     return _np(arr.is_valid()).astype(bool)
@@ -167,8 +167,8 @@ def _np(arr: pa.Array) -> np.ndarray:
     return raw if raw is not None else np.asarray(arr.to_numpy(zero_copy_only=False))
 
 
-def _ragged(arr: pa.Array, name: str, source: str, first_row: int) -> Ragged:
-    valid = _valid(arr)
+def read_ragged(arr: pa.Array, name: str, source: str, first_row: int) -> Ragged:
+    valid = valid_rows(arr)
     # Lengths from the list offsets (a null row may span values in Arrow: it counts 0 here, and flatten skips them).
     lengths = np.diff(_np(arr.offsets).astype(np.int64))
     if arr.null_count:
@@ -177,27 +177,27 @@ def _ragged(arr: pa.Array, name: str, source: str, first_row: int) -> Ragged:
     np.cumsum(lengths, out=offsets[1:])
     values = arr.flatten()  # skips the slices behind null rows
     if values.null_count:
-        nulls = ~_valid(values)
-        r, t = _token_position(offsets, _first(nulls))
+        nulls = ~valid_rows(values)
+        r, t = token_position(offsets, first_true(nulls))
         raise RecordsError(
-            f"{_where(source, first_row + r, name, t)}: a null inside the list: allowed {BY_NAME[name].doc}, "
+            f"{where_in(source, first_row + r, name, t)}: a null inside the list: allowed {BY_NAME[name].doc}, "
             f"no null entries (a whole row may be null where the column is optional)"
         )
     return Ragged(offsets, _np(values), valid)
 
 
-def _scalar(arr: pa.Array, fill: float) -> np.ndarray:
+def scalar_values(arr: pa.Array, fill: float) -> np.ndarray:
     raw = _raw(arr)
     if raw is None:
         return np.asarray(arr.fill_null(fill).to_numpy(zero_copy_only=False))
-    return raw if arr.null_count == 0 else np.where(_valid(arr), raw, np.asarray(fill, dtype=raw.dtype))
+    return raw if arr.null_count == 0 else np.where(valid_rows(arr), raw, np.asarray(fill, dtype=raw.dtype))
 
 
-def _first(mask: np.ndarray) -> int:
+def first_true(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
-def _token_position(offsets: np.ndarray, flat_index: int) -> tuple[int, int]:
+def token_position(offsets: np.ndarray, flat_index: int) -> tuple[int, int]:
     """Row and position within the row of a flat index into a ragged column."""
     row = int(np.searchsorted(offsets, flat_index, side="right") - 1)
     return row, flat_index - int(offsets[row])

@@ -231,10 +231,10 @@ def from_sequence_records(
     rows = []
     planted = None
     if table is not None and logits is not None:
-        from parity.core.token_table import TrainerFaults, _plant
+        from parity.core.token_table import TrainerFaults, plant_faults
 
         vocab = int(logits[0].shape[-1]) if len(logits) else 0
-        planted = _plant(records, list(logits), faults or TrainerFaults(), vocab)
+        planted = plant_faults(records, list(logits), faults or TrainerFaults(), vocab)
     split = None
     if table is not None:
         lengths = [r.length for r in records]

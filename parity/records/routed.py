@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from parity.records.arrays import Ragged, _first, _ragged, _scalar, _valid
-from parity.records.schema import ROUTED_GROUP, RecordsError, _where
+from parity.records.arrays import Ragged, first_true, read_ragged, scalar_values, valid_rows
+from parity.records.schema import ROUTED_GROUP, RecordsError, where_in
 
 
 def validate_routed(
@@ -21,33 +21,33 @@ def validate_routed(
     if len(present) != len(ROUTED_GROUP):
         raise RecordsError(f"{source}: column(s) {', '.join(present)} without {', '.join(c for c in ROUTED_GROUP if c not in present)}: "
                            f"allowed {', '.join(ROUTED_GROUP)} together")
-    rag = _ragged(arrays["routed_experts"], "routed_experts", source, first_row)
-    shape = np.stack([_scalar(arrays[c], 0).astype(np.int64) for c in ROUTED_GROUP[1:]], 1)
+    rag = read_ragged(arrays["routed_experts"], "routed_experts", source, first_row)
+    shape = np.stack([scalar_values(arrays[c], 0).astype(np.int64) for c in ROUTED_GROUP[1:]], 1)
     for j, name in enumerate(ROUTED_GROUP[1:]):
-        given = _valid(arrays[name])
+        given = valid_rows(arrays[name])
         lo = shape[:, 1] + 1 if name == "routed_num_experts" else 1
         bad = rag.valid & (~given | (shape[:, j] < lo))
         if bad.any():
-            i = _first(bad)
+            i = first_true(bad)
             allowed = "an integer > routed_top_k" if name == "routed_num_experts" else "an integer >= 1"
             value = int(shape[i, j]) if given[i] else None
-            raise RecordsError(f"{_where(source, first_row + i, name)}: value {value}: allowed {allowed} on a row with routed_experts")
+            raise RecordsError(f"{where_in(source, first_row + i, name)}: value {value}: allowed {allowed} on a row with routed_experts")
     rows = np.maximum(prompt.lengths + lengths - 1, 0)
     want = rows * shape[:, 0] * shape[:, 1]
     wrong = rag.valid & (rag.lengths != want)
     if wrong.any():
-        i = _first(wrong)
+        i = first_true(wrong)
         raise RecordsError(
-            f"{_where(source, first_row + i, 'routed_experts')}: {int(rag.lengths[i])} ids: allowed (len(prompt_ids) + "
+            f"{where_in(source, first_row + i, 'routed_experts')}: {int(rag.lengths[i])} ids: allowed (len(prompt_ids) + "
             f"len(completion_ids) - 1) x routed_layers x routed_top_k = {int(rows[i])} x {int(shape[i, 0])} x "
             f"{int(shape[i, 1])} = {int(want[i])} (a wrong layer count or top-k shows here)")
     limit = np.repeat(shape[:, 2], np.where(rag.valid, rag.lengths, 0))
     bad = (rag.values < -1) | (rag.values >= limit)
     if bad.any():
-        flat = _first(bad)
+        flat = first_true(bad)
         r = int(np.searchsorted(rag.offsets, flat, side="right") - 1)
         at, (layers, k, experts) = flat - int(rag.offsets[r]), shape[r]
         raise RecordsError(
-            f"{_where(source, first_row + r, 'routed_experts', at // (layers * k))} layer {at // k % layers}: expert id "
+            f"{where_in(source, first_row + r, 'routed_experts', at // (layers * k))} layer {at // k % layers}: expert id "
             f"{int(rag.values[flat])}: allowed -1 (no forward ran) or 0 <= id < routed_num_experts = {int(experts)}")
     return rag, shape

@@ -140,7 +140,7 @@ class RecordsError(UsageError):
     """Bad records input. The message names the file, the row, the column, the value and what is allowed."""
 
 
-def _where(source: str, row: int | None = None, column: str | None = None, position: int | None = None) -> str:
+def where_in(source: str, row: int | None = None, column: str | None = None, position: int | None = None) -> str:
     out = source
     if row is not None:
         out += f" row {row}"

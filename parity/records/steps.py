@@ -145,7 +145,7 @@ def merge_steps(into: dict[int, StepAcc], other: dict[int, StepAcc]) -> None:
 def grouped_streams(slot: np.ndarray, n_slots: int, d: np.ndarray) -> list[StepStream]:
     """One :class:`StepStream` per slot (step) from the differences ``d`` of tokens whose slot is ``slot``.
 
-    ``d``: finite-pair differences (:func:`parity.records.streams._finite_pair`); a slot's sums are
+    ``d``: finite-pair differences (:func:`parity.records.streams.finite_pair`); a slot's sums are
     float64 sums in token order."""
     n = np.bincount(slot, minlength=n_slots)
     ad = np.abs(d)

@@ -28,7 +28,7 @@ HEAD_BINS = int(round((HEAD_HI - HEAD_LO) / HEAD_STEP))
 
 
 
-def _finite_pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def finite_pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a - b in float64 as :func:`parity.core.metrics.difference`: equal infinities 0, NaN -> inf."""
     a = a.astype(np.float64, copy=False)
     b = b.astype(np.float64, copy=False)
@@ -125,7 +125,7 @@ class DiffStream:
     hist: np.ndarray = field(default_factory=lambda: np.zeros(HIST_BINS, dtype=np.int64))
 
     def add(self, d: np.ndarray) -> None:
-        """``d``: finite-pair differences (see :func:`_finite_pair`)."""
+        """``d``: finite-pair differences (see :func:`finite_pair`)."""
         if not d.size:
             return
         ad = np.abs(d)
@@ -234,7 +234,7 @@ class Ratios:
         return out
 
 
-def _na_ratios(identity: bool = False) -> blocks.Ratios:
+def na_ratios(identity: bool = False) -> blocks.Ratios:
     out: blocks.Ratios = {"token": {"mean": NA, "min": NA, "max": NA}, "sequence": {"mean": NA, "min": NA, "max": NA}}
     if identity:
         out["sequence_identity_max_rel_err"] = NA

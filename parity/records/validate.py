@@ -15,13 +15,13 @@ from parity.records.accumulators import CastNote
 from parity.records.arrays import (
     Ragged,
     RecordsBatch,
-    _as_array,
-    _cast,
-    _first,
-    _ragged,
-    _scalar,
-    _token_position,
-    _valid,
+    cast_column,
+    column_array,
+    first_true,
+    read_ragged,
+    scalar_values,
+    token_position,
+    valid_rows,
 )
 from parity.records.routed import validate_routed
 from parity.records.schema import (
@@ -33,8 +33,8 @@ from parity.records.schema import (
     SUPPORTED_VERSIONS,
     TRAINER_TOKEN_COLUMNS,
     RecordsError,
-    _where,
     require_columns,
+    where_in,
 )
 
 # Log-probabilities and log S are <= 0; a value above 0 beyond the rounding of a float32 normalisation over the
@@ -76,16 +76,16 @@ def validate_batch(
         specs=specs,
         spec_index=spec_index,
         scenario=arrays["scenario"].to_pylist() if "scenario" in arrays else [None] * n,
-        prompt_index=_scalar(arrays["prompt_index"], -1).astype(np.int64) if "prompt_index" in arrays else None,
-        seed=_scalar(arrays["seed"], -1).astype(np.int64) if "seed" in arrays else None,
-        step=_scalar(arrays["step"], -1).astype(np.int64) if "step" in arrays else None,
+        prompt_index=scalar_values(arrays["prompt_index"], -1).astype(np.int64) if "prompt_index" in arrays else None,
+        seed=scalar_values(arrays["seed"], -1).astype(np.int64) if "seed" in arrays else None,
+        step=scalar_values(arrays["step"], -1).astype(np.int64) if "step" in arrays else None,
         casts={k: v for k, v in casts.items() if k in arrays},
     )
     if "kept_ids" in arrays:
         _kept_set(b, out)
     else:
         for name in ("kept_incomplete", "trainer_kept_logits"):
-            if name in arrays and bool(_valid(arrays[name]).any()):
+            if name in arrays and bool(valid_rows(arrays[name]).any()):
                 raise RecordsError(f"{source}: column {name} is set but there is no kept set (kept_ids, kept_offsets, kept_logprobs)")
     _trainer_columns(b, out, signs)
     _sampler_log_s(b, out)
@@ -106,7 +106,7 @@ class _Batch:
         return self.first_row + int(i)
 
     def ragged(self, name: str) -> Ragged:
-        return _ragged(self.arrays[name], name, self.source, self.first_row)
+        return read_ragged(self.arrays[name], name, self.source, self.first_row)
 
     def token_column(self, name: str, *, allow_inf: bool = True) -> Ragged:
         """A list column with one value per completion token (float values checked: no NaN, no +inf)."""
@@ -114,9 +114,9 @@ class _Batch:
         rag_len = rag.lengths
         wrong = rag.valid & (rag_len != self.lengths)
         if wrong.any():
-            i = _first(wrong)
+            i = first_true(wrong)
             raise RecordsError(
-                f"{_where(self.source, self.row(i), name)}: {int(rag_len[i])} values for {int(self.lengths[i])} completion_ids: "
+                f"{where_in(self.source, self.row(i), name)}: {int(rag_len[i])} values for {int(self.lengths[i])} completion_ids: "
                 f"allowed one value per completion token"
             )
         if rag.values.dtype.kind == "f":
@@ -132,16 +132,16 @@ class _Batch:
             return
         nan = np.isnan(vals)
         if nan.any():
-            r, t = _token_position(rag.offsets, _first(nan))
+            r, t = token_position(rag.offsets, first_true(nan))
             raise RecordsError(
-                f"{_where(self.source, self.row(r), name, t)}: value is NaN: allowed a finite number"
+                f"{where_in(self.source, self.row(r), name, t)}: value is NaN: allowed a finite number"
                 + (" or -inf" if allow_inf else "")
             )
         bad_inf = np.isposinf(vals) if allow_inf else ~np.isfinite(vals)
         if bad_inf.any():
-            r, t = _token_position(rag.offsets, _first(bad_inf))
+            r, t = token_position(rag.offsets, first_true(bad_inf))
             raise RecordsError(
-                f"{_where(self.source, self.row(r), name, t)}: value is {float(vals[_first(bad_inf)])}: allowed a finite number"
+                f"{where_in(self.source, self.row(r), name, t)}: value is {float(vals[first_true(bad_inf)])}: allowed a finite number"
                 + (" or -inf" if allow_inf else "")
             )
 
@@ -150,20 +150,20 @@ class _Batch:
         vals = rag.values
         if not vals.size or not (vals.max() > LOGPROB_ROUNDING):
             return
-        i = _first(vals > LOGPROB_ROUNDING)
-        r, t = _token_position(rag.offsets, i)
+        i = first_true(vals > LOGPROB_ROUNDING)
+        r, t = token_position(rag.offsets, i)
         what = "a log S (the log of a probability mass)" if name == "trainer_log_s" else "a log-probability"
         raise RecordsError(
-            f"{_where(self.source, self.row(r), name, t)}: value {float(vals[i]):+.6g} is above 0: {what} is <= 0; "
+            f"{where_in(self.source, self.row(r), name, t)}: value {float(vals[i]):+.6g} is above 0: {what} is <= 0; "
             f"allowed values up to {LOGPROB_ROUNDING:.3g} above 0 (how far a float32 normalisation over "
             f"{WIDEST_VOCAB:,} tokens may move it up; parity.core.error_model.normalisation_allowance)"
         )
 
     def nonnegative_ids(self, rag: Ragged, name: str) -> None:
         if rag.values.size and int(rag.values.min()) < 0:
-            r, t = _token_position(rag.offsets, _first(rag.values < 0))
+            r, t = token_position(rag.offsets, first_true(rag.values < 0))
             raise RecordsError(
-                f"{_where(self.source, self.row(r), name, t)}: token id {int(rag.row(r)[t])} is negative: allowed ids >= 0"
+                f"{where_in(self.source, self.row(r), name, t)}: token id {int(rag.row(r)[t])} is negative: allowed ids >= 0"
             )
 
 
@@ -175,7 +175,7 @@ def _read_columns(
     names = set(batch.schema.names)
     require_columns(names, source)
     casts: dict[str, CastNote] = {}
-    arrays = {name: _cast(_as_array(batch, name), BY_NAME[name], source, first_row, casts) for name in names if name in BY_NAME}
+    arrays = {name: cast_column(column_array(batch, name), BY_NAME[name], source, first_row, casts) for name in names if name in BY_NAME}
     # An optional column with no value in this batch is as good as absent (writers emit every column).
     for name in [k for k, a in arrays.items() if not BY_NAME[k].required and a.null_count == len(a) and len(a)]:
         del arrays[name]
@@ -193,15 +193,15 @@ def _read_columns(
 def _check_required(b: _Batch) -> None:
     """No null in a required column; every row's schema_version one this parity reads."""
     for name in REQUIRED:
-        nulls = ~_valid(b.arrays[name])
+        nulls = ~valid_rows(b.arrays[name])
         if nulls.any():
-            raise RecordsError(f"{_where(b.source, b.row(_first(nulls)), name)}: value is null: allowed {BY_NAME[name].doc}")
-    version = _scalar(b.arrays["schema_version"], 0)
+            raise RecordsError(f"{where_in(b.source, b.row(first_true(nulls)), name)}: value is null: allowed {BY_NAME[name].doc}")
+    version = scalar_values(b.arrays["schema_version"], 0)
     bad = ~np.isin(version, SUPPORTED_VERSIONS)
     if bad.any():
-        i = _first(bad)
+        i = first_true(bad)
         raise RecordsError(
-            f"{_where(b.source, b.row(i), 'schema_version')}: schema_version {int(version[i])} is not supported: this "
+            f"{where_in(b.source, b.row(i), 'schema_version')}: schema_version {int(version[i])} is not supported: this "
             f"parity reads schema_version {', '.join(map(str, SUPPORTED_VERSIONS))} (a newer parity may read it)"
         )
 
@@ -217,9 +217,9 @@ def _token_ids(b: _Batch) -> tuple[Ragged, Ragged]:
 
 def _specs(b: _Batch, n: int) -> tuple[list[SamplingSpec], np.ndarray]:
     """The batch's distinct sampling specs (each checked once, by SamplingSpec itself) and each row's index into them."""
-    spec_cols = [_scalar(b.arrays[c], 0) for c in ("temperature", "top_k", "top_p", "min_p")]
+    spec_cols = [scalar_values(b.arrays[c], 0) for c in ("temperature", "top_k", "top_p", "min_p")]
     # The penalty columns are optional: absent (or null) means off, as in vLLM's SamplingParams.
-    spec_cols += [_scalar(b.arrays[c], off) if c in b.arrays else np.full(n, off, dtype=np.float64)
+    spec_cols += [scalar_values(b.arrays[c], off) if c in b.arrays else np.full(n, off, dtype=np.float64)
                   for c, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0))]
     keys = np.stack([c.astype(np.float64) for c in spec_cols], axis=1)
     uniq, spec_index = np.unique(keys, axis=0, return_inverse=True) if n else (np.zeros((0, 7)), np.zeros(0, np.int64))
@@ -229,17 +229,17 @@ def _specs(b: _Batch, n: int) -> tuple[list[SamplingSpec], np.ndarray]:
             specs.append(SamplingSpec(temperature=float(t), top_k=int(k), top_p=float(p), min_p=float(m),
                                       repetition_penalty=float(r), presence_penalty=float(pres), frequency_penalty=float(freq)))
         except ValueError as exc:
-            i = _first(np.asarray(spec_index).reshape(-1) == j)
-            raise RecordsError(f"{_where(b.source, b.row(i))}: {exc}") from None
+            i = first_true(np.asarray(spec_index).reshape(-1) == j)
+            raise RecordsError(f"{where_in(b.source, b.row(i))}: {exc}") from None
     return specs, np.asarray(spec_index, dtype=np.int64).reshape(-1)
 
 
 def _one_per_kept_id(b: _Batch, kept: Ragged, rag: Ragged, name: str, what: str) -> None:
     wrong = rag.valid & (rag.lengths != kept.lengths)
     if wrong.any():
-        i = _first(wrong)
+        i = first_true(wrong)
         raise RecordsError(
-            f"{_where(b.source, b.row(i), name)}: {int(rag.lengths[i])} values for {int(kept.lengths[i])} "
+            f"{where_in(b.source, b.row(i), name)}: {int(rag.lengths[i])} values for {int(kept.lengths[i])} "
             f"kept_ids: allowed one {what} per kept id"
         )
 
@@ -250,21 +250,21 @@ def _kept_set(b: _Batch, out: RecordsBatch) -> None:
     for name, rag in (("kept_offsets", offs), ("kept_logprobs", klp)):
         mismatch = rag.valid != kept.valid
         if mismatch.any():
-            i = _first(mismatch)
+            i = first_true(mismatch)
             have, lack = ("kept_ids", name) if kept.valid[i] else (name, "kept_ids")
-            raise RecordsError(f"{_where(b.source, b.row(i))}: {have} is set but {lack} is null: allowed both or neither")
+            raise RecordsError(f"{where_in(b.source, b.row(i))}: {have} is set but {lack} is null: allowed both or neither")
     _one_per_kept_id(b, kept, klp, "kept_logprobs", "log-prob")  # klp.valid == kept.valid, checked above
     lengths = b.lengths
     wrong = kept.valid & (offs.lengths != lengths + 1)
     if wrong.any():
-        i = _first(wrong)
+        i = first_true(wrong)
         raise RecordsError(
-            f"{_where(b.source, b.row(i), 'kept_offsets')}: {int(offs.lengths[i])} offsets for {int(lengths[i])} "
+            f"{where_in(b.source, b.row(i), 'kept_offsets')}: {int(offs.lengths[i])} offsets for {int(lengths[i])} "
             f"completion_ids: allowed L + 1 = {int(lengths[i]) + 1} (position t's ids are kept_ids[o[t]:o[t+1]])"
         )
     if kept.values.size and int(kept.values.min()) < 0:
-        r, t = _token_position(kept.offsets, _first(kept.values < 0))
-        raise RecordsError(f"{_where(b.source, b.row(r), 'kept_ids')} entry {t}: id {int(kept.row(r)[t])} is negative: allowed ids >= 0")
+        r, t = token_position(kept.offsets, first_true(kept.values < 0))
+        raise RecordsError(f"{where_in(b.source, b.row(r), 'kept_ids')} entry {t}: id {int(kept.row(r)[t])} is negative: allowed ids >= 0")
     b.check_floats(klp, "kept_logprobs", True)
     b.at_most_zero(klp, "kept_logprobs")
     ov, ends = _check_kept_offsets(b, kept, offs)
@@ -293,14 +293,14 @@ def _check_kept_offsets(b: _Batch, kept: Ragged, offs: Ragged) -> tuple[np.ndarr
     if rows_valid.size:
         bad0 = ov[starts] != 0
         if bad0.any():
-            i = int(rows_valid[_first(bad0)])
-            raise RecordsError(f"{_where(b.source, b.row(i), 'kept_offsets')}: first offset {int(ov[starts[_first(bad0)]])}: allowed 0")
+            i = int(rows_valid[first_true(bad0)])
+            raise RecordsError(f"{where_in(b.source, b.row(i), 'kept_offsets')}: first offset {int(ov[starts[first_true(bad0)]])}: allowed 0")
         badn = ov[ends] != kept.lengths[kept.valid]
         if badn.any():
-            j = _first(badn)
+            j = first_true(badn)
             i = int(rows_valid[j])
             raise RecordsError(
-                f"{_where(b.source, b.row(i), 'kept_offsets')}: last offset {int(ov[ends[j]])} for {int(kept.lengths[i])} "
+                f"{where_in(b.source, b.row(i), 'kept_offsets')}: last offset {int(ov[ends[j]])} for {int(kept.lengths[i])} "
                 f"kept_ids: allowed the number of kept ids"
             )
         steps = np.diff(ov)
@@ -308,8 +308,8 @@ def _check_kept_offsets(b: _Batch, kept: Ragged, offs: Ragged) -> tuple[np.ndarr
         inner[ends[:-1]] = False  # the step from one row's last offset to the next row's first is not a step
         dec = inner & (steps < 0)
         if dec.any():
-            r, t = _token_position(offs.offsets, _first(dec))
-            raise RecordsError(f"{_where(b.source, b.row(r), 'kept_offsets', t)}: offsets decrease: allowed non-decreasing offsets")
+            r, t = token_position(offs.offsets, first_true(dec))
+            raise RecordsError(f"{where_in(b.source, b.row(r), 'kept_offsets', t)}: offsets decrease: allowed non-decreasing offsets")
     return ov, ends
 
 
@@ -321,7 +321,7 @@ def _kept_extras(b: _Batch, out: RecordsBatch, kept: Ragged) -> None:
         stray = rag.valid & ~kept.valid
         if stray.any():
             raise RecordsError(
-                f"{_where(b.source, b.row(_first(stray)), 'kept_incomplete')}: set on a row without kept_ids: allowed only with a kept set"
+                f"{where_in(b.source, b.row(first_true(stray)), 'kept_incomplete')}: set on a row without kept_ids: allowed only with a kept set"
             )
         inc[np.repeat(rag.valid, b.lengths)] = rag.values.astype(bool)
     out.kept_incomplete = inc
@@ -329,7 +329,7 @@ def _kept_extras(b: _Batch, out: RecordsBatch, kept: Ragged) -> None:
         tkl = b.ragged("trainer_kept_logits")
         stray = tkl.valid & ~kept.valid
         if stray.any():
-            raise RecordsError(f"{_where(b.source, b.row(_first(stray)), 'trainer_kept_logits')}: set on a row without kept_ids")
+            raise RecordsError(f"{where_in(b.source, b.row(first_true(stray)), 'trainer_kept_logits')}: set on a row without kept_ids")
         _one_per_kept_id(b, kept, tkl, "trainer_kept_logits", "logit")
         b.check_floats(tkl, "trainer_kept_logits", True)
         out.trainer_kept_logits = tkl
@@ -348,9 +348,9 @@ def _trainer_columns(b: _Batch, out: RecordsBatch, signs: bool) -> None:
     for name in NONNEGATIVE_COLUMNS:
         opt = out.trainer.get(name)
         if opt is not None and opt.values.size and bool((opt.values < 0).any()):
-            r, t = _token_position(opt.offsets, _first(opt.values < 0))
+            r, t = token_position(opt.offsets, first_true(opt.values < 0))
             raise RecordsError(
-                f"{_where(b.source, b.row(r), name, t)}: value {float(opt.row(r)[t])} is negative: allowed a finite bound >= 0"
+                f"{where_in(b.source, b.row(r), name, t)}: value {float(opt.row(r)[t])} is negative: allowed a finite bound >= 0"
             )
 
 
@@ -366,18 +366,18 @@ def _sampler_log_s(b: _Batch, out: RecordsBatch) -> None:
         hi = b.ragged("sampler_log_s_hi")
         wrong = hi.valid != lo.valid
         if wrong.any():
-            raise RecordsError(f"{_where(source, b.row(_first(wrong)))}: sampler_log_s_lo and sampler_log_s_hi are not set on "
+            raise RecordsError(f"{where_in(source, b.row(first_true(wrong)))}: sampler_log_s_lo and sampler_log_s_hi are not set on "
                                f"the same rows: allowed both or neither")
         wrong = hi.valid & (hi.lengths != b.lengths)
         if wrong.any():
-            i = _first(wrong)
-            raise RecordsError(f"{_where(source, b.row(i), 'sampler_log_s_hi')}: {int(hi.lengths[i])} values for "
+            i = first_true(wrong)
+            raise RecordsError(f"{where_in(source, b.row(i), 'sampler_log_s_hi')}: {int(hi.lengths[i])} values for "
                                f"{int(b.lengths[i])} completion_ids: allowed one value per completion token")
         bad = np.isnan(hi.values) | np.isneginf(hi.values) | (hi.values < lo.values)
         if bad.any():
-            r, t = _token_position(hi.offsets, _first(bad))
+            r, t = token_position(hi.offsets, first_true(bad))
             raise RecordsError(
-                f"{_where(source, b.row(r), 'sampler_log_s_hi', t)}: value {float(hi.row(r)[t])} with sampler_log_s_lo "
+                f"{where_in(source, b.row(r), 'sampler_log_s_hi', t)}: value {float(hi.row(r)[t])} with sampler_log_s_lo "
                 f"{float(lo.row(r)[t])}: allowed hi >= lo (hi may be +inf)"
             )
         out.trainer["sampler_log_s_lo"], out.trainer["sampler_log_s_hi"] = lo, hi
@@ -385,6 +385,6 @@ def _sampler_log_s(b: _Batch, out: RecordsBatch) -> None:
         src = arrays["sampler_log_s_source"].to_pylist()
         for i, v in enumerate(src):
             if v is not None and v not in SAMPLER_LOG_S_SOURCES:
-                raise RecordsError(f"{_where(source, b.row(i), 'sampler_log_s_source')}: {v!r} is not a source: allowed "
+                raise RecordsError(f"{where_in(source, b.row(i), 'sampler_log_s_source')}: {v!r} is not a source: allowed "
                                    f"{', '.join(SAMPLER_LOG_S_SOURCES)}")
         out.sampler_log_s_source = src

@@ -25,7 +25,7 @@ from parity.core.gates import Thresholds
 from parity.core.power import Power, power_of, power_sentence
 from parity.core.spec import SamplingSpec
 from parity.core.violation import Violation
-from parity.records.accumulators import HEAD_BINS, HEAD_LO, HEAD_STEP, INPUTS, NA, ScenarioAcc, _na_ratios
+from parity.records.accumulators import HEAD_BINS, HEAD_LO, HEAD_STEP, INPUTS, NA, ScenarioAcc, na_ratios
 from parity.records.diagnosis import diagnosis_text, logprob_bias_class
 from parity.records.gate_table import CAPTURE_LIMIT_FIX, GATE_TABLE, GateCase, evaluate, split_verdict
 from parity.report import blocks
@@ -153,9 +153,9 @@ def _full(a: ScenarioAcc, *inputs: str) -> bool:
 
 def _ratios(a: ScenarioAcc, avail: dict[str, bool]) -> dict[str, blocks.Ratios]:
     ratios = {
-        "naive": a.ratios["naive"].to_report(identity=True) if avail["full"] else _na_ratios(identity=True),
-        "replay": a.ratios["replay"].to_report() if avail["replay"] else _na_ratios(),
-        "recompute": a.ratios["recompute"].to_report() if avail["recompute"] else _na_ratios(),
+        "naive": a.ratios["naive"].to_report(identity=True) if avail["full"] else na_ratios(identity=True),
+        "replay": a.ratios["replay"].to_report() if avail["replay"] else na_ratios(),
+        "recompute": a.ratios["recompute"].to_report() if avail["recompute"] else na_ratios(),
     }
     if avail["full"] and not avail["log_s"]:
         ratios["naive"]["sequence_identity_max_rel_err"] = NA

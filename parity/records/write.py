@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from parity.records.arrays import _as_array
+from parity.records.arrays import column_array
 from parity.records.schema import BY_NAME, COLUMNS, SCHEMA_VERSION, RecordsError, records_schema
 from parity.records.validate import validate_batch
 
@@ -84,14 +84,14 @@ class RecordsWriter:
                 f"{', '.join(BY_NAME)} (a records file holds no other column)"
             )
         full = pa.table(
-            {c.name: (_as_array(table, c.name).cast(c.type) if c.name in table.schema.names else pa.nulls(table.num_rows, c.type))
+            {c.name: (column_array(table, c.name).cast(c.type) if c.name in table.schema.names else pa.nulls(table.num_rows, c.type))
              for c in COLUMNS},
             schema=self.schema,
         )
         for part in _row_groups(full):
             self._writer.write_table(part, row_group_size=part.num_rows)
         self.rows += table.num_rows
-        self.tokens += int(pc.sum(pc.list_value_length(_as_array(table, "completion_ids"))).as_py() or 0)
+        self.tokens += int(pc.sum(pc.list_value_length(column_array(table, "completion_ids"))).as_py() or 0)
 
     def close(self) -> None:
         self._writer.close()
@@ -105,8 +105,8 @@ class RecordsWriter:
 
 def _row_groups(table: pa.Table) -> Iterator[pa.Table]:
     """Slices of ``table`` holding at most ROW_GROUP_TOKENS tokens / ROW_GROUP_KEPT kept ids (>= 1 row)."""
-    tok = np.asarray(pc.list_value_length(_as_array(table, "completion_ids")).fill_null(0), dtype=np.int64)
-    kept = np.asarray(pc.list_value_length(_as_array(table, "kept_ids")).fill_null(0), dtype=np.int64)
+    tok = np.asarray(pc.list_value_length(column_array(table, "completion_ids")).fill_null(0), dtype=np.int64)
+    kept = np.asarray(pc.list_value_length(column_array(table, "kept_ids")).fill_null(0), dtype=np.int64)
     start, n_tok, n_kept = 0, 0, 0
     for i in range(table.num_rows):
         if i > start and (n_tok + tok[i] > ROW_GROUP_TOKENS or n_kept + kept[i] > ROW_GROUP_KEPT):

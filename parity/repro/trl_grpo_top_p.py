@@ -252,7 +252,7 @@ def phase_table(phase: dict[str, Any], seqs: list[dict[str, Any]]) -> dict[str, 
     return {"steps": rows}
 
 
-def _mean(rows: list[PhaseStep], key: Literal["mean_s", "abs_log_s", "bound", "is_closed", "trl_logp_diff",
+def mean_of(rows: list[PhaseStep], key: Literal["mean_s", "abs_log_s", "bound", "is_closed", "trl_logp_diff",
                                                "trl_is_mean"]) -> float:
     return sum(float(r[key]) for r in rows) / len(rows)
 
@@ -307,12 +307,12 @@ def run(ctx: Context, cfg: TrlSettings) -> Measured:
             row: dict[str, Any] = {  # see rows
                 "config": name, "is_mode": c["is_mode"], "filtered": name != "top_p=1",
                 "tokens": sum(r["tokens"] for r in before),
-                "mean_s": _mean(before, "mean_s"), "abs_log_s": _mean(before, "abs_log_s"),
-                "trl_before": _mean(before, "trl_logp_diff"),
-                "trl_after": _mean(after, "trl_logp_diff"),
-                "bound": max(_mean(before, "bound"), _mean(after, "bound")),
-                "is_closed": _mean(before, "is_closed"),
-                "trl_is_before": _mean(before, "trl_is_mean"), "trl_is_after": _mean(after, "trl_is_mean"),
+                "mean_s": mean_of(before, "mean_s"), "abs_log_s": mean_of(before, "abs_log_s"),
+                "trl_before": mean_of(before, "trl_logp_diff"),
+                "trl_after": mean_of(after, "trl_logp_diff"),
+                "bound": max(mean_of(before, "bound"), mean_of(after, "bound")),
+                "is_closed": mean_of(before, "is_closed"),
+                "trl_is_before": mean_of(before, "trl_is_mean"), "trl_is_after": mean_of(after, "trl_is_mean"),
                 "seconds": res.get("wall_s", res.get("seconds")),
             }
             row["err_before"] = abs(row["trl_before"] - row["abs_log_s"])

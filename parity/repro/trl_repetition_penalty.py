@@ -19,7 +19,7 @@ from typing import Any, TypedDict
 
 from parity.repro.common import Check, Context
 from parity.repro.runner import Measured
-from parity.repro.trl_grpo_top_p import _mean, phase_table, run_config
+from parity.repro.trl_grpo_top_p import mean_of, phase_table, run_config
 
 FIXTURE = "qwen2-tiny"
 FIX = "replay"
@@ -98,10 +98,10 @@ def run(ctx: Context, cfg: dict[str, Any]) -> Measured:
             before, after = tables["observe"], tables[cfg["fix"]]
             row: dict[str, Any] = {
                 "config": name, "penalised": c.get("repetition_penalty", 1.0) != 1.0,
-                "tokens": sum(r["tokens"] for r in before), "abs_log_s": _mean(before, "abs_log_s"),
-                "trl_before": _mean(before, "trl_logp_diff"), "trl_after": _mean(after, "trl_logp_diff"),
-                "bound": max(_mean(before, "bound"), _mean(after, "bound")),
-                "trl_is_before": _mean(before, "trl_is_mean"), "trl_is_after": _mean(after, "trl_is_mean"),
+                "tokens": sum(r["tokens"] for r in before), "abs_log_s": mean_of(before, "abs_log_s"),
+                "trl_before": mean_of(before, "trl_logp_diff"), "trl_after": mean_of(after, "trl_logp_diff"),
+                "bound": max(mean_of(before, "bound"), mean_of(after, "bound")),
+                "trl_is_before": mean_of(before, "trl_is_mean"), "trl_is_after": mean_of(after, "trl_is_mean"),
                 "seconds": res.get("wall_s", res.get("seconds")),
             }
             for phase, key in (("observe", "before"), (cfg["fix"], "after")):

@@ -173,3 +173,19 @@ def test_a_repetition_penalty_the_trainer_skips_is_the_largest_row_and_applying_
     assert block["largest_fixable"] == "logits_processors", block["fix_first"]
     bound = block["remainder"]["bound"]
     assert bound is not None and bound["headroom"] <= 1.0, bound
+
+
+def test_moe_with_a_bf16_sampler_has_a_routing_row_that_routing_replay_removes(engines, tmp_path) -> None:
+    """The MoE fixture: the bf16 sampler routes some tokens to other experts than the float32 trainer does.
+    Routing replay (R3) forces the trainer to the sampler's experts, and the gap it leaves drops. Routing comes
+    before sampler precision here: once the sampler runs float32 too, both route alike and R3 has nothing left."""
+    pool, samplers = engines
+    order = ("moe_routing", "sampler_precision")
+    cfg = BudgetConfig(model="qwen3-moe-tiny", matrix=Matrix("budget test", (PLAIN,)), out=tmp_path,
+                       dtype="bfloat16", trainer_dtype="float32", order=order)
+    report = budget(cfg, progress=lambda s: None, pool=pool, samplers=samplers)
+    (block,) = report["budget"]["scenarios"]
+    row = _row(block, "moe_routing")
+    assert row["status"] == "measured", row
+    assert row["drop"]["mean_abs_delta"] > 0 and row["after"]["mean_abs_delta"] < row["before"]["mean_abs_delta"], row
+    assert block["largest_fixable"] == "sampler_precision", block["fix_first"]

@@ -332,7 +332,7 @@ def test_dppo_binary_tv_in_probability_space_by_sign() -> None:
 # ------------------------------------------------------- methods: planted faults at 3× / 0.1× of the bound
 
 
-def _plant(method: Method, side: str, factor: float) -> Mismatch:
+def plant_faults(method: Method, side: str, factor: float) -> Mismatch:
     """One unit whose statistic sits `factor` times the bound's distance from ideal, on ``side``."""
     lo, hi = method.interval
     bound = hi if side == "high" else lo
@@ -372,12 +372,12 @@ def _bounds() -> list[tuple[str, str]]:
 def test_planted_fault_near_each_method_bound(name: str, side: str) -> None:
     m = METHOD[name]
     binding = {"both": "any", "ppo": "+" if side == "high" else "-", "neg": "-"}[m.sign]
-    assert m.apply(_plant(m, side, 3.0), binding).affected_frac == 1.0
-    assert m.apply(_plant(m, side, 0.1), binding).affected_frac == 0.0
+    assert m.apply(plant_faults(m, side, 3.0), binding).affected_frac == 1.0
+    assert m.apply(plant_faults(m, side, 0.1), binding).affected_frac == 0.0
     if m.sign == "ppo":
         # PPO's pessimistic clip never binds on the side that would lower the objective.
         other = "-" if binding == "+" else "+"
-        assert m.apply(_plant(m, side, 3.0), other).affected_frac == 0.0
+        assert m.apply(plant_faults(m, side, 3.0), other).affected_frac == 0.0
 
 
 def test_every_bounded_method_is_planted() -> None:

@@ -133,6 +133,7 @@ def _peak_run(tmp_path, name: str, spec: str) -> tuple[float, dict]:
     return int(rss.read_text()) / 2**20, json.loads((out / "report.json").read_text())
 
 
+@pytest.mark.slow  # about 2.5 minutes: `nox -s slow`
 def test_hot_capture_at_a_152k_vocabulary_is_complete_and_bounded(tmp_path) -> None:
     """T=1.5 top_p=0.99 at V = 151,936: every kept set proven, and the whole run's peak memory within
     MEMORY_MARGIN_GB of the same run at top_k=20 (whose kept sets are 20 tokens)."""

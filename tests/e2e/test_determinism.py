@@ -218,6 +218,7 @@ def _long_records(trainer) -> list[SequenceRecord]:
     ]
 
 
+@pytest.mark.slow  # about 2 minutes: `nox -s slow` (tests/unit/test_cpu_kernel_property.py packs long rows in `nox -s tests`)
 def test_trainer_long_packed_row_is_bitwise_under_the_mode(engines, record_property) -> None:
     """A packed row of 24 sequences (> 900 tokens): bitwise under the mode; without it, reported."""
     _, trainer = engines

@@ -97,7 +97,9 @@ def report(record_property, key: str, value) -> None:
     print(f"[measured] {key}: {json.dumps(value)}")
 
 
-@pytest.mark.parametrize("name", list(PROPERTY_EXAMPLES))
+# llama-32k (the widest head) runs in `nox -s slow`: about 75 s here, and the three tiny fixtures cover each
+# architecture's kernels in `nox -s tests`.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "llama-32k" else n for n in PROPERTY_EXAMPLES])
 def test_under_the_mode_every_layout_is_bitwise(models, name) -> None:
     model = models[name]
 

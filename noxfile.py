@@ -256,11 +256,11 @@ def mutation(session: nox.Session) -> None:
     """mutmut on the core and the gates against tests/unit, one module at a time; the score table per module.
 
     Not part of ``nox -s tests``. mutmut works in a copy under mutants/ (gitignored); the table goes to
-    reports/mutation/ (score.md, score.json, survivors.txt). Fails when capture, gates, records.verdict
-    (the gate functions of parity/records/verdict.py, where every gate is computed, on an even-numbered
-    sample of their mutants), estimators, spec or metrics scores below 90 %. records.verdict and gates
-    alone took 16 minutes on a shared 2-core machine (``-- --modules records.verdict,gates``); the whole
-    run, about 25 minutes before records.verdict joined, is bounded at 45. Other arguments after ``--``
+    reports/mutation/ (score.md, score.json, survivors.txt). Fails when capture, gates, judge.verdict
+    (the gate functions of parity/judge/verdict.py, where every gate is computed, on an even-numbered
+    sample of their mutants), estimators, spec or metrics scores below 90 %. judge.verdict and gates
+    alone took 16 minutes on a shared 2-core machine (``-- --modules judge.verdict,gates``); the whole
+    run, about 25 minutes before judge.verdict joined, is bounded at 45. Other arguments after ``--``
     go to ci/mutation.py as well (``-- --reuse``, ``-- --sample all``).
     """
     install(session, "cpu", "test", "report")

@@ -2,7 +2,7 @@
 
     python ci/mutation.py                                  # what `nox -s mutation` runs
     python ci/mutation.py --modules gates,spec             # a part
-    python ci/mutation.py --modules records.verdict,gates  # the gates and their thresholds
+    python ci/mutation.py --modules judge.verdict,gates  # the gates and their thresholds
     python ci/mutation.py --reuse                          # keep mutants/ from the last run (faster locally)
     python ci/mutation.py --sample tenth                   # a tenth of every module's mutants (quick look)
 
@@ -15,12 +15,12 @@ every test still passes: a change to the core that no fast test notices.
 Each module is its own ``mutmut run`` (sharded: one module at a time, ``--max-children`` workers), with
 a wall-clock limit per module; a module cut by its limit keeps the verdicts it reached and is marked
 partial. A module is one of parity/core (``gates``) or, named with its package, elsewhere in parity/
-(``records.verdict``); it runs a selection (``MODULES``): fnmatch patterns on its function names and a
-sample on the mutant numbers. The gates are computed in records/verdict.py, which holds the whole
+(``judge.verdict``); it runs a selection (``MODULES``): fnmatch patterns on its function names and a
+sample on the mutant numbers. The gates are computed in judge/verdict.py, which holds the whole
 records pipeline besides: only the gate functions' mutants run there (evaluate_summary, trend_violation,
 _over, _scaled; ~530 mutants), on the fixed sample of mutants whose number ends in an even digit (about
 half of every function's), as for the largest module (token_table.py, ~1100 mutants). Measured on two shared
-cores: records.verdict and gates together 16 minutes (records.verdict 13.5, with mutmut's generation and
+cores: judge.verdict and gates together 16 minutes (judge.verdict 13.5, with mutmut's generation and
 test statistics); ``--budget-s`` bounds the whole run, the gated modules first.
 
 Score per module: killed / (killed + survived); timeouts, "no tests" and unchecked mutants are counted
@@ -63,7 +63,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # mutmut names a mutant ``<dotted module>.<mangled function>__mutmut_<n>``, n counting from 1 within
 # each function; a module-level function ``f`` is mangled ``x_f`` (a method ``m`` of class ``C``:
 # ``xǁCǁm``). A module key is its dotted name under parity/core (``gates``) or under parity/ when it
-# holds a dot (``records.verdict``). Each module runs a selection: fnmatch patterns on the mangled
+# holds a dot (``judge.verdict``). Each module runs a selection: fnmatch patterns on the mangled
 # function names, and a sample on the mutant numbers.
 SAMPLES = {"all": "*", "even": "*[02468]", "tenth": "*0"}
 
@@ -101,7 +101,7 @@ def label(module: str) -> str:
     return source(module).removeprefix("parity/core/").removeprefix("parity/")
 
 
-# records/verdict.py holds the report entries and the gates; the gates are what is run: evaluate_summary,
+# judge/verdict.py holds the report entries and the gates; the gates are what is run: evaluate_summary,
 # trend_violation and their helpers (finalize, which only collects their verdict, is reached by the
 # whole-pipeline tests alone: seconds per mutant, and no pin of its own).
 GATE_FUNCTIONS = ("x_evaluate_summary", "x_trend_violation", "x__over", "x__scaled")
@@ -110,7 +110,7 @@ MODULES: dict[str, Selection] = {
     "capture_plan": Selection(),
     "support": Selection(),
     "gates": Selection(),
-    "records.verdict": Selection(GATE_FUNCTIONS, sample="even"),
+    "judge.verdict": Selection(GATE_FUNCTIONS, sample="even"),
     "estimators": Selection(),
     "spec": Selection(),
     "metrics": Selection(),
@@ -121,7 +121,7 @@ MODULES: dict[str, Selection] = {
 }
 # Modules whose score gates the run (the others are reported); MODULES lists them first, so that the
 # budget cuts only reported modules.
-GATED = ("capture", "capture_plan", "support", "gates", "records.verdict", "estimators", "spec", "metrics")
+GATED = ("capture", "capture_plan", "support", "gates", "judge.verdict", "estimators", "spec", "metrics")
 
 # mutmut's exit-code classes (mutmut/stats.py status_by_exit_code), read here so that a mutmut that is
 # not importable (the table of an earlier run) still renders.

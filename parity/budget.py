@@ -81,7 +81,7 @@ def budget(cfg: BudgetConfig, progress: Callable[[str], None] | None = None,
     cfg = replace(cfg, matrix=budget_matrix() if cfg.matrix == "default" else cfg.matrix, sampler_log_s=False,
                   invariance=False)
     matrix = resolve_matrix(cfg)
-    import parity.records.scenario  # noqa: F401  (refuses a missing pyarrow before any engine starts)
+    import parity.judge.scenario  # noqa: F401  (refuses a missing pyarrow before any engine starts)
 
     preflight(matrix, cfg)
     engines = cfg.engine_settings()

@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from parity.engines.routing_replay import RouterTrace
     from parity.engines.trainer_under_test import TrainerFn
     from parity.engines.vllm_offline import VllmRollout
-    from parity.records.accumulators import Summary
+    from parity.judge.accumulators import Summary
     from parity.report.blocks import Json, JsonObject, ReportJson, Routing, ScenarioFacts
     from parity.report.model import ScenarioVerdict
 
@@ -184,12 +184,12 @@ def score_scenario(
     rollout: Rollout, trainer: Trainer, sc: Scenario, cfg: RunConfig, raw: VllmRollout | None = None
 ) -> ScenarioResult:
     """Sample with vLLM, score with the trainer, then judge the scenario's records: one scenario. The verdict is
-    the records analysis's (:func:`parity.records.scenario.scenario_summary`) on the rows ``--records`` writes, so
+    the records analysis's (:func:`parity.judge.scenario.scenario_summary`) on the rows ``--records`` writes, so
     a run and an analysis of its records agree by construction. ``raw``: the raw-logits engine for the
     sampler-side log S (see :func:`wants_sampler_log_s`)."""
+    from parity.judge.scenario import rl_view, scenario_summary
+    from parity.judge.verdict import judge
     from parity.records.convert import from_sequence_records
-    from parity.records.scenario import rl_view, scenario_summary
-    from parity.records.verdict import judge
 
     t0 = time.perf_counter()
     prompts = make_prompts(trainer.tokenizer(), sc.prompts, shared_prefix=sc.shared_prefix)
@@ -291,7 +291,7 @@ def _routers_traced(trainer: Trainer, moe: bool) -> AbstractContextManager[Route
 def routing_section(records: list[SequenceRecord], table: TokenTable, trainer: Trainer, rollout: Rollout,
                     sc: Scenario, cfg: RunConfig, dtypes: tuple[str, str], own: RouterTrace) -> Routing:
     """A MoE scenario's routing section (:func:`parity.engines.routing_replay.routing_report`), with the positions
-    each routing gate names, for the gate table to judge (in :func:`parity.records.verdict.judge`)."""
+    each routing gate names, for the gate table to judge (in :func:`parity.judge.verdict.judge`)."""
     from parity.engines.routing_replay import routing_report
 
     section = routing_report(records, table, trainer, sc.spec, dtypes, scenario=sc.name,
@@ -334,7 +334,7 @@ def run(cfg: RunConfig, progress: Callable[[str], None] = _progress, pool: Engin
     from parity.determinism.knobs import batch_invariant_mode
 
     matrix = resolve_matrix(cfg)
-    import parity.records.scenario  # noqa: F401  (every verdict is judged on records: refuses a missing pyarrow before any engine starts)
+    import parity.judge.scenario  # noqa: F401  (every verdict is judged on records: refuses a missing pyarrow before any engine starts)
     # Entered before any engine starts: on CUDA, VLLM_BATCH_INVARIANT is read at engine start-up.
     # With the mode off the context changes nothing and records the knobs as they are.
     with batch_invariant_mode(cfg.batch_invariant, device=cfg.device) as state:
@@ -432,8 +432,8 @@ def run_report(
     from parity.core.matrix import pair_coverage
     from parity.core.rl_catalogue import catalogue as rl_catalogue
     from parity.core.settings_effect import settings_effect
-    from parity.records.accumulators import Summary
-    from parity.records.token_columns import Options
+    from parity.judge.accumulators import Summary
+    from parity.judge.token_columns import Options
     from parity.records.write import RecordsWriter
     from parity.report.schema import environment
 

@@ -1,4 +1,4 @@
-"""A token table's verdict the way ``parity run`` gets it: the table's records through :func:`parity.records.scenario.scenario_summary`.
+"""A token table's verdict the way ``parity run`` gets it: the table's records through :func:`parity.judge.scenario.scenario_summary`.
 
 For tests that build a :class:`~parity.core.token_table.TokenTable` from synthetic sampler records and logits.
 """
@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from parity.core.gates import Thresholds
+from parity.judge.scenario import scenario_summary
+from parity.judge.verdict import judge
 from parity.records.convert import from_sequence_records
-from parity.records.scenario import scenario_summary
-from parity.records.verdict import judge
 
 
 def judged(records, logits, table, th: Thresholds | None = None, *, faults=None, name: str = "planted",
@@ -36,7 +36,7 @@ def failed(entry: dict[str, Any]) -> set[str]:
 
 def scenario_entry(records, logits, table, name: str, th: Thresholds | None = None, *, faults=None) -> dict[str, Any]:
     """A report.json scenario as ``parity run`` writes it (the RL view included, violations as dicts)."""
-    from parity.records.scenario import rl_view
+    from parity.judge.scenario import rl_view
 
     e = judged(records, logits, table, th, faults=faults, name=name)
     return {**e, "model": "synthetic", "rl_view": rl_view(table),

@@ -21,11 +21,11 @@ import pyarrow as pa
 
 from parity.analyze.shards import batch_summarizer, file_header
 from parity.errors import EngineError, SetupError, TimedOut, UsageError
-from parity.records.accumulators import Summary
+from parity.judge.accumulators import Summary
+from parity.judge.token_columns import Options
 from parity.records.arrays import RecordsBatch
 from parity.records.read import open_records
 from parity.records.schema import RecordsError
-from parity.records.token_columns import Options
 from parity.records.validate import validate_batch
 
 if TYPE_CHECKING:

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Literal, cast
 from parity.analyze.shards import summarize_paths
 from parity.core.gates import Thresholds
 from parity.errors import UsageError
-from parity.records.accumulators import Summary
+from parity.judge.accumulators import Summary
+from parity.judge.token_columns import Options
+from parity.judge.verdict import judge
 from parity.records.read import records_paths
 from parity.records.schema import RecordsError
-from parity.records.token_columns import Options
-from parity.records.verdict import judge
 from parity.report.blocks import Json, ReportJson, Routing
 
 if TYPE_CHECKING:
@@ -182,7 +182,7 @@ def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: S
                  engine: str = "local", verdicts: Sequence[ScenarioVerdict] | None = None) -> ReportJson:
     """report.json of a records summary: the one report builder (``parity analyze``, ``parity run`` on its own
     records, the TRL capture). A producer's facts stored under :data:`REPORT_FACTS` join the report.
-    ``verdicts``: the scenarios as the producer already judged them (:func:`parity.records.verdict.judge` on the
+    ``verdicts``: the scenarios as the producer already judged them (:func:`parity.judge.verdict.judge` on the
     same statistics); without, they are judged here."""
     from parity.report.model import SCHEMA_VERSION
     from parity.report.schema import environment

@@ -1,5 +1,5 @@
 """The map step of ``parity analyze``: a records file, batch by batch, into a mergeable
-:class:`~parity.records.accumulators.Summary` (re-scored with a transformers model under ``--model``),
+:class:`~parity.judge.accumulators.Summary` (re-scored with a transformers model under ``--model``),
 and files or shards over local processes (``--jobs``). :mod:`parity.analyze.cluster` runs the same step on
 Ray; :mod:`parity.analyze.report` merges and judges."""
 
@@ -22,10 +22,10 @@ except ModuleNotFoundError as _exc:
         raise
     raise SetupError("records (Parquet) need pyarrow: pip install 'parity[records]'") from None
 
-from parity.records.accumulators import Summary
+from parity.judge.accumulators import Summary
+from parity.judge.token_columns import LOGIT_BUDGET, Options, TokenColumns, summarize_batch, token_columns
 from parity.records.read import RecordsFile, open_records
 from parity.records.schema import RecordsError
-from parity.records.token_columns import LOGIT_BUDGET, Options, TokenColumns, summarize_batch, token_columns
 
 if TYPE_CHECKING:
     from parity.engines.transformers_trainer import TransformersTrainer

@@ -22,7 +22,7 @@ from parity.report.blocks import ReportJson, ScenarioFacts, ScenarioJson
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from parity.records.accumulators import Summary
+    from parity.judge.accumulators import Summary
 
 # A captured sequence (parity.engines.trl_grpo.SEQUENCE_FIELDS) as torch.load gives it back: its values are
 # read with the checks below.
@@ -120,8 +120,8 @@ def score_step(sequences: Sequence[Captured], *, name: str, thresholds: Threshol
     """One generation batch judged as records: ``{"part": Summary, "facts": ..., "thresholds": ..., "dtype": ...}``
     (:func:`score_capture` merges the steps into one report)."""
     from parity.engines.trainer_under_test import reference_views
+    from parity.judge.scenario import rl_view, scenario_summary
     from parity.records.convert import from_sequence_records
-    from parity.records.scenario import rl_view, scenario_summary
 
     if not sequences:
         raise UsageError(f"scenario {name!r}: no captured sequences")
@@ -164,8 +164,8 @@ def score_capture(sequences: Sequence[Captured], *, label: str = "trl", threshol
     import json
 
     from parity.analyze.report import REPORT_FACTS, build_report
-    from parity.records.accumulators import Summary
-    from parity.records.token_columns import Options
+    from parity.judge.accumulators import Summary
+    from parity.judge.token_columns import Options
     from parity.report.schema import environment, installed_version
 
     steps = sorted({_int(s, "step") for s in sequences})
@@ -245,9 +245,9 @@ def judge_logged(sequences: Sequence[Captured], *, thresholds: Thresholds | None
     import json
 
     from parity.analyze.shards import batch_summarizer
-    from parity.records.accumulators import Summary
-    from parity.records.token_columns import Options
-    from parity.records.verdict import judge
+    from parity.judge.accumulators import Summary
+    from parity.judge.token_columns import Options
+    from parity.judge.verdict import judge
 
     table, dropped = logged_columns(sequences)
     meta = json.loads(table.schema.metadata[b"parity.records"])

@@ -54,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
     from parity.analyze.cluster import parse_engine
     from parity.core.display import ordered
     from parity.core.power import Power, unassessed_sentence
-    from parity.records.token_columns import Options
+    from parity.judge.token_columns import Options
     # isort: on
 
     parse_engine(args.engine)  # a bad --engine is refused before any file is read

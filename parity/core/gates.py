@@ -1,5 +1,5 @@
 """Gate thresholds per dtype and ci/thresholds.toml. The gates themselves are one table:
-:data:`parity.records.gate_table.GATE_TABLE`.
+:data:`parity.judge.gate_table.GATE_TABLE`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """MoE routing parity (engine-free): the sampler's experts against the trainer's router, and routing replay.
 Arrays in (``ids`` ``[N, layers, top_k]`` per (sequence, position) a forward ran), a typed result and the
-positions a failing gate would name (:data:`Listed`) out; the gates decide in :mod:`parity.records.gate_table`.
+positions a failing gate would name (:data:`Listed`) out; the gates decide in :mod:`parity.judge.gate_table`.
 A flip is allowed within :func:`margin_bound` (docs/routing.md, section 2)."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from parity.core.violation import Violation
 from parity.determinism.checks import RolloutInvariance, TrainerInvariance
 from parity.determinism.knobs import ON, DeterminismState
 from parity.errors import UsageError
-from parity.records.gate_table import GateCase, evaluate
+from parity.judge.gate_table import GateCase, evaluate
 from parity.report.blocks import JsonObject
 
 

@@ -19,8 +19,8 @@ from parity.core.penalties import penalise_sequence
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.errors import UsageError
+from parity.judge.diagnosis import BUGS
 from parity.records.batch import right_pad
-from parity.records.diagnosis import BUGS
 
 
 @dataclass

@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 
 from parity.core.spec import SamplingSpec
-from parity.records.accumulators import CastNote
+from parity.records.casts import CastNote
 from parity.records.schema import BY_NAME, Column, RecordsError, where_in
 
 

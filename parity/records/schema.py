@@ -149,4 +149,3 @@ def where_in(source: str, row: int | None = None, column: str | None = None, pos
     if position is not None:
         out += f" position {position}"
     return out
-

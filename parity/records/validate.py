@@ -11,7 +11,6 @@ import pyarrow as pa
 
 from parity.core.error_model import UNIT_ROUNDOFF, WIDEST_VOCAB, normalisation_allowance
 from parity.core.spec import SamplingSpec
-from parity.records.accumulators import CastNote
 from parity.records.arrays import (
     Ragged,
     RecordsBatch,
@@ -23,6 +22,7 @@ from parity.records.arrays import (
     token_position,
     valid_rows,
 )
+from parity.records.casts import CastNote
 from parity.records.routed import validate_routed
 from parity.records.schema import (
     BY_NAME,

@@ -188,7 +188,7 @@ class StepComparisonJson(TypedDict):
 
 
 class StepJson(TypedDict):
-    """One step of ``per_step`` (:class:`parity.records.steps.StepEntry`)."""
+    """One step of ``per_step`` (:class:`parity.judge.steps.StepEntry`)."""
 
     step: int
     sequences: int
@@ -203,7 +203,7 @@ class StepJson(TypedDict):
 
 
 class TrendJson(TypedDict):
-    """``drift_trend``'s fit and verdict (:class:`parity.records.steps.DriftTrend`)."""
+    """``drift_trend``'s fit and verdict (:class:`parity.judge.steps.DriftTrend`)."""
 
     comparison: str
     steps: int
@@ -428,7 +428,7 @@ class SplitStep(TypedDict):
 
 
 class MismatchSplit(TypedDict):
-    """What two log-prob columns alone say about a gap (:func:`parity.core.budget.records_split`): mean |δ| as the
+    """What two log-prob columns alone say about a gap (:func:`parity.core.mismatch_split.records_split`): mean |δ| as the
     systematic shift |mean δ| plus the symmetric spread, each step's share of a growing gap, and what needs the model."""
 
     comparison: str
@@ -446,8 +446,8 @@ class MismatchSplit(TypedDict):
 
 
 class ScenarioStats(TypedDict):
-    """A scenario's statistics, as the records analysis builds them (:func:`parity.records.verdict._scenario_report`)
-    and the gates read them (:mod:`parity.records.gate_table`): the first keys of :class:`ScenarioJson`."""
+    """A scenario's statistics, as the records analysis builds them (:func:`parity.judge.verdict._scenario_report`)
+    and the gates read them (:mod:`parity.judge.gate_table`): the first keys of :class:`ScenarioJson`."""
 
     name: str
     spec: dict[str, float]

@@ -21,7 +21,7 @@ RECOMPUTE_GATES = ("recompute_drift", "recompute_mean_bias", "recompute_support"
 NAIVE_GATES = ("naive_vs_sampler_log_s",)
 TRAINER_GATES = ("trainer_under_test_drift", "trainer_under_test_mean_bias", "logprob_mean_bias", "trainer_support")
 WIDTH = 100
-NA = "n/a"  # a statistic whose inputs the records do not hold (parity.records.accumulators.NA); shown as such
+NA = "n/a"  # a statistic whose inputs the records do not hold (parity.judge.accumulators.NA); shown as such
 
 
 def sampler_name(report: ReportJson) -> str:

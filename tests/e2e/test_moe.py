@@ -15,7 +15,7 @@ from parity.core.violation import Violation
 from parity.engines import routing_replay
 from parity.engines.routing_replay import routing_report, trace_routers
 from parity.engines.session import EnginePool, make_prompts
-from parity.records.gate_table import GateCase, evaluate
+from parity.judge.gate_table import GateCase, evaluate
 from parity.report.blocks import Routing
 from parity.run import RunConfig, run
 

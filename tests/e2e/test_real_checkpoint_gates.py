@@ -19,7 +19,7 @@ from parity.core.matrix import Matrix, Scenario
 from parity.core.spec import SamplingSpec
 from parity.engines.session import EnginePool
 from parity.engines.trainer_under_test import builtin_replay
-from parity.records.gate_table import REFERENCE_GATES
+from parity.judge.gate_table import REFERENCE_GATES
 from parity.run import RunConfig, run
 
 pytestmark = pytest.mark.e2e

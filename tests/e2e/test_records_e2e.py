@@ -15,9 +15,9 @@ from parity.core.matrix import Matrix, Scenario
 from parity.core.spec import SamplingSpec
 from parity.core.token_table import TrainerFaults
 from parity.engines.session import EnginePool
-from parity.records.token_columns import Options
+from parity.judge.token_columns import Options
+from parity.judge.verdict import USER_GATES
 from parity.records.validate import validate_batch
-from parity.records.verdict import USER_GATES
 from parity.run import RunConfig, run
 
 pytestmark = pytest.mark.e2e

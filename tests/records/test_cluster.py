@@ -22,8 +22,8 @@ import records_synth
 from parity.analyze import analyze
 from parity.analyze.cluster import ERROR_NOTE, parse_engine, records_error_in
 from parity.errors import SetupError, UsageError
+from parity.judge.token_columns import Options
 from parity.records.schema import RecordsError
-from parity.records.token_columns import Options
 from parity.records.write import RecordsWriter
 
 pytestmark = pytest.mark.engines

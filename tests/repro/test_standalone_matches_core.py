@@ -18,7 +18,7 @@ from parity.core import error_model, estimators
 from parity.core.capture import support_from_heads
 from parity.core.filters import reference_filter
 from parity.core.spec import SamplingSpec
-from parity.records.streams import Ratios
+from parity.judge.streams import Ratios
 from parity.repro import standalone_src as src
 from parity.testing.cases import build_case, random_plan
 

@@ -28,13 +28,13 @@ from parity.analyze import analyze, summarize_paths
 from parity.core.gates import Thresholds
 from parity.core.spec import SamplingSpec
 from parity.core.token_table import TrainerFaults, build_table
-from parity.records.accumulators import NA, Summary
+from parity.judge.accumulators import NA, Summary
+from parity.judge.gate_table import REFERENCE_GATES
+from parity.judge.streams import DiffStream
+from parity.judge.token_columns import Options
+from parity.judge.verdict import judge
 from parity.records.convert import from_sequence_records, to_sequence_records
-from parity.records.gate_table import REFERENCE_GATES
-from parity.records.streams import DiffStream
-from parity.records.token_columns import Options
 from parity.records.validate import validate_batch
-from parity.records.verdict import judge
 from parity.records.write import records_table, write_records
 
 V = 64
@@ -378,7 +378,7 @@ def test_summary_survives_json(tmp_path: Path) -> None:
 
 
 def test_drift_histogram_counts_every_compared_token(base, tmp_path: Path) -> None:
-    from parity.records.verdict import drift_headroom_hist
+    from parity.judge.verdict import drift_headroom_hist
     from parity.report.plots import dense_drift_hist
 
     s = summarize_paths([write_records(tmp_path / "h.parquet", base[0])], Options())

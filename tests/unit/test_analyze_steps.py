@@ -22,8 +22,8 @@ from test_analyze import FILTERED, rows_of, run_side
 
 from parity.analyze import analyze
 from parity.core.gates import Thresholds
-from parity.records.accumulators import SUMMARY_VERSION, Summary
-from parity.records.steps import (
+from parity.judge.accumulators import SUMMARY_VERSION, Summary
+from parity.judge.steps import (
     BAND_K,
     BASELINE_STEPS,
     MIN_STEPS,
@@ -33,8 +33,8 @@ from parity.records.steps import (
     StepEntry,
     drift_trend,
 )
-from parity.records.token_columns import summarize_batch
-from parity.records.verdict import judge
+from parity.judge.token_columns import summarize_batch
+from parity.judge.verdict import judge
 from parity.records.write import records_table, write_records
 
 TOL = Thresholds()

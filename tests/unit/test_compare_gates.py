@@ -262,7 +262,7 @@ def test_thresholds_validate_load_and_name_what_replaced_a_retired_key(tmp_path)
 
 def test_native_mask_gate_fails_on_one_planted_mismatch_and_passes_without() -> None:
     """The CUDA-only capture comparison, gated on records as the engine adapter leaves them."""
-    from parity.records.gate_table import GateCase, evaluate
+    from parity.judge.gate_table import GateCase, evaluate
     from parity.run import native_mismatches
 
     def native_capture_gate(records, name, _mode, th):  # the table's native entry on the adapter's positions

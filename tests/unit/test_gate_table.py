@@ -6,9 +6,9 @@ import re
 from pathlib import Path
 
 from parity.determinism.knobs import UNAVAILABLE
-from parity.records import gate_table
-from parity.records.gate_table import GATE_TABLE, REFERENCE_GATES
-from parity.records.verdict import GATE_INPUTS, REASONS
+from parity.judge import gate_table
+from parity.judge.gate_table import GATE_TABLE, REFERENCE_GATES
+from parity.judge.verdict import GATE_INPUTS, REASONS
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -37,10 +37,10 @@ def test_the_invariance_entry_skips_a_check_by_the_status_word_the_knobs_write()
 
 
 def test_the_report_types_of_the_step_view_name_the_fields_of_its_dataclasses() -> None:
-    """report/blocks types the JSON of parity.records.steps' dataclasses (the report layer cannot import them)."""
+    """report/blocks types the JSON of parity.judge.steps' dataclasses (the report layer cannot import them)."""
     from dataclasses import fields
 
-    from parity.records.steps import DriftTrend, StepComparison, StepEntry
+    from parity.judge.steps import DriftTrend, StepComparison, StepEntry
     from parity.report.blocks import StepComparisonJson, StepJson, TrendJson
 
     for cls, typed in ((DriftTrend, TrendJson), (StepEntry, StepJson), (StepComparison, StepComparisonJson)):

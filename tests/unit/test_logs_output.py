@@ -17,7 +17,7 @@ from test_logprob_gate import SPECS, simulate, write
 from parity.analyze import analyze
 from parity.cli.main import main
 from parity.core.display import ordered
-from parity.records.diagnosis import logprob_bias_class
+from parity.judge.diagnosis import logprob_bias_class
 from parity.records.validate import LOGPROB_ROUNDING
 
 

@@ -1,7 +1,7 @@
 """The gates pinned exactly on hand-filled streamed statistics: each gate's statistic, limit, boundary and worst positions.
 
-:func:`parity.records.verdict.evaluate_summary` judges a scenario from two things: its report entry
-(``sc``, the dict :func:`parity.records.verdict._scenario_report` builds; here built by hand with the
+:func:`parity.judge.verdict.evaluate_summary` judges a scenario from two things: its report entry
+(``sc``, the dict :func:`parity.judge.verdict._scenario_report` builds; here built by hand with the
 keys the gates read) and its accumulator (a :class:`ScenarioAcc`, filled here through its streams' own
 ``add``/``offer`` methods, as ``_accumulate`` fills it, no estimator running). So each gate is checked on
 its own: the exact :class:`Violation` it returns, that a statistic equal to its limit passes, that NaN
@@ -33,10 +33,10 @@ from parity.core.gates import (
     thresholds_toml,
 )
 from parity.core.violation import Position, Violation
-from parity.records.accumulators import FLAGS, ScenarioAcc
-from parity.records.gate_table import CAPTURE_LIMIT_FIX, _scaled, trend_violation
-from parity.records.steps import TREND_GATE, DriftTrend
-from parity.records.verdict import GATES, _logprob_entry, _scenario_report, evaluate_summary
+from parity.judge.accumulators import FLAGS, ScenarioAcc
+from parity.judge.gate_table import CAPTURE_LIMIT_FIX, _scaled, trend_violation
+from parity.judge.steps import TREND_GATE, DriftTrend
+from parity.judge.verdict import GATES, _logprob_entry, _scenario_report, evaluate_summary
 
 NAN = math.nan
 SC = "scen"

@@ -27,7 +27,7 @@ from parity.core.token_table import (
     _sampler_lp_of,
     build_table,
 )
-from parity.records.scenario import rl_view
+from parity.judge.scenario import rl_view
 
 V = 6
 NAN = math.nan

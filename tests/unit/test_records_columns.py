@@ -16,8 +16,8 @@ import pyarrow as pa
 import pytest
 
 from parity.core.error_model import SUPPORT_MASS_TOL
-from parity.records import token_columns as ra
-from parity.records import token_values
+from parity.judge import token_columns as ra
+from parity.judge import token_values
 from parity.records.validate import validate_batch
 
 

@@ -11,7 +11,7 @@ from test_logprob_gate import SPECS, simulate, write
 
 from parity.analyze import analyze
 from parity.cli.main import main
-from parity.core.budget import NEEDS_THE_MODEL, records_split
+from parity.core.mismatch_split import NEEDS_THE_MODEL, records_split
 
 
 def _split(path):

@@ -14,7 +14,7 @@ from parity.core.rl_catalogue import METHODS, METRICS, catalogue
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
 from parity.core.token_table import build_table
-from parity.records.scenario import rl_view
+from parity.judge.scenario import rl_view
 from parity.report.markdown import render_details, render_markdown
 from parity.report.rl_section import headline
 from parity.report.schema import SCHEMA_VERSION, environment, report_schema, write_report

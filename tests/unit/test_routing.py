@@ -278,7 +278,7 @@ def test_the_routing_entries_fail_a_planted_fault_near_their_limits() -> None:
     """The table's routing rules on a routing section: replay drift at 3x the bound fails, at a tenth passes;
     one flip above the margin bound fails naming its position; a replay that forced 15 of 16 sets fails."""
     from parity.core.gates import Thresholds
-    from parity.records.gate_table import GateCase, evaluate
+    from parity.judge.gate_table import GateCase, evaluate
 
     def gates(section: dict) -> list:
         return evaluate(GateCase("moe", None, None, Thresholds(), routing=section), "routing")  # type: ignore[arg-type]

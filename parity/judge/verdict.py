@@ -1,5 +1,5 @@
 """The verdicts of the records analysis: the report entries of a merged
-:class:`~parity.records.accumulators.Summary`, and every gate as a :class:`~parity.core.violation.Violation`.
+:class:`~parity.judge.accumulators.Summary`, and every gate as a :class:`~parity.core.violation.Violation`.
 The gates and their inputs: docs/records.md, section 6.
 """
 
@@ -25,17 +25,17 @@ from parity.core.gates import Thresholds
 from parity.core.power import Power, power_of, power_sentence
 from parity.core.spec import SamplingSpec
 from parity.core.violation import Violation
-from parity.records.accumulators import HEAD_BINS, HEAD_LO, HEAD_STEP, INPUTS, NA, ScenarioAcc, na_ratios
-from parity.records.diagnosis import diagnosis_text, logprob_bias_class
-from parity.records.gate_table import CAPTURE_LIMIT_FIX, GATE_TABLE, GateCase, evaluate, split_verdict
+from parity.judge.accumulators import HEAD_BINS, HEAD_LO, HEAD_STEP, INPUTS, NA, ScenarioAcc, na_ratios
+from parity.judge.diagnosis import diagnosis_text, logprob_bias_class
+from parity.judge.gate_table import CAPTURE_LIMIT_FIX, GATE_TABLE, GateCase, evaluate, split_verdict
 from parity.report import blocks
 
 if TYPE_CHECKING:
-    from parity.records.accumulators import Summary
-    from parity.records.steps import DriftTrend
+    from parity.judge.accumulators import Summary
+    from parity.judge.steps import DriftTrend
     from parity.report.blocks import Routing
     from parity.report.model import ScenarioVerdict
-from parity.records.steps import (
+from parity.judge.steps import (
     COMPARISONS,
     REPORT_NAMES,
     SUPPORT_OF,
@@ -396,9 +396,9 @@ def _step_view(
 
 def _mismatch_split(a: ScenarioAcc, avail: Mapping[str, bool], limits: Mapping[str, float | None],
                     lp: blocks.LogprobBias | None, per_step: Sequence[StepEntry]) -> blocks.MismatchSplit | None:
-    """The part of ``parity budget`` that records alone support (:func:`parity.core.budget.records_split`), on the
+    """The part of ``parity budget`` that records alone support (:func:`parity.core.mismatch_split.records_split`), on the
     comparison the verdict follows: the trainer under test, else replay, else recompute."""
-    from parity.core.budget import records_split
+    from parity.core.mismatch_split import records_split
 
     follow = next((k for k in ("user", "replay", "recompute") if avail[k] and a.streams[k].n), None)
     if follow is None:

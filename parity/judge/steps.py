@@ -28,7 +28,7 @@ REPORT_NAMES = {"replay": "replay", "recompute": "recompute", "user": "trainer_u
 # Which support equality belongs to each comparison: replay's gate (is the captured S_q the sampler's
 # whole support) for replay and the trainer under test, recompute's own for recompute.
 SUPPORT_OF = {"replay": "replay", "recompute": "recompute", "user": "replay"}
-NA = "n/a"  # as parity.records.accumulators.NA: the records do not hold the statistic's inputs
+NA = "n/a"  # as parity.judge.accumulators.NA: the records do not hold the statistic's inputs
 EPS = float(np.finfo(np.float64).eps)
 
 
@@ -145,7 +145,7 @@ def merge_steps(into: dict[int, StepAcc], other: dict[int, StepAcc]) -> None:
 def grouped_streams(slot: np.ndarray, n_slots: int, d: np.ndarray) -> list[StepStream]:
     """One :class:`StepStream` per slot (step) from the differences ``d`` of tokens whose slot is ``slot``.
 
-    ``d``: finite-pair differences (:func:`parity.records.streams.finite_pair`); a slot's sums are
+    ``d``: finite-pair differences (:func:`parity.judge.streams.finite_pair`); a slot's sums are
     float64 sums in token order."""
     n = np.bincount(slot, minlength=n_slots)
     ad = np.abs(d)

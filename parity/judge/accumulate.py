@@ -10,11 +10,11 @@ import numpy as np
 from parity.core.error_model import SUPPORT_MASS_TOL
 from parity.core.spec import SamplingSpec
 from parity.core.violation import Position
-from parity.records.accumulators import INPUTS, ScenarioAcc
+from parity.judge.accumulators import INPUTS, ScenarioAcc
+from parity.judge.steps import COMPARISONS, StepAcc, grouped_headroom, grouped_streams
+from parity.judge.streams import ViewMatch, finite_pair
+from parity.judge.token_values import TokenColumns
 from parity.records.arrays import RecordsBatch
-from parity.records.steps import COMPARISONS, StepAcc, grouped_headroom, grouped_streams
-from parity.records.streams import ViewMatch, finite_pair
-from parity.records.token_values import TokenColumns
 
 Pairs = dict[str, tuple[np.ndarray, np.ndarray]]
 

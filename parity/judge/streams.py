@@ -328,7 +328,7 @@ class BoundStream:
 class ViewMatch:
     """For the trainer-under-test diagnosis: at how many positions a reference view is known, and how many
     of them differ from the trainer's values by more than the bound, and the mean difference where known
-    (:func:`parity.records.diagnosis.diagnosis_text` names the views matched within both)."""
+    (:func:`parity.judge.diagnosis.diagnosis_text` names the views matched within both)."""
 
     known: int = 0
     over: int = 0

@@ -1,4 +1,4 @@
-"""Mergeable summaries of records, filled one batch at a time by :mod:`parity.records.token_columns`.
+"""Mergeable summaries of records, filled one batch at a time by :mod:`parity.judge.token_columns`.
 
 :meth:`Summary.merge` is the reduce step; :meth:`Summary.to_json` / :meth:`Summary.from_json` carry a
 map step's output between machines (docs/records.md, sections 1 and 5)."""
@@ -16,11 +16,11 @@ from parity.core.error_model import StatedFacts, stated_facts
 from parity.core.spec import SamplingSpec
 from parity.core.violation import Position
 from parity.errors import UsageError
-from parity.records.steps import StepAcc, merge_steps
-from parity.records.streams import HEAD_BINS as HEAD_BINS
-from parity.records.streams import HEAD_LO as HEAD_LO
-from parity.records.streams import HEAD_STEP as HEAD_STEP
-from parity.records.streams import (
+from parity.judge.steps import StepAcc, merge_steps
+from parity.judge.streams import HEAD_BINS as HEAD_BINS
+from parity.judge.streams import HEAD_LO as HEAD_LO
+from parity.judge.streams import HEAD_STEP as HEAD_STEP
+from parity.judge.streams import (
     HIST_BINS,
     BoundStream,
     DiffStream,
@@ -30,17 +30,18 @@ from parity.records.streams import (
     ViewMatch,
     Worst,
 )
-from parity.records.streams import NA as NA
-from parity.records.streams import na_ratios as na_ratios
+from parity.judge.streams import NA as NA
+from parity.judge.streams import na_ratios as na_ratios
+from parity.records.casts import CastNote
 
-SUMMARY_VERSION = 6  # 4: per-step accumulators (parity.records.steps); 5: the two-column mean-bias sums; 6: ties and one-sided supports
+SUMMARY_VERSION = 6  # 4: per-step accumulators (parity.judge.steps); 5: the two-column mean-bias sums; 6: ties and one-sided supports
 
 DIFFS = ("naive", "gap", "replay", "recompute", "user", "user_gap", "penalty")
 BOUNDED = ("replay", "recompute", "user", "naive")
 FLAGS = ("replay_support", "recompute_support", "incomplete", "sampled_outside", "token_mismatch")
 # The first positions kept per flag, and per two-column gate (the tokens outside the trainer's support).
 FIRSTS = (*FLAGS, "trainer_support")
-# Inputs a sequence may lack (parity.records.verdict names each and what it is for).
+# Inputs a sequence may lack (parity.judge.verdict names each and what it is for).
 INPUTS = ("kept", "replay", "recompute", "recompute_support", "full", "log_s", "user", "forced", "kl", "bound",
           "bound_full", "sampler_log_s")
 
@@ -155,32 +156,6 @@ class ScenarioAcc:
         for k, v in o.views.items():
             self.views.setdefault(k, ViewMatch()).merge(v)
         merge_steps(self.steps, o.steps)
-
-
-@dataclass
-class CastNote:
-    """What reading one column's float64 values as float32 changed (:func:`parity.records.validate.validate_batch`)."""
-
-    column: str
-    source_type: str
-    target_type: str
-    values: int = 0
-    changed: int = 0  # values the cast did not keep exactly
-    overflowed: int = 0  # of them, finite values that became +-inf
-    max_change: float = 0.0  # largest |change| among the others
-
-    def merge(self, o: CastNote) -> None:
-        self.values += o.values
-        self.changed += o.changed
-        self.overflowed += o.overflowed
-        self.max_change = max(self.max_change, o.max_change)
-
-    def message(self, source: str) -> str:
-        out = (f"{source} column {self.column}: {self.source_type} values read as {self.target_type} changed "
-               f"{self.changed} of {self.values} value(s) (largest change {self.max_change:.3g})")
-        if self.overflowed:
-            out += f"; {self.overflowed} finite value(s) became infinite"
-        return out + f": write {self.column} as {self.target_type} to analyse the values themselves"
 
 
 @dataclass

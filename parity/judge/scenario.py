@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from parity.records.token_columns import Options, summarize_batch, token_columns
+from parity.judge.token_columns import Options, summarize_batch, token_columns
 from parity.records.validate import validate_batch
 
 if TYPE_CHECKING:
@@ -16,9 +16,9 @@ if TYPE_CHECKING:
 
     from parity.core.rl_catalogue import TrainerSummary
     from parity.core.token_table import TokenTable
-    from parity.records.accumulators import Summary
+    from parity.judge.accumulators import Summary
+    from parity.judge.token_columns import TokenColumns
     from parity.records.arrays import RecordsBatch
-    from parity.records.token_columns import TokenColumns
 
 
 def scenario_summary(

@@ -1,5 +1,5 @@
 """The map step of the records analysis: one validated batch of records in, its mergeable
-:class:`~parity.records.accumulators.Summary` out, with numpy alone (no torch at import; docs/records.md, section 5).
+:class:`~parity.judge.accumulators.Summary` out, with numpy alone (no torch at import; docs/records.md, section 5).
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import numpy as np
 from parity.core.error_model import SUPPORT_MASS_TOL, UNIT_ROUNDOFF, unit_roundoff
 from parity.core.gates import Thresholds
 from parity.core.spec import SPEC_FIELDS, SamplingSpec
-from parity.records.accumulate import accumulate
-from parity.records.accumulators import ScenarioAcc, Summary
-from parity.records.arrays import RecordsBatch
-from parity.records.token_values import (
+from parity.judge.accumulate import accumulate
+from parity.judge.accumulators import ScenarioAcc, Summary
+from parity.judge.token_values import (
     LOGIT_BUDGET,
     KeptValues,
     TokenColumns,
@@ -25,6 +24,7 @@ from parity.records.token_values import (
     min_kept_logprob,
     sampler_log_s,
 )
+from parity.records.arrays import RecordsBatch
 from parity.records.validate import validate_batch
 
 # TokenColumns and LOGIT_BUDGET live in token_values; the map step's callers import them from here.

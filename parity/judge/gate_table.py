@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Literal
 from parity.core.display import apart
 from parity.core.gates import Thresholds, recompute_support_limit
 from parity.core.violation import Position, Violation
-from parity.records.accumulators import NA, ScenarioAcc
-from parity.records.diagnosis import logprob_bias_class
-from parity.records.steps import TREND_GATE
+from parity.judge.accumulators import NA, ScenarioAcc
+from parity.judge.diagnosis import logprob_bias_class
+from parity.judge.steps import TREND_GATE
 
 if TYPE_CHECKING:
     from parity.report.blocks import Routing, ScenarioStats
@@ -57,7 +57,7 @@ Rule = Callable[[GateCase], list[Violation]]
 
 @dataclass(frozen=True)
 class Gate:
-    """One gate. ``needs``: the inputs it reads (keys of :data:`parity.records.verdict.REASONS`; without them it is
+    """One gate. ``needs``: the inputs it reads (keys of :data:`parity.judge.verdict.REASONS`; without them it is
     listed as not evaluated). ``scope``: ``records`` (every scenario), ``native`` (``--capture both``) or ``run``
     (the invariance checks). ``reference``: beside a trainer under test it is a fact about parity's own
     estimators, not that trainer's verdict. ``skippable``: False for a check that reads no input."""
@@ -238,7 +238,7 @@ def _count(gate: str, key: Literal["sampled_outside_support", "token_mismatch"],
 
 
 def trend_violation(sc: ScenarioStats, out: list[Violation], skip: set[str] | frozenset[str]) -> None:
-    """``drift_trend``: the verdict :func:`parity.records.steps.drift_trend` gave, as a violation naming the
+    """``drift_trend``: the verdict :func:`parity.judge.steps.drift_trend` gave, as a violation naming the
     first step above the band of the first steps."""
     tr = sc.get("trend")
     if TREND_GATE in skip or not tr or not tr["evaluated"] or tr["passed"]:

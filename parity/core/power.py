@@ -28,6 +28,7 @@ class Power:
     systematic: float  # headroom × the limit's systematic part (no count of tokens lowers it)
     tokens: int  # tokens the resolution was measured over
     tokens_needed: int | None  # tokens at which the resolution would lie below the class bias (None: none)
+    penalised: bool = False  # the class also leaves the sampler's penalties out: its bias is log S - penalty term
 
     @property
     def resolved(self) -> bool | None:
@@ -57,21 +58,29 @@ def tokens_needed(class_bias: float, systematic: float, statistical: float, toke
     return need
 
 
-def power_of(gate: str, class_bias: float, limit: float, systematic: float, headroom: float, tokens: int) -> Power:
+def power_of(gate: str, class_bias: float, limit: float, systematic: float, headroom: float, tokens: int,
+             *, penalised: bool = False) -> Power:
     """:class:`Power` of a gate whose limit is ``limit`` (of which ``systematic``) over ``tokens``."""
     res, sys_part = headroom * limit, headroom * systematic
     need = tokens_needed(class_bias, sys_part, res - sys_part, tokens)
-    return Power(gate, class_bias, res, sys_part, tokens, need)
+    return Power(gate, class_bias, res, sys_part, tokens, need, penalised)
 
 
 def power_sentence(p: Power, name: str) -> str:
     """The no-verdict line of a verdict without power: both numbers, and the tokens that would resolve it."""
-    bias, res = apart(-p.class_bias, -p.resolution), apart(p.resolution, p.class_bias)
-    lead = (f"{name}: bias {bias} below resolution {res}: {p.gate} over {p.tokens} tokens could not have failed a "
-            f"full-vocabulary trainer (bias log S {bias})")
+    res = apart(p.resolution, p.class_bias)
+    if p.penalised:
+        bias = apart(p.class_bias, p.resolution)
+        lead = (f"{name}: |bias| {bias} below resolution {res}: {p.gate} over {p.tokens} tokens could not have failed a "
+                f"full-vocabulary trainer that leaves the penalties out (|log S - penalty term| {bias})")
+    else:
+        bias = apart(-p.class_bias, -p.resolution)
+        lead = (f"{name}: bias {bias} below resolution {res}: {p.gate} over {p.tokens} tokens could not have failed a "
+                f"full-vocabulary trainer (bias log S {bias})")
     if p.tokens_needed is None:
-        return (lead + f"; its systematic part {apart(p.systematic, p.class_bias)} alone reaches |log S|, so no "
-                f"count of tokens would resolve it (a finer dtype on either side would)")
+        return (lead + f"; its systematic part {apart(p.systematic, p.class_bias)} alone reaches "
+                f"{'that bias' if p.penalised else '|log S|'}, so no count of tokens would resolve it (a finer dtype "
+                f"on either side would)")
     more = max(p.tokens_needed - p.tokens, 1)
     return lead + f"; about {about(more)} more tokens would resolve it"
 

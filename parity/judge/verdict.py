@@ -450,16 +450,21 @@ def no_verdict_line(sc: blocks.ScenarioStats, judged: bool, near: str = "") -> s
 
 
 def class_bias(sc: blocks.ScenarioStats) -> float | None:
-    """The bias a mean-bias gate exists to catch, as a magnitude: the scenario's |mean log S| (a full-vocabulary
-    trainer's bias), else the sampler-side log S nearest 0; 0 where nothing is filtered; None when unknown."""
-    if not SamplingSpec.from_dict(sc["spec"]).effective().filtered:
-        return 0.0
+    """The bias a mean-bias gate exists to catch, as a magnitude: that of a full-vocabulary trainer which leaves the
+    sampler's penalties out (TRL's trainer side), |mean (log S - penalty term)| (docs/penalties.md, section 3):
+    the scenario's |mean log S|, else the sampler-side log S nearest 0, less the mean penalty term where the records
+    carry it (trainer_penalty_term); 0 where nothing is filtered or penalised; None when unknown."""
+    spec = SamplingSpec.from_dict(sc["spec"]).effective()
+    raw = sc["naive"].get("penalty_term_mean") if spec.penalised else None
+    pen = float(raw) if isinstance(raw, int | float) and math.isfinite(raw) else 0.0
+    if not spec.filtered:
+        return abs(pen)
     mean = sc["log_s"]["mean"]
     if isinstance(mean, int | float) and math.isfinite(mean):
-        return abs(float(mean))
+        return abs(float(mean) - pen)
     hi = sc["sampler_log_s"]["hi_mean"]
     if sc["sampler_log_s"]["positions"] and hi is not None and math.isfinite(hi):
-        return abs(float(hi))
+        return abs(float(hi) - pen)
     return None
 
 
@@ -484,7 +489,7 @@ def verdict_power(sc: blocks.ScenarioStats, evaluated: Sequence[str], th: Thresh
         if gate not in evaluated or m is None or not isinstance(m["limit"], int | float):
             continue
         out.append(power_of(gate, bias, float(m["limit"]), float(m["systematic"]), th.mean_bias_headroom,
-                            int(m["tokens"])))
+                            int(m["tokens"]), penalised=SamplingSpec.from_dict(sc["spec"]).penalised))
     return min(out, key=lambda p: p.resolution, default=None)
 
 

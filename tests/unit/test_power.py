@@ -147,3 +147,21 @@ def test_parity_run_samples_again_until_resolved_within_the_cap(monkeypatch) -> 
     asked.clear()
     res = run_mod.score_with_power(None, None, sc, run_mod.RunConfig(model="m", max_prompts=8), None, lines.append)
     assert res.verdict.verdict == "none" and asked == [4] and "above the cap of 8" in lines[-1]
+
+
+PENALISED = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.1}
+
+
+@pytest.mark.parametrize(("term", "resolved"), [(-0.016, False), (-0.5, True)])
+def test_an_unfiltered_penalised_scenario_is_judged_against_the_penalty_term(tmp_path, capsys, term, resolved) -> None:
+    """Unfiltered, so log S = 0; the penalty a trainer may leave out is the class bias (the records carry its
+    term). A mean penalty term of 0.016 lies below this gate's resolution: no PASS; one of 0.5 is resolved."""
+    data = [{**r, "trainer_log_s": [0.0] * 16, "trainer_logprobs": r["trainer_replay_logprobs"],
+             "trainer_penalty_term": [term] * 16} for r in rows(4, spec=PENALISED)]
+    path = write_records(tmp_path / "pen.parquet", data,
+                         metadata={"dtype": "float32", "trainer_dtype": "float32", "vocab_size": 400})
+    (sc,) = analyze(path, plots=False)["scenarios"]
+    assert sc["power"]["class_bias"] == pytest.approx(abs(term)) and sc["power"]["resolved"] is resolved, sc["power"]
+    assert sc["verdict"] == ("pass" if resolved else "none"), sc["no_verdict"]
+    if not resolved:
+        assert "could not have failed a full-vocabulary trainer that leaves the penalties out" in sc["no_verdict"]

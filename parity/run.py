@@ -18,7 +18,7 @@ from parity.core.gates import Thresholds
 from parity.core.matrix import Matrix, Scenario, default_matrix, load_matrix
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
-from parity.core.token_table import TokenTable, TrainerFaults, build_table, scored_logits
+from parity.core.token_table import TokenTable, TrainerFaults, build_table
 from parity.engines.session import EnginePool, Rollout, Trainer, make_prompts
 from parity.engines.settings import EngineSettings
 
@@ -209,9 +209,9 @@ def score_scenario(
     table = build_table(records, logits, sc.spec, faults=cfg.faults, dtype=dtypes,
                         recompute_dtype=dtypes[0] if cfg.recompute_precision == "sampler" else None)
     views = score_trainer_under_test(table, records, logits, sc, cfg.trainer, trainer) if cfg.trainer else None
-    # The records carry the trainer's logits at the kept ids after the penalties (what its replay renormalises).
-    scored = scored_logits(records, logits, sc.spec, cfg.faults)
-    export = from_sequence_records(records, scenario=sc.name, table=table, logits=scored, faults=cfg.faults)
+    # The records carry the trainer's logits at the kept ids after the penalties and any planted fault (what its
+    # replay renormalises), from the table's one application of the faults.
+    export = from_sequence_records(records, scenario=sc.name, table=table)
     part = scenario_summary(export, dtypes=dtypes, vocab_size=rollout.vocab_size, views=views,
                             n_listed=cfg.thresholds.max_violations_listed, source=str(cfg.records or "parity run"))
     native = native_mismatches(records) if any("native_kept_ids" in r.extras for r in records) else None

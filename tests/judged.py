@@ -13,14 +13,10 @@ from parity.judge.verdict import judge
 from parity.records.convert import from_sequence_records
 
 
-def judged(records, logits, table, th: Thresholds | None = None, *, faults=None, name: str = "planted",
+def judged(records, logits, table, th: Thresholds | None = None, *, name: str = "planted",
            dtypes: tuple[str, str] = ("float32", "float32"), views=None) -> dict[str, Any]:
-    """The scenario's report entry; ``faults``: the ones ``table`` was built with (planted kept sets go to the records)."""
-    from parity.core.token_table import scored_logits
-
-    spec = records[0].spec if records else None
-    scored = scored_logits(records, logits, spec, faults) if spec is not None else logits
-    export = from_sequence_records(records, scenario=name, table=table, logits=scored, faults=faults)
+    """The scenario's report entry (planted kept sets reach the records through ``table.kept_seen``)."""
+    export = from_sequence_records(records, scenario=name, table=table)
     vocab = int(logits[0].shape[-1]) if len(logits) else None
     th = th or Thresholds()
     part = scenario_summary(export, dtypes=dtypes, vocab_size=vocab, n_listed=th.max_violations_listed, views=views)
@@ -34,11 +30,11 @@ def failed(entry: dict[str, Any]) -> set[str]:
     return {v.gate for v in [*entry["violations"], *entry["reference_violations"]]}
 
 
-def scenario_entry(records, logits, table, name: str, th: Thresholds | None = None, *, faults=None) -> dict[str, Any]:
+def scenario_entry(records, logits, table, name: str, th: Thresholds | None = None) -> dict[str, Any]:
     """A report.json scenario as ``parity run`` writes it (the RL view included, violations as dicts)."""
     from parity.judge.scenario import rl_view
 
-    e = judged(records, logits, table, th, faults=faults, name=name)
+    e = judged(records, logits, table, th, name=name)
     return {**e, "model": "synthetic", "rl_view": rl_view(table),
             "violations": [v.to_dict() for v in e["violations"]],
             "reference_violations": [v.to_dict() for v in e["reference_violations"]]}

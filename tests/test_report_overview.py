@@ -59,7 +59,7 @@ def _records(spec: SamplingSpec, n_seq: int = 4, seed: int = 0) -> tuple[list[Se
 def _scenario(name: str, spec: SamplingSpec, faults: TrainerFaults | None = None) -> dict:
     records, logits = _records(spec)
     table = build_table(records, logits, spec, faults=faults)
-    return scenario_entry(records, logits, table, name, faults=faults)
+    return scenario_entry(records, logits, table, name)
 
 
 def _report(scenarios: list[dict]) -> dict:
@@ -221,7 +221,7 @@ def test_the_drift_histogram_draws_diff_over_bound_for_every_compared_token() ->
     records, logits = _records(spec)
     faults = TrainerFaults(shift_bounds=4.0)
     clean = judged(records, logits, build_table(records, logits, spec))
-    planted = judged(records, logits, build_table(records, logits, spec, faults=faults), faults=faults)
+    planted = judged(records, logits, build_table(records, logits, spec, faults=faults))
     for e in (clean, planted):
         h = dense_drift_hist(e["drift_headroom"])
         assert int(h["replay"].sum()) == e["compared_tokens"]  # every compared token is drawn

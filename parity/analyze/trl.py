@@ -138,7 +138,7 @@ def score_step(sequences: Sequence[Captured], *, name: str, thresholds: Threshol
     table.user_name = TRAINER_UNDER_TEST
     ys = [torch.tensor(r.completion_ids, dtype=torch.long) for r in records]
     views = reference_views(logits, ys, spec, [r.kept_ids for r in records], [r.prompt_ids for r in records])
-    export = from_sequence_records(records, scenario=name, table=table, logits=logits)
+    export = from_sequence_records(records, scenario=name, table=table)
     vocab = int(logits[0].shape[-1]) if logits else None
     part = scenario_summary(export, dtypes=(gate_dtype, "float32"), vocab_size=vocab, views=views,
                             n_listed=th.max_violations_listed, source=SOURCE)

@@ -59,6 +59,10 @@ class TokenTable:
     s_source: str = "none"  # where s_lo/s_hi come from: unfiltered, raw_logits, top_p_bracket, none
     user: torch.Tensor | None = None  # float64 [T]: a trainer under test's log-probs (parity.engines.trainer_under_test)
     user_name: str | None = None
+    # Per sequence, the kept ids [L, K] (-1 padded) as the (possibly planted) trainer saw them and its logits at those
+    # ids, float32 [L, K]; (None, None) where the record has no kept set. From plant_faults, the one place faults are
+    # applied: the records take their kept columns from here. A selection holds none.
+    kept_seen: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...] = ()
 
     @property
     def tokens(self) -> int:
@@ -69,7 +73,7 @@ class TokenTable:
         kw = {f.name: v[mask] for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
         counts = torch.bincount(kw["prompt_index"]) if mask.any() else torch.zeros(0, dtype=torch.long)
         return TokenTable(**kw, seq_lengths=[int(c) for c in counts if int(c) > 0], roundoff=self.roundoff,
-                          s_source=self.s_source, user_name=self.user_name)
+                          s_source=self.s_source, user_name=self.user_name, kept_seen=())
 
 
 @dataclass(frozen=True)
@@ -165,16 +169,19 @@ def build_table(
     trainer_spec = replace(spec, temperature=1.0) if faults.forget_temperature and not spec.greedy else spec
     raw = list(logits)
     penalised = penalised_logits(records, raw, spec)
-    scalar = ("seq_lengths", "user", "user_name", "roundoff", "s_source")
+    scalar = ("seq_lengths", "user", "user_name", "roundoff", "s_source", "kept_seen")
     cols: dict[str, list[torch.Tensor]] = {f.name: [] for f in fields(TokenTable) if f.name not in scalar}
     sources: set[str] = set()
     lengths = []
     scored = scored_logits(records, raw, spec, faults, penalised)
-    for r, (y, z, kept), z_raw, z_pen in zip(records, plant_faults(records, scored, faults, vocab), raw, penalised, strict=True):
+    kept_seen: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+    for r, (y, z, kept), z_raw, z_pen in zip(records, plant_faults(records, scored, faults, vocab), raw, penalised,
+                                             strict=True):
         n = r.length
         if z.shape != (n, vocab):
             raise UsageError(f"trainer logits for prompt {r.prompt_index} have shape {tuple(z.shape)}, allowed ({n}, {vocab})")
         lengths.append(n)
+        kept_seen.append((kept, None if kept is None else z.gather(1, kept.clamp(min=0)).float()))
         cols["prompt_index"].append(torch.full((n,), r.prompt_index, dtype=torch.long))
         cols["position"].append(torch.arange(n))
         sampled = torch.tensor(r.completion_ids, dtype=torch.long)
@@ -216,9 +223,10 @@ def build_table(
     source = sources.pop() if len(sources) == 1 else ("mixed" if sources else "none")
     if not lengths:
         empty = {k: torch.zeros(0) for k in cols}
-        return TokenTable(**empty, seq_lengths=[], roundoff=u, s_source=source, user_name=None)
+        return TokenTable(**empty, seq_lengths=[], roundoff=u, s_source=source, user_name=None, kept_seen=())
     joined = {k: torch.cat(v) for k, v in cols.items()}
-    return TokenTable(**joined, seq_lengths=lengths, roundoff=u, s_source=source, user_name=None)
+    return TokenTable(**joined, seq_lengths=lengths, roundoff=u, s_source=source, user_name=None,
+                      kept_seen=tuple(kept_seen))
 
 
 Columns = dict[str, list[torch.Tensor]]

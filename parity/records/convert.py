@@ -22,7 +22,7 @@ from parity.records.vllm_outputs import heads_of_output, spec_of_params
 from parity.records.write import records_table
 
 if TYPE_CHECKING:
-    from parity.core.token_table import TokenTable, TrainerFaults
+    from parity.core.token_table import TokenTable
 
 # A vocabulary no model reaches: with no vocab_size given, only logprobs=-1 counts as the full vocabulary.
 _UNKNOWN_VOCAB = 2**31 - 1
@@ -222,19 +222,13 @@ def from_sequence_records(
     *,
     scenario: str | None = None,
     table: TokenTable | None = None,
-    logits: Sequence[torch.Tensor] | None = None,
-    faults: TrainerFaults | None = None,
 ) -> pa.Table:
     """Records of sampler-side :class:`SequenceRecord` s, with the trainer's estimates when ``table`` (the run's
-    :class:`parity.core.token_table.TokenTable` of these records) is given; ``logits``: the trainer's, for its raw
-    logits at the kept ids; ``faults``: kept sets as the planted trainer saw them (docs/records.md, section 4)."""
+    :class:`parity.core.token_table.TokenTable` of these records) is given: its columns, and from ``table.kept_seen``
+    the kept sets and the logits at the kept ids as the (possibly planted) trainer saw them (docs/records.md,
+    section 4)."""
     rows = []
-    planted = None
-    if table is not None and logits is not None:
-        from parity.core.token_table import TrainerFaults, plant_faults
-
-        vocab = int(logits[0].shape[-1]) if len(logits) else 0
-        planted = plant_faults(records, list(logits), faults or TrainerFaults(), vocab)
+    seen = table.kept_seen if table is not None and table.kept_seen else None
     split = None
     if table is not None:
         lengths = [r.length for r in records]
@@ -269,10 +263,9 @@ def from_sequence_records(
             **spec_row(r.spec),
             "sampler_logprobs": r.logprobs.float().tolist(),
         }
-        kept = planted[i][2] if planted is not None else r.kept_ids
+        kept, logits_at = seen[i] if seen is not None else (r.kept_ids, None)
         if kept is not None and r.kept_logprobs is not None:
             incomplete = r.incomplete if r.incomplete is not None else torch.zeros(r.length, dtype=torch.bool)
-            logits_at = planted[i][1].gather(1, kept.clamp(min=0)).float() if planted is not None else None
             row.update(_kept_columns(kept, r.kept_logprobs.float(), incomplete, logits_at))
         routed = r.extras.get("routed_experts")
         if routed is not None:  # [P + L - 1, layers, top_k] (parity.engines.routed_experts)

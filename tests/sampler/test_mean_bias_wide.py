@@ -47,7 +47,7 @@ def _records(sampler, z: torch.Tensor, spec: S) -> list[SequenceRecord]:
 
 def _gates(records, logits, spec, faults=None):
     table = build_table(records, logits, spec, faults=faults)
-    summary = judged(records, logits, table, faults=faults, name="wide")
+    summary = judged(records, logits, table, name="wide")
     return summary, sorted(failed(summary))
 
 

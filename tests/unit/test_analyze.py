@@ -54,7 +54,7 @@ def run_side(specs, *, faults=None, n_seq=3, length=6, head=None, seed=0, raw=Tr
         table = build_table(recs, logits, spec, faults=faults or TrainerFaults())
         if user:
             table.user, table.user_name = table.full.clone(), "trainer"
-        entry = judged(recs, logits, table, TOL, faults=faults, name=f"s{j}")
+        entry = judged(recs, logits, table, TOL, name=f"s{j}")
         out.append((f"s{j}", recs, logits, table, entry, entry["violations"]))
     return out
 
@@ -87,8 +87,8 @@ def check_oracle(table, entry) -> list[str]:
     return bad
 
 
-def export(side, path: Path, faults=None) -> Path:
-    tables = [from_sequence_records(recs, scenario=name, table=table, logits=logits, faults=faults)
+def export(side, path: Path) -> Path:
+    tables = [from_sequence_records(recs, scenario=name, table=table)
               for name, recs, logits, table, _, _ in side]
     return write_records(path, pa.concat_tables(tables, promote_options="default"), metadata=META)
 
@@ -144,7 +144,7 @@ RUN_ONLY = ("drift_headroom", "violations", "reference_violations")  # violation
 )
 def test_records_of_a_table_give_its_numbers_and_verdicts(fault, tmp_path: Path) -> None:
     side = run_side(SPECS, faults=fault)
-    got = scenarios(export(side, tmp_path / "r.parquet", fault))
+    got = scenarios(export(side, tmp_path / "r.parquet"))
     assert [s["name"] for s in got] == [name for name, *_ in side]
     # Under forget-temperature the trainer scaled by T = 1; its kept logits are raw, so KL/TV and the
     # logit drift (computed from them at the sampling temperature) differ.
@@ -354,7 +354,7 @@ def test_mass_far_from_one_is_counted_and_explained(base, tmp_path: Path) -> Non
 def test_shards_in_processes_merge_to_the_whole(tmp_path: Path) -> None:
     fault = TrainerFaults(perturb_logits=0.05)
     side = run_side(SPECS, faults=fault)
-    whole = export(side, tmp_path / "whole.parquet", fault)
+    whole = export(side, tmp_path / "whole.parquet")
     table = pq.read_table(whole)
     shards = tmp_path / "shards"
     for i, (a, b) in enumerate([(0, 5), (5, 11), (11, table.num_rows)]):
@@ -369,7 +369,7 @@ def test_shards_in_processes_merge_to_the_whole(tmp_path: Path) -> None:
 def test_summary_survives_json(tmp_path: Path) -> None:
     fault = TrainerFaults(perturb_logits=0.05)
     side = run_side(SPECS[:3], faults=fault)
-    path = export(side, tmp_path / "r.parquet", fault)
+    path = export(side, tmp_path / "r.parquet")
     s = summarize_paths([path], Options())
     back = Summary.from_json(s.to_json())
 
@@ -412,7 +412,7 @@ def test_cli_writes_the_report(tmp_path: Path) -> None:
 
     fault = TrainerFaults(perturb_logits=0.05)
     side = run_side(SPECS[:2], faults=fault)
-    path = export(side, tmp_path / "r.parquet", fault)
+    path = export(side, tmp_path / "r.parquet")
     out = tmp_path / "out"
     assert main(["analyze", str(path), "--out", str(out)]) == 1
     data = json.loads((out / "report.json").read_text())

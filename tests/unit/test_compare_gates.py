@@ -77,7 +77,7 @@ def sampler_records(
 def gates(spec: SamplingSpec, faults: TrainerFaults | None = None, th: Thresholds | None = None, **kw):
     records, logits = sampler_records(spec, **kw)
     table = build_table(records, logits, spec, faults=faults)
-    summary = judged(records, logits, table, th, faults=faults)
+    summary = judged(records, logits, table, th)
     return failed_gates(summary), table, summary
 
 
@@ -232,7 +232,7 @@ def test_drift_split_reads_logit_drift_from_the_captured_kept_set() -> None:
     spec = SamplingSpec(1.0, top_k=10)
     records, logits = sampler_records(spec)
     def split(faults: TrainerFaults | None = None):
-        return judged(records, logits, build_table(records, logits, spec, faults=faults), faults=faults)["drift_split"]
+        return judged(records, logits, build_table(records, logits, spec, faults=faults))["drift_split"]
 
     clean = split()
     assert clean["logit_drift_max"] < 1e-5

@@ -57,7 +57,7 @@ def penalised_records(spec: SamplingSpec, n_seq: int = 6, length: int = 12, seed
 def gates(spec: SamplingSpec, faults: TrainerFaults | None = None, **kw):
     records, logits = penalised_records(spec, **kw)
     table = build_table(records, logits, spec, faults=faults)
-    summary = judged(records, logits, table, faults=faults)
+    summary = judged(records, logits, table)
     return failed_gates(summary), table, summary
 
 

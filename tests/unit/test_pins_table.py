@@ -217,7 +217,7 @@ def test_swap_token_changes_the_scored_token_not_the_sampled_one() -> None:
     t = build_table([r], [z], SPEC, faults=TrainerFaults(swap_token=True))
     y = r.completion_ids
     assert t.token.tolist() == [y[0], y[1], (y[2] + 1) % V, y[3]] and t.sampled.tolist() == y
-    assert judged([r], [z], t, faults=TrainerFaults(swap_token=True))["token_mismatch"] == 1
+    assert judged([r], [z], t)["token_mismatch"] == 1
 
 
 def test_drop_kept_removes_one_non_sampled_token_at_the_middle() -> None:

@@ -28,7 +28,6 @@ REPORT_NAMES = {"replay": "replay", "recompute": "recompute", "user": "trainer_u
 # Which support equality belongs to each comparison: replay's gate (is the captured S_q the sampler's
 # whole support) for replay and the trainer under test, recompute's own for recompute.
 SUPPORT_OF = {"replay": "replay", "recompute": "recompute", "user": "replay"}
-NA = "n/a"  # as parity.judge.accumulators.NA: the records do not hold the statistic's inputs
 EPS = float(np.finfo(np.float64).eps)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from parity.core.violation import Position
 from parity.report import blocks
 
-NA = "n/a"  # a statistic whose inputs the records do not hold (the report says which and why)
+NA = blocks.NA
 # Histogram of |diff|: bin 0 exact zeros, bin 1 below 1e-16, then 0.01-decade bins up to 1e4, then one
 # overflow bin; non-finite differences are counted apart.
 HIST_LO, HIST_HI, HIST_STEP = -16.0, 4.0, 0.01

@@ -17,6 +17,7 @@ from parity.core.json_types import Json as Json
 from parity.core.json_types import JsonObject as JsonObject
 
 Stat = float | str
+NA = "n/a"  # the Stat of a statistic whose inputs the records do not hold (the report says which and why)
 
 
 class LogS(TypedDict):

@@ -6,14 +6,14 @@ The per-step state is small mergeable accumulators (docs/records.md, section 7);
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
-from typing import TypedDict, cast
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TypedDict
 
 import numpy as np
 
 from parity.errors import UsageError
-from parity.report.blocks import StepComparisonJson, StepJson, TrendJson
+from parity.report.blocks import TrendJson
 
 TREND_GATE = "drift_trend"
 # The slope must exceed TREND_Z standard errors, and some step after the baseline must sit more than
@@ -174,91 +174,9 @@ def grouped_headroom(slot: np.ndarray, n_slots: int, key: np.ndarray) -> tuple[n
 # ==================================================================================================
 
 
-@dataclass(frozen=True)
-class StepComparison:
-    """One comparison at one step, in the report (``n/a``: the records do not hold it; ``max_headroom``
-    None: no per-token bound)."""
-
-    tokens: int
-    mean_bias: float | str
-    mean_abs_diff: float | str
-    max_headroom: float | None
-    support_equal_frac: float | str
-
-    def to_json(self) -> StepComparisonJson:
-        return cast("StepComparisonJson", asdict(self))
-
-    @classmethod
-    def from_json(cls, d: StepComparisonJson) -> StepComparison:
-        return cls(**d)
-
-
-@dataclass(frozen=True)
-class StepEntry:
-    """One step of a scenario's ``per_step`` list. The flat statistics are those of ``comparison`` (the
-    one the trend gates: the trainer under test where the records hold one, else replay, else recompute);
-    ``by_comparison`` has every comparison the records hold."""
-
-    step: int
-    sequences: int
-    tokens: int
-    comparison: str | None
-    compared_tokens: int
-    mean_bias: float | str
-    mean_abs_diff: float | str
-    max_headroom: float | None
-    support_equal_frac: float | str
-    by_comparison: dict[str, StepComparison]
-
-    def to_json(self) -> StepJson:
-        return cast("StepJson", {**asdict(self), "by_comparison": {k: v.to_json() for k, v in self.by_comparison.items()}})
-
-    @classmethod
-    def from_json(cls, d: StepJson) -> StepEntry:
-        build: Callable[..., StepEntry] = cls  # the JSON's keys are the fields
-        return build(**{**d, "by_comparison": {k: StepComparison.from_json(v) for k, v in d["by_comparison"].items()}})
-
-
-@dataclass(frozen=True)
-class DriftTrend:
-    """The least-squares trend of a comparison's mean |diff| over steps, and the ``drift_trend`` verdict (``passed``
-    None when not evaluated: ``reason``). ``slope`` is in nats per token per training step, ``slope_se`` the larger of
-    ``slope_se_residual`` and ``slope_se_tokens``, ``limit`` ``z * slope_se`` (docs/error_model.md, section 5; the
-    fields: docs/records.md, section 7)."""
-
-    comparison: str
-    steps: int
-    first_step: int | None
-    last_step: int | None
-    slope: float | None
-    intercept: float | None
-    slope_se: float | None
-    slope_se_residual: float | None
-    slope_se_tokens: float | None
-    z: float
-    limit: float | None
-    baseline_steps: tuple[int, ...]
-    baseline_mean: float | None
-    noise: float | None
-    band_k: float
-    band_lo: float | None
-    band_hi: float | None
-    first_step_outside: int | None
-    evaluated: bool
-    passed: bool | None
-    reason: str = ""
-
-    @property
-    def failed(self) -> bool:
-        return self.evaluated and self.passed is False
-
-    def to_json(self) -> TrendJson:
-        return cast("TrendJson", {**asdict(self), "baseline_steps": list(self.baseline_steps)})
-
-    @classmethod
-    def from_json(cls, d: TrendJson) -> DriftTrend:
-        build: Callable[..., DriftTrend] = cls  # the JSON's keys are the fields
-        return build(**{**d, "baseline_steps": tuple(d["baseline_steps"])})
+def trend_failed(tr: TrendJson) -> bool:
+    """Whether the ``drift_trend`` gate was evaluated and failed."""
+    return tr["evaluated"] and tr["passed"] is False
 
 
 def _over(value: float, limit: float) -> bool:
@@ -269,7 +187,7 @@ def drift_trend(
     steps: Sequence[int], means: Sequence[float], token_se: Sequence[float], comparison: str, *,
     tokens: Sequence[int] | None = None, z: float = TREND_Z, band_k: float = BAND_K,
     baseline: int = BASELINE_STEPS, min_steps: int = MIN_STEPS,
-) -> DriftTrend:
+) -> TrendJson:
     """Fit mean |diff| (``means``, one per step, ascending ``steps``) against step and judge its growth.
 
     ``token_se``: each step's per-token standard error of its mean; ``tokens``: each step's token count (for the
@@ -280,18 +198,18 @@ def drift_trend(
         raise UsageError(f"drift_trend: baseline={baseline}, min_steps={min_steps}: allowed 1 <= baseline < min_steps")
     if n and bool(np.any(np.diff(x) <= 0)):
         raise UsageError("drift_trend: steps must be strictly ascending")
-    base_steps = tuple(int(s) for s in steps[:baseline]) if n > baseline else ()
+    base_steps = [int(s) for s in steps[:baseline]] if n > baseline else []
     first, last = (int(steps[0]), int(steps[-1])) if n else (None, None)
-    fit = DriftTrend(comparison=comparison, steps=n, first_step=first, last_step=last, slope=None, intercept=None,
-                     slope_se=None, slope_se_residual=None, slope_se_tokens=None, z=z, limit=None, baseline_steps=base_steps,
-                     baseline_mean=None, noise=None, band_k=band_k, band_lo=None, band_hi=None, first_step_outside=None,
-                     evaluated=False, passed=None)
+    fit = TrendJson(comparison=comparison, steps=n, first_step=first, last_step=last, slope=None, intercept=None,
+                    slope_se=None, slope_se_residual=None, slope_se_tokens=None, z=z, limit=None,
+                    baseline_steps=base_steps, baseline_mean=None, noise=None, band_k=band_k, band_lo=None, band_hi=None,
+                    first_step_outside=None, evaluated=False, passed=None, reason="")
     bad = np.flatnonzero(~np.isfinite(y))
     if bad.size:
         # An infinite (or NaN) mean |diff| is drift beyond any band: the gate fails at that step.
         s = int(steps[int(bad[0])])
-        return replace(fit, first_step_outside=s, evaluated=True, passed=False,
-                       reason=f"mean |diff| is not finite at step {s}")
+        return {**fit, "first_step_outside": s, "evaluated": True, "passed": False,
+                "reason": f"mean |diff| is not finite at step {s}"}
     if n >= 2:
         xc = x - x.mean()
         sxx = float(xc @ xc)
@@ -305,19 +223,21 @@ def drift_trend(
         floor = EPS * max(most, 1) * float(np.max(np.abs(y)))
         noise = max(s_res if n > 2 else 0.0, math.sqrt(float(np.mean(se * se))), floor)
         slope_se = max(s_res / math.sqrt(sxx) if n > 2 else 0.0, se_tok, floor / math.sqrt(sxx))
-        fit = replace(fit, slope=slope, intercept=intercept, slope_se=slope_se, slope_se_residual=s_res / math.sqrt(sxx)
-                      if n > 2 else None, slope_se_tokens=se_tok, limit=z * slope_se, noise=noise)
+        fit = {**fit, "slope": slope, "intercept": intercept, "slope_se": slope_se,
+               "slope_se_residual": s_res / math.sqrt(sxx) if n > 2 else None, "slope_se_tokens": se_tok,
+               "limit": z * slope_se, "noise": noise}
         if n > baseline:
             mu0 = float(np.mean(y[:baseline]))
             hi = mu0 + band_k * noise
             out = [int(s) for s, m in zip(steps[baseline:], y[baseline:], strict=True) if _over(float(m), hi)]
-            fit = replace(fit, baseline_mean=mu0, band_lo=mu0 - band_k * noise, band_hi=hi,
-                          first_step_outside=out[0] if out else None)
+            fit = {**fit, "baseline_mean": mu0, "band_lo": mu0 - band_k * noise, "band_hi": hi,
+                   "first_step_outside": out[0] if out else None}
     if n < min_steps:
         why = (f"{n} step(s) with {comparison} values"
                + (f" ({', '.join(str(int(s)) for s in steps[:8])}{' ...' if n > 8 else ''})" if n else "")
                + f": the trend gate needs at least {min_steps} (the first {baseline} are its baseline, and fewer "
                f"steps leave the residual spread under {min_steps - 2} degrees of freedom)")
-        return replace(fit, reason=why)
-    assert fit.slope is not None and fit.limit is not None  # fitted: min_steps > baseline >= 1
-    return replace(fit, evaluated=True, passed=not (_over(fit.slope, fit.limit) and fit.first_step_outside is not None))
+        return {**fit, "reason": why}
+    fitted, limit = fit["slope"], fit["limit"]
+    assert fitted is not None and limit is not None  # fitted: min_steps > baseline >= 1
+    return {**fit, "evaluated": True, "passed": not (_over(fitted, limit) and fit["first_step_outside"] is not None)}

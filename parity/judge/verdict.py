@@ -32,7 +32,6 @@ from parity.report import blocks
 
 if TYPE_CHECKING:
     from parity.judge.accumulators import Summary
-    from parity.judge.steps import DriftTrend
     from parity.report.blocks import Routing
     from parity.report.model import ScenarioVerdict
 from parity.judge.steps import (
@@ -40,8 +39,6 @@ from parity.judge.steps import (
     REPORT_NAMES,
     SUPPORT_OF,
     TREND_GATE,
-    StepComparison,
-    StepEntry,
     drift_trend,
 )
 
@@ -331,12 +328,12 @@ def _scenario_report(a: ScenarioAcc, name: str, trainer: str | None = None) -> b
     notes = _input_notes(a)
     not_eval = _not_evaluated(a, avail, notes)
     per_step, trend, trend_why = _step_view(a, avail, functools.partial(_full, a))
-    out["per_step"] = [e.to_json() for e in per_step]
+    out["per_step"] = per_step
     split = _mismatch_split(a, avail, limits, lp, per_step)
     if split is not None:
         out["mismatch_split"] = split
-    out["trend"] = None if trend is None else trend.to_json()
-    if a.steps and not (trend is not None and trend.evaluated):
+    out["trend"] = trend
+    if a.steps and not (trend is not None and trend["evaluated"]):
         not_eval.append({"gate": TREND_GATE, "reason": trend_why})
     if a.steps and a.unstepped:
         notes.append(f"{a.unstepped} of {a.sequences} sequences carry no step (null or negative): they are left out "
@@ -349,25 +346,23 @@ def _scenario_report(a: ScenarioAcc, name: str, trainer: str | None = None) -> b
 
 def _step_view(
     a: ScenarioAcc, avail: Mapping[str, bool], full_input: Callable[..., bool]
-) -> tuple[list[StepEntry], DriftTrend | None, str]:
+) -> tuple[list[blocks.StepJson], blocks.TrendJson | None, str]:
     """``(per_step, trend, why)``: the scenario's training-log view (empty without steps), the trend of the
     comparison whose verdict the scenario gives (None when there is none; docs/error_model.md, section 5) and,
     when the trend gate is not evaluated, why."""
-    from dataclasses import replace
-
     if not a.steps:
         return [], None, ""
     held = [k for k in COMPARISONS if avail[k]]
     follow = next((k for k in ("user", "replay", "recompute") if k in held), None)
     support_known = {"replay": avail["kept"], "recompute": avail["recompute_support"]}
-    entries = []
+    entries: list[blocks.StepJson] = []
     for step in sorted(a.steps):
         sa = a.steps[step]
-        by: dict[str, StepComparison] = {}
+        by: dict[str, blocks.StepComparisonJson] = {}
         for k in held:
             st = sa.streams[k]
             ok, n = sa.support(SUPPORT_OF[k])
-            by[REPORT_NAMES[k]] = StepComparison(
+            by[REPORT_NAMES[k]] = blocks.StepComparisonJson(
                 tokens=st.n,
                 mean_bias=st.mean_bias if st.n else NA,
                 mean_abs_diff=st.mean_abs if st.n else NA,
@@ -375,11 +370,11 @@ def _step_view(
                 support_equal_frac=(ok / n if n else 1.0) if support_known[SUPPORT_OF[k]] else NA,
             )
         f = by[REPORT_NAMES[follow]] if follow else None
-        entries.append(StepEntry(
+        entries.append(blocks.StepJson(
             step=step, sequences=sa.sequences, tokens=sa.tokens, comparison=REPORT_NAMES[follow] if follow else None,
-            compared_tokens=f.tokens if f else 0, mean_bias=f.mean_bias if f else NA,
-            mean_abs_diff=f.mean_abs_diff if f else NA, max_headroom=f.max_headroom if f else None,
-            support_equal_frac=f.support_equal_frac if f else NA, by_comparison=by,
+            compared_tokens=f["tokens"] if f else 0, mean_bias=f["mean_bias"] if f else NA,
+            mean_abs_diff=f["mean_abs_diff"] if f else NA, max_headroom=f["max_headroom"] if f else None,
+            support_equal_frac=f["support_equal_frac"] if f else NA, by_comparison=by,
         ))
     if follow is None:
         return entries, None, ("no comparison to follow across steps: " + REASONS["user"] + "; "
@@ -387,15 +382,15 @@ def _step_view(
     at = [(s, a.steps[s].streams[follow]) for s in sorted(a.steps) if a.steps[s].streams[follow].n]
     trend = drift_trend([s for s, _ in at], [st.mean_abs for _, st in at], [st.abs_se for _, st in at],
                         REPORT_NAMES[follow], tokens=[st.n for _, st in at])
-    if trend.evaluated and not full_input(follow):
+    if trend["evaluated"] and not full_input(follow):
         why = (REASONS[follow] + f" ({a.lacking[follow]} of {a.sequences} sequences lack it; the per-step values "
                f"cover the others)")
-        trend = replace(trend, evaluated=False, passed=None, reason=why)
-    return entries, trend, trend.reason
+        trend = {**trend, "evaluated": False, "passed": None, "reason": why}
+    return entries, trend, trend["reason"]
 
 
 def _mismatch_split(a: ScenarioAcc, avail: Mapping[str, bool], limits: Mapping[str, float | None],
-                    lp: blocks.LogprobBias | None, per_step: Sequence[StepEntry]) -> blocks.MismatchSplit | None:
+                    lp: blocks.LogprobBias | None, per_step: Sequence[blocks.StepJson]) -> blocks.MismatchSplit | None:
     """The part of ``parity budget`` that records alone support (:func:`parity.core.mismatch_split.records_split`), on the
     comparison the verdict follows: the trainer under test, else replay, else recompute."""
     from parity.core.mismatch_split import records_split
@@ -408,8 +403,8 @@ def _mismatch_split(a: ScenarioAcc, avail: Mapping[str, bool], limits: Mapping[s
     limit = limits.get(name)
     if limit is None and follow == "user" and lp is not None:
         limit = float(lp["limit"])
-    steps = [(e.step, float(v)) for e in per_step
-             if (c := e.by_comparison.get(name)) is not None and isinstance(v := c.mean_abs_diff, float)]
+    steps = [(e["step"], float(v)) for e in per_step
+             if (c := e["by_comparison"].get(name)) is not None and isinstance(v := c["mean_abs_diff"], float)]
     return cast("blocks.MismatchSplit", records_split(name, a.streams[follow].n, st["mean_diff"], st["mean_abs_diff"],
                                                       limit, steps))
 

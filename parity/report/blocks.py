@@ -189,7 +189,9 @@ class StepComparisonJson(TypedDict):
 
 
 class StepJson(TypedDict):
-    """One step of ``per_step`` (:class:`parity.judge.steps.StepEntry`)."""
+    """One step of ``per_step``. The flat statistics are those of ``comparison`` (the one the trend gates: the
+    trainer under test where the records hold one, else replay, else recompute); ``by_comparison`` has every
+    comparison the records hold (``n/a``: the records do not hold it; ``max_headroom`` None: no per-token bound)."""
 
     step: int
     sequences: int
@@ -204,7 +206,10 @@ class StepJson(TypedDict):
 
 
 class TrendJson(TypedDict):
-    """``drift_trend``'s fit and verdict (:class:`parity.judge.steps.DriftTrend`)."""
+    """The least-squares trend of a comparison's mean |diff| over steps, and the ``drift_trend`` verdict (``passed``
+    None when not evaluated: ``reason``; :func:`parity.judge.steps.drift_trend`). ``slope`` is in nats per token per
+    training step, ``slope_se`` the larger of ``slope_se_residual`` and ``slope_se_tokens``, ``limit``
+    ``z * slope_se`` (docs/error_model.md, section 5; the fields: docs/records.md, section 7)."""
 
     comparison: str
     steps: int

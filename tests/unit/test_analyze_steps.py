@@ -29,9 +29,8 @@ from parity.judge.steps import (
     MIN_STEPS,
     TREND_GATE,
     TREND_Z,
-    DriftTrend,
-    StepEntry,
     drift_trend,
+    trend_failed,
 )
 from parity.judge.token_columns import summarize_batch
 from parity.judge.verdict import judge
@@ -126,9 +125,16 @@ def test_flat_log_passes_and_states_its_resolution(flat) -> None:
     assert tr["limit"] == pytest.approx(TREND_Z * tr["slope_se"], rel=1e-12)
     assert [e["step"] for e in sc["per_step"]] == list(range(STEPS))
     assert all(e["mean_bias"] == pytest.approx(0.0, abs=1e-15) for e in sc["per_step"])
-    # Typed: the report's entries read back as the dataclasses that wrote them.
-    assert DriftTrend.from_json(tr).to_json() == tr
-    assert [StepEntry.from_json(e).to_json() for e in sc["per_step"]] == sc["per_step"]
+    # Typed: the step view is what the schema generated from its report types accepts, key for key.
+    import jsonschema
+
+    from parity.report.blocks import StepJson, TrendJson, schema_of
+
+    assert set(tr) == set(TrendJson.__annotations__)
+    jsonschema.validate(tr, schema_of(TrendJson))
+    for e in sc["per_step"]:
+        assert set(e) == set(StepJson.__annotations__)
+        jsonschema.validate(e, schema_of(StepJson))
 
 
 @pytest.mark.parametrize("times", [3.0, 0.1])
@@ -227,15 +233,15 @@ def test_sequences_without_a_step_are_left_out_and_said(tmp_path: Path) -> None:
 
 def test_drift_trend_edge_cases() -> None:
     steps = list(range(8))
-    assert drift_trend(steps, [0.01] * 8, [0.0] * 8, "replay").passed  # exactly flat, no spread
+    assert drift_trend(steps, [0.01] * 8, [0.0] * 8, "replay")["passed"]  # exactly flat, no spread
     bad = drift_trend(steps, [0.01] * 5 + [math.inf] * 3, [0.0] * 8, "replay")
-    assert bad.evaluated and bad.failed and bad.first_step_outside == 5
+    assert bad["evaluated"] and trend_failed(bad) and bad["first_step_outside"] == 5
     with pytest.raises(ValueError, match="ascending"):
         drift_trend([0, 2, 1, 3, 4, 5], [0.01] * 6, [0.0] * 6, "replay")
     # Sparse step numbers: the slope is per training step, not per logged step.
     tr = drift_trend([0, 10, 20, 30, 40, 50], [0.01 + 1e-4 * s for s in range(0, 60, 10)], [1e-6] * 6, "replay")
-    assert tr.slope == pytest.approx(1e-4)
-    assert json.loads(json.dumps(tr.to_json()))["baseline_steps"] == [0, 10, 20]
+    assert tr["slope"] == pytest.approx(1e-4)
+    assert json.loads(json.dumps(tr))["baseline_steps"] == [0, 10, 20]
 
 
 # -- the per-step numbers are the analysis of that step's records ---------------------------------------

@@ -35,8 +35,9 @@ from parity.core.gates import (
 from parity.core.violation import Position, Violation
 from parity.judge.accumulators import FLAGS, ScenarioAcc
 from parity.judge.gate_table import CAPTURE_LIMIT_FIX, _scaled, trend_violation
-from parity.judge.steps import TREND_GATE, DriftTrend
+from parity.judge.steps import TREND_GATE
 from parity.judge.verdict import GATES, _logprob_entry, _scenario_report, evaluate_summary
+from parity.report.blocks import TrendJson
 
 NAN = math.nan
 SC = "scen"
@@ -450,12 +451,12 @@ def test_sampled_outside_and_token_mismatch_name_their_rows() -> None:
 
 # -- gate order, not_evaluated, drift_trend -----------------------------------------------------------
 
-TREND = DriftTrend(
+TREND = TrendJson(
     comparison="replay", steps=8, first_step=0, last_step=7, slope=2e-4, intercept=0.011, slope_se=5e-5,
-    slope_se_residual=5e-5, slope_se_tokens=1e-5, z=3.0, limit=1.5e-4, baseline_steps=(0, 1, 2),
+    slope_se_residual=5e-5, slope_se_tokens=1e-5, z=3.0, limit=1.5e-4, baseline_steps=[0, 1, 2],
     baseline_mean=0.011, noise=1e-3, band_k=3.0, band_lo=0.008, band_hi=0.014, first_step_outside=5,
-    evaluated=True, passed=False,
-).to_json()
+    evaluated=True, passed=False, reason="",
+)
 PER_STEP = [{"step": s, "mean_abs_diff": m}
             for s, m in enumerate([0.011, 0.0112, 0.0109, 0.0113, 0.0118, 0.0145, 0.0139, 0.0152])]
 ORDER = [

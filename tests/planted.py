@@ -12,8 +12,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from parity.core.error_model import SUPPORT_MASS_TOL
 from parity.core.gates import Thresholds
-from parity.core.token_table import SUPPORT_MASS_TOL
 
 Rows = list[dict[str, Any]]
 Plant = Callable[..., Rows]

@@ -53,6 +53,7 @@ def rescored_columns(batch: RecordsBatch, trainer: TransformersTrainer, dtypes: 
 
     from parity.core.token_table import build_table
     from parity.engines.trainer_under_test import reference_views
+    from parity.judge.token_values import divergence_over_kept, segments
     from parity.records.convert import to_sequence_records
 
     vocab = int(trainer.vocab_size)
@@ -68,6 +69,8 @@ def rescored_columns(batch: RecordsBatch, trainer: TransformersTrainer, dtypes: 
         raise RecordsError(f"{batch.source} row {batch.first_row + int(empty[0])} column prompt_ids: empty: re-scoring with "
                            f"--model needs the prompt (its last position predicts completion token 0)")
     records = to_sequence_records(batch)
+    kto = batch.kept_token_offsets
+    kept_logits = None if batch.kept is None or kto is None else np.zeros(batch.kept.values.size, dtype=np.float32)
     filtered_spec = np.array([s.effective().filtered for s in batch.specs], dtype=bool)
     view_parts: dict[frozenset[str], np.ndarray] = {}
     has_user = cols.have["user"]
@@ -99,16 +102,26 @@ def rescored_columns(batch: RecordsBatch, trainer: TransformersTrainer, dtypes: 
             cols.recompute_support_equal[tok] = table.recompute_support_equal.numpy()
             cols.recompute_support_size[tok] = np.where(known, table.recompute_support_size.numpy(), -1)
             cols.have["recompute_support"][tok] = known
-            cols.kl[tok] = np.where(known, table.kl.numpy(), 0.0)
-            cols.tv[tok] = np.where(known, table.tv.numpy(), 0.0)
             cols.have["kl"][tok] = known
-            cols.logit_drift[tok] = np.where(known, table.logit_drift.numpy(), np.nan)
+            if kept_logits is not None and kto is not None:
+                for q, i in enumerate(part):
+                    ids, at = table.kept_seen[q]
+                    if ids is not None and at is not None:
+                        e0, e1 = int(kto[batch.token_offsets[i]]), int(kto[batch.token_offsets[i + 1]])
+                        kept_logits[e0:e1] = at[ids >= 0].numpy()
             if bool(has_user[tok].any()):
                 ys = [torch.tensor(r.completion_ids, dtype=torch.long) for r in recs]
                 views = reference_views(logits, ys, spec, [r.kept_ids for r in recs], [r.prompt_ids for r in recs])
                 for bugs, v in views.items():
                     if bugs:
                         view_parts.setdefault(bugs, np.full(batch.tokens, np.nan))[tok] = np.where(known, v.numpy(), np.nan)
+    if kept_logits is not None and kto is not None:
+        # KL / TV and the logit drift over S_q from the model's logits at the kept ids, as from the records'
+        # trainer_kept_logits (parity.judge.token_values, the one derivation); 0, 0, NaN where nothing is kept.
+        row = batch.row_of_token()
+        assert batch.kept_logprobs is not None
+        cols.kl, cols.tv, cols.logit_drift = divergence_over_kept(
+            batch, segments(kto), batch.kept_logprobs.astype(np.float64), kept_logits, batch.kept_rows()[row], row)
     cols.views = {frozenset(): cols.views[frozenset()], **view_parts}
     return cols
 

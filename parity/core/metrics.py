@@ -61,13 +61,3 @@ def max_abs_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(abs_difference(a, b).max()) if a.numel() else 0.0
 
 
-def kl_tv_over_support(logp: torch.Tensor, logq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row KL(p || q) and TV(p, q) between two processed distributions ``[N, V]`` (-inf = 0 mass); mass p
-    puts where q has none makes KL infinite, the right answer for a support mismatch."""
-    p = logp.double().exp()
-    q = logq.double().exp()
-    on_p = p > 0
-    term = torch.where(on_p, p * (logp.double() - logq.double()), torch.zeros_like(p))
-    kl = term.sum(dim=-1)
-    tv = 0.5 * (p - q).abs().sum(dim=-1)
-    return kl, tv

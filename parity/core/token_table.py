@@ -11,10 +11,9 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from parity.core import estimators
-from parity.core.capture import support_mass
-from parity.core.error_model import SUPPORT_MASS_TOL, logprob_bound, systematic_bound, unit_roundoff
+from parity.core.error_model import logprob_bound, systematic_bound, unit_roundoff
 from parity.core.log_s import top_p_bracket, top_p_bracket_applies
-from parity.core.metrics import boundary_only, kl_tv_over_support, support_equal, top_k_count_differs
+from parity.core.metrics import boundary_only, support_equal, top_k_count_differs
 from parity.core.penalties import penalise_sequence
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
@@ -32,25 +31,18 @@ class TokenTable:
     recompute: torch.Tensor  # float64 [T]
     log_s: torch.Tensor  # float64 [T]: predicted log S from trainer logits over S_q (0 when unfiltered)
     forced: torch.Tensor  # bool [T]: recompute had to force-include the sampled token
-    captured: torch.Tensor  # bool [T]: S_q was captured (False: unfiltered, support = vocabulary)
     incomplete: torch.Tensor  # bool [T]: the captured head may not hold the whole support
-    sampled_outside: torch.Tensor  # bool [T]: the engine's sampled token is not in S_q (engine or capture fault)
-    replay_support_ok: torch.Tensor  # bool [T]: S_q complete, holds y, sampler mass sums to 1
     recompute_support_equal: torch.Tensor  # bool [T]: recomputed S_p == S_q (or differs only at the cutoff)
     recompute_support_size: torch.Tensor  # long [T]: |S_p ∪ {y}|, the tokens recompute normalised over
     # float64 [T]: where S_p differs from S_q only at the cutoff, how far that moves recompute: |logsumexp over
     # S_q - logsumexp over S_p with the sampled token| (0 where the sets are equal); recompute's drift bound adds it
     recompute_boundary: torch.Tensor
-    support_size: torch.Tensor  # long [T]: |S_q| (V when not captured)
-    kl: torch.Tensor  # float64 [T]: KL(sampler || trainer replay) over S_q (0 when not captured)
-    tv: torch.Tensor  # float64 [T]: total variation over S_q
     bound: torch.Tensor  # float64 [T]: rounding bound on |trainer - sampler| over S_q (parity.core.error_model)
     bound_full: torch.Tensor  # float64 [T]: the same over the whole vocabulary (the naive estimator's)
     systematic: torch.Tensor  # float64 [T]: what of |trainer - sampler| can point one way (error_model.systematic_bound)
     sampled: torch.Tensor  # long [T]: the token the sampler drew (``token`` is what the trainer scored)
     s_lo: torch.Tensor  # float64 [T]: sampler-side log S lies in [s_lo, s_hi]; NaN where no source has it
     s_hi: torch.Tensor  # float64 [T]
-    logit_drift: torch.Tensor  # float64 [T]: spread over S_q of (sampler lp - trainer replay lp); NaN uncaptured
     # float64 [T]: full(penalised z)[y] - full(z)[y], the penalties' part of a naive trainer's bias (0 unpenalised):
     # a trainer that ignores the penalties and the filters reads vllm + log S - penalty (docs/penalties.md)
     penalty: torch.Tensor
@@ -216,7 +208,7 @@ def build_table(
         cols["s_hi"].append(hi)
         sources.add(source)
         if kept is None:
-            _add_unfiltered(cols, r, full - shift_full + shift, rec.kept, vocab)
+            _add_unfiltered(cols, r, full - shift_full + shift, rec.kept)
         else:
             _add_captured(cols, r, z, y, zs, kept, rec.kept, shift, trainer_spec, bound)
     u = unit_roundoff(dtype)
@@ -232,45 +224,28 @@ def build_table(
 Columns = dict[str, list[torch.Tensor]]
 
 
-def _add_unfiltered(cols: Columns, r: SequenceRecord, replay: torch.Tensor, rec_kept: torch.Tensor, vocab: int) -> None:
+def _add_unfiltered(cols: Columns, r: SequenceRecord, replay: torch.Tensor, rec_kept: torch.Tensor) -> None:
     """Unfiltered: S_q is the whole vocabulary, replay is the full log-softmax, log S = 0."""
     n = r.length
-    nan = float("nan")
     cols["replay"].append(replay)
     cols["log_s"].append(torch.zeros(n, dtype=torch.float64))
-    cols["captured"].append(torch.zeros(n, dtype=torch.bool))
     cols["incomplete"].append(torch.zeros(n, dtype=torch.bool))
-    cols["sampled_outside"].append(_engine_missing(r, n))
-    cols["logit_drift"].append(torch.full((n,), nan, dtype=torch.float64))
-    cols["replay_support_ok"].append(torch.ones(n, dtype=torch.bool))
     cols["recompute_support_equal"].append(rec_kept.all(dim=-1))
     cols["recompute_boundary"].append(torch.zeros(n, dtype=torch.float64))
-    cols["support_size"].append(torch.full((n,), vocab, dtype=torch.long))
-    cols["kl"].append(torch.zeros(n, dtype=torch.float64))
-    cols["tv"].append(torch.zeros(n, dtype=torch.float64))
 
 
 def _add_captured(cols: Columns, r: SequenceRecord, z: torch.Tensor, y: torch.Tensor, zs: torch.Tensor,
                   kept: torch.Tensor, rec_kept: torch.Tensor, shift: torch.Tensor, trainer_spec: SamplingSpec,
                   bound: torch.Tensor) -> None:
-    """A captured S_q: replay over it, predicted log S, the support checks, KL / TV and the logit drift."""
+    """A captured S_q: replay over it, predicted log S and recompute's support check. What the kept set alone gives
+    (its size and mass, KL / TV, the logit drift) the records path derives from ``kept_seen``
+    (:mod:`parity.judge.token_values`)."""
     n, vocab = r.length, int(z.shape[-1])
     rep = estimators.replay(z, y, kept, trainer_spec)
     cols["replay"].append(rep.logprobs.double() + shift)
     cols["log_s"].append(estimators.predicted_log_s(z, kept, trainer_spec).double())
     incomplete = r.incomplete if r.incomplete is not None else torch.zeros(n, dtype=torch.bool)
-    cols["captured"].append(torch.ones(n, dtype=torch.bool))
     cols["incomplete"].append(incomplete)
-    # The engine's own flag, about the token it sampled: a trainer scoring another token is the
-    # trainer's fault (token mismatch), not the capture's. Outside a complete capture only: beyond
-    # a full head the sampled token may simply be unlisted.
-    missing = _engine_missing(r, n, kept)
-    cols["sampled_outside"].append(missing & ~incomplete)
-    # Sampler mass over the captured ids; a dropped token leaves it short of 1.
-    sampler_lp = _sampler_lp_of(r, kept)
-    mass_ok = (support_mass(sampler_lp) - 1.0).abs() <= SUPPORT_MASS_TOL
-    cols["replay_support_ok"].append(~incomplete & ~missing & mass_ok)
-    cols["support_size"].append((kept >= 0).sum(dim=-1))
     q_mask = estimators.ids_to_mask(kept, vocab)
     exact = support_equal(rec_kept, q_mask)
     equal = exact.clone()
@@ -281,13 +256,6 @@ def _add_captured(cols: Columns, r: SequenceRecord, z: torch.Tensor, y: torch.Te
         equal |= boundary_only(rec_kept, q_mask, zs, bound) & ~top_k_count_differs(rec_kept, q_mask, k)
     cols["recompute_support_equal"].append(equal)
     cols["recompute_boundary"].append(boundary_shift(zs, y, q_mask, rec_kept, equal & ~exact))
-    # KL / TV between the sampler's processed distribution and the trainer's replayed one, on S_q.
-    vals = zs.gather(1, kept.clamp(min=0)).masked_fill(kept < 0, float("-inf")).double()
-    t_lp = vals - torch.logsumexp(vals, dim=-1, keepdim=True)
-    kl, tv = kl_tv_over_support(sampler_lp, t_lp)
-    cols["kl"].append(kl)
-    cols["tv"].append(tv)
-    cols["logit_drift"].append(_logit_drift(sampler_lp, t_lp))
 
 
 def boundary_shift(zs: torch.Tensor, y: torch.Tensor, q_mask: torch.Tensor, rec_kept: torch.Tensor,
@@ -306,17 +274,6 @@ def boundary_shift(zs: torch.Tensor, y: torch.Tensor, q_mask: torch.Tensor, rec_
     lse_p = torch.logsumexp(torch.where(sp, z, neg), dim=-1)
     out[straddle] = (lse_q - lse_p).abs()
     return out
-
-
-def _engine_missing(r: SequenceRecord, n: int, kept: torch.Tensor | None = None) -> torch.Tensor:
-    """The sampler's "sampled token not in S_q" flag: the engine adapter's own, else from its token and kept ids."""
-    flag = r.extras.get("sampled_missing") if r.extras else None
-    if flag is not None:
-        return flag.to(torch.bool)
-    if kept is None:
-        return torch.zeros(n, dtype=torch.bool)
-    sampled = torch.tensor(r.completion_ids, dtype=torch.long)
-    return ~(kept == sampled.unsqueeze(1)).any(dim=-1)
 
 
 def _sampler_log_s(
@@ -340,20 +297,3 @@ def _sampler_log_s(
     return nan, nan, "none"
 
 
-def _logit_drift(sampler_lp: torch.Tensor, trainer_lp: torch.Tensor) -> torch.Tensor:
-    """Per position, max - min over S_q of (sampler lp - trainer lp): over one support the normalisation cancels
-    (``lp_i - lp_j = z'_i - z'_j``), so what spreads it is the engines' logits disagreeing, not the support."""
-    e = sampler_lp.double() - trainer_lp.double()
-    finite = torch.isfinite(e)
-    hi = torch.where(finite, e, torch.full_like(e, -math.inf)).amax(dim=-1)
-    lo = torch.where(finite, e, torch.full_like(e, math.inf)).amin(dim=-1)
-    return torch.where(finite.any(dim=-1), hi - lo, torch.zeros_like(hi))
-
-
-def _sampler_lp_of(r: SequenceRecord, kept: torch.Tensor) -> torch.Tensor:
-    """The sampler's processed log-probs of ``kept`` (which may have had ids planted away)."""
-    assert r.kept_ids is not None and r.kept_logprobs is not None
-    lp = r.kept_logprobs.double()
-    if kept is r.kept_ids:
-        return lp
-    return lp.masked_fill(kept < 0, float("-inf"))

@@ -167,54 +167,76 @@ def _top_p_bracket_applies(spec: SamplingSpec, vocab: int) -> bool:
     return top_p_bracket_applies(spec, vocab)
 
 
-def from_kept_logits(
-    batch: RecordsBatch, seg: np.ndarray, match: np.ndarray, p: np.ndarray, klp: np.ndarray, row: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """KL/TV over S_q, replay and the logit drift, from the trainer's raw logits at the kept ids, as
-    :func:`parity.core.token_table.build_table` computes them (docs/records.md, section 5)."""
-    import torch
-
-    from parity.core import estimators
-
-    T = batch.tokens
+def entry_logits(batch: RecordsBatch, row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(logits, with_logits)``: the trainer's raw logits at the kept entries (float32, in the order of
+    ``kept.values``; 0 where a row has none) from ``trainer_kept_logits``, and per token whether they are held."""
     tk = batch.trainer_kept_logits
-    assert tk is not None and batch.kept_token_offsets is not None and batch.kept is not None
+    assert tk is not None and batch.kept is not None
     with_logits = np.repeat(tk.valid, batch.completion.lengths) & batch.kept_rows()[row]
     # Entries of rows that carry logits, in the same order as kept.values (rows without a kept set add none).
     entry_has = np.repeat(tk.valid[batch.kept.valid], batch.kept.lengths[batch.kept.valid])
-    logits = np.zeros(seg.size, dtype=np.float32)
+    logits = np.zeros(batch.kept.values.size, dtype=np.float32)
     logits[entry_has] = tk.values.astype(np.float32)
+    return logits, with_logits
+
+
+def divergence_over_kept(
+    batch: RecordsBatch, seg: np.ndarray, klp: np.ndarray, logits: np.ndarray, with_logits: np.ndarray, row: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(kl, tv, drift)`` per token, over its kept set S_q, between the sampler's processed log-probs ``klp``
+    (float64 per kept entry) and the trainer's distribution renormalised over S_q from its raw ``logits`` at the
+    kept entries (float32, divided by the spec's temperature): KL(sampler || trainer), total variation, and the
+    logit drift, max - min over S_q of (sampler lp - trainer lp) (over one support the normalisation cancels, so
+    what spreads it is the engines' logits disagreeing). 0, 0, NaN where ``with_logits`` is False; KL is
+    infinite where the sampler puts mass the trainer gives none (docs/records.md, section 5)."""
+    T = batch.tokens
+    kto = batch.kept_token_offsets
+    assert kto is not None
     temps = np.array([_temperature(s) for s in batch.specs], dtype=np.float32)[batch.spec_index][row]
     vals = (logits / temps[seg]).astype(np.float64)
-    counts = np.diff(batch.kept_token_offsets)
-    big = np.full(T, -np.inf)
+    counts = np.diff(kto)
     nonempty = np.flatnonzero(counts > 0)
+    big = np.full(T, -np.inf)
     if nonempty.size:
-        big[nonempty] = np.maximum.reduceat(vals, batch.kept_token_offsets[nonempty])
+        big[nonempty] = np.maximum.reduceat(vals, kto[nonempty])
     m = np.where(np.isfinite(big), big, 0.0)
     s = np.bincount(seg, weights=np.exp(vals - m[seg]), minlength=T)
     with np.errstate(divide="ignore"):
         lse = m + np.log(s)
     t_lp = vals - lse[seg]
-    kl = np.bincount(seg, weights=np.where(p > 0, p * (klp - t_lp), 0.0), minlength=T)
+    p = np.exp(klp)
+    with np.errstate(invalid="ignore"):
+        kl = np.bincount(seg, weights=np.where(p > 0, p * (klp - t_lp), 0.0), minlength=T)
     tv = 0.5 * np.bincount(seg, weights=np.abs(p - np.exp(t_lp)), minlength=T)
-    kl = np.where(with_logits, kl, 0.0)
-    tv = np.where(with_logits, tv, 0.0)
-    # Logit drift (parity.core.token_table._logit_drift): the spread over S_q of (sampler lp - trainer lp).
     e = klp - t_lp
     fin = np.isfinite(e)
     drift = np.full(T, np.nan)
     if nonempty.size:
-        hi = np.maximum.reduceat(np.where(fin, e, -np.inf), batch.kept_token_offsets[nonempty])
-        lo = np.minimum.reduceat(np.where(fin, e, np.inf), batch.kept_token_offsets[nonempty])
+        hi = np.maximum.reduceat(np.where(fin, e, -np.inf), kto[nonempty])
+        lo = np.minimum.reduceat(np.where(fin, e, np.inf), kto[nonempty])
         anyf = np.bincount(seg[fin], minlength=T)[nonempty] > 0
         drift[nonempty] = np.where(anyf, hi - lo, 0.0)
-    drift = np.where(with_logits, drift, np.nan)
-    # Replay through the estimator itself, per spec, on [tokens, K] blocks of the kept logits.
+    return np.where(with_logits, kl, 0.0), np.where(with_logits, tv, 0.0), np.where(with_logits, drift, np.nan)
+
+
+def replay_over_kept(
+    batch: RecordsBatch, seg: np.ndarray, match: np.ndarray, logits: np.ndarray, with_logits: np.ndarray, row: np.ndarray
+) -> np.ndarray:
+    """Replay from the trainer's raw logits at the kept entries, through the estimator itself
+    (:func:`parity.core.estimators.replay`), per spec, on ``[tokens, K]`` blocks; -inf where the sampled token is
+    not kept, NaN-free."""
+    import torch
+
+    from parity.core import estimators
+
+    T = batch.tokens
+    kto = batch.kept_token_offsets
+    assert kto is not None
+    counts = np.diff(kto)
     replay = np.full(T, -np.inf)
     y_col = np.full(T, -1, dtype=np.int64)
     ent = np.flatnonzero(match)
-    y_col[seg[ent]] = ent - batch.kept_token_offsets[seg[ent]]
+    y_col[seg[ent]] = ent - kto[seg[ent]]
     spec_of_tok = batch.spec_index[row]
     toks = np.flatnonzero(with_logits & (y_col >= 0))
     width = max(int(counts.max()) if counts.size else 1, 1)
@@ -227,14 +249,14 @@ def from_kept_logits(
             dense = np.zeros((part.size, width), dtype=np.float32)
             col = np.full((part.size, width), -1, dtype=np.int64)
             r_idx = np.repeat(np.arange(part.size), c)
-            starts = batch.kept_token_offsets[part]
+            starts = kto[part]
             e_idx = np.arange(int(c.sum())) - np.repeat(np.cumsum(c) - c, c) + np.repeat(starts, c)
             k_idx = e_idx - np.repeat(starts, c)
             dense[r_idx, k_idx] = logits[e_idx]
             col[r_idx, k_idx] = k_idx
             lp = estimators.replay(torch.from_numpy(dense), torch.from_numpy(y_col[part]), torch.from_numpy(col), spec).logprobs
             replay[part] = lp.double().numpy()
-    return kl, tv, replay, with_logits, drift
+    return replay
 
 
 @dataclass
@@ -269,8 +291,9 @@ def kept_values(batch: RecordsBatch, row: np.ndarray, captured: np.ndarray) -> K
         out.contains[nonempty] = np.logical_or.reduceat(match, kto[nonempty])
     out.mass = np.where(captured, kept_mass(batch.kept_logprobs, kto, out.support_size, nonempty), 1.0)
     if batch.trainer_kept_logits is not None:
-        p = np.exp(batch.kept_logprobs, dtype=np.float64)
+        seg = segments(kto)
+        logits, out.with_logits = entry_logits(batch, row)
         klp = batch.kept_logprobs.astype(np.float64)
-        out.kl, out.tv, out.replay, out.with_logits, out.drift = from_kept_logits(
-            batch, segments(kto), match, p, klp, row)
+        out.kl, out.tv, out.drift = divergence_over_kept(batch, seg, klp, logits, out.with_logits, row)
+        out.replay = replay_over_kept(batch, seg, match, logits, out.with_logits, row)
     return out

@@ -16,12 +16,13 @@ from judged import failed as failed_gates
 from judged import judged
 
 from parity.core.capture import support_from_heads
+from parity.core.error_model import SUPPORT_MASS_TOL
 from parity.core.filters import reference_filter
 from parity.core.gates import Thresholds
 from parity.core.log_s import log_s_from_raw_logits
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec
-from parity.core.token_table import SUPPORT_MASS_TOL, TrainerFaults, build_table
+from parity.core.token_table import TrainerFaults, build_table
 
 V = 64
 

@@ -10,7 +10,6 @@ import torch
 from parity.core.metrics import (
     abs_difference,
     difference,
-    kl_tv_over_support,
     max_abs_difference,
     support_equal,
 )
@@ -37,11 +36,3 @@ def test_support_equal_message() -> None:
     assert support_equal(a, torch.tensor([[True, False, False]])).tolist() == [False]
 
 
-def test_kl_and_tv_by_hand() -> None:
-    logp = torch.tensor([[math.log(0.5), math.log(0.5), -INF], [0.0, -INF, -INF]], dtype=torch.float32)
-    logq = torch.tensor([[math.log(0.25), math.log(0.25), math.log(0.5)], [math.log(0.5), math.log(0.5), -INF]],
-                        dtype=torch.float32)
-    kl, tv = kl_tv_over_support(logp, logq)
-    assert kl.dtype == torch.float64 and tv.dtype == torch.float64
-    assert kl.tolist() == pytest.approx([math.log(2), math.log(2)], abs=1e-7)
-    assert tv.tolist() == pytest.approx([0.5, 0.5], abs=1e-7)

@@ -9,25 +9,28 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from judged import judged
 
 from parity.core import estimators as E
-from parity.core.error_model import KERNEL_SIDES, logprob_bound, normalisation_errors, unit_roundoff
+from parity.core.error_model import (
+    KERNEL_SIDES,
+    SUPPORT_MASS_TOL,
+    logprob_bound,
+    normalisation_errors,
+    unit_roundoff,
+)
 from parity.core.filters import reference_filter
 from parity.core.log_s import top_p_bracket
 from parity.core.sequence import SequenceRecord
 from parity.core.spec import SamplingSpec as S
-from parity.core.token_table import (
-    SUPPORT_MASS_TOL,
-    TrainerFaults,
-    _engine_missing,
-    _logit_drift,
-    _sampler_lp_of,
-    build_table,
-)
+from parity.core.token_table import TrainerFaults, build_table
 from parity.judge.scenario import rl_view
+from parity.judge.token_columns import token_columns
+from parity.records.convert import from_sequence_records
+from parity.records.validate import validate_batch
 
 V = 6
 NAN = math.nan
@@ -59,6 +62,13 @@ def one(spec: S = SPEC, seed: int = 0, y: list[int] | None = None, faults: Train
     return z, r, build_table([r], [z], spec, faults=faults)
 
 
+def columns(records, table):
+    """What the kept sets give (size, mass, KL / TV, drift, the support flags), as the verdict reads them: from the
+    records ``parity run`` writes for ``table`` (parity.judge.token_values, their one derivation)."""
+    export = from_sequence_records(records, scenario="pinned", table=table)
+    return token_columns(validate_batch(export, source="pinned", signs=False), vocab_size=V)
+
+
 def test_every_column_of_a_filtered_record() -> None:
     z, r, t = one(y=None)
     y = torch.tensor(r.completion_ids)
@@ -72,15 +82,16 @@ def test_every_column_of_a_filtered_record() -> None:
     assert torch.equal(t.replay, E.replay(z, y, r.kept_ids, SPEC).logprobs.double())
     assert torch.equal(t.recompute, E.recompute(z, y, SPEC).logprobs.double())
     assert torch.equal(t.log_s, E.predicted_log_s(z, r.kept_ids, SPEC).double())
-    assert t.forced.tolist() == [False] * 4 and t.captured.tolist() == [True] * 4
-    assert t.incomplete.tolist() == [False] * 4 and t.sampled_outside.tolist() == [False] * 4
-    assert t.replay_support_ok.tolist() == [True] * 4 and t.recompute_support_equal.tolist() == [True] * 4
-    assert t.support_size.tolist() == [3] * 4
+    assert t.forced.tolist() == [False] * 4 and t.incomplete.tolist() == [False] * 4
+    assert t.recompute_support_equal.tolist() == [True] * 4
+    c = columns([r], t)
+    assert c.captured.tolist() == [True] * 4 and c.sampled_outside.tolist() == [False] * 4
+    assert c.replay_support_ok.tolist() == [True] * 4 and c.support_size.tolist() == [3] * 4
     assert torch.equal(t.bound, logprob_bound(zs, y, mask))
     assert torch.equal(t.bound_full, logprob_bound(zs, y, None))
     assert bool((t.bound < t.bound_full).all())
     assert bool(t.s_lo.isnan().all()) and bool(t.s_hi.isnan().all())
-    assert t.kl.abs().max() < 1e-6 and t.tv.abs().max() < 1e-6 and t.logit_drift.abs().max() < 1e-5
+    assert abs(c.kl).max() < 1e-6 and abs(c.tv).max() < 1e-6 and abs(c.logit_drift).max() < 1e-5
     assert t.vllm.dtype == t.full.dtype == t.replay.dtype == t.recompute.dtype == t.log_s.dtype == torch.float64
     assert t.user is None and t.user_name is None
 
@@ -92,18 +103,21 @@ def test_kl_tv_and_logit_drift_of_a_trainer_with_other_logits() -> None:
     r = record(z, spec, y)
     moved = z.clone()
     moved[:, :] += torch.arange(V) * 0.01  # logit drift across the kept set
-    t = build_table([r], [moved], spec)
-    sampler_lp = r.kept_logprobs.double()
-    vals = moved.gather(1, r.kept_ids).double()
-    t_lp = vals - torch.logsumexp(vals, dim=-1, keepdim=True)
-    p, q = sampler_lp.exp(), t_lp.exp()
-    assert t.kl.tolist() == pytest.approx((p * (sampler_lp - t_lp)).sum(-1).tolist(), abs=1e-9)
-    assert t.tv.tolist() == pytest.approx((0.5 * (p - q).abs().sum(-1)).tolist(), abs=1e-9)
-    e = sampler_lp - t_lp
-    assert t.logit_drift.tolist() == pytest.approx((e.amax(-1) - e.amin(-1)).tolist(), abs=1e-6)
-    ids = r.kept_ids
-    spread = (moved.gather(1, ids) - z.gather(1, ids)).double()
-    assert t.logit_drift.tolist() == pytest.approx((spread.amax(-1) - spread.amin(-1)).tolist(), abs=1e-5)
+    c = columns([r], build_table([r], [moved], spec))
+    # An independent float64 computation, position by position, in plain Python.
+    for i in range(4):
+        sampler_lp = [float(v) for v in r.kept_logprobs[i].double()]
+        vals = [float(moved[i, j]) for j in r.kept_ids[i].tolist()]
+        lse = math.log(math.fsum(math.exp(v) for v in vals))
+        t_lp = [v - lse for v in vals]
+        kl = math.fsum(math.exp(a) * (a - b) for a, b in zip(sampler_lp, t_lp, strict=True))
+        tv = 0.5 * math.fsum(abs(math.exp(a) - math.exp(b)) for a, b in zip(sampler_lp, t_lp, strict=True))
+        e = [a - b for a, b in zip(sampler_lp, t_lp, strict=True)]
+        assert c.kl[i] == pytest.approx(kl, abs=1e-9) and c.tv[i] == pytest.approx(tv, abs=1e-9)
+        assert c.logit_drift[i] == pytest.approx(max(e) - min(e), abs=1e-6)
+        # Over one support the normalisation cancels: the drift is the spread of the logits' own shift.
+        spread = [float(moved[i, j] - z[i, j]) for j in r.kept_ids[i].tolist()]
+        assert c.logit_drift[i] == pytest.approx(max(spread) - min(spread), abs=1e-5)
 
 
 def test_an_unfiltered_record() -> None:
@@ -114,15 +128,14 @@ def test_an_unfiltered_record() -> None:
     t = build_table([r], [z], spec)
     zs = E.scale(z, spec)
     assert torch.equal(t.replay, t.full) and torch.equal(t.full, E.full(z, torch.tensor(y), spec).double())
-    assert t.log_s.tolist() == [0.0] * 4 and t.captured.tolist() == [False] * 4
-    assert t.incomplete.tolist() == [False] * 4 and t.sampled_outside.tolist() == [False] * 4
-    assert t.replay_support_ok.tolist() == [True] * 4 and t.recompute_support_equal.tolist() == [True] * 4
-    assert t.support_size.tolist() == [V] * 4 and t.kl.tolist() == [0.0] * 4 and t.tv.tolist() == [0.0] * 4
-    assert bool(t.logit_drift.isnan().all())
+    assert t.log_s.tolist() == [0.0] * 4 and t.incomplete.tolist() == [False] * 4
+    assert t.recompute_support_equal.tolist() == [True] * 4
+    c = columns([r], t)
+    assert c.captured.tolist() == [False] * 4 and c.sampled_outside.tolist() == [False] * 4
+    assert c.replay_support_ok.tolist() == [True] * 4 and c.kl.tolist() == [0.0] * 4 and c.tv.tolist() == [0.0] * 4
+    assert bool(np.isnan(c.logit_drift).all())
     assert torch.equal(t.bound, logprob_bound(zs, torch.tensor(y), None)) and torch.equal(t.bound_full, t.bound)
     assert t.s_lo.tolist() == [0.0] * 4 and t.s_hi.tolist() == [0.0] * 4 and t.s_source == "unfiltered"
-    flagged = record(z, spec, y, extras={"sampled_missing": torch.tensor([0, 1, 0, 0], dtype=torch.uint8)})
-    assert build_table([flagged], [z], spec).sampled_outside.tolist() == [False, True, False, False]
 
 
 def test_the_sampler_log_s_sources() -> None:
@@ -223,8 +236,9 @@ def test_swap_token_changes_the_scored_token_not_the_sampled_one() -> None:
 def test_drop_kept_removes_one_non_sampled_token_at_the_middle() -> None:
     z, r, clean = one()
     t = build_table([r], [z], SPEC, faults=TrainerFaults(drop_kept=True))
-    assert t.support_size.tolist() == [3, 3, 2, 3]
-    assert t.replay_support_ok.tolist() == [True, True, False, True]
+    c = columns([r], t)
+    assert c.support_size.tolist() == [3, 3, 2, 3]
+    assert c.replay_support_ok.tolist() == [True, True, False, True]
     assert float(t.replay[2]) > float(clean.replay[2])  # renormalised over less mass
     assert torch.equal(r.kept_ids, record(z, SPEC, r.completion_ids).kept_ids), "the record is not modified"
 
@@ -236,7 +250,8 @@ def test_drop_kept_mass_drops_the_token_nearest_that_mass() -> None:
     others = [(abs(float(p[j]) - 0.2), int(r.kept_ids[2, j])) for j in range(3) if int(r.kept_ids[2, j]) != y2]
     victim = min(others)[1]
     t = build_table([r], [z], SPEC, faults=TrainerFaults(drop_kept_mass=0.2))
-    assert t.support_size.tolist() == [3, 3, 2, 3] and t.replay_support_ok.tolist() == [True, True, False, True]
+    c = columns([r], t)
+    assert c.support_size.tolist() == [3, 3, 2, 3] and c.replay_support_ok.tolist() == [True, True, False, True]
     kept_mass = float(p[(r.kept_ids[2] != victim)].sum())
     assert float(t.replay[2]) == pytest.approx(float(clean.replay[2]) - math.log(kept_mass), abs=1e-5)
 
@@ -274,49 +289,26 @@ def test_move_boundary_every_counts_positions_across_the_batch() -> None:
 # -- the pieces ------------------------------------------------------------------------------------
 
 
-def test_engine_missing_prefers_the_engine_flag() -> None:
-    z, r, _ = one()
-    assert _engine_missing(r, 4).tolist() == [False] * 4
-    kept = r.kept_ids.clone()
-    kept[1] = torch.where(kept[1] == r.completion_ids[1], -1, kept[1])
-    assert _engine_missing(r, 4, kept).tolist() == [False, True, False, False]
-    r.extras["sampled_missing"] = torch.tensor([1, 0, 0, 1])
-    assert _engine_missing(r, 4, kept).tolist() == [True, False, False, True]
-
-
-def test_sampler_lp_of_masks_planted_drops_only() -> None:
-    z, r, _ = one()
-    assert torch.equal(_sampler_lp_of(r, r.kept_ids), r.kept_logprobs.double())
-    kept = r.kept_ids.clone()
-    kept[0, 1] = -1
-    lp = _sampler_lp_of(r, kept)
-    assert lp[0, 1] == -math.inf and torch.equal(lp[1:], r.kept_logprobs[1:].double())
-
-
-def test_logit_drift_by_hand() -> None:
-    s = torch.tensor([[-1.0, -2.0, -math.inf], [-math.inf, -math.inf, -math.inf]])
-    t = torch.tensor([[-1.5, -2.25, -math.inf], [-1.0, -math.inf, -math.inf]])
-    assert _logit_drift(s, t).tolist() == [0.25, 0.0]
-
-
 def test_a_capture_missing_mass_fails_replay_support_within_the_tolerance() -> None:
     z, r, _ = one()
     lp = r.kept_logprobs.clone().double()
     lp[1, 0] += math.log1p(-3 * SUPPORT_MASS_TOL / float(lp[1, 0].exp()))  # mass short by 3x the tolerance
     lp[2, 0] += math.log1p(-0.1 * SUPPORT_MASS_TOL / float(lp[2, 0].exp()))  # a tenth: rounding
     r.kept_logprobs = lp.float()
-    t = build_table([r], [z], SPEC)
-    assert t.replay_support_ok.tolist() == [True, False, True, True]
+    assert columns([r], build_table([r], [z], SPEC)).replay_support_ok.tolist() == [True, False, True, True]
 
 
-def test_engine_flagged_outside_is_kept_off_incomplete_positions() -> None:
+def test_a_sampled_token_outside_the_kept_ids_is_flagged_off_incomplete_positions_only() -> None:
     z = logits(0)
     y = reference_filter(z, SPEC).logprobs.argmax(dim=-1).tolist()
-    r = record(z, SPEC, y, extras={"sampled_missing": torch.tensor([True, True, False, False])},
-               incomplete=torch.tensor([False, True, False, False]))
+    r = record(z, SPEC, y, incomplete=torch.tensor([False, True, False, False]))
+    for i in (0, 1):  # the engine kept another token in place of the one it sampled
+        j = int((r.kept_ids[i] == y[i]).nonzero()[0, 0])
+        r.kept_ids[i, j] = next(v for v in range(V) if v not in r.kept_ids[i].tolist())
     t = build_table([r], [z], SPEC)
-    assert t.sampled_outside.tolist() == [True, False, False, False]
-    assert t.replay_support_ok.tolist() == [False, False, True, True]
+    c = columns([r], t)
+    assert c.sampled_outside.tolist() == [True, False, False, False]
+    assert c.replay_support_ok.tolist() == [False, False, True, True]
     assert t.incomplete.tolist() == [False, True, False, False]
 
 

@@ -179,6 +179,10 @@ def test_rescoring_fails_a_planted_fault_and_merges_shards(pool, tmp_path: Path)
 
     clean = analysed(0.0, "clean")
     assert clean["violations"] == [] and "replay_drift" in clean["gates_evaluated"]
+    # KL / TV and the logit drift over S_q from the model's logits at the kept ids (the records carry none):
+    # the same fp32 weights on both sides, so near 0, and present at every captured position.
+    assert 0.0 <= clean["kl_over_support"]["max"] < 1e-4 and 0.0 <= clean["tv_over_support"]["max"] < 1e-2
+    assert clean["drift_split"] is not None and 0.0 <= clean["drift_split"]["logit_drift_max"] < 1e-2
     bad = analysed(3 * clean["bound"]["max"], "big")  # at least 2x every token's bound away
     drift = next(v for v in bad["violations"] if v["gate"] == "replay_drift")
     planted = next(p for p in drift["worst"] if (p["prompt"], p["position"]) == (1, 5))

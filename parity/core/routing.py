@@ -6,7 +6,7 @@ A flip is allowed within :func:`margin_bound` (docs/routing.md, section 2)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 
@@ -42,24 +42,33 @@ def topk_margin(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return top[..., k - 1] - top[..., k], order[..., k - 1 : k + 1]
 
 
-@dataclass(frozen=True)
-class RoutingAgreement:
-    """Per layer: the fraction of rows whose expert sets agree; flips within and above the margin bound."""
+class RoutingLayer(TypedDict):
+    """One layer of :class:`Agreement`: the fraction of rows whose expert sets agree, the flips, those above the
+    margin bound, and the median margin and bound."""
+
+    layer: int
+    agreement: float
+    flips: int
+    flips_above_bound: int
+    median_margin: float
+    median_bound: float
+
+
+class Agreement(TypedDict):
+    """The sampler's expert sets against the trainer's router: per layer, and over every (row, layer); the
+    first keys of a report's routing section (:class:`parity.report.blocks.RoutingSection`)."""
 
     rows: int
     layers: int
     top_k: int
     num_experts: int
-    per_layer: list[dict[str, float]]  # layer, agreement, flips, flips_above_bound, median margin and bound
+    per_layer: list[RoutingLayer]
     agreement: float  # over every (row, layer)
     rows_any_layer_differs: float  # Megatron's figure: rows with >= 1 layer whose set differs
     flips: int
     flips_within_bound: int
     flips_above_bound: int
     worst_margin_over_bound: float | None  # the largest margin / bound among flips (None: no flip)
-
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
 
 
 def _margins(sampler_ids: np.ndarray, trainer_ids: np.ndarray, z: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -81,7 +90,7 @@ def _margins(sampler_ids: np.ndarray, trainer_ids: np.ndarray, z: np.ndarray) ->
 def routing_agreement(
     sampler_ids: np.ndarray, trainer_ids: np.ndarray, trainer_logits: np.ndarray, h_norm: np.ndarray,
     w_rms: np.ndarray, dtypes: Dtypes, prompt: np.ndarray, position: np.ndarray, *, n_listed: int = 5,
-) -> tuple[RoutingAgreement, Listed]:
+) -> tuple[Agreement, Listed]:
     """The expert sets of both sides per row and layer, and the flips whose trainer margin exceeds its bound
     (widest first; none listed where there are none). ``trainer_logits`` [N, layers, E]: the trainer's router
     logits; ``h_norm``, ``w_rms``, ``dtypes`` as :func:`margin_bound`; ``prompt``/``position`` [N] name each row."""
@@ -95,11 +104,11 @@ def routing_agreement(
     bound = margin_bound(h_norm, w_rms, pair, dtypes)
     ratio = np.where(bound > 0, margin / np.maximum(bound, 1e-300), np.inf)
     above = flip & (margin > bound)
-    per_layer = [{"layer": j, "agreement": float(agree[:, j].mean()) if n else 1.0, "flips": int(flip[:, j].sum()),
-                  "flips_above_bound": int(above[:, j].sum()),
-                  "median_margin": float(np.median(margin[:, j])) if n else 0.0,
-                  "median_bound": float(np.median(bound[:, j])) if n else 0.0} for j in range(layers)]
-    result = RoutingAgreement(
+    per_layer = [RoutingLayer(layer=j, agreement=float(agree[:, j].mean()) if n else 1.0, flips=int(flip[:, j].sum()),
+                              flips_above_bound=int(above[:, j].sum()),
+                              median_margin=float(np.median(margin[:, j])) if n else 0.0,
+                              median_bound=float(np.median(bound[:, j])) if n else 0.0) for j in range(layers)]
+    result = Agreement(
         rows=n, layers=layers, top_k=k, num_experts=experts, per_layer=per_layer,
         agreement=float(agree.mean()) if n else 1.0, rows_any_layer_differs=float(flip.any(1).mean()) if n else 0.0,
         flips=int(flip.sum()), flips_within_bound=int((flip & ~above).sum()), flips_above_bound=int(above.sum()),

@@ -21,7 +21,7 @@ from parity.core.token_table import TokenTable, build_table
 from parity.core.violation import Position
 from parity.engines.routed_experts import ROUTED
 from parity.errors import UsageError
-from parity.report.blocks import JsonObject, ReplayDrift, Routing, RoutingLayer
+from parity.report.blocks import JsonObject, ReplayDrift, Routing
 
 if TYPE_CHECKING:
     from parity.engines.session import Trainer
@@ -180,24 +180,13 @@ def routing_report(
     listed: dict[str, JsonObject] = {gate: {"worst": [p.to_dict() for p in where], "detail": detail}
               for gate, (where, detail) in ((core_routing.AGREEMENT_GATE, flips), (core_routing.FORCED_GATE, unforced),
                                             (core_routing.DRIFT_GATE, drifted)) if where}
-    section: Routing = {
-        "rows": agreement.rows, "layers": agreement.layers, "top_k": agreement.top_k, "num_experts": agreement.num_experts,
-        "per_layer": [_layer(p) for p in agreement.per_layer], "agreement": agreement.agreement,
-        "rows_any_layer_differs": agreement.rows_any_layer_differs, "flips": agreement.flips,
-        "flips_within_bound": agreement.flips_within_bound, "flips_above_bound": agreement.flips_above_bound,
-        "worst_margin_over_bound": agreement.worst_margin_over_bound, "uncovered_rows": int((~covered).sum()),
-        "replay": {"rows": check.rows, "forced_frac": check.forced_frac, "mismatched": check.mismatched,
-                   "drift": {"without_replay": _drift(without), "with_replay": _drift(with_r3)}},
-        "listed": listed,
-    }
-    return section
-
-
-def _layer(p: dict[str, float]) -> RoutingLayer:
-    """A per-layer row of :func:`parity.core.routing.routing_agreement` (its counts are integers)."""
-    return {"layer": int(p["layer"]), "agreement": p["agreement"], "flips": int(p["flips"]),
-            "flips_above_bound": int(p["flips_above_bound"]), "median_margin": p["median_margin"],
-            "median_bound": p["median_bound"]}
+    # The agreement's keys are the section's first keys; "capture" (not required) is added by the caller.
+    return Routing(
+        **agreement, uncovered_rows=int((~covered).sum()),  # type: ignore[typeddict-item]
+        replay={"rows": check.rows, "forced_frac": check.forced_frac, "mismatched": check.mismatched,
+                "drift": {"without_replay": _drift(without), "with_replay": _drift(with_r3)}},
+        listed=listed,
+    )
 
 
 def _drift(d: dict[str, float]) -> ReplayDrift:

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 from parity.core.json_types import Json as Json
 from parity.core.json_types import JsonObject as JsonObject
+from parity.core.routing import Agreement
+from parity.core.routing import RoutingLayer as RoutingLayer
 
 Stat = float | str
 NA = "n/a"  # the Stat of a statistic whose inputs the records do not hold (the report says which and why)
@@ -292,15 +294,6 @@ class Records(TypedDict):
     files_without_page_checksums: list[str]
 
 
-class RoutingLayer(TypedDict):
-    layer: int
-    agreement: float
-    flips: int
-    flips_above_bound: int
-    median_margin: float
-    median_bound: float
-
-
 class ReplayDrift(TypedDict):
     """|trainer - sampler| against the per-token bound, and the IS ratio exp(trainer - sampler)."""
 
@@ -322,21 +315,10 @@ class RoutingReplay(TypedDict):
     drift: dict[str, ReplayDrift]  # without_replay, with_replay
 
 
-class RoutingSection(TypedDict):
-    """MoE: the sampler's experts against the trainer's router per layer, and routing replay (R3), as
-    :func:`parity.engines.routing_replay.routing_report` measures them."""
+class RoutingSection(Agreement):
+    """MoE: the sampler's experts against the trainer's router per layer (:class:`parity.core.routing.Agreement`),
+    and routing replay (R3), as :func:`parity.engines.routing_replay.routing_report` measures them."""
 
-    rows: int
-    layers: int
-    top_k: int
-    num_experts: int
-    per_layer: list[RoutingLayer]
-    agreement: float
-    rows_any_layer_differs: float
-    flips: int
-    flips_within_bound: int
-    flips_above_bound: int
-    worst_margin_over_bound: float | None
     uncovered_rows: int
     replay: RoutingReplay
 

@@ -56,17 +56,17 @@ def test_a_flip_at_a_few_times_the_bound_fails_and_at_a_tenth_passes(dtype: str)
         case = _case()
         sampler = _plant_flip(case, row, layer, factor * float(bound[row, layer]))
         res, (where, detail) = _agreement(sampler, case, ("float32", dtype))
-        assert res.flips == 1 and res.per_layer[layer]["flips"] == 1
-        assert res.rows_any_layer_differs == pytest.approx(1 / ROWS)
-        assert res.agreement == pytest.approx(1 - 1 / (ROWS * LAYERS))
-        assert res.flips_above_bound == int(fails) and bool(where) is fails, (factor, where)
+        assert res["flips"] == 1 and res["per_layer"][layer]["flips"] == 1
+        assert res["rows_any_layer_differs"] == pytest.approx(1 / ROWS)
+        assert res["agreement"] == pytest.approx(1 - 1 / (ROWS * LAYERS))
+        assert res["flips_above_bound"] == int(fails) and bool(where) is fails, (factor, where)
         if fails:
             (p,) = where
             assert (p.prompt, p.position) == (int(case["prompt"][row]), int(case["position"][row]))
             assert f"layer {layer}" in p.note and p.gap == pytest.approx(factor * float(bound[row, layer]))
             assert detail.startswith("1 of 1 flips")
         else:
-            assert res.flips_within_bound == 1 and res.worst_margin_over_bound == pytest.approx(0.1, rel=1e-6)
+            assert res["flips_within_bound"] == 1 and res["worst_margin_over_bound"] == pytest.approx(0.1, rel=1e-6)
 
 
 def test_a_flip_to_a_far_expert_is_judged_by_its_own_margin_not_the_kth_gap() -> None:
@@ -81,13 +81,13 @@ def test_a_flip_to_a_far_expert_is_judged_by_its_own_margin_not_the_kth_gap() ->
     sampler = case["ids"].copy()
     sampler[row, layer][sampler[row, layer] == a] = c
     res, ((p,), _) = _agreement(sampler, case, ("float32", "bfloat16"))
-    assert res.flips_above_bound == 1 and p.gap == pytest.approx(3 * bound)
+    assert res["flips_above_bound"] == 1 and p.gap == pytest.approx(3 * bound)
 
 
 def test_identical_routing_agrees_everywhere() -> None:
     c = _case(1)
     res, listed = _agreement(c["ids"][..., ::-1].copy(), c, ("float32", "float32"))  # rank order does not matter
-    assert (res.agreement, res.flips, listed) == (1.0, 0, ((), ""))
+    assert (res["agreement"], res["flips"], listed) == (1.0, 0, ((), ""))
 
 
 def test_replay_off_by_one_position_fails_naming_the_first_position() -> None:

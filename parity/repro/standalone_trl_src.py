@@ -20,8 +20,8 @@ import socket
 import sys
 import tempfile
 import types
-from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, TypedDict
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -86,33 +86,9 @@ def build_model(path: str, vocab: int = 400, hidden: int = 128, logit_scale: flo
     return path
 
 
-class CpuLinearLayer(Protocol):
-    """A linear layer of vLLM's CPU build, as its gemm dispatch leaves it: cpu_linear(x, weight, bias)."""
-
-    cpu_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-
-
-@contextlib.contextmanager
-def keep_linear_weights() -> Iterator[None]:
-    """vLLM's CPU build packs each linear weight and replaces layer.weight by an empty Parameter without a
-    weight_loader (dispatch_cpu_unquantized_gemm, remove_weight=True); TRL's colocated weight sync then fails.
-    Keep the weights and compute with F.linear on them (vLLM's own fallback branch)."""
-    from vllm.model_executor.layers import utils as U
-
-    original = U.dispatch_cpu_unquantized_gemm
-
-    def dispatch(layer: CpuLinearLayer, remove_weight: bool) -> None:
-        w = getattr(layer, "weight", None)
-        if not isinstance(w, torch.Tensor) or w.is_meta or w.ndim != 2:
-            original(layer, remove_weight)
-            return
-        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
-
-    U.dispatch_cpu_unquantized_gemm = dispatch
-    try:
-        yield
-    finally:
-        U.dispatch_cpu_unquantized_gemm = original
+# vLLM's CPU build packs each linear weight and drops layer.weight; TRL's colocated weight sync then fails:
+# parity's own patch keeps the weights (vLLM's fallback branch).
+from parity.engines.vllm_cpu_linear import keep_linear_weights  # @inline parity.engines.vllm_cpu_linear
 
 
 class LogSRecord(TypedDict):

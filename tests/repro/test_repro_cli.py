@@ -93,6 +93,19 @@ def test_trl_scripts_carry_the_cores_bfloat16_rounding_bound() -> None:
     assert torch.equal(got, logprob_rounding_bound(z, y, SamplingSpec(temperature=0.7), "bfloat16", kept=kept))
 
 
+def test_trl_scripts_keep_the_weights_with_paritys_own_patch() -> None:
+    """The weight-sync fix the TRL scripts run is parity.engines.vllm_cpu_linear's own code, inlined, not a copy."""
+    import inspect
+
+    from parity.engines import vllm_cpu_linear
+
+    prelude = standalone.inline(standalone.sections(standalone.TRL_SOURCE)["prelude"])
+    assert "inlined from parity.engines.vllm_cpu_linear" in prelude
+    for fn in (vllm_cpu_linear.keep_linear_weights, vllm_cpu_linear._linear_on_current_weight):
+        assert inspect.getsource(fn) in prelude, fn.__name__
+    assert prelude.count("def keep_linear_weights(") == 1
+
+
 def test_emit_all_writes_one_script_per_repro(tmp_path) -> None:
     assert cli_main(["repro", "all", "--emit-script", str(tmp_path / "scripts")]) == 0
     assert sorted(p.stem for p in (tmp_path / "scripts").glob("*.py")) == sorted(e.name for e in REPROS if e.has_script)

@@ -92,7 +92,7 @@ def rescored_columns(batch: RecordsBatch, trainer: TransformersTrainer, dtypes: 
             # A filtering spec without a kept set: build_table would take S_q as the whole vocabulary.
             known = np.repeat(batch.kept_rows()[part] | ~filtered_spec[j], batch.completion.lengths[part])
             cols.recompute_boundary[tok] = table.recompute_boundary.numpy()
-            for name in ("full", "recompute", "forced", "bound_full"):
+            for name in ("full", "recompute", "forced", "bound_full", "penalty"):
                 getattr(cols, name)[tok] = getattr(table, name).numpy()
                 cols.have[name][tok] = True
             cols.systematic[tok] = np.where(known, table.systematic.numpy(), cols.systematic[tok])

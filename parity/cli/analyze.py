@@ -54,6 +54,7 @@ def main(args: argparse.Namespace) -> int:
     from parity.analyze.cluster import parse_engine
     from parity.core.display import ordered
     from parity.core.power import Power, unassessed_sentence
+    from parity.core.spec import SamplingSpec
     from parity.judge.token_columns import Options
     # isort: on
 
@@ -108,7 +109,8 @@ def main(args: argparse.Namespace) -> int:
     for s in sc:
         p = s.get("power")
         if p is not None and p["resolved"] is None:
-            power = Power(p["gate"], math.nan, float(p["resolution"]), float(p["systematic"]), int(p["tokens"]), None)
+            power = Power(p["gate"], math.nan, float(p["resolution"]), float(p["systematic"]), int(p["tokens"]), None,
+                          penalised=SamplingSpec.from_dict(s["spec"]).penalised)
             print(f"POWER NOT ASSESSED {unassessed_sentence(power, s['name'])}")
     for s in sc:
         if s.get("capture_limit"):

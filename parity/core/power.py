@@ -94,7 +94,14 @@ def about(n: int) -> str:
 
 
 def unassessed_sentence(p: Power, name: str) -> str:
-    """The line of a verdict whose power is unknown: the records hold no log S to compare the resolution with."""
+    """The line of a verdict whose power is unknown: the records hold no log S (or, on a penalised scenario, no
+    penalty term) to compare the resolution with."""
+    if p.penalised:
+        return (f"{name}: power not assessed: the records hold no trainer_penalty_term on this penalised scenario (the "
+                f"penalties' part of the bias of a full-vocabulary trainer that leaves them out, which may cancel log S "
+                f"or add to it), so whether {p.gate} at resolution {p.resolution:.3g} over {p.tokens} tokens could "
+                f"fail one is unknown; trainer_penalty_term (with trainer_log_s where filters truncate), or "
+                f"--model CKPT give it")
     return (f"{name}: power not assessed: the records hold no log S (the bias of a full-vocabulary trainer), so "
             f"whether {p.gate} at resolution {p.resolution:.3g} over {p.tokens} tokens could fail one is unknown; "
             f"trainer_log_s, or kept sets with trainer_kept_logits and trainer_full_logprobs, or --model CKPT give it")

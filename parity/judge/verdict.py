@@ -448,10 +448,13 @@ def class_bias(sc: blocks.ScenarioStats) -> float | None:
     """The bias a mean-bias gate exists to catch, as a magnitude: that of a full-vocabulary trainer which leaves the
     sampler's penalties out (TRL's trainer side), |mean (log S - penalty term)| (docs/penalties.md, section 3):
     the scenario's |mean log S|, else the sampler-side log S nearest 0, less the mean penalty term where the records
-    carry it (trainer_penalty_term); 0 where nothing is filtered or penalised; None when unknown."""
+    carry it (trainer_penalty_term); 0 where nothing is filtered or penalised; None when unknown (a penalised
+    scenario whose records carry no penalty term: the penalties may cancel log S or add to it)."""
     spec = SamplingSpec.from_dict(sc["spec"]).effective()
-    raw = sc["naive"].get("penalty_term_mean") if spec.penalised else None
-    pen = float(raw) if isinstance(raw, int | float) and math.isfinite(raw) else 0.0
+    raw = sc["naive"].get("penalty_term_mean") if spec.penalised else 0.0
+    if not (isinstance(raw, int | float) and math.isfinite(raw)):
+        return None
+    pen = float(raw)
     if not spec.filtered:
         return abs(pen)
     mean = sc["log_s"]["mean"]

@@ -165,3 +165,20 @@ def test_an_unfiltered_penalised_scenario_is_judged_against_the_penalty_term(tmp
     assert sc["verdict"] == ("pass" if resolved else "none"), sc["no_verdict"]
     if not resolved:
         assert "could not have failed a full-vocabulary trainer that leaves the penalties out" in sc["no_verdict"]
+
+
+@pytest.mark.parametrize("spec", [PENALISED, {**SPEC, "repetition_penalty": 1.1}], ids=["unfiltered", "top_k"])
+def test_a_penalised_scenario_without_its_penalty_term_says_its_power_was_not_assessed(tmp_path, capsys, spec) -> None:
+    """TRL's logs carry no trainer_penalty_term: a trainer that leaves the penalties out is off by log S minus that
+    term, which may cancel log S or add to it, so |log S| alone does not measure the gate's power. The verdict stands
+    and the output names the column that would assess it (with the term, the tests above resolve it)."""
+    log_s = LOG_S if spec["top_k"] else 0.0
+    data = [{**r, "trainer_log_s": [log_s] * 16, "trainer_logprobs": r["trainer_replay_logprobs"]} for r in rows(4, spec=spec)]
+    path = write_records(tmp_path / "pen.parquet", data,
+                         metadata={"dtype": "float32", "trainer_dtype": "float32", "vocab_size": 400})
+    (sc,) = analyze(path, plots=False)["scenarios"]
+    assert sc["power"] is not None and sc["power"]["resolved"] is None and sc["power"]["class_bias"] is None
+    assert sc["verdict"] == "pass", sc["violations"]
+    main(["analyze", str(path), "--out", str(tmp_path / "out"), "--no-plots"])
+    out = capsys.readouterr().out
+    assert "power not assessed: the records hold no trainer_penalty_term on this penalised scenario" in out, out

@@ -62,3 +62,25 @@ def test_a_penalty_ignoring_trainer_under_test_is_named(pool) -> None:
     ok = _score(pool, spec, RunConfig(model=MODEL, trainer="replay"))
     assert ok.verdict.violations == [] and ok.verdict.to_json()["trainer_under_test"]["diagnosis"] == (
         "matches the sampler's processed log-probs")
+
+
+def test_rescoring_fills_the_penalty_term_that_logs_lack(pool, tmp_path) -> None:
+    """Records without trainer_penalty_term, as TRL logs them: alone they leave the verdict's power unknown;
+    ``parity analyze --model`` computes the term from the model's logits, as the run did, and assesses it."""
+    from parity.analyze import analyze
+    from parity.judge.token_columns import Options
+    from parity.records.write import records_table, write_records
+
+    res = _score(pool, SPECS[0], RunConfig(model=MODEL))
+    vocab = pool.get(MODEL, RunConfig(model=MODEL), lambda s: None)[0].vocab_size
+    rows = [{k: v for k, v in r.items() if k != "trainer_penalty_term"} for r in res.export.to_pylist()]
+    path = write_records(tmp_path / "logs.parquet", records_table(rows),
+                         metadata={"dtype": "float32", "trainer_dtype": "float32", "vocab_size": vocab})
+    (alone,) = analyze(path, plots=False)["scenarios"]
+    assert "penalty_term_mean" not in alone["naive"]
+    assert alone["power"] is not None and alone["power"]["class_bias"] is None, alone["power"]
+    (rescored,) = analyze(path, plots=False, options=Options(model=MODEL))["scenarios"]
+    want = res.verdict.naive["penalty_term_mean"]
+    assert isinstance(want, float) and abs(want) > 1e-3
+    assert rescored["naive"]["penalty_term_mean"] == pytest.approx(want, abs=1e-6)
+    assert rescored["power"]["class_bias"] == pytest.approx(abs(want), abs=1e-6)

@@ -135,11 +135,6 @@ def measures(stage: Stage) -> dict[str, float]:
     return {k: float(v[0]) for k, v in per.measures(torch.ones(1, per.n.numel(), dtype=torch.float64)).items()}
 
 
-def _check_sequence_ratio_sd(stage: Stage) -> float:
-    """The sequence IS ratio's sd as the RL view computes it (for tests: the same number by another road)."""
-    return float(STATISTICS["seq_ratio"].compute(Mismatch.from_flat(stage.trainer, stage.sampler, stage.seq_lengths)).std())
-
-
 # -- the waterfall -----------------------------------------------------------------------------------
 
 

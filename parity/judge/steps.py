@@ -174,11 +174,6 @@ def grouped_headroom(slot: np.ndarray, n_slots: int, key: np.ndarray) -> tuple[n
 # ==================================================================================================
 
 
-def trend_failed(tr: TrendJson) -> bool:
-    """Whether the ``drift_trend`` gate was evaluated and failed."""
-    return tr["evaluated"] and tr["passed"] is False
-
-
 def _over(value: float, limit: float) -> bool:
     return not (value <= limit)  # NaN fails
 

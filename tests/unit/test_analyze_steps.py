@@ -30,7 +30,6 @@ from parity.judge.steps import (
     TREND_GATE,
     TREND_Z,
     drift_trend,
-    trend_failed,
 )
 from parity.judge.token_columns import summarize_batch
 from parity.judge.verdict import judge
@@ -235,7 +234,7 @@ def test_drift_trend_edge_cases() -> None:
     steps = list(range(8))
     assert drift_trend(steps, [0.01] * 8, [0.0] * 8, "replay")["passed"]  # exactly flat, no spread
     bad = drift_trend(steps, [0.01] * 5 + [math.inf] * 3, [0.0] * 8, "replay")
-    assert bad["evaluated"] and trend_failed(bad) and bad["first_step_outside"] == 5
+    assert bad["evaluated"] and bad["passed"] is False and bad["first_step_outside"] == 5
     with pytest.raises(ValueError, match="ascending"):
         drift_trend([0, 2, 1, 3, 4, 5], [0.01] * 6, [0.0] * 6, "replay")
     # Sparse step numbers: the slope is per training step, not per logged step.

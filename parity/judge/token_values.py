@@ -183,12 +183,9 @@ def entry_logits(batch: RecordsBatch, row: np.ndarray) -> tuple[np.ndarray, np.n
 def divergence_over_kept(
     batch: RecordsBatch, seg: np.ndarray, klp: np.ndarray, logits: np.ndarray, with_logits: np.ndarray, row: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(kl, tv, drift)`` per token, over its kept set S_q, between the sampler's processed log-probs ``klp``
-    (float64 per kept entry) and the trainer's distribution renormalised over S_q from its raw ``logits`` at the
-    kept entries (float32, divided by the spec's temperature): KL(sampler || trainer), total variation, and the
-    logit drift, max - min over S_q of (sampler lp - trainer lp) (over one support the normalisation cancels, so
-    what spreads it is the engines' logits disagreeing). 0, 0, NaN where ``with_logits`` is False; KL is
-    infinite where the sampler puts mass the trainer gives none (docs/records.md, section 5)."""
+    """``(kl, tv, drift)`` per token over S_q: KL(sampler || trainer), TV, and max - min of (sampler lp - trainer lp),
+    from the sampler's ``klp`` (float64 per kept entry) and the trainer's raw ``logits`` there (float32, over T),
+    renormalised over S_q; 0, 0, NaN where ``with_logits`` is False (docs/records.md, section 5)."""
     T = batch.tokens
     kto = batch.kept_token_offsets
     assert kto is not None

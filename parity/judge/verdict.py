@@ -445,11 +445,9 @@ def no_verdict_line(sc: blocks.ScenarioStats, judged: bool, near: str = "") -> s
 
 
 def class_bias(sc: blocks.ScenarioStats) -> float | None:
-    """The bias a mean-bias gate exists to catch, as a magnitude: that of a full-vocabulary trainer which leaves the
-    sampler's penalties out (TRL's trainer side), |mean (log S - penalty term)| (docs/penalties.md, section 3):
-    the scenario's |mean log S|, else the sampler-side log S nearest 0, less the mean penalty term where the records
-    carry it (trainer_penalty_term); 0 where nothing is filtered or penalised; None when unknown (a penalised
-    scenario whose records carry no penalty term: the penalties may cancel log S or add to it)."""
+    """The bias a mean-bias gate exists to catch: that of a full-vocabulary trainer which leaves the penalties out,
+    |mean log S - mean penalty term| (log S: the scenario's, else the sampler-side one nearest 0); 0 where nothing is
+    filtered or penalised; None when unknown, as on penalised records without trainer_penalty_term (docs/power.md)."""
     spec = SamplingSpec.from_dict(sc["spec"]).effective()
     raw = sc["naive"].get("penalty_term_mean") if spec.penalised else 0.0
     if not (isinstance(raw, int | float) and math.isfinite(raw)):

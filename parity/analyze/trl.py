@@ -6,6 +6,7 @@ Input, scenarios, the two sides, masked tokens and thresholds: docs/records.md, 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
 import torch
@@ -191,6 +192,16 @@ def score_capture(sequences: Sequence[Captured], *, label: str = "trl", threshol
         first_row += part.rows
         total.merge(part)
     return build_report(total, th, options=Options(n_listed=th.max_violations_listed), paths=[])
+
+
+def write_capture_report(sequences: Sequence[Captured], out: str | Path, *, label: str = "trl",
+                         plots: bool = False) -> ReportJson:
+    """Score and write report.json / report.md under ``out``; returns the report."""
+    from parity.report.schema import write_report
+
+    report = score_capture(sequences, label=label)
+    write_report(report, Path(out), plots=plots)
+    return report
 
 
 def logged_columns(sequences: Sequence[Captured]) -> tuple[pa.Table, int]:

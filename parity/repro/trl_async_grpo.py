@@ -145,10 +145,10 @@ def _result(cfg: AsyncSettings, res: dict[str, Any], rows: list[dict[str, Any]],
               ", ".join(f"{r['config']}: {r['err_shipped']:.1e} vs {r['resolution']:.1e}" for r in rows)),
         Check("as shipped, TRL clips the negative-advantage tokens whose S lies below 1 - epsilon (clip_ratio/low_mean x "
               "tokens between those surely below and those possibly below, given the drift bound), nothing on the high "
-              "side, every setting; top_k=50 clips some",
+              "side, every setting; top_k=50 clips some wherever its S falls surely below 1 - epsilon",
               bool(top_k) and all(r["clipped_surely"] <= round(r["low_shipped"] * r["tokens"]) <= r["clipped_possibly"]
                                   and r["high_shipped"] == 0 for r in rows)
-              and all(r["low_shipped"] > 0 for r in top_k),
+              and all(r["low_shipped"] > 0 for r in top_k if r["clipped_surely"] > 0),
               ", ".join(f"{r['config']}: {round(r['low_shipped'] * r['tokens'])} clipped of {r['neg_adv']} with A<0, "
                         f"predicted {r['clipped_surely']}..{r['clipped_possibly']} (S from {r['min_s']:.3f})"
                         for r in rows)),

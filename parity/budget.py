@@ -8,6 +8,7 @@ routing replay, the engine without its settings. :mod:`parity.core.budget` turns
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -30,7 +31,7 @@ from parity.core.budget import (
 from parity.core.error_model import MEAN_BIAS_Z
 from parity.core.matrix import Matrix, Scenario
 from parity.core.penalties import penalise_sequence
-from parity.core.spec import SamplingSpec
+from parity.core.spec import PENALTY_OFF, SamplingSpec
 from parity.engines.session import EnginePool, Rollout, Trainer, make_prompts
 from parity.engines.settings import EngineSettings
 from parity.run import (
@@ -128,7 +129,7 @@ class SamplerCache:
 
     def __init__(self, say: Callable[[str], None] | None = None) -> None:
         self.say = say or (lambda s: None)
-        self._engines: dict[EngineSettings, Rollout] = {}
+        self._engines: dict[tuple[str, EngineSettings], Rollout] = {}  # by (model, settings)
 
     def get(self, model: str, settings: EngineSettings) -> Rollout:
         from parity.engines.engine_log import waiting
@@ -136,12 +137,12 @@ class SamplerCache:
         from parity.engines.vllm_offline import VllmRollout
         from parity.fixtures import resolve_model
 
-        if settings not in self._engines:
+        if (model, settings) not in self._engines:
             self.say(f"parity: starting vLLM ({settings.device}, {settings.dtype}, prefix caching "
                      f"{'on' if settings.prefix_caching else 'off'}) on {model} for the budget")
             with waiting("vLLM engine start-up"):
-                self._engines[settings] = VllmRollout(resolve_model(model), **rollout_settings(settings))
-        return self._engines[settings]
+                self._engines[model, settings] = VllmRollout(resolve_model(model), **rollout_settings(settings))
+        return self._engines[model, settings]
 
     def close(self) -> None:
         for e in self._engines.values():
@@ -272,6 +273,7 @@ def scenario_budget(
 
     lengths = tuple(len(y) for y in ys)
 
+    @functools.cache  # both orders of the waterfall visit the same stages
     def stage(fixed: frozenset[str]) -> Stage:
         ref, sampler = reference(fixed)
         if user:
@@ -334,8 +336,7 @@ def _processors_cause(spec: SamplingSpec, divides: bool, penalises: bool) -> Cau
     if not spec.greedy and spec.effective_temperature != 1.0:
         (kept if divides else skipped).append(f"the division by T = {spec.effective_temperature:g}")
     if spec.penalised:
-        named = [f"{n}={v:g}" for n, v, off in (("repetition_penalty", spec.repetition_penalty, 1.0),
-                 ("presence_penalty", spec.presence_penalty, 0.0), ("frequency_penalty", spec.frequency_penalty, 0.0)) if v != off]
+        named = [f"{n}={v:g}" for n, off in PENALTY_OFF.items() if (v := getattr(spec, n)) != off]
         (kept if penalises else skipped).append(f"the penalties ({', '.join(named)})")
     if skipped:
         return Cause("measured", "skipped: " + " and ".join(skipped), "none: elementwise on the logits")

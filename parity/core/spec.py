@@ -23,6 +23,8 @@ MAX_TEMPERATURE = 2.0
 MAX_ABS_ADDITIVE_PENALTY = 2.0
 PENALTY_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 SPEC_FIELDS = ("temperature", "top_k", "top_p", "min_p", *PENALTY_FIELDS)
+# Each penalty's value when it is off (vLLM's SamplingParams defaults).
+PENALTY_OFF: dict[str, float] = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
 def _fail(field: str, value: object, allowed: str) -> UsageError:
@@ -100,7 +102,7 @@ class SamplingSpec:
     @property
     def penalised(self) -> bool:
         """True when some penalty is on (vLLM then runs ``apply_penalties``, greedy rows included)."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return any(getattr(self, name) != off for name, off in PENALTY_OFF.items())
 
     @property
     def filtered(self) -> bool:

@@ -132,14 +132,6 @@ def penalised_logits(records: Sequence[SequenceRecord], logits: Sequence[torch.T
             for r, z in zip(records, logits, strict=True)]
 
 
-def scored_logits(records: Sequence[SequenceRecord], logits: Sequence[torch.Tensor], spec: SamplingSpec,
-                  faults: TrainerFaults | None = None, penalised: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """The logits the (possibly planted) trainer scores: penalised, or raw under ``TrainerFaults.ignore_penalty``."""
-    if faults is not None and faults.ignore_penalty:
-        return list(logits)
-    return penalised if penalised is not None else penalised_logits(records, logits, spec)
-
-
 def build_table(
     records: Sequence[SequenceRecord],
     logits: Sequence[torch.Tensor],
@@ -165,7 +157,7 @@ def build_table(
     cols: dict[str, list[torch.Tensor]] = {f.name: [] for f in fields(TokenTable) if f.name not in scalar}
     sources: set[str] = set()
     lengths = []
-    scored = scored_logits(records, raw, spec, faults, penalised)
+    scored = raw if faults.ignore_penalty else penalised  # a trainer planted to ignore the penalties scores the raw logits
     kept_seen: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
     for r, (y, z, kept), z_raw, z_pen in zip(records, plant_faults(records, scored, faults, vocab), raw, penalised,
                                              strict=True):

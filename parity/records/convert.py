@@ -50,9 +50,7 @@ def _kept_columns(
 
 
 def spec_row(spec: SamplingSpec) -> dict[str, float]:
-    return {"temperature": spec.temperature, "top_k": spec.top_k, "top_p": spec.top_p, "min_p": spec.min_p,
-            "repetition_penalty": spec.repetition_penalty, "presence_penalty": spec.presence_penalty,
-            "frequency_penalty": spec.frequency_penalty}
+    return spec.to_dict()
 
 
 def heads_row(

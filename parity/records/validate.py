@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 
 from parity.core.error_model import UNIT_ROUNDOFF, WIDEST_VOCAB, normalisation_allowance
-from parity.core.spec import SamplingSpec
+from parity.core.spec import PENALTY_OFF, SamplingSpec
 from parity.records.arrays import (
     Ragged,
     RecordsBatch,
@@ -220,7 +220,7 @@ def _specs(b: _Batch, n: int) -> tuple[list[SamplingSpec], np.ndarray]:
     spec_cols = [scalar_values(b.arrays[c], 0) for c in ("temperature", "top_k", "top_p", "min_p")]
     # The penalty columns are optional: absent (or null) means off, as in vLLM's SamplingParams.
     spec_cols += [scalar_values(b.arrays[c], off) if c in b.arrays else np.full(n, off, dtype=np.float64)
-                  for c, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0))]
+                  for c, off in PENALTY_OFF.items()]
     keys = np.stack([c.astype(np.float64) for c in spec_cols], axis=1)
     uniq, spec_index = np.unique(keys, axis=0, return_inverse=True) if n else (np.zeros((0, 7)), np.zeros(0, np.int64))
     specs: list[SamplingSpec] = []

@@ -13,7 +13,7 @@ from typing import SupportsFloat
 from parity.core.display import apart
 from parity.core.spec import SamplingSpec
 from parity.report import rl_section, routing_section
-from parity.report.blocks import Diff, ReportJson, ScenarioJson, report_json
+from parity.report.blocks import NA, Diff, ReportJson, ScenarioJson, report_json
 
 # Which gates belong to which side of the story (parity.core.gates names them).
 REPLAY_GATES = ("replay_drift", "replay_mean_bias", "replay_support")
@@ -21,7 +21,6 @@ RECOMPUTE_GATES = ("recompute_drift", "recompute_mean_bias", "recompute_support"
 NAIVE_GATES = ("naive_vs_sampler_log_s",)
 TRAINER_GATES = ("trainer_under_test_drift", "trainer_under_test_mean_bias", "logprob_mean_bias", "trainer_support")
 WIDTH = 100
-NA = "n/a"  # a statistic whose inputs the records do not hold (parity.judge.accumulators.NA); shown as such
 
 
 def sampler_name(report: ReportJson) -> str:

@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
 
 from parity.core.sequence import SequenceRecord
-from parity.core.spec import SamplingSpec
+from parity.core.spec import PENALTY_OFF, SamplingSpec
 from parity.errors import UsageError
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 COMPLETIONS = "/v1/completions"
 # Request fields parity's spec does not model: a request that sets them to anything but neutral is refused.
-NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+NEUTRAL = PENALTY_OFF
 
 
 def spec_of_request(body: dict[str, object]) -> SamplingSpec:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Unpack
 from parity.core.capture import Heads, run_capture
 from parity.core.json_types import JsonObject
 from parity.core.sequence import SequenceRecord
-from parity.core.spec import SamplingSpec
+from parity.core.spec import SPEC_FIELDS, SamplingSpec
 from parity.engines.engine_log import log_tail
 from parity.engines.rollout_base import RolloutBase, RolloutSettings, Support
 from parity.engines.vllm_offline import configure_cpu_env
@@ -66,8 +66,7 @@ def _normalise_url(url: str) -> str:
 
 # The request fields vLLM's server fills from generation_config.json when a request omits them
 # (ModelConfig.get_diff_sampling_param), with the neutral value parity pins them to.
-GENERATION_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty")
+GENERATION_FIELDS = SPEC_FIELDS
 
 
 def _heads_differ(a: Heads, b: Heads) -> bool:

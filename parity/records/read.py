@@ -6,10 +6,12 @@ Bad input is refused with the file, row, column, value and what is allowed (docs
 from __future__ import annotations
 
 import json
+import queue
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar, cast
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -30,6 +32,7 @@ from parity.records.validate import validate_batch
 # memory does not depend on how large the writer made its row groups.
 MAX_BATCH_ROWS = 16_384
 READ_BUFFER_BYTES = 1 << 20
+T = TypeVar("T")
 
 
 @dataclass
@@ -54,32 +57,79 @@ class RecordsFile:
 
     def batches(self, *, columns: Sequence[str] | None = None, batch_rows: int = 1024) -> Iterator[RecordsBatch]:
         """Validated batches of at most ``batch_rows`` whole rows (sequences), never spanning a row group; ``columns``
-        limits what is read, the required columns always included (memory: docs/records.md, section 3)."""
+        limits what is read, the required columns always included (memory: docs/records.md, section 3). The next
+        batches are decoded and validated on a thread while the caller works on this one (:func:`read_ahead`)."""
         check_batch_rows(batch_rows, "batch_rows")
         names = self.columns
         wanted = names if columns is None else [c for c in names if c in set(columns) | set(REQUIRED)]
-        md = self.parquet.metadata
-        first = 0
+        return read_ahead(self._validated(wanted, batch_rows))
+
+    def _validated(self, wanted: list[str], batch_rows: int) -> Iterator[RecordsBatch]:
         # A file parity run wrote with planted faults holds log-probs moved on purpose: they are judged, not refused.
         signs = not self.metadata.get("planted_faults")
+        for start, rb in self._decoded(wanted, batch_rows):
+            yield validate_batch(rb, source=str(self.path), first_row=start, signs=signs)
+
+    def _decoded(self, wanted: list[str], batch_rows: int) -> Iterator[tuple[int, pa.RecordBatch]]:
+        """Each batch with its first row, row group by row group (columns decode on pyarrow's threads, what a plain
+        scan gets); a read error names the row group's rows."""
+        md = self.parquet.metadata
+        first = 0
         for g in range(md.num_row_groups):
             rows = md.row_group(g).num_rows
             try:
-                # Columns decode on pyarrow's threads (what a plain scan gets): 0.4 s of 4 s on 2M tokens over
-                # two cores, for about 10 % more memory per batch.
-                it = self.parquet.iter_batches(batch_size=batch_rows, row_groups=[g], columns=wanted, use_threads=True)
                 start = first
-                for rb in it:
-                    yield validate_batch(rb, source=str(self.path), first_row=start, signs=signs)
+                for rb in self.parquet.iter_batches(batch_size=batch_rows, row_groups=[g], columns=wanted,
+                                                    use_threads=True):
+                    yield start, rb
                     start += rb.num_rows
-            except RecordsError:
-                raise
             except (OSError, pa.ArrowException) as exc:
                 raise RecordsError(
                     f"{self.path}: rows {first}..{first + rows - 1} (row group {g}) cannot be read, the file is "
                     f"truncated or corrupt: {exc}"
                 ) from None
             first += rows
+
+
+def read_ahead(items: Iterator[T], depth: int = 1, poll_s: float = 0.5) -> Iterator[T]:
+    """``items`` produced on a thread, at most ``depth`` ahead of the consumer: decoding and validating the next
+    batch (pyarrow and numpy, which release the GIL) overlaps the caller's work on this one. An error raised
+    there is raised here; closing this generator early stops the thread at its next item."""
+    q: queue.Queue[tuple[bool, object]] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        q.put((True, item), timeout=poll_s)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put((False, None))
+        except BaseException as exc:  # handed to the consumer, raised there
+            q.put((False, exc))
+
+    thread = threading.Thread(target=produce, name="parity-read-ahead", daemon=True)
+    thread.start()
+    try:
+        while True:
+            more, item = q.get()  # the producer always ends with (False, ...): no item is waited for forever
+            if not more:
+                if isinstance(item, BaseException):
+                    raise item
+                return
+            yield cast("T", item)
+    finally:
+        stop.set()
+        while thread.is_alive():  # unblock a producer waiting on a full queue
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                thread.join(poll_s)
 
 
 def check_batch_rows(value: int, name: str = "batch_rows") -> int:

@@ -324,3 +324,35 @@ def test_directory_of_shards(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="holds no"):
         records_paths(tmp_path / "empty")
+
+
+def test_read_ahead_keeps_order_raises_the_producers_error_and_stops_when_closed() -> None:
+    import threading
+    import time
+
+    from parity.records.read import read_ahead
+
+    assert list(read_ahead(iter(range(50)))) == list(range(50))
+
+    def failing():
+        yield 1
+        raise RecordsError("row 7: bad")
+
+    it = read_ahead(failing())
+    assert next(it) == 1
+    with pytest.raises(RecordsError, match="row 7: bad"):
+        next(it)
+
+    made = []
+
+    def endless():
+        while True:
+            made.append(len(made))
+            yield made[-1]
+
+    it = read_ahead(endless(), depth=1, poll_s=0.01)
+    assert [next(it) for _ in range(3)] == [0, 1, 2]
+    it.close()  # the consumer leaves early: the producer stops, at most a few items ahead
+    time.sleep(0.05)
+    assert not any(t.name == "parity-read-ahead" and t.is_alive() for t in threading.enumerate())
+    assert len(made) <= 3 + 2

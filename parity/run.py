@@ -34,8 +34,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from parity.engines.trainer_under_test import TrainerFn
     from parity.engines.vllm_offline import VllmRollout
     from parity.judge.accumulators import Summary
+    from parity.judge.verdict import ScenarioVerdict
     from parity.report.blocks import Json, JsonObject, ReportJson, Routing, ScenarioFacts
-    from parity.report.model import ScenarioVerdict
 
 
 @dataclass
@@ -254,7 +254,7 @@ def score_with_power(rollout: Rollout, trainer: Trainer, sc: Scenario, cfg: RunC
     res = score_scenario(rollout, trainer, sc, cfg, raw)
     cap, spent = max_prompts(cfg, sc), res.seconds
     while True:
-        v, p = res.verdict, res.verdict.power
+        v, p = res.verdict, res.verdict.entry.get("power")
         if (v.verdict != "none" or v.violations or p is None or p["resolved"] or p["tokens_needed"] is None
                 or sc.prompts >= cap):
             res.seconds = spent
@@ -376,13 +376,13 @@ def _run(
                 res = score_with_power(rollout, trainer, sc, cfg, raw, progress)
             by_index[idx], vocab[idx] = res, rollout.vocab_size
             timings[f"scenario_s[{sc.name}]"] = res.seconds
-            s = res.verdict
-            word = {"pass": "PASS", "fail": "FAIL", "none": "NO VERDICT"}[s.verdict]
+            s = res.verdict.entry
+            word = {"pass": "PASS", "fail": "FAIL", "none": "NO VERDICT"}[s["verdict"]]
             progress(
                 f"[{done}/{len(matrix.scenarios)}] {sc.name:<28} {word}  "
-                f"log S mean {s.log_s['mean']:+.4f}  replay max|d| {s.replay['max_abs_diff']:.1e} "
-                f"({s.headroom['replay']:.2f} of its bound)  "
-                f"({s.tokens} tokens, {res.seconds:.1f} s)"
+                f"log S mean {s['log_s']['mean']:+.4f}  replay max|d| {s['replay']['max_abs_diff']:.1e} "
+                f"({s['headroom']['replay']:.2f} of its bound)  "
+                f"({s['tokens']} tokens, {res.seconds:.1f} s)"
             )
             if res.facts["capture_plan"].get("adaptive") and rollout.last_capture is not None:
                 progress(f"    {rollout.last_capture.summary()}")
@@ -396,7 +396,7 @@ def _run(
             with batch_invariant_mode(cfg.batch_invariant, device=cfg.device, models=[trainer.model]) as inner:
                 ro = check_rollout_invariance(rollout, prompts, spec, max_tokens=8, seed=cfg.seed)
                 tr = check_trainer_invariance(trainer, rollout.generate(prompts, spec, max_tokens=8, seed=cfg.seed))
-            replay_max = max((d for r in by_index.values() if isinstance(d := r.verdict.replay["max_abs_diff"], float)),
+            replay_max = max((d for r in by_index.values() if isinstance(d := r.verdict.entry["replay"]["max_abs_diff"], float)),
                              default=None)
             # The inner state: it also holds the trainer-side knobs (the CPU kernels and their calls).
             determinism = determinism_section(

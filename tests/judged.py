@@ -22,7 +22,7 @@ def judged(records, logits, table, th: Thresholds | None = None, *, name: str = 
     part = scenario_summary(export, dtypes=dtypes, vocab_size=vocab, n_listed=th.max_violations_listed, views=views)
     (verdict,) = judge(part, th, trainer_name=table.user_name)
     # The report entry, its violations kept as Violation objects.
-    return {**verdict.to_json(), "violations": verdict.violations, "reference_violations": verdict.reference_violations}
+    return {**verdict.entry, "violations": verdict.violations, "reference_violations": verdict.reference_violations}
 
 
 def failed(entry: dict[str, Any]) -> set[str]:

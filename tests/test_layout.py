@@ -20,7 +20,7 @@ SHARED = {"errors"}
 ALLOWED = {
     "core": {"core"},
     "records": {"core", "records", "report"},
-    "judge": {"core", "records", "report"},  # judge() returns the report's typed ScenarioVerdict
+    "judge": {"core", "records", "report"},  # judge() builds the report's typed scenario entries
     "report": {"core"},  # renders what the core declares (the RL catalogue), never an engine
     "determinism": {"core", "records", "judge", "report"},
 }

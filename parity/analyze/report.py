@@ -22,7 +22,7 @@ from parity.records.schema import RecordsError
 from parity.report.blocks import Json, ReportJson, Routing
 
 if TYPE_CHECKING:
-    from parity.report.model import ScenarioVerdict
+    from parity.judge.verdict import ScenarioVerdict
 
 # ==================================================================================================
 # the report
@@ -102,7 +102,7 @@ REPORT_FACTS = "report"
 
 def _written_as_found(block: Mapping[str, object]) -> dict[str, Json]:
     """A report block, to merge values decoded from the records metadata into: they are written as the files
-    hold them, unchecked here (:meth:`parity.report.model.Report.from_json` checks their keys when the report
+    hold them, unchecked here (:func:`parity.report.model.checked_report` checks their keys when the report
     is written; the producer, :data:`REPORT_FACTS`, chose their layout)."""
     return cast("dict[str, Json]", block)
 
@@ -192,7 +192,7 @@ def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: S
     if verdicts is None:
         facts = _metadata_value(summary, REPORT_FACTS)
         verdicts = judge(summary, th, trainer_name=trainer_name, native=_native(facts), routing=_routing(facts))
-    scenarios = [v.to_json() for v in verdicts]
+    scenarios = [v.entry for v in verdicts]
     models = _metadata_value(summary, "scenario_models") or {}
     for sc in scenarios:
         if isinstance(models, dict) and sc["name"] in models:

@@ -255,6 +255,6 @@ def judge_logged(sequences: Sequence[Captured], *, thresholds: Thresholds | None
     th = thresholds or Thresholds.for_dtype(dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16")
     summary = Summary().merge(batch_summarizer(meta, 0, Options(n_listed=th.max_violations_listed))(table))
     (verdict,) = judge(summary, th, trainer_name=TRAINER_UNDER_TEST)
-    entry = verdict.to_json()
+    entry = verdict.entry
     entry["masked_tokens"] = dropped
     return entry

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, cast
 
 import numpy as np
@@ -33,7 +34,6 @@ from parity.report import blocks
 if TYPE_CHECKING:
     from parity.judge.accumulators import Summary
     from parity.report.blocks import Routing
-    from parity.report.model import ScenarioVerdict
 from parity.judge.steps import (
     COMPARISONS,
     REPORT_NAMES,
@@ -489,6 +489,24 @@ def verdict_power(sc: blocks.ScenarioStats, evaluated: Sequence[str], th: Thresh
     return min(out, key=lambda p: p.resolution, default=None)
 
 
+def _json(violations: list[Violation]) -> list[blocks.ViolationJson]:
+    return [cast("blocks.ViolationJson", v.to_dict()) for v in violations]
+
+
+@dataclass
+class ScenarioVerdict:
+    """A scenario as judged: its report.json entry, and its violations as objects (their messages and positions;
+    the entry holds them as JSON)."""
+
+    entry: blocks.ScenarioJson
+    violations: list[Violation]
+    reference_violations: list[Violation]
+
+    @property
+    def verdict(self) -> Literal["pass", "fail", "none"]:
+        return self.entry["verdict"]
+
+
 def judge(
     summary: Summary, th: Thresholds, *, trainer_name: str | None = None,
     native: Mapping[str, Sequence[tuple[int, int]]] | None = None, routing: Mapping[str, Routing] | None = None,
@@ -497,7 +515,6 @@ def judge(
     the table (``native``: per scenario, the positions where vLLM's native mask and the top-K capture differ;
     ``routing``: a MoE scenario's routing section, :func:`parity.run.routing_section`)."""
     from parity.records.schema import nearest_note
-    from parity.report.model import ScenarioVerdict
 
     near = nearest_note("trainer_logprobs", summary.ignored_columns)
     accs = sorted(summary.groups.values(), key=lambda a: a.first_order)
@@ -524,7 +541,7 @@ def judge(
         capture_limit = capture_limit_line(sc)
         violations, reference = split_verdict(violations, trainer_under_test="trainer_under_test" in sc)
         # Nothing judged: the scenario neither passes nor fails (its no_verdict line says what would judge it).
-        verdict = "fail" if violations else ("pass" if judged else "none")
+        verdict: Literal["pass", "fail", "none"] = "fail" if violations else ("pass" if judged else "none")
         if verdict == "pass" and sc["tokens"] and sc["incomplete_positions"] == sc["tokens"]:
             # Every kept set unproven: the capture's limit leaves nothing to pass.
             verdict, no_verdict = "none", capture_limit
@@ -532,10 +549,15 @@ def judge(
         if verdict == "pass" and power is not None and power.resolved is False:
             # A PASS only where the gate could have failed the bias it exists to catch.
             verdict, no_verdict = "none", power_sentence(power, name)
-        build: Callable[..., ScenarioVerdict] = ScenarioVerdict  # the entry's keys are its fields
-        extra = {"routing": routing[name]} if routing is not None and name in routing else {}
-        out.append(build(**{**sc, **extra, "spec": SamplingSpec.from_dict(sc["spec"])}, gates_evaluated=evaluated, verdict=verdict,
-                         mean_bias_evaluated=mean_evaluated, no_verdict=no_verdict, capture_limit=capture_limit,
-                         violations=violations, reference_violations=reference, drift_headroom=drift_headroom_hist(a),
-                         power=None if power is None else power.to_json()))
+        entry = cast("blocks.ScenarioJson", {
+            **sc, "spec": SamplingSpec.from_dict(sc["spec"]).to_dict(), "drift_headroom": drift_headroom_hist(a),
+            "gates_evaluated": evaluated, "verdict": verdict, "violations": _json(violations),
+            "reference_violations": _json(reference), "mean_bias_evaluated": mean_evaluated,
+            "no_verdict": no_verdict, "capture_limit": capture_limit,
+        })
+        if power is not None:
+            entry["power"] = cast("blocks.PowerJson", power.to_json())
+        if routing is not None and name in routing:
+            entry["routing"] = routing[name]
+        out.append(ScenarioVerdict(entry, violations, reference))
     return out

@@ -390,8 +390,8 @@ class ScenarioFacts(TypedDict):
 
 
 class EnvironmentJson(TypedDict):
-    """report.json's ``environment`` (:class:`parity.report.model.Environment`; :func:`parity.report.schema.environment`
-    gives the first nine keys, a records analysis the next three)."""
+    """report.json's ``environment`` (:func:`parity.report.schema.environment`; a records analysis fills
+    ``analysis_machine`` and the sampler's name and version, a producer its own keys)."""
 
     vllm: str | None
     torch: str | None
@@ -402,11 +402,11 @@ class EnvironmentJson(TypedDict):
     dtype: str
     trainer_dtype: str
     determinism: JsonObject
-    analysis_machine: NotRequired[JsonObject | None]
-    sampler: NotRequired[str | None]
-    sampler_version: NotRequired[str | None]
-    batch_invariant_mode: NotRequired[JsonObject | None]
-    trl: NotRequired[str | None]
+    analysis_machine: JsonObject | None
+    sampler: str | None
+    sampler_version: str | None
+    batch_invariant_mode: JsonObject | None
+    trl: str | None
 
 
 class SplitStep(TypedDict):
@@ -468,13 +468,14 @@ class ScenarioStats(TypedDict):
     input_notes: list[str]
     lacking_inputs: dict[str, int]
     trainer_under_test: NotRequired[TrainerUnderTest]
+    power: NotRequired[PowerJson]  # the verdict's power (parity.core.power), which the judge adds
     support_sides: NotRequired[SupportSides]
     mismatch_split: NotRequired[MismatchSplit]
 
 
 class ScenarioJson(ScenarioStats):
-    """One scenario of report.json as a dict (:meth:`parity.report.model.ScenarioVerdict.to_json`, the same keys):
-    a block the producer did not give is left out."""
+    """One scenario of report.json (:func:`parity.judge.verdict.judge` builds it; :func:`parity.report.model.checked_report`
+    holds it to these keys): a block the producer did not give is left out."""
 
     drift_headroom: DriftHeadroom
     gates_evaluated: list[str]
@@ -484,7 +485,6 @@ class ScenarioJson(ScenarioStats):
     mean_bias_evaluated: bool
     no_verdict: str | None
     capture_limit: str | None
-    power: NotRequired[PowerJson]
     model: NotRequired[str]
     capture_plan: NotRequired[JsonObject]
     dtypes: NotRequired[Dtypes]
@@ -562,9 +562,9 @@ class BudgetBlock(TypedDict):
 
 
 class ReportJson(TypedDict):
-    """report.json as a dict (:meth:`parity.report.model.Report.to_json`, the same keys). A report builder's dict
+    """report.json: the one type of a report (:data:`parity.report.model.Report`). A report builder's dict
     (:func:`parity.analyze.report.build_report`) has no ``timings`` or ``plots`` yet, and may hold the optional
-    blocks as None."""
+    blocks as None (:func:`parity.report.model.checked_report` leaves those out when it is written)."""
 
     schema_version: int
     source: str
@@ -590,7 +590,7 @@ class ReportJson(TypedDict):
 def report_json(report: Mapping[str, object]) -> ReportJson:
     """A report dict handed over untyped (``parity run``'s return value, report.json loaded back) read as
     :class:`ReportJson`: checked to be an object whose ``scenarios`` are objects; the blocks are taken as their
-    producer wrote them (:meth:`parity.report.model.Report.from_json` checks the keys before one is written)."""
+    producer wrote them (:func:`parity.report.model.checked_report` checks the keys before one is written)."""
     scenarios = report.get("scenarios")
     if not isinstance(scenarios, list) or not all(isinstance(s, dict) for s in scenarios):
         raise TypeError(f"a report's scenarios: expected a list of objects, got {type(scenarios).__name__}")
@@ -631,7 +631,7 @@ def schema_of(tp: object, fixed: typing.Mapping[object, JsonObject] | None = Non
     if isinstance(tp, type) and tp in simple:
         return dict(simple[tp])
     if typing.is_typeddict(tp):
-        hints = typing.get_type_hints(tp)
+        hints = typing.get_type_hints(tp, localns=localns)
         keys: list[Json] = sorted(getattr(tp, "__required_keys__", hints))
         return {"type": "object", "required": keys, "properties": {k: sub(v) for k, v in hints.items()}}
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):

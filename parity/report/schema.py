@@ -12,12 +12,12 @@ import sys
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import overload
+from typing import Any, overload
 
-from parity.core.violation import Violation
-from parity.report.blocks import EnvironmentJson, JsonObject, ReportJson, schema_of
+from parity.core.spec import SamplingSpec
+from parity.report.blocks import EnvironmentJson, JsonObject, ReportJson, ViolationJson, schema_of
 from parity.report.markdown import DETAILS, render_details, render_markdown
-from parity.report.model import SCHEMA_VERSION, Report
+from parity.report.model import SCHEMA_VERSION, checked_report
 from parity.report.plots import write_plots
 
 DETERMINISM_ENV = (
@@ -59,6 +59,7 @@ def environment(device: str, dtype: str, trainer_dtype: str) -> EnvironmentJson:
             "torch_deterministic_algorithms": torch.are_deterministic_algorithms_enabled() if torch is not None else None,
             "torch_num_threads": torch.get_num_threads() if torch is not None else None,
         },
+        "analysis_machine": None, "sampler": None, "sampler_version": None, "batch_invariant_mode": None, "trl": None,
     }
 
 
@@ -103,17 +104,19 @@ VIOLATION_SCHEMA: JsonObject = {
 }
 
 
-class _CapturePlan:
-    """report.json's ``capture_plan``: :class:`parity.core.capture.CaptureStats` (its own to_dict)."""
+class _TrainerSummary:
+    """A scenario's ``rl_view`` entry: :class:`parity.core.rl_catalogue.TrainerSummary` (its module imports torch)."""
 
 
 def report_schema() -> JsonObject:
-    """JSON Schema of report.json, generated from its types (:mod:`parity.report.model`,
-    :mod:`parity.report.blocks`); violations: :data:`VIOLATION_SCHEMA`."""
-    fixed: dict[object, JsonObject] = {Violation: VIOLATION_SCHEMA, _CapturePlan: {"type": "object"}}
-    out = schema_of(Report, fixed, localns={"CaptureStats": _CapturePlan})
+    """JSON Schema of report.json, generated from its types (:mod:`parity.report.blocks`); violations:
+    :data:`VIOLATION_SCHEMA`."""
+    fixed: dict[object, JsonObject] = {ViolationJson: VIOLATION_SCHEMA, _TrainerSummary: {"type": "object"}}
+    out = schema_of(ReportJson, fixed, localns={"TrainerSummary": _TrainerSummary})
     properties = out["properties"]
     assert isinstance(properties, dict)
+    scenarios: Any = properties["scenarios"]  # the spec: every field of SamplingSpec, as its to_dict writes them
+    scenarios["items"]["properties"]["spec"] = schema_of(SamplingSpec)
     properties["schema_version"] = {"const": SCHEMA_VERSION}
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **out}
 
@@ -123,9 +126,9 @@ def write_report(report: ReportJson, out: Path, *, plots: bool = True) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if plots:
         report["plots"] = write_plots(report, out)
-    # The typed report decides what is written: a key that Report does not name is an error, not an extra.
+    # The report's types decide what is written: a key they do not name is an error, not an extra.
     # Both texts are rendered before either is written: a report is never left half written.
-    text = json.dumps(json_safe(Report.from_json(report).to_json()), indent=2, sort_keys=False) + "\n"
+    text = json.dumps(json_safe(checked_report(report)), indent=2, sort_keys=False) + "\n"
     md = render_markdown(report)
     details = render_details(report)
     (out / "report.json").write_text(text)

@@ -51,7 +51,7 @@ def check_trainer(
     # are reported but do not fail the user's test.
     mine = [v for v in res.verdict.violations if v.gate.startswith("trainer_under_test")]
     harness = [v for v in res.verdict.violations if v not in mine] + list(res.verdict.reference_violations)
-    return {**res.verdict.to_json(), "violations": mine, "harness_violations": harness}
+    return {**res.verdict.entry, "violations": mine, "harness_violations": harness}
 
 
 def assert_trainer_parity(fn: TrainerFn | str, *, spec: SamplingSpec, **kwargs: Any) -> dict[str, Any]:

@@ -56,11 +56,11 @@ def test_a_trainer_that_ignores_the_penalty_fails(pool, spec: SamplingSpec) -> N
 def test_a_penalty_ignoring_trainer_under_test_is_named(pool) -> None:
     spec = SamplingSpec(0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
     res = _score(pool, spec, RunConfig(model=MODEL, trainer="replay-ignoring-penalties"))
-    entry = res.verdict.to_json()
+    entry = res.verdict.entry
     assert {"trainer_under_test_drift", "trainer_under_test_mean_bias"} & {v.gate for v in res.verdict.violations}
     assert "ignores the repetition penalty" in entry["trainer_under_test"]["diagnosis"]
     ok = _score(pool, spec, RunConfig(model=MODEL, trainer="replay"))
-    assert ok.verdict.violations == [] and ok.verdict.to_json()["trainer_under_test"]["diagnosis"] == (
+    assert ok.verdict.violations == [] and ok.verdict.entry["trainer_under_test"]["diagnosis"] == (
         "matches the sampler's processed log-probs")
 
 
@@ -80,7 +80,7 @@ def test_rescoring_fills_the_penalty_term_that_logs_lack(pool, tmp_path) -> None
     assert "penalty_term_mean" not in alone["naive"]
     assert alone["power"] is not None and alone["power"]["class_bias"] is None, alone["power"]
     (rescored,) = analyze(path, plots=False, options=Options(model=MODEL))["scenarios"]
-    want = res.verdict.naive["penalty_term_mean"]
+    want = res.verdict.entry["naive"]["penalty_term_mean"]
     assert isinstance(want, float) and abs(want) > 1e-3
     assert rescored["naive"]["penalty_term_mean"] == pytest.approx(want, abs=1e-6)
     assert rescored["power"]["class_bias"] == pytest.approx(abs(want), abs=1e-6)

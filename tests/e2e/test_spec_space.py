@@ -54,7 +54,7 @@ def test_no_gate_fails_on_a_correct_trainer_at_any_spec(pool, model, spec) -> No
 @given(model=st.sampled_from(MODELS), spec=engine_specs(VOCAB))
 def test_a_trainer_off_by_four_bounds_fails_at_any_spec(pool, model, spec) -> None:
     res = _score(pool, model, spec, TrainerFaults(shift_bounds=4.0))
-    assert "replay_drift" in {v.gate for v in res.verdict.violations}, res.verdict.headroom
+    assert "replay_drift" in {v.gate for v in res.verdict.violations}, res.verdict.entry["headroom"]
 
 
 @pytest.mark.slow

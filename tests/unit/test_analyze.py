@@ -391,7 +391,7 @@ def test_summary_survives_json(tmp_path: Path) -> None:
     s = summarize_paths([path], Options())
     back = Summary.from_json(s.to_json())
 
-    a, b = [v.to_json() for v in judge(s, TOL)], [v.to_json() for v in judge(back, TOL)]
+    a, b = [v.entry for v in judge(s, TOL)], [v.entry for v in judge(back, TOL)]
     assert json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
 
 

@@ -291,8 +291,9 @@ def test_merge_order_does_not_matter(flat, tmp_path: Path) -> None:
         while tree and len(got) > 1:
             got = [got[i].merge(got[i + 1]) if i + 1 < len(got) else got[i] for i in range(0, len(got), 2)]
         (sc,) = judge(got[0] if tree else functools.reduce(Summary.merge, got, Summary()), TOL)
-        return {"per_step": sc.per_step, "trend": sc.trend, "gates": [v.gate for v in sc.violations],
-                "first": sc.trend["first_step_outside"] if sc.trend else None}
+        e = sc.entry
+        return {"per_step": e["per_step"], "trend": e["trend"], "gates": [v.gate for v in sc.violations],
+                "first": e["trend"]["first_step_outside"] if e["trend"] else None}
 
     want = result(list(range(len(parts))))
     assert want["gates"] == [TREND_GATE] and want["first"] is not None

@@ -136,7 +136,7 @@ def test_parity_run_samples_again_until_resolved_within_the_cap(monkeypatch) -> 
         n = 16 * sc.prompts
         p = power_of("replay_mean_bias", 0.016, 0.004 + 4 * SPREAD / math.sqrt(n), 0.004, 1.0, n)
         verdict = "pass" if p.resolved else "none"
-        return SimpleNamespace(verdict=SimpleNamespace(verdict=verdict, violations=[], power=p.to_json()), seconds=1.0)
+        return SimpleNamespace(verdict=SimpleNamespace(verdict=verdict, violations=[], entry={"power": p.to_json()}), seconds=1.0)
 
     monkeypatch.setattr(run_mod, "score_scenario", score)
     sc = Scenario("s", SamplingSpec(temperature=0.7, top_k=50), prompts=4, max_tokens=16)

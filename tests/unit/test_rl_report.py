@@ -100,7 +100,7 @@ def test_report_md_and_json_carry_both_tables(tmp_path) -> None:
         "environment": environment("cpu", "float32", "float32"),
         "rl_view": catalogue(),
         "scenarios": [s1, s2],
-        "passed": True,
+        "passed": True, "verdict": "pass", "no_verdict": [],
         "source": "records", "config": {}, "records": {"files": 0, "rows": 2, "tokens": 8, "page_checksums": "unknown", "files_without_page_checksums": []}, "warnings": [], "complete": True, "not_evaluated": [],
     }
     assert "## RL view" not in render_markdown(report)  # per-scenario detail lives in details.md

@@ -64,7 +64,7 @@ def _scenario(name: str, spec: SamplingSpec, faults: TrainerFaults | None = None
 
 def _report(scenarios: list[dict]) -> dict:
     return {
-        "schema_version": 3,
+        "schema_version": 4,
         "environment": {"vllm": "x", "torch": "x", "transformers": "x", "device": "cpu", "dtype": "float32",
                         "trainer_dtype": "float32"},
         "config": {"thresholds": Thresholds().to_dict()},
@@ -199,7 +199,7 @@ def test_glance_cells_are_report_values_formatted(mixed: dict) -> None:
         assert row["scenario"] == s["name"] and row["verdict"] == s["verdict"].upper()
         v = float(row["log S"]) if row["log S"] != "0" else 0.0
         assert math.isclose(v, s["log_s"]["mean"], rel_tol=1e-3, abs_tol=5e-5)
-        assert re.fullmatch(r"\d+\.\d\d|inf|—", row["replay"])
+        assert re.fullmatch(r"\d+\.\d\d|inf|—|n/a", row["replay"])
 
 
 def test_a_trainer_under_test_is_named_with_its_diagnosis(mixed: dict) -> None:

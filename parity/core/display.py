@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from itertools import combinations
 
+NA = "n/a"  # how text writes a missing value (None in memory, null in report.json)
+
 
 def _sign(a: float, b: float) -> int:
     return (a > b) - (a < b)

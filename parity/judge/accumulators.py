@@ -30,7 +30,6 @@ from parity.judge.streams import (
     ViewMatch,
     Worst,
 )
-from parity.judge.streams import NA as NA
 from parity.judge.streams import na_ratios as na_ratios
 from parity.records.casts import CastNote
 

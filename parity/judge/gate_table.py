@@ -10,10 +10,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
-from parity.core.display import apart
+from parity.core.display import NA, apart
 from parity.core.gates import Thresholds, recompute_support_limit
 from parity.core.violation import Position, Violation
-from parity.judge.accumulators import NA, ScenarioAcc
+from parity.judge.accumulators import ScenarioAcc
 from parity.judge.diagnosis import logprob_bias_class
 from parity.judge.steps import TREND_GATE
 
@@ -80,7 +80,7 @@ def _scaled(ps: tuple[Position, ...], factor: float) -> tuple[Position, ...]:
 
 
 def _num(x: object) -> float:
-    assert isinstance(x, int | float), f"a gate read {x!r}"  # n/a and None: the gate is not evaluated
+    assert isinstance(x, int | float), f"a gate read {x!r}"  # None: the gate is not evaluated
     return x
 
 
@@ -248,7 +248,7 @@ def trend_violation(sc: ScenarioStats, out: list[Violation], skip: set[str] | fr
         who = f"trainer {sc['trainer_under_test']['name']!r}"
     by_step = {e["step"]: e for e in sc["per_step"]}
     s = tr["first_step_outside"]
-    at = by_step[s]["mean_abs_diff"] if s is not None and s in by_step else NA
+    at = by_step[s]["mean_abs_diff"] if s is not None and s in by_step else None
     if tr["slope"] is None:  # a step's mean |diff| is not finite
         out.append(Violation(TREND_GATE, sc["name"], math.inf, 0.0, f"{who} mean |diff| per step",
                              detail=f"{tr['reason']}: drift left every band at step {s}"))
@@ -260,7 +260,7 @@ def trend_violation(sc: ScenarioStats, out: list[Violation], skip: set[str] | fr
         detail=(f"mean |diff| {first:.3g} at step {tr['first_step']} -> {last:.3g} at step {tr['last_step']} over "
                 f"{tr['steps']} steps, slope {tr['slope']:.3g} ± {tr['slope_se']:.3g} per step (limit {tr['z']:g} "
                 f"standard errors); first left the band {tr['baseline_mean']:.3g} ± {tr['band_k']:g} × "
-                f"{tr['noise']:.3g} of steps {base} at step {s} (mean |diff| {at:.3g})"),
+                f"{tr['noise']:.3g} of steps {base} at step {s} (mean |diff| {NA if at is None else format(at, '.3g')})"),
     ))
 
 
@@ -282,7 +282,7 @@ def _native(c: GateCase) -> list[Violation]:
 def describe_check(c: Mapping[str, object]) -> str:
     """One invariance check in words: what differs from its reference layout, where, and by how much."""
     d = c.get("max_abs_diff")
-    diff = "n/a" if d is None else f"{d:.3e}"
+    diff = NA if d is None else f"{d:.3e}"
     if c.get("kind") == "run_to_run":
         return (f"determinism: {c['name']}: {c['unique_outputs']} unique outputs from {c['repeats']} identical "
                 f"requests (max |diff| {diff})")

@@ -13,7 +13,6 @@ import numpy as np
 from parity.core.violation import Position
 from parity.report import blocks
 
-NA = blocks.NA
 # Histogram of |diff|: bin 0 exact zeros, bin 1 below 1e-16, then 0.01-decade bins up to 1e4, then one
 # overflow bin; non-finite differences are counted apart.
 HIST_LO, HIST_HI, HIST_STEP = -16.0, 4.0, 0.01
@@ -235,9 +234,10 @@ class Ratios:
 
 
 def na_ratios(identity: bool = False) -> blocks.Ratios:
-    out: blocks.Ratios = {"token": {"mean": NA, "min": NA, "max": NA}, "sequence": {"mean": NA, "min": NA, "max": NA}}
+    out: blocks.Ratios = {"token": {"mean": None, "min": None, "max": None},
+                          "sequence": {"mean": None, "min": None, "max": None}}
     if identity:
-        out["sequence_identity_max_rel_err"] = NA
+        out["sequence_identity_max_rel_err"] = None
     return out
 
 

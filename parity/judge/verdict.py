@@ -26,7 +26,7 @@ from parity.core.gates import Thresholds
 from parity.core.power import Power, power_of, power_sentence
 from parity.core.spec import SamplingSpec
 from parity.core.violation import Violation
-from parity.judge.accumulators import HEAD_BINS, HEAD_LO, HEAD_STEP, INPUTS, NA, ScenarioAcc, na_ratios
+from parity.judge.accumulators import HEAD_BINS, HEAD_LO, HEAD_STEP, INPUTS, ScenarioAcc, na_ratios
 from parity.judge.diagnosis import diagnosis_text, logprob_bias_class
 from parity.judge.gate_table import CAPTURE_LIMIT_FIX, GATE_TABLE, GateCase, evaluate, split_verdict
 from parity.report import blocks
@@ -155,7 +155,7 @@ def _ratios(a: ScenarioAcc, avail: dict[str, bool]) -> dict[str, blocks.Ratios]:
         "recompute": a.ratios["recompute"].to_report() if avail["recompute"] else na_ratios(),
     }
     if avail["full"] and not avail["log_s"]:
-        ratios["naive"]["sequence_identity_max_rel_err"] = NA
+        ratios["naive"]["sequence_identity_max_rel_err"] = None
     if avail["user"]:
         ratios["trainer_under_test"] = a.ratios["user"].to_report()
     return ratios
@@ -200,32 +200,32 @@ def _stat_blocks(a: ScenarioAcc, avail: dict[str, bool]) -> dict[str, object]:
     s = a.streams
 
     def diff(stream: str, inp: str) -> Mapping[str, blocks.Stat]:
-        return s[stream].stats() if avail[inp] else dict.fromkeys(("max_abs_diff", "mean_diff", "mean_abs_diff", "p99_abs_diff"), NA)
+        return s[stream].stats() if avail[inp] else dict.fromkeys(("max_abs_diff", "mean_diff", "mean_abs_diff", "p99_abs_diff"), None)
 
     def frac(ok: int, n: int, inp: str) -> blocks.Stat:
         if not avail[inp]:
-            return NA
+            return None
         return ok / n if n else 1.0
 
     naive = s["naive"].stats() if avail["full"] else None
     gap = s["gap"].stats() if avail["full"] and avail["log_s"] else None
-    mean_max = {"mean": NA, "max": NA}
+    mean_max = {"mean": None, "max": None}
     return {
         "log_s": {"mean": a.log_s_sum / a.log_s_n if a.log_s_n else 0.0, "min": a.log_s_min if a.log_s_n else 0.0,
                   "mean_s": a.log_s_sum_exp / a.log_s_n if a.log_s_n else 1.0}
-        if avail["log_s"] else {"mean": NA, "min": NA, "mean_s": NA},
+        if avail["log_s"] else {"mean": None, "min": None, "mean_s": None},
         "naive": {
-            "bias_mean": naive["mean_diff"] if naive else NA,
-            "max_abs_diff": naive["max_abs_diff"] if naive else NA,
-            "max_abs_gap_to_log_s": gap["max_abs_diff"] if gap else NA,
-            "mean_gap_to_log_s": gap["mean_diff"] if gap else NA,
+            "bias_mean": naive["mean_diff"] if naive else None,
+            "max_abs_diff": naive["max_abs_diff"] if naive else None,
+            "max_abs_gap_to_log_s": gap["max_abs_diff"] if gap else None,
+            "mean_gap_to_log_s": gap["mean_diff"] if gap else None,
             **({"penalty_term_mean": s["penalty"].stats()["mean_diff"]} if s["penalty"].n else {}),
         },
         "replay": {**diff("replay", "replay"), "support_equal_frac": frac(a.replay_ok, a.replay_n, "kept")},
         "recompute": {
             **diff("recompute", "recompute"),
             "support_equal_frac": frac(a.recompute_eq, a.recompute_n, "recompute_support"),
-            "forced_includes": a.forced if avail["forced"] else NA,
+            "forced_includes": a.forced if avail["forced"] else None,
         },
         "kl_over_support": {"mean": a.kl_sum / a.kl_n if a.kl_n else 0.0, "max": a.kl_max} if avail["kl"] else mean_max,
         "tv_over_support": {"mean": a.tv_sum / a.kl_n if a.kl_n else 0.0, "max": a.tv_max} if avail["kl"] else mean_max,
@@ -311,7 +311,7 @@ def _scenario_report(a: ScenarioAcc, name: str, trainer: str | None = None) -> b
         out["trainer_under_test"] = {
             "name": trainer,  # the caller's, from the file metadata
             **s["user"].stats(),
-            "max_abs_gap_to_log_s": s["user_gap"].max_abs if s["user_gap"].n else NA,
+            "max_abs_gap_to_log_s": s["user_gap"].max_abs if s["user_gap"].n else None,
             "diagnosis": _diagnosis(a, limits["trainer_under_test"] if limits["trainer_under_test"] is not None
                                     else math.inf, lp),
         }
@@ -364,17 +364,17 @@ def _step_view(
             ok, n = sa.support(SUPPORT_OF[k])
             by[REPORT_NAMES[k]] = blocks.StepComparisonJson(
                 tokens=st.n,
-                mean_bias=st.mean_bias if st.n else NA,
-                mean_abs_diff=st.mean_abs if st.n else NA,
+                mean_bias=st.mean_bias if st.n else None,
+                mean_abs_diff=st.mean_abs if st.n else None,
                 max_headroom=st.headroom if avail["bound"] and st.head_n else None,
-                support_equal_frac=(ok / n if n else 1.0) if support_known[SUPPORT_OF[k]] else NA,
+                support_equal_frac=(ok / n if n else 1.0) if support_known[SUPPORT_OF[k]] else None,
             )
         f = by[REPORT_NAMES[follow]] if follow else None
         entries.append(blocks.StepJson(
             step=step, sequences=sa.sequences, tokens=sa.tokens, comparison=REPORT_NAMES[follow] if follow else None,
-            compared_tokens=f["tokens"] if f else 0, mean_bias=f["mean_bias"] if f else NA,
-            mean_abs_diff=f["mean_abs_diff"] if f else NA, max_headroom=f["max_headroom"] if f else None,
-            support_equal_frac=f["support_equal_frac"] if f else NA, by_comparison=by,
+            compared_tokens=f["tokens"] if f else 0, mean_bias=f["mean_bias"] if f else None,
+            mean_abs_diff=f["mean_abs_diff"] if f else None, max_headroom=f["max_headroom"] if f else None,
+            support_equal_frac=f["support_equal_frac"] if f else None, by_comparison=by,
         ))
     if follow is None:
         return entries, None, ("no comparison to follow across steps: " + REASONS["user"] + "; "

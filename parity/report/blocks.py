@@ -1,6 +1,7 @@
 """The statistics blocks of report.json as types, and the JSON Schema generated from them (:func:`schema_of`).
-A ``Stat`` is a number, or ``"n/a"`` where the records lack its input; ``Json`` is a value whose layout the
-producer chooses, checked as JSON (docs/internals.md, section 9).
+A ``Stat`` is a number, or None where the records lack its input (null in report.json; text writes it as
+:data:`parity.core.display.NA`); ``Json`` is a value whose layout the producer chooses, checked as JSON
+(docs/internals.md, section 9).
 """
 
 # No `from __future__ import annotations`: TypedDict reads NotRequired[...] only from evaluated annotations.
@@ -18,8 +19,7 @@ from parity.core.json_types import JsonObject as JsonObject
 from parity.core.routing import Agreement
 from parity.core.routing import RoutingLayer as RoutingLayer
 
-Stat = float | str
-NA = "n/a"  # the Stat of a statistic whose inputs the records do not hold (the report says which and why)
+Stat = float | None  # None: a statistic whose inputs the records do not hold (the report says which and why)
 
 
 class LogS(TypedDict):
@@ -44,7 +44,7 @@ class Diff(TypedDict):
     mean_abs_diff: Stat
     p99_abs_diff: Stat
     support_equal_frac: Stat
-    forced_includes: NotRequired[int | str]  # recompute: tokens force-included to keep the sampled one finite
+    forced_includes: NotRequired[int | None]  # recompute: tokens force-included to keep the sampled one finite
 
 
 class Spread(TypedDict):
@@ -89,11 +89,11 @@ class Signature(TypedDict):
 class MeanBias(TypedDict):
     """A mean gate's numbers: the mean and its limit (the verdict's resolution), systematic + statistical."""
 
-    mean: Stat
-    limit: Stat
-    systematic: Stat
-    statistical: Stat
-    spread_sd: Stat
+    mean: float
+    limit: float
+    systematic: float
+    statistical: float
+    spread_sd: float
     tokens: int
     log_s_signature: NotRequired[Signature]
 
@@ -193,7 +193,7 @@ class StepComparisonJson(TypedDict):
 class StepJson(TypedDict):
     """One step of ``per_step``. The flat statistics are those of ``comparison`` (the one the trend gates: the
     trainer under test where the records hold one, else replay, else recompute); ``by_comparison`` has every
-    comparison the records hold (``n/a``: the records do not hold it; ``max_headroom`` None: no per-token bound)."""
+    comparison the records hold (None: the records do not hold it; ``max_headroom`` None: no per-token bound)."""
 
     step: int
     sequences: int
@@ -352,9 +352,9 @@ class PositionJson(TypedDict):
     prompt: int | None
     position: int | None
     token: int | None
-    values: dict[str, Stat | None]
-    gap: NotRequired[Stat | None]
-    bound: NotRequired[Stat | None]
+    values: dict[str, float]
+    gap: NotRequired[float | None]
+    bound: NotRequired[float | None]
     note: NotRequired[str]
 
 
@@ -363,8 +363,8 @@ class ViolationJson(TypedDict):
 
     gate: str
     scenario: str
-    statistic: Stat
-    limit: Stat
+    statistic: float
+    limit: float
     label: str
     comparison: str
     worst: list[PositionJson]
@@ -599,7 +599,7 @@ def report_json(report: Mapping[str, object]) -> ReportJson:
 
 # -- the JSON Schema of a type ---------------------------------------------------------------------
 
-_NUMBER: JsonObject = {"type": ["number", "string"]}  # a float, or its JSON string ("inf", "nan"; "n/a")
+_NUMBER: JsonObject = {"type": ["number", "string"]}  # a float, or its JSON string ("inf", "-inf", "nan")
 
 
 def schema_of(tp: object, fixed: typing.Mapping[object, JsonObject] | None = None,

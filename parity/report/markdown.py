@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from parity.core.display import NA
 from parity.report import budget_section, overview, rl_section, routing_section
 from parity.report.blocks import EnvironmentJson, JsonObject, ReportJson, ScenarioJson, StepJson, TrendJson
 
@@ -20,7 +21,7 @@ def _items(x: object) -> list[object]:
 
 def _fmt(x: object) -> str:
     if x is None:
-        return "—"
+        return NA
     if isinstance(x, float):
         return f"{x:.3g}"
     return str(x)

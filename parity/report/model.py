@@ -16,8 +16,8 @@ from parity.core.violation import Position, Violation
 from parity.errors import UsageError
 from parity.report.blocks import EnvironmentJson, ReportJson, ScenarioJson
 
-# report.json's layout version (3: the verdict "none" and no_verdict; README, reading a report).
-SCHEMA_VERSION = 3
+# report.json's layout version (3: the verdict "none" and no_verdict; 4: a missing statistic is null, not "n/a"; docs/running.md).
+SCHEMA_VERSION = 4
 
 Report = ReportJson  # the typed report: one TypedDict, read by key, what the renderers and load_report give
 

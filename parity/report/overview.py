@@ -10,10 +10,10 @@ import textwrap
 from collections.abc import Mapping
 from typing import SupportsFloat
 
-from parity.core.display import apart
+from parity.core.display import NA, apart
 from parity.core.spec import SamplingSpec
 from parity.report import rl_section, routing_section
-from parity.report.blocks import NA, Diff, ReportJson, ScenarioJson, report_json
+from parity.report.blocks import Diff, ReportJson, ScenarioJson, report_json
 
 # Which gates belong to which side of the story (parity.core.gates names them).
 REPLAY_GATES = ("replay_drift", "replay_mean_bias", "replay_support")
@@ -37,8 +37,8 @@ def not_evaluated(s: ScenarioJson) -> set[str]:
 
 
 def _f(x: object) -> float | None:
-    """A report number as a float (report.json writes non-finite floats as strings)."""
-    if x is None or x == NA:
+    """A report number as a float (report.json writes non-finite floats as strings); None where it is missing."""
+    if x is None:
         return None
     if isinstance(x, str):
         try:
@@ -53,7 +53,7 @@ def _f(x: object) -> float | None:
 def _signed(x: object) -> str:
     v = _f(x)
     if v is None:
-        return NA if x == NA else "—"
+        return NA if x is None else "—"
     if v == 0:
         return "0"
     if not math.isfinite(v):
@@ -64,7 +64,7 @@ def _signed(x: object) -> str:
 def _ratio(x: object) -> str:
     v = _f(x)
     if v is None:
-        return NA if x == NA else "—"
+        return NA if x is None else "—"
     if not math.isfinite(v):
         return str(v)
     return f"{v:.2f}" if v < 100 else f"{v:.3g}"
@@ -73,7 +73,7 @@ def _ratio(x: object) -> str:
 def _pct(x: object) -> str:
     v = _f(x)
     if v is None:
-        return NA if x == NA else "—"
+        return NA if x is None else "—"
     return "100 %" if v == 1.0 else f"{100 * v:.1f} %"
 
 

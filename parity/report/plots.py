@@ -9,6 +9,7 @@ from types import ModuleType
 
 import numpy as np
 
+from parity.core.display import NA
 from parity.report import budget_section, rl_section
 from parity.report.blocks import DriftHeadroom, ReportJson
 from parity.report.overview import headroom_limit, sampler_name
@@ -19,7 +20,7 @@ DRIFT_RANGE = (1e-4, 1e4)
 
 
 def _number(x: object) -> float:
-    """A plotted value; statistics a records file could not support ("n/a") plot as gaps."""
+    """A plotted value; statistics a records file could not support (None) plot as gaps."""
     return float(x) if isinstance(x, (int, float)) else math.nan
 
 
@@ -36,7 +37,7 @@ def write_steps_plot(report: ReportJson, out: Path, plt: ModuleType) -> bool:
         means = [_number(e["mean_abs_diff"]) for e in s["per_step"]]
         tr: Mapping[str, object] = s.get("trend") or {}
         ax.plot(steps, means, "o-", color=color, markersize=3, linewidth=1,
-                label=f"{s['name']} ({tr.get('comparison') or s['per_step'][0].get('comparison') or 'n/a'})")
+                label=f"{s['name']} ({tr.get('comparison') or s['per_step'][0].get('comparison') or NA})")
         slope, icpt = _number(tr.get("slope")), _number(tr.get("intercept"))
         if math.isfinite(slope) and math.isfinite(icpt):
             ax.plot([steps[0], steps[-1]], [icpt + slope * steps[0], icpt + slope * steps[-1]], "--", color=color, linewidth=1)

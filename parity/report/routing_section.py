@@ -3,6 +3,7 @@ and the engine-settings view (prefix caching, chunked prefill against the same s
 
 from __future__ import annotations
 
+from parity.core.display import NA
 from parity.report.blocks import EngineSettingEffect, ReportJson, ScenarioJson
 
 
@@ -44,7 +45,7 @@ def markdown(report: ReportJson) -> list[str]:
     for s in scenarios:
         g = s["routing"]
         cap = g.get("capture")
-        route = cap.get("route", "n/a") if isinstance(cap, dict) else "n/a"
+        route = cap.get("route", NA) if isinstance(cap, dict) else NA
         worst = g["worst_margin_over_bound"]
         lines += [
             "", f"### {s['name']}", "",

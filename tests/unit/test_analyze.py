@@ -29,7 +29,7 @@ from parity.core.error_model import SUPPORT_MASS_TOL
 from parity.core.gates import Thresholds
 from parity.core.spec import SamplingSpec
 from parity.core.token_table import TrainerFaults, build_table
-from parity.judge.accumulators import NA, Summary
+from parity.judge.accumulators import Summary
 from parity.judge.gate_table import REFERENCE_GATES
 from parity.judge.streams import DiffStream
 from parity.judge.token_columns import Options
@@ -241,7 +241,7 @@ def test_kept_set_and_the_trainers_own_log_probs(tmp_path: Path) -> None:
             "trainer_under_test_drift", "trainer_under_test_mean_bias"} <= set(ne)
     assert "trainer_kept_logits" in ne["replay_drift"] and "trainer_bound" in ne["trainer_under_test_drift"]
     assert {"replay_support", "incomplete_capture", "sampled_outside", "token_mismatch"} <= set(sc["gates_evaluated"])
-    assert sc["replay"]["support_equal_frac"] == 1.0 and sc["replay"]["max_abs_diff"] == NA and sc["log_s"]["mean"] == NA
+    assert sc["replay"]["support_equal_frac"] == 1.0 and sc["replay"]["max_abs_diff"] is None and sc["log_s"]["mean"] is None
     # The trainer under test's bias is measured (not gated without a bound) and its IS ratios reported.
     assert sc["trainer_under_test"]["mean_diff"] < -1e-3 and sc["verdict"] == "pass"
     assert sc["is_ratio"]["trainer_under_test"]["sequence"]["mean"] < 1.0
@@ -297,7 +297,7 @@ def test_sampler_and_trainer_log_probs_only(tmp_path: Path) -> None:
     for gate in ("replay_support", "incomplete_capture", "sampled_outside"):
         assert ne[gate].startswith("no kept set"), ne
     assert "trainer_bound" in ne["replay_drift"] and "naive_vs_sampler_log_s" in ne
-    assert filt["replay"]["max_abs_diff"] <= 1e-6 and filt["replay"]["support_equal_frac"] == NA
+    assert filt["replay"]["max_abs_diff"] <= 1e-6 and filt["replay"]["support_equal_frac"] is None
     assert filt["naive"]["bias_mean"] < -1e-3  # the bias is measured, not explained
     # Unfiltered: S_q is the vocabulary and log S is 0, so the support gates hold by definition.
     assert plain["log_s"]["mean"] == 0.0 and "replay_support" in plain["gates_evaluated"]

@@ -30,6 +30,7 @@ from parity.core.capture import (
 from parity.core.penalties import penalise_sequence
 from parity.core.spec import SamplingSpec
 from parity.engines.sampler_rows import SamplerRows
+from parity.engines.trl_hooks import Head, Hooks, Output, patch_trl
 from parity.engines.vllm_offline import capture_outputs, rows_start
 from parity.errors import EngineError, UsageError
 from parity.records.vllm_outputs import spec_of_params
@@ -77,10 +78,6 @@ _UNMODELLED_SAMPLING = ("logit_bias", "allowed_token_ids", "bad_words", "structu
 
 
 Rows = dict[int, tuple[torch.Tensor, torch.Tensor]]  # position -> S_q read from the sampler's row
-# VLLMGeneration.generate: prompt ids, completion ids, per position the head's log-probs and ids.
-Generated = tuple[list[list[int]], list[list[int]], list[list[list[float | None]]] | None, list[list[list[int]]]]
-Logps = tuple[torch.Tensor, torch.Tensor | None]  # _get_per_token_logps_and_entropies: log-probs, entropies
-Output = dict[str, torch.Tensor]  # _generate_and_score_completions' batch (the tensors read here)
 
 
 class _Batch(TypedDict):  # one generation batch, as generate() leaves it for scoring
@@ -101,11 +98,6 @@ class _Old(TypedDict):  # the trainer's side of a batch: TRL's log-probs, those 
     full: torch.Tensor
     used: torch.Tensor
     rows: list[_Row]
-
-
-class _Active(TypedDict):
-    old: _Old | None
-    pending: _Batch | None
 
 
 class _Adaptive(TypedDict, total=False):
@@ -139,7 +131,6 @@ class GrpoCapture:
         }
     )
     _pending: list[_Batch] = field(default_factory=list, repr=False)
-    _active: _Active | None = field(default=None, repr=False)
 
 
 def save_sequences(sequences: list[dict[str, object]], path: str | Path) -> Path:
@@ -191,64 +182,23 @@ def engine_dtype(gen: VLLMGeneration) -> str:
         return "unknown"
 
 
-def _split_heads(cap: GrpoCapture, completion_ids: list[list[int]], logprobs: list[list[list[float | None]]],
-                 token_ids: list[list[list[int]]], requested: int | list[int], vocab: int, rows: list[Rows] | None = None,
-                 ) -> tuple[list[list[list[float | None]]], list[list[list[int]]], list[CapturedSupport | None]]:
-    """Per sequence: the sampled token's log-prob for TRL, and S_q for parity.
-
-    ``requested``: the head each sequence was asked with (one value for all, or one per sequence).
-    """
-    lp_out: list[list[list[float | None]]] = []
-    ids_out: list[list[list[int]]] = []
-    supports: list[CapturedSupport | None] = []
+def _supports(completion_ids: list[list[int]], heads: list[list[Head]], requested: int | list[int], vocab: int,
+              rows: list[Rows] | None = None) -> list[CapturedSupport | None]:
+    """S_q per sequence from vLLM's heads (:func:`parity.engines.trl_hooks.sampled_first`). ``requested``: the head
+    each sequence was asked with (one value for all, or one per sequence)."""
     per_seq = requested if isinstance(requested, list) else [requested] * len(completion_ids)
     seq_rows = rows if rows is not None and len(rows) == len(completion_ids) else [{}] * len(completion_ids)
-    for seq_ids, seq_lps, seq_tok, requested, kept_rows in zip(completion_ids, logprobs, token_ids, per_seq, seq_rows,
-                                                                strict=True):
-        lp_rows: list[list[float | None]] = []
-        id_rows: list[list[int]] = []
-        heads_ids: list[list[int]] = []
-        heads_lps: list[list[float]] = []
-        for y, lps, toks in zip(seq_ids, seq_lps, seq_tok, strict=True):
-            # TRL's extract_logprobs sorts the head by rank and _generate_single_turn reads entry 0 as the
-            # sampled token's: true only for logprobs=0, so the sampled entry is moved to the front.
-            try:
-                j = list(toks).index(int(y))
-            except ValueError as exc:
-                raise EngineError(f"vLLM's head at a position does not list the sampled token {int(y)}") from exc
-            v = lps[j]
-            if v is None:
-                cap.counts["nan_sampler_logprobs"] += 1
-            lp_rows.append([v])
-            id_rows.append([int(y)])
-            heads_ids.append([int(t) for t in toks])
-            heads_lps.append([(math.nan if x is None else float(x)) for x in lps])
-        lp_out.append(lp_rows)
-        ids_out.append(id_rows)
-        if requested == 0:
-            supports.append(None)
-        else:
-            # NaN entries are not kept (support_from_heads keeps finite values only once NaN is -inf).
-            clean = [[(-math.inf if math.isnan(x) else x) for x in row] for row in heads_lps]
-            supports.append(support_from_heads(seq_ids, heads_ids, clean, requested=requested, vocab_size=vocab,
-                                               rows=kept_rows))
-    return lp_out, ids_out, supports
+    supports: list[CapturedSupport | None] = []
+    for seq_ids, seq_heads, req, kept_rows in zip(completion_ids, heads, per_seq, seq_rows, strict=True):
+        # NaN entries are not kept (support_from_heads keeps finite values only once NaN is -inf).
+        clean = [[(-math.inf if x is None or math.isnan(x) else float(x)) for x in lps] for _, lps in seq_heads]
+        supports.append(None if req == 0 else support_from_heads(seq_ids, [ids for ids, _ in seq_heads], clean,
+                                                                   requested=req, vocab_size=vocab, rows=kept_rows))
+    return supports
 
 
 # --------------------------------------------------------------------------------------------------
 # the trainer's side
-
-
-def _forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                    batch_size: int) -> torch.Tensor:
-    """float32 logits ``[B, logits_to_keep, V]``: row t predicts completion token t (a plain forward)."""
-    out = []
-    with torch.no_grad():
-        for a in range(0, input_ids.shape[0], batch_size):
-            b = min(a + batch_size, input_ids.shape[0])
-            z = model(input_ids=input_ids[a:b], attention_mask=attention_mask[a:b], use_cache=False).logits
-            out.append(z[:, -logits_to_keep - 1 : -1].float())
-    return torch.cat(out)
 
 
 def _log_mass_correction(cap: GrpoCapture, z: torch.Tensor, y: torch.Tensor, spec: SamplingSpec,
@@ -333,45 +283,31 @@ def patch_grpo(mode: str = "replay", *, head: int | None = None, keep_logits: bo
     adaptive plans, ``keep_logits`` keeps the trainer's ``[L, V]`` logits (docs/internals.md, section 5)."""
     if mode not in MODES:
         raise UsageError(f"patch_grpo mode={mode!r} is invalid: allowed {', '.join(MODES)}")
-    from trl.generation import vllm_generation as vg
-    from trl.trainer import grpo_trainer as gt
-
     cap = GrpoCapture(mode=mode, head=head, max_head=max_head)
-    Gen, Trainer = vg.VLLMGeneration, gt.GRPOTrainer
-    saved = {"LLM": vg.LLM, "generate": Gen.generate, "score": Trainer._generate_and_score_completions,
-             "logps": Trainer._get_per_token_logps_and_entropies}
-    llm_cls = saved["LLM"]
-
-    def make_llm(*args: object, **kwargs: object) -> LLM:
-        # vLLM refuses a head wider than max_logprobs (default 20); -1 allows the whole vocabulary.
-        kwargs.setdefault("max_logprobs", -1)
-        return llm_cls(*args, **kwargs)
-
-    vg.LLM = make_llm
-    Gen.generate = _patched_generate(cap, saved["generate"], head, max_head)
-    Trainer._generate_and_score_completions = _patched_score(cap, saved["score"])
-    Trainer._get_per_token_logps_and_entropies = _patched_logps(cap, saved["logps"], keep_logits)
-    try:
+    with patch_trl(_GrpoHooks(cap, keep_logits)):
         yield cap
-    finally:
-        vg.LLM = saved["LLM"]
-        Gen.generate = saved["generate"]
-        Trainer._generate_and_score_completions = saved["score"]
-        Trainer._get_per_token_logps_and_entropies = saved["logps"]
 
 
-def _patched_generate(cap: GrpoCapture, original: Callable[..., Generated], head: int | None, max_head: int | None,
-                      ) -> Callable[..., Generated]:
-    """``VLLMGeneration.generate`` asking for the capture plan's head and recording S_q per sequence; TRL
-    still gets the sampled token's log-prob it asked for."""
-    # Per-request seeds of adaptive batches: their own stream, so TRL's torch RNG is left untouched.
-    seeds = random.Random(0x5EED)
+class _GrpoHooks(Hooks):
+    """patch_grpo at TRL's hooks (:mod:`parity.engines.trl_hooks`): generate asks for the capture plan's head and
+    records S_q per sequence; the batch's first scoring call (``old_per_token_logps``) returns the mode's log-probs
+    (``old - log S_q`` for replay), TRL's full-vocabulary values kept for the record and the policy ratio."""
 
-    def generate(self: VLLMGeneration, *args: object, **kwargs: object) -> Generated:
-        spec = _spec_of(self)
-        vocab = _vocab_size(self)
+    call: tuple[SamplingSpec, int, CapturePlan, int, _Adaptive]  # the generate call in progress (plan() sets it)
+    pending: _Batch  # the batch being scored, as generate() left it
+    rows: list[_Row]  # its rows so far
+
+    def __init__(self, cap: GrpoCapture, keep_logits: bool) -> None:
+        self.cap, self.keep_logits, self.fix, self.step = cap, keep_logits, cap.mode != "observe", 0
+        # Per-request seeds of adaptive batches: their own stream, so TRL's torch RNG is left untouched.
+        self.seeds = random.Random(0x5EED)
+
+    def plan(self, gen: VLLMGeneration) -> tuple[int, contextlib.AbstractContextManager[object]]:
+        cap, head, max_head = self.cap, self.cap.head, self.cap.max_head
+        spec = _spec_of(gen)
+        vocab = _vocab_size(gen)
         # None (server mode) only with a plan made non-adaptive just below.
-        llm: LLM | None = getattr(self, "llm", None) if getattr(self, "mode", "colocate") == "colocate" else None
+        llm: LLM | None = getattr(gen, "llm", None) if getattr(gen, "mode", "colocate") == "colocate" else None
         rows = SamplerRows(llm, cap=max_head) if llm is not None and head is None else None
         if rows is not None and not rows.install():
             rows = None
@@ -391,106 +327,62 @@ def _patched_generate(cap: GrpoCapture, original: Callable[..., Generated], head
             plan = CapturePlan(FULL_VOCAB, plan.reason)
         requested = plan.logprobs if plan.logprobs is not None and plan.captures_support else 0
         batch: _Adaptive = {}
-        old = self.logprobs
-        self.logprobs = requested
-        engine = llm if plan.adaptive else None  # an adaptive plan has a colocated engine (see above)
-        if engine is not None:
-            engine.generate = _adaptive_generate(engine.generate, plan, spec, vocab, cap.history, seeds, batch, rows)
-        try:
-            prompt_ids, completion_ids, logprobs, token_ids = original(self, *args, **kwargs)
-        finally:
-            self.logprobs = old
-            if engine is not None:
-                del engine.generate  # the instance attribute: the class's method shows through again
-        if logprobs is None:
+        self.call = (spec, vocab, plan, requested, batch)
+        around = contextlib.ExitStack()
+        if plan.adaptive and llm is not None:  # an adaptive plan has a colocated engine (see above)
+            llm.generate = _adaptive_generate(llm.generate, plan, spec, vocab, cap.history, self.seeds, batch, rows)
+            around.callback(delattr, llm, "generate")  # the instance attribute: the class's method shows through again
+        return requested, around
+
+    def sampled(self, gen: VLLMGeneration, completion_ids: list[list[int]], logprobs: list[list[list[float | None]]] | None,
+                heads: list[list[Head]] | None) -> None:
+        cap = self.cap
+        spec, vocab, plan, requested, batch = self.call
+        if logprobs is None or heads is None:
             cap._pending.append({"completion_ids": completion_ids, "supports": None, "spec": spec,
-                                 "dtype": engine_dtype(self), "capture": None})
-            return prompt_ids, completion_ids, logprobs, token_ids
-        per_seq = batch.get("requested", requested)
-        lps, ids, supports = _split_heads(cap, completion_ids, logprobs, token_ids, per_seq, vocab, batch.get("rows"))
+                                 "dtype": engine_dtype(gen), "capture": None})
+            return
+        cap.counts["nan_sampler_logprobs"] += sum(row[0] is None for seq in logprobs for row in seq)
+        supports = _supports(completion_ids, heads, batch.get("requested", requested), vocab, batch.get("rows"))
         stats = batch.get("stats") or _fixed_stats(plan, supports, completion_ids)
         cap.counts["widened_sequences"] += stats.widened_sequences
         cap.counts["resampled_differently"] += stats.resampled_differently
         cap._pending.append({"completion_ids": [list(c) for c in completion_ids], "supports": supports,
-                             "spec": spec, "dtype": engine_dtype(self), "capture": stats})
-        return prompt_ids, completion_ids, lps, ids
+                             "spec": spec, "dtype": engine_dtype(gen), "capture": stats})
 
-    return generate
+    def begin(self, trainer: GRPOTrainer) -> bool:
+        if not (getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False)):
+            if self.cap.mode != "observe":
+                raise UsageError(
+                    f"patch_grpo(mode={self.cap.mode!r}) fixes the vLLM importance-sampling correction: it needs "
+                    f"use_vllm=True and vllm_importance_sampling_correction=True (got use_vllm="
+                    f"{getattr(trainer, 'use_vllm', None)!r}, vllm_importance_sampling_correction="
+                    f"{getattr(trainer, 'vllm_importance_sampling_correction', None)!r})"
+                )
+            return False
+        self.cap._pending.clear()
+        self.step = int(trainer.state.global_step)
+        return True
 
-
-def _patched_logps(cap: GrpoCapture, original: Callable[..., Logps], keep_logits: bool) -> Callable[..., Logps]:
-    """``_get_per_token_logps_and_entropies``: its first call of a batch (``old_per_token_logps``) returns the
-    mode's log-probs (``old - log S_q`` for replay) and keeps TRL's full-vocabulary values for the record."""
-
-    def logps(self: GRPOTrainer, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-              logits_to_keep: int, batch_size: int | None = None, **kwargs: object) -> Logps:
-        out = original(self, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **kwargs)
-        active = cap._active
-        if active is None or active["old"] is not None or not cap._pending:
-            return out
+    def scoring(self, kwargs: dict[str, object]) -> None:
         # generate() ran earlier in this _generate_and_score_completions call and left its batch here.
-        pend = active["pending"] = cap._pending[-1]
-        # The first scoring call inside _generate_and_score_completions is old_per_token_logps.
+        pend = self.pending = self.cap._pending[-1]
         extra = [k for k in _UNSUPPORTED_FORWARD_KWARGS if kwargs.get(k) is not None]
         if extra:
             raise UsageError(f"patch_grpo scores text-only batches: got {', '.join(extra)}")
-        if pend["supports"] is None and pend["spec"].effective().filtered and cap.mode == "replay":
+        if pend["supports"] is None and pend["spec"].effective().filtered and self.cap.mode == "replay":
             raise EngineError("patch_grpo(mode='replay'): vLLM returned no log-probs, so S_q was not captured")
-        full_lp = out[0]
-        logits = _forward_logits(model, input_ids, attention_mask, logits_to_keep, batch_size or input_ids.shape[0])
-        used = full_lp.clone()
-        rows: list[_Row] = []
-        for b, comp in enumerate(pend["completion_ids"]):
-            n = len(comp)
-            z = logits[b, :n]
-            y = input_ids[b, input_ids.shape[1] - logits_to_keep :][:n].long().cpu()
-            if y.tolist() != list(comp):
-                raise EngineError(f"row {b}: the scored completion differs from what vLLM sampled")
-            support = pend["supports"][b] if pend["supports"] is not None else None
-            cut = input_ids.shape[1] - logits_to_keep  # the prompt part (left-padded by TRL)
-            prompt = input_ids[b, :cut][attention_mask[b, :cut].bool()].tolist()
-            log_s_q, correction = _log_mass_correction(cap, z.cpu(), y, pend["spec"], support, prompt)
-            used[b, :n] = full_lp[b, :n] - correction.to(full_lp.dtype).to(full_lp.device)
-            rows.append({"logits": z.cpu() if keep_logits else None, "log_s": log_s_q, "support": support})
-        active["old"] = {"full": full_lp.detach().clone(), "used": used.detach().clone(), "rows": rows}
-        return (used, *out[1:])
+        self.rows = []
 
-    return logps
+    def correction(self, b: int, z: torch.Tensor, y: torch.Tensor, prompt: list[int]) -> torch.Tensor:
+        pend = self.pending
+        support = pend["supports"][b] if pend["supports"] is not None else None
+        log_s_q, correction = _log_mass_correction(self.cap, z.cpu(), y, pend["spec"], support, prompt)
+        self.rows.append({"logits": z.cpu() if self.keep_logits else None, "log_s": log_s_q, "support": support})
+        return correction
 
-
-def _patched_score(cap: GrpoCapture, original: Callable[..., Output]) -> Callable[..., Output]:
-    """``_generate_and_score_completions``: the batch's capture recorded, and ``old_per_token_logps`` put back
-    to TRL's full-vocabulary values so only the IS correction is fixed, never the policy ratio."""
-
-    def score(self: GRPOTrainer, inputs: object) -> Output:
-        if not (getattr(self, "use_vllm", False) and getattr(self, "vllm_importance_sampling_correction", False)):
-            if cap.mode != "observe":
-                raise UsageError(
-                    f"patch_grpo(mode={cap.mode!r}) fixes the vLLM importance-sampling correction: it needs "
-                    f"use_vllm=True and vllm_importance_sampling_correction=True (got use_vllm="
-                    f"{getattr(self, 'use_vllm', None)!r}, vllm_importance_sampling_correction="
-                    f"{getattr(self, 'vllm_importance_sampling_correction', None)!r})"
-                )
-            return original(self, inputs)
-        cap._pending.clear()
-        active: _Active = {"old": None, "pending": None}
-        cap._active = active
-        step = int(self.state.global_step)
-        try:
-            output = original(self, inputs)
-        finally:
-            cap._active = None
-        old = active["old"]
-        pend = active["pending"]
-        if old is None or pend is None:
-            raise EngineError("patch_grpo: TRL scored the batch without computing old_per_token_logps")
-        if cap.mode != "observe":
-            # The policy ratio must keep TRL's full-vocabulary values: only the IS correction is fixed.
-            output["old_per_token_logps"] = old["full"]
-        _record(cap, self, step, pend, old, output)
-        return output
-
-    return score
+    def end(self, trainer: GRPOTrainer, output: Output, full: torch.Tensor, used: torch.Tensor) -> None:
+        _record(self.cap, trainer, self.step, self.pending, {"full": full, "used": used, "rows": self.rows}, output)
 
 
 def _record(cap: GrpoCapture, trainer: GRPOTrainer, step: int, pend: _Batch, old: _Old, output: Output) -> None:

@@ -20,7 +20,7 @@ import socket
 import sys
 import tempfile
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypedDict
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -33,7 +33,6 @@ import torch
 if TYPE_CHECKING:
     from trl.generation.vllm_generation import VLLMGeneration
     from trl.trainer.grpo_trainer import GRPOTrainer
-    from vllm import LLM
 
 from parity.core.error_model import logprob_rounding_bound  # @inline parity.core.error_model
 
@@ -86,107 +85,13 @@ def build_model(path: str, vocab: int = 400, hidden: int = 128, logit_scale: flo
     return path
 
 
+# parity's own patch of TRL (the one parity.engines.trl_grpo.patch_grpo runs): vLLM's whole-vocabulary processed
+# log-probs give S_q; a repro's hooks say what TRL's IS correction reads (old - log S for the replay fix).
+from parity.engines.trl_hooks import Head, Hooks, patch_trl  # @inline parity.engines.trl_hooks
+
 # vLLM's CPU build packs each linear weight and drops layer.weight; TRL's colocated weight sync then fails:
 # parity's own patch keeps the weights (vLLM's fallback branch).
 from parity.engines.vllm_cpu_linear import keep_linear_weights  # @inline parity.engines.vllm_cpu_linear
-
-
-class LogSRecord(TypedDict):
-    seq: tuple[int, int]  # (generation batch, row)
-    log_s: float  # trainer logits over S_q
-    bound: float  # parity's bfloat16 rounding bound of the token's log-prob
-
-
-class ReplayState(TypedDict):
-    kept: list[list[list[int]]] | None  # per sequence, per position: the token ids of S_q
-    first: torch.Tensor | None  # TRL's full-vocabulary old_per_token_logps of the batch
-    active: bool  # inside _generate_and_score_completions
-    batch: int  # generation batches so far
-    fix: bool  # renormalise over S_q (the caller sets it)
-
-
-# VLLMGeneration.generate: prompt ids, completion ids, per position the head's log-probs and ids.
-Generated = tuple[list[list[int]], list[list[int]], list[list[list[float | None]]], list[list[list[int]]]]
-Logps = tuple[torch.Tensor, torch.Tensor | None]  # _get_per_token_logps_and_entropies: log-probs, entropies
-
-
-@contextlib.contextmanager
-def replay_patch(record: list[LogSRecord]) -> Iterator[ReplayState]:
-    """Renormalise the trainer log-probs that TRL's vLLM IS correction reads over the kept set vLLM sampled
-    from (captured from its full-vocabulary processed log-probs); the policy ratio keeps TRL's values.
-    ``record`` collects per-token log S (trainer logits over S_q) for the closed form."""
-    from trl.generation import vllm_generation as vg
-    from trl.trainer import grpo_trainer as gt
-
-    Gen, Tr = vg.VLLMGeneration, gt.GRPOTrainer
-    saved = (vg.LLM, Gen.generate, Tr._generate_and_score_completions, Tr._get_per_token_logps_and_entropies)
-    state: ReplayState = {"kept": None, "first": None, "active": False, "batch": 0, "fix": False}
-
-    def llm(*a: object, **k: object) -> LLM:
-        k.setdefault("max_logprobs", -1)
-        return saved[0](*a, **k)
-
-    def generate(self: VLLMGeneration, *a: object, **k: object) -> Generated:
-        old, self.logprobs = self.logprobs, -1
-        try:
-            p, c, lps, ids = saved[1](self, *a, **k)
-        finally:
-            self.logprobs = old
-        kept: list[list[list[int]]] = []
-        lp_out: list[list[list[float | None]]] = []
-        for seq, seq_lp, seq_ids in zip(c, lps, ids):
-            rows: list[list[int]] = []
-            row_lp: list[list[float | None]] = []
-            for y, lp, tid in zip(seq, seq_lp, seq_ids):
-                row_lp.append([lp[tid.index(y)]])  # TRL reads entry 0 as the sampled token's log-prob
-                rows.append([t for t, v in zip(tid, lp) if v is not None and v > -math.inf])
-            kept.append(rows)
-            lp_out.append(row_lp)
-        state["kept"] = kept
-        return p, c, lp_out, [[[y] for y in seq] for seq in c]
-
-    def logps(self: GRPOTrainer, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-              logits_to_keep: int, batch_size: int | None = None, **k: object) -> Logps:
-        out: Logps = saved[3](self, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **k)
-        if not state["active"] or state["first"] is not None or state["kept"] is None:
-            return out
-        with torch.no_grad():
-            raw = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -logits_to_keep - 1 : -1].float()
-        z = raw / self.temperature
-        spec = types.SimpleNamespace(effective_temperature=self.temperature, greedy=False)
-        used = out[0].clone()
-        for b, rows in enumerate(state["kept"]):
-            if not rows:
-                continue
-            width = max(len(ids) for ids in rows)
-            kept = torch.tensor([ids + [-1] * (width - len(ids)) for ids in rows])
-            # bfloat16 engine, float32 trainer: parity's per-token rounding bound for this row's logits
-            bound = logprob_rounding_bound(raw[b, : len(rows)], input_ids[b, -logits_to_keep:][: len(rows)], spec,
-                                           "bfloat16", kept=kept)
-            for t, ids in enumerate(rows):
-                log_s = torch.logsumexp(z[b, t, ids], 0) - torch.logsumexp(z[b, t], 0)
-                record.append({"seq": (state["batch"], b), "log_s": float(log_s), "bound": float(bound[t])})
-                if state["fix"]:
-                    used[b, t] = out[0][b, t] - log_s
-        state["first"] = out[0]
-        return (used, *out[1:])
-
-    def score(self: GRPOTrainer, inputs: object) -> dict[str, object]:
-        state["first"], state["active"], state["batch"] = None, True, state["batch"] + 1
-        try:
-            output: dict[str, object] = saved[2](self, inputs)
-        finally:
-            state["active"] = False
-        if state["fix"]:
-            output["old_per_token_logps"] = state["first"]  # the policy ratio stays full-vocabulary
-        return output
-
-    vg.LLM, Gen.generate, Tr._generate_and_score_completions, Tr._get_per_token_logps_and_entropies = \
-        llm, generate, score, logps
-    try:
-        yield state
-    finally:
-        vg.LLM, Gen.generate, Tr._generate_and_score_completions, Tr._get_per_token_logps_and_entropies = saved
 
 
 def free_port() -> int:
@@ -249,6 +154,43 @@ from parity.repro.standalone_report import Outcome, report  # noqa: F401 (the em
 
 
 # ==================== section: trl_grpo_top_p ====================
+class LogSRecord(TypedDict):
+    seq: tuple[int, int]  # (generation batch, row)
+    log_s: float  # trainer logits over S_q
+    bound: float  # parity's bfloat16 rounding bound of the token's log-prob
+
+
+class Replay(Hooks):
+    """Per token of each batch, log S (the trainer's logits over S_q) and parity's bfloat16 rounding bound of its
+    log-prob; with ``fix`` the correction TRL's IS correction reads is log S."""
+
+    def __init__(self, fix: bool) -> None:
+        self.fix, self.batch, self.temperature = fix, 0, 1.0
+        self.record: list[LogSRecord] = []
+        self.kept: list[list[list[int]]] = []  # per sequence, per position: the token ids of S_q
+
+    def sampled(self, gen: VLLMGeneration, completion_ids: list[list[int]], logprobs: list[list[list[float | None]]] | None,
+                heads: list[list[Head]] | None) -> None:
+        self.kept = [[[t for t, v in zip(ids, lps) if v is not None and v > -math.inf] for ids, lps in seq]
+                     for seq in heads or []]
+
+    def begin(self, trainer: GRPOTrainer) -> bool:
+        self.batch, self.temperature = self.batch + 1, trainer.temperature
+        return True
+
+    def correction(self, b: int, z: torch.Tensor, y: torch.Tensor, prompt: list[int]) -> torch.Tensor:
+        rows = self.kept[b]
+        width = max(len(ids) for ids in rows)
+        kept = torch.tensor([ids + [-1] * (width - len(ids)) for ids in rows])
+        # bfloat16 engine, float32 trainer: parity's per-token rounding bound for this row's logits
+        spec = types.SimpleNamespace(effective_temperature=self.temperature, greedy=False)
+        bound = logprob_rounding_bound(z, y, spec, "bfloat16", kept=kept)
+        zt = z / self.temperature
+        log_s = torch.stack([torch.logsumexp(zt[t, ids], 0) - torch.logsumexp(zt[t], 0) for t, ids in enumerate(rows)])
+        self.record += [{"seq": (self.batch, b), "log_s": float(v), "bound": float(u)} for v, u in zip(log_s, bound)]
+        return log_s if self.fix else torch.zeros_like(log_s)
+
+
 class GrpoPayload(TypedDict):
     path: str
     cfg: TrainConfig
@@ -288,10 +230,10 @@ class GrpoRow(TypedDict):
 
 
 def child_trl_grpo_top_p(payload: GrpoPayload) -> GrpoChildResult:
-    record: list[LogSRecord] = []
-    with keep_linear_weights(), replay_patch(record) as state:
-        state["fix"] = payload["fix"]
+    replay = Replay(payload["fix"])
+    with keep_linear_weights(), patch_trl(replay):
         metrics = train(payload["path"], payload["cfg"], payload["seed"])
+    record = replay.record
     log_s = torch.tensor([r["log_s"] for r in record], dtype=torch.float64)
     per_seq: dict[tuple[int, int], float] = {}
     for r in record:

@@ -106,6 +106,27 @@ def test_trl_scripts_keep_the_weights_with_paritys_own_patch() -> None:
     assert prelude.count("def keep_linear_weights(") == 1
 
 
+def test_trl_scripts_patch_trl_with_paritys_own_hooks() -> None:
+    """The replay patch the TRL scripts run is parity.engines.trl_hooks' own code, the one patch_grpo runs, inlined:
+    the same head split on the same vLLM output."""
+    import inspect
+
+    from parity.engines import trl_grpo, trl_hooks
+
+    prelude = standalone.inline(standalone.sections(standalone.TRL_SOURCE)["prelude"])
+    assert "inlined from parity.engines.trl_hooks" in prelude and trl_grpo.patch_trl is trl_hooks.patch_trl
+    for fn in (trl_hooks.patch_trl, trl_hooks.sampled_first, trl_hooks.forward_logits):
+        assert inspect.getsource(fn) in prelude, fn.__name__
+    assert prelude.count("def patch_trl(") == 1
+    ns: dict = {}
+    exec(compile(prelude, "prelude", "exec"), ns)  # noqa: S102 - the emitted prelude, run as the script would
+    args = ([[5, 2]], [[[-0.1, -2.0, None], [-0.5, float("-inf")]]], [[[9, 5, 7], [2, 3]]])
+    assert ns["sampled_first"](*args) == trl_hooks.sampled_first(*args) == (
+        [[[-2.0], [-0.5]]], [[[5], [2]]], [[([9, 5, 7], [-0.1, -2.0, None]), ([2, 3], [-0.5, float("-inf")])]])
+    with pytest.raises(trl_hooks.EngineError, match="does not list the sampled token 4"):
+        trl_hooks.sampled_first([[4]], [[[-0.1]]], [[[9]]])
+
+
 def test_emit_all_writes_one_script_per_repro(tmp_path) -> None:
     assert cli_main(["repro", "all", "--emit-script", str(tmp_path / "scripts")]) == 0
     assert sorted(p.stem for p in (tmp_path / "scripts").glob("*.py")) == sorted(e.name for e in REPROS if e.has_script)

@@ -22,11 +22,14 @@ FAULTS = {
 }
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser, *, out: str = "reports/parity", matrix: str = "'default' or a TOML matrix file",
+                  run_only: bool = True) -> None:
+    """parity run's options; ``run_only`` False leaves out those only a run takes (invariance checks, planted faults,
+    the sampler-side log S, a server, the capture mode, records), for ``parity budget``, which shares the rest."""
     p.add_argument("--model", default="qwen2-tiny", help="fixture name or Hugging Face checkpoint directory (default: qwen2-tiny)")
     p.add_argument("--trainer-model", default=None, help="a different checkpoint for the trainer side (must share the vocabulary)")
-    p.add_argument("--matrix", default="default", help="'default' or a TOML matrix file")
-    p.add_argument("--out", type=Path, default=Path("reports/parity"), help="report folder (default: reports/parity)")
+    p.add_argument("--matrix", default="default", help=matrix)
+    p.add_argument("--out", type=Path, default=Path(out), help=f"report folder (default: {out})")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="both sides' dtype")
     p.add_argument("--trainer-dtype", choices=["float32", "bfloat16", "float16"], default=None, help="override the trainer's dtype")
@@ -53,7 +56,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     # Gone: top_p/min_p without top_k are captured adaptively now; the old flag gets an error that says so.
     p.add_argument("--timeout", type=float, default=900.0, help="seconds any one engine call may take")
-    p.add_argument("--plant", choices=sorted(FAULTS), default=None, help="plant a trainer-side fault (self-test of the gates)")
     p.add_argument("--prefix-caching", action="store_true", help="let vLLM reuse cached KV blocks (each scenario's prompts are sent once first, so its requests hit "
                    "the cache; off: order-independent results)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -64,41 +66,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="turn on every batch-invariance knob the device offers (the report lists which were on or unavailable)",
     )
     p.add_argument(
-        "--invariance",
-        action="store_true",
-        help="also check batch invariance on both sides (required, i.e. gated, under --batch-invariant)",
-    )
-    p.add_argument(
-        "--capture",
-        choices=["topk", "native", "both"],
-        default="topk",
-        help="how S_q is captured: top-K processed log-probs, vLLM's native sampling mask (CUDA, Model Runner V2), or both compared",
-    )
-    p.add_argument(
         "--trainer",
         default=None,
         metavar="NAME|module:function",
         help="score a trainer under test: full, recompute, replay, or your own module:function (see README)",
     )
-    p.add_argument(
-        "--server",
-        default=None,
-        metavar="spawn|URL",
-        help="sample through vLLM's OpenAI-compatible server: 'spawn' starts one on 127.0.0.1, a URL attaches",
-    )
-    p.add_argument(
-        "--no-sampler-log-s",
-        action="store_true",
-        help="skip the raw-logits engine that gives a sampler-side log S (the naive bias is then reported, not gated)",
-    )
     p.add_argument("--no-plots", action="store_true")
-    p.add_argument(
-        "--records",
-        type=Path,
-        default=None,
-        metavar="PATH",
-        help="also write every sampled and scored token to a records file (Parquet; read it back with parity analyze)",
-    )
+    if run_only:
+        p.add_argument("--plant", choices=sorted(FAULTS), default=None, help="plant a trainer-side fault (self-test of the gates)")
+        p.add_argument(
+            "--invariance",
+            action="store_true",
+            help="also check batch invariance on both sides (required, i.e. gated, under --batch-invariant)",
+        )
+        p.add_argument(
+            "--capture",
+            choices=["topk", "native", "both"],
+            default="topk",
+            help="how S_q is captured: top-K processed log-probs, vLLM's native sampling mask (CUDA, Model Runner V2), or both compared",
+        )
+        p.add_argument(
+            "--server",
+            default=None,
+            metavar="spawn|URL",
+            help="sample through vLLM's OpenAI-compatible server: 'spawn' starts one on 127.0.0.1, a URL attaches",
+        )
+        p.add_argument(
+            "--no-sampler-log-s",
+            action="store_true",
+            help="skip the raw-logits engine that gives a sampler-side log S (the naive bias is then reported, not gated)",
+        )
+        p.add_argument(
+            "--records",
+            type=Path,
+            default=None,
+            metavar="PATH",
+            help="also write every sampled and scored token to a records file (Parquet; read it back with parity analyze)",
+        )
     p.add_argument(
         "--verbose",
         action="store_true",

@@ -166,3 +166,20 @@ def test_an_unknown_cause_in_order_is_a_one_line_user_error(tmp_path: Path, caps
     assert main(["budget", "--order", "truncation,nope", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "--order names 'nope': allowed truncation, filter_boundary" in err
+
+
+def test_budget_takes_runs_shared_options_and_refuses_the_run_only_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    from parity.cli.main import build_parser
+    from parity.cli.run import config_from_args
+
+    parser = build_parser(load=["budget", "run"])
+    args = parser.parse_args(["budget", "--dtype", "bfloat16", "--prompts", "3", "--gate", "max_headroom=2"])
+    cfg = config_from_args(args)  # the run-only options hold the budget's defaults
+    assert (cfg.dtype, cfg.prompts, str(cfg.out)) == ("bfloat16", 3, "reports/budget")
+    assert (args.invariance, args.plant, args.no_sampler_log_s, args.server, args.capture, args.records) == (
+        False, None, True, None, "topk", None)
+    assert parser.parse_args(["run"]).no_sampler_log_s is False  # a run's own default is untouched
+    for only_run in (["--plant", "bias"], ["--invariance"], ["--records", "r.parquet"], ["--server", "spawn"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["budget", *only_run])
+        assert "unrecognized arguments" in capsys.readouterr().err

@@ -75,8 +75,8 @@ def tree_mask(n: int, kv_index: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Te
         offset = path.numel() - (b - a)
         if offset < 0:
             raise UsageError(f"tree segment {s}: {b - a} queries but a path of {path.numel()} keys")
-        for j in range(b - a):
-            mask[a + j, path[: offset + j + 1]] = True
+        # query j sees the path's first offset + j + 1 keys
+        mask[a:b, path] = torch.arange(path.numel())[None, :] <= (offset + torch.arange(b - a))[:, None]
     return mask
 
 

@@ -172,3 +172,26 @@ def test_request_spec_refuses_penalties() -> None:
     assert spec_of_request({**body, "min_p": 0.1}).min_p == 0.1
     with pytest.raises(UsageError, match="repetition_penalty=1.1"):
         spec_of_request({**body, "repetition_penalty": 1.1})
+
+
+def test_tree_mask_matches_its_definition_on_random_trees() -> None:
+    """Query j of a segment sees the first offset + j + 1 keys of its path (offset: path length - queries), nothing
+    else: checked position by position on random trees of up to six segments."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(100):
+        n, kv, cq, ck, paths = 0, [], [0], [0], []
+        for _ in range(rng.randint(1, 6)):
+            own = list(range(n, n + rng.randint(1, 8)))
+            n += len(own)
+            path = sorted(rng.sample(range(own[0]), rng.randint(0, own[0]))) + own
+            kv += path
+            cq.append(n)
+            ck.append(len(kv))
+            paths.append((own, path))
+        mask = tree_mask(n, torch.tensor(kv), torch.tensor(cq), torch.tensor(ck))
+        for own, path in paths:
+            for j, q in enumerate(own):
+                seen = set(path[: len(path) - len(own) + j + 1])
+                assert [k for k in range(n) if mask[q, k]] == sorted(seen)

@@ -550,7 +550,7 @@ def judge(
             # A PASS only where the gate could have failed the bias it exists to catch.
             verdict, no_verdict = "none", power_sentence(power, name)
         entry = cast("blocks.ScenarioJson", {
-            **sc, "spec": SamplingSpec.from_dict(sc["spec"]).to_dict(), "drift_headroom": drift_headroom_hist(a),
+            **sc, "drift_headroom": drift_headroom_hist(a),
             "gates_evaluated": evaluated, "verdict": verdict, "violations": _json(violations),
             "reference_violations": _json(reference), "mean_bias_evaluated": mean_evaluated,
             "no_verdict": no_verdict, "capture_limit": capture_limit,

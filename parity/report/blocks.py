@@ -562,7 +562,7 @@ class BudgetBlock(TypedDict):
 
 
 class ReportJson(TypedDict):
-    """report.json: the one type of a report (:data:`parity.report.model.Report`). A report builder's dict
+    """report.json: the one type of a report (what :func:`parity.report.model.load_report` returns). A report builder's dict
     (:func:`parity.analyze.report.build_report`) has no ``timings`` or ``plots`` yet, and may hold the optional
     blocks as None (:func:`parity.report.model.checked_report` leaves those out when it is written)."""
 

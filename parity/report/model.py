@@ -1,4 +1,4 @@
-"""report.json held to its types: :data:`Report` (:class:`parity.report.blocks.ReportJson`), its scenario entries
+"""report.json held to its types: :class:`~parity.report.blocks.ReportJson`, its scenario entries
 (:class:`~parity.report.blocks.ScenarioJson`) and its environment (:class:`~parity.report.blocks.EnvironmentJson`).
 Every producer's report passes :func:`checked_report` before it is written, so a key these types do not name is an
 error; CI code reads a report with :func:`load_report` (docs/internals.md, section 9).
@@ -18,9 +18,6 @@ from parity.report.blocks import EnvironmentJson, ReportJson, ScenarioJson
 
 # report.json's layout version (3: the verdict "none" and no_verdict; 4: a missing statistic is null, not "n/a"; docs/running.md).
 SCHEMA_VERSION = 4
-
-Report = ReportJson  # the typed report: one TypedDict, read by key, what the renderers and load_report give
-
 
 def _float(x: object) -> float:
     if isinstance(x, (int, float, str)):

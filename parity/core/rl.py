@@ -61,17 +61,11 @@ class Mismatch:
                         f"sampler[{i}] has {s.numel()} tokens but deltas[{i}] has {d.numel()}: allowed the same length"
                     )
             object.__setattr__(self, "sampler", sampler)
-        flat = torch.cat(deltas) if deltas else torch.zeros(0, dtype=torch.float64)
-        seq = (
-            torch.cat([torch.full((d.numel(),), i, dtype=torch.long) for i, d in enumerate(deltas)])
-            if deltas
-            else torch.zeros(0, dtype=torch.long)
-        )
-        lq = (
-            torch.cat(sampler)
-            if sampler
-            else (torch.zeros(0, dtype=torch.float64) if sampler is not None else None)
-        )
+        empty = torch.zeros(0, dtype=torch.float64)  # the concatenation of no sequences
+        flat = torch.cat([empty, *deltas])
+        counts = torch.tensor([d.numel() for d in deltas], dtype=torch.long)
+        seq = torch.repeat_interleave(torch.arange(len(deltas)), counts)
+        lq = None if sampler is None else torch.cat([empty, *sampler])
         valid = ~torch.isnan(flat)
         if lq is not None:
             valid &= ~torch.isnan(lq)
@@ -99,7 +93,8 @@ class Mismatch:
                 raise UsageError(
                     f"trainer[{i}] has {t.numel()} tokens but sampler[{i}] has {s.numel()}: allowed the same length"
                 )
-        return cls(tuple(_delta(t, s) for t, s in pairs), tuple(s for _, s in pairs))
+        # Equal infinities (both sides give the token zero probability) are not scorable: NaN, excluded.
+        return cls(tuple(t - s for t, s in pairs), tuple(s for _, s in pairs))
 
     @classmethod
     def from_flat(cls, trainer: torch.Tensor, sampler: torch.Tensor, seq_lengths: Sequence[int]) -> Mismatch:
@@ -160,11 +155,6 @@ def _as_1d(x: object, name: str) -> torch.Tensor:
     if t.dim() != 1:
         raise UsageError(f"{name} has shape {tuple(t.shape)}: allowed a 1-D tensor of per-token values")
     return t
-
-
-def _delta(trainer: torch.Tensor, sampler: torch.Tensor) -> torch.Tensor:
-    # Equal infinities (both sides give the token zero probability) are not scorable: NaN, excluded.
-    return trainer - sampler
 
 
 def k3(delta: torch.Tensor) -> torch.Tensor:
@@ -286,27 +276,20 @@ REDUCTIONS = ("mean", "max", "min", "std")
 
 
 def _reduce(x: torch.Tensor, how: str) -> float | None:
-    """mean/max/min/std (unbiased, like torch.std) of a 1-D tensor; None where it is undefined."""
+    """One of :data:`REDUCTIONS` of a 1-D tensor (std Bessel-corrected, as torch.std in verl and SkyRL); None
+    where it is undefined."""
     if x.numel() == 0 or (how == "std" and x.numel() < 2):
         return None
-    if how == "mean":
-        return float(x.mean())
-    if how == "max":
-        return float(x.max())
-    if how == "min":
-        return float(x.min())
-    if how == "std":
-        return float(x.std())  # Bessel-corrected, as torch.std in verl and SkyRL
-    raise UsageError(f"reduction how={how!r}: allowed mean, max, min, std")
+    return float(getattr(x, how)())
 
 
 def _abs_delta(m: Mismatch) -> torch.Tensor:
     return m.delta().abs()
 
 
-def _probs_abs_diff(m: Mismatch) -> torch.Tensor:
+def _prob_diff(m: Mismatch) -> torch.Tensor:
     p, q = m.probs()
-    return (p - q).abs()
+    return p - q
 
 
 def _pearson_probs(m: Mismatch) -> float | None:
@@ -352,12 +335,6 @@ def _seq_mean_abs_delta(m: Mismatch) -> torch.Tensor:
     return m.seq_reduce(_abs_delta(m), "mean")
 
 
-def _exp_abs_delta(m: Mismatch) -> torch.Tensor:
-    # nemo_rl/algorithms/loss_functions.py ClippedPGLossFn.__call__: token_mult_prob_error =
-    # masked_mean(exp(|generation_logprobs - prev_logprobs| * mask), mask) over all valid tokens.
-    return _abs_delta(m).exp()
-
-
 def _seq_mean_k3(m: Mismatch) -> torch.Tensor:
     # A method's statistic too (verl's K3 rejection). As a metric, prime_rl/trainer/rl/loss.py
     # compute_loss: per sequence, token_mismatch_kl = r - log r - 1 is averaged over the loss mask; the
@@ -368,8 +345,10 @@ def _seq_mean_k3(m: Mismatch) -> torch.Tensor:
 # The per-unit values a metric reduces, by the name a catalogue entry gives as ``values``.
 METRIC_VALUES: dict[str, Statistic] = {
     "abs_delta": Statistic("token", _abs_delta),  # |δ|
-    "exp_abs_delta": Statistic("token", _exp_abs_delta),  # e^|δ|
-    "probs_abs_diff": Statistic("token", _probs_abs_diff, needs_probs=True),  # |p − q|
+    # nemo_rl/algorithms/loss_functions.py ClippedPGLossFn.__call__: token_mult_prob_error =
+    # masked_mean(exp(|generation_logprobs - prev_logprobs| * mask), mask) over all valid tokens.
+    "exp_abs_delta": Statistic("token", lambda m: _abs_delta(m).exp()),  # e^|δ|
+    "probs_abs_diff": Statistic("token", lambda m: _prob_diff(m).abs(), needs_probs=True),  # |p − q|
     "trl_token_truncate_ratio": Statistic("token", _trl_token_truncate_ratio),  # min(e^δ, 3)
     "trl_sequence_mask_ratio": Statistic("sequence", _trl_seq_mask_ratio),  # exp(Σδ), 0 above 3
     "seq_mean_abs_delta": Statistic("sequence", _seq_mean_abs_delta),  # mean |δ| per sequence
@@ -384,36 +363,16 @@ METRIC_FUNCTIONS: dict[str, Aggregate] = {
 # ------------------------------------------------------------------------------------------ methods
 
 
-def _stat_token_ratio(m: Mismatch) -> torch.Tensor:
-    return m.delta().exp()
-
-
-def _stat_token_prob_diff(m: Mismatch) -> torch.Tensor:
-    p, q = m.probs()
-    return p - q
-
-
-def _stat_seq_ratio(m: Mismatch) -> torch.Tensor:
-    return m.seq_reduce(m.delta(), "sum").exp()
-
-
-def _stat_seq_geo_ratio(m: Mismatch) -> torch.Tensor:
-    return m.seq_reduce(m.delta(), "mean").exp()
-
-
-def _stat_seq_min_ratio(m: Mismatch) -> torch.Tensor:
-    return m.seq_reduce(m.delta(), "min").exp()
-
-
 # The per-unit statistics a method can threshold. Token statistics have one value per token, sequence
 # statistics one per non-empty sequence.
 STATISTICS: dict[str, Statistic] = {
-    "ratio": Statistic("token", _stat_token_ratio),  # r = e^δ
-    "tv": Statistic("token", _stat_token_prob_diff, needs_probs=True),  # binary TV, signed: p − q
-    "seq_ratio": Statistic("sequence", _stat_seq_ratio),  # Π r = exp(Σδ)
-    "geo_ratio": Statistic("sequence", _stat_seq_geo_ratio),  # exp(mean δ)
+    "ratio": Statistic("token", lambda m: m.delta().exp()),  # r = e^δ
+    "tv": Statistic("token", _prob_diff, needs_probs=True),  # binary TV, signed: p − q
+    "seq_ratio": Statistic("sequence", lambda m: m.seq_reduce(m.delta(), "sum").exp()),  # Π r = exp(Σδ)
+    "geo_ratio": Statistic("sequence", lambda m: m.seq_reduce(m.delta(), "mean").exp()),  # exp(mean δ)
     "seq_mean_k3": Statistic("sequence", _seq_mean_k3),  # mean (r − log r − 1)
-    "min_ratio": Statistic("sequence", _stat_seq_min_ratio),  # the sequence's smallest token ratio
+    # the sequence's smallest token ratio
+    "min_ratio": Statistic("sequence", lambda m: m.seq_reduce(m.delta(), "min").exp()),
 }
 
 

@@ -143,11 +143,10 @@ def load_catalogue(path: str | Path | None = None) -> tuple[tuple[Metric, ...], 
 
 
 def _check_unique(entries: Sequence[Metric] | Sequence[Method], kind: str) -> None:
-    seen: set[str] = set()
-    for e in entries:
-        if e.name in seen:
-            raise UsageError(f"{kind} name {e.name!r} is used twice: allowed unique names")
-        seen.add(e.name)
+    names = [e.name for e in entries]
+    for name in names:
+        if names.count(name) > 1:
+            raise UsageError(f"{kind} name {name!r} is used twice: allowed unique names")
 
 
 METRICS, METHODS = load_catalogue()
@@ -156,19 +155,11 @@ METRICS, METHODS = load_catalogue()
 # ------------------------------------------------------------------------------------------ summary
 
 
-def metric_values(m: Mismatch, metrics: Sequence[Metric] = METRICS) -> dict[str, float | None]:
-    return {e.name: e.value(m) for e in metrics}
-
-
-def method_results(m: Mismatch, methods: Sequence[Method] = METHODS) -> dict[str, dict[str, dict[str, float | None]]]:
-    return {e.name: {s: e.apply(m, s).to_dict() for s in e.signs} for e in methods}
-
-
 def summarize(
     m: Mismatch, *, metrics: Sequence[Metric] = METRICS, methods: Sequence[Method] = METHODS
 ) -> TrainerSummary:
     """Every metric and every method on one trainer's tokens, as plain numbers (None = undefined)."""
-    values = metric_values(m, metrics)
+    values = {e.name: e.value(m) for e in metrics}
     over = [e.name for e in metrics if e.threshold is not None and e.threshold.holds(values[e.name]) is False]
     return {
         "tokens": m.tokens,
@@ -177,7 +168,7 @@ def summarize(
         "excluded_nan": m.excluded_nan,
         "metrics": values,
         "over_threshold": over,
-        "methods": method_results(m, methods),
+        "methods": {e.name: {s: e.apply(m, s).to_dict() for s in e.signs} for e in methods},
     }
 
 

@@ -36,8 +36,39 @@ def support_from_heads(
 ) -> CapturedSupport:
     """Build S_q from per-position heads (token ids and processed log-probs, sampled entry excluded). ``requested``
     is the K asked for (-1 = full vocabulary); ``rows`` (``Heads.rows``) holds whole kept sets read from the
-    sampler, which replace the head where it could not prove them."""
-    base = _support_of_heads(sampled, head_ids, head_logprobs, requested=requested, vocab_size=vocab_size)
+    sampler, which replace the head where it could not prove them. Tensor operations (wide adaptive heads),
+    ragged heads padded with -1 / -inf."""
+    import torch
+
+    if len(head_ids) != len(sampled) or len(head_logprobs) != len(sampled):
+        raise UsageError(
+            f"capture has {len(head_ids)} heads and {len(head_logprobs)} log-prob rows for {len(sampled)} sampled tokens"
+        )
+    lens = [len(r) for r in head_ids]
+    for ids_row, lps_row in zip(head_ids, head_logprobs, strict=True):
+        if len(ids_row) != len(lps_row):
+            list(zip(ids_row, lps_row, strict=True))  # zip's ValueError: one log-prob per id
+    n, k = len(sampled), max([1, *lens])
+    ids = torch.tensor([[*r, *[-1] * (k - len(r))] for r in head_ids], dtype=torch.long).reshape(n, k)
+    lps = torch.tensor([[*r, *[NEG_INF] * (k - len(r))] for r in head_logprobs], dtype=torch.float32).reshape(n, k)
+    y = torch.tensor([int(v) for v in sampled], dtype=torch.long)
+    count = (lps != NEG_INF).sum(dim=1)
+    # A full head of finite values on a partial vocabulary may hide more kept tokens.
+    head_len = torch.tensor(lens, dtype=torch.long)
+    full = requested == FULL_VOCAB or requested >= vocab_size
+    incomplete = (count >= head_len) & (head_len < vocab_size) & (not full)
+    # Order: by value descending, ties by id ascending (a stable sort by id, then a stable one by
+    # value); dropped entries and padding (-inf) sort after every kept one.
+    by_id = torch.argsort(ids, dim=1, stable=True)
+    ids, lps = ids.gather(1, by_id), lps.gather(1, by_id)
+    by_value = torch.sort(lps, dim=1, descending=True, stable=True).indices
+    ids, lps = ids.gather(1, by_value), lps.gather(1, by_value)
+    w = max(int(count.max()) if n else 0, 1)
+    keep = lps[:, :w] != NEG_INF
+    kept_ids = ids[:, :w].masked_fill(~keep, -1)
+    kept_lps = lps[:, :w].masked_fill(~keep, NEG_INF)
+    missing = ~(kept_ids == y[:, None]).any(dim=1)
+    base = CapturedSupport(kept_ids.contiguous(), kept_lps.contiguous(), incomplete, missing)
     return _with_rows(base, sampled, rows) if rows else base
 
 
@@ -61,85 +92,6 @@ def _with_rows(base: CapturedSupport, sampled: Sequence[int],
         incomplete[t] = False
         missing[t] = not bool((ids == int(sampled[t])).any())
     return CapturedSupport(ids_t, lps_t, incomplete, missing)
-
-
-def _support_of_heads(
-    sampled: Sequence[int],
-    head_ids: Sequence[Sequence[int]],
-    head_logprobs: Sequence[Sequence[float]],
-    *,
-    requested: int,
-    vocab_size: int,
-) -> CapturedSupport:
-    import torch
-
-    if len(head_ids) != len(sampled) or len(head_logprobs) != len(sampled):
-        raise UsageError(
-            f"capture has {len(head_ids)} heads and {len(head_logprobs)} log-prob rows for {len(sampled)} sampled tokens"
-        )
-    full = requested == FULL_VOCAB or requested >= vocab_size
-    lengths = {len(r) for r in head_ids} | {len(r) for r in head_logprobs}
-    if len(sampled) and len(lengths) == 1:
-        n, k = len(sampled), len(head_ids[0])
-        return _support_dense(
-            torch.tensor([int(v) for v in sampled], dtype=torch.long),
-            torch.tensor([list(r) for r in head_ids], dtype=torch.long).reshape(n, k),
-            torch.tensor([list(r) for r in head_logprobs], dtype=torch.float32).reshape(n, k),
-            partial=not full and k < vocab_size,
-        )
-    rows: list[list[tuple[int, float]]] = []
-    incomplete: list[bool] = []
-    missing: list[bool] = []
-    # The lengths are checked above, so this zip's strict= cannot change anything.
-    for y, ids, lps in zip(sampled, head_ids, head_logprobs, strict=True):  # pragma: no mutate
-        finite = [(int(i), float(v)) for i, v in zip(ids, lps, strict=True) if v != NEG_INF]
-        # One order whatever the head's order among equal values (torch.topk leaves ties unordered).
-        finite.sort(key=lambda iv: (-iv[1], iv[0]))
-        rows.append(finite)
-        # A full head of finite values on a partial vocabulary may hide more kept tokens.
-        incomplete.append(not full and len(finite) >= len(ids) and len(ids) < vocab_size)
-        missing.append(all(i != int(y) for i, _ in finite))
-    width = max([len(r) for r in rows] + [1])
-    # Int and bool values make long and bool tensors whatever torch's default dtype: the dtype= of the
-    # lines marked below is there for the reader, and its mutants are equivalent.
-    ids_t = torch.full((len(rows), width), -1, dtype=torch.long)  # pragma: no mutate
-    lps_t = torch.full((len(rows), width), NEG_INF, dtype=torch.float32)
-    for t, r in enumerate(rows):
-        if r:
-            ids_t[t, : len(r)] = torch.tensor([i for i, _ in r], dtype=torch.long)  # pragma: no mutate
-            lps_t[t, : len(r)] = torch.tensor([v for _, v in r], dtype=torch.float32)  # pragma: no mutate (cast on assignment)
-    incomplete_t = torch.tensor(incomplete, dtype=torch.bool)  # pragma: no mutate
-    missing_t = torch.tensor(missing, dtype=torch.bool)  # pragma: no mutate
-    return CapturedSupport(ids_t, lps_t, incomplete_t, missing_t)
-
-
-def _support_dense(y: torch.Tensor, ids: torch.Tensor, lps: torch.Tensor, *, partial: bool) -> CapturedSupport:
-    """:func:`support_from_heads` for heads of one length ``[L, K]`` as tensor operations (wide adaptive heads):
-    the same rules and output (finite entries, processed log-prob descending then id, padded with -1 / -inf to
-    the widest support). ``partial``: the heads are neither the vocabulary nor as wide as it."""
-    import torch
-
-    n, k = ids.shape
-    finite = lps != NEG_INF
-    count = finite.sum(dim=1)
-    # A full head of finite values on a partial vocabulary may hide more kept tokens.
-    incomplete = count >= k if partial else torch.zeros(n, dtype=torch.bool)
-    # Order: by value descending, ties by id ascending (a stable sort by id, then a stable one by
-    # value); dropped entries (-inf) sort after every kept one.
-    by_id = torch.argsort(ids, dim=1, stable=True)
-    ids, lps = ids.gather(1, by_id), lps.gather(1, by_id)
-    by_value = torch.sort(lps, dim=1, descending=True, stable=True).indices
-    ids, lps = ids.gather(1, by_value), lps.gather(1, by_value)
-    width = max(int(count.max()), 1)
-    if k == 0:
-        kept_ids = torch.full((n, 1), -1, dtype=torch.long)
-        kept_lps = torch.full((n, 1), NEG_INF, dtype=torch.float32)
-    else:
-        keep = lps[:, :width] != NEG_INF
-        kept_ids = ids[:, :width].masked_fill(~keep, -1)
-        kept_lps = lps[:, :width].masked_fill(~keep, NEG_INF)
-    missing = ~(kept_ids == y[:, None]).any(dim=1)
-    return CapturedSupport(kept_ids.contiguous(), kept_lps.contiguous(), incomplete, missing)
 
 
 def support_mass(kept_logprobs: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ the starting gap and its noise (a bootstrap over sequences) are computed here (d
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -165,7 +165,6 @@ class Waterfall:
     remainder: dict[str, float]
     remainder_share: dict[str, float | None]
     bound: dict[str, float] | None
-    notes: list[str] = field(default_factory=list)
 
     def largest_fixable(self, measure: str = HEADLINE) -> Row | None:
         """The measured cause with the largest share of ``measure`` beyond its noise (None: none)."""
@@ -173,12 +172,12 @@ class Waterfall:
                 and (r.share.get(measure) or 0.0) > 0.0]
         return max(rows, key=lambda r: r.share[measure] or 0.0, default=None)
 
-    def fix_first(self, measure: str = HEADLINE) -> str:
-        best = self.largest_fixable(measure)
+    def fix_first(self) -> str:
+        best = self.largest_fixable()
         if best is None:
-            return f"fix first: nothing beyond noise ({MEASURE_LABELS[measure]} is what the rounding leaves)"
-        share = best.share[measure] or 0.0
-        return f"fix first: {LABELS[best.cause]} ({share:.0%} of {MEASURE_LABELS[measure]}; {FIXES[best.cause]})"
+            return f"fix first: nothing beyond noise ({MEASURE_LABELS[HEADLINE]} is what the rounding leaves)"
+        share = best.share[HEADLINE] or 0.0
+        return f"fix first: {LABELS[best.cause]} ({share:.0%} of {MEASURE_LABELS[HEADLINE]}; {FIXES[best.cause]})"
 
 
 def check_order(order: Sequence[str]) -> tuple[str, ...]:
@@ -197,7 +196,6 @@ def waterfall(
     order: Sequence[str] = CAUSES,
     *,
     bound: torch.Tensor | None = None,
-    bootstrap: int = BOOTSTRAP,
 ) -> Waterfall:
     """Fix the measured causes one at a time in ``order``; ``stage(fixed)`` gives the columns with the causes in
     ``fixed`` removed (every stage over the same tokens). ``bound``: the final stage's per-token rounding bound."""
@@ -215,8 +213,8 @@ def waterfall(
     first = per(frozenset())
     n_seq = first.n.numel()
     gen = torch.Generator().manual_seed(BOOTSTRAP_SEED)
-    draws = torch.randint(0, n_seq, (bootstrap, n_seq), generator=gen)
-    w = torch.zeros(bootstrap, n_seq, dtype=torch.float64).scatter_add_(1, draws, torch.ones_like(draws, dtype=torch.float64))
+    draws = torch.randint(0, n_seq, (BOOTSTRAP, n_seq), generator=gen)
+    w = torch.zeros(BOOTSTRAP, n_seq, dtype=torch.float64).scatter_add_(1, draws, torch.ones_like(draws, dtype=torch.float64))
     ones = torch.ones(1, n_seq, dtype=torch.float64)
 
     def point(p: PerSequence) -> dict[str, float]:
@@ -230,10 +228,9 @@ def waterfall(
         before_p = per(fixed)
         before = point(before_p)
         if info.status != "measured":
-            rows.append(Row(c, info.status, info.reason, info.cost, before, before,
-                            {k: (0.0 if info.status == "not_applicable" else None) for k in MEASURES},
-                            {k: (0.0 if info.status == "not_applicable" else None) for k in MEASURES},
-                            {k: None for k in MEASURES}, {k: info.status == "not_applicable" for k in MEASURES}))
+            nothing = {k: (0.0 if info.status == "not_applicable" else None) for k in MEASURES}
+            rows.append(Row(c, info.status, info.reason, info.cost, before, before, nothing, dict(nothing),
+                            dict.fromkeys(MEASURES), {k: info.status == "not_applicable" for k in MEASURES}))
             continue
         after_fixed = fixed | {c}
         after_p = per(after_fixed)
@@ -265,18 +262,18 @@ def order_name(order: Sequence[str]) -> str:
     return f"order {','.join(order)}"
 
 
-def order_notes(a: Waterfall, b: Waterfall, measure: str = HEADLINE) -> list[str]:
+def order_notes(a: Waterfall, b: Waterfall) -> list[str]:
     """Where two orders give a cause shares that differ by more than the noise of either (docs/budget.md)."""
     rb = {r.cause: r for r in b.rows}
     notes = []
     for r in a.rows:
         o = rb[r.cause]
-        sa, sb = r.share.get(measure), o.share.get(measure)
+        sa, sb = r.share.get(HEADLINE), o.share.get(HEADLINE)
         if sa is None or sb is None or r.status != "measured":
             continue
-        start = a.start[measure]
-        noise = max(r.noise.get(measure) or 0.0, o.noise.get(measure) or 0.0) / abs(start) if start else 0.0
+        start = a.start[HEADLINE]
+        noise = max(r.noise.get(HEADLINE) or 0.0, o.noise.get(HEADLINE) or 0.0) / abs(start) if start else 0.0
         if abs(sa - sb) > noise:
-            notes.append(f"{LABELS[r.cause]}: {sa:.1%} of {MEASURE_LABELS[measure]} in {order_name(a.order)}, "
+            notes.append(f"{LABELS[r.cause]}: {sa:.1%} of {MEASURE_LABELS[HEADLINE]} in {order_name(a.order)}, "
                          f"{sb:.1%} in {order_name(b.order)} (noise {noise:.1%}): the share depends on the order")
     return notes

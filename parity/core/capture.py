@@ -152,20 +152,12 @@ def _as_k(k: int, vocab_size: int) -> int:
     return vocab_size if k == FULL_VOCAB else k
 
 
-def _status(h: Heads, requested: int, vocab_size: int) -> tuple[list[bool], int]:
-    """Per position: proven complete; and the widest support proven in this sequence."""
+def _status(h: Heads, requested: int, vocab_size: int) -> list[int | None]:
+    """Per position: the size of the support proven complete (None: not proven)."""
     full = requested == FULL_VOCAB or requested >= vocab_size
-    done, widest = [], 0
-    for t, vals in enumerate(h.head_logprobs):
-        if t in h.rows:
-            done.append(True)
-            widest = max(widest, int(h.rows[t][0].numel()))
-            continue
-        ok = _head_complete(vals, full=full, vocab_size=vocab_size)
-        done.append(ok)
-        if ok:
-            widest = max(widest, len(vals) - vals.count(NEG_INF))
-    return done, widest
+    return [int(h.rows[t][0].numel()) if t in h.rows
+            else len(vals) - vals.count(NEG_INF) if _head_complete(vals, full=full, vocab_size=vocab_size) else None
+            for t, vals in enumerate(h.head_logprobs)]
 
 
 def _kept_set(h: Heads, t: int) -> set[int]:
@@ -201,32 +193,32 @@ def run_capture(
     if plan.adaptive:
         _widen(plan, heads, requested, status, ask, vocab_size, stats)
     else:
-        stats.unproven_positions = stats.incomplete_positions = sum(d.count(False) for d, _ in status)
-    stats.largest_support = max((w for _, w in status), default=0)
+        stats.unproven_positions = stats.incomplete_positions = sum(d.count(None) for d in status)
+    stats.largest_support = max((w for d in status for w in d if w is not None), default=0)
     stats.row_positions = sum(len(h.rows) for h in heads)
     if history is not None and spec is not None and plan.adaptive:
-        history.record(spec, [_need(heads[i], status[i][0], requested[i], vocab_size) for i in range(n)])
+        history.record(spec, [_need(heads[i], status[i], requested[i], vocab_size) for i in range(n)])
     return CaptureResult(heads, requested, stats)
 
 
-def _widen(plan: CapturePlan, heads: list[Heads], requested: list[int], status: list[tuple[list[bool], int]],
+def _widen(plan: CapturePlan, heads: list[Heads], requested: list[int], status: list[list[int | None]],
            ask: AskFn, vocab_size: int, stats: CaptureStats) -> None:
     """The adaptive rounds of :func:`run_capture`: ask the sequences with an unproven position again with a
     wider head until every position is proven or the cap is reached (``heads``, ``requested`` and ``status``
     are updated in place)."""
     n = len(heads)
     done_seq = [False] * n
-    stats.unproven_positions = sum(d.count(False) for d, _ in status)
+    stats.unproven_positions = sum(d.count(None) for d in status)
     cap_k = _as_k(plan.max_head if plan.max_head is not None else FULL_VOCAB, vocab_size)
     widened: set[int] = set()
     while True:
         todo: list[tuple[int, int]] = []
         for i in range(n):
-            if done_seq[i] or all(status[i][0]):
+            if done_seq[i] or None not in status[i]:
                 continue
             k = _as_k(requested[i], vocab_size)
-            bounds = [support_lower_bound(v) for v, ok in zip(heads[i].head_logprobs, status[i][0], strict=True)
-                      if not ok]
+            bounds = [support_lower_bound(v) for v, w in zip(heads[i].head_logprobs, status[i], strict=True)
+                      if w is None]
             # A head of |S_q| + 1 entries proves a position; positions that need more than the cap are left.
             reachable = [b for b in bounds if b + 1 <= cap_k]
             if k >= cap_k or not reachable:
@@ -246,7 +238,7 @@ def _widen(plan: CapturePlan, heads: list[Heads], requested: list[int], status: 
         for i, k, h in zip(idx, ks, again, strict=True):
             if i not in widened:
                 widened.add(i)
-                stats.widened_positions += status[i][0].count(False)
+                stats.widened_positions += status[i].count(None)
             if list(h.completion_ids) != list(heads[i].completion_ids):
                 stats.resampled_differently += 1
                 stats.resampled_prompts.append(i)
@@ -254,28 +246,22 @@ def _widen(plan: CapturePlan, heads: list[Heads], requested: list[int], status: 
                 continue
             new_status = _status(h, k, vocab_size)
             old = heads[i]
-            for t, (was, now) in enumerate(zip(status[i][0], new_status[0], strict=True)):
-                if was and now and _kept_set(old, t) != _kept_set(h, t):
+            for t, (was, now) in enumerate(zip(status[i], new_status, strict=True)):
+                if was is not None and now is not None and _kept_set(old, t) != _kept_set(h, t):
                     stats.support_changed_positions += 1
             heads[i], requested[i], status[i] = h, k, new_status
     stats.widened_sequences = len(widened)
     stats.widest_head = FULL_VOCAB if FULL_VOCAB in requested else max(requested)
     for i in range(n):
-        for vals, ok in zip(heads[i].head_logprobs, status[i][0], strict=True):
-            if not ok:
+        for vals, w in zip(heads[i].head_logprobs, status[i], strict=True):
+            if w is None:
                 stats.incomplete_positions += 1
                 if support_lower_bound(vals) + 1 > cap_k:
                     stats.beyond_cap_positions += 1
 
 
-def _need(h: Heads, done: list[bool], requested: int, vocab_size: int) -> int:
+def _need(h: Heads, sizes: list[int | None], requested: int, vocab_size: int) -> int:
     """The head that would have proven this sequence in one generation (as far as its capture shows)."""
-    need = 2
-    for t, (vals, ok) in enumerate(zip(h.head_logprobs, done, strict=True)):
-        if t in h.rows:
-            need = max(need, int(h.rows[t][0].numel()) + 1)
-        elif ok:
-            need = max(need, len(vals) - vals.count(NEG_INF) + 1)
-        else:
-            need = max(need, support_lower_bound(vals) + 1, _as_k(requested, vocab_size) + 1)
-    return need
+    k = _as_k(requested, vocab_size)
+    return max([2] + [1 + (w if w is not None else max(support_lower_bound(vals), k))
+                      for vals, w in zip(h.head_logprobs, sizes, strict=True)])

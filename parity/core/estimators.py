@@ -143,22 +143,12 @@ def _candidates(work: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torc
     return vals.masked_fill(~surv, NEG_INF), ids
 
 
-
 def min_p_decide(vals: torch.Tensor, row_max: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`min_p_mask` on some of a row's values without the row's softmax: (dropped, rows to redo).
-    ``vals`` float32 ``[R, C]``, ``row_max`` and ``min_p`` ``[R]``; a row with a value inside
-    :func:`parity.core.tolerances.min_p_band`, or a tiny min_p, is redone by the reference (docs/capture_plan.md, section 8)."""
-    lo32, hi32, redo = min_p_thresholds(row_max.to(device=vals.device), min_p.to(device=vals.device))
-    dropped = vals < lo32.unsqueeze(1)  # certainly below the threshold (every -inf when min_p > 0)
-    near = ((vals >= lo32.unsqueeze(1)) & (vals < hi32.unsqueeze(1))).any(dim=1)
-    return dropped, near | redo
-
-
-def min_p_thresholds(row_max: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The float32 band of :func:`min_p_decide` per row: (lo, hi, redo). Below ``lo`` min_p drops, from ``hi``
-    it keeps, in between the reference decides; ``redo``: rows with ``0 < min_p < tolerances.MIN_P_FAST_MIN``.
-    """
-    mp = min_p.to(dtype=torch.float64)
+    ``vals`` float32 ``[R, C]``, ``row_max`` and ``min_p`` ``[R]``. Below the float32 band's ``lo`` min_p drops,
+    from ``hi`` it keeps; a row with a value in between (:func:`parity.core.tolerances.min_p_band`), or with
+    ``0 < min_p < tolerances.MIN_P_FAST_MIN``, is redone by the reference (docs/capture_plan.md, section 8)."""
+    row_max, mp = row_max.to(device=vals.device), min_p.to(device=vals.device, dtype=torch.float64)
     log_mp = torch.log(mp)
     width = tolerances.min_p_band(torch.where(mp > 0, log_mp, torch.zeros_like(log_mp)))
     at = row_max.to(dtype=torch.float64) + log_mp
@@ -166,7 +156,9 @@ def min_p_thresholds(row_max: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.
     lo32, hi32 = lo.to(row_max.dtype), hi.to(row_max.dtype)  # rounded outward: the float32 band covers [lo, hi)
     lo32 = torch.where(lo32.double() > lo, torch.nextafter(lo32, torch.full_like(lo32, NEG_INF)), lo32)
     hi32 = torch.where(hi32.double() < hi, torch.nextafter(hi32, torch.full_like(hi32, float("inf"))), hi32)
-    return lo32, hi32, (mp > 0) & (mp < tolerances.MIN_P_FAST_MIN)
+    dropped = vals < lo32.unsqueeze(1)  # certainly below the threshold (every -inf when min_p > 0)
+    near = ((vals >= lo32.unsqueeze(1)) & (vals < hi32.unsqueeze(1))).any(dim=1)
+    return dropped, near | ((mp > 0) & (mp < tolerances.MIN_P_FAST_MIN))
 
 
 def _top_k_candidates(

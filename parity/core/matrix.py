@@ -37,19 +37,14 @@ class Scenario:
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
             raise UsageError(f"Scenario.name={self.name!r} is invalid: allowed a non-empty string")
-        for f in ("prompts", "max_tokens"):
+        ints = (("prompts", 1, False), ("max_tokens", 1, False), ("max_num_batched_tokens", 16, True),
+                ("shared_prefix", 0, True), ("max_capture_head", 2, True))  # (field, least value, None allowed)
+        for f, lo, optional in ints:
             v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise UsageError(f"scenario {self.name!r}: {f}={v!r} is invalid: allowed an integer >= 1")
-        for f, lo in (("max_num_batched_tokens", 16), ("shared_prefix", 0)):
-            v = getattr(self, f)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
+            if not (optional and v is None) and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
                 raise UsageError(f"scenario {self.name!r}: {f}={v!r} is invalid: allowed an integer >= {lo}")
         if self.prefix_caching is not None and not isinstance(self.prefix_caching, bool):
             raise UsageError(f"scenario {self.name!r}: prefix_caching={self.prefix_caching!r} is invalid: allowed true or false")
-        m = self.max_capture_head
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 2):
-            raise UsageError(f"scenario {self.name!r}: max_capture_head={m!r} is invalid: allowed an integer >= 2")
 
 
 @dataclass(frozen=True)
@@ -68,14 +63,7 @@ class Matrix:
             seen.add(s.name)
 
 
-def default_matrix(
-    *,
-    prompts: int = 8,
-    max_tokens: int = 16,
-    seed: int = 0,
-    tie_fixture: str = DEFAULT_TIE_FIXTURE,
-    peaked_fixture: str = DEFAULT_PEAKED_FIXTURE,
-) -> Matrix:
+def default_matrix(*, prompts: int = 8, max_tokens: int = 16, seed: int = 0) -> Matrix:
     """Every filter alone at each level, the filters in pairs across temperatures, all at once, ties, penalties. Levels:
     temperature {0, 0.7, 1.0, 1.3}, top_p {1, 0.95, 0.9, 0.8, 0.05}, top_k {off, 1, 20, 50, >= V}, min_p
     {0, 0.05, 0.1}; `pair_coverage` lists which level pairs of which factors appear together (report.md prints it)."""
@@ -108,11 +96,11 @@ def default_matrix(
         # Penalties: vLLM applies them before temperature and the filters, from each sequence's own history.
         _s("repetition_penalty=1.3 top_p=0.9 T=0.7", t=0.7, p=0.9, repetition_penalty=1.3),
         _s("presence=0.5 frequency=0.3 top_k=50", k=50, presence_penalty=0.5, frequency_penalty=0.3),
-        _s("ties top_k=1", k=1, model=tie_fixture),
-        _s("ties top_k=2", k=2, model=tie_fixture),
-        _s("ties top_k=3 top_p=0.9", k=3, p=0.9, model=tie_fixture),
-        _s("peaked 32k top_k=40 T=0.3", t=0.3, k=40, model=peaked_fixture),
-        _s("peaked 32k top_k=100 top_p=0.9 T=0.5", t=0.5, k=100, p=0.9, model=peaked_fixture),
+        _s("ties top_k=1", k=1, model=DEFAULT_TIE_FIXTURE),
+        _s("ties top_k=2", k=2, model=DEFAULT_TIE_FIXTURE),
+        _s("ties top_k=3 top_p=0.9", k=3, p=0.9, model=DEFAULT_TIE_FIXTURE),
+        _s("peaked 32k top_k=40 T=0.3", t=0.3, k=40, model=DEFAULT_PEAKED_FIXTURE),
+        _s("peaked 32k top_k=100 top_p=0.9 T=0.5", t=0.5, k=100, p=0.9, model=DEFAULT_PEAKED_FIXTURE),
     ]
     return Matrix("default", tuple(rows))
 

@@ -406,12 +406,9 @@ class Method:
                 self.level,
                 f"{STATISTICS[self.statistic].level!r} (the level of statistic {self.statistic!r})",
             )
-        if self.action not in ACTIONS:
-            raise bad("action", self.action, ", ".join(ACTIONS))
-        if self.sign not in SIGNS:
-            raise bad("sign", self.sign, ", ".join(SIGNS))
-        if self.weight not in WEIGHTS:
-            raise bad("weight", self.weight, ", ".join(WEIGHTS))
+        for name, allowed in (("action", ACTIONS), ("sign", SIGNS), ("weight", WEIGHTS)):
+            if getattr(self, name) not in allowed:
+                raise bad(name, getattr(self, name), ", ".join(allowed))
         lo, hi = self.interval
         if math.isnan(lo) or math.isnan(hi) or lo > hi:
             raise bad("interval", self.interval, "(low, high) with low <= high")

@@ -130,20 +130,16 @@ class SamplingSpec:
     # -- conversions --------------------------------------------------------------------------
 
     def label(self) -> str:
-        parts = [f"T={self.temperature:g}"]
-        if self.uses_top_k:
-            parts.append(f"top_k={self.top_k}")
-        if self.uses_top_p:
-            parts.append(f"top_p={self.top_p:g}")
-        if self.uses_min_p:
-            parts.append(f"min_p={self.min_p:g}")
-        if self.repetition_penalty != 1.0:
-            parts.append(f"rep={self.repetition_penalty:g}")
-        if self.presence_penalty != 0.0:
-            parts.append(f"presence={self.presence_penalty:g}")
-        if self.frequency_penalty != 0.0:
-            parts.append(f"freq={self.frequency_penalty:g}")
-        return " ".join(parts)
+        parts = [
+            (True, f"T={self.temperature:g}"),
+            (self.uses_top_k, f"top_k={self.top_k}"),
+            (self.uses_top_p, f"top_p={self.top_p:g}"),
+            (self.uses_min_p, f"min_p={self.min_p:g}"),
+            (self.repetition_penalty != 1.0, f"rep={self.repetition_penalty:g}"),
+            (self.presence_penalty != 0.0, f"presence={self.presence_penalty:g}"),
+            (self.frequency_penalty != 0.0, f"freq={self.frequency_penalty:g}"),
+        ]
+        return " ".join(text for on, text in parts if on)
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -157,19 +153,9 @@ class SamplingSpec:
         return build(**data)
 
     def sampling_params_kwargs(self) -> dict[str, float]:
-        """Keyword arguments for ``vllm.SamplingParams`` (no vLLM import needed).
-
-        The temperature is passed already clamped, so vLLM does not log its clamp warning per request.
-        """
-        return {
-            "temperature": self.effective_temperature,
-            "top_k": self.top_k if self.top_k >= 1 else 0,
-            "top_p": self.top_p,
-            "min_p": self.min_p,
-            "repetition_penalty": self.repetition_penalty,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-        }
+        """Keyword arguments for ``vllm.SamplingParams`` (no vLLM import needed). The temperature is passed
+        already clamped, so vLLM does not log its clamp warning per request."""
+        return {**asdict(self), "temperature": self.effective_temperature, "top_k": max(self.top_k, 0)}
 
 
 def per_row(specs: SamplingSpec | Sequence[SamplingSpec], n: int) -> list[SamplingSpec]:

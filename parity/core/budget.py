@@ -128,11 +128,15 @@ class PerSequence:
         return {"mean_delta": (w @ self.d) / n, "mean_abs_delta": (w @ self.a) / n, "k3_kl": (w @ self.k) / n,
                 "outside_ppo": (w @ self.o) / n, "seq_ratio_sd": var.sqrt()}
 
+    def point(self) -> dict[str, float]:
+        """The measured values (every sequence weighted once)."""
+        ones = torch.ones(1, self.n.numel(), dtype=torch.float64)
+        return {k: float(v[0]) for k, v in self.measures(ones).items()}
+
 
 def measures(stage: Stage) -> dict[str, float]:
     """The five mismatch measures of one stage (docs/budget.md, section 1)."""
-    per = PerSequence.of(stage)
-    return {k: float(v[0]) for k, v in per.measures(torch.ones(1, per.n.numel(), dtype=torch.float64)).items()}
+    return PerSequence.of(stage).point()
 
 
 # -- the waterfall -----------------------------------------------------------------------------------
@@ -215,18 +219,13 @@ def waterfall(
     gen = torch.Generator().manual_seed(BOOTSTRAP_SEED)
     draws = torch.randint(0, n_seq, (BOOTSTRAP, n_seq), generator=gen)
     w = torch.zeros(BOOTSTRAP, n_seq, dtype=torch.float64).scatter_add_(1, draws, torch.ones_like(draws, dtype=torch.float64))
-    ones = torch.ones(1, n_seq, dtype=torch.float64)
-
-    def point(p: PerSequence) -> dict[str, float]:
-        return {k: float(v[0]) for k, v in p.measures(ones).items()}
-
-    start = point(first)
+    start = first.point()
     fixed: frozenset[str] = frozenset()
     rows = []
     for c in order:
         info = causes[c]
         before_p = per(fixed)
-        before = point(before_p)
+        before = before_p.point()
         if info.status != "measured":
             nothing = {k: (0.0 if info.status == "not_applicable" else None) for k in MEASURES}
             rows.append(Row(c, info.status, info.reason, info.cost, before, before, nothing, dict(nothing),
@@ -234,7 +233,7 @@ def waterfall(
             continue
         after_fixed = fixed | {c}
         after_p = per(after_fixed)
-        after = point(after_p)
+        after = after_p.point()
         boot_b, boot_a = before_p.measures(w), after_p.measures(w)
         drop: dict[str, float | None] = {k: before[k] - after[k] for k in MEASURES}
         noise: dict[str, float | None] = {k: MEAN_BIAS_Z * float((boot_b[k] - boot_a[k]).std()) for k in MEASURES}
@@ -243,7 +242,7 @@ def waterfall(
         rows.append(Row(c, "measured", info.reason, info.cost, before, after, drop, share, noise, within))
         fixed = after_fixed
     last = per(fixed)
-    remainder = point(last)
+    remainder = last.point()
     remainder_share = {k: (remainder[k] / start[k] if start[k] != 0.0 else None) for k in MEASURES}
     bound_block = None
     if bound is not None:

@@ -65,12 +65,10 @@ class Thresholds:
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise UsageError(f"thresholds file {str(path)!r} is not valid TOML: {exc}") from exc
-        table = dict(data.get("thresholds", data))
-        table.pop("schema_version", None)
-        per_dtype = table.pop(dtype) if isinstance(table.get(dtype), dict) else {}
-        for key in [k for k, v in table.items() if isinstance(v, dict)]:
-            table.pop(key)
-        return cls.for_dtype(dtype).override(**table, **per_dtype)
+        table = data.get("thresholds", data)
+        per_dtype = table[dtype] if isinstance(table.get(dtype), dict) else {}
+        shared = {k: v for k, v in table.items() if k != "schema_version" and not isinstance(v, dict)}
+        return cls.for_dtype(dtype).override(**shared, **per_dtype)
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)

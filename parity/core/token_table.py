@@ -205,10 +205,7 @@ def build_table(
             _add_captured(cols, r, z, y, zs, kept, rec.kept, shift, trainer_spec, bound)
     u = unit_roundoff(dtype)
     source = sources.pop() if len(sources) == 1 else ("mixed" if sources else "none")
-    if not lengths:
-        empty = {k: torch.zeros(0) for k in cols}
-        return TokenTable(**empty, seq_lengths=[], roundoff=u, s_source=source, user_name=None, kept_seen=())
-    joined = {k: torch.cat(v) for k, v in cols.items()}
+    joined = {k: torch.cat(v) if v else torch.zeros(0) for k, v in cols.items()}
     return TokenTable(**joined, seq_lengths=lengths, roundoff=u, s_source=source, user_name=None,
                       kept_seen=tuple(kept_seen))
 

@@ -91,9 +91,6 @@ class Cause:
             raise UsageError(f"Cause.status={self.status!r} needs a reason")
 
 
-# -- the measures ------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class PerSequence:
     """What every measure reduces, per sequence: token count, Σδ, Σ|δ|, Σk3, tokens outside PPO's interval."""
@@ -137,9 +134,6 @@ class PerSequence:
 def measures(stage: Stage) -> dict[str, float]:
     """The five mismatch measures of one stage (docs/budget.md, section 1)."""
     return PerSequence.of(stage).point()
-
-
-# -- the waterfall -----------------------------------------------------------------------------------
 
 
 @dataclass

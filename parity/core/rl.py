@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Generic, TypeVar
 
 import torch
 
@@ -26,9 +27,7 @@ ACTIONS = ("none", "clip", "mask", "veto", "drop")
 # the dual clip); neg: only negative advantages are corrected, positive ones keep weight 1.
 SIGNS = ("both", "ppo", "neg")
 WEIGHTS = ("statistic", "ratio", "one")
-
-
-# --------------------------------------------------------------------------------------------- input
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,8 +74,6 @@ class Mismatch:
         object.__setattr__(self, "_seq", seq[valid])
         object.__setattr__(self, "_counts", torch.bincount(seq[valid], minlength=len(deltas)))
 
-    # -- constructors
-
     @classmethod
     def from_logprobs(cls, trainer: Sequence[torch.Tensor], sampler: Sequence[torch.Tensor]) -> Mismatch:
         """One 1-D tensor of log-probs per sequence on each side."""
@@ -107,8 +104,6 @@ class Mismatch:
                 f"{sampler.numel()} sampler tokens: allowed non-negative lengths summing to both"
             )
         return cls.from_logprobs(list(torch.split(trainer, lengths)), list(torch.split(sampler, lengths)))
-
-    # -- views used by the entries
 
     @property
     def sequences(self) -> int:
@@ -163,9 +158,6 @@ def k3(delta: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isposinf(delta), torch.full_like(delta, math.inf), out)
 
 
-# ------------------------------------------------------------------------------------------ metrics
-
-
 @dataclass(frozen=True)
 class Threshold:
     """A documented limit on a metric: the value is healthy when ``value <op> limit``."""
@@ -190,20 +182,12 @@ class Threshold:
 
 
 @dataclass(frozen=True)
-class Statistic:
-    """Per-unit values of a mismatch: one per token, or one per non-empty sequence."""
+class Statistic(Generic[T]):
+    """Per-unit values of a mismatch (one per token, or one per non-empty sequence), or a metric's number
+    computed over all tokens at once (not reduced from per-unit values)."""
 
     level: str
-    compute: Callable[[Mismatch], torch.Tensor]
-    needs_probs: bool = False
-
-
-@dataclass(frozen=True)
-class Aggregate:
-    """A metric's number computed over all tokens at once, not reduced from per-unit values."""
-
-    level: str
-    compute: Callable[[Mismatch], float | None]
+    compute: Callable[[Mismatch], T]
     needs_probs: bool = False
 
 
@@ -241,7 +225,7 @@ class Metric:
             raise bad("level", self.level, f"{self._kind.level!r} (the level of its values)")
 
     @property
-    def _kind(self) -> Statistic | Aggregate:
+    def _kind(self) -> Statistic[torch.Tensor] | Statistic[float | None]:
         if self.compute is not None:
             return METRIC_FUNCTIONS[self.compute]
         assert self.values is not None
@@ -260,16 +244,8 @@ class Metric:
         return _reduce(METRIC_VALUES[self.values].compute(m), self.reduce)
 
     def describe(self) -> dict[str, object]:
-        return {
-            "framework": self.framework,
-            "name": self.name,
-            "level": self.level,
-            "statistic": self.statistic,
-            "source": self.source,
-            "threshold": None
-            if self.threshold is None
-            else {"limit": self.threshold.limit, "op": self.threshold.op, "source": self.threshold.source},
-        }
+        out: dict[str, object] = {k: getattr(self, k) for k in ("framework", "name", "level", "statistic", "source")}
+        return {**out, "threshold": None if self.threshold is None else asdict(self.threshold)}
 
 
 REDUCTIONS = ("mean", "max", "min", "std")
@@ -343,7 +319,7 @@ def _seq_mean_k3(m: Mismatch) -> torch.Tensor:
 
 
 # The per-unit values a metric reduces, by the name a catalogue entry gives as ``values``.
-METRIC_VALUES: dict[str, Statistic] = {
+METRIC_VALUES: dict[str, Statistic[torch.Tensor]] = {
     "abs_delta": Statistic("token", _abs_delta),  # |δ|
     # nemo_rl/algorithms/loss_functions.py ClippedPGLossFn.__call__: token_mult_prob_error =
     # masked_mean(exp(|generation_logprobs - prev_logprobs| * mask), mask) over all valid tokens.
@@ -355,17 +331,14 @@ METRIC_VALUES: dict[str, Statistic] = {
     "seq_mean_k3": Statistic("sequence", _seq_mean_k3),  # mean (r − log r − 1) per sequence
 }
 # Metrics that are no reduction of per-unit values, by the name an entry gives as ``compute``.
-METRIC_FUNCTIONS: dict[str, Aggregate] = {
-    "pearson_probs": Aggregate("token", _pearson_probs, needs_probs=True),  # corr(p, q)
+METRIC_FUNCTIONS: dict[str, Statistic[float | None]] = {
+    "pearson_probs": Statistic("token", _pearson_probs, needs_probs=True),  # corr(p, q)
 }
-
-
-# ------------------------------------------------------------------------------------------ methods
 
 
 # The per-unit statistics a method can threshold. Token statistics have one value per token, sequence
 # statistics one per non-empty sequence.
-STATISTICS: dict[str, Statistic] = {
+STATISTICS: dict[str, Statistic[torch.Tensor]] = {
     "ratio": Statistic("token", lambda m: m.delta().exp()),  # r = e^δ
     "tv": Statistic("token", _prob_diff, needs_probs=True),  # binary TV, signed: p − q
     "seq_ratio": Statistic("sequence", lambda m: m.seq_reduce(m.delta(), "sum").exp()),  # Π r = exp(Σδ)
@@ -429,19 +402,10 @@ class Method:
         return STATISTICS[self.statistic].needs_probs
 
     def describe(self) -> dict[str, object]:
-        return {
-            "name": self.name,
-            "frameworks": list(self.frameworks),
-            "level": self.level,
-            "statistic": self.statistic,
-            "interval": list(self.interval),
-            "action": self.action,
-            "sign": self.sign,
-            "weight": self.weight,
-            "dual_clip": self.dual_clip,
-            "source": self.source,
-            "note": self.note,
-        }
+        keys = ("name", "frameworks", "level", "statistic", "interval", "action", "sign", "weight", "dual_clip",
+                "source", "note")
+        out: dict[str, object] = {k: getattr(self, k) for k in keys}
+        return {**out, "frameworks": list(self.frameworks), "interval": list(self.interval)}
 
     def apply(self, m: Mismatch, sign: str = "any") -> MethodResult:
         """What this method does to the units of ``m`` for advantages of ``sign`` ('any', '+', '-')."""

@@ -15,8 +15,6 @@ import torch
 from parity.core.rl import ASSUMPTION, Method, Metric, Mismatch, Threshold
 from parity.errors import PathNotFound, UsageError
 
-# ------------------------------------------------------------------------------------------ catalogue
-
 CATALOGUE = "rl_catalogue.toml"  # the packaged metrics and methods, in parity/data/
 
 
@@ -150,9 +148,6 @@ def _check_unique(entries: Sequence[Metric] | Sequence[Method], kind: str) -> No
 
 
 METRICS, METHODS = load_catalogue()
-
-
-# ------------------------------------------------------------------------------------------ summary
 
 
 def summarize(

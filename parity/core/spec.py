@@ -73,8 +73,6 @@ class SamplingSpec:
         object.__setattr__(self, "top_p", float(p))
         object.__setattr__(self, "min_p", float(m))
 
-    # -- what the sampler will actually apply -------------------------------------------------
-
     @property
     def effective_temperature(self) -> float:
         """The temperature vLLM samples with: (0, 0.01) is raised to 0.01 (SamplingParams.__post_init__)."""
@@ -126,8 +124,6 @@ class SamplingSpec:
     def top_k_for_vocab(self, vocab_size: int) -> int:
         """k as a row filter: the vocabulary size when top_k is off or k >= V."""
         return min(self.top_k, vocab_size) if self.uses_top_k else vocab_size
-
-    # -- conversions --------------------------------------------------------------------------
 
     def label(self) -> str:
         parts = [

@@ -1,9 +1,7 @@
-"""The mismatch budget (engine-free): a sampler–trainer gap split into its causes, one fix at a time.
-
-A *stage* is a set of fixed causes; the caller gives, per stage, the trainer's and the sampler's log-probs of
-the same sampled tokens. The measures of each stage, the drop each fix buys in a stated order, its share of
-the starting gap and its noise (a bootstrap over sequences) are computed here (docs/budget.md).
-"""
+"""The mismatch budget (engine-free): a sampler–trainer gap split into its causes, one fix at a time. Per
+*stage* (a set of fixed causes) the caller gives both sides' log-probs of the same tokens; computed here:
+each stage's measures, each fix's drop in a stated order, its share of the starting gap and its bootstrap
+noise (docs/budget.md)."""
 
 from __future__ import annotations
 
@@ -175,7 +173,8 @@ class Waterfall:
         if best is None:
             return f"fix first: nothing beyond noise ({MEASURE_LABELS[HEADLINE]} is what the rounding leaves)"
         share = best.share[HEADLINE] or 0.0
-        return f"fix first: {LABELS[best.cause]} ({share:.0%} of {MEASURE_LABELS[HEADLINE]}; {FIXES[best.cause]})"
+        label = MEASURE_LABELS[HEADLINE]
+        return f"fix first: {LABELS[best.cause]} ({share:.0%} of {label}; {FIXES[best.cause]})"
 
 
 def check_order(order: Sequence[str]) -> tuple[str, ...]:
@@ -212,7 +211,8 @@ def waterfall(
     n_seq = first.n.numel()
     gen = torch.Generator().manual_seed(BOOTSTRAP_SEED)
     draws = torch.randint(0, n_seq, (BOOTSTRAP, n_seq), generator=gen)
-    w = torch.zeros(BOOTSTRAP, n_seq, dtype=torch.float64).scatter_add_(1, draws, torch.ones_like(draws, dtype=torch.float64))
+    w = torch.zeros(BOOTSTRAP, n_seq, dtype=torch.float64)
+    w.scatter_add_(1, draws, torch.ones_like(draws, dtype=torch.float64))
     start = first.point()
     fixed: frozenset[str] = frozenset()
     rows = []
@@ -267,6 +267,7 @@ def order_notes(a: Waterfall, b: Waterfall) -> list[str]:
         start = a.start[HEADLINE]
         noise = max(r.noise.get(HEADLINE) or 0.0, o.noise.get(HEADLINE) or 0.0) / abs(start) if start else 0.0
         if abs(sa - sb) > noise:
-            notes.append(f"{LABELS[r.cause]}: {sa:.1%} of {MEASURE_LABELS[HEADLINE]} in {order_name(a.order)}, "
-                         f"{sb:.1%} in {order_name(b.order)} (noise {noise:.1%}): the share depends on the order")
+            notes.append(f"{LABELS[r.cause]}: {sa:.1%} of {MEASURE_LABELS[HEADLINE]} in "
+                         f"{order_name(a.order)}, {sb:.1%} in {order_name(b.order)} (noise {noise:.1%}): "
+                         f"the share depends on the order")
     return notes

@@ -155,9 +155,9 @@ def _as_k(k: int, vocab_size: int) -> int:
 def _status(h: Heads, requested: int, vocab_size: int) -> list[int | None]:
     """Per position: the size of the support proven complete (None: not proven)."""
     full = requested == FULL_VOCAB or requested >= vocab_size
-    return [int(h.rows[t][0].numel()) if t in h.rows
-            else len(vals) - vals.count(NEG_INF) if _head_complete(vals, full=full, vocab_size=vocab_size) else None
-            for t, vals in enumerate(h.head_logprobs)]
+    done = [_head_complete(v, full=full, vocab_size=vocab_size) for v in h.head_logprobs]
+    return [int(h.rows[t][0].numel()) if t in h.rows else len(v) - v.count(NEG_INF) if ok else None
+            for t, (v, ok) in enumerate(zip(h.head_logprobs, done, strict=True))]
 
 
 def _kept_set(h: Heads, t: int) -> set[int]:

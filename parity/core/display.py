@@ -14,8 +14,8 @@ def _sign(a: float, b: float) -> int:
 
 
 def ordered(*values: float) -> list[str]:
-    """``values`` each written with the fewest significant digits (at least 3, the same for all) that keep every
-    pair's order: two numbers print equal only where they are equal, and never in the wrong order."""
+    """``values`` each written with the fewest significant digits (at least 3, the same for all) that keep
+    every pair's order: two numbers print equal only where they are equal, and never in the wrong order."""
     for digits in range(3, 18):
         shown = [f"{v:.{digits}g}" for v in values]
         back = [float(s) for s in shown]

@@ -145,9 +145,10 @@ def _candidates(work: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torc
 
 def min_p_decide(vals: torch.Tensor, row_max: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`min_p_mask` on some of a row's values without the row's softmax: (dropped, rows to redo).
-    ``vals`` float32 ``[R, C]``, ``row_max`` and ``min_p`` ``[R]``. Below the float32 band's ``lo`` min_p drops,
-    from ``hi`` it keeps; a row with a value in between (:func:`parity.core.tolerances.min_p_band`), or with
-    ``0 < min_p < tolerances.MIN_P_FAST_MIN``, is redone by the reference (docs/capture_plan.md, section 8)."""
+    ``vals`` float32 ``[R, C]``, ``row_max`` and ``min_p`` ``[R]``. Below the float32 band's ``lo`` min_p
+    drops, from ``hi`` it keeps; a row with a value in between (:func:`parity.core.tolerances.min_p_band`), or
+    with ``0 < min_p < tolerances.MIN_P_FAST_MIN``, is redone by the reference (docs/capture_plan.md,
+    section 8)."""
     row_max, mp = row_max.to(device=vals.device), min_p.to(device=vals.device, dtype=torch.float64)
     log_mp = torch.log(mp)
     width = tolerances.min_p_band(torch.where(mp > 0, log_mp, torch.zeros_like(log_mp)))

@@ -37,8 +37,9 @@ class Scenario:
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
             raise UsageError(f"Scenario.name={self.name!r} is invalid: allowed a non-empty string")
+        # (field, least value, None allowed)
         ints = (("prompts", 1, False), ("max_tokens", 1, False), ("max_num_batched_tokens", 16, True),
-                ("shared_prefix", 0, True), ("max_capture_head", 2, True))  # (field, least value, None allowed)
+                ("shared_prefix", 0, True), ("max_capture_head", 2, True))
         for f, lo, optional in ints:
             v = getattr(self, f)
             if not (optional and v is None) and (isinstance(v, bool) or not isinstance(v, int) or v < lo):

@@ -1,7 +1,5 @@
-"""Comparison metrics between the two sides: support equality, the comparison rule for differences, KL/TV.
-
-Pure torch; every function takes tensors and returns plain Python numbers or tensors.
-"""
+"""Comparison metrics between the two sides (pure torch): support equality, the comparison rule for
+differences."""
 
 from __future__ import annotations
 

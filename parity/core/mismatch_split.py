@@ -19,11 +19,11 @@ NEEDS_THE_MODEL: tuple[str, ...] = (
 
 def records_split(comparison: str, tokens: int, mean_delta: float, mean_abs_delta: float, limit: float | None,
                   steps: Sequence[tuple[int, float]]) -> dict[str, object]:
-    """What two log-prob columns alone say about a gap (``parity analyze``; docs/budget.md, section 6).
-
-    mean |δ| splits into the systematic shift |mean δ| (what a bias class such as log S gives: every token moved
-    one way) and the symmetric spread mean |δ| - |mean δ| >= 0 (rounding, precision, layout: tokens moved both
-    ways). ``limit``: the mean-bias gate's resolution for the comparison; the shift is ``resolved`` beyond it.
+    """What two log-prob columns alone say about a gap (``parity analyze``; docs/budget.md, section 6):
+    mean |δ| splits into the systematic shift |mean δ| (what a bias class such as log S gives: every token
+    moved one way) and the symmetric spread mean |δ| - |mean δ| >= 0 (rounding, precision, layout: tokens
+    moved both ways). ``limit``: the mean-bias gate's resolution for the comparison; the shift is
+    ``resolved`` beyond it.
     ``steps``: (step, mean |δ|) in step order; where mean |δ| grew from the first step to the last, each later
     step's share of that growth is its rise over the step before (the shares add up to 1)."""
     shift = abs(mean_delta)

@@ -1,10 +1,7 @@
-"""The power of a mean-bias verdict: could its gate have failed the bias class it exists to catch?
-
-A mean-bias gate's resolution (``headroom × limit``) is a systematic part plus a statistical part that shrinks
-as ``1 / sqrt(tokens)``. A verdict has power when that resolution lies below the class bias (the scenario's
-``|log S|``: what a full-vocabulary trainer is off by). Where it does not, the tokens that would resolve it
-follow from the measured spread (docs/power.md).
-"""
+"""The power of a mean-bias verdict: could its gate have failed the bias class it exists to catch? Its
+resolution (``headroom × limit``: a systematic part plus a statistical one shrinking as ``1 / sqrt(tokens)``)
+must lie below the class bias (``|log S|``: what a full-vocabulary trainer is off by); where it does not, the
+tokens that would resolve it follow from the measured spread (docs/power.md)."""
 
 from __future__ import annotations
 

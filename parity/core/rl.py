@@ -244,7 +244,8 @@ class Metric:
         return _reduce(METRIC_VALUES[self.values].compute(m), self.reduce)
 
     def describe(self) -> dict[str, object]:
-        out: dict[str, object] = {k: getattr(self, k) for k in ("framework", "name", "level", "statistic", "source")}
+        keys = ("framework", "name", "level", "statistic", "source")
+        out: dict[str, object] = {k: getattr(self, k) for k in keys}
         return {**out, "threshold": None if self.threshold is None else asdict(self.threshold)}
 
 
@@ -402,8 +403,8 @@ class Method:
         return STATISTICS[self.statistic].needs_probs
 
     def describe(self) -> dict[str, object]:
-        keys = ("name", "frameworks", "level", "statistic", "interval", "action", "sign", "weight", "dual_clip",
-                "source", "note")
+        keys = ("name", "frameworks", "level", "statistic", "interval", "action", "sign", "weight",
+                "dual_clip", "source", "note")
         out: dict[str, object] = {k: getattr(self, k) for k in keys}
         return {**out, "frameworks": list(self.frameworks), "interval": list(self.interval)}
 

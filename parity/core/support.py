@@ -136,10 +136,8 @@ def padded_ids(rows: Sequence[Sequence[int]]) -> torch.Tensor:
 
 
 def compare_supports(a: torch.Tensor, b: torch.Tensor, *, skip: torch.Tensor | None = None) -> list[int]:
-    """Positions where two captured supports (``[L, K]`` padded ids, any order) differ.
-
-    ``skip`` marks positions to leave out (for example top-K positions flagged incomplete).
-    """
+    """Positions where two captured supports (``[L, K]`` padded ids, any order) differ, leaving out those
+    ``skip`` marks (for example top-K positions flagged incomplete)."""
     if a.shape[0] != b.shape[0]:
         raise UsageError(f"supports cover {a.shape[0]} and {b.shape[0]} positions")
     bad = []

@@ -141,11 +141,9 @@ def build_table(
     dtype: str | Sequence[str] = "float32",
     recompute_dtype: str | None = None,
 ) -> TokenTable:
-    """Evaluate full / replay / recompute / log S for every sampled token.
-
-    ``dtype``: the two sides' dtypes; the per-token rounding bound uses the looser one. ``recompute_dtype``:
-    recompute chooses its kept set on the logits rounded to it (the sampler's dtype reproduces its ties).
-    """
+    """Evaluate full / replay / recompute / log S for every sampled token. ``dtype``: the two sides' dtypes
+    (the rounding bound uses the looser); ``recompute_dtype``: recompute chooses its kept set on the logits
+    rounded to it (the sampler's dtype reproduces its ties)."""
     if len(records) != len(logits):
         raise UsageError(f"{len(records)} sampler records but {len(logits)} trainer logit tensors")
     faults = faults or TrainerFaults()

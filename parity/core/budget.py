@@ -6,7 +6,7 @@ noise (docs/budget.md)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -148,9 +148,7 @@ class Row:
     within_noise: dict[str, bool]
 
     def to_json(self) -> dict[str, object]:
-        return {"cause": self.cause, "label": LABELS[self.cause], "fix": FIXES[self.cause], "status": self.status,
-                "reason": self.reason, "cost": self.cost, "before": self.before, "after": self.after,
-                "drop": self.drop, "share": self.share, "noise": self.noise, "within_noise": self.within_noise}
+        return {"cause": self.cause, "label": LABELS[self.cause], "fix": FIXES[self.cause], **asdict(self)}
 
 
 @dataclass

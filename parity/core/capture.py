@@ -49,11 +49,6 @@ __all__ = [
 MASS_SLACK = 1e-4
 
 
-def _head_complete(values: Sequence[float], *, full: bool, vocab_size: int) -> bool:
-    """The sentinel proof: the head ends in a dropped token (some entry is -inf), or it is the vocabulary."""
-    return full or len(values) >= vocab_size or NEG_INF in values
-
-
 def support_lower_bound(values: Sequence[float]) -> int:
     """A lower bound on |S_q| where a head of K processed log-probs is all finite: at least
     ``(1 - mass - MASS_SLACK) / p_min`` tokens beyond it. It only lets a plan skip ahead, never proves anything
@@ -155,7 +150,8 @@ def _as_k(k: int, vocab_size: int) -> int:
 def _status(h: Heads, requested: int, vocab_size: int) -> list[int | None]:
     """Per position: the size of the support proven complete (None: not proven)."""
     full = requested == FULL_VOCAB or requested >= vocab_size
-    done = [_head_complete(v, full=full, vocab_size=vocab_size) for v in h.head_logprobs]
+    # The sentinel proof: the head ends in a dropped token (some entry is -inf), or it is the vocabulary.
+    done = [full or len(v) >= vocab_size or NEG_INF in v for v in h.head_logprobs]
     return [int(h.rows[t][0].numel()) if t in h.rows else len(v) - v.count(NEG_INF) if ok else None
             for t, (v, ok) in enumerate(zip(h.head_logprobs, done, strict=True))]
 

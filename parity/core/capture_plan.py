@@ -66,14 +66,6 @@ def start_head(spec: SamplingSpec) -> int:
     return max(MIN_HEAD, min(starts)) if starts else MIN_HEAD
 
 
-def _check_max_head(max_head: int) -> None:
-    if isinstance(max_head, bool) or not isinstance(max_head, int) or max_head < 2:
-        raise UsageError(
-            f"max capture head={max_head!r} is invalid: allowed an integer >= 2 (a head proves itself complete "
-            f"only by ending in a dropped token, so it needs room for one)"
-        )
-
-
 def plan_capture(
     spec: SamplingSpec,
     vocab_size: int,
@@ -88,7 +80,11 @@ def plan_capture(
     never widened); ``max_head`` caps it (a top_k plan that needs more is refused); ``start`` sets an adaptive
     plan's first head, else ``suggested`` (a :class:`CaptureHistory`) or :func:`start_head`.
     Raises :class:`~parity.errors.UsageError` naming the field."""
-    _check_max_head(max_head)
+    if isinstance(max_head, bool) or not isinstance(max_head, int) or max_head < 2:
+        raise UsageError(
+            f"max capture head={max_head!r} is invalid: allowed an integer >= 2 (a head proves itself complete "
+            f"only by ending in a dropped token, so it needs room for one)"
+        )
     spec = spec.effective()
     if not spec.filtered:
         return CapturePlan(None, "no filter: the support is the whole vocabulary")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from parity.core.json_types import JsonObject
 
@@ -64,15 +64,8 @@ class Position:
                    num(d.get("bound")), str(d.get("note") or ""))
 
     def to_dict(self) -> JsonObject:
-        return {
-            "prompt": self.prompt,
-            "position": self.position,
-            "token": self.token,
-            "values": {k: _num(v) for k, v in self.values.items()},
-            "gap": _num(self.gap),
-            "bound": _num(self.bound),
-            "note": self.note,
-        }
+        return {**asdict(self), "values": {k: _num(v) for k, v in self.values.items()}, "gap": _num(self.gap),
+                "bound": _num(self.bound)}
 
 
 @dataclass(frozen=True)
@@ -100,14 +93,5 @@ class Violation:
         return self.message()
 
     def to_dict(self) -> JsonObject:
-        return {
-            "gate": self.gate,
-            "scenario": self.scenario,
-            "statistic": _num(self.statistic),
-            "limit": _num(self.limit),
-            "label": self.label,
-            "comparison": self.comparison,
-            "worst": [p.to_dict() for p in self.worst],
-            "detail": self.detail,
-            "message": self.message(),
-        }
+        return {**asdict(self), "statistic": _num(self.statistic), "limit": _num(self.limit),
+                "worst": [p.to_dict() for p in self.worst], "message": self.message()}

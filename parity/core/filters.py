@@ -52,12 +52,10 @@ def check_logits(logits: torch.Tensor, name: str = "logits") -> torch.Tensor:
         raise UsageError(f"{name} has vocabulary size 0: allowed V >= 1")
     if logits.is_floating_point() and bool(torch.isfinite(logits.amax(dim=-1)).all()):
         return logits
-    if torch.isnan(logits).any():
-        row, col = (torch.isnan(logits).nonzero()[0]).tolist()
-        raise UsageError(f"{name} contain NaN (first at row {row}, token {col}): allowed finite values or -inf")
-    if torch.isposinf(logits).any():
-        row, col = (torch.isposinf(logits).nonzero()[0]).tolist()
-        raise UsageError(f"{name} contain +inf (first at row {row}, token {col}): allowed finite values or -inf")
+    for what, bad in (("NaN", torch.isnan), ("+inf", torch.isposinf)):
+        if bad(logits).any():
+            row, col = (bad(logits).nonzero()[0]).tolist()
+            raise UsageError(f"{name} contain {what} (first at row {row}, token {col}): allowed finite values or -inf")
     dead = ~torch.isfinite(logits).any(dim=-1)
     if dead.any():
         row = int(dead.nonzero()[0])

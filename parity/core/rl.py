@@ -441,19 +441,11 @@ class Method:
             }[self.weight]
             w = base.masked_fill(affected, 0.0) if self.action in ("mask", "veto", "drop") else base
         w = torch.nan_to_num(w, nan=0.0, posinf=math.inf)
-        n = int(x.numel())
-        k = int(affected.sum())
-        return MethodResult(
-            self.name,
-            sign,
-            self.level,
-            self.action,
-            n,
-            k if n else None,
-            k / n if n else None,
-            float(w.mean()) if n else None,
-            effective_sample_size(w) if n else None,
-        )
+        n, k = int(x.numel()), int(affected.sum())
+        if not n:
+            return MethodResult(self.name, sign, self.level, self.action, 0, None, None, None, None)
+        return MethodResult(self.name, sign, self.level, self.action, n, k, k / n, float(w.mean()),
+                            effective_sample_size(w))
 
 
 @dataclass(frozen=True)

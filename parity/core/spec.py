@@ -49,29 +49,27 @@ class SamplingSpec:
     frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
-        t, k, p, m = self.temperature, self.top_k, self.top_p, self.min_p
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 <= t <= MAX_TEMPERATURE):
-            # vLLM's SamplingParams._verify_args refuses T > 2: a spec the engine cannot run is useless.
-            raise _fail("temperature", t, "a finite number in [0, 2] (0 means greedy)")
-        if isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k not in (0, -1)):
-            raise _fail("top_k", k, "an integer: 0 or -1 (off) or >= 1")
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
-            raise _fail("top_p", p, "a number in (0, 1]")
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or not (0.0 <= m <= 1.0):
-            raise _fail("min_p", m, "a number in [0, 1]")
-        r = self.repetition_penalty
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.0 < r < math.inf):
-            raise _fail("repetition_penalty", r, "a finite number > 0 (1 means off)")
-        for name in ("presence_penalty", "frequency_penalty"):
+        def additive(v: float) -> bool:
+            return -MAX_ABS_ADDITIVE_PENALTY <= v <= MAX_ABS_ADDITIVE_PENALTY
+
+        # (field, its range, what is allowed), in the order checked. vLLM's SamplingParams._verify_args refuses
+        # T > 2: a spec the engine cannot run is useless.
+        checks: tuple[tuple[str, Callable[[float], bool], str], ...] = (
+            ("temperature", lambda v: 0 <= v <= MAX_TEMPERATURE, "a finite number in [0, 2] (0 means greedy)"),
+            ("top_k", lambda v: v >= 1 or v in (0, -1), "an integer: 0 or -1 (off) or >= 1"),
+            ("top_p", lambda v: 0.0 < v <= 1.0, "a number in (0, 1]"),
+            ("min_p", lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]"),
+            ("repetition_penalty", lambda v: 0.0 < v < math.inf, "a finite number > 0 (1 means off)"),
+            ("presence_penalty", additive, "a number in [-2, 2] (0 means off)"),
+            ("frequency_penalty", additive, "a number in [-2, 2] (0 means off)"),
+        )
+        for name, in_range, allowed in checks:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (-MAX_ABS_ADDITIVE_PENALTY <= v <= MAX_ABS_ADDITIVE_PENALTY):
-                raise _fail(name, v, "a number in [-2, 2] (0 means off)")
-            object.__setattr__(self, name, float(v))
-        object.__setattr__(self, "repetition_penalty", float(r))
-        # Normalise ints to floats so equal specs compare and hash equal.
-        object.__setattr__(self, "temperature", float(t))
-        object.__setattr__(self, "top_p", float(p))
-        object.__setattr__(self, "min_p", float(m))
+            kinds = int if name == "top_k" else (int, float)
+            if isinstance(v, bool) or not isinstance(v, kinds) or not in_range(v):
+                raise _fail(name, v, allowed)
+            if name != "top_k":  # ints as floats, so that equal specs compare and hash equal
+                object.__setattr__(self, name, float(v))
 
     @property
     def effective_temperature(self) -> float:

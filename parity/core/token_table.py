@@ -166,9 +166,8 @@ def build_table(
         kept_seen.append((kept, None if kept is None else z.gather(1, kept.clamp(min=0)).float()))
         cols["prompt_index"].append(torch.full((n,), r.prompt_index, dtype=torch.long))
         cols["position"].append(torch.arange(n))
-        sampled = torch.tensor(r.completion_ids, dtype=torch.long)
         cols["token"].append(y)
-        cols["sampled"].append(sampled)
+        cols["sampled"].append(torch.tensor(r.completion_ids, dtype=torch.long))
         cols["vllm"].append(r.logprobs.double())
         zs = estimators.scale(z, trainer_spec)
         support = None if kept is None else estimators.ids_to_mask(kept, vocab)
@@ -197,8 +196,12 @@ def build_table(
         cols["s_lo"].append(lo)
         cols["s_hi"].append(hi)
         sources.add(source)
-        if kept is None:
-            _add_unfiltered(cols, r, full - shift_full + shift, rec.kept)
+        if kept is None:  # S_q is the whole vocabulary: replay is the full log-softmax, log S = 0
+            cols["replay"].append(full - shift_full + shift)
+            cols["log_s"].append(torch.zeros(n, dtype=torch.float64))
+            cols["incomplete"].append(torch.zeros(n, dtype=torch.bool))
+            cols["recompute_support_equal"].append(rec.kept.all(dim=-1))
+            cols["recompute_boundary"].append(torch.zeros(n, dtype=torch.float64))
         else:
             _add_captured(cols, r, z, y, zs, kept, rec.kept, shift, trainer_spec, bound)
     u = unit_roundoff(dtype)
@@ -211,16 +214,6 @@ def build_table(
 Columns = dict[str, list[torch.Tensor]]
 
 
-def _add_unfiltered(cols: Columns, r: SequenceRecord, replay: torch.Tensor, rec_kept: torch.Tensor) -> None:
-    """Unfiltered: S_q is the whole vocabulary, replay is the full log-softmax, log S = 0."""
-    n = r.length
-    cols["replay"].append(replay)
-    cols["log_s"].append(torch.zeros(n, dtype=torch.float64))
-    cols["incomplete"].append(torch.zeros(n, dtype=torch.bool))
-    cols["recompute_support_equal"].append(rec_kept.all(dim=-1))
-    cols["recompute_boundary"].append(torch.zeros(n, dtype=torch.float64))
-
-
 def _add_captured(cols: Columns, r: SequenceRecord, z: torch.Tensor, y: torch.Tensor, zs: torch.Tensor,
                   kept: torch.Tensor, rec_kept: torch.Tensor, shift: torch.Tensor, trainer_spec: SamplingSpec,
                   bound: torch.Tensor) -> None:
@@ -231,8 +224,7 @@ def _add_captured(cols: Columns, r: SequenceRecord, z: torch.Tensor, y: torch.Te
     rep = estimators.replay(z, y, kept, trainer_spec)
     cols["replay"].append(rep.logprobs.double() + shift)
     cols["log_s"].append(estimators.predicted_log_s(z, kept, trainer_spec).double())
-    incomplete = r.incomplete if r.incomplete is not None else torch.zeros(n, dtype=torch.bool)
-    cols["incomplete"].append(incomplete)
+    cols["incomplete"].append(r.incomplete if r.incomplete is not None else torch.zeros(n, dtype=torch.bool))
     q_mask = estimators.ids_to_mask(kept, vocab)
     exact = support_equal(rec_kept, q_mask)
     equal = exact.clone()

@@ -82,8 +82,8 @@ def plan_capture(
     Raises :class:`~parity.errors.UsageError` naming the field."""
     if isinstance(max_head, bool) or not isinstance(max_head, int) or max_head < 2:
         raise UsageError(
-            f"max capture head={max_head!r} is invalid: allowed an integer >= 2 (a head proves itself complete "
-            f"only by ending in a dropped token, so it needs room for one)"
+            f"max capture head={max_head!r} is invalid: allowed an integer >= 2 (a head proves itself "
+            f"complete only by ending in a dropped token, so it needs room for one)"
         )
     spec = spec.effective()
     if not spec.filtered:

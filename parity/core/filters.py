@@ -55,7 +55,8 @@ def check_logits(logits: torch.Tensor, name: str = "logits") -> torch.Tensor:
     for what, bad in (("NaN", torch.isnan), ("+inf", torch.isposinf)):
         if bad(logits).any():
             row, col = (bad(logits).nonzero()[0]).tolist()
-            raise UsageError(f"{name} contain {what} (first at row {row}, token {col}): allowed finite values or -inf")
+            raise UsageError(f"{name} contain {what} (first at row {row}, token {col}): "
+                             f"allowed finite values or -inf")
     dead = ~torch.isfinite(logits).any(dim=-1)
     if dead.any():
         row = int(dead.nonzero()[0])

@@ -52,10 +52,11 @@ class SamplingSpec:
         def additive(v: float) -> bool:
             return -MAX_ABS_ADDITIVE_PENALTY <= v <= MAX_ABS_ADDITIVE_PENALTY
 
-        # (field, its range, what is allowed), in the order checked. vLLM's SamplingParams._verify_args refuses
-        # T > 2: a spec the engine cannot run is useless.
+        # (field, its range, what is allowed), in the order checked. vLLM's SamplingParams._verify_args
+        # refuses T > 2: a spec the engine cannot run is useless.
         checks: tuple[tuple[str, Callable[[float], bool], str], ...] = (
-            ("temperature", lambda v: 0 <= v <= MAX_TEMPERATURE, "a finite number in [0, 2] (0 means greedy)"),
+            ("temperature", lambda v: 0 <= v <= MAX_TEMPERATURE,
+             "a finite number in [0, 2] (0 means greedy)"),
             ("top_k", lambda v: v >= 1 or v in (0, -1), "an integer: 0 or -1 (off) or >= 1"),
             ("top_p", lambda v: 0.0 < v <= 1.0, "a number in (0, 1]"),
             ("min_p", lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]"),

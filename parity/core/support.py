@@ -42,7 +42,8 @@ def support_from_heads(
 
     if len(head_ids) != len(sampled) or len(head_logprobs) != len(sampled):
         raise UsageError(
-            f"capture has {len(head_ids)} heads and {len(head_logprobs)} log-prob rows for {len(sampled)} sampled tokens"
+            f"capture has {len(head_ids)} heads and {len(head_logprobs)} log-prob rows for {len(sampled)} "
+            f"sampled tokens"
         )
     lens = [len(r) for r in head_ids]
     # The lengths are checked above, so this zip's strict= cannot change anything; nor can the dtype= of

@@ -145,17 +145,16 @@ class EngineOutput:
         self._mark(msg if msg.startswith(MARK) else MARK + msg)
         print(msg, file=self.term, flush=True)
 
-    def show_tail(self, stream: IO[str] | None = None) -> None:
-        """The log's last lines, on ``stream`` (stderr), with where the whole log is."""
+    def show_tail(self) -> None:
+        """The log's last lines, on stderr, with where the whole log is."""
         lines = [ln for ln in log_tail(self.log_path, self.tail_lines * 2) if not ln.startswith(MARK)]
         lines = lines[-self.tail_lines :]
-        out = stream or sys.stderr
         if not lines:
             return  # nothing of the engines' to show: the error that follows says it all
-        print(f"parity: last {len(lines)} lines of the engines' output ({self.log_path}):", file=out)
+        print(f"parity: last {len(lines)} lines of the engines' output ({self.log_path}):", file=sys.stderr)
         for ln in lines:
-            print(f"    {ln}", file=out)
-        out.flush()
+            print(f"    {ln}", file=sys.stderr)
+        sys.stderr.flush()
 
     @contextlib.contextmanager
     def wait(self, label: str, *, refresh_s: float = 0.25) -> Iterator[None]:
@@ -200,10 +199,7 @@ def active() -> EngineOutput | None:
 def waiting(label: str) -> Iterator[None]:
     """The wait indicator of the active :class:`EngineOutput`; nothing without one (library use, tests)."""
     out = active()
-    if out is None:
-        yield
-        return
-    with out.wait(label):
+    with out.wait(label) if out is not None else contextlib.nullcontext():
         yield
 
 

@@ -132,17 +132,9 @@ def make_prompts(tokenizer: Tokenizer, n: int, *, shared_prefix: int = 0) -> lis
 def rollout_settings(cfg: EngineSettings) -> RolloutSettings:
     """The settings every rollout engine of a run starts with (the raw-logits engine included; only
     the run's own rollout takes ``capture``)."""
-    settings: RolloutSettings = {
-        "dtype": cfg.dtype,
-        "device": cfg.device,
-        "seed": cfg.seed,
-        "max_head": cfg.max_capture_head,
-        "head": cfg.capture_head,
-        "timeout_s": cfg.timeout_s,
-        "prefix_caching": cfg.prefix_caching,
-        "max_num_batched_tokens": cfg.max_num_batched_tokens,
-    }
-    return settings
+    return {"dtype": cfg.dtype, "device": cfg.device, "seed": cfg.seed, "max_head": cfg.max_capture_head,
+            "head": cfg.capture_head, "timeout_s": cfg.timeout_s, "prefix_caching": cfg.prefix_caching,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens}
 
 
 class EnginePool:
@@ -193,11 +185,9 @@ class EnginePool:
             if cfg.capture != "topk":
                 common["capture"] = cfg.capture
             if cfg.server:
-                from parity.engines.vllm_server.client import ServerRollout
+                from parity.engines.vllm_server.client import ServerRollout, describe_generation_defaults
 
                 rollout: Rollout
-                from parity.engines.vllm_server.client import describe_generation_defaults
-
                 with waiting("vLLM server start-up and ready" if cfg.server == "spawn" else "vLLM server connection"):
                     rollout = ServerRollout(model_path, server=cfg.server, **common)
                 try:  # what a framework that omits a field would sample with (parity sends every field)

@@ -97,21 +97,15 @@ def tree_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     return out, None
 
 
-def register_tree_sdpa() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(TREE_SDPA, tree_sdpa_attention)
-    AttentionMaskInterface.register(TREE_SDPA, lambda **kwargs: None)  # the mask is built from the tree kwargs
-
-
 def load_policy(model: str | Path, *, temperature: float, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The policy as ``AsyncGRPOTrainer.__init__`` builds it: TRL's ``add_fused_lm_head`` with the temperature and
     ``("log_probs", "entropy")``; attention is :func:`tree_sdpa_attention` instead of ``tree_fa3``."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.masking_utils import AttentionMaskInterface
     from trl.trainer.utils import add_fused_lm_head
 
-    register_tree_sdpa()
+    AttentionInterface.register(TREE_SDPA, tree_sdpa_attention)
+    AttentionMaskInterface.register(TREE_SDPA, lambda **kwargs: None)  # the mask is built from the tree kwargs
     m = AutoModelForCausalLM.from_pretrained(str(model), attn_implementation=TREE_SDPA, dtype=dtype)
     torch.nn.Module.eval(m)
     add_fused_lm_head(m, temperature=temperature, outputs=("log_probs", "entropy"))
@@ -164,12 +158,8 @@ class KeptSetReplay:
         if any(r is not None for r in rows):
             if any(r is None for r in rows):
                 raise EngineError("kept sets are missing at some positions of a filtered batch")
-            width = max(len(r) for r in rows if r is not None)
-            kept = torch.full((len(rows), width), -1, dtype=torch.long)
-            for i, r in enumerate(rows):
-                assert r is not None
-                kept[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-            kept = kept.to(z.device)
+            kept = torch.nn.utils.rnn.pad_sequence([torch.tensor(r, dtype=torch.long) for r in rows if r is not None],
+                                                   batch_first=True, padding_value=-1).to(z.device)
             log_s = predicted_log_s(z, kept, self.spec).float()  # differentiable: the replay's gradient
         t = self.spec.effective_temperature
         full = out.log_probs[0, pos].detach().float().clone()

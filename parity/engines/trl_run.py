@@ -126,56 +126,36 @@ def _trainer(cfg: GrpoRunConfig, model_path: str, out_dir: str) -> GRPOTrainer:
 
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(cfg.steps * cfg.batch // cfg.num_generations)]
     args = GRPOConfig(
-        output_dir=out_dir,
-        use_vllm=True,
-        vllm_mode="colocate",
-        use_cpu=True,
-        bf16=False,
-        per_device_train_batch_size=cfg.batch,
-        num_generations=cfg.num_generations,
-        max_completion_length=cfg.max_completion_length,
-        max_steps=cfg.steps,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        seed=cfg.seed,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        min_p=cfg.min_p if cfg.min_p > 0 else None,
-        repetition_penalty=cfg.repetition_penalty,
-        vllm_importance_sampling_correction=True,
-        vllm_importance_sampling_mode=cfg.is_mode,
-        vllm_max_model_length=256,
-        dataloader_num_workers=0,
-        **cfg.extra,
+        output_dir=out_dir, use_vllm=True, vllm_mode="colocate", use_cpu=True, bf16=False,
+        per_device_train_batch_size=cfg.batch, num_generations=cfg.num_generations,
+        max_completion_length=cfg.max_completion_length, max_steps=cfg.steps, logging_steps=1, report_to=[],
+        save_strategy="no", seed=cfg.seed, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+        min_p=cfg.min_p if cfg.min_p > 0 else None, repetition_penalty=cfg.repetition_penalty,
+        vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=cfg.is_mode,
+        vllm_max_model_length=256, dataloader_num_workers=0, **cfg.extra,
     )
     return GRPOTrainer(model=model_path, reward_funcs=_reward_length, args=args,
                        train_dataset=Dataset.from_dict({"prompt": prompts}))
 
 
-def _force_dtype(dtype: str | None) -> contextlib.AbstractContextManager[None]:
-    """Context: build TRL's colocated engine with ``dtype`` (TRL itself passes none)."""
-    @contextlib.contextmanager
-    def ctx() -> Iterator[None]:
-        if dtype is None:
-            yield
-            return
-        from trl.generation import vllm_generation as vg
+@contextlib.contextmanager
+def _force_dtype(dtype: str | None) -> Iterator[None]:
+    """Build TRL's colocated engine with ``dtype`` (TRL itself passes none)."""
+    if dtype is None:
+        yield
+        return
+    from trl.generation import vllm_generation as vg
 
-        original = vg.LLM
+    original = vg.LLM
 
-        def make(*a: object, **k: object) -> object:
-            k["dtype"] = dtype
-            return original(*a, **k)
+    def make(*a: object, **k: object) -> object:
+        return original(*a, **{**k, "dtype": dtype})
 
-        vg.LLM = make
-        try:
-            yield
-        finally:
-            vg.LLM = original
-
-    return ctx()
+    vg.LLM = make
+    try:
+        yield
+    finally:
+        vg.LLM = original
 
 
 def _shutdown(trainer: GRPOTrainer) -> None:

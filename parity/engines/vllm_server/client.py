@@ -64,11 +64,6 @@ def _normalise_url(url: str) -> str:
     return urllib.parse.urlunsplit((parsed.scheme, parsed.netloc, path, "", ""))
 
 
-# The request fields vLLM's server fills from generation_config.json when a request omits them
-# (ModelConfig.get_diff_sampling_param), with the neutral value parity pins them to.
-GENERATION_FIELDS = SPEC_FIELDS
-
-
 def _heads_differ(a: Heads, b: Heads) -> bool:
     """Two answers to one seeded prompt differ beyond float32 noise: other tokens, or a head log-prob moved by more
     than 1e-4 nats (a filled default moves them by orders more; the same request repeats bit for bit)."""
@@ -173,26 +168,17 @@ class ServerRollout(RolloutBase):
         # server's that grabbed it first.
         self._spawn_name = f"parity-{uuid.uuid4().hex[:12]}"
         args = [
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(path),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--logprobs-mode",
-            logprobs_mode,
+            "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(path),
+            "--host", "127.0.0.1",
+            "--port", str(port),
+            "--logprobs-mode", logprobs_mode,
             # -1: up to the whole vocabulary, the most any capture plan asks for (a forced full head,
             # or an adaptive cap at the vocabulary); the offline engine is configured the same way.
-            "--max-logprobs",
-            "-1",
-            "--dtype",
-            self.dtype,
-            "--seed",
-            str(self.seed),
-            "--max-model-len",
-            str(self.max_model_len_arg),
+            "--max-logprobs", "-1",
+            "--dtype", self.dtype,
+            "--seed", str(self.seed),
+            "--max-model-len", str(self.max_model_len_arg),
             "--enforce-eager",
             # vLLM's server turns prefix caching on by default; the offline engine has it off unless
             # asked, so the two sides run the same configuration.
@@ -201,8 +187,7 @@ class ServerRollout(RolloutBase):
             # (de)tokenize, and candidate detokenization dominates full-vocabulary capture cost.
             "--skip-tokenizer-init",
             "--disable-uvicorn-access-log",
-            "--served-model-name",
-            self._spawn_name,
+            "--served-model-name", self._spawn_name,
             *server_args,
         ]
         env = dict(os.environ)
@@ -269,32 +254,27 @@ class ServerRollout(RolloutBase):
             time.sleep(0.5)
 
     def _models(self) -> tuple[str, int | None]:
-        data = self._request(
-            "GET", "/v1/models", None, timeout=min(30.0, self.request_timeout_s), what="GET /v1/models"
-        )
+        data = self._request("GET", "/v1/models", None, timeout=min(30.0, self.request_timeout_s),
+                             what="GET /v1/models")
         models = data.get("data") if isinstance(data, dict) else None
-        if (
-            not isinstance(models, list)
-            or not models
-            or not isinstance(models[0], dict)
-            or "id" not in models[0]
-        ):
+        if not (isinstance(models, list) and models and isinstance(models[0], dict) and "id" in models[0]):
             raise MalformedResponse(f"{self.url}/v1/models lists no model: {str(data)[:200]}")
         m = next((x for x in models if isinstance(x, dict) and x.get("id") == self._spawn_name), models[0])
         return str(m["id"]), m.get("max_model_len")
 
     # -- HTTP ---------------------------------------------------------------------------------
 
-    def _request(
-        self, method: str, route: str, body: JsonObject | None, *, timeout: float, what: str
-    ) -> object:
+    def _post(self, body: JsonObject, what: str) -> object:
+        return self._request("POST", "/v1/completions", body, timeout=self.request_timeout_s, what=what)
+
+    def _request(self, method: str, route: str, body: JsonObject | None, *, timeout: float,
+                 what: str) -> object:
         """One HTTP exchange; every failure becomes a :class:`ServerError` or :class:`~parity.errors.TimedOut` naming the URL."""
         assert self.url is not None  # set before the first request
         url = self.url + route
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(
-            url, data=data, method=method, headers={"Content-Type": "application/json"}
-        )
+        req = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
         try:
             with self._opener.open(req, timeout=timeout) as resp:
                 raw = resp.read()
@@ -304,9 +284,8 @@ class ServerRollout(RolloutBase):
                 msg = json.loads(detail).get("error", {}).get("message", detail)
             except (ValueError, AttributeError):
                 msg = detail
-            hint = (
-                " (start the server with a larger --max-logprobs)" if "logprobs" in str(msg).lower() else ""
-            )
+            hint = (" (start the server with a larger --max-logprobs)"
+                    if "logprobs" in str(msg).lower() else "")
             raise ServerError(f"{what} to {url} failed: HTTP {exc.code}: {msg}{hint}") from None
         except (urllib.error.URLError, ConnectionError, http.client.HTTPException, OSError) as exc:
             reason = getattr(exc, "reason", exc)  # URLError wraps the socket's error
@@ -321,9 +300,8 @@ class ServerRollout(RolloutBase):
                     f"{what}: nothing is listening at {url} (connection refused) — is the vLLM server running "
                     f"and is the port right?"
                 ) from None
-            if isinstance(
-                reason, (ConnectionResetError, http.client.RemoteDisconnected, BrokenPipeError)
-            ) or isinstance(exc, (ConnectionResetError, http.client.RemoteDisconnected, BrokenPipeError)):
+            dropped = (ConnectionResetError, http.client.RemoteDisconnected, BrokenPipeError)
+            if isinstance(reason, dropped) or isinstance(exc, dropped):
                 raise ServerDied(
                     f"{what}: the server at {url} dropped the connection ({reason!r}); did it crash?"
                 ) from None
@@ -358,7 +336,6 @@ class ServerRollout(RolloutBase):
         neutral: a server fills an omitted field from the checkpoint's generation_config),
         ``ignore_eos`` with a fixed ``max_tokens``, and ``logprobs=K`` with ``return_tokens_as_token_ids``.
         """
-        kw = spec.sampling_params_kwargs()
         return {
             "model": self.served_model,
             "prompt": [int(t) for t in prompt],
@@ -366,36 +343,33 @@ class ServerRollout(RolloutBase):
             "n": 1,
             "stream": False,
             "seed": int(seed),
-            "temperature": kw["temperature"],
-            "top_k": kw["top_k"],
-            "top_p": kw["top_p"],
-            "min_p": kw["min_p"],
-            # Always sent: a server fills omitted fields from the checkpoint's generation_config.
-            "repetition_penalty": kw["repetition_penalty"],
-            "presence_penalty": kw["presence_penalty"],
-            "frequency_penalty": kw["frequency_penalty"],
+            **spec.sampling_params_kwargs(),
             "ignore_eos": True,
             "logprobs": int(logprobs),
             "return_tokens_as_token_ids": True,
         }
 
+    def _probe_ids(self) -> list[int]:
+        ids = list(self._tokenizer.encode(PROBE_SENTENCE, add_special_tokens=False))[:8] or [0]
+        return [i for i in ids if i < self.vocab_size] or [0]
+
     def probe_generation_defaults(self) -> list[str]:
         """The sampling fields this server fills from the model's generation config when a request omits them,
         found the way a framework meets them: by omitting one field at a time (every other field pinned neutral)
         and comparing the head log-probs with those of the all-pinned request. The server's files are not read."""
-        ids = list(self._tokenizer.encode(PROBE_SENTENCE, add_special_tokens=False))[:8] or [0]
-        ids = [i for i in ids if i < self.vocab_size] or [0]
-        ids = ids * 2  # repeated tokens: a repetition penalty moves them
+        ids = self._probe_ids() * 2  # repeated tokens: a repetition penalty moves them
         max_tokens, k = 4, 8
 
         def ask(body: JsonObject, what: str) -> Heads:
-            data = self._request("POST", "/v1/completions", body, timeout=self.request_timeout_s, what=what)
+            data = self._post(body, what)
             return parse_completion(data, max_tokens=max_tokens, requested=k, vocab_size=self.vocab_size, where=what)
 
         pinned = self._body(ids, SamplingSpec(temperature=1.0), max_tokens=max_tokens, seed=self.seed, logprobs=k)
         base = ask(pinned, "generation-defaults probe")
         filled = []
-        for field in GENERATION_FIELDS:
+        # The request fields vLLM's server fills from generation_config.json when a request omits them
+        # (ModelConfig.get_diff_sampling_param).
+        for field in SPEC_FIELDS:
             body = {key: v for key, v in pinned.items() if key != field}
             if _heads_differ(base, ask(body, f"generation-defaults probe without {field}")):
                 filled.append(field)
@@ -403,15 +377,10 @@ class ServerRollout(RolloutBase):
 
     def probe_logprobs_mode(self) -> None:
         """Ask for top_k=1 with two log-probs; refuse a server whose kept mass is not 1 (raw mode)."""
-        ids = list(self._tokenizer.encode(PROBE_SENTENCE, add_special_tokens=False))[:8] or [0]
-        ids = [i for i in ids if i < self.vocab_size] or [0]
         max_tokens = 4
-        body = self._body(
-            ids, SamplingSpec(temperature=1.0, top_k=1), max_tokens=max_tokens, seed=self.seed, logprobs=2
-        )
-        data = self._request(
-            "POST", "/v1/completions", body, timeout=self.request_timeout_s, what="probe request"
-        )
+        body = self._body(self._probe_ids(), SamplingSpec(temperature=1.0, top_k=1), max_tokens=max_tokens,
+                          seed=self.seed, logprobs=2)
+        data = self._post(body, "probe request")
         assert self.url is not None  # probed once the server is up
         check_probe(data, url=self.url, vocab_size=self.vocab_size, max_tokens=max_tokens)
 
@@ -462,8 +431,7 @@ class ServerRollout(RolloutBase):
                 if time.monotonic() > deadline:
                     raise TimedOut(f"capture of a client request at {self.url}: not done after {self.timeout_s:.0f} s")
                 wide: JsonObject = {**body, "logprobs": int(k), "return_tokens_as_token_ids": True}
-                payload = self._request("POST", "/v1/completions", wide, timeout=self.request_timeout_s,
-                                        what=f"client request ({spec.label()}, logprobs={k})")
+                payload = self._post(wide, f"client request ({spec.label()}, logprobs={k})")
                 out.append(parse_completion(payload, max_tokens=_completion_length(payload), requested=k,
                                             vocab_size=self.vocab_size, where=f"{self.url} client request"))
             return out
@@ -505,22 +473,11 @@ class ServerRollout(RolloutBase):
                 if i is None:
                     return
                 try:
-                    results[i] = self._request(
-                        "POST",
-                        "/v1/completions",
-                        bodies[i],
-                        timeout=self.request_timeout_s,
-                        what=f"{what} prompt {i}",
-                    )
-                except ServerUnreachable as exc:
-                    # It answered the set-up requests, so it stopped answering mid-run.
-                    with lock:
-                        errors.append(
-                            ServerDied(f"the server at {self.url} stopped answering during the run: {exc}")
-                        )
-                    done.release()
-                    return
+                    results[i] = self._post(bodies[i], f"{what} prompt {i}")
                 except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                    if isinstance(exc, ServerUnreachable):
+                        # It answered the set-up requests, so it stopped answering mid-run.
+                        exc = ServerDied(f"the server at {self.url} stopped answering during the run: {exc}")
                     with lock:
                         errors.append(exc)
                     done.release()

@@ -122,19 +122,10 @@ class RolloutBase:
         records = []
         for i, (h, requested) in enumerate(zip(result.heads, result.requested, strict=True)):
             kept, kept_lp, incomplete, extras = self.support(i, h, requested, spec)
-            records.append(
-                SequenceRecord(
-                    source=self.name,
-                    prompt_index=i,
-                    prompt_ids=list(prompts[i]),
-                    completion_ids=h.completion_ids,
-                    spec=spec,
-                    seed=seed + i,
-                    logprobs=torch.tensor(h.sampled_logprobs, dtype=torch.float32),
-                    kept_ids=kept,
-                    kept_logprobs=kept_lp,
-                    incomplete=incomplete,
-                    extras=extras,
-                )
-            )
+            logprobs = torch.tensor(h.sampled_logprobs, dtype=torch.float32)
+            records.append(SequenceRecord(
+                source=self.name, spec=spec, prompt_index=i, seed=seed + i, prompt_ids=list(prompts[i]),
+                completion_ids=h.completion_ids, logprobs=logprobs,
+                kept_ids=kept, kept_logprobs=kept_lp, incomplete=incomplete, extras=extras,
+            ))
         return records

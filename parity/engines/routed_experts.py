@@ -63,12 +63,8 @@ class _Recorder:
         for rid in req_ids:
             n = int(sched.get(rid, 0))
             if n:
-                self.store.setdefault(rid, []).append(
-                    (
-                        positions[start : start + n].copy(),
-                        {lid: ids[start : start + n] for lid, ids in layers.items()},
-                    )
-                )
+                rows = {lid: ids[start : start + n] for lid, ids in layers.items()}
+                self.store.setdefault(rid, []).append((positions[start : start + n].copy(), rows))
             start += n
 
 
@@ -134,8 +130,7 @@ class RoutedExperts:
             self.reason = f"bind_routed_experts_capturer failed: {type(exc).__name__}: {exc}"
             return False
         self.reason = "; ".join(a for a in answers if a) or (
-            "" if len(answers) == 1 else f"{len(answers)} workers"
-        )
+            "" if len(answers) == 1 else f"{len(answers)} workers")
         self.active = not self.reason
         return self.active
 

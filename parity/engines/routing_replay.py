@@ -132,7 +132,7 @@ def trace_routers(model: torch.nn.Module, records: Sequence[SequenceRecord] | No
             hd.remove()
 
 
-def _rows(records: Sequence[SequenceRecord], per: list[dict[str, np.ndarray]], key: str) -> np.ndarray:
+def _rows(per: list[dict[str, np.ndarray]], key: str) -> np.ndarray:
     return np.concatenate([p[key] for p in per]) if per else np.zeros(0)
 
 
@@ -161,11 +161,11 @@ def routing_report(
     if bad.any():
         raise UsageError(f"routed experts of scenario {scenario!r}: expert id {int(recorded[covered][bad].max())} "
                          f"from the sampler: allowed ids < {experts} (the trainer's experts per layer)")
-    logits, ids, h_norm = (_rows(records, mine, k)[covered] for k in ("logits", "ids", "h_norm"))
+    logits, ids, h_norm = (_rows(mine, k)[covered] for k in ("logits", "ids", "h_norm"))
     args = (prompt[covered], position[covered])
     agreement, flips = core_routing.routing_agreement(recorded[covered], ids, logits, h_norm, own.w_rms, dtypes, *args,
                                                       n_listed=n_listed)
-    check, unforced = core_routing.replay_forced(recorded[covered], _rows(records, replayed, "ids")[covered], *args,
+    check, unforced = core_routing.replay_forced(recorded[covered], _rows(replayed, "ids")[covered], *args,
                                                  n_listed=n_listed)
     table_r3 = build_table(records, logits_r3, spec, dtype=list(dtypes))
     seq = table.prompt_index.numpy()

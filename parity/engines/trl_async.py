@@ -105,7 +105,7 @@ def load_policy(model: str | Path, *, temperature: float, dtype: torch.dtype = t
     from trl.trainer.utils import add_fused_lm_head
 
     AttentionInterface.register(TREE_SDPA, tree_sdpa_attention)
-    AttentionMaskInterface.register(TREE_SDPA, lambda **kwargs: None)  # the mask is built from the tree kwargs
+    AttentionMaskInterface.register(TREE_SDPA, lambda **kwargs: None)  # the mask comes from the tree kwargs
     m = AutoModelForCausalLM.from_pretrained(str(model), attn_implementation=TREE_SDPA, dtype=dtype)
     torch.nn.Module.eval(m)
     add_fused_lm_head(m, temperature=temperature, outputs=("log_probs", "entropy"))
@@ -158,8 +158,8 @@ class KeptSetReplay:
         if any(r is not None for r in rows):
             if any(r is None for r in rows):
                 raise EngineError("kept sets are missing at some positions of a filtered batch")
-            kept = torch.nn.utils.rnn.pad_sequence([torch.tensor(r, dtype=torch.long) for r in rows if r is not None],
-                                                   batch_first=True, padding_value=-1).to(z.device)
+            sets = [torch.tensor(r, dtype=torch.long) for r in rows if r is not None]
+            kept = torch.nn.utils.rnn.pad_sequence(sets, batch_first=True, padding_value=-1).to(z.device)
             log_s = predicted_log_s(z, kept, self.spec).float()  # differentiable: the replay's gradient
         t = self.spec.effective_temperature
         full = out.log_probs[0, pos].detach().float().clone()

@@ -376,9 +376,10 @@ class _GrpoHooks(Hooks):
         return correction
 
     def end(self, trainer: GRPOTrainer, output: Output, full: torch.Tensor, used: torch.Tensor) -> None:
-        """One captured sequence per row (SEQUENCE_FIELDS): ``full`` is TRL's old_per_token_logps, ``used`` what
-        its IS correction read."""
+        """One captured sequence per row (SEQUENCE_FIELDS): ``full`` is TRL's old_per_token_logps, ``used``
+        what its IS correction read."""
         cap, step, pend = self.cap, self.step, self.pending
+        clip = [trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max]
         mask = output["completion_mask"]
         if "tool_mask" in output:
             mask = mask * output["tool_mask"]
@@ -414,7 +415,7 @@ class _GrpoHooks(Hooks):
                 "logits": row["logits"],
                 "spec": spec.to_dict(),
                 "is_mode": str(trainer.vllm_importance_sampling_mode),
-                "is_clip": [trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max],
+                "is_clip": list(clip),
                 "fix": cap.mode,
                 "sampler_dtype": pend["dtype"],
             }

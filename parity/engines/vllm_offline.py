@@ -119,11 +119,9 @@ def capture_outputs(
     mismatched = [0]
 
     def ask(indices: list[int], heads: list[int]) -> list[cap.Heads]:
-        batch = []
-        for i, k in zip(indices, heads, strict=True):
-            q = params[i].clone()
+        batch = [params[i].clone() for i in indices]
+        for q, k in zip(batch, heads, strict=True):
             q.logprobs = k
-            batch.append(q)
 
         def run() -> Sequence[RequestOutput]:
             return generate([prompts[i] for i in indices], batch)
@@ -184,12 +182,9 @@ def generate_with_capture(
                              f"(build it with LLM(..., max_logprobs=-1))")
         max_head = engine_max
     base = random.Random(0x5EED).randrange(0, 2**31 - len(prompts) - 1)
-    seeded = []
-    for i, p in enumerate(plist):
-        q = p.clone()
-        if q.seed is None:
-            q.seed = base + i
-        seeded.append(q)
+    seeded = [p.clone() for p in plist]
+    for i, q in enumerate(seeded):
+        q.seed = base + i if q.seed is None else q.seed
     specs = [spec_of_params(q) for q in seeded]
     if len({(s.temperature, s.top_k, s.top_p, s.min_p) for s in specs}) != 1:
         raise UsageError("generate_with_capture: the prompts' SamplingParams differ in temperature/top_k/top_p/min_p: "

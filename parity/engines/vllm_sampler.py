@@ -83,11 +83,7 @@ class VllmSampler:
         # InputBatch._make_prompt_token_ids_cpu_tensor: prompts right-padded with the id V (no token has it).
         width = max((len(x) for x in prompts), default=0)
         prompt_t = torch.tensor([x + [vocab] * (width - len(x)) for x in prompts], dtype=torch.int64).reshape(n, width)
-        generators = {}
-        for i in range(n):
-            g = torch.Generator()
-            g.manual_seed(seed + i)
-            generators[i] = g
+        generators = {i: torch.Generator().manual_seed(seed + i) for i in range(n)}
         meta = SamplingMetadata(
             temperature=None if all(greedy) else temperature,
             all_greedy=all(greedy),

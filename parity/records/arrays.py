@@ -89,11 +89,7 @@ def cast_column(arr: pa.Array, col: Column, source: str, first_row: int, notes: 
     if arr.type.equals(col.type):
         return arr
     target = col.type
-    ok_source = (
-        (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)) if pa.types.is_list(target) else not (
-            pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)
-        )
-    )
+    ok_source = _is_list(arr.type) == pa.types.is_list(target)
     if ok_source and pa.types.is_null(arr.type):
         return pa.nulls(len(arr), target)
     try:
@@ -112,18 +108,22 @@ def cast_column(arr: pa.Array, col: Column, source: str, first_row: int, notes: 
     return out
 
 
-def _element_type(t: pa.DataType) -> pa.DataType:
-    return t.value_type if pa.types.is_list(t) or pa.types.is_large_list(t) else t
+def _is_list(t: pa.DataType) -> bool:
+    return bool(pa.types.is_list(t) or pa.types.is_large_list(t))
 
 
 def _narrowing(arr: pa.Array, out: pa.Array, name: str) -> CastNote | None:
     """What reading float64 values as float32 changed (rounding, tiny values to 0, huge ones to +-inf)."""
-    src, dst = _element_type(arr.type), _element_type(out.type)
+    nested = _is_list(arr.type)
+    src, dst = (arr.type.value_type, out.type.value_type) if nested else (arr.type, out.type)
     if not (pa.types.is_float64(src) and pa.types.is_float32(dst)):
         return None
-    nested = pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)
-    a = np.asarray((arr.flatten() if nested else arr).drop_null().to_numpy(zero_copy_only=False), dtype=np.float64)
-    b = np.asarray((out.flatten() if nested else out).drop_null().to_numpy(zero_copy_only=False), dtype=np.float64)
+
+    def values(x: pa.Array) -> np.ndarray:
+        flat = x.flatten() if nested else x
+        return np.asarray(flat.drop_null().to_numpy(zero_copy_only=False), dtype=np.float64)
+
+    a, b = values(arr), values(out)
     with np.errstate(invalid="ignore"):
         changed = ~((a == b) | (np.isnan(a) & np.isnan(b)))
         overflow = np.isfinite(a) & ~np.isfinite(b)

@@ -49,10 +49,6 @@ def _kept_columns(
     return out
 
 
-def spec_row(spec: SamplingSpec) -> dict[str, float]:
-    return spec.to_dict()
-
-
 def heads_row(
     h: Heads, prompt: Sequence[int], spec: SamplingSpec, *, requested: int, vocab_size: int, **fields: object
 ) -> dict[str, object]:
@@ -63,7 +59,7 @@ def heads_row(
         **fields,
         "prompt_ids": [int(t) for t in prompt],
         "completion_ids": h.completion_ids,
-        **spec_row(spec),
+        **spec.to_dict(),
         "sampler_logprobs": h.sampled_logprobs,
     }
     if requested != 0 and spec.effective().filtered:
@@ -74,9 +70,7 @@ def heads_row(
     return row
 
 
-# ==================================================================================================
-# vLLM offline API
-# ==================================================================================================
+# -- vLLM offline API --------------------------------------------------------------------------------
 
 
 def from_request_outputs(
@@ -108,9 +102,7 @@ def from_request_outputs(
     return records_table(rows)
 
 
-# ==================================================================================================
-# TRL
-# ==================================================================================================
+# -- TRL ---------------------------------------------------------------------------------------------
 
 TRL_TRAINER_COLUMNS = ("trainer_logprobs", "trainer_full_logprobs", "trainer_replay_logprobs")
 
@@ -186,18 +178,16 @@ def from_trl(
                     f"from_trl: {name} is NaN at sequence {i} position {pos} (inside the completion mask): allowed "
                     f"finite log-probs (TRL writes NaN where vLLM returned no log-prob)"
                 )
+        prompt: list[int] = []
         if prompt_ids is not None:
-            keep = prompt_mask[i].bool() if prompt_mask is not None else torch.ones(prompt_ids.shape[1], dtype=torch.bool)
-            prompt = prompt_ids[i][keep].tolist()
-        else:
-            prompt = []
+            prompt = (prompt_ids[i] if prompt_mask is None else prompt_ids[i][prompt_mask[i].bool()]).tolist()
         row: dict[str, object] = {
             "scenario": scenario,
             "prompt_index": i,
             "step": step,
             "prompt_ids": prompt,
             "completion_ids": completion_ids[i, :n].tolist(),
-            **spec_row(spec),
+            **spec.to_dict(),
             "sampler_logprobs": sampler.float().tolist(),
             trainer_column: trainer.float().tolist(),
         }
@@ -210,9 +200,7 @@ def from_trl(
     return records_table(rows)
 
 
-# ==================================================================================================
-# parity's own records and run tables
-# ==================================================================================================
+# -- parity's own records and run tables -------------------------------------------------------------
 
 
 def from_sequence_records(
@@ -258,7 +246,7 @@ def from_sequence_records(
             "seed": r.seed,
             "prompt_ids": list(r.prompt_ids),
             "completion_ids": list(r.completion_ids),
-            **spec_row(r.spec),
+            **r.spec.to_dict(),
             "sampler_logprobs": r.logprobs.float().tolist(),
         }
         kept, logits_at = seen[i] if seen is not None else (r.kept_ids, None)

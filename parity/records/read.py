@@ -209,9 +209,7 @@ def file_metadata(raw: bytes, source: str) -> dict[str, Any]:
             f"{source}: {said}: this parity reads schema_version {', '.join(map(str, SUPPORTED_VERSIONS))} (a newer "
             f"parity may read it), {layouts}"
         )
-    nested = blob.get("metadata", {})
-    if nested is None:
-        nested = {}
+    nested = {} if blob.get("metadata") is None else blob["metadata"]
     if not isinstance(nested, dict):
         raise RecordsError(
             f"{source}: key-value metadata {key!r} field 'metadata' is a JSON {type(nested).__name__}: allowed an object of facts"

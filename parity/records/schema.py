@@ -107,19 +107,15 @@ def _meta_blob(metadata: Mapping[str, Any] | None) -> bytes:
     return json.dumps({"schema_version": SCHEMA_VERSION, "metadata": dict(metadata or {})}, sort_keys=True).encode()
 
 
-def closest_column(name: str, present: Iterable[str]) -> str | None:
-    """The column of ``present`` nearest ``name`` (a misspelling: ``trainer_logps`` for ``trainer_logprobs``), or
-    None when none is near (difflib's ratio below 0.6)."""
+def nearest_note(name: str, present: Iterable[str]) -> str:
+    """`` (the records have X: misspelt?)`` where a column of ``present`` is near ``name`` (a misspelling:
+    ``trainer_logps`` for ``trainer_logprobs``; difflib's ratio at least 0.6), else ``""``."""
     import difflib
 
     near = difflib.get_close_matches(name, [c for c in present if c != name], n=1, cutoff=0.6)
-    return near[0] if near else None
-
-
-def nearest_note(name: str, present: Iterable[str]) -> str:
-    """`` (the records have X: misspelt?)`` where a present column is near ``name``, else ``""``."""
-    near = closest_column(name, present)
-    return "" if near is None else f" (the records have a column {near!r}, the closest present: a misspelling of {name}?)"
+    if not near:
+        return ""
+    return f" (the records have a column {near[0]!r}, the closest present: a misspelling of {name}?)"
 
 
 def require_columns(names: Iterable[str], source: str) -> None:

@@ -58,7 +58,9 @@ def validate_batch(
     arrays, names, casts = _read_columns(batch, source, first_row)
     b = _Batch(arrays, source, first_row)
     _check_required(b)
-    prompt, completion = _token_ids(b)
+    prompt, completion = b.ragged("prompt_ids"), b.ragged("completion_ids")
+    b.nonnegative_ids(prompt, "prompt_ids")
+    b.nonnegative_ids(completion, "completion_ids")
     b.lengths = completion.lengths
     sampler = b.token_column("sampler_logprobs")
     b.at_most_zero(sampler, "sampler_logprobs")
@@ -110,17 +112,19 @@ class _Batch:
 
     def token_column(self, name: str, *, allow_inf: bool = True) -> Ragged:
         """A list column with one value per completion token (float values checked: no NaN, no +inf)."""
-        rag = self.ragged(name)
-        rag_len = rag.lengths
-        wrong = rag.valid & (rag_len != self.lengths)
+        rag = self.one_per_token(self.ragged(name), name)
+        if rag.values.dtype.kind == "f":
+            self.check_floats(rag, name, allow_inf)
+        return rag
+
+    def one_per_token(self, rag: Ragged, name: str) -> Ragged:
+        wrong = rag.valid & (rag.lengths != self.lengths)
         if wrong.any():
             i = first_true(wrong)
             raise RecordsError(
-                f"{where_in(self.source, self.row(i), name)}: {int(rag_len[i])} values for {int(self.lengths[i])} completion_ids: "
-                f"allowed one value per completion token"
+                f"{where_in(self.source, self.row(i), name)}: {int(rag.lengths[i])} values for "
+                f"{int(self.lengths[i])} completion_ids: allowed one value per completion token"
             )
-        if rag.values.dtype.kind == "f":
-            self.check_floats(rag, name, allow_inf)
         return rag
 
     def check_floats(self, rag: Ragged, name: str, allow_inf: bool) -> None:
@@ -204,15 +208,6 @@ def _check_required(b: _Batch) -> None:
             f"{where_in(b.source, b.row(i), 'schema_version')}: schema_version {int(version[i])} is not supported: this "
             f"parity reads schema_version {', '.join(map(str, SUPPORTED_VERSIONS))} (a newer parity may read it)"
         )
-
-
-def _token_ids(b: _Batch) -> tuple[Ragged, Ragged]:
-    """prompt_ids and completion_ids, every id >= 0."""
-    prompt = b.ragged("prompt_ids")
-    completion = b.ragged("completion_ids")
-    for name, rag in (("prompt_ids", prompt), ("completion_ids", completion)):
-        b.nonnegative_ids(rag, name)
-    return prompt, completion
 
 
 def _specs(b: _Batch, n: int) -> tuple[list[SamplingSpec], np.ndarray]:
@@ -368,11 +363,7 @@ def _sampler_log_s(b: _Batch, out: RecordsBatch) -> None:
         if wrong.any():
             raise RecordsError(f"{where_in(source, b.row(first_true(wrong)))}: sampler_log_s_lo and sampler_log_s_hi are not set on "
                                f"the same rows: allowed both or neither")
-        wrong = hi.valid & (hi.lengths != b.lengths)
-        if wrong.any():
-            i = first_true(wrong)
-            raise RecordsError(f"{where_in(source, b.row(i), 'sampler_log_s_hi')}: {int(hi.lengths[i])} values for "
-                               f"{int(b.lengths[i])} completion_ids: allowed one value per completion token")
+        b.one_per_token(hi, "sampler_log_s_hi")
         bad = np.isnan(hi.values) | np.isneginf(hi.values) | (hi.values < lo.values)
         if bad.any():
             r, t = token_position(hi.offsets, first_true(bad))

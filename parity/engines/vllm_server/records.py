@@ -76,11 +76,8 @@ def request_with_capture(
     plan = plan_capture(spec, vocab_size, max_head=max_head, suggested=history.start(spec) if history else None)
 
     def ask(indices: list[int], heads: list[int]) -> list[Heads]:
-        sent = []
-        for i, k in zip(indices, heads, strict=True):
-            body = copy.deepcopy(dict(bodies[i]))
-            body["logprobs"] = int(k)
-            sent.append(body)
+        sent = [{**copy.deepcopy(dict(bodies[i])), "logprobs": int(k)}
+                for i, k in zip(indices, heads, strict=True)]
         answers = list(send(sent))
         if len(answers) != len(sent):
             raise UsageError(f"request_with_capture: send returned {len(answers)} answers for {len(sent)} bodies")

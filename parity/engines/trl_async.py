@@ -1,14 +1,7 @@
-"""TRL's asynchronous GRPO trainer (``trl.experimental.async_grpo``) as far as a CPU runs it, and parity's fix.
-
-- :func:`collect_rollouts`: TRL's own ``AsyncRolloutWorker`` against a vLLM server (through the capture proxy).
-- :func:`pack`: TRL's own ``TreeRow`` and ``DataCollatorForRollout``: the micro-batch its trainer would get.
-- :func:`load_policy`: the policy as ``AsyncGRPOTrainer.__init__`` builds it, TRL's fused head included, with
-  tree attention run by standard attention (:func:`tree_sdpa_attention`) instead of the CUDA-only FA3 kernel.
-- :class:`KeptSetReplay`: the trainer patch; it renormalises the fused head's log-probs over the kept sets the
-  proxy captured (``mode="replay"``) or only measures log S (``"observe"``).
-- :func:`trl_compute_loss`: ``AsyncGRPOTrainer.compute_loss`` itself, run on a host object; TRL's metrics back.
-Derivation and the repro: docs/trl_async.md.
-"""
+"""TRL's asynchronous GRPO trainer (``trl.experimental.async_grpo``) as far as a CPU runs it: TRL's own
+rollout worker (through the capture proxy), packing, policy and ``compute_loss``, with tree attention run by
+standard attention instead of the CUDA-only FA3 kernel; and parity's fix, :class:`KeptSetReplay`. Derivation
+and the repro: docs/trl_async.md."""
 
 from __future__ import annotations
 

@@ -88,28 +88,17 @@ class ServerRollout(RolloutBase):
 
     name = SOURCE
 
-    def __init__(
-        self,
-        model: str | Path,
-        *,
-        server: str = "spawn",
-        startup_timeout_s: float | None = None,
-        request_timeout_s: float | None = None,
-        concurrency: int = 16,
-        logprobs_mode: str = EXPECTED_MODE,
-        check_mode: bool = True,
-        server_args: Sequence[str] = (),
-        **settings: Unpack[RolloutSettings],
-    ) -> None:
+    def __init__(self, model: str | Path, *, server: str = "spawn", startup_timeout_s: float | None = None,
+                 request_timeout_s: float | None = None, concurrency: int = 16,
+                 logprobs_mode: str = EXPECTED_MODE, check_mode: bool = True, server_args: Sequence[str] = (),
+                 **settings: Unpack[RolloutSettings]) -> None:
         """``settings``: those of :class:`~parity.engines.rollout_base.RolloutBase`."""
         capture = settings.get("capture", "topk")
         if capture != "topk":
             # vLLM 0.32's /v1/completions has no field for return_sampling_mask; over HTTP the kept set
             # comes from the top-K processed log-probs only.
-            raise UsageError(
-                f"capture={capture!r} is not available in server mode: vLLM's OpenAI server does not expose "
-                f"return_sampling_mask; use capture='topk' (the default)"
-            )
+            raise UsageError(f"capture={capture!r} is not available in server mode: vLLM's OpenAI server "
+                             "does not expose return_sampling_mask; use capture='topk' (the default)")
         super().__init__(model, **settings)
         path, timeout_s = self.path, self.timeout_s
         self.request_timeout_s = request_timeout_s if request_timeout_s is not None else timeout_s
@@ -132,10 +121,7 @@ class ServerRollout(RolloutBase):
 
         self._tokenizer = AutoTokenizer.from_pretrained(self.model)
         try:
-            if self.spawned:
-                self.url = self._spawn(path, logprobs_mode=logprobs_mode, server_args=server_args)
-            else:
-                self.url = attach_url
+            self.url = self._spawn(path, logprobs_mode, server_args) if self.spawned else attach_url
             self.served_model, self.max_model_len = self._models()
             if check_mode:
                 self.probe_logprobs_mode()
@@ -145,22 +131,20 @@ class ServerRollout(RolloutBase):
 
     # -- set-up -------------------------------------------------------------------------------
 
-    def _spawn(self, path: Path, *, logprobs_mode: str, server_args: Sequence[str]) -> str:
+    def _spawn(self, path: Path, logprobs_mode: str, server_args: Sequence[str]) -> str:
         # A free port can be taken between the probe and the server's bind (other test runs spawn
         # servers too): the server then exits with "address already in use", and we try another port.
         for attempt in range(3):
             try:
-                return self._spawn_once(path, logprobs_mode=logprobs_mode, server_args=server_args)
+                return self._spawn_once(path, logprobs_mode, server_args)
             except _PortTaken:
                 if attempt == 2:
-                    raise ServerError(
-                        f"could not bind a free port on 127.0.0.1 in 3 attempts{self._log_tail()}"
-                    ) from None
+                    break
                 self._log_state["keep"] = False
                 self._stop_process()
-        raise AssertionError("unreachable")
+        raise ServerError(f"could not bind a free port on 127.0.0.1 in 3 attempts{self._log_tail()}")
 
-    def _spawn_once(self, path: Path, *, logprobs_mode: str, server_args: Sequence[str]) -> str:
+    def _spawn_once(self, path: Path, logprobs_mode: str, server_args: Sequence[str]) -> str:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         self.url = url  # for error messages while it starts
@@ -235,10 +219,8 @@ class ServerRollout(RolloutBase):
                 tail = self._log_tail()
                 if "address already in use" in tail.lower():
                     raise _PortTaken(url)
-                raise ServerError(
-                    f"the vLLM server spawned for {self.model} at {url} exited with code {code} before it was ready"
-                    + tail
-                )
+                raise ServerError(f"the vLLM server spawned for {self.model} at {url} exited with code "
+                                  f"{code} before it was ready{tail}")
             try:
                 with self._opener.open(url + "/v1/models", timeout=2.0) as resp:
                     ids = [m.get("id") for m in json.loads(resp.read()).get("data", [])]
@@ -247,10 +229,9 @@ class ServerRollout(RolloutBase):
             except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError, AttributeError):
                 pass
             if time.monotonic() > deadline:
-                raise TimedOut(
-                    f"the vLLM server spawned at {url} was not ready within {self.startup_timeout_s:.0f} s "
-                    f"(raise --timeout if the model is large)" + self._log_tail()
-                )
+                raise TimedOut(f"the vLLM server spawned at {url} was not ready within "
+                               f"{self.startup_timeout_s:.0f} s (raise --timeout if the model is large)"
+                               + self._log_tail())
             time.sleep(0.5)
 
     def _models(self) -> tuple[str, int | None]:
@@ -319,19 +300,17 @@ class ServerRollout(RolloutBase):
                 pass
         code = self._exited()
         if code is not None:
-            raise ServerDied(
-                f"{what}: the vLLM server at {self.url} (pid {self.proc.pid if self.proc else '?'}) exited with code "
-                f"{code} during the run" + self._log_tail()
-            )
+            pid = self.proc.pid if self.proc else "?"
+            raise ServerDied(f"{what}: the vLLM server at {self.url} (pid {pid}) exited with code {code} "
+                             "during the run" + self._log_tail())
 
     # -- the rollout interface ----------------------------------------------------------------
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self._tokenizer
 
-    def _body(
-        self, prompt: Sequence[int], spec: SamplingSpec, *, max_tokens: int, seed: int, logprobs: int
-    ) -> JsonObject:
+    def _body(self, prompt: Sequence[int], spec: SamplingSpec, *, max_tokens: int, seed: int,
+              logprobs: int) -> JsonObject:
         """One prompt's request: token ids (never text), the seed, the spec's filters and penalties (sent even when
         neutral: a server fills an omitted field from the checkpoint's generation_config),
         ``ignore_eos`` with a fixed ``max_tokens``, and ``logprobs=K`` with ``return_tokens_as_token_ids``.
@@ -384,25 +363,19 @@ class ServerRollout(RolloutBase):
         assert self.url is not None  # probed once the server is up
         check_probe(data, url=self.url, vocab_size=self.vocab_size, max_tokens=max_tokens)
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], spec: SamplingSpec, *, max_tokens: int, seed: int
-    ) -> list[SequenceRecord]:
+    def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec, *, max_tokens: int,
+                 seed: int) -> list[SequenceRecord]:
         """Sample one completion per prompt (seed ``seed + i``) through the server; record log-probs and S_q.
-
-        The same call as :meth:`parity.engines.vllm_offline.VllmRollout.generate` (symmetric adapters).
-        """
+        The same call as :meth:`parity.engines.vllm_offline.VllmRollout.generate` (symmetric adapters)."""
         if self._closed or self.url is None:
             raise ServerError("the server rollout is closed")
         label = spec.label()
         deadline = time.monotonic() + self.timeout_s
 
         def ask(indices: list[int], heads: list[int]) -> list[Heads]:
-            payloads = self._send_all(
-                [self._body(prompts[i], spec, max_tokens=max_tokens, seed=seed + i, logprobs=k)
-                 for i, k in zip(indices, heads, strict=True)],
-                what=f"completion ({label})",
-                deadline=deadline,
-            )
+            bodies = [self._body(prompts[i], spec, max_tokens=max_tokens, seed=seed + i, logprobs=k)
+                      for i, k in zip(indices, heads, strict=True)]
+            payloads = self._send_all(bodies, what=f"completion ({label})", deadline=deadline)
             return [parse_completion(payload, max_tokens=max_tokens, requested=k, vocab_size=self.vocab_size,
                                      where=self._where(i, spec))
                     for i, k, payload in zip(indices, heads, payloads, strict=True)]
@@ -453,11 +426,10 @@ class ServerRollout(RolloutBase):
     def _where(self, i: int, spec: SamplingSpec) -> str:
         return f"{self.url} completion for prompt {i} ({spec.label()})"
 
-    def _send_all(self, bodies: list[JsonObject], *, what: str, deadline: float | None = None) -> list[object]:
+    def _send_all(self, bodies: list[JsonObject], *, what: str, deadline: float) -> list[object]:
         """POST every body concurrently (the server batches them); fail fast on the first error, by ``deadline``.
-
-        Daemon threads, not an executor: a worker blocked on a dead socket must not keep the interpreter from exiting.
-        """
+        Daemon threads, not an executor: a worker blocked on a dead socket must not keep the interpreter from
+        exiting."""
         results: list[object] = [None] * len(bodies)
         errors: list[BaseException] = []
         done = threading.Semaphore(0)
@@ -480,14 +452,12 @@ class ServerRollout(RolloutBase):
                         exc = ServerDied(f"the server at {self.url} stopped answering during the run: {exc}")
                     with lock:
                         errors.append(exc)
-                    done.release()
                     return
-                done.release()
+                finally:
+                    done.release()
 
-        n_workers = min(self.concurrency, len(bodies))
-        for _ in range(n_workers):
+        for _ in range(min(self.concurrency, len(bodies))):
             threading.Thread(target=worker, name="parity-server-request", daemon=True).start()
-        deadline = deadline if deadline is not None else time.monotonic() + self.timeout_s
         finished = 0
         while finished < len(bodies):
             if done.acquire(timeout=0.25):
@@ -500,10 +470,8 @@ class ServerRollout(RolloutBase):
             if time.monotonic() > deadline:
                 with lock:
                     errors.append(TimeoutError("cancelled"))
-                raise TimedOut(
-                    f"{what} at {self.url}: {finished} of {len(bodies)} requests done after {self.timeout_s:.0f} s "
-                    f"(raise --timeout if the model is large)"
-                )
+                raise TimedOut(f"{what} at {self.url}: {finished} of {len(bodies)} requests done after "
+                               f"{self.timeout_s:.0f} s (raise --timeout if the model is large)")
         return results
 
     def _stop_process(self) -> None:

@@ -84,15 +84,10 @@ def _list_field(lp: dict[str, object], name: str, where: str) -> list[object]:
     return val
 
 
-def parse_completion(
-    payload: object,  # the decoded JSON answer
-    *,
-    max_tokens: int,
-    requested: int,
-    vocab_size: int,
-    where: str = "response",
-) -> Heads:
-    """Parse one ``/v1/completions`` answer into a :class:`Heads` (``requested``: the ``logprobs`` sent, 0, -1 or K).
+def parse_completion(payload: object, *, max_tokens: int, requested: int, vocab_size: int,
+                     where: str = "response") -> Heads:
+    """Parse one decoded ``/v1/completions`` answer into a :class:`Heads` (``requested``: the ``logprobs``
+    sent, 0, -1 or K).
 
     Raises :class:`MalformedResponse` naming the field and position of the first problem.
     """
@@ -107,9 +102,8 @@ def parse_completion(
     choice = choices[0]
     lp = choice.get("logprobs")
     if not isinstance(lp, dict):
-        raise MalformedResponse(
-            f"{where}: 'choices[0].logprobs' is missing — the server returned no log-probs"
-        )
+        raise MalformedResponse(f"{where}: 'choices[0].logprobs' is missing — the server returned no "
+                                "log-probs")
     tokens, token_lps, tops = (_list_field(lp, name, where) for name in ("tokens", "token_logprobs", "top_logprobs"))
     if not (len(tokens) == len(token_lps) == len(tops)):
         raise MalformedResponse(
@@ -174,15 +168,8 @@ def _position(key: object, value: object, top: object, at: str, *, full: bool, r
         f"{requested + 1} (the server's --max-logprobs may be lower than the capture needs)"
     )
 
-def check_processed(
-    kept_logprobs: torch.Tensor,
-    incomplete: torch.Tensor,
-    *,
-    url: str,
-    where: str,
-    spec: SamplingSpec | None = None,
-    vocab_size: int | None = None,
-) -> None:
+def check_processed(kept_logprobs: torch.Tensor, incomplete: torch.Tensor, *, url: str, where: str,
+                    spec: SamplingSpec | None = None, vocab_size: int | None = None) -> None:
     """Raise :class:`LogprobsModeMismatch` when the captured values cannot be processed log-probs, by the exact
     checks of docs/capture_plan.md, section 7 (``raw_logprobs``, vLLM's default, fails them)."""
     mass = support_mass(kept_logprobs)
@@ -234,12 +221,9 @@ def check_probe(payload: object, *, url: str, vocab_size: int, max_tokens: int) 
     """Judge the start-up probe (``top_k=1``, ``logprobs=2``): processed log-probs keep one token at log-prob 0
     (or tied tokens sharing the mass equally) and report ``-inf`` for the rest; raw log-probs report the
     unfiltered distribution, more than one finite entry and mass below 1."""
-    parsed = parse_completion(
-        payload, max_tokens=max_tokens, requested=2, vocab_size=vocab_size, where="probe"
-    )
+    p = parse_completion(payload, max_tokens=max_tokens, requested=2, vocab_size=vocab_size, where="probe")
     for t, (y, lp, ids, vals) in enumerate(
-        zip(parsed.completion_ids, parsed.sampled_logprobs, parsed.head_ids, parsed.head_logprobs, strict=True)
-    ):
+            zip(p.completion_ids, p.sampled_logprobs, p.head_ids, p.head_logprobs, strict=True)):
         reported = dict(zip(ids, vals, strict=True))
         reported[y] = lp  # the sampled token may sit outside the top-2 head
         finite = [v for v in reported.values() if v != float("-inf")]

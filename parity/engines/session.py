@@ -96,18 +96,14 @@ def check_same_vocabulary(rollout: Rollout, trainer: Trainer) -> None:
     # the model has no row for is not (the ids past the embedding would be scored as garbage or crash).
     for side, tok, rows in (("vllm", tv, rollout.vocab_size), ("trainer", tt, trainer.vocab_size)):
         if len(tok) > rows:
-            problems.append(
-                f"{side} tokenizer has {len(tok)} tokens but the model's vocabulary (embedding rows) is {rows}: "
-                f"allowed a tokenizer no larger than the model's vocabulary"
-            )
+            problems.append(f"{side} tokenizer has {len(tok)} tokens but the model's vocabulary (embedding "
+                            f"rows) is {rows}: allowed a tokenizer no larger than the model's vocabulary")
     ev, et = tv.encode(SAMPLE_TEXT, add_special_tokens=False), tt.encode(SAMPLE_TEXT, add_special_tokens=False)
     if list(ev) != list(et):
         problems.append(f"tokenization of {SAMPLE_TEXT!r}: vllm={list(ev)[:12]}... trainer={list(et)[:12]}...")
     if problems:
-        raise UsageError(
-            f"tokenizer/vocabulary mismatch between rollout model {rollout.model!r} and trainer model "
-            f"{trainer.model_path!r}: " + "; ".join(problems)
-        )
+        raise UsageError(f"tokenizer/vocabulary mismatch between rollout model {rollout.model!r} and trainer "
+                         f"model {trainer.model_path!r}: " + "; ".join(problems))
 
 
 def make_prompts(tokenizer: Tokenizer, n: int, *, shared_prefix: int = 0) -> list[list[int]]:
@@ -144,9 +140,8 @@ class EnginePool:
         self._engines: dict[tuple[str, str], tuple[Rollout, Trainer]] = {}
         self._raw: dict[tuple[str, str, str], VllmRollout] = {}
 
-    def raw(
-        self, model_name: str, settings: EngineSettings | HasEngineSettings, progress: Callable[[str], None]
-    ) -> VllmRollout:
+    def raw(self, model_name: str, settings: EngineSettings | HasEngineSettings,
+            progress: Callable[[str], None]) -> VllmRollout:
         """A second offline engine on the same model with ``logprobs_mode="raw_logits"``: with the same seeds it
         draws the same tokens (the caller checks) and hands back the sampler's own logits, the source of a log S
         the trainer did not compute (:mod:`parity.core.log_s`; docs/error_model.md, section 7)."""
@@ -157,14 +152,12 @@ class EnginePool:
         if key not in self._raw:
             progress(f"parity: starting a raw-logits vLLM engine on {model_name} (sampler-side log S)")
             with waiting("raw-logits vLLM engine start-up"):
-                self._raw[key] = VllmRollout(
-                    resolve_model(model_name), **rollout_settings(cfg), engine_kwargs={"logprobs_mode": "raw_logits"}
-                )
+                self._raw[key] = VllmRollout(resolve_model(model_name), **rollout_settings(cfg),
+                                             engine_kwargs={"logprobs_mode": "raw_logits"})
         return self._raw[key]
 
-    def get(
-        self, model_name: str, settings: EngineSettings | HasEngineSettings, progress: Callable[[str], None]
-    ) -> tuple[Rollout, Trainer]:
+    def get(self, model_name: str, settings: EngineSettings | HasEngineSettings,
+            progress: Callable[[str], None]) -> tuple[Rollout, Trainer]:
         """The rollout engine and trainer for ``model_name``, started on first use. ``settings``:
         :class:`~parity.engines.settings.EngineSettings`, or a configuration that carries them (``parity run``'s ``RunConfig``)."""
         from parity.engines.transformers_trainer import TransformersTrainer

@@ -351,8 +351,7 @@ class _GrpoHooks(Hooks):
                     f"patch_grpo(mode={self.cap.mode!r}) fixes the vLLM importance-sampling correction: it needs "
                     f"use_vllm=True and vllm_importance_sampling_correction=True (got use_vllm="
                     f"{getattr(trainer, 'use_vllm', None)!r}, vllm_importance_sampling_correction="
-                    f"{getattr(trainer, 'vllm_importance_sampling_correction', None)!r})"
-                )
+                    f"{getattr(trainer, 'vllm_importance_sampling_correction', None)!r})")
             return False
         self.cap._pending.clear()
         self.step = int(trainer.state.global_step)

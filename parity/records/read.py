@@ -18,13 +18,7 @@ import pyarrow.parquet as pq
 
 from parity.errors import PathNotFound, UsageError
 from parity.records.arrays import RecordsBatch
-from parity.records.schema import (
-    METADATA_KEY,
-    REQUIRED,
-    SUPPORTED_VERSIONS,
-    RecordsError,
-    require_columns,
-)
+from parity.records.schema import METADATA_KEY, REQUIRED, SUPPORTED_VERSIONS, RecordsError, require_columns
 from parity.records.validate import validate_batch
 
 # Reading: rows per validated batch (the analysis holds one batch at a time, so memory grows with it),

@@ -149,9 +149,8 @@ class RoutedExperts:
         return out
 
 
-def attach_routes(
-    records: Sequence[SequenceRecord], outputs: Sequence[RequestOutput], steps: Steps | None, experts: int
-) -> dict[str, object]:
+def attach_routes(records: Sequence[SequenceRecord], outputs: Sequence[RequestOutput], steps: Steps | None,
+                  experts: int) -> dict[str, object]:
     """Put each record's routed experts in ``extras[ROUTED]``: the native ``routed_experts`` of its output, or the
     binder's ``steps`` (by request id). Positions no forward covered (a prefix-cache hit) stay -1, counted."""
     uncovered, rows = 0, 0

@@ -75,15 +75,12 @@ class GrpoRunConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise UsageError(f"GrpoRunConfig.{name}={v!r} is invalid: allowed an integer >= 1")
         if not isinstance(self.num_generations, int) or self.num_generations < 2 or self.batch % self.num_generations:
-            raise UsageError(
-                f"GrpoRunConfig.num_generations={self.num_generations!r} is invalid: allowed an integer >= 2 "
-                f"that divides batch={self.batch}"
-            )
+            raise UsageError(f"GrpoRunConfig.num_generations={self.num_generations!r} is invalid: allowed an "
+                             f"integer >= 2 that divides batch={self.batch}")
         bad = [p for p in self.phases if p not in (*MODES, "off")]
         if not self.phases or bad:
-            raise UsageError(
-                f"GrpoRunConfig.phases={self.phases!r} is invalid: allowed a non-empty list of off, {', '.join(MODES)}"
-            )
+            raise UsageError(f"GrpoRunConfig.phases={self.phases!r} is invalid: allowed a non-empty list of "
+                             f"off, {', '.join(MODES)}")
         if self.vllm_dtype not in (None, "float32", "bfloat16", "float16"):
             raise UsageError(f"GrpoRunConfig.vllm_dtype={self.vllm_dtype!r} is invalid: allowed null, float32, bfloat16, float16")
         object.__setattr__(self, "phases", tuple(self.phases))
@@ -193,18 +190,12 @@ def run_phase(cfg: GrpoRunConfig, mode: str, model_path: str, out: Path) -> dict
                if any(k in h for k in TRL_METRICS)]
     path = save_sequences(cap.sequences, out / f"{mode}.pt") if cap is not None else None
     dtypes = sorted({str(s["sampler_dtype"]) for s in cap.sequences}) if cap is not None else []
-    return {
-        "mode": mode,
-        "metrics": metrics,
-        "counts": cap.counts if cap is not None else None,
-        "capture_plans": cap.capture_plans if cap is not None else None,
-        "linear_layers_kept": kept["kept"],
-        "vllm_dtype": vllm_dtype,
-        "sampler_dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
-        "capture": path.name if path is not None else None,
-        "init_s": round(t_init, 2),
-        "seconds": round(time.perf_counter() - t0, 2),
-    }
+    return {"mode": mode, "metrics": metrics, "counts": cap.counts if cap is not None else None,
+            "capture_plans": cap.capture_plans if cap is not None else None,
+            "linear_layers_kept": kept["kept"], "vllm_dtype": vllm_dtype,
+            "sampler_dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
+            "capture": path.name if path is not None else None, "init_s": round(t_init, 2),
+            "seconds": round(time.perf_counter() - t0, 2)}
 
 
 def run(cfg: GrpoRunConfig, out: Path) -> dict[str, object]:

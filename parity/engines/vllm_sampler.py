@@ -40,15 +40,9 @@ class VllmSampler:
         self._max_num_seqs = max_num_seqs
         self.logprobs_mode = logprobs_mode
 
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        specs: SamplingSpec | Sequence[SamplingSpec],
-        *,
-        seed: int = 0,
-        prompt_ids: Sequence[Sequence[int]] | None = None,
-        output_ids: Sequence[Sequence[int]] | None = None,
-    ) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, specs: SamplingSpec | Sequence[SamplingSpec], *, seed: int = 0,
+                 prompt_ids: Sequence[Sequence[int]] | None = None,
+                 output_ids: Sequence[Sequence[int]] | None = None) -> SamplerOutput:
         """``prompt_ids`` / ``output_ids``: each row's prompt and the tokens generated before this step (needed
         when a row sets a penalty; vLLM reads them only then)."""
         from vllm.sampling_params import SamplingType

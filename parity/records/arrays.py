@@ -97,10 +97,9 @@ def cast_column(arr: pa.Array, col: Column, source: str, first_row: int, notes: 
             raise pa.ArrowInvalid("list vs scalar")
         out = arr.cast(target, safe=True)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-        raise RecordsError(
-            f"{where_in(source, column=col.name)}: type {arr.type} cannot be read as {target} ({exc}): allowed {target} "
-            f"({col.doc}), rows {first_row}..{first_row + len(arr) - 1}"
-        ) from None
+        rows = f"rows {first_row}..{first_row + len(arr) - 1}"
+        raise RecordsError(f"{where_in(source, column=col.name)}: type {arr.type} cannot be read as {target} "
+                           f"({exc}): allowed {target} ({col.doc}), {rows}") from None
     if notes is not None:
         note = _narrowing(arr, out, col.name)
         if note is not None:
@@ -179,10 +178,9 @@ def read_ragged(arr: pa.Array, name: str, source: str, first_row: int) -> Ragged
     if values.null_count:
         nulls = ~valid_rows(values)
         r, t = token_position(offsets, first_true(nulls))
-        raise RecordsError(
-            f"{where_in(source, first_row + r, name, t)}: a null inside the list: allowed {BY_NAME[name].doc}, "
-            f"no null entries (a whole row may be null where the column is optional)"
-        )
+        raise RecordsError(f"{where_in(source, first_row + r, name, t)}: a null inside the list: allowed "
+                           f"{BY_NAME[name].doc}, no null entries (a whole row may be null where the column "
+                           "is optional)")
     return Ragged(offsets, _np(values), valid)
 
 

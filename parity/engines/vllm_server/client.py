@@ -188,11 +188,7 @@ class ServerRollout(RolloutBase):
         self._log_state = {"keep": False}
         with open(self.log_path, "wb") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                 start_new_session=True,  # own process group: killed as a whole, immune to the terminal's Ctrl-C
             )
         # Runs on close(), on garbage collection and at interpreter exit (atexit), whichever is first.

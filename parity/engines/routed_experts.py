@@ -1,7 +1,6 @@
 """The experts vLLM's MoE routers chose (vLLM 0.32): top-k ids per layer for every (request, position) a
 forward ran, natively (Model Runner V2) or through vLLM's ``bind_routed_experts_capturer`` on the
-in-process V1 runner. docs/routing.md, section 1.
-"""
+in-process V1 runner. docs/routing.md, section 1."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The trainer's MoE routers (transformers 5): their top-k per layer and token, and routing replay (R3):
 router hooks force the recorded experts and recompute the gate weights, and a pre-hook on ``experts``
-checks what ran. docs/routing.md, section 3.
-"""
+checks what ran. docs/routing.md, section 3."""
 
 from __future__ import annotations
 

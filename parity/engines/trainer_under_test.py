@@ -1,7 +1,6 @@
 """Trainer under test: a function that scores sampled completions the way *your* trainer does. Given a
 :class:`TrainerBatch`, it returns per sequence a float tensor ``[L]`` of its completion tokens' log-probs.
-Built-ins ``full``, ``recompute``, ``replay``, or ``module:function`` (docs/internals.md, section 5).
-"""
+Built-ins ``full``, ``recompute``, ``replay``, or ``module:function`` (docs/internals.md, section 5)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """vLLM's own v1 ``Sampler``, called in-process on a logits tensor (no model, no engine): the ground truth of
 the reference filters, fed a hand-built ``SamplingMetadata`` with one row per spec; min_p goes through
-vLLM's ``MinPLogitsProcessor``, driven by the engine's ``BatchUpdate`` protocol.
-"""
+vLLM's ``MinPLogitsProcessor``, driven by the engine's ``BatchUpdate`` protocol."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Converters into the records format from what engines and trainers hand out: vLLM's offline outputs,
 TRL's ``GRPOTrainer`` tensors and parity's own records. Each returns a ``pyarrow.Table`` in the records
-schema and none imports vLLM (docs/records.md, section 4).
-"""
+schema and none imports vLLM (docs/records.md, section 4)."""
 
 from __future__ import annotations
 

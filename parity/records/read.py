@@ -1,7 +1,6 @@
 """Reading records: files, shard directories and their key-value metadata; rows stream as validated batches.
 
-Bad input is refused with the file, row, column, value and what is allowed (docs/records.md, section 3).
-"""
+Bad input is refused with the file, row, column, value and what is allowed (docs/records.md, section 3)."""
 
 from __future__ import annotations
 

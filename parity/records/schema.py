@@ -1,7 +1,6 @@
 """The records file format's schema (schema_version 1): the column table, the file metadata key and the Arrow types.
 
-README's "The records format" lists every column; docs/records.md, section 2, describes the layout.
-"""
+README's "The records format" lists every column; docs/records.md, section 2, describes the layout."""
 
 from __future__ import annotations
 

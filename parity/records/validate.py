@@ -1,6 +1,5 @@
 """Validating one batch of records rows (:func:`validate_batch`): bad input is refused with the file, row,
-column, value and what is allowed; a good batch comes back as flat arrays (:class:`RecordsBatch`).
-"""
+column, value and what is allowed; a good batch comes back as flat arrays (:class:`RecordsBatch`)."""
 
 from __future__ import annotations
 

@@ -309,8 +309,7 @@ class ServerRollout(RolloutBase):
               logprobs: int) -> JsonObject:
         """One prompt's request: token ids (never text), the seed, the spec's filters and penalties (sent even when
         neutral: a server fills an omitted field from the checkpoint's generation_config),
-        ``ignore_eos`` with a fixed ``max_tokens``, and ``logprobs=K`` with ``return_tokens_as_token_ids``.
-        """
+        ``ignore_eos`` with a fixed ``max_tokens``, and ``logprobs=K`` with ``return_tokens_as_token_ids``."""
         return {
             "model": self.served_model,
             "prompt": [int(t) for t in prompt],

@@ -1,6 +1,5 @@
 """The wire format of vLLM's OpenAI-compatible server: parsing and checking completions (pure), and its
-errors. The answer's layout (vLLM 0.32): docs/capture_plan.md, section 1.
-"""
+errors. The answer's layout (vLLM 0.32): docs/capture_plan.md, section 1."""
 
 from __future__ import annotations
 
@@ -89,8 +88,7 @@ def parse_completion(payload: object, *, max_tokens: int, requested: int, vocab_
     """Parse one decoded ``/v1/completions`` answer into a :class:`Heads` (``requested``: the ``logprobs``
     sent, 0, -1 or K).
 
-    Raises :class:`MalformedResponse` naming the field and position of the first problem.
-    """
+    Raises :class:`MalformedResponse` naming the field and position of the first problem."""
     if not isinstance(payload, dict):
         raise MalformedResponse(f"{where}: the body is {type(payload).__name__}, allowed a JSON object")
     if "error" in payload and "choices" not in payload:

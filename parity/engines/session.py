@@ -37,12 +37,8 @@ class Rollout(Protocol):
     max_head: int | None  # the capture cap of the next generate() (None: no cap where sampler rows are read)
     capture_history: CaptureHistory
     last_capture: CaptureStats | None  # what the latest generate() captured
-
-    @property
-    def model(self) -> str: ...
-
-    @property
-    def vocab_size(self) -> int: ...
+    model: str
+    vocab_size: int
 
     def tokenizer(self) -> Tokenizer: ...
 
@@ -56,14 +52,11 @@ class Rollout(Protocol):
 class Trainer(Protocol):
     """The trainer side (:class:`~parity.engines.transformers_trainer.TransformersTrainer`) as a run uses it."""
 
+    model_path: str
+    vocab_size: int
+
     @property
     def model(self) -> torch.nn.Module: ...
-
-    @property
-    def model_path(self) -> str: ...
-
-    @property
-    def vocab_size(self) -> int: ...
 
     def tokenizer(self) -> Tokenizer: ...
 

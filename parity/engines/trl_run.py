@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from parity.engines.session import PROMPT_TEXTS
 from parity.errors import UsageError
 
 if TYPE_CHECKING:
@@ -32,12 +33,7 @@ TRL_METRICS = (
     "sampling/importance_sampling_ratio/mean",
     "sampling/importance_sampling_ratio/max",
 )
-PROMPTS = (
-    "The sampler and the trainer must agree on every token",
-    "Once upon a time in a small village by the sea",
-    "Importance sampling corrects for the gap between two distributions",
-    "In reinforcement learning the policy is updated from rollouts",
-)
+PROMPTS = tuple(PROMPT_TEXTS[i] for i in (0, 1, 3, 5))
 
 
 @dataclass(frozen=True)

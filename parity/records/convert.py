@@ -191,18 +191,13 @@ def from_sequence_records(records: Sequence[SequenceRecord], *, scenario: str | 
         if list(table.seq_lengths) != lengths:
             raise UsageError(f"table sequence lengths {list(table.seq_lengths)[:8]}... do not match the records' {lengths[:8]}...")
         cols = {
-            "trainer_full_logprobs": table.full,
-            "trainer_replay_logprobs": table.replay,
-            "trainer_recompute_logprobs": table.recompute,
-            "trainer_log_s": table.log_s,
-            "trainer_penalty_term": table.penalty,
-            "trainer_recompute_forced": table.forced,
+            "trainer_full_logprobs": table.full, "trainer_replay_logprobs": table.replay,
+            "trainer_recompute_logprobs": table.recompute, "trainer_log_s": table.log_s,
+            "trainer_penalty_term": table.penalty, "trainer_recompute_forced": table.forced,
             "trainer_recompute_support_equal": table.recompute_support_equal,
             "trainer_recompute_support_size": table.recompute_support_size,
-            "trainer_recompute_boundary": table.recompute_boundary,
-            "trainer_bound": table.bound,
-            "trainer_bound_full": table.bound_full,
-            "trainer_systematic": table.systematic,
+            "trainer_recompute_boundary": table.recompute_boundary, "trainer_bound": table.bound,
+            "trainer_bound_full": table.bound_full, "trainer_systematic": table.systematic,
         }
         if table.user is not None:
             cols["trainer_logprobs"] = table.user

@@ -83,10 +83,8 @@ class EngineOutput:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         except OSError as exc:
-            raise SetupError(
-                f"cannot write the engine log {str(self.log_path)!r} ({exc.strerror or exc}): allowed a writable "
-                "report folder (--out)"
-            ) from exc
+            raise SetupError(f"cannot write the engine log {str(self.log_path)!r} ({exc.strerror or exc}): "
+                             "allowed a writable report folder (--out)") from exc
         _flush_std()
         if not self.verbose:
             try:

@@ -398,24 +398,15 @@ class _GrpoHooks(Hooks):
                 r = r[:n]
             incomplete = support.incomplete if support is not None else torch.zeros(n, dtype=torch.bool)
             seq: dict[str, object] = {
-                "step": step,
-                "index": b,
-                "prompt_ids": prompts[b][prompt_mask[b].bool()].tolist(),
-                "completion_ids": list(comp),
-                "mask": m,
+                "step": step, "index": b, "prompt_ids": prompts[b][prompt_mask[b].bool()].tolist(),
+                "completion_ids": list(comp), "mask": m,
                 "sampling_logps": sampling[b, :n].detach().float().cpu() if sampling is not None else None,
                 "trainer_logps": full[b, :n].detach().float().cpu(),
                 "is_logps": used[b, :n].detach().float().cpu(),
-                "log_s": row["log_s"],
-                "kept_ids": support.kept_ids if support is not None else None,
+                "log_s": row["log_s"], "kept_ids": support.kept_ids if support is not None else None,
                 "kept_logprobs": support.kept_logprobs if support is not None else None,
-                "incomplete": incomplete,
-                "is_ratio": r,
-                "logits": row["logits"],
-                "spec": spec.to_dict(),
-                "is_mode": str(trainer.vllm_importance_sampling_mode),
-                "is_clip": list(clip),
-                "fix": cap.mode,
+                "incomplete": incomplete, "is_ratio": r, "logits": row["logits"], "spec": spec.to_dict(),
+                "is_mode": str(trainer.vllm_importance_sampling_mode), "is_clip": list(clip), "fix": cap.mode,
                 "sampler_dtype": pend["dtype"],
             }
             cap.sequences.append(seq)

@@ -26,13 +26,9 @@ if TYPE_CHECKING:
 
 IS_MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
 # TRL's logged metrics this run reads back (GRPOTrainer._generate_and_score_completions).
-TRL_METRICS = (
-    "sampling/sampling_logp_difference/mean",
-    "sampling/sampling_logp_difference/max",
-    "sampling/importance_sampling_ratio/min",
-    "sampling/importance_sampling_ratio/mean",
-    "sampling/importance_sampling_ratio/max",
-)
+TRL_METRICS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+               "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+               "sampling/importance_sampling_ratio/max")
 PROMPTS = tuple(PROMPT_TEXTS[i] for i in (0, 1, 3, 5))
 
 

@@ -39,12 +39,8 @@ def rows_start(limit: int, vocab_size: int) -> int | None:
 # Engine settings measured on CPU machines. The default KV cache grabs ~11 GiB and makes the first
 # generate 10x slower on fixture models; the in-process engine avoids the ``__main__`` guard that
 # multiprocessing needs.
-CPU_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def fresh_parallel_groups() -> None:

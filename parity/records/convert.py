@@ -32,11 +32,9 @@ def _kept_columns(kept: torch.Tensor, logprobs: torch.Tensor, incomplete: torch.
     """Padded kept ids ``[L, K]`` (-1 = none), their aligned log-probs (and the trainer's logits at them)
     as the records' kept-set columns: the ids back to back, L + 1 offsets, the values alike."""
     mask = kept >= 0
-    out: dict[str, object] = {
-        "kept_ids": kept[mask].tolist(),
-        "kept_offsets": [0] + torch.cumsum(mask.sum(dim=1), 0).tolist(),
-        "kept_logprobs": logprobs[mask].tolist(),
-    }
+    offsets = [0] + torch.cumsum(mask.sum(dim=1), 0).tolist()
+    out: dict[str, object] = {"kept_ids": kept[mask].tolist(), "kept_offsets": offsets,
+                              "kept_logprobs": logprobs[mask].tolist()}
     if incomplete is not None:
         out["kept_incomplete"] = incomplete.tolist()
     if logits is not None:

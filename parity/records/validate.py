@@ -58,23 +58,18 @@ def validate_batch(batch: pa.RecordBatch | pa.Table, *, source: str = "batch", f
     b.lengths = completion.lengths
     sampler = b.token_column("sampler_logprobs")
     b.at_most_zero(sampler, "sampler_logprobs")
-    specs, spec_index = _specs(b, batch.num_rows)
     n = batch.num_rows
+    specs, spec_index = _specs(b, n)
+
+    def ints(name: str) -> np.ndarray | None:  # an optional integer column, -1 where null
+        return scalar_values(arrays[name], -1).astype(np.int64) if name in arrays else None
+
     out = RecordsBatch(
-        source=source,
-        first_row=first_row,
-        n_rows=n,
-        columns=tuple(sorted(names & set(BY_NAME))),
-        ignored_columns=tuple(sorted(names - set(BY_NAME))),
-        prompt=prompt,
-        completion=completion,
-        sampler_logprobs=sampler.values.astype(np.float32, copy=False),
-        specs=specs,
-        spec_index=spec_index,
+        source=source, first_row=first_row, n_rows=n, columns=tuple(sorted(names & set(BY_NAME))),
+        ignored_columns=tuple(sorted(names - set(BY_NAME))), prompt=prompt, completion=completion,
+        sampler_logprobs=sampler.values.astype(np.float32, copy=False), specs=specs, spec_index=spec_index,
         scenario=arrays["scenario"].to_pylist() if "scenario" in arrays else [None] * n,
-        prompt_index=scalar_values(arrays["prompt_index"], -1).astype(np.int64) if "prompt_index" in arrays else None,
-        seed=scalar_values(arrays["seed"], -1).astype(np.int64) if "seed" in arrays else None,
-        step=scalar_values(arrays["step"], -1).astype(np.int64) if "step" in arrays else None,
+        prompt_index=ints("prompt_index"), seed=ints("seed"), step=ints("step"),
         casts={k: v for k, v in casts.items() if k in arrays},
     )
     if "kept_ids" in arrays:

@@ -310,18 +310,9 @@ class ServerRollout(RolloutBase):
         """One prompt's request: token ids (never text), the seed, the spec's filters and penalties (sent even when
         neutral: a server fills an omitted field from the checkpoint's generation_config),
         ``ignore_eos`` with a fixed ``max_tokens``, and ``logprobs=K`` with ``return_tokens_as_token_ids``."""
-        return {
-            "model": self.served_model,
-            "prompt": [int(t) for t in prompt],
-            "max_tokens": int(max_tokens),
-            "n": 1,
-            "stream": False,
-            "seed": int(seed),
-            **spec.sampling_params_kwargs(),
-            "ignore_eos": True,
-            "logprobs": int(logprobs),
-            "return_tokens_as_token_ids": True,
-        }
+        return {"model": self.served_model, "prompt": [int(t) for t in prompt], "max_tokens": int(max_tokens),
+                "n": 1, "stream": False, "seed": int(seed), **spec.sampling_params_kwargs(),
+                "ignore_eos": True, "logprobs": int(logprobs), "return_tokens_as_token_ids": True}
 
     def _probe_ids(self) -> list[int]:
         ids = list(self._tokenizer.encode(PROBE_SENTENCE, add_special_tokens=False))[:8] or [0]

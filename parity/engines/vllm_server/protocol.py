@@ -104,10 +104,8 @@ def parse_completion(payload: object, *, max_tokens: int, requested: int, vocab_
                                 "log-probs")
     tokens, token_lps, tops = (_list_field(lp, name, where) for name in ("tokens", "token_logprobs", "top_logprobs"))
     if not (len(tokens) == len(token_lps) == len(tops)):
-        raise MalformedResponse(
-            f"{where}: logprobs lists disagree in length (tokens {len(tokens)}, token_logprobs {len(token_lps)}, "
-            f"top_logprobs {len(tops)})"
-        )
+        raise MalformedResponse(f"{where}: logprobs lists disagree in length (tokens {len(tokens)}, "
+                                f"token_logprobs {len(token_lps)}, top_logprobs {len(tops)})")
     if len(tokens) != max_tokens:
         raise MalformedResponse(
             f"{where}: {len(tokens)} tokens returned, {max_tokens} requested with ignore_eos "

@@ -53,8 +53,7 @@ def config_defaults() -> dict[str, Any]:
                                     "repetition_penalty")}
 
 
-# --------------------------------------------------------------------------------------------------
-# Tree attention with standard attention
+# -- Tree attention with standard attention ---------------------------------------------------------
 
 
 def tree_mask(n: int, kv_index: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor) -> torch.Tensor:
@@ -105,8 +104,7 @@ def load_policy(model: str | Path, *, temperature: float, dtype: torch.dtype = t
     return m
 
 
-# --------------------------------------------------------------------------------------------------
-# The trainer patch
+# -- The trainer patch ------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -165,8 +163,7 @@ class KeptSetReplay:
         return out
 
 
-# --------------------------------------------------------------------------------------------------
-# compute_loss on a host object
+# -- compute_loss on a host object ------------------------------------------------------------------
 
 
 class _Accelerator:
@@ -210,8 +207,7 @@ def trl_compute_loss(model: Any, inputs: dict[str, torch.Tensor], *, epsilon: fl
     return float(loss), metrics
 
 
-# --------------------------------------------------------------------------------------------------
-# Rollouts and packing
+# -- Rollouts and packing ---------------------------------------------------------------------------
 
 
 def parity_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:

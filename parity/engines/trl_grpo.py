@@ -145,8 +145,7 @@ def load_sequences(path: str | Path) -> list[dict[str, Any]]:  # SEQUENCE_FIELDS
     return list(data["sequences"])
 
 
-# --------------------------------------------------------------------------------------------------
-# the sampler's side
+# -- the sampler's side -----------------------------------------------------------------------------
 
 
 def _spec_of(gen: VLLMGeneration) -> SamplingSpec:
@@ -191,8 +190,7 @@ def _supports(completion_ids: list[list[int]], heads: list[list[Head]], requeste
     return supports
 
 
-# --------------------------------------------------------------------------------------------------
-# the trainer's side
+# -- the trainer's side -----------------------------------------------------------------------------
 
 
 def _log_mass_correction(cap: GrpoCapture, z: torch.Tensor, y: torch.Tensor, spec: SamplingSpec,
@@ -264,8 +262,7 @@ def _fixed_stats(plan: CapturePlan, supports: list[CapturedSupport | None], comp
     return stats
 
 
-# --------------------------------------------------------------------------------------------------
-# the patch
+# -- the patch --------------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager

@@ -45,7 +45,6 @@ CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 
 def fresh_parallel_groups() -> None:
     """Drop the model-parallel groups an earlier in-process engine left, so the next start makes its own.
-
     On CPU the engine runs in this process and keeps its groups in ``vllm.distributed.parallel_state``'s
     globals. ``ensure_model_parallel_initialized`` reuses groups that exist, and the expert-parallel group is
     made only when the first model is a MoE, so a MoE engine started after a dense one fails in
@@ -339,9 +338,8 @@ class VllmRollout(RolloutBase):
 
 
 def _logprobs_for(ids: torch.Tensor, heads: list[list[int]], head_lps: list[list[float]]) -> torch.Tensor:
-    """The sampler's processed log-probs of natively captured ids, looked up in the top-K heads.
-
-    An id the head did not list gets NaN: the support-mass check then reports it instead of guessing."""
+    """The sampler's processed log-probs of natively captured ids, looked up in the top-K heads. An id the
+    head did not list gets NaN: the support-mass check then reports it instead of guessing."""
     out = torch.full(ids.shape, float("-inf"), dtype=torch.float32)
     for t in range(ids.shape[0]):
         table = dict(zip(heads[t], head_lps[t], strict=True))

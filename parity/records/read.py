@@ -31,9 +31,8 @@ T = TypeVar("T")
 @dataclass
 class RecordsFile:
     """An open records file: checked footer, schema and version; rows are streamed by :meth:`batches`.
-
-    ``page_checksums``: whether its pages carry CRC checksums (:func:`page_checksums`; docs/records.md, section 3).
-    """
+    ``page_checksums``: whether its pages carry CRC checksums (:func:`page_checksums`; docs/records.md,
+    section 3)."""
 
     path: Path
     parquet: pq.ParquetFile

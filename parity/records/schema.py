@@ -99,11 +99,8 @@ SAMPLER_LOG_S_SOURCES = ("raw_logits", "top_p_bracket", "unfiltered")
 def records_schema(metadata: Mapping[str, Any] | None = None) -> pa.Schema:
     """The pyarrow schema of a records file (every column; optional ones nullable)."""
     fields = [pa.field(c.name, c.type, nullable=not c.required) for c in COLUMNS]
-    return pa.schema(fields, metadata={METADATA_KEY: _meta_blob(metadata)})
-
-
-def _meta_blob(metadata: Mapping[str, Any] | None) -> bytes:
-    return json.dumps({"schema_version": SCHEMA_VERSION, "metadata": dict(metadata or {})}, sort_keys=True).encode()
+    blob = json.dumps({"schema_version": SCHEMA_VERSION, "metadata": dict(metadata or {})}, sort_keys=True)
+    return pa.schema(fields, metadata={METADATA_KEY: blob.encode()})
 
 
 def nearest_note(name: str, present: Iterable[str]) -> str:
@@ -136,11 +133,5 @@ class RecordsError(UsageError):
 
 
 def where_in(source: str, row: int | None = None, column: str | None = None, position: int | None = None) -> str:
-    out = source
-    if row is not None:
-        out += f" row {row}"
-    if column is not None:
-        out += f" column {column}"
-    if position is not None:
-        out += f" position {position}"
-    return out
+    parts = ((" row", row), (" column", column), (" position", position))
+    return source + "".join(f"{label} {value}" for label, value in parts if value is not None)

@@ -86,9 +86,8 @@ def _list_field(lp: dict[str, object], name: str, where: str) -> list[object]:
 def parse_completion(payload: object, *, max_tokens: int, requested: int, vocab_size: int,
                      where: str = "response") -> Heads:
     """Parse one decoded ``/v1/completions`` answer into a :class:`Heads` (``requested``: the ``logprobs``
-    sent, 0, -1 or K).
-
-    Raises :class:`MalformedResponse` naming the field and position of the first problem."""
+    sent, 0, -1 or K). Raises :class:`MalformedResponse` naming the field and position of the first
+    problem."""
     if not isinstance(payload, dict):
         raise MalformedResponse(f"{where}: the body is {type(payload).__name__}, allowed a JSON object")
     if "error" in payload and "choices" not in payload:

@@ -56,12 +56,8 @@ def log_tail(path: str | os.PathLike[str], lines: int = TAIL_LINES, max_bytes: i
         size = f.tell()
         f.seek(max(0, size - max_bytes))
         text = f.read().decode(errors="replace")
-    out = []
-    for line in text.splitlines():
-        line = line.rstrip("\r").split("\r")[-1].rstrip()
-        if line:
-            out.append(line)
-    return out[-lines:]
+    last_states = (line.rstrip("\r").split("\r")[-1].rstrip() for line in text.splitlines())
+    return [line for line in last_states if line][-lines:]
 
 
 class EngineOutput:

@@ -58,9 +58,7 @@ def _normalise_url(url: str) -> str:
     parsed = urllib.parse.urlsplit(url.strip())
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise UsageError(f"--server {url!r} is invalid: allowed 'spawn' or an http(s)://HOST:PORT URL")
-    path = parsed.path.rstrip("/")
-    if path.endswith("/v1"):
-        path = path[: -len("/v1")]
+    path = parsed.path.rstrip("/").removesuffix("/v1")
     return urllib.parse.urlunsplit((parsed.scheme, parsed.netloc, path, "", ""))
 
 

@@ -12,6 +12,7 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -166,20 +167,6 @@ class KeptSetReplay:
 # -- compute_loss on a host object ------------------------------------------------------------------
 
 
-class _Accelerator:
-    """One process: what ``compute_loss`` asks of ``Accelerator`` (``reduce``/``gather`` are identities there)."""
-
-    num_processes = 1
-
-    @staticmethod
-    def reduce(t: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
-        return t
-
-    @staticmethod
-    def gather(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-
 class LossHost:
     """The attributes ``AsyncGRPOTrainer.compute_loss`` reads and writes, set as its ``__init__`` sets them."""
 
@@ -187,7 +174,9 @@ class LossHost:
         self.epsilon_low = epsilon
         self.epsilon_high = epsilon_high if epsilon_high is not None else epsilon
         self.aux_loss_enabled = False
-        self.accelerator = _Accelerator()
+        # One process: what compute_loss asks of Accelerator (reduce and gather are identities there).
+        self.accelerator = SimpleNamespace(num_processes=1, reduce=lambda t, reduction="sum": t,
+                                           gather=lambda t: t)
         self.current_gradient_accumulation_steps = 1
         self._metrics: dict[str, defaultdict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._last_forward_time_s = 0.0

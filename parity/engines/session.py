@@ -162,8 +162,7 @@ class EnginePool:
         key = (model_name, f"{trainer_name}|{cfg.dtype}|{trainer_dtype}|{cfg.device}|{cfg.server or 'offline'}|{cfg.capture}|"
                            f"{cfg.prefix_caching}|{cfg.max_num_batched_tokens}")
         if key not in self._engines:
-            model_path = resolve_model(model_name)
-            trainer_path = resolve_model(trainer_name)
+            model_path, trainer_path = resolve_model(model_name), resolve_model(trainer_name)
             progress(f"parity: starting vLLM ({cfg.device}, {cfg.dtype}) and transformers ({trainer_dtype}) on {model_name}")
             with waiting("transformers model load"):
                 trainer = TransformersTrainer(trainer_path, dtype=trainer_dtype, device=cfg.device)

@@ -155,8 +155,7 @@ def generate_with_capture(llm: LLM, prompts: Sequence[object],
     engine_max = int(mc.max_logprobs)
     rows = SamplerRows(llm, cap=max_head, timeout_s=timeout_s or 60.0)
     rows_on = rows.install()
-    if max_head is None:
-        max_head = cap.DEFAULT_MAX_HEAD
+    max_head = cap.DEFAULT_MAX_HEAD if max_head is None else max_head
     if engine_max != -1 and engine_max < max_head:
         if engine_max < 2:
             raise UsageError(f"generate_with_capture: the engine allows max_logprobs={engine_max}: allowed -1 or >= 2 "

@@ -124,8 +124,7 @@ def require_columns(names: Iterable[str], source: str) -> None:
         raise RecordsError(
             f"{source}: missing required column(s) {', '.join(missing)}"
             + "".join(nearest_note(c, unknown) for c in missing)
-            + f": a records file (schema_version {SCHEMA_VERSION}) needs {', '.join(REQUIRED)}"
-        )
+            + f": a records file (schema_version {SCHEMA_VERSION}) needs {', '.join(REQUIRED)}")
 
 
 class RecordsError(UsageError):

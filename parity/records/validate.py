@@ -145,8 +145,7 @@ class _Batch:
         raise RecordsError(
             f"{self.at(r, name, t)}: value {float(vals[i]):+.6g} is above 0: {what} is <= 0; "
             f"allowed values up to {LOGPROB_ROUNDING:.3g} above 0 (how far a float32 normalisation over "
-            f"{WIDEST_VOCAB:,} tokens may move it up; parity.core.error_model.normalisation_allowance)"
-        )
+            f"{WIDEST_VOCAB:,} tokens may move it up; parity.core.error_model.normalisation_allowance)")
 
     def nonnegative_ids(self, rag: Ragged, name: str) -> None:
         if rag.values.size and int(rag.values.min()) < 0:

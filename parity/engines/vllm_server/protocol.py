@@ -45,8 +45,7 @@ def _mode_hint(url: str) -> str:
     return (
         f"the server at {url} was most likely launched with --logprobs-mode raw_logprobs (vLLM's default) "
         f"or a logits mode; parity compares against what the sampler kept and needs the server started "
-        f"with --logprobs-mode {EXPECTED_MODE}"
-    )
+        f"with --logprobs-mode {EXPECTED_MODE}")
 
 
 # -- parsing (pure: canned JSON in, lists out) ------------------------------------------------------
@@ -56,8 +55,7 @@ def _token_id(key: object, where: str) -> int:
     if not isinstance(key, str) or not key.startswith(TOKEN_PREFIX):
         raise MalformedResponse(
             f"{where}: token {key!r} is not of the form 'token_id:N' — the server ignored "
-            f"return_tokens_as_token_ids (an OpenAI-compatible server that is not vLLM?)"
-        )
+            f"return_tokens_as_token_ids (an OpenAI-compatible server that is not vLLM?)")
     try:
         tid = int(key[len(TOKEN_PREFIX) :])
     except ValueError:
@@ -108,8 +106,7 @@ def parse_completion(payload: object, *, max_tokens: int, requested: int, vocab_
     if len(tokens) != max_tokens:
         raise MalformedResponse(
             f"{where}: {len(tokens)} tokens returned, {max_tokens} requested with ignore_eos "
-            f"(finish_reason={choice.get('finish_reason')!r}); fixed-length completions are required"
-        )
+            f"(finish_reason={choice.get('finish_reason')!r}); fixed-length completions are required")
     full = requested == FULL_VOCAB or requested >= vocab_size
     out = Heads([], [], [], [], payload=payload)
     for t, (key, value, top) in enumerate(zip(tokens, token_lps, tops, strict=True)):
@@ -144,8 +141,7 @@ def _position(key: object, value: object, top: object, at: str, *, full: bool, r
         raise MalformedResponse(f"{at}: the sampled token {y} is missing from top_logprobs")
     if dict(entries)[y] != sampled_lp:
         raise MalformedResponse(
-            f"{at}: token_logprobs says {sampled_lp!r} for token {y}, top_logprobs says {dict(entries)[y]!r}"
-        )
+            f"{at}: token_logprobs says {sampled_lp!r} for token {y}, top_logprobs says {dict(entries)[y]!r}")
     if full:
         if len(entries) != vocab_size:
             raise MalformedResponse(f"{at}: {len(entries)} top_logprobs entries for a full-vocabulary request (V={vocab_size})")
@@ -160,8 +156,7 @@ def _position(key: object, value: object, top: object, at: str, *, full: bool, r
         return y, sampled_lp, [e for e in entries if e[0] != y]
     raise MalformedResponse(
         f"{at}: {len(entries)} top_logprobs entries for logprobs={requested}, allowed {requested} or "
-        f"{requested + 1} (the server's --max-logprobs may be lower than the capture needs)"
-    )
+        f"{requested + 1} (the server's --max-logprobs may be lower than the capture needs)")
 
 def check_processed(kept_logprobs: torch.Tensor, incomplete: torch.Tensor, *, url: str, where: str,
                     spec: SamplingSpec | None = None, vocab_size: int | None = None) -> None:
@@ -175,8 +170,7 @@ def check_processed(kept_logprobs: torch.Tensor, incomplete: torch.Tensor, *, ur
         raise LogprobsModeMismatch(
             f"{where} position {t}: the returned log-probs of the {n_kept} kept tokens sum to probability "
             f"{float(mass[t]):.6f}, not 1 ({int(bad.sum())} of {len(bad)} complete positions) — "
-            + _mode_hint(url)
-        )
+            + _mode_hint(url))
     if spec is None:
         return
     spec = spec.effective()
@@ -206,8 +200,7 @@ def check_processed(kept_logprobs: torch.Tensor, incomplete: torch.Tensor, *, ur
             if p_min <= (1.0 - spec.top_p) - 1e-6:
                 problem = (
                     f"all {vocab_size} tokens are kept, yet the least likely has probability {p_min:.3g} <= "
-                    f"1 - top_p = {1.0 - spec.top_p:.3g}, which top_p={spec.top_p:g} drops"
-                )
+                    f"1 - top_p = {1.0 - spec.top_p:.3g}, which top_p={spec.top_p:g} drops")
         if problem is not None:
             raise LogprobsModeMismatch(f"{where} position {t}: {problem} — " + _mode_hint(url))
 

@@ -56,12 +56,8 @@ def log_tail(path: str | os.PathLike[str], lines: int = TAIL_LINES, max_bytes: i
         size = f.tell()
         f.seek(max(0, size - max_bytes))
         text = f.read().decode(errors="replace")
-    out = []
-    for line in text.splitlines():
-        line = line.rstrip("\r").split("\r")[-1].rstrip()
-        if line:
-            out.append(line)
-    return out[-lines:]
+    last_states = (line.rstrip("\r").split("\r")[-1].rstrip() for line in text.splitlines())
+    return [line for line in last_states if line][-lines:]
 
 
 class EngineOutput:
@@ -83,10 +79,8 @@ class EngineOutput:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         except OSError as exc:
-            raise SetupError(
-                f"cannot write the engine log {str(self.log_path)!r} ({exc.strerror or exc}): allowed a writable "
-                "report folder (--out)"
-            ) from exc
+            raise SetupError(f"cannot write the engine log {str(self.log_path)!r} ({exc.strerror or exc}): "
+                             "allowed a writable report folder (--out)") from exc
         _flush_std()
         if not self.verbose:
             try:
@@ -145,17 +139,16 @@ class EngineOutput:
         self._mark(msg if msg.startswith(MARK) else MARK + msg)
         print(msg, file=self.term, flush=True)
 
-    def show_tail(self, stream: IO[str] | None = None) -> None:
-        """The log's last lines, on ``stream`` (stderr), with where the whole log is."""
+    def show_tail(self) -> None:
+        """The log's last lines, on stderr, with where the whole log is."""
         lines = [ln for ln in log_tail(self.log_path, self.tail_lines * 2) if not ln.startswith(MARK)]
         lines = lines[-self.tail_lines :]
-        out = stream or sys.stderr
         if not lines:
             return  # nothing of the engines' to show: the error that follows says it all
-        print(f"parity: last {len(lines)} lines of the engines' output ({self.log_path}):", file=out)
+        print(f"parity: last {len(lines)} lines of the engines' output ({self.log_path}):", file=sys.stderr)
         for ln in lines:
-            print(f"    {ln}", file=out)
-        out.flush()
+            print(f"    {ln}", file=sys.stderr)
+        sys.stderr.flush()
 
     @contextlib.contextmanager
     def wait(self, label: str, *, refresh_s: float = 0.25) -> Iterator[None]:
@@ -200,10 +193,7 @@ def active() -> EngineOutput | None:
 def waiting(label: str) -> Iterator[None]:
     """The wait indicator of the active :class:`EngineOutput`; nothing without one (library use, tests)."""
     out = active()
-    if out is None:
-        yield
-        return
-    with out.wait(label):
+    with out.wait(label) if out is not None else contextlib.nullcontext():
         yield
 
 

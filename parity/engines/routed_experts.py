@@ -1,7 +1,6 @@
 """The experts vLLM's MoE routers chose (vLLM 0.32): top-k ids per layer for every (request, position) a
 forward ran, natively (Model Runner V2) or through vLLM's ``bind_routed_experts_capturer`` on the
-in-process V1 runner. docs/routing.md, section 1.
-"""
+in-process V1 runner. docs/routing.md, section 1."""
 
 from __future__ import annotations
 
@@ -63,12 +62,8 @@ class _Recorder:
         for rid in req_ids:
             n = int(sched.get(rid, 0))
             if n:
-                self.store.setdefault(rid, []).append(
-                    (
-                        positions[start : start + n].copy(),
-                        {lid: ids[start : start + n] for lid, ids in layers.items()},
-                    )
-                )
+                rows = {lid: ids[start : start + n] for lid, ids in layers.items()}
+                self.store.setdefault(rid, []).append((positions[start : start + n].copy(), rows))
             start += n
 
 
@@ -134,8 +129,7 @@ class RoutedExperts:
             self.reason = f"bind_routed_experts_capturer failed: {type(exc).__name__}: {exc}"
             return False
         self.reason = "; ".join(a for a in answers if a) or (
-            "" if len(answers) == 1 else f"{len(answers)} workers"
-        )
+            "" if len(answers) == 1 else f"{len(answers)} workers")
         self.active = not self.reason
         return self.active
 
@@ -154,9 +148,8 @@ class RoutedExperts:
         return out
 
 
-def attach_routes(
-    records: Sequence[SequenceRecord], outputs: Sequence[RequestOutput], steps: Steps | None, experts: int
-) -> dict[str, object]:
+def attach_routes(records: Sequence[SequenceRecord], outputs: Sequence[RequestOutput], steps: Steps | None,
+                  experts: int) -> dict[str, object]:
     """Put each record's routed experts in ``extras[ROUTED]``: the native ``routed_experts`` of its output, or the
     binder's ``steps`` (by request id). Positions no forward covered (a prefix-cache hit) stay -1, counted."""
     uncovered, rows = 0, 0

@@ -1,7 +1,6 @@
 """The sampler's own kept sets, read where a top-K head cannot prove them: a hook on vLLM 0.32's
 ``Sampler.sample`` in the in-process engine keeps those rows' finite ids and values as tensors; a row proves
-a position only when it matches it bitwise (docs/capture_plan.md, section 9).
-"""
+a position only when it matches it bitwise (docs/capture_plan.md, section 9)."""
 
 from __future__ import annotations
 

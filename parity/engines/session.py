@@ -37,12 +37,8 @@ class Rollout(Protocol):
     max_head: int | None  # the capture cap of the next generate() (None: no cap where sampler rows are read)
     capture_history: CaptureHistory
     last_capture: CaptureStats | None  # what the latest generate() captured
-
-    @property
-    def model(self) -> str: ...
-
-    @property
-    def vocab_size(self) -> int: ...
+    model: str
+    vocab_size: int
 
     def tokenizer(self) -> Tokenizer: ...
 
@@ -56,14 +52,11 @@ class Rollout(Protocol):
 class Trainer(Protocol):
     """The trainer side (:class:`~parity.engines.transformers_trainer.TransformersTrainer`) as a run uses it."""
 
+    model_path: str
+    vocab_size: int
+
     @property
     def model(self) -> torch.nn.Module: ...
-
-    @property
-    def model_path(self) -> str: ...
-
-    @property
-    def vocab_size(self) -> int: ...
 
     def tokenizer(self) -> Tokenizer: ...
 
@@ -96,18 +89,14 @@ def check_same_vocabulary(rollout: Rollout, trainer: Trainer) -> None:
     # the model has no row for is not (the ids past the embedding would be scored as garbage or crash).
     for side, tok, rows in (("vllm", tv, rollout.vocab_size), ("trainer", tt, trainer.vocab_size)):
         if len(tok) > rows:
-            problems.append(
-                f"{side} tokenizer has {len(tok)} tokens but the model's vocabulary (embedding rows) is {rows}: "
-                f"allowed a tokenizer no larger than the model's vocabulary"
-            )
+            problems.append(f"{side} tokenizer has {len(tok)} tokens but the model's vocabulary (embedding "
+                            f"rows) is {rows}: allowed a tokenizer no larger than the model's vocabulary")
     ev, et = tv.encode(SAMPLE_TEXT, add_special_tokens=False), tt.encode(SAMPLE_TEXT, add_special_tokens=False)
     if list(ev) != list(et):
         problems.append(f"tokenization of {SAMPLE_TEXT!r}: vllm={list(ev)[:12]}... trainer={list(et)[:12]}...")
     if problems:
-        raise UsageError(
-            f"tokenizer/vocabulary mismatch between rollout model {rollout.model!r} and trainer model "
-            f"{trainer.model_path!r}: " + "; ".join(problems)
-        )
+        raise UsageError(f"tokenizer/vocabulary mismatch between rollout model {rollout.model!r} and trainer "
+                         f"model {trainer.model_path!r}: " + "; ".join(problems))
 
 
 def make_prompts(tokenizer: Tokenizer, n: int, *, shared_prefix: int = 0) -> list[list[int]]:
@@ -132,17 +121,9 @@ def make_prompts(tokenizer: Tokenizer, n: int, *, shared_prefix: int = 0) -> lis
 def rollout_settings(cfg: EngineSettings) -> RolloutSettings:
     """The settings every rollout engine of a run starts with (the raw-logits engine included; only
     the run's own rollout takes ``capture``)."""
-    settings: RolloutSettings = {
-        "dtype": cfg.dtype,
-        "device": cfg.device,
-        "seed": cfg.seed,
-        "max_head": cfg.max_capture_head,
-        "head": cfg.capture_head,
-        "timeout_s": cfg.timeout_s,
-        "prefix_caching": cfg.prefix_caching,
-        "max_num_batched_tokens": cfg.max_num_batched_tokens,
-    }
-    return settings
+    return {"dtype": cfg.dtype, "device": cfg.device, "seed": cfg.seed, "max_head": cfg.max_capture_head,
+            "head": cfg.capture_head, "timeout_s": cfg.timeout_s, "prefix_caching": cfg.prefix_caching,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens}
 
 
 class EnginePool:
@@ -152,9 +133,8 @@ class EnginePool:
         self._engines: dict[tuple[str, str], tuple[Rollout, Trainer]] = {}
         self._raw: dict[tuple[str, str, str], VllmRollout] = {}
 
-    def raw(
-        self, model_name: str, settings: EngineSettings | HasEngineSettings, progress: Callable[[str], None]
-    ) -> VllmRollout:
+    def raw(self, model_name: str, settings: EngineSettings | HasEngineSettings,
+            progress: Callable[[str], None]) -> VllmRollout:
         """A second offline engine on the same model with ``logprobs_mode="raw_logits"``: with the same seeds it
         draws the same tokens (the caller checks) and hands back the sampler's own logits, the source of a log S
         the trainer did not compute (:mod:`parity.core.log_s`; docs/error_model.md, section 7)."""
@@ -165,14 +145,12 @@ class EnginePool:
         if key not in self._raw:
             progress(f"parity: starting a raw-logits vLLM engine on {model_name} (sampler-side log S)")
             with waiting("raw-logits vLLM engine start-up"):
-                self._raw[key] = VllmRollout(
-                    resolve_model(model_name), **rollout_settings(cfg), engine_kwargs={"logprobs_mode": "raw_logits"}
-                )
+                self._raw[key] = VllmRollout(resolve_model(model_name), **rollout_settings(cfg),
+                                             engine_kwargs={"logprobs_mode": "raw_logits"})
         return self._raw[key]
 
-    def get(
-        self, model_name: str, settings: EngineSettings | HasEngineSettings, progress: Callable[[str], None]
-    ) -> tuple[Rollout, Trainer]:
+    def get(self, model_name: str, settings: EngineSettings | HasEngineSettings,
+            progress: Callable[[str], None]) -> tuple[Rollout, Trainer]:
         """The rollout engine and trainer for ``model_name``, started on first use. ``settings``:
         :class:`~parity.engines.settings.EngineSettings`, or a configuration that carries them (``parity run``'s ``RunConfig``)."""
         from parity.engines.transformers_trainer import TransformersTrainer
@@ -184,8 +162,7 @@ class EnginePool:
         key = (model_name, f"{trainer_name}|{cfg.dtype}|{trainer_dtype}|{cfg.device}|{cfg.server or 'offline'}|{cfg.capture}|"
                            f"{cfg.prefix_caching}|{cfg.max_num_batched_tokens}")
         if key not in self._engines:
-            model_path = resolve_model(model_name)
-            trainer_path = resolve_model(trainer_name)
+            model_path, trainer_path = resolve_model(model_name), resolve_model(trainer_name)
             progress(f"parity: starting vLLM ({cfg.device}, {cfg.dtype}) and transformers ({trainer_dtype}) on {model_name}")
             with waiting("transformers model load"):
                 trainer = TransformersTrainer(trainer_path, dtype=trainer_dtype, device=cfg.device)
@@ -193,11 +170,9 @@ class EnginePool:
             if cfg.capture != "topk":
                 common["capture"] = cfg.capture
             if cfg.server:
-                from parity.engines.vllm_server.client import ServerRollout
+                from parity.engines.vllm_server.client import ServerRollout, describe_generation_defaults
 
                 rollout: Rollout
-                from parity.engines.vllm_server.client import describe_generation_defaults
-
                 with waiting("vLLM server start-up and ready" if cfg.server == "spawn" else "vLLM server connection"):
                     rollout = ServerRollout(model_path, server=cfg.server, **common)
                 try:  # what a framework that omits a field would sample with (parity sends every field)

@@ -1,7 +1,6 @@
 """What the engines of a run are started with: the settings :class:`~parity.engines.session.EnginePool` reads.
 :meth:`~parity.run.RunConfig.engine_settings` hands them out of ``parity run``'s :class:`~parity.run.RunConfig`
-(which holds more), so the engines never import the run layer above them.
-"""
+(which holds more), so the engines never import the run layer above them."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Trainer under test: a function that scores sampled completions the way *your* trainer does. Given a
 :class:`TrainerBatch`, it returns per sequence a float tensor ``[L]`` of its completion tokens' log-probs.
-Built-ins ``full``, ``recompute``, ``replay``, or ``module:function`` (docs/internals.md, section 5).
-"""
+Built-ins ``full``, ``recompute``, ``replay``, or ``module:function`` (docs/internals.md, section 5)."""
 
 from __future__ import annotations
 
@@ -70,10 +69,9 @@ def builtin_recompute(batch: TrainerBatch) -> list[torch.Tensor]:
 
 
 def _replay(logits: list[torch.Tensor], batch: TrainerBatch) -> list[torch.Tensor]:
-    out = []
-    for z, y, kept in zip(logits, batch.completion_ids, batch.kept_ids, strict=True):
-        out.append(estimators.full(z, y, batch.spec) if kept is None else estimators.replay(z, y, kept, batch.spec).logprobs)
-    return out
+    spec = batch.spec
+    return [estimators.full(z, y, spec) if kept is None else estimators.replay(z, y, kept, spec).logprobs
+            for z, y, kept in zip(logits, batch.completion_ids, batch.kept_ids, strict=True)]
 
 
 def builtin_replay(batch: TrainerBatch) -> list[torch.Tensor]:
@@ -112,17 +110,10 @@ def load_trainer(name: str | TrainerFn) -> tuple[str, TrainerFn]:
 
 def make_batch(records: Sequence[SequenceRecord], logits: list[torch.Tensor] | None, spec: SamplingSpec, model: torch.nn.Module | None, model_path: str) -> TrainerBatch:
     ids, mask = right_pad([list(r.prompt_ids) + list(r.completion_ids) for r in records])
-    return TrainerBatch(
-        model=model,
-        model_path=model_path,
-        input_ids=ids,
-        attention_mask=mask,
-        prompt_lengths=[len(r.prompt_ids) for r in records],
-        completion_lengths=[len(r.completion_ids) for r in records],
-        spec=spec,
-        kept_ids=[r.kept_ids for r in records],
-        logits=logits,
-    )
+    return TrainerBatch(model=model, model_path=model_path, input_ids=ids, attention_mask=mask,
+                        prompt_lengths=[len(r.prompt_ids) for r in records],
+                        completion_lengths=[len(r.completion_ids) for r in records], spec=spec,
+                        kept_ids=[r.kept_ids for r in records], logits=logits)
 
 
 def call_trainer(fn: TrainerFn, name: str, batch: TrainerBatch) -> torch.Tensor:

@@ -18,12 +18,6 @@ if TYPE_CHECKING:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise UsageError(f"dtype={name!r} is invalid: allowed {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
 class TransformersTrainer:
     """Computes logits at the completion positions, as an RL trainer does before its loss."""
 
@@ -41,7 +35,9 @@ class TransformersTrainer:
         self.dtype = dtype
         self.device = torch.device(device)
         self.batch_size = batch_size
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=parse_dtype(dtype))
+        if dtype not in DTYPES:
+            raise UsageError(f"dtype={dtype!r} is invalid: allowed {', '.join(DTYPES)}")
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=DTYPES[dtype])
         # transformers' wrapper around PreTrainedModel.to is annotated without its bound self.
         self.model.to(self.device).eval()  # type: ignore[arg-type]
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)

@@ -1,14 +1,7 @@
-"""TRL's asynchronous GRPO trainer (``trl.experimental.async_grpo``) as far as a CPU runs it, and parity's fix.
-
-- :func:`collect_rollouts`: TRL's own ``AsyncRolloutWorker`` against a vLLM server (through the capture proxy).
-- :func:`pack`: TRL's own ``TreeRow`` and ``DataCollatorForRollout``: the micro-batch its trainer would get.
-- :func:`load_policy`: the policy as ``AsyncGRPOTrainer.__init__`` builds it, TRL's fused head included, with
-  tree attention run by standard attention (:func:`tree_sdpa_attention`) instead of the CUDA-only FA3 kernel.
-- :class:`KeptSetReplay`: the trainer patch; it renormalises the fused head's log-probs over the kept sets the
-  proxy captured (``mode="replay"``) or only measures log S (``"observe"``).
-- :func:`trl_compute_loss`: ``AsyncGRPOTrainer.compute_loss`` itself, run on a host object; TRL's metrics back.
-Derivation and the repro: docs/trl_async.md.
-"""
+"""TRL's asynchronous GRPO trainer (``trl.experimental.async_grpo``) as far as a CPU runs it: TRL's own
+rollout worker (through the capture proxy), packing, policy and ``compute_loss``, with tree attention run by
+standard attention instead of the CUDA-only FA3 kernel; and parity's fix, :class:`KeptSetReplay`. Derivation
+and the repro: docs/trl_async.md."""
 
 from __future__ import annotations
 
@@ -19,6 +12,7 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,8 +54,7 @@ def config_defaults() -> dict[str, Any]:
                                     "repetition_penalty")}
 
 
-# --------------------------------------------------------------------------------------------------
-# Tree attention with standard attention
+# -- Tree attention with standard attention ---------------------------------------------------------
 
 
 def tree_mask(n: int, kv_index: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor) -> torch.Tensor:
@@ -97,29 +90,22 @@ def tree_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     return out, None
 
 
-def register_tree_sdpa() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(TREE_SDPA, tree_sdpa_attention)
-    AttentionMaskInterface.register(TREE_SDPA, lambda **kwargs: None)  # the mask is built from the tree kwargs
-
-
 def load_policy(model: str | Path, *, temperature: float, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The policy as ``AsyncGRPOTrainer.__init__`` builds it: TRL's ``add_fused_lm_head`` with the temperature and
     ``("log_probs", "entropy")``; attention is :func:`tree_sdpa_attention` instead of ``tree_fa3``."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.masking_utils import AttentionMaskInterface
     from trl.trainer.utils import add_fused_lm_head
 
-    register_tree_sdpa()
+    AttentionInterface.register(TREE_SDPA, tree_sdpa_attention)
+    AttentionMaskInterface.register(TREE_SDPA, lambda **kwargs: None)  # the mask comes from the tree kwargs
     m = AutoModelForCausalLM.from_pretrained(str(model), attn_implementation=TREE_SDPA, dtype=dtype)
     torch.nn.Module.eval(m)
     add_fused_lm_head(m, temperature=temperature, outputs=("log_probs", "entropy"))
     return m
 
 
-# --------------------------------------------------------------------------------------------------
-# The trainer patch
+# -- The trainer patch ------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -164,12 +150,8 @@ class KeptSetReplay:
         if any(r is not None for r in rows):
             if any(r is None for r in rows):
                 raise EngineError("kept sets are missing at some positions of a filtered batch")
-            width = max(len(r) for r in rows if r is not None)
-            kept = torch.full((len(rows), width), -1, dtype=torch.long)
-            for i, r in enumerate(rows):
-                assert r is not None
-                kept[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-            kept = kept.to(z.device)
+            sets = [torch.tensor(r, dtype=torch.long) for r in rows if r is not None]
+            kept = torch.nn.utils.rnn.pad_sequence(sets, batch_first=True, padding_value=-1).to(z.device)
             log_s = predicted_log_s(z, kept, self.spec).float()  # differentiable: the replay's gradient
         t = self.spec.effective_temperature
         full = out.log_probs[0, pos].detach().float().clone()
@@ -182,22 +164,7 @@ class KeptSetReplay:
         return out
 
 
-# --------------------------------------------------------------------------------------------------
-# compute_loss on a host object
-
-
-class _Accelerator:
-    """One process: what ``compute_loss`` asks of ``Accelerator`` (``reduce``/``gather`` are identities there)."""
-
-    num_processes = 1
-
-    @staticmethod
-    def reduce(t: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
-        return t
-
-    @staticmethod
-    def gather(t: torch.Tensor) -> torch.Tensor:
-        return t
+# -- compute_loss on a host object ------------------------------------------------------------------
 
 
 class LossHost:
@@ -207,7 +174,9 @@ class LossHost:
         self.epsilon_low = epsilon
         self.epsilon_high = epsilon_high if epsilon_high is not None else epsilon
         self.aux_loss_enabled = False
-        self.accelerator = _Accelerator()
+        # One process: what compute_loss asks of Accelerator (reduce and gather are identities there).
+        self.accelerator = SimpleNamespace(num_processes=1, reduce=lambda t, reduction="sum": t,
+                                           gather=lambda t: t)
         self.current_gradient_accumulation_steps = 1
         self._metrics: dict[str, defaultdict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._last_forward_time_s = 0.0
@@ -227,8 +196,7 @@ def trl_compute_loss(model: Any, inputs: dict[str, torch.Tensor], *, epsilon: fl
     return float(loss), metrics
 
 
-# --------------------------------------------------------------------------------------------------
-# Rollouts and packing
+# -- Rollouts and packing ---------------------------------------------------------------------------
 
 
 def parity_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:

@@ -94,12 +94,6 @@ class _Row(TypedDict):
     support: CapturedSupport | None
 
 
-class _Old(TypedDict):  # the trainer's side of a batch: TRL's log-probs, those its IS correction read
-    full: torch.Tensor
-    used: torch.Tensor
-    rows: list[_Row]
-
-
 class _Adaptive(TypedDict, total=False):
     stats: CaptureStats
     requested: list[int]
@@ -151,8 +145,7 @@ def load_sequences(path: str | Path) -> list[dict[str, Any]]:  # SEQUENCE_FIELDS
     return list(data["sequences"])
 
 
-# --------------------------------------------------------------------------------------------------
-# the sampler's side
+# -- the sampler's side -----------------------------------------------------------------------------
 
 
 def _spec_of(gen: VLLMGeneration) -> SamplingSpec:
@@ -197,8 +190,7 @@ def _supports(completion_ids: list[list[int]], heads: list[list[Head]], requeste
     return supports
 
 
-# --------------------------------------------------------------------------------------------------
-# the trainer's side
+# -- the trainer's side -----------------------------------------------------------------------------
 
 
 def _log_mass_correction(cap: GrpoCapture, z: torch.Tensor, y: torch.Tensor, spec: SamplingSpec,
@@ -270,8 +262,7 @@ def _fixed_stats(plan: CapturePlan, supports: list[CapturedSupport | None], comp
     return stats
 
 
-# --------------------------------------------------------------------------------------------------
-# the patch
+# -- the patch --------------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -357,8 +348,7 @@ class _GrpoHooks(Hooks):
                     f"patch_grpo(mode={self.cap.mode!r}) fixes the vLLM importance-sampling correction: it needs "
                     f"use_vllm=True and vllm_importance_sampling_correction=True (got use_vllm="
                     f"{getattr(trainer, 'use_vllm', None)!r}, vllm_importance_sampling_correction="
-                    f"{getattr(trainer, 'vllm_importance_sampling_correction', None)!r})"
-                )
+                    f"{getattr(trainer, 'vllm_importance_sampling_correction', None)!r})")
             return False
         self.cap._pending.clear()
         self.step = int(trainer.state.global_step)
@@ -382,53 +372,42 @@ class _GrpoHooks(Hooks):
         return correction
 
     def end(self, trainer: GRPOTrainer, output: Output, full: torch.Tensor, used: torch.Tensor) -> None:
-        _record(self.cap, trainer, self.step, self.pending, {"full": full, "used": used, "rows": self.rows}, output)
-
-
-def _record(cap: GrpoCapture, trainer: GRPOTrainer, step: int, pend: _Batch, old: _Old, output: Output) -> None:
-    mask = output["completion_mask"]
-    if "tool_mask" in output:
-        mask = mask * output["tool_mask"]
-    sampling = output.get("sampling_per_token_logps")
-    ratio = output.get("importance_sampling_ratio")
-    prompts = output["prompt_ids"]
-    prompt_mask = output["prompt_mask"]
-    spec = pend["spec"]
-    cap.counts["generation_batches"] += 1
-    if pend["capture"] is not None:
-        cap.capture_plans.append({"step": step, **pend["capture"].to_dict()})
-    for b, comp in enumerate(pend["completion_ids"]):
-        n = len(comp)
-        row = old["rows"][b]
-        support = row["support"]
-        m = mask[b, :n].bool().cpu()
-        r = ratio[b].detach().float().cpu() if ratio is not None else None
-        if r is not None and r.numel() > 1:
-            r = r[:n]
-        incomplete = support.incomplete if support is not None else torch.zeros(n, dtype=torch.bool)
-        seq: dict[str, object] = {
-            "step": step,
-            "index": b,
-            "prompt_ids": prompts[b][prompt_mask[b].bool()].tolist(),
-            "completion_ids": list(comp),
-            "mask": m,
-            "sampling_logps": sampling[b, :n].detach().float().cpu() if sampling is not None else None,
-            "trainer_logps": old["full"][b, :n].detach().float().cpu(),
-            "is_logps": old["used"][b, :n].detach().float().cpu(),
-            "log_s": row["log_s"],
-            "kept_ids": support.kept_ids if support is not None else None,
-            "kept_logprobs": support.kept_logprobs if support is not None else None,
-            "incomplete": incomplete,
-            "is_ratio": r,
-            "logits": row["logits"],
-            "spec": spec.to_dict(),
-            "is_mode": str(trainer.vllm_importance_sampling_mode),
-            "is_clip": [trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max],
-            "fix": cap.mode,
-            "sampler_dtype": pend["dtype"],
-        }
-        cap.sequences.append(seq)
-        cap.counts["sequences"] += 1
-        cap.counts["tokens"] += n
-        cap.counts["masked_tokens"] += int((~m).sum())
-        cap.counts["incomplete_positions"] += int(incomplete.sum())
+        """One captured sequence per row (SEQUENCE_FIELDS): ``full`` is TRL's old_per_token_logps, ``used``
+        what its IS correction read."""
+        cap, step, pend = self.cap, self.step, self.pending
+        clip = [trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max]
+        mask = output["completion_mask"]
+        if "tool_mask" in output:
+            mask = mask * output["tool_mask"]
+        sampling = output.get("sampling_per_token_logps")
+        ratio = output.get("importance_sampling_ratio")
+        prompts, prompt_mask, spec = output["prompt_ids"], output["prompt_mask"], pend["spec"]
+        cap.counts["generation_batches"] += 1
+        if pend["capture"] is not None:
+            cap.capture_plans.append({"step": step, **pend["capture"].to_dict()})
+        for b, comp in enumerate(pend["completion_ids"]):
+            n = len(comp)
+            row = self.rows[b]
+            support = row["support"]
+            m = mask[b, :n].bool().cpu()
+            r = ratio[b].detach().float().cpu() if ratio is not None else None
+            if r is not None and r.numel() > 1:
+                r = r[:n]
+            incomplete = support.incomplete if support is not None else torch.zeros(n, dtype=torch.bool)
+            seq: dict[str, object] = {
+                "step": step, "index": b, "prompt_ids": prompts[b][prompt_mask[b].bool()].tolist(),
+                "completion_ids": list(comp), "mask": m,
+                "sampling_logps": sampling[b, :n].detach().float().cpu() if sampling is not None else None,
+                "trainer_logps": full[b, :n].detach().float().cpu(),
+                "is_logps": used[b, :n].detach().float().cpu(),
+                "log_s": row["log_s"], "kept_ids": support.kept_ids if support is not None else None,
+                "kept_logprobs": support.kept_logprobs if support is not None else None,
+                "incomplete": incomplete, "is_ratio": r, "logits": row["logits"], "spec": spec.to_dict(),
+                "is_mode": str(trainer.vllm_importance_sampling_mode), "is_clip": list(clip), "fix": cap.mode,
+                "sampler_dtype": pend["dtype"],
+            }
+            cap.sequences.append(seq)
+            cap.counts["sequences"] += 1
+            cap.counts["tokens"] += n
+            cap.counts["masked_tokens"] += int((~m).sum())
+            cap.counts["incomplete_positions"] += int(incomplete.sum())

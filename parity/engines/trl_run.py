@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from parity.engines.session import PROMPT_TEXTS
 from parity.errors import UsageError
 
 if TYPE_CHECKING:
@@ -25,19 +26,10 @@ if TYPE_CHECKING:
 
 IS_MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
 # TRL's logged metrics this run reads back (GRPOTrainer._generate_and_score_completions).
-TRL_METRICS = (
-    "sampling/sampling_logp_difference/mean",
-    "sampling/sampling_logp_difference/max",
-    "sampling/importance_sampling_ratio/min",
-    "sampling/importance_sampling_ratio/mean",
-    "sampling/importance_sampling_ratio/max",
-)
-PROMPTS = (
-    "The sampler and the trainer must agree on every token",
-    "Once upon a time in a small village by the sea",
-    "Importance sampling corrects for the gap between two distributions",
-    "In reinforcement learning the policy is updated from rollouts",
-)
+TRL_METRICS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+               "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+               "sampling/importance_sampling_ratio/max")
+PROMPTS = tuple(PROMPT_TEXTS[i] for i in (0, 1, 3, 5))
 
 
 @dataclass(frozen=True)
@@ -75,15 +67,12 @@ class GrpoRunConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise UsageError(f"GrpoRunConfig.{name}={v!r} is invalid: allowed an integer >= 1")
         if not isinstance(self.num_generations, int) or self.num_generations < 2 or self.batch % self.num_generations:
-            raise UsageError(
-                f"GrpoRunConfig.num_generations={self.num_generations!r} is invalid: allowed an integer >= 2 "
-                f"that divides batch={self.batch}"
-            )
+            raise UsageError(f"GrpoRunConfig.num_generations={self.num_generations!r} is invalid: allowed an "
+                             f"integer >= 2 that divides batch={self.batch}")
         bad = [p for p in self.phases if p not in (*MODES, "off")]
         if not self.phases or bad:
-            raise UsageError(
-                f"GrpoRunConfig.phases={self.phases!r} is invalid: allowed a non-empty list of off, {', '.join(MODES)}"
-            )
+            raise UsageError(f"GrpoRunConfig.phases={self.phases!r} is invalid: allowed a non-empty list of "
+                             f"off, {', '.join(MODES)}")
         if self.vllm_dtype not in (None, "float32", "bfloat16", "float16"):
             raise UsageError(f"GrpoRunConfig.vllm_dtype={self.vllm_dtype!r} is invalid: allowed null, float32, bfloat16, float16")
         object.__setattr__(self, "phases", tuple(self.phases))
@@ -126,56 +115,36 @@ def _trainer(cfg: GrpoRunConfig, model_path: str, out_dir: str) -> GRPOTrainer:
 
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(cfg.steps * cfg.batch // cfg.num_generations)]
     args = GRPOConfig(
-        output_dir=out_dir,
-        use_vllm=True,
-        vllm_mode="colocate",
-        use_cpu=True,
-        bf16=False,
-        per_device_train_batch_size=cfg.batch,
-        num_generations=cfg.num_generations,
-        max_completion_length=cfg.max_completion_length,
-        max_steps=cfg.steps,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        seed=cfg.seed,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        min_p=cfg.min_p if cfg.min_p > 0 else None,
-        repetition_penalty=cfg.repetition_penalty,
-        vllm_importance_sampling_correction=True,
-        vllm_importance_sampling_mode=cfg.is_mode,
-        vllm_max_model_length=256,
-        dataloader_num_workers=0,
-        **cfg.extra,
+        output_dir=out_dir, use_vllm=True, vllm_mode="colocate", use_cpu=True, bf16=False,
+        per_device_train_batch_size=cfg.batch, num_generations=cfg.num_generations,
+        max_completion_length=cfg.max_completion_length, max_steps=cfg.steps, logging_steps=1, report_to=[],
+        save_strategy="no", seed=cfg.seed, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+        min_p=cfg.min_p if cfg.min_p > 0 else None, repetition_penalty=cfg.repetition_penalty,
+        vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=cfg.is_mode,
+        vllm_max_model_length=256, dataloader_num_workers=0, **cfg.extra,
     )
     return GRPOTrainer(model=model_path, reward_funcs=_reward_length, args=args,
                        train_dataset=Dataset.from_dict({"prompt": prompts}))
 
 
-def _force_dtype(dtype: str | None) -> contextlib.AbstractContextManager[None]:
-    """Context: build TRL's colocated engine with ``dtype`` (TRL itself passes none)."""
-    @contextlib.contextmanager
-    def ctx() -> Iterator[None]:
-        if dtype is None:
-            yield
-            return
-        from trl.generation import vllm_generation as vg
+@contextlib.contextmanager
+def _force_dtype(dtype: str | None) -> Iterator[None]:
+    """Build TRL's colocated engine with ``dtype`` (TRL itself passes none)."""
+    if dtype is None:
+        yield
+        return
+    from trl.generation import vllm_generation as vg
 
-        original = vg.LLM
+    original = vg.LLM
 
-        def make(*a: object, **k: object) -> object:
-            k["dtype"] = dtype
-            return original(*a, **k)
+    def make(*a: object, **k: object) -> object:
+        return original(*a, **{**k, "dtype": dtype})
 
-        vg.LLM = make
-        try:
-            yield
-        finally:
-            vg.LLM = original
-
-    return ctx()
+    vg.LLM = make
+    try:
+        yield
+    finally:
+        vg.LLM = original
 
 
 def _shutdown(trainer: GRPOTrainer) -> None:
@@ -213,18 +182,12 @@ def run_phase(cfg: GrpoRunConfig, mode: str, model_path: str, out: Path) -> dict
                if any(k in h for k in TRL_METRICS)]
     path = save_sequences(cap.sequences, out / f"{mode}.pt") if cap is not None else None
     dtypes = sorted({str(s["sampler_dtype"]) for s in cap.sequences}) if cap is not None else []
-    return {
-        "mode": mode,
-        "metrics": metrics,
-        "counts": cap.counts if cap is not None else None,
-        "capture_plans": cap.capture_plans if cap is not None else None,
-        "linear_layers_kept": kept["kept"],
-        "vllm_dtype": vllm_dtype,
-        "sampler_dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
-        "capture": path.name if path is not None else None,
-        "init_s": round(t_init, 2),
-        "seconds": round(time.perf_counter() - t0, 2),
-    }
+    return {"mode": mode, "metrics": metrics, "counts": cap.counts if cap is not None else None,
+            "capture_plans": cap.capture_plans if cap is not None else None,
+            "linear_layers_kept": kept["kept"], "vllm_dtype": vllm_dtype,
+            "sampler_dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
+            "capture": path.name if path is not None else None, "init_s": round(t_init, 2),
+            "seconds": round(time.perf_counter() - t0, 2)}
 
 
 def run(cfg: GrpoRunConfig, out: Path) -> dict[str, object]:

@@ -39,22 +39,16 @@ def rows_start(limit: int, vocab_size: int) -> int | None:
 # Engine settings measured on CPU machines. The default KV cache grabs ~11 GiB and makes the first
 # generate 10x slower on fixture models; the in-process engine avoids the ``__main__`` guard that
 # multiprocessing needs.
-CPU_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def fresh_parallel_groups() -> None:
     """Drop the model-parallel groups an earlier in-process engine left, so the next start makes its own.
-
     On CPU the engine runs in this process and keeps its groups in ``vllm.distributed.parallel_state``'s
     globals. ``ensure_model_parallel_initialized`` reuses groups that exist, and the expert-parallel group is
     made only when the first model is a MoE, so a MoE engine started after a dense one fails in
-    ``get_ep_group``. With one rank every group has size 1: engines still open get the new ones.
-    """
+    ``get_ep_group``. With one rank every group has size 1: engines still open get the new ones."""
     from vllm.distributed import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
@@ -100,30 +94,20 @@ def sampling_params(spec: SamplingSpec, **extra: object) -> SamplingParams:
     return SamplingParams(**spec.sampling_params_kwargs(), **extra)
 
 
-def capture_outputs(
-    generate: Callable[[list[object], list[SamplingParams]], Sequence[RequestOutput]],
-    prompts: Sequence[object],
-    params: Sequence[SamplingParams],
-    plan: cap.CapturePlan,
-    *,
-    spec: SamplingSpec,
-    vocab_size: int,
-    history: cap.CaptureHistory | None = None,
-    deadline: float | None = None,
-    nan_as_dropped: bool = False,
-    rows: SamplerRows | None = None,
-) -> cap.CaptureResult:
+def capture_outputs(generate: Callable[[list[object], list[SamplingParams]], Sequence[RequestOutput]],
+                    prompts: Sequence[object], params: Sequence[SamplingParams], plan: cap.CapturePlan, *,
+                    spec: SamplingSpec, vocab_size: int, history: cap.CaptureHistory | None = None,
+                    deadline: float | None = None, nan_as_dropped: bool = False,
+                    rows: SamplerRows | None = None) -> cap.CaptureResult:
     """``plan`` run over ``generate(prompts, params)`` (``LLM.generate`` or a wrapper): each round clones ``params[i]``
     (seeded, ``n=1``) with its head; ``Heads.payload`` is ``(RequestOutput, SamplingParams)``; ``deadline`` bounds
     the whole capture; ``rows`` (a hook on the engine) proves from the sampler's row what a head could not."""
     mismatched = [0]
 
     def ask(indices: list[int], heads: list[int]) -> list[cap.Heads]:
-        batch = []
-        for i, k in zip(indices, heads, strict=True):
-            q = params[i].clone()
+        batch = [params[i].clone() for i in indices]
+        for q, k in zip(batch, heads, strict=True):
             q.logprobs = k
-            batch.append(q)
 
         def run() -> Sequence[RequestOutput]:
             return generate([prompts[i] for i in indices], batch)
@@ -149,16 +133,11 @@ def capture_outputs(
     return result
 
 
-def generate_with_capture(
-    llm: LLM,
-    prompts: Sequence[object],
-    params: SamplingParams | Sequence[SamplingParams],
-    *,
-    max_head: int | None = None,
-    history: cap.CaptureHistory | None = None,
-    start: int | None = None,
-    timeout_s: float | None = None,
-) -> tuple[list[RequestOutput], list[SamplingParams], cap.CaptureStats]:
+def generate_with_capture(llm: LLM, prompts: Sequence[object],
+                          params: SamplingParams | Sequence[SamplingParams], *, max_head: int | None = None,
+                          history: cap.CaptureHistory | None = None, start: int | None = None,
+                          timeout_s: float | None = None,
+                          ) -> tuple[list[RequestOutput], list[SamplingParams], cap.CaptureStats]:
     """``llm.generate`` with the kept set captured (engine: ``logprobs_mode="processed_logprobs"``). ``params``: one
     ``SamplingParams`` (``n=1``) or one per prompt; ``logprobs`` from the plan, widened up to ``max_head`` or the engine's
     ``max_logprobs``; unseeded requests seeded; the rest as :func:`parity.core.capture.plan_capture` / :func:`capture_outputs`.
@@ -176,20 +155,16 @@ def generate_with_capture(
     engine_max = int(mc.max_logprobs)
     rows = SamplerRows(llm, cap=max_head, timeout_s=timeout_s or 60.0)
     rows_on = rows.install()
-    if max_head is None:
-        max_head = cap.DEFAULT_MAX_HEAD
+    max_head = cap.DEFAULT_MAX_HEAD if max_head is None else max_head
     if engine_max != -1 and engine_max < max_head:
         if engine_max < 2:
             raise UsageError(f"generate_with_capture: the engine allows max_logprobs={engine_max}: allowed -1 or >= 2 "
                              f"(build it with LLM(..., max_logprobs=-1))")
         max_head = engine_max
     base = random.Random(0x5EED).randrange(0, 2**31 - len(prompts) - 1)
-    seeded = []
-    for i, p in enumerate(plist):
-        q = p.clone()
-        if q.seed is None:
-            q.seed = base + i
-        seeded.append(q)
+    seeded = [p.clone() for p in plist]
+    for i, q in enumerate(seeded):
+        q.seed = base + i if q.seed is None else q.seed
     specs = [spec_of_params(q) for q in seeded]
     if len({(s.temperature, s.top_k, s.top_p, s.min_p) for s in specs}) != 1:
         raise UsageError("generate_with_capture: the prompts' SamplingParams differ in temperature/top_k/top_p/min_p: "
@@ -199,11 +174,9 @@ def generate_with_capture(
         start = rows_start(max_head, vocab)
     plan = cap.plan_capture(spec, vocab, max_head=max_head, start=start,
                         suggested=history.start(spec) if history else None)
-    result = capture_outputs(
-        lambda ps, qs: llm.generate(ps, qs, use_tqdm=False), prompts, seeded, plan, spec=spec, vocab_size=vocab,
-        history=history, deadline=None if timeout_s is None else time.monotonic() + timeout_s,
-        rows=rows if rows_on else None,
-    )
+    result = capture_outputs(lambda ps, qs: llm.generate(ps, qs, use_tqdm=False), prompts, seeded, plan,
+                             spec=spec, vocab_size=vocab, history=history, rows=rows if rows_on else None,
+                             deadline=None if timeout_s is None else time.monotonic() + timeout_s)
     return [h.payload[0] for h in result.heads], [h.payload[1] for h in result.heads], result.stats
 
 
@@ -214,19 +187,18 @@ class VllmRollout(RolloutBase):
 
     def __init__(self, model: str | Path, *, engine_kwargs: Mapping[str, object] | None = None,
                  **settings: Unpack[RolloutSettings]) -> None:
-        """``settings``: those of :class:`~parity.engines.rollout_base.RolloutBase`; ``engine_kwargs``
-        go to ``vllm.LLM`` last (they override)."""
+        """``settings``: those of :class:`~parity.engines.rollout_base.RolloutBase`; ``engine_kwargs`` go to
+        ``vllm.LLM`` last (they override)."""
         super().__init__(model, **settings)
         capture, device = self.capture, self.device
         if capture not in ("topk", "native", "both"):
             raise UsageError(f"capture={capture!r} is invalid: allowed topk, native, both")
         if device == "cuda" and not torch.cuda.is_available():
-            raise SetupError("--device cuda requested but CUDA is not available on this machine (torch.cuda.is_available() is False)")
+            raise SetupError("--device cuda requested but CUDA is not available on this machine "
+                             "(torch.cuda.is_available() is False)")
         if capture != "topk" and device != "cuda":
-            raise UsageError(
-                f"capture={capture!r} uses vLLM's return_sampling_mask, which needs Model Runner V2 on CUDA "
-                f"(refused on {device}): use capture='topk'"
-            )
+            raise UsageError(f"capture={capture!r} uses vLLM's return_sampling_mask, which needs Model "
+                             f"Runner V2 on CUDA (refused on {device}): use capture='topk'")
         if device == "cpu":
             configure_cpu_env()
         if capture != "topk":
@@ -237,13 +209,9 @@ class VllmRollout(RolloutBase):
         except ImportError as exc:
             raise SetupError("the rollout engine needs vLLM: install parity[cpu] (or parity[gpu] on CUDA)") from exc
         kwargs: dict[str, object] = dict(
-            model=self.model,
-            dtype=self.dtype,
-            seed=self.seed,
-            logprobs_mode="processed_logprobs",
+            model=self.model, dtype=self.dtype, seed=self.seed, logprobs_mode="processed_logprobs",
             max_logprobs=-1,  # any head a plan asks: adaptive widening up to the cap, a forced full vocabulary
-            max_model_len=self.max_model_len_arg,
-            enforce_eager=True,
+            max_model_len=self.max_model_len_arg, enforce_eager=True,
             # Off by default so no scenario's numbers can depend on what an earlier scenario left
             # in the KV cache (on the CPU fixtures, a repeated run with it on was bitwise equal;
             # --prefix-caching turns it on to test the production setting).
@@ -289,15 +257,8 @@ class VllmRollout(RolloutBase):
         tok: PreTrainedTokenizerBase = self.llm.get_tokenizer()
         return tok
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        spec: SamplingSpec,
-        *,
-        max_tokens: int,
-        seed: int,
-        logprobs: int | None = None,
-    ) -> list[SequenceRecord]:
+    def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec, *, max_tokens: int, seed: int,
+                 logprobs: int | None = None) -> list[SequenceRecord]:
         """Sample one completion per prompt (seed ``seed + i``); record log-probs and S_q under :meth:`plan`, what the
         capture did in ``self.last_capture``. ``logprobs`` forces the head without the plan's checks or widening (the
         capture-head repro asks less than top_k); positions it cannot capture are still flagged. The engine timeout
@@ -326,12 +287,11 @@ class VllmRollout(RolloutBase):
             for i in range(len(prompts))
         ]
         self.routes.arm()
-        result = capture_outputs(
-            lambda ps, qs: self.llm.generate(ps, qs, use_tqdm=False),
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, plan,
-            spec=spec, vocab_size=self.vocab_size, history=self.capture_history if logprobs is None else None,
-            deadline=time.monotonic() + self.timeout_s, rows=self._rows(logprobs),
-        )
+        result = capture_outputs(lambda ps, qs: self.llm.generate(ps, qs, use_tqdm=False),
+                                 [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, plan,
+                                 spec=spec, vocab_size=self.vocab_size, rows=self._rows(logprobs),
+                                 history=self.capture_history if logprobs is None else None,
+                                 deadline=time.monotonic() + self.timeout_s)
         steps = self.routes.take()
         records = self.records(prompts, spec, seed, result)
         if self.moe is not None:
@@ -377,10 +337,8 @@ class VllmRollout(RolloutBase):
 
 
 def _logprobs_for(ids: torch.Tensor, heads: list[list[int]], head_lps: list[list[float]]) -> torch.Tensor:
-    """The sampler's processed log-probs of natively captured ids, looked up in the top-K heads.
-
-    An id the head did not list gets NaN: the support-mass check then reports it instead of guessing.
-    """
+    """The sampler's processed log-probs of natively captured ids, looked up in the top-K heads. An id the
+    head did not list gets NaN: the support-mass check then reports it instead of guessing."""
     out = torch.full(ids.shape, float("-inf"), dtype=torch.float32)
     for t in range(ids.shape[0]):
         table = dict(zip(heads[t], head_lps[t], strict=True))

@@ -1,7 +1,6 @@
 """vLLM's own v1 ``Sampler``, called in-process on a logits tensor (no model, no engine): the ground truth of
 the reference filters, fed a hand-built ``SamplingMetadata`` with one row per spec; min_p goes through
-vLLM's ``MinPLogitsProcessor``, driven by the engine's ``BatchUpdate`` protocol.
-"""
+vLLM's ``MinPLogitsProcessor``, driven by the engine's ``BatchUpdate`` protocol."""
 
 from __future__ import annotations
 
@@ -40,15 +39,9 @@ class VllmSampler:
         self._max_num_seqs = max_num_seqs
         self.logprobs_mode = logprobs_mode
 
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        specs: SamplingSpec | Sequence[SamplingSpec],
-        *,
-        seed: int = 0,
-        prompt_ids: Sequence[Sequence[int]] | None = None,
-        output_ids: Sequence[Sequence[int]] | None = None,
-    ) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, specs: SamplingSpec | Sequence[SamplingSpec], *, seed: int = 0,
+                 prompt_ids: Sequence[Sequence[int]] | None = None,
+                 output_ids: Sequence[Sequence[int]] | None = None) -> SamplerOutput:
         """``prompt_ids`` / ``output_ids``: each row's prompt and the tokens generated before this step (needed
         when a row sets a penalty; vLLM reads them only then)."""
         from vllm.sampling_params import SamplingType
@@ -83,28 +76,20 @@ class VllmSampler:
         # InputBatch._make_prompt_token_ids_cpu_tensor: prompts right-padded with the id V (no token has it).
         width = max((len(x) for x in prompts), default=0)
         prompt_t = torch.tensor([x + [vocab] * (width - len(x)) for x in prompts], dtype=torch.int64).reshape(n, width)
-        generators = {}
-        for i in range(n):
-            g = torch.Generator()
-            g.manual_seed(seed + i)
-            generators[i] = g
+        generators = {i: torch.Generator().manual_seed(seed + i) for i in range(n)}
+        def per_row(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32)
+
         meta = SamplingMetadata(
-            temperature=None if all(greedy) else temperature,
-            all_greedy=all(greedy),
-            all_random=not any(greedy),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32) if any_p else None,
+            temperature=None if all(greedy) else temperature, all_greedy=all(greedy),
+            all_random=not any(greedy), top_p=per_row("top_p") if any_p else None,
             top_k=torch.tensor(top_ks, dtype=torch.int32) if any_k else None,
-            generators=generators,
-            max_num_logprobs=-1,
-            no_penalties=no_penalties,
+            generators=generators, max_num_logprobs=-1, no_penalties=no_penalties,
             prompt_token_ids=None if no_penalties else prompt_t,
-            frequency_penalties=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32),
-            presence_penalties=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32),
-            repetition_penalties=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
+            frequency_penalties=per_row("frequency_penalty"), presence_penalties=per_row("presence_penalty"),
+            repetition_penalties=per_row("repetition_penalty"),
             output_token_ids=[] if no_penalties else outputs,
-            allowed_token_ids_mask=None,
-            bad_words_token_ids={},
-            logitsprocs=LogitsProcessors([min_p]),
+            allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors([min_p]),
         )
         out = self._sampler(logits.to(torch.float32).clone(), meta)
         lp = out.logprobs_tensors.logprobs

@@ -89,11 +89,7 @@ def cast_column(arr: pa.Array, col: Column, source: str, first_row: int, notes: 
     if arr.type.equals(col.type):
         return arr
     target = col.type
-    ok_source = (
-        (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)) if pa.types.is_list(target) else not (
-            pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)
-        )
-    )
+    ok_source = _is_list(arr.type) == pa.types.is_list(target)
     if ok_source and pa.types.is_null(arr.type):
         return pa.nulls(len(arr), target)
     try:
@@ -101,10 +97,9 @@ def cast_column(arr: pa.Array, col: Column, source: str, first_row: int, notes: 
             raise pa.ArrowInvalid("list vs scalar")
         out = arr.cast(target, safe=True)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-        raise RecordsError(
-            f"{where_in(source, column=col.name)}: type {arr.type} cannot be read as {target} ({exc}): allowed {target} "
-            f"({col.doc}), rows {first_row}..{first_row + len(arr) - 1}"
-        ) from None
+        rows = f"rows {first_row}..{first_row + len(arr) - 1}"
+        raise RecordsError(f"{where_in(source, column=col.name)}: type {arr.type} cannot be read as {target} "
+                           f"({exc}): allowed {target} ({col.doc}), {rows}") from None
     if notes is not None:
         note = _narrowing(arr, out, col.name)
         if note is not None:
@@ -112,18 +107,22 @@ def cast_column(arr: pa.Array, col: Column, source: str, first_row: int, notes: 
     return out
 
 
-def _element_type(t: pa.DataType) -> pa.DataType:
-    return t.value_type if pa.types.is_list(t) or pa.types.is_large_list(t) else t
+def _is_list(t: pa.DataType) -> bool:
+    return bool(pa.types.is_list(t) or pa.types.is_large_list(t))
 
 
 def _narrowing(arr: pa.Array, out: pa.Array, name: str) -> CastNote | None:
     """What reading float64 values as float32 changed (rounding, tiny values to 0, huge ones to +-inf)."""
-    src, dst = _element_type(arr.type), _element_type(out.type)
+    nested = _is_list(arr.type)
+    src, dst = (arr.type.value_type, out.type.value_type) if nested else (arr.type, out.type)
     if not (pa.types.is_float64(src) and pa.types.is_float32(dst)):
         return None
-    nested = pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)
-    a = np.asarray((arr.flatten() if nested else arr).drop_null().to_numpy(zero_copy_only=False), dtype=np.float64)
-    b = np.asarray((out.flatten() if nested else out).drop_null().to_numpy(zero_copy_only=False), dtype=np.float64)
+
+    def values(x: pa.Array) -> np.ndarray:
+        flat = x.flatten() if nested else x
+        return np.asarray(flat.drop_null().to_numpy(zero_copy_only=False), dtype=np.float64)
+
+    a, b = values(arr), values(out)
     with np.errstate(invalid="ignore"):
         changed = ~((a == b) | (np.isnan(a) & np.isnan(b)))
         overflow = np.isfinite(a) & ~np.isfinite(b)
@@ -179,10 +178,9 @@ def read_ragged(arr: pa.Array, name: str, source: str, first_row: int) -> Ragged
     if values.null_count:
         nulls = ~valid_rows(values)
         r, t = token_position(offsets, first_true(nulls))
-        raise RecordsError(
-            f"{where_in(source, first_row + r, name, t)}: a null inside the list: allowed {BY_NAME[name].doc}, "
-            f"no null entries (a whole row may be null where the column is optional)"
-        )
+        raise RecordsError(f"{where_in(source, first_row + r, name, t)}: a null inside the list: allowed "
+                           f"{BY_NAME[name].doc}, no null entries (a whole row may be null where the column "
+                           "is optional)")
     return Ragged(offsets, _np(values), valid)
 
 

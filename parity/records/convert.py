@@ -1,7 +1,6 @@
 """Converters into the records format from what engines and trainers hand out: vLLM's offline outputs,
 TRL's ``GRPOTrainer`` tensors and parity's own records. Each returns a ``pyarrow.Table`` in the records
-schema and none imports vLLM (docs/records.md, section 4).
-"""
+schema and none imports vLLM (docs/records.md, section 4)."""
 
 from __future__ import annotations
 
@@ -28,20 +27,14 @@ if TYPE_CHECKING:
 _UNKNOWN_VOCAB = 2**31 - 1
 
 
-def _kept_columns(
-    kept: torch.Tensor,
-    logprobs: torch.Tensor,
-    incomplete: torch.Tensor | None = None,
-    logits: torch.Tensor | None = None,
-) -> dict[str, object]:
+def _kept_columns(kept: torch.Tensor, logprobs: torch.Tensor, incomplete: torch.Tensor | None = None,
+                  logits: torch.Tensor | None = None) -> dict[str, object]:
     """Padded kept ids ``[L, K]`` (-1 = none), their aligned log-probs (and the trainer's logits at them)
     as the records' kept-set columns: the ids back to back, L + 1 offsets, the values alike."""
     mask = kept >= 0
-    out: dict[str, object] = {
-        "kept_ids": kept[mask].tolist(),
-        "kept_offsets": [0] + torch.cumsum(mask.sum(dim=1), 0).tolist(),
-        "kept_logprobs": logprobs[mask].tolist(),
-    }
+    offsets = [0] + torch.cumsum(mask.sum(dim=1), 0).tolist()
+    out: dict[str, object] = {"kept_ids": kept[mask].tolist(), "kept_offsets": offsets,
+                              "kept_logprobs": logprobs[mask].tolist()}
     if incomplete is not None:
         out["kept_incomplete"] = incomplete.tolist()
     if logits is not None:
@@ -49,45 +42,27 @@ def _kept_columns(
     return out
 
 
-def spec_row(spec: SamplingSpec) -> dict[str, float]:
-    return spec.to_dict()
-
-
-def heads_row(
-    h: Heads, prompt: Sequence[int], spec: SamplingSpec, *, requested: int, vocab_size: int, **fields: object
-) -> dict[str, object]:
+def heads_row(h: Heads, prompt: Sequence[int], spec: SamplingSpec, *, requested: int, vocab_size: int,
+              **fields: object) -> dict[str, object]:
     """The record row of one sequence as the engine returned it (``fields``: scenario, prompt_index, seed);
     kept-set columns from its top-K heads, none for an unfiltered spec or ``requested=0``
     (docs/records.md, section 4)."""
-    row = {
-        **fields,
-        "prompt_ids": [int(t) for t in prompt],
-        "completion_ids": h.completion_ids,
-        **spec_row(spec),
-        "sampler_logprobs": h.sampled_logprobs,
-    }
+    row = {**fields, "prompt_ids": [int(t) for t in prompt], "completion_ids": h.completion_ids,
+           **spec.to_dict(), "sampler_logprobs": h.sampled_logprobs}
     if requested != 0 and spec.effective().filtered:
-        ids = h.completion_ids
-        cap = support_from_heads(ids, h.head_ids, h.head_logprobs, requested=requested, vocab_size=vocab_size,
-                                 rows=h.rows)
+        cap = support_from_heads(h.completion_ids, h.head_ids, h.head_logprobs, requested=requested,
+                                 vocab_size=vocab_size, rows=h.rows)
         row.update(_kept_columns(cap.kept_ids, cap.kept_logprobs, cap.incomplete))
     return row
 
 
-# ==================================================================================================
-# vLLM offline API
-# ==================================================================================================
+# -- vLLM offline API --------------------------------------------------------------------------------
 
 
-def from_request_outputs(
-    outputs: Sequence[Any],  # vLLM's RequestOutputs (records import no engine, not even for types)
-    params: Any,  # one SamplingParams or one per output
-    *,
-    vocab_size: int | None = None,
-    scenario: str | None = None,
-) -> pa.Table:
-    """Records from ``LLM.generate`` outputs (one row per completion; ``n > 1`` gives several rows).
-
+def from_request_outputs(outputs: Sequence[Any], params: Any, *, vocab_size: int | None = None,
+                         scenario: str | None = None) -> pa.Table:
+    """Records from ``LLM.generate`` outputs (vLLM's ``RequestOutput``s, typed ``Any``: records import no
+    engine, not even for types), one row per completion (``n > 1`` gives several rows).
     ``params``: the ``SamplingParams`` used, one or one per output (those ``generate_with_capture`` returns);
     ``vocab_size`` tells when K covers the vocabulary. Engine setup: README, "Records from your own vLLM engine"."""
     outs = list(outputs)
@@ -108,9 +83,7 @@ def from_request_outputs(
     return records_table(rows)
 
 
-# ==================================================================================================
-# TRL
-# ==================================================================================================
+# -- TRL ---------------------------------------------------------------------------------------------
 
 TRL_TRAINER_COLUMNS = ("trainer_logprobs", "trainer_full_logprobs", "trainer_replay_logprobs")
 
@@ -121,18 +94,15 @@ def _prefix_length(mask_row: torch.Tensor, where: str) -> int:
     n = int(m.sum())
     if bool(m[n:].any()) or not bool(m[:n].all()):
         first_gap = int((~m).nonzero()[0]) if bool((~m).any()) else n
-        raise RecordsError(
-            f"{where}: the mask has a hole at position {first_gap} (1s after a 0): allowed a right-padded mask "
-            f"(1 for the completion's tokens, then 0s)"
-        )
+        raise RecordsError(f"{where}: the mask has a hole at position {first_gap} (1s after a 0): allowed a "
+                           "right-padded mask (1 for the completion's tokens, then 0s)")
     return n
 
 
-def _check_trl_shapes(
-    b: int, width: int, completion_mask: torch.Tensor, old_per_token_logps: torch.Tensor,
-    sampling_per_token_logps: torch.Tensor, kept_ids: torch.Tensor | None, kept_logprobs: torch.Tensor | None,
-    kept_logits: torch.Tensor | None, kept_incomplete: torch.Tensor | None,
-) -> None:
+def _check_trl_shapes(b: int, width: int, completion_mask: torch.Tensor, old_per_token_logps: torch.Tensor,
+                      sampling_per_token_logps: torch.Tensor, kept_ids: torch.Tensor | None,
+                      kept_logprobs: torch.Tensor | None, kept_logits: torch.Tensor | None,
+                      kept_incomplete: torch.Tensor | None) -> None:
     """from_trl's tensors: every [B, L] one of completion_ids' shape, the kept-set ones [B, L, K] and together."""
     for name, t in (("completion_mask", completion_mask), ("old_per_token_logps", old_per_token_logps),
                     ("sampling_per_token_logps", sampling_per_token_logps)):
@@ -182,24 +152,16 @@ def from_trl(
         for name, v in (("sampling_per_token_logps", sampler), ("old_per_token_logps", trainer)):
             if bool(torch.isnan(v).any()):
                 pos = int(torch.isnan(v).nonzero()[0])
-                raise RecordsError(
-                    f"from_trl: {name} is NaN at sequence {i} position {pos} (inside the completion mask): allowed "
-                    f"finite log-probs (TRL writes NaN where vLLM returned no log-prob)"
-                )
+                raise RecordsError(f"from_trl: {name} is NaN at sequence {i} position {pos} (inside the "
+                                   "completion mask): allowed finite log-probs (TRL writes NaN where vLLM "
+                                   "returned no log-prob)")
+        prompt: list[int] = []
         if prompt_ids is not None:
-            keep = prompt_mask[i].bool() if prompt_mask is not None else torch.ones(prompt_ids.shape[1], dtype=torch.bool)
-            prompt = prompt_ids[i][keep].tolist()
-        else:
-            prompt = []
+            prompt = (prompt_ids[i] if prompt_mask is None else prompt_ids[i][prompt_mask[i].bool()]).tolist()
         row: dict[str, object] = {
-            "scenario": scenario,
-            "prompt_index": i,
-            "step": step,
-            "prompt_ids": prompt,
-            "completion_ids": completion_ids[i, :n].tolist(),
-            **spec_row(spec),
-            "sampler_logprobs": sampler.float().tolist(),
-            trainer_column: trainer.float().tolist(),
+            "scenario": scenario, "prompt_index": i, "step": step, "prompt_ids": prompt,
+            "completion_ids": completion_ids[i, :n].tolist(), **spec.to_dict(),
+            "sampler_logprobs": sampler.float().tolist(), trainer_column: trainer.float().tolist(),
         }
         if kept_ids is not None:
             assert kept_logprobs is not None
@@ -210,17 +172,11 @@ def from_trl(
     return records_table(rows)
 
 
-# ==================================================================================================
-# parity's own records and run tables
-# ==================================================================================================
+# -- parity's own records and run tables -------------------------------------------------------------
 
 
-def from_sequence_records(
-    records: Sequence[SequenceRecord],
-    *,
-    scenario: str | None = None,
-    table: TokenTable | None = None,
-) -> pa.Table:
+def from_sequence_records(records: Sequence[SequenceRecord], *, scenario: str | None = None,
+                          table: TokenTable | None = None) -> pa.Table:
     """Records of sampler-side :class:`SequenceRecord` s, with the trainer's estimates when ``table`` (the run's
     :class:`parity.core.token_table.TokenTable` of these records) is given: its columns, and from ``table.kept_seen``
     the kept sets and the logits at the kept ids as the (possibly planted) trainer saw them (docs/records.md,
@@ -233,18 +189,13 @@ def from_sequence_records(
         if list(table.seq_lengths) != lengths:
             raise UsageError(f"table sequence lengths {list(table.seq_lengths)[:8]}... do not match the records' {lengths[:8]}...")
         cols = {
-            "trainer_full_logprobs": table.full,
-            "trainer_replay_logprobs": table.replay,
-            "trainer_recompute_logprobs": table.recompute,
-            "trainer_log_s": table.log_s,
-            "trainer_penalty_term": table.penalty,
-            "trainer_recompute_forced": table.forced,
+            "trainer_full_logprobs": table.full, "trainer_replay_logprobs": table.replay,
+            "trainer_recompute_logprobs": table.recompute, "trainer_log_s": table.log_s,
+            "trainer_penalty_term": table.penalty, "trainer_recompute_forced": table.forced,
             "trainer_recompute_support_equal": table.recompute_support_equal,
             "trainer_recompute_support_size": table.recompute_support_size,
-            "trainer_recompute_boundary": table.recompute_boundary,
-            "trainer_bound": table.bound,
-            "trainer_bound_full": table.bound_full,
-            "trainer_systematic": table.systematic,
+            "trainer_recompute_boundary": table.recompute_boundary, "trainer_bound": table.bound,
+            "trainer_bound_full": table.bound_full, "trainer_systematic": table.systematic,
         }
         if table.user is not None:
             cols["trainer_logprobs"] = table.user
@@ -253,12 +204,8 @@ def from_sequence_records(
         s_lo, s_hi = torch.split(table.s_lo, lengths), torch.split(table.s_hi, lengths)
     for i, r in enumerate(records):
         row: dict[str, object] = {
-            "scenario": scenario,
-            "prompt_index": r.prompt_index,
-            "seed": r.seed,
-            "prompt_ids": list(r.prompt_ids),
-            "completion_ids": list(r.completion_ids),
-            **spec_row(r.spec),
+            "scenario": scenario, "prompt_index": r.prompt_index, "seed": r.seed,
+            "prompt_ids": list(r.prompt_ids), "completion_ids": list(r.completion_ids), **r.spec.to_dict(),
             "sampler_logprobs": r.logprobs.float().tolist(),
         }
         kept, logits_at = seen[i] if seen is not None else (r.kept_ids, None)
@@ -312,18 +259,11 @@ def to_sequence_records(batch: Any, rows: Sequence[int] | None = None, *, source
                 kept_lp[pos, col] = torch.from_numpy(batch.kept_logprobs[kto[0] : kto[-1]].astype(np.float32))
             incomplete = torch.from_numpy(batch.kept_incomplete[a:b].copy())
         pidx = int(batch.prompt_index[i]) if batch.prompt_index is not None and batch.prompt_index[i] >= 0 else batch.first_row + i
-        out.append(
-            SequenceRecord(
-                source=source,
-                prompt_index=pidx,
-                prompt_ids=batch.prompt.row(i).astype(np.int64).tolist(),
-                completion_ids=batch.completion.row(i).astype(np.int64).tolist(),
-                spec=batch.spec_of(i),
-                seed=int(batch.seed[i]) if batch.seed is not None else -1,
-                logprobs=torch.from_numpy(batch.sampler_logprobs[a:b].copy()),
-                kept_ids=kept,
-                kept_logprobs=kept_lp,
-                incomplete=incomplete,
-            )
-        )
+        out.append(SequenceRecord(
+            source=source, prompt_index=pidx, prompt_ids=batch.prompt.row(i).astype(np.int64).tolist(),
+            completion_ids=batch.completion.row(i).astype(np.int64).tolist(), spec=batch.spec_of(i),
+            seed=int(batch.seed[i]) if batch.seed is not None else -1,
+            logprobs=torch.from_numpy(batch.sampler_logprobs[a:b].copy()),
+            kept_ids=kept, kept_logprobs=kept_lp, incomplete=incomplete,
+        ))
     return out

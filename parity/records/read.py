@@ -1,7 +1,6 @@
 """Reading records: files, shard directories and their key-value metadata; rows stream as validated batches.
 
-Bad input is refused with the file, row, column, value and what is allowed (docs/records.md, section 3).
-"""
+Bad input is refused with the file, row, column, value and what is allowed (docs/records.md, section 3)."""
 
 from __future__ import annotations
 
@@ -18,13 +17,7 @@ import pyarrow.parquet as pq
 
 from parity.errors import PathNotFound, UsageError
 from parity.records.arrays import RecordsBatch
-from parity.records.schema import (
-    METADATA_KEY,
-    REQUIRED,
-    SUPPORTED_VERSIONS,
-    RecordsError,
-    require_columns,
-)
+from parity.records.schema import METADATA_KEY, REQUIRED, SUPPORTED_VERSIONS, RecordsError, require_columns
 from parity.records.validate import validate_batch
 
 # Reading: rows per validated batch (the analysis holds one batch at a time, so memory grows with it),
@@ -38,9 +31,8 @@ T = TypeVar("T")
 @dataclass
 class RecordsFile:
     """An open records file: checked footer, schema and version; rows are streamed by :meth:`batches`.
-
-    ``page_checksums``: whether its pages carry CRC checksums (:func:`page_checksums`; docs/records.md, section 3).
-    """
+    ``page_checksums``: whether its pages carry CRC checksums (:func:`page_checksums`; docs/records.md,
+    section 3)."""
 
     path: Path
     parquet: pq.ParquetFile
@@ -84,10 +76,8 @@ class RecordsFile:
                     yield start, rb
                     start += rb.num_rows
             except (OSError, pa.ArrowException) as exc:
-                raise RecordsError(
-                    f"{self.path}: rows {first}..{first + rows - 1} (row group {g}) cannot be read, the file is "
-                    f"truncated or corrupt: {exc}"
-                ) from None
+                raise RecordsError(f"{self.path}: rows {first}..{first + rows - 1} (row group {g}) cannot be "
+                                   f"read, the file is truncated or corrupt: {exc}") from None
             first += rows
 
 
@@ -135,10 +125,9 @@ def read_ahead(items: Iterator[T], depth: int = 1, poll_s: float = 0.5) -> Itera
 def check_batch_rows(value: int, name: str = "batch_rows") -> int:
     """``value`` if it is a row count a batch may hold (1..:data:`MAX_BATCH_ROWS`); else a UsageError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BATCH_ROWS:
-        raise UsageError(
-            f"{name} {value!r} is out of range: allowed an integer from 1 to {MAX_BATCH_ROWS:,} (rows per streamed "
-            f"batch; the analysis holds one batch at a time, so its memory grows with this number)"
-        )
+        raise UsageError(f"{name} {value!r} is out of range: allowed an integer from 1 to {MAX_BATCH_ROWS:,} "
+                         "(rows per streamed batch; the analysis holds one batch at a time, so its memory "
+                         "grows with this number)")
     return value
 
 
@@ -205,24 +194,19 @@ def file_metadata(raw: bytes, source: str) -> dict[str, Any]:
     if version not in SUPPORTED_VERSIONS:
         said = (f"file metadata {key!r} has no schema_version" if "schema_version" not in blob
                 else f"schema_version {version!r} (file metadata) is not supported")
-        raise RecordsError(
-            f"{source}: {said}: this parity reads schema_version {', '.join(map(str, SUPPORTED_VERSIONS))} (a newer "
-            f"parity may read it), {layouts}"
-        )
-    nested = blob.get("metadata", {})
-    if nested is None:
-        nested = {}
+        versions = ", ".join(map(str, SUPPORTED_VERSIONS))
+        raise RecordsError(f"{source}: {said}: this parity reads schema_version {versions} (a newer "
+                           f"parity may read it), {layouts}")
+    nested = {} if blob.get("metadata") is None else blob["metadata"]
     if not isinstance(nested, dict):
-        raise RecordsError(
-            f"{source}: key-value metadata {key!r} field 'metadata' is a JSON {type(nested).__name__}: allowed an object of facts"
-        )
+        raise RecordsError(f"{source}: key-value metadata {key!r} field 'metadata' is a JSON "
+                           f"{type(nested).__name__}: allowed an object of facts")
     flat = {k: v for k, v in blob.items() if k not in ("schema_version", "metadata")}
     clash = sorted(k for k in flat if k in nested and nested[k] != flat[k])
     if clash:
-        raise RecordsError(
-            f"{source}: key-value metadata {key!r} gives {', '.join(clash)} twice with different values (next to "
-            f"schema_version and under 'metadata'): allowed one value per fact"
-        )
+        raise RecordsError(f"{source}: key-value metadata {key!r} gives {', '.join(clash)} twice with "
+                           "different values (next to schema_version and under 'metadata'): allowed one "
+                           "value per fact")
     return {**flat, **nested}
 
 

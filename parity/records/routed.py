@@ -11,9 +11,8 @@ from parity.records.arrays import Ragged, first_true, read_ragged, scalar_values
 from parity.records.schema import ROUTED_GROUP, RecordsError, where_in
 
 
-def validate_routed(
-    arrays: dict[str, pa.Array], prompt: Ragged, lengths: np.ndarray, source: str, first_row: int
-) -> tuple[Ragged, np.ndarray] | None:
+def validate_routed(arrays: dict[str, pa.Array], prompt: Ragged, lengths: np.ndarray, source: str,
+                    first_row: int) -> tuple[Ragged, np.ndarray] | None:
     """The routed experts and their ``[n, 3]`` shape (layers, top_k, experts) per row; None when absent."""
     present = [c for c in ROUTED_GROUP if c in arrays]
     if not present:

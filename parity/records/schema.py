@@ -1,7 +1,6 @@
 """The records file format's schema (schema_version 1): the column table, the file metadata key and the Arrow types.
 
-README's "The records format" lists every column; docs/records.md, section 2, describes the layout.
-"""
+README's "The records format" lists every column; docs/records.md, section 2, describes the layout."""
 
 from __future__ import annotations
 
@@ -100,26 +99,19 @@ SAMPLER_LOG_S_SOURCES = ("raw_logits", "top_p_bracket", "unfiltered")
 def records_schema(metadata: Mapping[str, Any] | None = None) -> pa.Schema:
     """The pyarrow schema of a records file (every column; optional ones nullable)."""
     fields = [pa.field(c.name, c.type, nullable=not c.required) for c in COLUMNS]
-    return pa.schema(fields, metadata={METADATA_KEY: _meta_blob(metadata)})
-
-
-def _meta_blob(metadata: Mapping[str, Any] | None) -> bytes:
-    return json.dumps({"schema_version": SCHEMA_VERSION, "metadata": dict(metadata or {})}, sort_keys=True).encode()
-
-
-def closest_column(name: str, present: Iterable[str]) -> str | None:
-    """The column of ``present`` nearest ``name`` (a misspelling: ``trainer_logps`` for ``trainer_logprobs``), or
-    None when none is near (difflib's ratio below 0.6)."""
-    import difflib
-
-    near = difflib.get_close_matches(name, [c for c in present if c != name], n=1, cutoff=0.6)
-    return near[0] if near else None
+    blob = json.dumps({"schema_version": SCHEMA_VERSION, "metadata": dict(metadata or {})}, sort_keys=True)
+    return pa.schema(fields, metadata={METADATA_KEY: blob.encode()})
 
 
 def nearest_note(name: str, present: Iterable[str]) -> str:
-    """`` (the records have X: misspelt?)`` where a present column is near ``name``, else ``""``."""
-    near = closest_column(name, present)
-    return "" if near is None else f" (the records have a column {near!r}, the closest present: a misspelling of {name}?)"
+    """`` (the records have X: misspelt?)`` where a column of ``present`` is near ``name`` (a misspelling:
+    ``trainer_logps`` for ``trainer_logprobs``; difflib's ratio at least 0.6), else ``""``."""
+    import difflib
+
+    near = difflib.get_close_matches(name, [c for c in present if c != name], n=1, cutoff=0.6)
+    if not near:
+        return ""
+    return f" (the records have a column {near[0]!r}, the closest present: a misspelling of {name}?)"
 
 
 def require_columns(names: Iterable[str], source: str) -> None:
@@ -132,8 +124,7 @@ def require_columns(names: Iterable[str], source: str) -> None:
         raise RecordsError(
             f"{source}: missing required column(s) {', '.join(missing)}"
             + "".join(nearest_note(c, unknown) for c in missing)
-            + f": a records file (schema_version {SCHEMA_VERSION}) needs {', '.join(REQUIRED)}"
-        )
+            + f": a records file (schema_version {SCHEMA_VERSION}) needs {', '.join(REQUIRED)}")
 
 
 class RecordsError(UsageError):
@@ -141,11 +132,5 @@ class RecordsError(UsageError):
 
 
 def where_in(source: str, row: int | None = None, column: str | None = None, position: int | None = None) -> str:
-    out = source
-    if row is not None:
-        out += f" row {row}"
-    if column is not None:
-        out += f" column {column}"
-    if position is not None:
-        out += f" position {position}"
-    return out
+    parts = ((" row", row), (" column", column), (" position", position))
+    return source + "".join(f"{label} {value}" for label, value in parts if value is not None)

@@ -1,6 +1,5 @@
 """Validating one batch of records rows (:func:`validate_batch`): bad input is refused with the file, row,
-column, value and what is allowed; a good batch comes back as flat arrays (:class:`RecordsBatch`).
-"""
+column, value and what is allowed; a good batch comes back as flat arrays (:class:`RecordsBatch`)."""
 
 from __future__ import annotations
 
@@ -44,13 +43,8 @@ LOGPROB_COLUMNS = ("trainer_logprobs", "trainer_full_logprobs", "trainer_replay_
 LOGPROB_ROUNDING = normalisation_allowance(WIDEST_VOCAB, UNIT_ROUNDOFF["float32"])
 
 
-def validate_batch(
-    batch: pa.RecordBatch | pa.Table,
-    *,
-    source: str = "batch",
-    first_row: int = 0,
-    signs: bool = True,
-) -> RecordsBatch:
+def validate_batch(batch: pa.RecordBatch | pa.Table, *, source: str = "batch", first_row: int = 0,
+                   signs: bool = True) -> RecordsBatch:
     """Check one batch of records rows and return it as flat arrays; raise :class:`RecordsError` on bad input.
     ``source`` and ``first_row`` (the file, the row number of the batch's first row) let an error name the
     row to fix. ``signs``: refuse trainer log-probs above 0 (:data:`LOGPROB_COLUMNS`); off where parity judges
@@ -58,27 +52,24 @@ def validate_batch(
     arrays, names, casts = _read_columns(batch, source, first_row)
     b = _Batch(arrays, source, first_row)
     _check_required(b)
-    prompt, completion = _token_ids(b)
+    prompt, completion = b.ragged("prompt_ids"), b.ragged("completion_ids")
+    b.nonnegative_ids(prompt, "prompt_ids")
+    b.nonnegative_ids(completion, "completion_ids")
     b.lengths = completion.lengths
     sampler = b.token_column("sampler_logprobs")
     b.at_most_zero(sampler, "sampler_logprobs")
-    specs, spec_index = _specs(b, batch.num_rows)
     n = batch.num_rows
+    specs, spec_index = _specs(b, n)
+
+    def ints(name: str) -> np.ndarray | None:  # an optional integer column, -1 where null
+        return scalar_values(arrays[name], -1).astype(np.int64) if name in arrays else None
+
     out = RecordsBatch(
-        source=source,
-        first_row=first_row,
-        n_rows=n,
-        columns=tuple(sorted(names & set(BY_NAME))),
-        ignored_columns=tuple(sorted(names - set(BY_NAME))),
-        prompt=prompt,
-        completion=completion,
-        sampler_logprobs=sampler.values.astype(np.float32, copy=False),
-        specs=specs,
-        spec_index=spec_index,
+        source=source, first_row=first_row, n_rows=n, columns=tuple(sorted(names & set(BY_NAME))),
+        ignored_columns=tuple(sorted(names - set(BY_NAME))), prompt=prompt, completion=completion,
+        sampler_logprobs=sampler.values.astype(np.float32, copy=False), specs=specs, spec_index=spec_index,
         scenario=arrays["scenario"].to_pylist() if "scenario" in arrays else [None] * n,
-        prompt_index=scalar_values(arrays["prompt_index"], -1).astype(np.int64) if "prompt_index" in arrays else None,
-        seed=scalar_values(arrays["seed"], -1).astype(np.int64) if "seed" in arrays else None,
-        step=scalar_values(arrays["step"], -1).astype(np.int64) if "step" in arrays else None,
+        prompt_index=ints("prompt_index"), seed=ints("seed"), step=ints("step"),
         casts={k: v for k, v in casts.items() if k in arrays},
     )
     if "kept_ids" in arrays:
@@ -105,22 +96,26 @@ class _Batch:
     def row(self, i: int) -> int:
         return self.first_row + int(i)
 
+    def at(self, i: int, column: str | None = None, position: int | None = None) -> str:
+        """Where row ``i`` of the batch (and a column, a position in it) is, for an error message."""
+        return where_in(self.source, self.row(i), column, position)
+
     def ragged(self, name: str) -> Ragged:
         return read_ragged(self.arrays[name], name, self.source, self.first_row)
 
     def token_column(self, name: str, *, allow_inf: bool = True) -> Ragged:
         """A list column with one value per completion token (float values checked: no NaN, no +inf)."""
-        rag = self.ragged(name)
-        rag_len = rag.lengths
-        wrong = rag.valid & (rag_len != self.lengths)
-        if wrong.any():
-            i = first_true(wrong)
-            raise RecordsError(
-                f"{where_in(self.source, self.row(i), name)}: {int(rag_len[i])} values for {int(self.lengths[i])} completion_ids: "
-                f"allowed one value per completion token"
-            )
+        rag = self.one_per_token(self.ragged(name), name)
         if rag.values.dtype.kind == "f":
             self.check_floats(rag, name, allow_inf)
+        return rag
+
+    def one_per_token(self, rag: Ragged, name: str) -> Ragged:
+        wrong = rag.valid & (rag.lengths != self.lengths)
+        if wrong.any():
+            i = first_true(wrong)
+            raise RecordsError(f"{self.at(i, name)}: {int(rag.lengths[i])} values for {int(self.lengths[i])} "
+                               "completion_ids: allowed one value per completion token")
         return rag
 
     def check_floats(self, rag: Ragged, name: str, allow_inf: bool) -> None:
@@ -130,20 +125,14 @@ class _Batch:
         top = vals.max()  # NaN if any value is NaN: one pass where the values are good
         if not np.isnan(top) and top != np.inf and (allow_inf or vals.min() != -np.inf):
             return
-        nan = np.isnan(vals)
-        if nan.any():
-            r, t = token_position(rag.offsets, first_true(nan))
-            raise RecordsError(
-                f"{where_in(self.source, self.row(r), name, t)}: value is NaN: allowed a finite number"
-                + (" or -inf" if allow_inf else "")
-            )
-        bad_inf = np.isposinf(vals) if allow_inf else ~np.isfinite(vals)
-        if bad_inf.any():
-            r, t = token_position(rag.offsets, first_true(bad_inf))
-            raise RecordsError(
-                f"{where_in(self.source, self.row(r), name, t)}: value is {float(vals[first_true(bad_inf)])}: allowed a finite number"
-                + (" or -inf" if allow_inf else "")
-            )
+        bad = np.isnan(vals)
+        if not bad.any():  # then an infinity got past the fast check above
+            bad = np.isposinf(vals) if allow_inf else ~np.isfinite(vals)
+        i = first_true(bad)
+        r, t = token_position(rag.offsets, i)
+        value = "NaN" if np.isnan(vals[i]) else float(vals[i])
+        raise RecordsError(f"{self.at(r, name, t)}: value is {value}: allowed a finite number"
+                           + (" or -inf" if allow_inf else ""))
 
     def at_most_zero(self, rag: Ragged, name: str) -> None:
         """A log-probability (or log S) column: no value above 0 beyond :data:`LOGPROB_ROUNDING`."""
@@ -154,22 +143,19 @@ class _Batch:
         r, t = token_position(rag.offsets, i)
         what = "a log S (the log of a probability mass)" if name == "trainer_log_s" else "a log-probability"
         raise RecordsError(
-            f"{where_in(self.source, self.row(r), name, t)}: value {float(vals[i]):+.6g} is above 0: {what} is <= 0; "
+            f"{self.at(r, name, t)}: value {float(vals[i]):+.6g} is above 0: {what} is <= 0; "
             f"allowed values up to {LOGPROB_ROUNDING:.3g} above 0 (how far a float32 normalisation over "
-            f"{WIDEST_VOCAB:,} tokens may move it up; parity.core.error_model.normalisation_allowance)"
-        )
+            f"{WIDEST_VOCAB:,} tokens may move it up; parity.core.error_model.normalisation_allowance)")
 
     def nonnegative_ids(self, rag: Ragged, name: str) -> None:
         if rag.values.size and int(rag.values.min()) < 0:
             r, t = token_position(rag.offsets, first_true(rag.values < 0))
-            raise RecordsError(
-                f"{where_in(self.source, self.row(r), name, t)}: token id {int(rag.row(r)[t])} is negative: allowed ids >= 0"
-            )
+            raise RecordsError(f"{self.at(r, name, t)}: token id {int(rag.row(r)[t])} is negative: "
+                               "allowed ids >= 0")
 
 
-def _read_columns(
-    batch: pa.RecordBatch | pa.Table, source: str, first_row: int
-) -> tuple[dict[str, pa.Array], set[str], dict[str, CastNote]]:
+def _read_columns(batch: pa.RecordBatch | pa.Table, source: str,
+                  first_row: int) -> tuple[dict[str, pa.Array], set[str], dict[str, CastNote]]:
     """The known columns cast to their types (optional ones with no value dropped), every column name
     present, and what casting float64 to float32 changed; refuses a missing required column or a partial kept set."""
     names = set(batch.schema.names)
@@ -183,10 +169,8 @@ def _read_columns(
     partial = [c for c in KEPT_GROUP if c in names]
     if partial and len(partial) != len(KEPT_GROUP):
         absent = [c for c in KEPT_GROUP if c not in names]
-        raise RecordsError(
-            f"{source}: column(s) {', '.join(partial)} present without (or with no value in) {', '.join(absent)}: a kept set needs "
-            f"{', '.join(KEPT_GROUP)} together"
-        )
+        raise RecordsError(f"{source}: column(s) {', '.join(partial)} present without (or with no value in) "
+                           f"{', '.join(absent)}: a kept set needs {', '.join(KEPT_GROUP)} together")
     return arrays, names, casts
 
 
@@ -195,24 +179,15 @@ def _check_required(b: _Batch) -> None:
     for name in REQUIRED:
         nulls = ~valid_rows(b.arrays[name])
         if nulls.any():
-            raise RecordsError(f"{where_in(b.source, b.row(first_true(nulls)), name)}: value is null: allowed {BY_NAME[name].doc}")
+            raise RecordsError(f"{b.at(first_true(nulls), name)}: value is null: allowed {BY_NAME[name].doc}")
     version = scalar_values(b.arrays["schema_version"], 0)
     bad = ~np.isin(version, SUPPORTED_VERSIONS)
     if bad.any():
         i = first_true(bad)
         raise RecordsError(
-            f"{where_in(b.source, b.row(i), 'schema_version')}: schema_version {int(version[i])} is not supported: this "
+            f"{b.at(i, 'schema_version')}: schema_version {int(version[i])} is not supported: this "
             f"parity reads schema_version {', '.join(map(str, SUPPORTED_VERSIONS))} (a newer parity may read it)"
         )
-
-
-def _token_ids(b: _Batch) -> tuple[Ragged, Ragged]:
-    """prompt_ids and completion_ids, every id >= 0."""
-    prompt = b.ragged("prompt_ids")
-    completion = b.ragged("completion_ids")
-    for name, rag in (("prompt_ids", prompt), ("completion_ids", completion)):
-        b.nonnegative_ids(rag, name)
-    return prompt, completion
 
 
 def _specs(b: _Batch, n: int) -> tuple[list[SamplingSpec], np.ndarray]:
@@ -230,7 +205,7 @@ def _specs(b: _Batch, n: int) -> tuple[list[SamplingSpec], np.ndarray]:
                                       repetition_penalty=float(r), presence_penalty=float(pres), frequency_penalty=float(freq)))
         except ValueError as exc:
             i = first_true(np.asarray(spec_index).reshape(-1) == j)
-            raise RecordsError(f"{where_in(b.source, b.row(i))}: {exc}") from None
+            raise RecordsError(f"{b.at(i)}: {exc}") from None
     return specs, np.asarray(spec_index, dtype=np.int64).reshape(-1)
 
 
@@ -238,10 +213,8 @@ def _one_per_kept_id(b: _Batch, kept: Ragged, rag: Ragged, name: str, what: str)
     wrong = rag.valid & (rag.lengths != kept.lengths)
     if wrong.any():
         i = first_true(wrong)
-        raise RecordsError(
-            f"{where_in(b.source, b.row(i), name)}: {int(rag.lengths[i])} values for {int(kept.lengths[i])} "
-            f"kept_ids: allowed one {what} per kept id"
-        )
+        raise RecordsError(f"{b.at(i, name)}: {int(rag.lengths[i])} values for {int(kept.lengths[i])} "
+                           f"kept_ids: allowed one {what} per kept id")
 
 
 def _kept_set(b: _Batch, out: RecordsBatch) -> None:
@@ -252,19 +225,19 @@ def _kept_set(b: _Batch, out: RecordsBatch) -> None:
         if mismatch.any():
             i = first_true(mismatch)
             have, lack = ("kept_ids", name) if kept.valid[i] else (name, "kept_ids")
-            raise RecordsError(f"{where_in(b.source, b.row(i))}: {have} is set but {lack} is null: allowed both or neither")
+            raise RecordsError(f"{b.at(i)}: {have} is set but {lack} is null: allowed both or neither")
     _one_per_kept_id(b, kept, klp, "kept_logprobs", "log-prob")  # klp.valid == kept.valid, checked above
     lengths = b.lengths
     wrong = kept.valid & (offs.lengths != lengths + 1)
     if wrong.any():
         i = first_true(wrong)
-        raise RecordsError(
-            f"{where_in(b.source, b.row(i), 'kept_offsets')}: {int(offs.lengths[i])} offsets for {int(lengths[i])} "
-            f"completion_ids: allowed L + 1 = {int(lengths[i]) + 1} (position t's ids are kept_ids[o[t]:o[t+1]])"
-        )
+        raise RecordsError(f"{b.at(i, 'kept_offsets')}: {int(offs.lengths[i])} offsets for {int(lengths[i])} "
+                           f"completion_ids: allowed L + 1 = {int(lengths[i]) + 1} (position t's ids are "
+                           "kept_ids[o[t]:o[t+1]])")
     if kept.values.size and int(kept.values.min()) < 0:
         r, t = token_position(kept.offsets, first_true(kept.values < 0))
-        raise RecordsError(f"{where_in(b.source, b.row(r), 'kept_ids')} entry {t}: id {int(kept.row(r)[t])} is negative: allowed ids >= 0")
+        raise RecordsError(f"{b.at(r, 'kept_ids')} entry {t}: id {int(kept.row(r)[t])} is negative: "
+                           "allowed ids >= 0")
     b.check_floats(klp, "kept_logprobs", True)
     b.at_most_zero(klp, "kept_logprobs")
     ov, ends = _check_kept_offsets(b, kept, offs)
@@ -294,22 +267,22 @@ def _check_kept_offsets(b: _Batch, kept: Ragged, offs: Ragged) -> tuple[np.ndarr
         bad0 = ov[starts] != 0
         if bad0.any():
             i = int(rows_valid[first_true(bad0)])
-            raise RecordsError(f"{where_in(b.source, b.row(i), 'kept_offsets')}: first offset {int(ov[starts[first_true(bad0)]])}: allowed 0")
+            first = int(ov[starts[first_true(bad0)]])
+            raise RecordsError(f"{b.at(i, 'kept_offsets')}: first offset {first}: allowed 0")
         badn = ov[ends] != kept.lengths[kept.valid]
         if badn.any():
             j = first_true(badn)
             i = int(rows_valid[j])
-            raise RecordsError(
-                f"{where_in(b.source, b.row(i), 'kept_offsets')}: last offset {int(ov[ends[j]])} for {int(kept.lengths[i])} "
-                f"kept_ids: allowed the number of kept ids"
-            )
+            raise RecordsError(f"{b.at(i, 'kept_offsets')}: last offset {int(ov[ends[j]])} for "
+                               f"{int(kept.lengths[i])} kept_ids: allowed the number of kept ids")
         steps = np.diff(ov)
         inner = np.ones(steps.size, dtype=bool)
         inner[ends[:-1]] = False  # the step from one row's last offset to the next row's first is not a step
         dec = inner & (steps < 0)
         if dec.any():
             r, t = token_position(offs.offsets, first_true(dec))
-            raise RecordsError(f"{where_in(b.source, b.row(r), 'kept_offsets', t)}: offsets decrease: allowed non-decreasing offsets")
+            raise RecordsError(f"{b.at(r, 'kept_offsets', t)}: offsets decrease: "
+                               "allowed non-decreasing offsets")
     return ov, ends
 
 
@@ -320,16 +293,16 @@ def _kept_extras(b: _Batch, out: RecordsBatch, kept: Ragged) -> None:
         rag = b.token_column("kept_incomplete")
         stray = rag.valid & ~kept.valid
         if stray.any():
-            raise RecordsError(
-                f"{where_in(b.source, b.row(first_true(stray)), 'kept_incomplete')}: set on a row without kept_ids: allowed only with a kept set"
-            )
+            raise RecordsError(f"{b.at(first_true(stray), 'kept_incomplete')}: set on a row without "
+                               "kept_ids: allowed only with a kept set")
         inc[np.repeat(rag.valid, b.lengths)] = rag.values.astype(bool)
     out.kept_incomplete = inc
     if "trainer_kept_logits" in b.arrays:
         tkl = b.ragged("trainer_kept_logits")
         stray = tkl.valid & ~kept.valid
         if stray.any():
-            raise RecordsError(f"{where_in(b.source, b.row(first_true(stray)), 'trainer_kept_logits')}: set on a row without kept_ids")
+            raise RecordsError(f"{b.at(first_true(stray), 'trainer_kept_logits')}: set on a row "
+                               "without kept_ids")
         _one_per_kept_id(b, kept, tkl, "trainer_kept_logits", "logit")
         b.check_floats(tkl, "trainer_kept_logits", True)
         out.trainer_kept_logits = tkl
@@ -349,9 +322,8 @@ def _trainer_columns(b: _Batch, out: RecordsBatch, signs: bool) -> None:
         opt = out.trainer.get(name)
         if opt is not None and opt.values.size and bool((opt.values < 0).any()):
             r, t = token_position(opt.offsets, first_true(opt.values < 0))
-            raise RecordsError(
-                f"{where_in(b.source, b.row(r), name, t)}: value {float(opt.row(r)[t])} is negative: allowed a finite bound >= 0"
-            )
+            raise RecordsError(f"{b.at(r, name, t)}: value {float(opt.row(r)[t])} is negative: "
+                               "allowed a finite bound >= 0")
 
 
 def _sampler_log_s(b: _Batch, out: RecordsBatch) -> None:
@@ -366,25 +338,19 @@ def _sampler_log_s(b: _Batch, out: RecordsBatch) -> None:
         hi = b.ragged("sampler_log_s_hi")
         wrong = hi.valid != lo.valid
         if wrong.any():
-            raise RecordsError(f"{where_in(source, b.row(first_true(wrong)))}: sampler_log_s_lo and sampler_log_s_hi are not set on "
-                               f"the same rows: allowed both or neither")
-        wrong = hi.valid & (hi.lengths != b.lengths)
-        if wrong.any():
-            i = first_true(wrong)
-            raise RecordsError(f"{where_in(source, b.row(i), 'sampler_log_s_hi')}: {int(hi.lengths[i])} values for "
-                               f"{int(b.lengths[i])} completion_ids: allowed one value per completion token")
+            raise RecordsError(f"{b.at(first_true(wrong))}: sampler_log_s_lo and sampler_log_s_hi are not "
+                               "set on the same rows: allowed both or neither")
+        b.one_per_token(hi, "sampler_log_s_hi")
         bad = np.isnan(hi.values) | np.isneginf(hi.values) | (hi.values < lo.values)
         if bad.any():
             r, t = token_position(hi.offsets, first_true(bad))
-            raise RecordsError(
-                f"{where_in(source, b.row(r), 'sampler_log_s_hi', t)}: value {float(hi.row(r)[t])} with sampler_log_s_lo "
-                f"{float(lo.row(r)[t])}: allowed hi >= lo (hi may be +inf)"
-            )
+            raise RecordsError(f"{b.at(r, 'sampler_log_s_hi', t)}: value {float(hi.row(r)[t])} with "
+                               f"sampler_log_s_lo {float(lo.row(r)[t])}: allowed hi >= lo (hi may be +inf)")
         out.trainer["sampler_log_s_lo"], out.trainer["sampler_log_s_hi"] = lo, hi
     if "sampler_log_s_source" in arrays:
         src = arrays["sampler_log_s_source"].to_pylist()
         for i, v in enumerate(src):
             if v is not None and v not in SAMPLER_LOG_S_SOURCES:
-                raise RecordsError(f"{where_in(source, b.row(i), 'sampler_log_s_source')}: {v!r} is not a source: allowed "
+                raise RecordsError(f"{b.at(i, 'sampler_log_s_source')}: {v!r} is not a source: allowed "
                                    f"{', '.join(SAMPLER_LOG_S_SOURCES)}")
         out.sampler_log_s_source = src

@@ -26,25 +26,17 @@ def spec_of_params(params: object) -> SamplingSpec:
     )
 
 
-def heads_of_output(
-    comp: Any,
-    requested: int,
-    where: str,
-    *,
-    error: type[Exception],
-    nan_as_dropped: bool = False,
-    payload: Any = None,
-) -> Heads:
+def heads_of_output(comp: Any, requested: int, where: str, *, error: type[Exception],
+                    nan_as_dropped: bool = False, payload: Any = None) -> Heads:
     """One ``CompletionOutput`` as sampled tokens and per-position heads (the sampled entry excluded); ``requested``:
     the ``logprobs`` asked (-1: the vocabulary); ``nan_as_dropped`` reads NaN as ``-inf``. Missing log-probs, or ones
     not led by the sampled token, raise ``error`` (the two layouts: docs/records.md, section 4)."""
     ids = [int(t) for t in comp.token_ids]
     logprobs = comp.logprobs
     if logprobs is None or len(logprobs) != len(ids):
-        raise error(
-            f"{where}: vLLM returned log-probs for {0 if logprobs is None else len(logprobs)} of {len(ids)} tokens: "
-            f"allowed SamplingParams(logprobs=K >= 0), and an engine with logprobs_mode='processed_logprobs'"
-        )
+        n_lp = 0 if logprobs is None else len(logprobs)
+        raise error(f"{where}: vLLM returned log-probs for {n_lp} of {len(ids)} tokens: allowed "
+                    "SamplingParams(logprobs=K >= 0), and an engine with logprobs_mode='processed_logprobs'")
     sampled: list[float] = []
     heads: list[list[int]] = []
     head_lps: list[list[float]] = []

@@ -72,22 +72,18 @@ class RecordsWriter:
 
     def write(self, data: pa.Table | pa.RecordBatch | Sequence[Mapping[str, object]]) -> None:
         table = data if isinstance(data, pa.Table) else (
-            pa.Table.from_batches([data]) if isinstance(data, pa.RecordBatch) else records_table(data)
-        )
+            pa.Table.from_batches([data]) if isinstance(data, pa.RecordBatch) else records_table(data))
         if table.num_rows == 0:
             return
         checked = validate_batch(table, source=f"{self.path} (being written)", first_row=self.rows,
                                  signs=not self.planted)
         if checked.ignored_columns:
-            raise RecordsError(
-                f"{self.path} (being written): unknown column(s) {list(checked.ignored_columns)}: allowed "
-                f"{', '.join(BY_NAME)} (a records file holds no other column)"
-            )
-        full = pa.table(
-            {c.name: (column_array(table, c.name).cast(c.type) if c.name in table.schema.names else pa.nulls(table.num_rows, c.type))
-             for c in COLUMNS},
-            schema=self.schema,
-        )
+            raise RecordsError(f"{self.path} (being written): unknown column(s) "
+                               f"{list(checked.ignored_columns)}: allowed {', '.join(BY_NAME)} (a records "
+                               "file holds no other column)")
+        present = table.schema.names
+        full = pa.table({c.name: column_array(table, c.name).cast(c.type) if c.name in present
+                         else pa.nulls(table.num_rows, c.type) for c in COLUMNS}, schema=self.schema)
         for part in _row_groups(full):
             self._writer.write_table(part, row_group_size=part.num_rows)
         self.rows += table.num_rows
@@ -118,12 +114,8 @@ def _row_groups(table: pa.Table) -> Iterator[pa.Table]:
         yield table.slice(start, table.num_rows - start)
 
 
-def write_records(
-    path: str | Path,
-    data: pa.Table | pa.RecordBatch | Sequence[Mapping[str, object]],
-    *,
-    metadata: Mapping[str, object] | None = None,
-) -> Path:
+def write_records(path: str | Path, data: pa.Table | pa.RecordBatch | Sequence[Mapping[str, object]], *,
+                  metadata: Mapping[str, object] | None = None) -> Path:
     """Validate ``data`` and write it as one records file; returns the path."""
     with RecordsWriter(path, metadata=metadata) as w:
         w.write(data)

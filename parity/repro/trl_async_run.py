@@ -44,7 +44,6 @@ def _records(samples: list[Any], inputs: dict[str, Any], trainer: Any, spec: Any
     ``parity analyze`` judges a file."""
     from parity.analyze.report import analyze
     from parity.engines.trl_async import per_sample
-    from parity.records.convert import spec_row
     from parity.records.write import write_records
 
     sel = inputs["token_index"][0] >= 0
@@ -56,7 +55,8 @@ def _records(samples: list[Any], inputs: dict[str, Any], trainer: Any, spec: Any
         ids = s.input_ids.tolist()
         first = int(m.argmax())
         rows.append({"prompt_index": i, "step": 0, "prompt_ids": ids[:first],
-                     "completion_ids": [t for t, k in zip(ids, m.tolist(), strict=True) if k], **spec_row(spec),
+                     "completion_ids": [t for t, k in zip(ids, m.tolist(), strict=True) if k],
+                     **spec.to_dict(),
                      "sampler_logprobs": old[i].float().tolist(), "trainer_logprobs": new[i].double().tolist()})
     write_records(path, rows, metadata=meta)
     report = analyze(path, plots=False, out=None)

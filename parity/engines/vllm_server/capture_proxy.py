@@ -39,7 +39,6 @@ def spec_of_request(body: dict[str, object]) -> SamplingSpec:
 class KeptSets:
     """S_q by token prefix: ``prefix`` (prompt and completion up to a position) -> the ids the sampler kept for
     the next token; ``None`` where nothing was filtered (S_q is the vocabulary). Thread-safe.
-
     ``shift`` plants a fault for tests: each position gets the kept set of ``shift`` decoding steps earlier."""
 
     def __init__(self, *, shift: int = 0) -> None:

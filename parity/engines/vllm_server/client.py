@@ -58,15 +58,8 @@ def _normalise_url(url: str) -> str:
     parsed = urllib.parse.urlsplit(url.strip())
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise UsageError(f"--server {url!r} is invalid: allowed 'spawn' or an http(s)://HOST:PORT URL")
-    path = parsed.path.rstrip("/")
-    if path.endswith("/v1"):
-        path = path[: -len("/v1")]
+    path = parsed.path.rstrip("/").removesuffix("/v1")
     return urllib.parse.urlunsplit((parsed.scheme, parsed.netloc, path, "", ""))
-
-
-# The request fields vLLM's server fills from generation_config.json when a request omits them
-# (ModelConfig.get_diff_sampling_param), with the neutral value parity pins them to.
-GENERATION_FIELDS = SPEC_FIELDS
 
 
 def _heads_differ(a: Heads, b: Heads) -> bool:
@@ -93,28 +86,17 @@ class ServerRollout(RolloutBase):
 
     name = SOURCE
 
-    def __init__(
-        self,
-        model: str | Path,
-        *,
-        server: str = "spawn",
-        startup_timeout_s: float | None = None,
-        request_timeout_s: float | None = None,
-        concurrency: int = 16,
-        logprobs_mode: str = EXPECTED_MODE,
-        check_mode: bool = True,
-        server_args: Sequence[str] = (),
-        **settings: Unpack[RolloutSettings],
-    ) -> None:
+    def __init__(self, model: str | Path, *, server: str = "spawn", startup_timeout_s: float | None = None,
+                 request_timeout_s: float | None = None, concurrency: int = 16,
+                 logprobs_mode: str = EXPECTED_MODE, check_mode: bool = True, server_args: Sequence[str] = (),
+                 **settings: Unpack[RolloutSettings]) -> None:
         """``settings``: those of :class:`~parity.engines.rollout_base.RolloutBase`."""
         capture = settings.get("capture", "topk")
         if capture != "topk":
             # vLLM 0.32's /v1/completions has no field for return_sampling_mask; over HTTP the kept set
             # comes from the top-K processed log-probs only.
-            raise UsageError(
-                f"capture={capture!r} is not available in server mode: vLLM's OpenAI server does not expose "
-                f"return_sampling_mask; use capture='topk' (the default)"
-            )
+            raise UsageError(f"capture={capture!r} is not available in server mode: vLLM's OpenAI server "
+                             "does not expose return_sampling_mask; use capture='topk' (the default)")
         super().__init__(model, **settings)
         path, timeout_s = self.path, self.timeout_s
         self.request_timeout_s = request_timeout_s if request_timeout_s is not None else timeout_s
@@ -137,10 +119,7 @@ class ServerRollout(RolloutBase):
 
         self._tokenizer = AutoTokenizer.from_pretrained(self.model)
         try:
-            if self.spawned:
-                self.url = self._spawn(path, logprobs_mode=logprobs_mode, server_args=server_args)
-            else:
-                self.url = attach_url
+            self.url = self._spawn(path, logprobs_mode, server_args) if self.spawned else attach_url
             self.served_model, self.max_model_len = self._models()
             if check_mode:
                 self.probe_logprobs_mode()
@@ -150,22 +129,20 @@ class ServerRollout(RolloutBase):
 
     # -- set-up -------------------------------------------------------------------------------
 
-    def _spawn(self, path: Path, *, logprobs_mode: str, server_args: Sequence[str]) -> str:
+    def _spawn(self, path: Path, logprobs_mode: str, server_args: Sequence[str]) -> str:
         # A free port can be taken between the probe and the server's bind (other test runs spawn
         # servers too): the server then exits with "address already in use", and we try another port.
         for attempt in range(3):
             try:
-                return self._spawn_once(path, logprobs_mode=logprobs_mode, server_args=server_args)
+                return self._spawn_once(path, logprobs_mode, server_args)
             except _PortTaken:
                 if attempt == 2:
-                    raise ServerError(
-                        f"could not bind a free port on 127.0.0.1 in 3 attempts{self._log_tail()}"
-                    ) from None
+                    break
                 self._log_state["keep"] = False
                 self._stop_process()
-        raise AssertionError("unreachable")
+        raise ServerError(f"could not bind a free port on 127.0.0.1 in 3 attempts{self._log_tail()}")
 
-    def _spawn_once(self, path: Path, *, logprobs_mode: str, server_args: Sequence[str]) -> str:
+    def _spawn_once(self, path: Path, logprobs_mode: str, server_args: Sequence[str]) -> str:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         self.url = url  # for error messages while it starts
@@ -173,26 +150,17 @@ class ServerRollout(RolloutBase):
         # server's that grabbed it first.
         self._spawn_name = f"parity-{uuid.uuid4().hex[:12]}"
         args = [
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(path),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--logprobs-mode",
-            logprobs_mode,
+            "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(path),
+            "--host", "127.0.0.1",
+            "--port", str(port),
+            "--logprobs-mode", logprobs_mode,
             # -1: up to the whole vocabulary, the most any capture plan asks for (a forced full head,
             # or an adaptive cap at the vocabulary); the offline engine is configured the same way.
-            "--max-logprobs",
-            "-1",
-            "--dtype",
-            self.dtype,
-            "--seed",
-            str(self.seed),
-            "--max-model-len",
-            str(self.max_model_len_arg),
+            "--max-logprobs", "-1",
+            "--dtype", self.dtype,
+            "--seed", str(self.seed),
+            "--max-model-len", str(self.max_model_len_arg),
             "--enforce-eager",
             # vLLM's server turns prefix caching on by default; the offline engine has it off unless
             # asked, so the two sides run the same configuration.
@@ -201,8 +169,7 @@ class ServerRollout(RolloutBase):
             # (de)tokenize, and candidate detokenization dominates full-vocabulary capture cost.
             "--skip-tokenizer-init",
             "--disable-uvicorn-access-log",
-            "--served-model-name",
-            self._spawn_name,
+            "--served-model-name", self._spawn_name,
             *server_args,
         ]
         env = dict(os.environ)
@@ -219,11 +186,7 @@ class ServerRollout(RolloutBase):
         self._log_state = {"keep": False}
         with open(self.log_path, "wb") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                 start_new_session=True,  # own process group: killed as a whole, immune to the terminal's Ctrl-C
             )
         # Runs on close(), on garbage collection and at interpreter exit (atexit), whichever is first.
@@ -250,10 +213,8 @@ class ServerRollout(RolloutBase):
                 tail = self._log_tail()
                 if "address already in use" in tail.lower():
                     raise _PortTaken(url)
-                raise ServerError(
-                    f"the vLLM server spawned for {self.model} at {url} exited with code {code} before it was ready"
-                    + tail
-                )
+                raise ServerError(f"the vLLM server spawned for {self.model} at {url} exited with code "
+                                  f"{code} before it was ready{tail}")
             try:
                 with self._opener.open(url + "/v1/models", timeout=2.0) as resp:
                     ids = [m.get("id") for m in json.loads(resp.read()).get("data", [])]
@@ -262,39 +223,33 @@ class ServerRollout(RolloutBase):
             except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError, AttributeError):
                 pass
             if time.monotonic() > deadline:
-                raise TimedOut(
-                    f"the vLLM server spawned at {url} was not ready within {self.startup_timeout_s:.0f} s "
-                    f"(raise --timeout if the model is large)" + self._log_tail()
-                )
+                raise TimedOut(f"the vLLM server spawned at {url} was not ready within "
+                               f"{self.startup_timeout_s:.0f} s (raise --timeout if the model is large)"
+                               + self._log_tail())
             time.sleep(0.5)
 
     def _models(self) -> tuple[str, int | None]:
-        data = self._request(
-            "GET", "/v1/models", None, timeout=min(30.0, self.request_timeout_s), what="GET /v1/models"
-        )
+        data = self._request("GET", "/v1/models", None, timeout=min(30.0, self.request_timeout_s),
+                             what="GET /v1/models")
         models = data.get("data") if isinstance(data, dict) else None
-        if (
-            not isinstance(models, list)
-            or not models
-            or not isinstance(models[0], dict)
-            or "id" not in models[0]
-        ):
+        if not (isinstance(models, list) and models and isinstance(models[0], dict) and "id" in models[0]):
             raise MalformedResponse(f"{self.url}/v1/models lists no model: {str(data)[:200]}")
         m = next((x for x in models if isinstance(x, dict) and x.get("id") == self._spawn_name), models[0])
         return str(m["id"]), m.get("max_model_len")
 
     # -- HTTP ---------------------------------------------------------------------------------
 
-    def _request(
-        self, method: str, route: str, body: JsonObject | None, *, timeout: float, what: str
-    ) -> object:
+    def _post(self, body: JsonObject, what: str) -> object:
+        return self._request("POST", "/v1/completions", body, timeout=self.request_timeout_s, what=what)
+
+    def _request(self, method: str, route: str, body: JsonObject | None, *, timeout: float,
+                 what: str) -> object:
         """One HTTP exchange; every failure becomes a :class:`ServerError` or :class:`~parity.errors.TimedOut` naming the URL."""
         assert self.url is not None  # set before the first request
         url = self.url + route
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(
-            url, data=data, method=method, headers={"Content-Type": "application/json"}
-        )
+        req = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
         try:
             with self._opener.open(req, timeout=timeout) as resp:
                 raw = resp.read()
@@ -304,9 +259,8 @@ class ServerRollout(RolloutBase):
                 msg = json.loads(detail).get("error", {}).get("message", detail)
             except (ValueError, AttributeError):
                 msg = detail
-            hint = (
-                " (start the server with a larger --max-logprobs)" if "logprobs" in str(msg).lower() else ""
-            )
+            hint = (" (start the server with a larger --max-logprobs)"
+                    if "logprobs" in str(msg).lower() else "")
             raise ServerError(f"{what} to {url} failed: HTTP {exc.code}: {msg}{hint}") from None
         except (urllib.error.URLError, ConnectionError, http.client.HTTPException, OSError) as exc:
             reason = getattr(exc, "reason", exc)  # URLError wraps the socket's error
@@ -321,9 +275,8 @@ class ServerRollout(RolloutBase):
                     f"{what}: nothing is listening at {url} (connection refused) — is the vLLM server running "
                     f"and is the port right?"
                 ) from None
-            if isinstance(
-                reason, (ConnectionResetError, http.client.RemoteDisconnected, BrokenPipeError)
-            ) or isinstance(exc, (ConnectionResetError, http.client.RemoteDisconnected, BrokenPipeError)):
+            dropped = (ConnectionResetError, http.client.RemoteDisconnected, BrokenPipeError)
+            if isinstance(reason, dropped) or isinstance(exc, dropped):
                 raise ServerDied(
                     f"{what}: the server at {url} dropped the connection ({reason!r}); did it crash?"
                 ) from None
@@ -341,61 +294,45 @@ class ServerRollout(RolloutBase):
                 pass
         code = self._exited()
         if code is not None:
-            raise ServerDied(
-                f"{what}: the vLLM server at {self.url} (pid {self.proc.pid if self.proc else '?'}) exited with code "
-                f"{code} during the run" + self._log_tail()
-            )
+            pid = self.proc.pid if self.proc else "?"
+            raise ServerDied(f"{what}: the vLLM server at {self.url} (pid {pid}) exited with code {code} "
+                             "during the run" + self._log_tail())
 
     # -- the rollout interface ----------------------------------------------------------------
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self._tokenizer
 
-    def _body(
-        self, prompt: Sequence[int], spec: SamplingSpec, *, max_tokens: int, seed: int, logprobs: int
-    ) -> JsonObject:
+    def _body(self, prompt: Sequence[int], spec: SamplingSpec, *, max_tokens: int, seed: int,
+              logprobs: int) -> JsonObject:
         """One prompt's request: token ids (never text), the seed, the spec's filters and penalties (sent even when
         neutral: a server fills an omitted field from the checkpoint's generation_config),
-        ``ignore_eos`` with a fixed ``max_tokens``, and ``logprobs=K`` with ``return_tokens_as_token_ids``.
-        """
-        kw = spec.sampling_params_kwargs()
-        return {
-            "model": self.served_model,
-            "prompt": [int(t) for t in prompt],
-            "max_tokens": int(max_tokens),
-            "n": 1,
-            "stream": False,
-            "seed": int(seed),
-            "temperature": kw["temperature"],
-            "top_k": kw["top_k"],
-            "top_p": kw["top_p"],
-            "min_p": kw["min_p"],
-            # Always sent: a server fills omitted fields from the checkpoint's generation_config.
-            "repetition_penalty": kw["repetition_penalty"],
-            "presence_penalty": kw["presence_penalty"],
-            "frequency_penalty": kw["frequency_penalty"],
-            "ignore_eos": True,
-            "logprobs": int(logprobs),
-            "return_tokens_as_token_ids": True,
-        }
+        ``ignore_eos`` with a fixed ``max_tokens``, and ``logprobs=K`` with ``return_tokens_as_token_ids``."""
+        return {"model": self.served_model, "prompt": [int(t) for t in prompt], "max_tokens": int(max_tokens),
+                "n": 1, "stream": False, "seed": int(seed), **spec.sampling_params_kwargs(),
+                "ignore_eos": True, "logprobs": int(logprobs), "return_tokens_as_token_ids": True}
+
+    def _probe_ids(self) -> list[int]:
+        ids = list(self._tokenizer.encode(PROBE_SENTENCE, add_special_tokens=False))[:8] or [0]
+        return [i for i in ids if i < self.vocab_size] or [0]
 
     def probe_generation_defaults(self) -> list[str]:
         """The sampling fields this server fills from the model's generation config when a request omits them,
         found the way a framework meets them: by omitting one field at a time (every other field pinned neutral)
         and comparing the head log-probs with those of the all-pinned request. The server's files are not read."""
-        ids = list(self._tokenizer.encode(PROBE_SENTENCE, add_special_tokens=False))[:8] or [0]
-        ids = [i for i in ids if i < self.vocab_size] or [0]
-        ids = ids * 2  # repeated tokens: a repetition penalty moves them
+        ids = self._probe_ids() * 2  # repeated tokens: a repetition penalty moves them
         max_tokens, k = 4, 8
 
         def ask(body: JsonObject, what: str) -> Heads:
-            data = self._request("POST", "/v1/completions", body, timeout=self.request_timeout_s, what=what)
+            data = self._post(body, what)
             return parse_completion(data, max_tokens=max_tokens, requested=k, vocab_size=self.vocab_size, where=what)
 
         pinned = self._body(ids, SamplingSpec(temperature=1.0), max_tokens=max_tokens, seed=self.seed, logprobs=k)
         base = ask(pinned, "generation-defaults probe")
         filled = []
-        for field in GENERATION_FIELDS:
+        # The request fields vLLM's server fills from generation_config.json when a request omits them
+        # (ModelConfig.get_diff_sampling_param).
+        for field in SPEC_FIELDS:
             body = {key: v for key, v in pinned.items() if key != field}
             if _heads_differ(base, ask(body, f"generation-defaults probe without {field}")):
                 filled.append(field)
@@ -403,37 +340,26 @@ class ServerRollout(RolloutBase):
 
     def probe_logprobs_mode(self) -> None:
         """Ask for top_k=1 with two log-probs; refuse a server whose kept mass is not 1 (raw mode)."""
-        ids = list(self._tokenizer.encode(PROBE_SENTENCE, add_special_tokens=False))[:8] or [0]
-        ids = [i for i in ids if i < self.vocab_size] or [0]
         max_tokens = 4
-        body = self._body(
-            ids, SamplingSpec(temperature=1.0, top_k=1), max_tokens=max_tokens, seed=self.seed, logprobs=2
-        )
-        data = self._request(
-            "POST", "/v1/completions", body, timeout=self.request_timeout_s, what="probe request"
-        )
+        body = self._body(self._probe_ids(), SamplingSpec(temperature=1.0, top_k=1), max_tokens=max_tokens,
+                          seed=self.seed, logprobs=2)
+        data = self._post(body, "probe request")
         assert self.url is not None  # probed once the server is up
         check_probe(data, url=self.url, vocab_size=self.vocab_size, max_tokens=max_tokens)
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], spec: SamplingSpec, *, max_tokens: int, seed: int
-    ) -> list[SequenceRecord]:
+    def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec, *, max_tokens: int,
+                 seed: int) -> list[SequenceRecord]:
         """Sample one completion per prompt (seed ``seed + i``) through the server; record log-probs and S_q.
-
-        The same call as :meth:`parity.engines.vllm_offline.VllmRollout.generate` (symmetric adapters).
-        """
+        The same call as :meth:`parity.engines.vllm_offline.VllmRollout.generate` (symmetric adapters)."""
         if self._closed or self.url is None:
             raise ServerError("the server rollout is closed")
         label = spec.label()
         deadline = time.monotonic() + self.timeout_s
 
         def ask(indices: list[int], heads: list[int]) -> list[Heads]:
-            payloads = self._send_all(
-                [self._body(prompts[i], spec, max_tokens=max_tokens, seed=seed + i, logprobs=k)
-                 for i, k in zip(indices, heads, strict=True)],
-                what=f"completion ({label})",
-                deadline=deadline,
-            )
+            bodies = [self._body(prompts[i], spec, max_tokens=max_tokens, seed=seed + i, logprobs=k)
+                      for i, k in zip(indices, heads, strict=True)]
+            payloads = self._send_all(bodies, what=f"completion ({label})", deadline=deadline)
             return [parse_completion(payload, max_tokens=max_tokens, requested=k, vocab_size=self.vocab_size,
                                      where=self._where(i, spec))
                     for i, k, payload in zip(indices, heads, payloads, strict=True)]
@@ -462,8 +388,7 @@ class ServerRollout(RolloutBase):
                 if time.monotonic() > deadline:
                     raise TimedOut(f"capture of a client request at {self.url}: not done after {self.timeout_s:.0f} s")
                 wide: JsonObject = {**body, "logprobs": int(k), "return_tokens_as_token_ids": True}
-                payload = self._request("POST", "/v1/completions", wide, timeout=self.request_timeout_s,
-                                        what=f"client request ({spec.label()}, logprobs={k})")
+                payload = self._post(wide, f"client request ({spec.label()}, logprobs={k})")
                 out.append(parse_completion(payload, max_tokens=_completion_length(payload), requested=k,
                                             vocab_size=self.vocab_size, where=f"{self.url} client request"))
             return out
@@ -485,11 +410,10 @@ class ServerRollout(RolloutBase):
     def _where(self, i: int, spec: SamplingSpec) -> str:
         return f"{self.url} completion for prompt {i} ({spec.label()})"
 
-    def _send_all(self, bodies: list[JsonObject], *, what: str, deadline: float | None = None) -> list[object]:
+    def _send_all(self, bodies: list[JsonObject], *, what: str, deadline: float) -> list[object]:
         """POST every body concurrently (the server batches them); fail fast on the first error, by ``deadline``.
-
-        Daemon threads, not an executor: a worker blocked on a dead socket must not keep the interpreter from exiting.
-        """
+        Daemon threads, not an executor: a worker blocked on a dead socket must not keep the interpreter from
+        exiting."""
         results: list[object] = [None] * len(bodies)
         errors: list[BaseException] = []
         done = threading.Semaphore(0)
@@ -505,32 +429,19 @@ class ServerRollout(RolloutBase):
                 if i is None:
                     return
                 try:
-                    results[i] = self._request(
-                        "POST",
-                        "/v1/completions",
-                        bodies[i],
-                        timeout=self.request_timeout_s,
-                        what=f"{what} prompt {i}",
-                    )
-                except ServerUnreachable as exc:
-                    # It answered the set-up requests, so it stopped answering mid-run.
-                    with lock:
-                        errors.append(
-                            ServerDied(f"the server at {self.url} stopped answering during the run: {exc}")
-                        )
-                    done.release()
-                    return
+                    results[i] = self._post(bodies[i], f"{what} prompt {i}")
                 except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                    if isinstance(exc, ServerUnreachable):
+                        # It answered the set-up requests, so it stopped answering mid-run.
+                        exc = ServerDied(f"the server at {self.url} stopped answering during the run: {exc}")
                     with lock:
                         errors.append(exc)
-                    done.release()
                     return
-                done.release()
+                finally:
+                    done.release()
 
-        n_workers = min(self.concurrency, len(bodies))
-        for _ in range(n_workers):
+        for _ in range(min(self.concurrency, len(bodies))):
             threading.Thread(target=worker, name="parity-server-request", daemon=True).start()
-        deadline = deadline if deadline is not None else time.monotonic() + self.timeout_s
         finished = 0
         while finished < len(bodies):
             if done.acquire(timeout=0.25):
@@ -543,10 +454,8 @@ class ServerRollout(RolloutBase):
             if time.monotonic() > deadline:
                 with lock:
                     errors.append(TimeoutError("cancelled"))
-                raise TimedOut(
-                    f"{what} at {self.url}: {finished} of {len(bodies)} requests done after {self.timeout_s:.0f} s "
-                    f"(raise --timeout if the model is large)"
-                )
+                raise TimedOut(f"{what} at {self.url}: {finished} of {len(bodies)} requests done after "
+                               f"{self.timeout_s:.0f} s (raise --timeout if the model is large)")
         return results
 
     def _stop_process(self) -> None:

@@ -38,13 +38,10 @@ def _kill_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
         except ProcessLookupError:
             break
         deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None and not process_group_alive(pgid):
-                break
+        while time.monotonic() < deadline and (proc.poll() is None or process_group_alive(pgid)):
             time.sleep(0.05)
-        else:
-            continue
-        break
+        if proc.poll() is not None and not process_group_alive(pgid):
+            break
     try:
         proc.wait(timeout=5.0)
     except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL was sent

@@ -1,6 +1,5 @@
 """The wire format of vLLM's OpenAI-compatible server: parsing and checking completions (pure), and its
-errors. The answer's layout (vLLM 0.32): docs/capture_plan.md, section 1.
-"""
+errors. The answer's layout (vLLM 0.32): docs/capture_plan.md, section 1."""
 
 from __future__ import annotations
 
@@ -46,8 +45,7 @@ def _mode_hint(url: str) -> str:
     return (
         f"the server at {url} was most likely launched with --logprobs-mode raw_logprobs (vLLM's default) "
         f"or a logits mode; parity compares against what the sampler kept and needs the server started "
-        f"with --logprobs-mode {EXPECTED_MODE}"
-    )
+        f"with --logprobs-mode {EXPECTED_MODE}")
 
 
 # -- parsing (pure: canned JSON in, lists out) ------------------------------------------------------
@@ -57,8 +55,7 @@ def _token_id(key: object, where: str) -> int:
     if not isinstance(key, str) or not key.startswith(TOKEN_PREFIX):
         raise MalformedResponse(
             f"{where}: token {key!r} is not of the form 'token_id:N' — the server ignored "
-            f"return_tokens_as_token_ids (an OpenAI-compatible server that is not vLLM?)"
-        )
+            f"return_tokens_as_token_ids (an OpenAI-compatible server that is not vLLM?)")
     try:
         tid = int(key[len(TOKEN_PREFIX) :])
     except ValueError:
@@ -84,18 +81,11 @@ def _list_field(lp: dict[str, object], name: str, where: str) -> list[object]:
     return val
 
 
-def parse_completion(
-    payload: object,  # the decoded JSON answer
-    *,
-    max_tokens: int,
-    requested: int,
-    vocab_size: int,
-    where: str = "response",
-) -> Heads:
-    """Parse one ``/v1/completions`` answer into a :class:`Heads` (``requested``: the ``logprobs`` sent, 0, -1 or K).
-
-    Raises :class:`MalformedResponse` naming the field and position of the first problem.
-    """
+def parse_completion(payload: object, *, max_tokens: int, requested: int, vocab_size: int,
+                     where: str = "response") -> Heads:
+    """Parse one decoded ``/v1/completions`` answer into a :class:`Heads` (``requested``: the ``logprobs``
+    sent, 0, -1 or K). Raises :class:`MalformedResponse` naming the field and position of the first
+    problem."""
     if not isinstance(payload, dict):
         raise MalformedResponse(f"{where}: the body is {type(payload).__name__}, allowed a JSON object")
     if "error" in payload and "choices" not in payload:
@@ -107,20 +97,16 @@ def parse_completion(
     choice = choices[0]
     lp = choice.get("logprobs")
     if not isinstance(lp, dict):
-        raise MalformedResponse(
-            f"{where}: 'choices[0].logprobs' is missing — the server returned no log-probs"
-        )
+        raise MalformedResponse(f"{where}: 'choices[0].logprobs' is missing — the server returned no "
+                                "log-probs")
     tokens, token_lps, tops = (_list_field(lp, name, where) for name in ("tokens", "token_logprobs", "top_logprobs"))
     if not (len(tokens) == len(token_lps) == len(tops)):
-        raise MalformedResponse(
-            f"{where}: logprobs lists disagree in length (tokens {len(tokens)}, token_logprobs {len(token_lps)}, "
-            f"top_logprobs {len(tops)})"
-        )
+        raise MalformedResponse(f"{where}: logprobs lists disagree in length (tokens {len(tokens)}, "
+                                f"token_logprobs {len(token_lps)}, top_logprobs {len(tops)})")
     if len(tokens) != max_tokens:
         raise MalformedResponse(
             f"{where}: {len(tokens)} tokens returned, {max_tokens} requested with ignore_eos "
-            f"(finish_reason={choice.get('finish_reason')!r}); fixed-length completions are required"
-        )
+            f"(finish_reason={choice.get('finish_reason')!r}); fixed-length completions are required")
     full = requested == FULL_VOCAB or requested >= vocab_size
     out = Heads([], [], [], [], payload=payload)
     for t, (key, value, top) in enumerate(zip(tokens, token_lps, tops, strict=True)):
@@ -155,8 +141,7 @@ def _position(key: object, value: object, top: object, at: str, *, full: bool, r
         raise MalformedResponse(f"{at}: the sampled token {y} is missing from top_logprobs")
     if dict(entries)[y] != sampled_lp:
         raise MalformedResponse(
-            f"{at}: token_logprobs says {sampled_lp!r} for token {y}, top_logprobs says {dict(entries)[y]!r}"
-        )
+            f"{at}: token_logprobs says {sampled_lp!r} for token {y}, top_logprobs says {dict(entries)[y]!r}")
     if full:
         if len(entries) != vocab_size:
             raise MalformedResponse(f"{at}: {len(entries)} top_logprobs entries for a full-vocabulary request (V={vocab_size})")
@@ -171,18 +156,10 @@ def _position(key: object, value: object, top: object, at: str, *, full: bool, r
         return y, sampled_lp, [e for e in entries if e[0] != y]
     raise MalformedResponse(
         f"{at}: {len(entries)} top_logprobs entries for logprobs={requested}, allowed {requested} or "
-        f"{requested + 1} (the server's --max-logprobs may be lower than the capture needs)"
-    )
+        f"{requested + 1} (the server's --max-logprobs may be lower than the capture needs)")
 
-def check_processed(
-    kept_logprobs: torch.Tensor,
-    incomplete: torch.Tensor,
-    *,
-    url: str,
-    where: str,
-    spec: SamplingSpec | None = None,
-    vocab_size: int | None = None,
-) -> None:
+def check_processed(kept_logprobs: torch.Tensor, incomplete: torch.Tensor, *, url: str, where: str,
+                    spec: SamplingSpec | None = None, vocab_size: int | None = None) -> None:
     """Raise :class:`LogprobsModeMismatch` when the captured values cannot be processed log-probs, by the exact
     checks of docs/capture_plan.md, section 7 (``raw_logprobs``, vLLM's default, fails them)."""
     mass = support_mass(kept_logprobs)
@@ -193,8 +170,7 @@ def check_processed(
         raise LogprobsModeMismatch(
             f"{where} position {t}: the returned log-probs of the {n_kept} kept tokens sum to probability "
             f"{float(mass[t]):.6f}, not 1 ({int(bad.sum())} of {len(bad)} complete positions) — "
-            + _mode_hint(url)
-        )
+            + _mode_hint(url))
     if spec is None:
         return
     spec = spec.effective()
@@ -224,8 +200,7 @@ def check_processed(
             if p_min <= (1.0 - spec.top_p) - 1e-6:
                 problem = (
                     f"all {vocab_size} tokens are kept, yet the least likely has probability {p_min:.3g} <= "
-                    f"1 - top_p = {1.0 - spec.top_p:.3g}, which top_p={spec.top_p:g} drops"
-                )
+                    f"1 - top_p = {1.0 - spec.top_p:.3g}, which top_p={spec.top_p:g} drops")
         if problem is not None:
             raise LogprobsModeMismatch(f"{where} position {t}: {problem} — " + _mode_hint(url))
 
@@ -234,12 +209,9 @@ def check_probe(payload: object, *, url: str, vocab_size: int, max_tokens: int) 
     """Judge the start-up probe (``top_k=1``, ``logprobs=2``): processed log-probs keep one token at log-prob 0
     (or tied tokens sharing the mass equally) and report ``-inf`` for the rest; raw log-probs report the
     unfiltered distribution, more than one finite entry and mass below 1."""
-    parsed = parse_completion(
-        payload, max_tokens=max_tokens, requested=2, vocab_size=vocab_size, where="probe"
-    )
+    p = parse_completion(payload, max_tokens=max_tokens, requested=2, vocab_size=vocab_size, where="probe")
     for t, (y, lp, ids, vals) in enumerate(
-        zip(parsed.completion_ids, parsed.sampled_logprobs, parsed.head_ids, parsed.head_logprobs, strict=True)
-    ):
+            zip(p.completion_ids, p.sampled_logprobs, p.head_ids, p.head_logprobs, strict=True)):
         reported = dict(zip(ids, vals, strict=True))
         reported[y] = lp  # the sampled token may sit outside the top-2 head
         finite = [v for v in reported.values() if v != float("-inf")]

@@ -31,8 +31,7 @@ import torch
 
 NEG_INF = float("-inf")
 
-# parity's rounding model for per-token log-probs; emitted scripts carry its source here.
-from parity.core.error_model import logprob_bound  # @inline parity.core.error_model
+from parity.core.error_model import headroom, logprob_bound  # @inline parity.core.error_model
 
 
 def parse_args(cfg: Mapping[str, object], title: str) -> argparse.Namespace:
@@ -44,8 +43,6 @@ def parse_args(cfg: Mapping[str, object], title: str) -> argparse.Namespace:
     return p.parse_args()
 
 
-# The tiny model, vLLM sampling and the trainer's logits; emitted scripts carry their source here.
-# vLLM's sampling filters as parity applies them (reference_filter); emitted scripts carry its source here.
 from parity.core.filters import reference_filter  # @inline parity.core.filters
 from parity.core.spec import SamplingSpec  # @inline parity.core.spec
 from parity.repro.script_engines import (  # @inline parity.repro.script_engines
@@ -106,8 +103,7 @@ def log_mass(z: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
 
 def over_bound(diff: torch.Tensor, zs: torch.Tensor, y: torch.Tensor, kept: torch.Tensor) -> float:
     """max |diff| / bound: the rounding bound of each token's log-prob over ``kept`` (<= 1 holds)."""
-    b = logprob_bound(zs, y, kept, dtype="float32")
-    return float((diff.double().abs() / b).max())
+    return headroom(diff, logprob_bound(zs, y, kept, dtype="float32"))
 
 
 def seq_over_bound(pred_seq: torch.Tensor, meas_seq: torch.Tensor, zs_list: list[torch.Tensor], ys: list[torch.Tensor],
@@ -135,7 +131,6 @@ def seq_ratio(per_token: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     return torch.stack([s.sum() for s in torch.split(per_token, lengths)]).exp()
 
 
-# The table and the verdict every script prints; emitted scripts carry its source here.
 from parity.repro.standalone_report import Outcome, report  # noqa: F401 (the emitted main calls report)  # @inline parity.repro.standalone_report
 
 
@@ -275,25 +270,19 @@ def repro_temperature(cfg: TemperatureConfig, args: argparse.Namespace) -> Outco
     rows: list[dict[str, float]] = []
     for temp in cfg["temperatures"]:
         samples = sample(llm, prompts, temperature=temp, tokens=args.tokens, seed=args.seed)
-        right_seq: list[torch.Tensor] = []
-        forgot_seq: list[torch.Tensor] = []
-        pred_seq: list[torch.Tensor] = []
-        vllm_seq: list[torch.Tensor] = []
-        b_t_seq: list[torch.Tensor] = []
-        b_1_seq: list[torch.Tensor] = []
+        cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("right", "forgot", "pred", "vllm", "b_t", "b_1")}
         for s in samples:
             z = trainer_logits(model, s.prompt, s.completion)
             y = torch.tensor(s.completion)
             everything = torch.ones_like(z, dtype=torch.bool)
-            right_seq.append(log_prob_over(z / temp, y, everything))
-            forgot_seq.append(log_prob_over(z, y, everything))
-            pred_seq.append(z.double().log_softmax(-1).gather(1, y[:, None]).squeeze(1)
-                            - (z.double() / temp).log_softmax(-1).gather(1, y[:, None]).squeeze(1))
-            vllm_seq.append(s.logprobs)
-            b_t_seq.append(logprob_bound(z / temp, y, everything, dtype="float32"))
-            b_1_seq.append(logprob_bound(z, y, everything, dtype="float32"))
-        right, forgot, pred, vllm, b_t, b_1 = (torch.cat(v) for v in (right_seq, forgot_seq, pred_seq, vllm_seq,
-                                                                     b_t_seq, b_1_seq))
+            cols["right"].append(log_prob_over(z / temp, y, everything))
+            cols["forgot"].append(log_prob_over(z, y, everything))
+            cols["pred"].append(z.double().log_softmax(-1).gather(1, y[:, None]).squeeze(1)
+                                - (z.double() / temp).log_softmax(-1).gather(1, y[:, None]).squeeze(1))
+            cols["vllm"].append(s.logprobs)
+            cols["b_t"].append(logprob_bound(z / temp, y, everything, dtype="float32"))
+            cols["b_1"].append(logprob_bound(z, y, everything, dtype="float32"))
+        right, forgot, pred, vllm, b_t, b_1 = (torch.cat(v) for v in cols.values())
         rows.append({"T": temp, "pred": float(pred.mean()), "forgot": float((forgot - vllm).mean()),
                      "gap": float(((forgot - vllm) - pred).abs().max()), "right": float((right - vllm).abs().max()),
                      "gap_h": float((((forgot - vllm) - pred).abs() / (b_t + b_1)).max()),
@@ -545,13 +534,10 @@ def repro_torch_cpu_log_softmax(cfg: LogSoftmaxConfig, args: argparse.Namespace)
 
 
 # ==================== section: batch_invariant_cpu ====================
-# The repro's own module; emitted scripts carry its source here.
 from parity.repro.batch_invariant import repro_batch_invariant_cpu  # noqa: F401 (the emitted main calls it)  # @inline parity.repro.batch_invariant
 
 # ==================== section: cpu_capability_default ====================
-# The repro's own module; emitted scripts carry its source here.
 from parity.repro.cpu_capability import repro_cpu_capability_default  # noqa: F401 (the emitted main calls it)  # @inline parity.repro.cpu_capability
 
 # ==================== section: prefix_cache_logprobs ====================
-# The repro's own module; emitted scripts carry its source here.
 from parity.repro.prefix_cache import repro_prefix_cache_logprobs  # noqa: F401 (the emitted main calls it)  # @inline parity.repro.prefix_cache

@@ -84,6 +84,13 @@ def _fail(title: str, lines: list[str], total: int) -> AssertionError:
     return AssertionError(title + "\n  " + "\n  ".join(lines) + more)
 
 
+def _raise_rows(bad: torch.Tensor, title: str, show: int, describe: Callable[[int], str]) -> None:
+    """Raise naming the first ``show`` rows where ``bad`` [N] holds (none: return); ``title`` counts them with ``{n}``."""
+    rows = bad.nonzero().squeeze(1).tolist()
+    if rows:
+        raise _fail(title.format(n=len(rows)), [describe(r) for r in rows[:show]], len(rows))
+
+
 def _raise_worst(
     bad: torch.Tensor, gap: torch.Tensor, title: str, show: int, describe: Callable[[int, int], str]
 ) -> None:
@@ -203,50 +210,30 @@ def check_recompute_finite(
 ) -> None:
     """``recompute`` never scores the sampled token ``-inf`` (force-include must rescue it)."""
     lp, forced = result.logprobs, result.forced
-    bad = ~torch.isfinite(lp)
-    if not bool(bad.any()):
-        return
-    rows = bad.nonzero().squeeze(1).tolist()
-    lines = [
-        f"{_spec_label(specs, r)}: sampled token {int(sampled[r])} scores {float(lp[r])}"
-        + (" (it lies outside the recomputed support S_p)" if bool(forced[r]) else "")
-        for r in rows[:show]
-    ]
-    raise _fail(f"recompute returned a non-finite log-prob for the sampled token in {len(rows)} row(s):", lines, len(rows))
+    _raise_rows(~torch.isfinite(lp), "recompute returned a non-finite log-prob for the sampled token in {n} row(s):",
+                show, lambda r: f"{_spec_label(specs, r)}: sampled token {int(sampled[r])} scores {float(lp[r])}"
+                + (" (it lies outside the recomputed support S_p)" if bool(forced[r]) else ""))
 
 
 def check_top_p_mass(logits: torch.Tensor, specs: Sequence[SamplingSpec], kept: torch.Tensor, *, show: int = 5) -> None:
     """S >= top_p on rows where top_p is the only filter, to about V * 2**-24: the float32 cumsum's rounding
     over V terms (docs/error_model.md, section 7)."""
     vocab = logits.shape[1]
-    log_s = predicted_log_s(logits, kept, specs).double()
-    lines: list[str] = []
-    count = 0
+    mass = predicted_log_s(logits, kept, specs).double().exp()
     tol = vocab * 2.0**-24
-    for r, raw in enumerate(specs):
-        s = raw.effective()
-        if not s.uses_top_p or s.uses_min_p or (s.uses_top_k and s.top_k < vocab):
-            continue
-        mass = float(log_s[r].exp())
-        if not mass >= s.top_p - tol:
-            count += 1
-            if len(lines) < show:
-                lines.append(
-                    f"{_spec_label(specs, r)}: kept mass S = {mass:.9g} < top_p {s.top_p:.9g} "
-                    f"(gap {s.top_p - mass:.3g}, tol {tol:.3g}); |S| = {int(kept[r].sum())}"
-                )
-    if count:
-        raise _fail(f"top_p-only rows keep less mass than top_p in {count} row(s):", lines, count)
+    eff = [raw.effective() for raw in specs]
+    top_p_only = torch.tensor([s.uses_top_p and not s.uses_min_p and not (s.uses_top_k and s.top_k < vocab) for s in eff])
+    top_p = torch.tensor([s.top_p for s in eff], dtype=torch.float64)
+    _raise_rows(top_p_only & ~(mass >= top_p - tol), "top_p-only rows keep less mass than top_p in {n} row(s):", show,
+                lambda r: f"{_spec_label(specs, r)}: kept mass S = {float(mass[r]):.9g} < top_p {eff[r].top_p:.9g} "
+                f"(gap {eff[r].top_p - float(mass[r]):.3g}, tol {tol:.3g}); |S| = {int(kept[r].sum())}")
 
 
 def check_sampled_in_kept(vllm: SamplerOutput, specs: Sequence[SamplingSpec]) -> None:
     """vLLM's own sanity: the token it drew lies in the support it reported."""
     inside = vllm.kept.gather(1, vllm.sampled.long().unsqueeze(1)).squeeze(1)
-    if bool(inside.all()):
-        return
-    rows = (~inside).nonzero().squeeze(1).tolist()
-    lines = [f"{_spec_label(specs, r)}: vLLM sampled token {int(vllm.sampled[r])}, outside its kept set" for r in rows]
-    raise _fail("vLLM sampled outside its own kept set:", lines, len(rows))
+    _raise_rows(~inside, "vLLM sampled outside its own kept set:", len(specs), lambda r: (
+        f"{_spec_label(specs, r)}: vLLM sampled token {int(vllm.sampled[r])}, outside its kept set"))
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 Most repros are their section of ``standalone_src.py`` alone, with their settings here (``SCRIPT_CONFIGS``):
 :mod:`parity.repro.runner` runs the emitted script. The others are the module ``parity.repro.NAME``:
-``settings(small)``, ``run(ctx, settings) -> Measured``, ``script_config(small)``, ``FINDING``, ``COLUMNS``
-(``settings(small, model)`` where it is in ``MODEL_REPROS``). Nothing is imported until a repro runs, so ``parity repro list`` needs no engine.
+``settings(small)``, ``run(ctx, settings) -> Measured``, ``FINDING``, ``COLUMNS``, ``script_config(small)`` unless
+it is in ``NO_SCRIPT`` (``settings(small, model)`` where it is in ``MODEL_REPROS``). Nothing is imported until a repro runs, so ``parity repro list`` needs no engine.
 """
 
 from __future__ import annotations
@@ -125,10 +125,8 @@ BY_NAME = {e.name: e for e in REPROS}
 
 def get(name: str) -> Entry:
     key = name.replace("-", "_")
-    if key.isdigit():
-        for e in REPROS:
-            if e.number == int(key):
-                return e
+    if key.isdigit() and 1 <= int(key) <= len(REPROS):
+        return REPROS[int(key) - 1]
     if key not in BY_NAME:
         raise UsageError(f"unknown reproduction {name!r}: allowed list, all, or one of {', '.join(BY_NAME)} (or 1-{len(REPROS)})")
     return BY_NAME[key]

@@ -57,6 +57,15 @@ from parity.repro.script_engines import (  # @inline parity.repro.script_engines
 )
 
 
+class ModelConfig(TypedDict):
+    """What a sampling repro's CONFIG holds beside its own settings: the tiny model and the sampling size."""
+
+    vocab: int
+    logit_scale: float
+    tokens: int
+    prompts: int
+
+
 class Filters(TypedDict, total=False):
     """vLLM's sampling filters as a repro's settings name them: keyword arguments of sample, score and vllm_filter."""
 
@@ -117,8 +126,7 @@ def kept_from_heads(heads: list[dict[int, float]], vocab: int) -> torch.Tensor:
     """S_q from captured heads: the tokens with a finite processed log-prob."""
     kept = torch.zeros(len(heads), vocab, dtype=torch.bool)
     for t, h in enumerate(heads):
-        ids = [i for i, v in h.items() if v > NEG_INF]
-        kept[t, ids] = True
+        kept[t, [i for i, v in h.items() if v > NEG_INF]] = True
     return kept
 
 
@@ -135,12 +143,8 @@ from parity.repro.standalone_report import Outcome, report  # noqa: F401 (the em
 
 
 # ==================== section: top_p_bias ====================
-class TopPBiasConfig(TypedDict):
-    vocab: int
-    logit_scale: float
+class TopPBiasConfig(ModelConfig):
     top_ps: list[float]
-    tokens: int
-    prompts: int
 
 
 def repro_top_p_bias(cfg: TopPBiasConfig, args: argparse.Namespace) -> Outcome:
@@ -255,12 +259,8 @@ def repro_top_k_entropy(cfg: TopKEntropyConfig, args: argparse.Namespace) -> Out
 
 
 # ==================== section: temperature ====================
-class TemperatureConfig(TypedDict):
-    vocab: int
-    logit_scale: float
+class TemperatureConfig(ModelConfig):
     temperatures: list[float]
-    tokens: int
-    prompts: int
 
 
 def repro_temperature(cfg: TemperatureConfig, args: argparse.Namespace) -> Outcome:
@@ -298,12 +298,8 @@ def repro_temperature(cfg: TemperatureConfig, args: argparse.Namespace) -> Outco
 
 
 # ==================== section: recompute_boundary ====================
-class RecomputeBoundaryConfig(TypedDict):
-    vocab: int
-    logit_scale: float
+class RecomputeBoundaryConfig(ModelConfig):
     settings: list[Filters]
-    tokens: int
-    prompts: int
 
 
 class RecomputeBoundaryRow(TypedDict):
@@ -355,14 +351,10 @@ if TYPE_CHECKING:
     from transformers import LlamaForCausalLM
 
 
-class TopKTiesConfig(TypedDict):
-    vocab: int
-    logit_scale: float
+class TopKTiesConfig(ModelConfig):
     tie_sizes: list[int]
     top_ks: list[int]
     margin: int
-    tokens: int
-    prompts: int
 
 
 def plant_ties(model: LlamaForCausalLM, prompts: list[list[int]], sizes: Sequence[int], rank_top: int = 4) -> list[list[int]]:
@@ -437,11 +429,7 @@ def repro_top_k_ties(cfg: TopKTiesConfig, args: argparse.Namespace) -> Outcome:
 
 
 # ==================== section: capture_head ====================
-class CaptureHeadConfig(TypedDict):
-    vocab: int
-    logit_scale: float
-    tokens: int
-    prompts: int
+class CaptureHeadConfig(ModelConfig):
     cases: list[tuple[int, Filters]]
 
 

@@ -51,10 +51,6 @@ def settings(small: bool, model: str | None = None) -> AsyncSettings:
             "timeout_s": TIMEOUT_S if model in (None, FIXTURE) else MODEL_TIMEOUT_S}
 
 
-def script_config(small: bool) -> dict[str, object]:
-    return dict(settings(small))
-
-
 def label(setting: dict[str, float]) -> str:
     return " ".join(f"{k}={v:g}" for k, v in setting.items())
 
@@ -75,8 +71,6 @@ FINDING = ("TRL AsyncGRPOTrainer's own compute_loss logs ratio = S at step 0, be
            "processed log-probs TRL's worker keeps as old_log_probs are renormalised over the kept set); where S is "
            "below 1 - epsilon every negative-advantage token is clipped. Replaying the captured kept set in the "
            "trainer brings ratio to 1 and the clip fractions to 0.")
-
-RESULT_TIMEOUT_NOTE = "raise --timeout: each setting starts TRL's rollout worker, which imports TRL in a spawned process"
 
 
 def _row(s: dict[str, Any]) -> dict[str, Any]:

@@ -22,10 +22,6 @@ class Entry:
     title: str
 
     @property
-    def module(self) -> str:
-        return f"parity.repro.{self.name}"
-
-    @property
     def takes_model(self) -> bool:
         """Whether ``parity repro NAME --model`` may run the repro on another fixture or checkpoint."""
         return self.name in MODEL_REPROS
@@ -41,7 +37,7 @@ class Entry:
         return self.name in SCRIPT_CONFIGS
 
     def load(self) -> ModuleType:
-        return importlib.import_module(self.module)
+        return importlib.import_module(f"parity.repro.{self.name}")
 
 
 MODEL_REPROS = ("trl_grpo_top_p", "trl_async_grpo", "trl_repetition_penalty")  # ``--model``: another fixture or a real checkpoint in place of its own

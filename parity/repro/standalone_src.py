@@ -156,10 +156,8 @@ def repro_top_p_bias(cfg: TopPBiasConfig, args: argparse.Namespace) -> Outcome:
         filtered = top_p < 1.0
         # The whole vocabulary per position when filtered, so that replay knows S_q exactly.
         samples = sample(llm, prompts, top_p=top_p, tokens=args.tokens, logprobs=-1 if filtered else 0, seed=args.seed)
-        cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("full", "vllm", "log_s", "replay", "recompute")}
-        zs_list: list[torch.Tensor] = []
-        ys: list[torch.Tensor] = []
-        kepts: list[torch.Tensor] = []
+        cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("full", "vllm", "log_s", "replay", "recompute", "zs", "y",
+                                                               "kept_q")}
         for s in samples:
             y, zs, kept_p = score(model, s, top_p=top_p)
             everything = torch.ones_like(kept_p)
@@ -169,11 +167,10 @@ def repro_top_p_bias(cfg: TopPBiasConfig, args: argparse.Namespace) -> Outcome:
             cols["log_s"].append(log_mass(zs, kept_p))  # predicted from trainer logits alone
             cols["replay"].append(log_prob_over(zs, y, kept_q))
             cols["recompute"].append(log_prob_over(zs, y, with_token(kept_p, y)))
-            zs_list.append(zs)
-            ys.append(y)
-            kepts.append(kept_q)
+            cols["zs"].append(zs)
+            cols["y"].append(y)
+            cols["kept_q"].append(kept_q)
         c = {k: torch.cat(v) for k, v in cols.items()}
-        zs_all, y_all, kept_all = torch.cat(zs_list), torch.cat(ys), torch.cat(kepts)
         lengths = [len(s.completion) for s in samples]
         gap = c["full"] - c["vllm"]
         pred_seq, meas_seq = seq_ratio(c["log_s"], lengths), seq_ratio(gap, lengths)
@@ -181,13 +178,13 @@ def repro_top_p_bias(cfg: TopPBiasConfig, args: argparse.Namespace) -> Outcome:
             "top_p": top_p, "mean_s": float(c["log_s"].exp().mean()),
             "pred": abs(float(c["log_s"].mean())), "meas": abs(float(gap.mean())),
             "err": abs(abs(float(c["log_s"].mean())) - abs(float(gap.mean()))),
-            "gap": over_bound(gap - c["log_s"], zs_all, y_all, kept_all),
+            "gap": over_bound(gap - c["log_s"], c["zs"], c["y"], c["kept_q"]),
             "pred_seq": float(pred_seq.mean()), "meas_seq": float(meas_seq.mean()),
-            "seq_err": seq_over_bound(pred_seq, meas_seq, zs_list, ys, kepts),
+            "seq_err": seq_over_bound(pred_seq, meas_seq, cols["zs"], cols["y"], cols["kept_q"]),
             "replay": float((c["replay"] - c["vllm"]).abs().max()),
             "recompute": float((c["recompute"] - c["vllm"]).abs().max()),
-            "replay_h": over_bound(c["replay"] - c["vllm"], zs_all, y_all, kept_all),
-            "recompute_h": over_bound(c["recompute"] - c["vllm"], zs_all, y_all, kept_all),
+            "replay_h": over_bound(c["replay"] - c["vllm"], c["zs"], c["y"], c["kept_q"]),
+            "recompute_h": over_bound(c["recompute"] - c["vllm"], c["zs"], c["y"], c["kept_q"]),
         })
     L = args.tokens
     return ([("top_p", "top_p", "g"), ("mean_s", "mean S", ".6f"), ("pred", "predicted abs(log S)", ".4f"),
@@ -221,21 +218,19 @@ def repro_top_k_entropy(cfg: TopKEntropyConfig, args: argparse.Namespace) -> Out
         entropies: list[torch.Tensor] = []
         for label, kw in cfg["settings"]:
             samples = sample(llm, prompts, tokens=args.tokens, seed=args.seed, **kw)
-            pred_seq: list[torch.Tensor] = []
-            meas_seq: list[torch.Tensor] = []
-            tols: list[torch.Tensor] = []
+            per: dict[str, list[torch.Tensor]] = {"pred": [], "meas": [], "tol": []}
             for s in samples:
                 y, zs, kept = score(model, s, **kw)
-                tols.append(logprob_bound(zs, y, kept, dtype="float32"))
-                pred_seq.append(log_mass(zs, kept))
-                meas_seq.append(log_prob_over(zs, y, torch.ones_like(kept)) - s.logprobs)
+                per["tol"].append(logprob_bound(zs, y, kept, dtype="float32"))
+                per["pred"].append(log_mass(zs, kept))
+                per["meas"].append(log_prob_over(zs, y, torch.ones_like(kept)) - s.logprobs)
                 logp = zs.double().log_softmax(-1)
                 entropies.append(-(logp.exp() * logp).sum(-1))
-            pred, meas = torch.cat(pred_seq), torch.cat(meas_seq)
+            pred, meas, tol = (torch.cat(v) for v in per.values())
             row[label + " pred"] = float(pred.exp().mean())
             row[label + " meas"] = float(meas.exp().mean())
             row["gap"] = max(row["gap"], float((pred - meas).abs().max()))
-            row["ratio"] = max(row["ratio"], float(((pred - meas).abs() / torch.cat(tols)).max()))
+            row["ratio"] = max(row["ratio"], float(((pred - meas).abs() / tol).max()))
         row["entropy"] = float(torch.cat(entropies).mean())
         rows.append(row)
         # Shut this engine down before the next starts: a late destructor would tear down the new one's state.

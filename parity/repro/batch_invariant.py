@@ -1,5 +1,6 @@
 """The batch_invariant_cpu repro: vLLM's CPU engine with and without VLLM_BATCH_INVARIANT=1, each in a fresh
-child process. Inlined into its script section (``# @inline``) after the prelude, which carries what it imports.
+child process. Inlined into its script section (``# @inline``) after the prelude, which carries what it
+imports.
 """
 
 from __future__ import annotations

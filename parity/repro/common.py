@@ -51,9 +51,11 @@ class ReproResult:
         lines = [f"## Repro {self.number}: {self.title} (`{self.name}`)", "", self.finding, "",
                  markdown(self.columns, self.rows), "",
                  "Checks (measured from the vLLM run vs predicted from trainer logits):", ""]
-        lines += [f"- [{'x' if c.passed else ' '}] {c.statement}" + (f" — {c.detail}" if c.detail else "") for c in self.checks]
+        lines += [f"- [{'x' if c.passed else ' '}] {c.statement}" + (f" — {c.detail}" if c.detail else "")
+                  for c in self.checks]
         failed = [c.statement for c in self.checks if not c.passed]
-        lines += ["", f"**{self.verdict}**" + (f": {len(failed)} check(s) failed" if failed else "") + f" ({self.seconds:.1f} s)"]
+        lines += ["", f"**{self.verdict}**" + (f": {len(failed)} check(s) failed" if failed else "")
+                  + f" ({self.seconds:.1f} s)"]
         if self.notes:
             lines += ["", *(f"> {n}" for n in self.notes)]
         return "\n".join(lines) + "\n"

@@ -2,8 +2,9 @@
 
 Most repros are their section of ``standalone_src.py`` alone, with their settings here (``SCRIPT_CONFIGS``):
 :mod:`parity.repro.runner` runs the emitted script. The others are the module ``parity.repro.NAME``:
-``settings(small)``, ``run(ctx, settings) -> Measured``, ``FINDING``, ``COLUMNS``, ``script_config(small)`` unless
-it is in ``NO_SCRIPT`` (``settings(small, model)`` where it is in ``MODEL_REPROS``). Nothing is imported until a repro runs, so ``parity repro list`` needs no engine.
+``settings(small)``, ``run(ctx, settings) -> Measured``, ``FINDING``, ``COLUMNS``, ``script_config(small)``
+unless it is in ``NO_SCRIPT`` (``settings(small, model)`` where it is in ``MODEL_REPROS``). Nothing is
+imported until a repro runs, so ``parity repro list`` needs no engine.
 """
 
 from __future__ import annotations

@@ -156,8 +156,8 @@ def repro_top_p_bias(cfg: TopPBiasConfig, args: argparse.Namespace) -> Outcome:
         filtered = top_p < 1.0
         # The whole vocabulary per position when filtered, so that replay knows S_q exactly.
         samples = sample(llm, prompts, top_p=top_p, tokens=args.tokens, logprobs=-1 if filtered else 0, seed=args.seed)
-        cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("full", "vllm", "log_s", "replay", "recompute", "zs", "y",
-                                                               "kept_q")}
+        keys = ("full", "vllm", "log_s", "replay", "recompute", "zs", "y", "kept_q")
+        cols: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
         for s in samples:
             y, zs, kept_p = score(model, s, top_p=top_p)
             everything = torch.ones_like(kept_p)
@@ -265,7 +265,8 @@ def repro_temperature(cfg: TemperatureConfig, args: argparse.Namespace) -> Outco
     rows: list[dict[str, float]] = []
     for temp in cfg["temperatures"]:
         samples = sample(llm, prompts, temperature=temp, tokens=args.tokens, seed=args.seed)
-        cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("right", "forgot", "pred", "vllm", "b_t", "b_1")}
+        keys = ("right", "forgot", "pred", "vllm", "b_t", "b_1")
+        cols: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
         for s in samples:
             z = trainer_logits(model, s.prompt, s.completion)
             y = torch.tensor(s.completion)

@@ -267,7 +267,8 @@ def case_labels(case: Case, kept: torch.Tensor | None = None) -> set[str]:
             ("repetition_penalty < 1", any(s.repetition_penalty < 1.0 for s in pen)),
             ("presence_penalty on", any(s.presence_penalty != 0.0 for s in pen)),
             ("frequency_penalty on", any(s.frequency_penalty != 0.0 for s in pen)),
-            ("a penalty moved the argmax", bool((case.penalised_logits().argmax(dim=-1) != logits.argmax(dim=-1)).any())),
+            ("a penalty moved the argmax",
+             bool((case.penalised_logits().argmax(dim=-1) != logits.argmax(dim=-1)).any())),
         ) if holds}
     z_scaled = scale(case.penalised_logits(), case.specs)
     probs = torch.softmax(z_scaled, dim=-1)
@@ -318,7 +319,8 @@ REQUIRED_LABELS = frozenset({
     "probabilities underflow to 0", "top_p=1 row on the sort path with underflow",
     "tie at the top_k boundary (|S|>k)", "tie at the top_k boundary on the top_k-only path",
     "split tie at the top_p boundary",
-    "batch: penalties (some row penalised)", "batch: penalised rows among unpenalised rows", "penalised greedy row",
+    "batch: penalties (some row penalised)", "batch: penalised rows among unpenalised rows",
+    "penalised greedy row",
     "repetition_penalty > 1", "repetition_penalty < 1", "presence_penalty on", "frequency_penalty on",
     "a penalty moved the argmax",
 })

@@ -85,7 +85,8 @@ def _fail(title: str, lines: list[str], total: int) -> AssertionError:
 
 
 def _raise_rows(bad: torch.Tensor, title: str, show: int, describe: Callable[[int], str]) -> None:
-    """Raise naming the first ``show`` rows where ``bad`` [N] holds (none: return); ``title`` counts them with ``{n}``."""
+    """Raise naming the first ``show`` rows where ``bad`` [N] holds (none: return); ``{n}`` in ``title``
+    counts them."""
     rows = bad.nonzero().squeeze(1).tolist()
     if rows:
         raise _fail(title.format(n=len(rows)), [describe(r) for r in rows[:show]], len(rows))
@@ -210,9 +211,10 @@ def check_recompute_finite(
 ) -> None:
     """``recompute`` never scores the sampled token ``-inf`` (force-include must rescue it)."""
     lp, forced = result.logprobs, result.forced
-    _raise_rows(~torch.isfinite(lp), "recompute returned a non-finite log-prob for the sampled token in {n} row(s):",
-                show, lambda r: f"{_spec_label(specs, r)}: sampled token {int(sampled[r])} scores {float(lp[r])}"
-                + (" (it lies outside the recomputed support S_p)" if bool(forced[r]) else ""))
+    title = "recompute returned a non-finite log-prob for the sampled token in {n} row(s):"
+    _raise_rows(~torch.isfinite(lp), title, show, lambda r: (
+        f"{_spec_label(specs, r)}: sampled token {int(sampled[r])} scores {float(lp[r])}"
+        + (" (it lies outside the recomputed support S_p)" if bool(forced[r]) else "")))
 
 
 def check_top_p_mass(logits: torch.Tensor, specs: Sequence[SamplingSpec], kept: torch.Tensor, *, show: int = 5) -> None:
@@ -222,11 +224,13 @@ def check_top_p_mass(logits: torch.Tensor, specs: Sequence[SamplingSpec], kept: 
     mass = predicted_log_s(logits, kept, specs).double().exp()
     tol = vocab * 2.0**-24
     eff = [raw.effective() for raw in specs]
-    top_p_only = torch.tensor([s.uses_top_p and not s.uses_min_p and not (s.uses_top_k and s.top_k < vocab) for s in eff])
+    only = torch.tensor([s.uses_top_p and not s.uses_min_p and not (s.uses_top_k and s.top_k < vocab)
+                         for s in eff])
     top_p = torch.tensor([s.top_p for s in eff], dtype=torch.float64)
-    _raise_rows(top_p_only & ~(mass >= top_p - tol), "top_p-only rows keep less mass than top_p in {n} row(s):", show,
-                lambda r: f"{_spec_label(specs, r)}: kept mass S = {float(mass[r]):.9g} < top_p {eff[r].top_p:.9g} "
-                f"(gap {eff[r].top_p - float(mass[r]):.3g}, tol {tol:.3g}); |S| = {int(kept[r].sum())}")
+    title = "top_p-only rows keep less mass than top_p in {n} row(s):"
+    _raise_rows(only & ~(mass >= top_p - tol), title, show, lambda r: (
+        f"{_spec_label(specs, r)}: kept mass S = {float(mass[r]):.9g} < top_p {eff[r].top_p:.9g} "
+        f"(gap {eff[r].top_p - float(mass[r]):.3g}, tol {tol:.3g}); |S| = {int(kept[r].sum())}"))
 
 
 def check_sampled_in_kept(vllm: SamplerOutput, specs: Sequence[SamplingSpec]) -> None:

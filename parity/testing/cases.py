@@ -245,18 +245,16 @@ def case_labels(case: Case, kept: torch.Tensor | None = None) -> set[str]:
     logits = case.logits
     n, vocab = logits.shape
     eff = [s.effective() for s in case.specs]
-    labels: set[str] = set()
-    labels.add("V<=16" if vocab <= 16 else "V<=512" if vocab <= 512 else "V>512")
-    if all(s.greedy for s in eff):
-        labels.add("batch: all greedy")
-    elif any(s.greedy for s in eff):
-        labels.add("batch: greedy rows among random rows")
-    if len(set(eff)) > 1:
-        labels.add("batch: mixed per-row specs")
-    if any(s.uses_top_p for s in eff):
-        labels.add("batch: sort path (some row uses top_p)")
-    elif any(s.uses_top_k and s.top_k < vocab for s in eff):
-        labels.add("batch: top_k-only path")
+    greedy = [s.greedy for s in eff]
+    any_p = any(s.uses_top_p for s in eff)
+    labels = {label for label, holds in (
+        ("V<=16" if vocab <= 16 else "V<=512" if vocab <= 512 else "V>512", True),
+        ("batch: all greedy", all(greedy)),
+        ("batch: greedy rows among random rows", any(greedy) and not all(greedy)),
+        ("batch: mixed per-row specs", len(set(eff)) > 1),
+        ("batch: sort path (some row uses top_p)", any_p),
+        ("batch: top_k-only path", not any_p and any(s.uses_top_k and s.top_k < vocab for s in eff)),
+    ) if holds}
     pen = [s for s in eff if s.penalised]
     if pen:
         labels.add("batch: penalties (some row penalised)")
@@ -272,7 +270,6 @@ def case_labels(case: Case, kept: torch.Tensor | None = None) -> set[str]:
         ) if holds}
     z_scaled = scale(case.penalised_logits(), case.specs)
     probs = torch.softmax(z_scaled, dim=-1)
-    any_p = any(s.uses_top_p for s in eff)
     for r, (raw, s) in enumerate(zip(case.specs, eff, strict=True)):
         t = raw.temperature
         labels.add("T=0" if t == 0 else "0<T<1e-5 (vLLM raises it to 0.01)" if t < 1e-5

@@ -216,7 +216,6 @@ def step_stats(seqs: list[dict[str, Any]]) -> StepStats:  # seqs: load_sequences
         "abs_log_s": float(log_s_t.abs().mean()),
         "is_closed": float(is_pred.double().mean()),
         "bound": float(torch.cat(bound).mean()),
-        # per token of log(TRL's own IS ratio) minus log S: per sequence (sequence modes, divided by L) or per token
         "is_dev_mean": float(dev.mean()) if dev.numel() else 0.0,
         "is_dev_max": float(dev.max()) if dev.numel() else 0.0,
         "is_dev_over_bound": float(torch.cat(ratio).max()) if ratio else 0.0,

@@ -51,10 +51,6 @@ def settings(small: bool, model: str | None = None) -> AsyncSettings:
             "timeout_s": TIMEOUT_S if model in (None, FIXTURE) else MODEL_TIMEOUT_S}
 
 
-def label(setting: dict[str, float]) -> str:
-    return " ".join(f"{k}={v:g}" for k, v in setting.items())
-
-
 COLUMNS = [
     ("config", "config", ""), ("tokens", "tokens", ""), ("neg_adv", "tokens with A<0", ""),
     ("mean_s", "S (parity capture)", ".4f"),
@@ -77,7 +73,8 @@ def _row(s: dict[str, Any]) -> dict[str, Any]:
     sh, fx = s["shipped"]["metrics"], s["fixed"]["metrics"]
     rec = s["records"]
     return {
-        "config": label(s["setting"]), "setting": s["setting"], "tokens": s["tokens"],
+        "config": " ".join(f"{k}={v:g}" for k, v in s["setting"].items()),
+        "setting": s["setting"], "tokens": s["tokens"],
         "neg_adv": s["negative_advantage_tokens"], "mean_s": s["mean_s"], "min_s": s["min_s"],
         "clipped_surely": s["clipped_surely"], "clipped_possibly": s["clipped_possibly"],
         "ratio_shipped": sh["ratio"], "err_shipped": abs(sh["ratio"] - s["mean_s"]),

@@ -330,9 +330,10 @@ def run(ctx: Context, cfg: TrlSettings) -> Measured:
                                           for r in after)
             row["is_dev_after"] = max(r["is_dev_over_bound"] for r in after)
             counts = {m: p["counts"] for m, p in by_mode.items() if p["counts"] is not None}
-            for key, count in (("positions", "tokens"), ("incomplete", "incomplete_positions"),
-                               ("widened", "widened_sequences"), ("resampled_differently", "resampled_differently")):
-                row[key] = sum(v[count] for v in counts.values())
+            row["positions"] = sum(v["tokens"] for v in counts.values())
+            row["incomplete"] = sum(v["incomplete_positions"] for v in counts.values())
+            row["widened"] = sum(v["widened_sequences"] for v in counts.values())
+            row["resampled_differently"] = sum(v["resampled_differently"] for v in counts.values())
             plans = [pl for p in by_mode.values() for pl in (p.get("capture_plans") or [])]
             row["capture"] = "adaptive" if any(pl["adaptive"] for pl in plans) else (
                 "whole vocabulary" if any(pl["logprobs"] == -1 for pl in plans) else

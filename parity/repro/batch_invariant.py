@@ -1,7 +1,6 @@
 """The batch_invariant_cpu repro: vLLM's CPU engine with and without VLLM_BATCH_INVARIANT=1, each in a fresh
-child process (the knob is read when vLLM is imported). Its section of ``standalone_src.py`` inlines it
-(``# @inline``) after the prelude, which already carries the engines and the report it imports, so the
-emitted script still runs without parity.
+child process. Inlined into its script section (``# @inline``) after the prelude, which carries what it
+imports.
 """
 
 from __future__ import annotations

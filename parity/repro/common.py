@@ -49,18 +49,15 @@ class ReproResult:
 
     def markdown(self) -> str:
         lines = [f"## Repro {self.number}: {self.title} (`{self.name}`)", "", self.finding, "",
-                 markdown(self.columns, self.rows), ""]
-        lines.append("Checks (measured from the vLLM run vs predicted from trainer logits):")
-        lines.append("")
-        for c in self.checks:
-            mark = "x" if c.passed else " "
-            lines.append(f"- [{mark}] {c.statement}" + (f" — {c.detail}" if c.detail else ""))
-        lines.append("")
+                 markdown(self.columns, self.rows), "",
+                 "Checks (measured from the vLLM run vs predicted from trainer logits):", ""]
+        lines += [f"- [{'x' if c.passed else ' '}] {c.statement}" + (f" — {c.detail}" if c.detail else "")
+                  for c in self.checks]
         failed = [c.statement for c in self.checks if not c.passed]
-        lines.append(f"**{self.verdict}**" + (f": {len(failed)} check(s) failed" if failed else "") + f" ({self.seconds:.1f} s)")
+        lines += ["", f"**{self.verdict}**" + (f": {len(failed)} check(s) failed" if failed else "")
+                  + f" ({self.seconds:.1f} s)"]
         if self.notes:
-            lines.append("")
-            lines.extend(f"> {n}" for n in self.notes)
+            lines += ["", *(f"> {n}" for n in self.notes)]
         return "\n".join(lines) + "\n"
 
     def to_json(self) -> dict[str, object]:
@@ -86,9 +83,8 @@ class ReproResult:
     def write(self, out: Path) -> list[Path]:
         """result.json and table.md under ``out`` (created)."""
         out.mkdir(parents=True, exist_ok=True)
-        j = out / "result.json"
+        j, md = out / "result.json", out / "table.md"
         j.write_text(json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n", encoding="utf-8")
-        md = out / "table.md"
         md.write_text(self.markdown(), encoding="utf-8")
         return [j, md]
 

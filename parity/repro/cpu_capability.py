@@ -1,8 +1,7 @@
 # ruff: noqa: E501
 """The cpu_capability_default repro: torch inductor's FX graph cache under ATEN_CPU_CAPABILITY=default, on torch
-alone and on vLLM's CPU engine, each step a child process over one fresh inductor cache. Its section of
-``standalone_src.py`` inlines it (``# @inline``) after the prelude, which already carries the engines and the
-report it imports, so the emitted script still runs without parity.
+alone and on vLLM's CPU engine, each step a child process over one fresh inductor cache. Inlined into its
+script section (``# @inline``) after the prelude, which carries what it imports.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 # ruff: noqa: B905
 """The prefix_cache_logprobs repro: vLLM's CPU engine with prefix caching, its prompt and completion
-log-probs after a cache hit against a cold run and across request orders. Its section of
-``standalone_src.py`` inlines it (``# @inline``) after the prelude, which already carries the engines and
-the report it imports, so the emitted script still runs without parity.
+log-probs after a cache hit against a cold run and across request orders. Inlined into its script section
+(``# @inline``) after the prelude, which carries what it imports.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Most repros are their section of ``standalone_src.py`` alone, with their settings here (``SCRIPT_CONFIGS``):
 :mod:`parity.repro.runner` runs the emitted script. The others are the module ``parity.repro.NAME``:
-``settings(small)``, ``run(ctx, settings) -> Measured``, ``script_config(small)``, ``FINDING``, ``COLUMNS``
-(``settings(small, model)`` where it is in ``MODEL_REPROS``). Nothing is imported until a repro runs, so ``parity repro list`` needs no engine.
+``settings(small)``, ``run(ctx, settings) -> Measured``, ``FINDING``, ``COLUMNS``, ``script_config(small)``
+unless it is in ``NO_SCRIPT`` (``settings(small, model)`` where it is in ``MODEL_REPROS``). Nothing is
+imported until a repro runs, so ``parity repro list`` needs no engine.
 """
 
 from __future__ import annotations
@@ -22,10 +23,6 @@ class Entry:
     title: str
 
     @property
-    def module(self) -> str:
-        return f"parity.repro.{self.name}"
-
-    @property
     def takes_model(self) -> bool:
         """Whether ``parity repro NAME --model`` may run the repro on another fixture or checkpoint."""
         return self.name in MODEL_REPROS
@@ -41,7 +38,7 @@ class Entry:
         return self.name in SCRIPT_CONFIGS
 
     def load(self) -> ModuleType:
-        return importlib.import_module(self.module)
+        return importlib.import_module(f"parity.repro.{self.name}")
 
 
 MODEL_REPROS = ("trl_grpo_top_p", "trl_async_grpo", "trl_repetition_penalty")  # ``--model``: another fixture or a real checkpoint in place of its own
@@ -125,10 +122,8 @@ BY_NAME = {e.name: e for e in REPROS}
 
 def get(name: str) -> Entry:
     key = name.replace("-", "_")
-    if key.isdigit():
-        for e in REPROS:
-            if e.number == int(key):
-                return e
+    if key.isdigit() and 1 <= int(key) <= len(REPROS):
+        return REPROS[int(key) - 1]
     if key not in BY_NAME:
         raise UsageError(f"unknown reproduction {name!r}: allowed list, all, or one of {', '.join(BY_NAME)} (or 1-{len(REPROS)})")
     return BY_NAME[key]

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -54,10 +54,8 @@ def run_entry(entry: Entry, ctx: Context, out: Path) -> ReproResult:
     module = entry.load()
     cfg = settings_for(entry, module, ctx)
     m: Measured = module.run(ctx, cfg)
-    return ReproResult(
-        name=entry.name, number=entry.number, title=entry.title,
-        finding=module.FINDING, columns=module.COLUMNS, rows=m.rows, checks=m.checks, notes=m.notes, data={"settings": cfg, **m.data},
-    )
+    return ReproResult(**asdict(entry), finding=module.FINDING, columns=module.COLUMNS, rows=m.rows,
+                       checks=m.checks, notes=m.notes, data={"settings": cfg, **m.data})
 
 
 def run_script(entry: Entry, ctx: Context, out: Path) -> ReproResult:
@@ -71,11 +69,10 @@ def run_script(entry: Entry, ctx: Context, out: Path) -> ReproResult:
     log.write_text(p.text, encoding="utf-8")
     if got is None:
         raise RuntimeError(f"{script.name} wrote no result: {p.error or 'no error printed'} (its output: {log})")
-    return ReproResult(
-        name=entry.name, number=entry.number, title=entry.title, finding=standalone.finding(entry.name),
-        columns=[tuple(c) for c in got["columns"]], rows=got["rows"], checks=[Check(*c) for c in got["checks"]],
-        data={"settings": cfg, "script": str(script)},
-    )
+    return ReproResult(**asdict(entry), finding=standalone.finding(entry.name),
+                       columns=[tuple(c) for c in got["columns"]], rows=got["rows"],
+                       checks=[Check(*c) for c in got["checks"]],
+                       data={"settings": cfg, "script": str(script)})
 
 
 def run_entries(entries: Sequence[Entry], ctx: Context, out_for: Callable[[Entry], Path]) -> list[ReproResult]:
@@ -87,11 +84,9 @@ def run_entries(entries: Sequence[Entry], ctx: Context, out_for: Callable[[Entry
         try:
             res = run_entry(entry, ctx, out_for(entry))
         except Exception as exc:  # noqa: BLE001 - one broken repro must not hide the others
-            res = ReproResult(
-                name=entry.name, number=entry.number, title=entry.title,
-                finding="The reproduction did not run to completion.", columns=[], rows=[],
-                checks=[Check("the reproduction runs to completion", False, f"{type(exc).__name__}: {exc}")],
-            )
+            failure = Check("the reproduction runs to completion", False, f"{type(exc).__name__}: {exc}")
+            res = ReproResult(**asdict(entry), finding="The reproduction did not run to completion.",
+                              columns=[], rows=[], checks=[failure])
         res.seconds = time.perf_counter() - start
         res.write(out_for(entry))
         print(res.markdown(), flush=True)

@@ -23,17 +23,13 @@ class ChildRun:
     timeout_s: float
 
     @property
-    def timed_out(self) -> bool:
-        return self.rc is None
-
-    @property
     def text(self) -> str:
         return self.stdout + "\n" + self.stderr
 
     @property
     def error(self) -> str:
         """Why it failed, in one line: the timeout, else its last exception line, else its exit code ("" for 0)."""
-        if self.timed_out:
+        if self.rc is None:
             return f"timeout after {self.timeout_s:.0f} s"
         errors = exceptions(output_lines(self.text))
         if errors:

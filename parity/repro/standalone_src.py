@@ -31,8 +31,7 @@ import torch
 
 NEG_INF = float("-inf")
 
-# parity's rounding model for per-token log-probs; emitted scripts carry its source here.
-from parity.core.error_model import logprob_bound  # @inline parity.core.error_model
+from parity.core.error_model import headroom, logprob_bound  # @inline parity.core.error_model
 
 
 def parse_args(cfg: Mapping[str, object], title: str) -> argparse.Namespace:
@@ -44,8 +43,6 @@ def parse_args(cfg: Mapping[str, object], title: str) -> argparse.Namespace:
     return p.parse_args()
 
 
-# The tiny model, vLLM sampling and the trainer's logits; emitted scripts carry their source here.
-# vLLM's sampling filters as parity applies them (reference_filter); emitted scripts carry its source here.
 from parity.core.filters import reference_filter  # @inline parity.core.filters
 from parity.core.spec import SamplingSpec  # @inline parity.core.spec
 from parity.repro.script_engines import (  # @inline parity.repro.script_engines
@@ -58,6 +55,15 @@ from parity.repro.script_engines import (  # @inline parity.repro.script_engines
     start_vllm,
     trainer_logits,
 )
+
+
+class ModelConfig(TypedDict):
+    """What a sampling repro's CONFIG holds beside its own settings: the tiny model and the sampling size."""
+
+    vocab: int
+    logit_scale: float
+    tokens: int
+    prompts: int
 
 
 class Filters(TypedDict, total=False):
@@ -106,8 +112,7 @@ def log_mass(z: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
 
 def over_bound(diff: torch.Tensor, zs: torch.Tensor, y: torch.Tensor, kept: torch.Tensor) -> float:
     """max |diff| / bound: the rounding bound of each token's log-prob over ``kept`` (<= 1 holds)."""
-    b = logprob_bound(zs, y, kept, dtype="float32")
-    return float((diff.double().abs() / b).max())
+    return headroom(diff, logprob_bound(zs, y, kept, dtype="float32"))
 
 
 def seq_over_bound(pred_seq: torch.Tensor, meas_seq: torch.Tensor, zs_list: list[torch.Tensor], ys: list[torch.Tensor],
@@ -121,8 +126,7 @@ def kept_from_heads(heads: list[dict[int, float]], vocab: int) -> torch.Tensor:
     """S_q from captured heads: the tokens with a finite processed log-prob."""
     kept = torch.zeros(len(heads), vocab, dtype=torch.bool)
     for t, h in enumerate(heads):
-        ids = [i for i, v in h.items() if v > NEG_INF]
-        kept[t, ids] = True
+        kept[t, [i for i, v in h.items() if v > NEG_INF]] = True
     return kept
 
 
@@ -135,17 +139,12 @@ def seq_ratio(per_token: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     return torch.stack([s.sum() for s in torch.split(per_token, lengths)]).exp()
 
 
-# The table and the verdict every script prints; emitted scripts carry its source here.
 from parity.repro.standalone_report import Outcome, report  # noqa: F401 (the emitted main calls report)  # @inline parity.repro.standalone_report
 
 
 # ==================== section: top_p_bias ====================
-class TopPBiasConfig(TypedDict):
-    vocab: int
-    logit_scale: float
+class TopPBiasConfig(ModelConfig):
     top_ps: list[float]
-    tokens: int
-    prompts: int
 
 
 def repro_top_p_bias(cfg: TopPBiasConfig, args: argparse.Namespace) -> Outcome:
@@ -157,10 +156,8 @@ def repro_top_p_bias(cfg: TopPBiasConfig, args: argparse.Namespace) -> Outcome:
         filtered = top_p < 1.0
         # The whole vocabulary per position when filtered, so that replay knows S_q exactly.
         samples = sample(llm, prompts, top_p=top_p, tokens=args.tokens, logprobs=-1 if filtered else 0, seed=args.seed)
-        cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("full", "vllm", "log_s", "replay", "recompute")}
-        zs_list: list[torch.Tensor] = []
-        ys: list[torch.Tensor] = []
-        kepts: list[torch.Tensor] = []
+        keys = ("full", "vllm", "log_s", "replay", "recompute", "zs", "y", "kept_q")
+        cols: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
         for s in samples:
             y, zs, kept_p = score(model, s, top_p=top_p)
             everything = torch.ones_like(kept_p)
@@ -170,11 +167,10 @@ def repro_top_p_bias(cfg: TopPBiasConfig, args: argparse.Namespace) -> Outcome:
             cols["log_s"].append(log_mass(zs, kept_p))  # predicted from trainer logits alone
             cols["replay"].append(log_prob_over(zs, y, kept_q))
             cols["recompute"].append(log_prob_over(zs, y, with_token(kept_p, y)))
-            zs_list.append(zs)
-            ys.append(y)
-            kepts.append(kept_q)
+            cols["zs"].append(zs)
+            cols["y"].append(y)
+            cols["kept_q"].append(kept_q)
         c = {k: torch.cat(v) for k, v in cols.items()}
-        zs_all, y_all, kept_all = torch.cat(zs_list), torch.cat(ys), torch.cat(kepts)
         lengths = [len(s.completion) for s in samples]
         gap = c["full"] - c["vllm"]
         pred_seq, meas_seq = seq_ratio(c["log_s"], lengths), seq_ratio(gap, lengths)
@@ -182,13 +178,13 @@ def repro_top_p_bias(cfg: TopPBiasConfig, args: argparse.Namespace) -> Outcome:
             "top_p": top_p, "mean_s": float(c["log_s"].exp().mean()),
             "pred": abs(float(c["log_s"].mean())), "meas": abs(float(gap.mean())),
             "err": abs(abs(float(c["log_s"].mean())) - abs(float(gap.mean()))),
-            "gap": over_bound(gap - c["log_s"], zs_all, y_all, kept_all),
+            "gap": over_bound(gap - c["log_s"], c["zs"], c["y"], c["kept_q"]),
             "pred_seq": float(pred_seq.mean()), "meas_seq": float(meas_seq.mean()),
-            "seq_err": seq_over_bound(pred_seq, meas_seq, zs_list, ys, kepts),
+            "seq_err": seq_over_bound(pred_seq, meas_seq, cols["zs"], cols["y"], cols["kept_q"]),
             "replay": float((c["replay"] - c["vllm"]).abs().max()),
             "recompute": float((c["recompute"] - c["vllm"]).abs().max()),
-            "replay_h": over_bound(c["replay"] - c["vllm"], zs_all, y_all, kept_all),
-            "recompute_h": over_bound(c["recompute"] - c["vllm"], zs_all, y_all, kept_all),
+            "replay_h": over_bound(c["replay"] - c["vllm"], c["zs"], c["y"], c["kept_q"]),
+            "recompute_h": over_bound(c["recompute"] - c["vllm"], c["zs"], c["y"], c["kept_q"]),
         })
     L = args.tokens
     return ([("top_p", "top_p", "g"), ("mean_s", "mean S", ".6f"), ("pred", "predicted abs(log S)", ".4f"),
@@ -222,21 +218,19 @@ def repro_top_k_entropy(cfg: TopKEntropyConfig, args: argparse.Namespace) -> Out
         entropies: list[torch.Tensor] = []
         for label, kw in cfg["settings"]:
             samples = sample(llm, prompts, tokens=args.tokens, seed=args.seed, **kw)
-            pred_seq: list[torch.Tensor] = []
-            meas_seq: list[torch.Tensor] = []
-            tols: list[torch.Tensor] = []
+            per: dict[str, list[torch.Tensor]] = {"pred": [], "meas": [], "tol": []}
             for s in samples:
                 y, zs, kept = score(model, s, **kw)
-                tols.append(logprob_bound(zs, y, kept, dtype="float32"))
-                pred_seq.append(log_mass(zs, kept))
-                meas_seq.append(log_prob_over(zs, y, torch.ones_like(kept)) - s.logprobs)
+                per["tol"].append(logprob_bound(zs, y, kept, dtype="float32"))
+                per["pred"].append(log_mass(zs, kept))
+                per["meas"].append(log_prob_over(zs, y, torch.ones_like(kept)) - s.logprobs)
                 logp = zs.double().log_softmax(-1)
                 entropies.append(-(logp.exp() * logp).sum(-1))
-            pred, meas = torch.cat(pred_seq), torch.cat(meas_seq)
+            pred, meas, tol = (torch.cat(v) for v in per.values())
             row[label + " pred"] = float(pred.exp().mean())
             row[label + " meas"] = float(meas.exp().mean())
             row["gap"] = max(row["gap"], float((pred - meas).abs().max()))
-            row["ratio"] = max(row["ratio"], float(((pred - meas).abs() / torch.cat(tols)).max()))
+            row["ratio"] = max(row["ratio"], float(((pred - meas).abs() / tol).max()))
         row["entropy"] = float(torch.cat(entropies).mean())
         rows.append(row)
         # Shut this engine down before the next starts: a late destructor would tear down the new one's state.
@@ -260,12 +254,8 @@ def repro_top_k_entropy(cfg: TopKEntropyConfig, args: argparse.Namespace) -> Out
 
 
 # ==================== section: temperature ====================
-class TemperatureConfig(TypedDict):
-    vocab: int
-    logit_scale: float
+class TemperatureConfig(ModelConfig):
     temperatures: list[float]
-    tokens: int
-    prompts: int
 
 
 def repro_temperature(cfg: TemperatureConfig, args: argparse.Namespace) -> Outcome:
@@ -275,25 +265,20 @@ def repro_temperature(cfg: TemperatureConfig, args: argparse.Namespace) -> Outco
     rows: list[dict[str, float]] = []
     for temp in cfg["temperatures"]:
         samples = sample(llm, prompts, temperature=temp, tokens=args.tokens, seed=args.seed)
-        right_seq: list[torch.Tensor] = []
-        forgot_seq: list[torch.Tensor] = []
-        pred_seq: list[torch.Tensor] = []
-        vllm_seq: list[torch.Tensor] = []
-        b_t_seq: list[torch.Tensor] = []
-        b_1_seq: list[torch.Tensor] = []
+        keys = ("right", "forgot", "pred", "vllm", "b_t", "b_1")
+        cols: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
         for s in samples:
             z = trainer_logits(model, s.prompt, s.completion)
             y = torch.tensor(s.completion)
             everything = torch.ones_like(z, dtype=torch.bool)
-            right_seq.append(log_prob_over(z / temp, y, everything))
-            forgot_seq.append(log_prob_over(z, y, everything))
-            pred_seq.append(z.double().log_softmax(-1).gather(1, y[:, None]).squeeze(1)
-                            - (z.double() / temp).log_softmax(-1).gather(1, y[:, None]).squeeze(1))
-            vllm_seq.append(s.logprobs)
-            b_t_seq.append(logprob_bound(z / temp, y, everything, dtype="float32"))
-            b_1_seq.append(logprob_bound(z, y, everything, dtype="float32"))
-        right, forgot, pred, vllm, b_t, b_1 = (torch.cat(v) for v in (right_seq, forgot_seq, pred_seq, vllm_seq,
-                                                                     b_t_seq, b_1_seq))
+            cols["right"].append(log_prob_over(z / temp, y, everything))
+            cols["forgot"].append(log_prob_over(z, y, everything))
+            cols["pred"].append(z.double().log_softmax(-1).gather(1, y[:, None]).squeeze(1)
+                                - (z.double() / temp).log_softmax(-1).gather(1, y[:, None]).squeeze(1))
+            cols["vllm"].append(s.logprobs)
+            cols["b_t"].append(logprob_bound(z / temp, y, everything, dtype="float32"))
+            cols["b_1"].append(logprob_bound(z, y, everything, dtype="float32"))
+        right, forgot, pred, vllm, b_t, b_1 = (torch.cat(v) for v in cols.values())
         rows.append({"T": temp, "pred": float(pred.mean()), "forgot": float((forgot - vllm).mean()),
                      "gap": float(((forgot - vllm) - pred).abs().max()), "right": float((right - vllm).abs().max()),
                      "gap_h": float((((forgot - vllm) - pred).abs() / (b_t + b_1)).max()),
@@ -309,12 +294,8 @@ def repro_temperature(cfg: TemperatureConfig, args: argparse.Namespace) -> Outco
 
 
 # ==================== section: recompute_boundary ====================
-class RecomputeBoundaryConfig(TypedDict):
-    vocab: int
-    logit_scale: float
+class RecomputeBoundaryConfig(ModelConfig):
     settings: list[Filters]
-    tokens: int
-    prompts: int
 
 
 class RecomputeBoundaryRow(TypedDict):
@@ -366,14 +347,10 @@ if TYPE_CHECKING:
     from transformers import LlamaForCausalLM
 
 
-class TopKTiesConfig(TypedDict):
-    vocab: int
-    logit_scale: float
+class TopKTiesConfig(ModelConfig):
     tie_sizes: list[int]
     top_ks: list[int]
     margin: int
-    tokens: int
-    prompts: int
 
 
 def plant_ties(model: LlamaForCausalLM, prompts: list[list[int]], sizes: Sequence[int], rank_top: int = 4) -> list[list[int]]:
@@ -448,11 +425,7 @@ def repro_top_k_ties(cfg: TopKTiesConfig, args: argparse.Namespace) -> Outcome:
 
 
 # ==================== section: capture_head ====================
-class CaptureHeadConfig(TypedDict):
-    vocab: int
-    logit_scale: float
-    tokens: int
-    prompts: int
+class CaptureHeadConfig(ModelConfig):
     cases: list[tuple[int, Filters]]
 
 
@@ -545,13 +518,10 @@ def repro_torch_cpu_log_softmax(cfg: LogSoftmaxConfig, args: argparse.Namespace)
 
 
 # ==================== section: batch_invariant_cpu ====================
-# The repro's own module; emitted scripts carry its source here.
 from parity.repro.batch_invariant import repro_batch_invariant_cpu  # noqa: F401 (the emitted main calls it)  # @inline parity.repro.batch_invariant
 
 # ==================== section: cpu_capability_default ====================
-# The repro's own module; emitted scripts carry its source here.
 from parity.repro.cpu_capability import repro_cpu_capability_default  # noqa: F401 (the emitted main calls it)  # @inline parity.repro.cpu_capability
 
 # ==================== section: prefix_cache_logprobs ====================
-# The repro's own module; emitted scripts carry its source here.
 from parity.repro.prefix_cache import repro_prefix_cache_logprobs  # noqa: F401 (the emitted main calls it)  # @inline parity.repro.prefix_cache

@@ -35,8 +35,6 @@ if TYPE_CHECKING:
     from trl.trainer.grpo_trainer import GRPOTrainer
 
 from parity.core.error_model import logprob_rounding_bound  # @inline parity.core.error_model
-
-# A child process and its traceback; emitted scripts carry its source here.
 from parity.repro.standalone_child import (  # @inline parity.repro.standalone_child
     ChildRun,
     exceptions,
@@ -149,7 +147,6 @@ def run_self(payload: Mapping[str, object], timeout_s: float) -> tuple[Any, Chil
     return (json.loads(m.group(1)) if m and p.rc == 0 else None), p
 
 
-# The table and the verdict every script prints; emitted scripts carry its source here.
 from parity.repro.standalone_report import Outcome, report  # noqa: F401 (the emitted main calls report)  # @inline parity.repro.standalone_report
 
 

@@ -51,14 +51,6 @@ def settings(small: bool, model: str | None = None) -> AsyncSettings:
             "timeout_s": TIMEOUT_S if model in (None, FIXTURE) else MODEL_TIMEOUT_S}
 
 
-def script_config(small: bool) -> dict[str, object]:
-    return dict(settings(small))
-
-
-def label(setting: dict[str, float]) -> str:
-    return " ".join(f"{k}={v:g}" for k, v in setting.items())
-
-
 COLUMNS = [
     ("config", "config", ""), ("tokens", "tokens", ""), ("neg_adv", "tokens with A<0", ""),
     ("mean_s", "S (parity capture)", ".4f"),
@@ -76,14 +68,13 @@ FINDING = ("TRL AsyncGRPOTrainer's own compute_loss logs ratio = S at step 0, be
            "below 1 - epsilon every negative-advantage token is clipped. Replaying the captured kept set in the "
            "trainer brings ratio to 1 and the clip fractions to 0.")
 
-RESULT_TIMEOUT_NOTE = "raise --timeout: each setting starts TRL's rollout worker, which imports TRL in a spawned process"
-
 
 def _row(s: dict[str, Any]) -> dict[str, Any]:
     sh, fx = s["shipped"]["metrics"], s["fixed"]["metrics"]
     rec = s["records"]
     return {
-        "config": label(s["setting"]), "setting": s["setting"], "tokens": s["tokens"],
+        "config": " ".join(f"{k}={v:g}" for k, v in s["setting"].items()),
+        "setting": s["setting"], "tokens": s["tokens"],
         "neg_adv": s["negative_advantage_tokens"], "mean_s": s["mean_s"], "min_s": s["min_s"],
         "clipped_surely": s["clipped_surely"], "clipped_possibly": s["clipped_possibly"],
         "ratio_shipped": sh["ratio"], "err_shipped": abs(sh["ratio"] - s["mean_s"]),

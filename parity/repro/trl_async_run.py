@@ -28,16 +28,6 @@ PROMPTS = (
 FLOAT32_U = 2.0**-24
 
 
-def _bound(tok: dict[str, Any], dtype: str) -> Any:
-    """Per-token drift bound between the server's and the trainer's log-prob (parity.core.error_model.logprob_bound)."""
-    from parity.core.error_model import logprob_bound
-    from parity.core.estimators import ids_to_mask
-
-    z = tok["scaled_logits"]
-    support = ids_to_mask(tok["kept"], z.shape[1]) if "kept" in tok else None
-    return logprob_bound(z, tok["labels"], support, dtype=dtype)
-
-
 def _records(samples: list[Any], inputs: dict[str, Any], trainer: Any, spec: Any, meta: dict[str, object],
              path: Path) -> dict[str, object]:
     """The async trainer's per-token logs (old_log_probs, the trainer's log_probs) as records, judged as
@@ -118,6 +108,8 @@ def run_setting(policy: Any, tokenizer: Any, got: dict[str, Any], cfg: dict[str,
     the wrong step's kept sets; the drift bound, and the logs judged as records."""
     import torch
 
+    from parity.core.error_model import logprob_bound
+    from parity.core.estimators import ids_to_mask
     from parity.engines.trl_async import KeptSetReplay, at_tokens, pack, trl_compute_loss
     from parity.engines.vllm_server.capture_proxy import KeptSets
 
@@ -148,7 +140,10 @@ def run_setting(policy: Any, tokenizer: Any, got: dict[str, Any], cfg: dict[str,
         new = at["full"] - (at["log_s"] if mode == "replay" else 0.0)
         res[name] = {"metrics": metrics, "loss": loss,
                      "low_clipped_tokens": int(((new - old).exp() < 1 - cfg["epsilon"]).logical_and(adv < 0).sum())}
-    bound = _bound(tok, cfg["trainer_dtype"])
+    # Per-token drift bound between the server's and the trainer's log-prob.
+    z = tok["scaled_logits"]
+    bound = logprob_bound(z, tok["labels"], ids_to_mask(tok["kept"], z.shape[1]) if "kept" in tok else None,
+                          dtype=cfg["trainer_dtype"])
     m = int(token_index.numel())
     s = tok["log_s"].double().exp()
     d_shipped = (tok["full"].double() - old.double()) - tok["log_s"].double()
@@ -188,13 +183,12 @@ def main(cfg: dict[str, Any], out: Path) -> dict[str, Any]:
     cfg = {"epsilon": defaults["epsilon"], "epsilon_high": defaults["epsilon_high"],
            "temperature": defaults["temperature"], **cfg}
     flags = trl_serve_flags(path)
-    server_args: list[str] = []
     result: dict[str, Any] = {"config": cfg, "trl_defaults": defaults, "trl_serve_flags": flags, "settings": []}
     tokenizer, template_note = chat_tokenizer(path)
     result["template_substitution"] = template_note
     policy = load_policy(path, temperature=cfg["temperature"])
     rollout = ServerRollout(path, server=cfg.get("server", "spawn"), dtype=cfg["dtype"], seed=cfg["seed"],
-                            timeout_s=cfg["timeout_s"], max_model_len=cfg["max_model_len"], server_args=server_args)
+                            timeout_s=cfg["timeout_s"], max_model_len=cfg["max_model_len"])
     try:
         result["server_command"] = list(rollout.proc.args) if rollout.proc is not None else None  # type: ignore[arg-type]
         # Every setting's worker runs at once (each its own proxy and process; the server batches them): on a

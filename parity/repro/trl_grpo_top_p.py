@@ -74,8 +74,8 @@ class Relation(TypedDict):
     holds: bool
 
 
-# label, sampling fields, TRL IS mode, extra phases. "off" is TRL with no parity patch at all: its
-# metrics must equal the observe phase's bitwise (recording changes nothing TRL computes).
+# "off" is TRL with no parity patch at all: its metrics must equal the observe phase's bitwise (recording
+# changes nothing TRL computes).
 CONFIGS: tuple[TrlConfig, ...] = (
     {"top_p": 1.0, "is_mode": "sequence_mask"},
     {"top_p": 0.9, "is_mode": "sequence_mask"},
@@ -216,7 +216,6 @@ def step_stats(seqs: list[dict[str, Any]]) -> StepStats:  # seqs: load_sequences
         "abs_log_s": float(log_s_t.abs().mean()),
         "is_closed": float(is_pred.double().mean()),
         "bound": float(torch.cat(bound).mean()),
-        # per token of log(TRL's own IS ratio) minus log S: per sequence (sequence modes, divided by L) or per token
         "is_dev_mean": float(dev.mean()) if dev.numel() else 0.0,
         "is_dev_max": float(dev.max()) if dev.numel() else 0.0,
         "is_dev_over_bound": float(torch.cat(ratio).max()) if ratio else 0.0,
@@ -275,6 +274,9 @@ FINDING = ("TRL's own sampling_logp_difference/mean equals abs(log S) per token 
 
 
 def run(ctx: Context, cfg: TrlSettings) -> Measured:
+    from parity.analyze.trl import judge_logged
+    from parity.engines.trl_grpo import load_sequences
+
     timeout = min(ctx.timeout_s, cfg["timeout_s"])
     tmp = Path(tempfile.mkdtemp(prefix="parity-trl-repro-"))
     # A row's values come from trl_run's decoded JSON and judge_logged's gate dict (both untyped) as well as
@@ -292,15 +294,13 @@ def run(ctx: Context, cfg: TrlSettings) -> Measured:
                        "max_completion_length": cfg["max_completion_length"], "seed": ctx.seed,
                        "phases": phases}
             ctx.progress(f"parity repro: TRL GRPOTrainer {name} ({c['is_mode']}), subprocess, timeout {timeout:.0f} s")
-            res = run_config(run_cfg, tmp / name.replace(" ", "_").replace("=", ""), timeout)
+            out = tmp / name.replace(" ", "_").replace("=", "")
+            res = run_config(run_cfg, out, timeout)
             if "error" in res:
                 failures.append(f"{name}: {res['error']}")
                 per_config[name] = res
                 continue
-            out = tmp / name.replace(" ", "_").replace("=", "")
             by_mode = {p["mode"]: p for p in res["phases"]}
-            from parity.engines.trl_grpo import load_sequences
-
             captured = {m: load_sequences(out / p["capture"]) for m, p in by_mode.items() if p.get("capture")}
             tables = {m: phase_table(by_mode[m], seqs) for m, seqs in captured.items()}
             before, after = tables["observe"]["steps"], tables[cfg["fix"]]["steps"]
@@ -317,8 +317,6 @@ def run(ctx: Context, cfg: TrlSettings) -> Measured:
             }
             row["err_before"] = abs(row["trl_before"] - row["abs_log_s"])
             # The verdict from TRL's logged per-token tensors alone, by parity's two-column mean-bias gate.
-            from parity.analyze.trl import judge_logged
-
             for phase, key in (("observe", "before"), (cfg["fix"], "after")):
                 g = judge_logged(captured[phase])
                 m, tut = (g.get("mean_bias") or {}).get("logprob"), g.get("trainer_under_test")

@@ -5,13 +5,11 @@ penalty touches; ``patch_grpo("replay")`` applies the penalty and removes it.
 Each configuration runs TRL's real ``GRPOTrainer`` (``python -m parity.engines.trl_run``) as shipped (``observe``)
 and patched (``replay``). REPRODUCED: the shipped ``sampling/sampling_logp_difference/mean`` moves away from the
 unpenalised control's by more than its resolution (the control's bf16 bound), and the patched one stays within the
-control's floor plus that bound. Run: ``python -m parity.repro.trl_repetition_penalty --model smollm2-135m``.
+control's floor plus that bound. Run: ``parity repro trl_repetition_penalty --model smollm2-135m``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -64,10 +62,6 @@ def settings(small: bool, model: str | None = None) -> dict[str, Any]:
     configs = list(CONFIGS[:2]) if small else list(CONFIGS)
     return {"fixture": model or FIXTURE, "steps": 1 if small else 2, "batch": 8, "num_generations": 4,
             "max_completion_length": 16, "fix": FIX, "configs": configs, "timeout_s": CONFIG_TIMEOUT_S}
-
-
-def script_config(small: bool) -> dict[str, Any]:
-    return settings(small)
 
 
 def run(ctx: Context, cfg: dict[str, Any]) -> Measured:
@@ -142,29 +136,3 @@ def _result(rows: list[dict[str, Any]], failures: list[str]) -> Measured:
         f"{r['config']}: {r['gate_before']} (bias {r['gate_bias_before']}, resolution {r['gate_limit_before']})"
         for r in rows)]
     return Measured(rows, checks, notes)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m parity.repro.trl_repetition_penalty", description=FINDING)
-    p.add_argument("--model", default=None, help="fixture name or checkpoint directory (default: qwen2-tiny)")
-    p.add_argument("--small", action="store_true", help="one step, control and repetition_penalty=1.1 only")
-    p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
-    args = p.parse_args(argv)
-    ctx = Context(small=args.small, model=args.model, timeout_s=CONFIG_TIMEOUT_S)
-    m = run(ctx, settings(args.small, args.model))
-    for r in m.rows:
-        print("  " + "  ".join(f"{title}={r[key]:{fmt}}" if fmt and isinstance(r[key], float) else f"{title}={r[key]}"
-                               for key, title, fmt in COLUMNS))
-    for c in m.checks:
-        print(f"  [{'ok' if c.passed else 'FAIL'}] {c.statement}" + (f": {c.detail}" if c.detail else ""))
-    for n in m.notes:
-        print("  " + n)
-    ok = all(c.passed for c in m.checks)
-    print(f"trl_repetition_penalty: {'REPRODUCED' if ok else 'NOT REPRODUCED'}")
-    if args.out:
-        args.out.write_text(json.dumps({"rows": m.rows, "checks": [c.__dict__ for c in m.checks]}, indent=2, default=str))
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -5,6 +5,7 @@ real engine on a fixture (or your checkpoint) and fails with ``parity run``'s ve
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from parity.core.gates import Thresholds
@@ -14,16 +15,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from parity.engines.session import EnginePool
     from parity.engines.trainer_under_test import TrainerFn
 
-_SHARED_POOL: EnginePool | None = None
 
-
+@functools.cache
 def _pool() -> EnginePool:
-    global _SHARED_POOL
-    if _SHARED_POOL is None:
-        from parity.engines.session import EnginePool
+    from parity.engines.session import EnginePool
 
-        _SHARED_POOL = EnginePool()
-    return _SHARED_POOL
+    return EnginePool()
 
 
 def check_trainer(

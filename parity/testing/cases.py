@@ -245,39 +245,31 @@ def case_labels(case: Case, kept: torch.Tensor | None = None) -> set[str]:
     logits = case.logits
     n, vocab = logits.shape
     eff = [s.effective() for s in case.specs]
-    labels: set[str] = set()
-    labels.add("V<=16" if vocab <= 16 else "V<=512" if vocab <= 512 else "V>512")
-    if all(s.greedy for s in eff):
-        labels.add("batch: all greedy")
-    elif any(s.greedy for s in eff):
-        labels.add("batch: greedy rows among random rows")
-    if len(set(eff)) > 1:
-        labels.add("batch: mixed per-row specs")
-    if any(s.uses_top_p for s in eff):
-        labels.add("batch: sort path (some row uses top_p)")
-    elif any(s.uses_top_k and s.top_k < vocab for s in eff):
-        labels.add("batch: top_k-only path")
+    greedy = [s.greedy for s in eff]
+    any_p = any(s.uses_top_p for s in eff)
+    labels = {label for label, holds in (
+        ("V<=16" if vocab <= 16 else "V<=512" if vocab <= 512 else "V>512", True),
+        ("batch: all greedy", all(greedy)),
+        ("batch: greedy rows among random rows", any(greedy) and not all(greedy)),
+        ("batch: mixed per-row specs", len(set(eff)) > 1),
+        ("batch: sort path (some row uses top_p)", any_p),
+        ("batch: top_k-only path", not any_p and any(s.uses_top_k and s.top_k < vocab for s in eff)),
+    ) if holds}
     pen = [s for s in eff if s.penalised]
     if pen:
         labels.add("batch: penalties (some row penalised)")
-        if len(pen) < len(eff):
-            labels.add("batch: penalised rows among unpenalised rows")
-        if any(s.greedy for s in pen):
-            labels.add("penalised greedy row")
-        if any(s.repetition_penalty > 1.0 for s in pen):
-            labels.add("repetition_penalty > 1")
-        if any(s.repetition_penalty < 1.0 for s in pen):
-            labels.add("repetition_penalty < 1")
-        if any(s.presence_penalty != 0.0 for s in pen):
-            labels.add("presence_penalty on")
-        if any(s.frequency_penalty != 0.0 for s in pen):
-            labels.add("frequency_penalty on")
-        raw_top = logits.argmax(dim=-1)
-        if bool((case.penalised_logits().argmax(dim=-1) != raw_top).any()):
-            labels.add("a penalty moved the argmax")
+        labels |= {label for label, holds in (
+            ("batch: penalised rows among unpenalised rows", len(pen) < len(eff)),
+            ("penalised greedy row", any(s.greedy for s in pen)),
+            ("repetition_penalty > 1", any(s.repetition_penalty > 1.0 for s in pen)),
+            ("repetition_penalty < 1", any(s.repetition_penalty < 1.0 for s in pen)),
+            ("presence_penalty on", any(s.presence_penalty != 0.0 for s in pen)),
+            ("frequency_penalty on", any(s.frequency_penalty != 0.0 for s in pen)),
+            ("a penalty moved the argmax",
+             bool((case.penalised_logits().argmax(dim=-1) != logits.argmax(dim=-1)).any())),
+        ) if holds}
     z_scaled = scale(case.penalised_logits(), case.specs)
     probs = torch.softmax(z_scaled, dim=-1)
-    any_p = any(s.uses_top_p for s in eff)
     for r, (raw, s) in enumerate(zip(case.specs, eff, strict=True)):
         t = raw.temperature
         labels.add("T=0" if t == 0 else "0<T<1e-5 (vLLM raises it to 0.01)" if t < 1e-5
@@ -311,51 +303,21 @@ def case_labels(case: Case, kept: torch.Tensor | None = None) -> set[str]:
 
 
 # Every label the CI profile must reach (tests/sampler asserts it; `parity sampler` prints the counts).
-REQUIRED_LABELS = frozenset(
-    {
-        "V<=16",
-        "V<=512",
-        "V>512",
-        "batch: all greedy",
-        "batch: greedy rows among random rows",
-        "batch: mixed per-row specs",
-        "batch: sort path (some row uses top_p)",
-        "batch: top_k-only path",
-        "T=0",
-        "0<T<1e-5 (vLLM raises it to 0.01)",
-        "1e-5<=T<0.01 (raised to 0.01)",
-        "T<1",
-        "T=1",
-        "T>1",
-        "row with a single finite value",
-        "-inf entries",
-        "flat logits (std<=0.5)",
-        "peaked logits (std>=10)",
-        "ties among the logits",
-        "top_k off",
-        "top_k=1",
-        "top_k>=V",
-        "1<top_k<V",
-        "top_p off",
-        "top_p small (<=0.3)",
-        "top_p typical",
-        "min_p off",
-        "min_p=1",
-        "min_p typical",
-        "probabilities underflow to 0",
-        "top_p=1 row on the sort path with underflow",
-        "tie at the top_k boundary (|S|>k)",
-        "tie at the top_k boundary on the top_k-only path",
-        "split tie at the top_p boundary",
-        "batch: penalties (some row penalised)",
-        "batch: penalised rows among unpenalised rows",
-        "penalised greedy row",
-        "repetition_penalty > 1",
-        "repetition_penalty < 1",
-        "presence_penalty on",
-        "frequency_penalty on",
-        "a penalty moved the argmax",
-    }
-)
-
-
+REQUIRED_LABELS = frozenset({
+    "V<=16", "V<=512", "V>512",
+    "batch: all greedy", "batch: greedy rows among random rows", "batch: mixed per-row specs",
+    "batch: sort path (some row uses top_p)", "batch: top_k-only path",
+    "T=0", "0<T<1e-5 (vLLM raises it to 0.01)", "1e-5<=T<0.01 (raised to 0.01)", "T<1", "T=1", "T>1",
+    "row with a single finite value", "-inf entries", "flat logits (std<=0.5)", "peaked logits (std>=10)",
+    "ties among the logits",
+    "top_k off", "top_k=1", "top_k>=V", "1<top_k<V",
+    "top_p off", "top_p small (<=0.3)", "top_p typical",
+    "min_p off", "min_p=1", "min_p typical",
+    "probabilities underflow to 0", "top_p=1 row on the sort path with underflow",
+    "tie at the top_k boundary (|S|>k)", "tie at the top_k boundary on the top_k-only path",
+    "split tie at the top_p boundary",
+    "batch: penalties (some row penalised)", "batch: penalised rows among unpenalised rows",
+    "penalised greedy row",
+    "repetition_penalty > 1", "repetition_penalty < 1", "presence_penalty on", "frequency_penalty on",
+    "a penalty moved the argmax",
+})

@@ -84,39 +84,32 @@ def _fail(title: str, lines: list[str], total: int) -> AssertionError:
     return AssertionError(title + "\n  " + "\n  ".join(lines) + more)
 
 
-def _raise_worst(
-    bad: torch.Tensor, gap: torch.Tensor, title: str, show: int, describe: Callable[[int, int], str]
-) -> None:
-    """Raise naming the ``show`` (row, token) positions where ``bad`` holds, largest ``gap`` first (none: return).
-
-    ``title`` counts them with ``{n}``; ``describe(row, token)`` is one position's line.
-    """
-    if not bool(bad.any()):
-        return
+def _raise_at(bad: torch.Tensor, title: str, show: int, describe: Callable[..., str],
+              gap: torch.Tensor | None = None) -> None:
+    """Raise naming the first ``show`` positions where ``bad`` holds (rows of ``[N]``, (row, token) of
+    ``[N, V]``, each ``describe(*position)``), largest ``gap`` first when given (none: return); ``{n}`` in
+    ``title`` counts them."""
     where = bad.nonzero().tolist()
-    where.sort(key=lambda rt: -float(gap[rt[0], rt[1]]))
-    raise _fail(title.format(n=len(where)), [describe(r, t) for r, t in where[:show]], len(where))
+    if gap is not None:
+        where.sort(key=lambda p: -float(gap[tuple(p)]))
+    if where:
+        raise _fail(title.format(n=len(where)), [describe(*p) for p in where[:show]], len(where))
 
 
 def check_kept_equal(ref: FilterResult, vllm: SamplerOutput, *, show: int = 5) -> None:
     """The reference keeps exactly the tokens vLLM keeps (ties included)."""
     if ref.kept.shape != vllm.kept.shape:
         raise AssertionError(f"kept masks differ in shape: reference {tuple(ref.kept.shape)} vs vLLM {tuple(vllm.kept.shape)}")
-    diff = ref.kept ^ vllm.kept
-    if not bool(diff.any()):
-        return
-    lines = []
-    where = diff.nonzero().tolist()
-    for r, t in where[:show]:
+
+    def describe(r: int, t: int) -> str:
         side = "kept by vLLM, dropped by the reference" if vllm.kept[r, t] else "kept by the reference, dropped by vLLM"
-        z = ref.scaled[r]
-        kv = z[vllm.kept[r]]
-        lines.append(
-            f"{_spec_label(ref.specs, r)}: token {t} {side}; its scaled logit {float(z[t]):.9g}, "
-            f"smallest vLLM-kept {float(kv.min()) if kv.numel() else float('nan'):.9g}; "
-            f"|S| reference {int(ref.kept[r].sum())} vs vLLM {int(vllm.kept[r].sum())}"
-        )
-    raise _fail(f"kept sets differ (reference vs vLLM) at {len(where)} token(s):", lines, len(where))
+        kv = ref.scaled[r][vllm.kept[r]]
+        return (f"{_spec_label(ref.specs, r)}: token {t} {side}; "
+                f"its scaled logit {float(ref.scaled[r, t]):.9g}, "
+                f"smallest vLLM-kept {float(kv.min()) if kv.numel() else float('nan'):.9g}; "
+                f"|S| reference {int(ref.kept[r].sum())} vs vLLM {int(vllm.kept[r].sum())}")
+
+    _raise_at(ref.kept ^ vllm.kept, "kept sets differ (reference vs vLLM) at {n} token(s):", show, describe)
 
 
 def check_processed_close(ref: FilterResult, vllm: SamplerOutput, *, show: int = 5) -> None:
@@ -126,9 +119,9 @@ def check_processed_close(ref: FilterResult, vllm: SamplerOutput, *, show: int =
     gap = abs_difference(a, b)
     tol = processed_tolerance(ref.scaled, vllm.kept)
     bad = ~(gap <= tol)
-    _raise_worst(bad, gap, "processed log-probs differ (reference vs vLLM) at {n} token(s):", show, lambda r, t: (
+    _raise_at(bad, "processed log-probs differ (reference vs vLLM) at {n} token(s):", show, lambda r, t: (
         f"{_spec_label(ref.specs, r)}: token {t}: reference {float(a[r, t]):.9g} vs vLLM {float(b[r, t]):.9g}, "
-        f"gap {float(gap[r, t]):.3g} > tol {float(tol[r, t]):.3g}"))
+        f"gap {float(gap[r, t]):.3g} > tol {float(tol[r, t]):.3g}"), gap)
 
 
 def check_log_s_identity(
@@ -159,9 +152,10 @@ def check_log_s_identity(
     err = (gap - log_s.unsqueeze(1)).abs()
     tol = log_s_tolerance(scaled, kept)
     bad = kept & ~(err <= tol)  # NaN counts as bad
-    _raise_worst(bad, err, "full - processed != log S at {n} kept token(s):", show, lambda r, t: (
+    _raise_at(bad, "full - processed != log S at {n} kept token(s):", show, lambda r, t: (
         f"{_spec_label(specs, r)}: token {t}: full {float(full_all[r, t]):.9g} - processed {float(processed[r, t]):.9g} "
-        f"= {float(gap[r, t]):.9g} but log S = {float(log_s[r]):.9g}; gap {float(err[r, t]):.3g} > tol {float(tol[r, t]):.3g}"))
+        f"= {float(gap[r, t]):.9g} but log S = {float(log_s[r]):.9g}; "
+        f"gap {float(err[r, t]):.3g} > tol {float(tol[r, t]):.3g}"), err)
 
 
 def check_replay(
@@ -203,50 +197,33 @@ def check_recompute_finite(
 ) -> None:
     """``recompute`` never scores the sampled token ``-inf`` (force-include must rescue it)."""
     lp, forced = result.logprobs, result.forced
-    bad = ~torch.isfinite(lp)
-    if not bool(bad.any()):
-        return
-    rows = bad.nonzero().squeeze(1).tolist()
-    lines = [
+    title = "recompute returned a non-finite log-prob for the sampled token in {n} row(s):"
+    _raise_at(~torch.isfinite(lp), title, show, lambda r: (
         f"{_spec_label(specs, r)}: sampled token {int(sampled[r])} scores {float(lp[r])}"
-        + (" (it lies outside the recomputed support S_p)" if bool(forced[r]) else "")
-        for r in rows[:show]
-    ]
-    raise _fail(f"recompute returned a non-finite log-prob for the sampled token in {len(rows)} row(s):", lines, len(rows))
+        + (" (it lies outside the recomputed support S_p)" if bool(forced[r]) else "")))
 
 
 def check_top_p_mass(logits: torch.Tensor, specs: Sequence[SamplingSpec], kept: torch.Tensor, *, show: int = 5) -> None:
     """S >= top_p on rows where top_p is the only filter, to about V * 2**-24: the float32 cumsum's rounding
     over V terms (docs/error_model.md, section 7)."""
     vocab = logits.shape[1]
-    log_s = predicted_log_s(logits, kept, specs).double()
-    lines: list[str] = []
-    count = 0
+    mass = predicted_log_s(logits, kept, specs).double().exp()
     tol = vocab * 2.0**-24
-    for r, raw in enumerate(specs):
-        s = raw.effective()
-        if not s.uses_top_p or s.uses_min_p or (s.uses_top_k and s.top_k < vocab):
-            continue
-        mass = float(log_s[r].exp())
-        if not mass >= s.top_p - tol:
-            count += 1
-            if len(lines) < show:
-                lines.append(
-                    f"{_spec_label(specs, r)}: kept mass S = {mass:.9g} < top_p {s.top_p:.9g} "
-                    f"(gap {s.top_p - mass:.3g}, tol {tol:.3g}); |S| = {int(kept[r].sum())}"
-                )
-    if count:
-        raise _fail(f"top_p-only rows keep less mass than top_p in {count} row(s):", lines, count)
+    eff = [raw.effective() for raw in specs]
+    only = torch.tensor([s.uses_top_p and not s.uses_min_p and not (s.uses_top_k and s.top_k < vocab)
+                         for s in eff])
+    top_p = torch.tensor([s.top_p for s in eff], dtype=torch.float64)
+    title = "top_p-only rows keep less mass than top_p in {n} row(s):"
+    _raise_at(only & ~(mass >= top_p - tol), title, show, lambda r: (
+        f"{_spec_label(specs, r)}: kept mass S = {float(mass[r]):.9g} < top_p {eff[r].top_p:.9g} "
+        f"(gap {eff[r].top_p - float(mass[r]):.3g}, tol {tol:.3g}); |S| = {int(kept[r].sum())}"))
 
 
 def check_sampled_in_kept(vllm: SamplerOutput, specs: Sequence[SamplingSpec]) -> None:
     """vLLM's own sanity: the token it drew lies in the support it reported."""
     inside = vllm.kept.gather(1, vllm.sampled.long().unsqueeze(1)).squeeze(1)
-    if bool(inside.all()):
-        return
-    rows = (~inside).nonzero().squeeze(1).tolist()
-    lines = [f"{_spec_label(specs, r)}: vLLM sampled token {int(vllm.sampled[r])}, outside its kept set" for r in rows]
-    raise _fail("vLLM sampled outside its own kept set:", lines, len(rows))
+    _raise_at(~inside, "vLLM sampled outside its own kept set:", len(specs), lambda r: (
+        f"{_spec_label(specs, r)}: vLLM sampled token {int(vllm.sampled[r])}, outside its kept set"))
 
 
 @dataclass

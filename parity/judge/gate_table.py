@@ -380,7 +380,6 @@ GATE_TABLE: tuple[Gate, ...] = (
          "one (1.0, checked on the experts that ran)", scope="routing"),
     Gate("routing_replay_drift", (), _routing_drift, _BOUND + ", under routing replay", scope="routing"),
 )
-GATES_BY_NAME = {g.name: g for g in GATE_TABLE}
 REFERENCE_GATES = tuple(g.name for g in GATE_TABLE if g.reference)
 
 

@@ -372,21 +372,24 @@ class ViolationJson(TypedDict):
     message: str
 
 
-class ScenarioFacts(TypedDict):
-    """What a producer adds to a scenario's entry that its records do not hold (stored in the records metadata
-    under :data:`parity.analyze.report.REPORT_FACTS`): parity run's capture plan, dtypes, RL view, native
-    capture and routing; the TRL capture's model, masked tokens, rounding bound and TRL facts."""
-
+class _ProducerBlocks(TypedDict):
     model: NotRequired[str]
-    rl_view: NotRequired["dict[str, TrainerSummary]"]
     capture_plan: NotRequired[JsonObject]
     dtypes: NotRequired[Dtypes]
-    raw_logits_pass: NotRequired[JsonObject]  # moved into the scenario's sampler_log_s
+    rl_view: NotRequired["dict[str, TrainerSummary]"]
     native_capture: NotRequired[NativeCapture]
     routing: NotRequired[Routing]
     masked_tokens: NotRequired[int]
     rounding_bound: NotRequired[RoundingBound]
     trl: NotRequired[TrlFacts]
+
+
+class ScenarioFacts(_ProducerBlocks):
+    """What a producer adds to a scenario's entry that its records do not hold (stored in the records metadata
+    under :data:`parity.analyze.report.REPORT_FACTS`): parity run's capture plan, dtypes, RL view, native
+    capture and routing; the TRL capture's model, masked tokens, rounding bound and TRL facts."""
+
+    raw_logits_pass: NotRequired[JsonObject]  # moved into the scenario's sampler_log_s
 
 
 class EnvironmentJson(TypedDict):
@@ -473,7 +476,7 @@ class ScenarioStats(TypedDict):
     mismatch_split: NotRequired[MismatchSplit]
 
 
-class ScenarioJson(ScenarioStats):
+class ScenarioJson(ScenarioStats, _ProducerBlocks):
     """One scenario of report.json (:func:`parity.judge.verdict.judge` builds it; :func:`parity.report.model.checked_report`
     holds it to these keys): a block the producer did not give is left out."""
 
@@ -485,15 +488,6 @@ class ScenarioJson(ScenarioStats):
     mean_bias_evaluated: bool
     no_verdict: str | None
     capture_limit: str | None
-    model: NotRequired[str]
-    capture_plan: NotRequired[JsonObject]
-    dtypes: NotRequired[Dtypes]
-    rl_view: NotRequired["dict[str, TrainerSummary]"]
-    native_capture: NotRequired[NativeCapture]
-    routing: NotRequired[Routing]
-    masked_tokens: NotRequired[int]
-    rounding_bound: NotRequired[RoundingBound]
-    trl: NotRequired[TrlFacts]
 
 
 class BudgetRow(TypedDict):

@@ -27,17 +27,10 @@ def _fmt(x: object) -> str:
     return str(x)
 
 
-GLANCE_COLUMNS = (
-    ("scenario", "scenario"),
-    ("verdict", "verdict"),
-    ("log S", "log S"),
-    ("naive bias", "naive bias"),
-    ("replay", "replay headroom"),
-    ("recompute", "recompute headroom"),
-    ("support", "support equal"),
-    ("mean/limit", "mean bias / limit"),
-    ("resolution", "resolution (nats)"),
-)
+GLANCE_COLUMNS = (("scenario", "scenario"), ("verdict", "verdict"), ("log S", "log S"),
+                  ("naive bias", "naive bias"), ("replay", "replay headroom"),
+                  ("recompute", "recompute headroom"), ("support", "support equal"),
+                  ("mean/limit", "mean bias / limit"), ("resolution", "resolution (nats)"))
 
 
 def glance_table(report: ReportJson) -> list[str]:
@@ -186,8 +179,7 @@ def _verdict_lists(sc: list[ScenarioJson]) -> list[str]:
 
 def _detail_table(sc: list[ScenarioJson]) -> list[str]:
     """One row per scenario, failures first."""
-    lines: list[str] = []
-    lines += [
+    lines = [
         "## Detail per scenario",
         "",
         "Headroom is max |diff| / bound: the per-token rounding bound of parity.core.error_model (both sides' "
@@ -206,37 +198,19 @@ def _detail_table(sc: list[ScenarioJson]) -> list[str]:
     for s in sorted(sc, key=lambda s: s["verdict"] != "fail"):
         spec = s["spec"]
         label = f"T={spec['temperature']:g} k={spec['top_k']} p={spec['top_p']:g} min_p={spec['min_p']:g}"
-        lines.append(
-            "| "
-            + " | ".join(
-                _fmt(x)
-                for x in (
-                    s["verdict"].upper(),
-                    s["name"],
-                    label,
-                    s["tokens"],
-                    s["log_s"]["mean"],
-                    s["naive"]["bias_mean"],
-                    s["sampler_log_s"]["source"].replace("_", " "),
-                    s["headroom"]["naive_vs_sampler_log_s"],
-                    s["headroom"]["replay"],
-                    s["headroom"]["recompute"],
-                    s["replay"]["max_abs_diff"],
-                    s["recompute"]["forced_includes"],
-                    s["replay"]["support_equal_frac"],
-                    s["recompute"]["support_equal_frac"],
-                    s["is_ratio"]["naive"]["sequence"]["mean"],
-                    s["incomplete_positions"],
-                )
-            )
-            + " |"
-        )
+        lines.append("| " + " | ".join(_fmt(x) for x in (
+            s["verdict"].upper(), s["name"], label, s["tokens"], s["log_s"]["mean"], s["naive"]["bias_mean"],
+            s["sampler_log_s"]["source"].replace("_", " "), s["headroom"]["naive_vs_sampler_log_s"],
+            s["headroom"]["replay"], s["headroom"]["recompute"], s["replay"]["max_abs_diff"],
+            s["recompute"]["forced_includes"], s["replay"]["support_equal_frac"],
+            s["recompute"]["support_equal_frac"], s["is_ratio"]["naive"]["sequence"]["mean"],
+            s["incomplete_positions"],
+        )) + " |")
     return lines
 
 
 def _determinism(det: JsonObject) -> list[str]:
-    lines: list[str] = []
-    lines += ["", "## Determinism", ""]
+    lines = ["", "## Determinism", ""]
     lines.append(
         f"Invariance {'required (batch-invariant mode on)' if det['required'] else 'reported, not required'}; "
         f"overall {'bitwise invariant' if det['invariant'] else 'NOT invariant'}. Largest batching difference "
@@ -255,17 +229,12 @@ def _determinism(det: JsonObject) -> list[str]:
         value = kernels.get("value")
         if kernels.get("status") == "on" and isinstance(value, dict):
             calls = _obj(value.get("calls", {}))
-            lines += [
-                "",
-                "CPU kernels replaced on the trainer: "
-                + ", ".join(f"{k} ({calls.get(k, 0)} calls)" for k in _obj(value.get("replaced", {}))),
-            ]
+            lines += ["", "CPU kernels replaced on the trainer: "
+                      + ", ".join(f"{k} ({calls.get(k, 0)} calls)" for k in _obj(value.get("replaced", {})))]
             other = _obj(value.get("other_ops"))
             if other:
-                lines.append(
-                    "Operations no kernel covers (measured by the checks): "
-                    + ", ".join(f"{k} x{n}" for k, n in other.items())
-                )
+                lines.append("Operations no kernel covers (measured by the checks): "
+                             + ", ".join(f"{k} x{n}" for k, n in other.items()))
     lines += [f"- {_obj(v)['message']}" for v in _items(det["violations"])]
     return lines
 
@@ -277,18 +246,9 @@ def render_markdown(report: ReportJson) -> str:
     """report.md: one screen first (the verdict, the paragraph, the table, its plot), then what failed and why;
     the per-scenario detail is :func:`render_details`' (details.md, linked)."""
     sc = report["scenarios"]
-    env = report["environment"]
     plots = set(report.get("plots") or [])
-    lines = [
-        "# parity report",
-        "",
-        _headline(report),
-        "",
-        overview.paragraph(report),
-        "",
-        _environment(env),
-        "",
-    ]
+    lines = ["# parity report", "", _headline(report), "", overview.paragraph(report), "",
+             _environment(report["environment"]), ""]
     limits = [s["capture_limit"] for s in sc if s.get("capture_limit")]
     if limits:
         lines += ["## Capture limits (not evaluated, not a FAIL)", ""] + [f"- {x}" for x in limits] + [""]

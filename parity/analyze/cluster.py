@@ -226,11 +226,6 @@ def summarize_on_engine(
     return total
 
 
-def _timed_out(eng: Engine, timeout_s: float) -> TimedOut:
-    return TimedOut(f"parity analyze --engine {eng.kind}: the analysis did not finish within {timeout_s:.0f} s "
-                    f"(raise --timeout)")
-
-
 # -- Ray Data ---------------------------------------------------------------------------------------
 
 _RAY_LOOKUPS: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
@@ -317,7 +312,8 @@ def _on_ray(eng: Engine, targets: Sequence[str], step: MapStep, timeout_s: float
         for b in mapped.iter_batches(batch_format="pyarrow", batch_size=None):
             parts += b.column("summary").to_pylist()
             if time.monotonic() > deadline:
-                raise _timed_out(eng, timeout_s)
+                raise TimedOut(f"parity analyze --engine {eng.kind}: the analysis did not finish within "
+                               f"{timeout_s:.0f} s (raise --timeout)")
         return parts
     finally:
         ctx.enable_progress_bars = bars

@@ -131,12 +131,6 @@ def rescored_columns(batch: RecordsBatch, trainer: TransformersTrainer, dtypes: 
 # ==================================================================================================
 
 
-def _dtypes(meta: Mapping[str, object], options: Options) -> tuple[str, str]:
-    sampler = meta.get("dtype") or "float32"
-    trainer = options.dtype if options.model else (meta.get("trainer_dtype") or sampler)
-    return str(sampler), str(trainer)
-
-
 def file_header(path: str, records: RecordsFile) -> Summary:
     """What an open records file (:func:`parity.records.read.open_records`) adds to a summary before any
     of its rows: its name, its metadata, whether its pages carry checksums."""
@@ -148,7 +142,8 @@ def batch_summarizer(metadata: Mapping[str, object], file_index: int, options: O
     """The map step for the validated batches of one file: dtypes and vocabulary size from the file's
     metadata, the trainer's values re-scored with ``options.model`` when set (what every worker runs:
     local processes, Ray)."""
-    dtypes = _dtypes(metadata, options)
+    sampler = str(metadata.get("dtype") or "float32")
+    dtypes = (sampler, options.dtype if options.model else str(metadata.get("trainer_dtype") or sampler))
     stated = (str(metadata.get("dtype") or ""), options.dtype if options.model else str(metadata.get("trainer_dtype") or ""))
     stated_vocab = metadata.get("vocab_size")  # user metadata: checked here
     vocab = None

@@ -150,10 +150,8 @@ def _add_naive_bracket(acc: ScenarioAcc, c: TokenColumns, usable: np.ndarray, wh
     nb = c.bound_full[idx] + c.bound[idx]
     s = acc.bounds["naive"]
     key = s.add(gap, nb)
-    gap_all = np.zeros(c.row.size)
-    gap_all[idx] = gap
-    nb_all = np.zeros(c.row.size)
-    nb_all[idx] = nb
+    gap_all, nb_all = np.zeros(c.row.size), np.zeros(c.row.size)
+    gap_all[idx], nb_all[idx] = gap, nb
     s.worst.offer(key, where.order(idx), where.at(idx, values={"vllm": c.vllm, "trainer_full": c.full,
                                                                "sampler_log_s_lo": c.s_lo, "sampler_log_s_hi": c.s_hi},
                                                   gap=gap_all, bound=nb_all))

@@ -10,8 +10,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from parity.core.error_model import StatedFacts, stated_facts
 from parity.core.spec import SamplingSpec
 from parity.core.violation import Position
@@ -27,9 +25,9 @@ from parity.judge.streams import (
     RatioStream,
     ViewMatch,
     Worst,
-    sparse_hist,
 )
 from parity.records.casts import CastNote
+from parity.report.blocks import dense_hist, sparse_hist
 
 SUMMARY_VERSION = 6  # 4: per-step accumulators (parity.judge.steps); 5: the two-column mean-bias sums; 6: ties and one-sided supports
 
@@ -253,23 +251,16 @@ def _encode(s: Summary) -> dict[str, object]:
     }
 
 
-def _dense_hist(pairs: list[list[int]], bins: int) -> np.ndarray:
-    hist = np.zeros(bins, dtype=np.int64)
-    for i, v in pairs:
-        hist[i] = v
-    return hist
-
-
 def _decode(data: dict[str, Any]) -> Summary:
     def stream(d: dict[str, Any]) -> DiffStream:
         return DiffStream(d["n"], d["total"], d["total_abs"], d["max_abs"], d["nonfinite"],
-                          _dense_hist(d["hist"], HIST_BINS))
+                          dense_hist(d["hist"], HIST_BINS))
 
     def bounded(d: dict[str, Any]) -> BoundStream:
         w = d["worst"]
         worst = Worst(w["n"], [(k, tuple(o), Position(**p)) for k, o, p in w["items"]])
         return BoundStream(d["n"], d["mean"], d["m2"], d["bound_sum"], d["systematic_sum"], d["headroom"],
-                           worst, _dense_hist(d["hist"], HEAD_BINS), d["cross_log_s"], d["log_s_sq"])
+                           worst, dense_hist(d["hist"], HEAD_BINS), d["cross_log_s"], d["log_s_sq"])
 
     out = Summary(rows=data["rows"], tokens=data["tokens"], files=list(data["files"]), metadata=list(data["metadata"]),
                   columns=set(data["columns"]), ignored_columns=set(data["ignored_columns"]),

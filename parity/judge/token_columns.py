@@ -159,13 +159,10 @@ def _row_groups(batch: RecordsBatch) -> list[tuple[str, tuple[str, tuple[float, 
         c, j = divmod(int(uniq[u]), n_specs)
         spec = batch.specs[j]
         key = (label_of[c] if c else spec.label(), tuple(spec.to_dict().values()))
-        groups.setdefault(_key_name(key), (key, []))[1].append(np.flatnonzero(inverse == u))
+        name = f"{key[0]}\x1f{json.dumps(key[1])}"
+        groups.setdefault(name, (key, []))[1].append(np.flatnonzero(inverse == u))
     return [(g, key, parts[0] if len(parts) == 1 else np.sort(np.concatenate(parts)))
             for g, (key, parts) in groups.items()]
-
-
-def _key_name(key: tuple[str, tuple[float, ...]]) -> str:
-    return f"{key[0]}\x1f{json.dumps(key[1])}"
 
 
 def summarize_batch(

@@ -28,7 +28,7 @@ from parity.judge.accumulators import INPUTS, ScenarioAcc
 from parity.judge.diagnosis import diagnosis_text, logprob_bias_class
 from parity.judge.gate_table import CAPTURE_LIMIT_FIX, GATE_TABLE, GateCase, evaluate, split_verdict
 from parity.judge.steps import COMPARISONS, REPORT_NAMES, SUPPORT_OF, TREND_GATE, drift_trend
-from parity.judge.streams import HEAD_BINS, HEAD_LO, HEAD_STEP, na_ratios, sparse_hist
+from parity.judge.streams import HEAD_BINS, HEAD_LO, HEAD_STEP, na_ratios
 from parity.report import blocks
 
 if TYPE_CHECKING:
@@ -414,7 +414,7 @@ def drift_headroom_hist(a: ScenarioAcc) -> blocks.DriftHeadroom:
     out: blocks.DriftHeadroom = {"log10_lo": HEAD_LO, "bin_width": HEAD_STEP, "bins": HEAD_BINS}
     for k in ("replay", "recompute"):
         if a.bounds[k].n:
-            out[k] = sparse_hist(a.bounds[k].hist)
+            out[k] = blocks.sparse_hist(a.bounds[k].hist)
     return out
 
 

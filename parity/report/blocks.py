@@ -11,6 +11,8 @@ import typing
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Literal, NotRequired, TypedDict, Union, cast
 
+import numpy as np
+
 if TYPE_CHECKING:
     from parity.core.rl_catalogue import TrainerSummary  # imports torch: named in a string annotation
 
@@ -250,6 +252,19 @@ class DriftHeadroom(TypedDict):
     bins: int
     replay: NotRequired[list[list[int]]]
     recompute: NotRequired[list[list[int]]]
+
+
+def sparse_hist(hist: np.ndarray) -> list[list[int]]:
+    """A histogram's filled bins as [index, count] pairs (``drift_headroom``, and the map step's JSON)."""
+    return [[int(i), int(hist[i])] for i in np.flatnonzero(hist)]
+
+
+def dense_hist(pairs: list[list[int]], bins: int) -> np.ndarray:
+    """The inverse of :func:`sparse_hist`: ``bins`` counts."""
+    hist = np.zeros(bins, dtype=np.int64)
+    for i, c in pairs:
+        hist[i] = c
+    return hist
 
 
 class TrainerUnderTest(TypedDict):

@@ -45,8 +45,7 @@ def _lines(s: BudgetScenario, headline: str, sep: str, md: bool) -> list[str]:
     b = rem["bound"]
     bound = "" if b is None else f"max |δ| / rounding bound {_num(b['headroom'])} (mean bound {_num(b['mean_bound'])})"
     share = rem["share"].get("mean_abs_delta")
-    rows.append([rem["label"], pct(share)] + [_num(rem["after"][m]) for m in AFTER]
-                + [bound])
+    rows.append([rem["label"], pct(share)] + [_num(rem["after"][m]) for m in AFTER] + [bound])
     if md:
         def cells(row: list[str]) -> str:
             return "| " + " | ".join(c.replace("|", "\\|") for c in row) + " |"

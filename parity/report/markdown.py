@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from parity.core.display import NA
 from parity.report import budget_section, overview, rl_section, routing_section
-from parity.report.blocks import EnvironmentJson, JsonObject, ReportJson, ScenarioJson, StepJson, TrendJson
+from parity.report.blocks import EnvironmentJson, JsonObject, ReportJson, ScenarioJson, StepJson
 
 
 def _obj(x: object) -> Mapping[str, object]:
@@ -60,12 +60,6 @@ def glance_table(report: ReportJson) -> list[str]:
 MAX_STEP_ROWS = 60
 
 
-def _trend_verdict(tr: TrendJson) -> str:
-    if not tr.get("evaluated"):
-        return "not evaluated"
-    return "PASS" if tr.get("passed") else "FAIL"
-
-
 def steps_section(report: ReportJson) -> list[str]:
     """The training-log view (records with a ``step`` column): each scenario's trend of mean |diff| over steps
     with the ``drift_trend`` verdict, then its per-step table. Empty when no scenario has steps."""
@@ -93,7 +87,8 @@ def steps_section(report: ReportJson) -> list[str]:
             band = f"{_fmt(mean)} ± {_fmt(trend['band_k'] * noise)} ({base})"
         lines.append("| " + " | ".join(_fmt(x) for x in (
             s["name"], tr.get("comparison"), tr.get("steps", 0), tr.get("slope"), tr.get("slope_se"), tr.get("limit"),
-            band, tr.get("first_step_outside"), _trend_verdict(trend) if trend else "not evaluated",
+            band, tr.get("first_step_outside"),
+            ("PASS" if tr.get("passed") else "FAIL") if tr.get("evaluated") else "not evaluated",
         )) + " |")
     if "drift_steps.png" in set(report.get("plots") or []):
         lines += ["", "![mean |diff| per training step, its fitted line and band](drift_steps.png)"]

@@ -341,20 +341,13 @@ def _trainer_sentences(sc: list[ScenarioJson], who: str) -> list[str]:
 
 
 def _determinism_sentences(report: ReportJson) -> list[str]:
-    parts: list[str] = []
-    det = report.get("determinism")
-    if det:
-        sides = []
-        for side in ("rollout", "trainer"):
-            d = det.get(side)
-            if isinstance(d, dict) and "invariant" in d:
-                sides.append(f"{side} {'bitwise' if d['invariant'] else 'not bitwise'}")
-        if sides:
-            parts.append(
-                "Across batch sizes and layouts: " + ", ".join(sides)
-                + (" (required under batch-invariant mode)." if det.get("required") else " (reported, not required).")
-            )
-    return parts
+    det = report.get("determinism") or {}
+    sides = [f"{side} {'bitwise' if d['invariant'] else 'not bitwise'}" for side in ("rollout", "trainer")
+             if isinstance(d := det.get(side), dict) and "invariant" in d]
+    if not sides:
+        return []
+    why = " (required under batch-invariant mode)." if det.get("required") else " (reported, not required)."
+    return ["Across batch sizes and layouts: " + ", ".join(sides) + why]
 
 
 def paragraph(report: ReportJson) -> str:

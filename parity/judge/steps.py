@@ -41,9 +41,7 @@ class StepAccJson(TypedDict):
     streams: dict[str, list[float]]
 
 
-# ==================================================================================================
-# the mergeable accumulators
-# ==================================================================================================
+# -- the mergeable accumulators --------------------------------------------------------------------
 
 
 @dataclass
@@ -169,9 +167,7 @@ def grouped_headroom(slot: np.ndarray, n_slots: int, key: np.ndarray) -> tuple[n
     return count, top
 
 
-# ==================================================================================================
-# the report: per-step entries and the trend
-# ==================================================================================================
+# -- the report: per-step entries and the trend ----------------------------------------------------
 
 
 def over(value: float, limit: float) -> bool:

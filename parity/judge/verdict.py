@@ -75,9 +75,7 @@ REASONS = {
 assert set(REASONS) == set(INPUTS)
 
 
-# ==================================================================================================
-# the report entries and the verdicts
-# ==================================================================================================
+# -- the report entries and the verdicts -----------------------------------------------------------
 
 
 def _diagnosis(a: ScenarioAcc, mean_limit: float, logprob: blocks.LogprobBias | None = None) -> str:

@@ -10,8 +10,8 @@ from parity.report.blocks import BudgetBlock, BudgetRow, BudgetScenario, Mismatc
 AFTER = ("mean_abs_delta", "mean_delta", "k3_kl", "outside_ppo", "seq_ratio_sd")
 
 
-def _num(x: object, fmt: str = ".3g") -> str:
-    return format(x, fmt) if isinstance(x, (int, float)) else "—"
+def _num(x: object) -> str:
+    return format(x, ".3g") if isinstance(x, (int, float)) else "—"
 
 
 def share_cell(row: BudgetRow, measure: str) -> str:

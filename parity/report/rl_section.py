@@ -25,6 +25,7 @@ HEADLINE_METHODS = ("GSPO [1-3e-4, 1+4e-4]", "Token MIS/IcePop [0.5, 5]")
 UNIT = {"token": "tokens", "sequence": "sequences"}
 STAT = {"ratio": "r", "tv": "p − q", "seq_ratio": "Π r", "geo_ratio": "exp(mean δ)",
         "seq_mean_k3": "mean (r − log r − 1)", "min_ratio": "min r"}
+SIGN = {"any": "any", "+": "A > 0", "-": "A < 0"}  # an advantage sign a method is reported for
 VERB = {"clip": "clips", "mask": "masks", "veto": "vetoes", "drop": "drops", "none": "touches"}
 
 
@@ -59,10 +60,6 @@ def _interval(m: Method) -> str:
     return f"[{lo:.6g}, {hi:.6g}]"
 
 
-def _sign_label(s: str) -> str:
-    return {"any": "any", "+": "A > 0", "-": "A < 0"}[s]
-
-
 def _worst(view: TrainerSummary, method: Method) -> tuple[float | None, str]:
     """The largest affected fraction over the reported advantage signs, and which sign."""
     res = view["methods"][method.name]
@@ -86,7 +83,7 @@ def headline(scenario: ScenarioJson) -> str | None:
     parts = []
     for m in methods:
         frac, sign = _worst(rl["naive"], m)
-        where = f" ({_sign_label(sign)})" if sign != "any" else ""
+        where = f" ({SIGN[sign]})" if sign != "any" else ""
         parts.append(f"{m.name} {VERB[m.action]} {_pct(frac)} of {UNIT[m.level]}{where}")
     after = [f"after {t}, " + " and ".join(_pct(_worst(rl[t], m)[0]) for m in methods)
              for t in FIXED if t in rl]
@@ -133,7 +130,7 @@ def methods_table(rl: Mapping[str, TrainerSummary]) -> list[str]:
                      for r in (rl[t]["methods"][m.name][s] for t in trainers)]
             lines.append(
                 f"| {m.name} | {', '.join(m.frameworks)} | {m.level} | {STAT[m.statistic]} | {_interval(m)} | {m.action} | "
-                f"{_sign_label(s)} | " + " | ".join(cells) + " |"
+                f"{SIGN[s]} | " + " | ".join(cells) + " |"
             )
     return lines
 
@@ -192,7 +189,7 @@ def write_plot(report: ReportJson, out: Path, plt: ModuleType) -> list[str]:
     from parity.core.rl_catalogue import METHODS
 
     rows = [(m, s) for m in METHODS if m.action in ("mask", "drop", "veto") for s in m.signs]
-    labels = [m.name + ("" if s == "any" else f" ({_sign_label(s)})") for m, s in rows]
+    labels = [m.name + ("" if s == "any" else f" ({SIGN[s]})") for m, s in rows]
     # A trainer's panel is drawn only where some method drops something: an all-zero panel is an empty plot
     # (after replay or recompute nothing is dropped on a correct run; the tables in details.md say so).
     trainers = [t for t in TRAINERS if all(t in sc["rl_view"] for sc in scenarios) and any(

@@ -101,8 +101,7 @@ def _add_streams(acc: ScenarioAcc, c: TokenColumns, usable: np.ndarray, where: _
         ("user", usable & h["user"], c.user, c.vllm),
         ("user_gap", usable & h["user"] & h["log_s"], c.user - c.vllm, c.log_s),
         # The penalties' part of the naive bias (a stream of values: b = 0).
-        ("penalty", usable & h.get("penalty", np.zeros_like(usable)),
-         c.penalty if c.penalty is not None else np.zeros_like(c.vllm), np.zeros_like(c.vllm)),
+        ("penalty", usable & h["penalty"], c.penalty, np.zeros_like(c.vllm)),
     ):
         idx = np.flatnonzero(sel)
         diffs[name] = (idx, finite_pair(a[idx], b[idx]))

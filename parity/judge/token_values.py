@@ -53,9 +53,9 @@ class TokenColumns:
     s_hi: np.ndarray
     s_source: list[str | None]  # per row
     logit_drift: np.ndarray  # NaN where unknown
+    penalty: np.ndarray  # trainer_penalty_term where recorded (have["penalty"])
     # Reference views for the trainer-under-test diagnosis, by bug set ("" = correct); NaN = unknown there.
     views: dict[frozenset[str], np.ndarray] = field(default_factory=dict)
-    penalty: np.ndarray | None = None  # trainer_penalty_term where recorded (have["penalty"]); None: not read
 
 
 def segments(kto: np.ndarray) -> np.ndarray:

@@ -145,12 +145,14 @@ def _environment(env: EnvironmentJson) -> str:
             f"{said(machine.get('parity'))}, torch {said(machine.get('torch'))}, device {env['device']}.")
 
 
+def _bullets(title: str, items: list[str]) -> list[str]:
+    """A section of one bullet per item; none without items."""
+    return [f"## {title}", ""] + [f"- {x}" for x in items] + [""] if items else []
+
+
 def _verdict_lists(sc: list[ScenarioJson]) -> list[str]:
     """Violations, the reference estimators' findings, the gates not evaluated and the input problems."""
-    lines: list[str] = []
-    failures = [v for s in sc for v in s["violations"]]
-    if failures:
-        lines += ["## Violations", ""] + [f"- {v['message']}" for v in failures] + [""]
+    lines = _bullets("Violations", [v["message"] for s in sc for v in s["violations"]])
     references = [v for s in sc for v in s.get("reference_violations", [])]
     if references:
         lines += ["## Reference estimators", "",
@@ -162,14 +164,10 @@ def _verdict_lists(sc: list[ScenarioJson]) -> list[str]:
     for s in sc:
         for g in s.get("not_evaluated", []):
             skipped.setdefault(f"{g['gate']}: {g['reason']}", []).append(s["name"])
-    if skipped:
-        lines += ["## Gates not evaluated", ""]
-        lines += [f"- {k} ({len(v)} scenario(s): {', '.join(v[:6])}{' ...' if len(v) > 6 else ''})" for k, v in skipped.items()]
-        lines.append("")
+    lines += _bullets("Gates not evaluated", [f"{k} ({len(v)} scenario(s): {', '.join(v[:6])}"
+                                              f"{' ...' if len(v) > 6 else ''})" for k, v in skipped.items()])
     notes = [f"[{s['name']}] {n}" for s in sc for n in s.get("input_notes", [])]
-    if notes:
-        lines += ["## Input problems", ""] + [f"- {n}" for n in notes] + [""]
-    return lines
+    return lines + _bullets("Input problems", notes)
 
 
 def _detail_table(sc: list[ScenarioJson]) -> list[str]:
@@ -244,11 +242,9 @@ def render_markdown(report: ReportJson) -> str:
     plots = set(report.get("plots") or [])
     lines = ["# parity report", "", _headline(report), "", overview.paragraph(report), "",
              _environment(report["environment"]), ""]
-    limits = [s["capture_limit"] for s in sc if s.get("capture_limit")]
-    if limits:
-        lines += ["## Capture limits (not evaluated, not a FAIL)", ""] + [f"- {x}" for x in limits] + [""]
-    if report.get("warnings"):
-        lines += ["## Warnings", ""] + [f"- {w}" for w in report["warnings"]] + [""]
+    limits = [x for s in sc if (x := s.get("capture_limit"))]
+    lines += _bullets("Capture limits (not evaluated, not a FAIL)", limits)
+    lines += _bullets("Warnings", report.get("warnings") or [])
     lines += glance_table(report)
     if "log_s_bias.png" in plots:
         lines += ["", "![log S against the naive trainer's bias, per scenario](log_s_bias.png)"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from parity.core.error_model import StatedFacts, stated_facts
@@ -202,11 +202,6 @@ class Summary:
         return _decode(data)
 
 
-def _pos(p: Position) -> dict[str, object]:
-    return {"prompt": p.prompt, "position": p.position, "token": p.token, "values": dict(p.values), "gap": p.gap,
-            "bound": p.bound, "note": p.note}
-
-
 # ScenarioAcc's fields that are not plain values: encoded and decoded one by one.
 _NESTED = ("streams", "bounds", "ratios", "first", "lacking", "views", "steps", "ratio")
 
@@ -219,7 +214,7 @@ def _encode(s: Summary) -> dict[str, object]:
     def bounded(b: BoundStream) -> dict[str, object]:
         plain = {k: getattr(b, k) for k in ("n", "mean", "m2", "bound_sum", "systematic_sum", "headroom",
                                             "cross_log_s", "log_s_sq")}
-        return {**plain, "worst": {"n": b.worst.n, "items": [[k, list(o), _pos(p)] for k, o, p in b.worst.items]},
+        return {**plain, "worst": {"n": b.worst.n, "items": [[k, list(o), asdict(p)] for k, o, p in b.worst.items]},
                 "hist": sparse_hist(b.hist)}
 
     groups = {}
@@ -232,7 +227,7 @@ def _encode(s: Summary) -> dict[str, object]:
             "streams": {n: stream(d) for n, d in a.streams.items()},
             "bounds": {n: bounded(b) for n, b in a.bounds.items()},
             "ratios": {n: r.__dict__ for n, r in a.ratios.items()},
-            "first": {n: {"n": f.n, "items": [[list(o), _pos(p)] for o, p in f.items]} for n, f in a.first.items()},
+            "first": {n: {"n": f.n, "items": [[list(o), asdict(p)] for o, p in f.items]} for n, f in a.first.items()},
             "views": {n: [v.known, v.over, v.diff_sum] for n, v in a.views.items()},
             "steps": {str(step): acc.to_json() for step, acc in a.steps.items()},
             "ratio": dict(a.ratio.__dict__),

@@ -71,9 +71,7 @@ def _require(module: str, extra: str) -> ModuleType:
         raise
 
 
-# ==================================================================================================
-# the map step on a worker
-# ==================================================================================================
+# -- the map step on a worker ----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -185,9 +183,7 @@ def records_error_in(exc: BaseException) -> str | None:
     return None
 
 
-# ==================================================================================================
-# the driver
-# ==================================================================================================
+# -- the driver ------------------------------------------------------------------------------------
 
 
 def summarize_on_engine(
@@ -224,11 +220,6 @@ def summarize_on_engine(
                           f"{len(shards)} file footer(s) hold: refusing a partial analysis")
     say(f"parity analyze: {len(parts)} summaries merged from {eng.label} in {time.perf_counter() - t0:.1f} s")
     return total
-
-
-def _timed_out(eng: Engine, timeout_s: float) -> TimedOut:
-    return TimedOut(f"parity analyze --engine {eng.kind}: the analysis did not finish within {timeout_s:.0f} s "
-                    f"(raise --timeout)")
 
 
 # -- Ray Data ---------------------------------------------------------------------------------------
@@ -317,7 +308,8 @@ def _on_ray(eng: Engine, targets: Sequence[str], step: MapStep, timeout_s: float
         for b in mapped.iter_batches(batch_format="pyarrow", batch_size=None):
             parts += b.column("summary").to_pylist()
             if time.monotonic() > deadline:
-                raise _timed_out(eng, timeout_s)
+                raise TimedOut(f"parity analyze --engine {eng.kind}: the analysis did not finish within "
+                               f"{timeout_s:.0f} s (raise --timeout)")
         return parts
     finally:
         ctx.enable_progress_bars = bars

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, cast
 
-from parity.analyze.shards import summarize_paths
+from parity.analyze.shards import as_int, summarize_paths
 from parity.core.gates import Thresholds
 from parity.errors import UsageError
 from parity.judge.accumulators import Summary
@@ -23,10 +23,6 @@ from parity.report.blocks import Json, ReportJson, Routing
 
 if TYPE_CHECKING:
     from parity.judge.verdict import ScenarioVerdict
-
-# ==================================================================================================
-# the report
-# ==================================================================================================
 
 
 def _metadata_value(summary: Summary, key: str) -> Json:
@@ -154,17 +150,11 @@ def _routing(facts: Json) -> dict[str, Routing] | None:
     return {name: cast("Routing", block) for name, block in _stored(facts, "routing").items()} or None
 
 
-def _int(x: Json) -> int:
-    if isinstance(x, (int, float, str)):
-        return int(x)
-    raise TypeError(f"int() argument must be a string or a real number, not '{type(x).__name__}'")
-
-
 def _pair(x: Json) -> tuple[int, int]:
     if not isinstance(x, list):
         raise TypeError(f"a stored position: expected [prompt, position], got {type(x).__name__}")
     p, t = x
-    return _int(p), _int(t)
+    return as_int(p), as_int(t)
 
 
 def _native(facts: Json) -> dict[str, list[tuple[int, int]]] | None:

@@ -31,9 +31,7 @@ if TYPE_CHECKING:
     from parity.engines.transformers_trainer import TransformersTrainer
     from parity.records.arrays import RecordsBatch
 
-# ==================================================================================================
-# re-scoring with a transformers model (--model)
-# ==================================================================================================
+# -- re-scoring with a transformers model (--model) ------------------------------------------------
 
 _TRAINERS: dict[tuple[str, str, str], TransformersTrainer] = {}
 
@@ -126,15 +124,7 @@ def rescored_columns(batch: RecordsBatch, trainer: TransformersTrainer, dtypes: 
     return cols
 
 
-# ==================================================================================================
-# files, shards, processes
-# ==================================================================================================
-
-
-def _dtypes(meta: Mapping[str, object], options: Options) -> tuple[str, str]:
-    sampler = meta.get("dtype") or "float32"
-    trainer = options.dtype if options.model else (meta.get("trainer_dtype") or sampler)
-    return str(sampler), str(trainer)
+# -- files, shards, processes ----------------------------------------------------------------------
 
 
 def file_header(path: str, records: RecordsFile) -> Summary:
@@ -144,18 +134,22 @@ def file_header(path: str, records: RecordsFile) -> Summary:
                    page_checksums={str(path): records.page_checksums})
 
 
+def as_int(x: object) -> int:
+    """``int(x)`` of a value read from JSON metadata, refusing what is not a number or a string."""
+    if isinstance(x, (int, float, str)):
+        return int(x)
+    raise TypeError(f"int() argument must be a string or a real number, not '{type(x).__name__}'")
+
+
 def batch_summarizer(metadata: Mapping[str, object], file_index: int, options: Options) -> Callable[[RecordsBatch], Summary]:
     """The map step for the validated batches of one file: dtypes and vocabulary size from the file's
     metadata, the trainer's values re-scored with ``options.model`` when set (what every worker runs:
     local processes, Ray)."""
-    dtypes = _dtypes(metadata, options)
+    sampler = str(metadata.get("dtype") or "float32")
+    dtypes = (sampler, options.dtype if options.model else str(metadata.get("trainer_dtype") or sampler))
     stated = (str(metadata.get("dtype") or ""), options.dtype if options.model else str(metadata.get("trainer_dtype") or ""))
     stated_vocab = metadata.get("vocab_size")  # user metadata: checked here
-    vocab = None
-    if stated_vocab:
-        if not isinstance(stated_vocab, (int, float, str)):
-            raise TypeError(f"int() argument must be a string or a real number, not '{type(stated_vocab).__name__}'")
-        vocab = int(stated_vocab)
+    vocab = as_int(stated_vocab) if stated_vocab else None
     columns: Callable[[RecordsBatch], TokenColumns] | None = None
     if options.model:
         trainer = _trainer(options.model, options.dtype, options.device)

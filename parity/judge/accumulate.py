@@ -101,8 +101,7 @@ def _add_streams(acc: ScenarioAcc, c: TokenColumns, usable: np.ndarray, where: _
         ("user", usable & h["user"], c.user, c.vllm),
         ("user_gap", usable & h["user"] & h["log_s"], c.user - c.vllm, c.log_s),
         # The penalties' part of the naive bias (a stream of values: b = 0).
-        ("penalty", usable & h.get("penalty", np.zeros_like(usable)),
-         c.penalty if c.penalty is not None else np.zeros_like(c.vllm), np.zeros_like(c.vllm)),
+        ("penalty", usable & h["penalty"], c.penalty, np.zeros_like(c.vllm)),
     ):
         idx = np.flatnonzero(sel)
         diffs[name] = (idx, finite_pair(a[idx], b[idx]))
@@ -150,10 +149,8 @@ def _add_naive_bracket(acc: ScenarioAcc, c: TokenColumns, usable: np.ndarray, wh
     nb = c.bound_full[idx] + c.bound[idx]
     s = acc.bounds["naive"]
     key = s.add(gap, nb)
-    gap_all = np.zeros(c.row.size)
-    gap_all[idx] = gap
-    nb_all = np.zeros(c.row.size)
-    nb_all[idx] = nb
+    gap_all, nb_all = np.zeros(c.row.size), np.zeros(c.row.size)
+    gap_all[idx], nb_all[idx] = gap, nb
     s.worst.offer(key, where.order(idx), where.at(idx, values={"vllm": c.vllm, "trainer_full": c.full,
                                                                "sampler_log_s_lo": c.s_lo, "sampler_log_s_hi": c.s_hi},
                                                   gap=gap_all, bound=nb_all))

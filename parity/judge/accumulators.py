@@ -7,20 +7,16 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
-
-import numpy as np
 
 from parity.core.error_model import StatedFacts, stated_facts
 from parity.core.spec import SamplingSpec
 from parity.core.violation import Position
 from parity.errors import UsageError
 from parity.judge.steps import StepAcc, merge_steps
-from parity.judge.streams import HEAD_BINS as HEAD_BINS
-from parity.judge.streams import HEAD_LO as HEAD_LO
-from parity.judge.streams import HEAD_STEP as HEAD_STEP
 from parity.judge.streams import (
+    HEAD_BINS,
     HIST_BINS,
     BoundStream,
     DiffStream,
@@ -30,8 +26,8 @@ from parity.judge.streams import (
     ViewMatch,
     Worst,
 )
-from parity.judge.streams import na_ratios as na_ratios
 from parity.records.casts import CastNote
+from parity.report.blocks import dense_hist, sparse_hist
 
 SUMMARY_VERSION = 6  # 4: per-step accumulators (parity.judge.steps); 5: the two-column mean-bias sums; 6: ties and one-sided supports
 
@@ -206,28 +202,24 @@ class Summary:
         return _decode(data)
 
 
-def _pos(p: Position) -> dict[str, object]:
-    return {"prompt": p.prompt, "position": p.position, "token": p.token, "values": dict(p.values), "gap": p.gap,
-            "bound": p.bound, "note": p.note}
+# ScenarioAcc's fields that are not plain values: encoded and decoded one by one.
+_NESTED = ("streams", "bounds", "ratios", "first", "lacking", "views", "steps", "ratio")
 
 
 def _encode(s: Summary) -> dict[str, object]:
     def stream(d: DiffStream) -> dict[str, object]:
-        nz = np.flatnonzero(d.hist)
         return {"n": d.n, "total": d.total, "total_abs": d.total_abs, "max_abs": d.max_abs, "nonfinite": d.nonfinite,
-                "hist": [[int(i), int(d.hist[i])] for i in nz]}
+                "hist": sparse_hist(d.hist)}
 
     def bounded(b: BoundStream) -> dict[str, object]:
         plain = {k: getattr(b, k) for k in ("n", "mean", "m2", "bound_sum", "systematic_sum", "headroom",
                                             "cross_log_s", "log_s_sq")}
-        nz = np.flatnonzero(b.hist)
-        return {**plain, "worst": {"n": b.worst.n, "items": [[k, list(o), _pos(p)] for k, o, p in b.worst.items]},
-                "hist": [[int(i), int(b.hist[i])] for i in nz]}
+        return {**plain, "worst": {"n": b.worst.n, "items": [[k, list(o), asdict(p)] for k, o, p in b.worst.items]},
+                "hist": sparse_hist(b.hist)}
 
-    nested = ("streams", "bounds", "ratios", "first", "lacking", "views", "steps", "ratio")
     groups = {}
     for k, a in s.groups.items():
-        plain = {f: getattr(a, f) for f in a.__dataclass_fields__ if f not in nested}
+        plain = {f: getattr(a, f) for f in a.__dataclass_fields__ if f not in _NESTED}
         plain["first_order"] = list(a.first_order)
         groups[k] = {
             **plain,
@@ -235,7 +227,7 @@ def _encode(s: Summary) -> dict[str, object]:
             "streams": {n: stream(d) for n, d in a.streams.items()},
             "bounds": {n: bounded(b) for n, b in a.bounds.items()},
             "ratios": {n: r.__dict__ for n, r in a.ratios.items()},
-            "first": {n: {"n": f.n, "items": [[list(o), _pos(p)] for o, p in f.items]} for n, f in a.first.items()},
+            "first": {n: {"n": f.n, "items": [[list(o), asdict(p)] for o, p in f.items]} for n, f in a.first.items()},
             "views": {n: [v.known, v.over, v.diff_sum] for n, v in a.views.items()},
             "steps": {str(step): acc.to_json() for step, acc in a.steps.items()},
             "ratio": dict(a.ratio.__dict__),
@@ -256,27 +248,21 @@ def _encode(s: Summary) -> dict[str, object]:
 
 def _decode(data: dict[str, Any]) -> Summary:
     def stream(d: dict[str, Any]) -> DiffStream:
-        hist = np.zeros(HIST_BINS, dtype=np.int64)
-        for i, v in d["hist"]:
-            hist[i] = v
-        return DiffStream(d["n"], d["total"], d["total_abs"], d["max_abs"], d["nonfinite"], hist)
+        return DiffStream(d["n"], d["total"], d["total_abs"], d["max_abs"], d["nonfinite"],
+                          dense_hist(d["hist"], HIST_BINS))
 
     def bounded(d: dict[str, Any]) -> BoundStream:
         w = d["worst"]
         worst = Worst(w["n"], [(k, tuple(o), Position(**p)) for k, o, p in w["items"]])
-        hist = np.zeros(HEAD_BINS, dtype=np.int64)
-        for i, v in d["hist"]:
-            hist[i] = v
-        return BoundStream(d["n"], d["mean"], d["m2"], d["bound_sum"], d["systematic_sum"], d["headroom"], worst, hist,
-                           d["cross_log_s"], d["log_s_sq"])
+        return BoundStream(d["n"], d["mean"], d["m2"], d["bound_sum"], d["systematic_sum"], d["headroom"],
+                           worst, dense_hist(d["hist"], HEAD_BINS), d["cross_log_s"], d["log_s_sq"])
 
     out = Summary(rows=data["rows"], tokens=data["tokens"], files=list(data["files"]), metadata=list(data["metadata"]),
                   columns=set(data["columns"]), ignored_columns=set(data["ignored_columns"]),
                   casts={k: CastNote(**c) for k, c in data.get("casts", {}).items()},
                   page_checksums=dict(data.get("page_checksums", {})))
-    nested = ("streams", "bounds", "ratios", "first", "lacking", "views", "steps", "ratio")
     for k, g in data["groups"].items():
-        plain = {f: v for f, v in g.items() if f not in nested}
+        plain = {f: v for f, v in g.items() if f not in _NESTED}
         plain["first_order"] = tuple(plain["first_order"])
         out.groups[k] = ScenarioAcc(
             **plain,

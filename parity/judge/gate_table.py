@@ -15,7 +15,7 @@ from parity.core.gates import Thresholds, recompute_support_limit
 from parity.core.violation import Position, Violation
 from parity.judge.accumulators import ScenarioAcc
 from parity.judge.diagnosis import logprob_bias_class
-from parity.judge.steps import TREND_GATE
+from parity.judge.steps import TREND_GATE, over
 
 if TYPE_CHECKING:
     from parity.report.blocks import Routing, ScenarioStats
@@ -71,10 +71,6 @@ class Gate:
     skippable: bool = True
 
 
-def _over(value: float, limit: float) -> bool:
-    return not (value <= limit)  # NaN fails
-
-
 def _scaled(ps: tuple[Position, ...], factor: float) -> tuple[Position, ...]:
     return tuple(replace(p, bound=None if p.bound is None else p.bound * factor) for p in ps)
 
@@ -119,7 +115,7 @@ def _with_cause(stream: str, c: GateCase, detail: str) -> str:
 def _drift(stream: str) -> Rule:
     def rule(c: GateCase) -> list[Violation]:
         stat = _num(c.sc["headroom"][_key(stream)])
-        if not _over(stat, c.th.max_headroom):
+        if not over(stat, c.th.max_headroom):
             return []
         worst = _scaled(c.a.bounds[stream].worst.positions(c.th.max_violations_listed), c.th.max_headroom)
         return [Violation(f"{_key(stream)}_drift", c.name, stat, c.th.max_headroom,
@@ -132,7 +128,7 @@ def _mean(stream: str) -> Rule:
         bs = c.a.bounds[stream]
         bias = bs.mean if bs.n else 0.0
         allowed = c.th.mean_bias_headroom * _num(c.sc["mean_bias_limit"][_key(stream)])
-        if not _over(abs(bias), allowed):
+        if not over(abs(bias), allowed):
             return []
         return [Violation(f"{_key(stream)}_mean_bias", c.name, abs(bias), allowed, f"{_who(c, stream)} |mean bias|",
                           detail=_with_cause(stream, c, f"mean(trainer - vllm) = {bias:.3g} over {bs.n} tokens"))]
@@ -146,7 +142,7 @@ def _logprob_mean_bias(c: GateCase) -> list[Violation]:
     who = f"trainer {c.sc['trainer_under_test']['name']!r}"
     allowed, mean = c.th.mean_bias_headroom * _num(m["limit"]), _num(m["mean"])
     sign = m["sign_test"]
-    if sign["failed"] and not _over(abs(mean), allowed):
+    if sign["failed"] and not over(abs(mean), allowed):
         return [Violation(
             "logprob_mean_bias", c.name, sign["negative_share"], sign["limit"],
             f"{who} share of tokens below their systematic allowance",
@@ -157,7 +153,7 @@ def _logprob_mean_bias(c: GateCase) -> list[Violation]:
                     f"{apart(abs(_num(m['mean'])), allowed)} in magnitude, resolution {apart(allowed, abs(mean))}) "
                     f"could not tell"),
         )]
-    if not _over(abs(mean), allowed):
+    if not over(abs(mean), allowed):
         return []
     return [Violation(
         "logprob_mean_bias", c.name, abs(mean), allowed, f"{who} |log mean IS ratio|",
@@ -171,7 +167,7 @@ def _logprob_mean_bias(c: GateCase) -> list[Violation]:
 def _trainer_support(c: GateCase) -> list[Violation]:
     r = c.a.ratio
     bad = r.outside + r.nonfinite
-    if not _over(bad, c.th.max_trainer_support_failures):
+    if not over(bad, c.th.max_trainer_support_failures):
         return []
     extra = f"; {r.nonfinite} other non-finite pair(s) (NaN, +inf or a sampler -inf)" if r.nonfinite else ""
     return [Violation(
@@ -183,7 +179,7 @@ def _trainer_support(c: GateCase) -> list[Violation]:
 
 def _naive(c: GateCase) -> list[Violation]:
     h = c.sc["headroom"].get("naive_vs_sampler_log_s")
-    if h is None or not _over(h, c.th.max_headroom):
+    if h is None or not over(h, c.th.max_headroom):
         return []
     return [Violation(
         "naive_vs_sampler_log_s", c.name, h, c.th.max_headroom, "naive bias outside the sampler-side log S, max gap / bound",
@@ -193,7 +189,7 @@ def _naive(c: GateCase) -> list[Violation]:
 
 def _replay_support(c: GateCase) -> list[Violation]:
     frac, limit = _num(c.sc["replay"]["support_equal_frac"]), c.th.replay_support_equal_frac
-    if not _over(limit, frac):
+    if not over(limit, frac):
         return []
     return [Violation("replay_support", c.name, frac, limit, "replay support equality", "<",
                       worst=c.a.first["replay_support"].positions(c.th.max_violations_listed),
@@ -203,7 +199,7 @@ def _replay_support(c: GateCase) -> list[Violation]:
 def _recompute_support(c: GateCase) -> list[Violation]:
     frac = _num(c.sc["recompute"]["support_equal_frac"])
     limit = recompute_support_limit(c.th.recompute_support_equal_frac, c.a.recompute_n)
-    if not _over(limit, frac):
+    if not over(limit, frac):
         return []
     sides = c.sc.get("support_sides")
     where = ""
@@ -219,7 +215,7 @@ def _incomplete(c: GateCase) -> list[Violation]:
     # Opt-in (max_incomplete_frac < 1): by default an unproven position is a limit of the capture, reported in
     # capture_limit and left out of the kept-set gates, not a fault of either side.
     inc, tokens = c.sc["incomplete_positions"], c.sc["tokens"]
-    if not tokens or not _over(inc / tokens, c.th.max_incomplete_frac):
+    if not tokens or not over(inc / tokens, c.th.max_incomplete_frac):
         return []
     return [Violation("incomplete_capture", c.name, inc / tokens, c.th.max_incomplete_frac,
                       "incomplete capture fraction", worst=c.a.first["incomplete"].positions(c.th.max_violations_listed),
@@ -230,7 +226,7 @@ def _count(gate: str, key: Literal["sampled_outside_support", "token_mismatch"],
            limit: Callable[[Thresholds], int], label: str, detail: str) -> Rule:
     def rule(c: GateCase) -> list[Violation]:
         n = c.sc[key]
-        if not _over(n, limit(c.th)):
+        if not over(n, limit(c.th)):
             return []
         return [Violation(gate, c.name, n, limit(c.th), label, worst=c.a.first[first].positions(c.th.max_violations_listed),
                           detail=detail)]
@@ -326,7 +322,7 @@ def _routing_agreement(c: GateCase) -> list[Violation]:
 
 def _routing_forced(c: GateCase) -> list[Violation]:
     r = c.routing
-    if r is None or not _over(1.0, r["replay"]["forced_frac"]):
+    if r is None or not over(1.0, r["replay"]["forced_frac"]):
         return []
     return [_routing_violation(c, "routing_replay_forced", r["replay"]["forced_frac"], 1.0,
                                "fraction of (row, layer) expert sets replay forced", "<")]
@@ -335,7 +331,7 @@ def _routing_forced(c: GateCase) -> list[Violation]:
 def _routing_drift(c: GateCase) -> list[Violation]:
     r = c.routing
     head = r["replay"]["drift"]["with_replay"]["headroom"] if r is not None else 0.0
-    if r is None or not _over(head, c.th.max_headroom):
+    if r is None or not over(head, c.th.max_headroom):
         return []
     return [_routing_violation(c, "routing_replay_drift", head, c.th.max_headroom,
                                "log-prob max |diff| / bound under routing replay")]
@@ -380,7 +376,6 @@ GATE_TABLE: tuple[Gate, ...] = (
          "one (1.0, checked on the experts that ran)", scope="routing"),
     Gate("routing_replay_drift", (), _routing_drift, _BOUND + ", under routing replay", scope="routing"),
 )
-GATES_BY_NAME = {g.name: g for g in GATE_TABLE}
 REFERENCE_GATES = tuple(g.name for g in GATE_TABLE if g.reference)
 
 

@@ -41,9 +41,7 @@ class StepAccJson(TypedDict):
     streams: dict[str, list[float]]
 
 
-# ==================================================================================================
-# the mergeable accumulators
-# ==================================================================================================
+# -- the mergeable accumulators --------------------------------------------------------------------
 
 
 @dataclass
@@ -169,12 +167,10 @@ def grouped_headroom(slot: np.ndarray, n_slots: int, key: np.ndarray) -> tuple[n
     return count, top
 
 
-# ==================================================================================================
-# the report: per-step entries and the trend
-# ==================================================================================================
+# -- the report: per-step entries and the trend ----------------------------------------------------
 
 
-def _over(value: float, limit: float) -> bool:
+def over(value: float, limit: float) -> bool:
     return not (value <= limit)  # NaN fails
 
 
@@ -224,7 +220,7 @@ def drift_trend(
         if n > baseline:
             mu0 = float(np.mean(y[:baseline]))
             hi = mu0 + band_k * noise
-            out = [int(s) for s, m in zip(steps[baseline:], y[baseline:], strict=True) if _over(float(m), hi)]
+            out = [int(s) for s, m in zip(steps[baseline:], y[baseline:], strict=True) if over(float(m), hi)]
             fit = {**fit, "baseline_mean": mu0, "band_lo": mu0 - band_k * noise, "band_hi": hi,
                    "first_step_outside": out[0] if out else None}
     if n < min_steps:
@@ -235,4 +231,5 @@ def drift_trend(
         return {**fit, "reason": why}
     fitted, limit = fit["slope"], fit["limit"]
     assert fitted is not None and limit is not None  # fitted: min_steps > baseline >= 1
-    return {**fit, "evaluated": True, "passed": not (_over(fitted, limit) and fit["first_step_outside"] is not None)}
+    passed = not (over(fitted, limit) and fit["first_step_outside"] is not None)
+    return {**fit, "evaluated": True, "passed": passed}

@@ -25,8 +25,6 @@ HEAD_LO, HEAD_HI, HEAD_STEP = -4.0, 4.0, 0.01
 HEAD_BINS = int(round((HEAD_HI - HEAD_LO) / HEAD_STEP))
 
 
-
-
 def finite_pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a - b in float64 as :func:`parity.core.metrics.difference`: equal infinities 0, NaN -> inf."""
     a = a.astype(np.float64, copy=False)

@@ -54,14 +54,8 @@ def _row_float(batch: RecordsBatch, name: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _row_bool(batch: RecordsBatch, name: str) -> tuple[np.ndarray, np.ndarray]:
-    T = batch.tokens
-    rag = batch.trainer.get(name)
-    if rag is None:
-        return np.zeros(T, dtype=bool), np.zeros(T, dtype=bool)
-    have = np.repeat(rag.valid, batch.completion.lengths)
-    vals = np.zeros(T, dtype=bool)
-    vals[have] = rag.values.astype(bool)
-    return vals, have
+    vals, have = _row_float(batch, name)
+    return vals.astype(bool), have
 
 
 def _trainer_values(
@@ -132,39 +126,17 @@ def token_columns(batch: RecordsBatch, *, vocab_size: int | None = None) -> Toke
     if bool((captured & have["full"]).any()):
         views[frozenset({"full_vocabulary"})] = np.where(captured & have["full"], v["full"], np.nan)
     return TokenColumns(
-        n_rows=batch.n_rows,
-        row=row,
+        n_rows=batch.n_rows, row=row, token=y,
         position=np.arange(T, dtype=np.int64) - np.repeat(batch.token_offsets[:-1], lengths),
-        token=y,
-        vllm=vllm,
-        have=have,
-        full=v["full"],
-        replay=v["replay"],
-        recompute=v["recompute"],
-        log_s=v["log_s"],
-        user=v["user"],
-        forced=v["forced"],
-        recompute_support_equal=v["rec_eq"],
-        recompute_support_size=v["rec_size"],
-        captured=captured,
-        incomplete=incomplete,
-        sampled_outside=captured & ~kept.contains & ~incomplete,
+        trainer_token=trainer_token, vllm=vllm, have=have, full=v["full"], replay=v["replay"],
+        recompute=v["recompute"], log_s=v["log_s"], user=v["user"], forced=v["forced"],
+        recompute_support_equal=v["rec_eq"], recompute_support_size=v["rec_size"], captured=captured,
+        incomplete=incomplete, sampled_outside=captured & ~kept.contains & ~incomplete,
         replay_support_ok=np.where(captured, ~incomplete & kept.contains & mass_ok, True),
-        support_size=kept.support_size,
-        mass=kept.mass,
-        kl=kept.kl,
-        tv=kept.tv,
-        bound=v["bound"],
-        bound_full=v["bound_full"],
-        recompute_boundary=v["recompute_boundary"],
-        systematic=np.where(have_sys, sys_v, storage),
-        s_lo=s_lo,
-        s_hi=s_hi,
-        s_source=s_source,
-        logit_drift=kept.drift,
-        trainer_token=trainer_token,
-        views=views,
-        penalty=v["penalty"],
+        support_size=kept.support_size, mass=kept.mass, kl=kept.kl, tv=kept.tv, bound=v["bound"],
+        bound_full=v["bound_full"], recompute_boundary=v["recompute_boundary"],
+        systematic=np.where(have_sys, sys_v, storage), s_lo=s_lo, s_hi=s_hi, s_source=s_source,
+        logit_drift=kept.drift, views=views, penalty=v["penalty"],
     )
 
 
@@ -187,13 +159,10 @@ def _row_groups(batch: RecordsBatch) -> list[tuple[str, tuple[str, tuple[float, 
         c, j = divmod(int(uniq[u]), n_specs)
         spec = batch.specs[j]
         key = (label_of[c] if c else spec.label(), tuple(spec.to_dict().values()))
-        groups.setdefault(_key_name(key), (key, []))[1].append(np.flatnonzero(inverse == u))
+        name = f"{key[0]}\x1f{json.dumps(key[1])}"
+        groups.setdefault(name, (key, []))[1].append(np.flatnonzero(inverse == u))
     return [(g, key, parts[0] if len(parts) == 1 else np.sort(np.concatenate(parts)))
             for g, (key, parts) in groups.items()]
-
-
-def _key_name(key: tuple[str, tuple[float, ...]]) -> str:
-    return f"{key[0]}\x1f{json.dumps(key[1])}"
 
 
 def summarize_batch(

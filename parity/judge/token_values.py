@@ -53,9 +53,9 @@ class TokenColumns:
     s_hi: np.ndarray
     s_source: list[str | None]  # per row
     logit_drift: np.ndarray  # NaN where unknown
+    penalty: np.ndarray  # trainer_penalty_term where recorded (have["penalty"])
     # Reference views for the trainer-under-test diagnosis, by bug set ("" = correct); NaN = unknown there.
     views: dict[frozenset[str], np.ndarray] = field(default_factory=dict)
-    penalty: np.ndarray | None = None  # trainer_penalty_term where recorded (have["penalty"]); None: not read
 
 
 def segments(kto: np.ndarray) -> np.ndarray:
@@ -246,9 +246,8 @@ def replay_over_kept(
             dense = np.zeros((part.size, width), dtype=np.float32)
             col = np.full((part.size, width), -1, dtype=np.int64)
             r_idx = np.repeat(np.arange(part.size), c)
-            starts = kto[part]
-            e_idx = np.arange(int(c.sum())) - np.repeat(np.cumsum(c) - c, c) + np.repeat(starts, c)
-            k_idx = e_idx - np.repeat(starts, c)
+            k_idx = np.arange(int(c.sum())) - np.repeat(np.cumsum(c) - c, c)
+            e_idx = k_idx + np.repeat(kto[part], c)
             dense[r_idx, k_idx] = logits[e_idx]
             col[r_idx, k_idx] = k_idx
             lp = estimators.replay(torch.from_numpy(dense), torch.from_numpy(y_col[part]), torch.from_numpy(col), spec).logprobs

@@ -11,8 +11,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, cast
 
-import numpy as np
-
 # No torch at import: records without --model are judged with numpy alone. torch is imported where a
 # rule's one home computes on tensors (the top_p bracket, replay from kept logits).
 from parity.core.error_model import (
@@ -26,21 +24,16 @@ from parity.core.gates import Thresholds
 from parity.core.power import Power, power_of, power_sentence
 from parity.core.spec import SamplingSpec
 from parity.core.violation import Violation
-from parity.judge.accumulators import HEAD_BINS, HEAD_LO, HEAD_STEP, INPUTS, ScenarioAcc, na_ratios
+from parity.judge.accumulators import INPUTS, ScenarioAcc
 from parity.judge.diagnosis import diagnosis_text, logprob_bias_class
 from parity.judge.gate_table import CAPTURE_LIMIT_FIX, GATE_TABLE, GateCase, evaluate, split_verdict
+from parity.judge.steps import COMPARISONS, REPORT_NAMES, SUPPORT_OF, TREND_GATE, drift_trend
+from parity.judge.streams import HEAD_BINS, HEAD_LO, HEAD_STEP, na_ratios
 from parity.report import blocks
 
 if TYPE_CHECKING:
     from parity.judge.accumulators import Summary
     from parity.report.blocks import Routing
-from parity.judge.steps import (
-    COMPARISONS,
-    REPORT_NAMES,
-    SUPPORT_OF,
-    TREND_GATE,
-    drift_trend,
-)
 
 # What each records gate reads (inputs named as in REASONS), in the gate table's order (drift_trend aside:
 # its inputs are the steps, judged by _step_view).
@@ -82,9 +75,7 @@ REASONS = {
 assert set(REASONS) == set(INPUTS)
 
 
-# ==================================================================================================
-# the report entries and the verdicts
-# ==================================================================================================
+# -- the report entries and the verdicts -----------------------------------------------------------
 
 
 def _diagnosis(a: ScenarioAcc, mean_limit: float, logprob: blocks.LogprobBias | None = None) -> str:
@@ -421,8 +412,7 @@ def drift_headroom_hist(a: ScenarioAcc) -> blocks.DriftHeadroom:
     out: blocks.DriftHeadroom = {"log10_lo": HEAD_LO, "bin_width": HEAD_STEP, "bins": HEAD_BINS}
     for k in ("replay", "recompute"):
         if a.bounds[k].n:
-            h = a.bounds[k].hist
-            out[k] = [[int(i), int(h[i])] for i in np.flatnonzero(h)]
+            out[k] = blocks.sparse_hist(a.bounds[k].hist)
     return out
 
 

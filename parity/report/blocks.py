@@ -11,6 +11,8 @@ import typing
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Literal, NotRequired, TypedDict, Union, cast
 
+import numpy as np
+
 if TYPE_CHECKING:
     from parity.core.rl_catalogue import TrainerSummary  # imports torch: named in a string annotation
 
@@ -252,6 +254,19 @@ class DriftHeadroom(TypedDict):
     recompute: NotRequired[list[list[int]]]
 
 
+def sparse_hist(hist: np.ndarray) -> list[list[int]]:
+    """A histogram's filled bins as [index, count] pairs (``drift_headroom``, and the map step's JSON)."""
+    return [[int(i), int(hist[i])] for i in np.flatnonzero(hist)]
+
+
+def dense_hist(pairs: list[list[int]], bins: int) -> np.ndarray:
+    """The inverse of :func:`sparse_hist`: ``bins`` counts."""
+    hist = np.zeros(bins, dtype=np.int64)
+    for i, c in pairs:
+        hist[i] = c
+    return hist
+
+
 class TrainerUnderTest(TypedDict):
     name: str | None
     max_abs_diff: Stat
@@ -372,21 +387,24 @@ class ViolationJson(TypedDict):
     message: str
 
 
-class ScenarioFacts(TypedDict):
-    """What a producer adds to a scenario's entry that its records do not hold (stored in the records metadata
-    under :data:`parity.analyze.report.REPORT_FACTS`): parity run's capture plan, dtypes, RL view, native
-    capture and routing; the TRL capture's model, masked tokens, rounding bound and TRL facts."""
-
+class _ProducerBlocks(TypedDict):
     model: NotRequired[str]
-    rl_view: NotRequired["dict[str, TrainerSummary]"]
     capture_plan: NotRequired[JsonObject]
     dtypes: NotRequired[Dtypes]
-    raw_logits_pass: NotRequired[JsonObject]  # moved into the scenario's sampler_log_s
+    rl_view: NotRequired["dict[str, TrainerSummary]"]
     native_capture: NotRequired[NativeCapture]
     routing: NotRequired[Routing]
     masked_tokens: NotRequired[int]
     rounding_bound: NotRequired[RoundingBound]
     trl: NotRequired[TrlFacts]
+
+
+class ScenarioFacts(_ProducerBlocks):
+    """What a producer adds to a scenario's entry that its records do not hold (stored in the records metadata
+    under :data:`parity.analyze.report.REPORT_FACTS`): parity run's capture plan, dtypes, RL view, native
+    capture and routing; the TRL capture's model, masked tokens, rounding bound and TRL facts."""
+
+    raw_logits_pass: NotRequired[JsonObject]  # moved into the scenario's sampler_log_s
 
 
 class EnvironmentJson(TypedDict):
@@ -473,7 +491,7 @@ class ScenarioStats(TypedDict):
     mismatch_split: NotRequired[MismatchSplit]
 
 
-class ScenarioJson(ScenarioStats):
+class ScenarioJson(ScenarioStats, _ProducerBlocks):
     """One scenario of report.json (:func:`parity.judge.verdict.judge` builds it; :func:`parity.report.model.checked_report`
     holds it to these keys): a block the producer did not give is left out."""
 
@@ -485,15 +503,6 @@ class ScenarioJson(ScenarioStats):
     mean_bias_evaluated: bool
     no_verdict: str | None
     capture_limit: str | None
-    model: NotRequired[str]
-    capture_plan: NotRequired[JsonObject]
-    dtypes: NotRequired[Dtypes]
-    rl_view: NotRequired["dict[str, TrainerSummary]"]
-    native_capture: NotRequired[NativeCapture]
-    routing: NotRequired[Routing]
-    masked_tokens: NotRequired[int]
-    rounding_bound: NotRequired[RoundingBound]
-    trl: NotRequired[TrlFacts]
 
 
 class BudgetRow(TypedDict):

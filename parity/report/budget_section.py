@@ -10,8 +10,8 @@ from parity.report.blocks import BudgetBlock, BudgetRow, BudgetScenario, Mismatc
 AFTER = ("mean_abs_delta", "mean_delta", "k3_kl", "outside_ppo", "seq_ratio_sd")
 
 
-def _num(x: object, fmt: str = ".3g") -> str:
-    return format(x, fmt) if isinstance(x, (int, float)) else "—"
+def _num(x: object) -> str:
+    return format(x, ".3g") if isinstance(x, (int, float)) else "—"
 
 
 def share_cell(row: BudgetRow, measure: str) -> str:
@@ -45,8 +45,7 @@ def _lines(s: BudgetScenario, headline: str, sep: str, md: bool) -> list[str]:
     b = rem["bound"]
     bound = "" if b is None else f"max |δ| / rounding bound {_num(b['headroom'])} (mean bound {_num(b['mean_bound'])})"
     share = rem["share"].get("mean_abs_delta")
-    rows.append([rem["label"], pct(share)] + [_num(rem["after"][m]) for m in AFTER]
-                + [bound])
+    rows.append([rem["label"], pct(share)] + [_num(rem["after"][m]) for m in AFTER] + [bound])
     if md:
         def cells(row: list[str]) -> str:
             return "| " + " | ".join(c.replace("|", "\\|") for c in row) + " |"

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from parity.core.display import NA
 from parity.report import budget_section, overview, rl_section, routing_section
-from parity.report.blocks import EnvironmentJson, JsonObject, ReportJson, ScenarioJson, StepJson, TrendJson
+from parity.report.blocks import EnvironmentJson, JsonObject, ReportJson, ScenarioJson, StepJson
 
 
 def _obj(x: object) -> Mapping[str, object]:
@@ -27,17 +27,10 @@ def _fmt(x: object) -> str:
     return str(x)
 
 
-GLANCE_COLUMNS = (
-    ("scenario", "scenario"),
-    ("verdict", "verdict"),
-    ("log S", "log S"),
-    ("naive bias", "naive bias"),
-    ("replay", "replay headroom"),
-    ("recompute", "recompute headroom"),
-    ("support", "support equal"),
-    ("mean/limit", "mean bias / limit"),
-    ("resolution", "resolution (nats)"),
-)
+GLANCE_COLUMNS = (("scenario", "scenario"), ("verdict", "verdict"), ("log S", "log S"),
+                  ("naive bias", "naive bias"), ("replay", "replay headroom"),
+                  ("recompute", "recompute headroom"), ("support", "support equal"),
+                  ("mean/limit", "mean bias / limit"), ("resolution", "resolution (nats)"))
 
 
 def glance_table(report: ReportJson) -> list[str]:
@@ -67,12 +60,6 @@ def glance_table(report: ReportJson) -> list[str]:
 MAX_STEP_ROWS = 60
 
 
-def _trend_verdict(tr: TrendJson) -> str:
-    if not tr.get("evaluated"):
-        return "not evaluated"
-    return "PASS" if tr.get("passed") else "FAIL"
-
-
 def steps_section(report: ReportJson) -> list[str]:
     """The training-log view (records with a ``step`` column): each scenario's trend of mean |diff| over steps
     with the ``drift_trend`` verdict, then its per-step table. Empty when no scenario has steps."""
@@ -100,7 +87,8 @@ def steps_section(report: ReportJson) -> list[str]:
             band = f"{_fmt(mean)} ± {_fmt(trend['band_k'] * noise)} ({base})"
         lines.append("| " + " | ".join(_fmt(x) for x in (
             s["name"], tr.get("comparison"), tr.get("steps", 0), tr.get("slope"), tr.get("slope_se"), tr.get("limit"),
-            band, tr.get("first_step_outside"), _trend_verdict(trend) if trend else "not evaluated",
+            band, tr.get("first_step_outside"),
+            ("PASS" if tr.get("passed") else "FAIL") if tr.get("evaluated") else "not evaluated",
         )) + " |")
     if "drift_steps.png" in set(report.get("plots") or []):
         lines += ["", "![mean |diff| per training step, its fitted line and band](drift_steps.png)"]
@@ -157,12 +145,14 @@ def _environment(env: EnvironmentJson) -> str:
             f"{said(machine.get('parity'))}, torch {said(machine.get('torch'))}, device {env['device']}.")
 
 
+def _bullets(title: str, items: list[str]) -> list[str]:
+    """A section of one bullet per item; none without items."""
+    return [f"## {title}", ""] + [f"- {x}" for x in items] + [""] if items else []
+
+
 def _verdict_lists(sc: list[ScenarioJson]) -> list[str]:
     """Violations, the reference estimators' findings, the gates not evaluated and the input problems."""
-    lines: list[str] = []
-    failures = [v for s in sc for v in s["violations"]]
-    if failures:
-        lines += ["## Violations", ""] + [f"- {v['message']}" for v in failures] + [""]
+    lines = _bullets("Violations", [v["message"] for s in sc for v in s["violations"]])
     references = [v for s in sc for v in s.get("reference_violations", [])]
     if references:
         lines += ["## Reference estimators", "",
@@ -174,20 +164,15 @@ def _verdict_lists(sc: list[ScenarioJson]) -> list[str]:
     for s in sc:
         for g in s.get("not_evaluated", []):
             skipped.setdefault(f"{g['gate']}: {g['reason']}", []).append(s["name"])
-    if skipped:
-        lines += ["## Gates not evaluated", ""]
-        lines += [f"- {k} ({len(v)} scenario(s): {', '.join(v[:6])}{' ...' if len(v) > 6 else ''})" for k, v in skipped.items()]
-        lines.append("")
+    lines += _bullets("Gates not evaluated", [f"{k} ({len(v)} scenario(s): {', '.join(v[:6])}"
+                                              f"{' ...' if len(v) > 6 else ''})" for k, v in skipped.items()])
     notes = [f"[{s['name']}] {n}" for s in sc for n in s.get("input_notes", [])]
-    if notes:
-        lines += ["## Input problems", ""] + [f"- {n}" for n in notes] + [""]
-    return lines
+    return lines + _bullets("Input problems", notes)
 
 
 def _detail_table(sc: list[ScenarioJson]) -> list[str]:
     """One row per scenario, failures first."""
-    lines: list[str] = []
-    lines += [
+    lines = [
         "## Detail per scenario",
         "",
         "Headroom is max |diff| / bound: the per-token rounding bound of parity.core.error_model (both sides' "
@@ -206,37 +191,19 @@ def _detail_table(sc: list[ScenarioJson]) -> list[str]:
     for s in sorted(sc, key=lambda s: s["verdict"] != "fail"):
         spec = s["spec"]
         label = f"T={spec['temperature']:g} k={spec['top_k']} p={spec['top_p']:g} min_p={spec['min_p']:g}"
-        lines.append(
-            "| "
-            + " | ".join(
-                _fmt(x)
-                for x in (
-                    s["verdict"].upper(),
-                    s["name"],
-                    label,
-                    s["tokens"],
-                    s["log_s"]["mean"],
-                    s["naive"]["bias_mean"],
-                    s["sampler_log_s"]["source"].replace("_", " "),
-                    s["headroom"]["naive_vs_sampler_log_s"],
-                    s["headroom"]["replay"],
-                    s["headroom"]["recompute"],
-                    s["replay"]["max_abs_diff"],
-                    s["recompute"]["forced_includes"],
-                    s["replay"]["support_equal_frac"],
-                    s["recompute"]["support_equal_frac"],
-                    s["is_ratio"]["naive"]["sequence"]["mean"],
-                    s["incomplete_positions"],
-                )
-            )
-            + " |"
-        )
+        lines.append("| " + " | ".join(_fmt(x) for x in (
+            s["verdict"].upper(), s["name"], label, s["tokens"], s["log_s"]["mean"], s["naive"]["bias_mean"],
+            s["sampler_log_s"]["source"].replace("_", " "), s["headroom"]["naive_vs_sampler_log_s"],
+            s["headroom"]["replay"], s["headroom"]["recompute"], s["replay"]["max_abs_diff"],
+            s["recompute"]["forced_includes"], s["replay"]["support_equal_frac"],
+            s["recompute"]["support_equal_frac"], s["is_ratio"]["naive"]["sequence"]["mean"],
+            s["incomplete_positions"],
+        )) + " |")
     return lines
 
 
 def _determinism(det: JsonObject) -> list[str]:
-    lines: list[str] = []
-    lines += ["", "## Determinism", ""]
+    lines = ["", "## Determinism", ""]
     lines.append(
         f"Invariance {'required (batch-invariant mode on)' if det['required'] else 'reported, not required'}; "
         f"overall {'bitwise invariant' if det['invariant'] else 'NOT invariant'}. Largest batching difference "
@@ -255,17 +222,12 @@ def _determinism(det: JsonObject) -> list[str]:
         value = kernels.get("value")
         if kernels.get("status") == "on" and isinstance(value, dict):
             calls = _obj(value.get("calls", {}))
-            lines += [
-                "",
-                "CPU kernels replaced on the trainer: "
-                + ", ".join(f"{k} ({calls.get(k, 0)} calls)" for k in _obj(value.get("replaced", {}))),
-            ]
+            lines += ["", "CPU kernels replaced on the trainer: "
+                      + ", ".join(f"{k} ({calls.get(k, 0)} calls)" for k in _obj(value.get("replaced", {})))]
             other = _obj(value.get("other_ops"))
             if other:
-                lines.append(
-                    "Operations no kernel covers (measured by the checks): "
-                    + ", ".join(f"{k} x{n}" for k, n in other.items())
-                )
+                lines.append("Operations no kernel covers (measured by the checks): "
+                             + ", ".join(f"{k} x{n}" for k, n in other.items()))
     lines += [f"- {_obj(v)['message']}" for v in _items(det["violations"])]
     return lines
 
@@ -277,23 +239,12 @@ def render_markdown(report: ReportJson) -> str:
     """report.md: one screen first (the verdict, the paragraph, the table, its plot), then what failed and why;
     the per-scenario detail is :func:`render_details`' (details.md, linked)."""
     sc = report["scenarios"]
-    env = report["environment"]
     plots = set(report.get("plots") or [])
-    lines = [
-        "# parity report",
-        "",
-        _headline(report),
-        "",
-        overview.paragraph(report),
-        "",
-        _environment(env),
-        "",
-    ]
-    limits = [s["capture_limit"] for s in sc if s.get("capture_limit")]
-    if limits:
-        lines += ["## Capture limits (not evaluated, not a FAIL)", ""] + [f"- {x}" for x in limits] + [""]
-    if report.get("warnings"):
-        lines += ["## Warnings", ""] + [f"- {w}" for w in report["warnings"]] + [""]
+    lines = ["# parity report", "", _headline(report), "", overview.paragraph(report), "",
+             _environment(report["environment"]), ""]
+    limits = [x for s in sc if (x := s.get("capture_limit"))]
+    lines += _bullets("Capture limits (not evaluated, not a FAIL)", limits)
+    lines += _bullets("Warnings", report.get("warnings") or [])
     lines += glance_table(report)
     if "log_s_bias.png" in plots:
         lines += ["", "![log S against the naive trainer's bias, per scenario](log_s_bias.png)"]

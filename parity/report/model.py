@@ -69,11 +69,6 @@ def violation_from_json(d: Mapping[str, object]) -> Violation:
                      d.get("comparison", ">"), tuple(worst), d.get("detail", ""))
 
 
-def violations_of(entry: ScenarioJson) -> list[Violation]:
-    """A scenario entry's violations as :class:`Violation` objects (their messages and positions)."""
-    return [violation_from_json(cast("Mapping[str, object]", v)) for v in entry["violations"]]
-
-
 def _scenario(data: object) -> ScenarioJson:
     where = f"report.json scenario {data.get('name') if isinstance(data, dict) else '?'}"
     d = _keys(ScenarioJson, data, where)

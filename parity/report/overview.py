@@ -137,14 +137,13 @@ def glance_rows(report: ReportJson) -> list[dict[str, str]]:
     """One row per scenario, in matrix order: the cells of the terminal table and of report.md's first table."""
     rows = []
     for s in report["scenarios"]:
-        head: Mapping[str, object] = s.get("headroom") or {}
         rows.append({
             "scenario": s["name"],
             "verdict": s["verdict"].upper(),
             "log S": _signed(s["log_s"]["mean"]),
             "naive bias": _signed(s["naive"]["bias_mean"]),
-            "replay": NA if "replay_drift" in not_evaluated(s) else _ratio(head.get("replay")),
-            "recompute": NA if "recompute_drift" in not_evaluated(s) else _ratio(head.get("recompute")),
+            "replay": _cell_of(s, "replay"),
+            "recompute": _cell_of(s, "recompute"),
             "support": support_cell(s),
             "drift": f"{_cell_of(s, 'replay')}/{_cell_of(s, 'recompute')}",
             **_mean_cells(s),
@@ -342,20 +341,13 @@ def _trainer_sentences(sc: list[ScenarioJson], who: str) -> list[str]:
 
 
 def _determinism_sentences(report: ReportJson) -> list[str]:
-    parts: list[str] = []
-    det = report.get("determinism")
-    if det:
-        sides = []
-        for side in ("rollout", "trainer"):
-            d = det.get(side)
-            if isinstance(d, dict) and "invariant" in d:
-                sides.append(f"{side} {'bitwise' if d['invariant'] else 'not bitwise'}")
-        if sides:
-            parts.append(
-                "Across batch sizes and layouts: " + ", ".join(sides)
-                + (" (required under batch-invariant mode)." if det.get("required") else " (reported, not required).")
-            )
-    return parts
+    det = report.get("determinism") or {}
+    sides = [f"{side} {'bitwise' if d['invariant'] else 'not bitwise'}" for side in ("rollout", "trainer")
+             if isinstance(d := det.get(side), dict) and "invariant" in d]
+    if not sides:
+        return []
+    why = " (required under batch-invariant mode)." if det.get("required") else " (reported, not required)."
+    return ["Across batch sizes and layouts: " + ", ".join(sides) + why]
 
 
 def paragraph(report: ReportJson) -> str:
@@ -408,15 +400,9 @@ def _estimators_sentences(sc: list[ScenarioJson], who: str, truncating: bool) ->
     return out
 
 
-TERMINAL_COLUMNS = (
-    ("verdict", "verdict"),
-    ("scenario", "scenario"),
-    ("log S", "log S"),
-    ("drift", "drift rep/rec"),
-    ("support", "support"),
-    ("mean/limit", "mean"),
-    ("resolution", "resolution"),
-)
+TERMINAL_COLUMNS = (("verdict", "verdict"), ("scenario", "scenario"), ("log S", "log S"),
+                    ("drift", "drift rep/rec"), ("support", "support"), ("mean/limit", "mean"),
+                    ("resolution", "resolution"))
 
 
 def render_terminal(report: Mapping[str, object], *, width: int = WIDTH) -> str:

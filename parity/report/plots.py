@@ -11,7 +11,7 @@ import numpy as np
 
 from parity.core.display import NA
 from parity.report import budget_section, rl_section
-from parity.report.blocks import DriftHeadroom, ReportJson
+from parity.report.blocks import DriftHeadroom, ReportJson, dense_hist
 from parity.report.overview import headroom_limit, sampler_name
 
 # The histogram's range of |diff| / bound: below it (exact matches too) at the left edge, above it (NaN
@@ -63,10 +63,7 @@ def dense_drift_hist(h: DriftHeadroom) -> dict[str, list[float] | np.ndarray]:
     out: dict[str, list[float] | np.ndarray] = {"edges": [h["log10_lo"] + i * h["bin_width"] for i in range(n + 1)]}
     for est in ("replay", "recompute"):
         if est in h:
-            counts = np.zeros(n, dtype=np.int64)
-            for i, c in h[est]:
-                counts[i] = c
-            out[est] = counts
+            out[est] = dense_hist(h[est], n)
     return out
 
 

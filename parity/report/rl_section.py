@@ -23,14 +23,9 @@ FIXED = ("replay", "recompute")
 # The two methods the headline names: a sequence-level drop and a token-level mask.
 HEADLINE_METHODS = ("GSPO [1-3e-4, 1+4e-4]", "Token MIS/IcePop [0.5, 5]")
 UNIT = {"token": "tokens", "sequence": "sequences"}
-STAT = {
-    "ratio": "r",
-    "tv": "p − q",
-    "seq_ratio": "Π r",
-    "geo_ratio": "exp(mean δ)",
-    "seq_mean_k3": "mean (r − log r − 1)",
-    "min_ratio": "min r",
-}
+STAT = {"ratio": "r", "tv": "p − q", "seq_ratio": "Π r", "geo_ratio": "exp(mean δ)",
+        "seq_mean_k3": "mean (r − log r − 1)", "min_ratio": "min r"}
+SIGN = {"any": "any", "+": "A > 0", "-": "A < 0"}  # an advantage sign a method is reported for
 VERB = {"clip": "clips", "mask": "masks", "veto": "vetoes", "drop": "drops", "none": "touches"}
 
 
@@ -65,10 +60,6 @@ def _interval(m: Method) -> str:
     return f"[{lo:.6g}, {hi:.6g}]"
 
 
-def _sign_label(s: str) -> str:
-    return {"any": "any", "+": "A > 0", "-": "A < 0"}[s]
-
-
 def _worst(view: TrainerSummary, method: Method) -> tuple[float | None, str]:
     """The largest affected fraction over the reported advantage signs, and which sign."""
     res = view["methods"][method.name]
@@ -92,12 +83,10 @@ def headline(scenario: ScenarioJson) -> str | None:
     parts = []
     for m in methods:
         frac, sign = _worst(rl["naive"], m)
-        where = f" ({_sign_label(sign)})" if sign != "any" else ""
+        where = f" ({SIGN[sign]})" if sign != "any" else ""
         parts.append(f"{m.name} {VERB[m.action]} {_pct(frac)} of {UNIT[m.level]}{where}")
-    after = []
-    for t in FIXED:
-        if t in rl:
-            after.append(f"after {t}, " + " and ".join(_pct(_worst(rl[t], m)[0]) for m in methods))
+    after = [f"after {t}, " + " and ".join(_pct(_worst(rl[t], m)[0]) for m in methods)
+             for t in FIXED if t in rl]
     return f"under {scenario['name']} with the naive trainer, " + " and ".join(parts) + "; " + "; ".join(after) + "."
 
 
@@ -121,14 +110,10 @@ def metrics_table(rl: Mapping[str, TrainerSummary]) -> list[str]:
         "|---|---|" + "---|" * len(trainers) + "---|",
     ]
     for e in METRICS:
-        cells = []
-        for t in trainers:
-            v = rl[t]["metrics"].get(e.name)
-            flag = " ⚠" if e.name in rl[t]["over_threshold"] else ""
-            cells.append(_num(v) + flag)
-        lines.append(
-            f"| {e.framework} | `{e.name}` | " + " | ".join(cells) + f" | {_threshold_cell(e.name)} |"
-        )
+        cells = [_num(rl[t]["metrics"].get(e.name)) + (" ⚠" if e.name in rl[t]["over_threshold"] else "")
+                 for t in trainers]
+        lines.append(f"| {e.framework} | `{e.name}` | " + " | ".join(cells)
+                     + f" | {_threshold_cell(e.name)} |")
     return lines
 
 
@@ -136,21 +121,16 @@ def methods_table(rl: Mapping[str, TrainerSummary]) -> list[str]:
     from parity.core.rl_catalogue import METHODS
 
     trainers = _trainers(rl)
-    lines = [
-        "| method | frameworks | level | statistic | kept interval | action | advantage | "
-        + " | ".join(f"{t}: affected · mean w · ESS" for t in trainers)
-        + " |",
-        "|---|---|---|---|---|---|---|" + "---|" * len(trainers),
-    ]
+    lines = ["| method | frameworks | level | statistic | kept interval | action | advantage | "
+             + " | ".join(f"{t}: affected · mean w · ESS" for t in trainers) + " |",
+             "|---|---|---|---|---|---|---|" + "---|" * len(trainers)]
     for m in METHODS:
         for s in m.signs:
-            cells = []
-            for t in trainers:
-                r = rl[t]["methods"][m.name][s]
-                cells.append(f"{_pct(r['affected_frac'])} · {_num(r['mean_weight'])} · {_num(r['ess'])}")
+            cells = [f"{_pct(r['affected_frac'])} · {_num(r['mean_weight'])} · {_num(r['ess'])}"
+                     for r in (rl[t]["methods"][m.name][s] for t in trainers)]
             lines.append(
                 f"| {m.name} | {', '.join(m.frameworks)} | {m.level} | {STAT[m.statistic]} | {_interval(m)} | {m.action} | "
-                f"{_sign_label(s)} | " + " | ".join(cells) + " |"
+                f"{SIGN[s]} | " + " | ".join(cells) + " |"
             )
     return lines
 
@@ -178,12 +158,8 @@ def markdown(report: ReportJson) -> list[str]:
         rl = s["rl_view"]
         # Clips are left out: TOPR clips every product above 1, so kernel noise of 1e-7 "clips" half the
         # sequences of an exact trainer by a weight change of 1e-7 (visible in the tables below).
-        moved = any(
-            (_worst(rl[t], m)[0] or 0) > 0
-            for t in rl
-            for m in METHODS
-            if m.action in ("mask", "drop", "veto")
-        ) or any(rl[t]["over_threshold"] for t in rl)
+        moved = any((_worst(rl[t], m)[0] or 0) > 0 for t in rl for m in METHODS
+                    if m.action in ("mask", "drop", "veto")) or any(rl[t]["over_threshold"] for t in rl)
         if not moved:
             quiet.append(s["name"])
             continue
@@ -191,12 +167,8 @@ def markdown(report: ReportJson) -> list[str]:
         if h:
             lines.append(f"- {h[0].upper()}{h[1:]}")
     if quiet:
-        lines += [
-            "",
-            "No method masks, drops or vetoes anything, and no metric is over its threshold, for any trainer, in: "
-            + ", ".join(quiet)
-            + ".",
-        ]
+        lines += ["", "No method masks, drops or vetoes anything, and no metric is over its threshold, for "
+                  "any trainer, in: " + ", ".join(quiet) + "."]
     for s in scenarios:
         rl = s["rl_view"]
         lines += ["", f"### {s['name']}", ""]
@@ -217,7 +189,7 @@ def write_plot(report: ReportJson, out: Path, plt: ModuleType) -> list[str]:
     from parity.core.rl_catalogue import METHODS
 
     rows = [(m, s) for m in METHODS if m.action in ("mask", "drop", "veto") for s in m.signs]
-    labels = [m.name + ("" if s == "any" else f" ({_sign_label(s)})") for m, s in rows]
+    labels = [m.name + ("" if s == "any" else f" ({SIGN[s]})") for m, s in rows]
     # A trainer's panel is drawn only where some method drops something: an all-zero panel is an empty plot
     # (after replay or recompute nothing is dropped on a correct run; the tables in details.md say so).
     trainers = [t for t in TRAINERS if all(t in sc["rl_view"] for sc in scenarios) and any(
@@ -225,32 +197,19 @@ def write_plot(report: ReportJson, out: Path, plt: ModuleType) -> list[str]:
         for sc in scenarios for m, sign in rows)]
     if not trainers:
         return []
-    fig, axes = plt.subplots(
-        len(trainers),
-        1,
-        figsize=(max(9, 0.42 * len(scenarios) + 5), (0.3 * len(rows) + 2.2) * len(trainers)),
-        squeeze=False,
-        constrained_layout=True,
-    )
+    size = (max(9, 0.42 * len(scenarios) + 5), (0.3 * len(rows) + 2.2) * len(trainers))
+    fig, axes = plt.subplots(len(trainers), 1, figsize=size, squeeze=False, constrained_layout=True)
     image = None
     for ax, t in zip(axes[:, 0], trainers, strict=True):
-        grid = []
-        for m, sign in rows:
-            grid.append([sc["rl_view"][t]["methods"][m.name][sign]["affected_frac"] for sc in scenarios])
+        grid = [[sc["rl_view"][t]["methods"][m.name][sign]["affected_frac"] for sc in scenarios]
+                for m, sign in rows]
         values = [[float("nan") if v is None else v for v in row] for row in grid]
         image = ax.imshow(values, vmin=0.0, vmax=1.0, cmap="Reds", aspect="auto")
         for i, row in enumerate(values):
             for j, v in enumerate(row):
                 if v == v and v > 0:
-                    ax.text(
-                        j,
-                        i,
-                        f"{100 * v:.0f}",
-                        ha="center",
-                        va="center",
-                        fontsize=5,
-                        color="black" if v < 0.6 else "white",
-                    )
+                    ax.text(j, i, f"{100 * v:.0f}", ha="center", va="center", fontsize=5,
+                            color="black" if v < 0.6 else "white")
         ax.set_yticks(range(len(labels)))
         ax.set_yticklabels(labels, fontsize=6)
         ax.set_xticks(range(len(scenarios)))

@@ -20,14 +20,8 @@ from parity.report.markdown import DETAILS, render_details, render_markdown
 from parity.report.model import SCHEMA_VERSION, checked_report
 from parity.report.plots import write_plots
 
-DETERMINISM_ENV = (
-    "VLLM_BATCH_INVARIANT",
-    "VLLM_ENABLE_V1_MULTIPROCESSING",
-    "VLLM_CPU_KVCACHE_SPACE",
-    "CUBLAS_WORKSPACE_CONFIG",
-    "OMP_NUM_THREADS",
-    "PYTHONHASHSEED",
-)
+DETERMINISM_ENV = ("VLLM_BATCH_INVARIANT", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE",
+                   "CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS", "PYTHONHASHSEED")
 
 
 def installed_version(dist: str) -> str | None:

@@ -53,38 +53,33 @@ class Finding:
 
 
 # -- what the checks read -------------------------------------------------------------------------
-def _version(dist: str) -> str | None:
+def _dist(name: str) -> metadata.Distribution | None:
     try:
-        return metadata.version(dist)
+        return metadata.distribution(name)
     except metadata.PackageNotFoundError:
         return None
 
 
+def _version(dist: str) -> str | None:
+    d = _dist(dist)
+    return None if d is None else d.version
+
+
 def _requires(dist: str) -> list[str]:
-    try:
-        return list(metadata.requires(dist) or [])
-    except metadata.PackageNotFoundError:
-        return []
+    d = _dist(dist)
+    return list(d.requires or []) if d is not None else []
 
 
 def _console_scripts(dist: str) -> dict[str, str]:
-    try:
-        eps = metadata.distribution(dist).entry_points
-    except metadata.PackageNotFoundError:
-        return {}
-    return {ep.name: ep.value for ep in eps if ep.group == "console_scripts"}
+    d = _dist(dist)
+    return {ep.name: ep.value for ep in d.entry_points if ep.group == "console_scripts"} if d is not None else {}
 
 
 def _dist_file(dist: str, name: str) -> str | None:
     """The installed path of the file ``name`` shipped by ``dist`` (e.g. intel-openmp's libiomp5.so)."""
-    try:
-        d = metadata.distribution(dist)
-    except metadata.PackageNotFoundError:
-        return None
-    for f in d.files or []:
-        if Path(str(f)).name == name:
-            return str(Path(str(d.locate_file(f))).resolve())
-    return None
+    d = _dist(dist)
+    hits = [f for f in (d.files or []) if Path(str(f)).name == name] if d is not None else []
+    return str(Path(str(d.locate_file(hits[0]))).resolve()) if d is not None and hits else None
 
 
 def _package_source(package: str, relpath: str) -> str | None:
@@ -162,10 +157,9 @@ def _parity_requirements() -> list[str]:
 
 
 def _fixture_built(root: Path, name: str) -> bool:
-    from parity.fixtures import METADATA_FILE, load_recipe, recipe_hash
+    from parity.fixtures import METADATA_FILE, fixture_dir, load_recipe
 
-    recipe = load_recipe(name)
-    return (root / f"{recipe.name}-{recipe_hash(recipe)[:16]}" / METADATA_FILE).is_file()
+    return (fixture_dir(load_recipe(name), root) / METADATA_FILE).is_file()
 
 
 def _fetch_wheel(name: str) -> str | None:

@@ -71,8 +71,8 @@ def _requires(dist: str) -> list[str]:
 
 
 def _console_scripts(dist: str) -> dict[str, str]:
-    d = _dist(dist)
-    return {ep.name: ep.value for ep in d.entry_points if ep.group == "console_scripts"} if d is not None else {}
+    eps = _dist(dist)
+    return {ep.name: ep.value for ep in eps.entry_points if ep.group == "console_scripts"} if eps else {}
 
 
 def _dist_file(dist: str, name: str) -> str | None:

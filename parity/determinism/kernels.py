@@ -64,6 +64,28 @@ def _all_cpu(args: Iterable[object]) -> bool:
     return all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor))
 
 
+class Undo:
+    """Restore actions, run last-in first-out; every one runs even if an earlier one raises, then ``failed``
+    (formatted with ``n`` and ``errors``) is raised."""
+
+    def __init__(self, failed: str) -> None:
+        self.failed = failed
+        self._actions: list[Callable[[], None]] = []
+
+    def push(self, fn: Callable[[], None]) -> None:
+        self._actions.append(fn)
+
+    def run(self) -> None:
+        errors = []
+        while self._actions:
+            try:
+                self._actions.pop()()
+            except Exception as exc:  # noqa: BLE001 - collected and re-raised below
+                errors.append(exc)
+        if errors:
+            raise RuntimeError(self.failed.format(n=len(errors), errors=errors))
+
+
 class _KernelMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves __init_subclass__ unannotated
     """Routes the operations in ``KERNELS`` to this module's kernels and counts every operation."""
 
@@ -120,7 +142,7 @@ class CpuKernels:
             "exact_ops": 0,
             "other_ops": self._other_json,
         }
-        self._undo: list[Callable[[], None]] = []
+        self._undo = Undo("cpu kernels: {n} restore step(s) failed: {errors}")
 
     def count_call(self, name: str) -> None:
         self.calls[name] += 1
@@ -161,7 +183,7 @@ class CpuKernels:
             else:
                 model.forward = own
 
-        self._undo.append(restore)
+        self._undo.push(restore)
 
     def _switch_attention(self, model: torch.nn.Module) -> None:
         if not isinstance(model, SwitchesAttention):
@@ -173,12 +195,12 @@ class CpuKernels:
             def restore() -> None:
                 model.set_attn_implementation(prev)
 
-            self._undo.append(restore)
+            self._undo.push(restore)
 
     def enable(self) -> CpuKernels:
         try:
             _register()
-            self._undo.append(_unregister)
+            self._undo.push(_unregister)
             for m in self.models:
                 self._switch_attention(m)
                 self._wrap_forward(m)
@@ -188,14 +210,7 @@ class CpuKernels:
         return self
 
     def restore(self) -> None:
-        errors = []
-        while self._undo:
-            try:
-                self._undo.pop()()
-            except Exception as exc:  # noqa: BLE001 - every restore runs; collected below
-                errors.append(exc)
-        if errors:
-            raise RuntimeError(f"cpu kernels: {len(errors)} restore step(s) failed: {errors}")
+        self._undo.run()
 
 
 # One registration of the attention and mask functions per process while any kernel set is enabled.

@@ -478,9 +478,9 @@ def _writable(folder: Path) -> tuple[bool, str]:
 
 def check_fixture_cache(probe: Probe) -> list[Finding]:
     """The fixture cache: `parity run` builds the main job's fixtures there on first use."""
-    from parity.fixtures import CACHE_ENV
+    from parity.fixtures import CACHE_ENV, cache_root
 
-    root = _cache_root(probe)
+    root = cache_root(probe.env)
     ok, why = _writable(root)
     built = [n for n in MAIN_JOB_FIXTURES if probe.fixture_built(root, n)]
     if ok:
@@ -494,19 +494,12 @@ def check_fixture_cache(probe: Probe) -> list[Finding]:
                     "the main job cannot build its fixtures", fix)]
 
 
-def _cache_root(probe: Probe) -> Path:
-    from parity.fixtures import CACHE_ENV
-
-    raw = probe.env.get(CACHE_ENV)
-    return Path(raw).expanduser() if raw else Path(probe.env.get("HOME") or Path.home()) / ".cache" / "parity" / "fixtures"
-
-
 def check_fixture_builds(probe: Probe) -> list[Finding]:
     """What building each fixture of the main job needs and lacks: packages, and the wheel it is read from."""
     from parity.errors import MissingPackage
-    from parity.fixtures import build_requires, load_recipe
+    from parity.fixtures import build_requires, cache_root, load_recipe
 
-    root = _cache_root(probe)
+    root = cache_root(probe.env)
     out: list[Finding] = []
     for name in MAIN_JOB_FIXTURES:
         if probe.fixture_built(root, name):

@@ -169,29 +169,17 @@ def _vllm_bound_threads() -> bool:
     return torch.set_num_threads is not torch._C.set_num_threads
 
 
-def _threads(state: DeterminismState, undo: Undo, enabled: bool, threads: int | None) -> None:
+def _threads(state: DeterminismState, enabled: bool) -> None:
+    """The thread count in force, recorded (parity does not change it)."""
     name = "torch_num_threads"
     current = torch.get_num_threads()
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise UsageError(f"threads={threads!r} is invalid: allowed None (keep the current count) or an "
-                         "int >= 1")
     if not enabled:
         state.add(name, OFF, current, "not pinned by parity")
-        return
-    target = current if threads is None else threads
-    if _vllm_bound_threads():
-        if target == current:
-            state.add(name, ON, current, "pinned by vLLM's CPU worker, which bound its OpenMP threads at "
-                      "engine start-up")
-        else:
-            state.add(name, UNAVAILABLE, current, f"requested {target}, but vLLM's CPU worker replaced "
-                      "torch.set_num_threads after binding its OpenMP threads; the count stays "
-                      f"{current} in this process")
-        return
-    torch.set_num_threads(target)
-    if target != current:
-        undo.push(lambda: torch.set_num_threads(current))
-    state.add(name, ON, torch.get_num_threads())
+    elif _vllm_bound_threads():
+        state.add(name, ON, current, "pinned by vLLM's CPU worker, which bound its OpenMP threads at "
+                  "engine start-up")
+    else:
+        state.add(name, ON, current)
 
 
 @runtime_checkable
@@ -422,13 +410,13 @@ def batch_invariant_mode(
     enabled: bool = True,
     *,
     device: str = "cpu",
-    threads: int | None = None,
     models: Sequence[object] = (),
 ) -> Iterator[DeterminismState]:
     """Turn on every knob known to make results batch-invariant and deterministic on ``device``; restore on exit.
 
     ``enabled=False`` changes nothing and yields the state in force. Every device: deterministic algorithms,
-    oneDNN's flag, a fixed thread count; the ``models`` given get the CPU kernel set (CPU) or eager attention.
+    oneDNN's flag, the thread count (recorded); the ``models`` given get the CPU kernel set (CPU) or eager
+    attention.
     CUDA also sets TF32/cuDNN/reduction knobs and ``VLLM_BATCH_INVARIANT=1``, read when an engine starts: enter
     the mode before the vLLM engine starts. The knobs, device by device: docs/batch_invariance.md, section 2.
     """
@@ -440,7 +428,7 @@ def batch_invariant_mode(
     try:
         _deterministic_algorithms(state, undo, enabled, dev)
         _mkldnn_deterministic(state, undo, enabled)
-        _threads(state, undo, enabled, threads)
+        _threads(state, enabled)
         _trainer_experts(state, undo, enabled, models)
         if dev == "cpu":
             _cpu_kernels(state, undo, enabled, models)

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
@@ -142,18 +143,25 @@ def _mem_available_gib() -> float | None:
     return None
 
 
+def _parity_project(root: Path) -> dict[str, Any] | None:
+    """The [project] table of ``root``/pyproject.toml when it is parity's own (a source checkout)."""
+    with contextlib.suppress(tomllib.TOMLDecodeError, OSError):
+        text = (root / "pyproject.toml").read_text(encoding="utf-8")
+        project: dict[str, Any] = tomllib.loads(text).get("project", {})
+        if project.get("name") == "parity":
+            return project
+    return None
+
+
 def _parity_requirements() -> list[str]:
     """parity's own requirement strings: pyproject.toml in a source checkout, else the installed metadata."""
-    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
-    if pyproject.is_file():
-        data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
-        project = data.get("project", {})
-        if project.get("name") == "parity":
-            reqs = list(project.get("dependencies", []))
-            for extra, items in project.get("optional-dependencies", {}).items():
-                reqs += [f'{r}; extra == "{extra}"' for r in items]
-            return reqs
-    return _requires("parity")
+    project = _parity_project(Path(__file__).resolve().parents[2])
+    if project is None:
+        return _requires("parity")
+    reqs = list(project.get("dependencies", []))
+    for extra, items in project.get("optional-dependencies", {}).items():
+        reqs += [f'{r}; extra == "{extra}"' for r in items]
+    return reqs
 
 
 def _fixture_built(root: Path, name: str) -> bool:
@@ -187,11 +195,8 @@ def _lock_file() -> Path | None:
     """The lock of parity's source checkout: the one this code runs from, else the one the current folder is in
     (an install into a nox session's environment runs from site-packages, in the checkout's folder)."""
     for root in (Path(__file__).resolve().parents[2], *(p for p in (Path.cwd(), *Path.cwd().parents))):
-        pyproject = root / "pyproject.toml"
-        if (root / LOCK_NAME).is_file() and pyproject.is_file():
-            with contextlib.suppress(tomllib.TOMLDecodeError, OSError):
-                if tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {}).get("name") == "parity":
-                    return root / LOCK_NAME
+        if (root / LOCK_NAME).is_file() and _parity_project(root) is not None:
+            return root / LOCK_NAME
     return None
 
 
@@ -426,11 +431,9 @@ def check_preload(probe: Probe) -> list[Finding]:
         else:
             where = f" (installed at {path})" if path else " and not installed"
         msg = f"{tag} is not in LD_PRELOAD{where}: vLLM's CPU worker asks for it for speed (results do not depend on it)"
-        if path:
-            paths.append(path)
-            out.append(Finding("LD_PRELOAD", "warn", msg, f"export LD_PRELOAD={path}:$LD_PRELOAD"))
-        else:
-            out.append(Finding("LD_PRELOAD", "warn", msg, f"{install}, then add it to LD_PRELOAD"))
+        paths += [path] if path else []
+        fix = f"export LD_PRELOAD={path}:$LD_PRELOAD" if path else f"{install}, then add it to LD_PRELOAD"
+        out.append(Finding("LD_PRELOAD", "warn", msg, fix))
     if len(paths) == 2:
         out.append(Finding("LD_PRELOAD", "note", "both libraries in one line", f"export LD_PRELOAD={':'.join(paths)}:$LD_PRELOAD"))
     return out

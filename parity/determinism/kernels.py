@@ -8,6 +8,7 @@ What was measured and each kernel: docs/batch_invariance.md.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -70,9 +71,9 @@ class Undo:
 
     def __init__(self, failed: str) -> None:
         self.failed = failed
-        self._actions: list[Callable[[], None]] = []
+        self._actions: list[Callable[[], object]] = []
 
-    def push(self, fn: Callable[[], None]) -> None:
+    def push(self, fn: Callable[[], object]) -> None:
         self._actions.append(fn)
 
     def run(self) -> None:
@@ -191,11 +192,7 @@ class CpuKernels:
         prev = model.config._attn_implementation
         if prev != ATTENTION_NAME:
             model.set_attn_implementation(ATTENTION_NAME)
-
-            def restore() -> None:
-                model.set_attn_implementation(prev)
-
-            self._undo.push(restore)
+            self._undo.push(functools.partial(model.set_attn_implementation, prev))
 
     def enable(self) -> CpuKernels:
         try:

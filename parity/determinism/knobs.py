@@ -7,6 +7,7 @@ installs :mod:`parity.determinism.kernels` on the trainer models. See docs/batch
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -212,11 +213,7 @@ def _attention(state: DeterminismState, undo: Undo, enabled: bool, models: Seque
     for m, prev in switch:
         if prev != "eager":
             m.set_attn_implementation("eager")
-
-            def restore(m: SwitchesAttention = m, prev: str = prev) -> None:
-                m.set_attn_implementation(prev)
-
-            undo.push(restore)
+            undo.push(functools.partial(m.set_attn_implementation, prev))
     state.add(name, ON, "eager", SDPA_NOTE)
 
 
@@ -236,11 +233,7 @@ def _trainer_experts(state: DeterminismState, undo: Undo, enabled: bool, models:
         if not isinstance(m, _SwitchesExperts):
             raise AttributeError(f"{type(m).__name__!r} object has no attribute 'set_experts_implementation'")
         m.set_experts_implementation("eager")
-
-        def restore(m: _SwitchesExperts = m, prev: str | None = prev) -> None:
-            m.set_experts_implementation(prev)
-
-        undo.push(restore)
+        undo.push(functools.partial(m.set_experts_implementation, prev))
     state.add("trainer_experts", ON, "eager", "per-expert F.linear loop instead of the grouped GEMM (_grouped_mm)")
 
 

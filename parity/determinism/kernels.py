@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar, cast
 
 import torch
 from torch._ops import OpOverload
@@ -124,30 +123,27 @@ class CpuKernels:
 
     def __init__(self, models: Sequence[torch.nn.Module]) -> None:
         self.models = list(models)
-        self.calls: Counter[str] = Counter()
-        self.other: Counter[str] = Counter()
         self.exact = 0
         replaced: JsonObject = {
             f"{op.overloadpacket.__name__}.{op._overloadname}": how for op, (_, how) in KERNELS.items()
         }
         # report["calls"] and report["other_ops"]: counted into as the forwards run.
-        self._calls_json: JsonObject = {}
-        self._other_json: JsonObject = {}
+        self.calls: dict[str, int] = {}
+        self.other: dict[str, int] = {}
         models_json: list[Json] = [type(m).__name__ for m in self.models]
         self.report: JsonObject = {
             "replaced": replaced | {"attention": ATTENTION_KERNEL},
             "attention_implementation": ATTENTION_NAME,
             "attention_chunk": CHUNK,
             "models": models_json,
-            "calls": self._calls_json,
+            "calls": cast("Json", self.calls),
             "exact_ops": 0,
-            "other_ops": self._other_json,
+            "other_ops": cast("Json", self.other),
         }
         self._undo = Undo("cpu kernels: {n} restore step(s) failed: {errors}")
 
     def count_call(self, name: str) -> None:
-        self.calls[name] += 1
-        self._calls_json[name] = self.calls[name]
+        self.calls[name] = self.calls.get(name, 0) + 1
 
     def count_op(self, func: OpOverload, args: Iterable[object]) -> None:
         name = func.overloadpacket.__name__
@@ -156,8 +152,7 @@ class CpuKernels:
             self.report["exact_ops"] = self.exact
             return
         key = f"{name}.{func._overloadname}"
-        self.other[key] += 1
-        self._other_json[key] = self.other[key]
+        self.other[key] = self.other.get(key, 0) + 1
 
     # -- install / restore -------------------------------------------------------------------------
 

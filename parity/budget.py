@@ -36,6 +36,7 @@ from parity.core.penalties import penalise_sequence
 from parity.core.spec import PENALTY_OFF, SamplingSpec
 from parity.engines.session import EnginePool, Rollout, Trainer, make_prompts
 from parity.engines.settings import EngineSettings
+from parity.errors import UsageError
 from parity.run import (
     RunConfig,
     ScenarioResult,
@@ -212,7 +213,9 @@ def scenario_budget(
             notes.append(f"the sampler {_engine_name(k, cfg.dtype, trainer_dtype)} drew other tokens in {len(diff)} of "
                          f"{len(res.records)} sequences ({ntok} tokens): only the sequences both drew alike are compared")
     if not keep:
-        raise _no_tokens(sc)
+        raise UsageError(f"scenario {sc.name!r}: no sequence was drawn alike by every sampler the budget "
+                         "needs, so nothing can be compared: allowed a setup whose samplers agree on some "
+                         "sequences (more prompts)")
 
     # -- the trainer side: logits in its batch or alone, with or without routing replay
     moe = bool(routers(trainer.model))
@@ -365,13 +368,6 @@ def _incomplete(r: SequenceRecord) -> bool:
 def _engine_name(key: tuple[bool, bool], dtype: str, trainer_dtype: str) -> str:
     without = " without prefix caching / chunked prefill" if key[1] else ""
     return f"at {trainer_dtype if key[0] else dtype}{without}"
-
-
-def _no_tokens(sc: Scenario) -> Exception:
-    from parity.errors import UsageError
-
-    return UsageError(f"scenario {sc.name!r}: no sequence was drawn alike by every sampler the budget needs, so "
-                      f"nothing can be compared: allowed a setup whose samplers agree on some sequences (more prompts)")
 
 
 def _trainer_logits(trainer: Trainer, records: Sequence[SequenceRecord], alone: bool,

@@ -60,10 +60,6 @@ def _has_float(args: Iterable[object]) -> bool:
     return False
 
 
-def _all_cpu(args: Iterable[object]) -> bool:
-    return all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor))
-
-
 class Undo:
     """Restore actions, run last-in first-out; every one runs even if an earlier one raises, then ``failed``
     (formatted with ``n`` and ``errors``) is raised."""
@@ -104,7 +100,7 @@ class _KernelMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch 
         if TLS.bypass:
             return func(*args, **kwargs)
         entry = KERNELS.get(func)
-        if entry is not None and _all_cpu(args):
+        if entry is not None and all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor)):
             out = entry[0](*args, **kwargs)
             if out is not NotImplemented:
                 self.kernels.count_call(str(func.overloadpacket.__name__ + "." + func._overloadname))

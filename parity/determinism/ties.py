@@ -60,10 +60,7 @@ def characterize_ties(
     ``tie_groups`` (the fixture's duplicated lm_head rows: bitwise-equal logits) lets a dropped tie
     be seen: a kept token whose twin is not kept was separated from an equal logit by tie-breaking.
     """
-    mates: dict[int, set[int]] = {}
-    for group in tie_groups or []:
-        for t in group:
-            mates[int(t)] = {int(u) for u in group if u != t}
+    mates = {int(t): {int(u) for u in group if u != t} for group in tie_groups or [] for t in group}
     spec = SamplingSpec(temperature=temperature, top_k=top_k)
     rows: list[TiesRow] = []
     for bs in batch_sizes:

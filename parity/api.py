@@ -5,12 +5,7 @@ and matplotlib are imported only by the names that need them)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from parity import lazy_module
-
-if TYPE_CHECKING:
-    pass
 
 # name -> the module that defines it
 _NAMES = {

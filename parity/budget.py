@@ -9,8 +9,10 @@ routing replay, the engine without its settings. :mod:`parity.core.budget` turns
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 import time
+import timeit
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, cast
@@ -34,6 +36,7 @@ from parity.core.penalties import penalise_sequence
 from parity.core.spec import PENALTY_OFF, SamplingSpec
 from parity.engines.session import EnginePool, Rollout, Trainer, make_prompts
 from parity.engines.settings import EngineSettings
+from parity.errors import UsageError
 from parity.run import (
     RunConfig,
     ScenarioResult,
@@ -210,7 +213,9 @@ def scenario_budget(
             notes.append(f"the sampler {_engine_name(k, cfg.dtype, trainer_dtype)} drew other tokens in {len(diff)} of "
                          f"{len(res.records)} sequences ({ntok} tokens): only the sequences both drew alike are compared")
     if not keep:
-        raise _no_tokens(sc)
+        raise UsageError(f"scenario {sc.name!r}: no sequence was drawn alike by every sampler the budget "
+                         "needs, so nothing can be compared: allowed a setup whose samplers agree on some "
+                         "sequences (more prompts)")
 
     # -- the trainer side: logits in its batch or alone, with or without routing replay
     moe = bool(routers(trainer.model))
@@ -361,17 +366,8 @@ def _incomplete(r: SequenceRecord) -> bool:
 
 
 def _engine_name(key: tuple[bool, bool], dtype: str, trainer_dtype: str) -> str:
-    parts = [f"at {trainer_dtype if key[0] else dtype}"]
-    if key[1]:
-        parts.append("without prefix caching / chunked prefill")
-    return " ".join(parts)
-
-
-def _no_tokens(sc: Scenario) -> Exception:
-    from parity.errors import UsageError
-
-    return UsageError(f"scenario {sc.name!r}: no sequence was drawn alike by every sampler the budget needs, so "
-                      f"nothing can be compared: allowed a setup whose samplers agree on some sequences (more prompts)")
+    without = " without prefix caching / chunked prefill" if key[1] else ""
+    return f"at {trainer_dtype if key[0] else dtype}{without}"
 
 
 def _trainer_logits(trainer: Trainer, records: Sequence[SequenceRecord], alone: bool,
@@ -421,9 +417,7 @@ def _user_columns(
     t = time.perf_counter()
     alone = torch.cat([call_trainer(fn, label, make_batch([r], [z], spec, model, path)) for r, z in zip(records, z_a, strict=True)])
     costs["user_alone"] = time.perf_counter() - t
-    starts = [0]
-    for r in records:
-        starts.append(starts[-1] + r.length)
+    starts = [0, *itertools.accumulate(r.length for r in records)]
     pick = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in keep])
     ys = [torch.tensor(r.completion_ids, dtype=torch.long) for r in records]
     views = reference_views(z_b, ys, spec, [r.kept_ids for r in records], [r.prompt_ids for r in records])
@@ -446,18 +440,9 @@ def _est_cost(z: list[torch.Tensor], ys: list[torch.Tensor], spec: SamplingSpec,
             if r.kept_ids is not None:
                 estimators.replay(zi, y, r.kept_ids, spec)
 
-    full_s, replay_s = (_best_of(3, f) for f in (full, replay))
+    # The fastest of three timed calls (the first pays for warm-up).
+    full_s, replay_s = (min(timeit.repeat(f, number=1, repeat=3)) for f in (full, replay))
     return f"replay {replay_s * 1e3:.1f} ms against full-vocabulary {full_s * 1e3:.1f} ms on these tokens"
-
-
-def _best_of(n: int, fn: Callable[[], None]) -> float:
-    """The fastest of ``n`` timed calls (the first pays for warm-up)."""
-    best = float("inf")
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def _block(sc: Scenario, wf: Waterfall, notes: list[str], token_match: dict[str, object], keep: list[int],

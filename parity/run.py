@@ -5,11 +5,12 @@ The command line is :mod:`parity.cli.run`; the engines and prompts come from :mo
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -70,8 +71,6 @@ class RunConfig:
 
     def engine_settings(self) -> EngineSettings:
         """The part of this configuration the engines are started with (every EngineSettings field is one of ours)."""
-        from dataclasses import fields
-
         return EngineSettings(**{f.name: getattr(self, f.name) for f in fields(EngineSettings)})
 
 
@@ -83,14 +82,8 @@ def resolve_matrix(cfg: RunConfig) -> Matrix:
     else:
         m = load_matrix(cfg.matrix)
     if cfg.prompts or cfg.max_tokens:
-        from dataclasses import replace
-
-        m = Matrix(
-            m.name,
-            tuple(
-                replace(s, prompts=cfg.prompts or s.prompts, max_tokens=cfg.max_tokens or s.max_tokens) for s in m.scenarios
-            ),
-        )
+        m = Matrix(m.name, tuple(replace(s, prompts=cfg.prompts or s.prompts,
+                                         max_tokens=cfg.max_tokens or s.max_tokens) for s in m.scenarios))
     return m
 
 
@@ -108,8 +101,6 @@ class ScenarioResult:
 
 def scenario_engines(engines: EngineSettings, sc: Scenario) -> EngineSettings:
     """The run's engine settings with the scenario's own prefix caching and chunked-prefill budget."""
-    from dataclasses import replace
-
     pc = engines.prefix_caching if sc.prefix_caching is None else sc.prefix_caching
     return replace(engines, prefix_caching=pc, max_num_batched_tokens=sc.max_num_batched_tokens or engines.max_num_batched_tokens)
 
@@ -245,9 +236,6 @@ def score_with_power(rollout: Rollout, trainer: Trainer, sc: Scenario, cfg: RunC
     """:func:`score_scenario`, sampled again with more prompts while its verdict lacks the power to fail the
     bias it exists to catch (:mod:`parity.core.power`) and more tokens would give it, up to :func:`max_prompts`;
     as adaptive capture widens a head the first batch could not prove."""
-    import math
-    from dataclasses import replace
-
     from parity.core.display import ordered
     from parity.core.power import SAMPLING_MARGIN, about
 

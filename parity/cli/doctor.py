@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
@@ -53,38 +54,33 @@ class Finding:
 
 
 # -- what the checks read -------------------------------------------------------------------------
-def _version(dist: str) -> str | None:
+def _dist(name: str) -> metadata.Distribution | None:
     try:
-        return metadata.version(dist)
+        return metadata.distribution(name)
     except metadata.PackageNotFoundError:
         return None
 
 
+def _version(dist: str) -> str | None:
+    d = _dist(dist)
+    return None if d is None else d.version
+
+
 def _requires(dist: str) -> list[str]:
-    try:
-        return list(metadata.requires(dist) or [])
-    except metadata.PackageNotFoundError:
-        return []
+    d = _dist(dist)
+    return list(d.requires or []) if d is not None else []
 
 
 def _console_scripts(dist: str) -> dict[str, str]:
-    try:
-        eps = metadata.distribution(dist).entry_points
-    except metadata.PackageNotFoundError:
-        return {}
-    return {ep.name: ep.value for ep in eps if ep.group == "console_scripts"}
+    eps = _dist(dist)
+    return {ep.name: ep.value for ep in eps.entry_points if ep.group == "console_scripts"} if eps else {}
 
 
 def _dist_file(dist: str, name: str) -> str | None:
     """The installed path of the file ``name`` shipped by ``dist`` (e.g. intel-openmp's libiomp5.so)."""
-    try:
-        d = metadata.distribution(dist)
-    except metadata.PackageNotFoundError:
-        return None
-    for f in d.files or []:
-        if Path(str(f)).name == name:
-            return str(Path(str(d.locate_file(f))).resolve())
-    return None
+    d = _dist(dist)
+    hits = [f for f in (d.files or []) if Path(str(f)).name == name] if d is not None else []
+    return str(Path(str(d.locate_file(hits[0]))).resolve()) if d is not None and hits else None
 
 
 def _package_source(package: str, relpath: str) -> str | None:
@@ -147,25 +143,31 @@ def _mem_available_gib() -> float | None:
     return None
 
 
+def _parity_project(root: Path) -> dict[str, Any] | None:
+    """The [project] table of ``root``/pyproject.toml when it is parity's own (a source checkout)."""
+    with contextlib.suppress(tomllib.TOMLDecodeError, OSError):
+        text = (root / "pyproject.toml").read_text(encoding="utf-8")
+        project: dict[str, Any] = tomllib.loads(text).get("project", {})
+        if project.get("name") == "parity":
+            return project
+    return None
+
+
 def _parity_requirements() -> list[str]:
     """parity's own requirement strings: pyproject.toml in a source checkout, else the installed metadata."""
-    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
-    if pyproject.is_file():
-        data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
-        project = data.get("project", {})
-        if project.get("name") == "parity":
-            reqs = list(project.get("dependencies", []))
-            for extra, items in project.get("optional-dependencies", {}).items():
-                reqs += [f'{r}; extra == "{extra}"' for r in items]
-            return reqs
-    return _requires("parity")
+    project = _parity_project(Path(__file__).resolve().parents[2])
+    if project is None:
+        return _requires("parity")
+    reqs = list(project.get("dependencies", []))
+    for extra, items in project.get("optional-dependencies", {}).items():
+        reqs += [f'{r}; extra == "{extra}"' for r in items]
+    return reqs
 
 
 def _fixture_built(root: Path, name: str) -> bool:
-    from parity.fixtures import METADATA_FILE, load_recipe, recipe_hash
+    from parity.fixtures import METADATA_FILE, fixture_dir, load_recipe
 
-    recipe = load_recipe(name)
-    return (root / f"{recipe.name}-{recipe_hash(recipe)[:16]}" / METADATA_FILE).is_file()
+    return (fixture_dir(load_recipe(name), root) / METADATA_FILE).is_file()
 
 
 def _fetch_wheel(name: str) -> str | None:
@@ -193,11 +195,8 @@ def _lock_file() -> Path | None:
     """The lock of parity's source checkout: the one this code runs from, else the one the current folder is in
     (an install into a nox session's environment runs from site-packages, in the checkout's folder)."""
     for root in (Path(__file__).resolve().parents[2], *(p for p in (Path.cwd(), *Path.cwd().parents))):
-        pyproject = root / "pyproject.toml"
-        if (root / LOCK_NAME).is_file() and pyproject.is_file():
-            with contextlib.suppress(tomllib.TOMLDecodeError, OSError):
-                if tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {}).get("name") == "parity":
-                    return root / LOCK_NAME
+        if (root / LOCK_NAME).is_file() and _parity_project(root) is not None:
+            return root / LOCK_NAME
     return None
 
 
@@ -432,11 +431,9 @@ def check_preload(probe: Probe) -> list[Finding]:
         else:
             where = f" (installed at {path})" if path else " and not installed"
         msg = f"{tag} is not in LD_PRELOAD{where}: vLLM's CPU worker asks for it for speed (results do not depend on it)"
-        if path:
-            paths.append(path)
-            out.append(Finding("LD_PRELOAD", "warn", msg, f"export LD_PRELOAD={path}:$LD_PRELOAD"))
-        else:
-            out.append(Finding("LD_PRELOAD", "warn", msg, f"{install}, then add it to LD_PRELOAD"))
+        paths += [path] if path else []
+        fix = f"export LD_PRELOAD={path}:$LD_PRELOAD" if path else f"{install}, then add it to LD_PRELOAD"
+        out.append(Finding("LD_PRELOAD", "warn", msg, fix))
     if len(paths) == 2:
         out.append(Finding("LD_PRELOAD", "note", "both libraries in one line", f"export LD_PRELOAD={':'.join(paths)}:$LD_PRELOAD"))
     return out
@@ -484,9 +481,9 @@ def _writable(folder: Path) -> tuple[bool, str]:
 
 def check_fixture_cache(probe: Probe) -> list[Finding]:
     """The fixture cache: `parity run` builds the main job's fixtures there on first use."""
-    from parity.fixtures import CACHE_ENV
+    from parity.fixtures import CACHE_ENV, cache_root
 
-    root = _cache_root(probe)
+    root = cache_root(probe.env)
     ok, why = _writable(root)
     built = [n for n in MAIN_JOB_FIXTURES if probe.fixture_built(root, n)]
     if ok:
@@ -500,19 +497,12 @@ def check_fixture_cache(probe: Probe) -> list[Finding]:
                     "the main job cannot build its fixtures", fix)]
 
 
-def _cache_root(probe: Probe) -> Path:
-    from parity.fixtures import CACHE_ENV
-
-    raw = probe.env.get(CACHE_ENV)
-    return Path(raw).expanduser() if raw else Path(probe.env.get("HOME") or Path.home()) / ".cache" / "parity" / "fixtures"
-
-
 def check_fixture_builds(probe: Probe) -> list[Finding]:
     """What building each fixture of the main job needs and lacks: packages, and the wheel it is read from."""
     from parity.errors import MissingPackage
-    from parity.fixtures import build_requires, load_recipe
+    from parity.fixtures import build_requires, cache_root, load_recipe
 
-    root = _cache_root(probe)
+    root = cache_root(probe.env)
     out: list[Finding] = []
     for name in MAIN_JOB_FIXTURES:
         if probe.fixture_built(root, name):

@@ -84,11 +84,8 @@ def main(args: argparse.Namespace) -> int:
     target = args.target
     if target == "list":
         return _list()
-    if target == "all":
-        entries = list(REPROS)
-    else:
-        entries = [get(target)]
     single = target != "all"
+    entries = [get(target)] if single else list(REPROS)
     if args.model is not None:
         _check_model(args, entries, single)
     if args.emit_script is not None:
@@ -98,16 +95,10 @@ def main(args: argparse.Namespace) -> int:
     from parity.repro.common import Context
 
     configure_cpu_env()  # before vLLM is imported by any repro
-    if single:
-        out = args.out or DEFAULT_ROOT / entries[0].name
+    root = args.out or (DEFAULT_ROOT / entries[0].name if single else DEFAULT_ROOT)
 
-        def out_for(e: Entry) -> Path:
-            return out
-    else:
-        root = args.out or DEFAULT_ROOT
-
-        def out_for(e: Entry) -> Path:
-            return root / e.name
+    def out_for(e: Entry) -> Path:
+        return root if single else root / e.name
 
     model = args.model
     if model is not None and (Path(model).expanduser() / "config.json").is_file():
@@ -117,10 +108,9 @@ def main(args: argparse.Namespace) -> int:
     results.sort(key=lambda r: r.number)
     if not single:
         _summary(results, args.out or DEFAULT_ROOT, args.small)
-    failed = [r.name for r in results if not r.passed]
     for r in results:
         print(f"parity repro: {r.number} {r.name}: {r.verdict} ({r.seconds:.1f} s)", file=sys.stderr)
-    return 1 if failed else 0
+    return 0 if all(r.passed for r in results) else 1
 
 
 def _summary(results: list[ReproResult], root: Path, small: bool) -> None:

@@ -46,68 +46,42 @@ def add_arguments(p: argparse.ArgumentParser, *, out: str = "reports/parity", ma
     p.add_argument("--thresholds", type=Path, default=None, help="TOML file with a [thresholds] table")
     p.add_argument("--gate", action="append", default=[], metavar="NAME=VALUE", help="override one threshold")
     p.add_argument("--capture-head", type=int, default=None, help="force the top-K capture head (-1: full vocabulary)")
-    p.add_argument(
-        "--max-capture-head",
-        type=int,
-        default=None,
-        help="cap of S_q capture: a kept set of this many tokens or more is left unproven and not evaluated "
-        "(default: no cap on the offline engine, which reads wide kept sets from its sampler; 4096, the widest "
-        "top-K head, on a server)",
-    )
-    # Gone: top_p/min_p without top_k are captured adaptively now; the old flag gets an error that says so.
+    p.add_argument("--max-capture-head", type=int, default=None,
+                   help="cap of S_q capture: a kept set of this many tokens or more is left unproven and "
+                        "not evaluated (default: no cap on the offline engine, which reads wide kept sets "
+                        "from its sampler; 4096, the widest top-K head, on a server)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds any one engine call may take")
     p.add_argument("--prefix-caching", action="store_true", help="let vLLM reuse cached KV blocks (each scenario's prompts are sent once first, so its requests hit "
                    "the cache; off: order-independent results)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="vLLM's step token budget with chunked prefill on (prompts longer than it are chunked)")
-    p.add_argument(
-        "--batch-invariant",
-        action="store_true",
-        help="turn on every batch-invariance knob the device offers (the report lists which were on or unavailable)",
-    )
-    p.add_argument(
-        "--trainer",
-        default=None,
-        metavar="NAME|module:function",
-        help="score a trainer under test: full, recompute, replay, or your own module:function (see README)",
-    )
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="turn on every batch-invariance knob the device offers (the report lists which were "
+                        "on or unavailable)")
+    p.add_argument("--trainer", default=None, metavar="NAME|module:function",
+                   help="score a trainer under test: full, recompute, replay, or your own module:function "
+                        "(see README)")
     p.add_argument("--no-plots", action="store_true")
     if run_only:
         p.add_argument("--plant", choices=sorted(FAULTS), default=None, help="plant a trainer-side fault (self-test of the gates)")
-        p.add_argument(
-            "--invariance",
-            action="store_true",
-            help="also check batch invariance on both sides (required, i.e. gated, under --batch-invariant)",
-        )
-        p.add_argument(
-            "--capture",
-            choices=["topk", "native", "both"],
-            default="topk",
-            help="how S_q is captured: top-K processed log-probs, vLLM's native sampling mask (CUDA, Model Runner V2), or both compared",
-        )
-        p.add_argument(
-            "--server",
-            default=None,
-            metavar="spawn|URL",
-            help="sample through vLLM's OpenAI-compatible server: 'spawn' starts one on 127.0.0.1, a URL attaches",
-        )
-        p.add_argument(
-            "--no-sampler-log-s",
-            action="store_true",
-            help="skip the raw-logits engine that gives a sampler-side log S (the naive bias is then reported, not gated)",
-        )
-        p.add_argument(
-            "--records",
-            type=Path,
-            default=None,
-            metavar="PATH",
-            help="also write every sampled and scored token to a records file (Parquet; read it back with parity analyze)",
-        )
-    p.add_argument(
-        "--verbose",
-        action="store_true",
-        help="let vLLM, torch and transformers print to the terminal (default: into engine.log in the report folder)",
-    )
+        p.add_argument("--invariance", action="store_true",
+                       help="also check batch invariance on both sides (required, i.e. gated, under "
+                            "--batch-invariant)")
+        p.add_argument("--capture", choices=["topk", "native", "both"], default="topk",
+                       help="how S_q is captured: top-K processed log-probs, vLLM's native sampling mask "
+                            "(CUDA, Model Runner V2), or both compared")
+        p.add_argument("--server", default=None, metavar="spawn|URL",
+                       help="sample through vLLM's OpenAI-compatible server: 'spawn' starts one on "
+                            "127.0.0.1, a URL attaches")
+        p.add_argument("--no-sampler-log-s", action="store_true",
+                       help="skip the raw-logits engine that gives a sampler-side log S (the naive bias is "
+                            "then reported, not gated)")
+        p.add_argument("--records", type=Path, default=None, metavar="PATH",
+                       help="also write every sampled and scored token to a records file (Parquet; read it "
+                            "back with parity analyze)")
+    p.add_argument("--verbose", action="store_true",
+                   help="let vLLM, torch and transformers print to the terminal (default: into engine.log in "
+                        "the report folder)")
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:

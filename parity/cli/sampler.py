@@ -17,10 +17,6 @@ from parity.errors import UsageError
 from parity.testing.cases import REQUIRED_LABELS, Case, build_case, case_labels, random_plan
 from parity.testing.properties import PROPERTY_NAMES, PropertyRun, run_properties
 
-# ==================================================================================================
-# the command
-# ==================================================================================================
-
 # Planted faults the random cases expose (seed 0, 300 cases: 45, 6, 78, 68 and 28 failing cases). The min_p
 # log-space fault is not offered: random logits never land on its rounding boundary, so the verdict
 # could not promise FAIL; tests/sampler/test_planted_faults.py builds such a boundary case instead.
@@ -38,19 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the case generator (default 0)")
     parser.add_argument("--max-vocab", type=int, default=4096, help="largest vocabulary drawn (default 4096)")
     parser.add_argument("--max-rows", type=int, default=6, help="largest batch drawn (default 6)")
-    parser.add_argument(
-        "--fault",
-        choices=sorted(FAULTS),
-        default=None,
-        help="plant a deliberate error in the reference side (negative control: the verdict must be FAIL)",
-    )
+    parser.add_argument("--fault", choices=sorted(FAULTS), default=None,
+                        help="plant a deliberate error in the reference side (negative control: the verdict "
+                             "must be FAIL)")
     parser.add_argument("--show", type=int, default=3, help="failing cases to print in full (default 3)")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch intra-op threads (default 1: on small tensors more threads only add synchronisation)",
-    )
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default 1: on small tensors more threads only add "
+                             "synchronisation)")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -62,11 +62,6 @@ def guaranteed_sides(state: DeterminismState | None) -> dict[str, bool]:
     return {"rollout": "VLLM_BATCH_INVARIANT" in on, "trainer": trainer}
 
 
-def _largest(res: RolloutInvariance | TrainerInvariance) -> float | None:
-    d = [x for c in res["checks"] if (x := c.get("max_abs_diff")) is not None]
-    return max(d) if d else None
-
-
 def determinism_section(
     state: DeterminismState | None,
     *,
@@ -88,7 +83,8 @@ def determinism_section(
     }
     sides = guaranteed_sides(state) if required else {"rollout": False, "trainer": False}
     violations = [v for side, res in results.items() for v in invariance_gate(res, required=sides[side])]
-    noise = [x for r in results.values() for c in r["checks"] if (x := c.get("max_abs_diff")) is not None]
+    largest = {side: max((x for c in res["checks"] if (x := c.get("max_abs_diff")) is not None), default=None)
+               for side, res in results.items()}
     section = {
         "mode": state.to_dict() if state is not None else None,
         **results,
@@ -96,12 +92,12 @@ def determinism_section(
         # Only what a knob in force guarantees is required; the other side is measured and reported.
         "required_sides": sides,
         "not_required": {
-            side: {"invariant": res["invariant"], "max_abs_diff": _largest(res)}
+            side: {"invariant": res["invariant"], "max_abs_diff": largest[side]}
             for side, res in results.items() if not sides[side]
         },
         "invariant": all(r["invariant"] for r in results.values()) if results else None,
         "cross_side": {
-            "kernel_noise_max_abs_diff": max(noise) if noise else None,
+            "kernel_noise_max_abs_diff": max((x for x in largest.values() if x is not None), default=None),
             "replay_max_abs_diff": replay_max_abs_diff,
         },
         "violations": [v.to_dict() for v in violations],

@@ -8,10 +8,10 @@ What was measured and each kernel: docs/batch_invariance.md.
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar, cast
 
 import torch
 from torch._ops import OpOverload
@@ -60,8 +60,26 @@ def _has_float(args: Iterable[object]) -> bool:
     return False
 
 
-def _all_cpu(args: Iterable[object]) -> bool:
-    return all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor))
+class Undo:
+    """Restore actions, run last-in first-out; every one runs even if an earlier one raises, then ``failed``
+    (formatted with ``n`` and ``errors``) is raised."""
+
+    def __init__(self, failed: str) -> None:
+        self.failed = failed
+        self._actions: list[Callable[[], object]] = []
+
+    def push(self, fn: Callable[[], object]) -> None:
+        self._actions.append(fn)
+
+    def run(self) -> None:
+        errors = []
+        while self._actions:
+            try:
+                self._actions.pop()()
+            except Exception as exc:  # noqa: BLE001 - collected and re-raised below
+                errors.append(exc)
+        if errors:
+            raise RuntimeError(self.failed.format(n=len(errors), errors=errors))
 
 
 class _KernelMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves __init_subclass__ unannotated
@@ -82,7 +100,7 @@ class _KernelMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch 
         if TLS.bypass:
             return func(*args, **kwargs)
         entry = KERNELS.get(func)
-        if entry is not None and _all_cpu(args):
+        if entry is not None and all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor)):
             out = entry[0](*args, **kwargs)
             if out is not NotImplemented:
                 self.kernels.count_call(str(func.overloadpacket.__name__ + "." + func._overloadname))
@@ -101,30 +119,27 @@ class CpuKernels:
 
     def __init__(self, models: Sequence[torch.nn.Module]) -> None:
         self.models = list(models)
-        self.calls: Counter[str] = Counter()
-        self.other: Counter[str] = Counter()
         self.exact = 0
         replaced: JsonObject = {
             f"{op.overloadpacket.__name__}.{op._overloadname}": how for op, (_, how) in KERNELS.items()
         }
         # report["calls"] and report["other_ops"]: counted into as the forwards run.
-        self._calls_json: JsonObject = {}
-        self._other_json: JsonObject = {}
+        self.calls: dict[str, int] = {}
+        self.other: dict[str, int] = {}
         models_json: list[Json] = [type(m).__name__ for m in self.models]
         self.report: JsonObject = {
             "replaced": replaced | {"attention": ATTENTION_KERNEL},
             "attention_implementation": ATTENTION_NAME,
             "attention_chunk": CHUNK,
             "models": models_json,
-            "calls": self._calls_json,
+            "calls": cast("Json", self.calls),
             "exact_ops": 0,
-            "other_ops": self._other_json,
+            "other_ops": cast("Json", self.other),
         }
-        self._undo: list[Callable[[], None]] = []
+        self._undo = Undo("cpu kernels: {n} restore step(s) failed: {errors}")
 
     def count_call(self, name: str) -> None:
-        self.calls[name] += 1
-        self._calls_json[name] = self.calls[name]
+        self.calls[name] = self.calls.get(name, 0) + 1
 
     def count_op(self, func: OpOverload, args: Iterable[object]) -> None:
         name = func.overloadpacket.__name__
@@ -133,8 +148,7 @@ class CpuKernels:
             self.report["exact_ops"] = self.exact
             return
         key = f"{name}.{func._overloadname}"
-        self.other[key] += 1
-        self._other_json[key] = self.other[key]
+        self.other[key] = self.other.get(key, 0) + 1
 
     # -- install / restore -------------------------------------------------------------------------
 
@@ -161,7 +175,7 @@ class CpuKernels:
             else:
                 model.forward = own
 
-        self._undo.append(restore)
+        self._undo.push(restore)
 
     def _switch_attention(self, model: torch.nn.Module) -> None:
         if not isinstance(model, SwitchesAttention):
@@ -169,16 +183,12 @@ class CpuKernels:
         prev = model.config._attn_implementation
         if prev != ATTENTION_NAME:
             model.set_attn_implementation(ATTENTION_NAME)
-
-            def restore() -> None:
-                model.set_attn_implementation(prev)
-
-            self._undo.append(restore)
+            self._undo.push(functools.partial(model.set_attn_implementation, prev))
 
     def enable(self) -> CpuKernels:
         try:
             _register()
-            self._undo.append(_unregister)
+            self._undo.push(_unregister)
             for m in self.models:
                 self._switch_attention(m)
                 self._wrap_forward(m)
@@ -188,14 +198,7 @@ class CpuKernels:
         return self
 
     def restore(self) -> None:
-        errors = []
-        while self._undo:
-            try:
-                self._undo.pop()()
-            except Exception as exc:  # noqa: BLE001 - every restore runs; collected below
-                errors.append(exc)
-        if errors:
-            raise RuntimeError(f"cpu kernels: {len(errors)} restore step(s) failed: {errors}")
+        self._undo.run()
 
 
 # One registration of the attention and mask functions per process while any kernel set is enabled.

@@ -7,6 +7,7 @@ installs :mod:`parity.determinism.kernels` on the trainer models. See docs/batch
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -19,6 +20,7 @@ import torch
 
 from parity.determinism.attention_kernel import ATTENTION_KERNEL, SwitchesAttention, implementation
 from parity.determinism.attention_kernel import ATTENTION_NAME as CPU_ATTENTION
+from parity.determinism.kernels import Undo
 from parity.errors import SetupError, UsageError
 from parity.report.blocks import Json, JsonObject
 
@@ -94,27 +96,7 @@ class DeterminismState:
         }
 
 
-class _Undo:
-    """Restore actions, run last-in first-out; every one runs even if an earlier one raises."""
-
-    def __init__(self) -> None:
-        self._actions: list[Callable[[], None]] = []
-
-    def push(self, fn: Callable[[], None]) -> None:
-        self._actions.append(fn)
-
-    def run(self) -> None:
-        errors = []
-        while self._actions:
-            try:
-                self._actions.pop()()
-            except Exception as exc:  # noqa: BLE001 - collected and re-raised below
-                errors.append(exc)
-        if errors:
-            raise RuntimeError(f"batch_invariant_mode could not restore {len(errors)} setting(s): {errors}")
-
-
-def _set_env(undo: _Undo, name: str, value: str) -> None:
+def _set_env(undo: Undo, name: str, value: str) -> None:
     prev = os.environ.get(name)
     os.environ[name] = value
 
@@ -127,7 +109,7 @@ def _set_env(undo: _Undo, name: str, value: str) -> None:
     undo.push(restore)
 
 
-def _set_attrs(undo: _Undo, *settings: tuple[object, str, object]) -> None:
+def _set_attrs(undo: Undo, *settings: tuple[object, str, object]) -> None:
     """Set each ``(obj, attr, value)`` in order; one undo action puts the previous values back, in the same order."""
     prev = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in settings]
     for obj, attr, value in settings:
@@ -150,17 +132,14 @@ def _device_type(device: str) -> str:
 # -- knobs common to every device ----------------------------------------------------------------
 
 
-def _deterministic_algorithms(state: DeterminismState, undo: _Undo, enabled: bool, dev: str) -> None:
+def _deterministic_algorithms(state: DeterminismState, undo: Undo, enabled: bool, dev: str) -> None:
     name = "torch.use_deterministic_algorithms"
     if not enabled:
         on = torch.are_deterministic_algorithms_enabled()
         warn = torch.is_deterministic_algorithms_warn_only_enabled()
         state.add(name, ON if on else OFF, {"warn_only": warn} if on else None)
         return
-    prev = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-    )
+    prev = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     # On CPU, vLLM's engine and transformers run with it raising (measured). On CUDA it warns instead
     # of raising: a vLLM op without a deterministic CUDA implementation must not abort the rollout;
     # the invariance checks, not this flag, decide whether the results are invariant. Not run on CUDA.
@@ -170,7 +149,7 @@ def _deterministic_algorithms(state: DeterminismState, undo: _Undo, enabled: boo
     state.add(name, ON, {"warn_only": warn_only})
 
 
-def _mkldnn_deterministic(state: DeterminismState, undo: _Undo, enabled: bool) -> None:
+def _mkldnn_deterministic(state: DeterminismState, undo: Undo, enabled: bool) -> None:
     name = "torch.backends.mkldnn.deterministic"
     mk = torch.backends.mkldnn
     if not hasattr(mk, "deterministic"):
@@ -191,38 +170,17 @@ def _vllm_bound_threads() -> bool:
     return torch.set_num_threads is not torch._C.set_num_threads
 
 
-def _threads(state: DeterminismState, undo: _Undo, enabled: bool, threads: int | None) -> None:
+def _threads(state: DeterminismState, enabled: bool) -> None:
+    """The thread count in force, recorded (parity does not change it)."""
     name = "torch_num_threads"
     current = torch.get_num_threads()
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise UsageError(
-            f"threads={threads!r} is invalid: allowed None (keep the current count) or an int >= 1"
-        )
     if not enabled:
         state.add(name, OFF, current, "not pinned by parity")
-        return
-    target = current if threads is None else threads
-    if _vllm_bound_threads():
-        if target == current:
-            state.add(
-                name,
-                ON,
-                current,
-                "pinned by vLLM's CPU worker, which bound its OpenMP threads at engine start-up",
-            )
-        else:
-            state.add(
-                name,
-                UNAVAILABLE,
-                current,
-                f"requested {target}, but vLLM's CPU worker replaced torch.set_num_threads after binding its "
-                f"OpenMP threads; the count stays {current} in this process",
-            )
-        return
-    torch.set_num_threads(target)
-    if target != current:
-        undo.push(lambda: torch.set_num_threads(current))
-    state.add(name, ON, torch.get_num_threads())
+    elif _vllm_bound_threads():
+        state.add(name, ON, current, "pinned by vLLM's CPU worker, which bound its OpenMP threads at "
+                  "engine start-up")
+    else:
+        state.add(name, ON, current)
 
 
 @runtime_checkable
@@ -236,13 +194,12 @@ def _implementations(models: Sequence[object], attr: str = "_attn_implementation
     return [implementation(getattr(m, "config", None), attr) for m in models]
 
 
-def _attention(state: DeterminismState, undo: _Undo, enabled: bool, models: Sequence[object]) -> None:
+def _attention(state: DeterminismState, undo: Undo, enabled: bool, models: Sequence[object]) -> None:
     name = "trainer_attention"
     impls = _implementations(models)
     if not models:
-        state.add(
-            name, OFF, None, "no trainer model given (pass models=[trainer.model] to switch it to eager)"
-        )
+        state.add(name, OFF, None, "no trainer model given (pass models=[trainer.model] to switch it to "
+                  "eager)")
         return
     if not enabled:
         state.add(name, ON if all(i == "eager" for i in impls) else OFF, list[Json](impls))
@@ -256,15 +213,11 @@ def _attention(state: DeterminismState, undo: _Undo, enabled: bool, models: Sequ
     for m, prev in switch:
         if prev != "eager":
             m.set_attn_implementation("eager")
-
-            def restore(m: SwitchesAttention = m, prev: str = prev) -> None:
-                m.set_attn_implementation(prev)
-
-            undo.push(restore)
+            undo.push(functools.partial(m.set_attn_implementation, prev))
     state.add(name, ON, "eager", SDPA_NOTE)
 
 
-def _trainer_experts(state: DeterminismState, undo: _Undo, enabled: bool, models: Sequence[object]) -> None:
+def _trainer_experts(state: DeterminismState, undo: Undo, enabled: bool, models: Sequence[object]) -> None:
     """MoE trainers: transformers 5's per-expert loop ("eager": one F.linear per expert over its tokens, added
     in expert order) in place of its grouped GEMM (``_grouped_mm``, whose reduction follows how many tokens
     each expert got, so the batch); the CPU kernels cover the loop's matmuls. Dense models: nothing."""
@@ -280,15 +233,11 @@ def _trainer_experts(state: DeterminismState, undo: _Undo, enabled: bool, models
         if not isinstance(m, _SwitchesExperts):
             raise AttributeError(f"{type(m).__name__!r} object has no attribute 'set_experts_implementation'")
         m.set_experts_implementation("eager")
-
-        def restore(m: _SwitchesExperts = m, prev: str | None = prev) -> None:
-            m.set_experts_implementation(prev)
-
-        undo.push(restore)
+        undo.push(functools.partial(m.set_experts_implementation, prev))
     state.add("trainer_experts", ON, "eager", "per-expert F.linear loop instead of the grouped GEMM (_grouped_mm)")
 
 
-def _cpu_kernels(state: DeterminismState, undo: _Undo, enabled: bool, models: Sequence[object]) -> None:
+def _cpu_kernels(state: DeterminismState, undo: Undo, enabled: bool, models: Sequence[object]) -> None:
     """CPU: the batch-invariant kernel set (parity.determinism.kernels) on the trainer models, attention included."""
     from parity.determinism import kernels as cpu_kernels
 
@@ -320,15 +269,14 @@ def _cpu_kernels(state: DeterminismState, undo: _Undo, enabled: bool, models: Se
 # -- not run on this project's CPU machines) ------------------------------------------------------
 
 
-def _cuda_torch_flags(state: DeterminismState, undo: _Undo, enabled: bool) -> None:
+def _cuda_torch_flags(state: DeterminismState, undo: Undo, enabled: bool) -> None:
     cudnn = torch.backends.cudnn
     mm = torch.backends.cuda.matmul
     new_api = hasattr(mm, "fp32_precision")
     if not enabled:
         tf32 = mm.fp32_precision == "tf32" if new_api else mm.allow_tf32
-        state.add(
-            "tf32_off", OFF if tf32 else ON, {"matmul": mm.fp32_precision if new_api else mm.allow_tf32}
-        )
+        matmul = mm.fp32_precision if new_api else mm.allow_tf32
+        state.add("tf32_off", OFF if tf32 else ON, {"matmul": matmul})
         state.add("cudnn_deterministic", ON if cudnn.deterministic else OFF, cudnn.deterministic)
         state.add("cudnn_benchmark_off", OFF if cudnn.benchmark else ON, cudnn.benchmark)
         state.add("reduced_precision_reduction_off", OFF, None, "not changed by parity")
@@ -354,20 +302,15 @@ def _cuda_torch_flags(state: DeterminismState, undo: _Undo, enabled: bool) -> No
     state.add("reduced_precision_reduction_off", ON, False)
 
 
-def _cublas_workspace(state: DeterminismState, undo: _Undo, enabled: bool) -> None:
+def _cublas_workspace(state: DeterminismState, undo: Undo, enabled: bool) -> None:
     name = "CUBLAS_WORKSPACE_CONFIG"
     cur = os.environ.get(name)
     if not enabled or cur in CUBLAS_DETERMINISTIC:
         state.add(name, ON if cur in CUBLAS_DETERMINISTIC else OFF, cur)
         return
     _set_env(undo, name, CUBLAS_DETERMINISTIC[0])
-    state.add(
-        name,
-        ON,
-        CUBLAS_DETERMINISTIC[0],
-        "read when a cuBLAS handle is created: set before the first CUDA matmul of the process and before "
-        "the vLLM engine starts",
-    )
+    state.add(name, ON, CUBLAS_DETERMINISTIC[0], "read when a cuBLAS handle is created: set before the first "
+              "CUDA matmul of the process and before the vLLM engine starts")
 
 
 def _engine_env_cached() -> bool:
@@ -376,7 +319,7 @@ def _engine_env_cached() -> bool:
     return bool(probe and probe())
 
 
-def _vllm_env(state: DeterminismState, undo: _Undo, enabled: bool) -> None:
+def _vllm_env(state: DeterminismState, undo: Undo, enabled: bool) -> None:
     name = "VLLM_BATCH_INVARIANT"
     cur = os.environ.get(name)
     if not enabled:
@@ -389,9 +332,8 @@ def _vllm_env(state: DeterminismState, undo: _Undo, enabled: bool) -> None:
         "set it before the engine starts"
     )
     if _engine_env_cached():
-        reason += (
-            "; an engine in this process has already cached its env, so only engines started later see it"
-        )
+        reason += ("; an engine in this process has already cached its env, so only engines started "
+                   "later see it")
     state.add(name, ON, "1", reason)
 
 
@@ -432,7 +374,7 @@ def _enable_vllm_overrides() -> tuple[str, Json, str | None, Callable[[], None] 
     return ON, "vllm", "mm/addmm/matmul/linear (SM80, ROCm), mean/softmax/log_softmax/bmm overrides", undo
 
 
-def _vllm_overrides(state: DeterminismState, undo: _Undo, enabled: bool) -> None:
+def _vllm_overrides(state: DeterminismState, undo: Undo, enabled: bool) -> None:
     name = "vllm_aten_overrides"
     if not enabled:
         bi = sys.modules.get("vllm.model_executor.determinism.batch_invariant")
@@ -461,13 +403,13 @@ def batch_invariant_mode(
     enabled: bool = True,
     *,
     device: str = "cpu",
-    threads: int | None = None,
     models: Sequence[object] = (),
 ) -> Iterator[DeterminismState]:
     """Turn on every knob known to make results batch-invariant and deterministic on ``device``; restore on exit.
 
     ``enabled=False`` changes nothing and yields the state in force. Every device: deterministic algorithms,
-    oneDNN's flag, a fixed thread count; the ``models`` given get the CPU kernel set (CPU) or eager attention.
+    oneDNN's flag, the thread count (recorded); the ``models`` given get the CPU kernel set (CPU) or eager
+    attention.
     CUDA also sets TF32/cuDNN/reduction knobs and ``VLLM_BATCH_INVARIANT=1``, read when an engine starts: enter
     the mode before the vLLM engine starts. The knobs, device by device: docs/batch_invariance.md, section 2.
     """
@@ -475,11 +417,11 @@ def batch_invariant_mode(
     if enabled and dev == "cuda" and not torch.cuda.is_available():
         raise SetupError(f"batch_invariant_mode(device={device!r}): torch.cuda.is_available() is False")
     state = DeterminismState(enabled=enabled, device=device)
-    undo = _Undo()
+    undo = Undo("batch_invariant_mode could not restore {n} setting(s): {errors}")
     try:
         _deterministic_algorithms(state, undo, enabled, dev)
         _mkldnn_deterministic(state, undo, enabled)
-        _threads(state, undo, enabled, threads)
+        _threads(state, enabled)
         _trainer_experts(state, undo, enabled, models)
         if dev == "cpu":
             _cpu_kernels(state, undo, enabled, models)

@@ -94,10 +94,12 @@ def _scaled_sum(product: torch.Tensor, bias: torch.Tensor, beta: Scalar, alpha: 
     return product + (bias if beta == 1 else bias * beta)
 
 
-def addmm(
-    bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Scalar = 1, alpha: Scalar = 1
-) -> torch.Tensor:
-    return _scaled_sum(mm(a, b), bias, beta, alpha)
+def _plus_bias(product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def kernel(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Scalar = 1,
+               alpha: Scalar = 1) -> torch.Tensor:
+        return _scaled_sum(product(a, b), bias, beta, alpha)
+
+    return kernel
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -107,10 +109,8 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.stack([mm(a[i], b[i]) for i in range(a.shape[0])])
 
 
-def baddbmm(
-    bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Scalar = 1, alpha: Scalar = 1
-) -> torch.Tensor:
-    return _scaled_sum(bmm(a, b), bias, beta, alpha)
+addmm = _plus_bias(mm)
+baddbmm = _plus_bias(bmm)
 
 
 def mv(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -118,10 +118,7 @@ def mv(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return rowwise_linear(a, v[None])[:, 0]
 
 
-# ==================================================================================================
-# reductions and nonlinearities
-# ==================================================================================================
-
+# -- reductions and nonlinearities ----------------------------------------------------------------
 
 Dims = int | Sequence[int] | None  # aten's dim argument: one, several, or None / [] for all
 
@@ -147,16 +144,18 @@ def _reduce(x: torch.Tensor, dims: Dims, keepdim: bool, dtype: torch.dtype | Non
     return s.to(dtype if dtype is not None else x.dtype)
 
 
-def sum_dim(x: torch.Tensor, dim: Dims, keepdim: bool = False, *, dtype: torch.dtype | None = None) -> Result:
-    if x.dim() == 0 or not (x.is_floating_point() or (dtype is not None and dtype.is_floating_point)):
-        return DECLINE  # integer sums are exact in any order; a 0-d sum adds nothing
-    return _reduce(x, dim, keepdim, dtype, mean=False)
+def _reduction(mean: bool) -> Callable[..., Result]:
+    def kernel(x: torch.Tensor, dim: Dims, keepdim: bool = False, *,
+               dtype: torch.dtype | None = None) -> Result:
+        if x.dim() == 0 or not (x.is_floating_point() or (dtype is not None and dtype.is_floating_point)):
+            return DECLINE  # integer sums are exact in any order; a 0-d sum adds nothing
+        return _reduce(x, dim, keepdim, dtype, mean=mean)
+
+    return kernel
 
 
-def mean_dim(x: torch.Tensor, dim: Dims, keepdim: bool = False, *, dtype: torch.dtype | None = None) -> Result:
-    if x.dim() == 0 or not (x.is_floating_point() or (dtype is not None and dtype.is_floating_point)):
-        return DECLINE
-    return _reduce(x, dim, keepdim, dtype, mean=True)
+sum_dim = _reduction(mean=False)
+mean_dim = _reduction(mean=True)
 
 
 def _softmax_parts(
@@ -266,10 +265,8 @@ KERNELS: dict[OpOverload, tuple[Callable[..., Result], str]] = {
     aten.sin.default: (sin, "own float64 sin"),
     aten.rsqrt.default: (rsqrt, "own float64 1/sqrt (Newton iteration)"),
     aten.sqrt.default: (sqrt, "own float64 sqrt (Newton iteration)"),
-    aten.pow.Tensor_Scalar: (
-        pow_scalar,
-        "exponents 1, 2, 3 by products; 0.5, -0.5 by own sqrt; -1 by division",
-    ),
+    aten.pow.Tensor_Scalar: (pow_scalar,
+                             "exponents 1, 2, 3 by products; 0.5, -0.5 by own sqrt; -1 by division"),
     aten.add.Tensor: (_add_alpha(1), "alpha != 1 only: multiply, then add (no fused multiply-add)"),
     aten.sub.Tensor: (_add_alpha(-1), "alpha != 1 only: multiply, then subtract"),
 }

@@ -60,10 +60,7 @@ def characterize_ties(
     ``tie_groups`` (the fixture's duplicated lm_head rows: bitwise-equal logits) lets a dropped tie
     be seen: a kept token whose twin is not kept was separated from an equal logit by tie-breaking.
     """
-    mates: dict[int, set[int]] = {}
-    for group in tie_groups or []:
-        for t in group:
-            mates[int(t)] = {int(u) for u in group if u != t}
+    mates = {int(t): {int(u) for u in group if u != t} for group in tie_groups or [] for t in group}
     spec = SamplingSpec(temperature=temperature, top_k=top_k)
     rows: list[TiesRow] = []
     for bs in batch_sizes:
@@ -77,17 +74,9 @@ def characterize_ties(
                 kept = {i for i in row if i >= 0}
                 dropped += any(mates.get(i, set()) - kept for i in kept)
         incomplete = sum(int(r.incomplete.sum()) for r in records if r.incomplete is not None)
-        rows.append(
-            {
-                "batch_size": bs,
-                "positions": len(sizes),
-                "support_gt_k": sum(s > top_k for s in sizes),
-                "support_lt_k": sum(s < top_k for s in sizes),
-                "ties_dropped": dropped,
-                "max_support": max(sizes) if sizes else 0,
-                "incomplete": incomplete,
-            }
-        )
+        rows.append({"batch_size": bs, "positions": len(sizes), "support_gt_k": sum(s > top_k for s in sizes),
+                     "support_lt_k": sum(s < top_k for s in sizes), "ties_dropped": dropped,
+                     "max_support": max(sizes, default=0), "incomplete": incomplete})
     return {
         "top_k": top_k,
         "temperature": temperature,
@@ -121,5 +110,3 @@ def render(result: TiesResult) -> str:
         verdict += " (no tie plan known for this model: dropped ties cannot be seen)"
     lines.append(f"Verdict: {verdict}.")
     return "\n".join(lines) + "\n"
-
-

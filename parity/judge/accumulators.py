@@ -208,13 +208,10 @@ _NESTED = ("streams", "bounds", "ratios", "first", "lacking", "views", "steps", 
 
 def _encode(s: Summary) -> dict[str, object]:
     def stream(d: DiffStream) -> dict[str, object]:
-        return {"n": d.n, "total": d.total, "total_abs": d.total_abs, "max_abs": d.max_abs, "nonfinite": d.nonfinite,
-                "hist": sparse_hist(d.hist)}
+        return {**d.__dict__, "hist": sparse_hist(d.hist)}
 
     def bounded(b: BoundStream) -> dict[str, object]:
-        plain = {k: getattr(b, k) for k in ("n", "mean", "m2", "bound_sum", "systematic_sum", "headroom",
-                                            "cross_log_s", "log_s_sq")}
-        return {**plain, "worst": {"n": b.worst.n, "items": [[k, list(o), asdict(p)] for k, o, p in b.worst.items]},
+        return {**b.__dict__, "worst": {"n": b.worst.n, "items": [[k, list(o), asdict(p)] for k, o, p in b.worst.items]},
                 "hist": sparse_hist(b.hist)}
 
     groups = {}
@@ -248,14 +245,12 @@ def _encode(s: Summary) -> dict[str, object]:
 
 def _decode(data: dict[str, Any]) -> Summary:
     def stream(d: dict[str, Any]) -> DiffStream:
-        return DiffStream(d["n"], d["total"], d["total_abs"], d["max_abs"], d["nonfinite"],
-                          dense_hist(d["hist"], HIST_BINS))
+        return DiffStream(**{**d, "hist": dense_hist(d["hist"], HIST_BINS)})
 
     def bounded(d: dict[str, Any]) -> BoundStream:
         w = d["worst"]
         worst = Worst(w["n"], [(k, tuple(o), Position(**p)) for k, o, p in w["items"]])
-        return BoundStream(d["n"], d["mean"], d["m2"], d["bound_sum"], d["systematic_sum"], d["headroom"],
-                           worst, dense_hist(d["hist"], HEAD_BINS), d["cross_log_s"], d["log_s_sq"])
+        return BoundStream(**{**d, "worst": worst, "hist": dense_hist(d["hist"], HEAD_BINS)})
 
     out = Summary(rows=data["rows"], tokens=data["tokens"], files=list(data["files"]), metadata=list(data["metadata"]),
                   columns=set(data["columns"]), ignored_columns=set(data["ignored_columns"]),

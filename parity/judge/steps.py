@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import Any
 
 import numpy as np
 
@@ -29,16 +29,6 @@ REPORT_NAMES = {"replay": "replay", "recompute": "recompute", "user": "trainer_u
 # whole support) for replay and the trainer under test, recompute's own for recompute.
 SUPPORT_OF = {"replay": "replay", "recompute": "recompute", "user": "replay"}
 EPS = float(np.finfo(np.float64).eps)
-
-
-class StepAccJson(TypedDict):
-    sequences: int
-    tokens: int
-    replay_ok: int
-    replay_n: int
-    recompute_eq: int
-    recompute_n: int
-    streams: dict[str, list[float]]
 
 
 # -- the mergeable accumulators --------------------------------------------------------------------
@@ -91,11 +81,7 @@ class StepStream:
         return math.sqrt(max(self.fin_m2, 0.0) / (self.fin_n - 1) / self.fin_n)
 
     def to_json(self) -> list[float]:
-        return [self.n, self.total, self.total_abs, self.fin_n, self.fin_mean, self.fin_m2, self.head_n, self.headroom]
-
-    @classmethod
-    def from_json(cls, v: Sequence[float]) -> StepStream:
-        return cls(int(v[0]), float(v[1]), float(v[2]), int(v[3]), float(v[4]), float(v[5]), int(v[6]), float(v[7]))
+        return list(self.__dict__.values())
 
 
 @dataclass
@@ -122,15 +108,12 @@ class StepAcc:
     def support(self, which: str) -> tuple[int, int]:
         return (self.replay_ok, self.replay_n) if which == "replay" else (self.recompute_eq, self.recompute_n)
 
-    def to_json(self) -> StepAccJson:
-        return {"sequences": self.sequences, "tokens": self.tokens, "replay_ok": self.replay_ok, "replay_n": self.replay_n,
-                "recompute_eq": self.recompute_eq, "recompute_n": self.recompute_n,
-                "streams": {k: s.to_json() for k, s in self.streams.items()}}
+    def to_json(self) -> dict[str, object]:
+        return {**self.__dict__, "streams": {k: s.to_json() for k, s in self.streams.items()}}
 
     @classmethod
-    def from_json(cls, d: StepAccJson) -> StepAcc:
-        return cls(int(d["sequences"]), int(d["tokens"]), {k: StepStream.from_json(v) for k, v in d["streams"].items()},
-                   int(d["replay_ok"]), int(d["replay_n"]), int(d["recompute_eq"]), int(d["recompute_n"]))
+    def from_json(cls, d: dict[str, Any]) -> StepAcc:
+        return cls(**{**d, "streams": {k: StepStream(*v) for k, v in d["streams"].items()}})
 
 
 def merge_steps(into: dict[int, StepAcc], other: dict[int, StepAcc]) -> None:

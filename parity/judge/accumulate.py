@@ -17,9 +17,10 @@ from parity.judge.token_values import TokenColumns
 from parity.records.arrays import RecordsBatch
 
 Pairs = dict[str, tuple[np.ndarray, np.ndarray]]
-# The two support equalities: (input, TokenColumns flag, ScenarioAcc/StepAcc count fields, first-positions key).
+# The two support equalities: input, TokenColumns flag, ScenarioAcc/StepAcc counts, first-positions key.
 _SUPPORTS = (("kept", "replay_support_ok", "replay_ok", "replay_n", "replay_support"),
-             ("recompute_support", "recompute_support_equal", "recompute_eq", "recompute_n", "recompute_support"))
+             ("recompute_support", "recompute_support_equal", "recompute_eq", "recompute_n",
+              "recompute_support"))
 
 
 def _same_inf_zero(a: np.ndarray, b: np.ndarray) -> np.ndarray:

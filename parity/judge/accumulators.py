@@ -211,8 +211,8 @@ def _encode(s: Summary) -> dict[str, object]:
         return {**d.__dict__, "hist": sparse_hist(d.hist)}
 
     def bounded(b: BoundStream) -> dict[str, object]:
-        return {**b.__dict__, "worst": {"n": b.worst.n, "items": [[k, list(o), asdict(p)] for k, o, p in b.worst.items]},
-                "hist": sparse_hist(b.hist)}
+        worst = {"n": b.worst.n, "items": [[k, list(o), asdict(p)] for k, o, p in b.worst.items]}
+        return {**b.__dict__, "worst": worst, "hist": sparse_hist(b.hist)}
 
     groups = {}
     for k, a in s.groups.items():

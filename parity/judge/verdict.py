@@ -5,9 +5,8 @@ The gates and their inputs: docs/records.md, section 6.
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, cast
 
@@ -318,7 +317,7 @@ def _scenario_report(a: ScenarioAcc, name: str, trainer: str | None = None) -> b
                mean_support_size=a.support_sum / a.captured if a.captured else None, kept_mass_off_positions=a.mass_off)
     notes = _input_notes(a)
     not_eval = _not_evaluated(a, avail, notes)
-    per_step, trend, trend_why = _step_view(a, avail, functools.partial(_full, a))
+    per_step, trend, trend_why = _step_view(a, avail)
     out["per_step"] = per_step
     split = _mismatch_split(a, avail, limits, lp, per_step)
     if split is not None:
@@ -335,9 +334,7 @@ def _scenario_report(a: ScenarioAcc, name: str, trainer: str | None = None) -> b
     return cast("blocks.ScenarioStats", out)  # the entry's blocks, as built above
 
 
-def _step_view(
-    a: ScenarioAcc, avail: Mapping[str, bool], full_input: Callable[..., bool]
-) -> tuple[list[blocks.StepJson], blocks.TrendJson | None, str]:
+def _step_view(a: ScenarioAcc, avail: Mapping[str, bool]) -> tuple[list[blocks.StepJson], blocks.TrendJson | None, str]:
     """``(per_step, trend, why)``: the scenario's training-log view (empty without steps), the trend of the
     comparison whose verdict the scenario gives (None when there is none; docs/error_model.md, section 5) and,
     when the trend gate is not evaluated, why."""
@@ -373,7 +370,7 @@ def _step_view(
     at = [(s, a.steps[s].streams[follow]) for s in sorted(a.steps) if a.steps[s].streams[follow].n]
     trend = drift_trend([s for s, _ in at], [st.mean_abs for _, st in at], [st.abs_se for _, st in at],
                         REPORT_NAMES[follow], tokens=[st.n for _, st in at])
-    if trend["evaluated"] and not full_input(follow):
+    if trend["evaluated"] and not _full(a, follow):
         why = (REASONS[follow] + f" ({a.lacking[follow]} of {a.sequences} sequences lack it; the per-step values "
                f"cover the others)")
         trend = {**trend, "evaluated": False, "passed": None, "reason": why}

@@ -224,7 +224,8 @@ def _encode(s: Summary) -> dict[str, object]:
             "streams": {n: stream(d) for n, d in a.streams.items()},
             "bounds": {n: bounded(b) for n, b in a.bounds.items()},
             "ratios": {n: r.__dict__ for n, r in a.ratios.items()},
-            "first": {n: {"n": f.n, "items": [[list(o), asdict(p)] for o, p in f.items]} for n, f in a.first.items()},
+            "first": {n: {"n": f.n, "items": [[list(o), asdict(p)] for o, p in f.items]}
+                      for n, f in a.first.items()},
             "views": {n: [v.known, v.over, v.diff_sum] for n, v in a.views.items()},
             "steps": {str(step): acc.to_json() for step, acc in a.steps.items()},
             "ratio": dict(a.ratio.__dict__),

@@ -305,7 +305,7 @@ def _invariance(c: GateCase) -> list[Violation]:
 
 def _routing(gate: str, stat: Callable[[Routing], float], limit: Callable[[Thresholds], float], label: str,
              comparison: str = ">") -> Rule:
-    """A routing gate on the scenario's routing section (``comparison`` "<": the statistic must reach the limit)."""
+    """A gate on the scenario's routing section (``comparison`` "<": the statistic must reach the limit)."""
     def rule(c: GateCase) -> list[Violation]:
         r = c.routing
         if r is None:
@@ -315,10 +315,19 @@ def _routing(gate: str, stat: Callable[[Routing], float], limit: Callable[[Thres
             return []
         listed = r["listed"].get(gate) or {}
         worst = listed.get("worst")
-        where = tuple(Position.from_dict(p) for p in worst if isinstance(p, dict)) if isinstance(worst, list) else ()
+        where = () if not isinstance(worst, list) else tuple(
+            Position.from_dict(p) for p in worst if isinstance(p, dict))
         return [Violation(gate, c.name, value, lim, label, comparison, worst=where,
                           detail=str(listed.get("detail", "")))]
     return rule
+
+
+_routing_agreement = _routing("routing_agreement", lambda r: r["flips_above_bound"], lambda th: 0,
+                              "routing flips at a router margin above its rounding bound")
+_routing_forced = _routing("routing_replay_forced", lambda r: r["replay"]["forced_frac"], lambda th: 1.0,
+                           "fraction of (row, layer) expert sets replay forced", "<")
+_routing_drift = _routing("routing_replay_drift", lambda r: r["replay"]["drift"]["with_replay"]["headroom"],
+                          lambda th: th.max_headroom, "log-prob max |diff| / bound under routing replay")
 
 
 _BOUND = "max_headroom × the per-token bound from both dtypes, |z|/T and the support (docs/error_model.md §1)"
@@ -353,20 +362,12 @@ GATE_TABLE: tuple[Gate, ...] = (
                                       "(an off-by-one or a re-tokenisation)"), "max_token_mismatch (0)", skippable=False),
     Gate("native_vs_topk", (), _native, "0 positions where the two captures of S_q differ", scope="native"),
     Gate("invariance", (), _invariance, "bitwise (0) on every side a knob in force guarantees", scope="run"),
-    Gate("routing_agreement", (), _routing("routing_agreement", lambda r: r["flips_above_bound"], lambda th: 0,
-                                           "routing flips at a router margin above its rounding bound"),
-         "0 expert-set flips where the trainer's k-th to (k+1)-th router margin exceeds the rounding bound of both "
-         "dtypes, 2·8·u·‖h‖·(rms w_a + rms w_b) (docs/routing.md §2)", scope="routing"),
-    Gate("routing_replay_forced", (), _routing("routing_replay_forced", lambda r: r["replay"]["forced_frac"],
-                                               lambda th: 1.0, "fraction of (row, layer) expert sets replay forced",
-                                               "<"),
-         "every (row, layer) expert set under replay is the recorded one (1.0, checked on the experts that ran)",
+    Gate("routing_agreement", (), _routing_agreement, "0 expert-set flips where the trainer's k-th to (k+1)-th router "
+         "margin exceeds the rounding bound of both dtypes, 2·8·u·‖h‖·(rms w_a + rms w_b) (docs/routing.md §2)",
          scope="routing"),
-    Gate("routing_replay_drift", (), _routing("routing_replay_drift",
-                                              lambda r: r["replay"]["drift"]["with_replay"]["headroom"],
-                                              lambda th: th.max_headroom,
-                                              "log-prob max |diff| / bound under routing replay"),
-         _BOUND + ", under routing replay", scope="routing"),
+    Gate("routing_replay_forced", (), _routing_forced, "every (row, layer) expert set under replay is the recorded "
+         "one (1.0, checked on the experts that ran)", scope="routing"),
+    Gate("routing_replay_drift", (), _routing_drift, _BOUND + ", under routing replay", scope="routing"),
 )
 REFERENCE_GATES = tuple(g.name for g in GATE_TABLE if g.reference)
 

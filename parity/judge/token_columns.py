@@ -64,8 +64,8 @@ def _trainer_values(
     """The trainer's columns, each where the records hold it (``have``), else derived where a rule allows."""
     v: dict[str, np.ndarray] = {}
     for key, column in (("full", "trainer_full_logprobs"), ("recompute", "trainer_recompute_logprobs"),
-                        ("user", "trainer_logprobs"), ("bound", "trainer_bound"), ("bound_full", "trainer_bound_full"),
-                        ("penalty", "trainer_penalty_term")):
+                        ("user", "trainer_logprobs"), ("bound", "trainer_bound"),
+                        ("bound_full", "trainer_bound_full"), ("penalty", "trainer_penalty_term")):
         v[key], have[key] = _row_float(batch, column)
     replay_v, have_rep = _row_float(batch, "trainer_replay_logprobs")
     # Derived replay: over S_q from the trainer's kept logits; unfiltered without a kept set: the full value.

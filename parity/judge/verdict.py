@@ -334,7 +334,9 @@ def _scenario_report(a: ScenarioAcc, name: str, trainer: str | None = None) -> b
     return cast("blocks.ScenarioStats", out)  # the entry's blocks, as built above
 
 
-def _step_view(a: ScenarioAcc, avail: Mapping[str, bool]) -> tuple[list[blocks.StepJson], blocks.TrendJson | None, str]:
+def _step_view(
+    a: ScenarioAcc, avail: Mapping[str, bool]
+) -> tuple[list[blocks.StepJson], blocks.TrendJson | None, str]:
     """``(per_step, trend, why)``: the scenario's training-log view (empty without steps), the trend of the
     comparison whose verdict the scenario gives (None when there is none; docs/error_model.md, section 5) and,
     when the trend gate is not evaluated, why."""

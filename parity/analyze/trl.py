@@ -69,10 +69,7 @@ def _spec(s: Captured) -> Mapping[str, object]:
 
 
 def to_records(sequences: Sequence[Captured]) -> tuple[list[SequenceRecord], list[torch.Tensor], list[torch.Tensor], int]:
-    """Records (sampler side), trainer logits, TRL's IS numerator per sequence, and the masked-out count.
-
-    The records writer plugs in here: a ``SequenceRecord`` per captured sequence is what the
-    records file format stores."""
+    """Records (sampler side), trainer logits, TRL's IS numerator per sequence, and the masked-out count."""
     records, logits, used = [], [], []
     dropped = 0
     for s in sequences:

@@ -123,10 +123,8 @@ def merge_steps(into: dict[int, StepAcc], other: dict[int, StepAcc]) -> None:
 
 
 def grouped_streams(slot: np.ndarray, n_slots: int, d: np.ndarray) -> list[StepStream]:
-    """One :class:`StepStream` per slot (step) from the differences ``d`` of tokens whose slot is ``slot``.
-
-    ``d``: finite-pair differences (:func:`parity.judge.streams.finite_pair`); a slot's sums are
-    float64 sums in token order."""
+    """One :class:`StepStream` per slot (step) from the differences ``d`` of tokens whose slot is ``slot``
+    (finite pairs, :func:`parity.judge.streams.finite_pair`); its sums are float64 sums in token order."""
     n = np.bincount(slot, minlength=n_slots)
     ad = np.abs(d)
     with np.errstate(invalid="ignore"):

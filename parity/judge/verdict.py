@@ -186,7 +186,7 @@ def _bias(a: ScenarioAcc, avail: dict[str, bool]) -> _Bias:
 
 
 def _stat_blocks(a: ScenarioAcc, avail: dict[str, bool]) -> dict[str, object]:
-    """The scenario's statistics that no gate limit enters: log S, the naive view, diffs, KL/TV, S_q sources."""
+    """The scenario's statistics that no gate limit enters: log S, the naive view, diffs, IS ratios, KL/TV."""
     s = a.streams
 
     def diff(stream: str, inp: str) -> Mapping[str, blocks.Stat]:
@@ -217,6 +217,7 @@ def _stat_blocks(a: ScenarioAcc, avail: dict[str, bool]) -> dict[str, object]:
             "support_equal_frac": frac(a.recompute_eq, a.recompute_n, "recompute_support"),
             "forced_includes": a.forced if avail["forced"] else None,
         },
+        "is_ratio": _ratios(a, avail),
         "kl_over_support": {"mean": a.kl_sum / a.kl_n if a.kl_n else 0.0, "max": a.kl_max} if avail["kl"] else mean_max,
         "tv_over_support": {"mean": a.tv_sum / a.kl_n if a.kl_n else 0.0, "max": a.tv_max} if avail["kl"] else mean_max,
     }
@@ -266,13 +267,10 @@ def _not_evaluated(a: ScenarioAcc, avail: dict[str, bool], notes: list[str]) -> 
 def _scenario_report(a: ScenarioAcc, name: str, trainer: str | None = None) -> blocks.ScenarioStats:
     avail = {k: a.lacking[k] < a.sequences or a.sequences == 0 for k in INPUTS}  # some sequence has it
     headroom, means, limits, lp = _bias(a, avail)
-    stats = _stat_blocks(a, avail)
     sources = [x for x in a.s_sources if x != "none"]
     out: dict[str, object] = {
         "name": name, "spec": a.spec, "tokens": a.tokens, "compared_tokens": a.compared, "sequences": a.sequences,
-        **{k: stats[k] for k in ("log_s", "naive", "replay", "recompute")},
-        "is_ratio": _ratios(a, avail),
-        **{k: stats[k] for k in ("kl_over_support", "tv_over_support")},
+        **_stat_blocks(a, avail),
         "incomplete_positions": a.incomplete,
         "sampled_outside_support": a.sampled_outside,
         "token_mismatch": a.token_mismatch,

@@ -179,10 +179,8 @@ def markdown(report: ReportJson) -> list[str]:
 
 
 def write_plot(report: ReportJson, out: Path, plt: ModuleType) -> list[str]:
-    """rl_methods.png: fraction dropped per method (rows) and scenario (columns), naive vs fixed.
-
-    Only the methods that drop units (mask, drop, veto); clips change weights and are in the tables.
-    """
+    """rl_methods.png: fraction dropped per method (rows) and scenario (columns), naive vs fixed; only the
+    methods that drop units (mask, drop, veto): clips change weights and are in the tables."""
     scenarios = [s for s in report["scenarios"] if s.get("rl_view")]
     if not scenarios:
         return []

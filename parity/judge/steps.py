@@ -155,19 +155,15 @@ def over(value: float, limit: float) -> bool:
     return not (value <= limit)  # NaN fails
 
 
-def drift_trend(
-    steps: Sequence[int], means: Sequence[float], token_se: Sequence[float], comparison: str, *,
-    tokens: Sequence[int] | None = None, z: float = TREND_Z, band_k: float = BAND_K,
-    baseline: int = BASELINE_STEPS, min_steps: int = MIN_STEPS,
-) -> TrendJson:
+def drift_trend(steps: Sequence[int], means: Sequence[float], token_se: Sequence[float], comparison: str, *,
+                tokens: Sequence[int] | None = None) -> TrendJson:
     """Fit mean |diff| (``means``, one per step, ascending ``steps``) against step and judge its growth.
 
     ``token_se``: each step's per-token standard error of its mean; ``tokens``: each step's token count (for the
     float64 rounding floor of the noise). The rule and its parameters: docs/error_model.md, section 5."""
+    z, band_k, baseline, min_steps = TREND_Z, BAND_K, BASELINE_STEPS, MIN_STEPS
     x, y, se = (np.asarray(v, dtype=np.float64) for v in (steps, means, token_se))
     n = int(x.size)
-    if not (baseline >= 1 and min_steps > baseline):
-        raise UsageError(f"drift_trend: baseline={baseline}, min_steps={min_steps}: allowed 1 <= baseline < min_steps")
     if n and bool(np.any(np.diff(x) <= 0)):
         raise UsageError("drift_trend: steps must be strictly ascending")
     base_steps = [int(s) for s in steps[:baseline]] if n > baseline else []

@@ -43,10 +43,6 @@ def _tensor(s: Captured, key: str) -> torch.Tensor:
     return x
 
 
-def _maybe_tensor(s: Captured, key: str) -> torch.Tensor | None:
-    return None if s.get(key) is None else _tensor(s, key)
-
-
 def _int(s: Captured, key: str) -> int:
     x = s[key]
     if not isinstance(x, (int, float, str, torch.Tensor)):
@@ -83,7 +79,7 @@ def to_records(sequences: Sequence[Captured]) -> tuple[list[SequenceRecord], lis
             continue
         idx = m.nonzero().squeeze(1)
         comp = [t for t, keep in zip(_ints(s, "completion_ids"), m.tolist(), strict=True) if keep]
-        kept_ids = _maybe_tensor(s, "kept_ids")
+        kept_ids = None if s.get("kept_ids") is None else _tensor(s, "kept_ids")
         kept = kept_ids[idx] if kept_ids is not None else None
         records.append(
             SequenceRecord(

@@ -23,12 +23,6 @@ _SUPPORTS = (("kept", "replay_support_ok", "replay_ok", "replay_n", "replay_supp
               "recompute_support"))
 
 
-def _same_inf_zero(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    with np.errstate(invalid="ignore"):
-        d = np.abs(a - b)
-    return np.where(np.isinf(a) & np.isinf(b) & (np.sign(a) == np.sign(b)), 0.0, d)
-
-
 @dataclass
 class _Where:
     """Where a token of the batch is: its order key across files, and the :class:`Position` a violation names."""
@@ -172,7 +166,7 @@ def _add_sums(acc: ScenarioAcc, c: TokenColumns, usable: np.ndarray, where: _Whe
     if usel.any():
         for bugs, view in c.views.items():
             known = usel & ~np.isnan(view)
-            d = _same_inf_zero(c.user[known], view[known])
+            d = np.abs(finite_pair(c.user[known], view[known]))
             m = acc.views.setdefault("+".join(sorted(bugs)), ViewMatch())
             m.known += int(known.sum())
             m.over += int((~(d <= c.bound[known])).sum())

@@ -86,17 +86,6 @@ class Shard:
     rows: int
 
 
-def _file_keys(path: str) -> set[str]:
-    return {os.path.abspath(path), os.path.realpath(path)}
-
-
-def _local_path(uri: str) -> str:
-    """A file path as an engine reports it (plain, or a URI such as ``file:/a%20b/x.parquet``) → the path on the filesystem."""
-    if uri.startswith("file:"):
-        return unquote(urlparse(uri).path)
-    return uri
-
-
 class MapStep:
     """The worker's side: rows of any files, each with its file and row number, → one :class:`Summary`.
 
@@ -106,7 +95,8 @@ class MapStep:
     def __init__(self, shards: Sequence[Shard], options: Options) -> None:
         self.shards = list(shards)
         self.options = options
-        self.by_key = {k: i for i, s in enumerate(self.shards) for k in _file_keys(s.source)}
+        self.by_key = {k: i for i, s in enumerate(self.shards)
+                       for k in (os.path.abspath(s.source), os.path.realpath(s.source))}
         self._summarizers: dict[int, Callable[[RecordsBatch], Summary]] = {}
 
     def __getstate__(self) -> dict[str, object]:
@@ -117,8 +107,8 @@ class MapStep:
         self._summarizers = {}
 
     def shard_of(self, reported: str) -> int:
-        """The shard an engine's file name refers to."""
-        p = _local_path(reported)
+        """The shard an engine's file name (a path, or a URI such as ``file:/a%20b/x.parquet``) refers to."""
+        p = unquote(urlparse(reported).path) if reported.startswith("file:") else reported
         for k in (p, os.path.abspath(p), os.path.realpath(p)):
             if k in self.by_key:
                 return self.by_key[k]

@@ -120,7 +120,6 @@ def _apply_facts(report: ReportJson, facts: Json) -> None:
     report["config"].update(_object(facts.get("config")))
     _written_as_found(report["environment"]).update(_object(facts.get("environment")))
     _written_as_found(report).update(_object(facts.get("top")))
-    set_verdict(report)
 
 
 def set_verdict(report: ReportJson) -> None:
@@ -222,12 +221,10 @@ def build_report(summary: Summary, th: Thresholds, *, options: Options, paths: S
         },
         "warnings": warnings,
         "scenarios": scenarios,
-        # passed: every scenario passes every gate it could evaluate (and has one). complete: every gate was
-        # evaluated in every scenario; where not, not_evaluated lists each gate, why, and where.
-        "passed": all(s["verdict"] == "pass" for s in scenarios) and bool(scenarios),
+        "passed": False,  # passed, verdict and no_verdict: set_verdict, once the producer's facts are in
         "verdict": "pass",
         "no_verdict": [],
-        "complete": not skipped,
+        "complete": not skipped,  # where not, not_evaluated lists each gate, why, and where
         "not_evaluated": [{"gate": g, "reason": r, "scenarios": names} for (g, r), names in skipped.items()],
     }
     _apply_facts(report, _metadata_value(summary, REPORT_FACTS))

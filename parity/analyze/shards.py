@@ -171,7 +171,6 @@ def summarize_file(path: str, file_index: int, options: Options) -> Summary:
     summarize = batch_summarizer(rf.metadata, file_index, options)
     for rb in rf.batches(batch_rows=options.batch_rows):
         out.merge(summarize(rb))
-    out.files = [str(path)]
     return out
 
 

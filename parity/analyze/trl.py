@@ -43,10 +43,6 @@ def _tensor(s: Captured, key: str) -> torch.Tensor:
     return x
 
 
-def _maybe_tensor(s: Captured, key: str) -> torch.Tensor | None:
-    return None if s.get(key) is None else _tensor(s, key)
-
-
 def _int(s: Captured, key: str) -> int:
     x = s[key]
     if not isinstance(x, (int, float, str, torch.Tensor)):
@@ -69,10 +65,7 @@ def _spec(s: Captured) -> Mapping[str, object]:
 
 
 def to_records(sequences: Sequence[Captured]) -> tuple[list[SequenceRecord], list[torch.Tensor], list[torch.Tensor], int]:
-    """Records (sampler side), trainer logits, TRL's IS numerator per sequence, and the masked-out count.
-
-    The records writer plugs in here: a ``SequenceRecord`` per captured sequence is what the
-    records file format stores."""
+    """Records (sampler side), trainer logits, TRL's IS numerator per sequence, and the masked-out count."""
     records, logits, used = [], [], []
     dropped = 0
     for s in sequences:
@@ -86,7 +79,7 @@ def to_records(sequences: Sequence[Captured]) -> tuple[list[SequenceRecord], lis
             continue
         idx = m.nonzero().squeeze(1)
         comp = [t for t, keep in zip(_ints(s, "completion_ids"), m.tolist(), strict=True) if keep]
-        kept_ids = _maybe_tensor(s, "kept_ids")
+        kept_ids = None if s.get("kept_ids") is None else _tensor(s, "kept_ids")
         kept = kept_ids[idx] if kept_ids is not None else None
         records.append(
             SequenceRecord(

@@ -17,12 +17,10 @@ from parity.judge.token_values import TokenColumns
 from parity.records.arrays import RecordsBatch
 
 Pairs = dict[str, tuple[np.ndarray, np.ndarray]]
-
-
-def _same_inf_zero(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    with np.errstate(invalid="ignore"):
-        d = np.abs(a - b)
-    return np.where(np.isinf(a) & np.isinf(b) & (np.sign(a) == np.sign(b)), 0.0, d)
+# The two support equalities: input, TokenColumns flag, ScenarioAcc/StepAcc counts, first-positions key.
+_SUPPORTS = (("kept", "replay_support_ok", "replay_ok", "replay_n", "replay_support"),
+             ("recompute_support", "recompute_support_equal", "recompute_eq", "recompute_n",
+              "recompute_support"))
 
 
 @dataclass
@@ -168,7 +166,7 @@ def _add_sums(acc: ScenarioAcc, c: TokenColumns, usable: np.ndarray, where: _Whe
     if usel.any():
         for bugs, view in c.views.items():
             known = usel & ~np.isnan(view)
-            d = _same_inf_zero(c.user[known], view[known])
+            d = np.abs(finite_pair(c.user[known], view[known]))
             m = acc.views.setdefault("+".join(sorted(bugs)), ViewMatch())
             m.known += int(known.sum())
             m.over += int((~(d <= c.bound[known])).sum())
@@ -188,16 +186,12 @@ def _add_sums(acc: ScenarioAcc, c: TokenColumns, usable: np.ndarray, where: _Whe
         acc.log_s_sum += float(v.sum())
         acc.log_s_min = min(acc.log_s_min, float(v.min()))
         acc.log_s_sum_exp += float(np.exp(v).sum())
-    sup = usable & h["kept"]
-    acc.replay_ok += int(c.replay_support_ok[sup].sum())
-    acc.replay_n += int(sup.sum())
-    idx = np.flatnonzero(sup)
-    acc.first["replay_support"].offer(~c.replay_support_ok[idx], where.order(idx), where.at(idx))
-    req = usable & h["recompute_support"]
-    acc.recompute_eq += int(c.recompute_support_equal[req].sum())
-    acc.recompute_n += int(req.sum())
-    idx = np.flatnonzero(req)
-    acc.first["recompute_support"].offer(~c.recompute_support_equal[idx], where.order(idx), where.at(idx))
+    for sel, flag, ok_field, n_field, gate in _SUPPORTS:
+        idx = np.flatnonzero(usable & h[sel])
+        ok = getattr(c, flag)
+        setattr(acc, ok_field, getattr(acc, ok_field) + int(ok[idx].sum()))
+        setattr(acc, n_field, getattr(acc, n_field) + int(idx.size))
+        acc.first[gate].offer(~ok[idx], where.order(idx), where.at(idx))
     acc.forced += int(c.forced[usable & h["forced"]].sum())
     _add_support_sides(acc, c, usable)
 
@@ -245,10 +239,9 @@ def _add_flags(acc: ScenarioAcc, c: TokenColumns, g: np.ndarray, usable: np.ndar
         acc.tv_sum += float(c.tv[kls].sum())
         acc.tv_max = max(acc.tv_max, float(c.tv[kls].max()))
     gi = np.flatnonzero(g)
-    acc.incomplete += int(c.incomplete[g].sum())
-    acc.first["incomplete"].offer(c.incomplete[gi], where.order(gi), where.at(gi))
-    acc.sampled_outside += int(c.sampled_outside[g].sum())
-    acc.first["sampled_outside"].offer(c.sampled_outside[gi], where.order(gi), where.at(gi))
+    for flag in ("incomplete", "sampled_outside"):
+        setattr(acc, flag, getattr(acc, flag) + int(getattr(c, flag)[g].sum()))
+        acc.first[flag].offer(getattr(c, flag)[gi], where.order(gi), where.at(gi))
     mism = c.trainer_token != c.token
     acc.token_mismatch += int(mism[g].sum())
     first = acc.first["token_mismatch"]
@@ -304,12 +297,10 @@ def _accumulate_steps(
         count, top = grouped_headroom(sl, ns, key[keep])
         for i in range(ns):
             parts[i].streams[name].head_n, parts[i].streams[name].headroom = int(count[i]), float(top[i])
-    for sel, flag, ok_field, n_field in ((usable & c.have["kept"], c.replay_support_ok, "replay_ok", "replay_n"),
-                                         (usable & c.have["recompute_support"], c.recompute_support_equal,
-                                          "recompute_eq", "recompute_n")):
-        idx = np.flatnonzero(sel)
+    for sel, flag, ok_field, n_field, _ in _SUPPORTS:
+        idx = np.flatnonzero(usable & c.have[sel])
         sl, keep = slots(idx)
-        ok = np.bincount(sl, weights=flag[idx][keep].astype(np.float64), minlength=ns)
+        ok = np.bincount(sl, weights=getattr(c, flag)[idx][keep].astype(np.float64), minlength=ns)
         n = np.bincount(sl, minlength=ns)
         for i in range(ns):
             setattr(parts[i], ok_field, int(round(ok[i])))

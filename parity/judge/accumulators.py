@@ -208,14 +208,11 @@ _NESTED = ("streams", "bounds", "ratios", "first", "lacking", "views", "steps", 
 
 def _encode(s: Summary) -> dict[str, object]:
     def stream(d: DiffStream) -> dict[str, object]:
-        return {"n": d.n, "total": d.total, "total_abs": d.total_abs, "max_abs": d.max_abs, "nonfinite": d.nonfinite,
-                "hist": sparse_hist(d.hist)}
+        return {**d.__dict__, "hist": sparse_hist(d.hist)}
 
     def bounded(b: BoundStream) -> dict[str, object]:
-        plain = {k: getattr(b, k) for k in ("n", "mean", "m2", "bound_sum", "systematic_sum", "headroom",
-                                            "cross_log_s", "log_s_sq")}
-        return {**plain, "worst": {"n": b.worst.n, "items": [[k, list(o), asdict(p)] for k, o, p in b.worst.items]},
-                "hist": sparse_hist(b.hist)}
+        worst = {"n": b.worst.n, "items": [[k, list(o), asdict(p)] for k, o, p in b.worst.items]}
+        return {**b.__dict__, "worst": worst, "hist": sparse_hist(b.hist)}
 
     groups = {}
     for k, a in s.groups.items():
@@ -227,7 +224,8 @@ def _encode(s: Summary) -> dict[str, object]:
             "streams": {n: stream(d) for n, d in a.streams.items()},
             "bounds": {n: bounded(b) for n, b in a.bounds.items()},
             "ratios": {n: r.__dict__ for n, r in a.ratios.items()},
-            "first": {n: {"n": f.n, "items": [[list(o), asdict(p)] for o, p in f.items]} for n, f in a.first.items()},
+            "first": {n: {"n": f.n, "items": [[list(o), asdict(p)] for o, p in f.items]}
+                      for n, f in a.first.items()},
             "views": {n: [v.known, v.over, v.diff_sum] for n, v in a.views.items()},
             "steps": {str(step): acc.to_json() for step, acc in a.steps.items()},
             "ratio": dict(a.ratio.__dict__),
@@ -248,14 +246,12 @@ def _encode(s: Summary) -> dict[str, object]:
 
 def _decode(data: dict[str, Any]) -> Summary:
     def stream(d: dict[str, Any]) -> DiffStream:
-        return DiffStream(d["n"], d["total"], d["total_abs"], d["max_abs"], d["nonfinite"],
-                          dense_hist(d["hist"], HIST_BINS))
+        return DiffStream(**{**d, "hist": dense_hist(d["hist"], HIST_BINS)})
 
     def bounded(d: dict[str, Any]) -> BoundStream:
         w = d["worst"]
         worst = Worst(w["n"], [(k, tuple(o), Position(**p)) for k, o, p in w["items"]])
-        return BoundStream(d["n"], d["mean"], d["m2"], d["bound_sum"], d["systematic_sum"], d["headroom"],
-                           worst, dense_hist(d["hist"], HEAD_BINS), d["cross_log_s"], d["log_s_sq"])
+        return BoundStream(**{**d, "worst": worst, "hist": dense_hist(d["hist"], HEAD_BINS)})
 
     out = Summary(rows=data["rows"], tokens=data["tokens"], files=list(data["files"]), metadata=list(data["metadata"]),
                   columns=set(data["columns"]), ignored_columns=set(data["ignored_columns"]),

@@ -303,38 +303,31 @@ def _invariance(c: GateCase) -> list[Violation]:
     return out
 
 
-def _routing_violation(c: GateCase, gate: str, stat: float, limit: float, label: str, comparison: str = ">") -> Violation:
-    r = c.routing
-    assert r is not None
-    listed = r["listed"].get(gate) or {}
-    worst = listed.get("worst")
-    where = tuple(Position.from_dict(p) for p in worst if isinstance(p, dict)) if isinstance(worst, list) else ()
-    return Violation(gate, c.name, stat, limit, label, comparison, worst=where, detail=str(listed.get("detail", "")))
+def _routing(gate: str, stat: Callable[[Routing], float], limit: Callable[[Thresholds], float], label: str,
+             comparison: str = ">") -> Rule:
+    """A gate on the scenario's routing section (``comparison`` "<": the statistic must reach the limit)."""
+    def rule(c: GateCase) -> list[Violation]:
+        r = c.routing
+        if r is None:
+            return []
+        value, lim = stat(r), limit(c.th)
+        if not (over(value, lim) if comparison == ">" else over(lim, value)):
+            return []
+        listed = r["listed"].get(gate) or {}
+        worst = listed.get("worst")
+        where = () if not isinstance(worst, list) else tuple(
+            Position.from_dict(p) for p in worst if isinstance(p, dict))
+        return [Violation(gate, c.name, value, lim, label, comparison, worst=where,
+                          detail=str(listed.get("detail", "")))]
+    return rule
 
 
-def _routing_agreement(c: GateCase) -> list[Violation]:
-    r = c.routing
-    if r is None or not r["flips_above_bound"]:
-        return []
-    return [_routing_violation(c, "routing_agreement", r["flips_above_bound"], 0,
-                               "routing flips at a router margin above its rounding bound")]
-
-
-def _routing_forced(c: GateCase) -> list[Violation]:
-    r = c.routing
-    if r is None or not over(1.0, r["replay"]["forced_frac"]):
-        return []
-    return [_routing_violation(c, "routing_replay_forced", r["replay"]["forced_frac"], 1.0,
-                               "fraction of (row, layer) expert sets replay forced", "<")]
-
-
-def _routing_drift(c: GateCase) -> list[Violation]:
-    r = c.routing
-    head = r["replay"]["drift"]["with_replay"]["headroom"] if r is not None else 0.0
-    if r is None or not over(head, c.th.max_headroom):
-        return []
-    return [_routing_violation(c, "routing_replay_drift", head, c.th.max_headroom,
-                               "log-prob max |diff| / bound under routing replay")]
+_routing_agreement = _routing("routing_agreement", lambda r: r["flips_above_bound"], lambda th: 0,
+                              "routing flips at a router margin above its rounding bound")
+_routing_forced = _routing("routing_replay_forced", lambda r: r["replay"]["forced_frac"], lambda th: 1.0,
+                           "fraction of (row, layer) expert sets replay forced", "<")
+_routing_drift = _routing("routing_replay_drift", lambda r: r["replay"]["drift"]["with_replay"]["headroom"],
+                          lambda th: th.max_headroom, "log-prob max |diff| / bound under routing replay")
 
 
 _BOUND = "max_headroom × the per-token bound from both dtypes, |z|/T and the support (docs/error_model.md §1)"

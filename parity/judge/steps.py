@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import Any
 
 import numpy as np
 
@@ -29,16 +29,6 @@ REPORT_NAMES = {"replay": "replay", "recompute": "recompute", "user": "trainer_u
 # whole support) for replay and the trainer under test, recompute's own for recompute.
 SUPPORT_OF = {"replay": "replay", "recompute": "recompute", "user": "replay"}
 EPS = float(np.finfo(np.float64).eps)
-
-
-class StepAccJson(TypedDict):
-    sequences: int
-    tokens: int
-    replay_ok: int
-    replay_n: int
-    recompute_eq: int
-    recompute_n: int
-    streams: dict[str, list[float]]
 
 
 # -- the mergeable accumulators --------------------------------------------------------------------
@@ -91,11 +81,7 @@ class StepStream:
         return math.sqrt(max(self.fin_m2, 0.0) / (self.fin_n - 1) / self.fin_n)
 
     def to_json(self) -> list[float]:
-        return [self.n, self.total, self.total_abs, self.fin_n, self.fin_mean, self.fin_m2, self.head_n, self.headroom]
-
-    @classmethod
-    def from_json(cls, v: Sequence[float]) -> StepStream:
-        return cls(int(v[0]), float(v[1]), float(v[2]), int(v[3]), float(v[4]), float(v[5]), int(v[6]), float(v[7]))
+        return list(self.__dict__.values())
 
 
 @dataclass
@@ -122,15 +108,12 @@ class StepAcc:
     def support(self, which: str) -> tuple[int, int]:
         return (self.replay_ok, self.replay_n) if which == "replay" else (self.recompute_eq, self.recompute_n)
 
-    def to_json(self) -> StepAccJson:
-        return {"sequences": self.sequences, "tokens": self.tokens, "replay_ok": self.replay_ok, "replay_n": self.replay_n,
-                "recompute_eq": self.recompute_eq, "recompute_n": self.recompute_n,
-                "streams": {k: s.to_json() for k, s in self.streams.items()}}
+    def to_json(self) -> dict[str, object]:
+        return {**self.__dict__, "streams": {k: s.to_json() for k, s in self.streams.items()}}
 
     @classmethod
-    def from_json(cls, d: StepAccJson) -> StepAcc:
-        return cls(int(d["sequences"]), int(d["tokens"]), {k: StepStream.from_json(v) for k, v in d["streams"].items()},
-                   int(d["replay_ok"]), int(d["replay_n"]), int(d["recompute_eq"]), int(d["recompute_n"]))
+    def from_json(cls, d: dict[str, Any]) -> StepAcc:
+        return cls(**{**d, "streams": {k: StepStream(*v) for k, v in d["streams"].items()}})
 
 
 def merge_steps(into: dict[int, StepAcc], other: dict[int, StepAcc]) -> None:
@@ -140,10 +123,8 @@ def merge_steps(into: dict[int, StepAcc], other: dict[int, StepAcc]) -> None:
 
 
 def grouped_streams(slot: np.ndarray, n_slots: int, d: np.ndarray) -> list[StepStream]:
-    """One :class:`StepStream` per slot (step) from the differences ``d`` of tokens whose slot is ``slot``.
-
-    ``d``: finite-pair differences (:func:`parity.judge.streams.finite_pair`); a slot's sums are
-    float64 sums in token order."""
+    """One :class:`StepStream` per slot (step) from the differences ``d`` of tokens whose slot is ``slot``
+    (finite pairs, :func:`parity.judge.streams.finite_pair`); its sums are float64 sums in token order."""
     n = np.bincount(slot, minlength=n_slots)
     ad = np.abs(d)
     with np.errstate(invalid="ignore"):
@@ -174,19 +155,15 @@ def over(value: float, limit: float) -> bool:
     return not (value <= limit)  # NaN fails
 
 
-def drift_trend(
-    steps: Sequence[int], means: Sequence[float], token_se: Sequence[float], comparison: str, *,
-    tokens: Sequence[int] | None = None, z: float = TREND_Z, band_k: float = BAND_K,
-    baseline: int = BASELINE_STEPS, min_steps: int = MIN_STEPS,
-) -> TrendJson:
+def drift_trend(steps: Sequence[int], means: Sequence[float], token_se: Sequence[float], comparison: str, *,
+                tokens: Sequence[int] | None = None) -> TrendJson:
     """Fit mean |diff| (``means``, one per step, ascending ``steps``) against step and judge its growth.
 
     ``token_se``: each step's per-token standard error of its mean; ``tokens``: each step's token count (for the
     float64 rounding floor of the noise). The rule and its parameters: docs/error_model.md, section 5."""
+    z, band_k, baseline, min_steps = TREND_Z, BAND_K, BASELINE_STEPS, MIN_STEPS
     x, y, se = (np.asarray(v, dtype=np.float64) for v in (steps, means, token_se))
     n = int(x.size)
-    if not (baseline >= 1 and min_steps > baseline):
-        raise UsageError(f"drift_trend: baseline={baseline}, min_steps={min_steps}: allowed 1 <= baseline < min_steps")
     if n and bool(np.any(np.diff(x) <= 0)):
         raise UsageError("drift_trend: steps must be strictly ascending")
     base_steps = [int(s) for s in steps[:baseline]] if n > baseline else []

@@ -63,7 +63,10 @@ def _trainer_values(
 ) -> dict[str, np.ndarray]:
     """The trainer's columns, each where the records hold it (``have``), else derived where a rule allows."""
     v: dict[str, np.ndarray] = {}
-    v["full"], have["full"] = _row_float(batch, "trainer_full_logprobs")
+    for key, column in (("full", "trainer_full_logprobs"), ("recompute", "trainer_recompute_logprobs"),
+                        ("user", "trainer_logprobs"), ("bound", "trainer_bound"),
+                        ("bound_full", "trainer_bound_full"), ("penalty", "trainer_penalty_term")):
+        v[key], have[key] = _row_float(batch, column)
     replay_v, have_rep = _row_float(batch, "trainer_replay_logprobs")
     # Derived replay: over S_q from the trainer's kept logits; unfiltered without a kept set: the full value.
     use_derived = ~have_rep & kept.with_logits
@@ -72,24 +75,19 @@ def _trainer_values(
     use_full = ~have_rep & ~use_derived & unfilt & have["full"]
     v["replay"] = np.where(use_full, v["full"], replay_v)
     have["replay"] = have_rep | use_derived | use_full
-    v["recompute"], have["recompute"] = _row_float(batch, "trainer_recompute_logprobs")
     log_s_v, have_ls = _row_float(batch, "trainer_log_s")
     # log S = 0 when nothing is filtered; from the kept logits, log S = full - replay (the trainer's mass on S_q).
     zero_ls = ~have_ls & unfilt
     derive_ls = ~have_ls & captured & have["full"] & use_derived
     v["log_s"] = np.where(zero_ls, 0.0, np.where(derive_ls, v["full"] - v["replay"], log_s_v))
     have["log_s"] = have_ls | zero_ls | derive_ls
-    v["user"], have["user"] = _row_float(batch, "trainer_logprobs")
     v["forced"], have["forced"] = _row_bool(batch, "trainer_recompute_forced")
     v["rec_eq"], have["recompute_support"] = _row_bool(batch, "trainer_recompute_support_equal")
     size, have_size = _row_float(batch, "trainer_recompute_support_size")
     v["rec_size"] = np.where(have_size, size, -1).astype(np.int64)
     have["kl"] = kept.with_logits | (unfilt & ~captured)
-    v["bound"], have["bound"] = _row_float(batch, "trainer_bound")
-    v["bound_full"], have["bound_full"] = _row_float(batch, "trainer_bound_full")
     # Absent: 0, the sets taken as equal where trainer_recompute_support_equal says so (older records).
     v["recompute_boundary"], _ = _row_float(batch, "trainer_recompute_boundary")
-    v["penalty"], have["penalty"] = _row_float(batch, "trainer_penalty_term")
     return v
 
 

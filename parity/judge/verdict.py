@@ -5,9 +5,8 @@ The gates and their inputs: docs/records.md, section 6.
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, cast
 
@@ -187,7 +186,7 @@ def _bias(a: ScenarioAcc, avail: dict[str, bool]) -> _Bias:
 
 
 def _stat_blocks(a: ScenarioAcc, avail: dict[str, bool]) -> dict[str, object]:
-    """The scenario's statistics that no gate limit enters: log S, the naive view, diffs, KL/TV, S_q sources."""
+    """The scenario's statistics that no gate limit enters: log S, the naive view, diffs, IS ratios, KL/TV."""
     s = a.streams
 
     def diff(stream: str, inp: str) -> Mapping[str, blocks.Stat]:
@@ -218,6 +217,7 @@ def _stat_blocks(a: ScenarioAcc, avail: dict[str, bool]) -> dict[str, object]:
             "support_equal_frac": frac(a.recompute_eq, a.recompute_n, "recompute_support"),
             "forced_includes": a.forced if avail["forced"] else None,
         },
+        "is_ratio": _ratios(a, avail),
         "kl_over_support": {"mean": a.kl_sum / a.kl_n if a.kl_n else 0.0, "max": a.kl_max} if avail["kl"] else mean_max,
         "tv_over_support": {"mean": a.tv_sum / a.kl_n if a.kl_n else 0.0, "max": a.tv_max} if avail["kl"] else mean_max,
     }
@@ -267,13 +267,10 @@ def _not_evaluated(a: ScenarioAcc, avail: dict[str, bool], notes: list[str]) -> 
 def _scenario_report(a: ScenarioAcc, name: str, trainer: str | None = None) -> blocks.ScenarioStats:
     avail = {k: a.lacking[k] < a.sequences or a.sequences == 0 for k in INPUTS}  # some sequence has it
     headroom, means, limits, lp = _bias(a, avail)
-    stats = _stat_blocks(a, avail)
     sources = [x for x in a.s_sources if x != "none"]
     out: dict[str, object] = {
         "name": name, "spec": a.spec, "tokens": a.tokens, "compared_tokens": a.compared, "sequences": a.sequences,
-        **{k: stats[k] for k in ("log_s", "naive", "replay", "recompute")},
-        "is_ratio": _ratios(a, avail),
-        **{k: stats[k] for k in ("kl_over_support", "tv_over_support")},
+        **_stat_blocks(a, avail),
         "incomplete_positions": a.incomplete,
         "sampled_outside_support": a.sampled_outside,
         "token_mismatch": a.token_mismatch,
@@ -318,7 +315,7 @@ def _scenario_report(a: ScenarioAcc, name: str, trainer: str | None = None) -> b
                mean_support_size=a.support_sum / a.captured if a.captured else None, kept_mass_off_positions=a.mass_off)
     notes = _input_notes(a)
     not_eval = _not_evaluated(a, avail, notes)
-    per_step, trend, trend_why = _step_view(a, avail, functools.partial(_full, a))
+    per_step, trend, trend_why = _step_view(a, avail)
     out["per_step"] = per_step
     split = _mismatch_split(a, avail, limits, lp, per_step)
     if split is not None:
@@ -336,7 +333,7 @@ def _scenario_report(a: ScenarioAcc, name: str, trainer: str | None = None) -> b
 
 
 def _step_view(
-    a: ScenarioAcc, avail: Mapping[str, bool], full_input: Callable[..., bool]
+    a: ScenarioAcc, avail: Mapping[str, bool]
 ) -> tuple[list[blocks.StepJson], blocks.TrendJson | None, str]:
     """``(per_step, trend, why)``: the scenario's training-log view (empty without steps), the trend of the
     comparison whose verdict the scenario gives (None when there is none; docs/error_model.md, section 5) and,
@@ -373,7 +370,7 @@ def _step_view(
     at = [(s, a.steps[s].streams[follow]) for s in sorted(a.steps) if a.steps[s].streams[follow].n]
     trend = drift_trend([s for s, _ in at], [st.mean_abs for _, st in at], [st.abs_se for _, st in at],
                         REPORT_NAMES[follow], tokens=[st.n for _, st in at])
-    if trend["evaluated"] and not full_input(follow):
+    if trend["evaluated"] and not _full(a, follow):
         why = (REASONS[follow] + f" ({a.lacking[follow]} of {a.sequences} sequences lack it; the per-step values "
                f"cover the others)")
         trend = {**trend, "evaluated": False, "passed": None, "reason": why}

@@ -19,6 +19,7 @@ from parity.report.blocks import EnvironmentJson, ReportJson, ScenarioJson
 # report.json's layout version (3: the verdict "none" and no_verdict; 4: a missing statistic is null, not "n/a"; docs/running.md).
 SCHEMA_VERSION = 4
 
+
 def _float(x: object) -> float:
     if isinstance(x, (int, float, str)):
         return float(x)  # JSON's "inf" / "-inf" / "nan" strings back to floats

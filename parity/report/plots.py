@@ -104,22 +104,20 @@ def write_plots(report: ReportJson, out: Path) -> list[str]:
     written += budget_section.write_plots(report, out, plt)
     log_s = [_number(s["log_s"]["mean"]) for s in sc]
     naive = [_number(s["naive"]["bias_mean"]) for s in sc]
-    if not any(math.isfinite(v) for v in (*log_s, *naive)):
-        # Logs alone carry neither a trainer-side log S nor a full-vocabulary trainer: no bars to draw.
-        written += rl_section.write_plot(report, out, plt)
-        return written
-    fig, ax = plt.subplots(figsize=(max(8, len(sc) * 0.45), 4.5))
-    x = range(len(sc))
-    ax.bar([i - 0.2 for i in x], log_s, width=0.4, label="predicted log S (mean)")
-    ax.bar([i + 0.2 for i in x], naive, width=0.4, label=f"naive bias full − {who} (mean)")
-    ax.set_xticks(list(x))
-    ax.set_xticklabels([s["name"] for s in sc], rotation=70, ha="right", fontsize=7)
-    ax.set_ylabel("nats per token")
-    ax.set_title("The naive trainer's bias against log S (trainer-side, reported)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "log_s_bias.png", dpi=110)
-    plt.close(fig)
-    written.append("log_s_bias.png")
+    # Logs alone carry neither a trainer-side log S nor a full-vocabulary trainer: no bars to draw.
+    if any(math.isfinite(v) for v in (*log_s, *naive)):
+        fig, ax = plt.subplots(figsize=(max(8, len(sc) * 0.45), 4.5))
+        x = range(len(sc))
+        ax.bar([i - 0.2 for i in x], log_s, width=0.4, label="predicted log S (mean)")
+        ax.bar([i + 0.2 for i in x], naive, width=0.4, label=f"naive bias full − {who} (mean)")
+        ax.set_xticks(list(x))
+        ax.set_xticklabels([s["name"] for s in sc], rotation=70, ha="right", fontsize=7)
+        ax.set_ylabel("nats per token")
+        ax.set_title("The naive trainer's bias against log S (trainer-side, reported)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "log_s_bias.png", dpi=110)
+        plt.close(fig)
+        written.append("log_s_bias.png")
     written += rl_section.write_plot(report, out, plt)
     return written

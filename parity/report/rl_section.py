@@ -90,13 +90,6 @@ def headline(scenario: ScenarioJson) -> str | None:
     return f"under {scenario['name']} with the naive trainer, " + " and ".join(parts) + "; " + "; ".join(after) + "."
 
 
-def _threshold_cell(metric_name: str) -> str:
-    from parity.core.rl_catalogue import METRICS
-
-    e = next(e for e in METRICS if e.name == metric_name)
-    return e.threshold.label() if e.threshold else "—"
-
-
 def _trainers(rl: Mapping[str, TrainerSummary]) -> list[str]:
     return [t for t in TRAINERS if t in rl] + [t for t in rl if t not in TRAINERS]
 
@@ -113,7 +106,7 @@ def metrics_table(rl: Mapping[str, TrainerSummary]) -> list[str]:
         cells = [_num(rl[t]["metrics"].get(e.name)) + (" ⚠" if e.name in rl[t]["over_threshold"] else "")
                  for t in trainers]
         lines.append(f"| {e.framework} | `{e.name}` | " + " | ".join(cells)
-                     + f" | {_threshold_cell(e.name)} |")
+                     + f" | {e.threshold.label() if e.threshold else '—'} |")
     return lines
 
 
@@ -179,10 +172,8 @@ def markdown(report: ReportJson) -> list[str]:
 
 
 def write_plot(report: ReportJson, out: Path, plt: ModuleType) -> list[str]:
-    """rl_methods.png: fraction dropped per method (rows) and scenario (columns), naive vs fixed.
-
-    Only the methods that drop units (mask, drop, veto); clips change weights and are in the tables.
-    """
+    """rl_methods.png: fraction dropped per method (rows) and scenario (columns), naive vs fixed; only the
+    methods that drop units (mask, drop, veto): clips change weights and are in the tables."""
     scenarios = [s for s in report["scenarios"] if s.get("rl_view")]
     if not scenarios:
         return []

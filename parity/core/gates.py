@@ -66,6 +66,8 @@ class Thresholds:
         except tomllib.TOMLDecodeError as exc:
             raise UsageError(f"thresholds file {str(path)!r} is not valid TOML: {exc}") from exc
         table = data.get("thresholds", data)
+        if not isinstance(table, dict):
+            raise UsageError(f"thresholds file {str(path)!r}: thresholds = {table!r}; allowed a table of name = value")
         per_dtype = table[dtype] if isinstance(table.get(dtype), dict) else {}
         shared = {k: v for k, v in table.items() if k != "schema_version" and not isinstance(v, dict)}
         return cls.for_dtype(dtype).override(**shared, **per_dtype)

@@ -56,6 +56,9 @@ def test_bad_files_are_user_errors(tmp_path: Path) -> None:
         Thresholds.from_toml(bad)
     with pytest.raises(errors.UsageError, match=r"matrix file .*bad.toml' is not valid TOML"):
         load_matrix(bad)
+    bad.write_text("thresholds = 3\n")
+    with pytest.raises(errors.UsageError, match=r"bad.toml': thresholds = 3; allowed a table of name = value"):
+        Thresholds.from_toml(bad)
     bad.write_text("[thresholds]\nmax_headroom = -1\n")
     with pytest.raises(errors.UsageError, match=r"Thresholds.max_headroom=-1 is invalid: allowed a number >= 0"):
         Thresholds.from_toml(bad)

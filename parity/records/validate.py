@@ -286,23 +286,24 @@ def _check_kept_offsets(b: _Batch, kept: Ragged, offs: Ragged) -> tuple[np.ndarr
     return ov, ends
 
 
+def _only_with_kept(b: _Batch, rag: Ragged, kept: Ragged, name: str) -> None:
+    stray = rag.valid & ~kept.valid
+    if stray.any():
+        raise RecordsError(f"{b.at(first_true(stray), name)}: set on a row without kept_ids: allowed only "
+                           "with a kept set")
+
+
 def _kept_extras(b: _Batch, out: RecordsBatch, kept: Ragged) -> None:
     """kept_incomplete and trainer_kept_logits: only on rows with a kept set."""
     inc = np.zeros(out.tokens, dtype=bool)
     if "kept_incomplete" in b.arrays:
         rag = b.token_column("kept_incomplete")
-        stray = rag.valid & ~kept.valid
-        if stray.any():
-            raise RecordsError(f"{b.at(first_true(stray), 'kept_incomplete')}: set on a row without "
-                               "kept_ids: allowed only with a kept set")
+        _only_with_kept(b, rag, kept, "kept_incomplete")
         inc[np.repeat(rag.valid, b.lengths)] = rag.values.astype(bool)
     out.kept_incomplete = inc
     if "trainer_kept_logits" in b.arrays:
         tkl = b.ragged("trainer_kept_logits")
-        stray = tkl.valid & ~kept.valid
-        if stray.any():
-            raise RecordsError(f"{b.at(first_true(stray), 'trainer_kept_logits')}: set on a row "
-                               "without kept_ids")
+        _only_with_kept(b, tkl, kept, "trainer_kept_logits")
         _one_per_kept_id(b, kept, tkl, "trainer_kept_logits", "logit")
         b.check_floats(tkl, "trainer_kept_logits", True)
         out.trainer_kept_logits = tkl

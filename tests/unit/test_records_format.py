@@ -308,6 +308,12 @@ def test_kept_extras_need_a_kept_set(tmp_path: Path) -> None:
         validate_batch(records_table([row]))
     with pytest.raises(RecordsError, match="row 1 column kept_incomplete: set on a row without kept_ids"):
         validate_batch(records_table([good_row(), row]))
+    logits = [1.0, -1.0, 0.5, 2.0, 0.0]  # one per kept id of good_row
+    stray = good_row(kept_ids=None, kept_offsets=None, kept_logprobs=None, kept_incomplete=None,
+                     trainer_kept_logits=[0.0] * 5)
+    with pytest.raises(RecordsError, match="row 1 column trainer_kept_logits: set on a row without kept_ids: "
+                                           "allowed only with a kept set"):
+        validate_batch(records_table([good_row(trainer_kept_logits=logits), stray]))
     row = good_row(kept_offsets=None)
     with pytest.raises(RecordsError, match="present without .*kept_offsets: a kept set needs"):
         validate_batch(records_table([row]))
